@@ -1,0 +1,3 @@
+from switchyard.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,114 @@
+"""The app factory: builds the gateway, its routes and the one error mapping."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from switchyard.api.openai import build_router, served_headers
+from switchyard.config import Settings
+from switchyard.errors import (
+    InternalError,
+    MethodNotAllowed,
+    RouteNotFound,
+    SwitchyardError,
+)
+from switchyard.gateway import Gateway
+from switchyard.pipeline import request_id_from
+
+log = logging.getLogger("switchyard.api")
+
+
+def error_response(request: Request, exc: SwitchyardError) -> Response:
+    ctx = getattr(request.state, "ctx", None)
+    if ctx is not None:
+        headers = served_headers(ctx)
+        ctx.status = "error"
+    else:
+        rid = getattr(request.state, "request_id", None) or request_id_from(
+            request.headers.get("x-request-id")
+        )
+        headers = {"x-request-id": rid}
+    headers.update(exc.headers)
+    return Response(
+        orjson.dumps(exc.body()),
+        status_code=exc.status,
+        media_type="application/json",
+        headers=headers,
+    )
+
+
+def create_app(settings: Settings, on_ready: Callable[[], None] | None = None) -> FastAPI:
+    gw = Gateway(settings)
+
+    async def announce_ready() -> None:
+        while not gw.readiness()[0]:
+            await asyncio.sleep(0.2)
+        if on_ready is not None:
+            on_ready()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gw.start()
+        watcher = asyncio.create_task(announce_ready())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+            await gw.stop()
+
+    app = FastAPI(
+        title="Switchyard", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.gateway = gw
+    app.include_router(build_router(gw))
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        """Liveness: the gateway process answers. Says nothing about models."""
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        """Readiness: every model needed at start can serve."""
+        ready, models = gw.readiness()
+        body = {"status": "ready" if ready else "not_ready", "models": models}
+        headers = {} if ready else {"Retry-After": "2"}
+        return Response(
+            orjson.dumps(body),
+            status_code=200 if ready else 503,
+            media_type="application/json",
+            headers=headers,
+        )
+
+    @app.exception_handler(SwitchyardError)
+    async def _switchyard_error(request: Request, exc: SwitchyardError) -> Response:
+        return error_response(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 405:
+            err: SwitchyardError = MethodNotAllowed(f"method {request.method} is not allowed here")
+        elif exc.status_code == 404:
+            err = RouteNotFound(f"no route {request.method} {request.url.path}")
+        else:
+            err = SwitchyardError(str(exc.detail))
+            err.status = exc.status_code
+        return error_response(request, err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(request, InternalError("internal error; see the gateway log"))
+
+    return app

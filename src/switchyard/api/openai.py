@@ -1,0 +1,146 @@
+"""The OpenAI-compatible routes: chat, completions, models, embeddings."""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from switchyard.api.body import read_json
+from switchyard.api.sse import RelayResponse, relay
+from switchyard.errors import InvalidRequest, ModelNotFound
+from switchyard.execute.executor import execute, execute_stream
+from switchyard.gateway import Gateway
+from switchyard.pipeline import RequestContext
+from switchyard.policy.validate import validate_chat, validate_completion, validate_embeddings
+
+
+def served_headers(ctx: RequestContext) -> dict[str, str]:
+    h = {"x-request-id": ctx.request_id}
+    dep = ctx.deployment
+    if dep is not None:
+        h["x-switchyard-model"] = dep.alias
+        h["x-switchyard-revision"] = dep.model.revision
+        h["x-switchyard-upstream"] = dep.label
+        h["x-switchyard-attempts"] = str(ctx.attempts)
+    t = ctx.timings
+    if t.upstream_sent is not None and t.upstream_first_byte is not None:
+        now = time.perf_counter()
+        gw = (t.upstream_sent - t.received) * 1000
+        up = (t.upstream_first_byte - t.upstream_sent) * 1000
+        total = (now - t.received) * 1000
+        h["server-timing"] = f"gateway;dur={gw:.2f}, upstream;dur={up:.2f}, total;dur={total:.2f}"
+    return h
+
+
+def build_router(gw: Gateway) -> APIRouter:
+    router = APIRouter()
+    max_body = gw.settings.server.max_body_bytes
+
+    async def generate(request: Request, endpoint: str) -> Response:
+        received = time.perf_counter()
+        request.state.request_id = None
+        body = await read_json(request, max_body)
+        alias = validate_chat(body) if endpoint == "chat.completions" else validate_completion(body)
+        ctx = gw.new_context(endpoint, body, request.headers, received)
+        request.state.request_id = ctx.request_id
+        ctx.alias = alias
+        ctx.stream = bool(body.get("stream"))
+        ctx.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        ctx.record("validate", "ok", "request shape is valid", received)
+        await gw.pipeline.decide(ctx)
+        request.state.ctx = ctx
+        if ctx.response is not None:
+            return ctx.response
+        assert ctx.model is not None
+        if ctx.stream:
+            if not ctx.model.capabilities.supports_streaming:
+                raise InvalidRequest(
+                    f"the model '{alias}' does not support streaming", param="stream"
+                )
+            stream = await execute_stream(ctx)
+            return RelayResponse(
+                relay(ctx, stream), media_type="text/event-stream", headers=served_headers(ctx)
+            )
+        reply = await execute(ctx)
+        ctx.status = "ok"
+        ctx.timings.ended = time.perf_counter()
+        try:
+            ctx.usage = orjson.loads(reply.body).get("usage")
+        except (orjson.JSONDecodeError, AttributeError):
+            ctx.usage = None
+        return Response(reply.body, media_type="application/json", headers=served_headers(ctx))
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, "chat.completions")
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completions")
+
+    @router.get("/v1/models")
+    async def models() -> Response:
+        data: list[dict[str, Any]] = [
+            {
+                "id": m.alias,
+                "object": "model",
+                "created": int(gw.started_at),
+                "owned_by": "switchyard",
+                "revision": m.revision,
+            }
+            for m in gw.settings.models
+        ]
+        if gw.embedder is not None:
+            data.append(
+                {
+                    "id": gw.settings.embeddings.alias,
+                    "object": "model",
+                    "created": int(gw.started_at),
+                    "owned_by": "switchyard",
+                }
+            )
+        return Response(
+            orjson.dumps({"object": "list", "data": data}), media_type="application/json"
+        )
+
+    @router.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        body = await read_json(request, max_body)
+        cfg = gw.settings.embeddings
+        model, texts = validate_embeddings(body, cfg.max_inputs)
+        if gw.embedder is None or model != cfg.alias:
+            if gw.settings.model(model) is not None:
+                raise InvalidRequest(
+                    f"the model '{model}' does not serve embeddings", param="model"
+                )
+            raise ModelNotFound(f"the embedding model '{model}' does not exist", param="model")
+        dims = body.get("dimensions")
+        vecs, counts = await gw.embedder.embed(texts)
+        if dims is not None and dims != vecs.shape[1]:
+            raise InvalidRequest(
+                f"'dimensions' must be {vecs.shape[1]} for {model}", param="dimensions"
+            )
+        b64 = body.get("encoding_format") == "base64"
+        data = [
+            {
+                "object": "embedding",
+                "index": i,
+                "embedding": base64.b64encode(v.tobytes()).decode() if b64 else v.tolist(),
+            }
+            for i, v in enumerate(vecs)
+        ]
+        tokens = sum(counts)
+        out = {
+            "object": "list",
+            "data": data,
+            "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+        return Response(orjson.dumps(out), media_type="application/json")
+
+    return router

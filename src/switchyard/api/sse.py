@@ -1,0 +1,85 @@
+"""Relaying an upstream SSE stream to the client.
+
+Events pass through as bytes; only events that mention usage are parsed. The usage
+chunk that the gateway asked for on the client's behalf is dropped unless the client
+asked for it too. If the upstream breaks after the first byte, the client receives an
+SSE error event and no `[DONE]`: a truncated stream is never a silent success.
+Closing the generator (client gone) closes the upstream connection, so the engine
+stops generating.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+import orjson
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from switchyard.engines.upstream import UpstreamStream
+from switchyard.errors import SwitchyardError, UpstreamError
+from switchyard.pipeline import RequestContext
+
+DONE = b"data: [DONE]\n\n"
+
+
+def error_event(exc: SwitchyardError) -> bytes:
+    return b"data: " + orjson.dumps(exc.body()) + b"\n\n"
+
+
+async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[bytes]:
+    done = False
+    ctx.status = "streaming"
+    try:
+        async for line in stream.lines():
+            if not line.startswith(b"data:"):
+                continue  # blank separators and comments; we write our own framing
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                done = True
+                break
+            if b'"usage"' in data:
+                obj = orjson.loads(data)
+                usage = obj.get("usage")
+                if usage:
+                    ctx.usage = usage
+                    if not ctx.include_usage and not obj.get("choices"):
+                        continue
+            if ctx.timings.client_first_byte is None:
+                ctx.timings.client_first_byte = time.perf_counter()
+            yield b"data: " + data + b"\n\n"
+        if not done:
+            raise UpstreamError("the upstream ended the stream before it was complete")
+        ctx.status = "ok"
+        yield DONE
+    except SwitchyardError as exc:
+        ctx.status = "incomplete"
+        yield error_event(exc)
+    finally:
+        if ctx.status == "streaming":
+            ctx.status = "cancelled"  # the client left before the end
+        ctx.timings.ended = time.perf_counter()
+        stream.close()
+
+
+class RelayResponse(StreamingResponse):
+    """A streaming response that stops the moment the client disconnects.
+
+    Starlette (ASGI spec 2.4) only notices a departed client when a send fails, and
+    uvicorn drops sends to a closed connection silently, so the relay would read the
+    upstream to the end for nobody. Listening for `http.disconnect` alongside the
+    stream cancels the relay, whose `finally` closes the upstream connection.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def stream() -> None:
+                await self.stream_response(send)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            tg.cancel_scope.cancel()

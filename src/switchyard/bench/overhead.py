@@ -1,0 +1,607 @@
+"""`switchyard bench overhead`: what the gateway costs over a direct call and a bare proxy.
+
+Three targets serve the same scripted upstream: the upstream itself (direct), a do-nothing
+pass-through proxy on Switchyard's own stack (the floor), and Switchyard. The floor's added
+latency is the price of any Python proxy hop; Switchyard's added latency beyond the floor is
+what its decisions cost. wrk drives the load (a C client, so the load generator is not what
+is measured), in interleaved rounds with the order rotated, so drift on the machine hits
+every target alike; medians across rounds are reported.
+
+Targets: at concurrency 1, Switchyard's added p50 is at most 1.5x the floor's; at
+concurrency 32, Switchyard serves at least 0.70x the floor's requests per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import switchyard
+
+TARGETS = ("direct", "floor", "switchyard")
+CONCURRENCIES = (1, 32)
+LATENCY_RATIO_MAX = 1.5  # Switchyard added p50 / floor added p50, at concurrency 1
+THROUGHPUT_RATIO_MIN = 0.70  # Switchyard req/s / floor req/s, at concurrency 32
+MODEL = "scripted"
+CHAT_PATH = "/v1/chat/completions"
+UNIT_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60_000.0, "h": 3_600_000.0}
+
+
+class StartError(Exception):
+    """A target did not come up or does not answer correctly; the message says which."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    stream: bool
+    connections: int
+
+    @property
+    def threads(self) -> int:
+        return 1 if self.connections == 1 else 2
+
+    @property
+    def name(self) -> str:
+        return f"{'stream' if self.stream else 'non-stream'} c={self.connections}"
+
+
+@dataclass(frozen=True, slots=True)
+class WrkResult:
+    rps: float
+    avg_ms: float
+    p50_ms: float
+    p75_ms: float
+    p90_ms: float
+    p99_ms: float
+    requests: int
+    non_2xx: int
+    socket_errors: int
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+def chat_body(stream: bool, max_tokens: int) -> bytes:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+    }
+    if stream:
+        body["stream"] = True
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+# --- wrk ------------------------------------------------------------------------------
+
+
+def wrk_script(body: bytes) -> str:
+    """A wrk Lua script that POSTs `body` as JSON on every request."""
+    quoted = body.decode().replace("\\", "\\\\").replace('"', '\\"')
+    return (
+        'wrk.method = "POST"\n'
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        f'wrk.body = "{quoted}"\n'
+    )
+
+
+def _ms(value: str, unit: str) -> float:
+    return float(value) * UNIT_MS[unit]
+
+
+def parse_wrk(text: str) -> WrkResult:
+    """Read wrk's `--latency` report. Raises ValueError when a needed line is missing."""
+    rps = re.search(r"^Requests/sec:\s+([\d.]+)", text, re.M)
+    avg = re.search(r"^\s+Latency\s+([\d.]+)(us|ms|s|m|h)\b", text, re.M)
+    total = re.search(r"^\s+(\d+) requests in ", text, re.M)
+    pct = {
+        m.group(1): _ms(m.group(2), m.group(3))
+        for m in re.finditer(r"^\s+(50|75|90|99)%\s+([\d.]+)(us|ms|s|m|h)\s*$", text, re.M)
+    }
+    if rps is None or avg is None or total is None or len(pct) != 4:
+        raise ValueError(f"unexpected wrk output:\n{text}")
+    non_2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", text)
+    sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
+    return WrkResult(
+        rps=float(rps.group(1)),
+        avg_ms=_ms(avg.group(1), avg.group(2)),
+        p50_ms=pct["50"],
+        p75_ms=pct["75"],
+        p90_ms=pct["90"],
+        p99_ms=pct["99"],
+        requests=int(total.group(1)),
+        non_2xx=int(non_2xx.group(1)) if non_2xx else 0,
+        socket_errors=sum(int(g) for g in sock.groups()) if sock else 0,
+    )
+
+
+def run_wrk(wrk: str, url: str, script: Path, scenario: Scenario, duration_s: int) -> WrkResult:
+    cmd = [
+        wrk,
+        f"-t{scenario.threads}",
+        f"-c{scenario.connections}",
+        f"-d{duration_s}s",
+        "--timeout",
+        "10s",
+        "--latency",
+        "-s",
+        str(script),
+        url,
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + 60)
+    if done.returncode != 0:
+        raise RuntimeError(f"wrk exited {done.returncode}: {done.stderr.strip()}")
+    return parse_wrk(done.stdout)
+
+
+# --- processes ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _child_env() -> dict[str, str]:
+    """The children import switchyard from the same place we did, installed or not."""
+    env = dict(os.environ)
+    src = str(Path(switchyard.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def spawn(name: str, argv: list[str], logdir: Path) -> Child:
+    log = logdir / f"{name}.log"
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(
+            argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_child_env()
+        )
+    return Child(name, proc, log)
+
+
+def stop_all(children: list[Child]) -> None:
+    """Terminate every child, then kill what has not exited after a grace period."""
+    for c in children:
+        if c.proc.poll() is None:
+            c.proc.terminate()
+    deadline = time.monotonic() + 8
+    for c in children:
+        try:
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()
+
+
+def log_tail(child: Child, lines: int = 30) -> str:
+    try:
+        text = child.log.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+
+
+def http(
+    method: str, url: str, body: bytes | None = None, timeout_s: float = 10
+) -> tuple[int, bytes]:
+    """One HTTP call on loopback, bypassing any proxy from the environment.
+
+    Returns (status, body); status 0 means no HTTP answer (refused, reset, timed out).
+    """
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    req = urllib.request.Request(url, data=body, method=method)
+    if body is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with opener.open(req, timeout=timeout_s) as resp:
+            return int(resp.status), bytes(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (urllib.error.URLError, OSError):
+        return 0, b""
+
+
+def wait_ready(child: Child, ready: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.proc.poll() is not None:
+            raise StartError(
+                f"{child.name} exited with code {child.proc.returncode} while starting:\n"
+                f"{log_tail(child)}"
+            )
+        if ready():
+            return
+        time.sleep(0.2)
+    raise StartError(f"{child.name} was not ready after {timeout_s:.0f} s:\n{log_tail(child)}")
+
+
+def smoke(name: str, url: str, max_tokens: int) -> None:
+    """One plain and one streaming request must succeed before a target is measured."""
+    status, body = http("POST", url, chat_body(False, max_tokens))
+    if status != 200 or b'"choices"' not in body:
+        raise StartError(f"{name}: POST {url} answered {status}: {body[:500]!r}")
+    status, body = http("POST", url, chat_body(True, max_tokens))
+    if status != 200 or b"data: [DONE]" not in body:
+        raise StartError(f"{name}: streaming POST {url} answered {status}: {body[:500]!r}")
+
+
+def config_yaml(switchyard_port: int, upstream_port: int) -> str:
+    return (
+        f"server: {{host: 127.0.0.1, port: {switchyard_port}}}\n"
+        "models:\n"
+        f"  - alias: {MODEL}\n"
+        "    revision: scripted-v1\n"
+        f'    engine: {{kind: openai, base_url: "http://127.0.0.1:{upstream_port}/v1"}}\n'
+        "embeddings: {enabled: false}\n"
+    )
+
+
+def start_targets(
+    workdir: Path, tokens: int, max_tokens: int, timeout_s: float, children: list[Child]
+) -> dict[str, str]:
+    """Start upstream, floor and Switchyard; return each target's chat URL once it works.
+
+    Started children are appended to `children` as soon as they exist, so the caller can
+    stop them whatever happens here.
+    """
+    py = sys.executable
+    up_port, floor_port, sy_port = free_port(), free_port(), free_port()
+    upstream = spawn(
+        "upstream",
+        [
+            py,
+            "-m",
+            "switchyard.bench.scripted_upstream",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(up_port),
+            "--tokens",
+            str(tokens),
+            "--model-name",
+            MODEL,
+        ],
+        workdir,
+    )
+    children.append(upstream)
+    up_base = f"http://127.0.0.1:{up_port}"
+    wait_ready(upstream, lambda: http("GET", up_base + "/health")[0] == 200, timeout_s)
+
+    cfg = workdir / "switchyard.yaml"
+    cfg.write_text(config_yaml(sy_port, up_port))
+    floor = spawn(
+        "floor",
+        [
+            py,
+            "-m",
+            "switchyard.bench.passthrough_proxy",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(floor_port),
+            "--upstream",
+            up_base + "/v1",
+        ],
+        workdir,
+    )
+    children.append(floor)
+    gateway = spawn(
+        "switchyard",
+        [py, "-m", "switchyard", "serve", "--config", str(cfg), "--port", str(sy_port)],
+        workdir,
+    )
+    children.append(gateway)
+    urls = {
+        "direct": up_base + CHAT_PATH,
+        "floor": f"http://127.0.0.1:{floor_port}{CHAT_PATH}",
+        "switchyard": f"http://127.0.0.1:{sy_port}{CHAT_PATH}",
+    }
+    probe = chat_body(False, max_tokens)
+    wait_ready(floor, lambda: http("POST", urls["floor"], probe)[0] == 200, timeout_s)
+    sy_ready = f"http://127.0.0.1:{sy_port}/readyz"
+    wait_ready(gateway, lambda: http("GET", sy_ready)[0] == 200, timeout_s)
+    for name, url in urls.items():
+        smoke(name, url, max_tokens)
+    return urls
+
+
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """Turn SIGTERM into SystemExit, so `finally` blocks stop the children."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# --- measuring and reporting ----------------------------------------------------------
+
+
+def rotated(items: tuple[str, ...], k: int) -> list[str]:
+    k %= len(items)
+    return list(items[k:] + items[:k])
+
+
+def measure(
+    args: argparse.Namespace, urls: dict[str, str], scripts: dict[bool, Path]
+) -> list[dict[str, Any]]:
+    """Warm every target up, then run every scenario on every target, round by round."""
+    for target in TARGETS:
+        for stream in (False, True):
+            warm = Scenario(stream, max(CONCURRENCIES))
+            run_wrk(args.wrk, urls[target], scripts[stream], warm, args.warmup)
+    scenarios = [Scenario(s, c) for s in (False, True) for c in CONCURRENCIES]
+    runs: list[dict[str, Any]] = []
+    for rnd in range(args.rounds):
+        for i, sc in enumerate(scenarios):
+            for target in rotated(TARGETS, rnd + i):
+                res = run_wrk(args.wrk, urls[target], scripts[sc.stream], sc, args.duration)
+                runs.append(
+                    {
+                        "round": rnd + 1,
+                        "scenario": sc.name,
+                        "stream": sc.stream,
+                        "connections": sc.connections,
+                        "threads": sc.threads,
+                        "target": target,
+                        **asdict(res),
+                    }
+                )
+                errors = res.non_2xx + res.socket_errors
+                print(
+                    f"  round {rnd + 1}/{args.rounds}  {sc.name:<15} {target:<10} "
+                    f"{res.rps:>9.1f} req/s  p50 {res.p50_ms:.3f} ms  p99 {res.p99_ms:.3f} ms"
+                    + (f"  ERRORS {errors}" if errors else ""),
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return runs
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Medians per scenario and target, the added latencies, the ratios and the verdict."""
+    out: list[dict[str, Any]] = []
+    scenarios = [Scenario(s, c) for s in (False, True) for c in CONCURRENCIES]
+    for sc in scenarios:
+        med: dict[str, dict[str, float]] = {}
+        for target in TARGETS:
+            mine = [r for r in runs if r["scenario"] == sc.name and r["target"] == target]
+            med[target] = {
+                key: statistics.median(r[key] for r in mine) for key in ("rps", "p50_ms", "p99_ms")
+            }
+            med[target]["errors"] = sum(r["non_2xx"] + r["socket_errors"] for r in mine)
+        floor_added = med["floor"]["p50_ms"] - med["direct"]["p50_ms"]
+        sy_added = med["switchyard"]["p50_ms"] - med["direct"]["p50_ms"]
+        lat_ratio = sy_added / floor_added if floor_added > 0 else None
+        rps_ratio = (
+            med["switchyard"]["rps"] / med["floor"]["rps"] if med["floor"]["rps"] > 0 else None
+        )
+        if sc.connections == 1:
+            check = f"added p50 ratio <= {LATENCY_RATIO_MAX}"
+            ok = lat_ratio is not None and lat_ratio <= LATENCY_RATIO_MAX
+        else:
+            check = f"req/s ratio >= {THROUGHPUT_RATIO_MIN}"
+            ok = rps_ratio is not None and rps_ratio >= THROUGHPUT_RATIO_MIN
+        out.append(
+            {
+                "scenario": sc.name,
+                "stream": sc.stream,
+                "connections": sc.connections,
+                "targets": med,
+                "floor_added_p50_ms": floor_added,
+                "switchyard_added_p50_ms": sy_added,
+                "added_p50_ratio": lat_ratio,
+                "rps_ratio": rps_ratio,
+                "check": check,
+                "verdict": "PASS" if ok else "MISS",
+            }
+        )
+    return out
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        f"Switchyard overhead: wrk, {args.duration} s per run, {args.rounds} round(s), "
+        "medians across rounds",
+        "",
+        f"{'scenario':<16}{'target':<12}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'+p50 ms':>10}",
+    ]
+    for s in summary:
+        for i, target in enumerate(TARGETS):
+            t = s["targets"][target]
+            added = {
+                "direct": None,
+                "floor": s["floor_added_p50_ms"],
+                "switchyard": s["switchyard_added_p50_ms"],
+            }[target]
+            errors = f"  errors: {int(t['errors'])}" if t["errors"] else ""
+            lines.append(
+                f"{s['scenario'] if i == 0 else '':<16}{target:<12}{t['rps']:>10.1f}"
+                f"{t['p50_ms']:>10.3f}{t['p99_ms']:>10.3f}{_num(added, '.3f'):>10}{errors}"
+            )
+        lines.append(
+            f"{'':<16}added p50 switchyard/floor {_num(s['added_p50_ratio'], '.2f')}, "
+            f"req/s switchyard/floor {_num(s['rps_ratio'], '.2f')}  "
+            f"[{s['check']}: {s['verdict']}]"
+        )
+        lines.append("")
+    return "\n".join(lines)
+
+
+# --- machine --------------------------------------------------------------------------
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _proc_field(path: str, key: str) -> str | None:
+    try:
+        with open(path) as fh:
+            for line in fh:
+                name, _, value = line.partition(":")
+                if name.strip() == key:
+                    return value.strip()
+    except OSError:
+        pass
+    return None
+
+
+def machine_info(wrk: str) -> dict[str, Any]:
+    """What the numbers depend on, so two result files can be compared honestly."""
+    try:
+        done = subprocess.run([wrk, "--version"], capture_output=True, text=True, timeout=10)
+        wrk_version = (done.stdout + done.stderr).strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        wrk_version = "unknown"
+    return {
+        "cpu_model": _proc_field("/proc/cpuinfo", "model name") or platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_total": _proc_field("/proc/meminfo", "MemTotal"),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "versions": {
+            d: _version(d)
+            for d in (
+                "switchyard",
+                "fastapi",
+                "starlette",
+                "uvicorn",
+                "aiohttp",
+                "uvloop",
+                "httptools",
+                "orjson",
+            )
+        },
+        "wrk": wrk_version,
+    }
+
+
+# --- the command ----------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--duration", type=int, default=5, help="seconds per wrk run")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
+    parser.add_argument("--warmup", type=int, default=1, help="seconds of warm-up per target")
+    parser.add_argument("--tokens", type=int, default=16, help="tokens the upstream answers")
+    parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds")
+    parser.add_argument("--wrk", default="wrk", help="the wrk binary")
+    parser.add_argument("--out", default=None, help="JSON result path")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.duration < 1 or args.rounds < 1 or args.warmup < 1:
+        print("switchyard: --duration, --rounds and --warmup must be at least 1", file=sys.stderr)
+        return 2
+    if shutil.which(args.wrk) is None:
+        print(f"switchyard: bench overhead needs wrk ({args.wrk!r} not found)", file=sys.stderr)
+        return 2
+    started = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or f"bench-results/overhead-{started}.json")
+    children: list[Child] = []
+    try:
+        with sigterm_as_exit(), tempfile.TemporaryDirectory(prefix="sy-overhead-") as tmp:
+            workdir = Path(tmp)
+            scripts: dict[bool, Path] = {}
+            for stream in (False, True):
+                scripts[stream] = workdir / ("chat-stream.lua" if stream else "chat.lua")
+                scripts[stream].write_text(wrk_script(chat_body(stream, args.tokens)))
+            try:
+                urls = start_targets(
+                    workdir, args.tokens, args.tokens, args.startup_timeout, children
+                )
+            except StartError as exc:
+                print(f"switchyard: bench overhead: {exc}", file=sys.stderr)
+                return 1
+            print("targets ready; measuring", file=sys.stderr, flush=True)
+            try:
+                runs = measure(args, urls, scripts)
+            except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
+                print(f"switchyard: bench overhead: a wrk run failed: {exc}", file=sys.stderr)
+                return 1
+    except KeyboardInterrupt:
+        print("switchyard: bench overhead interrupted", file=sys.stderr)
+        return 130
+    finally:
+        stop_all(children)
+    summary = summarize(runs)
+    print(render(summary, args))
+    result = {
+        "benchmark": "overhead",
+        "started": started,
+        "workload": {
+            "duration_s": args.duration,
+            "rounds": args.rounds,
+            "warmup_s": args.warmup,
+            "upstream_tokens": args.tokens,
+            "concurrency": {
+                str(c): {"threads": Scenario(False, c).threads, "connections": c}
+                for c in CONCURRENCIES
+            },
+            "bodies": {
+                "non_stream": chat_body(False, args.tokens).decode(),
+                "stream": chat_body(True, args.tokens).decode(),
+            },
+            "targets": {
+                "direct": "scripted upstream",
+                "floor": "passthrough proxy (FastAPI + aiohttp)",
+                "switchyard": "switchyard serve, one openai-kind model",
+            },
+            "criteria": {
+                "added_p50_ratio_max_at_c1": LATENCY_RATIO_MAX,
+                "rps_ratio_min_at_c32": THROUGHPUT_RATIO_MIN,
+            },
+        },
+        "machine": machine_info(args.wrk),
+        "summary": summary,
+        "runs": runs,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"results: {out}")
+    return 0

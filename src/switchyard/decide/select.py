@@ -1,0 +1,40 @@
+"""Deployment selection: which configured deployment serves a model alias.
+
+Pure: takes the alias and the deployments, returns the choice and the evidence.
+Canary weights, health and region arrive with later capabilities; the shape of the
+decision does not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from switchyard.engines.registry import Deployment
+from switchyard.errors import EngineNotReady, ModelNotFound
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    deployment: Deployment
+    outcome: str
+    reason: str
+    evidence: dict[str, Any]
+
+
+def select_deployment(alias: str, deployments: Mapping[str, Deployment]) -> Selection:
+    dep = deployments.get(alias)
+    if dep is None:
+        raise ModelNotFound(
+            f"the model '{alias}' does not exist; GET /v1/models lists the available ones",
+            param="model",
+        )
+    evidence = {"candidates": [alias], "upstream": dep.label, "revision": dep.model.revision}
+    if not dep.ready:
+        state = dep.describe().get("state")
+        raise EngineNotReady(
+            f"the model '{alias}' is not ready yet (engine state: {state}); retry shortly",
+            retry_after_s=2,
+        )
+    return Selection(dep, f"deployment:{alias}", "only deployment of the alias", evidence)

@@ -1,0 +1,98 @@
+"""The deployments the gateway can send to: one per configured model alias.
+
+A deployment pairs a model's config with its upstream client and, for managed local
+models, the engine supervisor. The registry owns their lifecycle (control plane);
+the data plane only reads `ready` and `upstream`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from switchyard.config import LlamaCppEngine, ModelConfig, OpenAIEngine, Settings
+from switchyard.engines.llamacpp import ManagedLlamaCpp
+from switchyard.engines.upstream import OpenAIUpstream
+
+
+@dataclass(slots=True)
+class Deployment:
+    model: ModelConfig
+    upstream: OpenAIUpstream
+    engine: ManagedLlamaCpp | None = None
+
+    @property
+    def alias(self) -> str:
+        return self.model.alias
+
+    @property
+    def upstream_model(self) -> str:
+        spec = self.model.engine
+        if isinstance(spec, OpenAIEngine) and spec.model:
+            return spec.model
+        return self.model.alias
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.ready if self.engine is not None else True
+
+    @property
+    def label(self) -> str:
+        """What `x-switchyard-upstream` reports: where this request was served."""
+        if self.engine is not None:
+            return f"llamacpp:{self.engine.base_url.removesuffix('/v1')}"
+        return self.upstream.base_url
+
+    def describe(self) -> dict[str, Any]:
+        if self.engine is not None:
+            out = self.engine.describe()
+        else:
+            out = {"kind": "openai", "state": "external", "ready": True, "upstream": self.label}
+        out["revision"] = self.model.revision
+        return out
+
+
+def _engine_url(engine: ManagedLlamaCpp) -> Callable[[], str]:
+    """A restarted worker listens on a new port; the client follows it."""
+    return lambda: engine.base_url
+
+
+def _fixed_url(url: str) -> Callable[[], str]:
+    return lambda: url
+
+
+class Registry:
+    def __init__(self, settings: Settings) -> None:
+        self.deployments: dict[str, Deployment] = {}
+        for m in settings.models:
+            spec = m.engine
+            if isinstance(spec, LlamaCppEngine):
+                engine = ManagedLlamaCpp(m.alias, spec)
+                upstream = OpenAIUpstream(
+                    f"llamacpp:{m.alias}", _engine_url(engine), max_connections=64
+                )
+                self.deployments[m.alias] = Deployment(m, upstream, engine)
+            else:
+                url = spec.base_url
+                upstream = OpenAIUpstream(
+                    url, _fixed_url(url), spec.api_key(), spec.max_connections
+                )
+                self.deployments[m.alias] = Deployment(m, upstream)
+
+    def get(self, alias: str) -> Deployment | None:
+        return self.deployments.get(alias)
+
+    def managed(self) -> list[ManagedLlamaCpp]:
+        return [d.engine for d in self.deployments.values() if d.engine is not None]
+
+    def start(self) -> None:
+        for e in self.managed():
+            e.start()
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(e.stop() for e in self.managed()), return_exceptions=True)
+        await asyncio.gather(
+            *(d.upstream.close() for d in self.deployments.values()), return_exceptions=True
+        )

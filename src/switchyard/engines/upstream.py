@@ -1,0 +1,189 @@
+"""One pooled async HTTP client per OpenAI-compatible upstream.
+
+Managed local engines speak the same API over loopback, so the gateway has a single
+upstream code path. Transport failures are translated here, once, into the error
+hierarchy: unreachable → 502, timeout → 504, broken reply → 502.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from switchyard.config import Timeouts
+from switchyard.errors import (
+    SwitchyardError,
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
+
+
+@dataclass(slots=True)
+class UpstreamReply:
+    status: int
+    body: bytes
+    headers: dict[str, str]
+
+
+def _upstream_error(status: int, body: bytes, name: str) -> SwitchyardError:
+    """Map a non-2xx upstream reply onto our error hierarchy."""
+    message = f"upstream {name} answered HTTP {status}"
+    param = None
+    try:
+        err = orjson.loads(body).get("error")
+        if isinstance(err, dict) and err.get("message"):
+            message = str(err["message"])
+            param = err.get("param")
+        elif isinstance(err, str):
+            message = err
+    except (orjson.JSONDecodeError, AttributeError):
+        pass
+    if 400 <= status < 500 and status not in (408, 429):
+        return UpstreamStatusError(status, message, param=param)
+    if status in (408, 504):
+        return UpstreamTimeout(f"upstream {name} timed out: {message}")
+    return UpstreamError(f"upstream {name} failed with HTTP {status}: {message}")
+
+
+class OpenAIUpstream:
+    """A pooled client for one upstream. `base_url` may move (a restarted worker)."""
+
+    def __init__(
+        self,
+        name: str,
+        base_url: Callable[[], str],
+        api_key: str | None = None,
+        max_connections: int = 256,
+    ) -> None:
+        self.name = name
+        self._base_url = base_url
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def base_url(self) -> str:
+        return self._base_url()
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(
+                limit=self._max_connections, keepalive_timeout=30, ttl_dns_cache=300
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector, headers=self._headers, auto_decompress=True
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @staticmethod
+    def _timeout(t: Timeouts, remaining_s: float | None) -> aiohttp.ClientTimeout:
+        total = t.total_s if remaining_s is None else max(0.001, min(t.total_s, remaining_s))
+        return aiohttp.ClientTimeout(
+            total=total, sock_connect=t.connect_s, sock_read=t.first_byte_s
+        )
+
+    async def post(
+        self,
+        path: str,
+        payload: bytes,
+        timeouts: Timeouts,
+        remaining_s: float | None = None,
+        extra_headers: dict[str, str] | None = None,
+    ) -> UpstreamReply:
+        """POST and read the whole reply; raises on transport failure or non-2xx."""
+        url = self.base_url + path
+        try:
+            async with self._client().post(
+                url,
+                data=payload,
+                timeout=self._timeout(timeouts, remaining_s),
+                headers=extra_headers,
+            ) as resp:
+                body = await resp.read()
+                if resp.status >= 300:
+                    raise _upstream_error(resp.status, body, self.name)
+                return UpstreamReply(resp.status, body, dict(resp.headers))
+        except SwitchyardError:
+            raise
+        except BaseException as exc:
+            raise self._translate(exc) from None
+
+    async def stream(
+        self,
+        path: str,
+        payload: bytes,
+        timeouts: Timeouts,
+        remaining_s: float | None = None,
+        extra_headers: dict[str, str] | None = None,
+    ) -> UpstreamStream:
+        """POST and return once the status line arrived; the caller reads the events."""
+        url = self.base_url + path
+        try:
+            resp = await self._client().post(
+                url,
+                data=payload,
+                timeout=self._timeout(timeouts, remaining_s),
+                headers=extra_headers,
+            )
+        except BaseException as exc:
+            raise self._translate(exc) from None
+        if resp.status >= 300:
+            try:
+                body = await resp.read()
+            except BaseException as exc:
+                resp.release()
+                raise self._translate(exc) from None
+            resp.release()
+            raise _upstream_error(resp.status, body, self.name)
+        return UpstreamStream(resp, self)
+
+    def _translate(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, asyncio.CancelledError):
+            return exc
+        if isinstance(exc, aiohttp.ClientConnectorError | ConnectionRefusedError):
+            return UpstreamUnreachable(f"upstream {self.name} is unreachable: {exc}")
+        if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
+            return UpstreamTimeout(f"upstream {self.name} did not answer in time")
+        if isinstance(exc, aiohttp.ClientError | OSError):
+            return UpstreamError(f"upstream {self.name} broke the connection: {type(exc).__name__}")
+        return exc
+
+
+class UpstreamStream:
+    """An open streaming reply. Iterate `events()`; always `close()` (cancels upstream)."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, upstream: OpenAIUpstream) -> None:
+        self._resp = resp
+        self._upstream = upstream
+        self.headers = dict(resp.headers)
+
+    async def lines(self) -> AsyncIterator[bytes]:
+        """Yield raw SSE lines (without the newline); raises a SwitchyardError on failure."""
+        try:
+            async for raw in self._resp.content:
+                yield raw.rstrip(b"\r\n")
+        except BaseException as exc:
+            raise self._upstream._translate(exc) from None
+
+    def close(self) -> None:
+        # Closing (not releasing) drops the connection, so the upstream sees the
+        # disconnect and stops generating.
+        self._resp.close()
+
+
+def dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj)

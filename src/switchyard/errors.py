@@ -1,0 +1,150 @@
+"""One error hierarchy, mapped once to the OpenAI error body and an HTTP status.
+
+Callers raise the class that names what went wrong; the API boundary turns any
+`SwitchyardError` into `{"error": {"message", "type", "param", "code"}}` with the
+class's status. Anything else becomes a 500 with a generic message: no stack trace
+ever reaches a client.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SwitchyardError(Exception):
+    """Base of every error a client may see."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers: dict[str, str] = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(SwitchyardError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class AuthenticationError(SwitchyardError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class PermissionDenied(SwitchyardError):
+    status = 403
+    type = "permission_error"
+    code = "model_not_allowed"
+
+
+class ModelNotFound(SwitchyardError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class RouteNotFound(SwitchyardError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class MethodNotAllowed(SwitchyardError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(SwitchyardError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class UnsupportedMediaType(SwitchyardError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+class RateLimited(SwitchyardError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class InternalError(SwitchyardError):
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+
+class UpstreamError(SwitchyardError):
+    """The upstream answered with a server error or an unreadable reply."""
+
+    status = 502
+    type = "upstream_error"
+    code = "upstream_error"
+
+
+class UpstreamUnreachable(UpstreamError):
+    status = 502
+    code = "upstream_unreachable"
+
+
+class EngineNotReady(SwitchyardError):
+    """The model exists but its engine cannot serve yet (loading, restarting)."""
+
+    status = 503
+    type = "server_error"
+    code = "engine_not_ready"
+
+    def __init__(self, message: str, *, retry_after_s: int = 2, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.headers.setdefault("Retry-After", str(retry_after_s))
+
+
+class UpstreamTimeout(SwitchyardError):
+    status = 504
+    type = "timeout_error"
+    code = "upstream_timeout"
+
+
+class UpstreamStatusError(SwitchyardError):
+    """A 4xx reply from the upstream, passed to the client with its own status."""
+
+    type = "invalid_request_error"
+    code = "upstream_rejected"
+
+    def __init__(self, status: int, message: str, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.status = status
+
+
+def error_body(message: str, type_: str, code: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -1,0 +1,127 @@
+"""The request pipeline: one `RequestContext` passed through explicit stages.
+
+Each stage records a `Decision` on the context and may end the request by raising a
+`SwitchyardError` (reject) or by setting `ctx.response` (e.g. a cache hit). Stages
+that are still pass-throughs record that they were skipped, so later capabilities slot
+in without rewiring and the decision trace always has the same shape.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from switchyard.config import ModelConfig
+    from switchyard.engines.registry import Deployment
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def request_id_from(header: str | None) -> str:
+    """The client's id when it is well-formed, otherwise a fresh one."""
+    if header and _REQUEST_ID.match(header):
+        return header
+    return "req_" + uuid.uuid4().hex
+
+
+@dataclass(slots=True)
+class Decision:
+    stage: str
+    outcome: str
+    reason: str
+    evidence: dict[str, Any]
+    started_at: float  # unix seconds
+    duration_ms: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "outcome": self.outcome,
+            "reason": self.reason,
+            "evidence": self.evidence,
+            "started_at": self.started_at,
+            "duration_ms": round(self.duration_ms, 3),
+        }
+
+
+@dataclass(slots=True)
+class Timings:
+    """Monotonic timestamps (perf_counter seconds) of one request's milestones."""
+
+    received: float
+    upstream_sent: float | None = None
+    upstream_first_byte: float | None = None
+    client_first_byte: float | None = None
+    ended: float | None = None
+
+
+@dataclass(slots=True)
+class RequestContext:
+    request_id: str
+    endpoint: str  # "chat.completions" | "completions" | "embeddings"
+    body: dict[str, Any]
+    received_at: float  # unix seconds
+    timings: Timings
+    deadline: float  # perf_counter seconds
+    task_id: str | None = None
+    parent_request_ids: list[str] = field(default_factory=list)
+    principal: Any = None  # set by authentication (policy layer)
+    alias: str | None = None
+    model: ModelConfig | None = None
+    deployment: Deployment | None = None
+    stream: bool = False
+    include_usage: bool = False
+    response: Any = None  # set by a stage that answers without an upstream call
+    decisions: list[Decision] = field(default_factory=list)
+    status: str = "pending"
+    usage: dict[str, Any] | None = None
+    attempts: int = 0
+
+    def record(
+        self,
+        stage: str,
+        outcome: str,
+        reason: str,
+        started: float,
+        evidence: dict[str, Any] | None = None,
+    ) -> Decision:
+        """Append a decision for a stage that began at perf_counter time `started`."""
+        now = time.perf_counter()
+        d = Decision(
+            stage=stage,
+            outcome=outcome,
+            reason=reason,
+            evidence=evidence or {},
+            started_at=self.received_at + (started - self.timings.received),
+            duration_ms=(now - started) * 1000.0,
+        )
+        self.decisions.append(d)
+        return d
+
+    def remaining_s(self) -> float:
+        return self.deadline - time.perf_counter()
+
+
+Stage = Callable[[RequestContext], Awaitable[None]]
+
+
+class Pipeline:
+    """Runs the decision stages in order; stops early when a stage answers."""
+
+    def __init__(self, stages: Sequence[tuple[str, Stage]]) -> None:
+        self.stages = list(stages)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.stages]
+
+    async def decide(self, ctx: RequestContext) -> None:
+        for _name, stage in self.stages:
+            await stage(ctx)
+            if ctx.response is not None:
+                return

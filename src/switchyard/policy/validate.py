@@ -1,0 +1,166 @@
+"""Request validation: the shape checks done before any costly work.
+
+Hand-written rather than a pydantic model on purpose: it runs on every request, it
+names the offending field the way OpenAI does (`messages[2].role`), and it leaves
+every field it does not know untouched so the upstream sees the client's request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from switchyard.errors import InvalidRequest
+
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+def _require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return body
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise InvalidRequest(
+            "you must provide a model parameter", param="model", code="missing_required_parameter"
+        )
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' must be a non-empty string", param="model")
+    return model
+
+
+def _optional(body: dict[str, Any], name: str, types: tuple[type, ...], what: str) -> None:
+    v = body.get(name)
+    if v is None:
+        return
+    if isinstance(v, bool) and bool not in types:
+        raise InvalidRequest(f"'{name}' must be {what}", param=name)
+    if not isinstance(v, types):
+        raise InvalidRequest(f"'{name}' must be {what}", param=name)
+
+
+def _sampling(body: dict[str, Any]) -> None:
+    _optional(body, "stream", (bool,), "a boolean")
+    for name in ("max_tokens", "max_completion_tokens", "n", "seed", "top_k"):
+        _optional(body, name, (int,), "an integer")
+    for name in ("max_tokens", "max_completion_tokens", "n"):
+        v = body.get(name)
+        if v is not None and v < 1:
+            raise InvalidRequest(f"'{name}' must be at least 1", param=name)
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        _optional(body, name, (int, float), "a number")
+    t = body.get("temperature")
+    if t is not None and not 0 <= t <= 2:
+        raise InvalidRequest("'temperature' must be between 0 and 2", param="temperature")
+    p = body.get("top_p")
+    if p is not None and not 0 <= p <= 1:
+        raise InvalidRequest("'top_p' must be between 0 and 1", param="top_p")
+    stop = body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise InvalidRequest("'stop' must be a string or a list of strings", param="stop")
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise InvalidRequest("'stream_options' must be an object", param="stream_options")
+        if not body.get("stream"):
+            raise InvalidRequest(
+                "'stream_options' is only allowed when 'stream' is true", param="stream_options"
+            )
+        iu = so.get("include_usage")
+        if iu is not None and not isinstance(iu, bool):
+            raise InvalidRequest(
+                "'stream_options.include_usage' must be a boolean",
+                param="stream_options.include_usage",
+            )
+    lb = body.get("logit_bias")
+    if lb is not None and not isinstance(lb, dict):
+        raise InvalidRequest("'logit_bias' must be an object", param="logit_bias")
+
+
+def validate_chat(body: Any) -> str:
+    """Check a chat completion request; return its model name."""
+    body = _require_object(body)
+    model = _model(body)
+    messages = body.get("messages")
+    if messages is None:
+        raise InvalidRequest(
+            "you must provide a 'messages' parameter",
+            param="messages",
+            code="missing_required_parameter",
+        )
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty array", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidRequest(f"'messages[{i}]' must be an object", param=f"messages[{i}]")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise InvalidRequest(
+                f"'messages[{i}].role' must be one of {sorted(_ROLES)}", param=f"messages[{i}].role"
+            )
+        content = m.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise InvalidRequest(
+                f"'messages[{i}].content' must be a string or an array of parts",
+                param=f"messages[{i}].content",
+            )
+        if content is None and role in ("system", "developer", "user"):
+            raise InvalidRequest(
+                f"'messages[{i}].content' is required for role {role!r}",
+                param=f"messages[{i}].content",
+            )
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise InvalidRequest("'tools' must be an array", param="tools")
+    _sampling(body)
+    return model
+
+
+def validate_completion(body: Any) -> str:
+    body = _require_object(body)
+    model = _model(body)
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise InvalidRequest(
+            "you must provide a 'prompt' parameter",
+            param="prompt",
+            code="missing_required_parameter",
+        )
+    if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
+        raise InvalidRequest("'prompt' must be a string or a non-empty array", param="prompt")
+    _sampling(body)
+    return model
+
+
+def validate_embeddings(body: Any, max_inputs: int) -> tuple[str, list[str]]:
+    """Check an embeddings request; return the model and the list of input texts."""
+    body = _require_object(body)
+    model = _model(body)
+    inp = body.get("input")
+    if inp is None:
+        raise InvalidRequest(
+            "you must provide an 'input' parameter",
+            param="input",
+            code="missing_required_parameter",
+        )
+    texts = [inp] if isinstance(inp, str) else inp
+    if not isinstance(texts, list) or not texts:
+        raise InvalidRequest(
+            "'input' must be a string or a non-empty array of strings", param="input"
+        )
+    if not all(isinstance(t, str) for t in texts):
+        raise InvalidRequest(
+            "'input' must contain strings (token arrays are not supported)", param="input"
+        )
+    if len(texts) > max_inputs:
+        raise InvalidRequest(f"'input' may hold at most {max_inputs} items", param="input")
+    fmt = body.get("encoding_format")
+    if fmt is not None and fmt not in ("float", "base64"):
+        raise InvalidRequest(
+            "'encoding_format' must be 'float' or 'base64'", param="encoding_format"
+        )
+    return model, texts
