@@ -7,8 +7,9 @@ import time
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from switchyard.api.body import read_json
 from switchyard.api.sse import RelayResponse, relay
@@ -37,8 +38,8 @@ def served_headers(ctx: RequestContext) -> dict[str, str]:
     return h
 
 
-def build_router(gw: Gateway) -> APIRouter:
-    router = APIRouter()
+def build_routes(gw: Gateway) -> list[Route]:
+    """Plain Starlette routes: the hot path skips FastAPI's dependency solving."""
     max_body = gw.settings.server.max_body_bytes
 
     async def generate(request: Request, endpoint: str) -> Response:
@@ -75,16 +76,13 @@ def build_router(gw: Gateway) -> APIRouter:
             ctx.usage = None
         return Response(reply.body, media_type="application/json", headers=served_headers(ctx))
 
-    @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat.completions")
 
-    @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(request, "completions")
 
-    @router.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
         data: list[dict[str, Any]] = [
             {
                 "id": m.alias,
@@ -108,7 +106,6 @@ def build_router(gw: Gateway) -> APIRouter:
             orjson.dumps({"object": "list", "data": data}), media_type="application/json"
         )
 
-    @router.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         body = await read_json(request, max_body)
         cfg = gw.settings.embeddings
@@ -143,4 +140,9 @@ def build_router(gw: Gateway) -> APIRouter:
         }
         return Response(orjson.dumps(out), media_type="application/json")
 
-    return router
+    return [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+    ]

@@ -29,27 +29,41 @@ def error_event(exc: SwitchyardError) -> bytes:
     return b"data: " + orjson.dumps(exc.body()) + b"\n\n"
 
 
+def _data(event: bytes) -> bytes | None:
+    """The data of one SSE event; None for comments and events without data."""
+    if event.startswith(b"data:") and b"\n" not in event:
+        return event[5:].strip()
+    parts = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
+    return b"\n".join(parts) if parts else None
+
+
 async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[bytes]:
     done = False
     ctx.status = "streaming"
     try:
-        async for line in stream.lines():
-            if not line.startswith(b"data:"):
-                continue  # blank separators and comments; we write our own framing
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                done = True
+        async for events in stream.events():
+            out = []
+            for event in events:
+                data = _data(event)
+                if data is None:
+                    continue
+                if data == b"[DONE]":
+                    done = True
+                    break
+                if b'"usage"' in data:
+                    obj = orjson.loads(data)
+                    usage = obj.get("usage")
+                    if usage:
+                        ctx.usage = usage
+                        if not ctx.include_usage and not obj.get("choices"):
+                            continue  # asked for by the gateway, not by the client
+                out.append(b"data: " + data + b"\n\n")
+            if out:
+                if ctx.timings.client_first_byte is None:
+                    ctx.timings.client_first_byte = time.perf_counter()
+                yield b"".join(out)
+            if done:
                 break
-            if b'"usage"' in data:
-                obj = orjson.loads(data)
-                usage = obj.get("usage")
-                if usage:
-                    ctx.usage = usage
-                    if not ctx.include_usage and not obj.get("choices"):
-                        continue
-            if ctx.timings.client_first_byte is None:
-                ctx.timings.client_first_byte = time.perf_counter()
-            yield b"data: " + data + b"\n\n"
         if not done:
             raise UpstreamError("the upstream ended the stream before it was complete")
         ctx.status = "ok"
@@ -61,7 +75,7 @@ async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[by
         if ctx.status == "streaming":
             ctx.status = "cancelled"  # the client left before the end
         ctx.timings.ended = time.perf_counter()
-        stream.close()
+        stream.close(complete=done)
 
 
 class RelayResponse(StreamingResponse):

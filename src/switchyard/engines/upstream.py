@@ -17,6 +17,7 @@ import orjson
 
 from switchyard.config import Timeouts
 from switchyard.errors import (
+    RateLimited,
     SwitchyardError,
     UpstreamError,
     UpstreamStatusError,
@@ -32,7 +33,7 @@ class UpstreamReply:
     headers: dict[str, str]
 
 
-def _upstream_error(status: int, body: bytes, name: str) -> SwitchyardError:
+def _upstream_error(status: int, body: bytes, name: str, headers: Any = None) -> SwitchyardError:
     """Map a non-2xx upstream reply onto our error hierarchy."""
     message = f"upstream {name} answered HTTP {status}"
     param = None
@@ -45,7 +46,14 @@ def _upstream_error(status: int, body: bytes, name: str) -> SwitchyardError:
             message = err
     except (orjson.JSONDecodeError, AttributeError):
         pass
-    if 400 <= status < 500 and status not in (408, 429):
+    if status == 429:
+        retry_after = headers.get("Retry-After") if headers is not None else None
+        return RateLimited(
+            f"upstream {name} is rate limiting: {message}",
+            code="upstream_rate_limited",
+            headers={"Retry-After": retry_after} if retry_after else None,
+        )
+    if 400 <= status < 500 and status != 408:
         return UpstreamStatusError(status, message, param=param)
     if status in (408, 504):
         return UpstreamTimeout(f"upstream {name} timed out: {message}")
@@ -115,7 +123,7 @@ class OpenAIUpstream:
             ) as resp:
                 body = await resp.read()
                 if resp.status >= 300:
-                    raise _upstream_error(resp.status, body, self.name)
+                    raise _upstream_error(resp.status, body, self.name, resp.headers)
                 return UpstreamReply(resp.status, body, dict(resp.headers))
         except SwitchyardError:
             raise
@@ -148,7 +156,7 @@ class OpenAIUpstream:
                 resp.release()
                 raise self._translate(exc) from None
             resp.release()
-            raise _upstream_error(resp.status, body, self.name)
+            raise _upstream_error(resp.status, body, self.name, resp.headers)
         return UpstreamStream(resp, self)
 
     def _translate(self, exc: BaseException) -> BaseException:
@@ -171,18 +179,34 @@ class UpstreamStream:
         self._upstream = upstream
         self.headers = dict(resp.headers)
 
-    async def lines(self) -> AsyncIterator[bytes]:
-        """Yield raw SSE lines (without the newline); raises a SwitchyardError on failure."""
+    async def events(self) -> AsyncIterator[list[bytes]]:
+        """Yield the complete SSE events (without the blank line) of each network read.
+
+        Events that arrive together are handed over together, so the relay can pass
+        them on in one write. Raises a SwitchyardError if the transport fails.
+        """
+        buf = b""
         try:
-            async for raw in self._resp.content:
-                yield raw.rstrip(b"\r\n")
+            async for chunk in self._resp.content.iter_any():
+                buf += chunk
+                if b"\r" in buf:
+                    buf = buf.replace(b"\r\n", b"\n")
+                if b"\n\n" not in buf:
+                    continue
+                *complete, buf = buf.split(b"\n\n")
+                yield complete
         except BaseException as exc:
             raise self._upstream._translate(exc) from None
+        if buf.strip():
+            yield [buf]
 
-    def close(self) -> None:
-        # Closing (not releasing) drops the connection, so the upstream sees the
-        # disconnect and stops generating.
-        self._resp.close()
+    def close(self, complete: bool = False) -> None:
+        """Release a finished stream's connection for reuse; otherwise drop it, so the
+        upstream sees the disconnect and stops generating."""
+        if complete:
+            self._resp.release()
+        else:
+            self._resp.close()
 
 
 def dumps(obj: Any) -> bytes:
