@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -81,20 +82,68 @@ def wait_http(
     )
 
 
+ADMIN_KEY = "test-admin-" + os.urandom(8).hex()
+
+
 class Gateway:
-    def __init__(self, proc: Proc, port: int, config: dict[str, Any] | None) -> None:
+    """A running `switchyard serve` with its own SQLite file, an admin key, and one
+    tenant + key created through the admin API (`self.key`)."""
+
+    def __init__(self, proc: Proc, port: int, config: dict[str, Any] | None, db: str) -> None:
         self.proc = proc
         self.port = port
         self.config = config
+        self.db = db
         self.url = f"http://127.0.0.1:{port}"
+        self.key = "unset"
 
-    def openai(self, **kw: Any) -> Any:
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+    @property
+    def admin(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+    def openai(self, key: str | None = None, **kw: Any) -> Any:
         from openai import OpenAI
 
-        return OpenAI(base_url=self.url + "/v1", api_key="test-key", max_retries=0, **kw)
+        return OpenAI(base_url=self.url + "/v1", api_key=key or self.key, max_retries=0, **kw)
+
+    def post(self, path: str, **kw: Any) -> httpx.Response:
+        headers = {**self.auth, **kw.pop("headers", {})}
+        return httpx.post(self.url + path, headers=headers, timeout=kw.pop("timeout", 60), **kw)
+
+    def stream(self, body: dict[str, Any], path: str = "/v1/chat/completions", **kw: Any) -> Any:
+        headers = {**self.auth, **kw.pop("headers", {})}
+        return httpx.stream("POST", self.url + path, json=body, headers=headers, timeout=60, **kw)
+
+    def create_tenant(self, tenant_id: str, **limits: Any) -> dict[str, Any]:
+        r = httpx.post(
+            self.url + "/admin/tenants", json={"id": tenant_id, **limits}, headers=self.admin
+        )
+        assert r.status_code == 201, r.text
+        return dict(r.json())
+
+    def create_key(self, tenant_id: str, **fields: Any) -> dict[str, Any]:
+        r = httpx.post(
+            self.url + "/admin/keys", json={"tenant_id": tenant_id, **fields}, headers=self.admin
+        )
+        assert r.status_code == 201, r.text
+        return dict(r.json())
+
+    def usage(self, **query: Any) -> list[dict[str, Any]]:
+        r = httpx.get(self.url + "/admin/usage", params=query, headers=self.admin)
+        assert r.status_code == 200, r.text
+        return list(r.json()["data"])
 
 
-def start_gateway(config: dict[str, Any] | None, wait_ready: bool = True) -> Gateway:
+def start_gateway(
+    config: dict[str, Any] | None,
+    wait_ready: bool = True,
+    env: dict[str, str] | None = None,
+    db: str | None = None,
+) -> Gateway:
     port = free_port()
     args = [sys.executable, "-m", "switchyard", "serve", "--port", str(port)]
     if config is not None:
@@ -102,12 +151,22 @@ def start_gateway(config: dict[str, Any] | None, wait_ready: bool = True) -> Gat
         with os.fdopen(fd, "w") as f:
             yaml.safe_dump(config, f)
         args += ["--config", path]
-    proc = Proc(args, "gateway")
-    gw = Gateway(proc, port, config)
+    if db is None:
+        db = tempfile.mkdtemp(prefix="switchyard-db-") + "/switchyard.db"
+    proc = Proc(
+        args,
+        "gateway",
+        env={"SWITCHYARD_SQLITE_PATH": db, "SWITCHYARD_ADMIN_KEY": ADMIN_KEY, **(env or {})},
+    )
+    gw = Gateway(proc, port, config, db)
     try:
         wait_http(gw.url + "/healthz", proc)
         if wait_ready:
             wait_http(gw.url + "/readyz", proc)
+        if (config or {}).get("auth", {}).get("mode") != "disabled":
+            tenant = "t-" + os.urandom(3).hex()
+            gw.create_tenant(tenant)
+            gw.key = gw.create_key(tenant)["key"]
     except Exception:
         proc.stop()
         raise
@@ -158,3 +217,74 @@ def local_model(alias: str = "smollm2-135m", **engine: Any) -> dict[str, Any]:
         "revision": f"{alias}-rev",
         "engine": {"kind": "llamacpp", "gguf": "auto", "threads": 2, "ctx": 2048, **engine},
     }
+
+
+def start_redis() -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port, socket_timeout=1)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if client.ping():
+                break
+        except redis.exceptions.ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("redis-server did not start") from None
+            time.sleep(0.05)
+    client.close()
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def stop_redis(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+class Scripted:
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+
+    def fault(self, spec: str, count: int = 1) -> None:
+        r = httpx.put(self.url + "/control/fault", json={"fault": spec, "count": count})
+        assert r.status_code == 200, r.text
+
+    def requests(self) -> int:
+        return int(httpx.get(self.url + "/stats").json()["requests"])
+
+
+def start_scripted() -> tuple[Proc, Scripted]:
+    port = free_port()
+    proc = Proc(
+        [sys.executable, "-m", "switchyard.bench.scripted_upstream", "--port", str(port)],
+        "scripted",
+    )
+    wait_http(f"http://127.0.0.1:{port}/health", proc)
+    return proc, Scripted(port)
+
+
+@pytest.fixture(scope="module")
+def scripted() -> Iterator[Scripted]:
+    proc, s = start_scripted()
+    yield s
+    proc.stop()

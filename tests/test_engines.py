@@ -68,16 +68,14 @@ def test_closing_a_stream_early_frees_the_engine(two_upstreams: Gateway) -> None
         "stream": True,
     }
     # Uncancelled, this generation would take far longer than the bound below.
-    with httpx.stream(
-        "POST", two_upstreams.url + "/v1/chat/completions", json=body, timeout=60
-    ) as r:
+    with two_upstreams.stream(body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: ") for line in got)
     started = time.monotonic()
-    r2 = httpx.post(
-        two_upstreams.url + "/v1/chat/completions",
+    r2 = two_upstreams.post(
+        "/v1/chat/completions",
         json={
             "model": "local-smol",
             "messages": [{"role": "user", "content": "Hi"}],
@@ -92,8 +90,8 @@ def test_closing_a_stream_early_frees_the_engine(two_upstreams: Gateway) -> None
 
 def test_long_generation_is_really_long(two_upstreams: Gateway) -> None:
     """Guards the cancellation test: banning EOS does force a long generation."""
-    r = httpx.post(
-        two_upstreams.url + "/v1/chat/completions",
+    r = two_upstreams.post(
+        "/v1/chat/completions",
         json={
             "model": "local-smol",
             "messages": [{"role": "user", "content": "Hi"}],
@@ -116,8 +114,8 @@ def test_readyz_503_until_ready_then_kill_and_recover() -> None:
         assert first.status_code == 503, "ready before the model could have loaded"
         assert first.json()["models"]["smol"]["ready"] is False
         assert first.headers["retry-after"]
-        early = httpx.post(
-            gw.url + "/v1/chat/completions",
+        early = gw.post(
+            "/v1/chat/completions",
             json={
                 "model": "smol",
                 "messages": [{"role": "user", "content": "Hi"}],
@@ -135,8 +133,8 @@ def test_readyz_503_until_ready_then_kill_and_recover() -> None:
         assert info["live"] and pid
         os.kill(pid, signal.SIGKILL)
         # The dead engine is reported and requests fail cleanly (502/503), never hang.
-        r = httpx.post(
-            gw.url + "/v1/chat/completions",
+        r = gw.post(
+            "/v1/chat/completions",
             json={
                 "model": "smol",
                 "messages": [{"role": "user", "content": "Hi"}],
@@ -153,8 +151,8 @@ def test_readyz_503_until_ready_then_kill_and_recover() -> None:
         _wait_ready(gw)
         after = httpx.get(gw.url + "/readyz").json()["models"]["smol"]
         assert after["restarts"] >= 1 and after["pid"] != pid
-        ok = httpx.post(
-            gw.url + "/v1/chat/completions",
+        ok = gw.post(
+            "/v1/chat/completions",
             json={
                 "model": "smol",
                 "messages": [{"role": "user", "content": "Hi"}],

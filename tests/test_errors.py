@@ -14,7 +14,7 @@ MODEL = "smollm2-135m"
 
 
 def _post(gw: Gateway, path: str, **kw: Any) -> httpx.Response:
-    return httpx.post(gw.url + path, timeout=60, **kw)
+    return gw.post(path, **kw)
 
 
 def _error(r: httpx.Response) -> dict[str, Any]:

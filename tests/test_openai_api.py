@@ -62,9 +62,7 @@ def test_streaming_without_include_usage_has_no_usage_chunk(default_gateway: Gat
 
 def test_raw_sse_ends_with_done(default_gateway: Gateway) -> None:
     body = {"model": MODEL, "messages": MSG, "max_tokens": 4, "stream": True}
-    with httpx.stream(
-        "POST", default_gateway.url + "/v1/chat/completions", json=body, timeout=60
-    ) as r:
+    with default_gateway.stream(body) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         text = "".join(r.iter_text())
@@ -98,8 +96,8 @@ def test_embeddings_384_dims_and_deterministic(default_gateway: Gateway) -> None
     assert abs(float(np.linalg.norm(a.data[0].embedding)) - 1.0) < 1e-3
     assert not np.allclose(a.data[0].embedding, a.data[1].embedding)
     # And the plain float encoding gives the same vector.
-    r = httpx.post(
-        default_gateway.url + "/v1/embeddings",
+    r = default_gateway.post(
+        "/v1/embeddings",
         json={"model": "all-minilm-l6-v2", "input": "hello world", "encoding_format": "float"},
         timeout=30,
     )
@@ -108,16 +106,16 @@ def test_embeddings_384_dims_and_deterministic(default_gateway: Gateway) -> None
 
 
 def test_client_request_id_is_echoed(default_gateway: Gateway) -> None:
-    r = httpx.post(
-        default_gateway.url + "/v1/chat/completions",
+    r = default_gateway.post(
+        "/v1/chat/completions",
         json={"model": MODEL, "messages": MSG, "max_tokens": 1},
         headers={"x-request-id": "my-id.123"},
         timeout=60,
     )
     assert r.status_code == 200
     assert r.headers["x-request-id"] == "my-id.123"
-    bad = httpx.post(
-        default_gateway.url + "/v1/chat/completions",
+    bad = default_gateway.post(
+        "/v1/chat/completions",
         json={"model": MODEL, "messages": MSG, "max_tokens": 1},
         headers={"x-request-id": "no spaces <allowed>"},
         timeout=60,

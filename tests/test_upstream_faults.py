@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -10,33 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import Gateway, Proc, free_port, start_gateway, wait_http
+from conftest import Gateway, Scripted, free_port, start_gateway
 
 BODY = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-
-
-class Scripted:
-    def __init__(self, port: int) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-
-    def fault(self, spec: str, count: int = 1) -> None:
-        r = httpx.put(self.url + "/control/fault", json={"fault": spec, "count": count})
-        assert r.status_code == 200, r.text
-
-    def requests(self) -> int:
-        return int(httpx.get(self.url + "/stats").json()["requests"])
-
-
-@pytest.fixture(scope="module")
-def scripted() -> Iterator[Scripted]:
-    port = free_port()
-    proc = Proc(
-        [sys.executable, "-m", "switchyard.bench.scripted_upstream", "--port", str(port)],
-        "scripted",
-    )
-    wait_http(f"http://127.0.0.1:{port}/health", proc)
-    yield Scripted(port)
-    proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +39,14 @@ def gw(scripted: Scripted) -> Iterator[Gateway]:
 
 
 def _post(gw: Gateway, body: dict[str, Any], **kw: Any) -> httpx.Response:
-    return httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=30, **kw)
+    return gw.post("/v1/chat/completions", json=body, timeout=30, **kw)
 
 
 def test_mid_stream_death_is_an_sse_error_not_a_truncated_success(
     gw: Gateway, scripted: Scripted
 ) -> None:
     scripted.fault("drop-mid-stream")
-    with httpx.stream(
-        "POST", gw.url + "/v1/chat/completions", json={**BODY, "stream": True}, timeout=30
-    ) as r:
+    with gw.stream({**BODY, "stream": True}) as r:
         assert r.status_code == 200
         text = "".join(r.iter_text())
     events = [e for e in text.split("\n\n") if e]
@@ -135,7 +108,7 @@ def test_hanging_upstream_is_504_at_the_deadline(gw: Gateway, scripted: Scripted
 
 def test_stream_usage_is_relayed_only_when_asked(gw: Gateway) -> None:
     def events(body: dict[str, Any]) -> list[str]:
-        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        with gw.stream(body) as r:
             return [e for e in "".join(r.iter_text()).split("\n\n") if e]
 
     plain = events({**BODY, "stream": True})

@@ -3,24 +3,48 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING, Any
 
-from switchyard.config import ConfigError, Settings, load_settings
+from switchyard.config import ConfigError, load_settings
+
+if TYPE_CHECKING:
+    from switchyard.gateway import Gateway
 
 
-def _banner(settings: Settings, host: str, port: int) -> str:
+def _banner(gw: Gateway, host: str, port: int) -> str:
+    settings = gw.settings
     base = f"http://{host}:{port}"
     model = settings.models[0].alias
+    if settings.auth.mode == "disabled":
+        key, note = (
+            "unused",
+            "  WARNING: auth is disabled; anyone reaching this port can call it.\n",
+        )
+    elif gw.dev_key:
+        key = gw.dev_key
+        note = (
+            f"  First run: created tenant 'dev' and this API key (shown once, stored hashed):\n"
+            f"    {key}\n"
+        )
+    else:
+        key = "$SWITCHYARD_API_KEY"
+        note = (
+            "  Use a key from `switchyard keys create --tenant dev` (or the first-run key\n"
+            "  printed earlier) in SWITCHYARD_API_KEY.\n"
+        )
+    auth = "" if settings.auth.mode == "disabled" else f" -H 'Authorization: Bearer {key}'"
     return f"""
 Switchyard is ready at {base}  (models: {", ".join(m.alias for m in settings.models)})
-
-  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+{note}
+  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Say hello"}}]}}'
 
   from openai import OpenAI
-  client = OpenAI(base_url="{base}/v1", api_key="unused")
+  client = OpenAI(base_url="{base}/v1", api_key="{key}")
   r = client.chat.completions.create(model="{model}",
         messages=[{{"role": "user", "content": "Say hello"}}])
   print(r.choices[0].message.content)
@@ -46,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     print(f"switchyard: starting on http://{host}:{port}; loading models (see /readyz)", flush=True)
-    app = create_app(settings, on_ready=lambda: print(_banner(settings, host, port), flush=True))
+    app = create_app(settings, on_ready=lambda gw: print(_banner(gw, host, port), flush=True))
     uvicorn.run(
         app,
         host=host,
@@ -68,6 +92,88 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store(args: argparse.Namespace) -> Any:
+    """The key store the gateway with this config uses (same SQLite file)."""
+    from switchyard.observe.db import connect
+    from switchyard.policy.keys import KeyStore, Limits
+
+    settings = load_settings(getattr(args, "config", None))
+    path = args.db or os.environ.get("SWITCHYARD_SQLITE_PATH") or settings.storage.sqlite_path
+    d = settings.tenants_defaults
+    return KeyStore(
+        connect(path), Limits(d.rpm, d.tpm, d.max_concurrency, d.budget.usd, d.budget.period)
+    )
+
+
+def _limit_values(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in (
+        "rpm",
+        "tpm",
+        "max_concurrency",
+        "budget_usd",
+        "budget_period",
+        "name",
+        "expires_in_s",
+    ):
+        v = getattr(args, name, None)
+        if v is not None:
+            out[name] = v
+    if getattr(args, "models", None):
+        out["allowed_models"] = [m.strip() for m in args.models.split(",") if m.strip()]
+    if getattr(args, "adapters", None):
+        out["allowed_adapters"] = [m.strip() for m in args.adapters.split(",") if m.strip()]
+    return out
+
+
+def cmd_admin(args: argparse.Namespace) -> int:
+    """keys/tenants subcommands: the same KeyStore calls the admin API makes."""
+    from switchyard.errors import SwitchyardError
+
+    try:
+        store = _store(args)
+        action = args.action
+        if args.command == "tenants":
+            if action == "create":
+                out: Any = store.create_tenant(args.id, **_limit_values(args))
+            elif action == "list":
+                out = store.list_tenants()
+            else:
+                out = store.get_tenant(args.id)
+        elif action == "create":
+            out = store.create_key(args.tenant, **_limit_values(args))
+        elif action == "list":
+            out = store.list_keys(args.tenant)
+        elif action == "revoke":
+            out = store.revoke_key(args.id)
+        else:
+            out = store.get_key(args.id)
+    except ConfigError as exc:
+        print(f"switchyard: {exc}", file=sys.stderr)
+        return 2
+    except SwitchyardError as exc:
+        print(f"switchyard: {exc.message}", file=sys.stderr)
+        return 1
+    print(json.dumps(out, indent=2))
+    if args.command == "keys" and action == "create":
+        print("\nStore this key now: it is shown only once.", file=sys.stderr)
+    return 0
+
+
+def _add_limit_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rpm", type=int)
+    p.add_argument("--tpm", type=int)
+    p.add_argument("--max-concurrency", type=int)
+    p.add_argument("--budget-usd", type=float)
+    p.add_argument("--budget-period", choices=["day", "month"])
+    p.add_argument("--models", help="comma-separated aliases or wildcards (default: all)")
+
+
+def _add_store_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="config whose storage.sqlite_path to use")
+    p.add_argument("--db", help="SQLite file (overrides the config)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="switchyard", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -81,6 +187,36 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("--config", required=True)
     check.set_defaults(func=cmd_check_config)
+
+    tenants = sub.add_parser("tenants", help="manage tenants")
+    tsub = tenants.add_subparsers(dest="action", required=True)
+    tc = tsub.add_parser("create")
+    tc.add_argument("id")
+    _add_limit_options(tc)
+    tl = tsub.add_parser("list")
+    ts = tsub.add_parser("show")
+    ts.add_argument("id")
+    for p in (tc, tl, ts):
+        _add_store_options(p)
+        p.set_defaults(func=cmd_admin)
+
+    keys = sub.add_parser("keys", help="manage API keys")
+    ksub = keys.add_subparsers(dest="action", required=True)
+    kc = ksub.add_parser("create")
+    kc.add_argument("--tenant", required=True)
+    kc.add_argument("--name")
+    kc.add_argument("--adapters", help="comma-separated adapter names or wildcards")
+    kc.add_argument("--expires-in-s", type=float)
+    _add_limit_options(kc)
+    kl = ksub.add_parser("list")
+    kl.add_argument("--tenant")
+    kr = ksub.add_parser("revoke")
+    kr.add_argument("id")
+    ks = ksub.add_parser("show")
+    ks.add_argument("id")
+    for p in (kc, kl, kr, ks):
+        _add_store_options(p)
+        p.set_defaults(func=cmd_admin)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)

@@ -32,9 +32,50 @@ class ServerConfig(_Strict):
     default_deadline_s: float = Field(60.0, gt=0)
 
 
+class StorageConfig(_Strict):
+    sqlite_path: str = "~/.switchyard/switchyard.db"
+    redis_url: str | None = None  # shared limits and budgets across gateway processes
+
+
 class AuthConfig(_Strict):
-    # Keys arrive with the policy layer; until then only `disabled` exists.
-    mode: Literal["disabled"] = "disabled"
+    # keys: every request needs a key; disabled: local experiments only (warns loudly).
+    mode: Literal["keys", "disabled"] = "keys"
+    admin_key_env: str = "SWITCHYARD_ADMIN_KEY"
+    # On first start with no tenants, create tenant "dev" and print its key once.
+    bootstrap_dev_key: bool = True
+    # Seconds a verified key stays cached; revocation through another process (the
+    # CLI) takes effect within this time, through the admin API at once.
+    key_cache_s: float = Field(2.0, ge=0)
+
+
+class BudgetConfig(_Strict):
+    usd: float | None = Field(None, ge=0)
+    period: Literal["day", "month"] = "day"
+
+
+class TenantDefaults(_Strict):
+    """Limits for tenants that do not set their own. None = unlimited."""
+
+    rpm: int | None = Field(None, ge=1)
+    tpm: int | None = Field(None, ge=1)
+    max_concurrency: int | None = Field(None, ge=1)
+    budget: BudgetConfig = BudgetConfig()
+
+
+class PolicyConfig(_Strict):
+    # Tokens reserved for a request that does not set max_tokens (TPM and budget).
+    default_max_tokens: int = Field(512, ge=1)
+    # What a limiter does when Redis cannot be reached.
+    on_limiter_failure: Literal["fail_closed", "fail_open"] = "fail_closed"
+
+
+class ModelLimits(_Strict):
+    """Per-deployment admission: concurrency cap, wait queue and rate limits."""
+
+    max_concurrency: int | None = Field(None, ge=1)
+    queue: int = Field(64, ge=0)
+    rpm: int | None = Field(None, ge=1)
+    tpm: int | None = Field(None, ge=1)
 
 
 class LlamaCppEngine(_Strict):
@@ -112,6 +153,7 @@ class ModelConfig(_Strict):
     region: str = "local"
     price: Price = Price()
     timeouts: Timeouts = Timeouts()
+    limits: ModelLimits = ModelLimits()
 
 
 class EmbeddingsConfig(_Strict):
@@ -124,7 +166,10 @@ class EmbeddingsConfig(_Strict):
 
 class Settings(_Strict):
     server: ServerConfig = ServerConfig()
+    storage: StorageConfig = StorageConfig()
     auth: AuthConfig = AuthConfig()
+    tenants_defaults: TenantDefaults = TenantDefaults()
+    policy: PolicyConfig = PolicyConfig()
     models: list[ModelConfig] = Field(min_length=1)
     embeddings: EmbeddingsConfig = EmbeddingsConfig()
 
@@ -157,8 +202,10 @@ DEFAULT_CONFIG: dict[str, Any] = {
             "capabilities": {"context_window": 4096, "supports_streaming": True},
             "region": "local",
             "price": {"input": 0.0, "output": 0.0},
+            "limits": {"max_concurrency": 4, "queue": 32},
         }
-    ]
+    ],
+    "tenants_defaults": {"rpm": 600, "tpm": 200000, "max_concurrency": 16},
 }
 
 

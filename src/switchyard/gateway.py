@@ -7,16 +7,43 @@ stage records its `Decision`; stages whose capability has not landed yet record 
 
 from __future__ import annotations
 
+import inspect
 import logging
+import os
+import secrets
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from switchyard.config import Settings
 from switchyard.decide.select import select_deployment
 from switchyard.embed import EmbeddingService
 from switchyard.engines.registry import Registry
-from switchyard.errors import InvalidRequest
+from switchyard.errors import EngineNotReady, InvalidRequest
+from switchyard.observe.db import connect
+from switchyard.observe.ledger import UsageLedger, UsageRow
 from switchyard.pipeline import Pipeline, RequestContext, Timings, request_id_from
+from switchyard.policy.admission import DeploymentGate
+from switchyard.policy.admit import (
+    cost_usd,
+    deployment_scope,
+    estimate_prompt_tokens,
+    max_output_tokens,
+    principal_scopes,
+    rate_headers,
+    refusal,
+)
+from switchyard.policy.auth import ANONYMOUS, Authenticator, authorize_model
+from switchyard.policy.keys import KeyStore, Limits, Principal
+from switchyard.policy.limits import (
+    Ask,
+    Limiter,
+    LimiterUnavailable,
+    MemoryLimiter,
+    ScopeLimits,
+    period_key,
+    period_start,
+)
 
 log = logging.getLogger("switchyard")
 
@@ -28,13 +55,36 @@ class Gateway:
         self.embedder = (
             EmbeddingService(settings.embeddings) if settings.embeddings.enabled else None
         )
+        self.sqlite_path = os.environ.get("SWITCHYARD_SQLITE_PATH") or settings.storage.sqlite_path
+        d = settings.tenants_defaults
+        self.keys = KeyStore(
+            connect(self.sqlite_path),
+            Limits(d.rpm, d.tpm, d.max_concurrency, d.budget.usd, d.budget.period),
+        )
+        self.auth = Authenticator(self.keys, settings.auth.key_cache_s)
+        self.ledger = UsageLedger(self.sqlite_path)
+        self.limiter: Limiter
+        if settings.storage.redis_url:
+            from switchyard.policy.redis_limits import RedisLimiter
+
+            self.limiter = RedisLimiter(settings.storage.redis_url)
+        else:
+            self.limiter = MemoryLimiter()
+        self.gates = {
+            m.alias: DeploymentGate(m.alias, m.limits.max_concurrency, m.limits.queue)
+            for m in settings.models
+        }
+        self.counters: dict[str, int] = {"limiter_fail_open": 0, "limiter_fail_closed": 0}
+        self._seeded: set[tuple[str, str]] = set()
+        self.dev_key: str | None = None
         self.pipeline = Pipeline(
             [
-                ("authenticate", self._authenticate),
+                ("authorize", self._authorize),
                 ("admit", self._admit),
                 ("cache", self._cache),
                 ("route", self._route),
                 ("select", self._select),
+                ("queue", self._queue),
                 ("place", self._place),
             ]
         )
@@ -43,6 +93,14 @@ class Gateway:
     # -- lifecycle (control plane) ------------------------------------------
     def start(self) -> None:
         """Start engines and models in the background; /readyz reports progress."""
+        if self.settings.auth.mode == "disabled":
+            log.warning(
+                "AUTH IS DISABLED (auth.mode: disabled): anyone who can reach this port may "
+                "call every model without limits. Use this for local experiments only."
+            )
+        elif self.settings.auth.bootstrap_dev_key and self.keys.count_tenants() == 0:
+            self.keys.create_tenant("dev")
+            self.dev_key = self.keys.create_key("dev", name="first-run development key")["key"]
         self.registry.start()
         if self.embedder is not None:
             self.embedder.start()
@@ -51,6 +109,10 @@ class Gateway:
         await self.registry.stop()
         if self.embedder is not None:
             await self.embedder.stop()
+        close = getattr(self.limiter, "close", None)
+        if close is not None:
+            await close()
+        self.ledger.close()
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         models = {alias: d.describe() for alias, d in self.registry.deployments.items()}
@@ -61,10 +123,38 @@ class Gateway:
         return ready, models
 
     # -- request context ----------------------------------------------------
+    def authenticate(self, headers: Mapping[str, str]) -> Principal:
+        if self.settings.auth.mode == "disabled":
+            return ANONYMOUS
+        return self.auth.authenticate(headers)
+
     def new_context(
-        self, endpoint: str, body: dict[str, Any], headers: Any, received: float
+        self, endpoint: str, headers: Mapping[str, str], received: float, principal: Principal
     ) -> RequestContext:
         deadline_s = self.settings.server.default_deadline_s
+        parents = headers.get("x-parent-request-id")
+        ctx = RequestContext(
+            request_id=request_id_from(headers.get("x-request-id")),
+            endpoint=endpoint,
+            body={},
+            received_at=time.time() - (time.perf_counter() - received),
+            timings=Timings(received=received),
+            deadline=received + deadline_s,
+            task_id=headers.get("x-task-id"),
+            parent_request_ids=[p.strip() for p in parents.split(",") if p.strip()]
+            if parents
+            else [],
+            principal=principal,
+        )
+        outcome = "skip" if principal is ANONYMOUS else "ok"
+        reason = "auth.mode is disabled" if principal is ANONYMOUS else "valid API key"
+        ctx.record(
+            "authenticate",
+            outcome,
+            reason,
+            received,
+            {"tenant": principal.tenant_id, "key": principal.key_id},
+        )
         timeout = headers.get("x-request-timeout")
         if timeout is not None:
             try:
@@ -76,27 +166,88 @@ class Gateway:
                     "x-request-timeout must be a number of seconds greater than 0",
                     param="x-request-timeout",
                 )
-            deadline_s = min(deadline_s, asked)
-        parents = headers.get("x-parent-request-id")
-        return RequestContext(
-            request_id=request_id_from(headers.get("x-request-id")),
-            endpoint=endpoint,
-            body=body,
-            received_at=time.time(),
-            timings=Timings(received=received),
-            deadline=received + deadline_s,
-            task_id=headers.get("x-task-id"),
-            parent_request_ids=[p.strip() for p in parents.split(",") if p.strip()]
-            if parents
-            else [],
-        )
+            ctx.deadline = received + min(deadline_s, asked)
+        return ctx
 
     # -- stages ---------------------------------------------------------------
-    async def _authenticate(self, ctx: RequestContext) -> None:
-        ctx.record("authenticate", "skip", "auth.mode is disabled", time.perf_counter())
+    async def _authorize(self, ctx: RequestContext) -> None:
+        t = time.perf_counter()
+        assert ctx.alias is not None
+        if self.settings.model(ctx.alias) is None:
+            # Unknown models are 404 for everyone; no need to reveal key scopes.
+            ctx.record("authorize", "skip", "unknown model; selection will refuse it", t)
+            return
+        authorize_model(ctx.principal, ctx.alias)
+        ctx.record("authorize", "allowed", "the key may use this model", t, {"model": ctx.alias})
+
+    async def _reserve(self, ctx: RequestContext, scopes: list[ScopeLimits], stage: str) -> None:
+        t = time.perf_counter()
+        if not scopes:
+            ctx.record(stage, "skip", "no limits apply", t)
+            return
+        model = self.settings.model(ctx.alias or "")
+        price = model.price if model is not None else None
+        prompt = estimate_prompt_tokens(ctx.body)
+        out = max_output_tokens(ctx.body, self.settings.policy.default_max_tokens)
+        ctx.prompt_estimate = prompt
+        ask = Ask(
+            f"{ctx.request_id}#{secrets.token_hex(4)}",
+            prompt + out,
+            cost_usd(price, prompt, out) if price else 0.0,
+        )
+        try:
+            await self._seed_budgets(scopes)
+            verdict = await self.limiter.reserve(scopes, ask)
+        except LimiterUnavailable as exc:
+            if self.settings.policy.on_limiter_failure == "fail_open":
+                self.counters["limiter_fail_open"] += 1
+                log.warning("limiter unavailable, admitting (fail_open): %s", exc)
+                ctx.record(stage, "admit:fail_open", f"limiter unavailable: {exc}", t)
+                return
+            self.counters["limiter_fail_closed"] += 1
+            ctx.record(stage, "reject:limiter_unavailable", f"limiter unavailable: {exc}", t)
+            raise EngineNotReady(
+                "rate limiter unavailable; refusing (fail_closed)", code="limiter_unavailable"
+            ) from None
+        ctx.rate_headers.update(rate_headers(verdict))
+        evidence: dict[str, Any] = {
+            "reserved_tokens": ask.tokens,
+            "reserved_usd": ask.cost_usd,
+            "scopes": verdict.state,
+        }
+        if not verdict.allowed:
+            ctx.record(
+                stage,
+                f"reject:{verdict.limit}",
+                f"{verdict.limit} limit of {verdict.scope}",
+                t,
+                evidence,
+            )
+            raise refusal(verdict)
+        ctx.reservations.append((scopes, ask))
+        ctx.record(stage, "admitted", "within every limit", t, evidence)
+
+    async def _seed_budgets(self, scopes: list[ScopeLimits]) -> None:
+        """Budgets survive restarts: the first time a scope is seen in a period, its
+        spend so far is read back from the ledger."""
+        now = time.time()
+        for s in scopes:
+            if s.budget_usd is None:
+                continue
+            mark = (s.scope, period_key(s.budget_period, now))
+            if mark in self._seeded:
+                continue
+            kind, _, ident = s.scope.partition(":")
+            column = {"key": "key_id", "tenant": "tenant_id"}.get(kind)
+            if column is not None:
+                spent = self.ledger.spent_since(column, ident, period_start(s.budget_period, now))
+                seeded = self.limiter.seed_spent(s.scope, s.budget_period, spent, now)
+                if inspect.isawaitable(seeded):
+                    await seeded
+            self._seeded.add(mark)
 
     async def _admit(self, ctx: RequestContext) -> None:
-        ctx.record("admit", "skip", "no limits configured", time.perf_counter())
+        await self._reserve(ctx, principal_scopes(ctx.principal), "admit")
 
     async def _cache(self, ctx: RequestContext) -> None:
         ctx.record("cache", "skip", "cache not configured", time.perf_counter())
@@ -118,6 +269,32 @@ class Gateway:
         ctx.model = sel.deployment.model
         ctx.record("select", sel.outcome, sel.reason, t, sel.evidence)
 
+    async def _queue(self, ctx: RequestContext) -> None:
+        assert ctx.model is not None
+        await self._reserve(ctx, deployment_scope(ctx.model), "deployment_limits")
+        t = time.perf_counter()
+        gate = self.gates[ctx.model.alias]
+        try:
+            adm = await gate.acquire(ctx.deadline)
+        except Exception as exc:
+            ctx.record(
+                "queue", "reject", str(exc), t, {"in_flight": gate.in_flight, "queued": gate.queued}
+            )
+            raise
+        ctx.gate = gate
+        ctx.queue_ms = adm.waited_s * 1000
+        ctx.record(
+            "queue",
+            "admitted" if adm.waited_s == 0 else "waited",
+            f"waited {adm.waited_s * 1000:.1f} ms for a slot",
+            t,
+            {
+                "in_flight": adm.in_flight,
+                "queued": adm.queued,
+                "max_concurrency": gate.max_concurrency,
+            },
+        )
+
     async def _place(self, ctx: RequestContext) -> None:
         assert ctx.deployment is not None
         where = "local" if ctx.deployment.engine is not None else "remote"
@@ -127,4 +304,54 @@ class Gateway:
             f"the deployment runs {where}ly",
             time.perf_counter(),
             {"region": ctx.deployment.model.region},
+        )
+
+    # -- settle -----------------------------------------------------------------
+    async def finish(self, ctx: RequestContext) -> None:
+        """Release what the request held, charge what it used, write its usage row.
+        Runs exactly once per request, whatever way it ended."""
+        if ctx.finished:
+            return
+        ctx.finished = True
+        if ctx.gate is not None:
+            ctx.gate.release()
+        usage = ctx.usage or {}
+        if usage:
+            inp = int(usage.get("prompt_tokens") or 0)
+            out = int(usage.get("completion_tokens") or 0)
+        elif ctx.attempts:
+            inp, out = ctx.prompt_estimate, ctx.chunks  # best effort for broken streams
+        else:
+            inp = out = 0
+        cost = cost_usd(ctx.model.price, inp, out) if ctx.model is not None else 0.0
+        for scopes, ask in ctx.reservations:
+            try:
+                await self.limiter.settle(scopes, ask, inp + out, cost)
+            except LimiterUnavailable as exc:
+                log.warning("could not settle %s: %s", ctx.request_id, exc)
+        t = ctx.timings
+        end = t.ended or time.perf_counter()
+        p = ctx.principal
+        self.ledger.record(
+            UsageRow(
+                request_id=ctx.request_id,
+                task_id=ctx.task_id,
+                tenant_id=p.tenant_id if p is not None else None,
+                key_id=p.key_id if p is not None else None,
+                endpoint=ctx.endpoint,
+                model=ctx.alias,
+                revision=ctx.model.revision if ctx.model is not None else None,
+                upstream=ctx.deployment.label if ctx.deployment is not None else None,
+                input_tokens=inp,
+                output_tokens=out,
+                cost_usd=cost,
+                cache=None,
+                status=ctx.status if ctx.status != "pending" else "error",
+                error_code=ctx.error_code,
+                attempts=ctx.attempts,
+                received_at=ctx.received_at,
+                queue_ms=ctx.queue_ms,
+                ttft_ms=(t.client_first_byte - t.received) * 1000 if t.client_first_byte else None,
+                duration_ms=(end - t.received) * 1000,
+            )
         )

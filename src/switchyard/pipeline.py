@@ -81,6 +81,14 @@ class RequestContext:
     status: str = "pending"
     usage: dict[str, Any] | None = None
     attempts: int = 0
+    error_code: str | None = None
+    chunks: int = 0  # content events relayed to the client
+    prompt_estimate: int = 0
+    queue_ms: float | None = None
+    reservations: list[tuple[Any, Any]] = field(default_factory=list)  # (scopes, Ask)
+    rate_headers: dict[str, str] = field(default_factory=dict)
+    gate: Any = None  # the deployment slot held, released at settle
+    finished: bool = False
 
     def record(
         self,

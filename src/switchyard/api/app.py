@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from switchyard.api.admin import build_admin_routes
 from switchyard.api.openai import build_routes, served_headers
 from switchyard.config import Settings
 from switchyard.errors import (
@@ -32,7 +33,6 @@ def error_response(request: Request, exc: SwitchyardError) -> Response:
     ctx = getattr(request.state, "ctx", None)
     if ctx is not None:
         headers = served_headers(ctx)
-        ctx.status = "error"
     else:
         rid = getattr(request.state, "request_id", None) or request_id_from(
             request.headers.get("x-request-id")
@@ -47,14 +47,14 @@ def error_response(request: Request, exc: SwitchyardError) -> Response:
     )
 
 
-def create_app(settings: Settings, on_ready: Callable[[], None] | None = None) -> FastAPI:
+def create_app(settings: Settings, on_ready: Callable[[Gateway], None] | None = None) -> FastAPI:
     gw = Gateway(settings)
 
     async def announce_ready() -> None:
         while not gw.readiness()[0]:
             await asyncio.sleep(0.2)
         if on_ready is not None:
-            on_ready()
+            on_ready(gw)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -77,6 +77,7 @@ def create_app(settings: Settings, on_ready: Callable[[], None] | None = None) -
     )
     app.state.gateway = gw
     app.router.routes.extend(build_routes(gw))
+    app.router.routes.extend(build_admin_routes(gw))
 
     @app.get("/healthz")
     async def healthz() -> Response:

@@ -13,15 +13,18 @@ from starlette.routing import Route
 
 from switchyard.api.body import read_json
 from switchyard.api.sse import RelayResponse, relay
-from switchyard.errors import InvalidRequest, ModelNotFound
+from switchyard.errors import InvalidRequest, ModelNotFound, SwitchyardError
 from switchyard.execute.executor import execute, execute_stream
 from switchyard.gateway import Gateway
 from switchyard.pipeline import RequestContext
+from switchyard.policy.auth import authorize_model
 from switchyard.policy.validate import validate_chat, validate_completion, validate_embeddings
 
 
 def served_headers(ctx: RequestContext) -> dict[str, str]:
     h = {"x-request-id": ctx.request_id}
+    if ctx.rate_headers:
+        h.update(ctx.rate_headers)
     dep = ctx.deployment
     if dep is not None:
         h["x-switchyard-model"] = dep.alias
@@ -34,7 +37,10 @@ def served_headers(ctx: RequestContext) -> dict[str, str]:
         gw = (t.upstream_sent - t.received) * 1000
         up = (t.upstream_first_byte - t.upstream_sent) * 1000
         total = (now - t.received) * 1000
-        h["server-timing"] = f"gateway;dur={gw:.2f}, upstream;dur={up:.2f}, total;dur={total:.2f}"
+        queue = f"queue;dur={ctx.queue_ms:.2f}, " if ctx.queue_ms else ""
+        h["server-timing"] = (
+            f"{queue}gateway;dur={gw:.2f}, upstream;dur={up:.2f}, total;dur={total:.2f}"
+        )
     return h
 
 
@@ -44,37 +50,61 @@ def build_routes(gw: Gateway) -> list[Route]:
 
     async def generate(request: Request, endpoint: str) -> Response:
         received = time.perf_counter()
-        request.state.request_id = None
-        body = await read_json(request, max_body)
-        alias = validate_chat(body) if endpoint == "chat.completions" else validate_completion(body)
-        ctx = gw.new_context(endpoint, body, request.headers, received)
-        request.state.request_id = ctx.request_id
-        ctx.alias = alias
-        ctx.stream = bool(body.get("stream"))
-        ctx.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        ctx.record("validate", "ok", "request shape is valid", received)
-        await gw.pipeline.decide(ctx)
+        principal = gw.authenticate(request.headers)  # before any costly work
+        ctx = gw.new_context(endpoint, request.headers, received, principal)
         request.state.ctx = ctx
-        if ctx.response is not None:
-            return ctx.response
-        assert ctx.model is not None
-        if ctx.stream:
-            if not ctx.model.capabilities.supports_streaming:
-                raise InvalidRequest(
-                    f"the model '{alias}' does not support streaming", param="stream"
-                )
-            stream = await execute_stream(ctx)
-            return RelayResponse(
-                relay(ctx, stream), media_type="text/event-stream", headers=served_headers(ctx)
-            )
-        reply = await execute(ctx)
-        ctx.status = "ok"
-        ctx.timings.ended = time.perf_counter()
+        handed_off = False
         try:
-            ctx.usage = orjson.loads(reply.body).get("usage")
-        except (orjson.JSONDecodeError, AttributeError):
-            ctx.usage = None
-        return Response(reply.body, media_type="application/json", headers=served_headers(ctx))
+            body = await read_json(request, max_body)
+            if endpoint == "chat.completions":
+                alias = validate_chat(body)
+            else:
+                alias = validate_completion(body)
+            ctx.body = body
+            ctx.alias = alias
+            ctx.stream = bool(body.get("stream"))
+            ctx.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            ctx.record("validate", "ok", "request shape is valid", received)
+            await gw.pipeline.decide(ctx)
+            if ctx.response is not None:
+                return ctx.response
+            assert ctx.model is not None
+            if ctx.stream:
+                if not ctx.model.capabilities.supports_streaming:
+                    raise InvalidRequest(
+                        f"the model '{alias}' does not support streaming", param="stream"
+                    )
+                stream = await execute_stream(ctx)
+
+                async def close() -> None:
+                    stream.close(complete=ctx.status == "ok")
+                    await gw.finish(ctx)
+
+                response = RelayResponse(
+                    relay(ctx, stream),
+                    media_type="text/event-stream",
+                    headers=served_headers(ctx),
+                    on_close=close,
+                )
+                handed_off = True
+                return response
+            reply = await execute(ctx)
+            ctx.status = "ok"
+            ctx.timings.ended = time.perf_counter()
+            try:
+                ctx.usage = orjson.loads(reply.body).get("usage")
+            except (orjson.JSONDecodeError, AttributeError):
+                ctx.usage = None
+            return Response(reply.body, media_type="application/json", headers=served_headers(ctx))
+        except SwitchyardError as exc:
+            ctx.status, ctx.error_code = "error", exc.code
+            raise
+        except BaseException:
+            ctx.status, ctx.error_code = "error", "internal_error"
+            raise
+        finally:
+            if not handed_off:
+                await gw.finish(ctx)
 
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat.completions")
@@ -83,6 +113,7 @@ def build_routes(gw: Gateway) -> list[Route]:
         return await generate(request, "completions")
 
     async def models(request: Request) -> Response:
+        principal = gw.authenticate(request.headers)
         data: list[dict[str, Any]] = [
             {
                 "id": m.alias,
@@ -92,8 +123,9 @@ def build_routes(gw: Gateway) -> list[Route]:
                 "revision": m.revision,
             }
             for m in gw.settings.models
+            if principal.may_use(m.alias)
         ]
-        if gw.embedder is not None:
+        if gw.embedder is not None and principal.may_use(gw.settings.embeddings.alias):
             data.append(
                 {
                     "id": gw.settings.embeddings.alias,
@@ -107,6 +139,7 @@ def build_routes(gw: Gateway) -> list[Route]:
         )
 
     async def embeddings(request: Request) -> Response:
+        principal = gw.authenticate(request.headers)
         body = await read_json(request, max_body)
         cfg = gw.settings.embeddings
         model, texts = validate_embeddings(body, cfg.max_inputs)
@@ -116,6 +149,7 @@ def build_routes(gw: Gateway) -> list[Route]:
                     f"the model '{model}' does not serve embeddings", param="model"
                 )
             raise ModelNotFound(f"the embedding model '{model}' does not exist", param="model")
+        authorize_model(principal, model)
         dims = body.get("dimensions")
         vecs, counts = await gw.embedder.embed(texts)
         if dims is not None and dims != vecs.shape[1]:

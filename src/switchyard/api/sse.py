@@ -11,7 +11,7 @@ stops generating.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import anyio
 import orjson
@@ -59,6 +59,7 @@ async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[by
                             continue  # asked for by the gateway, not by the client
                 out.append(b"data: " + data + b"\n\n")
             if out:
+                ctx.chunks += len(out)
                 if ctx.timings.client_first_byte is None:
                     ctx.timings.client_first_byte = time.perf_counter()
                 yield b"".join(out)
@@ -87,13 +88,34 @@ class RelayResponse(StreamingResponse):
     stream cancels the relay, whose `finally` closes the upstream connection.
     """
 
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        media_type: str,
+        headers: dict[str, str],
+        on_close: Callable[[], Awaitable[None]],
+    ) -> None:
+        super().__init__(content, media_type=media_type, headers=headers)
+        self._relay = content
+        self._on_close = on_close
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as tg:
+        try:
+            async with anyio.create_task_group() as tg:
 
-            async def stream() -> None:
-                await self.stream_response(send)
+                async def stream() -> None:
+                    await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
                 tg.cancel_scope.cancel()
-
-            tg.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            tg.cancel_scope.cancel()
+        finally:
+            # Runs even if the relay never started (client gone before the first
+            # byte), so the upstream is closed and the request is settled once.
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self._relay, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                await self._on_close()

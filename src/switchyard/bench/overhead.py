@@ -251,7 +251,7 @@ def smoke(name: str, url: str, max_tokens: int) -> None:
         raise StartError(f"{name}: streaming POST {url} answered {status}: {body[:500]!r}")
 
 
-def config_yaml(switchyard_port: int, upstream_port: int) -> str:
+def config_yaml(switchyard_port: int, upstream_port: int, db_path: Path) -> str:
     return (
         f"server: {{host: 127.0.0.1, port: {switchyard_port}}}\n"
         "models:\n"
@@ -259,6 +259,9 @@ def config_yaml(switchyard_port: int, upstream_port: int) -> str:
         "    revision: scripted-v1\n"
         f'    engine: {{kind: openai, base_url: "http://127.0.0.1:{upstream_port}/v1"}}\n'
         "embeddings: {enabled: false}\n"
+        # Policy off: this measures the gateway core against the floor.
+        "auth: {mode: disabled}\n"
+        f'storage: {{sqlite_path: "{db_path}"}}\n'
     )
 
 
@@ -294,7 +297,7 @@ def start_targets(
     wait_ready(upstream, lambda: http("GET", up_base + "/health")[0] == 200, timeout_s)
 
     cfg = workdir / "switchyard.yaml"
-    cfg.write_text(config_yaml(sy_port, up_port))
+    cfg.write_text(config_yaml(sy_port, up_port, workdir / "switchyard.db"))
     floor = spawn(
         "floor",
         [

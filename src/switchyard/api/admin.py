@@ -1,0 +1,129 @@
+"""The admin API under /admin, guarded by the admin key from the environment.
+
+Every admin action the CLI offers is the same `KeyStore` call over HTTP. Without an
+admin key configured the admin API refuses everything (it never runs open).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from switchyard.api.body import read_json
+from switchyard.errors import AuthenticationError, InvalidRequest, PermissionDenied
+from switchyard.gateway import Gateway
+from switchyard.policy.auth import bearer
+
+_TENANT_FIELDS = (
+    "rpm",
+    "tpm",
+    "max_concurrency",
+    "budget_usd",
+    "budget_period",
+    "allowed_models",
+    "labels",
+)
+_KEY_FIELDS = (*_TENANT_FIELDS, "name", "allowed_adapters", "expires_in_s", "expires_at")
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+def build_admin_routes(gw: Gateway) -> list[Route]:
+    env = gw.settings.auth.admin_key_env
+
+    def guard(request: Request) -> None:
+        expected = os.environ.get(env)
+        if not expected:
+            raise PermissionDenied(
+                f"the admin API is disabled: set {env} to enable it", code="admin_disabled"
+            )
+        given = bearer(request.headers) or ""
+        if not secrets.compare_digest(given.encode(), expected.encode()):
+            raise AuthenticationError("invalid admin key", code="invalid_admin_key")
+
+    async def body_of(request: Request, allowed: tuple[str, ...]) -> dict[str, Any]:
+        body = await read_json(request, 65536)
+        if not isinstance(body, dict):
+            raise InvalidRequest("the request body must be a JSON object")
+        unknown = sorted(set(body) - set(allowed) - {"id", "tenant_id"})
+        if unknown:
+            raise InvalidRequest(f"unknown field '{unknown[0]}'", param=unknown[0])
+        return body
+
+    async def tenants(request: Request) -> Response:
+        guard(request)
+        if request.method == "GET":
+            return _json({"object": "list", "data": gw.keys.list_tenants()})
+        body = await body_of(request, _TENANT_FIELDS)
+        tenant_id = body.pop("id", None)
+        if not tenant_id:
+            raise InvalidRequest("'id' is required", param="id")
+        return _json(gw.keys.create_tenant(tenant_id, **body), 201)
+
+    async def tenant(request: Request) -> Response:
+        guard(request)
+        return _json(gw.keys.get_tenant(request.path_params["tenant_id"]))
+
+    async def keys(request: Request) -> Response:
+        guard(request)
+        if request.method == "GET":
+            tenant_id = request.query_params.get("tenant")
+            return _json({"object": "list", "data": gw.keys.list_keys(tenant_id)})
+        body = await body_of(request, _KEY_FIELDS)
+        tenant_id = body.pop("tenant_id", None)
+        if not tenant_id:
+            raise InvalidRequest("'tenant_id' is required", param="tenant_id")
+        return _json(gw.keys.create_key(tenant_id, **body), 201)
+
+    async def key(request: Request) -> Response:
+        guard(request)
+        key_id = request.path_params["key_id"]
+        if request.method == "DELETE":
+            out = gw.keys.revoke_key(key_id)
+            gw.auth.invalidate()
+            return _json(out)
+        return _json(gw.keys.get_key(key_id))
+
+    async def revoke(request: Request) -> Response:
+        guard(request)
+        out = gw.keys.revoke_key(request.path_params["key_id"])
+        gw.auth.invalidate()  # takes effect at once in this process
+        return _json(out)
+
+    async def usage(request: Request) -> Response:
+        """Ledger rows, newest first: ?tenant=&key=&task=&limit=."""
+        guard(request)
+        gw.ledger.flush()
+        q = request.query_params
+        try:
+            limit = min(int(q.get("limit", "100")), 10_000)
+        except ValueError:
+            raise InvalidRequest("'limit' must be an integer", param="limit") from None
+        return _json(
+            {
+                "object": "list",
+                "data": gw.ledger.rows(
+                    tenant_id=q.get("tenant"),
+                    key_id=q.get("key"),
+                    task_id=q.get("task"),
+                    limit=limit,
+                ),
+            }
+        )
+
+    return [
+        Route("/admin/tenants", tenants, methods=["GET", "POST"]),
+        Route("/admin/tenants/{tenant_id}", tenant, methods=["GET"]),
+        Route("/admin/keys", keys, methods=["GET", "POST"]),
+        Route("/admin/keys/{key_id}", key, methods=["GET", "DELETE"]),
+        Route("/admin/keys/{key_id}/revoke", revoke, methods=["POST"]),
+        Route("/admin/usage", usage, methods=["GET"]),
+    ]

@@ -1,0 +1,85 @@
+"""The SQLite database: keys, tenants and the usage ledger, in WAL mode.
+
+WAL lets the CLI read and write while a gateway serves, and a commit is durable
+once it returns. Each component opens its own connection; writes are serialized by
+SQLite itself (busy timeout instead of failing).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS tenants (
+    id TEXT PRIMARY KEY,
+    created_at REAL NOT NULL,
+    rpm INTEGER, tpm INTEGER, max_concurrency INTEGER,
+    budget_usd REAL, budget_period TEXT,
+    allowed_models TEXT NOT NULL DEFAULT '["*"]',
+    labels TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS api_keys (
+    id TEXT PRIMARY KEY,
+    tenant_id TEXT NOT NULL REFERENCES tenants(id),
+    hash TEXT NOT NULL UNIQUE,
+    prefix TEXT NOT NULL,
+    name TEXT,
+    created_at REAL NOT NULL,
+    expires_at REAL,
+    revoked_at REAL,
+    allowed_models TEXT NOT NULL DEFAULT '["*"]',
+    allowed_adapters TEXT NOT NULL DEFAULT '[]',
+    rpm INTEGER, tpm INTEGER, max_concurrency INTEGER,
+    budget_usd REAL, budget_period TEXT,
+    labels TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS api_keys_tenant ON api_keys(tenant_id);
+CREATE TABLE IF NOT EXISTS usage (
+    request_id TEXT PRIMARY KEY,
+    task_id TEXT,
+    tenant_id TEXT,
+    key_id TEXT,
+    endpoint TEXT NOT NULL,
+    model TEXT,
+    revision TEXT,
+    upstream TEXT,
+    input_tokens INTEGER NOT NULL DEFAULT 0,
+    output_tokens INTEGER NOT NULL DEFAULT 0,
+    cost_usd REAL NOT NULL DEFAULT 0,
+    cache TEXT,
+    status TEXT NOT NULL,
+    error_code TEXT,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    received_at REAL NOT NULL,
+    queue_ms REAL,
+    ttft_ms REAL,
+    duration_ms REAL
+);
+CREATE INDEX IF NOT EXISTS usage_tenant_time ON usage(tenant_id, received_at);
+CREATE INDEX IF NOT EXISTS usage_key_time ON usage(key_id, received_at);
+CREATE INDEX IF NOT EXISTS usage_task ON usage(task_id);
+"""
+
+
+def resolve_path(path: str) -> str:
+    if path == ":memory:":
+        return path
+    p = Path(os.path.expandvars(os.path.expanduser(path)))
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return str(p)
+
+
+def connect(path: str) -> sqlite3.Connection:
+    """A connection with the schema in place. Safe to share across threads when the
+    caller serializes use (check_same_thread=False)."""
+    conn = sqlite3.connect(
+        resolve_path(path), timeout=10, check_same_thread=False, isolation_level=None
+    )
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA foreign_keys=ON")
+    conn.executescript(SCHEMA)
+    return conn

@@ -1,0 +1,150 @@
+"""The usage ledger: one row per finished request, written by one background thread.
+
+Rows are committed as soon as the writer is free (whatever queued meanwhile goes in
+one transaction), so a crash loses only rows of requests that had not finished, or
+had finished within the last commit. A row is inserted whole or not at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import sqlite3
+import threading
+import time
+from dataclasses import astuple, dataclass, fields
+from typing import Any
+
+from switchyard.observe.db import connect
+
+log = logging.getLogger("switchyard.ledger")
+
+
+@dataclass(slots=True)
+class UsageRow:
+    request_id: str
+    task_id: str | None
+    tenant_id: str | None
+    key_id: str | None
+    endpoint: str
+    model: str | None
+    revision: str | None
+    upstream: str | None
+    input_tokens: int
+    output_tokens: int
+    cost_usd: float
+    cache: str | None
+    status: str  # ok | error | incomplete | cancelled
+    error_code: str | None
+    attempts: int
+    received_at: float
+    queue_ms: float | None
+    ttft_ms: float | None
+    duration_ms: float | None
+
+
+_COLUMNS = [f.name for f in fields(UsageRow)]
+_INSERT = (
+    f"INSERT OR REPLACE INTO usage ({', '.join(_COLUMNS)}) "
+    f"VALUES ({', '.join('?' for _ in _COLUMNS)})"
+)
+_STOP = object()
+
+
+class UsageLedger:
+    def __init__(self, sqlite_path: str) -> None:
+        self.path = sqlite_path
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._conn = connect(sqlite_path)
+        self._written = 0
+        self._thread = threading.Thread(target=self._run, name="usage-ledger", daemon=True)
+        self._thread.start()
+
+    def record(self, row: UsageRow) -> None:
+        self._queue.put(row)
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait until every row queued before this call is committed."""
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait(timeout_s)
+
+    def close(self) -> None:
+        self._queue.put(_STOP)
+        self._thread.join(10)
+        self._conn.close()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            batch: list[UsageRow] = []
+            events: list[threading.Event] = []
+            stop = False
+            while True:
+                if item is _STOP:
+                    stop = True
+                elif isinstance(item, threading.Event):
+                    events.append(item)
+                else:
+                    batch.append(item)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            if batch:
+                self._write(batch)
+            for e in events:
+                e.set()
+            if stop:
+                return
+
+    def _write(self, batch: list[UsageRow]) -> None:
+        for attempt in range(3):
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+                self._conn.executemany(_INSERT, [astuple(r) for r in batch])
+                self._conn.execute("COMMIT")
+                self._written += len(batch)
+                return
+            except sqlite3.Error as exc:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                log.error("ledger write failed (attempt %d): %s", attempt + 1, exc)
+                time.sleep(0.05 * (attempt + 1))
+        log.error("dropped %d usage rows after repeated write failures", len(batch))
+
+    # -- reads (admin, tests, budget seeding) -----------------------------------
+    def spent_since(self, column: str, value: str, since: float) -> float:
+        if column not in ("tenant_id", "key_id"):
+            raise ValueError(column)
+        conn = connect(self.path)
+        try:
+            row = conn.execute(
+                f"SELECT COALESCE(SUM(cost_usd), 0) FROM usage WHERE {column} = ? AND received_at >= ?",
+                (value, since),
+            ).fetchone()
+            return float(row[0])
+        finally:
+            conn.close()
+
+    def rows(
+        self,
+        tenant_id: str | None = None,
+        key_id: str | None = None,
+        task_id: str | None = None,
+        limit: int = 100,
+    ) -> list[dict[str, Any]]:
+        where, args = [], []
+        for column, value in (("tenant_id", tenant_id), ("key_id", key_id), ("task_id", task_id)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                args.append(value)
+        sql = "SELECT * FROM usage"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY received_at DESC LIMIT ?"
+        conn = connect(self.path)
+        try:
+            return [dict(r) for r in conn.execute(sql, (*args, limit)).fetchall()]
+        finally:
+            conn.close()

@@ -1,0 +1,290 @@
+"""Tenants and API keys, stored in SQLite; a key is shown once and kept as a hash.
+
+Keys are 256-bit random tokens, so a plain SHA-256 is enough to store them (no
+password stretching needed: nothing to brute-force). The CLI and the admin API call
+the same `KeyStore` methods.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import re
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from switchyard.errors import InvalidRequest, SwitchyardError
+
+KEY_PREFIX = "sk-sy-"
+TENANT_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+LIMIT_FIELDS = ("rpm", "tpm", "max_concurrency", "budget_usd", "budget_period")
+
+
+class NotFound(SwitchyardError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class Conflict(SwitchyardError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
+def hash_key(plaintext: str) -> str:
+    return hashlib.sha256(plaintext.encode()).hexdigest()
+
+
+def model_allowed(patterns: list[str], alias: str) -> bool:
+    return any(fnmatch.fnmatchcase(alias, p) for p in patterns)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrency: int | None = None
+    budget_usd: float | None = None
+    budget_period: str = "day"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: travels with the request into every later stage."""
+
+    tenant_id: str
+    key_id: str
+    key_models: tuple[str, ...]
+    tenant_models: tuple[str, ...]
+    key_limits: Limits
+    tenant_limits: Limits
+    labels: dict[str, Any] = field(default_factory=dict)
+
+    def may_use(self, alias: str) -> bool:
+        return model_allowed(list(self.key_models), alias) and model_allowed(
+            list(self.tenant_models), alias
+        )
+
+
+def _limits(row: sqlite3.Row, defaults: Limits | None = None) -> Limits:
+    d = defaults or Limits()
+    return Limits(
+        rpm=row["rpm"] if row["rpm"] is not None else d.rpm,
+        tpm=row["tpm"] if row["tpm"] is not None else d.tpm,
+        max_concurrency=row["max_concurrency"]
+        if row["max_concurrency"] is not None
+        else d.max_concurrency,
+        budget_usd=row["budget_usd"] if row["budget_usd"] is not None else d.budget_usd,
+        budget_period=row["budget_period"] or d.budget_period,
+    )
+
+
+def _check_limits(values: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k in ("rpm", "tpm", "max_concurrency"):
+        v = values.get(k)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise InvalidRequest(f"'{k}' must be a positive integer", param=k)
+        out[k] = v
+    b = values.get("budget_usd")
+    if b is not None and (not isinstance(b, int | float) or isinstance(b, bool) or b < 0):
+        raise InvalidRequest("'budget_usd' must be a number >= 0", param="budget_usd")
+    out["budget_usd"] = b
+    p = values.get("budget_period")
+    if p is not None and p not in ("day", "month"):
+        raise InvalidRequest("'budget_period' must be 'day' or 'month'", param="budget_period")
+    out["budget_period"] = p
+    return out
+
+
+def _patterns(v: Any, name: str) -> list[str]:
+    if v is None:
+        return ["*"] if name == "allowed_models" else []
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+        raise InvalidRequest(f"'{name}' must be a list of names or wildcards", param=name)
+    return list(v)
+
+
+class KeyStore:
+    def __init__(self, conn: sqlite3.Connection, tenant_defaults: Limits | None = None) -> None:
+        self.conn = conn
+        self.defaults = tenant_defaults or Limits()
+        self._lock = threading.Lock()
+
+    # -- tenants --------------------------------------------------------------
+    def create_tenant(self, tenant_id: str, **values: Any) -> dict[str, Any]:
+        if not isinstance(tenant_id, str) or not TENANT_ID.match(tenant_id):
+            raise InvalidRequest("tenant id must be 1-63 chars of a-z, 0-9, '-' or '_'", param="id")
+        lim = _check_limits(values)
+        models = _patterns(values.get("allowed_models"), "allowed_models")
+        labels = values.get("labels") or {}
+        with self._lock:
+            try:
+                self.conn.execute(
+                    "INSERT INTO tenants (id, created_at, rpm, tpm, max_concurrency, budget_usd,"
+                    " budget_period, allowed_models, labels) VALUES (?,?,?,?,?,?,?,?,?)",
+                    (
+                        tenant_id,
+                        time.time(),
+                        lim["rpm"],
+                        lim["tpm"],
+                        lim["max_concurrency"],
+                        lim["budget_usd"],
+                        lim["budget_period"],
+                        json.dumps(models),
+                        json.dumps(labels),
+                    ),
+                )
+            except sqlite3.IntegrityError:
+                raise Conflict(f"tenant '{tenant_id}' already exists") from None
+        return self.get_tenant(tenant_id)
+
+    def get_tenant(self, tenant_id: str) -> dict[str, Any]:
+        row = self.conn.execute("SELECT * FROM tenants WHERE id = ?", (tenant_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"tenant '{tenant_id}' does not exist")
+        return self._tenant_dict(row)
+
+    def list_tenants(self) -> list[dict[str, Any]]:
+        rows = self.conn.execute("SELECT * FROM tenants ORDER BY id").fetchall()
+        return [self._tenant_dict(r) for r in rows]
+
+    def _tenant_dict(self, row: sqlite3.Row) -> dict[str, Any]:
+        eff = _limits(row, self.defaults)
+        return {
+            "id": row["id"],
+            "created_at": row["created_at"],
+            "allowed_models": json.loads(row["allowed_models"]),
+            "labels": json.loads(row["labels"]),
+            "limits": {k: row[k] for k in LIMIT_FIELDS},
+            "effective_limits": {k: getattr(eff, k) for k in LIMIT_FIELDS},
+        }
+
+    # -- keys -----------------------------------------------------------------
+    def create_key(self, tenant_id: str, **values: Any) -> dict[str, Any]:
+        """Create a key; the plaintext is in the result and nowhere else, ever."""
+        self.get_tenant(tenant_id)
+        lim = _check_limits(values)
+        models = _patterns(values.get("allowed_models"), "allowed_models")
+        adapters = _patterns(values.get("allowed_adapters"), "allowed_adapters")
+        expires = values.get("expires_at")
+        ttl = values.get("expires_in_s")
+        if ttl is not None:
+            if not isinstance(ttl, int | float) or ttl <= 0:
+                raise InvalidRequest(
+                    "'expires_in_s' must be a positive number", param="expires_in_s"
+                )
+            expires = time.time() + float(ttl)
+        plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
+        key_id = "key_" + secrets.token_hex(6)
+        with self._lock:
+            self.conn.execute(
+                "INSERT INTO api_keys (id, tenant_id, hash, prefix, name, created_at, expires_at,"
+                " allowed_models, allowed_adapters, rpm, tpm, max_concurrency, budget_usd,"
+                " budget_period, labels) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    key_id,
+                    tenant_id,
+                    hash_key(plaintext),
+                    plaintext[:10],
+                    values.get("name"),
+                    time.time(),
+                    expires,
+                    json.dumps(models),
+                    json.dumps(adapters),
+                    lim["rpm"],
+                    lim["tpm"],
+                    lim["max_concurrency"],
+                    lim["budget_usd"],
+                    lim["budget_period"],
+                    json.dumps(values.get("labels") or {}),
+                ),
+            )
+        out = self.get_key(key_id)
+        out["key"] = plaintext
+        return out
+
+    def get_key(self, key_id: str) -> dict[str, Any]:
+        row = self.conn.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"key '{key_id}' does not exist")
+        return self._key_dict(row)
+
+    def list_keys(self, tenant_id: str | None = None) -> list[dict[str, Any]]:
+        if tenant_id:
+            rows = self.conn.execute(
+                "SELECT * FROM api_keys WHERE tenant_id = ? ORDER BY created_at", (tenant_id,)
+            ).fetchall()
+        else:
+            rows = self.conn.execute("SELECT * FROM api_keys ORDER BY created_at").fetchall()
+        return [self._key_dict(r) for r in rows]
+
+    def revoke_key(self, key_id: str) -> dict[str, Any]:
+        with self._lock:
+            cur = self.conn.execute(
+                "UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+                (time.time(), key_id),
+            )
+        if cur.rowcount == 0:
+            self.get_key(key_id)  # 404 when it does not exist; else it was already revoked
+        return self.get_key(key_id)
+
+    def _key_dict(self, row: sqlite3.Row) -> dict[str, Any]:
+        return {
+            "id": row["id"],
+            "tenant_id": row["tenant_id"],
+            "prefix": row["prefix"],
+            "name": row["name"],
+            "created_at": row["created_at"],
+            "expires_at": row["expires_at"],
+            "revoked": row["revoked_at"] is not None,
+            "revoked_at": row["revoked_at"],
+            "allowed_models": json.loads(row["allowed_models"]),
+            "allowed_adapters": json.loads(row["allowed_adapters"]),
+            "limits": {k: row[k] for k in LIMIT_FIELDS},
+            "labels": json.loads(row["labels"]),
+        }
+
+    # -- verification ------------------------------------------------------------
+    def verify(self, plaintext: str, now: float | None = None) -> Principal | str:
+        """The key's principal, or the reason it is refused."""
+        now = time.time() if now is None else now
+        row = self.conn.execute(
+            "SELECT k.*, t.rpm AS t_rpm, t.tpm AS t_tpm, t.max_concurrency AS t_conc,"
+            " t.budget_usd AS t_budget, t.budget_period AS t_period,"
+            " t.allowed_models AS t_models FROM api_keys k JOIN tenants t ON t.id = k.tenant_id"
+            " WHERE k.hash = ?",
+            (hash_key(plaintext),),
+        ).fetchone()
+        if row is None:
+            return "the API key is not valid"
+        if row["revoked_at"] is not None:
+            return "the API key has been revoked"
+        if row["expires_at"] is not None and row["expires_at"] <= now:
+            return "the API key has expired"
+        d = self.defaults
+        tenant_limits = Limits(
+            rpm=row["t_rpm"] if row["t_rpm"] is not None else d.rpm,
+            tpm=row["t_tpm"] if row["t_tpm"] is not None else d.tpm,
+            max_concurrency=row["t_conc"] if row["t_conc"] is not None else d.max_concurrency,
+            budget_usd=row["t_budget"] if row["t_budget"] is not None else d.budget_usd,
+            budget_period=row["t_period"] or d.budget_period,
+        )
+        return Principal(
+            tenant_id=row["tenant_id"],
+            key_id=row["id"],
+            key_models=tuple(json.loads(row["allowed_models"])),
+            tenant_models=tuple(json.loads(row["t_models"])),
+            key_limits=_limits(row),
+            tenant_limits=tenant_limits,
+            labels=json.loads(row["labels"]),
+        )
+
+    def count_tenants(self) -> int:
+        return int(self.conn.execute("SELECT COUNT(*) FROM tenants").fetchone()[0])

@@ -1,0 +1,264 @@
+"""Rate limits, concurrency and budgets: reserve at admission, settle at the end.
+
+One reservation covers several scopes at once (the key, its tenant, the deployment)
+and is all-or-nothing: a request refused by its tenant's limit consumes nothing from
+its key's. Windows are exact sliding logs over the last 60 s, not fixed windows, so a
+burst straddling a minute boundary can never admit twice the limit.
+
+Two backends share this interface: `MemoryLimiter` (one process) and `RedisLimiter`
+(several gateway processes, atomic Lua scripts) in `policy/redis_limits.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+WINDOW_S = 60.0
+Period = Literal["day", "month"]
+
+
+class LimiterUnavailable(Exception):
+    """The shared limiter state cannot be reached (e.g. Redis is down)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScopeLimits:
+    """The limits of one scope, e.g. `key:key_ab12`, `tenant:acme`, `deployment:big`.
+
+    None means unlimited. `budget_usd` applies per `budget_period` (UTC calendar day
+    or month).
+    """
+
+    scope: str
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrency: int | None = None
+    budget_usd: float | None = None
+    budget_period: Period = "day"
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What one request asks for: a unique reservation id, reserved tokens and
+    maximum cost. The id must be unique per reservation (client request ids are not)."""
+
+    request_id: str
+    tokens: int
+    cost_usd: float
+
+
+@dataclass(slots=True)
+class Verdict:
+    allowed: bool
+    # When refused: which scope and which limit ("rpm", "tpm", "concurrency", "budget").
+    scope: str | None = None
+    limit: str | None = None
+    retry_after_s: float = 0.0
+    # Per scope: {"limit_requests", "remaining_requests", "reset_requests_s",
+    # "limit_tokens", "remaining_tokens", "reset_tokens_s", "budget_remaining_usd"}
+    state: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+class Limiter(Protocol):
+    async def reserve(
+        self, scopes: list[ScopeLimits], ask: Ask, now: float | None = None
+    ) -> Verdict:
+        """Admit `ask` against every scope or none; on admission everything is held."""
+        ...
+
+    def seed_spent(self, scope: str, period: Period, usd: float, now: float | None = None) -> Any:
+        """Set a budget's spend so far (from the ledger) unless already known; may be
+        a coroutine."""
+        ...
+
+    async def settle(
+        self,
+        scopes: list[ScopeLimits],
+        ask: Ask,
+        tokens: int,
+        cost_usd: float,
+        now: float | None = None,
+    ) -> None:
+        """The request ended: replace the reserved tokens and cost by the real ones and
+        release its concurrency slot. Called exactly once per admitted request."""
+        ...
+
+
+def period_key(period: Period, now: float) -> str:
+    t = time.gmtime(now)
+    return (
+        f"{t.tm_year:04d}-{t.tm_mon:02d}"
+        if period == "month"
+        else f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}"
+    )
+
+
+def period_start(period: Period, now: float) -> float:
+    """Unix time when the current budget period began (UTC)."""
+    t = time.gmtime(now)
+    day = 1 if period == "month" else t.tm_mday
+    return time.mktime((t.tm_year, t.tm_mon, day, 0, 0, 0, 0, 0, 0)) - time.timezone
+
+
+def period_reset_s(period: Period, now: float) -> float:
+    """Seconds until the budget period rolls over (UTC)."""
+    t = time.gmtime(now)
+    if period == "day":
+        return 86400 - (t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec)
+    year, month = (t.tm_year + 1, 1) if t.tm_mon == 12 else (t.tm_year, t.tm_mon + 1)
+    nxt = time.mktime((year, month, 1, 0, 0, 0, 0, 0, 0)) - time.timezone
+    return max(1.0, nxt - now)
+
+
+@dataclass
+class _Window:
+    """Sliding log of (time, amount, request id) over the last WINDOW_S seconds."""
+
+    entries: deque[list[float | str]] = field(default_factory=deque)
+    total: float = 0.0
+
+    def expire(self, now: float) -> None:
+        while self.entries and float(self.entries[0][0]) <= now - WINDOW_S:
+            _, amount, _ = self.entries.popleft()
+            self.total -= float(amount)
+
+    def retry_after(self, now: float, need: float, limit: float) -> float:
+        """Seconds until enough of the window has expired to fit `need` more."""
+        excess = self.total + need - limit
+        freed = 0.0
+        for t, amount, _ in self.entries:
+            freed += float(amount)
+            if freed >= excess:
+                return max(0.001, float(t) + WINDOW_S - now)
+        return WINDOW_S
+
+    def reset_s(self, now: float) -> float:
+        return max(0.0, float(self.entries[0][0]) + WINDOW_S - now) if self.entries else 0.0
+
+    def adjust(self, request_id: str, amount: float) -> None:
+        for e in self.entries:
+            if e[2] == request_id:
+                self.total += amount - float(e[1])
+                e[1] = amount
+                return
+
+
+@dataclass
+class _ScopeState:
+    requests: _Window = field(default_factory=_Window)
+    tokens: _Window = field(default_factory=_Window)
+    in_flight: int = 0
+    spent: dict[str, float] = field(default_factory=dict)  # period key → USD (incl. reserved)
+
+
+class MemoryLimiter:
+    """In-process limiter. Correct for one gateway process; state is lost on restart
+    except budgets, which are seeded from the usage ledger via `seed_spent`."""
+
+    def __init__(self) -> None:
+        self._scopes: dict[str, _ScopeState] = {}
+        self._held: set[str] = set()  # reservations not yet settled
+
+    def _state(self, scope: str) -> _ScopeState:
+        st = self._scopes.get(scope)
+        if st is None:
+            st = self._scopes[scope] = _ScopeState()
+        return st
+
+    def seed_spent(self, scope: str, period: Period, usd: float, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        self._state(scope).spent.setdefault(period_key(period, now), usd)
+
+    async def reserve(
+        self, scopes: list[ScopeLimits], ask: Ask, now: float | None = None
+    ) -> Verdict:
+        now = time.time() if now is None else now
+        verdict = Verdict(allowed=True)
+        refusal: tuple[str, str, float] | None = None
+        # Check every scope first (no awaits: atomic within the event loop) ...
+        for lim in scopes:
+            st = self._state(lim.scope)
+            st.requests.expire(now)
+            st.tokens.expire(now)
+            info: dict[str, float] = {}
+            if lim.rpm is not None:
+                info["limit_requests"] = lim.rpm
+                info["remaining_requests"] = max(0, lim.rpm - st.requests.total)
+                info["reset_requests_s"] = st.requests.reset_s(now)
+                if refusal is None and st.requests.total + 1 > lim.rpm:
+                    refusal = (lim.scope, "rpm", st.requests.retry_after(now, 1, lim.rpm))
+            if lim.tpm is not None:
+                info["limit_tokens"] = lim.tpm
+                info["remaining_tokens"] = max(0, lim.tpm - st.tokens.total)
+                info["reset_tokens_s"] = st.tokens.reset_s(now)
+                if refusal is None and st.tokens.total + ask.tokens > lim.tpm:
+                    if ask.tokens > lim.tpm:
+                        refusal = (lim.scope, "tpm", math.inf)
+                    else:
+                        refusal = (
+                            lim.scope,
+                            "tpm",
+                            st.tokens.retry_after(now, ask.tokens, lim.tpm),
+                        )
+            if (
+                lim.max_concurrency is not None
+                and refusal is None
+                and st.in_flight + 1 > lim.max_concurrency
+            ):
+                refusal = (lim.scope, "concurrency", 1.0)
+            if lim.budget_usd is not None:
+                spent = st.spent.get(period_key(lim.budget_period, now), 0.0)
+                info["budget_remaining_usd"] = max(0.0, lim.budget_usd - spent)
+                if refusal is None and spent + ask.cost_usd > lim.budget_usd + 1e-12:
+                    refusal = (lim.scope, "budget", period_reset_s(lim.budget_period, now))
+            verdict.state[lim.scope] = info
+        if refusal is not None:
+            verdict.allowed = False
+            verdict.scope, verdict.limit, verdict.retry_after_s = refusal
+            return verdict
+        # ... then hold everything.
+        self._held.add(ask.request_id)
+        for lim in scopes:
+            st = self._state(lim.scope)
+            if lim.rpm is not None:
+                st.requests.entries.append([now, 1.0, ask.request_id])
+                st.requests.total += 1
+                verdict.state[lim.scope]["remaining_requests"] -= 1
+            if lim.tpm is not None:
+                st.tokens.entries.append([now, float(ask.tokens), ask.request_id])
+                st.tokens.total += ask.tokens
+                verdict.state[lim.scope]["remaining_tokens"] = max(
+                    0, verdict.state[lim.scope]["remaining_tokens"] - ask.tokens
+                )
+            if lim.max_concurrency is not None:
+                st.in_flight += 1
+            if lim.budget_usd is not None:
+                k = period_key(lim.budget_period, now)
+                st.spent[k] = st.spent.get(k, 0.0) + ask.cost_usd
+        return verdict
+
+    async def settle(
+        self,
+        scopes: list[ScopeLimits],
+        ask: Ask,
+        tokens: int,
+        cost_usd: float,
+        now: float | None = None,
+    ) -> None:
+        now = time.time() if now is None else now
+        if ask.request_id not in self._held:
+            return  # never admitted, or already settled: nothing to release twice
+        self._held.discard(ask.request_id)
+        for lim in scopes:
+            st = self._state(lim.scope)
+            if lim.tpm is not None:
+                st.tokens.adjust(ask.request_id, float(tokens))
+            if lim.max_concurrency is not None:
+                st.in_flight = max(0, st.in_flight - 1)
+            if lim.budget_usd is not None:
+                k = period_key(lim.budget_period, now)
+                st.spent[k] = max(0.0, st.spent.get(k, 0.0) - ask.cost_usd + cost_usd)
