@@ -24,7 +24,9 @@ def gw(scripted: Scripted) -> Iterator[Gateway]:
                     "alias": "scripted",
                     "revision": "s1",
                     "engine": {"kind": "openai", "base_url": scripted.url + "/v1"},
-                    "timeouts": {"connect_s": 1, "first_byte_s": 30, "total_s": 60},
+                    "timeouts": {"connect_s": 1, "first_byte_s": 20, "total_s": 60},
+                    # No retries: these tests check how each failure maps to the contract.
+                    "resilience": {"retries": 0},
                 },
                 {
                     "alias": "nowhere",

@@ -69,6 +69,10 @@ class PolicyConfig(_Strict):
     on_limiter_failure: Literal["fail_closed", "fail_open"] = "fail_closed"
 
 
+class IdempotencyConfig(_Strict):
+    ttl_s: float = Field(86400.0, gt=0)
+
+
 class ModelLimits(_Strict):
     """Per-deployment admission: concurrency cap, wait queue and rate limits."""
 
@@ -141,8 +145,54 @@ class Price(_Strict):
 
 class Timeouts(_Strict):
     connect_s: float = Field(2.0, gt=0)
-    first_byte_s: float = Field(60.0, gt=0)
+    # Time to the reply's first byte: the whole generation for a non-streaming call.
+    first_byte_s: float = Field(25.0, gt=0)
     total_s: float = Field(300.0, gt=0)
+
+
+RETRY_CLASSES = ("connect", "timeout", "429", "500", "502", "503", "504", "broken")
+
+
+class BreakerConfig(_Strict):
+    """Opens on `failures` consecutive failures, or a failure rate of at least
+    `failure_rate` over `window_s` once `min_requests` were seen."""
+
+    failures: int = Field(5, ge=1)
+    failure_rate: float = Field(0.5, gt=0, le=1)
+    window_s: float = Field(30.0, gt=0)
+    min_requests: int = Field(10, ge=1)
+    cooldown_s: float = Field(10.0, gt=0)
+    half_open_probes: int = Field(1, ge=1)
+
+
+class RetryBudgetConfig(_Strict):
+    """Retries per deployment may not exceed `ratio` x first attempts over `window_s`
+    (plus `min_retries`), so an outage does not multiply load."""
+
+    ratio: float = Field(0.2, ge=0)
+    window_s: float = Field(10.0, gt=0)
+    min_retries: int = Field(3, ge=0)
+
+
+class Resilience(_Strict):
+    retries: int = Field(1, ge=0, le=10)
+    retry_on: list[str] = list(RETRY_CLASSES)
+    backoff_base_s: float = Field(0.1, ge=0)
+    backoff_max_s: float = Field(2.0, ge=0)
+    # Time kept back from this model's attempts so a fallback can still run.
+    fallback_reserve_s: float = Field(0.0, ge=0)
+    # Never start an attempt with less time than this left before the deadline.
+    min_attempt_s: float = Field(0.05, ge=0)
+    breaker: BreakerConfig = BreakerConfig()
+    retry_budget: RetryBudgetConfig = RetryBudgetConfig()
+
+    @field_validator("retry_on")
+    @classmethod
+    def _known_classes(cls, v: list[str]) -> list[str]:
+        bad = [c for c in v if c not in RETRY_CLASSES]
+        if bad:
+            raise ValueError(f"unknown retry class {bad[0]!r}; use some of {list(RETRY_CLASSES)}")
+        return v
 
 
 class ModelConfig(_Strict):
@@ -154,6 +204,12 @@ class ModelConfig(_Strict):
     price: Price = Price()
     timeouts: Timeouts = Timeouts()
     limits: ModelLimits = ModelLimits()
+    resilience: Resilience = Resilience()
+    # Ordered aliases tried when this model fails with a retryable error.
+    fallbacks: list[str] = []
+    # Regions this alias's requests may be sent to (the primary and any fallback).
+    # None = no data-boundary restriction.
+    data_boundary: list[str] | None = None
 
 
 class EmbeddingsConfig(_Strict):
@@ -170,6 +226,7 @@ class Settings(_Strict):
     auth: AuthConfig = AuthConfig()
     tenants_defaults: TenantDefaults = TenantDefaults()
     policy: PolicyConfig = PolicyConfig()
+    idempotency: IdempotencyConfig = IdempotencyConfig()
     models: list[ModelConfig] = Field(min_length=1)
     embeddings: EmbeddingsConfig = EmbeddingsConfig()
 
@@ -184,6 +241,40 @@ class Settings(_Strict):
             raise ValueError(
                 f"embeddings.alias: {self.embeddings.alias!r} is also a chat model alias"
             )
+        by_alias = {m.alias: m for m in self.models}
+        deadline = self.server.default_deadline_s
+        for i, m in enumerate(self.models):
+            where = f"models[{i}] ({m.alias})"
+            for j, fb in enumerate(m.fallbacks):
+                target = by_alias.get(fb)
+                if target is None:
+                    raise ValueError(f"{where}.fallbacks[{j}]: unknown alias {fb!r}")
+                if fb == m.alias:
+                    raise ValueError(f"{where}.fallbacks[{j}]: a model cannot fall back to itself")
+                if m.data_boundary is not None and target.region not in m.data_boundary:
+                    raise ValueError(
+                        f"{where}.fallbacks[{j}]: {fb!r} runs in region {target.region!r}, "
+                        f"outside this model's data_boundary {m.data_boundary}; it could never "
+                        "serve these requests"
+                    )
+            if m.data_boundary is not None and m.region not in m.data_boundary:
+                raise ValueError(
+                    f"{where}.region: {m.region!r} is outside its own data_boundary {m.data_boundary}"
+                )
+            r, t = m.resilience, m.timeouts
+            need = (
+                (r.retries + 1) * t.first_byte_s
+                + r.retries * r.backoff_max_s
+                + r.fallback_reserve_s
+            )
+            if need > deadline:
+                raise ValueError(
+                    f"{where}: the retry plan cannot fit the deadline: (resilience.retries "
+                    f"{r.retries} + 1) x timeouts.first_byte_s {t.first_byte_s} + retries x "
+                    f"resilience.backoff_max_s {r.backoff_max_s} + resilience.fallback_reserve_s "
+                    f"{r.fallback_reserve_s} = {need:g}s > server.default_deadline_s {deadline:g}s; "
+                    "lower retries or timeouts, or raise the deadline"
+                )
         return self
 
     def model(self, alias: str) -> ModelConfig | None:
@@ -232,7 +323,9 @@ def parse_settings(data: Any, source: str = "config") -> Settings:
         lines = []
         for err in exc.errors():
             msg = str(err["msg"]).removeprefix("Value error, ")
-            lines.append(f"  {_loc(tuple(err['loc']))}: {msg}")
+            loc = tuple(err["loc"])
+            # Cross-field checks name their keys in the message itself.
+            lines.append(f"  {_loc(loc)}: {msg}" if loc else f"  {msg}")
         raise ConfigError(f"{source} is invalid:\n" + "\n".join(lines)) from None
 
 

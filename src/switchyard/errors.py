@@ -17,6 +17,10 @@ class SwitchyardError(Exception):
     status: int = 500
     type: str = "server_error"
     code: str = "internal_error"
+    # For upstream failures: the retry class ("connect", "timeout", "429", "500", ...,
+    # "broken"); None means final (never retried).
+    retry_class: str | None = None
+    retry_after_s: float | None = None
 
     def __init__(
         self,

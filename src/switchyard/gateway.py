@@ -20,6 +20,8 @@ from switchyard.decide.select import select_deployment
 from switchyard.embed import EmbeddingService
 from switchyard.engines.registry import Registry
 from switchyard.errors import EngineNotReady, InvalidRequest
+from switchyard.execute.executor import Executor
+from switchyard.execute.idempotency import IdempotencyStore
 from switchyard.observe.db import connect
 from switchyard.observe.ledger import UsageLedger, UsageRow
 from switchyard.pipeline import Pipeline, RequestContext, Timings, request_id_from
@@ -70,6 +72,8 @@ class Gateway:
             self.limiter = RedisLimiter(settings.storage.redis_url)
         else:
             self.limiter = MemoryLimiter()
+        self.executor = Executor(settings, self.registry)
+        self.idempotency = IdempotencyStore(connect(self.sqlite_path), settings.idempotency.ttl_s)
         self.gates = {
             m.alias: DeploymentGate(m.alias, m.limits.max_concurrency, m.limits.queue)
             for m in settings.models
@@ -115,7 +119,11 @@ class Gateway:
         self.ledger.close()
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        models = {alias: d.describe() for alias, d in self.registry.deployments.items()}
+        now = time.monotonic()
+        models = {}
+        for alias, d in self.registry.deployments.items():
+            models[alias] = d.describe()
+            models[alias]["breaker"] = self.executor.breakers[alias].describe(now)
         ready = all(m["ready"] for m in models.values())
         if self.embedder is not None:
             models[self.settings.embeddings.alias] = self.embedder.describe()
@@ -190,6 +198,7 @@ class Gateway:
         prompt = estimate_prompt_tokens(ctx.body)
         out = max_output_tokens(ctx.body, self.settings.policy.default_max_tokens)
         ctx.prompt_estimate = prompt
+        ctx.max_tokens = out
         ask = Ask(
             f"{ctx.request_id}#{secrets.token_hex(4)}",
             prompt + out,
@@ -345,7 +354,7 @@ class Gateway:
                 input_tokens=inp,
                 output_tokens=out,
                 cost_usd=cost,
-                cache=None,
+                cache=ctx.cache,
                 status=ctx.status if ctx.status != "pending" else "error",
                 error_code=ctx.error_code,
                 attempts=ctx.attempts,

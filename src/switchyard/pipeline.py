@@ -84,6 +84,10 @@ class RequestContext:
     error_code: str | None = None
     chunks: int = 0  # content events relayed to the client
     prompt_estimate: int = 0
+    max_tokens: int = 0
+    fallback_from: str | None = None
+    cache: str | None = None  # cache / replay outcome for the ledger
+    idempotency_key: str | None = None  # set while this request owns the key
     queue_ms: float | None = None
     reservations: list[tuple[Any, Any]] = field(default_factory=list)  # (scopes, Ask)
     rate_headers: dict[str, str] = field(default_factory=dict)

@@ -14,7 +14,7 @@ from starlette.routing import Route
 from switchyard.api.body import read_json
 from switchyard.api.sse import RelayResponse, relay
 from switchyard.errors import InvalidRequest, ModelNotFound, SwitchyardError
-from switchyard.execute.executor import execute, execute_stream
+from switchyard.execute.idempotency import StoredReply, body_hash
 from switchyard.gateway import Gateway
 from switchyard.pipeline import RequestContext
 from switchyard.policy.auth import authorize_model
@@ -31,6 +31,8 @@ def served_headers(ctx: RequestContext) -> dict[str, str]:
         h["x-switchyard-revision"] = dep.model.revision
         h["x-switchyard-upstream"] = dep.label
         h["x-switchyard-attempts"] = str(ctx.attempts)
+        if ctx.fallback_from is not None:
+            h["x-switchyard-fallback"] = f"{ctx.fallback_from} -> {dep.alias}"
     t = ctx.timings
     if t.upstream_sent is not None and t.upstream_first_byte is not None:
         now = time.perf_counter()
@@ -65,6 +67,11 @@ def build_routes(gw: Gateway) -> list[Route]:
             ctx.stream = bool(body.get("stream"))
             ctx.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             ctx.record("validate", "ok", "request shape is valid", received)
+            idem = request.headers.get("idempotency-key")
+            if idem is not None:
+                replay = await claim_idempotency(ctx, idem)
+                if replay is not None:
+                    return replay
             await gw.pipeline.decide(ctx)
             if ctx.response is not None:
                 return ctx.response
@@ -74,7 +81,7 @@ def build_routes(gw: Gateway) -> list[Route]:
                     raise InvalidRequest(
                         f"the model '{alias}' does not support streaming", param="stream"
                     )
-                stream = await execute_stream(ctx)
+                stream = await gw.executor.execute_stream(ctx)
 
                 async def close() -> None:
                     stream.close(complete=ctx.status == "ok")
@@ -88,14 +95,26 @@ def build_routes(gw: Gateway) -> list[Route]:
                 )
                 handed_off = True
                 return response
-            reply = await execute(ctx)
+            reply = await gw.executor.execute(ctx)
             ctx.status = "ok"
             ctx.timings.ended = time.perf_counter()
             try:
                 ctx.usage = orjson.loads(reply.body).get("usage")
             except (orjson.JSONDecodeError, AttributeError):
                 ctx.usage = None
-            return Response(reply.body, media_type="application/json", headers=served_headers(ctx))
+            headers = served_headers(ctx)
+            if ctx.idempotency_key is not None:
+                gw.idempotency.complete(
+                    ctx.principal.tenant_id,
+                    ctx.idempotency_key,
+                    StoredReply(
+                        200,
+                        {k: v for k, v in headers.items() if k.startswith("x-switchyard")},
+                        reply.body,
+                    ),
+                )
+                ctx.idempotency_key = None
+            return Response(reply.body, media_type="application/json", headers=headers)
         except SwitchyardError as exc:
             ctx.status, ctx.error_code = "error", exc.code
             raise
@@ -103,8 +122,40 @@ def build_routes(gw: Gateway) -> list[Route]:
             ctx.status, ctx.error_code = "error", "internal_error"
             raise
         finally:
+            if ctx.idempotency_key is not None:  # we owned the key and did not succeed
+                gw.idempotency.release(ctx.principal.tenant_id, ctx.idempotency_key)
             if not handed_off:
                 await gw.finish(ctx)
+
+    async def claim_idempotency(ctx: RequestContext, key: str) -> Response | None:
+        """A stored reply for a repeated request, or None once this request owns the key."""
+        t = time.perf_counter()
+        if not 0 < len(key) <= 255:
+            raise InvalidRequest(
+                "Idempotency-Key must be 1 to 255 characters", param="Idempotency-Key"
+            )
+        if ctx.stream:
+            raise InvalidRequest(
+                "Idempotency-Key is supported for non-streaming requests only",
+                param="Idempotency-Key",
+            )
+        stored = await gw.idempotency.begin(
+            ctx.principal.tenant_id, key, body_hash(ctx.body), ctx.deadline
+        )
+        if stored is None:
+            ctx.idempotency_key = key
+            ctx.record("idempotency", "owner", "first request with this key runs", t)
+            return None
+        ctx.status, ctx.cache = "ok", "idempotent_replay"
+        ctx.record("idempotency", "replay", "returning the stored reply; no upstream call", t)
+        headers = {
+            **stored.headers,
+            "x-request-id": ctx.request_id,
+            "x-switchyard-idempotent-replay": "true",
+        }
+        return Response(
+            stored.body, status_code=stored.status, media_type="application/json", headers=headers
+        )
 
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat.completions")

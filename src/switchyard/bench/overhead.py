@@ -7,6 +7,9 @@ what its decisions cost. wrk drives the load (a C client, so the load generator 
 is measured), in interleaved rounds with the order rotated, so drift on the machine hits
 every target alike; medians across rounds are reported.
 
+With `--policy`, two more Switchyard targets with authentication, limits, budget and
+ledger on (in-process and Redis limiters) join the same rounds; see `bench/policy.py`.
+
 Targets: at concurrency 1, Switchyard's added p50 is at most 1.5x the floor's; at
 concurrency 32, Switchyard serves at least 0.70x the floor's requests per second.
 """
@@ -29,7 +32,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -176,11 +179,15 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def spawn(name: str, argv: list[str], logdir: Path) -> Child:
+def spawn(name: str, argv: list[str], logdir: Path, env: dict[str, str] | None = None) -> Child:
     log = logdir / f"{name}.log"
     with log.open("wb") as fh:
         proc = subprocess.Popen(
-            argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_child_env()
+            argv,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=_child_env() if env is None else env,
         )
     return Child(name, proc, log)
 
@@ -208,7 +215,11 @@ def log_tail(child: Child, lines: int = 30) -> str:
 
 
 def http(
-    method: str, url: str, body: bytes | None = None, timeout_s: float = 10
+    method: str,
+    url: str,
+    body: bytes | None = None,
+    timeout_s: float = 10,
+    headers: Mapping[str, str] | None = None,
 ) -> tuple[int, bytes]:
     """One HTTP call on loopback, bypassing any proxy from the environment.
 
@@ -218,6 +229,8 @@ def http(
     req = urllib.request.Request(url, data=body, method=method)
     if body is not None:
         req.add_header("Content-Type", "application/json")
+    for name, value in (headers or {}).items():
+        req.add_header(name, value)
     try:
         with opener.open(req, timeout=timeout_s) as resp:
             return int(resp.status), bytes(resp.read())
@@ -241,12 +254,12 @@ def wait_ready(child: Child, ready: Callable[[], bool], timeout_s: float) -> Non
     raise StartError(f"{child.name} was not ready after {timeout_s:.0f} s:\n{log_tail(child)}")
 
 
-def smoke(name: str, url: str, max_tokens: int) -> None:
+def smoke(name: str, url: str, max_tokens: int, headers: Mapping[str, str] | None = None) -> None:
     """One plain and one streaming request must succeed before a target is measured."""
-    status, body = http("POST", url, chat_body(False, max_tokens))
+    status, body = http("POST", url, chat_body(False, max_tokens), headers=headers)
     if status != 200 or b'"choices"' not in body:
         raise StartError(f"{name}: POST {url} answered {status}: {body[:500]!r}")
-    status, body = http("POST", url, chat_body(True, max_tokens))
+    status, body = http("POST", url, chat_body(True, max_tokens), headers=headers)
     if status != 200 or b"data: [DONE]" not in body:
         raise StartError(f"{name}: streaming POST {url} answered {status}: {body[:500]!r}")
 
@@ -361,19 +374,26 @@ def rotated(items: tuple[str, ...], k: int) -> list[str]:
 
 
 def measure(
-    args: argparse.Namespace, urls: dict[str, str], scripts: dict[bool, Path]
+    args: argparse.Namespace, urls: dict[str, str], scripts: dict[str, dict[bool, Path]]
 ) -> list[dict[str, Any]]:
-    """Warm every target up, then run every scenario on every target, round by round."""
-    for target in TARGETS:
+    """Warm every target up, then run every scenario on every target, round by round.
+
+    The targets are the keys of `urls`, in order; `scripts[target][stream]` is the wrk
+    script for that target (targets that need a key get their own).
+    """
+    targets = tuple(urls)
+    width = max(10, *(len(t) for t in targets))
+    for target in targets:
         for stream in (False, True):
             warm = Scenario(stream, max(CONCURRENCIES))
-            run_wrk(args.wrk, urls[target], scripts[stream], warm, args.warmup)
+            run_wrk(args.wrk, urls[target], scripts[target][stream], warm, args.warmup)
     scenarios = [Scenario(s, c) for s in (False, True) for c in CONCURRENCIES]
     runs: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
         for i, sc in enumerate(scenarios):
-            for target in rotated(TARGETS, rnd + i):
-                res = run_wrk(args.wrk, urls[target], scripts[sc.stream], sc, args.duration)
+            for target in rotated(targets, rnd + i):
+                script = scripts[target][sc.stream]
+                res = run_wrk(args.wrk, urls[target], script, sc, args.duration)
                 runs.append(
                     {
                         "round": rnd + 1,
@@ -387,7 +407,7 @@ def measure(
                 )
                 errors = res.non_2xx + res.socket_errors
                 print(
-                    f"  round {rnd + 1}/{args.rounds}  {sc.name:<15} {target:<10} "
+                    f"  round {rnd + 1}/{args.rounds}  {sc.name:<15} {target:<{width}} "
                     f"{res.rps:>9.1f} req/s  p50 {res.p50_ms:.3f} ms  p99 {res.p99_ms:.3f} ms"
                     + (f"  ERRORS {errors}" if errors else ""),
                     file=sys.stderr,
@@ -396,13 +416,18 @@ def measure(
     return runs
 
 
-def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Medians per scenario and target, the added latencies, the ratios and the verdict."""
+def summarize(
+    runs: list[dict[str, Any]], targets: tuple[str, ...] = TARGETS
+) -> list[dict[str, Any]]:
+    """Medians per scenario and target, the added latencies, the ratios and the verdict.
+
+    `targets` must include TARGETS; the verdict compares Switchyard with the floor only.
+    """
     out: list[dict[str, Any]] = []
     scenarios = [Scenario(s, c) for s in (False, True) for c in CONCURRENCIES]
     for sc in scenarios:
         med: dict[str, dict[str, float]] = {}
-        for target in TARGETS:
+        for target in targets:
             mine = [r for r in runs if r["scenario"] == sc.name and r["target"] == target]
             med[target] = {
                 key: statistics.median(r[key] for r in mine) for key in ("rps", "p50_ms", "p99_ms")
@@ -441,24 +466,43 @@ def _num(value: float | None, fmt: str) -> str:
     return "n/a" if value is None else format(value, fmt)
 
 
+def _added_p50(s: dict[str, Any], target: str) -> float | None:
+    """A target's added p50 over direct, as `summarize` (and `policy.annotate`) stored it."""
+    if target == "direct":
+        return None
+    if target in ("floor", "switchyard"):
+        value: float = s[f"{target}_added_p50_ms"]
+        return value
+    policy_value: float | None = s["policy"]["targets"][target]["added_p50_ms"]
+    return policy_value
+
+
+def _policy_lines(s: dict[str, Any]) -> list[str]:
+    """One line per policy target: its ratios against policy-off Switchyard."""
+    return [
+        f"{'':<16}{name} / {s['policy']['baseline']}: "
+        f"req/s {_num(p['rps_ratio_vs_policy_off'], '.2f')}, "
+        f"added p50 {_num(p['added_p50_ratio_vs_policy_off'], '.2f')}"
+        for name, p in s["policy"]["targets"].items()
+    ]
+
+
 def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    targets = tuple(summary[0]["targets"]) if summary else TARGETS
+    tw = max(12, *(len(t) + 2 for t in targets))
     lines = [
         f"Switchyard overhead: wrk, {args.duration} s per run, {args.rounds} round(s), "
         "medians across rounds",
         "",
-        f"{'scenario':<16}{'target':<12}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'+p50 ms':>10}",
+        f"{'scenario':<16}{'target':<{tw}}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'+p50 ms':>10}",
     ]
     for s in summary:
-        for i, target in enumerate(TARGETS):
+        for i, target in enumerate(targets):
             t = s["targets"][target]
-            added = {
-                "direct": None,
-                "floor": s["floor_added_p50_ms"],
-                "switchyard": s["switchyard_added_p50_ms"],
-            }[target]
+            added = _added_p50(s, target)
             errors = f"  errors: {int(t['errors'])}" if t["errors"] else ""
             lines.append(
-                f"{s['scenario'] if i == 0 else '':<16}{target:<12}{t['rps']:>10.1f}"
+                f"{s['scenario'] if i == 0 else '':<16}{target:<{tw}}{t['rps']:>10.1f}"
                 f"{t['p50_ms']:>10.3f}{t['p99_ms']:>10.3f}{_num(added, '.3f'):>10}{errors}"
             )
         lines.append(
@@ -466,6 +510,8 @@ def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"req/s switchyard/floor {_num(s['rps_ratio'], '.2f')}  "
             f"[{s['check']}: {s['verdict']}]"
         )
+        if "policy" in s:
+            lines.extend(_policy_lines(s))
         lines.append("")
     return "\n".join(lines)
 
@@ -534,47 +580,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds")
     parser.add_argument("--wrk", default="wrk", help="the wrk binary")
     parser.add_argument("--out", default=None, help="JSON result path")
+    parser.add_argument(
+        "--policy",
+        action="store_true",
+        help="also measure Switchyard with auth, limits, budget and ledger on "
+        "(sy-policy) and with a Redis limiter (sy-policy-redis)",
+    )
+    parser.add_argument(
+        "--redis-server", default="redis-server", help="the redis-server binary (--policy)"
+    )
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.duration < 1 or args.rounds < 1 or args.warmup < 1:
-        print("switchyard: --duration, --rounds and --warmup must be at least 1", file=sys.stderr)
-        return 2
-    if shutil.which(args.wrk) is None:
-        print(f"switchyard: bench overhead needs wrk ({args.wrk!r} not found)", file=sys.stderr)
-        return 2
-    started = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out or f"bench-results/overhead-{started}.json")
-    children: list[Child] = []
-    try:
-        with sigterm_as_exit(), tempfile.TemporaryDirectory(prefix="sy-overhead-") as tmp:
-            workdir = Path(tmp)
-            scripts: dict[bool, Path] = {}
-            for stream in (False, True):
-                scripts[stream] = workdir / ("chat-stream.lua" if stream else "chat.lua")
-                scripts[stream].write_text(wrk_script(chat_body(stream, args.tokens)))
-            try:
-                urls = start_targets(
-                    workdir, args.tokens, args.tokens, args.startup_timeout, children
-                )
-            except StartError as exc:
-                print(f"switchyard: bench overhead: {exc}", file=sys.stderr)
-                return 1
-            print("targets ready; measuring", file=sys.stderr, flush=True)
-            try:
-                runs = measure(args, urls, scripts)
-            except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
-                print(f"switchyard: bench overhead: a wrk run failed: {exc}", file=sys.stderr)
-                return 1
-    except KeyboardInterrupt:
-        print("switchyard: bench overhead interrupted", file=sys.stderr)
-        return 130
-    finally:
-        stop_all(children)
-    summary = summarize(runs)
-    print(render(summary, args))
-    result = {
+def _start(
+    args: argparse.Namespace, workdir: Path, children: list[Child]
+) -> tuple[dict[str, str], dict[str, dict[bool, Path]]]:
+    """Start every target; return each one's chat URL and its wrk scripts by stream."""
+    from switchyard.bench import policy  # builds on this module: imported late, not at the top
+
+    plain: dict[bool, Path] = {}
+    for stream in (False, True):
+        plain[stream] = workdir / ("chat-stream.lua" if stream else "chat.lua")
+        plain[stream].write_text(wrk_script(chat_body(stream, args.tokens)))
+    urls = start_targets(workdir, args.tokens, args.tokens, args.startup_timeout, children)
+    scripts = {target: plain for target in urls}
+    if args.policy:
+        for pt in policy.start_policy_targets(workdir, urls, args, children):
+            urls[pt.name] = pt.url
+            scripts[pt.name] = pt.scripts
+    return urls, scripts
+
+
+def _result(
+    args: argparse.Namespace,
+    started: str,
+    summary: list[dict[str, Any]],
+    runs: list[dict[str, Any]],
+) -> dict[str, Any]:
+    return {
         "benchmark": "overhead",
         "started": started,
         "workload": {
@@ -604,7 +647,70 @@ def run(args: argparse.Namespace) -> int:
         "summary": summary,
         "runs": runs,
     }
+
+
+def _check_tools(args: argparse.Namespace) -> str | None:
+    """Why the bench cannot run with these arguments, or None."""
+    if args.duration < 1 or args.rounds < 1 or args.warmup < 1:
+        return "--duration, --rounds and --warmup must be at least 1"
+    if shutil.which(args.wrk) is None:
+        return f"bench overhead needs wrk ({args.wrk!r} not found)"
+    if args.policy and shutil.which(args.redis_server) is None:
+        return f"bench overhead --policy needs redis-server ({args.redis_server!r} not found)"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from switchyard.bench import policy  # builds on this module: imported late, not at the top
+
+    problem = _check_tools(args)
+    if problem is not None:
+        print(f"switchyard: {problem}", file=sys.stderr)
+        return 2
+    started = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or f"bench-results/overhead-{started}.json")
+    children: list[Child] = []
+    try:
+        with sigterm_as_exit(), tempfile.TemporaryDirectory(prefix="sy-overhead-") as tmp:
+            try:
+                urls, scripts = _start(args, Path(tmp), children)
+            except StartError as exc:
+                print(f"switchyard: bench overhead: {exc}", file=sys.stderr)
+                return 1
+            print("targets ready; measuring", file=sys.stderr, flush=True)
+            try:
+                runs = measure(args, urls, scripts)
+            except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
+                print(f"switchyard: bench overhead: a wrk run failed: {exc}", file=sys.stderr)
+                return 1
+    except KeyboardInterrupt:
+        print("switchyard: bench overhead interrupted", file=sys.stderr)
+        return 130
+    finally:
+        stop_all(children)
+    summary = summarize(runs, tuple(urls))
+    if args.policy:
+        policy.annotate(summary)
+    print(render(summary, args))
+    result = _result(args, started, summary, runs)
+    if args.policy:
+        policy.record(result, args.redis_server)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"results: {out}")
+    if args.policy:
+        return _policy_errors(policy.errors(summary))
     return 0
+
+
+def _policy_errors(errors: dict[str, int]) -> int:
+    """A policy target must never be refused: a non-2xx answer means it measured a refusal
+    path, not the cost of policy, so the run fails (the results file is still written)."""
+    bad = {name: n for name, n in errors.items() if n}
+    for name, n in bad.items():
+        print(
+            f"switchyard: bench overhead: {name} had {n} non-2xx or socket errors; "
+            "its numbers are not the cost of policy",
+            file=sys.stderr,
+        )
+    return 1 if bad else 0

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from switchyard.engines.registry import Deployment
-from switchyard.errors import EngineNotReady, ModelNotFound
+from switchyard.errors import ModelNotFound
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,11 +30,12 @@ def select_deployment(alias: str, deployments: Mapping[str, Deployment]) -> Sele
             f"the model '{alias}' does not exist; GET /v1/models lists the available ones",
             param="model",
         )
-    evidence = {"candidates": [alias], "upstream": dep.label, "revision": dep.model.revision}
-    if not dep.ready:
-        state = dep.describe().get("state")
-        raise EngineNotReady(
-            f"the model '{alias}' is not ready yet (engine state: {state}); retry shortly",
-            retry_after_s=2,
-        )
+    evidence = {
+        "candidates": [alias],
+        "upstream": dep.label,
+        "revision": dep.model.revision,
+        "ready": dep.ready,
+        "fallbacks": list(dep.model.fallbacks),
+    }
+    # Readiness is the executor's call: an unready model may still fall back.
     return Selection(dep, f"deployment:{alias}", "only deployment of the alias", evidence)

@@ -8,6 +8,7 @@ hierarchy: unreachable → 502, timeout → 504, broken reply → 502.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,26 +39,35 @@ def _upstream_error(status: int, body: bytes, name: str, headers: Any = None) ->
     message = f"upstream {name} answered HTTP {status}"
     param = None
     try:
-        err = orjson.loads(body).get("error")
-        if isinstance(err, dict) and err.get("message"):
-            message = str(err["message"])
-            param = err.get("param")
-        elif isinstance(err, str):
-            message = err
+        detail = orjson.loads(body).get("error")
+        if isinstance(detail, dict) and detail.get("message"):
+            message = str(detail["message"])
+            param = detail.get("param")
+        elif isinstance(detail, str):
+            message = detail
     except (orjson.JSONDecodeError, AttributeError):
         pass
+    retry_after = headers.get("Retry-After") if headers is not None else None
+    err: SwitchyardError
     if status == 429:
-        retry_after = headers.get("Retry-After") if headers is not None else None
-        return RateLimited(
+        err = RateLimited(
             f"upstream {name} is rate limiting: {message}",
             code="upstream_rate_limited",
             headers={"Retry-After": retry_after} if retry_after else None,
         )
-    if 400 <= status < 500 and status != 408:
+        err.retry_class = "429"
+    elif 400 <= status < 500 and status != 408:
         return UpstreamStatusError(status, message, param=param)
-    if status in (408, 504):
-        return UpstreamTimeout(f"upstream {name} timed out: {message}")
-    return UpstreamError(f"upstream {name} failed with HTTP {status}: {message}")
+    elif status in (408, 504):
+        err = UpstreamTimeout(f"upstream {name} timed out: {message}")
+        err.retry_class = "504"
+    else:
+        err = UpstreamError(f"upstream {name} failed with HTTP {status}: {message}")
+        err.retry_class = str(status) if status in (500, 502, 503) else "500"
+    if retry_after:
+        with contextlib.suppress(ValueError):
+            err.retry_after_s = max(0.0, float(retry_after))
+    return err
 
 
 class OpenAIUpstream:
@@ -162,13 +172,22 @@ class OpenAIUpstream:
     def _translate(self, exc: BaseException) -> BaseException:
         if isinstance(exc, asyncio.CancelledError):
             return exc
-        if isinstance(exc, aiohttp.ClientConnectorError | ConnectionRefusedError):
-            return UpstreamUnreachable(f"upstream {self.name} is unreachable: {exc}")
-        if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
-            return UpstreamTimeout(f"upstream {self.name} did not answer in time")
-        if isinstance(exc, aiohttp.ClientError | OSError):
-            return UpstreamError(f"upstream {self.name} broke the connection: {type(exc).__name__}")
-        return exc
+        err: SwitchyardError
+        if isinstance(
+            exc,
+            aiohttp.ClientConnectorError | ConnectionRefusedError | aiohttp.ConnectionTimeoutError,
+        ):
+            err = UpstreamUnreachable(f"upstream {self.name} is unreachable: {exc}")
+            err.retry_class = "connect"
+        elif isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
+            err = UpstreamTimeout(f"upstream {self.name} did not answer in time")
+            err.retry_class = "timeout"
+        elif isinstance(exc, aiohttp.ClientError | OSError):
+            err = UpstreamError(f"upstream {self.name} broke the connection: {type(exc).__name__}")
+            err.retry_class = "broken"
+        else:
+            return exc
+        return err
 
 
 class UpstreamStream:

@@ -1,27 +1,46 @@
-"""Execution: send the prepared request to the selected deployment.
+"""Execution: attempts, retries inside the deadline, breakers and fallbacks.
 
-One attempt for now; retries, backoff inside the deadline, breakers and fallbacks
-arrive with the resilience capability and plug in here without touching the API.
+For the selected deployment and then each fallback in order, the executor checks
+compatibility, readiness and the circuit breaker, then makes attempts: an attempt is
+only started if it can finish inside the remaining deadline (minus the reserve kept
+for fallbacks); retryable failures wait a jittered backoff (never past the deadline)
+and spend from the deployment's retry budget; final errors (4xx) are returned at
+once, with the upstream's meaning. Every attempt, wait and skip is a `Decision`.
+Streams are retried only until the upstream's headers arrive: once the first byte
+is on its way to the client, nothing is repeated.
 """
 
 from __future__ import annotations
 
+import asyncio
+import random
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import orjson
 
+from switchyard.config import Settings
+from switchyard.engines.registry import Deployment, Registry
 from switchyard.engines.upstream import UpstreamReply, UpstreamStream
-from switchyard.errors import UpstreamTimeout
+from switchyard.errors import EngineNotReady, SwitchyardError, UpstreamTimeout
+from switchyard.execute.breaker import CircuitBreaker
+from switchyard.execute.compat import incompatibility, request_needs
+from switchyard.execute.retry import RetryBudget, backoff_s, is_retryable, retry_class
 from switchyard.pipeline import RequestContext
 
 PATHS = {"chat.completions": "/chat/completions", "completions": "/completions"}
+T = TypeVar("T")
 
 
-def upstream_payload(ctx: RequestContext) -> bytes:
+class CircuitOpen(EngineNotReady):
+    code = "circuit_open"
+
+
+def upstream_payload(ctx: RequestContext, dep: Deployment) -> bytes:
     """The client's body with the upstream's model name; streams always ask for usage."""
-    assert ctx.deployment is not None
     body = dict(ctx.body)
-    body["model"] = ctx.deployment.upstream_model
+    body["model"] = dep.upstream_model
     if ctx.stream:
         opts = dict(body.get("stream_options") or {})
         opts["include_usage"] = True  # we account usage even when the client does not ask
@@ -29,34 +48,193 @@ def upstream_payload(ctx: RequestContext) -> bytes:
     return orjson.dumps(body)
 
 
-def _check_deadline(ctx: RequestContext) -> float:
-    remaining = ctx.remaining_s()
-    if remaining <= 0:
-        raise UpstreamTimeout("the request deadline passed before the upstream call")
-    return remaining
+class Executor:
+    def __init__(self, settings: Settings, registry: Registry, seed: int | None = None) -> None:
+        self.registry = registry
+        self.breakers = {
+            m.alias: CircuitBreaker(m.alias, m.resilience.breaker) for m in settings.models
+        }
+        self.budgets = {m.alias: RetryBudget(m.resilience.retry_budget) for m in settings.models}
+        self.rng = random.Random(seed)
+        self.retries = 0
+        self.fallbacks = 0
 
+    async def execute(self, ctx: RequestContext) -> UpstreamReply:
+        async def send(dep: Deployment, timeout_s: float) -> UpstreamReply:
+            return await dep.upstream.post(
+                PATHS[ctx.endpoint], upstream_payload(ctx, dep), dep.model.timeouts, timeout_s
+            )
 
-async def execute(ctx: RequestContext) -> UpstreamReply:
-    dep = ctx.deployment
-    assert dep is not None
-    remaining = _check_deadline(ctx)
-    ctx.attempts += 1
-    ctx.timings.upstream_sent = time.perf_counter()
-    reply = await dep.upstream.post(
-        PATHS[ctx.endpoint], upstream_payload(ctx), dep.model.timeouts, remaining
-    )
-    ctx.timings.upstream_first_byte = time.perf_counter()
-    return reply
+        return await self._run(ctx, send)
 
+    async def execute_stream(self, ctx: RequestContext) -> UpstreamStream:
+        async def send(dep: Deployment, timeout_s: float) -> UpstreamStream:
+            return await dep.upstream.stream(
+                PATHS[ctx.endpoint], upstream_payload(ctx, dep), dep.model.timeouts, timeout_s
+            )
 
-async def execute_stream(ctx: RequestContext) -> UpstreamStream:
-    dep = ctx.deployment
-    assert dep is not None
-    remaining = _check_deadline(ctx)
-    ctx.attempts += 1
-    ctx.timings.upstream_sent = time.perf_counter()
-    stream = await dep.upstream.stream(
-        PATHS[ctx.endpoint], upstream_payload(ctx), dep.model.timeouts, remaining
-    )
-    ctx.timings.upstream_first_byte = time.perf_counter()
-    return stream
+        return await self._run(ctx, send)
+
+    async def _run(
+        self, ctx: RequestContext, send: Callable[[Deployment, float], Awaitable[T]]
+    ) -> T:
+        primary = ctx.deployment
+        assert primary is not None
+        chain = [primary.alias, *primary.model.fallbacks]
+        needs = request_needs(ctx.body, ctx.prompt_estimate, ctx.max_tokens)
+        boundary = primary.model.data_boundary
+        tenant_regions = ctx.principal.regions if ctx.principal is not None else None
+        if tenant_regions is not None:
+            boundary = [r for r in (boundary or tenant_regions) if r in tenant_regions]
+        last: SwitchyardError | None = None
+        for idx, alias in enumerate(chain):
+            dep = self.registry.get(alias)
+            assert dep is not None  # config validation guarantees it
+            t = time.perf_counter()
+            if idx > 0:
+                why = incompatibility(needs, dep.model, boundary)
+                if why is None and ctx.principal is not None and not ctx.principal.may_use(alias):
+                    why = "this key may not use it"
+                if why is not None:
+                    ctx.record("fallback", f"skip:{alias}", why, t, {"target": alias})
+                    continue
+                ctx.record(
+                    "fallback",
+                    f"try:{alias}",
+                    f"{chain[idx - 1]} failed: {last}",
+                    t,
+                    {"from": primary.alias, "to": alias},
+                )
+            elif boundary is not None and dep.model.region not in boundary:
+                why = f"region {dep.model.region!r} is outside the allowed {boundary}"
+                ctx.record("attempt", f"skip:{alias}", why, t)
+                last = EngineNotReady(f"the model '{alias}' may not serve this tenant: {why}")
+                continue
+            if not dep.ready:
+                state = dep.describe().get("state")
+                ctx.record("attempt", f"skip:{alias}", f"engine {state}", t)
+                last = EngineNotReady(
+                    f"the model '{alias}' is not ready yet (engine state: {state}); retry shortly"
+                )
+                continue
+            try:
+                result = await self._attempts(ctx, dep, send, last_in_chain=idx == len(chain) - 1)
+            except SwitchyardError as exc:
+                if exc.retry_class is None and not isinstance(
+                    exc, EngineNotReady | UpstreamTimeout
+                ):
+                    raise  # final: the request itself is wrong; another model will not fix it
+                last = exc
+                continue
+            if idx > 0:
+                self.fallbacks += 1
+                ctx.fallback_from = primary.alias
+                ctx.deployment = dep
+                ctx.model = dep.model
+            return result
+        assert last is not None
+        raise last
+
+    async def _attempts(
+        self,
+        ctx: RequestContext,
+        dep: Deployment,
+        send: Callable[[Deployment, float], Awaitable[T]],
+        last_in_chain: bool,
+    ) -> T:
+        cfg = dep.model.resilience
+        breaker = self.breakers[dep.alias]
+        budget = self.budgets[dep.alias]
+        reserve = 0.0 if last_in_chain else cfg.fallback_reserve_s
+        retries = 0
+        while True:
+            t = time.perf_counter()
+            ok, why = breaker.allow(time.monotonic())
+            if not ok:
+                ctx.record(
+                    "attempt",
+                    f"breaker_open:{dep.alias}",
+                    why,
+                    t,
+                    breaker.describe(time.monotonic()),
+                )
+                raise CircuitOpen(
+                    f"the model '{dep.alias}' is failing; its circuit is open",
+                    retry_after_s=max(1, round(breaker.retry_after_s(time.monotonic()))),
+                )
+            remaining = ctx.remaining_s() - reserve
+            if remaining < cfg.min_attempt_s:
+                breaker.release_probe()
+                ctx.record(
+                    "attempt",
+                    "skip:deadline",
+                    f"{remaining:.3f}s left is too little to start an attempt",
+                    t,
+                )
+                raise UpstreamTimeout("the request deadline leaves no time for another attempt")
+            if retries == 0:
+                budget.first_attempt(time.monotonic())
+            ctx.attempts += 1
+            ctx.timings.upstream_sent = t
+            try:
+                result = await send(dep, remaining)
+            except SwitchyardError as exc:
+                cls = retry_class(exc)
+                # A 4xx means the upstream is healthy and the request is wrong.
+                breaker.record(cls is None, time.monotonic())
+                ctx.record(
+                    "attempt",
+                    f"error:{cls or exc.code}",
+                    exc.message,
+                    t,
+                    {
+                        "upstream": dep.label,
+                        "attempt": ctx.attempts,
+                        "class": cls,
+                        "status": exc.status,
+                    },
+                )
+                if not is_retryable(exc, cfg) or retries >= cfg.retries:
+                    raise
+                if not budget.try_spend(time.monotonic()):
+                    ctx.record(
+                        "retry",
+                        "denied:budget",
+                        "retry budget of the deployment is spent",
+                        time.perf_counter(),
+                        {"allowance": budget.allowance(time.monotonic())},
+                    )
+                    raise
+                wait = backoff_s(retries + 1, cfg, exc.retry_after_s, self.rng)
+                if wait + cfg.min_attempt_s > ctx.remaining_s() - reserve:
+                    ctx.record(
+                        "retry",
+                        "skip:deadline",
+                        f"a {wait:.3f}s backoff would pass the deadline",
+                        time.perf_counter(),
+                    )
+                    raise
+                ctx.record(
+                    "retry",
+                    "backoff",
+                    f"waiting {wait * 1000:.0f} ms before retry {retries + 1}",
+                    time.perf_counter(),
+                    {"wait_s": round(wait, 4), "retry_after_s": exc.retry_after_s},
+                )
+                self.retries += 1
+                await asyncio.sleep(wait)
+                retries += 1
+                continue
+            except asyncio.CancelledError:
+                breaker.release_probe()
+                raise
+            breaker.record(True, time.monotonic())
+            ctx.timings.upstream_first_byte = time.perf_counter()
+            ctx.record(
+                "attempt",
+                "ok",
+                f"served by {dep.label}",
+                t,
+                {"upstream": dep.label, "attempt": ctx.attempts},
+            )
+            return result

@@ -65,6 +65,8 @@ class Principal:
     key_limits: Limits
     tenant_limits: Limits
     labels: dict[str, Any] = field(default_factory=dict)
+    # Regions (data boundary) this tenant's requests may go to; None = anywhere.
+    regions: tuple[str, ...] | None = None
 
     def may_use(self, alias: str) -> bool:
         return model_allowed(list(self.key_models), alias) and model_allowed(
@@ -258,7 +260,7 @@ class KeyStore:
         row = self.conn.execute(
             "SELECT k.*, t.rpm AS t_rpm, t.tpm AS t_tpm, t.max_concurrency AS t_conc,"
             " t.budget_usd AS t_budget, t.budget_period AS t_period,"
-            " t.allowed_models AS t_models FROM api_keys k JOIN tenants t ON t.id = k.tenant_id"
+            " t.allowed_models AS t_models, t.labels AS t_labels FROM api_keys k JOIN tenants t ON t.id = k.tenant_id"
             " WHERE k.hash = ?",
             (hash_key(plaintext),),
         ).fetchone()
@@ -276,7 +278,10 @@ class KeyStore:
             budget_usd=row["t_budget"] if row["t_budget"] is not None else d.budget_usd,
             budget_period=row["t_period"] or d.budget_period,
         )
+        tenant_labels = json.loads(row["t_labels"])
+        regions = tenant_labels.get("regions")
         return Principal(
+            regions=tuple(regions) if isinstance(regions, list) else None,
             tenant_id=row["tenant_id"],
             key_id=row["id"],
             key_models=tuple(json.loads(row["allowed_models"])),

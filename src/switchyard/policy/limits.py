@@ -116,14 +116,23 @@ def period_reset_s(period: Period, now: float) -> float:
 
 @dataclass
 class _Window:
-    """Sliding log of (time, amount, request id) over the last WINDOW_S seconds."""
+    """Sliding log of (time, amount, reservation id) over the last WINDOW_S seconds,
+    with an index by id so settling a reservation costs O(1), not a window scan."""
 
     entries: deque[list[float | str]] = field(default_factory=deque)
+    by_id: dict[str, list[float | str]] = field(default_factory=dict)
     total: float = 0.0
+
+    def add(self, now: float, amount: float, rid: str) -> None:
+        entry: list[float | str] = [now, amount, rid]
+        self.entries.append(entry)
+        self.by_id[rid] = entry
+        self.total += amount
 
     def expire(self, now: float) -> None:
         while self.entries and float(self.entries[0][0]) <= now - WINDOW_S:
-            _, amount, _ = self.entries.popleft()
+            _, amount, rid = self.entries.popleft()
+            self.by_id.pop(str(rid), None)
             self.total -= float(amount)
 
     def retry_after(self, now: float, need: float, limit: float) -> float:
@@ -139,12 +148,11 @@ class _Window:
     def reset_s(self, now: float) -> float:
         return max(0.0, float(self.entries[0][0]) + WINDOW_S - now) if self.entries else 0.0
 
-    def adjust(self, request_id: str, amount: float) -> None:
-        for e in self.entries:
-            if e[2] == request_id:
-                self.total += amount - float(e[1])
-                e[1] = amount
-                return
+    def adjust(self, rid: str, amount: float) -> None:
+        entry = self.by_id.get(rid)
+        if entry is not None:
+            self.total += amount - float(entry[1])
+            entry[1] = amount
 
 
 @dataclass
@@ -225,12 +233,10 @@ class MemoryLimiter:
         for lim in scopes:
             st = self._state(lim.scope)
             if lim.rpm is not None:
-                st.requests.entries.append([now, 1.0, ask.request_id])
-                st.requests.total += 1
+                st.requests.add(now, 1.0, ask.request_id)
                 verdict.state[lim.scope]["remaining_requests"] -= 1
             if lim.tpm is not None:
-                st.tokens.entries.append([now, float(ask.tokens), ask.request_id])
-                st.tokens.total += ask.tokens
+                st.tokens.add(now, float(ask.tokens), ask.request_id)
                 verdict.state[lim.scope]["remaining_tokens"] = max(
                     0, verdict.state[lim.scope]["remaining_tokens"] - ask.tokens
                 )
