@@ -273,10 +273,10 @@ class Scripted:
         return int(httpx.get(self.url + "/stats").json()["requests"])
 
 
-def start_scripted() -> tuple[Proc, Scripted]:
+def start_scripted(*extra: str) -> tuple[Proc, Scripted]:
     port = free_port()
     proc = Proc(
-        [sys.executable, "-m", "switchyard.bench.scripted_upstream", "--port", str(port)],
+        [sys.executable, "-m", "switchyard.bench.scripted_upstream", "--port", str(port), *extra],
         "scripted",
     )
     wait_http(f"http://127.0.0.1:{port}/health", proc)

@@ -223,7 +223,7 @@ def test_two_gateways_share_one_rpm_limit_through_redis(scripted: Scripted) -> N
     base = {
         "models": _models(scripted),
         "embeddings": {"enabled": False},
-        "storage": {"redis_url": url},
+        "storage": {"redis_url": url, "redis_timeout_s": 3},
     }
     a = start_gateway(base, db=db)
     b = start_gateway({**base, "policy": {"on_limiter_failure": "fail_open"}}, db=db)

@@ -174,7 +174,10 @@ def test_budget_race_two_processes(redis_url: str, prefix: str) -> None:
     sc = [ScopeLimits("tenant:race", budget_usd=1.0)]
 
     async def main() -> list[Verdict]:
-        one, two = RedisLimiter(redis_url, prefix=prefix), RedisLimiter(redis_url, prefix=prefix)
+        # Generous timeouts: 100 concurrent calls open many connections at once, and
+        # this test is about atomicity, not about how fast Redis answers a loaded host.
+        one = RedisLimiter(redis_url, prefix=prefix, timeout_s=10)
+        two = RedisLimiter(redis_url, prefix=prefix, timeout_s=10)
         try:
             calls = [
                 (one if i % 2 else two).reserve(sc, ask(f"r{i}", cost=0.05), now=T0)

@@ -160,6 +160,51 @@ def cmd_admin(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    """trace show <request-or-task-id> | trace list: read the traces the gateway stored."""
+    from switchyard.observe.db import connect
+    from switchyard.observe.render import render_request, render_task
+    from switchyard.observe.tasks import analyze_task
+    from switchyard.observe.traces import get_request, get_task, list_requests
+
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:
+        print(f"switchyard: {exc}", file=sys.stderr)
+        return 2
+    path = args.db or os.environ.get("SWITCHYARD_SQLITE_PATH") or settings.storage.sqlite_path
+    conn = connect(path)
+    try:
+        if args.action == "list":
+            rows = list_requests(conn, args.tenant, None, args.status, args.limit)
+            if args.json:
+                print(json.dumps(rows, indent=2))
+                return 0
+            for r in rows:
+                t = r.get("timings") or {}
+                print(
+                    f"{r['request_id']:<40} {r.get('task_id') or '-':<20} {r.get('model') or '-':<20} "
+                    f"{r['status']:<10} {t.get('duration_ms') or 0:>9.1f} ms"
+                )
+            return 0
+        record = get_request(conn, args.id)
+        if record is not None:
+            print(json.dumps(record, indent=2) if args.json else render_request(record))
+            return 0
+        records = get_task(conn, args.id)
+        if records:
+            analysis = analyze_task(records)
+            if args.json:
+                print(json.dumps({"task": analysis, "requests": records}, indent=2))
+            else:
+                print(render_task(analysis, records))
+            return 0
+        print(f"switchyard: no request or task '{args.id}' in {path}", file=sys.stderr)
+        return 1
+    finally:
+        conn.close()
+
+
 def _add_limit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpm", type=int)
     p.add_argument("--tpm", type=int)
@@ -217,6 +262,19 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (kc, kl, kr, ks):
         _add_store_options(p)
         p.set_defaults(func=cmd_admin)
+
+    tr = sub.add_parser("trace", help="show decision traces of requests and agent tasks")
+    trsub = tr.add_subparsers(dest="action", required=True)
+    trs = trsub.add_parser("show", help="a request id or a task id")
+    trs.add_argument("id")
+    trl = trsub.add_parser("list", help="recent requests")
+    trl.add_argument("--tenant")
+    trl.add_argument("--status")
+    trl.add_argument("--limit", type=int, default=50)
+    for p in (trs, trl):
+        _add_store_options(p)
+        p.add_argument("--json", action="store_true", help="raw JSON instead of text")
+        p.set_defaults(func=cmd_trace)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)

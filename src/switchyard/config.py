@@ -35,6 +35,8 @@ class ServerConfig(_Strict):
 class StorageConfig(_Strict):
     sqlite_path: str = "~/.switchyard/switchyard.db"
     redis_url: str | None = None  # shared limits and budgets across gateway processes
+    # Per Redis call; past it the limiter counts as unavailable (fail_closed/fail_open).
+    redis_timeout_s: float = Field(0.5, gt=0)
 
 
 class AuthConfig(_Strict):
@@ -67,6 +69,30 @@ class PolicyConfig(_Strict):
     default_max_tokens: int = Field(512, ge=1)
     # What a limiter does when Redis cannot be reached.
     on_limiter_failure: Literal["fail_closed", "fail_open"] = "fail_closed"
+
+
+class OtelConfig(_Strict):
+    # none: off; otlp: OTLP/HTTP to `endpoint` (or the OTEL_EXPORTER_OTLP_* env vars);
+    # file: JSON lines to `path`.
+    exporter: Literal["none", "otlp", "file"] = "none"
+    endpoint: str | None = None
+    path: str | None = None
+    service_name: str = "switchyard"
+
+    @model_validator(mode="after")
+    def _file_needs_path(self) -> OtelConfig:
+        if self.exporter == "file" and not self.path:
+            raise ValueError("observe.otel.path is required when exporter is 'file'")
+        return self
+
+
+class ObserveConfig(_Strict):
+    metrics: bool = True
+    traces: bool = True  # decision traces in SQLite (no prompt or reply bodies)
+    traces_retention_days: float = Field(7.0, gt=0)
+    traces_max_rows: int = Field(1_000_000, ge=1)
+    retention_interval_s: float = Field(300.0, gt=0)
+    otel: OtelConfig = OtelConfig()
 
 
 class IdempotencyConfig(_Strict):
@@ -227,6 +253,7 @@ class Settings(_Strict):
     tenants_defaults: TenantDefaults = TenantDefaults()
     policy: PolicyConfig = PolicyConfig()
     idempotency: IdempotencyConfig = IdempotencyConfig()
+    observe: ObserveConfig = ObserveConfig()
     models: list[ModelConfig] = Field(min_length=1)
     embeddings: EmbeddingsConfig = EmbeddingsConfig()
 

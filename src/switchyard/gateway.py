@@ -7,6 +7,7 @@ stage records its `Decision`; stages whose capability has not landed yet record 
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import os
@@ -24,6 +25,9 @@ from switchyard.execute.executor import Executor
 from switchyard.execute.idempotency import IdempotencyStore
 from switchyard.observe.db import connect
 from switchyard.observe.ledger import UsageLedger, UsageRow
+from switchyard.observe.metrics import Metrics
+from switchyard.observe.otel import build_tracing
+from switchyard.observe.traces import enforce_retention, trace_record
 from switchyard.pipeline import Pipeline, RequestContext, Timings, request_id_from
 from switchyard.policy.admission import DeploymentGate
 from switchyard.policy.admit import (
@@ -69,10 +73,17 @@ class Gateway:
         if settings.storage.redis_url:
             from switchyard.policy.redis_limits import RedisLimiter
 
-            self.limiter = RedisLimiter(settings.storage.redis_url)
+            self.limiter = RedisLimiter(
+                settings.storage.redis_url, timeout_s=settings.storage.redis_timeout_s
+            )
         else:
             self.limiter = MemoryLimiter()
-        self.executor = Executor(settings, self.registry)
+        obs = settings.observe
+        self.metrics = Metrics() if obs.metrics else None
+        self.tracing = build_tracing(
+            obs.otel.exporter, obs.otel.endpoint, obs.otel.path, obs.otel.service_name
+        )
+        self.executor = Executor(settings, self.registry, self.tracing)
         self.idempotency = IdempotencyStore(connect(self.sqlite_path), settings.idempotency.ttl_s)
         self.gates = {
             m.alias: DeploymentGate(m.alias, m.limits.max_concurrency, m.limits.queue)
@@ -108,8 +119,32 @@ class Gateway:
         self.registry.start()
         if self.embedder is not None:
             self.embedder.start()
+        self._retention = asyncio.create_task(self._retention_loop())
+
+    async def _retention_loop(self) -> None:
+        obs = self.settings.observe
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                n = await loop.run_in_executor(None, self.enforce_retention)
+                if n:
+                    log.info("trace retention removed %d records", n)
+            except Exception as exc:  # retention must never take the gateway down
+                log.warning("trace retention failed: %s", exc)
+            await asyncio.sleep(obs.retention_interval_s)
+
+    def enforce_retention(self, now: float | None = None) -> int:
+        obs = self.settings.observe
+        conn = connect(self.sqlite_path)
+        try:
+            return enforce_retention(conn, obs.traces_retention_days, obs.traces_max_rows, now)
+        finally:
+            conn.close()
 
     async def stop(self) -> None:
+        retention = getattr(self, "_retention", None)
+        if retention is not None:
+            retention.cancel()
         await self.registry.stop()
         if self.embedder is not None:
             await self.embedder.stop()
@@ -117,6 +152,8 @@ class Gateway:
         if close is not None:
             await close()
         self.ledger.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         now = time.monotonic()
@@ -154,6 +191,13 @@ class Gateway:
             else [],
             principal=principal,
         )
+        planned = headers.get("x-task-planned-steps")
+        if planned is not None and planned.isdigit():
+            ctx.planned_steps = int(planned)
+        if self.tracing is not None:
+            self.tracing.start_request(
+                ctx, headers, time.time_ns() - int((time.perf_counter() - received) * 1e9)
+            )
         outcome = "skip" if principal is ANONYMOUS else "ok"
         reason = "auth.mode is disabled" if principal is ANONYMOUS else "valid API key"
         ctx.record(
@@ -339,8 +383,27 @@ class Gateway:
             except LimiterUnavailable as exc:
                 log.warning("could not settle %s: %s", ctx.request_id, exc)
         t = ctx.timings
-        end = t.ended or time.perf_counter()
+        if t.ended is None:
+            t.ended = time.perf_counter()
+        end = t.ended
         p = ctx.principal
+        status = ctx.status if ctx.status not in ("pending", "streaming") else "error"
+        if self.metrics is not None:
+            self.metrics.observe(ctx, status, inp, out, cost)
+            model = ctx.deployment.alias if ctx.deployment is not None else "unknown"
+            for gap in ctx.chunk_gaps:
+                self.metrics.observe_chunk_gap(model, gap)
+        if self.tracing is not None:
+            self.tracing.finish(
+                ctx, status, inp, out, time.time_ns() - int((time.perf_counter() - end) * 1e9)
+            )
+        trace = None
+        if self.settings.observe.traces:
+            trace = trace_record(
+                ctx,
+                {"status": status, "input_tokens": inp, "output_tokens": out, "cost_usd": cost},
+                ctx.planned_steps,
+            )
         self.ledger.record(
             UsageRow(
                 request_id=ctx.request_id,
@@ -355,12 +418,13 @@ class Gateway:
                 output_tokens=out,
                 cost_usd=cost,
                 cache=ctx.cache,
-                status=ctx.status if ctx.status != "pending" else "error",
+                status=status,
                 error_code=ctx.error_code,
                 attempts=ctx.attempts,
                 received_at=ctx.received_at,
                 queue_ms=ctx.queue_ms,
                 ttft_ms=(t.client_first_byte - t.received) * 1000 if t.client_first_byte else None,
                 duration_ms=(end - t.received) * 1000,
-            )
+            ),
+            trace,
         )

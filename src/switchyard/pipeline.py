@@ -88,6 +88,9 @@ class RequestContext:
     fallback_from: str | None = None
     cache: str | None = None  # cache / replay outcome for the ledger
     idempotency_key: str | None = None  # set while this request owns the key
+    planned_steps: int | None = None  # x-task-planned-steps, for task accounting
+    chunk_gaps: list[float] = field(default_factory=list)  # seconds between streamed writes
+    otel_span: Any = None  # the request's OpenTelemetry span, when tracing is on
     queue_ms: float | None = None
     reservations: list[tuple[Any, Any]] = field(default_factory=list)  # (scopes, Ask)
     rate_headers: dict[str, str] = field(default_factory=dict)

@@ -18,7 +18,11 @@ from starlette.routing import Route
 from switchyard.api.body import read_json
 from switchyard.errors import AuthenticationError, InvalidRequest, PermissionDenied
 from switchyard.gateway import Gateway
+from switchyard.observe.db import connect
+from switchyard.observe.tasks import analyze_task
+from switchyard.observe.traces import get_request, get_task, list_requests
 from switchyard.policy.auth import bearer
+from switchyard.policy.keys import NotFound
 
 _TENANT_FIELDS = (
     "rpm",
@@ -119,7 +123,53 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
             }
         )
 
+    def traces_db() -> Any:
+        gw.ledger.flush()  # what finished before this call is visible
+        return connect(gw.sqlite_path)
+
+    async def request_trace(request: Request) -> Response:
+        guard(request)
+        conn = traces_db()
+        try:
+            rec = get_request(conn, request.path_params["request_id"])
+        finally:
+            conn.close()
+        if rec is None:
+            raise NotFound(f"no trace for request '{request.path_params['request_id']}'")
+        return _json(rec)
+
+    async def request_list(request: Request) -> Response:
+        """?tenant=&since=(unix s)&status=&limit="""
+        guard(request)
+        q = request.query_params
+        try:
+            since = float(q["since"]) if "since" in q else None
+            limit = min(int(q.get("limit", "100")), 10_000)
+        except ValueError:
+            raise InvalidRequest("'since' and 'limit' must be numbers") from None
+        conn = traces_db()
+        try:
+            data = list_requests(conn, q.get("tenant"), since, q.get("status"), limit)
+        finally:
+            conn.close()
+        return _json({"object": "list", "data": data})
+
+    async def task_trace(request: Request) -> Response:
+        guard(request)
+        task_id = request.path_params["task_id"]
+        conn = traces_db()
+        try:
+            records = get_task(conn, task_id)
+        finally:
+            conn.close()
+        if not records:
+            raise NotFound(f"no requests recorded for task '{task_id}'")
+        return _json({"task": analyze_task(records), "requests": records})
+
     return [
+        Route("/admin/requests", request_list, methods=["GET"]),
+        Route("/admin/requests/{request_id}", request_trace, methods=["GET"]),
+        Route("/admin/tasks/{task_id}", task_trace, methods=["GET"]),
         Route("/admin/tenants", tenants, methods=["GET", "POST"]),
         Route("/admin/tenants/{tenant_id}", tenant, methods=["GET"]),
         Route("/admin/keys", keys, methods=["GET", "POST"]),

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -95,6 +96,18 @@ def create_app(settings: Settings, on_ready: Callable[[Gateway], None] | None = 
             status_code=200 if ready else 503,
             media_type="application/json",
             headers=headers,
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if gw.metrics is None:
+            raise RouteNotFound("metrics are disabled (observe.metrics: false)")
+        now = time.monotonic()
+        gw.metrics.set_breakers(
+            {a: b.describe(now)["state"] for a, b in gw.executor.breakers.items()}
+        )
+        return Response(
+            gw.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
     @app.exception_handler(SwitchyardError)

@@ -39,6 +39,7 @@ def _data(event: bytes) -> bytes | None:
 
 async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[bytes]:
     done = False
+    last = 0.0
     ctx.status = "streaming"
     try:
         async for events in stream.events():
@@ -60,8 +61,12 @@ async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[by
                 out.append(b"data: " + data + b"\n\n")
             if out:
                 ctx.chunks += len(out)
+                now = time.perf_counter()
                 if ctx.timings.client_first_byte is None:
-                    ctx.timings.client_first_byte = time.perf_counter()
+                    ctx.timings.client_first_byte = now
+                else:
+                    ctx.chunk_gaps.append(now - last)
+                last = now
                 yield b"".join(out)
             if done:
                 break

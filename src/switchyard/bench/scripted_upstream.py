@@ -156,6 +156,7 @@ class ScriptedUpstream:
         self.tokens = tokens
         self.model_name = model_name
         self.requests = 0
+        self.last_traceparent: str | None = None
         self.created = int(time.time())
         self._default_fault = parse_fault(fault) if fault else None
         self._runtime_fault: Fault | None = None
@@ -190,6 +191,9 @@ class ScriptedUpstream:
             await self._router(scope, receive, send)
             return
         self.requests += 1
+        for name, value in scope["headers"]:
+            if name == b"traceparent":  # lets tests check trace propagation
+                self.last_traceparent = value.decode("latin-1")
         try:
             fault = self._fault_for(scope)
         except ValueError as exc:
@@ -355,7 +359,10 @@ class ScriptedUpstream:
     async def _stats(self, request: Request) -> Response:
         if request.method == "DELETE":
             self.requests = 0
-        return Response(orjson.dumps({"requests": self.requests}), media_type="application/json")
+        return Response(
+            orjson.dumps({"requests": self.requests, "last_traceparent": self.last_traceparent}),
+            media_type="application/json",
+        )
 
     async def _control(self, request: Request) -> Response:
         """Set the fault for later requests: `{"fault": "status:503", "count": 2}`.

@@ -27,6 +27,7 @@ from switchyard.errors import EngineNotReady, SwitchyardError, UpstreamTimeout
 from switchyard.execute.breaker import CircuitBreaker
 from switchyard.execute.compat import incompatibility, request_needs
 from switchyard.execute.retry import RetryBudget, backoff_s, is_retryable, retry_class
+from switchyard.observe.otel import Tracing
 from switchyard.pipeline import RequestContext
 
 PATHS = {"chat.completions": "/chat/completions", "completions": "/completions"}
@@ -49,8 +50,15 @@ def upstream_payload(ctx: RequestContext, dep: Deployment) -> bytes:
 
 
 class Executor:
-    def __init__(self, settings: Settings, registry: Registry, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        tracing: Tracing | None = None,
+        seed: int | None = None,
+    ) -> None:
         self.registry = registry
+        self.tracing = tracing
         self.breakers = {
             m.alias: CircuitBreaker(m.alias, m.resilience.breaker) for m in settings.models
         }
@@ -60,23 +68,33 @@ class Executor:
         self.fallbacks = 0
 
     async def execute(self, ctx: RequestContext) -> UpstreamReply:
-        async def send(dep: Deployment, timeout_s: float) -> UpstreamReply:
+        async def send(dep: Deployment, timeout_s: float, headers: dict[str, str]) -> UpstreamReply:
             return await dep.upstream.post(
-                PATHS[ctx.endpoint], upstream_payload(ctx, dep), dep.model.timeouts, timeout_s
+                PATHS[ctx.endpoint],
+                upstream_payload(ctx, dep),
+                dep.model.timeouts,
+                timeout_s,
+                headers or None,
             )
 
         return await self._run(ctx, send)
 
     async def execute_stream(self, ctx: RequestContext) -> UpstreamStream:
-        async def send(dep: Deployment, timeout_s: float) -> UpstreamStream:
+        async def send(
+            dep: Deployment, timeout_s: float, headers: dict[str, str]
+        ) -> UpstreamStream:
             return await dep.upstream.stream(
-                PATHS[ctx.endpoint], upstream_payload(ctx, dep), dep.model.timeouts, timeout_s
+                PATHS[ctx.endpoint],
+                upstream_payload(ctx, dep),
+                dep.model.timeouts,
+                timeout_s,
+                headers or None,
             )
 
         return await self._run(ctx, send)
 
     async def _run(
-        self, ctx: RequestContext, send: Callable[[Deployment, float], Awaitable[T]]
+        self, ctx: RequestContext, send: Callable[[Deployment, float, dict[str, str]], Awaitable[T]]
     ) -> T:
         primary = ctx.deployment
         assert primary is not None
@@ -139,7 +157,7 @@ class Executor:
         self,
         ctx: RequestContext,
         dep: Deployment,
-        send: Callable[[Deployment, float], Awaitable[T]],
+        send: Callable[[Deployment, float, dict[str, str]], Awaitable[T]],
         last_in_chain: bool,
     ) -> T:
         cfg = dep.model.resilience
@@ -176,9 +194,15 @@ class Executor:
                 budget.first_attempt(time.monotonic())
             ctx.attempts += 1
             ctx.timings.upstream_sent = t
+            span, headers = (
+                self.tracing.start_attempt(ctx, dep.alias, dep.label)
+                if self.tracing is not None
+                else (None, {})
+            )
             try:
-                result = await send(dep, remaining)
+                result = await send(dep, remaining, headers)
             except SwitchyardError as exc:
+                Tracing.end_attempt(span, exc.code)
                 cls = retry_class(exc)
                 # A 4xx means the upstream is healthy and the request is wrong.
                 breaker.record(cls is None, time.monotonic())
@@ -189,6 +213,7 @@ class Executor:
                     t,
                     {
                         "upstream": dep.label,
+                        "alias": dep.alias,
                         "attempt": ctx.attempts,
                         "class": cls,
                         "status": exc.status,
@@ -226,8 +251,10 @@ class Executor:
                 retries += 1
                 continue
             except asyncio.CancelledError:
+                Tracing.end_attempt(span, "cancelled")
                 breaker.release_probe()
                 raise
+            Tracing.end_attempt(span, None)
             breaker.record(True, time.monotonic())
             ctx.timings.upstream_first_byte = time.perf_counter()
             ctx.record(
@@ -235,6 +262,6 @@ class Executor:
                 "ok",
                 f"served by {dep.label}",
                 t,
-                {"upstream": dep.label, "attempt": ctx.attempts},
+                {"upstream": dep.label, "alias": dep.alias, "attempt": ctx.attempts},
             )
             return result

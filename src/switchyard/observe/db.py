@@ -60,6 +60,17 @@ CREATE TABLE IF NOT EXISTS usage (
 CREATE INDEX IF NOT EXISTS usage_tenant_time ON usage(tenant_id, received_at);
 CREATE INDEX IF NOT EXISTS usage_key_time ON usage(key_id, received_at);
 CREATE INDEX IF NOT EXISTS usage_task ON usage(task_id);
+CREATE TABLE IF NOT EXISTS traces (
+    request_id TEXT PRIMARY KEY,
+    task_id TEXT,
+    tenant_id TEXT,
+    status TEXT NOT NULL,
+    received_at REAL NOT NULL,
+    record TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS traces_task ON traces(task_id);
+CREATE INDEX IF NOT EXISTS traces_tenant_time ON traces(tenant_id, received_at);
+CREATE INDEX IF NOT EXISTS traces_time ON traces(received_at);
 """
 
 

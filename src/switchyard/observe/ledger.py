@@ -16,6 +16,7 @@ from dataclasses import astuple, dataclass, fields
 from typing import Any
 
 from switchyard.observe.db import connect
+from switchyard.observe.traces import insert_args, insert_sql
 
 log = logging.getLogger("switchyard.ledger")
 
@@ -60,8 +61,10 @@ class UsageLedger:
         self._thread = threading.Thread(target=self._run, name="usage-ledger", daemon=True)
         self._thread.start()
 
-    def record(self, row: UsageRow) -> None:
-        self._queue.put(row)
+    def record(self, row: UsageRow, trace: dict[str, Any] | None = None) -> None:
+        """Queue a finished request's usage row and (optionally) its trace; both are
+        committed in the same transaction."""
+        self._queue.put((row, trace))
 
     def flush(self, timeout_s: float = 10.0) -> None:
         """Wait until every row queued before this call is committed."""
@@ -77,7 +80,7 @@ class UsageLedger:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            batch: list[UsageRow] = []
+            batch: list[tuple[UsageRow, dict[str, Any] | None]] = []
             events: list[threading.Event] = []
             stop = False
             while True:
@@ -98,11 +101,14 @@ class UsageLedger:
             if stop:
                 return
 
-    def _write(self, batch: list[UsageRow]) -> None:
+    def _write(self, batch: list[tuple[UsageRow, dict[str, Any] | None]]) -> None:
         for attempt in range(3):
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
-                self._conn.executemany(_INSERT, [astuple(r) for r in batch])
+                self._conn.executemany(_INSERT, [astuple(r) for r, _ in batch])
+                traces = [insert_args(t) for _, t in batch if t is not None]
+                if traces:
+                    self._conn.executemany(insert_sql(), traces)
                 self._conn.execute("COMMIT")
                 self._written += len(batch)
                 return

@@ -1,0 +1,159 @@
+"""Prometheus metrics, exposed as text at /metrics.
+
+Label sets are bounded: model aliases, tenants (created by an admin), statuses,
+error classes — never request ids. With several worker processes, set
+PROMETHEUS_MULTIPROC_DIR and each process writes its values there; /metrics then
+aggregates them (prometheus_client's multiprocess mode).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
+
+from switchyard.pipeline import RequestContext
+
+# 1 ms to 60 s: covers a cached answer and a long CPU generation alike.
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+BREAKER_VALUE = {"closed": 0, "half_open": 1, "open": 2}
+REJECTION_CODES = {
+    "rate_limit_rpm": "rpm",
+    "rate_limit_tpm": "tpm",
+    "tokens_exceed_limit": "tpm",
+    "rate_limit_concurrency": "concurrency",
+    "insufficient_quota": "budget",
+    "queue_full": "queue_full",
+    "deadline_exceeded": "deadline",
+    "limiter_unavailable": "limiter_unavailable",
+}
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        # In multiprocess mode values live in files; otherwise in our own registry.
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = None if self.multiprocess else self.registry
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, ["model"], buckets=LATENCY_BUCKETS, registry=reg)
+
+        self.requests = Counter(
+            "switchyard_requests", "Finished requests", ["model", "tenant", "status"], registry=reg
+        )
+        self.e2e = hist("switchyard_request_duration_seconds", "End-to-end time in the gateway")
+        self.ttft = hist("switchyard_ttft_seconds", "Time to the first byte sent to the client")
+        self.itl = hist("switchyard_inter_chunk_seconds", "Time between streamed chunks")
+        self.queue = hist("switchyard_queue_seconds", "Time waiting for a deployment slot")
+        self.attempts = Counter(
+            "switchyard_upstream_attempts",
+            "Upstream attempts by outcome",
+            ["model", "outcome"],
+            registry=reg,
+        )
+        self.success = Counter(
+            "switchyard_success",
+            "Successful requests by how they succeeded (first_attempt, retry, fallback)",
+            ["model", "after"],
+            registry=reg,
+        )
+        self.retries = Counter("switchyard_retries", "Retries taken", ["model"], registry=reg)
+        self.fallbacks = Counter(
+            "switchyard_fallbacks", "Fallbacks taken", ["from_model", "to_model"], registry=reg
+        )
+        self.breaker = Gauge(
+            "switchyard_breaker_state",
+            "Circuit breaker: 0 closed, 1 half-open, 2 open",
+            ["model"],
+            registry=reg,
+            multiprocess_mode="max",
+        )
+        self.rejections = Counter(
+            "switchyard_rejections", "Requests refused by policy", ["kind"], registry=reg
+        )
+        self.tokens = Counter("switchyard_tokens", "Tokens", ["model", "direction"], registry=reg)
+        self.cost = Counter("switchyard_cost_usd", "Cost in USD", ["model", "tenant"], registry=reg)
+        self.cache = Counter("switchyard_cache", "Cache lookups", ["result"], registry=reg)
+        self.routes = Counter(
+            "switchyard_route_decisions", "Route decisions", ["route"], registry=reg
+        )
+
+    def observe(self, ctx: RequestContext, status: str, inp: int, out: int, cost: float) -> None:
+        """Record one finished request."""
+        model = ctx.deployment.alias if ctx.deployment is not None else (ctx.alias or "unknown")
+        if ctx.model is None and ctx.deployment is None:
+            model = "unknown"  # never label with a client-supplied, unvalidated name
+        tenant = ctx.principal.tenant_id if ctx.principal is not None else "none"
+        t = ctx.timings
+        self.requests.labels(model, tenant, status).inc()
+        if t.ended is not None:
+            self.e2e.labels(model).observe(t.ended - t.received)
+        if t.client_first_byte is not None:
+            self.ttft.labels(model).observe(t.client_first_byte - t.received)
+        if ctx.queue_ms is not None:
+            self.queue.labels(model).observe(ctx.queue_ms / 1000)
+        retried = False
+        for d in ctx.decisions:
+            if d.stage == "attempt" and not d.outcome.startswith("skip"):
+                outcome = "ok" if d.outcome == "ok" else d.outcome.split(":", 1)[-1]
+                self.attempts.labels(str(d.evidence.get("alias", model)), outcome).inc()
+            elif d.stage == "retry" and d.outcome == "backoff":
+                retried = True
+                self.retries.labels(model).inc()
+            elif d.stage == "route":
+                self.routes.labels(d.outcome).inc()
+        if ctx.fallback_from is not None:
+            self.fallbacks.labels(ctx.fallback_from, model).inc()
+        if status == "ok" and ctx.attempts:
+            after = "fallback" if ctx.fallback_from else ("retry" if retried else "first_attempt")
+            self.success.labels(model, after).inc()
+        kind = REJECTION_CODES.get(ctx.error_code or "")
+        if kind is not None:
+            self.rejections.labels(kind).inc()
+        if inp:
+            self.tokens.labels(model, "input").inc(inp)
+        if out:
+            self.tokens.labels(model, "output").inc(out)
+        if cost:
+            self.cost.labels(model, tenant).inc(cost)
+        if ctx.cache in ("hit", "miss"):
+            self.cache.labels(ctx.cache).inc()
+
+    def observe_chunk_gap(self, model: str, gap_s: float) -> None:
+        self.itl.labels(model).observe(gap_s)
+
+    def set_breakers(self, states: dict[str, Any]) -> None:
+        for model, state in states.items():
+            self.breaker.labels(model).set(BREAKER_VALUE.get(state, 0))
+
+    def exposition(self) -> bytes:
+        if self.multiprocess:
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return bytes(generate_latest(registry))
+        return bytes(generate_latest(self.registry))

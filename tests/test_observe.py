@@ -1,0 +1,379 @@
+"""Decision traces, agent tasks, Prometheus metrics, OpenTelemetry and retention."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import Gateway, Scripted, free_port, start_gateway, start_scripted
+from switchyard.observe.db import connect
+from switchyard.observe.otel import Tracing
+from switchyard.observe.traces import enforce_retention, get_request, insert_args, insert_sql
+from switchyard.pipeline import RequestContext, Timings
+
+BODY: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+SPANS = Path(tempfile.mkdtemp(prefix="switchyard-otel-")) / "spans.jsonl"
+
+
+@pytest.fixture(scope="module")
+def fast() -> Iterator[Scripted]:
+    proc, s = start_scripted("--fault", "delay:100")
+    yield s
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def slow() -> Iterator[Scripted]:
+    proc, s = start_scripted("--fault", "delay:400")
+    yield s
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def gw(scripted: Scripted, fast: Scripted, slow: Scripted) -> Iterator[Gateway]:
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    g = start_gateway(
+        {
+            "models": [
+                {
+                    "alias": "plain",
+                    "revision": "p1",
+                    "engine": {"kind": "openai", "base_url": scripted.url + "/v1"},
+                },
+                {
+                    "alias": "flaky",
+                    "engine": {"kind": "openai", "base_url": dead},
+                    "resilience": {"retries": 1, "backoff_base_s": 0.01, "backoff_max_s": 0.02},
+                    "fallbacks": ["plain"],
+                },
+                {"alias": "fast", "engine": {"kind": "openai", "base_url": fast.url + "/v1"}},
+                {"alias": "slow", "engine": {"kind": "openai", "base_url": slow.url + "/v1"}},
+            ],
+            "embeddings": {"enabled": False},
+            "observe": {"otel": {"exporter": "file", "path": str(SPANS)}},
+        }
+    )
+    yield g
+    g.proc.stop()
+
+
+def _chat(gw: Gateway, model: str, key: str | None = None, **headers: str) -> httpx.Response:
+    h = {"Authorization": f"Bearer {key or gw.key}", **headers}
+    return httpx.post(
+        gw.url + "/v1/chat/completions", json={**BODY, "model": model}, headers=h, timeout=30
+    )
+
+
+def _trace(gw: Gateway, rid: str) -> dict[str, Any]:
+    r = httpx.get(gw.url + f"/admin/requests/{rid}", headers=gw.admin)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def _decisions(rec: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(d["stage"], d["outcome"]) for d in rec["decisions"]]
+
+
+# -- decision traces ----------------------------------------------------------------------
+
+
+def test_plain_request_trace(gw: Gateway) -> None:
+    assert _chat(gw, "plain", **{"x-request-id": "obs-plain"}).status_code == 200
+    rec = _trace(gw, "obs-plain")
+    stages = [s for s, _ in _decisions(rec)]
+    assert stages == [
+        "authenticate",
+        "validate",
+        "authorize",
+        "admit",
+        "cache",
+        "route",
+        "select",
+        "deployment_limits",
+        "queue",
+        "place",
+        "attempt",
+    ]
+    assert ("attempt", "ok") in _decisions(rec)
+    assert rec["status"] == "ok" and rec["revision"] == "p1" and rec["output_tokens"] == 8
+    assert all(d["reason"] for d in rec["decisions"])
+    t = rec["timings"]
+    assert 0 < t["upstream_first_byte_ms"] <= t["duration_ms"]
+    assert "messages" not in json.dumps(rec)  # no prompt bodies in traces
+
+
+def test_rejection_by_limit_is_traced(gw: Gateway) -> None:
+    gw.create_tenant("obs-limited", rpm=1)
+    key = gw.create_key("obs-limited")["key"]
+    assert _chat(gw, "plain", key).status_code == 200
+    assert _chat(gw, "plain", key, **{"x-request-id": "obs-rejected"}).status_code == 429
+    rec = _trace(gw, "obs-rejected")
+    admit = next(d for d in rec["decisions"] if d["stage"] == "admit")
+    assert admit["outcome"] == "reject:rpm"
+    assert "tenant:obs-limited" in admit["reason"]
+    assert admit["evidence"]["scopes"]["tenant:obs-limited"]["limit_requests"] == 1
+    assert rec["status"] == "error" and rec["error_code"] == "rate_limit_rpm"
+    assert not any(s == "attempt" for s, _ in _decisions(rec))
+
+
+def test_retry_then_fallback_is_traced(gw: Gateway) -> None:
+    r = _chat(gw, "flaky", **{"x-request-id": "obs-fallback"})
+    assert r.status_code == 200 and r.headers["x-switchyard-fallback"] == "flaky -> plain"
+    rec = _trace(gw, "obs-fallback")
+    tail = [(s, o) for s, o in _decisions(rec) if s in ("attempt", "retry", "fallback")]
+    assert tail == [
+        ("attempt", "error:connect"),
+        ("retry", "backoff"),
+        ("attempt", "error:connect"),
+        ("fallback", "try:plain"),
+        ("attempt", "ok"),
+    ]
+    assert rec["fallback_from"] == "flaky" and rec["model"] == "plain" and rec["attempts"] == 3
+
+
+def test_request_list_filters(gw: Gateway) -> None:
+    r = httpx.get(
+        gw.url + "/admin/requests", params={"status": "error", "limit": 5}, headers=gw.admin
+    )
+    assert r.status_code == 200
+    rows = r.json()["data"]
+    assert rows and all(x["status"] == "error" for x in rows)
+    assert all("decisions" not in x for x in rows)
+
+
+# -- agent tasks ------------------------------------------------------------------------------
+
+
+def _run_diamond(gw: Gateway, task: str, explicit: bool) -> None:
+    def call(model: str, rid: str, parents: str | None) -> None:
+        h = {"x-task-id": task, "x-request-id": rid, "x-task-planned-steps": "4"}
+        if explicit and parents:
+            h["x-parent-request-id"] = parents
+        assert _chat(gw, model, **h).status_code == 200
+
+    call("fast", f"{task}-A", None)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(
+            pool.map(
+                lambda a: call(*a),
+                [("fast", f"{task}-B", f"{task}-A"), ("slow", f"{task}-C", f"{task}-A")],
+            )
+        )
+    call("fast", f"{task}-D", f"{task}-B,{task}-C")
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_task_critical_path(gw: Gateway, explicit: bool) -> None:
+    task = f"diamond-{'explicit' if explicit else 'inferred'}"
+    started = time.time()
+    _run_diamond(gw, task, explicit)
+    wall_ms = (time.time() - started) * 1000
+    r = httpx.get(gw.url + f"/admin/tasks/{task}", headers=gw.admin)
+    assert r.status_code == 200
+    t = r.json()["task"]
+    assert t["critical_path"] == [f"{task}-A", f"{task}-C", f"{task}-D"]
+    assert t["llm_calls"] == 4 and t["steps_planned"] == 4
+    assert 100 * 3 + 400 <= t["e2e_ms"] <= wall_ms
+    assert t["critical_path_ms"] == pytest.approx(t["e2e_ms"], abs=1)
+    steps = {s["request_id"]: s for s in t["steps"]}
+    b, c = steps[f"{task}-B"], steps[f"{task}-C"]
+    assert f"{task}-B" not in c["parents"] and f"{task}-C" not in b["parents"]  # parallel
+    assert steps[f"{task}-D"]["inferred"] is (not explicit)
+    assert c["upstream_ms"] >= 400 and c["gateway_ms"] >= 0
+
+
+def test_trace_cli_renders_request_and_task(gw: Gateway) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "switchyard", "trace", *args, "--db", gw.db],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    _run_diamond(gw, "cli-task", explicit=True)
+    httpx.get(gw.url + "/admin/requests/cli-task-D", headers=gw.admin)  # flushes the ledger
+    task = cli("show", "cli-task")
+    assert task.returncode == 0, task.stderr
+    assert "critical path: cli-task-A -> cli-task-C -> cli-task-D" in task.stdout
+    assert sum(1 for line in task.stdout.splitlines() if line.startswith("*")) == 3
+    req = cli("show", "obs-fallback")
+    assert req.returncode == 0 and "fallback" in req.stdout and "error:connect" in req.stdout
+    assert cli("show", "no-such-thing").returncode == 1
+    listed = cli("list", "--limit", "3")
+    assert listed.returncode == 0 and len(listed.stdout.strip().splitlines()) == 3
+
+
+# -- Prometheus ---------------------------------------------------------------------------
+
+
+def _metrics(gw: Gateway) -> dict[str, Any]:
+    text = httpx.get(gw.url + "/metrics").text
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _value(families: dict[str, Any], name: str, sample: str, **labels: str) -> float:
+    fam = families.get(name)
+    if fam is None:
+        return 0.0
+    return sum(
+        s.value
+        for s in fam.samples
+        if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def test_metrics_parse_and_move(gw: Gateway) -> None:
+    before = _metrics(gw)
+    assert _chat(gw, "plain").status_code == 200
+    assert _chat(gw, "flaky").status_code == 200
+    gw.create_tenant("obs-metrics", rpm=1)
+    key = gw.create_key("obs-metrics")["key"]
+    _chat(gw, "plain", key)
+    assert _chat(gw, "plain", key).status_code == 429
+    after = _metrics(gw)
+
+    def delta(name: str, sample: str, **labels: str) -> float:
+        return _value(after, name, sample, **labels) - _value(before, name, sample, **labels)
+
+    assert (
+        delta("switchyard_requests", "switchyard_requests_total", model="plain", status="ok") >= 2
+    )
+    assert (
+        delta(
+            "switchyard_fallbacks",
+            "switchyard_fallbacks_total",
+            from_model="flaky",
+            to_model="plain",
+        )
+        == 1
+    )
+    assert delta("switchyard_retries", "switchyard_retries_total", model="plain") == 1
+    assert (
+        delta("switchyard_success", "switchyard_success_total", model="plain", after="fallback")
+        == 1
+    )
+    assert delta("switchyard_rejections", "switchyard_rejections_total", kind="rpm") == 1
+    assert (
+        delta("switchyard_tokens", "switchyard_tokens_total", model="plain", direction="output")
+        >= 16
+    )
+    assert (
+        delta(
+            "switchyard_upstream_attempts",
+            "switchyard_upstream_attempts_total",
+            model="flaky",
+            outcome="connect",
+        )
+        == 2
+    )
+    buckets = {
+        float(s.labels["le"])
+        for s in after["switchyard_request_duration_seconds"].samples
+        if s.name.endswith("_bucket") and s.labels["le"] != "+Inf"
+    }
+    assert min(buckets) == 0.001 and max(buckets) == 60.0
+    assert "switchyard_breaker_state" in after
+    # Bounded labels: no request ids anywhere.
+    text = httpx.get(gw.url + "/metrics").text
+    assert "obs-plain" not in text and "req_" not in text
+
+
+# -- OpenTelemetry --------------------------------------------------------------------------
+
+
+def test_spans_nest_and_carry_request_id_in_memory() -> None:
+    exporter = InMemorySpanExporter()
+    tracing = Tracing(exporter, batch=False)
+    now = time.perf_counter()
+    ctx = RequestContext(
+        request_id="req-otel",
+        endpoint="chat.completions",
+        body={"max_tokens": 5},
+        received_at=time.time(),
+        timings=Timings(received=now),
+        deadline=now + 5,
+    )
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    tracing.start_request(ctx, {"traceparent": parent}, time.time_ns())
+    ctx.record("admit", "admitted", "ok", time.perf_counter())
+    span, headers = tracing.start_attempt(ctx, "m", "http://u")
+    Tracing.end_attempt(span, None)
+    tracing.finish(ctx, "ok", 3, 4, time.time_ns())
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    root = spans["chat"]
+    assert root.parent is not None and root.parent.span_id == 0xB7AD6B7169203331
+    assert root.context.trace_id == 0x0AF7651916CD43DD8448EB211C80319C
+    for name in ("stage admit", "attempt m"):
+        assert spans[name].parent.span_id == root.context.span_id
+        assert spans[name].attributes["switchyard.request_id"] == "req-otel"
+    assert root.attributes["gen_ai.usage.output_tokens"] == 4
+    assert headers["traceparent"].split("-")[1] == "0af7651916cd43dd8448eb211c80319c"
+
+
+def test_traceparent_is_the_parent_and_goes_upstream(gw: Gateway, scripted: Scripted) -> None:
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    r = _chat(
+        gw,
+        "plain",
+        **{"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01", "x-request-id": "obs-otel"},
+    )
+    assert r.status_code == 200
+    upstream_tp = httpx.get(scripted.url + "/stats").json()["last_traceparent"]
+    assert upstream_tp.split("-")[1] == trace_id
+    deadline = time.monotonic() + 10
+    spans: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        spans = (
+            [json.loads(x) for x in SPANS.read_text().splitlines() if x] if SPANS.exists() else []
+        )
+        if any(
+            s["name"] == "chat" and s["attributes"].get("switchyard.request_id") == "obs-otel"
+            for s in spans
+        ):
+            break
+        time.sleep(0.1)
+    mine = [s for s in spans if s["attributes"].get("switchyard.request_id") == "obs-otel"]
+    root = next(s for s in mine if s["name"] == "chat")
+    assert root["trace_id"] == trace_id and root["parent_span_id"] == "00f067aa0ba902b7"
+    attempt = next(s for s in mine if s["name"] == "attempt plain")
+    assert attempt["parent_span_id"] == root["span_id"]
+    assert upstream_tp.split("-")[2] == attempt["span_id"]
+    assert {s["name"] for s in mine} >= {"stage admit", "stage select", "stage queue"}
+
+
+# -- retention -------------------------------------------------------------------------------
+
+
+def test_retention_removes_old_traces_and_keeps_recent(tmp_path: Path) -> None:
+    conn = connect(str(tmp_path / "t.db"))
+    now = 1_800_000_000.0
+    for i, age_days in enumerate([30, 8, 6, 1, 0]):
+        rec = {
+            "request_id": f"r{i}",
+            "task_id": None,
+            "tenant_id": "t",
+            "status": "ok",
+            "received_at": now - age_days * 86400,
+        }
+        conn.execute(insert_sql(), insert_args(rec))
+    assert enforce_retention(conn, retention_days=7, max_rows=100, now=now) == 2
+    assert get_request(conn, "r0") is None and get_request(conn, "r1") is None
+    assert get_request(conn, "r2") is not None
+    assert enforce_retention(conn, retention_days=7, max_rows=2, now=now) == 1  # size cap
+    left = {r[0] for r in conn.execute("SELECT request_id FROM traces")}
+    assert left == {"r3", "r4"}  # the oldest went first
+    assert isinstance(conn, sqlite3.Connection)
