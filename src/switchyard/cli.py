@@ -205,6 +205,51 @@ def cmd_trace(args: argparse.Namespace) -> int:
         conn.close()
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    """cache invalidate (over the admin API: the cache lives in the gateway) | calibrate."""
+    if args.action == "calibrate":
+
+        from switchyard.decide.calibrate import minilm_embed, parse_thresholds, run_calibration
+
+        embed = minilm_embed()
+        thresholds = parse_thresholds(args.thresholds)
+        print(run_calibration(args.pairs, thresholds, args.max_false_hit_rate, embed))
+        return 0
+    import urllib.error
+    import urllib.request
+
+    key = os.environ.get(args.admin_key_env)
+    if not key:
+        print(f"switchyard: set {args.admin_key_env} to the gateway's admin key", file=sys.stderr)
+        return 2
+    body = {
+        k: getattr(args, k) for k in ("tenant", "model", "tag", "partition") if getattr(args, k)
+    }
+    if not body:
+        print(
+            "switchyard: give at least one of --tenant, --model, --tag, --partition",
+            file=sys.stderr,
+        )
+        return 2
+    body["dry_run"] = args.dry_run
+    req = urllib.request.Request(
+        args.url.rstrip("/") + "/admin/cache/invalidate",
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            print(json.dumps(json.loads(resp.read()), indent=2))
+    except urllib.error.HTTPError as exc:
+        print(f"switchyard: {exc.code}: {exc.read().decode(errors='replace')}", file=sys.stderr)
+        return 1
+    except urllib.error.URLError as exc:
+        print(f"switchyard: cannot reach {args.url}: {exc.reason}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _add_limit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpm", type=int)
     p.add_argument("--tpm", type=int)
@@ -276,11 +321,46 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="raw JSON instead of text")
         p.set_defaults(func=cmd_trace)
 
+    cache = sub.add_parser("cache", help="response cache: invalidate, calibrate")
+    csub = cache.add_subparsers(dest="action", required=True)
+    ci = csub.add_parser("invalidate", help="remove entries from a running gateway's cache")
+    ci.add_argument("--url", default="http://127.0.0.1:8000")
+    ci.add_argument("--admin-key-env", default="SWITCHYARD_ADMIN_KEY")
+    for name in ("tenant", "model", "tag", "partition"):
+        ci.add_argument(f"--{name}")
+    ci.add_argument("--dry-run", action="store_true", help="report what would go; change nothing")
+    ci.set_defaults(func=cmd_cache)
+    cc = csub.add_parser("calibrate", help="precision/recall per threshold on labelled pairs")
+    cc.add_argument("--pairs", default="data/cache_pairs.jsonl")
+    cc.add_argument("--thresholds", default="0.50:0.99:0.01", help="start:stop:step")
+    cc.add_argument("--max-false-hit-rate", type=float, default=0.01)
+    cc.set_defaults(func=cmd_cache)
+
+    route = sub.add_parser("route", help="semantic routing")
+    rsub = route.add_subparsers(dest="route_command", required=True)
+    from switchyard.decide.route_eval import add_arguments as add_route_eval
+
+    add_route_eval(rsub.add_parser("eval", help="evaluate the router on a labelled JSONL file"))
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     from switchyard.bench.overhead import add_arguments as add_overhead
 
     add_overhead(bsub.add_parser("overhead", help="gateway overhead vs direct and a bare proxy"))
+    from switchyard.bench.compare import add_compare_arguments
+    from switchyard.bench.run import add_run_arguments
+
+    add_run_arguments(
+        bsub.add_parser(
+            "run", help="load an OpenAI-compatible endpoint: latency, throughput, goodput"
+        )
+    )
+    add_compare_arguments(
+        bsub.add_parser("compare", help="two `bench run` results side by side, with ratios")
+    )
+    from switchyard.bench.cache import add_arguments as add_cache_bench
+
+    add_cache_bench(bsub.add_parser("cache", help="cache lookup latency, embedding, hit vs miss"))
     return ap
 
 

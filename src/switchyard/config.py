@@ -95,6 +95,85 @@ class ObserveConfig(_Strict):
     otel: OtelConfig = OtelConfig()
 
 
+class RouteConfig(_Strict):
+    """One route: where requests that look like `examples` should go."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_:.-]{0,63}$")
+    model: str  # target model alias
+    examples: list[str] = []  # example utterances (embedded once at start)
+    keywords: list[str] = []  # case-insensitive words/phrases that signal this route
+    regex: list[str] = []  # regular expressions that signal this route
+    signal_boost: float = Field(0.1, ge=0, le=1)  # added to the score when a signal fires
+    min_context_tokens: int | None = Field(None, ge=0)  # context-length band
+    max_context_tokens: int | None = Field(None, ge=0)
+    tenants: list[str] | None = None  # allow list; None = every tenant
+
+
+class RouterConfig(_Strict):
+    enabled: bool = False
+    policy_version: str = "unversioned"
+    default_route: str | None = None
+    # Aliases that trigger routing (besides "auto").
+    routed_aliases: list[str] = ["auto"]
+    # Below it the default route wins. MiniLM scores in-domain prompts against short
+    # examples at ~0.2-0.35, so higher values send most traffic to the default.
+    min_score: float = Field(0.2, ge=-1, le=1)
+    min_margin: float = Field(0.03, ge=0, le=2)  # over the runner-up; below it the default wins
+    routes: list[RouteConfig] = []
+
+    @model_validator(mode="after")
+    def _default_exists(self) -> RouterConfig:
+        names = [r.name for r in self.routes]
+        if len(set(names)) != len(names):
+            raise ValueError("router.routes: route names must be unique")
+        if self.enabled and not self.routes:
+            raise ValueError(
+                "router.routes: at least one route is needed when the router is enabled"
+            )
+        if self.default_route is not None and self.default_route not in names:
+            raise ValueError(f"router.default_route: {self.default_route!r} is not a route name")
+        return self
+
+
+class ToolsConfig(_Strict):
+    shortlist_k: int | None = Field(None, ge=1)  # keep at most k tools; None = no shortlist
+    allow: list[str] | None = None  # tool names any tenant may use (None = all)
+    deny: list[str] = []  # tool names never forwarded
+    tenant_allow: dict[str, list[str]] = {}  # per-tenant allow lists (tenant id → names)
+
+
+class CacheOverride(_Strict):
+    mode: Literal["enforce", "shadow", "off"] | None = None
+    threshold: float | None = Field(None, ge=-1, le=1)
+
+
+class CacheConfig(_Strict):
+    enabled: bool = False
+    # enforce: serve hits; shadow: look up and record would-be hits, call the model anyway.
+    mode: Literal["enforce", "shadow"] = "enforce"
+    semantic: bool = True  # False: exact matches only
+    threshold: float = Field(0.90, ge=-1, le=1)  # cosine similarity
+    verify: bool = True  # a semantic candidate must pass the verifier too
+    ttl_s: float = Field(3600.0, gt=0)
+    max_entries: int = Field(100_000, ge=1)
+    max_bytes: int = Field(512 * 1024 * 1024, ge=1024)
+    scope: Literal["tenant", "key"] = "tenant"
+    max_temperature: float = Field(1.0, ge=0)  # hotter requests are not cached (absent = 1.0)
+    cache_tool_requests: bool = False  # requests offering tools may have side effects
+    personalized_tenants: list[str] = []  # never cached
+    shadow_tenants: list[str] = []  # shadow mode for these tenants even when enforcing
+    data_version: str | None = None  # bump to invalidate everything logically
+    models: dict[str, CacheOverride] = {}
+
+
+class PiiConfig(_Strict):
+    # observe_only: raw text goes upstream, only masked text is stored, embedded, logged;
+    # mask_upstream: masked text goes upstream and placeholders are restored in the reply;
+    # block: a request containing PII is refused (400 pii_detected).
+    mode: Literal["observe_only", "mask_upstream", "block"] = "observe_only"
+    models: dict[str, Literal["observe_only", "mask_upstream", "block"]] = {}
+
+
 class IdempotencyConfig(_Strict):
     ttl_s: float = Field(86400.0, gt=0)
 
@@ -254,6 +333,10 @@ class Settings(_Strict):
     policy: PolicyConfig = PolicyConfig()
     idempotency: IdempotencyConfig = IdempotencyConfig()
     observe: ObserveConfig = ObserveConfig()
+    router: RouterConfig = RouterConfig()
+    cache: CacheConfig = CacheConfig()
+    pii: PiiConfig = PiiConfig()
+    tools: ToolsConfig = ToolsConfig()
     models: list[ModelConfig] = Field(min_length=1)
     embeddings: EmbeddingsConfig = EmbeddingsConfig()
 
@@ -269,6 +352,11 @@ class Settings(_Strict):
                 f"embeddings.alias: {self.embeddings.alias!r} is also a chat model alias"
             )
         by_alias = {m.alias: m for m in self.models}
+        for i, route in enumerate(self.router.routes):
+            if route.model not in by_alias:
+                raise ValueError(f"router.routes[{i}].model: unknown alias {route.model!r}")
+            if route.model in self.router.routed_aliases:
+                raise ValueError(f"router.routes[{i}].model: {route.model!r} is itself routed")
         deadline = self.server.default_deadline_s
         for i, m in enumerate(self.models):
             where = f"models[{i}] ({m.alias})"

@@ -17,10 +17,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from switchyard.config import Settings
+from switchyard.decide.cache import ResponseCache, cache_keys
+from switchyard.decide.cacheability import cacheability
 from switchyard.decide.select import select_deployment
+from switchyard.decide.tools import shortlist, tool_text
+from switchyard.decide.verify import verify
 from switchyard.embed import EmbeddingService
 from switchyard.engines.registry import Registry
-from switchyard.errors import EngineNotReady, InvalidRequest
+from switchyard.errors import EngineNotReady, InvalidRequest, PermissionDenied, SwitchyardError
 from switchyard.execute.executor import Executor
 from switchyard.execute.idempotency import IdempotencyStore
 from switchyard.observe.db import connect
@@ -50,8 +54,25 @@ from switchyard.policy.limits import (
     period_key,
     period_start,
 )
+from switchyard.policy.pii import MaskingError, PiiMasker
 
 log = logging.getLogger("switchyard")
+
+
+class PiiFailure(SwitchyardError):
+    status = 500
+    type = "server_error"
+    code = "pii_masking_failed"
+
+
+def last_user_text(body: dict[str, Any]) -> str:
+    for m in reversed(body.get("messages") or []):
+        if m.get("role") == "user":
+            c = m.get("content")
+            if isinstance(c, list):
+                return "\n".join(str(p.get("text", "")) for p in c if isinstance(p, dict))
+            return str(c or "")
+    return ""
 
 
 class Gateway:
@@ -85,6 +106,10 @@ class Gateway:
         )
         self.executor = Executor(settings, self.registry, self.tracing)
         self.idempotency = IdempotencyStore(connect(self.sqlite_path), settings.idempotency.ttl_s)
+        c = settings.cache
+        self.cache = ResponseCache(c.max_entries, c.max_bytes) if c.enabled else None
+        self.pii = PiiMasker()
+        self.router: Any = None  # set below when routing is enabled
         self.gates = {
             m.alias: DeploymentGate(m.alias, m.limits.max_concurrency, m.limits.queue)
             for m in settings.models
@@ -96,8 +121,11 @@ class Gateway:
             [
                 ("authorize", self._authorize),
                 ("admit", self._admit),
+                ("pii", self._pii),
+                ("embed", self._embed),
                 ("cache", self._cache),
                 ("route", self._route),
+                ("tools", self._tools),
                 ("select", self._select),
                 ("queue", self._queue),
                 ("place", self._place),
@@ -120,6 +148,27 @@ class Gateway:
         if self.embedder is not None:
             self.embedder.start()
         self._retention = asyncio.create_task(self._retention_loop())
+        if self.settings.router.enabled:
+            self._router_task = asyncio.create_task(self._build_router())
+
+    async def _build_router(self) -> None:
+        """Embed the route examples once the embedding model is loaded."""
+        from switchyard.decide.router import Router
+
+        if self.embedder is None:
+            log.error("router.enabled needs embeddings.enabled; routing uses the default route")
+            return
+        while self.embedder.state == "loading":
+            await asyncio.sleep(0.1)
+        if not self.embedder.ready:
+            log.error("router disabled: the embedding model failed to load")
+            return
+        embedder = self.embedder
+        loop = asyncio.get_running_loop()
+        self.router = await loop.run_in_executor(
+            None, lambda: Router(self.settings.router, lambda texts: embedder._encode(texts)[0])
+        )
+        log.info("router ready: %d routes", len(self.settings.router.routes))
 
     async def _retention_loop(self) -> None:
         obs = self.settings.observe
@@ -165,6 +214,12 @@ class Gateway:
         if self.embedder is not None:
             models[self.settings.embeddings.alias] = self.embedder.describe()
             ready = ready and self.embedder.ready
+        if self.settings.router.enabled:
+            models["router"] = {
+                "ready": self.router is not None,
+                "policy_version": self.settings.router.policy_version,
+            }
+            ready = ready and self.router is not None
         return ready, models
 
     # -- request context ----------------------------------------------------
@@ -190,6 +245,7 @@ class Gateway:
             if parents
             else [],
             principal=principal,
+            headers=headers,
         )
         planned = headers.get("x-task-planned-steps")
         if planned is not None and planned.isdigit():
@@ -302,17 +358,195 @@ class Gateway:
     async def _admit(self, ctx: RequestContext) -> None:
         await self._reserve(ctx, principal_scopes(ctx.principal), "admit")
 
+    async def _pii(self, ctx: RequestContext) -> None:
+        """Mask PII once; the masked text is what cache keys, embeddings and traces see."""
+        t = time.perf_counter()
+        mode = self.settings.pii.models.get(ctx.alias or "", self.settings.pii.mode)
+        session = self.pii.session()
+        try:
+            masked = dict(ctx.body)
+            if "messages" in masked:
+                masked["messages"] = session.mask_messages(ctx.body["messages"])
+            elif isinstance(masked.get("prompt"), str):
+                masked["prompt"] = session.mask(masked["prompt"])
+        except MaskingError as exc:
+            ctx.record("pii", "reject:masking_failed", f"masking failed: {type(exc).__name__}", t)
+            raise PiiFailure("PII masking failed; the request was refused (fail closed)") from None
+        found = dict(session.found)
+        evidence = {"mode": mode, "found": found}
+        if found and mode == "block":
+            ctx.record(
+                "pii", "reject:pii_detected", f"request contains {sorted(found)}", t, evidence
+            )
+            raise InvalidRequest(
+                f"the request contains personal data ({', '.join(sorted(found))}) and this "
+                "model does not accept it",
+                code="pii_detected",
+            )
+        ctx.pii = session
+        ctx.masked_body = masked
+        if found and mode == "mask_upstream":
+            ctx.body = masked  # the upstream sees placeholders; the reply is restored
+            ctx.restore_pii = True
+        outcome = ("masked" if mode == "mask_upstream" else "observed") if found else "clean"
+        ctx.record("pii", outcome, f"{sum(found.values())} PII value(s) found", t, evidence)
+
+    async def _embed(self, ctx: RequestContext) -> None:
+        """Embed the last user message once; the cache and the router share the vector."""
+        t = time.perf_counter()
+        wants = (self.cache is not None and self.settings.cache.semantic) or self.router is not None
+        if not wants or ctx.endpoint != "chat.completions":
+            ctx.record("embed", "skip", "no semantic cache or router for this request", t)
+            return
+        if self.embedder is None or not self.embedder.ready:
+            ctx.record("embed", "skip", "embedding model not ready", t)
+            return
+        query = last_user_text(ctx.masked_body or ctx.body)
+        vecs, _ = await self.embedder.embed([query])
+        ctx.vector = vecs[0]
+        ctx.record("embed", "ok", "embedded the last user message", t, {"chars": len(query)})
+
     async def _cache(self, ctx: RequestContext) -> None:
-        ctx.record("cache", "skip", "cache not configured", time.perf_counter())
+        t = time.perf_counter()
+        if self.cache is None:
+            ctx.record("cache", "skip", "cache not enabled", t)
+            return
+        cfg = self.settings.cache
+        tenant = ctx.principal.tenant_id
+        verdict = cacheability(
+            ctx.body, ctx.endpoint, ctx.headers.get("cache-control"), tenant, ctx.alias or "", cfg
+        )
+        if not verdict.lookup and not verdict.store:
+            ctx.cache = "bypass"
+            ctx.record("cache", "bypass", verdict.reason, t)
+            return
+        model = self.settings.model(ctx.alias or "")
+        revision = (
+            model.revision if model is not None else f"router:{self.settings.router.policy_version}"
+        )
+        scope = f"key:{ctx.principal.key_id}" if cfg.scope == "key" else f"tenant:{tenant}"
+        keys = cache_keys(
+            ctx.masked_body or ctx.body,
+            ctx.endpoint,
+            scope,
+            tenant,
+            ctx.alias or "",
+            revision,
+            ctx.headers.get("x-switchyard-locale") or ctx.headers.get("accept-language"),
+            ctx.headers.get("x-switchyard-data-version") or cfg.data_version,
+            tuple(
+                t.strip()
+                for t in (ctx.headers.get("x-switchyard-cache-tags") or "").split(",")
+                if t.strip()
+            ),
+        )
+        ctx.cache_keys = keys if verdict.store else None
+        if not verdict.lookup:
+            ctx.cache = "bypass"
+            ctx.record("cache", "bypass", verdict.reason, t, {"partition": keys.partition[:12]})
+            return
+        evidence: dict[str, Any] = {
+            "partition": keys.partition[:12],
+            "threshold": verdict.threshold,
+            "mode": verdict.mode,
+        }
+        entry = self.cache.lookup_exact(keys)
+        kind, sim = ("hit-exact", 1.0) if entry is not None else ("miss", None)
+        if entry is None and cfg.semantic and ctx.vector is not None:
+            found = self.cache.nearest(keys, ctx.vector)
+            evidence["candidates"] = found.candidates
+            if found.entry is not None and found.similarity is not None:
+                sim = found.similarity
+                evidence["best_similarity"] = round(sim, 4)
+                if sim >= verdict.threshold:
+                    ok, why = (
+                        verify(keys.query, found.entry.keys.query)
+                        if cfg.verify
+                        else (True, "verifier off")
+                    )
+                    evidence["verifier"] = why
+                    if ok:
+                        entry, kind = found.entry, "hit-semantic"
+                        self.cache.touch(entry)
+                    else:
+                        ctx.record("cache", "miss:veto", why, t, evidence)
+                        ctx.cache = "miss"
+                        return
+        if entry is None:
+            ctx.cache = "miss"
+            ctx.record("cache", "miss", "no entry in the partition passed", t, evidence)
+            return
+        ctx.cache_similarity = sim
+        if verdict.mode == "shadow":
+            ctx.cache, ctx.shadow_entry = "shadow-hit", entry
+            ctx.record(
+                "cache",
+                f"shadow:{kind}",
+                "would have served a cached reply; calling the model",
+                t,
+                evidence,
+            )
+            return
+        ctx.cache = kind
+        ctx.cache_keys = None  # nothing new to store
+        ctx.response = entry
+        ctx.record("cache", kind, f"served from cache (similarity {sim:.3f})", t, evidence)
 
     async def _route(self, ctx: RequestContext) -> None:
-        ctx.record(
-            "route",
-            "explicit",
-            "the client named the model",
-            time.perf_counter(),
-            {"model": ctx.alias},
-        )
+        t = time.perf_counter()
+        rcfg = self.settings.router
+        if not rcfg.enabled or ctx.alias not in rcfg.routed_aliases:
+            ctx.record("route", "explicit", "the client named the model", t, {"model": ctx.alias})
+            return
+        requested = ctx.alias
+        if self.router is None or ctx.vector is None:
+            if rcfg.default_route is None:
+                raise EngineNotReady(
+                    "the router is not ready yet; retry shortly", code="router_not_ready"
+                )
+            route = next(r for r in rcfg.routes if r.name == rcfg.default_route)
+            ctx.alias, ctx.route, ctx.route_score = route.model, route.name, None
+            ctx.record(
+                "route",
+                f"route:{route.name}",
+                "router not ready: default route",
+                t,
+                {"policy_version": rcfg.policy_version, "default": True},
+            )
+        else:
+            text = last_user_text(ctx.masked_body or ctx.body)
+            res = self.router.route(ctx.vector, text, ctx.prompt_estimate, ctx.principal.tenant_id)
+            ctx.alias, ctx.route, ctx.route_score = res.model, res.route, res.score
+            ctx.record("route", res.outcome, res.reason, t, res.evidence())
+        if not ctx.principal.may_use(ctx.alias):
+            raise PermissionDenied(
+                f"the router chose '{ctx.alias}' for '{requested}', which this key may not use",
+                param="model",
+                code="model_not_allowed",
+            )
+
+    async def _tools(self, ctx: RequestContext) -> None:
+        """Remove tools the tenant may not use, then shortlist the rest by similarity."""
+        t = time.perf_counter()
+        tools = ctx.body.get("tools")
+        tcfg = self.settings.tools
+        if not tools or (
+            tcfg.shortlist_k is None
+            and tcfg.allow is None
+            and not tcfg.deny
+            and not tcfg.tenant_allow
+        ):
+            ctx.record("tools", "skip", "no tools, or no tool policy", t)
+            return
+        vecs = None
+        if ctx.vector is not None and self.embedder is not None and tcfg.shortlist_k is not None:
+            texts = [tool_text(x) for x in tools]
+            vecs, _ = await self.embedder.embed(texts)
+        res = shortlist(tools, ctx.vector, vecs, tcfg.shortlist_k, ctx.principal.tenant_id, tcfg)
+        ctx.body = {**ctx.body, "tools": res.kept}
+        if ctx.masked_body is not None:
+            ctx.masked_body = {**ctx.masked_body, "tools": res.kept}
+        ctx.record("tools", res.outcome, res.reason, t, res.evidence())
 
     async def _select(self, ctx: RequestContext) -> None:
         t = time.perf_counter()

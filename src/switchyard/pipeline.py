@@ -91,6 +91,17 @@ class RequestContext:
     planned_steps: int | None = None  # x-task-planned-steps, for task accounting
     chunk_gaps: list[float] = field(default_factory=list)  # seconds between streamed writes
     otel_span: Any = None  # the request's OpenTelemetry span, when tracing is on
+    vector: Any = None  # embedding of the (masked) last user message, shared by cache & router
+    cache_keys: Any = None  # CacheKeys when the reply may be stored
+    cache_similarity: float | None = None
+    shadow_entry: Any = None  # the would-be hit in shadow mode
+    collected: list[bytes] | None = None  # streamed data events kept for the cache
+    pii: Any = None  # the request's PII mask session (mapping held only here)
+    masked_body: dict[str, Any] | None = None  # what cache keys, embeddings, traces see
+    restore_pii: bool = False  # placeholders in the reply go back to the raw values
+    headers: Any = None  # the client's request headers
+    route: str | None = None
+    route_score: float | None = None
     queue_ms: float | None = None
     reservations: list[tuple[Any, Any]] = field(default_factory=list)  # (scopes, Ask)
     rate_headers: dict[str, str] = field(default_factory=dict)

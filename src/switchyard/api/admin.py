@@ -166,7 +166,31 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
             raise NotFound(f"no requests recorded for task '{task_id}'")
         return _json({"task": analyze_task(records), "requests": records})
 
+    async def cache_invalidate(request: Request) -> Response:
+        """{"tenant", "model", "tag", "partition", "dry_run"}: at least one filter."""
+        guard(request)
+        if gw.cache is None:
+            raise InvalidRequest("the cache is not enabled (cache.enabled: false)")
+        body = await body_of(request, ("tenant", "model", "tag", "partition", "dry_run"))
+        try:
+            out = gw.cache.invalidate(
+                tenant=body.get("tenant"),
+                model=body.get("model"),
+                tag=body.get("tag"),
+                partition=body.get("partition"),
+                dry_run=bool(body.get("dry_run", False)),
+            )
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        return _json(out)
+
+    async def cache_stats(request: Request) -> Response:
+        guard(request)
+        return _json(gw.cache.stats() if gw.cache is not None else {"enabled": False})
+
     return [
+        Route("/admin/cache/invalidate", cache_invalidate, methods=["POST"]),
+        Route("/admin/cache/stats", cache_stats, methods=["GET"]),
         Route("/admin/requests", request_list, methods=["GET"]),
         Route("/admin/requests/{request_id}", request_trace, methods=["GET"]),
         Route("/admin/tasks/{task_id}", task_trace, methods=["GET"]),

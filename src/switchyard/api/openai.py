@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -12,7 +13,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from switchyard.api.body import read_json
-from switchyard.api.sse import RelayResponse, relay
+from switchyard.api.sse import RelayResponse, assemble, relay, replay
+from switchyard.decide.cache import Entry
+from switchyard.decide.cacheability import storable_reply
 from switchyard.errors import InvalidRequest, ModelNotFound, SwitchyardError
 from switchyard.execute.idempotency import StoredReply, body_hash
 from switchyard.gateway import Gateway
@@ -23,8 +26,16 @@ from switchyard.policy.validate import validate_chat, validate_completion, valid
 
 def served_headers(ctx: RequestContext) -> dict[str, str]:
     h = {"x-request-id": ctx.request_id}
+    if ctx.cache is not None:
+        h["x-switchyard-cache"] = ctx.cache
+        if ctx.cache_similarity is not None and ctx.cache != "hit-exact":
+            h["x-switchyard-cache-similarity"] = f"{ctx.cache_similarity:.4f}"
     if ctx.rate_headers:
         h.update(ctx.rate_headers)
+    if ctx.route is not None:
+        h["x-switchyard-route"] = ctx.route
+        if ctx.route_score is not None:
+            h["x-switchyard-route-score"] = f"{ctx.route_score:.4f}"
     dep = ctx.deployment
     if dep is not None:
         h["x-switchyard-model"] = dep.alias
@@ -44,6 +55,26 @@ def served_headers(ctx: RequestContext) -> dict[str, str]:
             f"{queue}gateway;dur={gw:.2f}, upstream;dur={up:.2f}, total;dur={total:.2f}"
         )
     return h
+
+
+def map_texts(obj: dict[str, Any], fn: Callable[[str], str]) -> dict[str, Any]:
+    """A copy of a completion with `fn` applied to every generated text."""
+    out = dict(obj)
+    choices = []
+    for c in obj.get("choices") or []:
+        c = dict(c)
+        if isinstance(c.get("message"), dict) and isinstance(c["message"].get("content"), str):
+            c["message"] = {**c["message"], "content": fn(c["message"]["content"])}
+        if isinstance(c.get("text"), str):
+            c["text"] = fn(c["text"])
+        choices.append(c)
+    out["choices"] = choices
+    return out
+
+
+def reply_text(obj: dict[str, Any]) -> str:
+    c = (obj.get("choices") or [{}])[0]
+    return str((c.get("message") or {}).get("content") or c.get("text") or "")
 
 
 def build_routes(gw: Gateway) -> list[Route]:
@@ -73,8 +104,11 @@ def build_routes(gw: Gateway) -> list[Route]:
                 if replay is not None:
                     return replay
             await gw.pipeline.decide(ctx)
-            if ctx.response is not None:
-                return ctx.response
+            if ctx.response is not None:  # a cache hit
+                response = cached_response(ctx, ctx.response)
+                if isinstance(response, RelayResponse):
+                    handed_off = True
+                return response
             assert ctx.model is not None
             if ctx.stream:
                 if not ctx.model.capabilities.supports_streaming:
@@ -82,9 +116,15 @@ def build_routes(gw: Gateway) -> list[Route]:
                         f"the model '{alias}' does not support streaming", param="stream"
                     )
                 stream = await gw.executor.execute_stream(ctx)
+                if ctx.cache_keys is not None or ctx.shadow_entry is not None:
+                    ctx.collected = []
 
                 async def close() -> None:
                     stream.close(complete=ctx.status == "ok")
+                    if ctx.status == "ok" and ctx.collected is not None:
+                        obj = assemble(ctx.collected)
+                        if obj is not None:
+                            await remember(ctx, obj)
                     await gw.finish(ctx)
 
                 response = RelayResponse(
@@ -98,10 +138,17 @@ def build_routes(gw: Gateway) -> list[Route]:
             reply = await gw.executor.execute(ctx)
             ctx.status = "ok"
             ctx.timings.ended = time.perf_counter()
+            body = reply.body
             try:
-                ctx.usage = orjson.loads(reply.body).get("usage")
+                obj = orjson.loads(body)
+                ctx.usage = obj.get("usage")
             except (orjson.JSONDecodeError, AttributeError):
-                ctx.usage = None
+                obj, ctx.usage = None, None
+            if isinstance(obj, dict):
+                if ctx.cache_keys is not None or ctx.shadow_entry is not None:
+                    await remember(ctx, obj)
+                if ctx.restore_pii and ctx.pii is not None:
+                    body = orjson.dumps(map_texts(obj, ctx.pii.restore))
             headers = served_headers(ctx)
             if ctx.idempotency_key is not None:
                 gw.idempotency.complete(
@@ -110,11 +157,11 @@ def build_routes(gw: Gateway) -> list[Route]:
                     StoredReply(
                         200,
                         {k: v for k, v in headers.items() if k.startswith("x-switchyard")},
-                        reply.body,
+                        body,
                     ),
                 )
                 ctx.idempotency_key = None
-            return Response(reply.body, media_type="application/json", headers=headers)
+            return Response(body, media_type="application/json", headers=headers)
         except SwitchyardError as exc:
             ctx.status, ctx.error_code = "error", exc.code
             raise
@@ -126,6 +173,56 @@ def build_routes(gw: Gateway) -> list[Route]:
                 gw.idempotency.release(ctx.principal.tenant_id, ctx.idempotency_key)
             if not handed_off:
                 await gw.finish(ctx)
+
+    def cached_response(ctx: RequestContext, entry: Entry) -> Response:
+        ctx.status = "ok"
+        ctx.timings.ended = ctx.timings.client_first_byte = time.perf_counter()
+        obj = orjson.loads(entry.body)
+        if ctx.pii is not None:  # placeholders take this request's values
+            obj = map_texts(obj, ctx.pii.restore)
+        headers = served_headers(ctx)
+        headers["x-switchyard-model"] = ctx.alias or ""
+        if ctx.stream:
+            return RelayResponse(
+                replay(obj, ctx.include_usage),
+                media_type="text/event-stream",
+                headers=headers,
+                on_close=lambda: gw.finish(ctx),
+            )
+        return Response(orjson.dumps(obj), media_type="application/json", headers=headers)
+
+    async def remember(ctx: RequestContext, obj: dict[str, Any]) -> None:
+        """Store a good reply (masked) and, in shadow mode, compare it with the would-be hit."""
+        t = time.perf_counter()
+        masked = map_texts(obj, ctx.pii.mask) if ctx.pii is not None else obj
+        if ctx.shadow_entry is not None and gw.embedder is not None and gw.embedder.ready:
+            cached = reply_text(orjson.loads(ctx.shadow_entry.body))
+            vecs, _ = await gw.embedder.embed([cached, reply_text(masked)])
+            agreement = float(vecs[0] @ vecs[1])
+            ctx.record(
+                "cache_shadow",
+                "compared",
+                f"cached vs fresh answer similarity {agreement:.3f}",
+                t,
+                {
+                    "answer_similarity": round(agreement, 4),
+                    "prompt_similarity": ctx.cache_similarity,
+                },
+            )
+        if ctx.cache_keys is None or gw.cache is None:
+            return
+        why = storable_reply(masked)
+        if why is not None:
+            ctx.record("cache_store", "skip", why, t)
+            return
+        gw.cache.store(ctx.cache_keys, orjson.dumps(masked), ctx.vector, gw.settings.cache.ttl_s)
+        ctx.record(
+            "cache_store",
+            "stored",
+            "reply stored for later requests",
+            t,
+            {"partition": ctx.cache_keys.partition[:12]},
+        )
 
     async def claim_idempotency(ctx: RequestContext, key: str) -> Response | None:
         """A stored reply for a repeated request, or None once this request owns the key."""

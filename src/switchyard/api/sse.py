@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import anyio
 import orjson
@@ -29,6 +30,22 @@ def error_event(exc: SwitchyardError) -> bytes:
     return b"data: " + orjson.dumps(exc.body()) + b"\n\n"
 
 
+def _restore_event(data: bytes, restorer: Any) -> bytes:
+    """Put raw values back into a chunk's generated text (mask_upstream mode); a
+    placeholder split across chunks is held back until it is complete."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data
+    for c in obj.get("choices") or []:
+        delta = c.get("delta") or {}
+        if isinstance(delta.get("content"), str):
+            delta["content"] = restorer.feed(delta["content"])
+        elif isinstance(c.get("text"), str):
+            c["text"] = restorer.feed(c["text"])
+    return orjson.dumps(obj)
+
+
 def _data(event: bytes) -> bytes | None:
     """The data of one SSE event; None for comments and events without data."""
     if event.startswith(b"data:") and b"\n" not in event:
@@ -40,6 +57,7 @@ def _data(event: bytes) -> bytes | None:
 async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[bytes]:
     done = False
     last = 0.0
+    restorer = ctx.pii.restore_stream() if ctx.restore_pii and ctx.pii is not None else None
     ctx.status = "streaming"
     try:
         async for events in stream.events():
@@ -51,6 +69,8 @@ async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[by
                 if data == b"[DONE]":
                     done = True
                     break
+                if ctx.collected is not None:
+                    ctx.collected.append(data)
                 if b'"usage"' in data:
                     obj = orjson.loads(data)
                     usage = obj.get("usage")
@@ -58,6 +78,8 @@ async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[by
                         ctx.usage = usage
                         if not ctx.include_usage and not obj.get("choices"):
                             continue  # asked for by the gateway, not by the client
+                if restorer is not None:
+                    data = _restore_event(data, restorer)
                 out.append(b"data: " + data + b"\n\n")
             if out:
                 ctx.chunks += len(out)
@@ -72,6 +94,14 @@ async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[by
                 break
         if not done:
             raise UpstreamError("the upstream ended the stream before it was complete")
+        if restorer is not None:
+            tail = restorer.flush()
+            if tail:  # a held-back partial placeholder that never completed
+                chunk = {
+                    "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": {"content": tail}, "finish_reason": None}],
+                }
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
         ctx.status = "ok"
         yield DONE
     except SwitchyardError as exc:
@@ -124,3 +154,90 @@ class RelayResponse(StreamingResponse):
                 if aclose is not None:
                     await aclose()
                 await self._on_close()
+
+
+def replay(obj: dict[str, Any], include_usage: bool, chunk_chars: int = 24) -> AsyncIterator[bytes]:
+    """A cached chat.completion replayed as the SSE stream a client expects."""
+
+    async def events() -> AsyncIterator[bytes]:
+        base = {
+            "id": obj.get("id"),
+            "object": "chat.completion.chunk",
+            "created": obj.get("created"),
+            "model": obj.get("model"),
+        }
+        choice = (obj.get("choices") or [{}])[0]
+        text = (choice.get("message") or {}).get("content") or choice.get("text") or ""
+        first = {
+            **base,
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            ],
+        }
+        yield b"data: " + orjson.dumps(first) + b"\n\n"
+        for i in range(0, len(text), chunk_chars):
+            piece = {
+                **base,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": text[i : i + chunk_chars]},
+                        "finish_reason": None,
+                    }
+                ],
+            }
+            yield b"data: " + orjson.dumps(piece) + b"\n\n"
+        last: dict[str, Any] = {
+            **base,
+            "choices": [
+                {"index": 0, "delta": {}, "finish_reason": choice.get("finish_reason") or "stop"}
+            ],
+        }
+        yield b"data: " + orjson.dumps(last) + b"\n\n"
+        if include_usage:
+            tail: dict[str, Any] = {**base, "choices": [], "usage": obj.get("usage")}
+            yield b"data: " + orjson.dumps(tail) + b"\n\n"
+        yield DONE
+
+    return events()
+
+
+def assemble(events: list[bytes]) -> dict[str, Any] | None:
+    """Rebuild a chat.completion from streamed chunks (for the cache); None if the
+    stream carried tool calls or could not be read."""
+    text: list[str] = []
+    head: dict[str, Any] = {}
+    finish: str | None = None
+    usage: Any = None
+    for raw in events:
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return None
+        head = head or obj
+        usage = obj.get("usage") or usage
+        for c in obj.get("choices") or []:
+            delta = c.get("delta") or {}
+            if delta.get("tool_calls") or delta.get("function_call"):
+                return None
+            if delta.get("content"):
+                text.append(delta["content"])
+            elif c.get("text"):
+                text.append(c["text"])
+            finish = c.get("finish_reason") or finish
+    if not head:
+        return None
+    return {
+        "id": head.get("id"),
+        "object": "chat.completion",
+        "created": head.get("created"),
+        "model": head.get("model"),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "".join(text)},
+                "finish_reason": finish or "stop",
+            }
+        ],
+        "usage": usage,
+    }

@@ -9,6 +9,8 @@ every target alike; medians across rounds are reported.
 
 With `--policy`, two more Switchyard targets with authentication, limits, budget and
 ledger on (in-process and Redis limiters) join the same rounds; see `bench/policy.py`.
+With `--observe`, two more with metrics and traces off, and with OpenTelemetry export on;
+see `bench/observe.py`.
 
 Targets: at concurrency 1, Switchyard's added p50 is at most 1.5x the floor's; at
 concurrency 32, Switchyard serves at least 0.70x the floor's requests per second.
@@ -473,7 +475,8 @@ def _added_p50(s: dict[str, Any], target: str) -> float | None:
     if target in ("floor", "switchyard"):
         value: float = s[f"{target}_added_p50_ms"]
         return value
-    policy_value: float | None = s["policy"]["targets"][target]["added_p50_ms"]
+    section = "observe" if target in s.get("observe", {}).get("targets", {}) else "policy"
+    policy_value: float | None = s[section]["targets"][target]["added_p50_ms"]
     return policy_value
 
 
@@ -512,6 +515,10 @@ def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
         )
         if "policy" in s:
             lines.extend(_policy_lines(s))
+        if "observe" in s:
+            from switchyard.bench import observe  # builds on this module: imported late
+
+            lines.extend(observe.lines(s))
         lines.append("")
     return "\n".join(lines)
 
@@ -587,6 +594,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(sy-policy) and with a Redis limiter (sy-policy-redis)",
     )
     parser.add_argument(
+        "--observe",
+        action="store_true",
+        help="also measure Switchyard with metrics and traces off (sy-obs-off) and with "
+        "OpenTelemetry spans exported to a file (sy-otel)",
+    )
+    parser.add_argument(
         "--redis-server", default="redis-server", help="the redis-server binary (--policy)"
     )
     parser.set_defaults(func=run)
@@ -608,6 +621,12 @@ def _start(
         for pt in policy.start_policy_targets(workdir, urls, args, children):
             urls[pt.name] = pt.url
             scripts[pt.name] = pt.scripts
+    if getattr(args, "observe", False):
+        from switchyard.bench import observe
+
+        for ot in observe.start_observe_targets(workdir, urls, args, children):
+            urls[ot.name] = ot.url
+            scripts[ot.name] = plain
     return urls, scripts
 
 
@@ -661,7 +680,7 @@ def _check_tools(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from switchyard.bench import policy  # builds on this module: imported late, not at the top
+    from switchyard.bench import observe, policy  # build on this module: imported late
 
     problem = _check_tools(args)
     if problem is not None:
@@ -670,6 +689,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"bench-results/overhead-{started}.json")
     children: list[Child] = []
+    spans: dict[str, int] | None = None
     try:
         with sigterm_as_exit(), tempfile.TemporaryDirectory(prefix="sy-overhead-") as tmp:
             try:
@@ -683,6 +703,8 @@ def run(args: argparse.Namespace) -> int:
             except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
                 print(f"switchyard: bench overhead: a wrk run failed: {exc}", file=sys.stderr)
                 return 1
+            if args.observe:
+                spans = observe.spans_written(Path(tmp))
     except KeyboardInterrupt:
         print("switchyard: bench overhead interrupted", file=sys.stderr)
         return 130
@@ -691,16 +713,21 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(runs, tuple(urls))
     if args.policy:
         policy.annotate(summary)
+    if args.observe:
+        observe.annotate(summary)
     print(render(summary, args))
     result = _result(args, started, summary, runs)
     if args.policy:
         policy.record(result, args.redis_server)
+    if args.observe:
+        observe.record(result, spans)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"results: {out}")
-    if args.policy:
-        return _policy_errors(policy.errors(summary))
-    return 0
+    code = _policy_errors(policy.errors(summary)) if args.policy else 0
+    if args.observe:
+        code = max(code, observe.check_errors(summary))
+    return code
 
 
 def _policy_errors(errors: dict[str, int]) -> int:

@@ -157,6 +157,7 @@ class ScriptedUpstream:
         self.model_name = model_name
         self.requests = 0
         self.last_traceparent: str | None = None
+        self.last_prompt: str | None = None
         self.created = int(time.time())
         self._default_fault = parse_fault(fault) if fault else None
         self._runtime_fault: Fault | None = None
@@ -245,6 +246,11 @@ class ScriptedUpstream:
             return _error(400, "the request body is not valid JSON")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
+        messages = body.get("messages")
+        if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
+            self.last_prompt = str(messages[-1].get("content"))  # what the upstream saw
+        elif "prompt" in body:
+            self.last_prompt = str(body["prompt"])
         n = self.tokens
         limit = body.get("max_tokens", body.get("max_completion_tokens"))
         if isinstance(limit, int) and 0 <= limit < n:
@@ -360,7 +366,13 @@ class ScriptedUpstream:
         if request.method == "DELETE":
             self.requests = 0
         return Response(
-            orjson.dumps({"requests": self.requests, "last_traceparent": self.last_traceparent}),
+            orjson.dumps(
+                {
+                    "requests": self.requests,
+                    "last_traceparent": self.last_traceparent,
+                    "last_prompt": self.last_prompt,
+                }
+            ),
             media_type="application/json",
         )
 

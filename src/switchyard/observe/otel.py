@@ -77,7 +77,12 @@ class Tracing:
         self, exporter: SpanExporter, service_name: str = "switchyard", batch: bool = True
     ) -> None:
         self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-        processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
+        # Batching keeps export (serialization, I/O) off the event loop.
+        processor = (
+            BatchSpanProcessor(exporter, schedule_delay_millis=500)
+            if batch
+            else SimpleSpanProcessor(exporter)
+        )
         self.provider.add_span_processor(processor)
         self.tracer = self.provider.get_tracer("switchyard")
 
@@ -177,7 +182,7 @@ def build_tracing(
         return None
     if exporter == "file":
         assert path is not None
-        return Tracing(JsonLinesExporter(path), service, batch=False)
+        return Tracing(JsonLinesExporter(path), service)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     return Tracing(OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter(), service)

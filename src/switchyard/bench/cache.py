@@ -1,0 +1,258 @@
+"""`switchyard bench cache`: what a cache decision costs, and what a hit saves.
+
+Three measurements, each against a baseline taken in the same run:
+1. Lookup latency — embedding the query + similarity search + verification — with
+   10k and 100k entries in ONE partition (the worst case: partitions are usually
+   small), p50/p99. Entries carry random unit vectors: search cost depends on the
+   count, not on the content.
+2. Embedding throughput of the shared service with micro-batching (N concurrent
+   callers) versus one text per forward pass.
+3. E2E of a hit versus a miss through a real gateway serving the embedded local model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from switchyard.config import EmbeddingsConfig
+from switchyard.decide.cache import ResponseCache, cache_keys
+from switchyard.embed import EmbeddingService
+
+QUERIES = [
+    "How do I reset my password?",
+    "What is the refund window for annual plans?",
+    "Can I move my subscription to another account?",
+    "Why was my card declined yesterday?",
+    "How many seats does the team plan include?",
+    "Where can I download last month's invoice?",
+]
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+
+
+async def _service() -> EmbeddingService:
+    svc = EmbeddingService(EmbeddingsConfig())
+    svc.start()
+    while svc.state == "loading":
+        await asyncio.sleep(0.05)
+    if not svc.ready:
+        raise RuntimeError(f"embedding model failed to load: {svc.last_error}")
+    return svc
+
+
+async def lookup_latency(
+    svc: EmbeddingService, sizes: list[int], lookups: int
+) -> list[dict[str, Any]]:
+    from switchyard.decide.verify import verify  # imported here: keeps `switchyard --help` light
+
+    rng = np.random.default_rng(0)
+    out = []
+    for n in sizes:
+        cache = ResponseCache(max_entries=n + 10, max_bytes=1 << 40)
+        body = {"messages": [{"role": "user", "content": "x"}], "temperature": 0}
+        for i in range(n):
+            keys = cache_keys(
+                {"messages": [{"role": "user", "content": f"q{i}"}], "temperature": 0},
+                "chat.completions",
+                "tenant:t",
+                "t",
+                "m",
+                "r",
+                None,
+                None,
+            )
+            v = rng.normal(size=384).astype(np.float32)
+            cache.store(keys, b"{}", v / np.linalg.norm(v), ttl_s=3600)
+        total, embed_ms, search_ms = [], [], []
+        for j in range(lookups):
+            q = QUERIES[j % len(QUERIES)] + f" (variant {j})"
+            keys = cache_keys(
+                {**body, "messages": [{"role": "user", "content": q}]},
+                "chat.completions",
+                "tenant:t",
+                "t",
+                "m",
+                "r",
+                None,
+                None,
+            )
+            t0 = time.perf_counter()
+            vecs, _ = await svc.embed([q])
+            t1 = time.perf_counter()
+            found = cache.nearest(keys, vecs[0])
+            if found.entry is not None:
+                verify(q, found.entry.keys.query)
+            t2 = time.perf_counter()
+            total.append((t2 - t0) * 1000)
+            embed_ms.append((t1 - t0) * 1000)
+            search_ms.append((t2 - t1) * 1000)
+        out.append(
+            {
+                "entries": n,
+                "lookups": lookups,
+                "total_ms": {"p50": _pct(total, 50), "p99": _pct(total, 99)},
+                "embed_ms": {"p50": _pct(embed_ms, 50), "p99": _pct(embed_ms, 99)},
+                "search_verify_ms": {"p50": _pct(search_ms, 50), "p99": _pct(search_ms, 99)},
+            }
+        )
+    return out
+
+
+async def embed_throughput(svc: EmbeddingService, n: int, concurrency: int) -> dict[str, Any]:
+    texts = [QUERIES[i % len(QUERIES)] + f" #{i}" for i in range(n)]
+    t0 = time.perf_counter()
+    for t in texts:  # one forward pass per text: the baseline
+        await asyncio.get_running_loop().run_in_executor(None, svc._encode, [t])
+    single = n / (time.perf_counter() - t0)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(t: str) -> None:
+        async with sem:
+            await svc.embed([t])
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(t) for t in texts))
+    batched = n / (time.perf_counter() - t0)
+    return {
+        "texts": n,
+        "concurrency": concurrency,
+        "single_per_s": single,
+        "micro_batched_per_s": batched,
+        "ratio": batched / single,
+    }
+
+
+def hit_vs_miss(prompts: int) -> dict[str, Any]:
+    """A real gateway with the embedded local model: first ask (miss) vs repeat (hit)."""
+    work = Path(tempfile.mkdtemp(prefix="switchyard-cache-bench-"))
+    cfg = work / "config.yaml"
+    port = 18931
+    cfg.write_text(
+        f"server: {{port: {port}}}\nauth: {{mode: disabled}}\n"
+        f'storage: {{sqlite_path: "{work}/db.sqlite"}}\n'
+        "models:\n  - alias: smollm2-135m\n    engine: {kind: llamacpp, ctx: 2048}\n"
+        "cache: {enabled: true, threshold: 0.9}\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "switchyard", "serve", "--config", str(cfg)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(base + "/readyz", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.3)
+        miss: list[tuple[float, str | None]] = []
+        hit: list[tuple[float, str | None]] = []
+        for i in range(prompts):
+            body = json.dumps(
+                {
+                    "model": "smollm2-135m",
+                    "temperature": 0,
+                    "max_tokens": 48,
+                    "messages": [
+                        {"role": "user", "content": QUERIES[i % len(QUERIES)] + f" ({i})"}
+                    ],
+                }
+            ).encode()
+            for bucket in (miss, hit):
+                req = urllib.request.Request(
+                    base + "/v1/chat/completions",
+                    data=body,
+                    headers={"Content-Type": "application/json"},
+                )
+                t0 = time.perf_counter()
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    r.read()
+                    state = r.headers.get("x-switchyard-cache")
+                bucket.append(((time.perf_counter() - t0) * 1000, state))
+        return {
+            "prompts": prompts,
+            "max_tokens": 48,
+            "miss_ms_p50": statistics.median(x for x, _ in miss),
+            "hit_ms_p50": statistics.median(x for x, _ in hit),
+            "hit_states": sorted({s or "none" for _, s in hit}),
+        }
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def run(args: argparse.Namespace) -> int:
+    async def main() -> dict[str, Any]:
+        svc = await _service()
+        try:
+            return {
+                "lookup": await lookup_latency(svc, args.sizes, args.lookups),
+                "embedding": await embed_throughput(svc, args.embed_texts, args.concurrency),
+            }
+        finally:
+            await svc.stop()
+
+    result = asyncio.run(main())
+    if not args.skip_e2e:
+        result["hit_vs_miss"] = hit_vs_miss(args.prompts)
+    result["machine"] = {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+    }
+    for row in result["lookup"]:
+        print(
+            f"lookup @ {row['entries']:>7} entries: total p50 {row['total_ms']['p50']:.2f} ms "
+            f"p99 {row['total_ms']['p99']:.2f} ms (embed p50 {row['embed_ms']['p50']:.2f}, "
+            f"search+verify p50 {row['search_verify_ms']['p50']:.2f} p99 {row['search_verify_ms']['p99']:.2f})"
+        )
+    e = result["embedding"]
+    print(
+        f"embedding: {e['single_per_s']:.1f}/s one-by-one vs {e['micro_batched_per_s']:.1f}/s "
+        f"micro-batched at concurrency {e['concurrency']} (x{e['ratio']:.2f})"
+    )
+    if "hit_vs_miss" in result:
+        h = result["hit_vs_miss"]
+        print(
+            f"E2E local model: miss p50 {h['miss_ms_p50']:.1f} ms, hit p50 {h['hit_ms_p50']:.1f} ms "
+            f"(x{h['miss_ms_p50'] / h['hit_ms_p50']:.1f}); hit headers {h['hit_states']}"
+        )
+    out = Path(args.out or f"bench-results/cache-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"results: {out}")
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[10_000, 100_000]
+    )
+    p.add_argument("--lookups", type=int, default=200)
+    p.add_argument("--embed-texts", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--prompts", type=int, default=6)
+    p.add_argument("--skip-e2e", action="store_true")
+    p.add_argument("--out")
+    p.set_defaults(func=run)

@@ -1,0 +1,79 @@
+"""Whether a request may be looked up in, or stored to, the response cache.
+
+Pure: the request body, its Cache-Control header, the tenant and the config in; a
+verdict with the reason out. A false hit serves a wrong answer at once, so anything
+that makes an answer personal, side-effecting or random is not cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from switchyard.config import CacheConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Cacheability:
+    lookup: bool
+    store: bool
+    mode: str  # "enforce" | "shadow" | "off"
+    threshold: float
+    reason: str
+
+
+def cacheability(
+    body: dict[str, Any],
+    endpoint: str,
+    cache_control: str | None,
+    tenant: str,
+    alias: str,
+    cfg: CacheConfig,
+) -> Cacheability:
+    override = cfg.models.get(alias)
+    mode = override.mode if override is not None and override.mode is not None else cfg.mode
+    if tenant in cfg.shadow_tenants and mode == "enforce":
+        mode = "shadow"
+    threshold = (
+        override.threshold
+        if override is not None and override.threshold is not None
+        else cfg.threshold
+    )
+
+    def no(reason: str) -> Cacheability:
+        return Cacheability(False, False, mode, threshold, reason)
+
+    if mode == "off":
+        return no(f"cache off for model {alias}")
+    if endpoint not in ("chat.completions", "completions"):
+        return no(f"{endpoint} is not cached")
+    directives = {d.strip().lower() for d in (cache_control or "").split(",") if d.strip()}
+    if "no-store" in directives:
+        return no("Cache-Control: no-store")
+    if tenant in cfg.personalized_tenants:
+        return no("tenant is flagged personalized")
+    if (body.get("tools") or body.get("functions")) and not cfg.cache_tool_requests:
+        return no("requests offering tools are not cached (side effects)")
+    temperature = body.get("temperature")
+    temperature = 1.0 if temperature is None else float(temperature)
+    if temperature > cfg.max_temperature:
+        return no(f"temperature {temperature} > cache.max_temperature {cfg.max_temperature}")
+    if (body.get("n") or 1) != 1:
+        return no("n > 1 is not cached")
+    if "no-cache" in directives:
+        return Cacheability(False, True, mode, threshold, "Cache-Control: no-cache (store only)")
+    return Cacheability(True, True, mode, threshold, "cacheable")
+
+
+def storable_reply(obj: dict[str, Any]) -> str | None:
+    """Why a reply must not be stored, or None when it may be."""
+    choices = obj.get("choices") or []
+    if not choices:
+        return "no choices"
+    for c in choices:
+        msg = c.get("message") or {}
+        if msg.get("tool_calls") or msg.get("function_call"):
+            return "the reply calls tools"
+        if c.get("finish_reason") not in ("stop", "length", None):
+            return f"finish_reason {c.get('finish_reason')}"
+    return None

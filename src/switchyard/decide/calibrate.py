@@ -1,0 +1,271 @@
+"""Calibration of the semantic cache threshold on labelled prompt pairs.
+
+A threshold is only meaningful against data: cosine similarity of all-MiniLM-L6-v2 puts
+traps (negations, changed numbers, swapped names) as high as true paraphrases, so an
+operator picks the threshold from the false-hit rate it buys, not from a round number.
+`calibrate` scores every threshold with and without the hit verifier (a hit is served
+only when similarity >= threshold and the verifier agrees), and `best_threshold` picks
+the lowest threshold whose false-hit rate stays under a maximum: the lowest such
+threshold serves the most paraphrases for that risk.
+
+Pairs are JSON lines: {"a": str, "b": str, "same_answer": bool, "category": str?}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+Pair = dict[str, Any]
+Row = dict[str, Any]
+Verifier = Callable[[str, str], tuple[bool, str]]
+Embed = Callable[[list[str]], np.ndarray]
+
+METRICS = ("tp", "fp", "fn", "tn", "precision", "recall", "f1", "false_hit_rate")
+
+
+def load_pairs(path: str | Path) -> list[Pair]:
+    """Read and check a JSONL file of labelled pairs; a bad line names its number."""
+    pairs: list[Pair] = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            pair = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{n}: not JSON: {exc}") from exc
+        if not (
+            isinstance(pair, dict)
+            and isinstance(pair.get("a"), str)
+            and isinstance(pair.get("b"), str)
+            and isinstance(pair.get("same_answer"), bool)
+        ):
+            raise ValueError(f'{path}:{n}: expected {{"a": str, "b": str, "same_answer": bool}}')
+        pairs.append(pair)
+    if not pairs:
+        raise ValueError(f"{path}: no pairs")
+    return pairs
+
+
+def parse_thresholds(spec: str) -> list[float]:
+    """ "0.5:0.99:0.01" (start:stop:step, stop included) or "0.8,0.85,0.9"."""
+    if ":" not in spec:
+        return sorted(float(x) for x in spec.split(","))
+    start, stop, step = (float(x) for x in spec.split(":"))
+    if step <= 0 or stop < start:
+        raise ValueError(f"bad threshold range {spec!r}: want start:stop:step, start <= stop")
+    count = round((stop - start) / step) + 1
+    # Rounded so that 0.5 + 30 * 0.01 compares as 0.8, not 0.7999999.
+    return [round(start + i * step, 6) for i in range(count) if start + i * step <= stop + 1e-9]
+
+
+def similarities_for(pairs: Sequence[Pair], embed: Embed, batch_size: int = 256) -> list[float]:
+    """Cosine similarity of a and b for each pair; each distinct text is embedded once."""
+    texts = list(dict.fromkeys(t for p in pairs for t in (p["a"], p["b"])))
+    vectors = np.concatenate(
+        [
+            np.asarray(embed(texts[i : i + batch_size]), dtype=np.float32)
+            for i in range(0, len(texts), batch_size)
+        ]
+    )
+    # Normalised again here: a caller's embed may not, and cosine needs unit vectors.
+    vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    index = {t: i for i, t in enumerate(texts)}
+    a = vectors[[index[p["a"]] for p in pairs]]
+    b = vectors[[index[p["b"]] for p in pairs]]
+    return [float(x) for x in np.einsum("ij,ij->i", a, b)]
+
+
+def metrics(labels: Sequence[bool], predicted: Sequence[bool]) -> dict[str, float]:
+    """Confusion counts and rates. No hit served at all counts as precision 1.0:
+    nothing served, nothing wrong; recall (0) is what shows such a threshold is useless."""
+    tp = sum(y and p for y, p in zip(labels, predicted, strict=True))
+    fp = sum(p and not y for y, p in zip(labels, predicted, strict=True))
+    fn = sum(y and not p for y, p in zip(labels, predicted, strict=True))
+    tn = len(labels) - tp - fp - fn
+    precision = tp / (tp + fp) if tp + fp else 1.0
+    recall = tp / (tp + fn) if tp + fn else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    negatives = fp + tn
+    return {
+        "tp": tp,
+        "fp": fp,
+        "fn": fn,
+        "tn": tn,
+        "precision": precision,
+        "recall": recall,
+        "f1": f1,
+        "false_hit_rate": fp / negatives if negatives else 0.0,
+    }
+
+
+def calibrate(
+    pairs: Sequence[Pair],
+    similarities: Sequence[float],
+    thresholds: Sequence[float],
+    verifier: Verifier | None = None,
+) -> list[Row]:
+    """One row per threshold without the verifier and, when given, one with it.
+
+    Each row: threshold, verifier (bool) and METRICS. A pair is a predicted hit when
+    similarity >= threshold and (without verifier, or the verifier passes it)."""
+    if len(pairs) != len(similarities):
+        raise ValueError(f"{len(pairs)} pairs but {len(similarities)} similarities")
+    labels = [bool(p["same_answer"]) for p in pairs]
+    passes = [verifier(p["a"], p["b"])[0] for p in pairs] if verifier else None
+    rows: list[Row] = []
+    for t in thresholds:
+        above = [s >= t for s in similarities]
+        rows.append({"threshold": t, "verifier": False, **metrics(labels, above)})
+        if passes is not None:
+            served = [x and ok for x, ok in zip(above, passes, strict=True)]
+            rows.append({"threshold": t, "verifier": True, **metrics(labels, served)})
+    return rows
+
+
+def best_threshold(
+    rows: Sequence[Row], max_false_hit_rate: float, verifier: bool | None = None
+) -> float | None:
+    """Lowest threshold whose false-hit rate is <= the maximum, or None if none is.
+
+    `verifier` picks the rows with (True) or without (False) the verifier; by default
+    the verified rows when there are any, since that is what the cache serves."""
+    if verifier is None:
+        verifier = any(r["verifier"] for r in rows)
+    ok = [
+        r["threshold"]
+        for r in rows
+        if r["verifier"] == verifier and r["false_hit_rate"] <= max_false_hit_rate
+    ]
+    return min(ok) if ok else None
+
+
+def format_report(rows: Sequence[Row], max_false_hit_rate: float) -> str:
+    """A plain-text table, without and with the verifier side by side, and the choice."""
+    by_t: dict[float, dict[bool, Row]] = {}
+    for r in rows:
+        by_t.setdefault(r["threshold"], {})[r["verifier"]] = r
+    sides = [v for v in (False, True) if any(v in d for d in by_t.values())]
+    chosen = {v: best_threshold(rows, max_false_hit_rate, verifier=v) for v in sides}
+    titles = " | ".join(f"{'with' if v else 'without'} verifier".center(_CELL_WIDTH) for v in sides)
+    columns = " | ".join(_COLUMNS for _ in sides)
+    lines = [f"{'':9s} | {titles}", f"threshold | {columns}"]
+    for t in sorted(by_t):
+        cells = [_cell(by_t[t].get(v), chosen[v] == t) for v in sides]
+        lines.append(f"{t:9.3f} | " + " | ".join(cells))
+    lines.append("")
+    for v in sides:
+        lines.append(_choice_line(rows, v, chosen[v], max_false_hit_rate))
+    return "\n".join(lines)
+
+
+_COLUMNS = "  precision recall    f1  false-hit  fp"
+_CELL_WIDTH = len(_COLUMNS)
+
+
+def _cell(row: Row | None, chosen: bool) -> str:
+    if row is None:
+        return " " * _CELL_WIDTH
+    mark = "*" if chosen else " "
+    return (
+        f"{mark} {row['precision']:9.3f} {row['recall']:6.3f} {row['f1']:5.3f} "
+        f"{row['false_hit_rate']:10.3f} {row['fp']:3d}"
+    )
+
+
+def _choice_line(
+    rows: Sequence[Row], verifier: bool, chosen: float | None, max_false_hit_rate: float
+) -> str:
+    name = "with verifier" if verifier else "without verifier"
+    if chosen is None:
+        return f"{name}: no threshold keeps the false-hit rate <= {max_false_hit_rate:.2%}"
+    row = next(r for r in rows if r["threshold"] == chosen and r["verifier"] == verifier)
+    return (
+        f"{name}: threshold {chosen:.3f} (lowest with false-hit rate <= "
+        f"{max_false_hit_rate:.2%}): false-hit rate {row['false_hit_rate']:.2%}, "
+        f"recall {row['recall']:.2%}, precision {row['precision']:.2%}, f1 {row['f1']:.3f}"
+    )
+
+
+def category_report(
+    pairs: Sequence[Pair],
+    similarities: Sequence[float],
+    threshold: float | None,
+    verifier: Verifier,
+) -> str:
+    """Per category: how often the verifier vetoes, and what is served at `threshold`.
+
+    Tells an operator which kind of trap still gets through, or which paraphrases the
+    verifier refuses, rather than one aggregate number."""
+    vetoed: Counter[str] = Counter()
+    served: Counter[str] = Counter()
+    total: Counter[str] = Counter()
+    for pair, sim in zip(pairs, similarities, strict=True):
+        cat = str(pair.get("category") or ("paraphrase" if pair["same_answer"] else "trap"))
+        ok = verifier(pair["a"], pair["b"])[0]
+        total[cat] += 1
+        vetoed[cat] += not ok
+        served[cat] += ok and threshold is not None and sim >= threshold
+    at = "-" if threshold is None else f"{threshold:.3f}"
+    lines = [f"category     pairs  vetoed  served@{at}"]
+    lines += [
+        f"{cat:12s} {total[cat]:5d}  {vetoed[cat] / total[cat]:6.1%}  {served[cat]:5d}"
+        for cat in sorted(total)
+    ]
+    return "\n".join(lines)
+
+
+def run_calibration(
+    path: str,
+    thresholds: list[float],
+    max_false_hit_rate: float,
+    embed: Embed,
+    verifier: Verifier | None = None,
+) -> str:
+    """The `switchyard cache calibrate` report for a pairs file, as printable text."""
+    if verifier is None:
+        from switchyard.decide.verify import verify
+
+        verifier = verify
+    pairs = load_pairs(path)
+    sims = similarities_for(pairs, embed)
+    rows = calibrate(pairs, sims, thresholds, verifier)
+    positives = sum(bool(p["same_answer"]) for p in pairs)
+    chosen = best_threshold(rows, max_false_hit_rate, verifier=True)
+    return "\n\n".join(
+        [
+            f"{path}: {len(pairs)} pairs ({positives} should hit, {len(pairs) - positives} should "
+            f"not); cosine similarity, * marks the chosen threshold",
+            format_report(rows, max_false_hit_rate),
+            category_report(pairs, sims, chosen, verifier),
+        ]
+    )
+
+
+def minilm_embed(batch_size: int = 64) -> Embed:
+    """The gateway's embedding model (all-MiniLM-L6-v2 from its wheel), offline, on CPU."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from sentence_transformers import SentenceTransformer
+
+    from switchyard.engines.assets import minilm_model_path
+
+    model = SentenceTransformer(minilm_model_path(), device="cpu")
+
+    def embed(texts: list[str]) -> np.ndarray:
+        vectors = model.encode(
+            texts,
+            batch_size=batch_size,
+            normalize_embeddings=True,
+            convert_to_numpy=True,
+            show_progress_bar=False,
+        )
+        return np.asarray(vectors, dtype=np.float32)
+
+    return embed

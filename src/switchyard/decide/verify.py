@@ -1,0 +1,950 @@
+"""Hit verification for the semantic cache: is a near neighbour really the same question?
+
+Cosine similarity of sentence embeddings cannot tell "How do I enable dark mode?" from
+"How do I disable dark mode?": the traps score as high as true paraphrases. So a
+candidate hit that passes the similarity threshold must also pass `verify`, which
+compares the two prompts for salient differences a paraphrase would keep intact:
+quoted strings and file names, dates, units, numbers, named entities, negation,
+possessive/quantifier scope, comparison direction, antonyms and the kind of answer asked
+for (who/when/where). The first difference found vetoes the hit with a named reason
+(`veto: number 3 != 5`); the check order only decides which name a veto gets.
+
+It is deliberately conservative: a false veto costs one model call, a false hit serves
+a wrong answer. It is pure and runs on every candidate hit, so it uses small built-in
+word lists and regular expressions, and memoises the parse of each prompt.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import lru_cache
+
+Verdict = tuple[bool, str]
+OK: Verdict = (True, "ok")
+NONE = "-"  # the side of a reason where the other prompt has nothing to compare
+
+
+def _words(text: str) -> frozenset[str]:
+    """A word list written as one string: easier to read and extend than a set literal."""
+    return frozenset(text.split())
+
+
+# ---------------------------------------------------------------------------------
+# Word lists. Small on purpose: each one names the distinctions that change an answer.
+# ---------------------------------------------------------------------------------
+
+_SMART = str.maketrans(
+    {
+        "\u2018": "'",
+        "\u2019": "'",
+        "\u201c": '"',
+        "\u201d": '"',
+        "\u2013": "-",
+        "\u2014": " - ",
+        "\u00a0": " ",
+    }
+)
+
+_NEGATIONS = _words(
+    "not no never none nobody nothing neither nor nowhere without unable impossible"
+)
+# Phrases whose negation word does not negate the question ("I don't know how to ...").
+_HEDGES = re.compile(
+    r"\b(?:i do not know|i am not sure|not sure|no idea|i do not understand|"
+    r"whether or not|or not|no problem|not a problem|do not mind)\b"
+)
+
+_WEEKDAYS = {d: d for d in _words("monday tuesday wednesday thursday friday saturday sunday")}
+_WEEKDAYS.update({d + "s": d for d in list(_WEEKDAYS)})
+_MONTHS = {
+    m: m
+    for m in _words(
+        "january february march april june july august september october november december"
+    )
+}
+_MONTHS.update(
+    {
+        "jan": "january",
+        "feb": "february",
+        "apr": "april",
+        "jun": "june",
+        "jul": "july",
+        "aug": "august",
+        "sep": "september",
+        "sept": "september",
+        "oct": "october",
+        "nov": "november",
+        "dec": "december",
+    }
+)
+# "may" is a month only where a date is plausible ("in May", "May 3"), else a modal verb.
+_MAY_BEFORE = _words("in of since until by early late mid next last this")
+_RELATIVE_DAYS = _words("today tonight tomorrow yesterday weekend")
+_RELATIVE_WHEN = {
+    "this": "this",
+    "current": "this",
+    "next": "next",
+    "coming": "next",
+    "last": "last",
+    "past": "last",
+    "previous": "last",
+}
+_RELATIVE_SPANS = _words("week month year quarter weekend")
+
+_UNITS: dict[str, str] = {}
+for _canon, _spellings in {
+    "km": "km kms kilometer kilometers kilometre kilometres",
+    "miles": "mi mile miles",
+    "m": "meter meters metre metres",
+    "cm": "cm centimeter centimeters centimetre centimetres",
+    "mm": "mm millimeter millimeters millimetre millimetres",
+    "ft": "ft foot feet",
+    "in": "inch inches",
+    "yd": "yd yard yards",
+    "km/h": "km/h kmh kph",
+    "mph": "mph",
+    "kg": "kg kgs kilo kilos kilogram kilograms",
+    "g": "gram grams",
+    "lb": "lb lbs pound pounds",
+    "oz": "oz ounce ounces",
+    "t": "ton tons tonne tonnes",
+    "l": "liter liters litre litres",
+    "ml": "ml milliliter milliliters millilitre millilitres",
+    "gal": "gal gallon gallons",
+    "cup": "cup cups",
+    "b": "byte bytes",
+    "kb": "kb kilobyte kilobytes",
+    "mb": "mb megabyte megabytes",
+    "gb": "gb gigabyte gigabytes",
+    "tb": "tb terabyte terabytes",
+    "mbps": "mbps",
+    "gbps": "gbps",
+    "ms": "ms millisecond milliseconds",
+    "second": "sec secs second seconds",
+    "minute": "min mins minute minutes",
+    "hour": "hr hrs hour hours hourly",
+    "day": "day days daily",
+    "week": "week weeks weekly",
+    "month": "month months monthly",
+    "year": "yr yrs year years yearly annual annually",
+    "celsius": "celsius centigrade",
+    "fahrenheit": "fahrenheit",
+    "kelvin": "kelvin",
+    "usd": "usd dollar dollars $",
+    "eur": "eur euro euros \u20ac",
+    "gbp": "gbp sterling \u00a3",
+    "jpy": "jpy yen \u00a5",
+    "inr": "inr rupee rupees",
+    "cny": "cny yuan rmb",
+    "chf": "chf franc francs",
+    "cad": "cad",
+    "aud": "aud",
+    "btc": "btc bitcoin bitcoins",
+}.items():
+    for _w in _spellings.split():
+        _UNITS[_w] = _canon
+_CURRENCY_SYMBOLS = frozenset("$\u20ac\u00a3\u00a5")
+# Units that only count when glued to a number ("5s", "10l"): alone they are letters.
+# "" keeps the number but names no unit: "5m" is metres, minutes or millions.
+_GLUED_UNITS = {
+    "s": "second",
+    "h": "hour",
+    "l": "l",
+    "g": "g",
+    "c": "celsius",
+    "f": "fahrenheit",
+    "m": "",
+}
+
+# In order: a word's position is its value.
+_SMALL_NUMBERS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen twenty"
+)
+_NUMBER_WORDS = {w: i for i, w in enumerate(_SMALL_NUMBERS.split())}
+_NUMBER_WORDS.update(
+    {
+        "thirty": 30,
+        "forty": 40,
+        "fifty": 50,
+        "sixty": 60,
+        "seventy": 70,
+        "eighty": 80,
+        "ninety": 90,
+        "dozen": 12,
+        "once": 1,
+        "twice": 2,
+        "thrice": 3,
+        "double": 2,
+        "triple": 3,
+    }
+)
+_MULTIPLIERS = {"hundred": 100, "thousand": 1000, "million": 10**6, "billion": 10**9}
+
+# Possessive/quantifier scope. Two dimensions: whose thing, and how many of them.
+_OWNER = {
+    "my": "my",
+    "our": "my",
+    "mine": "my",
+    "your": "your",
+    "yours": "your",
+    "their": "their",
+    "his": "their",
+    "her": "their",
+    "a": "an",
+    "an": "an",
+    "another": "an",
+}
+_QUANTITY = {"all": "all", "every": "all", "each": "all", "any": "any", "some": "any"}
+_WILDCARD = _words("the this that these those")
+# "X's account" names someone else's account when X is a person or an organisation.
+_PERSONS = _words(
+    "user member colleague coworker teammate team customer client someone somebody anyone "
+    "else friend people person employee staff admin administrator child son daughter parent "
+    "mother father wife husband partner manager boss organization organisation other others "
+    "guest student owner"
+)
+
+# Direction words: (group, polarity). Comparisons first, then antonym pairs.
+_COMPARISONS: dict[str, tuple[str, int]] = {}
+_ANTONYMS: dict[str, tuple[str, int]] = {}
+
+
+def _polar(table: dict[str, tuple[str, int]], spec: str) -> None:
+    """Fill `table` from "up words | down words" lines; the first word names the group."""
+    for line in spec.strip().splitlines():
+        up, down = (side.split() for side in line.split("|"))
+        for polarity, words in ((1, up), (-1, down)):
+            for w in words:
+                table.setdefault(w, (up[0], polarity))
+
+
+_polar(
+    _COMPARISONS,
+    """
+    faster fastest quicker quickest sooner | slower slowest
+    more most greater greatest | less least fewer fewest
+    higher highest taller tallest | lower lowest
+    longer longest | shorter shortest
+    bigger biggest larger largest | smaller smallest
+    pricier priciest costlier | cheaper cheapest
+    better best | worse worst
+    hotter hottest warmer warmest | cooler coolest colder coldest
+    heavier heaviest | lighter lightest
+    earlier earliest | later latest
+    older oldest | newer newest younger youngest
+    safer safest | riskier riskiest
+    stronger strongest | weaker weakest
+""",
+)
+_polar(
+    _ANTONYMS,
+    """
+    increase raise rise grow boost | decrease reduce lower shrink fall
+    open | close shut
+    before prior | after
+    enable activate allow permit unblock | disable deactivate block forbid ban
+    add insert create | remove delete
+    upgrade | downgrade
+    import | export
+    encrypt | decrypt
+    lock | unlock
+    accept approve | decline reject deny refuse
+    ascending | descending
+    start begin | stop end finish
+    subscribe | unsubscribe
+    show display unhide | hide
+    push | pull
+    upload | download
+    buy purchase | sell
+    install | uninstall
+    maximum max | minimum min
+    connect | disconnect
+    login | logout
+    first | last
+    win | lose
+    send | receive
+    include | exclude
+    expand maximize | collapse minimize
+    grant | revoke
+    attach | detach
+    join | leave
+    arrive arrival | depart departure
+    compress | decompress
+    encode serialize | decode deserialize
+    read | write
+    like | dislike
+    agree | disagree
+    horizontal horizontally | vertical vertically
+    uppercase | lowercase
+    zoomin | zoomout
+    optin | optout
+    deposit | withdraw
+    credit | debit
+    inbound | outbound
+    input | output
+    public | private
+    online | offline
+    inside indoors | outside outdoors
+    above | below
+    pass succeed | fail
+""",
+)
+
+_IRREGULAR = {
+    "rose": "rise",
+    "risen": "rise",
+    "fell": "fall",
+    "fallen": "fall",
+    "grew": "grow",
+    "grown": "grow",
+    "began": "begin",
+    "begun": "begin",
+    "sold": "sell",
+    "bought": "buy",
+    "sent": "send",
+    "won": "win",
+    "lost": "lose",
+    "hidden": "hide",
+    "shown": "show",
+}
+
+_PHRASES = [
+    (re.compile(p), r)
+    for p, r in (
+        (r"\b(?:log|logged|logging|sign|signed|signing)[ -]?(?:in|into|on)\b", "login"),
+        (r"\b(?:log|logged|logging|sign|signed|signing)[ -]?(?:out|off)\b", "logout"),
+        (r"\b(?:turn|turned|turning|switch|switched|switching) on\b", "enable"),
+        (r"\b(?:turn|turned|turning|switch|switched|switching) off\b", "disable"),
+        (r"\b(zoom|opt)(?:s|ed|ing)?[ -](in|out)\b", r"\1\2"),
+        (r"\bmore expensive\b", "pricier"),
+        (r"\bless expensive\b", "cheaper"),
+        (r"\bless safe\b", "riskier"),
+        (r"\bat least\b", "minimum"),
+        (r"\bat most\b", "maximum"),
+        (r"\bprior to\b", "before"),
+        (r"\bgo(?:es)? up\b", "increase"),
+        (r"\bgo(?:es)? down\b", "decrease"),
+        (r"\bper ?cent\b", "%"),
+        (r"\bunited states(?: of america)?\b", "usa"),
+        (r"\bunited kingdom\b", "uk"),
+    )
+]
+
+_CONTRACTIONS = [
+    (re.compile(p), r)
+    for p, r in (
+        (r"\bcan't\b|\bcannot\b", "can not"),
+        (r"\bwon't\b", "will not"),
+        (r"\bshan't\b", "shall not"),
+        (r"\bain't\b", "is not"),
+        (r"n't\b", " not"),
+        (r"'re\b", " are"),
+        (r"'m\b", " am"),
+        (r"'ve\b", " have"),
+        (r"'ll\b", " will"),
+        (r"'d\b", " would"),
+        (r"\blet's\b", "let us"),
+        (
+            r"\b(it|that|what|there|here|who|where|how|when|why|he|she|everyone|everything|"
+            r"nothing|something|this)'s\b",
+            r"\1 is",
+        ),
+    )
+]
+
+# Capitalised words that name no entity: stop words, greetings, generic acronyms.
+_STOP = _words(
+    "a an the i i'm i'd i've i'll me my we our you your he she it they them their this that "
+    "these those is are was were be been am do does did can could would should will shall "
+    "may might must have has had what which who whom whose when where why how if then else "
+    "and or but so not no yes to for of by with from as about into over after before in on at "
+    "also just any all some every each there here than"
+)
+_COMMON = _STOP | _words(
+    "ok okay hi hello hey thanks thank please dear sir madam mr mrs ms dr quick question "
+    "api apis url urls http https id ids faq ui ux ram cpu gpu ssd hdd os sso vpn 2fa pin "
+    "otp usb wifi tv pc ai llm earth moon sun internet web email e-mail app apps"
+)
+_ENTITY_ALIASES = {
+    "us": "usa",
+    "britain": "uk",
+    "nodejs": "node.js",
+    "postgres": "postgresql",
+}
+# Names users write in lower case or at the start of a sentence: compared even then.
+_KNOWN_ENTITIES = _words(
+    "python java javascript typescript rust ruby php perl kotlin swift scala haskell golang c++ "
+    "c# f# matlab elixir erlang clojure lua dart bash powershell fortran cobol "
+    "windows linux macos ubuntu debian fedora centos android ios iphone ipad chromebook "
+    "chrome firefox safari docker kubernetes postgresql mysql sqlite mongodb redis react "
+    "angular vue django flask rails node.js github gitlab bitbucket aws azure gcp heroku "
+    "vercel netlify excel outlook gmail slack zoom jira wordpress shopify stripe paypal "
+    "venmo mastercard amex google microsoft amazon facebook instagram whatsapp "
+    "telegram tiktok youtube netflix spotify uber csv json xml yaml pdf html css markdown "
+    "france germany spain italy portugal ireland uk england scotland wales usa canada mexico "
+    "brazil argentina chile peru china japan korea india pakistan australia russia ukraine "
+    "egypt nigeria kenya netherlands belgium sweden norway denmark finland poland "
+    "switzerland austria greece israel singapore thailand vietnam indonesia philippines "
+    "africa europe asia antarctica "
+    "paris berlin london madrid rome milan tokyo osaka seoul beijing shanghai delhi mumbai "
+    "sydney melbourne toronto vancouver chicago boston seattle york dubai amsterdam vienna "
+    "lisbon dublin moscow cairo istanbul barcelona munich zurich "
+    "california texas florida virginia oregon ohio washington "
+    "english spanish french german chinese japanese korean portuguese italian arabic hindi "
+    "russian dutch"
+)
+
+_TOKEN = re.compile(r"[$\u20ac\u00a3\u00a5%+]|c\+\+|c#|f#|[a-z0-9]+(?:[.,:/'-][a-z0-9]+)*")
+_QUOTED = re.compile(r'"([^"\n]{1,200})"|`([^`\n]{1,200})`|(?<![\w])\'([^\'\n]{1,200})\'(?!\w)')
+_FILE = re.compile(
+    r"(?<![\w./-])(?:[\w-]+(?:\.[\w-]+)*\.[a-z][a-z0-9]{1,5}|\.[a-z][\w-]{1,30})"
+    r"(?![\w-])"
+)
+# PII placeholders (`<EMAIL_1>`, see policy/pii.py): opaque, compared verbatim.
+_PLACEHOLDER = re.compile(r"<[A-Z][A-Z_]*_\d+>")
+_WORD = re.compile(r"[a-z0-9+#]+")
+_ABBREVIATION = re.compile(r"[a-z]\.[a-z]")  # "e.g", "i.e": not file names
+_GLUED = re.compile(r"(\d+(?:\.\d+)?)([a-z]+)")
+_VERSION = re.compile(r"v(\d+(?:\.\d+)*)")
+_RANGE = re.compile(r"\d+(?:-\d+)+")
+_THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_NUMBER = re.compile(r"\d+(?:\.\d+)?%?")
+_HOUR = re.compile(r"\d{1,2}(?::\d{2})?")
+_CLOCK = re.compile(r"\d{1,2}:\d{2}")
+_CAP_WORD = re.compile(r"[A-Za-z0-9][\w+#-]*(?:'[a-z]+)?|\S")
+_SENTENCE_END = frozenset(".!?:;\n")
+
+
+# ---------------------------------------------------------------------------------
+# Parsing: each prompt once, into everything the checks compare.
+# ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Facts:
+    """Dates, units and numbers; a date consumes its own numbers ("March 3")."""
+
+    dates: frozenset[str]
+    units: frozenset[str]
+    bound: dict[str, str]  # number -> the unit written with it ("5 km")
+    numbers: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    raw: str  # lowercased, quotes normalised: where "is it mentioned at all?" is asked
+    names: frozenset[str]  # every word of `raw`, its normalised tokens and their aliases
+    quoted: frozenset[str]
+    files: frozenset[str]
+    tokens: tuple[str, ...]
+    caps: tuple[str, ...]  # capitalised words that are not sentence-initial or common
+    facts: _Facts
+    scopes: dict[str, tuple[set[str], set[str]]]  # noun -> (owners, quantities)
+    comparisons: dict[str, dict[int, str]]  # scale -> direction -> word
+    antonyms: dict[str, dict[int, str]]
+
+
+@lru_cache(maxsize=8192)
+def _parse(text: str) -> _Prompt:
+    text = text.translate(_SMART)
+    stripped, quoted, files = _strip_quoted(text)
+    raw = text.lower()
+    tokens = _tokens(_normalise(stripped))
+    words = set(_WORD.findall(raw)) | set(tokens)
+    caps = _capitalised(stripped)
+    return _Prompt(
+        raw=raw,
+        names=frozenset(words | {_ENTITY_ALIASES[w] for w in words if w in _ENTITY_ALIASES}),
+        quoted=quoted,
+        files=files,
+        tokens=tokens,
+        caps=caps,
+        facts=_facts(tokens),
+        scopes=_scopes(tokens, caps),
+        comparisons=_directions(tokens, _COMPARISONS),
+        antonyms=_directions(tokens, _ANTONYMS),
+    )
+
+
+def _strip_quoted(text: str) -> tuple[str, frozenset[str], frozenset[str]]:
+    """Take quoted strings, PII placeholders and file names out: they are compared
+    verbatim, not as words ("<CARD_1>" holds no number 1 and names no entity)."""
+    placeholders = {m.lower() for m in _PLACEHOLDER.findall(text)}
+    text = _PLACEHOLDER.sub(" ", text)
+    quoted = placeholders | {
+        " ".join((m.group(1) or m.group(2) or m.group(3)).lower().split())
+        for m in _QUOTED.finditer(text)
+    }
+    text = _QUOTED.sub(" , ", text)
+    files = {
+        f
+        for f in (m.group(0).lower() for m in _FILE.finditer(text))
+        if not _ABBREVIATION.fullmatch(f)
+    }
+    text = _FILE.sub(" ", text)
+    return text, frozenset(q for q in quoted if q), frozenset(files)
+
+
+def _capitalised(text: str) -> tuple[str, ...]:
+    """Capitalised words that are not at a sentence start and not common: likely names."""
+    out: list[str] = []
+    at_start = True
+    for m in _CAP_WORD.finditer(text):
+        tok = m.group(0)
+        if len(tok) == 1 and not tok.isalnum():
+            at_start = at_start or tok in _SENTENCE_END or tok in '("-'
+            continue
+        word = tok.lower().removesuffix("'s")
+        if (
+            not at_start
+            and any(c.isupper() for c in tok)
+            and word not in _COMMON
+            and not _owned_elsewhere(word)
+        ):
+            out.append(_ENTITY_ALIASES.get(word, word))
+        at_start = False
+    return tuple(dict.fromkeys(out))
+
+
+def _owned_elsewhere(word: str) -> bool:
+    """Words another check owns (dates, units, direction words) are not entities."""
+    return (
+        word in _WEEKDAYS
+        or word in _MONTHS
+        or word == "may"
+        or word in _UNITS
+        or word in _COMPARISONS
+        or word in _ANTONYMS
+        or word in _NEGATIONS
+    )
+
+
+def _normalise(text: str) -> str:
+    text = text.lower()
+    if "'" in text or "cannot" in text:
+        for pattern, repl in _CONTRACTIONS:
+            text = pattern.sub(repl, text)
+    for pattern, repl in _PHRASES:
+        text = pattern.sub(repl, text)
+    return _HEDGES.sub(" ", text)
+
+
+def _tokens(text: str) -> tuple[str, ...]:
+    out: list[str] = []
+    for raw in _TOKEN.findall(text):
+        for tok in _split_token(raw.strip(".,:/'-")):
+            if tok == "%" and out and _is_number(out[-1]):
+                out[-1] += "%"
+            elif tok:
+                out.append(tok)
+    return tuple(out)
+
+
+def _split_token(tok: str) -> list[str]:
+    """Split glued forms: "8gb" -> 8 gb, "5th" -> 5, "3pm" -> 3 pm, "3-5" -> 3 5."""
+    m = _GLUED.fullmatch(tok)
+    if m:
+        num, suffix = m.groups()
+        if suffix in ("st", "nd", "rd", "th"):
+            return [num]
+        if suffix == "k":  # "10k"
+            value = float(num) * 1000
+            return [str(int(value)) if value.is_integer() else str(value)]
+        if suffix in ("am", "pm") or suffix in _UNITS or suffix in _GLUED_UNITS:
+            unit = _GLUED_UNITS.get(suffix, suffix)
+            return [num, unit] if unit else [num]
+        return [tok]  # "2fa", "4g": a name, not a quantity
+    m = _VERSION.fullmatch(tok)
+    if m:
+        return [m.group(1)]
+    if _RANGE.fullmatch(tok) and not _DATE_TOKEN.fullmatch(tok):
+        return tok.split("-")
+    if _THOUSANDS.fullmatch(tok):
+        return [tok.replace(",", "")]
+    if "-" in tok and all(p in _NUMBER_WORDS for p in tok.split("-")):
+        return tok.split("-")  # "twenty-five"
+    return [tok]
+
+
+def _is_number(tok: str) -> bool:
+    return _NUMBER.fullmatch(tok) is not None
+
+
+# ---------------------------------------------------------------------------------
+# Dates, units and numbers share one pass.
+# ---------------------------------------------------------------------------------
+
+
+def _facts(toks: tuple[str, ...]) -> _Facts:
+    dates: set[str] = set()
+    units: set[str] = set()
+    bound: dict[str, str] = {}
+    numbers: set[str] = set()
+    i = 0
+    while i < len(toks):
+        date = _date_at(toks, i)
+        if date:
+            dates.add(date[0])
+            i += date[1]
+            continue
+        num = (toks[i], 1) if _is_number(toks[i]) else _number_words(toks, i)
+        if num:
+            numbers.add(num[0])
+            unit = _unit_near(toks, i, num[1])
+            if unit:
+                bound.setdefault(num[0], unit)
+            i += num[1]
+            continue
+        if toks[i] in _UNITS:
+            units.add(_UNITS[toks[i]])
+        i += 1
+    return _Facts(frozenset(dates), frozenset(units), bound, frozenset(numbers))
+
+
+def _date_at(toks: tuple[str, ...], i: int) -> tuple[str, int] | None:
+    """A date starting at token i, as (canonical text, tokens consumed)."""
+    tok = toks[i]
+    nxt = toks[i + 1] if i + 1 < len(toks) else ""
+    month = _month_at(toks, i)
+    if month:
+        return (f"{month} {int(nxt)}", 2) if _is_day(nxt) else (month, 1)
+    if _is_day(tok):
+        j = i + 2 if nxt == "of" else i + 1
+        month = _month_at(toks, j) if j < len(toks) else None
+        if month:
+            return f"{month} {int(tok)}", j - i + 1
+    if nxt in ("am", "pm") and _HOUR.fullmatch(tok):
+        return _time_of_day(tok, nxt), 2
+    if _CLOCK.fullmatch(tok):
+        return _time_of_day(tok, ""), 1
+    if _DATE_TOKEN.fullmatch(tok) and nxt not in _UNITS:
+        return tok, 1
+    if tok in _WEEKDAYS:
+        return _WEEKDAYS[tok], 1
+    if tok in _RELATIVE_DAYS:
+        return tok, 1
+    if tok in _RELATIVE_WHEN and (nxt in _RELATIVE_SPANS or nxt in _WEEKDAYS):
+        return f"{_RELATIVE_WHEN[tok]} {_WEEKDAYS.get(nxt, nxt)}", 2
+    return None
+
+
+# Years, decades, ISO and slashed dates, quarters and halves.
+_DATE_TOKEN = re.compile(
+    r"(?:19|20)\d{2}s?|\d{4}-\d{2}-\d{2}|\d{1,2}/\d{1,2}(?:/\d{2,4})?"
+    r"|q[1-4]|h[12]"
+)
+
+
+def _month_at(toks: tuple[str, ...], i: int) -> str | None:
+    tok = toks[i]
+    if tok in _MONTHS:
+        return _MONTHS[tok]
+    if tok == "may" and (
+        (i > 0 and toks[i - 1] in _MAY_BEFORE) or (i + 1 < len(toks) and _is_day(toks[i + 1]))
+    ):
+        return "may"
+    return None
+
+
+def _is_day(tok: str) -> bool:
+    return tok.isdigit() and 1 <= int(tok) <= 31
+
+
+def _time_of_day(clock: str, ampm: str) -> str:
+    """ "3pm", "3:00 pm" and "15:00" are one time."""
+    hour, _, minute = clock.partition(":")
+    h = int(hour) % 12 + (12 if ampm == "pm" else 0) if ampm else int(hour)
+    return f"{h:02d}:{minute or '00'}"
+
+
+def _number_words(toks: tuple[str, ...], i: int) -> tuple[str, int] | None:
+    """ "two hundred and five" -> ("205", 4); None when no number word starts at i."""
+    if toks[i] not in _NUMBER_WORDS:
+        return None
+    total, current, j = 0, 0, i
+    while j < len(toks):
+        tok = toks[j]
+        if tok in _NUMBER_WORDS:
+            current += _NUMBER_WORDS[tok]
+        elif tok in _MULTIPLIERS:
+            total += max(current, 1) * _MULTIPLIERS[tok]
+            current = 0
+        elif not (tok == "and" and j + 1 < len(toks) and toks[j + 1] in _NUMBER_WORDS):
+            break
+        j += 1
+    return str(total + current), j - i
+
+
+def _unit_near(toks: tuple[str, ...], i: int, width: int) -> str | None:
+    """The unit written with the number at i: "$5", "5 km", "5 degrees celsius"."""
+    if i > 0 and toks[i - 1] in _CURRENCY_SYMBOLS:
+        return _UNITS[toks[i - 1]]
+    for j in (i + width, i + width + 1):
+        if j >= len(toks):
+            break
+        if toks[j] in _UNITS:
+            return _UNITS[toks[j]]
+        if toks[j] not in ("degree", "degrees", "square", "cubic"):
+            break
+    return None
+
+
+# ---------------------------------------------------------------------------------
+# Checks. Each returns the veto detail, or None when it finds no salient difference.
+# ---------------------------------------------------------------------------------
+
+_Check = Callable[[_Prompt, _Prompt], str | None]
+
+
+def _mentions(p: _Prompt, s: str) -> bool:
+    """Whether `s` occurs in the prompt as a whole word or phrase (not inside another)."""
+    return re.search(rf"(?<![\w.-]){re.escape(s)}(?![\w-])", p.raw) is not None
+
+
+def _diff(a: Iterable[str], b: Iterable[str]) -> str:
+    """`x != y` naming what only one side has; `-` for a side with nothing of its own."""
+    a_set, b_set = set(a), set(b)
+    left = ",".join(sorted(a_set - b_set)) or NONE
+    right = ",".join(sorted(b_set - a_set)) or NONE
+    return f"{left} != {right}"
+
+
+def _check_quoted(a: _Prompt, b: _Prompt) -> str | None:
+    """Quoted strings must reappear; file names veto only when both sides name others."""
+    qa = {q for q in a.quoted if not _mentions(b, q)}
+    qb = {q for q in b.quoted if not _mentions(a, q)}
+    fa = {f for f in a.files - b.files if not _mentions(b, f)}
+    fb = {f for f in b.files - a.files if not _mentions(a, f)}
+    if not (qa or qb or (fa and fb)):
+        return None
+    left, right = sorted(qa | fa), sorted(qb | fb)
+    return f"{_quote(left)} != {_quote(right)}"
+
+
+def _quote(items: list[str]) -> str:
+    return f"'{items[0]}'" if items else NONE
+
+
+def _check_date(a: _Prompt, b: _Prompt) -> str | None:
+    """Any date, time, weekday or relative day on one side only: answers expire by date."""
+    return _diff(a.facts.dates, b.facts.dates) if a.facts.dates != b.facts.dates else None
+
+
+def _check_unit(a: _Prompt, b: _Prompt) -> str | None:
+    """Different units on both sides, or the same number carrying a different unit."""
+    ua = a.facts.units | set(a.facts.bound.values())
+    ub = b.facts.units | set(b.facts.bound.values())
+    if ua and ub and ua != ub:
+        return _diff(ua, ub)
+    for num in sorted(a.facts.bound.keys() & b.facts.bound.keys()):
+        if a.facts.bound[num] != b.facts.bound[num]:
+            return f"{a.facts.bound[num]} != {b.facts.bound[num]}"  # "10 l to gal" reversed
+    return None
+
+
+def _check_number(a: _Prompt, b: _Prompt) -> str | None:
+    """Any changed number vetoes, except a lone "one" against none ("more than one")."""
+    na, nb = a.facts.numbers, b.facts.numbers
+    if na == nb or {na, nb} == {frozenset(), frozenset({"1"})}:
+        return None
+    return _diff(na, nb)
+
+
+def _check_entity(a: _Prompt, b: _Prompt) -> str | None:
+    """Known names must reappear; other capitalised names veto only when swapped."""
+    ka = [w for w in _known(a) if w not in b.names]
+    kb = [w for w in _known(b) if w not in a.names]
+    ca = [w for w in a.caps if w not in b.names and not _mentions(b, w)]
+    cb = [w for w in b.caps if w not in a.names and not _mentions(a, w)]
+    if not (ka or kb or (ca and cb)):
+        return None
+    return f"{(ka or ca or [NONE])[0]} != {(kb or cb or [NONE])[0]}"
+
+
+def _known(p: _Prompt) -> list[str]:
+    """Names from the built-in list, found in any case and position."""
+    found = [_ENTITY_ALIASES.get(t, t) for t in p.tokens if t != "us"] + list(p.caps)
+    return list(dict.fromkeys(w for w in found if w in _KNOWN_ENTITIES))
+
+
+def _check_negation(a: _Prompt, b: _Prompt) -> str | None:
+    """Negation words, counted after "can't" became "can not" and hedges ("not sure")
+    were dropped: "without" against "with" or "no" against "a" flips the answer."""
+    na = sum(t in _NEGATIONS for t in a.tokens)
+    nb = sum(t in _NEGATIONS for t in b.tokens)
+    return "" if na != nb else None
+
+
+def _singular(word: str) -> str:
+    """Crude, but enough to match "all invoices" with "my invoice"."""
+    if word.endswith("ies") and len(word) > 4:
+        return word[:-3] + "y"
+    if word.endswith("s") and not word.endswith("ss") and len(word) > 3:
+        return word[:-1]
+    return word
+
+
+def _scope_class(tok: str, caps: tuple[str, ...]) -> str | None:
+    """Scope of a determiner-like token: my/your/their/an (owner), all/any (quantity)."""
+    if tok in _OWNER:
+        return _OWNER[tok]
+    if tok in _QUANTITY:
+        return _QUANTITY[tok]
+    if tok.endswith("'s") and (tok[:-2] in _PERSONS or tok[:-2] in caps):
+        return "their"
+    return None
+
+
+def _scopes(toks: tuple[str, ...], caps: tuple[str, ...]) -> dict[str, tuple[set[str], set[str]]]:
+    """noun -> (owners, quantities): "all of my files" gives file -> ({my}, {all})."""
+    out: dict[str, tuple[set[str], set[str]]] = {}
+    for i, tok in enumerate(toks):
+        cls = _scope_class(tok, caps)
+        if cls is None:
+            continue
+        j = i + 1
+        while j < len(toks) and (
+            toks[j] == "of" or toks[j] in _WILDCARD or toks[j] in _OWNER or toks[j] in _QUANTITY
+        ):
+            j += 1
+        nouns = [toks[j][:-2]] if j < len(toks) and toks[j].endswith("'s") else toks[j : j + 2]
+        for noun in nouns:
+            if noun in _STOP:
+                break
+            owners, quantities = out.setdefault(_singular(noun), (set(), set()))
+            (quantities if cls in ("all", "any") else owners).add(cls)
+    return out
+
+
+def _check_scope(a: _Prompt, b: _Prompt) -> str | None:
+    """The same noun owned or quantified differently: "my account" vs "an account"."""
+    sa, sb = a.scopes, b.scopes
+    for noun in sorted(sa.keys() & sb.keys()):
+        (oa, qa), (ob, qb) = sa[noun], sb[noun]
+        pairs = [(oa, ob), (qa, qb)]
+        if not (qa or ob):
+            pairs.append((oa, qb))  # "my data" vs "all data": whose, against how many
+        if not (oa or qb):
+            pairs.append((qa, ob))
+        for left, right in pairs:
+            if left and right and left.isdisjoint(right):
+                return f"{min(left)} != {min(right)}"
+    return None
+
+
+def _lemma(word: str, table: dict[str, tuple[str, int]]) -> str | None:
+    """The table entry an inflected word belongs to ("increased" -> "increase")."""
+    if word in table:
+        return word
+    if _IRREGULAR.get(word) in table:
+        return _IRREGULAR[word]
+    for suffix, repl in (
+        ("ing", ""),
+        ("ing", "e"),
+        ("ed", ""),
+        ("ed", "e"),
+        ("d", ""),
+        ("es", ""),
+        ("s", ""),
+    ):
+        if not word.endswith(suffix):
+            continue
+        stem = word[: -len(suffix)] + repl
+        if stem in table:
+            return stem
+        if len(stem) > 2 and stem[-1] == stem[-2] and stem[:-1] in table:  # "stopped"
+            return stem[:-1]
+    return None
+
+
+def _directions(
+    toks: tuple[str, ...], table: dict[str, tuple[str, int]]
+) -> dict[str, dict[int, str]]:
+    """group -> polarity -> the first word that expressed it."""
+    out: dict[str, dict[int, str]] = {}
+    for tok in toks:
+        lemma = _lemma(tok, table)
+        if lemma is not None:
+            group, polarity = table[lemma]
+            out.setdefault(group, {}).setdefault(polarity, lemma)
+    return out
+
+
+def _direction_check(directions: Callable[[_Prompt], dict[str, dict[int, str]]]) -> _Check:
+    """Both prompts speak of the same scale but point different ways on it."""
+
+    def check(a: _Prompt, b: _Prompt) -> str | None:
+        da, db = directions(a), directions(b)
+        for group in sorted(da.keys() & db.keys()):
+            if da[group].keys() != db[group].keys():
+                left = next((w for pol, w in da[group].items() if pol not in db[group]), NONE)
+                right = next((w for pol, w in db[group].items() if pol not in da[group]), NONE)
+                return f"{left} != {right}"
+        return None
+
+    return check
+
+
+def _check_antonym(a: _Prompt, b: _Prompt) -> str | None:
+    """Listed antonyms, then "un-" words whose stem the other prompt uses ("mute"/"unmute")."""
+    detail = _check_listed_antonym(a, b)
+    if detail is not None:
+        return detail
+    for x, y, flip in ((a, b, False), (b, a, True)):
+        for tok in x.tokens:
+            stem = tok[2:]
+            if (
+                tok.startswith("un")
+                and len(stem) >= 4
+                and tok not in _NOT_UN
+                and stem in y.tokens
+                and stem not in x.tokens
+            ):
+                return f"{stem} != {tok}" if flip else f"{tok} != {stem}"
+    return None
+
+
+# Words that begin with "un" without negating anything.
+_NOT_UN = _words("unless until under understand united unique unit union universe")
+_check_listed_antonym = _direction_check(lambda p: p.antonyms)
+
+# Question words that fix the kind of answer: a person, a time, a place.
+_ASKS = frozenset(("who", "when", "where"))
+
+
+def _check_question(a: _Prompt, b: _Prompt) -> str | None:
+    """Both ask for a different kind of answer: "Who wrote X?" vs "When was X written?".
+
+    Only when both name one and they share none: paraphrases often trade "where" or
+    "when" for "how" or "which", and "when" is also a conjunction."""
+    qa = [t for t in a.tokens if t in _ASKS]
+    qb = [t for t in b.tokens if t in _ASKS]
+    return _diff(qa, qb) if qa and qb and set(qa).isdisjoint(qb) else None
+
+
+# Order only decides which name a veto gets: a date is checked before its day number.
+_CHECKS: tuple[tuple[str, _Check], ...] = (
+    ("quoted", _check_quoted),
+    ("date", _check_date),
+    ("unit", _check_unit),
+    ("number", _check_number),
+    ("entity", _check_entity),
+    ("negation", _check_negation),
+    ("scope", _check_scope),
+    ("comparison", _direction_check(lambda p: p.comparisons)),
+    ("antonym", _check_antonym),
+    ("question", _check_question),
+)
+
+
+def verify(a: str, b: str) -> Verdict:
+    """(True, "ok") when no salient difference is found, else (False, "veto: <why>")."""
+    pa, pb = _parse(a), _parse(b)
+    for name, check in _CHECKS:
+        detail = check(pa, pb)
+        if detail is not None:
+            return False, f"veto: {name} {detail}".rstrip()
+    return OK

@@ -1,0 +1,321 @@
+"""Response cache: partitions, TTL, invalidation, cacheability, and the gateway path."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from conftest import Gateway, Scripted, start_gateway
+from switchyard.config import CacheConfig
+from switchyard.decide.cache import ResponseCache, cache_keys
+from switchyard.decide.cacheability import cacheability, storable_reply
+
+MSGS = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "What is the refund window?"},
+]
+
+
+def _keys(tenant: str = "a", model: str = "m", revision: str = "r1", **body: Any) -> Any:
+    b = {"messages": MSGS, "temperature": 0, **body}
+    return cache_keys(
+        b, "chat.completions", f"tenant:{tenant}", tenant, model, revision, None, None
+    )
+
+
+def _vec(seed: int) -> np.ndarray:
+    v = np.random.default_rng(seed).normal(size=384).astype(np.float32)
+    return v / np.linalg.norm(v)
+
+
+def test_partitions_isolate_tenants_at_any_threshold() -> None:
+    cache = ResponseCache(100, 10_000_000)
+    v = _vec(1)
+    cache.store(_keys("a"), b'{"a":1}', v, ttl_s=60, now=0)
+    other = _keys("b")
+    assert cache.lookup_exact(other, now=1) is None
+    found = cache.nearest(other, v, now=1)
+    assert found.entry is None  # even threshold -1 has nothing to compare with
+    assert cache.nearest(_keys("a"), v, now=1).entry is not None
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"revision": "r2"},
+        {"model": "other"},
+        {"messages": [{"role": "system", "content": "be verbose"}, MSGS[1]]},
+        {"temperature": 0.5},
+        {"tools": [{"type": "function", "function": {"name": "x"}}]},
+        {
+            "messages": [
+                {"role": "user", "content": "earlier turn"},
+                {"role": "assistant", "content": "ok"},
+                MSGS[1],
+            ]
+        },
+    ],
+)
+def test_anything_that_bounds_validity_changes_the_partition(changed: dict[str, Any]) -> None:
+    base = _keys()
+    kw = {k: changed.pop(k) for k in ("revision", "model") if k in changed}
+    other = _keys(**kw, **changed)
+    assert other.partition != base.partition and other.exact != base.exact
+    assert other.query == base.query  # the compared text is the last user message only
+
+
+def test_ttl_lru_and_invalidation_dry_run() -> None:
+    cache = ResponseCache(max_entries=3, max_bytes=10_000_000)
+    k1 = _keys("a")
+    cache.store(k1, b"1", _vec(1), ttl_s=10, now=0)
+    assert cache.lookup_exact(k1, now=5) is not None
+    assert cache.lookup_exact(k1, now=11) is None  # expired and dropped
+    assert len(cache) == 0
+    keys = [_keys("a", model=f"m{i}") for i in range(4)]
+    for i, k in enumerate(keys):
+        cache.store(k, b"x", _vec(i), ttl_s=100, now=0)
+    assert len(cache) == 3 and cache.lookup_exact(keys[0], now=1) is None  # LRU evicted
+    report = cache.invalidate(model="m2", dry_run=True)
+    assert report["matched"] == 1 and report["removed"] == 0 and len(cache) == 3
+    report = cache.invalidate(model="m2")
+    assert report["removed"] == 1 and cache.lookup_exact(keys[2], now=1) is None
+    with pytest.raises(ValueError):
+        cache.invalidate()
+
+
+def test_semantic_matrix_survives_swap_removal() -> None:
+    cache = ResponseCache(100, 10_000_000)
+    ks = [
+        cache_keys(
+            {"messages": [{"role": "user", "content": f"q{i}"}]},
+            "chat.completions",
+            "t",
+            "t",
+            "m",
+            "r",
+            None,
+            None,
+        )
+        for i in range(5)
+    ]
+    for i, k in enumerate(ks):
+        cache.store(k, f"{i}".encode(), _vec(i), ttl_s=100, now=0)
+    cache._drop(cache.lookup_exact(ks[1], now=0))  # type: ignore[arg-type]
+    for i in (0, 2, 3, 4):
+        got = cache.nearest(ks[i], _vec(i), now=1)
+        assert got.entry is not None and got.entry.body == f"{i}".encode()
+        assert got.similarity == pytest.approx(1.0, abs=1e-5)
+
+
+def test_cacheability_rules() -> None:
+    cfg = CacheConfig(enabled=True, max_temperature=0.7, personalized_tenants=["p"])
+    body = {"messages": MSGS, "temperature": 0}
+    assert cacheability(body, "chat.completions", None, "t", "m", cfg).lookup
+    assert not cacheability(body, "chat.completions", "no-store", "t", "m", cfg).store
+    nc = cacheability(body, "chat.completions", "no-cache", "t", "m", cfg)
+    assert not nc.lookup and nc.store
+    assert not cacheability(
+        {**body, "temperature": 0.9}, "chat.completions", None, "t", "m", cfg
+    ).store
+    assert not cacheability(body, "chat.completions", None, "p", "m", cfg).store
+    assert not cacheability({**body, "tools": [{}]}, "chat.completions", None, "t", "m", cfg).store
+    tool_reply = {
+        "choices": [{"message": {"tool_calls": [{"id": "1"}]}, "finish_reason": "tool_calls"}]
+    }
+    assert storable_reply(tool_reply) == "the reply calls tools"
+    assert (
+        storable_reply({"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}]})
+        is None
+    )
+
+
+# -- through the gateway ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gw(scripted: Scripted) -> Iterator[Gateway]:
+    url = scripted.url + "/v1"
+    g = start_gateway(
+        {
+            "models": [
+                {
+                    "alias": "m",
+                    "revision": "r1",
+                    "engine": {"kind": "openai", "base_url": url},
+                    "resilience": {"retries": 0},
+                },
+                {"alias": "shadowed", "engine": {"kind": "openai", "base_url": url}},
+            ],
+            "cache": {
+                "enabled": True,
+                "threshold": 0.80,
+                "models": {"shadowed": {"mode": "shadow"}},
+            },
+            "pii": {"mode": "observe_only"},
+        }
+    )
+    yield g
+    g.proc.stop()
+
+
+def _ask(
+    gw: Gateway, text: str, key: str | None = None, model: str = "m", **kw: Any
+) -> httpx.Response:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "temperature": 0,
+        "max_tokens": 8,
+        **kw.pop("body", {}),
+    }
+    headers = {"Authorization": f"Bearer {key or gw.key}", **kw.pop("headers", {})}
+    return httpx.post(gw.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+
+
+def test_exact_then_semantic_hit_and_negation_veto(gw: Gateway, scripted: Scripted) -> None:
+    first = _ask(gw, "How do I reset my password?")
+    assert first.headers["x-switchyard-cache"] == "miss"
+    n = scripted.requests()
+    again = _ask(gw, "How do I reset my password?")
+    assert again.headers["x-switchyard-cache"] == "hit-exact"
+    assert again.json()["choices"] == first.json()["choices"]
+    para = _ask(gw, "How can I reset my password?")
+    assert para.headers["x-switchyard-cache"] == "hit-semantic"
+    assert float(para.headers["x-switchyard-cache-similarity"]) >= 0.80
+    assert scripted.requests() == n  # neither hit reached the upstream
+    neg = _ask(gw, "How do I not reset my password?")
+    assert neg.headers["x-switchyard-cache"] == "miss"
+    assert scripted.requests() == n + 1
+
+
+def test_other_tenant_never_hits(gw: Gateway) -> None:
+    _ask(gw, "Which plan includes priority support?")
+    assert (
+        _ask(gw, "Which plan includes priority support?").headers["x-switchyard-cache"]
+        == "hit-exact"
+    )
+    gw.create_tenant("cache-b")
+    key_b = gw.create_key("cache-b")["key"]
+    assert (
+        _ask(gw, "Which plan includes priority support?", key=key_b).headers["x-switchyard-cache"]
+        == "miss"
+    )
+
+
+def test_errors_and_partial_streams_are_not_stored(gw: Gateway, scripted: Scripted) -> None:
+    scripted.fault("status:500", count=1)
+    assert _ask(gw, "What does error E42 mean?").status_code == 502
+    assert _ask(gw, "What does error E42 mean?").headers["x-switchyard-cache"] == "miss"
+    scripted.fault("drop-mid-stream", count=1)
+    with gw.stream(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "Stream me a story"}],
+            "temperature": 0,
+            "max_tokens": 8,
+            "stream": True,
+        }
+    ) as r:
+        "".join(r.iter_text())
+    assert _ask(gw, "Stream me a story").headers["x-switchyard-cache"] == "miss"
+
+
+def test_no_store_and_no_cache(gw: Gateway, scripted: Scripted) -> None:
+    r = _ask(gw, "Tell me about no-store", headers={"Cache-Control": "no-store"})
+    assert r.headers["x-switchyard-cache"] == "bypass"
+    assert _ask(gw, "Tell me about no-store").headers["x-switchyard-cache"] == "miss"
+    _ask(gw, "Tell me about no-cache")
+    n = scripted.requests()
+    r = _ask(gw, "Tell me about no-cache", headers={"Cache-Control": "no-cache"})
+    assert r.headers["x-switchyard-cache"] == "bypass" and scripted.requests() == n + 1
+    assert _ask(gw, "Tell me about no-cache").headers["x-switchyard-cache"] == "hit-exact"
+
+
+def test_stream_hit_replays_as_sse(gw: Gateway) -> None:
+    plain = _ask(gw, "Replay this as a stream")
+    text = plain.json()["choices"][0]["message"]["content"]
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Replay this as a stream"}],
+        "temperature": 0,
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with gw.stream(body) as r:
+        assert r.headers["x-switchyard-cache"] == "hit-exact"
+        events = [e for e in "".join(r.iter_text()).split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert content == text
+    assert chunks[-1]["usage"] is not None
+
+
+def test_shadow_mode_calls_the_model_and_records_agreement(gw: Gateway, scripted: Scripted) -> None:
+    _ask(gw, "Where is my parcel?", model="shadowed")
+    n = scripted.requests()
+    r = _ask(gw, "Where is my parcel?", model="shadowed", headers={"x-request-id": "shadow-1"})
+    assert r.headers["x-switchyard-cache"] == "shadow-hit"
+    assert scripted.requests() == n + 1
+    rec = httpx.get(gw.url + "/admin/requests/shadow-1", headers=gw.admin).json()
+    shadow = next(d for d in rec["decisions"] if d["stage"] == "cache_shadow")
+    assert shadow["evidence"]["answer_similarity"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_invalidation_over_admin_api_with_dry_run(gw: Gateway) -> None:
+    _ask(gw, "Invalidate me please")
+    keys = httpx.get(gw.url + "/admin/keys", headers=gw.admin).json()["data"]
+    tenant = next(k["tenant_id"] for k in keys if k["prefix"] == gw.key[:10])
+    dry = httpx.post(
+        gw.url + "/admin/cache/invalidate",
+        json={"tenant": tenant, "dry_run": True},
+        headers=gw.admin,
+    )
+    assert dry.status_code == 200 and dry.json()["matched"] >= 1 and dry.json()["removed"] == 0
+    assert _ask(gw, "Invalidate me please").headers["x-switchyard-cache"] == "hit-exact"
+    done = httpx.post(gw.url + "/admin/cache/invalidate", json={"tenant": tenant}, headers=gw.admin)
+    assert done.json()["removed"] == dry.json()["matched"]
+    assert _ask(gw, "Invalidate me please").headers["x-switchyard-cache"] == "miss"
+
+
+PII = {
+    "email": "jane.doe@example.org",
+    "phone": "+1 415 555 0132",
+    "card": "4111 1111 1111 1111",
+    "iban": "DE89 3704 0044 0532 0130 00",
+    "ssn": "123-45-6789",
+    "kr_rrn": "900101-1234568",
+    "ip": "203.0.113.77",
+    "secret": "sk-live-9f8e7d6c5b4a39281706f5e4d3c2b1a0",
+}
+
+
+def test_no_raw_pii_in_cache_keys_traces_or_logs(gw: Gateway) -> None:
+    for kind, value in PII.items():
+        r = _ask(
+            gw,
+            f"My {kind} is {value}, please update my profile",
+            headers={"x-request-id": f"pii-{kind}"},
+        )
+        assert r.status_code == 200
+        rec = httpx.get(gw.url + f"/admin/requests/pii-{kind}", headers=gw.admin).json()
+        pii = next(d for d in rec["decisions"] if d["stage"] == "pii")
+        assert pii["outcome"] == "observed" and sum(pii["evidence"]["found"].values()) >= 1, (
+            kind,
+            pii,
+        )
+    raw_db = b"".join(p.read_bytes() for p in Path(gw.db).parent.glob("*") if p.is_file())
+    conn = sqlite3.connect(gw.db)
+    dump = "\n".join(conn.iterdump())
+    logs = gw.proc.output()
+    for value in PII.values():
+        assert value not in dump and value.encode() not in raw_db
+        assert value not in logs

@@ -1,0 +1,181 @@
+"""Threshold calibration for the semantic cache.
+
+Exact metrics on a tiny hand-computed set (no model), then the README target on the
+shipped labelled set with the real embedding model: at the lowest threshold whose
+false-hit rate is <= 1%, with the verifier on, recall must be >= 50%.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from switchyard.decide.calibrate import (
+    Embed,
+    best_threshold,
+    calibrate,
+    category_report,
+    format_report,
+    load_pairs,
+    minilm_embed,
+    parse_thresholds,
+    run_calibration,
+    similarities_for,
+)
+from switchyard.decide.verify import verify
+
+PAIRS_FILE = Path(__file__).resolve().parents[1] / "data" / "cache_pairs.jsonl"
+
+# Six pairs: three should hit, three should not. The stub verifier vetoes p2 (a
+# paraphrase: a false veto) and p4 (a trap).
+TINY = [
+    {"a": "p1", "b": "p1'", "same_answer": True},
+    {"a": "p2", "b": "p2' VETO", "same_answer": True},
+    {"a": "p3", "b": "p3'", "same_answer": True},
+    {"a": "n4", "b": "n4' VETO", "same_answer": False},
+    {"a": "n5", "b": "n5'", "same_answer": False},
+    {"a": "n6", "b": "n6'", "same_answer": False},
+]
+TINY_SIMS = [0.95, 0.85, 0.60, 0.90, 0.82, 0.40]
+
+
+def stub_verifier(a: str, b: str) -> tuple[bool, str]:
+    return (False, "veto: stub") if "VETO" in b else (True, "ok")
+
+
+def row(rows: list[dict[str, Any]], threshold: float, verifier: bool) -> dict[str, Any]:
+    return next(r for r in rows if r["threshold"] == threshold and r["verifier"] == verifier)
+
+
+# threshold, verifier -> tp, fp, fn, tn, precision, recall, f1, false-hit rate
+EXPECTED = {
+    (0.5, False): (3, 2, 0, 1, 3 / 5, 1.0, 0.75, 2 / 3),
+    (0.8, False): (2, 2, 1, 1, 1 / 2, 2 / 3, 4 / 7, 2 / 3),
+    (0.9, False): (1, 1, 2, 2, 1 / 2, 1 / 3, 0.4, 1 / 3),
+    (0.5, True): (2, 1, 1, 2, 2 / 3, 2 / 3, 2 / 3, 1 / 3),
+    (0.8, True): (1, 1, 2, 2, 1 / 2, 1 / 3, 0.4, 1 / 3),
+    (0.9, True): (1, 0, 2, 3, 1.0, 1 / 3, 0.5, 0.0),
+}
+
+
+@pytest.mark.parametrize(("threshold", "verifier"), sorted(EXPECTED))
+def test_exact_metrics_on_a_hand_computed_set(threshold: float, verifier: bool) -> None:
+    rows = calibrate(TINY, TINY_SIMS, [0.5, 0.8, 0.9], stub_verifier)
+    r = row(rows, threshold, verifier)
+    tp, fp, fn, tn, precision, recall, f1, fhr = EXPECTED[(threshold, verifier)]
+    assert (r["tp"], r["fp"], r["fn"], r["tn"]) == (tp, fp, fn, tn)
+    assert r["precision"] == pytest.approx(precision)
+    assert r["recall"] == pytest.approx(recall)
+    assert r["f1"] == pytest.approx(f1)
+    assert r["false_hit_rate"] == pytest.approx(fhr)
+
+
+def test_without_a_verifier_there_are_only_plain_rows() -> None:
+    rows = calibrate(TINY, TINY_SIMS, [0.5, 0.8], None)
+    assert [(r["threshold"], r["verifier"]) for r in rows] == [(0.5, False), (0.8, False)]
+
+
+def test_similarity_equal_to_threshold_is_a_hit_and_no_hit_means_precision_one() -> None:
+    rows = calibrate(TINY, TINY_SIMS, [0.95, 0.99], None)
+    assert row(rows, 0.95, False)["tp"] == 1
+    empty = row(rows, 0.99, False)
+    assert (empty["tp"], empty["fp"], empty["precision"], empty["recall"], empty["f1"]) == (
+        0,
+        0,
+        1.0,
+        0.0,
+        0.0,
+    )
+
+
+def test_best_threshold_is_the_lowest_under_the_maximum() -> None:
+    rows = calibrate(TINY, TINY_SIMS, [0.5, 0.8, 0.9], stub_verifier)
+    assert best_threshold(rows, 0.0) == 0.9  # verified rows by default
+    assert best_threshold(rows, 0.0, verifier=False) is None
+    assert best_threshold(rows, 0.34) == 0.5
+    assert best_threshold(rows, 0.34, verifier=False) == 0.9
+    assert best_threshold(rows, 0.67, verifier=False) == 0.5
+
+
+def test_report_shows_both_sides_and_the_choice() -> None:
+    rows = calibrate(TINY, TINY_SIMS, [0.5, 0.8, 0.9], stub_verifier)
+    report = format_report(rows, 0.0)
+    assert "without verifier" in report and "with verifier" in report
+    assert "with verifier: threshold 0.900" in report
+    assert "without verifier: no threshold keeps the false-hit rate <= 0.00%" in report
+    plain = format_report(calibrate(TINY, TINY_SIMS, [0.5, 0.9], None), 0.5)
+    assert "with verifier" not in plain.replace("without verifier", "")
+
+
+def test_parse_thresholds() -> None:
+    assert parse_thresholds("0.5:0.6:0.05") == [0.5, 0.55, 0.6]
+    grid = parse_thresholds("0.5:0.99:0.01")
+    assert len(grid) == 50 and grid[0] == 0.5 and grid[-1] == 0.99 and 0.8 in grid
+    assert parse_thresholds("0.9,0.8") == [0.8, 0.9]
+    with pytest.raises(ValueError):
+        parse_thresholds("0.9:0.5:0.1")
+
+
+def fake_embed(calls: list[list[str]]) -> Embed:
+    """Deterministic, deliberately unnormalised vectors; records each batch it gets."""
+    table = {"x": [3.0, 0.0], "y": [0.0, 2.0], "z": [1.0, 1.0]}
+
+    def embed(texts: list[str]) -> np.ndarray:
+        calls.append(list(texts))
+        return np.array([table[t] for t in texts])
+
+    return embed
+
+
+def test_similarities_are_cosines_of_each_text_embedded_once_in_batches() -> None:
+    calls: list[list[str]] = []
+    pairs = [{"a": "x", "b": "y"}, {"a": "x", "b": "z"}, {"a": "z", "b": "z"}]
+    sims = similarities_for(pairs, fake_embed(calls), batch_size=2)
+    assert sims == pytest.approx([0.0, 2**-0.5, 1.0])
+    assert calls == [["x", "y"], ["z"]]
+
+
+def test_load_pairs_names_the_bad_line(tmp_path: Path) -> None:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"a": "x", "b": "y", "same_answer": true}\n{"a": "x", "b": "y"}\n')
+    with pytest.raises(ValueError, match=r"pairs.jsonl:2"):
+        load_pairs(path)
+
+
+def test_run_calibration_end_to_end_with_a_fake_model(tmp_path: Path) -> None:
+    path = tmp_path / "pairs.jsonl"
+    rows = [("x", "z", True), ("x", "y", False), ("z", "z", True)]
+    path.write_text(
+        "".join(json.dumps({"a": a, "b": b, "same_answer": s}) + "\n" for a, b, s in rows)
+    )
+    report = run_calibration(str(path), [0.5, 0.9], 0.0, fake_embed([]))
+    assert "3 pairs (2 should hit, 1 should not)" in report
+    assert "with verifier: threshold 0.500" in report
+
+
+@pytest.fixture(scope="module")
+def shipped() -> Iterator[tuple[list[dict[str, Any]], list[float]]]:
+    """The shipped set embedded once with the gateway's model (~10-30 s on 2 cores)."""
+    pairs = load_pairs(PAIRS_FILE)
+    yield pairs, similarities_for(pairs, minilm_embed())
+
+
+def test_readme_target_on_the_shipped_set(
+    shipped: tuple[list[dict[str, Any]], list[float]],
+) -> None:
+    pairs, sims = shipped
+    rows = calibrate(pairs, sims, parse_thresholds("0.5:0.99:0.01"), verify)
+    chosen = best_threshold(rows, 0.01)
+    print("\n" + format_report(rows, 0.01) + "\n\n" + category_report(pairs, sims, chosen, verify))
+    assert chosen is not None
+    verified = row(rows, chosen, True)
+    assert verified["false_hit_rate"] <= 0.01
+    assert verified["recall"] >= 0.50
+    # Similarity alone cannot get there: the traps score as high as paraphrases.
+    assert row(rows, chosen, False)["false_hit_rate"] > 0.10
+    assert best_threshold(rows, 0.01, verifier=False) is None

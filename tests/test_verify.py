@@ -1,0 +1,205 @@
+"""The semantic cache's hit verifier, on the shipped labelled set and on named examples.
+
+Every trap category must be vetoed under its own name (an operator reads the reason to
+see why a hit was refused), and true paraphrases must mostly pass: each false veto costs
+a model call the cache could have saved.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from switchyard.decide.verify import verify
+
+PAIRS_FILE = Path(__file__).resolve().parents[1] / "data" / "cache_pairs.jsonl"
+TRAP_CATEGORIES = {
+    "negation",
+    "number",
+    "date",
+    "entity",
+    "unit",
+    "scope",
+    "antonym",
+    "comparison",
+    "quoted",
+}
+# "topic" pairs (same subject, different question) are there for the threshold: they
+# differ in no way the verifier looks for, so their veto rate is not asserted.
+THRESHOLD_ONLY = {"topic"}
+
+
+def shipped_pairs() -> list[dict[str, Any]]:
+    return [json.loads(line) for line in PAIRS_FILE.read_text().splitlines() if line.strip()]
+
+
+def by_category() -> dict[str, list[dict[str, Any]]]:
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for pair in shipped_pairs():
+        groups[pair["category"]].append(pair)
+    return groups
+
+
+def test_shipped_set_shape() -> None:
+    pairs = shipped_pairs()
+    groups = by_category()
+    assert len(pairs) >= 320
+    assert set(groups) == TRAP_CATEGORIES | THRESHOLD_ONLY | {"paraphrase"}
+    assert all(len(groups[c]) >= 20 for c in TRAP_CATEGORIES)
+    assert 0.40 <= len(groups["paraphrase"]) / len(pairs) <= 0.50
+    assert all(p["same_answer"] == (p["category"] == "paraphrase") for p in pairs)
+    assert len({(p["a"], p["b"]) for p in pairs}) == len(pairs)
+    assert all(p["a"] != p["b"] for p in pairs)
+
+
+@pytest.mark.parametrize("category", sorted(TRAP_CATEGORIES))
+def test_each_trap_category_is_vetoed_under_its_name(category: str) -> None:
+    pairs = by_category()[category]
+    reasons = [(p["a"], p["b"], verify(p["a"], p["b"])[1]) for p in pairs]
+    misses = [r for r in reasons if not r[2].startswith(f"veto: {category}")]
+    assert 1 - len(misses) / len(pairs) >= 0.90, misses
+
+
+def test_paraphrases_are_rarely_vetoed() -> None:
+    pairs = by_category()["paraphrase"]
+    vetoed = [(p["a"], p["b"], verify(p["a"], p["b"])[1]) for p in pairs]
+    vetoed = [v for v in vetoed if v[2] != "ok"]
+    assert len(vetoed) / len(pairs) <= 0.05, vetoed
+
+
+def test_verdict_does_not_depend_on_order() -> None:
+    for p in shipped_pairs():
+        assert verify(p["a"], p["b"])[0] == verify(p["b"], p["a"])[0], (p["a"], p["b"])
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "reason"),
+    [
+        ("Can I add 3 users to my plan?", "Can I add 5 users to my plan?", "veto: number 3 != 5"),
+        ("Is there a 10% discount?", "Is there a 20% discount?", "veto: number 10% != 20%"),
+        ("How many calories are in two eggs?", "How many in three eggs?", "veto: number 2 != 3"),
+        ("Can I cancel my order?", "Can't I cancel my order?", "veto: negation"),
+        ("Install it with sudo", "Install it without sudo", "veto: negation"),
+        (
+            "Is the store open on Monday?",
+            "Is the store open on Friday?",
+            "veto: date monday != friday",
+        ),
+        ("Taxes in 2024?", "Taxes in 2025?", "veto: date 2024 != 2025"),
+        (
+            "Move my booking from March 3",
+            "Move my booking from March 5",
+            "veto: date march 3 != march 5",
+        ),
+        ("Book the room for 3pm", "Book the room for 5pm", "veto: date 15:00 != 17:00"),
+        (
+            "What's the population of Paris?",
+            "What's the population of Berlin?",
+            "veto: entity paris != berlin",
+        ),
+        (
+            "How do I read a file in Python?",
+            "How do I read a file in Java?",
+            "veto: entity python != java",
+        ),
+        ("Who wrote Hamlet?", "Who wrote Macbeth?", "veto: entity hamlet != macbeth"),
+        ("How long is a 5 km walk?", "How long is a 5 miles walk?", "veto: unit km != miles"),
+        ("Can I upload 2 GB?", "Can I upload 2 MB?", "veto: unit gb != mb"),
+        ("What's the price in USD?", "What's the price in EUR?", "veto: unit usd != eur"),
+        ("Convert 10 liters to gallons.", "Convert 10 gallons to liters.", "veto: unit l != gal"),
+        ("How do I delete my account?", "How do I delete an account?", "veto: scope my != an"),
+        ("Can I see my invoices?", "Can I see your invoices?", "veto: scope my != your"),
+        (
+            "Do all plans include support?",
+            "Do any plans include support?",
+            "veto: scope all != any",
+        ),
+        (
+            "How do I reset my password?",
+            "How do I reset a user's password?",
+            "veto: scope my != their",
+        ),
+        (
+            "How do I increase my limit?",
+            "How do I decrease my limit?",
+            "veto: antonym increase != decrease",
+        ),
+        ("How do I open a port?", "How do I close a port?", "veto: antonym open != close"),
+        ("Take it before meals?", "Take it after meals?", "veto: antonym before != after"),
+        ("How do I mute the chat?", "How do I unmute the chat?", "veto: antonym mute != unmute"),
+        (
+            "Is Python faster than Java?",
+            "Is Python slower than Java?",
+            "veto: comparison faster != slower",
+        ),
+        (
+            "Which plan has more storage?",
+            "Which plan has less storage?",
+            "veto: comparison more != less",
+        ),
+        (
+            "Is it cheaper yearly?",
+            "Is it more expensive yearly?",
+            "veto: comparison cheaper != pricier",
+        ),
+        ("How do I open 'a.txt'?", "How do I open 'b.txt'?", "veto: quoted 'a.txt' != 'b.txt'"),
+        (
+            "Delete config.yaml from git",
+            "Delete secrets.yaml from git",
+            "veto: quoted 'config.yaml' != 'secrets.yaml'",
+        ),
+        (
+            'What does "card declined" mean?',
+            'What does "card expired" mean?',
+            "veto: quoted 'card declined' != 'card expired'",
+        ),
+        ("Who wrote Hamlet?", "When was Hamlet written?", "veto: question who != when"),
+        (
+            "Why was card <CARD_1> declined?",
+            "Why was card <CARD_2> declined?",
+            "veto: quoted '<card_1>' != '<card_2>'",
+        ),
+    ],
+)
+def test_named_vetoes(a: str, b: str, reason: str) -> None:
+    assert verify(a, b) == (False, reason)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("I can't log in.", "I cannot sign in."),
+        ("I can't log in to my account.", "I'm unable to log into my account."),
+        ("Why doesn't my code compile?", "My code won't compile, why?"),
+        ("What is 15% of 200?", "How much is 15 percent of 200?"),
+        ("Was I charged twice?", "Was I charged two times?"),
+        ("Convert 5 km to miles", "What is 5 kilometers in miles?"),
+        ("Is 8 GB of RAM enough?", "Will 8GB RAM be sufficient?"),
+        ("Meetings on March 5?", "Meetings on March 5th?"),
+        ("Is the shop open on Sunday?", "Are you open on Sundays?"),
+        ("My usage this month?", "My usage for the current month?"),
+        ("Python: how do I reverse a list?", "How do I reverse a list in python?"),
+        ("Hello! Quick question: how do I change my address?", "How can I change my address?"),
+        ("Which city is France's capital?", "What is the capital of France?"),
+        ("What is the GDP of the United States?", "How big is the US economy?"),
+        ("How do I update my plan?", "How can I update the plan on my account?"),
+        ("How do I turn on dark mode?", "How can I enable dark mode?"),
+        ("Is a refund possible within 30 days?", "Can I get my money back within 30 days?"),
+        ("What does the 'self' keyword do?", "What is 'self' for?"),
+        ("How do I open config.yaml?", "What's the way to open the config.yaml file?"),
+        ("Can I have more than one account?", "Can I have multiple accounts?"),
+        ("Mail <EMAIL_1> or call <PHONE_1>", "Call <PHONE_1> or mail <EMAIL_1>"),
+    ],
+)
+def test_paraphrase_examples_pass(a: str, b: str) -> None:
+    assert verify(a, b) == (True, "ok")
+
+
+@pytest.mark.parametrize("text", ["", "   ", "?!", "\u201cquoted\u201d \u2014 dash", "5", "'"])
+def test_odd_inputs_do_not_raise(text: str) -> None:
+    assert verify(text, text) == (True, "ok")
+    assert isinstance(verify(text, "How do I reset my password?")[1], str)
