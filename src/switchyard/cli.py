@@ -208,7 +208,6 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def cmd_cache(args: argparse.Namespace) -> int:
     """cache invalidate (over the admin API: the cache lives in the gateway) | calibrate."""
     if args.action == "calibrate":
-
         from switchyard.decide.calibrate import minilm_embed, parse_thresholds, run_calibration
 
         embed = minilm_embed()
