@@ -370,3 +370,34 @@ def test_failed_idempotent_request_can_be_repeated(gw: Gateway, scripted: Script
     assert _chat(gw, "r1", headers={"Idempotency-Key": "retry-me"}).status_code == 400
     r = _chat(gw, "r1", headers={"Idempotency-Key": "retry-me"})
     assert r.status_code == 200 and "x-switchyard-idempotent-replay" not in r.headers
+
+
+def test_breaker_opened_by_one_gateway_stops_the_other_through_redis(second: Scripted) -> None:
+    from conftest import start_redis, stop_redis
+
+    redis_proc, url = start_redis()
+    model = _model(
+        "shared",
+        second.url,
+        resilience={"retries": 0, "breaker": {"failures": 2, "cooldown_s": 30}},
+    )
+    base = {
+        "models": [model],
+        "embeddings": {"enabled": False},
+        "storage": {"redis_url": url, "redis_timeout_s": 3},
+    }
+    a = start_gateway(base)
+    b = start_gateway(base)
+    try:
+        assert _chat(b, "shared").status_code == 200  # b's breaker is closed and healthy
+        second.fault("status:500", count=2)
+        assert [_chat(a, "shared").status_code for _ in range(2)] == [502, 502]  # a opens
+        before = second.requests()
+        time.sleep(0.5)  # longer than the shared-state refresh interval
+        r = _chat(b, "shared")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "circuit_open"
+        assert second.requests() == before  # b never called the failing upstream
+    finally:
+        a.proc.stop()
+        b.proc.stop()
+        stop_redis(redis_proc)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from switchyard.errors import InvalidRequest, ModelNotFound
-from switchyard.pipeline import Pipeline, RequestContext, Timings, request_id_from
+from switchyard.pipeline import Pipeline, RequestContext, RequestIds, Timings, request_id_from
 from switchyard.policy.validate import validate_chat, validate_completion, validate_embeddings
 
 
@@ -77,6 +77,10 @@ def test_request_id_accepts_well_formed_only() -> None:
     assert request_id_from("has space").startswith("req_")
     assert request_id_from("x" * 200).startswith("req_")
     assert request_id_from(None) != request_id_from(None)
+    ids = RequestIds()
+    assert ids("abc-123") == "abc-123" and ids("bad id").startswith("req_")
+    assert len({ids(None) for _ in range(1000)}) == 1000
+    assert ids(None)[:16] != RequestIds()(None)[:16]  # another process, another prefix
 
 
 def _ctx() -> RequestContext:

@@ -92,6 +92,9 @@ class ObserveConfig(_Strict):
     traces_retention_days: float = Field(7.0, gt=0)
     traces_max_rows: int = Field(1_000_000, ge=1)
     retention_interval_s: float = Field(300.0, gt=0)
+    # Group-commit window of the usage ledger: the most a crash can lose of finished
+    # requests' rows. 0 commits every row as soon as the writer is free.
+    ledger_flush_ms: float = Field(20.0, ge=0, le=1000)
     otel: OtelConfig = OtelConfig()
 
 

@@ -32,7 +32,7 @@ from switchyard.observe.ledger import UsageLedger, UsageRow
 from switchyard.observe.metrics import Metrics
 from switchyard.observe.otel import build_tracing
 from switchyard.observe.traces import enforce_retention, trace_record
-from switchyard.pipeline import Pipeline, RequestContext, Timings, request_id_from
+from switchyard.pipeline import Pipeline, RequestContext, RequestIds, Timings
 from switchyard.policy.admission import DeploymentGate
 from switchyard.policy.admit import (
     cost_usd,
@@ -89,7 +89,7 @@ class Gateway:
             Limits(d.rpm, d.tpm, d.max_concurrency, d.budget.usd, d.budget.period),
         )
         self.auth = Authenticator(self.keys, settings.auth.key_cache_s)
-        self.ledger = UsageLedger(self.sqlite_path)
+        self.ledger = UsageLedger(self.sqlite_path, settings.observe.ledger_flush_ms / 1000)
         self.limiter: Limiter
         if settings.storage.redis_url:
             from switchyard.policy.redis_limits import RedisLimiter
@@ -132,6 +132,7 @@ class Gateway:
             ]
         )
         self.started_at = time.time()
+        self.request_ids = RequestIds()
 
     # -- lifecycle (control plane) ------------------------------------------
     def start(self) -> None:
@@ -200,6 +201,8 @@ class Gateway:
         close = getattr(self.limiter, "close", None)
         if close is not None:
             await close()
+        if self.executor.shared is not None:
+            await self.executor.shared.close()
         self.ledger.close()
         if self.tracing is not None:
             self.tracing.shutdown()
@@ -234,7 +237,7 @@ class Gateway:
         deadline_s = self.settings.server.default_deadline_s
         parents = headers.get("x-parent-request-id")
         ctx = RequestContext(
-            request_id=request_id_from(headers.get("x-request-id")),
+            request_id=self.request_ids(headers.get("x-request-id")),
             endpoint=endpoint,
             body={},
             received_at=time.time() - (time.perf_counter() - received),
@@ -362,6 +365,16 @@ class Gateway:
         """Mask PII once; the masked text is what cache keys, embeddings and traces see."""
         t = time.perf_counter()
         mode = self.settings.pii.models.get(ctx.alias or "", self.settings.pii.mode)
+        if (
+            mode == "observe_only"
+            and self.cache is None
+            and self.router is None
+            and not self.settings.router.enabled
+        ):
+            # Masked text would feed only the cache and the router; nothing else here
+            # stores or forwards request text, so there is nothing to mask.
+            ctx.record("pii", "skip", "observe_only and no cache or router: no text is stored", t)
+            return
         session = self.pii.session()
         try:
             masked = dict(ctx.body)

@@ -8,6 +8,7 @@ in without rewiring and the decision trace always has the same shape.
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 import uuid
@@ -22,8 +23,23 @@ if TYPE_CHECKING:
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
+class RequestIds:
+    """Request ids: the client's when well-formed, else a random per-instance prefix and
+    a counter — unique across processes without reading the OS random source on every
+    request (as uuid4 does)."""
+
+    def __init__(self) -> None:
+        self._prefix = "req_" + uuid.uuid4().hex[:12]
+        self._counter = itertools.count(1)
+
+    def __call__(self, header: str | None) -> str:
+        if header and _REQUEST_ID.match(header):
+            return header
+        return f"{self._prefix}{next(self._counter):012x}"
+
+
 def request_id_from(header: str | None) -> str:
-    """The client's id when it is well-formed, otherwise a fresh one."""
+    """A one-off id (error paths before a gateway exists); see RequestIds."""
     if header and _REQUEST_ID.match(header):
         return header
     return "req_" + uuid.uuid4().hex

@@ -82,6 +82,14 @@ class CircuitBreaker:
             return failed / n >= self.cfg.failure_rate
         return False
 
+    def adopt_open(self, opened_at: float) -> None:
+        """Another process opened this deployment's breaker at `opened_at` (our clock)."""
+        if self.state == "closed":  # the shared key lives only for the cooldown
+            self.state = "open"
+            self.opened_at = opened_at
+            self.opens += 1
+            self.probes_in_flight = 0
+
     def _open(self, now: float) -> None:
         self.state = "open"
         self.opened_at = now

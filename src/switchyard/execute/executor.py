@@ -27,6 +27,7 @@ from switchyard.errors import EngineNotReady, SwitchyardError, UpstreamTimeout
 from switchyard.execute.breaker import CircuitBreaker
 from switchyard.execute.compat import incompatibility, request_needs
 from switchyard.execute.retry import RetryBudget, backoff_s, is_retryable, retry_class
+from switchyard.execute.shared_breaker import SharedBreakers
 from switchyard.observe.otel import Tracing
 from switchyard.pipeline import RequestContext
 
@@ -59,6 +60,11 @@ class Executor:
     ) -> None:
         self.registry = registry
         self.tracing = tracing
+        self.shared: SharedBreakers | None = None
+        if settings.storage.redis_url:
+            self.shared = SharedBreakers(
+                settings.storage.redis_url, settings.storage.redis_timeout_s
+            )
         self.breakers = {
             m.alias: CircuitBreaker(m.alias, m.resilience.breaker) for m in settings.models
         }
@@ -153,6 +159,16 @@ class Executor:
         assert last is not None
         raise last
 
+    async def _record(self, breaker: CircuitBreaker, success: bool) -> None:
+        before = breaker.state
+        breaker.record(success, time.monotonic())
+        if self.shared is None or breaker.state == before:
+            return
+        if breaker.state == "open":
+            await self.shared.opened(breaker.name, breaker.cfg.cooldown_s)
+        elif breaker.state == "closed":
+            await self.shared.closed(breaker.name)
+
     async def _attempts(
         self,
         ctx: RequestContext,
@@ -167,6 +183,8 @@ class Executor:
         retries = 0
         while True:
             t = time.perf_counter()
+            if self.shared is not None:
+                await self.shared.sync(self.breakers)
             ok, why = breaker.allow(time.monotonic())
             if not ok:
                 ctx.record(
@@ -205,7 +223,7 @@ class Executor:
                 Tracing.end_attempt(span, exc.code)
                 cls = retry_class(exc)
                 # A 4xx means the upstream is healthy and the request is wrong.
-                breaker.record(cls is None, time.monotonic())
+                await self._record(breaker, cls is None)
                 ctx.record(
                     "attempt",
                     f"error:{cls or exc.code}",
@@ -255,7 +273,7 @@ class Executor:
                 breaker.release_probe()
                 raise
             Tracing.end_attempt(span, None)
-            breaker.record(True, time.monotonic())
+            await self._record(breaker, True)
             ctx.timings.upstream_first_byte = time.perf_counter()
             ctx.record(
                 "attempt",

@@ -13,6 +13,8 @@ import sqlite3
 import time
 from typing import Any
 
+import orjson
+
 from switchyard.pipeline import RequestContext
 
 
@@ -75,7 +77,7 @@ def insert_args(record: dict[str, Any]) -> tuple[Any, ...]:
         record["tenant_id"],
         record["status"],
         record["received_at"],
-        json.dumps(record, default=str),
+        orjson.dumps(record, default=str, option=orjson.OPT_SERIALIZE_NUMPY).decode(),
     )
 
 
