@@ -133,6 +133,7 @@ class Gateway:
         )
         self.started_at = time.time()
         self.request_ids = RequestIds()
+        self.pending_settles = 0  # answered requests whose settle runs after the response
 
     # -- lifecycle (control plane) ------------------------------------------
     def start(self) -> None:
@@ -607,6 +608,20 @@ class Gateway:
         )
 
     # -- settle -----------------------------------------------------------------
+    async def finish_after_response(self, ctx: RequestContext) -> None:
+        try:
+            await self.finish(ctx)
+        finally:
+            self.pending_settles -= 1
+
+    async def settled(self, timeout_s: float = 5.0) -> None:
+        """Wait until every answered request has been settled (admin reads use this, so
+        what a client has seen answered is visible in the ledger and traces)."""
+        deadline = time.monotonic() + timeout_s
+        while self.pending_settles > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        self.ledger.flush()
+
     async def finish(self, ctx: RequestContext) -> None:
         """Release what the request held, charge what it used, write its usage row.
         Runs exactly once per request, whatever way it ended."""

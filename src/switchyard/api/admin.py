@@ -105,7 +105,7 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
     async def usage(request: Request) -> Response:
         """Ledger rows, newest first: ?tenant=&key=&task=&limit=."""
         guard(request)
-        gw.ledger.flush()
+        await gw.settled()
         q = request.query_params
         try:
             limit = min(int(q.get("limit", "100")), 10_000)
@@ -123,13 +123,13 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
             }
         )
 
-    def traces_db() -> Any:
-        gw.ledger.flush()  # what finished before this call is visible
+    async def traces_db() -> Any:
+        await gw.settled()  # what was answered before this call is visible
         return connect(gw.sqlite_path)
 
     async def request_trace(request: Request) -> Response:
         guard(request)
-        conn = traces_db()
+        conn = await traces_db()
         try:
             rec = get_request(conn, request.path_params["request_id"])
         finally:
@@ -147,7 +147,7 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
             limit = min(int(q.get("limit", "100")), 10_000)
         except ValueError:
             raise InvalidRequest("'since' and 'limit' must be numbers") from None
-        conn = traces_db()
+        conn = await traces_db()
         try:
             data = list_requests(conn, q.get("tenant"), since, q.get("status"), limit)
         finally:
@@ -157,7 +157,7 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
     async def task_trace(request: Request) -> Response:
         guard(request)
         task_id = request.path_params["task_id"]
-        conn = traces_db()
+        conn = await traces_db()
         try:
             records = get_task(conn, task_id)
         finally:

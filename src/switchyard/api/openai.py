@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -161,7 +162,16 @@ def build_routes(gw: Gateway) -> list[Route]:
                     ),
                 )
                 ctx.idempotency_key = None
-            return Response(body, media_type="application/json", headers=headers)
+            # Settle after the bytes are sent: the client does not wait for the ledger,
+            # metrics and trace of its own request.
+            gw.pending_settles += 1
+            handed_off = True
+            return Response(
+                body,
+                media_type="application/json",
+                headers=headers,
+                background=BackgroundTask(gw.finish_after_response, ctx),
+            )
         except SwitchyardError as exc:
             ctx.status, ctx.error_code = "error", exc.code
             raise
