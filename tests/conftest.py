@@ -288,3 +288,21 @@ def scripted() -> Iterator[Scripted]:
     proc, s = start_scripted()
     yield s
     proc.stop()
+
+
+@pytest.fixture(scope="session")
+def embed() -> Any:
+    """all-MiniLM-L6-v2 from the installed wheel, loaded once for the whole run:
+    unit-normalised float32 vectors, like the gateway's embedding service."""
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+
+    from switchyard.engines.assets import minilm_model_path
+
+    model = SentenceTransformer(minilm_model_path(), device="cpu")
+
+    def fn(texts: list[str]) -> Any:
+        vecs = model.encode(texts, normalize_embeddings=True, convert_to_numpy=True)
+        return np.asarray(vecs, np.float32)
+
+    return fn

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -177,23 +176,6 @@ def test_labeled_set_is_balanced_and_held_out_from_examples() -> None:
     texts = [_norm(row["text"]) for row in rows]
     assert len(set(texts)) == len(texts)
     assert not examples & set(texts)
-
-
-@pytest.fixture(scope="module")
-def embed() -> Embed:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from sentence_transformers import SentenceTransformer
-
-    from switchyard.engines.assets import minilm_model_path
-
-    model = SentenceTransformer(minilm_model_path(), device="cpu")
-
-    def fn(texts: list[str]) -> np.ndarray:
-        return np.asarray(
-            model.encode(texts, normalize_embeddings=True, convert_to_numpy=True), np.float32
-        )
-
-    return fn
 
 
 def test_no_labeled_prompt_paraphrases_a_route_example(embed: Embed) -> None:

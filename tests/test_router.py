@@ -4,7 +4,6 @@ rules (thresholds, default route, bands, tenants, ties, signals) with hand-set v
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,23 +16,6 @@ from switchyard.decide.router import NoEligibleRoute, Router
 
 ROOT = Path(__file__).resolve().parents[1]
 Embed = Callable[[list[str]], np.ndarray]
-
-
-@pytest.fixture(scope="module")
-def embed() -> Embed:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from sentence_transformers import SentenceTransformer
-
-    from switchyard.engines.assets import minilm_model_path
-
-    model = SentenceTransformer(minilm_model_path(), device="cpu")
-
-    def fn(texts: list[str]) -> np.ndarray:
-        return np.asarray(
-            model.encode(texts, normalize_embeddings=True, convert_to_numpy=True), np.float32
-        )
-
-    return fn
 
 
 @pytest.fixture(scope="module")

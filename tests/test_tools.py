@@ -4,7 +4,6 @@ no score can override."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -58,23 +57,6 @@ def make_tool(name: str, description: str) -> dict[str, Any]:
 
 
 TOOLS = [make_tool(n, d) for n, d in TOOL_SPECS]
-
-
-@pytest.fixture(scope="module")
-def embed() -> Embed:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from sentence_transformers import SentenceTransformer
-
-    from switchyard.engines.assets import minilm_model_path
-
-    model = SentenceTransformer(minilm_model_path(), device="cpu")
-
-    def fn(texts: list[str]) -> np.ndarray:
-        return np.asarray(
-            model.encode(texts, normalize_embeddings=True, convert_to_numpy=True), np.float32
-        )
-
-    return fn
 
 
 @pytest.fixture(scope="module")
