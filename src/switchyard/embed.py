@@ -72,7 +72,10 @@ class EmbeddingService:
             path = minilm_model_path() if self.cfg.path == "auto" else self.cfg.path
             loop = asyncio.get_running_loop()
             self._model = await loop.run_in_executor(self._pool, _load_model, path)
-            self.dimensions = int(self._model.get_sentence_embedding_dimension())
+            dim = getattr(self._model, "get_embedding_dimension", None) or (
+                self._model.get_sentence_embedding_dimension
+            )
+            self.dimensions = int(dim())
         except Exception as exc:
             self.state = "failed"
             self.last_error = f"{type(exc).__name__}: {exc}"
