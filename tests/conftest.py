@@ -18,6 +18,8 @@ import pytest
 import redis
 import yaml
 
+from switchyard.bench.policy import redis_server_argv
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -222,17 +224,7 @@ def local_model(alias: str = "smollm2-135m", **engine: Any) -> dict[str, Any]:
 def start_redis() -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
+        redis_server_argv("redis-server", port, Path(tempfile.mkdtemp(prefix="redis-"))),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

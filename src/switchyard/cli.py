@@ -9,7 +9,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from switchyard.config import ConfigError, load_settings
+from switchyard.config import ConfigError, load_settings, sqlite_path
 
 if TYPE_CHECKING:
     from switchyard.gateway import Gateway
@@ -58,11 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from switchyard.api.app import create_app
 
-    try:
-        settings = load_settings(args.config)
-    except ConfigError as exc:
-        print(f"switchyard: {exc}", file=sys.stderr)
-        return 2
+    settings = load_settings(args.config)
     host = args.host or settings.server.host
     port = args.port if args.port is not None else settings.server.port
     logging.basicConfig(
@@ -83,11 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    try:
-        settings = load_settings(args.config)
-    except ConfigError as exc:
-        print(f"switchyard: {exc}", file=sys.stderr)
-        return 2
+    settings = load_settings(args.config)
     print(f"ok: {len(settings.models)} model(s): {', '.join(m.alias for m in settings.models)}")
     return 0
 
@@ -98,7 +90,7 @@ def _store(args: argparse.Namespace) -> Any:
     from switchyard.policy.keys import KeyStore, Limits
 
     settings = load_settings(getattr(args, "config", None))
-    path = args.db or os.environ.get("SWITCHYARD_SQLITE_PATH") or settings.storage.sqlite_path
+    path = sqlite_path(settings, args.db)
     d = settings.tenants_defaults
     return KeyStore(
         connect(path), Limits(d.rpm, d.tpm, d.max_concurrency, d.budget.usd, d.budget.period)
@@ -148,9 +140,6 @@ def cmd_admin(args: argparse.Namespace) -> int:
             out = store.revoke_key(args.id)
         else:
             out = store.get_key(args.id)
-    except ConfigError as exc:
-        print(f"switchyard: {exc}", file=sys.stderr)
-        return 2
     except SwitchyardError as exc:
         print(f"switchyard: {exc.message}", file=sys.stderr)
         return 1
@@ -167,12 +156,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from switchyard.observe.tasks import analyze_task
     from switchyard.observe.traces import get_request, get_task, list_requests
 
-    try:
-        settings = load_settings(args.config)
-    except ConfigError as exc:
-        print(f"switchyard: {exc}", file=sys.stderr)
-        return 2
-    path = args.db or os.environ.get("SWITCHYARD_SQLITE_PATH") or settings.storage.sqlite_path
+    path = sqlite_path(load_settings(args.config), args.db)
     conn = connect(path)
     try:
         if args.action == "list":
@@ -367,7 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:  # a bad config fails here, naming the key, for every command
+        print(f"switchyard: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

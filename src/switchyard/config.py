@@ -447,6 +447,12 @@ def parse_settings(data: Any, source: str = "config") -> Settings:
         raise ConfigError(f"{source} is invalid:\n" + "\n".join(lines)) from None
 
 
+def sqlite_path(settings: Settings, override: str | None = None) -> str:
+    """The SQLite file in use: an explicit override (CLI --db), then the
+    SWITCHYARD_SQLITE_PATH environment variable, then storage.sqlite_path."""
+    return override or os.environ.get("SWITCHYARD_SQLITE_PATH") or settings.storage.sqlite_path
+
+
 def load_settings(path: str | Path | None) -> Settings:
     """Load the YAML file at `path`, or the embedded default when `path` is None."""
     if path is None:

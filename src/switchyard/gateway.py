@@ -10,13 +10,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import os
 import secrets
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from switchyard.config import Settings
+from switchyard.config import Settings, sqlite_path
 from switchyard.decide.cache import ResponseCache, cache_keys
 from switchyard.decide.cacheability import cacheability
 from switchyard.decide.select import select_deployment
@@ -82,7 +81,7 @@ class Gateway:
         self.embedder = (
             EmbeddingService(settings.embeddings) if settings.embeddings.enabled else None
         )
-        self.sqlite_path = os.environ.get("SWITCHYARD_SQLITE_PATH") or settings.storage.sqlite_path
+        self.sqlite_path = sqlite_path(settings)
         d = settings.tenants_defaults
         self.keys = KeyStore(
             connect(self.sqlite_path),

@@ -42,10 +42,10 @@ from switchyard.bench.overhead import (
     CHAT_PATH,
     Child,
     StartError,
-    _child_env,
     _version,
     config_yaml,
     free_port,
+    gateway_env,
     http,
     smoke,
     spawn,
@@ -96,14 +96,6 @@ def observe_config(base_yaml: str, db_path: Path, observe: dict[str, Any]) -> st
     cfg["observe"] = observe
     cfg["storage"] = {"sqlite_path": str(db_path)}
     return yaml.safe_dump(cfg, sort_keys=False)
-
-
-def _gateway_env() -> dict[str, str]:
-    """The children's environment without SWITCHYARD_SQLITE_PATH (it would override the
-    config's sqlite_path, and the checks below read each target's own file)."""
-    env = _child_env()
-    env.pop("SWITCHYARD_SQLITE_PATH", None)
-    return env
 
 
 # --- checks -----------------------------------------------------------------------------
@@ -191,7 +183,7 @@ def start_observe_targets(
             "--port",
             str(port),
         ]
-        child = spawn(name, argv, workdir, env=_gateway_env())
+        child = spawn(name, argv, workdir, env=gateway_env())
         children.append(child)
         launched.append((name, child, port, db))
     targets: list[ObserveTarget] = []

@@ -181,6 +181,14 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+def gateway_env() -> dict[str, str]:
+    """The children's environment without SWITCHYARD_SQLITE_PATH: it would override each
+    bench gateway's own sqlite_path (its bench key, the trace checks)."""
+    env = _child_env()
+    env.pop("SWITCHYARD_SQLITE_PATH", None)
+    return env
+
+
 def spawn(name: str, argv: list[str], logdir: Path, env: dict[str, str] | None = None) -> Child:
     log = logdir / f"{name}.log"
     with log.open("wb") as fh:

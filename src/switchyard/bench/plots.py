@@ -52,10 +52,7 @@ def latency_cdfs(result: dict[str, Any], path: Path) -> Path:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def latency_over_time(result: dict[str, Any], path: Path) -> Path:
@@ -75,10 +72,7 @@ def latency_over_time(result: dict[str, Any], path: Path) -> Path:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
     axes[1].set_xlabel("send time (s since the point's start)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def sweep(result: dict[str, Any], path: Path) -> Path:
@@ -100,10 +94,7 @@ def sweep(result: dict[str, Any], path: Path) -> Path:
         ax.set_xlabel("offered rate (req/s)" if open_loop else "concurrency")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def task_cdf(result: dict[str, Any], path: Path) -> Path:
@@ -118,10 +109,7 @@ def task_cdf(result: dict[str, Any], path: Path) -> Path:
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def write_all(result: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -135,3 +123,10 @@ def write_all(result: dict[str, Any], out_dir: Path) -> list[Path]:
     if any(p.get("tasks") for p in result["points"]):
         files.append(task_cdf(result, out_dir / "task_cdf.png"))
     return files
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -42,6 +42,7 @@ from switchyard.bench.overhead import (
     chat_body,
     config_yaml,
     free_port,
+    gateway_env,
     http,
     smoke,
     spawn,
@@ -143,14 +144,6 @@ def create_key(db_path: Path, timeout_s: float) -> str:
     return key
 
 
-def _gateway_env() -> dict[str, str]:
-    """The children's environment without SWITCHYARD_SQLITE_PATH, which would override
-    the config's sqlite_path and point the gateway at a file without the bench key."""
-    env = _child_env()
-    env.pop("SWITCHYARD_SQLITE_PATH", None)
-    return env
-
-
 # --- redis ------------------------------------------------------------------------------
 
 
@@ -164,6 +157,14 @@ def redis_ping(port: int) -> bool:
         return False
 
 
+def redis_server_argv(binary: str, port: int, workdir: Path | None = None) -> list[str]:
+    """A throwaway redis-server: loopback only, no persistence (shared with the tests)."""
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    if workdir is not None:  # nothing should be written, but never into the caller's cwd
+        argv += ["--dir", str(workdir)]
+    return argv
+
+
 def start_redis(
     binary: str, workdir: Path, timeout_s: float, children: list[Child]
 ) -> tuple[str, Child]:
@@ -171,19 +172,7 @@ def start_redis(
     port = free_port()
     child = spawn(
         "redis",
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),  # nothing should be written, but never into the caller's cwd
-        ],
+        redis_server_argv(binary, port, workdir),
         workdir,
     )
     children.append(child)
@@ -234,7 +223,7 @@ def _launch(
     cfg = workdir / f"{name}.yaml"
     cfg.write_text(policy_config(config_yaml(port, upstream_port, db), db, redis_url))
     argv = [sys.executable, "-m", "switchyard", "serve", "--config", str(cfg), "--port", str(port)]
-    return spawn(name, argv, workdir, env=_gateway_env()), port, key
+    return spawn(name, argv, workdir, env=gateway_env()), port, key
 
 
 def _readyz(port: int) -> bool:

@@ -13,7 +13,6 @@ Pairs are JSON lines: {"a": str, "b": str, "same_answer": bool, "category": str?
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from switchyard.decide.labeled import read_jsonl
 
 Pair = dict[str, Any]
 Row = dict[str, Any]
@@ -32,25 +33,7 @@ METRICS = ("tp", "fp", "fn", "tn", "precision", "recall", "f1", "false_hit_rate"
 
 def load_pairs(path: str | Path) -> list[Pair]:
     """Read and check a JSONL file of labelled pairs; a bad line names its number."""
-    pairs: list[Pair] = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            pair = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{n}: not JSON: {exc}") from exc
-        if not (
-            isinstance(pair, dict)
-            and isinstance(pair.get("a"), str)
-            and isinstance(pair.get("b"), str)
-            and isinstance(pair.get("same_answer"), bool)
-        ):
-            raise ValueError(f'{path}:{n}: expected {{"a": str, "b": str, "same_answer": bool}}')
-        pairs.append(pair)
-    if not pairs:
-        raise ValueError(f"{path}: no pairs")
-    return pairs
+    return read_jsonl(path, {"a": str, "b": str, "same_answer": bool}, "pairs")
 
 
 def parse_thresholds(spec: str) -> list[float]:

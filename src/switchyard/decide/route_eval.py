@@ -36,6 +36,7 @@ from switchyard.config import (
     Settings,
     load_settings,
 )
+from switchyard.decide.labeled import read_jsonl
 from switchyard.decide.router import Embed, NoEligibleRoute, Router
 
 NO_ROUTE = "(no route)"  # the prediction when every route was ineligible
@@ -55,24 +56,7 @@ def request_cost(text: str, price: tuple[float, float], output_tokens: int) -> f
 def read_labeled(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a JSONL file: {"text": ..., "route": ...} (optional "tenant",
     "context_tokens"). A bad line fails with its line number, never silently."""
-    rows = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{lineno}: not valid JSON: {exc}") from None
-        if (
-            not isinstance(row, dict)
-            or not isinstance(row.get("text"), str)
-            or not isinstance(row.get("route"), str)
-        ):
-            raise ValueError(f'{path}:{lineno}: expected {{"text": str, "route": str}}')
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"{path}: no labelled rows")
-    return rows
+    return read_jsonl(path, {"text": str, "route": str}, "labelled rows")
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
