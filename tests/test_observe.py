@@ -113,6 +113,13 @@ def test_plain_request_trace(gw: Gateway) -> None:
     assert ("attempt", "ok") in _decisions(rec)
     assert rec["status"] == "ok" and rec["revision"] == "p1" and rec["output_tokens"] == 8
     assert all(d["reason"] for d in rec["decisions"])
+    # Stored compactly, read back in the documented form: wall-clock starts in order,
+    # inside the request's lifetime, and every evidence an object.
+    assert "clock_base" not in rec
+    starts = [d["started_at"] for d in rec["decisions"]]
+    assert starts == sorted(starts) and rec["received_at"] - 1e-3 <= starts[0]
+    assert starts[-1] <= rec["received_at"] + rec["timings"]["duration_ms"] / 1000 + 1e-3
+    assert all(isinstance(d["evidence"], dict) and d["duration_ms"] >= 0 for d in rec["decisions"])
     t = rec["timings"]
     assert 0 < t["upstream_first_byte_ms"] <= t["duration_ms"]
     assert "messages" not in json.dumps(rec)  # no prompt bodies in traces

@@ -110,8 +110,10 @@ def test_pipeline_records_decisions_and_stops_at_a_response() -> None:
     asyncio.run(Pipeline([("first", first), ("second", second)]).decide(ctx))
     assert calls == ["first"]
     assert [d.stage for d in ctx.decisions] == ["first"]
-    d = ctx.decisions[0].as_dict()
+    d = ctx.decisions[0].as_dict(ctx.clock_base)
     assert d["outcome"] == "hit" and d["evidence"] == {"score": 1.0} and d["duration_ms"] >= 0
+    # Wall-clock start is derived from the request's clock: never before it was received.
+    assert d["started_at"] >= ctx.received_at - 1e-6
 
 
 def test_pipeline_reject_propagates() -> None:

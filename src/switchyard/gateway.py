@@ -27,10 +27,10 @@ from switchyard.errors import EngineNotReady, InvalidRequest, PermissionDenied, 
 from switchyard.execute.executor import Executor
 from switchyard.execute.idempotency import IdempotencyStore
 from switchyard.observe.db import connect
-from switchyard.observe.ledger import UsageLedger, UsageRow
+from switchyard.observe.ledger import Finished, UsageLedger
 from switchyard.observe.metrics import Metrics
 from switchyard.observe.otel import build_tracing
-from switchyard.observe.traces import enforce_retention, trace_record
+from switchyard.observe.traces import enforce_retention
 from switchyard.pipeline import Pipeline, RequestContext, RequestIds, Timings
 from switchyard.policy.admission import DeploymentGate
 from switchyard.policy.admit import (
@@ -78,6 +78,7 @@ class Gateway:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.registry = Registry(settings)
+        self.models = {m.alias: m for m in settings.models}  # Settings.model() scans
         self.embedder = (
             EmbeddingService(settings.embeddings) if settings.embeddings.enabled else None
         )
@@ -281,10 +282,10 @@ class Gateway:
         return ctx
 
     # -- stages ---------------------------------------------------------------
-    async def _authorize(self, ctx: RequestContext) -> None:
+    def _authorize(self, ctx: RequestContext) -> None:
         t = time.perf_counter()
         assert ctx.alias is not None
-        if self.settings.model(ctx.alias) is None:
+        if self.models.get(ctx.alias) is None:
             # Unknown models are 404 for everyone; no need to reveal key scopes.
             ctx.record("authorize", "skip", "unknown model; selection will refuse it", t)
             return
@@ -296,7 +297,7 @@ class Gateway:
         if not scopes:
             ctx.record(stage, "skip", "no limits apply", t)
             return
-        model = self.settings.model(ctx.alias or "")
+        model = self.models.get(ctx.alias or "")
         price = model.price if model is not None else None
         prompt = estimate_prompt_tokens(ctx.body)
         out = max_output_tokens(ctx.body, self.settings.policy.default_max_tokens)
@@ -361,7 +362,7 @@ class Gateway:
     async def _admit(self, ctx: RequestContext) -> None:
         await self._reserve(ctx, principal_scopes(ctx.principal), "admit")
 
-    async def _pii(self, ctx: RequestContext) -> None:
+    def _pii(self, ctx: RequestContext) -> None:
         """Mask PII once; the masked text is what cache keys, embeddings and traces see."""
         t = time.perf_counter()
         mode = self.settings.pii.models.get(ctx.alias or "", self.settings.pii.mode)
@@ -419,7 +420,7 @@ class Gateway:
         ctx.vector = vecs[0]
         ctx.record("embed", "ok", "embedded the last user message", t, {"chars": len(query)})
 
-    async def _cache(self, ctx: RequestContext) -> None:
+    def _cache(self, ctx: RequestContext) -> None:
         t = time.perf_counter()
         if self.cache is None:
             ctx.record("cache", "skip", "cache not enabled", t)
@@ -433,7 +434,7 @@ class Gateway:
             ctx.cache = "bypass"
             ctx.record("cache", "bypass", verdict.reason, t)
             return
-        model = self.settings.model(ctx.alias or "")
+        model = self.models.get(ctx.alias or "")
         revision = (
             model.revision if model is not None else f"router:{self.settings.router.policy_version}"
         )
@@ -505,7 +506,7 @@ class Gateway:
         ctx.response = entry
         ctx.record("cache", kind, f"served from cache (similarity {sim:.3f})", t, evidence)
 
-    async def _route(self, ctx: RequestContext) -> None:
+    def _route(self, ctx: RequestContext) -> None:
         t = time.perf_counter()
         rcfg = self.settings.router
         if not rcfg.enabled or ctx.alias not in rcfg.routed_aliases:
@@ -561,7 +562,7 @@ class Gateway:
             ctx.masked_body = {**ctx.masked_body, "tools": res.kept}
         ctx.record("tools", res.outcome, res.reason, t, res.evidence())
 
-    async def _select(self, ctx: RequestContext) -> None:
+    def _select(self, ctx: RequestContext) -> None:
         t = time.perf_counter()
         assert ctx.alias is not None
         sel = select_deployment(ctx.alias, self.registry.deployments)
@@ -595,7 +596,7 @@ class Gateway:
             },
         )
 
-    async def _place(self, ctx: RequestContext) -> None:
+    def _place(self, ctx: RequestContext) -> None:
         assert ctx.deployment is not None
         where = "local" if ctx.deployment.engine is not None else "remote"
         ctx.record(
@@ -647,45 +648,16 @@ class Gateway:
         if t.ended is None:
             t.ended = time.perf_counter()
         end = t.ended
-        p = ctx.principal
         status = ctx.status if ctx.status not in ("pending", "streaming") else "error"
         if self.metrics is not None:
             self.metrics.observe(ctx, status, inp, out, cost)
-            model = ctx.deployment.alias if ctx.deployment is not None else "unknown"
-            for gap in ctx.chunk_gaps:
-                self.metrics.observe_chunk_gap(model, gap)
+            if ctx.chunk_gaps:
+                model = ctx.deployment.alias if ctx.deployment is not None else "unknown"
+                for gap in ctx.chunk_gaps:
+                    self.metrics.observe_chunk_gap(model, gap)
         if self.tracing is not None:
             self.tracing.finish(
                 ctx, status, inp, out, time.time_ns() - int((time.perf_counter() - end) * 1e9)
             )
-        trace = None
-        if self.settings.observe.traces:
-            trace = trace_record(
-                ctx,
-                {"status": status, "input_tokens": inp, "output_tokens": out, "cost_usd": cost},
-                ctx.planned_steps,
-            )
-        self.ledger.record(
-            UsageRow(
-                request_id=ctx.request_id,
-                task_id=ctx.task_id,
-                tenant_id=p.tenant_id if p is not None else None,
-                key_id=p.key_id if p is not None else None,
-                endpoint=ctx.endpoint,
-                model=ctx.alias,
-                revision=ctx.model.revision if ctx.model is not None else None,
-                upstream=ctx.deployment.label if ctx.deployment is not None else None,
-                input_tokens=inp,
-                output_tokens=out,
-                cost_usd=cost,
-                cache=ctx.cache,
-                status=status,
-                error_code=ctx.error_code,
-                attempts=ctx.attempts,
-                received_at=ctx.received_at,
-                queue_ms=ctx.queue_ms,
-                ttft_ms=(t.client_first_byte - t.received) * 1000 if t.client_first_byte else None,
-                duration_ms=(end - t.received) * 1000,
-            ),
-            trace,
-        )
+        # The usage row and the trace are built on the ledger's thread.
+        self.ledger.record(Finished(ctx, status, inp, out, cost, self.settings.observe.traces))

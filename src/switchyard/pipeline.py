@@ -47,21 +47,32 @@ def request_id_from(header: str | None) -> str:
 
 @dataclass(slots=True)
 class Decision:
+    """One stage's verdict. Times are perf_counter seconds; the wall-clock form is
+    derived when the trace is written, off the request's path."""
+
     stage: str
     outcome: str
     reason: str
-    evidence: dict[str, Any]
-    started_at: float  # unix seconds
-    duration_ms: float
+    evidence: dict[str, Any] | None
+    t0: float  # perf_counter when the stage began
+    t1: float  # perf_counter when it decided
 
-    def as_dict(self) -> dict[str, Any]:
+    @property
+    def duration_ms(self) -> float:
+        return (self.t1 - self.t0) * 1000.0
+
+    def started_at(self, base: float) -> float:
+        """Unix seconds, given `base` = received_at - timings.received of the request."""
+        return base + self.t0
+
+    def as_dict(self, base: float) -> dict[str, Any]:
         return {
             "stage": self.stage,
             "outcome": self.outcome,
             "reason": self.reason,
-            "evidence": self.evidence,
-            "started_at": self.started_at,
-            "duration_ms": round(self.duration_ms, 3),
+            "evidence": self.evidence if self.evidence is not None else {},
+            "started_at": base + self.t0,
+            "duration_ms": round((self.t1 - self.t0) * 1000.0, 3),
         }
 
 
@@ -80,7 +91,7 @@ class Timings:
 class RequestContext:
     request_id: str
     endpoint: str  # "chat.completions" | "completions" | "embeddings"
-    body: dict[str, Any]
+    body: dict[str, Any]  # replaced (never edited in place) by stages that change it
     received_at: float  # unix seconds
     timings: Timings
     deadline: float  # perf_counter seconds
@@ -123,6 +134,7 @@ class RequestContext:
     rate_headers: dict[str, str] = field(default_factory=dict)
     gate: Any = None  # the deployment slot held, released at settle
     finished: bool = False
+    wire: tuple[dict[str, Any], bytes] | None = None  # (parsed body, the bytes it came from)
 
     def record(
         self,
@@ -133,23 +145,22 @@ class RequestContext:
         evidence: dict[str, Any] | None = None,
     ) -> Decision:
         """Append a decision for a stage that began at perf_counter time `started`."""
-        now = time.perf_counter()
-        d = Decision(
-            stage=stage,
-            outcome=outcome,
-            reason=reason,
-            evidence=evidence or {},
-            started_at=self.received_at + (started - self.timings.received),
-            duration_ms=(now - started) * 1000.0,
-        )
+        d = Decision(stage, outcome, reason, evidence, started, time.perf_counter())
         self.decisions.append(d)
         return d
+
+    @property
+    def clock_base(self) -> float:
+        """Add to a perf_counter time of this request to get unix seconds."""
+        return self.received_at - self.timings.received
 
     def remaining_s(self) -> float:
         return self.deadline - time.perf_counter()
 
 
-Stage = Callable[[RequestContext], Awaitable[None]]
+# A stage either decides synchronously (returns None) or returns an awaitable; stages
+# that never wait are plain functions, which saves a coroutine per stage per request.
+Stage = Callable[[RequestContext], Awaitable[None] | None]
 
 
 class Pipeline:
@@ -164,6 +175,8 @@ class Pipeline:
 
     async def decide(self, ctx: RequestContext) -> None:
         for _name, stage in self.stages:
-            await stage(ctx)
+            pending = stage(ctx)
+            if pending is not None:
+                await pending
             if ctx.response is not None:
                 return

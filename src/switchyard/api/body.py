@@ -10,9 +10,28 @@ from starlette.requests import Request
 from switchyard.errors import InvalidRequest, PayloadTooLarge
 
 
+def header_map(request: Request) -> dict[str, str]:
+    """The request's headers as a plain dict (lower-case names; the first of repeated
+    names wins, as with Starlette's `Headers.get`). A request reads a handful of
+    headers; one dict makes each read a hash lookup instead of a scan."""
+    out: dict[str, str] = {}
+    for name, value in request.scope["headers"]:
+        key = name.decode("latin-1")
+        if key not in out:
+            out[key] = value.decode("latin-1")
+    return out
+
+
 async def read_json(request: Request, max_bytes: int) -> Any:
     """The parsed JSON body; 413 past `max_bytes` (checked before reading), 400 if not JSON."""
-    declared = request.headers.get("content-length")
+    return parse_json(await read_body(request, max_bytes))
+
+
+async def read_body(request: Request, max_bytes: int, declared: str | None = None) -> bytes:
+    """The raw body; 413 past `max_bytes`, checked before reading when the length is
+    declared (`declared` is the Content-Length header when the caller has it)."""
+    if declared is None:
+        declared = request.headers.get("content-length")
     if declared is not None:
         try:
             size = int(declared)
@@ -29,6 +48,11 @@ async def read_json(request: Request, max_bytes: int) -> Any:
                 raise PayloadTooLarge(f"request body exceeds the limit of {max_bytes} bytes")
             chunks.append(chunk)
         raw = b"".join(chunks)
+    return raw
+
+
+def parse_json(raw: bytes) -> Any:
+    """The parsed body; 400 if it is empty or not JSON."""
     if not raw:
         raise InvalidRequest("the request body is empty; send a JSON object")
     try:

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import base64
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import orjson
-from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
-from switchyard.api.body import read_json
+from switchyard.api.body import header_map, parse_json, read_body, read_json
 from switchyard.api.sse import RelayResponse, assemble, relay, replay
 from switchyard.decide.cache import Entry
 from switchyard.decide.cacheability import storable_reply
@@ -23,6 +24,25 @@ from switchyard.gateway import Gateway
 from switchyard.pipeline import RequestContext
 from switchyard.policy.auth import authorize_model
 from switchyard.policy.validate import validate_chat, validate_completion, validate_embeddings
+
+CTX_KEY = "switchyard.ctx"  # where a request's context sits in the ASGI scope
+
+
+class SettleAfterResponse(Response):
+    """A JSON reply whose request is settled once the bytes are sent (what Starlette's
+    BackgroundTask does, without its per-call introspection)."""
+
+    def __init__(
+        self, body: bytes, headers: dict[str, str], settle: Callable[[], Awaitable[None]]
+    ) -> None:
+        super().__init__(body, media_type="application/json", headers=headers)
+        self._settle = settle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._settle()
 
 
 def served_headers(ctx: RequestContext) -> dict[str, str]:
@@ -84,22 +104,25 @@ def build_routes(gw: Gateway) -> list[Route]:
 
     async def generate(request: Request, endpoint: str) -> Response:
         received = time.perf_counter()
-        principal = gw.authenticate(request.headers)  # before any costly work
-        ctx = gw.new_context(endpoint, request.headers, received, principal)
-        request.state.ctx = ctx
+        headers = header_map(request)
+        principal = gw.authenticate(headers)  # before any costly work
+        ctx = gw.new_context(endpoint, headers, received, principal)
+        request.scope[CTX_KEY] = ctx  # for the error mapping (app.py)
         handed_off = False
         try:
-            body = await read_json(request, max_body)
+            raw = await read_body(request, max_body, headers.get("content-length"))
+            body = parse_json(raw)
             if endpoint == "chat.completions":
                 alias = validate_chat(body)
             else:
                 alias = validate_completion(body)
             ctx.body = body
+            ctx.wire = (body, raw)
             ctx.alias = alias
             ctx.stream = bool(body.get("stream"))
             ctx.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             ctx.record("validate", "ok", "request shape is valid", received)
-            idem = request.headers.get("idempotency-key")
+            idem = headers.get("idempotency-key")
             if idem is not None:
                 replay = await claim_idempotency(ctx, idem)
                 if replay is not None:
@@ -166,12 +189,7 @@ def build_routes(gw: Gateway) -> list[Route]:
             # metrics and trace of its own request.
             gw.pending_settles += 1
             handed_off = True
-            return Response(
-                body,
-                media_type="application/json",
-                headers=headers,
-                background=BackgroundTask(gw.finish_after_response, ctx),
-            )
+            return SettleAfterResponse(body, headers, partial(gw.finish_after_response, ctx))
         except SwitchyardError as exc:
             ctx.status, ctx.error_code = "error", exc.code
             raise

@@ -10,11 +10,11 @@ stops generating.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import anyio
 import orjson
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -54,6 +54,15 @@ def _data(event: bytes) -> bytes | None:
     return b"\n".join(parts) if parts else None
 
 
+def _tail_event(tail: str) -> bytes:
+    """A held-back partial placeholder that never completed, sent as plain text."""
+    chunk = {
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": tail}, "finish_reason": None}],
+    }
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
 async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[bytes]:
     done = False
     last = 0.0
@@ -81,8 +90,16 @@ async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[by
                 if restorer is not None:
                     data = _restore_event(data, restorer)
                 out.append(b"data: " + data + b"\n\n")
+            ctx.chunks += len(out)
+            if done:
+                # The end goes out in the same write as the last events.
+                if restorer is not None:
+                    tail = restorer.flush()
+                    if tail:
+                        out.append(_tail_event(tail))
+                ctx.status = "ok"
+                out.append(DONE)
             if out:
-                ctx.chunks += len(out)
                 now = time.perf_counter()
                 if ctx.timings.client_first_byte is None:
                     ctx.timings.client_first_byte = now
@@ -94,16 +111,6 @@ async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[by
                 break
         if not done:
             raise UpstreamError("the upstream ended the stream before it was complete")
-        if restorer is not None:
-            tail = restorer.flush()
-            if tail:  # a held-back partial placeholder that never completed
-                chunk = {
-                    "object": "chat.completion.chunk",
-                    "choices": [{"index": 0, "delta": {"content": tail}, "finish_reason": None}],
-                }
-                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-        ctx.status = "ok"
-        yield DONE
     except SwitchyardError as exc:
         ctx.status = "incomplete"
         yield error_event(exc)
@@ -136,24 +143,40 @@ class RelayResponse(StreamingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # One watcher task on plain asyncio (an anyio task group per stream cost more
+        # than the relay itself): on `http.disconnect` it cancels this task, but only
+        # while the relay still runs, so settling below is never interrupted.
+        task = asyncio.current_task()
+        assert task is not None
+        state = {"streaming": True, "gone": False}
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    if state["streaming"]:
+                        state["gone"] = True
+                        task.cancel()
+                    return
+
+        watcher = asyncio.create_task(watch())
         try:
-            async with anyio.create_task_group() as tg:
-
-                async def stream() -> None:
-                    await self.stream_response(send)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
+            await self.stream_response(send)
+            state["streaming"] = False
+        except asyncio.CancelledError:
+            state["streaming"] = False
+            if not state["gone"]:
+                raise  # cancelled from outside (shutdown): not ours to swallow
+            task.uncancel()
         finally:
+            state["streaming"] = False
+            watcher.cancel()
             # Runs even if the relay never started (client gone before the first
             # byte), so the upstream is closed and the request is settled once.
-            with anyio.CancelScope(shield=True):
-                aclose = getattr(self._relay, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-                await self._on_close()
+            aclose = getattr(self._relay, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            await self._on_close()
 
 
 def replay(obj: dict[str, Any], include_usage: bool, chunk_chars: int = 24) -> AsyncIterator[bytes]:

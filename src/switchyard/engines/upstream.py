@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ from switchyard.errors import (
 class UpstreamReply:
     status: int
     body: bytes
-    headers: dict[str, str]
+    headers: Mapping[str, str]  # the upstream's, as received (not copied)
 
 
 def _upstream_error(status: int, body: bytes, name: str, headers: Any = None) -> SwitchyardError:
@@ -134,7 +134,7 @@ class OpenAIUpstream:
                 body = await resp.read()
                 if resp.status >= 300:
                     raise _upstream_error(resp.status, body, self.name, resp.headers)
-                return UpstreamReply(resp.status, body, dict(resp.headers))
+                return UpstreamReply(resp.status, body, resp.headers)
         except SwitchyardError:
             raise
         except BaseException as exc:
@@ -196,7 +196,7 @@ class UpstreamStream:
     def __init__(self, resp: aiohttp.ClientResponse, upstream: OpenAIUpstream) -> None:
         self._resp = resp
         self._upstream = upstream
-        self.headers = dict(resp.headers)
+        self.headers: Mapping[str, str] = resp.headers
 
     async def events(self) -> AsyncIterator[list[bytes]]:
         """Yield the complete SSE events (without the blank line) of each network read.

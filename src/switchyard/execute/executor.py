@@ -16,7 +16,7 @@ import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import orjson
 
@@ -40,7 +40,18 @@ class CircuitOpen(EngineNotReady):
 
 
 def upstream_payload(ctx: RequestContext, dep: Deployment) -> bytes:
-    """The client's body with the upstream's model name; streams always ask for usage."""
+    """The client's body with the upstream's model name; streams always ask for usage.
+
+    When no stage replaced the body and nothing needs changing, the client's bytes go
+    out as they came (no second serialization of a long agent prompt)."""
+    wire = ctx.wire
+    if (
+        wire is not None
+        and wire[0] is ctx.body
+        and ctx.body.get("model") == dep.upstream_model
+        and (not ctx.stream or ctx.include_usage is True)
+    ):
+        return wire[1]
     body = dict(ctx.body)
     body["model"] = dep.upstream_model
     if ctx.stream:
@@ -105,7 +116,7 @@ class Executor:
         primary = ctx.deployment
         assert primary is not None
         chain = [primary.alias, *primary.model.fallbacks]
-        needs = request_needs(ctx.body, ctx.prompt_estimate, ctx.max_tokens)
+        needs: dict[str, Any] | None = None  # computed only if a fallback is considered
         boundary = primary.model.data_boundary
         tenant_regions = ctx.principal.regions if ctx.principal is not None else None
         if tenant_regions is not None:
@@ -116,6 +127,8 @@ class Executor:
             assert dep is not None  # config validation guarantees it
             t = time.perf_counter()
             if idx > 0:
+                if needs is None:
+                    needs = request_needs(ctx.body, ctx.prompt_estimate, ctx.max_tokens)
                 why = incompatibility(needs, dep.model, boundary)
                 if why is None and ctx.principal is not None and not ctx.principal.may_use(alias):
                     why = "this key may not use it"

@@ -10,48 +10,89 @@ Committing each row on its own cost more CPU than serving the request.
 from __future__ import annotations
 
 import logging
-import queue
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass, fields
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from switchyard.observe.db import connect
-from switchyard.observe.traces import insert_args, insert_sql
+from switchyard.observe.traces import insert_args, insert_sql, trace_record
+from switchyard.pipeline import RequestContext
 
 log = logging.getLogger("switchyard.ledger")
 
 
+_COLUMNS = (
+    "request_id",
+    "task_id",
+    "tenant_id",
+    "key_id",
+    "endpoint",
+    "model",
+    "revision",
+    "upstream",
+    "input_tokens",
+    "output_tokens",
+    "cost_usd",
+    "cache",
+    "status",  # ok | error | incomplete | cancelled
+    "error_code",
+    "attempts",
+    "received_at",
+    "queue_ms",
+    "ttft_ms",
+    "duration_ms",
+)
+
+
 @dataclass(slots=True)
-class UsageRow:
-    request_id: str
-    task_id: str | None
-    tenant_id: str | None
-    key_id: str | None
-    endpoint: str
-    model: str | None
-    revision: str | None
-    upstream: str | None
+class Finished:
+    """A settled request as handed to the ledger. The usage row and the trace are
+    built from it on the ledger's thread, so the request's own path only queues it.
+    The context is no longer written to once it is settled."""
+
+    ctx: RequestContext
+    status: str
     input_tokens: int
     output_tokens: int
     cost_usd: float
-    cache: str | None
-    status: str  # ok | error | incomplete | cancelled
-    error_code: str | None
-    attempts: int
-    received_at: float
-    queue_ms: float | None
-    ttft_ms: float | None
-    duration_ms: float | None
+    with_trace: bool = True
 
+    def usage_row(self) -> tuple[Any, ...]:
+        ctx, t, p = self.ctx, self.ctx.timings, self.ctx.principal
+        end = t.ended if t.ended is not None else t.received
+        return (
+            ctx.request_id,
+            ctx.task_id,
+            p.tenant_id if p is not None else None,
+            p.key_id if p is not None else None,
+            ctx.endpoint,
+            ctx.alias,
+            ctx.model.revision if ctx.model is not None else None,
+            ctx.deployment.label if ctx.deployment is not None else None,
+            self.input_tokens,
+            self.output_tokens,
+            self.cost_usd,
+            ctx.cache,
+            self.status,
+            ctx.error_code,
+            ctx.attempts,
+            ctx.received_at,
+            ctx.queue_ms,
+            (t.client_first_byte - t.received) * 1000 if t.client_first_byte else None,
+            (end - t.received) * 1000,
+        )
 
-_COLUMNS = [f.name for f in fields(UsageRow)]
-
-
-def _row_tuple(r: UsageRow) -> tuple[Any, ...]:
-    # Not dataclasses.astuple: that deep-copies every field, on the hot thread.
-    return tuple(getattr(r, c) for c in _COLUMNS)
+    def trace_args(self) -> tuple[Any, ...]:
+        usage = {
+            "status": self.status,
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "cost_usd": self.cost_usd,
+        }
+        return insert_args(trace_record(self.ctx, usage, self.ctx.planned_steps))
 
 
 _INSERT = (
@@ -65,72 +106,81 @@ class UsageLedger:
     def __init__(self, sqlite_path: str, flush_s: float = 0.02) -> None:
         self.path = sqlite_path
         self.flush_s = flush_s
-        self._queue: queue.Queue[Any] = queue.Queue()
+        # A deque and a wake-up event rather than queue.Queue: appending is one atomic
+        # call with no lock, and the event is only set when the writer sleeps.
+        self._pending: deque[Any] = deque()
+        self._wake = threading.Event()  # rows are waiting
+        self._urgent = threading.Event()  # a flush or close wants them now
         self._conn = connect(sqlite_path)
         self._written = 0
         self._thread = threading.Thread(target=self._run, name="usage-ledger", daemon=True)
         self._thread.start()
 
-    def record(self, row: UsageRow, trace: dict[str, Any] | None = None) -> None:
-        """Queue a finished request's usage row and (optionally) its trace; both are
+    def record(self, finished: Finished) -> None:
+        """Queue a settled request; its usage row and (optionally) its trace are
         committed in the same transaction."""
-        self._queue.put((row, trace))
+        self._pending.append(finished)
+        if not self._wake.is_set():
+            self._wake.set()
 
     def flush(self, timeout_s: float = 10.0) -> None:
         """Wait until every row queued before this call is committed."""
         done = threading.Event()
-        self._queue.put(done)
+        self._pending.append(done)
+        self._urgent.set()
+        self._wake.set()
         done.wait(timeout_s)
 
     def close(self) -> None:
-        self._queue.put(_STOP)
+        self._pending.append(_STOP)
+        self._urgent.set()
+        self._wake.set()
         self._thread.join(10)
         self._conn.close()
 
     def _run(self) -> None:
+        pending = self._pending
         while True:
-            item = self._queue.get()
-            batch: list[tuple[UsageRow, dict[str, Any] | None]] = []
+            # Idle until the first row arrives, then linger `flush_s` so that rows
+            # finishing meanwhile share the commit. Rows do not wake the writer while
+            # it lingers (that would be a thread switch per request); only a flush or
+            # close cuts the wait short.
+            self._wake.wait()
+            if self.flush_s > 0 and not self._urgent.is_set():
+                self._urgent.wait(self.flush_s)
+            self._wake.clear()
+            self._urgent.clear()
+            batch: list[Finished] = []
             events: list[threading.Event] = []
             stop = False
-            # Group commit: collect what arrives within `flush_s` of the first row (a
-            # commit per row costs more than the row); a flush request ends the wait.
-            linger_until = time.monotonic() + self.flush_s
-            while True:
+            while pending:
+                item = pending.popleft()
                 if item is _STOP:
                     stop = True
                 elif isinstance(item, threading.Event):
                     events.append(item)
                 else:
                     batch.append(item)
-                if stop or events or len(batch) >= 512:
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    continue
-                remaining = linger_until - time.monotonic()
-                try:
-                    item = (
-                        self._queue.get(timeout=remaining)
-                        if remaining > 0
-                        else self._queue.get_nowait()
-                    )
-                except queue.Empty:
-                    break
-            if batch:
-                self._write(batch)
+            for i in range(0, len(batch), 512):
+                self._write(batch[i : i + 512])
             for e in events:
                 e.set()
             if stop:
                 return
+            if pending:
+                self._wake.set()  # arrived while writing: go round again
 
-    def _write(self, batch: list[tuple[UsageRow, dict[str, Any] | None]]) -> None:
+    def _write(self, batch: list[Finished]) -> None:
+        try:
+            rows = [f.usage_row() for f in batch]
+            traces = [f.trace_args() for f in batch if f.with_trace]
+        except Exception:  # a bug here must not kill the writer thread
+            log.exception("could not build %d ledger rows", len(batch))
+            return
         for attempt in range(3):
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
-                self._conn.executemany(_INSERT, [_row_tuple(r) for r, _ in batch])
-                traces = [insert_args(t) for _, t in batch if t is not None]
+                self._conn.executemany(_INSERT, rows)
                 if traces:
                     self._conn.executemany(insert_sql(), traces)
                 self._conn.execute("COMMIT")

@@ -53,6 +53,23 @@ REJECTION_CODES = {
 }
 
 
+class _Children:
+    """A metric's label children, kept once created: `labels()` validates and locks on
+    every call, and label sets here are bounded, so the lookup is a dict hit."""
+
+    __slots__ = ("_kids", "_metric")
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._kids: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *labels: str) -> Any:
+        kid = self._kids.get(labels)
+        if kid is None:
+            kid = self._kids[labels] = self._metric.labels(*labels)
+        return kid
+
+
 class Metrics:
     def __init__(self) -> None:
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
@@ -103,6 +120,17 @@ class Metrics:
             "switchyard_route_decisions", "Route decisions", ["route"], registry=reg
         )
 
+        self._requests = _Children(self.requests)
+        self._e2e = _Children(self.e2e)
+        self._ttft = _Children(self.ttft)
+        self._itl = _Children(self.itl)
+        self._queue = _Children(self.queue)
+        self._attempts = _Children(self.attempts)
+        self._success = _Children(self.success)
+        self._tokens = _Children(self.tokens)
+        self._cost = _Children(self.cost)
+        self._cache = _Children(self.cache)
+
     def observe(self, ctx: RequestContext, status: str, inp: int, out: int, cost: float) -> None:
         """Record one finished request."""
         model = ctx.deployment.alias if ctx.deployment is not None else (ctx.alias or "unknown")
@@ -110,18 +138,19 @@ class Metrics:
             model = "unknown"  # never label with a client-supplied, unvalidated name
         tenant = ctx.principal.tenant_id if ctx.principal is not None else "none"
         t = ctx.timings
-        self.requests.labels(model, tenant, status).inc()
+        self._requests(model, tenant, status).inc()
         if t.ended is not None:
-            self.e2e.labels(model).observe(t.ended - t.received)
+            self._e2e(model).observe(t.ended - t.received)
         if t.client_first_byte is not None:
-            self.ttft.labels(model).observe(t.client_first_byte - t.received)
+            self._ttft(model).observe(t.client_first_byte - t.received)
         if ctx.queue_ms is not None:
-            self.queue.labels(model).observe(ctx.queue_ms / 1000)
+            self._queue(model).observe(ctx.queue_ms / 1000)
         retried = False
         for d in ctx.decisions:
             if d.stage == "attempt" and not d.outcome.startswith("skip"):
                 outcome = "ok" if d.outcome == "ok" else d.outcome.split(":", 1)[-1]
-                self.attempts.labels(str(d.evidence.get("alias", model)), outcome).inc()
+                alias = (d.evidence or {}).get("alias", model)
+                self._attempts(str(alias), outcome).inc()
             elif d.stage == "retry" and d.outcome == "backoff":
                 retried = True
                 self.retries.labels(model).inc()
@@ -131,21 +160,21 @@ class Metrics:
             self.fallbacks.labels(ctx.fallback_from, model).inc()
         if status == "ok" and ctx.attempts:
             after = "fallback" if ctx.fallback_from else ("retry" if retried else "first_attempt")
-            self.success.labels(model, after).inc()
+            self._success(model, after).inc()
         kind = REJECTION_CODES.get(ctx.error_code or "")
         if kind is not None:
             self.rejections.labels(kind).inc()
         if inp:
-            self.tokens.labels(model, "input").inc(inp)
+            self._tokens(model, "input").inc(inp)
         if out:
-            self.tokens.labels(model, "output").inc(out)
+            self._tokens(model, "output").inc(out)
         if cost:
-            self.cost.labels(model, tenant).inc(cost)
-        if ctx.cache in ("hit", "miss"):
-            self.cache.labels(ctx.cache).inc()
+            self._cost(model, tenant).inc(cost)
+        if ctx.cache is not None:
+            self._cache(ctx.cache).inc()
 
     def observe_chunk_gap(self, model: str, gap_s: float) -> None:
-        self.itl.labels(model).observe(gap_s)
+        self._itl(model).observe(gap_s)
 
     def set_breakers(self, states: dict[str, Any]) -> None:
         for model, state in states.items():

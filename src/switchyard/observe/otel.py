@@ -133,8 +133,9 @@ class Tracing:
         if span is None:
             return
         parent_ctx = trace.set_span_in_context(span)
+        base = ctx.clock_base
         for d in ctx.decisions:
-            start = int(d.started_at * 1e9)
+            start = int(d.started_at(base) * 1e9)
             s = self.tracer.start_span(
                 f"stage {d.stage}",
                 context=parent_ctx,

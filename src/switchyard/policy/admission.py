@@ -23,7 +23,7 @@ class DeadlineExceeded(SwitchyardError):
     code = "deadline_exceeded"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Admission:
     waited_s: float
     in_flight: int

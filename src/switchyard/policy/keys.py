@@ -41,8 +41,13 @@ def hash_key(plaintext: str) -> str:
     return hashlib.sha256(plaintext.encode()).hexdigest()
 
 
-def model_allowed(patterns: list[str], alias: str) -> bool:
-    return any(fnmatch.fnmatchcase(alias, p) for p in patterns)
+def model_allowed(patterns: list[str] | tuple[str, ...], alias: str) -> bool:
+    for p in patterns:
+        if p == "*" or p == alias:
+            return True
+        if ("*" in p or "?" in p or "[" in p) and fnmatch.fnmatchcase(alias, p):
+            return True
+    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +74,7 @@ class Principal:
     regions: tuple[str, ...] | None = None
 
     def may_use(self, alias: str) -> bool:
-        return model_allowed(list(self.key_models), alias) and model_allowed(
-            list(self.tenant_models), alias
-        )
+        return model_allowed(self.key_models, alias) and model_allowed(self.tenant_models, alias)
 
 
 def _limits(row: sqlite3.Row, defaults: Limits | None = None) -> Limits:

@@ -41,16 +41,33 @@ def _optional(body: dict[str, Any], name: str, types: tuple[type, ...], what: st
         raise InvalidRequest(f"'{name}' must be {what}", param=name)
 
 
+_INT = ((int,), "an integer")
+_NUM = ((int, float), "a number")
+# Typed optional fields: name -> (accepted types, what the error calls them).
+_TYPED: dict[str, tuple[tuple[type, ...], str]] = {
+    "stream": ((bool,), "a boolean"),
+    "max_tokens": _INT,
+    "max_completion_tokens": _INT,
+    "n": _INT,
+    "seed": _INT,
+    "top_k": _INT,
+    "temperature": _NUM,
+    "top_p": _NUM,
+    "presence_penalty": _NUM,
+    "frequency_penalty": _NUM,
+}
+
+
 def _sampling(body: dict[str, Any]) -> None:
-    _optional(body, "stream", (bool,), "a boolean")
-    for name in ("max_tokens", "max_completion_tokens", "n", "seed", "top_k"):
-        _optional(body, name, (int,), "an integer")
+    # Walk the fields the client sent (a handful) rather than every field we know.
+    for name in body:
+        spec = _TYPED.get(name)
+        if spec is not None:
+            _optional(body, name, spec[0], spec[1])
     for name in ("max_tokens", "max_completion_tokens", "n"):
         v = body.get(name)
         if v is not None and v < 1:
             raise InvalidRequest(f"'{name}' must be at least 1", param=name)
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-        _optional(body, name, (int, float), "a number")
     t = body.get("temperature")
     if t is not None and not 0 <= t <= 2:
         raise InvalidRequest("'temperature' must be between 0 and 2", param="temperature")
