@@ -61,3 +61,19 @@ def test_streams_always_ask_for_usage() -> None:
     assert out["stream_options"] == {"include_usage": True}
     asked = b'{"model":"a","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true}}'
     assert upstream_payload(_ctx(asked), REGISTRY.deployments["a"]) == asked
+
+
+def test_a_stream_without_stream_options_gets_usage_appended_to_its_bytes() -> None:
+    raw = b'{"model": "a", "messages": [{"role": "user", "content": "}"}], "stream": true}\n'
+    out = upstream_payload(_ctx(raw), REGISTRY.deployments["a"])
+    assert out.startswith(raw.rstrip()[:-1])  # the client's bytes, then the new member
+    parsed = orjson.loads(out)
+    assert parsed["stream_options"] == {"include_usage": True}
+    assert parsed["messages"] == [{"role": "user", "content": "}"}] and parsed["stream"] is True
+    # With stream_options present (include_usage false), the object is rebuilt instead.
+    asked_off = (
+        b'{"model":"a","messages":[],"stream":true,"stream_options":{"include_usage":false}}'
+    )
+    assert orjson.loads(upstream_payload(_ctx(asked_off), REGISTRY.deployments["a"]))[
+        "stream_options"
+    ] == {"include_usage": True}

@@ -68,8 +68,12 @@ async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[by
     last = 0.0
     restorer = ctx.pii.restore_stream() if ctx.restore_pii and ctx.pii is not None else None
     ctx.status = "streaming"
+    # Closed explicitly below: an async generator left suspended after [DONE] would be
+    # finalised by the event loop's hook instead (a cross-thread wake-up and a task
+    # per request).
+    upstream_events = stream.events()
     try:
-        async for events in stream.events():
+        async for events in upstream_events:
             out = []
             for event in events:
                 data = _data(event)
@@ -118,6 +122,7 @@ async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[by
         if ctx.status == "streaming":
             ctx.status = "cancelled"  # the client left before the end
         ctx.timings.ended = time.perf_counter()
+        await upstream_events.aclose()
         stream.close(complete=done)
 
 

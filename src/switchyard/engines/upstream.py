@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,7 +198,7 @@ class UpstreamStream:
         self._upstream = upstream
         self.headers: Mapping[str, str] = resp.headers
 
-    async def events(self) -> AsyncIterator[list[bytes]]:
+    async def events(self) -> AsyncGenerator[list[bytes], None]:
         """Yield the complete SSE events (without the blank line) of each network read.
 
         Events that arrive together are handed over together, so the relay can pass

@@ -45,13 +45,14 @@ def upstream_payload(ctx: RequestContext, dep: Deployment) -> bytes:
     When no stage replaced the body and nothing needs changing, the client's bytes go
     out as they came (no second serialization of a long agent prompt)."""
     wire = ctx.wire
-    if (
-        wire is not None
-        and wire[0] is ctx.body
-        and ctx.body.get("model") == dep.upstream_model
-        and (not ctx.stream or ctx.include_usage is True)
-    ):
-        return wire[1]
+    if wire is not None and wire[0] is ctx.body and ctx.body.get("model") == dep.upstream_model:
+        if not ctx.stream or ctx.include_usage is True:
+            return wire[1]
+        if "stream_options" not in ctx.body:
+            # Ask for usage by appending the member to the client's object: the body
+            # parsed as a JSON object, so its last non-space byte is the closing brace.
+            raw = wire[1].rstrip()
+            return raw[:-1] + b',"stream_options":{"include_usage":true}}'
     body = dict(ctx.body)
     body["model"] = dep.upstream_model
     if ctx.stream:

@@ -86,6 +86,7 @@ class Finished:
         )
 
     def trace_args(self) -> tuple[Any, ...]:
+        """The trace as insert arguments for `traces`."""
         usage = {
             "status": self.status,
             "input_tokens": self.input_tokens,
@@ -95,7 +96,7 @@ class Finished:
         return insert_args(trace_record(self.ctx, usage, self.ctx.planned_steps))
 
 
-_INSERT = (
+_INSERT_USAGE = (
     f"INSERT OR REPLACE INTO usage ({', '.join(_COLUMNS)}) "
     f"VALUES ({', '.join('?' for _ in _COLUMNS)})"
 )
@@ -180,7 +181,7 @@ class UsageLedger:
         for attempt in range(3):
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
-                self._conn.executemany(_INSERT, rows)
+                self._conn.executemany(_INSERT_USAGE, rows)
                 if traces:
                     self._conn.executemany(insert_sql(), traces)
                 self._conn.execute("COMMIT")
