@@ -14,7 +14,7 @@ import pytest
 
 from conftest import Gateway, Scripted, start_gateway
 from switchyard.config import CacheConfig
-from switchyard.decide.cache import ResponseCache, cache_keys
+from switchyard.decide.cache import ResponseCache, _Partition, cache_keys
 from switchyard.decide.cacheability import cacheability, storable_reply
 
 MSGS = [
@@ -112,6 +112,66 @@ def test_semantic_matrix_survives_swap_removal() -> None:
         got = cache.nearest(ks[i], _vec(i), now=1)
         assert got.entry is not None and got.entry.body == f"{i}".encode()
         assert got.similarity == pytest.approx(1.0, abs=1e-5)
+
+
+def _query_keys(text: str) -> Any:
+    """Same partition for every text: only the last user message differs."""
+    body = {"messages": [{"role": "user", "content": text}], "temperature": 0}
+    return cache_keys(body, "chat.completions", "tenant:a", "a", "m", "r1", None, None)
+
+
+def _unit(rng: np.random.Generator, n: int) -> np.ndarray:
+    v = rng.normal(size=(n, 384)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def _near(rng: np.random.Generator, x: np.ndarray, cos: float) -> np.ndarray:
+    """A unit vector at exactly `cos` from the unit vector x."""
+    noise = rng.normal(size=384).astype(np.float32)
+    noise -= (noise @ x) * x
+    noise /= np.linalg.norm(noise)
+    return (cos * x + np.sqrt(1 - cos**2) * noise).astype(np.float32)
+
+
+@pytest.mark.parametrize("exact_max", [4096, 64])
+def test_search_matches_brute_force_after_adds_and_removes(
+    monkeypatch: pytest.MonkeyPatch, exact_max: int
+) -> None:
+    """Small partitions: one exact product. Large ones (exact_max lowered here so the
+    test stays small): sign-code scan + exact re-rank, which must return the brute-force
+    best whenever it is at or above the floor, and always an exact similarity."""
+    monkeypatch.setattr(_Partition, "exact_max", exact_max)
+    rng = np.random.default_rng(7)
+    cache = ResponseCache(100_000, 1 << 40)
+    keys = [_query_keys(f"q{i}") for i in range(3000)]
+    vecs = _unit(rng, len(keys))
+    for k, v in zip(keys, vecs, strict=True):
+        cache.store(k, b"{}", v, ttl_s=100, now=0)
+    for i in rng.choice(len(keys), 900, replace=False):  # swap-removes all over
+        cache._drop(cache.lookup_exact(keys[i], now=0))  # type: ignore[arg-type]
+    for i, v in enumerate(_unit(rng, 400)):
+        cache.store(_query_keys(f"r{i}"), b"{}", v, ttl_s=100, now=0)
+    (part,) = cache._partitions.values()
+    n = len(part.entries)
+    assert n == 2500 and all(e.row == i for i, e in enumerate(part.entries))
+    assert np.array_equal(part.codes[:n], part._code(part.matrix[:n]))  # codes follow rows
+    live = part.matrix[:n].copy()
+    probe = _query_keys("probe")
+    for j in range(40):
+        target = int(rng.integers(n))
+        cos = _Partition.exact_floor + 0.05 + 0.3 * j / 40
+        for q in (_near(rng, live[target], cos), _unit(rng, 1)[0]):
+            got = cache.nearest(probe, q, now=1)
+            sims = live @ q
+            assert got.entry is not None and got.similarity is not None
+            # The similarity reported is the exact one of the returned entry...
+            assert got.similarity == pytest.approx(float(sims[got.entry.row]), abs=1e-5)
+            assert got.similarity <= float(sims.max()) + 1e-6
+            # ...and the returned entry is the true best whenever that is >= the floor
+            # (always, below exact_max).
+            if sims.max() >= _Partition.exact_floor or n <= exact_max:
+                assert got.entry.row == int(np.argmax(sims))
+        assert cache.nearest(probe, live[target], now=1).entry is part.entries[target]
 
 
 def test_cacheability_rules() -> None:

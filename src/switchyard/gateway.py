@@ -168,7 +168,7 @@ class Gateway:
         embedder = self.embedder
         loop = asyncio.get_running_loop()
         self.router = await loop.run_in_executor(
-            None, lambda: Router(self.settings.router, lambda texts: embedder._encode(texts)[0])
+            None, lambda: Router(self.settings.router, lambda texts: embedder.encode(texts)[0])
         )
         log.info("router ready: %d routes", len(self.settings.router.routes))
 

@@ -9,13 +9,27 @@ last user message's embedding is compared by cosine; a candidate above the
 threshold must still pass the verifier (`decide/verify.py`) before it is served.
 
 Entries have a TTL and the cache an LRU bound on entries and bytes. Vectors of a
-partition live in one contiguous matrix (swap-remove on delete), so a lookup is a
-single matrix-vector product.
+partition live in one contiguous float32 matrix (swap-remove on delete). A small
+partition (<= `_Partition.exact_max` entries) is searched by one exact matrix-vector
+product. A large one first scans a 1-bit sign code of each vector (48 bytes: signs of
+384 fixed random Gaussian projections, so the Hamming distance of two codes estimates
+their angle, ~10x less memory to read than the float32 matrix) and then re-ranks the
+shortlist in exact float32: the similarity returned and compared with the threshold is
+always the exact cosine of the returned entry. Which entries are re-ranked is bounded
+statistically: the Hamming distance between the codes of vectors at cosine s is
+Binomial(bits, acos(s)/pi), so the 32 nearest codes and every entry whose distance
+is within `z` = 5 standard deviations of what `exact_floor` implies are re-ranked.
+The result is therefore the exact best entry whenever the best cosine is >=
+exact_floor (0.6, well below any useful threshold), except with probability ~1e-6
+per such entry; below the floor it is the best of the re-ranked shortlist, a
+near-best that is a miss at any sensible threshold either way.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -121,21 +135,50 @@ class Entry:
     hits: int = 0
 
 
+_PROJECTIONS: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _projection(dim: int, bits: int) -> np.ndarray:
+    """Fixed random Gaussian hyperplanes (same seed in every process)."""
+    p = _PROJECTIONS.get((dim, bits))
+    if p is None:
+        p = np.random.default_rng(0x5EED).standard_normal((dim, bits)).astype(np.float32)
+        _PROJECTIONS[(dim, bits)] = p
+    return p
+
+
 @dataclass
 class _Partition:
     dim: int
     matrix: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))
+    codes: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.uint8))
     entries: list[Entry] = field(default_factory=list)
+
+    # Up to this many entries one exact float32 product is cheap enough (< 1 ms).
+    exact_max = 4096
+    bits = 384  # sign-code length: 48 bytes per entry
+    shortlist = 32  # re-ranked whatever the bound says
+    exact_floor = 0.6  # the search is exact whenever the best cosine is at least this
+    z = 5.0  # standard deviations of Hamming distance re-ranked beyond the expected
+
+    def _code(self, vecs: np.ndarray) -> np.ndarray:
+        signs = np.asarray(vecs, dtype=np.float32) @ _projection(self.dim, self.bits) > 0
+        return np.packbits(signs, axis=-1)
 
     def add(self, entry: Entry, vec: np.ndarray) -> None:
         n = len(self.entries)
         if self.matrix.shape[0] == 0:
             self.matrix = np.zeros((8, self.dim), dtype=np.float32)
+            self.codes = np.zeros((8, self.bits // 8), dtype=np.uint8)
         elif n == self.matrix.shape[0]:
             grown = np.zeros((n * 2, self.dim), dtype=np.float32)
             grown[:n] = self.matrix
             self.matrix = grown
+            codes = np.zeros((n * 2, self.bits // 8), dtype=np.uint8)
+            codes[:n] = self.codes
+            self.codes = codes
         self.matrix[n] = vec
+        self.codes[n] = self._code(self.matrix[n])
         entry.row = n
         self.entries.append(entry)
 
@@ -146,6 +189,7 @@ class _Partition:
         if i != last:
             moved = self.entries[last]
             self.matrix[i] = self.matrix[last]
+            self.codes[i] = self.codes[last]
             self.entries[i] = moved
             moved.row = i
         self.entries.pop()
@@ -155,9 +199,39 @@ class _Partition:
         n = len(self.entries)
         if n == 0:
             return None, -2.0
-        sims = self.matrix[:n] @ vec
-        i = int(np.argmax(sims))
-        return self.entries[i], float(sims[i])
+        vec = np.asarray(vec, dtype=np.float32)
+        if n <= max(self.exact_max, self.shortlist):
+            sims = self.matrix[:n] @ vec
+            i = int(np.argmax(sims))
+            return self.entries[i], float(sims[i])
+        i, sim = self._filtered(vec, n)
+        return self.entries[i], sim
+
+    def _filtered(self, vec: np.ndarray, n: int) -> tuple[int, float]:
+        """Sign-code scan, then exact float32 re-ranking (see the module docstring)."""
+        # Imported here (keeps `switchyard --help` light); untyped SWIG bindings.
+        faiss: Any = importlib.import_module("faiss")
+
+        query = self._code(vec)
+        dist = np.empty(n, dtype=np.int32)
+        faiss.hammings(
+            faiss.swig_ptr(query),
+            faiss.swig_ptr(self.codes),
+            1,
+            n,
+            self.bits // 8,
+            faiss.swig_ptr(dist),
+        )
+        # Every entry at least as close as the shortlist-th code, and every entry the
+        # floor's bound cannot rule out; a best above the floor only tightens the bound.
+        counts = np.cumsum(np.bincount(dist, minlength=self.bits + 1))
+        near = int(np.searchsorted(counts, self.shortlist))
+        p = math.acos(self.exact_floor) / math.pi
+        cut = self.bits * p + self.z * math.sqrt(self.bits * p * (1 - p))
+        rows = np.flatnonzero(dist <= max(near, cut))
+        sims = self.matrix[rows] @ vec
+        j = int(np.argmax(sims))
+        return int(rows[j]), float(sims[j])
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,9 +299,8 @@ class ResponseCache:
         old = self._exact.get(keys.exact)
         if old is not None:
             self._drop(old)
-        entry = Entry(
-            keys, body, now, now + ttl_s, len(body) + (self.dim * 4 if vec is not None else 0) + 256
-        )
+        vec_bytes = self.dim * 4 + _Partition.bits // 8 if vec is not None else 0
+        entry = Entry(keys, body, now, now + ttl_s, len(body) + vec_bytes + 256)
         self._exact[keys.exact] = entry
         self.bytes += entry.size
         if vec is not None:

@@ -13,7 +13,6 @@ Pairs are JSON lines: {"a": str, "b": str, "same_answer": bool, "category": str?
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -231,24 +230,20 @@ def run_calibration(
     )
 
 
-def minilm_embed(batch_size: int = 64) -> Embed:
-    """The gateway's embedding model (all-MiniLM-L6-v2 from its wheel), offline, on CPU."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from sentence_transformers import SentenceTransformer
+def minilm_embed(batch_size: int = 64, runtime: str | None = None) -> Embed:
+    """The gateway's embedding service (all-MiniLM-L6-v2 from its wheel), offline, on
+    CPU, with the configured default runtime unless `runtime` names another one
+    ("onnx-int8", "onnx", "torch"): calibrate with the runtime the gateway serves."""
+    from switchyard.config import EmbeddingsConfig
+    from switchyard.embed import EmbeddingService
 
-    from switchyard.engines.assets import minilm_model_path
-
-    model = SentenceTransformer(minilm_model_path(), device="cpu")
+    fields: dict[str, Any] = {"max_batch": batch_size}
+    if runtime is not None:
+        fields["runtime"] = runtime  # validated: an unknown runtime is a ConfigError-like
+    cfg = EmbeddingsConfig.model_validate(fields)
+    service = EmbeddingService(cfg).load_blocking()
 
     def embed(texts: list[str]) -> np.ndarray:
-        vectors = model.encode(
-            texts,
-            batch_size=batch_size,
-            normalize_embeddings=True,
-            convert_to_numpy=True,
-            show_progress_bar=False,
-        )
-        return np.asarray(vectors, dtype=np.float32)
+        return service.encode(texts)[0]
 
     return embed
