@@ -387,3 +387,34 @@ def test_retention_removes_old_traces_and_keeps_recent(tmp_path: Path) -> None:
     left = {r[0] for r in conn.execute("SELECT request_id FROM traces")}
     assert left == {"r3", "r4"}  # the oldest went first
     assert isinstance(conn, sqlite3.Connection)
+
+
+def test_ledger_batch_keeps_every_value(tmp_path: Path) -> None:
+    """Rows go to SQLite as one JSON array per batch; what comes back is what went in."""
+    from switchyard.observe.ledger import Finished, UsageLedger
+    from switchyard.pipeline import RequestContext, Timings
+
+    ledger = UsageLedger(str(tmp_path / "l.db"), flush_s=0.05)
+    now = time.perf_counter()
+    for i in range(3):
+        ctx = RequestContext(
+            f"led-{i}", "chat.completions", {}, 1_800_000_000.123456 + i, Timings(now), now + 5
+        )
+        ctx.alias, ctx.task_id, ctx.cache = "m", ("t" if i else None), "miss"
+        ctx.timings.ended = now + 0.25
+        ctx.record("validate", "ok", 'fine "quoted" ünïcode', now, {"n": i, "x": None})
+        ledger.record(Finished(ctx, "ok", 10 + i, 7, 0.000123 * (i + 1), with_trace=i != 2))
+    ledger.flush()
+    rows = {r["request_id"]: r for r in ledger.rows(limit=10)}
+    assert set(rows) == {"led-0", "led-1", "led-2"}
+    r = rows["led-1"]
+    assert r["task_id"] == "t" and rows["led-0"]["task_id"] is None
+    assert (r["input_tokens"], r["output_tokens"], r["status"], r["cache"]) == (11, 7, "ok", "miss")
+    assert abs(r["cost_usd"] - 0.000246) < 1e-15 and abs(r["duration_ms"] - 250.0) < 1e-6
+    assert abs(r["received_at"] - 1_800_000_001.123456) < 1e-6
+    conn = connect(str(tmp_path / "l.db"))
+    rec = get_request(conn, "led-1")
+    assert rec is not None and rec["decisions"][0]["reason"] == 'fine "quoted" ünïcode'
+    assert rec["decisions"][0]["evidence"] == {"n": 1, "x": None}
+    assert get_request(conn, "led-2") is None  # traced off for that one
+    ledger.close()

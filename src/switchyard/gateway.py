@@ -15,6 +15,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import orjson
+
 from switchyard.config import Settings, sqlite_path
 from switchyard.decide.cache import ResponseCache, cache_keys
 from switchyard.decide.cacheability import cacheability
@@ -31,7 +33,7 @@ from switchyard.observe.ledger import Finished, UsageLedger
 from switchyard.observe.metrics import Metrics
 from switchyard.observe.otel import build_tracing
 from switchyard.observe.traces import enforce_retention
-from switchyard.pipeline import Pipeline, RequestContext, RequestIds, Timings
+from switchyard.pipeline import Pipeline, RequestContext, RequestIds, Stage, Timings
 from switchyard.policy.admission import DeploymentGate
 from switchyard.policy.admit import (
     cost_usd,
@@ -62,6 +64,16 @@ class PiiFailure(SwitchyardError):
     status = 500
     type = "server_error"
     code = "pii_masking_failed"
+
+
+def reply_usage(body: bytes) -> dict[str, Any] | None:
+    """The `usage` object of a JSON reply, or None."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    return usage if isinstance(usage, dict) else None
 
 
 def last_user_text(body: dict[str, Any]) -> str:
@@ -117,15 +129,23 @@ class Gateway:
         self.counters: dict[str, int] = {"limiter_fail_open": 0, "limiter_fail_closed": 0}
         self._seeded: set[tuple[str, str]] = set()
         self.dev_key: str | None = None
+        content_stages: list[tuple[str, Stage]] = [
+            ("pii", self._pii),
+            ("embed", self._embed),
+            ("cache", self._cache),
+            ("route", self._route),
+            ("tools", self._tools),
+        ]
+        if self._content_stages_inert():
+            # Nothing in this configuration reads the request's content: record the
+            # five verdicts at once (same reasons, same trace shape) instead of
+            # running five stages that would each decide to skip.
+            content_stages = [("pii..tools", self._inert_content_stages)]
         self.pipeline = Pipeline(
             [
                 ("authorize", self._authorize),
                 ("admit", self._admit),
-                ("pii", self._pii),
-                ("embed", self._embed),
-                ("cache", self._cache),
-                ("route", self._route),
-                ("tools", self._tools),
+                *content_stages,
                 ("select", self._select),
                 ("queue", self._queue),
                 ("place", self._place),
@@ -361,6 +381,30 @@ class Gateway:
 
     async def _admit(self, ctx: RequestContext) -> None:
         await self._reserve(ctx, principal_scopes(ctx.principal), "admit")
+
+    def _content_stages_inert(self) -> bool:
+        """True when pii, embed, cache, route and tools can only skip, whatever the
+        request: no masking mode but observe_only, no cache, no router, no tool policy."""
+        s = self.settings
+        t = s.tools
+        return (
+            s.pii.mode == "observe_only"
+            and all(m == "observe_only" for m in s.pii.models.values())
+            and self.cache is None
+            and not s.router.enabled
+            and t.shortlist_k is None
+            and t.allow is None
+            and not t.deny
+            and not t.tenant_allow
+        )
+
+    def _inert_content_stages(self, ctx: RequestContext) -> None:
+        t = time.perf_counter()
+        ctx.record("pii", "skip", "observe_only and no cache or router: no text is stored", t)
+        ctx.record("embed", "skip", "no semantic cache or router for this request", t)
+        ctx.record("cache", "skip", "cache not enabled", t)
+        ctx.record("route", "explicit", "the client named the model", t, {"model": ctx.alias})
+        ctx.record("tools", "skip", "no tools, or no tool policy", t)
 
     def _pii(self, ctx: RequestContext) -> None:
         """Mask PII once; the masked text is what cache keys, embeddings and traces see."""
@@ -630,6 +674,8 @@ class Gateway:
         ctx.finished = True
         if ctx.gate is not None:
             ctx.gate.release()
+        if ctx.usage is None and ctx.reply_body is not None:
+            ctx.usage = reply_usage(ctx.reply_body)
         usage = ctx.usage or {}
         if usage:
             inp = int(usage.get("prompt_tokens") or 0)

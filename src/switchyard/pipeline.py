@@ -135,6 +135,7 @@ class RequestContext:
     gate: Any = None  # the deployment slot held, released at settle
     finished: bool = False
     wire: tuple[dict[str, Any], bytes] | None = None  # (parsed body, the bytes it came from)
+    reply_body: bytes | None = None  # a non-streamed reply whose usage is read at settle
 
     def record(
         self,

@@ -93,6 +93,15 @@ def map_texts(obj: dict[str, Any], fn: Callable[[str], str]) -> dict[str, Any]:
     return out
 
 
+def reply_object(body: bytes) -> dict[str, Any] | None:
+    """The upstream's JSON reply as an object, or None if it is not one."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 def reply_text(obj: dict[str, Any]) -> str:
     c = (obj.get("choices") or [{}])[0]
     return str((c.get("message") or {}).get("content") or c.get("text") or "")
@@ -163,16 +172,22 @@ def build_routes(gw: Gateway) -> list[Route]:
             ctx.status = "ok"
             ctx.timings.ended = time.perf_counter()
             body = reply.body
-            try:
-                obj = orjson.loads(body)
-                ctx.usage = obj.get("usage")
-            except (orjson.JSONDecodeError, AttributeError):
-                obj, ctx.usage = None, None
-            if isinstance(obj, dict):
-                if ctx.cache_keys is not None or ctx.shadow_entry is not None:
-                    await remember(ctx, obj)
-                if ctx.restore_pii and ctx.pii is not None:
-                    body = orjson.dumps(map_texts(obj, ctx.pii.restore))
+            if (
+                ctx.cache_keys is not None
+                or ctx.shadow_entry is not None
+                or (ctx.restore_pii and ctx.pii is not None)
+            ):
+                obj = reply_object(body)
+                ctx.usage = obj.get("usage") if obj is not None else None
+                if obj is not None:
+                    if ctx.cache_keys is not None or ctx.shadow_entry is not None:
+                        await remember(ctx, obj)
+                    if ctx.restore_pii and ctx.pii is not None:
+                        body = orjson.dumps(map_texts(obj, ctx.pii.restore))
+            else:
+                # Nothing here needs the reply's content: its usage is read when the
+                # request is settled, after the bytes are on their way.
+                ctx.reply_body = body
             headers = served_headers(ctx)
             if ctx.idempotency_key is not None:
                 gw.idempotency.complete(
