@@ -62,6 +62,23 @@ def upstream_payload(ctx: RequestContext, dep: Deployment) -> bytes:
     return orjson.dumps(body)
 
 
+def _sender(ctx: RequestContext, method: str) -> Callable[..., Awaitable[Any]]:
+    """One attempt's call: the deployment's `post` (whole reply) or `stream` (returns
+    once the headers arrived), with the request's payload and the remaining time."""
+
+    async def send(dep: Deployment, timeout_s: float, headers: dict[str, str]) -> Any:
+        call = dep.upstream.post if method == "post" else dep.upstream.stream
+        return await call(
+            PATHS[ctx.endpoint],
+            upstream_payload(ctx, dep),
+            dep.model.timeouts,
+            timeout_s,
+            headers or None,
+        )
+
+    return send
+
+
 class Executor:
     def __init__(
         self,
@@ -86,30 +103,10 @@ class Executor:
         self.fallbacks = 0
 
     async def execute(self, ctx: RequestContext) -> UpstreamReply:
-        async def send(dep: Deployment, timeout_s: float, headers: dict[str, str]) -> UpstreamReply:
-            return await dep.upstream.post(
-                PATHS[ctx.endpoint],
-                upstream_payload(ctx, dep),
-                dep.model.timeouts,
-                timeout_s,
-                headers or None,
-            )
-
-        return await self._run(ctx, send)
+        return await self._run(ctx, _sender(ctx, "post"))
 
     async def execute_stream(self, ctx: RequestContext) -> UpstreamStream:
-        async def send(
-            dep: Deployment, timeout_s: float, headers: dict[str, str]
-        ) -> UpstreamStream:
-            return await dep.upstream.stream(
-                PATHS[ctx.endpoint],
-                upstream_payload(ctx, dep),
-                dep.model.timeouts,
-                timeout_s,
-                headers or None,
-            )
-
-        return await self._run(ctx, send)
+        return await self._run(ctx, _sender(ctx, "stream"))
 
     async def _run(
         self, ctx: RequestContext, send: Callable[[Deployment, float, dict[str, str]], Awaitable[T]]
