@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +254,32 @@ def test_exact_then_semantic_hit_and_negation_veto(gw: Gateway, scripted: Script
     neg = _ask(gw, "How do I not reset my password?")
     assert neg.headers["x-switchyard-cache"] == "miss"
     assert scripted.requests() == n + 1
+
+
+def test_a_lone_request_embeds_inline_and_concurrent_ones_use_the_worker(
+    gw: Gateway, scripted: Scripted
+) -> None:
+    def embed_path(request_id: str) -> str:
+        rec = httpx.get(gw.url + f"/admin/requests/{request_id}", headers=gw.admin).json()
+        return str(next(d for d in rec["decisions"] if d["stage"] == "embed")["evidence"]["path"])
+
+    _ask(gw, "Is the lone request inline?", headers={"x-request-id": "lone-1"})
+    assert embed_path("lone-1") == "inline"
+    scripted.fault("delay:300", count=4)  # keeps the four requests in flight together
+    texts = ["Where is my parcel", "Which plan fits a team", "Can I pay by invoice", "Why so slow"]
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(
+            pool.map(
+                lambda i: _ask(gw, texts[i] + "?", headers={"x-request-id": f"conc-{i}"}),
+                range(4),
+            )
+        )
+    assert [r.status_code for r in replies] == [200] * 4
+    paths = [embed_path(f"conc-{i}") for i in range(4)]
+    assert paths.count("worker") >= 3, paths  # at most the first one was alone
+    # Every request was counted out again: the next lone one is inline.
+    _ask(gw, "Is the next lone request inline?", headers={"x-request-id": "lone-2"})
+    assert embed_path("lone-2") == "inline"
 
 
 def test_other_tenant_never_hits(gw: Gateway) -> None:

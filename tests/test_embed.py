@@ -107,6 +107,43 @@ def test_micro_batching_returns_each_caller_its_own_rows(int8: EmbeddingService)
         assert np.array_equal(vecs, want) and counts == want_counts
 
 
+def test_idle_short_texts_are_embedded_inline_and_others_by_the_worker(
+    int8: EmbeddingService,
+) -> None:
+    others = {"in_flight": 0}
+    long_text = "word " * 80  # over inline_max_chars (256)
+
+    async def main() -> dict[str, Any]:
+        cfg = EmbeddingsConfig(runtime="onnx-int8")
+        svc = EmbeddingService(cfg, idle=lambda: others["in_flight"] == 0)
+        svc.start()
+        while svc.state == "loading":
+            await asyncio.sleep(0.01)
+        assert svc.ready, svc.last_error
+        out: dict[str, Any] = {}
+        try:
+            out["idle"] = await svc.embed([TEXTS[0]])
+            out["after_idle"] = (svc.inline, svc.batches)
+            out["long"] = await svc.embed([long_text])
+            out["pair"] = await svc.embed(TEXTS[:2])
+            out["after_long"] = (svc.inline, svc.batches)
+            others["in_flight"] = 3
+            out["busy"] = await svc.embed([TEXTS[0]])
+            out["after_busy"] = (svc.inline, svc.batches)
+        finally:
+            await svc.stop()
+        return out
+
+    out = asyncio.run(main())
+    assert out["after_idle"] == (1, 0)  # no thread hop
+    assert out["after_long"] == (1, 2)  # a long text or two texts: the worker
+    assert out["after_busy"] == (1, 3)  # another request in flight: the worker
+    want, counts = int8.encode([TEXTS[0]])
+    for key in ("idle", "busy"):  # same vector whichever thread ran it
+        assert np.array_equal(out[key][0], want) and out[key][1] == counts
+    assert np.array_equal(out["long"][0], int8.encode([long_text])[0])
+
+
 def test_export_is_cached_on_disk_and_reused(int8: EmbeddingService) -> None:
     first = Path(str(int8.describe()["model_file"]))
     before = first.stat()

@@ -72,13 +72,20 @@ class _Job:
 
 
 class EmbeddingService:
-    def __init__(self, cfg: EmbeddingsConfig) -> None:
+    def __init__(self, cfg: EmbeddingsConfig, idle: Callable[[], bool] | None = None) -> None:
+        """`idle` tells whether the caller is the only work the event loop has (the
+        gateway: no other request in flight). Only then may a short single text be
+        embedded inline (see `inline_max_chars`); without it every text goes through
+        the batching worker."""
         self.cfg = cfg
+        self._idle = idle
         self.state = "stopped"
         self.last_error: str | None = None
         self.load_s: float | None = None
         self.dimensions: int | None = None
         self.batches = 0  # forward passes run by the batcher (for tests and benchmarks)
+        self.inline = 0  # texts embedded on the event loop's thread (idle, short)
+        self._running = False  # a batch is in the worker
         self._backend: Backend | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
         self._pending: deque[_Job] = deque()
@@ -181,6 +188,17 @@ class EmbeddingService:
             raise EngineNotReady(
                 f"embedding model {self.cfg.alias} is {self.state}", retry_after_s=2
             )
+        if (
+            len(texts) == 1
+            and len(texts[0]) <= self.cfg.inline_max_chars
+            and not self._pending
+            and not self._running
+            and self._idle is not None
+            and self._idle()
+        ):
+            # Nothing else could use the loop meanwhile: run here, no thread hop.
+            self.inline += 1
+            return self.encode(texts)
         fut: asyncio.Future[tuple[np.ndarray, list[int]]] = (
             asyncio.get_running_loop().create_future()
         )
@@ -210,6 +228,7 @@ class EmbeddingService:
                 continue
             texts = [t for j in jobs for t in j.texts]
             self.batches += 1
+            self._running = True
             try:
                 vecs, counts = await loop.run_in_executor(self._pool, self.encode, texts)
             except Exception as exc:
@@ -217,6 +236,8 @@ class EmbeddingService:
                     if not j.future.done():
                         j.future.set_exception(exc)
                 continue
+            finally:
+                self._running = False
             i = 0
             for j in jobs:
                 k = len(j.texts)

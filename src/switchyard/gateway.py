@@ -92,7 +92,9 @@ class Gateway:
         self.registry = Registry(settings)
         self.models = {m.alias: m for m in settings.models}  # Settings.model() scans
         self.embedder = (
-            EmbeddingService(settings.embeddings) if settings.embeddings.enabled else None
+            EmbeddingService(settings.embeddings, idle=lambda: self.active <= 1)
+            if settings.embeddings.enabled
+            else None
         )
         self.sqlite_path = sqlite_path(settings)
         d = settings.tenants_defaults
@@ -154,6 +156,7 @@ class Gateway:
         self.started_at = time.time()
         self.request_ids = RequestIds()
         self.pending_settles = 0  # answered requests whose settle runs after the response
+        self.active = 0  # requests between new_context and finish
 
     # -- lifecycle (control plane) ------------------------------------------
     def start(self) -> None:
@@ -271,6 +274,7 @@ class Gateway:
             principal=principal,
             headers=headers,
         )
+        self.active += 1
         planned = headers.get("x-task-planned-steps")
         if planned is not None and planned.isdigit():
             ctx.planned_steps = int(planned)
@@ -460,9 +464,15 @@ class Gateway:
             ctx.record("embed", "skip", "embedding model not ready", t)
             return
         query = last_user_text(ctx.masked_body or ctx.body)
+        inline = self.embedder.inline
         vecs, _ = await self.embedder.embed([query])
         ctx.vector = vecs[0]
-        ctx.record("embed", "ok", "embedded the last user message", t, {"chars": len(query)})
+        # Exact: an inline call does not yield, and no other request embeds inline
+        # while this one is in flight.
+        path = "inline" if self.embedder.inline != inline else "worker"
+        ctx.record(
+            "embed", "ok", "embedded the last user message", t, {"chars": len(query), "path": path}
+        )
 
     def _cache(self, ctx: RequestContext) -> None:
         t = time.perf_counter()
@@ -672,6 +682,7 @@ class Gateway:
         if ctx.finished:
             return
         ctx.finished = True
+        self.active -= 1
         if ctx.gate is not None:
             ctx.gate.release()
         if ctx.usage is None and ctx.reply_body is not None:

@@ -5,7 +5,9 @@ Three measurements, each against a baseline taken in the same run:
    part and the whole — with 10k and 100k entries in ONE partition (the worst case:
    partitions are usually small), p50/p99, for each embedding runtime. Entries carry
    random unit vectors: no entry is near the query, so the large-partition search
-   always takes its slower, below-the-floor path (see `decide/cache.py`).
+   always takes its slower, below-the-floor path (see `decide/cache.py`). Lookups run
+   one at a time, each embedded both ways the gateway can: inline on the event loop
+   (what a lone request gets by default) and through the batching worker thread.
 2. Embedding throughput of the shared service with micro-batching (N concurrent
    callers) versus one text per forward pass, per runtime.
 3. E2E of a hit versus a miss through a real gateway serving the embedded local model.
@@ -56,8 +58,21 @@ def _pct(xs: list[float], q: float) -> float:
 RUNTIMES = ("onnx-int8", "onnx", "torch")
 
 
-async def _service(runtime: str) -> EmbeddingService:
-    svc = EmbeddingService(EmbeddingsConfig.model_validate({"runtime": runtime}))
+class Callers:
+    """The benchmark's embed callers in flight: what the gateway's count of requests in
+    flight is to its embedding service. A lone caller may be embedded inline (the
+    default config); `worker_only` measures the batching worker thread instead."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.worker_only = False
+
+    def idle(self) -> bool:
+        return not self.worker_only and self.n <= 1
+
+
+async def _service(runtime: str, callers: Callers) -> EmbeddingService:
+    svc = EmbeddingService(EmbeddingsConfig.model_validate({"runtime": runtime}), callers.idle)
     svc.start()
     while svc.state == "loading":
         await asyncio.sleep(0.05)
@@ -82,22 +97,34 @@ def _summary(xs: list[float]) -> dict[str, float]:
 
 
 async def lookup_latency(
-    svc: EmbeddingService, caches: dict[int, ResponseCache], lookups: int
+    svc: EmbeddingService,
+    callers: Callers,
+    caches: dict[int, ResponseCache],
+    lookups: int,
+    path: str,
 ) -> list[dict[str, Any]]:
-    """One cache decision = embed the query (through the batched service) + search its
-    partition + verify the best candidate; each part timed, and the whole."""
+    """One cache decision = embed the query (through the service, as the gateway does)
+    + search its partition + verify the best candidate; each part timed, and the whole.
+    One caller at a time: `path` "inline" is what the default config does then,
+    "worker" forces the hop to the batching worker thread."""
     from switchyard.decide.verify import verify  # imported here: keeps `switchyard --help` light
 
+    callers.worker_only = path == "worker"
     for j in range(5):  # warm-up: first calls allocate
         await svc.embed([QUERIES[j % len(QUERIES)]])
     out = []
     for n, cache in caches.items():
         total, embed_ms, search_ms, verify_ms = [], [], [], []
+        inline = svc.inline
         for j in range(lookups):
             q = QUERIES[j % len(QUERIES)] + f" (variant {j})"
             keys = _keys(q)
             t0 = time.perf_counter()
-            vecs, _ = await svc.embed([q])
+            callers.n += 1
+            try:
+                vecs, _ = await svc.embed([q])
+            finally:
+                callers.n -= 1
             t1 = time.perf_counter()
             found = cache.nearest(keys, vecs[0])
             t2 = time.perf_counter()
@@ -111,6 +138,8 @@ async def lookup_latency(
         out.append(
             {
                 "runtime": svc.runtime,
+                "path": path,
+                "inline_calls": svc.inline - inline,
                 "entries": n,
                 "lookups": lookups,
                 "total_ms": _summary(total),
@@ -119,10 +148,13 @@ async def lookup_latency(
                 "verify_ms": _summary(verify_ms),
             }
         )
+    callers.worker_only = False
     return out
 
 
-async def embed_throughput(svc: EmbeddingService, n: int, concurrency: int) -> dict[str, Any]:
+async def embed_throughput(
+    svc: EmbeddingService, callers: Callers, n: int, concurrency: int
+) -> dict[str, Any]:
     """Texts per second: one forward pass per text (the baseline) versus `concurrency`
     callers through the micro-batching service."""
     texts = [QUERIES[i % len(QUERIES)] + f" #{i}" for i in range(n)]
@@ -134,11 +166,15 @@ async def embed_throughput(svc: EmbeddingService, n: int, concurrency: int) -> d
     sem = asyncio.Semaphore(concurrency)
 
     async def one(t: str) -> None:
-        async with sem:
-            await svc.embed([t])
+        try:
+            async with sem:
+                await svc.embed([t])
+        finally:
+            callers.n -= 1
 
     batches = svc.batches
     t0 = time.perf_counter()
+    callers.n += len(texts)  # a burst: every caller has arrived
     await asyncio.gather(*(one(t) for t in texts))
     batched = n / (time.perf_counter() - t0)
     return {
@@ -249,10 +285,14 @@ def run(args: argparse.Namespace) -> int:
         lookup: list[dict[str, Any]] = []
         embedding: list[dict[str, Any]] = []
         for runtime in args.runtimes:
-            svc = await _service(runtime)
+            callers = Callers()
+            svc = await _service(runtime, callers)
             try:
-                lookup += await lookup_latency(svc, caches, args.lookups)
-                embedding.append(await embed_throughput(svc, args.embed_texts, args.concurrency))
+                for path in ("inline", "worker"):
+                    lookup += await lookup_latency(svc, callers, caches, args.lookups, path)
+                embedding.append(
+                    await embed_throughput(svc, callers, args.embed_texts, args.concurrency)
+                )
             finally:
                 await svc.stop()
         return {"lookup": lookup, "embedding": embedding}
@@ -266,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
         search, ver = row["search_ms"], row["verify_ms"]
         met = "meets" if total["p99"] <= 10.0 else "misses"
         print(
-            f"lookup {row['runtime']:>9} @ {row['entries']:>7} entries: total p50 "
+            f"lookup {row['runtime']:>9} {row['path']:>6} @ {row['entries']:>7} entries: total p50 "
             f"{total['p50']:.2f} p99 {total['p99']:.2f} ms ({met} p99 <= 10 ms) | embed "
             f"{emb['p50']:.2f}/{emb['p99']:.2f} search {search['p50']:.2f}/{search['p99']:.2f} "
             f"verify {ver['p50']:.2f}/{ver['p99']:.2f} (p50/p99 ms)"
