@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import sqlite3
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
@@ -393,7 +395,8 @@ def test_retention_removes_old_traces_and_keeps_recent(tmp_path: Path) -> None:
 
 
 def test_ledger_batch_keeps_every_value(tmp_path: Path) -> None:
-    """Rows go to SQLite as one JSON array per batch; what comes back is what went in."""
+    """Rows go to SQLite as one JSON array per batch; what comes back is what went in,
+    numpy scalars included."""
     from switchyard.observe.ledger import Finished, UsageLedger
     from switchyard.pipeline import RequestContext, Timings
 
@@ -407,9 +410,15 @@ def test_ledger_batch_keeps_every_value(tmp_path: Path) -> None:
         ctx.timings.ended = now + 0.25
         ctx.record("validate", "ok", 'fine "quoted" ünïcode', now, {"n": i, "x": None})
         ledger.record(Finished(ctx, "ok", 10 + i, 7, 0.000123 * (i + 1), with_trace=i != 2))
+    odd = RequestContext("led-np", "chat.completions", {}, 1_800_000_009.0, Timings(now), now + 5)
+    odd.timings.ended = now
+    odd.cache = np.str_("miss")  # type: ignore[assignment]
+    ledger.record(Finished(odd, "ok", np.int64(5), 3, np.float64(0.5)))  # type: ignore[arg-type]
     ledger.flush()
     rows = {r["request_id"]: r for r in ledger.rows(limit=10)}
-    assert set(rows) == {"led-0", "led-1", "led-2"}
+    assert set(rows) == {"led-0", "led-1", "led-2", "led-np"}
+    assert (rows["led-np"]["input_tokens"], rows["led-np"]["cost_usd"]) == (5, 0.5)
+    assert rows["led-np"]["cache"] == "miss"
     r = rows["led-1"]
     assert r["task_id"] == "t" and rows["led-0"]["task_id"] is None
     assert (r["input_tokens"], r["output_tokens"], r["status"], r["cache"]) == (11, 7, "ok", "miss")
@@ -421,3 +430,56 @@ def test_ledger_batch_keeps_every_value(tmp_path: Path) -> None:
     assert rec["decisions"][0]["evidence"] == {"n": 1, "x": None}
     assert get_request(conn, "led-2") is None  # traced off for that one
     ledger.close()
+
+
+def _finished(request_id: str) -> Any:
+    from switchyard.observe.ledger import Finished
+    from switchyard.pipeline import RequestContext, Timings
+
+    now = time.perf_counter()
+    ctx = RequestContext(request_id, "chat.completions", {}, time.time(), Timings(now), now + 5)
+    ctx.timings.ended = now
+    return Finished(ctx, "ok", 1, 1, 0.0)
+
+
+def test_ledger_rows_reach_sqlite_after_the_flush_window_without_a_flush(tmp_path: Path) -> None:
+    """Under an event loop a batch is sent flush_s after its first row; the writer
+    process commits it with nobody asking."""
+    from switchyard.observe.ledger import UsageLedger
+
+    ledger = UsageLedger(str(tmp_path / "l.db"), flush_s=0.05)
+
+    async def main() -> None:
+        for i in range(5):
+            ledger.record(_finished(f"w-{i}"))
+        await asyncio.sleep(0.05)
+
+    try:
+        asyncio.run(main())
+        deadline = time.monotonic() + 10
+        while len(ledger.rows(limit=10)) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(r["request_id"] for r in ledger.rows(limit=10)) == [
+            f"w-{i}" for i in range(5)
+        ]
+    finally:
+        ledger.close()
+
+
+def test_ledger_writer_that_dies_is_restarted_and_close_commits(tmp_path: Path) -> None:
+    from switchyard.observe.ledger import UsageLedger
+
+    ledger = UsageLedger(str(tmp_path / "l.db"), flush_s=0.05)
+    ledger.record(_finished("before"))
+    ledger.flush()
+    first = ledger._proc
+    first.kill()
+    first.wait(5)
+    ledger.record(_finished("after"))
+    ledger.flush()
+    assert ledger._proc.pid != first.pid  # started again
+    ledger.record(_finished("at-close"))
+    ledger.close()
+    assert ledger._proc.poll() == 0  # stopped cleanly
+    ids = {r["request_id"] for r in ledger.rows(limit=10)}
+    assert ids == {"before", "after", "at-close"}

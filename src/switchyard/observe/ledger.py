@@ -1,59 +1,51 @@
-"""The usage ledger: one row per finished request, written by one background thread.
+"""The usage ledger: one row per finished request, committed by a writer process.
 
-Rows are group-committed: the writer collects what finishes within `flush_s`
-(default 20 ms) of the first queued row and commits it in one transaction. A crash
-therefore loses the rows of requests still in flight plus at most the last
-`flush_s` of finished ones; a row is inserted whole or not at all (with its trace).
-Committing each row on its own cost more CPU than serving the request.
+Rows are group-committed: what finishes within `flush_s` (default 20 ms) of the first
+queued row is serialised once, on the caller's thread, and sent down a pipe to the
+writer process (`ledger_writer.py`), which commits it in one transaction. A crash
+therefore loses the rows of requests still in flight plus at most the last `flush_s`
+of finished ones; a row is inserted whole or not at all (with its trace). Committing
+each row on its own cost more CPU than serving the request, and a writer thread in
+this process made the event loop hand the GIL back and forth with it several times
+per request.
+
+Without a running event loop (the CLI, tests) rows wait for `flush()`, `close()` or a
+full batch.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import fcntl
 import logging
-import sqlite3
+import os
+import select
+import struct
+import subprocess
+import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from switchyard.observe.db import connect
-from switchyard.observe.traces import insert_args, trace_record
+from switchyard.observe.ledger_writer import BATCH, FLUSH, HEADER, STOP, frame
+from switchyard.observe.traces import trace_record
 from switchyard.pipeline import RequestContext
 
 log = logging.getLogger("switchyard.ledger")
 
-
-_COLUMNS = (
-    "request_id",
-    "task_id",
-    "tenant_id",
-    "key_id",
-    "endpoint",
-    "model",
-    "revision",
-    "upstream",
-    "input_tokens",
-    "output_tokens",
-    "cost_usd",
-    "cache",
-    "status",  # ok | error | incomplete | cancelled
-    "error_code",
-    "attempts",
-    "received_at",
-    "queue_ms",
-    "ttft_ms",
-    "duration_ms",
-)
+_MAX_BATCH = 512  # rows per frame
+_PIPE_BYTES = 1 << 20  # ~450 traced requests queued before a send would wait
+_SEQ = struct.Struct(">Q")
 
 
 @dataclass(slots=True)
 class Finished:
-    """A settled request as handed to the ledger. The usage row and the trace are
-    built from it on the ledger's thread, so the request's own path only queues it.
-    The context is no longer written to once it is settled."""
+    """A settled request as handed to the ledger."""
 
     ctx: RequestContext
     status: str
@@ -87,128 +79,139 @@ class Finished:
             (end - t.received) * 1000,
         )
 
-    def trace_args(self) -> tuple[Any, ...]:
-        """The trace as insert arguments for `traces`."""
+    def entry(self) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
+        """What the writer needs: the usage row, and the trace record when traced."""
+        if not self.with_trace:
+            return self.usage_row(), None
         usage = {
             "status": self.status,
             "input_tokens": self.input_tokens,
             "output_tokens": self.output_tokens,
             "cost_usd": self.cost_usd,
         }
-        return insert_args(trace_record(self.ctx, usage, self.ctx.planned_steps))
+        return self.usage_row(), trace_record(self.ctx, usage, self.ctx.planned_steps)
 
 
-def _batch_insert(table: str, columns: tuple[str, ...]) -> str:
-    """One statement for a whole batch: the rows arrive as one JSON array and SQLite
-    unpacks them. sqlite3 releases the GIL around every statement step, so executemany
-    (a step per row) meant a GIL handoff with the busy event loop for every row; this
-    is one per batch. It costs the writer a little more CPU and the loop less
-    (measured: ~10 % less event-loop CPU per request at 32 concurrent requests)."""
-    picks = ", ".join(f"value->>{i}" for i in range(len(columns)))
-    return f"INSERT OR REPLACE INTO {table} ({', '.join(columns)}) SELECT {picks} FROM json_each(?)"
+def _dumps(entries: list[tuple[tuple[Any, ...], dict[str, Any] | None]]) -> bytes:
+    return orjson.dumps(entries, default=str, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-_INSERT_USAGE = _batch_insert("usage", _COLUMNS)
-_INSERT_TRACES = _batch_insert(
-    "traces", ("request_id", "task_id", "tenant_id", "status", "received_at", "record")
-)
-_STOP = object()
-
-
-def _json(rows: list[tuple[Any, ...]]) -> str:
-    return orjson.dumps(rows, default=str, option=orjson.OPT_SERIALIZE_NUMPY).decode()
+def _read(fd: int, n: int) -> bytes | None:
+    data = b""
+    while len(data) < n:
+        chunk = os.read(fd, n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
 
 
 class UsageLedger:
     def __init__(self, sqlite_path: str, flush_s: float = 0.02) -> None:
         self.path = sqlite_path
         self.flush_s = flush_s
-        # A deque and a wake-up event rather than queue.Queue: appending is one atomic
-        # call with no lock, and the event is only set when the writer sleeps.
-        self._pending: deque[Any] = deque()
-        self._wake = threading.Event()  # rows are waiting
-        self._urgent = threading.Event()  # a flush or close wants them now
-        self._conn = connect(sqlite_path)
-        self._written = 0
-        self._thread = threading.Thread(target=self._run, name="usage-ledger", daemon=True)
-        self._thread.start()
+        connect(sqlite_path).close()  # the schema exists before anyone reads
+        self._batch: list[Finished] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._lock = threading.Lock()  # one sender at a time on the pipe
+        self._seq = 0
+        self._closed = False
+        self._proc = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "switchyard.observe.ledger_writer", self.path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        assert proc.stdin is not None
+        with contextlib.suppress(OSError):  # Linux: room for bursts while it commits
+            fcntl.fcntl(proc.stdin.fileno(), 1031, _PIPE_BYTES)  # F_SETPIPE_SZ
+        return proc
 
     def record(self, finished: Finished) -> None:
         """Queue a settled request; its usage row and (optionally) its trace are
         committed in the same transaction."""
-        self._pending.append(finished)
-        if not self._wake.is_set():
-            self._wake.set()
+        with self._lock:
+            self._batch.append(finished)
+            first, full = len(self._batch) == 1, len(self._batch) >= _MAX_BATCH
+        if full:
+            self._send_batch()
+        elif first and self.flush_s > 0:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return  # no loop: sent by flush(), close() or a full batch
+            self._timer = loop.call_later(self.flush_s, self._send_batch)
+        elif first:
+            self._send_batch()
+
+    def _send_batch(self) -> None:
+        with self._lock:
+            batch, self._batch = self._batch, []
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if batch:
+                # Built here, once per batch, rather than as each request settles: at
+                # one client the next request would wait for it.
+                self._send(frame(BATCH, _dumps([f.entry() for f in batch])), len(batch))
+
+    def _send(self, data: bytes, rows: int) -> None:
+        """Write to the writer (lock held); a writer that died is started again once."""
+        for attempt in (1, 2):
+            stdin = self._proc.stdin
+            try:
+                assert stdin is not None
+                stdin.write(data)
+                stdin.flush()
+                return
+            except (BrokenPipeError, ValueError, OSError) as exc:
+                if self._closed or attempt == 2:
+                    log.error("ledger writer unavailable (%s): %d rows lost", exc, rows)
+                    return
+                log.error("ledger writer exited (%s); starting it again", exc)
+                with contextlib.suppress(Exception):
+                    self._proc.kill()
+                self._proc = self._spawn()
 
     def flush(self, timeout_s: float = 10.0) -> None:
         """Wait until every row queued before this call is committed."""
-        done = threading.Event()
-        self._pending.append(done)
-        self._urgent.set()
-        self._wake.set()
-        done.wait(timeout_s)
+        self._send_batch()
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            self._send(frame(FLUSH, _SEQ.pack(seq)), 0)
+            stdout = self._proc.stdout
+            assert stdout is not None
+            deadline = time.monotonic() + timeout_s
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([stdout], [], [], left)[0]:
+                    log.warning("ledger flush timed out after %.1f s", timeout_s)
+                    return
+                ack = _read(stdout.fileno(), HEADER.size + _SEQ.size)
+                if ack is None:
+                    return  # the writer is gone; its rows were reported when sent
+                if _SEQ.unpack(ack[HEADER.size :])[0] >= seq:
+                    return
 
     def close(self) -> None:
-        self._pending.append(_STOP)
-        self._urgent.set()
-        self._wake.set()
-        self._thread.join(10)
-        self._conn.close()
-
-    def _run(self) -> None:
-        pending = self._pending
-        while True:
-            # Idle until the first row arrives, then linger `flush_s` so that rows
-            # finishing meanwhile share the commit. Rows do not wake the writer while
-            # it lingers (that would be a thread switch per request); only a flush or
-            # close cuts the wait short.
-            self._wake.wait()
-            if self.flush_s > 0 and not self._urgent.is_set():
-                self._urgent.wait(self.flush_s)
-            self._wake.clear()
-            self._urgent.clear()
-            batch: list[Finished] = []
-            events: list[threading.Event] = []
-            stop = False
-            while pending:
-                item = pending.popleft()
-                if item is _STOP:
-                    stop = True
-                elif isinstance(item, threading.Event):
-                    events.append(item)
-                else:
-                    batch.append(item)
-            for i in range(0, len(batch), 512):
-                self._write(batch[i : i + 512])
-            for e in events:
-                e.set()
-            if stop:
-                return
-            if pending:
-                self._wake.set()  # arrived while writing: go round again
-
-    def _write(self, batch: list[Finished]) -> None:
+        self._send_batch()
+        with self._lock:
+            self._closed = True
+            self._send(frame(STOP), 0)
+            with contextlib.suppress(Exception):
+                assert self._proc.stdin is not None
+                self._proc.stdin.close()
         try:
-            rows = [f.usage_row() for f in batch]
-            traces = [f.trace_args() for f in batch if f.with_trace]
-        except Exception:  # a bug here must not kill the writer thread
-            log.exception("could not build %d ledger rows", len(batch))
-            return
-        for attempt in range(3):
-            try:
-                self._conn.execute("BEGIN IMMEDIATE")
-                self._conn.execute(_INSERT_USAGE, (_json(rows),))
-                if traces:
-                    self._conn.execute(_INSERT_TRACES, (_json(traces),))
-                self._conn.execute("COMMIT")
-                self._written += len(batch)
-                return
-            except sqlite3.Error as exc:
-                if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
-                log.error("ledger write failed (attempt %d): %s", attempt + 1, exc)
-                time.sleep(0.05 * (attempt + 1))
-        log.error("dropped %d usage rows after repeated write failures", len(batch))
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            log.error("ledger writer did not stop; killing it")
+            self._proc.kill()
+            self._proc.wait(5)
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
 
     # -- reads (admin, tests, budget seeding) -----------------------------------
     def spent_since(self, column: str, value: str, since: float) -> float:
