@@ -483,3 +483,29 @@ def test_ledger_writer_that_dies_is_restarted_and_close_commits(tmp_path: Path) 
     assert ledger._proc.poll() == 0  # stopped cleanly
     ids = {r["request_id"] for r in ledger.rows(limit=10)}
     assert ids == {"before", "after", "at-close"}
+
+
+def test_metrics_fold_after_the_request_and_always_before_a_scrape() -> None:
+    from switchyard.observe.metrics import Metrics
+
+    metrics = Metrics()
+    f = _finished("m-1")
+    f.ctx.alias, f.ctx.chunk_gaps = "m", [0.01, 0.02]
+
+    def count(text: str, name: str) -> float:
+        for line in text.splitlines():
+            if line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    async def main() -> tuple[float, float, float]:
+        metrics.observe(f.ctx, "ok", 3, 4, 0.0)
+        queued = len(metrics._pending)
+        scraped = metrics.exposition().decode()  # folds first
+        return queued, count(scraped, "switchyard_requests_total"), len(metrics._pending)
+
+    queued, requests, left = asyncio.run(main())
+    assert (queued, requests, left) == (1, 1.0, 0)
+    text = metrics.exposition().decode()
+    assert count(text, "switchyard_tokens_total") == 3.0  # input; output is the next line
+    assert 'switchyard_inter_chunk_seconds_count{model="unknown"} 2.0' in text

@@ -708,13 +708,9 @@ class Gateway:
         status = ctx.status if ctx.status not in ("pending", "streaming") else "error"
         if self.metrics is not None:
             self.metrics.observe(ctx, status, inp, out, cost)
-            if ctx.chunk_gaps:
-                model = ctx.deployment.alias if ctx.deployment is not None else "unknown"
-                for gap in ctx.chunk_gaps:
-                    self.metrics.observe_chunk_gap(model, gap)
         if self.tracing is not None:
             self.tracing.finish(
                 ctx, status, inp, out, time.time_ns() - int((time.perf_counter() - end) * 1e9)
             )
-        # The usage row and the trace are built on the ledger's thread.
+        # Usage row and trace are built per batch, off this request's path.
         self.ledger.record(Finished(ctx, status, inp, out, cost, self.settings.observe.traces))

@@ -8,6 +8,8 @@ aggregates them (prometheus_client's multiprocess mode).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 from typing import Any
 
@@ -21,6 +23,8 @@ from prometheus_client import (
 )
 
 from switchyard.pipeline import RequestContext
+
+log = logging.getLogger("switchyard.metrics")
 
 # 1 ms to 60 s: covers a cached answer and a long CPU generation alike.
 LATENCY_BUCKETS = (
@@ -130,9 +134,34 @@ class Metrics:
         self._tokens = _Children(self.tokens)
         self._cost = _Children(self.cost)
         self._cache = _Children(self.cache)
+        self.fold_s = 0.02
+        self._pending: list[tuple[RequestContext, str, int, int, float]] = []
 
     def observe(self, ctx: RequestContext, status: str, inp: int, out: int, cost: float) -> None:
-        """Record one finished request."""
+        """Record one finished request. Under an event loop it is folded into the
+        metrics within `fold_s` (with whatever else finished meanwhile) and always
+        before a scrape, so a request that has just finished pays for none of it."""
+        pending = self._pending
+        pending.append((ctx, status, inp, out, cost))
+        if len(pending) > 1:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.fold()
+            return
+        loop.call_later(self.fold_s, self.fold)
+
+    def fold(self) -> None:
+        """Apply every queued observation."""
+        pending, self._pending = self._pending, []
+        for args in pending:
+            try:
+                self._observe(*args)
+            except Exception:  # one bad record must not cost the others theirs
+                log.exception("could not record metrics of %s", args[0].request_id)
+
+    def _observe(self, ctx: RequestContext, status: str, inp: int, out: int, cost: float) -> None:
         model = ctx.deployment.alias if ctx.deployment is not None else (ctx.alias or "unknown")
         if ctx.model is None and ctx.deployment is None:
             model = "unknown"  # never label with a client-supplied, unvalidated name
@@ -172,15 +201,17 @@ class Metrics:
             self._cost(model, tenant).inc(cost)
         if ctx.cache is not None:
             self._cache(ctx.cache).inc()
-
-    def observe_chunk_gap(self, model: str, gap_s: float) -> None:
-        self._itl(model).observe(gap_s)
+        if ctx.chunk_gaps:
+            itl = self._itl(ctx.deployment.alias if ctx.deployment is not None else "unknown")
+            for gap in ctx.chunk_gaps:
+                itl.observe(gap)
 
     def set_breakers(self, states: dict[str, Any]) -> None:
         for model, state in states.items():
             self.breaker.labels(model).set(BREAKER_VALUE.get(state, 0))
 
     def exposition(self) -> bytes:
+        self.fold()
         if self.multiprocess:
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
