@@ -76,6 +76,8 @@ def test_ttl_lru_and_invalidation_dry_run() -> None:
     cache = ResponseCache(max_entries=3, max_bytes=10_000_000)
     k1 = _keys("a")
     cache.store(k1, b"1", _vec(1), ttl_s=10, now=0)
+    assert cache.has_exact(k1, now=5) and not cache.has_exact(k1, now=11)
+    assert cache._exact[k1.exact].hits == 0  # has_exact touches nothing
     assert cache.lookup_exact(k1, now=5) is not None
     assert cache.lookup_exact(k1, now=11) is None  # expired and dropped
     assert len(cache) == 0
@@ -244,11 +246,16 @@ def test_exact_then_semantic_hit_and_negation_veto(gw: Gateway, scripted: Script
     first = _ask(gw, "How do I reset my password?")
     assert first.headers["x-switchyard-cache"] == "miss"
     n = scripted.requests()
-    again = _ask(gw, "How do I reset my password?")
+    again = _ask(gw, "How do I reset my password?", headers={"x-request-id": "exact-1"})
     assert again.headers["x-switchyard-cache"] == "hit-exact"
     assert again.json()["choices"] == first.json()["choices"]
-    para = _ask(gw, "How can I reset my password?")
+    para = _ask(gw, "How can I reset my password?", headers={"x-request-id": "para-1"})
     assert para.headers["x-switchyard-cache"] == "hit-semantic"
+    # An exact hit needs no vector, so it is not embedded; the paraphrase is.
+    for request_id, outcome in (("exact-1", "skip"), ("para-1", "ok")):
+        rec = httpx.get(gw.url + f"/admin/requests/{request_id}", headers=gw.admin).json()
+        embed = next(d for d in rec["decisions"] if d["stage"] == "embed")
+        assert embed["outcome"] == outcome, embed
     assert float(para.headers["x-switchyard-cache-similarity"]) >= 0.80
     assert scripted.requests() == n  # neither hit reached the upstream
     neg = _ask(gw, "How do I not reset my password?")

@@ -18,8 +18,8 @@ from typing import Any
 import orjson
 
 from switchyard.config import Settings, sqlite_path
-from switchyard.decide.cache import ResponseCache, cache_keys
-from switchyard.decide.cacheability import cacheability
+from switchyard.decide.cache import CacheKeys, ResponseCache, cache_keys
+from switchyard.decide.cacheability import Cacheability, cacheability
 from switchyard.decide.select import select_deployment
 from switchyard.decide.tools import shortlist, tool_text
 from switchyard.decide.verify import verify
@@ -463,6 +463,18 @@ class Gateway:
         if self.embedder is None or not self.embedder.ready:
             ctx.record("embed", "skip", "embedding model not ready", t)
             return
+        verdict, keys = self._cache_plan(ctx) if self.cache is not None else (None, None)
+        if (
+            self.cache is not None
+            and verdict is not None
+            and keys is not None
+            and verdict.lookup
+            and verdict.mode == "enforce"
+            and self.cache.has_exact(keys)
+        ):
+            # The cache stage will answer with this entry; nothing needs the vector.
+            ctx.record("embed", "skip", "an exact cache entry answers this request", t)
+            return
         query = last_user_text(ctx.masked_body or ctx.body)
         inline = self.embedder.inline
         vecs, _ = await self.embedder.embed([query])
@@ -474,40 +486,55 @@ class Gateway:
             "embed", "ok", "embedded the last user message", t, {"chars": len(query), "path": path}
         )
 
+    def _cache_plan(self, ctx: RequestContext) -> tuple[Cacheability, CacheKeys | None]:
+        """Whether the request may use the cache, and its keys (None when it may
+        neither look up nor store): worked out once, for the embed and cache stages."""
+        if ctx.cache_plan is not None:
+            plan: tuple[Cacheability, CacheKeys | None] = ctx.cache_plan
+            return plan
+        cfg = self.settings.cache
+        tenant = ctx.principal.tenant_id
+        verdict = cacheability(
+            ctx.body, ctx.endpoint, ctx.headers.get("cache-control"), tenant, ctx.alias or "", cfg
+        )
+        keys = None
+        if verdict.lookup or verdict.store:
+            model = self.models.get(ctx.alias or "")
+            revision = (
+                model.revision
+                if model is not None
+                else f"router:{self.settings.router.policy_version}"
+            )
+            scope = f"key:{ctx.principal.key_id}" if cfg.scope == "key" else f"tenant:{tenant}"
+            keys = cache_keys(
+                ctx.masked_body or ctx.body,
+                ctx.endpoint,
+                scope,
+                tenant,
+                ctx.alias or "",
+                revision,
+                ctx.headers.get("x-switchyard-locale") or ctx.headers.get("accept-language"),
+                ctx.headers.get("x-switchyard-data-version") or cfg.data_version,
+                tuple(
+                    t.strip()
+                    for t in (ctx.headers.get("x-switchyard-cache-tags") or "").split(",")
+                    if t.strip()
+                ),
+            )
+        ctx.cache_plan = (verdict, keys)
+        return verdict, keys
+
     def _cache(self, ctx: RequestContext) -> None:
         t = time.perf_counter()
         if self.cache is None:
             ctx.record("cache", "skip", "cache not enabled", t)
             return
         cfg = self.settings.cache
-        tenant = ctx.principal.tenant_id
-        verdict = cacheability(
-            ctx.body, ctx.endpoint, ctx.headers.get("cache-control"), tenant, ctx.alias or "", cfg
-        )
-        if not verdict.lookup and not verdict.store:
+        verdict, keys = self._cache_plan(ctx)
+        if keys is None:
             ctx.cache = "bypass"
             ctx.record("cache", "bypass", verdict.reason, t)
             return
-        model = self.models.get(ctx.alias or "")
-        revision = (
-            model.revision if model is not None else f"router:{self.settings.router.policy_version}"
-        )
-        scope = f"key:{ctx.principal.key_id}" if cfg.scope == "key" else f"tenant:{tenant}"
-        keys = cache_keys(
-            ctx.masked_body or ctx.body,
-            ctx.endpoint,
-            scope,
-            tenant,
-            ctx.alias or "",
-            revision,
-            ctx.headers.get("x-switchyard-locale") or ctx.headers.get("accept-language"),
-            ctx.headers.get("x-switchyard-data-version") or cfg.data_version,
-            tuple(
-                t.strip()
-                for t in (ctx.headers.get("x-switchyard-cache-tags") or "").split(",")
-                if t.strip()
-            ),
-        )
         ctx.cache_keys = keys if verdict.store else None
         if not verdict.lookup:
             ctx.cache = "bypass"

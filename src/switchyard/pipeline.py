@@ -121,6 +121,7 @@ class RequestContext:
     vector: Any = None  # embedding of the (masked) last user message, shared by cache & router
     cache_keys: Any = None  # CacheKeys when the reply may be stored
     cache_similarity: float | None = None
+    cache_plan: Any = None  # (Cacheability, CacheKeys) once worked out for this request
     shadow_entry: Any = None  # the would-be hit in shadow mode
     collected: list[bytes] | None = None  # streamed data events kept for the cache
     pii: Any = None  # the request's PII mask session (mapping held only here)

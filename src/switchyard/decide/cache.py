@@ -267,6 +267,11 @@ class ResponseCache:
         entry.hits += 1
         return entry
 
+    def has_exact(self, keys: CacheKeys, now: float | None = None) -> bool:
+        """Whether a live exact entry exists; unlike `lookup_exact`, touches nothing."""
+        entry = self._exact.get(keys.exact)
+        return entry is not None and entry.expires > (time.time() if now is None else now)
+
     def nearest(self, keys: CacheKeys, vec: np.ndarray, now: float | None = None) -> Lookup:
         """The most similar live entry of the request's partition (no threshold here)."""
         now = time.time() if now is None else now
