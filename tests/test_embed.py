@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -18,11 +19,13 @@ import pytest
 
 from switchyard.config import EmbeddingsConfig
 from switchyard.embed import (
+    EXPORT_UNUSED_S,
     EmbeddingService,
     OnnxBackend,
     cache_dir,
     export_key,
     exported_model,
+    prune_exports,
 )
 from switchyard.engines.assets import minilm_model_path
 from switchyard.errors import EngineNotReady
@@ -151,7 +154,8 @@ def test_export_is_cached_on_disk_and_reused(int8: EmbeddingService) -> None:
     second = Path(str(again.describe()["model_file"]))
     after = second.stat()
     assert second == first
-    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert after.st_ino == before.st_ino  # not written again (exports are renamed in)
+    assert after.st_mtime >= before.st_mtime  # but marked as used (see prune_exports)
     assert first.parent == cache_dir(EmbeddingsConfig())
     assert export_key(minilm_model_path()) in first.name
 
@@ -180,6 +184,34 @@ def test_concurrent_exports_write_once_and_atomically(
     assert not list(tmp_path.glob("*.tmp"))  # no half-written file left behind
     backend = OnnxBackend(path, got[0], max_batch=8, threads=1, per_text=False)
     assert backend.dimensions == 384
+
+
+def test_unused_exports_of_other_keys_are_pruned_after_a_week(tmp_path: Path) -> None:
+    now = 1_800_000_000.0
+    week = EXPORT_UNUSED_S
+    files = {
+        "all-minilm-l6-v2-cur-int8.onnx": now - 2 * week,  # ours, however old: kept
+        "all-minilm-l6-v2-cur.lock": now - 2 * week,
+        "all-minilm-l6-v2-old-int8.onnx": now - week - 60,  # another key, unused: goes
+        "all-minilm-l6-v2-old-fp32.onnx": now - week - 60,
+        "all-minilm-l6-v2-old.lock": now - week - 60,  # locks stay (empty, maybe held)
+        "all-minilm-l6-v2-new-int8.onnx": now - 60,  # another install, in use: kept
+        "all-minilm-l6-v2-cur-int8.onnx.abc.tmp": now - week - 60,  # interrupted export
+        "unrelated.onnx": now - 3 * week,  # not an export of ours
+    }
+    for name, mtime in files.items():
+        f = tmp_path / name
+        f.write_bytes(b"x")
+        os.utime(f, (mtime, mtime))
+    removed = prune_exports(tmp_path, "cur", now=now)
+    assert sorted(removed) == [
+        "all-minilm-l6-v2-cur-int8.onnx.abc.tmp",
+        "all-minilm-l6-v2-old-fp32.onnx",
+        "all-minilm-l6-v2-old-int8.onnx",
+    ]
+    left = sorted(f.name for f in tmp_path.iterdir())
+    assert left == sorted(set(files) - set(removed))
+    assert (tmp_path / "all-minilm-l6-v2-cur-int8.onnx").stat().st_mtime == now  # used now
 
 
 def test_a_broken_onnx_file_fails_the_service_without_fallback(tmp_path: Path) -> None:

@@ -415,18 +415,42 @@ def exported_model(path: str, int8: bool, directory: Path) -> str:
     key = export_key(path)
     fp32 = directory / f"all-minilm-l6-v2-{key}-fp32.onnx"
     final = directory / f"all-minilm-l6-v2-{key}-int8.onnx" if int8 else fp32
-    if final.exists():
-        return str(final)
-    with _locked(directory / f"all-minilm-l6-v2-{key}.lock"):
-        if final.exists():  # another process exported it while we waited
-            return str(final)
-        if not fp32.exists():
-            log.info("exporting all-MiniLM-L6-v2 to ONNX: %s", fp32)
-            _atomic_write(fp32, lambda tmp: _export_fp32(path, tmp))
-        if int8:
-            log.info("quantising to int8: %s", final)
-            _atomic_write(final, lambda tmp: _quantize_int8(path, fp32, tmp))
+    if not final.exists():
+        with _locked(directory / f"all-minilm-l6-v2-{key}.lock"):
+            if not fp32.exists():
+                log.info("exporting all-MiniLM-L6-v2 to ONNX: %s", fp32)
+                _atomic_write(fp32, lambda tmp: _export_fp32(path, tmp))
+            if int8 and not final.exists():  # or another process made it meanwhile
+                log.info("quantising to int8: %s", final)
+                _atomic_write(final, lambda tmp: _quantize_int8(path, fp32, tmp))
+    prune_exports(directory, key)
     return str(final)
+
+
+EXPORT_UNUSED_S = 7 * 86400  # an export no process has loaded for this long is removed
+
+
+def prune_exports(directory: Path, key: str, now: float | None = None) -> list[str]:
+    """Mark this key's exports as used, and remove other keys' exports (earlier
+    weights, recipes or library versions) that nothing has loaded for a week, and
+    leftovers of interrupted exports. The grace period lets installs with different
+    keys share the directory without exporting in turn. Returns what was removed."""
+    now = time.time() if now is None else now
+    removed: list[str] = []
+    for f in directory.glob("all-minilm-l6-v2-*"):
+        try:
+            if f.name.startswith(f"all-minilm-l6-v2-{key}-") and f.suffix == ".onnx":
+                os.utime(f, (now, now))
+                continue
+            stale = now - f.stat().st_mtime > EXPORT_UNUSED_S
+            if stale and (f.suffix == ".onnx" or f.name.endswith(".tmp")):
+                size = f.stat().st_size
+                f.unlink()
+                removed.append(f.name)
+                log.info("removed unused embedding export %s (%.0f MB)", f.name, size / 1e6)
+        except OSError as exc:  # another process pruned it first, or it is not ours
+            log.debug("could not prune %s: %s", f, exc)
+    return removed
 
 
 @contextlib.contextmanager

@@ -449,6 +449,7 @@ def summarize(
         rps_ratio = (
             med["switchyard"]["rps"] / med["floor"]["rps"] if med["floor"]["rps"] > 0 else None
         )
+        paired = _per_round(runs, sc.name)
         if sc.connections == 1:
             check = f"added p50 ratio <= {LATENCY_RATIO_MAX}"
             ok = lat_ratio is not None and lat_ratio <= LATENCY_RATIO_MAX
@@ -465,11 +466,35 @@ def summarize(
                 "switchyard_added_p50_ms": sy_added,
                 "added_p50_ratio": lat_ratio,
                 "rps_ratio": rps_ratio,
+                "per_round": paired,
                 "check": check,
                 "verdict": "PASS" if ok else "MISS",
             }
         )
     return out
+
+
+def _per_round(runs: list[dict[str, Any]], scenario: str) -> dict[str, list[float]]:
+    """Each round's own ratios (its three targets ran minutes apart at most, so drift
+    of the machine between rounds cancels): the spread behind the medians' verdict."""
+    lat: list[float] = []
+    rps: list[float] = []
+    for rnd in sorted({r["round"] for r in runs}):
+        got = {r["target"]: r for r in runs if r["scenario"] == scenario and r["round"] == rnd}
+        if not all(t in got for t in TARGETS):
+            continue
+        floor_added = got["floor"]["p50_ms"] - got["direct"]["p50_ms"]
+        if floor_added > 0:
+            lat.append((got["switchyard"]["p50_ms"] - got["direct"]["p50_ms"]) / floor_added)
+        if got["floor"]["rps"] > 0:
+            rps.append(got["switchyard"]["rps"] / got["floor"]["rps"])
+    return {"added_p50_ratio": lat, "rps_ratio": rps}
+
+
+def _spread(xs: list[float]) -> str:
+    if not xs:
+        return "n/a"
+    return f"{min(xs):.2f}-{max(xs):.2f} (median {statistics.median(xs):.2f})"
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -521,6 +546,12 @@ def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"req/s switchyard/floor {_num(s['rps_ratio'], '.2f')}  "
             f"[{s['check']}: {s['verdict']}]"
         )
+        if s.get("per_round"):
+            pr = s["per_round"]
+            lines.append(
+                f"{'':<16}per round: added p50 ratio {_spread(pr['added_p50_ratio'])}, "
+                f"req/s ratio {_spread(pr['rps_ratio'])}"
+            )
         if "policy" in s:
             lines.extend(_policy_lines(s))
         if "observe" in s:
