@@ -509,3 +509,69 @@ def test_metrics_fold_after_the_request_and_always_before_a_scrape() -> None:
     text = metrics.exposition().decode()
     assert count(text, "switchyard_tokens_total") == 3.0  # input; output is the next line
     assert 'switchyard_inter_chunk_seconds_count{model="unknown"} 2.0' in text
+
+
+def test_ctrl_c_commits_every_answered_request(tmp_path: Path, scripted: Scripted) -> None:
+    """Ctrl-C reaches the whole process group, the ledger's writer included: the writer
+    must outlive the gateway's shutdown and commit its last batch."""
+    import os
+    import signal
+
+    import yaml
+
+    port, db = free_port(), tmp_path / "sy.db"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "server": {"port": port},
+                "auth": {"mode": "disabled"},
+                "storage": {"sqlite_path": str(db)},
+                "embeddings": {"enabled": False},
+                "models": [
+                    {"alias": "m", "engine": {"kind": "openai", "base_url": scripted.url + "/v1"}}
+                ],
+            }
+        )
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "switchyard", "serve", "--config", str(cfg)],
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        for _ in range(20):
+            assert (
+                httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+            )
+        os.killpg(proc.pid, signal.SIGINT)
+        out = proc.communicate(timeout=60)[0].decode()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert "Traceback" not in out, out
+    conn = sqlite3.connect(db)
+    assert conn.execute("SELECT count(*) FROM usage").fetchone()[0] == 20
+    assert _processes_with(f"ledger_writer\0{db}".encode()) == []  # gone with its gateway
+
+
+def _processes_with(arg: bytes) -> list[str]:
+    found = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and arg in (p / "cmdline").read_bytes():
+                found.append(p.name)
+        except OSError:  # exited meanwhile
+            pass
+    return found

@@ -19,6 +19,7 @@ Frames on stdin: one kind byte, a 4-byte big-endian length, the payload.
 from __future__ import annotations
 
 import logging
+import signal
 import sqlite3
 import struct
 import sys
@@ -138,6 +139,10 @@ def serve(path: str, source: BinaryIO, acks: BinaryIO) -> None:
 
 
 def main() -> None:
+    # The writer lives as long as its pipe: Ctrl-C or a SIGTERM sent to the whole
+    # process group must not cut it off before the gateway has sent its last batch.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     serve(sys.argv[1], sys.stdin.buffer, sys.stdout.buffer)
 
