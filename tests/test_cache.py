@@ -284,6 +284,9 @@ def test_a_lone_request_embeds_inline_and_concurrent_ones_use_the_worker(
     assert [r.status_code for r in replies] == [200] * 4
     paths = [embed_path(f"conc-{i}") for i in range(4)]
     assert paths.count("worker") >= 3, paths  # at most the first one was alone
+    # One refused while its context was made (a bad header) is not counted at all.
+    bad = _ask(gw, "A bad header", headers={"x-request-timeout": "soon"})
+    assert bad.status_code == 400
     # Every request was counted out again: the next lone one is inline.
     _ask(gw, "Is the next lone request inline?", headers={"x-request-id": "lone-2"})
     assert embed_path("lone-2") == "inline"

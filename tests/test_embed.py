@@ -234,3 +234,10 @@ def test_a_broken_onnx_file_fails_the_service_without_fallback(tmp_path: Path) -
     assert svc.describe()["runtime"] == "onnx-int8"
     with pytest.raises(Exception, match=r"int8\.onnx"):
         EmbeddingService(cfg).load_blocking()
+
+
+def test_a_running_service_keeps_its_export_marked_in_use(int8: EmbeddingService) -> None:
+    model_file = Path(str(int8.describe()["model_file"]))
+    os.utime(model_file, (1_000_000, 1_000_000))  # as if unused for decades
+    int8.mark_in_use()  # what the gateway's housekeeping loop calls every few minutes
+    assert model_file.stat().st_mtime > 1_000_000

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +22,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import Gateway, Scripted, free_port, start_gateway, start_scripted
+from conftest import Gateway, Scripted, free_port, local_model, start_gateway, start_scripted
 from switchyard.observe.db import connect
 from switchyard.observe.otel import Tracing
 from switchyard.observe.traces import enforce_retention, get_request, insert_args, insert_sql
@@ -511,9 +513,14 @@ def test_metrics_fold_after_the_request_and_always_before_a_scrape() -> None:
     assert 'switchyard_inter_chunk_seconds_count{model="unknown"} 2.0' in text
 
 
-def test_ctrl_c_commits_every_answered_request(tmp_path: Path, scripted: Scripted) -> None:
-    """Ctrl-C reaches the whole process group, the ledger's writer included: the writer
-    must outlive the gateway's shutdown and commit its last batch."""
+@pytest.mark.parametrize("stop", ["ctrl-c", "kill-9"])
+def test_stopping_the_gateway_leaves_no_process_and_ctrl_c_loses_no_row(
+    tmp_path: Path, scripted: Scripted, stop: str
+) -> None:
+    """Ctrl-C reaches the whole process group, the ledger's writer and the engine
+    worker included: the writer must outlive the gateway's shutdown and commit its
+    last batch, and nothing may die with a traceback. A gateway killed outright takes
+    its writer (end of its pipe) and its engine worker (parent-death signal) along."""
     import os
     import signal
 
@@ -529,7 +536,8 @@ def test_ctrl_c_commits_every_answered_request(tmp_path: Path, scripted: Scripte
                 "storage": {"sqlite_path": str(db)},
                 "embeddings": {"enabled": False},
                 "models": [
-                    {"alias": "m", "engine": {"kind": "openai", "base_url": scripted.url + "/v1"}}
+                    {"alias": "m", "engine": {"kind": "openai", "base_url": scripted.url + "/v1"}},
+                    local_model(ctx=512),
                 ],
             }
         )
@@ -554,16 +562,43 @@ def test_ctrl_c_commits_every_answered_request(tmp_path: Path, scripted: Scripte
             assert (
                 httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
             )
-        os.killpg(proc.pid, signal.SIGINT)
+        if stop == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.kill()
+        # The children share the gateway's stdout: it ends when the last one exits.
         out = proc.communicate(timeout=60)[0].decode()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-    assert "Traceback" not in out, out
-    conn = sqlite3.connect(db)
-    assert conn.execute("SELECT count(*) FROM usage").fetchone()[0] == 20
+    deadline = time.monotonic() + 20  # a parent-death SIGTERM still shuts down cleanly
+    while _children_of(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _children_of(proc.pid)
+    if left:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # do not leak them into later tests
     assert _processes_with(f"ledger_writer\0{db}".encode()) == []  # gone with its gateway
+    assert left == []  # the engine worker too
+    if stop == "ctrl-c":
+        assert "Traceback" not in out, out
+        conn = sqlite3.connect(db)
+        assert conn.execute("SELECT count(*) FROM usage").fetchone()[0] == 20
+
+
+def _children_of(pid: int) -> list[str]:
+    """Processes whose parent is `pid` (or that it left to init with its session)."""
+    found = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit():
+                stat = (p / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(stat[1]) == pid or int(stat[3]) == pid:  # ppid, or session id
+                    found.append(p.name)
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
 
 
 def _processes_with(arg: bytes) -> list[str]:
@@ -575,3 +610,61 @@ def _processes_with(arg: bytes) -> list[str]:
         except OSError:  # exited meanwhile
             pass
     return found
+
+
+def test_a_stalled_ledger_writer_never_blocks_the_event_loop(tmp_path: Path) -> None:
+    """The writer stopped (as if SQLite waited for a lock) while more rows than its pipe
+    holds arrive: recording stays non-blocking and every row lands once it resumes."""
+    import os
+    import signal
+
+    from switchyard.observe.ledger import UsageLedger
+
+    ledger = UsageLedger(str(tmp_path / "l.db"), flush_s=0.01)
+    writer = ledger._proc
+    os.kill(writer.pid, signal.SIGSTOP)
+    n = 6000  # ~3 MB of frames: three times the pipe
+
+    async def main() -> None:
+        for i in range(n):
+            ledger.record(_finished(f"s-{i}"))
+            if i % 100 == 0:
+                await asyncio.sleep(0.011)  # let the batch timers fire
+
+    blocked = threading.Event()
+
+    def rescue() -> None:  # a loop stuck writing to the pipe: free it and fail
+        blocked.set()
+        os.kill(writer.pid, signal.SIGCONT)
+
+    watchdog = threading.Timer(60, rescue)
+    watchdog.start()
+    try:
+        asyncio.run(main())
+        assert not blocked.is_set(), "the event loop blocked on the stalled writer"
+        assert ledger._queued > 0  # batches wait in memory, not in the loop
+    finally:
+        watchdog.cancel()
+        os.kill(writer.pid, signal.SIGCONT)
+    ledger.flush(timeout_s=60)
+    try:
+        conn = sqlite3.connect(tmp_path / "l.db")
+        assert conn.execute("SELECT count(*) FROM usage").fetchone()[0] == n
+        assert ledger.dropped == 0
+    finally:
+        ledger.close()
+
+
+def test_a_ledger_row_that_cannot_be_serialised_costs_only_itself(tmp_path: Path) -> None:
+    from switchyard.observe.ledger import UsageLedger
+
+    ledger = UsageLedger(str(tmp_path / "l.db"), flush_s=0.05)
+    bad = _finished("bad")
+    bad.ctx.record("validate", "ok", "fine", time.perf_counter(), {1: "a non-string key"})
+    for f in (_finished("good-1"), bad, _finished("good-2")):
+        ledger.record(f)
+    ledger.flush()
+    try:
+        assert sorted(r["request_id"] for r in ledger.rows(limit=10)) == ["good-1", "good-2"]
+    finally:
+        ledger.close()

@@ -171,6 +171,14 @@ class EmbeddingService:
                 job.future.set_exception(EngineNotReady("embedding service stopped"))
         self.state = "stopped"
 
+    def mark_in_use(self) -> None:
+        """Refresh the loaded export's mtime, so that `prune_exports` run by another
+        install sharing the cache directory sees it is in use (blocking file I/O)."""
+        model_file = self._backend.model_file if self._backend is not None else None
+        if model_file:
+            with contextlib.suppress(OSError):
+                os.utime(model_file)
+
     # -- encoding --------------------------------------------------------------------------
     def encode(self, texts: list[str]) -> tuple[np.ndarray, list[int]]:
         """Blocking: unit-normalised float32 vectors and token counts, unbatched with

@@ -205,6 +205,8 @@ class Gateway:
                     log.info("trace retention removed %d records", n)
             except Exception as exc:  # retention must never take the gateway down
                 log.warning("trace retention failed: %s", exc)
+            if self.embedder is not None:
+                await loop.run_in_executor(None, self.embedder.mark_in_use)
             await asyncio.sleep(obs.retention_interval_s)
 
     def enforce_retention(self, now: float | None = None) -> int:
@@ -274,7 +276,6 @@ class Gateway:
             principal=principal,
             headers=headers,
         )
-        self.active += 1
         planned = headers.get("x-task-planned-steps")
         if planned is not None and planned.isdigit():
             ctx.planned_steps = int(planned)
@@ -303,6 +304,7 @@ class Gateway:
                     param="x-request-timeout",
                 )
             ctx.deadline = received + min(deadline_s, asked)
+        self.active += 1  # last: a context that raised above is never finished
         return ctx
 
     # -- stages ---------------------------------------------------------------
@@ -470,9 +472,10 @@ class Gateway:
             and keys is not None
             and verdict.lookup
             and verdict.mode == "enforce"
-            and self.cache.has_exact(keys)
+            and self.cache.has_exact(keys, now=time.time() + 1.0)
         ):
-            # The cache stage will answer with this entry; nothing needs the vector.
+            # The cache stage will answer with this entry (alive for at least another
+            # second, so it cannot expire in between); nothing needs the vector.
             ctx.record("embed", "skip", "an exact cache entry answers this request", t)
             return
         query = last_user_text(ctx.masked_body or ctx.body)

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import threading
 import time
@@ -284,7 +285,21 @@ def _completion_tokens(counter: _TokenCounter, finish: str | None) -> int:
     return max(0, counter.steps - (1 if finish == "stop" else 0))
 
 
+def _tie_to_gateway() -> None:
+    """The gateway owns this process: it stops it with SIGTERM. Ctrl-C in a terminal
+    reaches the whole process group, so SIGINT is blocked here (the gateway's own
+    shutdown stops the worker); and if the gateway dies without stopping it, the
+    kernel sends SIGTERM (Linux), so no orphan keeps a model in memory."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
 def main(argv: list[str] | None = None) -> None:
+    _tie_to_gateway()
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--gguf", default="auto")
     ap.add_argument("--ctx", type=int, default=4096)

@@ -1,21 +1,28 @@
 """The usage ledger: one row per finished request, committed by a writer process.
 
 Rows are group-committed: what finishes within `flush_s` (default 20 ms) of the first
-queued row is serialised once, on the caller's thread, and sent down a pipe to the
-writer process (`ledger_writer.py`), which commits it in one transaction. A crash
-therefore loses the rows of requests still in flight plus at most the last `flush_s`
-of finished ones; a row is inserted whole or not at all (with its trace). Committing
-each row on its own cost more CPU than serving the request, and a writer thread in
-this process made the event loop hand the GIL back and forth with it several times
-per request.
+queued row is serialised once, on the event loop, and handed to a sender thread that
+writes it down a pipe to the writer process (`ledger_writer.py`), which commits it in
+one transaction. A crash therefore loses the rows of requests still in flight plus at
+most the last `flush_s` of finished ones (and what the pipe held); a row is inserted
+whole or not at all (with its trace).
 
-Without a running event loop (the CLI, tests) rows wait for `flush()`, `close()` or a
-full batch.
+Why a process: a writer thread in this process made the event loop hand the GIL back
+and forth with it on every SQLite call (~3.5 futex calls per request). Why a sender
+thread: a pipe write blocks when the writer stalls (SQLite waits up to 10 s for a lock
+another connection holds), and the event loop must never wait for that. The thread
+only moves bytes: one wake-up per batch. Batches wait in memory while the writer is
+slow (up to `_MAX_QUEUED_BYTES`, then they are dropped and logged); a writer that dies
+is started again, with a growing pause if it keeps dying.
+
+Without a running event loop (the CLI, tests) rows wait for `flush()`, `close()`, a
+full batch or interpreter exit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import fcntl
 import logging
@@ -26,6 +33,8 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +48,10 @@ from switchyard.pipeline import RequestContext
 log = logging.getLogger("switchyard.ledger")
 
 _MAX_BATCH = 512  # rows per frame
-_PIPE_BYTES = 1 << 20  # ~450 traced requests queued before a send would wait
+_MAX_QUEUED_BYTES = 64 << 20  # batches waiting for a stalled writer (~30k traced rows)
+_PIPE_BYTES = 1 << 20
 _SEQ = struct.Struct(">Q")
+_STOP_ITEM = (b"", -1)
 
 
 @dataclass(slots=True)
@@ -96,6 +107,21 @@ def _dumps(entries: list[tuple[tuple[Any, ...], dict[str, Any] | None]]) -> byte
     return orjson.dumps(entries, default=str, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
+def _entries(batch: list[Finished]) -> list[tuple[tuple[Any, ...], dict[str, Any] | None]]:
+    """Each request's entry; one that cannot be built or serialised is logged and left
+    out rather than costing the rest of the batch."""
+    out = []
+    for f in batch:
+        try:
+            entry = f.entry()
+            _dumps([entry])  # fails here, alone, if it cannot be serialised
+        except Exception:
+            log.exception("ledger row of %s dropped: it could not be built", f.ctx.request_id)
+            continue
+        out.append(entry)
+    return out
+
+
 def _read(fd: int, n: int) -> bytes | None:
     data = b""
     while len(data) < n:
@@ -111,14 +137,27 @@ class UsageLedger:
         self.path = sqlite_path
         self.flush_s = flush_s
         connect(sqlite_path).close()  # the schema exists before anyone reads
+        self._lock = threading.Lock()  # _batch, _timer, _queued
         self._batch: list[Finished] = []
         self._timer: asyncio.TimerHandle | None = None
-        self._lock = threading.Lock()  # one sender at a time on the pipe
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
+        self._outbox: deque[tuple[bytes, int]] = deque()  # frames for the sender thread
+        self._queued = 0  # bytes in the outbox
+        self._kick = threading.Event()
+        self._flush_lock = threading.Lock()
         self._seq = 0
         self._closed = False
+        self.dropped = 0  # rows lost to a stalled or failing writer (logged)
+        self._failures = 0  # writer deaths in a row, each soon after its start
+        self._spawned_at = 0.0
         self._proc = self._spawn()
+        self._sender = threading.Thread(target=self._send_loop, name="ledger-sender", daemon=True)
+        self._sender.start()
+        ref = weakref.ref(self)
+        atexit.register(lambda: (lambda led: led.close() if led is not None else None)(ref()))
 
     def _spawn(self) -> subprocess.Popen[bytes]:
+        self._spawned_at = time.monotonic()
         proc = subprocess.Popen(
             [sys.executable, "-m", "switchyard.observe.ledger_writer", self.path],
             stdin=subprocess.PIPE,
@@ -129,81 +168,141 @@ class UsageLedger:
             fcntl.fcntl(proc.stdin.fileno(), 1031, _PIPE_BYTES)  # F_SETPIPE_SZ
         return proc
 
+    # -- the event loop's side ---------------------------------------------------------
     def record(self, finished: Finished) -> None:
         """Queue a settled request; its usage row and (optionally) its trace are
         committed in the same transaction."""
         with self._lock:
             self._batch.append(finished)
-            first, full = len(self._batch) == 1, len(self._batch) >= _MAX_BATCH
-        if full:
+            full = len(self._batch) >= _MAX_BATCH
+            timed = self._timer is not None
+        if full or self.flush_s <= 0:
             self._send_batch()
-        elif first and self.flush_s > 0:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                return  # no loop: sent by flush(), close() or a full batch
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop: sent by flush(), close(), a full batch or exit
+        if timed and self._timer_loop is loop:
+            return
+        with self._lock:  # first row of a batch, or the timer's loop is gone
             self._timer = loop.call_later(self.flush_s, self._send_batch)
-        elif first:
-            self._send_batch()
+            self._timer_loop = loop
 
     def _send_batch(self) -> None:
+        """Serialise the queued rows into one frame for the sender thread. A timer
+        firing for a batch that was already sent finds nothing to do."""
         with self._lock:
             batch, self._batch = self._batch, []
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            if batch:
-                # Built here, once per batch, rather than as each request settles: at
-                # one client the next request would wait for it.
-                self._send(frame(BATCH, _dumps([f.entry() for f in batch])), len(batch))
+            self._timer = None
+        if not batch:
+            return
+        entries = _entries(batch)
+        if not entries:
+            return
+        data = frame(BATCH, _dumps(entries))
+        with self._lock:
+            if self._queued + len(data) > _MAX_QUEUED_BYTES:
+                self.dropped += len(entries)
+                log.error(
+                    "ledger writer is %d MB behind: %d rows dropped (%d so far)",
+                    self._queued >> 20,
+                    len(entries),
+                    self.dropped,
+                )
+                return
+            self._queued += len(data)
+            self._outbox.append((data, len(entries)))
+        self._kick.set()
 
-    def _send(self, data: bytes, rows: int) -> None:
-        """Write to the writer (lock held); a writer that died is started again once."""
-        for attempt in (1, 2):
+    # -- the sender thread ---------------------------------------------------------------
+    def _send_loop(self) -> None:
+        while True:
+            self._kick.wait()
+            self._kick.clear()
+            while self._outbox:
+                data, rows = self._outbox.popleft()
+                if rows < 0:  # close()
+                    self._write(frame(STOP), 0)
+                    with contextlib.suppress(Exception):
+                        assert self._proc.stdin is not None
+                        self._proc.stdin.close()
+                    return
+                if rows > 0:  # a batch (flush frames are not counted)
+                    with self._lock:
+                        self._queued -= len(data)
+                self._write(data, rows)
+
+    def _write(self, data: bytes, rows: int) -> None:
+        """Write one frame (sender thread); a writer that died is started again, with a
+        pause growing to 30 s while it keeps dying, and the frame goes to the new one."""
+        while True:
             stdin = self._proc.stdin
             try:
                 assert stdin is not None
                 stdin.write(data)
                 stdin.flush()
                 return
-            except (BrokenPipeError, ValueError, OSError) as exc:
-                if self._closed or attempt == 2:
-                    log.error("ledger writer unavailable (%s): %d rows lost", exc, rows)
+            except (BrokenPipeError, ValueError, OSError, AssertionError) as exc:
+                if self._closed:
+                    self.dropped += rows
+                    log.error("ledger writer gone at close (%s): %d rows lost", exc, rows)
                     return
-                log.error("ledger writer exited (%s); starting it again", exc)
+                # A writer that dies within seconds of starting will likely do so again.
+                quick = time.monotonic() - self._spawned_at < 5.0
+                self._failures = self._failures + 1 if quick else 1
+                pause = min(30.0, 0.1 * 2 ** (self._failures - 1)) if self._failures > 1 else 0
+                log.error(
+                    "ledger writer exited (%s, code %s); rows it had not committed are "
+                    "lost; starting it again%s",
+                    exc,
+                    self._proc.poll(),
+                    f" in {pause:.1f} s" if pause else "",
+                )
                 with contextlib.suppress(Exception):
                     self._proc.kill()
-                self._proc = self._spawn()
+                    self._proc.wait(5)
+                time.sleep(pause)
+                try:
+                    self._proc = self._spawn()
+                except OSError as spawn_exc:
+                    log.error("could not start the ledger writer: %s", spawn_exc)
 
+    # -- flush and close ---------------------------------------------------------------
     def flush(self, timeout_s: float = 10.0) -> None:
-        """Wait until every row queued before this call is committed."""
+        """Wait until every row queued before this call is committed (or `timeout_s`)."""
         self._send_batch()
-        with self._lock:
+        with self._flush_lock:
             self._seq += 1
             seq = self._seq
-            self._send(frame(FLUSH, _SEQ.pack(seq)), 0)
-            stdout = self._proc.stdout
-            assert stdout is not None
+            self._outbox.append((frame(FLUSH, _SEQ.pack(seq)), 0))
+            self._kick.set()
             deadline = time.monotonic() + timeout_s
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([stdout], [], [], left)[0]:
-                    log.warning("ledger flush timed out after %.1f s", timeout_s)
-                    return
+            while (left := deadline - time.monotonic()) > 0:
+                proc = self._proc
+                stdout = proc.stdout
+                assert stdout is not None
+                poller = select.poll()
+                poller.register(stdout.fileno(), select.POLLIN)
+                if not poller.poll(min(left, 0.2) * 1000):
+                    continue  # (the writer may have been replaced meanwhile)
                 ack = _read(stdout.fileno(), HEADER.size + _SEQ.size)
-                if ack is None:
-                    return  # the writer is gone; its rows were reported when sent
+                if ack is None:  # that writer is gone; wait for its successor's answer
+                    while self._proc is proc and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    continue
                 if _SEQ.unpack(ack[HEADER.size :])[0] >= seq:
                     return
+            log.warning("ledger flush timed out after %.1f s", timeout_s)
 
     def close(self) -> None:
+        if self._closed:
+            return
         self._send_batch()
-        with self._lock:
-            self._closed = True
-            self._send(frame(STOP), 0)
-            with contextlib.suppress(Exception):
-                assert self._proc.stdin is not None
-                self._proc.stdin.close()
+        self._closed = True
+        self._outbox.append(_STOP_ITEM)
+        self._kick.set()
+        self._sender.join(15)
         try:
             self._proc.wait(10)
         except subprocess.TimeoutExpired:

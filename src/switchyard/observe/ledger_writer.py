@@ -18,6 +18,7 @@ Frames on stdin: one kind byte, a 4-byte big-endian length, the payload.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import sqlite3
@@ -97,8 +98,12 @@ def read_frame(stream: BinaryIO) -> tuple[bytes, bytes] | None:
 
 def write_batch(conn: sqlite3.Connection, entries: list[list[Any]]) -> bool:
     """Commit one batch: every usage row and trace, or (after retries) none of them."""
-    rows = [row for row, _ in entries]
-    traces = [insert_args(record) for _, record in entries if record is not None]
+    try:
+        rows = [row for row, _ in entries]
+        traces = [insert_args(record) for _, record in entries if record is not None]
+    except Exception:  # a malformed batch must not end the writer
+        log.exception("dropped a malformed batch of %d entries", len(entries))
+        return False
     for attempt in range(3):
         try:
             conn.execute("BEGIN IMMEDIATE")
@@ -108,8 +113,9 @@ def write_batch(conn: sqlite3.Connection, entries: list[list[Any]]) -> bool:
             conn.execute("COMMIT")
             return True
         except sqlite3.Error as exc:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
+            with contextlib.suppress(sqlite3.Error):
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
             log.error("ledger write failed (attempt %d): %s", attempt + 1, exc)
             time.sleep(0.05 * (attempt + 1))
     log.error("dropped %d usage rows after repeated write failures", len(rows))

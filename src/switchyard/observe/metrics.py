@@ -136,6 +136,7 @@ class Metrics:
         self._cache = _Children(self.cache)
         self.fold_s = 0.02
         self._pending: list[tuple[RequestContext, str, int, int, float]] = []
+        self._fold_loop: asyncio.AbstractEventLoop | None = None
 
     def observe(self, ctx: RequestContext, status: str, inp: int, out: int, cost: float) -> None:
         """Record one finished request. Under an event loop it is folded into the
@@ -143,13 +144,14 @@ class Metrics:
         before a scrape, so a request that has just finished pays for none of it."""
         pending = self._pending
         pending.append((ctx, status, inp, out, cost))
-        if len(pending) > 1:
-            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             self.fold()
             return
+        if len(pending) > 1 and self._fold_loop is loop:
+            return  # a fold is already scheduled on this loop
+        self._fold_loop = loop
         loop.call_later(self.fold_s, self.fold)
 
     def fold(self) -> None:
