@@ -103,23 +103,18 @@ class Finished:
         return self.usage_row(), trace_record(self.ctx, usage, self.ctx.planned_steps)
 
 
-def _dumps(entries: list[tuple[tuple[Any, ...], dict[str, Any] | None]]) -> bytes:
-    return orjson.dumps(entries, default=str, option=orjson.OPT_SERIALIZE_NUMPY)
-
-
-def _entries(batch: list[Finished]) -> list[tuple[tuple[Any, ...], dict[str, Any] | None]]:
-    """Each request's entry; one that cannot be built or serialised is logged and left
-    out rather than costing the rest of the batch."""
-    out = []
+def _batch_json(batch: list[Finished]) -> tuple[bytes, int]:
+    """The batch as one JSON array, each request serialised once and on its own: one
+    that cannot be built or serialised is logged and left out rather than costing the
+    rest of the batch. Returns the array and how many rows it holds."""
+    parts = []
     for f in batch:
         try:
             entry = f.entry()
-            _dumps([entry])  # fails here, alone, if it cannot be serialised
+            parts.append(orjson.dumps(entry, default=str, option=orjson.OPT_SERIALIZE_NUMPY))
         except Exception:
             log.exception("ledger row of %s dropped: it could not be built", f.ctx.request_id)
-            continue
-        out.append(entry)
-    return out
+    return b"[" + b",".join(parts) + b"]", len(parts)
 
 
 def _read(fd: int, n: int) -> bytes | None:
@@ -197,22 +192,22 @@ class UsageLedger:
             self._timer = None
         if not batch:
             return
-        entries = _entries(batch)
-        if not entries:
+        payload, rows = _batch_json(batch)
+        if not rows:
             return
-        data = frame(BATCH, _dumps(entries))
+        data = frame(BATCH, payload)
         with self._lock:
             if self._queued + len(data) > _MAX_QUEUED_BYTES:
-                self.dropped += len(entries)
+                self.dropped += rows
                 log.error(
                     "ledger writer is %d MB behind: %d rows dropped (%d so far)",
                     self._queued >> 20,
-                    len(entries),
+                    rows,
                     self.dropped,
                 )
                 return
             self._queued += len(data)
-            self._outbox.append((data, len(entries)))
+            self._outbox.append((data, rows))
         self._kick.set()
 
     # -- the sender thread ---------------------------------------------------------------
