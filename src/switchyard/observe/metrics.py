@@ -144,13 +144,14 @@ class Metrics:
         before a scrape, so a request that has just finished pays for none of it."""
         pending = self._pending
         pending.append((ctx, status, inp, out, cost))
+        scheduled = self._fold_loop
+        if len(pending) > 1 and scheduled is not None and not scheduled.is_closed():
+            return  # a fold is already scheduled (no loop lookup: it costs a syscall)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             self.fold()
             return
-        if len(pending) > 1 and self._fold_loop is loop:
-            return  # a fold is already scheduled on this loop
         self._fold_loop = loop
         loop.call_later(self.fold_s, self.fold)
 
