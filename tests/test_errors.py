@@ -132,3 +132,41 @@ def test_bad_request_timeout_header_is_400(default_gateway: Gateway) -> None:
     )
     assert r.status_code == 400
     assert _error(r)["param"] == "x-request-timeout"
+
+
+def test_fast_routes_map_their_own_errors(caplog: pytest.LogCaptureFixture) -> None:
+    """The model routes skip FastAPI's stack (GatewayApp), so they map errors themselves:
+    a SwitchyardError keeps its status and body; anything else is a 500 with the
+    OpenAI error body, no trace for the client and the traceback in the log."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from switchyard.api.app import GatewayApp
+    from switchyard.errors import InvalidRequest
+
+    async def boom(request: Request) -> Any:
+        raise RuntimeError("secret internals")
+
+    async def bad(request: Request) -> Any:
+        raise InvalidRequest("no good", param="x")
+
+    app = GatewayApp()
+    app.fast = {"/boom": boom, "/bad": bad}
+
+    async def main() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return [
+                await client.post("/boom", headers={"x-request-id": "r-1"}),
+                await client.post("/bad"),
+                await client.get("/bad"),  # not a fast route for GET: FastAPI's 404
+            ]
+
+    with caplog.at_level("ERROR", logger="switchyard.api"):
+        boom_r, bad_r, get_r = asyncio.run(main())
+    assert boom_r.status_code == 500 and _error(boom_r)["type"] == "server_error"
+    assert "secret internals" not in boom_r.text and boom_r.headers["x-request-id"] == "r-1"
+    assert any("secret internals" in (r.exc_text or "") for r in caplog.records)
+    assert bad_r.status_code == 400 and _error(bad_r)["param"] == "x"
+    assert get_r.status_code == 404
