@@ -513,6 +513,63 @@ def test_metrics_fold_after_the_request_and_always_before_a_scrape() -> None:
     assert 'switchyard_inter_chunk_seconds_count{model="unknown"} 2.0' in text
 
 
+def test_a_batched_fold_exposes_what_one_by_one_updates_would() -> None:
+    """Many requests folded at once: every counter and histogram line equals what
+    prometheus_client's own inc/observe, called per request, produces."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from switchyard.observe.metrics import LATENCY_BUCKETS, Metrics, observe_many
+
+    metrics = Metrics()
+    reg = CollectorRegistry()
+    requests = Counter("switchyard_requests", "x", ["model", "tenant", "status"], registry=reg)
+    e2e = Histogram(
+        "switchyard_request_duration_seconds",
+        "x",
+        ["model"],
+        buckets=LATENCY_BUCKETS,
+        registry=reg,
+    )
+    itl = Histogram(
+        "switchyard_inter_chunk_seconds", "x", ["model"], buckets=LATENCY_BUCKETS, registry=reg
+    )
+    durations = [0.0005, 0.001, 0.0011, 0.0025, 0.7, 5.0, 75.0, 0.001]  # on and past bounds
+    for i, d in enumerate(durations):
+        f = _finished(f"b-{i}")
+        f.ctx.alias, f.ctx.chunk_gaps = "m", [d / 2, d / 3]
+        f.ctx.timings.ended = f.ctx.timings.received + d
+        metrics._pending.append((f.ctx, "ok" if i % 3 else "error", 0, 0, 0.0))
+        requests.labels("unknown", "none", "ok" if i % 3 else "error").inc()
+        e2e.labels("unknown").observe(f.ctx.timings.ended - f.ctx.timings.received)
+        for gap in f.ctx.chunk_gaps:
+            itl.labels("unknown").observe(gap)
+    metrics.fold()
+
+    def lines(text: bytes, prefixes: tuple[str, ...]) -> list[str]:
+        out = [ln for ln in text.decode().splitlines() if ln.startswith(prefixes)]
+        return sorted(ln for ln in out if "_created" not in ln)
+
+    names = (
+        "switchyard_requests_total",
+        "switchyard_request_duration_seconds",
+        "switchyard_inter_chunk_seconds",
+    )
+    got, want = lines(metrics.exposition(), names), lines(generate_latest(reg), names)
+    assert len(want) == 2 + 2 * (len(LATENCY_BUCKETS) + 3)
+    assert got == want
+
+    class Plain:  # a histogram without prometheus_client's layout: observed one by one
+        def __init__(self) -> None:
+            self.seen: list[float] = []
+
+        def observe(self, v: float) -> None:
+            self.seen.append(v)
+
+    plain = Plain()
+    observe_many(plain, [1.0, 2.0])
+    assert plain.seen == [1.0, 2.0]
+
+
 @pytest.mark.parametrize("stop", ["ctrl-c", "kill-9"])
 def test_stopping_the_gateway_leaves_no_process_and_ctrl_c_loses_no_row(
     tmp_path: Path, scripted: Scripted, stop: str

@@ -73,6 +73,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=port,
         log_level="warning",
         access_log=False,
+        # Nothing here reads the client's address, so uvicorn need not rewrite it from
+        # X-Forwarded-* on every request (a per-request header scan: ~2 % of the loop).
+        proxy_headers=False,
+        server_header=False,
         timeout_graceful_shutdown=5,
     )
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from bisect import bisect_left
 from typing import Any
 
 from prometheus_client import (
@@ -74,6 +75,61 @@ class _Children:
         return kid
 
 
+def observe_many(child: Any, values: list[float]) -> None:
+    """`child.observe(v)` for each value, as one update per touched bucket and one for
+    the sum: prometheus_client takes a lock per bucket and per sum on every observe.
+    Falls back to observing one by one if the histogram's layout is not the one this
+    was written against (prometheus_client 0.2x)."""
+    bounds = getattr(child, "_upper_bounds", None)
+    buckets = getattr(child, "_buckets", None)
+    total = getattr(child, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for v in values:
+            child.observe(v)
+        return
+    counts = [0] * len(bounds)
+    summed = 0.0
+    for v in values:
+        if v != v:  # NaN: observe() counts it in no bucket
+            continue
+        counts[bisect_left(bounds, v)] += 1  # the first bound >= v, as observe() picks
+        summed += v
+    total.inc(summed)
+    for i, n in enumerate(counts):
+        if n:
+            buckets[i].inc(n)
+
+
+class _Batch:
+    """One fold's updates, summed per label child before any reaches prometheus_client:
+    a fold holds every request that finished in the last `fold_s`, and most of them
+    share their labels."""
+
+    __slots__ = ("counts", "values")
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[_Children, tuple[str, ...]], float] = {}
+        self.values: dict[tuple[_Children, tuple[str, ...]], list[float]] = {}
+
+    def inc(self, kids: _Children, labels: tuple[str, ...], n: float = 1.0) -> None:
+        key = (kids, labels)
+        self.counts[key] = self.counts.get(key, 0.0) + n
+
+    def observe(self, kids: _Children, labels: tuple[str, ...], v: float) -> None:
+        key = (kids, labels)
+        got = self.values.get(key)
+        if got is None:
+            self.values[key] = [v]
+        else:
+            got.append(v)
+
+    def apply(self) -> None:
+        for (kids, labels), n in self.counts.items():
+            kids(*labels).inc(n)
+        for (kids, labels), values in self.values.items():
+            observe_many(kids(*labels), values)
+
+
 class Metrics:
     def __init__(self) -> None:
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
@@ -134,6 +190,10 @@ class Metrics:
         self._tokens = _Children(self.tokens)
         self._cost = _Children(self.cost)
         self._cache = _Children(self.cache)
+        self._retries = _Children(self.retries)
+        self._routes = _Children(self.routes)
+        self._fallbacks = _Children(self.fallbacks)
+        self._rejections = _Children(self.rejections)
         self.fold_s = 0.02
         self._pending: list[tuple[RequestContext, str, int, int, float]] = []
         self._fold_loop: asyncio.AbstractEventLoop | None = None
@@ -158,56 +218,60 @@ class Metrics:
     def fold(self) -> None:
         """Apply every queued observation."""
         pending, self._pending = self._pending, []
+        batch = _Batch()
         for args in pending:
             try:
-                self._observe(*args)
+                self._observe(batch, *args)
             except Exception:  # one bad record must not cost the others theirs
                 log.exception("could not record metrics of %s", args[0].request_id)
+        batch.apply()
 
-    def _observe(self, ctx: RequestContext, status: str, inp: int, out: int, cost: float) -> None:
+    def _observe(
+        self, b: _Batch, ctx: RequestContext, status: str, inp: int, out: int, cost: float
+    ) -> None:
         model = ctx.deployment.alias if ctx.deployment is not None else (ctx.alias or "unknown")
         if ctx.model is None and ctx.deployment is None:
             model = "unknown"  # never label with a client-supplied, unvalidated name
         tenant = ctx.principal.tenant_id if ctx.principal is not None else "none"
         t = ctx.timings
-        self._requests(model, tenant, status).inc()
+        b.inc(self._requests, (model, tenant, status))
         if t.ended is not None:
-            self._e2e(model).observe(t.ended - t.received)
+            b.observe(self._e2e, (model,), t.ended - t.received)
         if t.client_first_byte is not None:
-            self._ttft(model).observe(t.client_first_byte - t.received)
+            b.observe(self._ttft, (model,), t.client_first_byte - t.received)
         if ctx.queue_ms is not None:
-            self._queue(model).observe(ctx.queue_ms / 1000)
+            b.observe(self._queue, (model,), ctx.queue_ms / 1000)
         retried = False
         for d in ctx.decisions:
             if d.stage == "attempt" and not d.outcome.startswith("skip"):
                 outcome = "ok" if d.outcome == "ok" else d.outcome.split(":", 1)[-1]
                 alias = (d.evidence or {}).get("alias", model)
-                self._attempts(str(alias), outcome).inc()
+                b.inc(self._attempts, (str(alias), outcome))
             elif d.stage == "retry" and d.outcome == "backoff":
                 retried = True
-                self.retries.labels(model).inc()
+                b.inc(self._retries, (model,))
             elif d.stage == "route":
-                self.routes.labels(d.outcome).inc()
+                b.inc(self._routes, (d.outcome,))
         if ctx.fallback_from is not None:
-            self.fallbacks.labels(ctx.fallback_from, model).inc()
+            b.inc(self._fallbacks, (ctx.fallback_from, model))
         if status == "ok" and ctx.attempts:
             after = "fallback" if ctx.fallback_from else ("retry" if retried else "first_attempt")
-            self._success(model, after).inc()
+            b.inc(self._success, (model, after))
         kind = REJECTION_CODES.get(ctx.error_code or "")
         if kind is not None:
-            self.rejections.labels(kind).inc()
+            b.inc(self._rejections, (kind,))
         if inp:
-            self._tokens(model, "input").inc(inp)
+            b.inc(self._tokens, (model, "input"), inp)
         if out:
-            self._tokens(model, "output").inc(out)
+            b.inc(self._tokens, (model, "output"), out)
         if cost:
-            self._cost(model, tenant).inc(cost)
+            b.inc(self._cost, (model, tenant), cost)
         if ctx.cache is not None:
-            self._cache(ctx.cache).inc()
+            b.inc(self._cache, (ctx.cache,))
         if ctx.chunk_gaps:
-            itl = self._itl(ctx.deployment.alias if ctx.deployment is not None else "unknown")
+            itl = (ctx.deployment.alias if ctx.deployment is not None else "unknown",)
             for gap in ctx.chunk_gaps:
-                itl.observe(gap)
+                b.observe(self._itl, itl, gap)
 
     def set_breakers(self, states: dict[str, Any]) -> None:
         for model, state in states.items():
