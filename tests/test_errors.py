@@ -128,10 +128,18 @@ def test_bad_request_timeout_header_is_400(default_gateway: Gateway) -> None:
         default_gateway,
         "/v1/chat/completions",
         json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
-        headers={"x-request-timeout": "soon"},
+        headers={"x-request-timeout": "soon", "x-request-id": "bad-timeout-1"},
     )
     assert r.status_code == 400
     assert _error(r)["param"] == "x-request-timeout"
+    # Refused like any bad input: settled, with its usage row and trace.
+    rec = httpx.get(
+        default_gateway.url + "/admin/requests/bad-timeout-1", headers=default_gateway.admin
+    )
+    assert rec.status_code == 200, rec.text
+    got = rec.json()
+    assert got["status"] == "error" and got["error_code"] == "invalid_request"
+    assert [d["stage"] for d in got["decisions"]] == ["authenticate"]
 
 
 def test_fast_routes_map_their_own_errors(caplog: pytest.LogCaptureFixture) -> None:

@@ -292,20 +292,27 @@ class Gateway:
             received,
             {"tenant": principal.tenant_id, "key": principal.key_id},
         )
-        timeout = headers.get("x-request-timeout")
-        if timeout is not None:
-            try:
-                asked = float(timeout)
-            except ValueError:
-                asked = -1.0
-            if not 0 < asked < 86400:
-                raise InvalidRequest(
-                    "x-request-timeout must be a number of seconds greater than 0",
-                    param="x-request-timeout",
-                )
-            ctx.deadline = received + min(deadline_s, asked)
-        self.active += 1  # last: a context that raised above is never finished
+        self.active += 1
         return ctx
+
+    def apply_request_timeout(self, ctx: RequestContext) -> None:
+        """Shorten the deadline to the client's `x-request-timeout`. Called inside the
+        request's handling, so a bad value is refused like any bad input: settled,
+        with its usage row, trace and span."""
+        timeout = ctx.headers.get("x-request-timeout") if ctx.headers is not None else None
+        if timeout is None:
+            return
+        try:
+            asked = float(timeout)
+        except ValueError:
+            asked = -1.0
+        if not 0 < asked < 86400:
+            raise InvalidRequest(
+                "x-request-timeout must be a number of seconds greater than 0",
+                param="x-request-timeout",
+            )
+        received = ctx.timings.received
+        ctx.deadline = received + min(self.settings.server.default_deadline_s, asked)
 
     # -- stages ---------------------------------------------------------------
     def _authorize(self, ctx: RequestContext) -> None:

@@ -119,6 +119,7 @@ def build_routes(gw: Gateway) -> list[Route]:
         request.scope[CTX_KEY] = ctx  # for the error mapping (app.py)
         handed_off = False
         try:
+            gw.apply_request_timeout(ctx)
             raw = await read_body(request, max_body, headers.get("content-length"))
             body = parse_json(raw)
             if endpoint == "chat.completions":
