@@ -55,3 +55,35 @@ def test_medians_decide_and_each_round_reports_its_own_ratio() -> None:
     lat = c1["per_round"]["added_p50_ratio"]
     assert lat == pytest.approx([1.0 / 0.7, 2.0 / 1.4, 1.4 / 0.7])
     assert c32["per_round"]["rps_ratio"] == pytest.approx([0.8, 0.8, 0.7])
+
+
+@pytest.mark.parametrize("bare", [False, True])
+def test_the_floor_relays_bytes_as_they_are(scripted: Any, bare: bool) -> None:
+    """Both floors (through FastAPI's stack, and served from the ASGI call) forward
+    the body and return the upstream's reply unchanged, streamed or not; other
+    routes are still FastAPI's (404)."""
+    import sys
+
+    import httpx
+
+    from conftest import Proc, free_port, wait_http
+
+    port = free_port()
+    argv = [sys.executable, "-m", "switchyard.bench.passthrough_proxy", "--port", str(port)]
+    argv += ["--upstream", scripted.url + "/v1", *(["--bare"] if bare else [])]
+    proc = Proc(argv, "floor")
+    try:
+        wait_http(f"http://127.0.0.1:{port}/nothing", proc, status=404)
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        for stream in (False, True):
+            sent = {**body, "stream": stream}
+            direct = httpx.post(scripted.url + "/v1/chat/completions", json=sent)
+            floor = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=sent)
+            assert floor.status_code == direct.status_code == 200
+            assert floor.headers["content-type"] == direct.headers["content-type"]
+            norm = [ln for ln in floor.text.splitlines() if '"created"' not in ln]
+            want = [ln for ln in direct.text.splitlines() if '"created"' not in ln]
+            assert norm == want and (stream is False or "data: [DONE]" in floor.text)
+        assert ("server" in floor.headers) is not bare
+    finally:
+        proc.stop()

@@ -44,6 +44,11 @@ from typing import Any
 import switchyard
 
 TARGETS = ("direct", "floor", "switchyard")
+FLOORS = {
+    "fastapi": "passthrough proxy (FastAPI + aiohttp)",
+    "bare": "passthrough proxy (uvicorn + Starlette request/response from the ASGI call, "
+    "no FastAPI stack, no proxy headers + aiohttp)",
+}
 CONCURRENCIES = (1, 32)
 LATENCY_RATIO_MAX = 1.5  # Switchyard added p50 / floor added p50, at concurrency 1
 THROUGHPUT_RATIO_MIN = 0.70  # Switchyard req/s / floor req/s, at concurrency 32
@@ -289,7 +294,12 @@ def config_yaml(switchyard_port: int, upstream_port: int, db_path: Path) -> str:
 
 
 def start_targets(
-    workdir: Path, tokens: int, max_tokens: int, timeout_s: float, children: list[Child]
+    workdir: Path,
+    tokens: int,
+    max_tokens: int,
+    timeout_s: float,
+    children: list[Child],
+    bare_floor: bool = False,
 ) -> dict[str, str]:
     """Start upstream, floor and Switchyard; return each target's chat URL once it works.
 
@@ -333,6 +343,7 @@ def start_targets(
             str(floor_port),
             "--upstream",
             up_base + "/v1",
+            *(["--bare"] if bare_floor else []),
         ],
         workdir,
     )
@@ -625,6 +636,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=16, help="tokens the upstream answers")
     parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds")
     parser.add_argument("--wrk", default="wrk", help="the wrk binary")
+    parser.add_argument(
+        "--floor",
+        choices=sorted(FLOORS),
+        default="fastapi",
+        help="fastapi: the proxy's routes go through FastAPI's stack (the floor the targets "
+        "are stated against); bare: served from the ASGI call, as Switchyard's model "
+        "routes are (the stricter floor)",
+    )
     parser.add_argument("--out", default=None, help="JSON result path")
     parser.add_argument(
         "--policy",
@@ -654,7 +673,10 @@ def _start(
     for stream in (False, True):
         plain[stream] = workdir / ("chat-stream.lua" if stream else "chat.lua")
         plain[stream].write_text(wrk_script(chat_body(stream, args.tokens)))
-    urls = start_targets(workdir, args.tokens, args.tokens, args.startup_timeout, children)
+    bare = getattr(args, "floor", "fastapi") == "bare"
+    urls = start_targets(
+        workdir, args.tokens, args.tokens, args.startup_timeout, children, bare_floor=bare
+    )
     scripts = {target: plain for target in urls}
     if args.policy:
         for pt in policy.start_policy_targets(workdir, urls, args, children):
@@ -693,7 +715,7 @@ def _result(
             },
             "targets": {
                 "direct": "scripted upstream",
-                "floor": "passthrough proxy (FastAPI + aiohttp)",
+                "floor": FLOORS[getattr(args, "floor", "fastapi")],
                 "switchyard": "switchyard serve, one openai-kind model",
             },
             "criteria": {

@@ -6,6 +6,10 @@ gateway's decisions add. This proxy pays only the first, with the same libraries
 uses (FastAPI on uvicorn, one aiohttp ClientSession with a TCPConnector pool), so
 `switchyard bench overhead` can tell the two apart.
 
+With `--bare` the two routes are served straight from the ASGI call, skipping FastAPI's
+middleware and routing (as Switchyard's own model routes do, `api/app.py`), and uvicorn
+does not rewrite client addresses from proxy headers: the stricter floor.
+
 Bodies go to the upstream byte for byte and replies come back as they are; a reply that is
 an event stream is relayed chunk by chunk as it arrives. Nothing is parsed.
 
@@ -17,12 +21,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import aiohttp
 import orjson
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 # The same timeouts Switchyard applies to an upstream by default.
 TIMEOUT = aiohttp.ClientTimeout(total=300, sock_connect=2, sock_read=60)
@@ -55,7 +61,24 @@ async def _relay(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
             resp.close()
 
 
-def create_app(upstream: str, max_connections: int = 256) -> FastAPI:
+ROUTES = {"/v1/chat/completions": "/chat/completions", "/v1/completions": "/completions"}
+
+
+class _BareApp(FastAPI):
+    forward: Any
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path = ROUTES.get(scope["path"])
+            if path is not None:
+                scope["app"] = self
+                response = await self.forward(Request(scope, receive, send), path)
+                await response(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
+def create_app(upstream: str, max_connections: int = 256, bare: bool = False) -> FastAPI:
     """The proxy app; `upstream` is a base URL such as http://127.0.0.1:9001/v1."""
     base = upstream.rstrip("/")
 
@@ -68,7 +91,7 @@ def create_app(upstream: str, max_connections: int = 256) -> FastAPI:
             app.state.session = session
             yield
 
-    app = FastAPI(
+    app = (_BareApp if bare else FastAPI)(
         title="passthrough", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
 
@@ -90,6 +113,10 @@ def create_app(upstream: str, max_connections: int = 256) -> FastAPI:
             resp.release()
         return Response(data, status_code=resp.status, media_type=ctype)
 
+    if isinstance(app, _BareApp):
+        app.forward = forward
+        return app
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await forward(request, "/chat/completions")
@@ -110,15 +137,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=9002)
     ap.add_argument("--upstream", required=True, help="base URL, e.g. http://127.0.0.1:9001/v1")
     ap.add_argument("--max-connections", type=int, default=256)
+    ap.add_argument(
+        "--bare", action="store_true", help="serve the routes from the ASGI call (see above)"
+    )
     args = ap.parse_args(argv)
     if not args.upstream.startswith(("http://", "https://")):
         ap.error("--upstream must start with http:// or https://")
     uvicorn.run(
-        create_app(args.upstream, args.max_connections),
+        create_app(args.upstream, args.max_connections, args.bare),
         host=args.host,
         port=args.port,
         log_level="warning",
         access_log=False,
+        proxy_headers=not args.bare,
+        server_header=not args.bare,
         timeout_graceful_shutdown=5,
     )
     return 0
