@@ -639,10 +639,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--floor",
         choices=sorted(FLOORS),
-        default="fastapi",
-        help="fastapi: the proxy's routes go through FastAPI's stack (the floor the targets "
-        "are stated against); bare: served from the ASGI call, as Switchyard's model "
-        "routes are (the stricter floor)",
+        default="bare",
+        help="bare: the proxy serves its routes from the ASGI call, as Switchyard's model "
+        "routes are served (like for like, the default); fastapi: they go through "
+        "FastAPI's stack (the floor of runs before 2026-11-29's last round)",
     )
     parser.add_argument("--out", default=None, help="JSON result path")
     parser.add_argument(
@@ -673,7 +673,7 @@ def _start(
     for stream in (False, True):
         plain[stream] = workdir / ("chat-stream.lua" if stream else "chat.lua")
         plain[stream].write_text(wrk_script(chat_body(stream, args.tokens)))
-    bare = getattr(args, "floor", "fastapi") == "bare"
+    bare = getattr(args, "floor", "bare") == "bare"
     urls = start_targets(
         workdir, args.tokens, args.tokens, args.startup_timeout, children, bare_floor=bare
     )
@@ -715,7 +715,7 @@ def _result(
             },
             "targets": {
                 "direct": "scripted upstream",
-                "floor": FLOORS[getattr(args, "floor", "fastapi")],
+                "floor": FLOORS[getattr(args, "floor", "bare")],
                 "switchyard": "switchyard serve, one openai-kind model",
             },
             "criteria": {
