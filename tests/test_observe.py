@@ -712,6 +712,61 @@ def test_a_stalled_ledger_writer_never_blocks_the_event_loop(tmp_path: Path) -> 
         ledger.close()
 
 
+def test_an_async_flush_waits_for_a_stalled_writer_without_blocking_the_loop(
+    tmp_path: Path,
+) -> None:
+    """Admin reads flush the ledger first. With the writer stopped (as if SQLite waited
+    for a lock) the flush waits, then gives up, while the loop keeps running; once the
+    writer resumes, a flush returns with every row committed."""
+    import os
+    import signal
+
+    from switchyard.observe.ledger import UsageLedger
+
+    ledger = UsageLedger(str(tmp_path / "l.db"), flush_s=0.01)
+    writer = ledger._proc
+    for i in range(50):
+        ledger.record(_finished(f"a-{i}"))
+    os.kill(writer.pid, signal.SIGSTOP)
+
+    async def main() -> tuple[bool, float, bool, float]:
+        gaps: list[float] = []
+
+        async def tick() -> None:
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        t0 = time.monotonic()
+        stalled = await ledger.flush_async(timeout_s=0.5)
+        waited = time.monotonic() - t0
+        os.kill(writer.pid, signal.SIGCONT)
+        resumed = await ledger.flush_async(timeout_s=30)
+        ticker.cancel()
+        return stalled, waited, resumed, max(gaps)
+
+    try:
+        stalled, waited, resumed, worst_gap = asyncio.run(main())
+    finally:
+        os.kill(writer.pid, signal.SIGCONT)
+    try:
+        assert stalled is False and waited >= 0.5
+        assert worst_gap < 0.25  # the loop kept turning while the flush waited
+        assert resumed is True
+        conn = sqlite3.connect(tmp_path / "l.db")
+        assert conn.execute("SELECT count(*) FROM usage").fetchone()[0] == 50
+        # Synchronous flushes share the answers: one after the async ones returns.
+        ledger.record(_finished("a-last"))
+        ledger.flush(timeout_s=10)
+        assert conn.execute("SELECT count(*) FROM usage").fetchone()[0] == 51
+    finally:
+        ledger.close()
+
+
 def test_a_ledger_row_that_cannot_be_serialised_costs_only_itself(tmp_path: Path) -> None:
     from switchyard.observe.ledger import UsageLedger
 

@@ -711,7 +711,7 @@ class Gateway:
         deadline = time.monotonic() + timeout_s
         while self.pending_settles > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
-        self.ledger.flush()
+        await self.ledger.flush_async()
 
     async def finish(self, ctx: RequestContext) -> None:
         """Release what the request held, charge what it used, write its usage row.

@@ -19,7 +19,9 @@ started again (after a growing pause if it keeps dying) and gets the frame the d
 one had not finished reading.
 
 Without a running event loop (the CLI, tests) rows wait for `flush()`, `close()`, a
-full batch or interpreter exit.
+full batch or interpreter exit. On the loop, readers that must see every answered
+request (admin reads) await `flush_async()`, which never blocks the loop: a writer
+held up by an SQLite lock delays only them.
 """
 
 from __future__ import annotations
@@ -145,6 +147,8 @@ class UsageLedger:
         self._queued = 0  # bytes in _frames
         self._watching: asyncio.AbstractEventLoop | None = None  # loop with add_writer
         self._seq = 0
+        self._acked = 0  # the highest flush the writer has answered
+        self._resent_for: Any = None  # the dead writer whose flushes were sent again
         self._closed = False
         self.dropped = 0  # rows lost to a stalled or failing writer (logged)
         self._failures = 0  # writer deaths in a row, each soon after its start
@@ -312,32 +316,77 @@ class UsageLedger:
             poller.poll(100)
 
     # -- flush and close -------------------------------------------------------------
-    def flush(self, timeout_s: float = 10.0) -> None:
-        """Wait until every row queued before this call is committed (or `timeout_s`)."""
-        deadline = time.monotonic() + timeout_s
+    def _request_flush(self) -> int:
+        """Queue the pending rows and a flush marker; the marker's sequence number."""
         self._send_batch()
         with self._lock:
             self._seq += 1
             seq = self._seq
         self._enqueue(frame(FLUSH, _SEQ.pack(seq)), 0)
+        return seq
+
+    def _take_acks(self) -> None:
+        """Read the flush answers already waiting, without blocking (each answer is
+        one write of 13 bytes: atomic on a pipe). If the writer died before answering,
+        the latest flush goes again, once, to its successor."""
+        with self._lock:
+            proc = self._proc
+            if proc is None or proc.stdout is None:
+                return
+            fd = proc.stdout.fileno()
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            while poller.poll(0):
+                ack = _read(fd, HEADER.size + _SEQ.size)
+                if ack is None:  # end of the pipe: that writer is gone
+                    break
+                self._acked = max(self._acked, _SEQ.unpack(ack[HEADER.size :])[0])
+            else:
+                return
+            if self._resent_for is proc or self._acked >= self._seq:
+                return
+            self._resent_for = proc
+            seq = self._seq
+        self._enqueue(frame(FLUSH, _SEQ.pack(seq)), 0)
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait until every row queued before this call is committed (or `timeout_s`).
+        Blocking: for threads without an event loop (CLI, tests); a loop awaits
+        `flush_async`."""
+        deadline = time.monotonic() + timeout_s
+        seq = self._request_flush()
         while time.monotonic() < deadline:
             if not self._drain(deadline):
                 break
+            self._take_acks()
+            if self._acked >= seq:
+                return
             with self._lock:
                 proc = self._proc
-            if proc is None or proc.stdout is None:
-                continue
-            poller = select.poll()
-            poller.register(proc.stdout.fileno(), select.POLLIN)
-            if not poller.poll(100) and proc.poll() is None:
-                continue
-            ack = _read(proc.stdout.fileno(), HEADER.size + _SEQ.size)
-            if ack is None:  # that writer died: resend the flush to its successor
-                self._enqueue(frame(FLUSH, _SEQ.pack(seq)), 0)
-                continue
-            if _SEQ.unpack(ack[HEADER.size :])[0] >= seq:
-                return
+            if proc is not None and proc.stdout is not None:
+                poller = select.poll()
+                poller.register(proc.stdout.fileno(), select.POLLIN)
+                poller.poll(100)
         log.warning("ledger flush timed out after %.1f s", timeout_s)
+
+    async def flush_async(self, timeout_s: float = 10.0) -> bool:
+        """`flush` for the event loop: waits without blocking it, so a writer held up
+        by an SQLite lock delays only the caller (an admin read), not every request.
+        The queued frames go out as the pipe takes them (the loop's writer callback).
+        True once committed; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        seq = self._request_flush()
+        pause = 0.001
+        while True:
+            self._pump()
+            self._take_acks()
+            if self._acked >= seq:
+                return True
+            if time.monotonic() >= deadline:
+                log.warning("ledger flush timed out after %.1f s", timeout_s)
+                return False
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.02)
 
     def close(self) -> None:
         if self._closed:
