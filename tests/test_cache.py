@@ -315,12 +315,19 @@ def test_a_lone_request_embeds_inline_and_concurrent_ones_use_the_worker(
     assert [r.status_code for r in replies] == [200] * 4
     paths = [embed_path(f"conc-{i}") for i in range(4)]
     assert paths.count("worker") >= 3, paths  # at most the first one was alone
-    # One refused while its context was made (a bad header) is not counted at all.
+    # One refused for a bad header is counted out again too.
     bad = _ask(gw, "A bad header", headers={"x-request-timeout": "soon"})
     assert bad.status_code == 400
     # Every request was counted out again: the next lone one is inline.
     _ask(gw, "Is the next lone request inline?", headers={"x-request-id": "lone-2"})
     assert embed_path("lone-2") == "inline"
+    # The same last message after other turns (another partition, so no exact hit),
+    # as in an agent loop: its vector comes from the memo, no forward pass.
+    earlier = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}]
+    body = {"messages": [*earlier, {"role": "user", "content": "Is the lone request inline?"}]}
+    again = _ask(gw, "", body=body, headers={"x-request-id": "lone-3"})
+    assert again.headers["x-switchyard-cache"] == "miss"
+    assert embed_path("lone-3") == "memo"
 
 
 def test_other_tenant_never_hits(gw: Gateway) -> None:

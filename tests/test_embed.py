@@ -117,7 +117,7 @@ def test_idle_short_texts_are_embedded_inline_and_others_by_the_worker(
     long_text = "word " * 80  # over inline_max_chars (256)
 
     async def main() -> dict[str, Any]:
-        cfg = EmbeddingsConfig(runtime="onnx-int8")
+        cfg = EmbeddingsConfig(runtime="onnx-int8", memo_entries=0)  # TEXTS[0] comes twice
         svc = EmbeddingService(cfg, idle=lambda: others["in_flight"] == 0)
         svc.start()
         while svc.state == "loading":
@@ -145,6 +145,39 @@ def test_idle_short_texts_are_embedded_inline_and_others_by_the_worker(
     for key in ("idle", "busy"):  # same vector whichever thread ran it
         assert np.array_equal(out[key][0], want) and out[key][1] == counts
     assert np.array_equal(out["long"][0], int8.encode([long_text])[0])
+
+
+def test_a_repeated_single_text_is_answered_from_the_memo(int8: EmbeddingService) -> None:
+    """The same single text again: the stored vector, no forward pass, read-only; the
+    memo keeps only `memo_entries` texts (least recently used go first)."""
+
+    async def main() -> dict[str, Any]:
+        cfg = EmbeddingsConfig(runtime="onnx-int8", memo_entries=2)
+        svc = EmbeddingService(cfg, idle=lambda: True)
+        svc.start()
+        while svc.state == "loading":
+            await asyncio.sleep(0.01)
+        assert svc.ready, svc.last_error
+        out: dict[str, Any] = {}
+        try:
+            out["first"] = await svc.embed_traced([TEXTS[0]])
+            out["again"] = await svc.embed_traced([TEXTS[0]])
+            out["pair"] = await svc.embed_traced(TEXTS[:2])  # several texts: no memo
+            await svc.embed([TEXTS[1]])
+            await svc.embed([TEXTS[2]])  # evicts TEXTS[0] (memo of two)
+            out["evicted"] = await svc.embed_traced([TEXTS[0]])
+            out["counts"] = (svc.memo_hits, svc.inline)
+        finally:
+            await svc.stop()
+        return out
+
+    out = asyncio.run(main())
+    want, counts = int8.encode([TEXTS[0]])
+    assert out["first"][2] == "inline" and out["again"][2] == "memo"
+    assert np.array_equal(out["again"][0], want) and out["again"][1] == counts
+    assert not out["again"][0].flags.writeable  # shared: nobody may change it
+    assert out["pair"][2] == "worker" and out["evicted"][2] == "inline"
+    assert out["counts"] == (1, 4)
 
 
 def test_the_lone_session_gives_the_same_vectors(int8: EmbeddingService) -> None:

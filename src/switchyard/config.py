@@ -341,6 +341,10 @@ class EmbeddingsConfig(_Strict):
     # onnxruntime threads for such an inline text (capped at the core count), spinning
     # between ops: the other cores are idle then. 1 = the shared `threads` session.
     inline_threads: int = Field(2, ge=1)
+    # Vectors of this many recent single texts, by a digest of the text; a repeat is
+    # answered without a forward pass (int8 vectors are the same for the same text
+    # however they were computed). 0 = off.
+    memo_entries: int = Field(4096, ge=0)
     cache_dir: str = "auto"  # "auto" = $XDG_CACHE_HOME/switchyard (~/.cache/switchyard)
 
 

@@ -34,7 +34,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -89,6 +89,10 @@ class EmbeddingService:
         self.dimensions: int | None = None
         self.batches = 0  # forward passes run by the batcher (for tests and benchmarks)
         self.inline = 0  # texts embedded on the event loop's thread (idle, short)
+        self.memo_hits = 0  # single texts answered from the memo
+        # Recent single texts' vectors by a digest of the text (the text itself is not
+        # kept): agent loops and client retries send the same last message again.
+        self._memo: OrderedDict[bytes, tuple[np.ndarray, list[int]]] = OrderedDict()
         self._running = False  # a batch is in the worker
         self._backend: Backend | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
@@ -196,10 +200,34 @@ class EmbeddingService:
 
     async def embed(self, texts: list[str]) -> tuple[np.ndarray, list[int]]:
         """Unit-normalised vectors (one row per text) and each text's token count."""
-        if not self.ready or self._wake is None:
+        vecs, counts, _ = await self.embed_traced(texts)
+        return vecs, counts
+
+    async def embed_traced(self, texts: list[str]) -> tuple[np.ndarray, list[int], str]:
+        """`embed`, plus how it was served: "memo" (a recent single text: no forward
+        pass), "inline" (on the loop's thread, nothing else in flight) or "worker"."""
+        if not self.ready or self._wake is None or self._backend is None:
             raise EngineNotReady(
                 f"embedding model {self.cfg.alias} is {self.state}", retry_after_s=2
             )
+        if len(texts) != 1 or not self.cfg.memo_entries:
+            return await self._forward(texts)
+        key = hashlib.blake2b(texts[0].encode(), digest_size=16).digest()
+        hit = self._memo.get(key)
+        if hit is not None:
+            self._memo.move_to_end(key)
+            self.memo_hits += 1
+            return hit[0], hit[1], "memo"
+        vecs, counts, path = await self._forward(texts)
+        vecs = vecs.copy()
+        vecs.setflags(write=False)  # shared with every later caller: read-only
+        self._memo[key] = (vecs, counts)
+        if len(self._memo) > self.cfg.memo_entries:
+            self._memo.popitem(last=False)
+        return vecs, counts, path
+
+    async def _forward(self, texts: list[str]) -> tuple[np.ndarray, list[int], str]:
+        assert self._backend is not None and self._wake is not None
         if (
             len(texts) == 1
             and len(texts[0]) <= self.cfg.inline_max_chars
@@ -210,17 +238,15 @@ class EmbeddingService:
         ):
             # Nothing else could use the loop meanwhile: run here, no thread hop.
             self.inline += 1
-            if self._backend is None:
-                raise EngineNotReady(
-                    f"embedding model {self.cfg.alias} is {self.state}", retry_after_s=2
-                )
-            return self._backend.encode_lone(texts[0])
+            vecs, counts = self._backend.encode_lone(texts[0])
+            return vecs, counts, "inline"
         fut: asyncio.Future[tuple[np.ndarray, list[int]]] = (
             asyncio.get_running_loop().create_future()
         )
         self._pending.append(_Job(texts, fut))
         self._wake.set()
-        return await fut
+        vecs, counts = await fut
+        return vecs, counts, "worker"
 
     async def _run_batches(self) -> None:
         """No fixed wait: an idle worker takes the first job at once; jobs that arrive

@@ -486,12 +486,8 @@ class Gateway:
             ctx.record("embed", "skip", "an exact cache entry answers this request", t)
             return
         query = last_user_text(ctx.masked_body or ctx.body)
-        inline = self.embedder.inline
-        vecs, _ = await self.embedder.embed([query])
+        vecs, _, path = await self.embedder.embed_traced([query])
         ctx.vector = vecs[0]
-        # Exact: an inline call does not yield, and no other request embeds inline
-        # while this one is in flight.
-        path = "inline" if self.embedder.inline != inline else "worker"
         ctx.record(
             "embed", "ok", "embedded the last user message", t, {"chars": len(query), "path": path}
         )

@@ -72,7 +72,9 @@ class Callers:
 
 
 async def _service(runtime: str, callers: Callers) -> EmbeddingService:
-    svc = EmbeddingService(EmbeddingsConfig.model_validate({"runtime": runtime}), callers.idle)
+    # No memo: the passes ask the same texts again, and this measures the forward pass.
+    cfg = EmbeddingsConfig.model_validate({"runtime": runtime, "memo_entries": 0})
+    svc = EmbeddingService(cfg, callers.idle)
     svc.start()
     while svc.state == "loading":
         await asyncio.sleep(0.05)
