@@ -52,6 +52,16 @@ def fp32() -> EmbeddingService:
     return EmbeddingService(EmbeddingsConfig(runtime="onnx")).load_blocking()
 
 
+async def _started(cfg: EmbeddingsConfig, idle: Any = None) -> EmbeddingService:
+    """A service loaded on the running loop, as the gateway starts it."""
+    svc = EmbeddingService(cfg, idle=idle)
+    svc.start()
+    while svc.state == "loading":
+        await asyncio.sleep(0.01)
+    assert svc.ready, svc.last_error
+    return svc
+
+
 def test_onnx_vectors_match_torch(
     embed: Embed, int8: EmbeddingService, fp32: EmbeddingService
 ) -> None:
@@ -89,11 +99,7 @@ def test_micro_batching_returns_each_caller_its_own_rows(int8: EmbeddingService)
     requests += [[TEXTS[1], TEXTS[2]], [TEXTS[5]]]
 
     async def main() -> tuple[list[Any], int, int]:
-        svc = EmbeddingService(EmbeddingsConfig(runtime="onnx-int8"))
-        svc.start()
-        while svc.state == "loading":
-            await asyncio.sleep(0.01)
-        assert svc.ready, svc.last_error
+        svc = await _started(EmbeddingsConfig(runtime="onnx-int8"))
         try:
             await svc.embed(["warm"])  # idle: runs at once, alone
             idle_batches = svc.batches
@@ -118,11 +124,7 @@ def test_idle_short_texts_are_embedded_inline_and_others_by_the_worker(
 
     async def main() -> dict[str, Any]:
         cfg = EmbeddingsConfig(runtime="onnx-int8", memo_entries=0)  # TEXTS[0] comes twice
-        svc = EmbeddingService(cfg, idle=lambda: others["in_flight"] == 0)
-        svc.start()
-        while svc.state == "loading":
-            await asyncio.sleep(0.01)
-        assert svc.ready, svc.last_error
+        svc = await _started(cfg, idle=lambda: others["in_flight"] == 0)
         out: dict[str, Any] = {}
         try:
             out["idle"] = await svc.embed([TEXTS[0]])
@@ -152,12 +154,7 @@ def test_a_repeated_single_text_is_answered_from_the_memo(int8: EmbeddingService
     memo keeps only `memo_entries` texts (least recently used go first)."""
 
     async def main() -> dict[str, Any]:
-        cfg = EmbeddingsConfig(runtime="onnx-int8", memo_entries=2)
-        svc = EmbeddingService(cfg, idle=lambda: True)
-        svc.start()
-        while svc.state == "loading":
-            await asyncio.sleep(0.01)
-        assert svc.ready, svc.last_error
+        svc = await _started(EmbeddingsConfig(runtime="onnx-int8", memo_entries=2), lambda: True)
         out: dict[str, Any] = {}
         try:
             out["first"] = await svc.embed_traced([TEXTS[0]])
