@@ -338,7 +338,7 @@ class EmbeddingsConfig(_Strict):
     # request in flight): this skips two cross-thread wake-ups (~0.5-1 ms, more at the
     # tail on a VM) and blocks nobody. 0 = always use the batching worker thread.
     inline_max_chars: int = Field(256, ge=0)
-    # onnxruntime threads for such an inline text (capped at the core count), spinning
+    # onnxruntime threads for such an inline text (capped at the usable cores), spinning
     # between ops: the other cores are idle then. 1 = the shared `threads` session.
     inline_threads: int = Field(2, ge=1)
     # Vectors of this many recent single texts, by a digest of the text; a repeat is

@@ -301,8 +301,17 @@ def load_backend(cfg: EmbeddingsConfig) -> Backend:
         return TorchBackend(path, cfg.max_batch)
     model_file = exported_model(path, cfg.runtime == "onnx-int8", cache_dir(cfg))
     int8 = cfg.runtime == "onnx-int8"
-    lone = min(cfg.inline_threads, os.cpu_count() or 1)
+    lone = min(cfg.inline_threads, _usable_cores())
     return OnnxBackend(path, model_file, cfg.max_batch, cfg.threads, lone, per_text=int8)
+
+
+def _usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, which containers narrow),
+    not the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class _Tokenizer:
