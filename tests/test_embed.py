@@ -10,7 +10,7 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +52,26 @@ def fp32() -> EmbeddingService:
     return EmbeddingService(EmbeddingsConfig(runtime="onnx")).load_blocking()
 
 
-async def _started(cfg: EmbeddingsConfig, idle: Any = None) -> EmbeddingService:
-    """A service loaded on the running loop, as the gateway starts it."""
-    svc = EmbeddingService(cfg, idle=idle)
-    svc.start()
-    while svc.state == "loading":
-        await asyncio.sleep(0.01)
-    assert svc.ready, svc.last_error
-    return svc
+def _drive(
+    cfg: EmbeddingsConfig,
+    steps: Callable[[EmbeddingService], Awaitable[Any]],
+    idle: Callable[[], bool] | None = None,
+) -> Any:
+    """Start a service on a loop, as the gateway does, run `steps` with it and stop it
+    whatever happens; `steps`' result."""
+
+    async def main() -> Any:
+        svc = EmbeddingService(cfg, idle=idle)
+        svc.start()
+        while svc.state == "loading":
+            await asyncio.sleep(0.01)
+        assert svc.ready, svc.last_error
+        try:
+            return await steps(svc)
+        finally:
+            await svc.stop()
+
+    return asyncio.run(main())
 
 
 def test_onnx_vectors_match_torch(
@@ -98,17 +110,13 @@ def test_micro_batching_returns_each_caller_its_own_rows(int8: EmbeddingService)
     requests = [[f"question number {i}: {TEXTS[i % 4]}"] for i in range(12)]
     requests += [[TEXTS[1], TEXTS[2]], [TEXTS[5]]]
 
-    async def main() -> tuple[list[Any], int, int]:
-        svc = await _started(EmbeddingsConfig(runtime="onnx-int8"))
-        try:
-            await svc.embed(["warm"])  # idle: runs at once, alone
-            idle_batches = svc.batches
-            results = await asyncio.gather(*(svc.embed(r) for r in requests))
-            return list(results), idle_batches, svc.batches - idle_batches
-        finally:
-            await svc.stop()
+    async def steps(svc: EmbeddingService) -> tuple[list[Any], int, int]:
+        await svc.embed(["warm"])  # idle: runs at once, alone
+        idle_batches = svc.batches
+        results = await asyncio.gather(*(svc.embed(r) for r in requests))
+        return list(results), idle_batches, svc.batches - idle_batches
 
-    results, idle_batches, batches = asyncio.run(main())
+    results, idle_batches, batches = _drive(EmbeddingsConfig(runtime="onnx-int8"), steps)
     assert idle_batches == 1
     assert batches < len(requests)  # callers shared forward passes
     for texts, (vecs, counts) in zip(requests, results, strict=True):
@@ -122,24 +130,19 @@ def test_idle_short_texts_are_embedded_inline_and_others_by_the_worker(
     others = {"in_flight": 0}
     long_text = "word " * 80  # over inline_max_chars (256)
 
-    async def main() -> dict[str, Any]:
-        cfg = EmbeddingsConfig(runtime="onnx-int8", memo_entries=0)  # TEXTS[0] comes twice
-        svc = await _started(cfg, idle=lambda: others["in_flight"] == 0)
-        out: dict[str, Any] = {}
-        try:
-            out["idle"] = await svc.embed([TEXTS[0]])
-            out["after_idle"] = (svc.inline, svc.batches)
-            out["long"] = await svc.embed([long_text])
-            out["pair"] = await svc.embed(TEXTS[:2])
-            out["after_long"] = (svc.inline, svc.batches)
-            others["in_flight"] = 3
-            out["busy"] = await svc.embed([TEXTS[0]])
-            out["after_busy"] = (svc.inline, svc.batches)
-        finally:
-            await svc.stop()
+    async def steps(svc: EmbeddingService) -> dict[str, Any]:
+        out: dict[str, Any] = {"idle": await svc.embed([TEXTS[0]])}
+        out["after_idle"] = (svc.inline, svc.batches)
+        out["long"] = await svc.embed([long_text])
+        out["pair"] = await svc.embed(TEXTS[:2])
+        out["after_long"] = (svc.inline, svc.batches)
+        others["in_flight"] = 3
+        out["busy"] = await svc.embed([TEXTS[0]])
+        out["after_busy"] = (svc.inline, svc.batches)
         return out
 
-    out = asyncio.run(main())
+    cfg = EmbeddingsConfig(runtime="onnx-int8", memo_entries=0)  # TEXTS[0] comes twice
+    out = _drive(cfg, steps, idle=lambda: others["in_flight"] == 0)
     assert out["after_idle"] == (1, 0)  # no thread hop
     assert out["after_long"] == (1, 2)  # a long text or two texts: the worker
     assert out["after_busy"] == (1, 3)  # another request in flight: the worker
@@ -153,22 +156,17 @@ def test_a_repeated_single_text_is_answered_from_the_memo(int8: EmbeddingService
     """The same single text again: the stored vector, no forward pass, read-only; the
     memo keeps only `memo_entries` texts (least recently used go first)."""
 
-    async def main() -> dict[str, Any]:
-        svc = await _started(EmbeddingsConfig(runtime="onnx-int8", memo_entries=2), lambda: True)
-        out: dict[str, Any] = {}
-        try:
-            out["first"] = await svc.embed_traced([TEXTS[0]])
-            out["again"] = await svc.embed_traced([TEXTS[0]])
-            out["pair"] = await svc.embed_traced(TEXTS[:2])  # several texts: no memo
-            await svc.embed([TEXTS[1]])
-            await svc.embed([TEXTS[2]])  # evicts TEXTS[0] (memo of two)
-            out["evicted"] = await svc.embed_traced([TEXTS[0]])
-            out["counts"] = (svc.memo_hits, svc.inline)
-        finally:
-            await svc.stop()
+    async def steps(svc: EmbeddingService) -> dict[str, Any]:
+        out: dict[str, Any] = {"first": await svc.embed_traced([TEXTS[0]])}
+        out["again"] = await svc.embed_traced([TEXTS[0]])
+        out["pair"] = await svc.embed_traced(TEXTS[:2])  # several texts: no memo
+        await svc.embed([TEXTS[1]])
+        await svc.embed([TEXTS[2]])  # evicts TEXTS[0] (memo of two)
+        out["evicted"] = await svc.embed_traced([TEXTS[0]])
+        out["counts"] = (svc.memo_hits, svc.inline)
         return out
 
-    out = asyncio.run(main())
+    out = _drive(EmbeddingsConfig(runtime="onnx-int8", memo_entries=2), steps, lambda: True)
     want, counts = int8.encode([TEXTS[0]])
     assert out["first"][2] == "inline" and out["again"][2] == "memo"
     assert np.array_equal(out["again"][0], want) and out["again"][1] == counts
