@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 
 from switchyard.errors import InvalidRequest, ModelNotFound
-from switchyard.pipeline import Pipeline, RequestContext, RequestIds, Timings, request_id_from
+from switchyard.pipeline import (
+    Pipeline,
+    RequestContext,
+    RequestIds,
+    Timings,
+    decision_dict,
+    request_id_from,
+)
 from switchyard.policy.validate import validate_chat, validate_completion, validate_embeddings
 
 
@@ -109,8 +116,8 @@ def test_pipeline_records_decisions_and_stops_at_a_response() -> None:
     ctx = _ctx()
     asyncio.run(Pipeline([("first", first), ("second", second)]).decide(ctx))
     assert calls == ["first"]
-    assert [d.stage for d in ctx.decisions] == ["first"]
-    d = ctx.decisions[0].as_dict(ctx.clock_base)
+    assert [d[0] for d in ctx.decisions] == ["first"]
+    d = decision_dict(ctx.decisions[0], ctx.clock_base)
     assert d["outcome"] == "hit" and d["evidence"] == {"score": 1.0} and d["duration_ms"] >= 0
     # Wall-clock start is derived from the request's clock: never before it was received.
     assert d["started_at"] >= ctx.received_at - 1e-6

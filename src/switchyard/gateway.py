@@ -12,7 +12,7 @@ import inspect
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Any
 
 import orjson
@@ -20,7 +20,7 @@ import orjson
 from switchyard.config import Settings, sqlite_path
 from switchyard.decide.cache import CacheKeys, ResponseCache, cache_keys
 from switchyard.decide.cacheability import Cacheability, cacheability
-from switchyard.decide.select import select_deployment
+from switchyard.decide.select import Selection, select_deployment
 from switchyard.decide.tools import shortlist, tool_text
 from switchyard.decide.verify import verify
 from switchyard.embed import EmbeddingService
@@ -34,7 +34,7 @@ from switchyard.observe.metrics import Metrics
 from switchyard.observe.otel import build_tracing
 from switchyard.observe.traces import enforce_retention
 from switchyard.pipeline import Pipeline, RequestContext, RequestIds, Stage, Timings
-from switchyard.policy.admission import DeploymentGate
+from switchyard.policy.admission import Admission, DeploymentGate
 from switchyard.policy.admit import (
     cost_usd,
     deployment_scope,
@@ -130,6 +130,7 @@ class Gateway:
         }
         self.counters: dict[str, int] = {"limiter_fail_open": 0, "limiter_fail_closed": 0}
         self._seeded: set[tuple[str, str]] = set()
+        self._selections: dict[Any, Selection] = {}
         self.dev_key: str | None = None
         content_stages: list[tuple[str, Stage]] = [
             ("pii", self._pii),
@@ -392,8 +393,12 @@ class Gateway:
                     await seeded
             self._seeded.add(mark)
 
-    async def _admit(self, ctx: RequestContext) -> None:
-        await self._reserve(ctx, principal_scopes(ctx.principal), "admit")
+    def _admit(self, ctx: RequestContext) -> Awaitable[None] | None:
+        scopes = principal_scopes(ctx.principal)
+        if not scopes:  # decided without waiting: no coroutine to run
+            ctx.record("admit", "skip", "no limits apply", time.perf_counter())
+            return None
+        return self._reserve(ctx, scopes, "admit")
 
     def _content_stages_inert(self) -> bool:
         """True when pii, embed, cache, route and tools can only skip, whatever the
@@ -652,16 +657,48 @@ class Gateway:
     def _select(self, ctx: RequestContext) -> None:
         t = time.perf_counter()
         assert ctx.alias is not None
-        sel = select_deployment(ctx.alias, self.registry.deployments)
+        # The selection depends only on the alias and its deployment's state, so it is
+        # made once per state (its evidence is never changed after it is recorded).
+        dep = self.registry.deployments.get(ctx.alias)
+        key = (ctx.alias, dep.ready, dep.label) if dep is not None else None
+        sel = self._selections.get(key) if key is not None else None
+        if sel is None:
+            sel = select_deployment(ctx.alias, self.registry.deployments)
+            if len(self._selections) >= 256:  # an engine restarted many times
+                self._selections.clear()
+            self._selections[key] = sel
         ctx.deployment = sel.deployment
         ctx.model = sel.deployment.model
         ctx.record("select", sel.outcome, sel.reason, t, sel.evidence)
 
-    async def _queue(self, ctx: RequestContext) -> None:
+    def _queue(self, ctx: RequestContext) -> Awaitable[None] | None:
+        """Deployment limits, then a slot at the deployment's gate. Most requests find
+        no limits and a free slot: that path decides without a coroutine."""
         assert ctx.model is not None
-        await self._reserve(ctx, deployment_scope(ctx.model), "deployment_limits")
+        scopes = deployment_scope(ctx.model)
+        if scopes:
+            return self._queue_waiting(ctx, scopes)
+        ctx.record("deployment_limits", "skip", "no limits apply", time.perf_counter())
         t = time.perf_counter()
         gate = self.gates[ctx.model.alias]
+        adm = gate.try_acquire()
+        if adm is None:
+            return self._wait_for_slot(ctx, gate, t)
+        self._admitted(ctx, gate, adm, t)
+        return None
+
+    async def _queue_waiting(self, ctx: RequestContext, scopes: list[ScopeLimits]) -> None:
+        assert ctx.model is not None
+        await self._reserve(ctx, scopes, "deployment_limits")
+        t = time.perf_counter()
+        gate = self.gates[ctx.model.alias]
+        adm = gate.try_acquire()
+        if adm is None:
+            await self._wait_for_slot(ctx, gate, t)
+        else:
+            self._admitted(ctx, gate, adm, t)
+
+    async def _wait_for_slot(self, ctx: RequestContext, gate: DeploymentGate, t: float) -> None:
         try:
             adm = await gate.acquire(ctx.deadline)
         except Exception as exc:
@@ -669,6 +706,10 @@ class Gateway:
                 "queue", "reject", str(exc), t, {"in_flight": gate.in_flight, "queued": gate.queued}
             )
             raise
+        self._admitted(ctx, gate, adm, t)
+
+    @staticmethod
+    def _admitted(ctx: RequestContext, gate: DeploymentGate, adm: Admission, t: float) -> None:
         ctx.gate = gate
         ctx.queue_ms = adm.waited_s * 1000
         ctx.record(

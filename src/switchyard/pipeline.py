@@ -45,35 +45,26 @@ def request_id_from(header: str | None) -> str:
     return "req_" + uuid.uuid4().hex
 
 
-@dataclass(slots=True)
-class Decision:
-    """One stage's verdict. Times are perf_counter seconds; the wall-clock form is
-    derived when the trace is written, off the request's path."""
+# One stage's verdict: (stage, outcome, reason, evidence, t0, t1), where t0 is the
+# perf_counter time the stage began and t1 when it decided; the wall-clock form is
+# derived when the trace is read, off the request's path. A plain tuple: a request
+# records about fourteen, and a tuple is built ~3x faster than a slotted dataclass
+# and goes into the stored trace as it is.
+Decision = tuple[str, str, str, dict[str, Any] | None, float, float]
 
-    stage: str
-    outcome: str
-    reason: str
-    evidence: dict[str, Any] | None
-    t0: float  # perf_counter when the stage began
-    t1: float  # perf_counter when it decided
 
-    @property
-    def duration_ms(self) -> float:
-        return (self.t1 - self.t0) * 1000.0
-
-    def started_at(self, base: float) -> float:
-        """Unix seconds, given `base` = received_at - timings.received of the request."""
-        return base + self.t0
-
-    def as_dict(self, base: float) -> dict[str, Any]:
-        return {
-            "stage": self.stage,
-            "outcome": self.outcome,
-            "reason": self.reason,
-            "evidence": self.evidence if self.evidence is not None else {},
-            "started_at": base + self.t0,
-            "duration_ms": round((self.t1 - self.t0) * 1000.0, 3),
-        }
+def decision_dict(d: Decision, base: float) -> dict[str, Any]:
+    """The documented form of a decision, given `base` = received_at - timings.received
+    of its request (`RequestContext.clock_base`)."""
+    stage, outcome, reason, evidence, t0, t1 = d
+    return {
+        "stage": stage,
+        "outcome": outcome,
+        "reason": reason,
+        "evidence": evidence if evidence is not None else {},
+        "started_at": base + t0,
+        "duration_ms": round((t1 - t0) * 1000.0, 3),
+    }
 
 
 @dataclass(slots=True)
@@ -145,11 +136,9 @@ class RequestContext:
         reason: str,
         started: float,
         evidence: dict[str, Any] | None = None,
-    ) -> Decision:
+    ) -> None:
         """Append a decision for a stage that began at perf_counter time `started`."""
-        d = Decision(stage, outcome, reason, evidence, started, time.perf_counter())
-        self.decisions.append(d)
-        return d
+        self.decisions.append((stage, outcome, reason, evidence, started, time.perf_counter()))
 
     @property
     def clock_base(self) -> float:

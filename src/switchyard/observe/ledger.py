@@ -47,7 +47,7 @@ import orjson
 
 from switchyard.observe.db import connect
 from switchyard.observe.ledger_writer import BATCH, FLUSH, HEADER, STOP, frame
-from switchyard.observe.traces import trace_record
+from switchyard.observe.traces import ledger_entry
 from switchyard.pipeline import RequestContext
 
 log = logging.getLogger("switchyard.ledger")
@@ -69,42 +69,17 @@ class Finished:
     cost_usd: float
     with_trace: bool = True
 
-    def usage_row(self) -> tuple[Any, ...]:
-        ctx, t, p = self.ctx, self.ctx.timings, self.ctx.principal
-        end = t.ended if t.ended is not None else t.received
-        return (
-            ctx.request_id,
-            ctx.task_id,
-            p.tenant_id if p is not None else None,
-            p.key_id if p is not None else None,
-            ctx.endpoint,
-            ctx.alias,
-            ctx.model.revision if ctx.model is not None else None,
-            ctx.deployment.label if ctx.deployment is not None else None,
+    def entry(self) -> tuple[Any, ...]:
+        """What the writer needs, as one flat tuple (traces.ENTRY_FIELDS): the writer
+        derives the usage row and, when traced, the trace record from it."""
+        return ledger_entry(
+            self.ctx,
+            self.status,
             self.input_tokens,
             self.output_tokens,
             self.cost_usd,
-            ctx.cache,
-            self.status,
-            ctx.error_code,
-            ctx.attempts,
-            ctx.received_at,
-            ctx.queue_ms,
-            (t.client_first_byte - t.received) * 1000 if t.client_first_byte else None,
-            (end - t.received) * 1000,
+            self.with_trace,
         )
-
-    def entry(self) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
-        """What the writer needs: the usage row, and the trace record when traced."""
-        if not self.with_trace:
-            return self.usage_row(), None
-        usage = {
-            "status": self.status,
-            "input_tokens": self.input_tokens,
-            "output_tokens": self.output_tokens,
-            "cost_usd": self.cost_usd,
-        }
-        return self.usage_row(), trace_record(self.ctx, usage, self.ctx.planned_steps)
 
 
 def _batch_json(batch: list[Finished]) -> tuple[bytes, int]:

@@ -8,7 +8,9 @@ loop and the writer handed it back and forth several times per request (~3.5 fut
 calls per request at one client; none with the ledger off).
 
 Frames on stdin: one kind byte, a 4-byte big-endian length, the payload.
-- `B`: a JSON array of `[usage_row, trace_record | null]`: committed in one transaction.
+- `B`: a JSON array of entries (`traces.ENTRY_FIELDS`, one flat array per request),
+  each made into its usage row and, unless its decisions are null, its trace record:
+  committed in one transaction.
 - `F`: an 8-byte sequence number: answered on stdout (the same frame) once everything
   before it is committed.
 - `S` (or end of input): commit what came before, then exit.
@@ -30,7 +32,7 @@ from typing import Any, BinaryIO
 import orjson
 
 from switchyard.observe.db import connect
-from switchyard.observe.traces import insert_args
+from switchyard.observe.traces import ENTRY_FIELDS, insert_args, trace_from_entry
 
 log = logging.getLogger("switchyard.ledger")
 
@@ -96,11 +98,40 @@ def read_frame(stream: BinaryIO) -> tuple[bytes, bytes] | None:
     return kind, payload
 
 
+def usage_row(e: dict[str, Any]) -> tuple[Any, ...]:
+    """The `usage` row (USAGE_COLUMNS) of an entry given as a dict of ENTRY_FIELDS."""
+    received, first, end = e["t_received"], e["t_client_first_byte"], e["t_ended"]
+    if end is None:
+        end = received
+    return (
+        e["request_id"],
+        e["task_id"],
+        e["tenant_id"],
+        e["key_id"],
+        e["endpoint"],
+        e["requested_model"],
+        e["revision"],
+        e["upstream"],
+        e["input_tokens"],
+        e["output_tokens"],
+        e["cost_usd"],
+        e["cache"],
+        e["status"],
+        e["error_code"],
+        e["attempts"],
+        e["received_at"],
+        e["queue_ms"],
+        (first - received) * 1000 if first else None,
+        (end - received) * 1000,
+    )
+
+
 def write_batch(conn: sqlite3.Connection, entries: list[list[Any]]) -> bool:
     """Commit one batch: every usage row and trace, or (after retries) none of them."""
     try:
-        rows = [row for row, _ in entries]
-        traces = [insert_args(record) for _, record in entries if record is not None]
+        named = [dict(zip(ENTRY_FIELDS, e, strict=True)) for e in entries]
+        rows = [usage_row(e) for e in named]
+        traces = [insert_args(trace_from_entry(e)) for e in named if e["decisions"] is not None]
     except Exception:  # a malformed batch must not end the writer
         log.exception("dropped a malformed batch of %d entries", len(entries))
         return False

@@ -103,17 +103,24 @@ def observe_many(child: Any, values: list[float]) -> None:
 class _Batch:
     """One fold's updates, summed per label child before any reaches prometheus_client:
     a fold holds every request that finished in the last `fold_s`, and most of them
-    share their labels."""
+    share their labels. Counter increments are grouped by request shape: requests
+    whose counters move alike (same labels, same attempts) share one tuple of
+    increments, counted once per shape and applied once per fold."""
 
-    __slots__ = ("counts", "values")
+    __slots__ = ("counts", "shapes", "values")
 
     def __init__(self) -> None:
         self.counts: dict[tuple[_Children, tuple[str, ...]], float] = {}
+        self.shapes: dict[tuple[tuple[_Children, tuple[str, ...]], ...], int] = {}
         self.values: dict[tuple[_Children, tuple[str, ...]], list[float]] = {}
 
     def inc(self, kids: _Children, labels: tuple[str, ...], n: float = 1.0) -> None:
         key = (kids, labels)
         self.counts[key] = self.counts.get(key, 0.0) + n
+
+    def shape(self, incs: tuple[tuple[_Children, tuple[str, ...]], ...]) -> None:
+        """Count one request whose counters each go up by one: `incs` lists them."""
+        self.shapes[incs] = self.shapes.get(incs, 0) + 1
 
     def observe(self, kids: _Children, labels: tuple[str, ...], v: float) -> None:
         key = (kids, labels)
@@ -124,8 +131,12 @@ class _Batch:
             got.append(v)
 
     def apply(self) -> None:
-        for (kids, labels), n in self.counts.items():
-            kids(*labels).inc(n)
+        counts = self.counts
+        for incs, n in self.shapes.items():
+            for key in incs:
+                counts[key] = counts.get(key, 0.0) + n
+        for (kids, labels), total in counts.items():
+            kids(*labels).inc(total)
         for (kids, labels), values in self.values.items():
             observe_many(kids(*labels), values)
 
@@ -234,40 +245,41 @@ class Metrics:
             model = "unknown"  # never label with a client-supplied, unvalidated name
         tenant = ctx.principal.tenant_id if ctx.principal is not None else "none"
         t = ctx.timings
-        b.inc(self._requests, (model, tenant, status))
+        incs: list[tuple[_Children, tuple[str, ...]]] = [(self._requests, (model, tenant, status))]
+        retried = False
+        for stage, outcome, _reason, evidence, _t0, _t1 in ctx.decisions:
+            if stage == "attempt" and not outcome.startswith("skip"):
+                result = "ok" if outcome == "ok" else outcome.split(":", 1)[-1]
+                alias = (evidence or {}).get("alias", model)
+                incs.append((self._attempts, (str(alias), result)))
+            elif stage == "retry" and outcome == "backoff":
+                retried = True
+                incs.append((self._retries, (model,)))
+            elif stage == "route":
+                incs.append((self._routes, (outcome,)))
+        if ctx.fallback_from is not None:
+            incs.append((self._fallbacks, (ctx.fallback_from, model)))
+        if status == "ok" and ctx.attempts:
+            after = "fallback" if ctx.fallback_from else ("retry" if retried else "first_attempt")
+            incs.append((self._success, (model, after)))
+        kind = REJECTION_CODES.get(ctx.error_code or "")
+        if kind is not None:
+            incs.append((self._rejections, (kind,)))
+        if ctx.cache is not None:
+            incs.append((self._cache, (ctx.cache,)))
+        b.shape(tuple(incs))
         if t.ended is not None:
             b.observe(self._e2e, (model,), t.ended - t.received)
         if t.client_first_byte is not None:
             b.observe(self._ttft, (model,), t.client_first_byte - t.received)
         if ctx.queue_ms is not None:
             b.observe(self._queue, (model,), ctx.queue_ms / 1000)
-        retried = False
-        for d in ctx.decisions:
-            if d.stage == "attempt" and not d.outcome.startswith("skip"):
-                outcome = "ok" if d.outcome == "ok" else d.outcome.split(":", 1)[-1]
-                alias = (d.evidence or {}).get("alias", model)
-                b.inc(self._attempts, (str(alias), outcome))
-            elif d.stage == "retry" and d.outcome == "backoff":
-                retried = True
-                b.inc(self._retries, (model,))
-            elif d.stage == "route":
-                b.inc(self._routes, (d.outcome,))
-        if ctx.fallback_from is not None:
-            b.inc(self._fallbacks, (ctx.fallback_from, model))
-        if status == "ok" and ctx.attempts:
-            after = "fallback" if ctx.fallback_from else ("retry" if retried else "first_attempt")
-            b.inc(self._success, (model, after))
-        kind = REJECTION_CODES.get(ctx.error_code or "")
-        if kind is not None:
-            b.inc(self._rejections, (kind,))
         if inp:
             b.inc(self._tokens, (model, "input"), inp)
         if out:
             b.inc(self._tokens, (model, "output"), out)
         if cost:
             b.inc(self._cost, (model, tenant), cost)
-        if ctx.cache is not None:
-            b.inc(self._cache, (ctx.cache,))
         if ctx.chunk_gaps:
             itl = (ctx.deployment.alias if ctx.deployment is not None else "unknown",)
             for gap in ctx.chunk_gaps:

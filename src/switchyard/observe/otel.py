@@ -134,20 +134,20 @@ class Tracing:
             return
         parent_ctx = trace.set_span_in_context(span)
         base = ctx.clock_base
-        for d in ctx.decisions:
-            start = int(d.started_at(base) * 1e9)
+        for stage, outcome, reason, _evidence, t0, t1 in ctx.decisions:
+            start = int((base + t0) * 1e9)
             s = self.tracer.start_span(
-                f"stage {d.stage}",
+                f"stage {stage}",
                 context=parent_ctx,
                 start_time=start,
                 attributes={
-                    "switchyard.stage": d.stage,
-                    "switchyard.outcome": d.outcome,
-                    "switchyard.reason": d.reason[:500],
+                    "switchyard.stage": stage,
+                    "switchyard.outcome": outcome,
+                    "switchyard.reason": reason[:500],
                     "switchyard.request_id": ctx.request_id,
                 },
             )
-            s.end(end_time=start + int(d.duration_ms * 1e6))
+            s.end(end_time=start + int((t1 - t0) * 1e9))
         attrs: dict[str, Any] = {
             "gen_ai.operation.name": OPERATION.get(ctx.endpoint, ctx.endpoint),
             "gen_ai.system": "openai",

@@ -15,58 +15,123 @@ from typing import Any
 
 import orjson
 
-from switchyard.pipeline import RequestContext
+from switchyard.pipeline import RequestContext, decision_dict
+
+# What the gateway hands the ledger writer per finished request: one flat tuple, in
+# this order, built on the event loop with no dicts and no arithmetic; the writer turns
+# it into the usage row and the stored trace (`usage_row`, `trace_from_entry`).
+ENTRY_FIELDS = (
+    "request_id",
+    "task_id",
+    "parent_request_ids",
+    "tenant_id",
+    "key_id",
+    "endpoint",
+    "model",  # what served it: the deployment's alias (after any fallback)
+    "requested_model",  # the alias the pipeline resolved before execution
+    "revision",
+    "upstream",
+    "status",
+    "error_code",
+    "attempts",
+    "input_tokens",
+    "output_tokens",
+    "cost_usd",
+    "cache",
+    "fallback_from",
+    "planned_steps",
+    "stream",
+    "received_at",
+    "queue_ms",
+    "t_received",  # perf_counter milestones of the request (Timings)
+    "t_upstream_sent",
+    "t_upstream_first_byte",
+    "t_client_first_byte",
+    "t_ended",
+    "clock_base",
+    "decisions",  # None when traces are off: only the usage row is kept
+)
+
+
+def ledger_entry(
+    ctx: RequestContext, status: str, inp: int, out: int, cost: float, with_trace: bool
+) -> tuple[Any, ...]:
+    """The writer's entry for a finished request (see ENTRY_FIELDS)."""
+    t, p, dep, model = ctx.timings, ctx.principal, ctx.deployment, ctx.model
+    return (
+        ctx.request_id,
+        ctx.task_id,
+        ctx.parent_request_ids,
+        p.tenant_id if p is not None else None,
+        p.key_id if p is not None else None,
+        ctx.endpoint,
+        dep.alias if dep is not None else ctx.alias,
+        ctx.alias,
+        model.revision if model is not None else None,
+        dep.label if dep is not None else None,
+        status,
+        ctx.error_code,
+        ctx.attempts,
+        inp,
+        out,
+        cost,
+        ctx.cache,
+        ctx.fallback_from,
+        ctx.planned_steps,
+        ctx.stream,
+        ctx.received_at,
+        ctx.queue_ms,
+        t.received,
+        t.upstream_sent,
+        t.upstream_first_byte,
+        t.client_first_byte,
+        t.ended,
+        ctx.received_at - t.received,
+        ctx.decisions if with_trace else None,
+    )
 
 
 def _ms(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round((b - a) * 1000, 3)
 
 
-def trace_record(
-    ctx: RequestContext, usage: dict[str, Any], planned_steps: int | None
-) -> dict[str, Any]:
-    """The stored form of a finished request (no bodies)."""
-    t = ctx.timings
-    p = ctx.principal
-    end = t.ended
-    upstream_ms = _ms(t.upstream_sent, end) if t.upstream_sent is not None else None
-    base = ctx.clock_base
+def trace_from_entry(e: dict[str, Any]) -> dict[str, Any]:
+    """The stored form of a finished request (no bodies), from its entry as a dict."""
+    received, sent, end = e["t_received"], e["t_upstream_sent"], e["t_ended"]
+    queue_ms = e["queue_ms"]
     return {
-        "request_id": ctx.request_id,
-        "task_id": ctx.task_id,
-        "parent_request_ids": ctx.parent_request_ids,
-        "tenant_id": p.tenant_id if p is not None else None,
-        "key_id": p.key_id if p is not None else None,
-        "endpoint": ctx.endpoint,
-        "model": ctx.deployment.alias if ctx.deployment is not None else ctx.alias,
-        "requested_model": ctx.alias,
-        "revision": ctx.model.revision if ctx.model is not None else None,
-        "upstream": ctx.deployment.label if ctx.deployment is not None else None,
-        "status": usage["status"],
-        "error_code": ctx.error_code,
-        "attempts": ctx.attempts,
-        "input_tokens": usage["input_tokens"],
-        "output_tokens": usage["output_tokens"],
-        "cost_usd": usage["cost_usd"],
-        "cache": ctx.cache,
-        "fallback_from": ctx.fallback_from,
-        "planned_steps": planned_steps,
-        "stream": ctx.stream,
-        "received_at": ctx.received_at,
+        "request_id": e["request_id"],
+        "task_id": e["task_id"],
+        "parent_request_ids": e["parent_request_ids"],
+        "tenant_id": e["tenant_id"],
+        "key_id": e["key_id"],
+        "endpoint": e["endpoint"],
+        "model": e["model"],
+        "requested_model": e["requested_model"],
+        "revision": e["revision"],
+        "upstream": e["upstream"],
+        "status": e["status"],
+        "error_code": e["error_code"],
+        "attempts": e["attempts"],
+        "input_tokens": e["input_tokens"],
+        "output_tokens": e["output_tokens"],
+        "cost_usd": e["cost_usd"],
+        "cache": e["cache"],
+        "fallback_from": e["fallback_from"],
+        "planned_steps": e["planned_steps"],
+        "stream": e["stream"],
+        "received_at": e["received_at"],
         "timings": {
-            "queue_ms": None if ctx.queue_ms is None else round(ctx.queue_ms, 3),
-            "upstream_first_byte_ms": _ms(t.received, t.upstream_first_byte),
-            "client_first_byte_ms": _ms(t.received, t.client_first_byte),
-            "upstream_ms": upstream_ms,
-            "duration_ms": _ms(t.received, end),
+            "queue_ms": None if queue_ms is None else round(queue_ms, 3),
+            "upstream_first_byte_ms": _ms(received, e["t_upstream_first_byte"]),
+            "client_first_byte_ms": _ms(received, e["t_client_first_byte"]),
+            "upstream_ms": _ms(sent, end) if sent is not None else None,
+            "duration_ms": _ms(received, end),
         },
-        # Stored compactly, off the request's thread: [stage, outcome, reason, evidence,
-        # t0, t1] with perf_counter times (tuples serialise several times faster than
-        # dicts or dataclasses); `expand` gives the documented form on read.
-        "clock_base": base,
-        "decisions": [
-            (d.stage, d.outcome, d.reason, d.evidence, d.t0, d.t1) for d in ctx.decisions
-        ],
+        # Stored compactly: [stage, outcome, reason, evidence, t0, t1] with perf_counter
+        # times; `expand` gives the documented form on read.
+        "clock_base": e["clock_base"],
+        "decisions": e["decisions"],
     }
 
 
@@ -76,17 +141,7 @@ def expand(record: dict[str, Any]) -> dict[str, Any]:
     base = record.pop("clock_base", None)
     if base is None:
         return record
-    record["decisions"] = [
-        {
-            "stage": stage,
-            "outcome": outcome,
-            "reason": reason,
-            "evidence": evidence if evidence is not None else {},
-            "started_at": base + t0,
-            "duration_ms": round((t1 - t0) * 1000.0, 3),
-        }
-        for stage, outcome, reason, evidence, t0, t1 in record.get("decisions") or []
-    ]
+    record["decisions"] = [decision_dict(d, base) for d in record.get("decisions") or []]
     return record
 
 

@@ -42,14 +42,21 @@ class DeploymentGate:
     def queued(self) -> int:
         return len(self._waiters)
 
-    async def acquire(self, deadline: float) -> Admission:
-        """Take a slot, waiting in the queue until `deadline` (perf_counter seconds)."""
-        start = time.perf_counter()
+    def try_acquire(self) -> Admission | None:
+        """Take a free slot without waiting; None when the caller would have to queue."""
         if self.max_concurrency is None or (
             self.in_flight < self.max_concurrency and not self._waiters
         ):
             self.in_flight += 1
             return Admission(0.0, self.in_flight, len(self._waiters))
+        return None
+
+    async def acquire(self, deadline: float) -> Admission:
+        """Take a slot, waiting in the queue until `deadline` (perf_counter seconds)."""
+        start = time.perf_counter()
+        free = self.try_acquire()
+        if free is not None:
+            return free
         if len(self._waiters) >= self.queue_size:
             raise RateLimited(
                 f"model '{self.name}' is at capacity ({self.in_flight} running, "
