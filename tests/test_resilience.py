@@ -79,6 +79,23 @@ def test_retry_budget_caps_retries_during_an_outage() -> None:
     assert budget.denied > 0
 
 
+def test_attempt_timeout_never_passes_the_deadline_and_is_shared() -> None:
+    from switchyard.config import Timeouts
+    from switchyard.engines.upstream import OpenAIUpstream
+
+    up = OpenAIUpstream("u", lambda: "http://127.0.0.1:9/v1")
+    t = Timeouts(connect_s=1.0, first_byte_s=5.0, total_s=30.0)
+    for remaining in (0.0004, 0.0123456, 2.9999, 29.99, 45.0):
+        got = up._timeout(t, remaining)
+        assert got.total is not None and got.total <= max(0.001, min(30.0, remaining))
+        assert got.total > min(30.0, remaining) - 0.001 or got.total == 0.001
+        assert (got.sock_connect, got.sock_read) == (1.0, 5.0)
+    assert up._timeout(t, None).total == 30.0
+    # Requests whose remaining time rounds to the same millisecond share one object.
+    assert up._timeout(t, 12.3451) is up._timeout(t, 12.3459)
+    assert up._timeout(t, 12.3451) is not up._timeout(t, 12.3461)
+
+
 def test_compatibility_rules() -> None:
     s = parse_settings(
         {

@@ -353,6 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
     from switchyard.bench.cache import add_arguments as add_cache_bench
 
     add_cache_bench(bsub.add_parser("cache", help="cache lookup latency, embedding, hit vs miss"))
+    from switchyard.bench.hotpath import add_arguments as add_hotpath
+
+    add_hotpath(
+        bsub.add_parser("hotpath", help="the gateway's own CPU and instructions per request")
+    )
     return ap
 
 
