@@ -53,3 +53,49 @@ def test_driver_refuses_answers_that_are_not_200() -> None:
     asyncio.run(driver.drive(broken, 3))
     with pytest.raises(RuntimeError, match="502"):
         driver.check()
+
+
+def test_first_attempt_metrics_shape_equals_the_one_read_from_decisions(tmp_path: Path) -> None:
+    """The metrics shortcut for a request served on its first attempt counts exactly
+    what reading its decisions counts (requests driven through the real app)."""
+    from switchyard.bench.hotpath import _reply, _switchyard_app
+    from switchyard.bench.overhead import chat_body
+
+    async def run() -> list[Any]:
+        app, gw = await _switchyard_app(tmp_path, _reply(4))
+        seen: list[Any] = []
+        finish = gw.finish
+
+        async def keep(ctx: Any) -> None:
+            seen.append(ctx)
+            await finish(ctx)
+
+        gw.finish = keep
+        try:
+            await Driver(chat_body(False, 4)).drive(app, 3)
+        finally:
+            await gw.stop()
+        return [gw.metrics, seen]
+
+    metrics, seen = asyncio.run(run())
+    assert len(seen) == 3
+    for ctx in seen:
+        fast = metrics.first_attempt_shape(ctx, "scripted", "anonymous", "ok")
+        assert fast is not None
+        assert sorted(map(repr, fast)) == sorted(
+            map(repr, metrics.scanned_shape(ctx, "scripted", "anonymous", "ok"))
+        )
+    routed = seen[0]  # as if the router had chosen a route
+    routed.route = "reasoning"
+    routed.decisions = [
+        (s, "route:reasoning" if s == "route" else o, r, e, t0, t1)
+        for s, o, r, e, t0, t1 in routed.decisions
+    ]
+    fast = metrics.first_attempt_shape(routed, "scripted", "anonymous", "ok")
+    assert sorted(map(repr, fast)) == sorted(
+        map(repr, metrics.scanned_shape(routed, "scripted", "anonymous", "ok"))
+    )
+    retried = seen[1]  # two attempts: only the decisions can tell
+    retried.attempts = 2
+    assert metrics.first_attempt_shape(retried, "scripted", "anonymous", "ok") is None
+    assert metrics.first_attempt_shape(seen[2], "scripted", "anonymous", "error") is None

@@ -59,6 +59,8 @@ from switchyard.policy.pii import MaskingError, PiiMasker
 
 log = logging.getLogger("switchyard")
 
+_NO_WAIT = "waited 0.0 ms for a slot"
+
 
 class PiiFailure(SwitchyardError):
     status = 500
@@ -131,6 +133,12 @@ class Gateway:
         self.counters: dict[str, int] = {"limiter_fail_open": 0, "limiter_fail_closed": 0}
         self._seeded: set[tuple[str, str]] = set()
         self._selections: dict[Any, Selection] = {}
+        # Evidence that is the same for every request of a model, built once (recorded
+        # evidence is never changed afterwards, so requests may share the dict).
+        self._named: dict[str, dict[str, Any]] = {
+            m.alias: {"model": m.alias} for m in settings.models
+        }
+        self._placed: dict[str, tuple[str, str, dict[str, Any]]] = {}
         self.dev_key: str | None = None
         content_stages: list[tuple[str, Stage]] = [
             ("pii", self._pii),
@@ -324,7 +332,7 @@ class Gateway:
             ctx.record("authorize", "skip", "unknown model; selection will refuse it", t)
             return
         authorize_model(ctx.principal, ctx.alias)
-        ctx.record("authorize", "allowed", "the key may use this model", t, {"model": ctx.alias})
+        ctx.record("authorize", "allowed", "the key may use this model", t, self._named[ctx.alias])
 
     async def _reserve(self, ctx: RequestContext, scopes: list[ScopeLimits], stage: str) -> None:
         t = time.perf_counter()
@@ -417,12 +425,16 @@ class Gateway:
         )
 
     def _inert_content_stages(self, ctx: RequestContext) -> None:
+        """The five verdicts, decided together at one instant (no stage ran)."""
         t = time.perf_counter()
-        ctx.record("pii", "skip", "observe_only and no cache or router: no text is stored", t)
-        ctx.record("embed", "skip", "no semantic cache or router for this request", t)
-        ctx.record("cache", "skip", "cache not enabled", t)
-        ctx.record("route", "explicit", "the client named the model", t, {"model": ctx.alias})
-        ctx.record("tools", "skip", "no tools, or no tool policy", t)
+        named = self._named.get(ctx.alias or "") or {"model": ctx.alias}
+        ctx.decisions += (
+            ("pii", "skip", "observe_only and no cache or router: no text is stored", None, t, t),
+            ("embed", "skip", "no semantic cache or router for this request", None, t, t),
+            ("cache", "skip", "cache not enabled", None, t, t),
+            ("route", "explicit", "the client named the model", named, t, t),
+            ("tools", "skip", "no tools, or no tool policy", None, t, t),
+        )
 
     def _pii(self, ctx: RequestContext) -> None:
         """Mask PII once; the masked text is what cache keys, embeddings and traces see."""
@@ -602,7 +614,13 @@ class Gateway:
         t = time.perf_counter()
         rcfg = self.settings.router
         if not rcfg.enabled or ctx.alias not in rcfg.routed_aliases:
-            ctx.record("route", "explicit", "the client named the model", t, {"model": ctx.alias})
+            ctx.record(
+                "route",
+                "explicit",
+                "the client named the model",
+                t,
+                self._named.get(ctx.alias or "") or {"model": ctx.alias},
+            )
             return
         requested = ctx.alias
         if self.router is None or ctx.vector is None:
@@ -712,10 +730,11 @@ class Gateway:
     def _admitted(ctx: RequestContext, gate: DeploymentGate, adm: Admission, t: float) -> None:
         ctx.gate = gate
         ctx.queue_ms = adm.waited_s * 1000
+        waited = adm.waited_s != 0
         ctx.record(
             "queue",
-            "admitted" if adm.waited_s == 0 else "waited",
-            f"waited {adm.waited_s * 1000:.1f} ms for a slot",
+            "waited" if waited else "admitted",
+            f"waited {adm.waited_s * 1000:.1f} ms for a slot" if waited else _NO_WAIT,
             t,
             {
                 "in_flight": adm.in_flight,
@@ -725,15 +744,14 @@ class Gateway:
         )
 
     def _place(self, ctx: RequestContext) -> None:
-        assert ctx.deployment is not None
-        where = "local" if ctx.deployment.engine is not None else "remote"
-        ctx.record(
-            "place",
-            where,
-            f"the deployment runs {where}ly",
-            time.perf_counter(),
-            {"region": ctx.deployment.model.region},
-        )
+        dep = ctx.deployment
+        assert dep is not None
+        placed = self._placed.get(dep.alias)
+        if placed is None:
+            where = "local" if dep.engine is not None else "remote"
+            placed = (where, f"the deployment runs {where}ly", {"region": dep.model.region})
+            self._placed[dep.alias] = placed
+        ctx.record("place", placed[0], placed[1], time.perf_counter(), placed[2])
 
     # -- settle -----------------------------------------------------------------
     async def finish_after_response(self, ctx: RequestContext) -> None:

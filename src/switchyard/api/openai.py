@@ -18,6 +18,7 @@ from switchyard.api.body import header_map, parse_json, read_body, read_json
 from switchyard.api.sse import RelayResponse, assemble, relay, replay
 from switchyard.decide.cache import Entry
 from switchyard.decide.cacheability import storable_reply
+from switchyard.engines.registry import Deployment
 from switchyard.errors import InvalidRequest, ModelNotFound, SwitchyardError
 from switchyard.execute.idempotency import StoredReply, body_hash
 from switchyard.gateway import Gateway
@@ -30,12 +31,26 @@ CTX_KEY = "switchyard.ctx"  # where a request's context sits in the ASGI scope
 
 class SettleAfterResponse(Response):
     """A JSON reply whose request is settled once the bytes are sent (what Starlette's
-    BackgroundTask does, without its per-call introspection)."""
+    BackgroundTask does, without its per-call introspection). Takes its headers
+    already encoded (`served_raw_headers`): Starlette would lower-case and encode each
+    name and value again, and these are lower-case ASCII already."""
+
+    media_type = "application/json"
 
     def __init__(
-        self, body: bytes, headers: dict[str, str], settle: Callable[[], Awaitable[None]]
+        self,
+        body: bytes,
+        raw_headers: list[tuple[bytes, bytes]],
+        settle: Callable[[], Awaitable[None]],
     ) -> None:
-        super().__init__(body, media_type="application/json", headers=headers)
+        self.status_code = 200
+        self.background = None
+        self.body = body
+        self.raw_headers = [
+            (b"content-length", b"%d" % len(body)),
+            (b"content-type", b"application/json"),
+            *raw_headers,
+        ]
         self._settle = settle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -45,37 +60,60 @@ class SettleAfterResponse(Response):
             await self._settle()
 
 
-def served_headers(ctx: RequestContext) -> dict[str, str]:
-    h = {"x-request-id": ctx.request_id}
+def _deployment_headers(dep: Deployment) -> list[tuple[bytes, bytes]]:
+    """`x-switchyard-model`, `-revision` and `-upstream` of a deployment, encoded once
+    per label (a managed engine's label changes when its worker restarts)."""
+    label = dep.label
+    cached = dep.encoded_headers
+    if cached is None or cached[0] != label:
+        cached = dep.encoded_headers = (
+            label,
+            [
+                (b"x-switchyard-model", dep.alias.encode("latin-1")),
+                (b"x-switchyard-revision", dep.model.revision.encode("latin-1")),
+                (b"x-switchyard-upstream", label.encode("latin-1")),
+            ],
+        )
+    return cached[1]
+
+
+def served_raw_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
+    """What served the request, as response headers (lower-case names, encoded)."""
+    h = [(b"x-request-id", ctx.request_id.encode("latin-1"))]
     if ctx.cache is not None:
-        h["x-switchyard-cache"] = ctx.cache
+        h.append((b"x-switchyard-cache", ctx.cache.encode("latin-1")))
         if ctx.cache_similarity is not None and ctx.cache != "hit-exact":
-            h["x-switchyard-cache-similarity"] = f"{ctx.cache_similarity:.4f}"
+            h.append((b"x-switchyard-cache-similarity", b"%.4f" % ctx.cache_similarity))
     if ctx.rate_headers:
-        h.update(ctx.rate_headers)
+        h.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in ctx.rate_headers.items())
     if ctx.route is not None:
-        h["x-switchyard-route"] = ctx.route
+        h.append((b"x-switchyard-route", ctx.route.encode("latin-1")))
         if ctx.route_score is not None:
-            h["x-switchyard-route-score"] = f"{ctx.route_score:.4f}"
+            h.append((b"x-switchyard-route-score", b"%.4f" % ctx.route_score))
     dep = ctx.deployment
     if dep is not None:
-        h["x-switchyard-model"] = dep.alias
-        h["x-switchyard-revision"] = dep.model.revision
-        h["x-switchyard-upstream"] = dep.label
-        h["x-switchyard-attempts"] = str(ctx.attempts)
+        h.extend(_deployment_headers(dep))
+        h.append((b"x-switchyard-attempts", b"%d" % ctx.attempts))
         if ctx.fallback_from is not None:
-            h["x-switchyard-fallback"] = f"{ctx.fallback_from} -> {dep.alias}"
+            h.append(
+                (b"x-switchyard-fallback", f"{ctx.fallback_from} -> {dep.alias}".encode("latin-1"))
+            )
     t = ctx.timings
     if t.upstream_sent is not None and t.upstream_first_byte is not None:
         now = time.perf_counter()
         gw = (t.upstream_sent - t.received) * 1000
         up = (t.upstream_first_byte - t.upstream_sent) * 1000
         total = (now - t.received) * 1000
-        queue = f"queue;dur={ctx.queue_ms:.2f}, " if ctx.queue_ms else ""
-        h["server-timing"] = (
-            f"{queue}gateway;dur={gw:.2f}, upstream;dur={up:.2f}, total;dur={total:.2f}"
-        )
+        timing = b"gateway;dur=%.2f, upstream;dur=%.2f, total;dur=%.2f" % (gw, up, total)
+        if ctx.queue_ms:
+            timing = b"queue;dur=%.2f, " % ctx.queue_ms + timing
+        h.append((b"server-timing", timing))
     return h
+
+
+def served_headers(ctx: RequestContext) -> dict[str, str]:
+    """`served_raw_headers` as a dict, for responses built from one."""
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in served_raw_headers(ctx)}
 
 
 def map_texts(obj: dict[str, Any], fn: Callable[[str], str]) -> dict[str, Any]:
@@ -189,14 +227,18 @@ def build_routes(gw: Gateway) -> list[Route]:
                 # Nothing here needs the reply's content: its usage is read when the
                 # request is settled, after the bytes are on their way.
                 ctx.reply_body = body
-            headers = served_headers(ctx)
+            raw_headers = served_raw_headers(ctx)
             if ctx.idempotency_key is not None:
                 gw.idempotency.complete(
                     ctx.principal.tenant_id,
                     ctx.idempotency_key,
                     StoredReply(
                         200,
-                        {k: v for k, v in headers.items() if k.startswith("x-switchyard")},
+                        {
+                            k.decode("latin-1"): v.decode("latin-1")
+                            for k, v in raw_headers
+                            if k.startswith(b"x-switchyard")
+                        },
                         body,
                     ),
                 )
@@ -205,7 +247,7 @@ def build_routes(gw: Gateway) -> list[Route]:
             # metrics and trace of its own request.
             gw.pending_settles += 1
             handed_off = True
-            return SettleAfterResponse(body, headers, partial(gw.finish_after_response, ctx))
+            return SettleAfterResponse(body, raw_headers, partial(gw.finish_after_response, ctx))
         except SwitchyardError as exc:
             ctx.status, ctx.error_code = "error", exc.code
             raise

@@ -22,6 +22,9 @@ class Deployment:
     model: ModelConfig
     upstream: OpenAIUpstream
     engine: ManagedLlamaCpp | None = None
+    fixed_label: str | None = None  # an external upstream's label never changes
+    # (label, its response headers encoded), kept by the API layer (api/openai.py)
+    encoded_headers: tuple[str, list[tuple[bytes, bytes]]] | None = None
 
     @property
     def alias(self) -> str:
@@ -41,6 +44,8 @@ class Deployment:
     @property
     def label(self) -> str:
         """What `x-switchyard-upstream` reports: where this request was served."""
+        if self.fixed_label is not None:
+            return self.fixed_label
         if self.engine is not None:
             return f"llamacpp:{self.engine.base_url.removesuffix('/v1')}"
         return self.upstream.base_url
@@ -79,7 +84,7 @@ class Registry:
                 upstream = OpenAIUpstream(
                     url, _fixed_url(url), spec.api_key(), spec.max_connections
                 )
-                self.deployments[m.alias] = Deployment(m, upstream)
+                self.deployments[m.alias] = Deployment(m, upstream, fixed_label=url)
 
     def get(self, alias: str) -> Deployment | None:
         return self.deployments.get(alias)

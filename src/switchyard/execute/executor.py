@@ -32,6 +32,10 @@ from switchyard.observe.otel import Tracing
 from switchyard.pipeline import RequestContext
 
 PATHS = {"chat.completions": "/chat/completions", "completions": "/completions"}
+_NO_SPAN: tuple[None, dict[str, str]] = (
+    None,
+    {},
+)  # tracing off: no span, no headers (never changed)
 T = TypeVar("T")
 
 
@@ -196,7 +200,8 @@ class Executor:
             t = time.perf_counter()
             if self.shared is not None:
                 await self.shared.sync(self.breakers)
-            ok, why = breaker.allow(time.monotonic())
+            now = time.monotonic()
+            ok, why = breaker.allow(now)
             if not ok:
                 ctx.record(
                     "attempt",
@@ -220,13 +225,13 @@ class Executor:
                 )
                 raise UpstreamTimeout("the request deadline leaves no time for another attempt")
             if retries == 0:
-                budget.first_attempt(time.monotonic())
+                budget.first_attempt(now)
             ctx.attempts += 1
             ctx.timings.upstream_sent = t
             span, headers = (
                 self.tracing.start_attempt(ctx, dep.alias, dep.label)
                 if self.tracing is not None
-                else (None, {})
+                else _NO_SPAN
             )
             try:
                 result = await send(dep, remaining, headers)
@@ -283,8 +288,12 @@ class Executor:
                 Tracing.end_attempt(span, "cancelled")
                 breaker.release_probe()
                 raise
-            Tracing.end_attempt(span, None)
-            await self._record(breaker, True)
+            if span is not None:
+                Tracing.end_attempt(span, None)
+            if self.shared is None:  # no shared breaker state: nothing to await
+                breaker.record(True, time.monotonic())
+            else:
+                await self._record(breaker, True)
             ctx.timings.upstream_first_byte = time.perf_counter()
             ctx.record(
                 "attempt",

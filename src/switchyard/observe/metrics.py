@@ -100,6 +100,9 @@ def observe_many(child: Any, values: list[float]) -> None:
             buckets[i].inc(n)
 
 
+Shape = tuple[tuple["_Children", tuple[str, ...]], ...]  # a request's counter increments
+
+
 class _Batch:
     """One fold's updates, summed per label child before any reaches prometheus_client:
     a fold holds every request that finished in the last `fold_s`, and most of them
@@ -111,14 +114,14 @@ class _Batch:
 
     def __init__(self) -> None:
         self.counts: dict[tuple[_Children, tuple[str, ...]], float] = {}
-        self.shapes: dict[tuple[tuple[_Children, tuple[str, ...]], ...], int] = {}
+        self.shapes: dict[Shape, int] = {}
         self.values: dict[tuple[_Children, tuple[str, ...]], list[float]] = {}
 
     def inc(self, kids: _Children, labels: tuple[str, ...], n: float = 1.0) -> None:
         key = (kids, labels)
         self.counts[key] = self.counts.get(key, 0.0) + n
 
-    def shape(self, incs: tuple[tuple[_Children, tuple[str, ...]], ...]) -> None:
+    def shape(self, incs: Shape) -> None:
         """Count one request whose counters each go up by one: `incs` lists them."""
         self.shapes[incs] = self.shapes.get(incs, 0) + 1
 
@@ -206,6 +209,7 @@ class Metrics:
         self._fallbacks = _Children(self.fallbacks)
         self._rejections = _Children(self.rejections)
         self.fold_s = 0.02
+        self._first_attempt: dict[tuple[str, str, str, str | None], Shape] = {}
         self._pending: list[tuple[RequestContext, str, int, int, float]] = []
         self._fold_loop: asyncio.AbstractEventLoop | None = None
 
@@ -245,6 +249,57 @@ class Metrics:
             model = "unknown"  # never label with a client-supplied, unvalidated name
         tenant = ctx.principal.tenant_id if ctx.principal is not None else "none"
         t = ctx.timings
+        incs = self.first_attempt_shape(ctx, model, tenant, status) or self.scanned_shape(
+            ctx, model, tenant, status
+        )
+        b.shape(incs)
+        if t.ended is not None:
+            b.observe(self._e2e, (model,), t.ended - t.received)
+        if t.client_first_byte is not None:
+            b.observe(self._ttft, (model,), t.client_first_byte - t.received)
+        if ctx.queue_ms is not None:
+            b.observe(self._queue, (model,), ctx.queue_ms / 1000)
+        if inp:
+            b.inc(self._tokens, (model, "input"), inp)
+        if out:
+            b.inc(self._tokens, (model, "output"), out)
+        if cost:
+            b.inc(self._cost, (model, tenant), cost)
+        if ctx.chunk_gaps:
+            itl = (ctx.deployment.alias if ctx.deployment is not None else "unknown",)
+            for gap in ctx.chunk_gaps:
+                b.observe(self._itl, itl, gap)
+
+    def first_attempt_shape(
+        self, ctx: RequestContext, model: str, tenant: str, status: str
+    ) -> Shape | None:
+        """The counters of the common request, one that succeeded on its first attempt
+        at the model it asked for, without reading its decisions: such a request went
+        through every stage (one route decision), made one attempt (ok, no retry) and
+        was refused nothing. None for any other request."""
+        if status != "ok" or ctx.attempts != 1 or ctx.fallback_from is not None:
+            return None
+        if ctx.error_code is not None or ctx.deployment is None:
+            return None
+        route = "explicit" if ctx.route is None else f"route:{ctx.route}"
+        key = (model, tenant, route, ctx.cache)
+        shape = self._first_attempt.get(key)
+        if shape is None:
+            incs = [
+                (self._requests, (model, tenant, status)),
+                (self._routes, (route,)),
+                (self._attempts, (model, "ok")),
+                (self._success, (model, "first_attempt")),
+            ]
+            if ctx.cache is not None:
+                incs.append((self._cache, (ctx.cache,)))
+            if len(self._first_attempt) >= 4096:  # bounded: aliases x tenants x routes
+                self._first_attempt.clear()
+            shape = self._first_attempt[key] = tuple(incs)
+        return shape
+
+    def scanned_shape(self, ctx: RequestContext, model: str, tenant: str, status: str) -> Shape:
+        """Any request's counters, read from its decisions."""
         incs: list[tuple[_Children, tuple[str, ...]]] = [(self._requests, (model, tenant, status))]
         retried = False
         for stage, outcome, _reason, evidence, _t0, _t1 in ctx.decisions:
@@ -267,23 +322,7 @@ class Metrics:
             incs.append((self._rejections, (kind,)))
         if ctx.cache is not None:
             incs.append((self._cache, (ctx.cache,)))
-        b.shape(tuple(incs))
-        if t.ended is not None:
-            b.observe(self._e2e, (model,), t.ended - t.received)
-        if t.client_first_byte is not None:
-            b.observe(self._ttft, (model,), t.client_first_byte - t.received)
-        if ctx.queue_ms is not None:
-            b.observe(self._queue, (model,), ctx.queue_ms / 1000)
-        if inp:
-            b.inc(self._tokens, (model, "input"), inp)
-        if out:
-            b.inc(self._tokens, (model, "output"), out)
-        if cost:
-            b.inc(self._cost, (model, tenant), cost)
-        if ctx.chunk_gaps:
-            itl = (ctx.deployment.alias if ctx.deployment is not None else "unknown",)
-            for gap in ctx.chunk_gaps:
-                b.observe(self._itl, itl, gap)
+        return tuple(incs)
 
     def set_breakers(self, states: dict[str, Any]) -> None:
         for model, state in states.items():

@@ -48,25 +48,28 @@ def cost_usd(price: Price, input_tokens: int, output_tokens: int) -> float:
     return (input_tokens * price.input + output_tokens * price.output) / 1_000_000
 
 
-def _scope(name: str, lim: Limits) -> ScopeLimits | None:
-    if (
+def _limited(lim: Limits) -> bool:
+    return not (
         lim.rpm is None
         and lim.tpm is None
         and lim.max_concurrency is None
         and lim.budget_usd is None
-    ):
-        return None
+    )
+
+
+def _scope(name: str, lim: Limits) -> ScopeLimits:
     period: Period = "month" if lim.budget_period == "month" else "day"
     return ScopeLimits(name, lim.rpm, lim.tpm, lim.max_concurrency, lim.budget_usd, period)
 
 
 def principal_scopes(p: Principal) -> list[ScopeLimits]:
     """Key first, then tenant: the most specific refusal is reported."""
-    out = [
-        _scope(f"key:{p.key_id}", p.key_limits),
-        _scope(f"tenant:{p.tenant_id}", p.tenant_limits),
-    ]
-    return [s for s in out if s is not None]
+    out = []
+    if _limited(p.key_limits):
+        out.append(_scope(f"key:{p.key_id}", p.key_limits))
+    if _limited(p.tenant_limits):
+        out.append(_scope(f"tenant:{p.tenant_id}", p.tenant_limits))
+    return out
 
 
 def deployment_scope(model: ModelConfig) -> list[ScopeLimits]:

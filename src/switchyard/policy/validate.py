@@ -120,7 +120,7 @@ def validate_chat(body: Any) -> str:
                 f"'messages[{i}].role' must be one of {sorted(_ROLES)}", param=f"messages[{i}].role"
             )
         content = m.get("content")
-        if content is not None and not isinstance(content, str | list):
+        if content is not None and not isinstance(content, (str, list)):
             raise InvalidRequest(
                 f"'messages[{i}].content' must be a string or an array of parts",
                 param=f"messages[{i}].content",
