@@ -64,13 +64,13 @@ def test_first_attempt_metrics_shape_equals_the_one_read_from_decisions(tmp_path
     async def run() -> list[Any]:
         app, gw = await _switchyard_app(tmp_path, _reply(4))
         seen: list[Any] = []
-        finish = gw.finish
+        finish_now = gw.finish_now
 
-        async def keep(ctx: Any) -> None:
+        def keep(ctx: Any) -> Any:
             seen.append(ctx)
-            await finish(ctx)
+            return finish_now(ctx)
 
-        gw.finish = keep
+        gw.finish_now = keep  # type: ignore[method-assign]
         try:
             await Driver(chat_body(False, 4)).drive(app, 3)
         finally:

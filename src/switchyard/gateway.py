@@ -24,7 +24,7 @@ from switchyard.decide.select import Selection, select_deployment
 from switchyard.decide.tools import shortlist, tool_text
 from switchyard.decide.verify import verify
 from switchyard.embed import EmbeddingService
-from switchyard.engines.registry import Registry
+from switchyard.engines.registry import Deployment, Registry
 from switchyard.errors import EngineNotReady, InvalidRequest, PermissionDenied, SwitchyardError
 from switchyard.execute.executor import Executor
 from switchyard.execute.idempotency import IdempotencyStore
@@ -139,6 +139,8 @@ class Gateway:
             m.alias: {"model": m.alias} for m in settings.models
         }
         self._placed: dict[str, tuple[str, str, dict[str, Any]]] = {}
+        # The authenticate verdict and evidence per (tenant, key, anonymous).
+        self._authenticated: dict[tuple[str, str, bool], tuple[tuple[str, str], Any]] = {}
         self.dev_key: str | None = None
         content_stages: list[tuple[str, Stage]] = [
             ("pii", self._pii),
@@ -162,6 +164,9 @@ class Gateway:
                 ("place", self._place),
             ]
         )
+        # The common request in such a configuration (a known model, a key without
+        # limits, a model without rate limits, a free slot) is decided in one step.
+        self._at_once = self._content_stages_inert()
         self.started_at = time.time()
         self.request_ids = RequestIds()
         self.pending_settles = 0  # answered requests whose settle runs after the response
@@ -269,21 +274,19 @@ class Gateway:
     def new_context(
         self, endpoint: str, headers: Mapping[str, str], received: float, principal: Principal
     ) -> RequestContext:
-        deadline_s = self.settings.server.default_deadline_s
         parents = headers.get("x-parent-request-id")
+        # Positional, in field order: a 48-field dataclass matches keywords slowly.
         ctx = RequestContext(
-            request_id=self.request_ids(headers.get("x-request-id")),
-            endpoint=endpoint,
-            body={},
-            received_at=time.time() - (time.perf_counter() - received),
-            timings=Timings(received=received),
-            deadline=received + deadline_s,
-            task_id=headers.get("x-task-id"),
-            parent_request_ids=[p.strip() for p in parents.split(",") if p.strip()]
-            if parents
-            else [],
-            principal=principal,
-            headers=headers,
+            self.request_ids(headers.get("x-request-id")),
+            endpoint,
+            {},
+            time.time() - (time.perf_counter() - received),
+            Timings(received),
+            received + self.settings.server.default_deadline_s,
+            headers.get("x-task-id"),
+            [p.strip() for p in parents.split(",") if p.strip()] if parents else [],
+            principal,
+            headers,
         )
         planned = headers.get("x-task-planned-steps")
         if planned is not None and planned.isdigit():
@@ -292,14 +295,21 @@ class Gateway:
             self.tracing.start_request(
                 ctx, headers, time.time_ns() - int((time.perf_counter() - received) * 1e9)
             )
-        outcome = "skip" if principal is ANONYMOUS else "ok"
-        reason = "auth.mode is disabled" if principal is ANONYMOUS else "valid API key"
-        ctx.record(
-            "authenticate",
-            outcome,
-            reason,
-            received,
-            {"tenant": principal.tenant_id, "key": principal.key_id},
+        who = (principal.tenant_id, principal.key_id, principal is ANONYMOUS)
+        authenticated = self._authenticated.get(who)
+        if authenticated is None:
+            authenticated = (
+                ("skip", "auth.mode is disabled")
+                if principal is ANONYMOUS
+                else ("ok", "valid API key"),
+                {"tenant": principal.tenant_id, "key": principal.key_id},
+            )
+            if len(self._authenticated) >= 4096:  # principals are re-read as keys change
+                self._authenticated.clear()
+            self._authenticated[who] = authenticated
+        (outcome, reason), evidence = authenticated
+        ctx.decisions.append(
+            ("authenticate", outcome, reason, evidence, received, time.perf_counter())
         )
         self.active += 1
         return ctx
@@ -324,6 +334,61 @@ class Gateway:
         ctx.deadline = received + min(self.settings.server.default_deadline_s, asked)
 
     # -- stages ---------------------------------------------------------------
+    def decide(self, ctx: RequestContext) -> Awaitable[None] | None:
+        """Run the decision stages; None when they decided without waiting."""
+        if self._at_once and self._decide_at_once(ctx):
+            return None
+        return self.pipeline.decide(ctx)
+
+    def _decide_at_once(self, ctx: RequestContext) -> bool:
+        """authorize → place in one step, when every stage can only decide what it
+        decides for most requests: records the same verdicts, reasons and evidence as
+        the stages would (tests/test_pipeline_plan.py checks this), all within one
+        interval. Returns False, having changed nothing, when a stage could wait,
+        refuse or decide otherwise; the stages then run one by one."""
+        t = time.perf_counter()
+        alias = ctx.alias
+        assert alias is not None
+        model = self.models.get(alias)
+        dep = self.registry.deployments.get(alias)
+        p = ctx.principal
+        if model is None or dep is None or not p.may_use(alias):
+            return False
+        lim = model.limits
+        if lim.rpm is not None or lim.tpm is not None or principal_scopes(p):
+            return False
+        gate = self.gates[alias]
+        adm = gate.try_acquire()
+        if adm is None:
+            return False
+        sel = self._selection(alias, dep)
+        where, placed, region = self._placement(dep)
+        named = self._named[alias]
+        ctx.deployment = dep
+        ctx.model = dep.model
+        ctx.gate = gate
+        ctx.queue_ms = 0.0
+        queue = {
+            "in_flight": adm.in_flight,
+            "queued": adm.queued,
+            "max_concurrency": gate.max_concurrency,
+        }
+        t1 = time.perf_counter()
+        ctx.decisions += (
+            ("authorize", "allowed", "the key may use this model", named, t, t1),
+            ("admit", "skip", "no limits apply", None, t, t1),
+            ("pii", "skip", "observe_only and no cache or router: no text is stored", None, t, t1),
+            ("embed", "skip", "no semantic cache or router for this request", None, t, t1),
+            ("cache", "skip", "cache not enabled", None, t, t1),
+            ("route", "explicit", "the client named the model", named, t, t1),
+            ("tools", "skip", "no tools, or no tool policy", None, t, t1),
+            ("select", sel.outcome, sel.reason, sel.evidence, t, t1),
+            ("deployment_limits", "skip", "no limits apply", None, t, t1),
+            ("queue", "admitted", _NO_WAIT, queue, t, t1),
+            ("place", where, placed, region, t, t1),
+        )
+        return True
+
     def _authorize(self, ctx: RequestContext) -> None:
         t = time.perf_counter()
         assert ctx.alias is not None
@@ -675,19 +740,22 @@ class Gateway:
     def _select(self, ctx: RequestContext) -> None:
         t = time.perf_counter()
         assert ctx.alias is not None
-        # The selection depends only on the alias and its deployment's state, so it is
-        # made once per state (its evidence is never changed after it is recorded).
-        dep = self.registry.deployments.get(ctx.alias)
-        key = (ctx.alias, dep.ready, dep.label) if dep is not None else None
-        sel = self._selections.get(key) if key is not None else None
-        if sel is None:
-            sel = select_deployment(ctx.alias, self.registry.deployments)
-            if len(self._selections) >= 256:  # an engine restarted many times
-                self._selections.clear()
-            self._selections[key] = sel
+        sel = self._selection(ctx.alias, self.registry.deployments.get(ctx.alias))
         ctx.deployment = sel.deployment
         ctx.model = sel.deployment.model
         ctx.record("select", sel.outcome, sel.reason, t, sel.evidence)
+
+    def _selection(self, alias: str, dep: Deployment | None) -> Selection:
+        """The selection depends only on the alias and its deployment's state, so it is
+        made once per state (its evidence is never changed after it is recorded)."""
+        key = (alias, dep.ready, dep.label) if dep is not None else None
+        sel = self._selections.get(key) if key is not None else None
+        if sel is None:
+            sel = select_deployment(alias, self.registry.deployments)
+            if len(self._selections) >= 256:  # an engine restarted many times
+                self._selections.clear()
+            self._selections[key] = sel
+        return sel
 
     def _queue(self, ctx: RequestContext) -> Awaitable[None] | None:
         """Deployment limits, then a slot at the deployment's gate. Most requests find
@@ -746,17 +814,34 @@ class Gateway:
     def _place(self, ctx: RequestContext) -> None:
         dep = ctx.deployment
         assert dep is not None
+        where, reason, evidence = self._placement(dep)
+        ctx.record("place", where, reason, time.perf_counter(), evidence)
+
+    def _placement(self, dep: Deployment) -> tuple[str, str, dict[str, Any]]:
         placed = self._placed.get(dep.alias)
         if placed is None:
             where = "local" if dep.engine is not None else "remote"
             placed = (where, f"the deployment runs {where}ly", {"region": dep.model.region})
             self._placed[dep.alias] = placed
-        ctx.record("place", placed[0], placed[1], time.perf_counter(), placed[2])
+        return placed
 
     # -- settle -----------------------------------------------------------------
-    async def finish_after_response(self, ctx: RequestContext) -> None:
+    def finish_after_response(self, ctx: RequestContext) -> Awaitable[None] | None:
+        """Settle a request whose reply has been sent; counted in `pending_settles`
+        until done. None when it was settled without waiting."""
         try:
-            await self.finish(ctx)
+            pending = self.finish_now(ctx)
+        except BaseException:
+            self.pending_settles -= 1
+            raise
+        if pending is None:
+            self.pending_settles -= 1
+            return None
+        return self._settling(pending)
+
+    async def _settling(self, pending: Awaitable[None]) -> None:
+        try:
+            await pending
         finally:
             self.pending_settles -= 1
 
@@ -771,8 +856,15 @@ class Gateway:
     async def finish(self, ctx: RequestContext) -> None:
         """Release what the request held, charge what it used, write its usage row.
         Runs exactly once per request, whatever way it ended."""
+        pending = self.finish_now(ctx)
+        if pending is not None:
+            await pending
+
+    def finish_now(self, ctx: RequestContext) -> Awaitable[None] | None:
+        """`finish`, synchronously unless limiter reservations are to be settled (then
+        the rest is in the returned awaitable)."""
         if ctx.finished:
-            return
+            return None
         ctx.finished = True
         self.active -= 1
         if ctx.gate is not None:
@@ -788,11 +880,23 @@ class Gateway:
         else:
             inp = out = 0
         cost = cost_usd(ctx.model.price, inp, out) if ctx.model is not None else 0.0
+        if ctx.reservations:
+            return self._settle_reservations(ctx, inp, out, cost)
+        self._finished(ctx, inp, out, cost)
+        return None
+
+    async def _settle_reservations(
+        self, ctx: RequestContext, inp: int, out: int, cost: float
+    ) -> None:
         for scopes, ask in ctx.reservations:
             try:
                 await self.limiter.settle(scopes, ask, inp + out, cost)
             except LimiterUnavailable as exc:
                 log.warning("could not settle %s: %s", ctx.request_id, exc)
+        self._finished(ctx, inp, out, cost)
+
+    def _finished(self, ctx: RequestContext, inp: int, out: int, cost: float) -> None:
+        """Metrics, span and ledger row of a settled request."""
         t = ctx.timings
         if t.ended is None:
             t.ended = time.perf_counter()

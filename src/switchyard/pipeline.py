@@ -89,6 +89,7 @@ class RequestContext:
     task_id: str | None = None
     parent_request_ids: list[str] = field(default_factory=list)
     principal: Any = None  # set by authentication (policy layer)
+    headers: Any = None  # the client's request headers
     alias: str | None = None
     model: ModelConfig | None = None
     deployment: Deployment | None = None
@@ -118,7 +119,6 @@ class RequestContext:
     pii: Any = None  # the request's PII mask session (mapping held only here)
     masked_body: dict[str, Any] | None = None  # what cache keys, embeddings, traces see
     restore_pii: bool = False  # placeholders in the reply go back to the raw values
-    headers: Any = None  # the client's request headers
     route: str | None = None
     route_score: float | None = None
     queue_ms: float | None = None

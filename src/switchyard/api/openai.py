@@ -41,7 +41,7 @@ class SettleAfterResponse(Response):
         self,
         body: bytes,
         raw_headers: list[tuple[bytes, bytes]],
-        settle: Callable[[], Awaitable[None]],
+        settle: Callable[[], Awaitable[None] | None],
     ) -> None:
         self.status_code = 200
         self.background = None
@@ -55,9 +55,12 @@ class SettleAfterResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": self.body})
         finally:
-            await self._settle()
+            pending = self._settle()
+            if pending is not None:
+                await pending
 
 
 def _deployment_headers(dep: Deployment) -> list[tuple[bytes, bytes]]:
@@ -175,7 +178,9 @@ def build_routes(gw: Gateway) -> list[Route]:
                 replay = await claim_idempotency(ctx, idem)
                 if replay is not None:
                     return replay
-            await gw.pipeline.decide(ctx)
+            pending = gw.decide(ctx)
+            if pending is not None:
+                await pending
             if ctx.response is not None:  # a cache hit
                 response = cached_response(ctx, ctx.response)
                 if isinstance(response, RelayResponse):

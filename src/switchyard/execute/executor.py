@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Coroutine
+from typing import Any
 
 import orjson
 
@@ -36,7 +36,6 @@ _NO_SPAN: tuple[None, dict[str, str]] = (
     None,
     {},
 )  # tracing off: no span, no headers (never changed)
-T = TypeVar("T")
 
 
 class CircuitOpen(EngineNotReady):
@@ -66,23 +65,6 @@ def upstream_payload(ctx: RequestContext, dep: Deployment) -> bytes:
     return orjson.dumps(body)
 
 
-def _sender(ctx: RequestContext, method: str) -> Callable[..., Awaitable[Any]]:
-    """One attempt's call: the deployment's `post` (whole reply) or `stream` (returns
-    once the headers arrived), with the request's payload and the remaining time."""
-
-    async def send(dep: Deployment, timeout_s: float, headers: dict[str, str]) -> Any:
-        call = dep.upstream.post if method == "post" else dep.upstream.stream
-        return await call(
-            PATHS[ctx.endpoint],
-            upstream_payload(ctx, dep),
-            dep.model.timeouts,
-            timeout_s,
-            headers or None,
-        )
-
-    return send
-
-
 class Executor:
     def __init__(
         self,
@@ -106,15 +88,16 @@ class Executor:
         self.retries = 0
         self.fallbacks = 0
 
-    async def execute(self, ctx: RequestContext) -> UpstreamReply:
-        return await self._run(ctx, _sender(ctx, "post"))
+    # Plain functions returning the run's coroutine: one coroutine per request, not two.
+    def execute(self, ctx: RequestContext) -> Coroutine[Any, Any, UpstreamReply]:
+        """The whole reply, from the first deployment in the chain that gives one."""
+        return self._run(ctx, False)
 
-    async def execute_stream(self, ctx: RequestContext) -> UpstreamStream:
-        return await self._run(ctx, _sender(ctx, "stream"))
+    def execute_stream(self, ctx: RequestContext) -> Coroutine[Any, Any, UpstreamStream]:
+        """A stream whose headers arrived, from the first deployment that gives one."""
+        return self._run(ctx, True)
 
-    async def _run(
-        self, ctx: RequestContext, send: Callable[[Deployment, float, dict[str, str]], Awaitable[T]]
-    ) -> T:
+    async def _run(self, ctx: RequestContext, stream: bool) -> Any:
         primary = ctx.deployment
         assert primary is not None
         chain = [primary.alias, *primary.model.fallbacks]
@@ -157,7 +140,7 @@ class Executor:
                 )
                 continue
             try:
-                result = await self._attempts(ctx, dep, send, last_in_chain=idx == len(chain) - 1)
+                result = await self._attempts(ctx, dep, stream, last_in_chain=idx == len(chain) - 1)
             except SwitchyardError as exc:
                 if exc.retry_class is None and not isinstance(
                     exc, EngineNotReady | UpstreamTimeout
@@ -188,9 +171,11 @@ class Executor:
         self,
         ctx: RequestContext,
         dep: Deployment,
-        send: Callable[[Deployment, float, dict[str, str]], Awaitable[T]],
+        stream: bool,
         last_in_chain: bool,
-    ) -> T:
+    ) -> Any:
+        """Attempts at one deployment: `stream` (returns once the headers arrived) or
+        `post` (the whole reply), with the request's payload and the remaining time."""
         cfg = dep.model.resilience
         breaker = self.breakers[dep.alias]
         budget = self.budgets[dep.alias]
@@ -234,7 +219,14 @@ class Executor:
                 else _NO_SPAN
             )
             try:
-                result = await send(dep, remaining, headers)
+                call = dep.upstream.stream if stream else dep.upstream.post
+                result = await call(
+                    PATHS[ctx.endpoint],
+                    upstream_payload(ctx, dep),
+                    dep.model.timeouts,
+                    remaining,
+                    headers or None,
+                )
             except SwitchyardError as exc:
                 Tracing.end_attempt(span, exc.code)
                 cls = retry_class(exc)

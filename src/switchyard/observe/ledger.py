@@ -82,17 +82,30 @@ class Finished:
         )
 
 
+_DUMP_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+
+
 def _batch_json(batch: list[Finished]) -> tuple[bytes, int]:
-    """The batch as one JSON array, each request serialised once and on its own: one
-    that cannot be built or serialised is logged and left out rather than costing the
-    rest of the batch. Returns the array and how many rows it holds."""
-    parts = []
+    """The batch as one JSON array. The array is serialised in one call (half the cost
+    per row of one call per row); only when that fails is each row serialised on its
+    own, so that a row that cannot be built or serialised is logged and left out
+    rather than costing the rest of the batch. Returns the array and its row count."""
+    entries = []
     for f in batch:
         try:
-            entry = f.entry()
-            parts.append(orjson.dumps(entry, default=str, option=orjson.OPT_SERIALIZE_NUMPY))
+            entries.append(f.entry())
         except Exception:
             log.exception("ledger row of %s dropped: it could not be built", f.ctx.request_id)
+    try:
+        return orjson.dumps(entries, default=str, option=_DUMP_OPTIONS), len(entries)
+    except Exception:  # some row cannot be serialised: find it, keep the others
+        pass
+    parts = []
+    for entry in entries:
+        try:
+            parts.append(orjson.dumps(entry, default=str, option=_DUMP_OPTIONS))
+        except Exception:
+            log.exception("ledger row of %s dropped: it could not be serialised", entry[0])
     return b"[" + b",".join(parts) + b"]", len(parts)
 
 

@@ -56,46 +56,64 @@ _TYPED: dict[str, tuple[tuple[type, ...], str]] = {
     "presence_penalty": _NUM,
     "frequency_penalty": _NUM,
 }
+_AT_LEAST_1 = frozenset({"max_tokens", "max_completion_tokens", "n"})
+_RANGES = {"temperature": (0, 2), "top_p": (0, 1)}
 
 
-def _sampling(body: dict[str, Any]) -> None:
-    # Walk the fields the client sent (a handful) rather than every field we know.
-    for name in body:
-        spec = _TYPED.get(name)
-        if spec is not None:
-            _optional(body, name, spec[0], spec[1])
-    for name in ("max_tokens", "max_completion_tokens", "n"):
-        v = body.get(name)
-        if v is not None and v < 1:
-            raise InvalidRequest(f"'{name}' must be at least 1", param=name)
-    t = body.get("temperature")
-    if t is not None and not 0 <= t <= 2:
-        raise InvalidRequest("'temperature' must be between 0 and 2", param="temperature")
-    p = body.get("top_p")
-    if p is not None and not 0 <= p <= 1:
-        raise InvalidRequest("'top_p' must be between 0 and 1", param="top_p")
-    stop = body.get("stop")
-    if stop is not None and not (
+def _stop(body: dict[str, Any], stop: Any) -> None:
+    if not (
         isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
     ):
         raise InvalidRequest("'stop' must be a string or a list of strings", param="stop")
-    so = body.get("stream_options")
-    if so is not None:
-        if not isinstance(so, dict):
-            raise InvalidRequest("'stream_options' must be an object", param="stream_options")
-        if not body.get("stream"):
-            raise InvalidRequest(
-                "'stream_options' is only allowed when 'stream' is true", param="stream_options"
-            )
-        iu = so.get("include_usage")
-        if iu is not None and not isinstance(iu, bool):
-            raise InvalidRequest(
-                "'stream_options.include_usage' must be a boolean",
-                param="stream_options.include_usage",
-            )
-    lb = body.get("logit_bias")
-    if lb is not None and not isinstance(lb, dict):
+
+
+def _stream_options(body: dict[str, Any], so: Any) -> None:
+    if not isinstance(so, dict):
+        raise InvalidRequest("'stream_options' must be an object", param="stream_options")
+    if not body.get("stream"):
+        raise InvalidRequest(
+            "'stream_options' is only allowed when 'stream' is true", param="stream_options"
+        )
+    iu = so.get("include_usage")
+    if iu is not None and not isinstance(iu, bool):
+        raise InvalidRequest(
+            "'stream_options.include_usage' must be a boolean",
+            param="stream_options.include_usage",
+        )
+
+
+def _logit_bias(body: dict[str, Any], lb: Any) -> None:
+    if not isinstance(lb, dict):
         raise InvalidRequest("'logit_bias' must be an object", param="logit_bias")
+
+
+_OTHER: dict[str, Any] = {
+    "stop": _stop,
+    "stream_options": _stream_options,
+    "logit_bias": _logit_bias,
+}
+
+
+def _sampling(body: dict[str, Any]) -> None:
+    # Walk the fields the client sent (a handful) rather than every field we know; a
+    # field sent as null counts as not sent.
+    for name, v in body.items():
+        if v is None:
+            continue
+        spec = _TYPED.get(name)
+        if spec is not None:
+            _optional(body, name, spec[0], spec[1])
+            if name in _AT_LEAST_1 and v < 1:
+                raise InvalidRequest(f"'{name}' must be at least 1", param=name)
+            bounds = _RANGES.get(name)
+            if bounds is not None and not bounds[0] <= v <= bounds[1]:
+                raise InvalidRequest(
+                    f"'{name}' must be between {bounds[0]} and {bounds[1]}", param=name
+                )
+            continue
+        check = _OTHER.get(name)
+        if check is not None:
+            check(body, v)
 
 
 def validate_chat(body: Any) -> str:
