@@ -570,6 +570,69 @@ def test_a_batched_fold_exposes_what_one_by_one_updates_would() -> None:
     assert plain.seen == [1.0, 2.0]
 
 
+def test_first_attempt_successes_expose_what_request_by_request_folding_would(
+    tmp_path: Path,
+) -> None:
+    """The common request (served on its first attempt) is accumulated per shape at
+    observe time; the exposition equals the one from folding each request on its own,
+    for every metric, across shapes and across folds."""
+    from switchyard.config import parse_settings
+    from switchyard.gateway import Gateway
+    from switchyard.observe.metrics import Metrics, _Batch
+    from switchyard.pipeline import RequestContext, Timings
+    from switchyard.policy.auth import ANONYMOUS
+
+    gw = Gateway(
+        parse_settings(
+            {
+                "models": [
+                    {
+                        "alias": a,
+                        "engine": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1"},
+                        "price": {"input": 1.0, "output": 2.0},
+                    }
+                    for a in ("m1", "m2")
+                ],
+                "embeddings": {"enabled": False},
+                "storage": {"sqlite_path": str(tmp_path / "g.db")},
+            }
+        )
+    )
+    fast, slow = Metrics(), Metrics()
+
+    def request(i: int) -> tuple[RequestContext, int, int, float]:
+        now = time.perf_counter()
+        ctx = RequestContext(f"r{i}", "chat.completions", {}, time.time(), Timings(now), now + 5)
+        dep = gw.registry.deployments["m1" if i % 3 else "m2"]
+        ctx.principal, ctx.deployment, ctx.model, ctx.alias = ANONYMOUS, dep, dep.model, dep.alias
+        ctx.attempts, ctx.status, ctx.queue_ms = 1, "ok", 0.5 * i
+        ctx.route = "r" if i % 4 == 0 else None
+        ctx.cache = "miss" if i % 5 == 0 else None
+        ctx.timings.ended = now + 0.002 * i
+        ctx.timings.client_first_byte = now + 0.001 * i if i % 2 else None
+        ctx.chunk_gaps = [0.01 * i, 0.003] if i % 2 else []
+        return ctx, i, 2 * i, 0.001 * i
+
+    for fold in range(2):
+        batch = _Batch()
+        for i in range(fold * 20, fold * 20 + 20):
+            ctx, inp, out, cost = request(i)
+            fast.observe(ctx, "ok", inp, out, cost)
+            slow._observe(batch, ctx, "ok", inp, out, cost)
+        assert fast._pending == []  # none took the request-by-request path
+        fast.fold()
+        batch.apply()
+
+    def lines(m: Metrics) -> list[str]:
+        text = m.exposition().decode().splitlines()
+        return sorted(ln for ln in text if not ln.startswith("#") and "_created" not in ln)
+
+    got, want = lines(fast), lines(slow)
+    assert got == want
+    assert any(ln.startswith('switchyard_route_decisions_total{route="route:r"}') for ln in got)
+    assert any(ln.startswith('switchyard_cache_total{result="miss"} 8.0') for ln in got)
+
+
 @pytest.mark.parametrize("stop", ["ctrl-c", "kill-9"])
 def test_stopping_the_gateway_leaves_no_process_and_ctrl_c_loses_no_row(
     tmp_path: Path, scripted: Scripted, stop: str

@@ -160,7 +160,8 @@ def build_routes(gw: Gateway) -> list[Route]:
         request.scope[CTX_KEY] = ctx  # for the error mapping (app.py)
         handed_off = False
         try:
-            gw.apply_request_timeout(ctx)
+            if "x-request-timeout" in headers:
+                gw.apply_request_timeout(ctx)
             raw = await read_body(request, max_body, headers.get("content-length"))
             body = parse_json(raw)
             if endpoint == "chat.completions":
@@ -171,8 +172,11 @@ def build_routes(gw: Gateway) -> list[Route]:
             ctx.wire = (body, raw)
             ctx.alias = alias
             ctx.stream = bool(body.get("stream"))
-            ctx.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            ctx.record("validate", "ok", "request shape is valid", received)
+            options = body.get("stream_options")  # an object when present (validated)
+            ctx.include_usage = bool(options.get("include_usage")) if options else False
+            ctx.decisions.append(
+                ("validate", "ok", "request shape is valid", None, received, time.perf_counter())
+            )
             idem = headers.get("idempotency-key")
             if idem is not None:
                 replay = await claim_idempotency(ctx, idem)

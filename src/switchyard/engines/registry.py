@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from switchyard.config import LlamaCppEngine, ModelConfig, OpenAIEngine, Settings
@@ -25,17 +25,15 @@ class Deployment:
     fixed_label: str | None = None  # an external upstream's label never changes
     # (label, its response headers encoded), kept by the API layer (api/openai.py)
     encoded_headers: tuple[str, list[tuple[bytes, bytes]]] | None = None
+    # Read several times per request; the model's config never changes.
+    alias: str = field(init=False)
+    upstream_model: str = field(init=False)  # the model name the upstream is sent
 
-    @property
-    def alias(self) -> str:
-        return self.model.alias
-
-    @property
-    def upstream_model(self) -> str:
+    def __post_init__(self) -> None:
+        self.alias = self.model.alias
         spec = self.model.engine
-        if isinstance(spec, OpenAIEngine) and spec.model:
-            return spec.model
-        return self.model.alias
+        model = spec.model if isinstance(spec, OpenAIEngine) else None
+        self.upstream_model = model or self.model.alias
 
     @property
     def ready(self) -> bool:

@@ -100,7 +100,17 @@ class Executor:
     async def _run(self, ctx: RequestContext, stream: bool) -> Any:
         primary = ctx.deployment
         assert primary is not None
-        chain = [primary.alias, *primary.model.fallbacks]
+        pm = primary.model
+        if (
+            not pm.fallbacks
+            and pm.data_boundary is None
+            and (ctx.principal is None or ctx.principal.regions is None)
+            and primary.ready
+        ):
+            # A chain of one, no boundary to check, ready: what the loop below does,
+            # without building the chain (its errors are raised as they are there).
+            return await self._attempts(ctx, primary, stream, last_in_chain=True)
+        chain = [primary.alias, *pm.fallbacks]
         needs: dict[str, Any] | None = None  # computed only if a fallback is considered
         boundary = primary.model.data_boundary
         tenant_regions = ctx.principal.regions if ctx.principal is not None else None

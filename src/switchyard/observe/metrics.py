@@ -144,6 +144,54 @@ class _Batch:
             observe_many(kids(*labels), values)
 
 
+class _Common:
+    """What the requests of one first-attempt shape (same model, tenant, route and
+    cache result) added since the last fold: observed by appending to lists, with no
+    per-request tuple, key or lookup beyond the shape's own."""
+
+    __slots__ = (
+        "cost",
+        "e2e",
+        "inp",
+        "itl",
+        "model",
+        "n",
+        "out",
+        "queue",
+        "shape",
+        "tenant",
+        "ttft",
+    )
+
+    def __init__(self, shape: Shape, model: str, tenant: str) -> None:
+        self.shape, self.model, self.tenant = shape, model, tenant
+        self.n = self.inp = self.out = 0
+        self.cost = 0.0
+        self.e2e: list[float] = []
+        self.ttft: list[float] = []
+        self.queue: list[float] = []
+        self.itl: list[float] = []
+
+    def fold_into(self, b: _Batch, m: Metrics) -> None:
+        """Add to the batch what a request-by-request `_observe` would have."""
+        model, n = (self.model,), self.n
+        b.shapes[self.shape] = b.shapes.get(self.shape, 0) + n
+        for kids, values in ((m._e2e, self.e2e), (m._ttft, self.ttft), (m._queue, self.queue)):
+            if values:
+                b.values.setdefault((kids, model), []).extend(values)
+        if self.itl:
+            b.values.setdefault((m._itl, model), []).extend(self.itl)
+        if self.inp:
+            b.inc(m._tokens, (self.model, "input"), self.inp)
+        if self.out:
+            b.inc(m._tokens, (self.model, "output"), self.out)
+        if self.cost:
+            b.inc(m._cost, (self.model, self.tenant), self.cost)
+        self.n = self.inp = self.out = 0
+        self.cost = 0.0
+        self.e2e, self.ttft, self.queue, self.itl = [], [], [], []
+
+
 class Metrics:
     def __init__(self) -> None:
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
@@ -210,18 +258,36 @@ class Metrics:
         self._rejections = _Children(self.rejections)
         self.fold_s = 0.02
         self._first_attempt: dict[tuple[str, str, str, str | None], Shape] = {}
+        self._common: dict[tuple[str, str, str | None, str | None], _Common] = {}
         self._pending: list[tuple[RequestContext, str, int, int, float]] = []
         self._fold_loop: asyncio.AbstractEventLoop | None = None
+        self._fold_due = False  # something is waiting for the scheduled fold
 
     def observe(self, ctx: RequestContext, status: str, inp: int, out: int, cost: float) -> None:
         """Record one finished request. Under an event loop it is folded into the
         metrics within `fold_s` (with whatever else finished meanwhile) and always
         before a scrape, so a request that has just finished pays for none of it."""
-        pending = self._pending
-        pending.append((ctx, status, inp, out, cost))
+        common = self._common_of(ctx, status)
+        if common is None:
+            self._pending.append((ctx, status, inp, out, cost))
+        else:  # the common request: its values go straight into its shape's lists
+            common.n += 1
+            t = ctx.timings
+            if t.ended is not None:
+                common.e2e.append(t.ended - t.received)
+            if t.client_first_byte is not None:
+                common.ttft.append(t.client_first_byte - t.received)
+            if ctx.queue_ms is not None:
+                common.queue.append(ctx.queue_ms / 1000)
+            common.inp += inp
+            common.out += out
+            common.cost += cost
+            if ctx.chunk_gaps:
+                common.itl.extend(ctx.chunk_gaps)
         scheduled = self._fold_loop
-        if len(pending) > 1 and scheduled is not None and not scheduled.is_closed():
+        if self._fold_due and scheduled is not None and not scheduled.is_closed():
             return  # a fold is already scheduled (no loop lookup: it costs a syscall)
+        self._fold_due = True
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -233,7 +299,11 @@ class Metrics:
     def fold(self) -> None:
         """Apply every queued observation."""
         pending, self._pending = self._pending, []
+        self._fold_due = False
         batch = _Batch()
+        for common in self._common.values():
+            if common.n:
+                common.fold_into(batch, self)
         for args in pending:
             try:
                 self._observe(batch, *args)
@@ -269,6 +339,26 @@ class Metrics:
             itl = (ctx.deployment.alias if ctx.deployment is not None else "unknown",)
             for gap in ctx.chunk_gaps:
                 b.observe(self._itl, itl, gap)
+
+    def _common_of(self, ctx: RequestContext, status: str) -> _Common | None:
+        """The accumulator of a first-attempt success (see `first_attempt_shape`), or
+        None for any other request."""
+        dep = ctx.deployment
+        if status != "ok" or ctx.attempts != 1 or ctx.fallback_from is not None:
+            return None
+        if ctx.error_code is not None or dep is None:
+            return None
+        tenant = ctx.principal.tenant_id if ctx.principal is not None else "none"
+        key = (dep.alias, tenant, ctx.route, ctx.cache)
+        common = self._common.get(key)
+        if common is None:
+            shape = self.first_attempt_shape(ctx, dep.alias, tenant, status)
+            assert shape is not None
+            if len(self._common) >= 4096:  # bounded: aliases x tenants x routes
+                self.fold()
+                self._common.clear()
+            common = self._common[key] = _Common(shape, dep.alias, tenant)
+        return common
 
     def first_attempt_shape(
         self, ctx: RequestContext, model: str, tenant: str, status: str
