@@ -94,6 +94,11 @@ def test_attempt_timeout_never_passes_the_deadline_and_is_shared() -> None:
     # Requests whose remaining time rounds to the same millisecond share one object.
     assert up._timeout(t, 12.3451) is up._timeout(t, 12.3459)
     assert up._timeout(t, 12.3451) is not up._timeout(t, 12.3461)
+    # Other timeouts on the same client are never answered with the first ones'.
+    other = Timeouts(connect_s=3.0, first_byte_s=7.0, total_s=60.0)
+    got = up._timeout(other, 12.3451)
+    assert (got.total, got.sock_connect, got.sock_read) == (12.345, 3.0, 7.0)
+    assert up._timeout(t, None).total == 30.0
 
 
 def test_compatibility_rules() -> None:

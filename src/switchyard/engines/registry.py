@@ -28,12 +28,17 @@ class Deployment:
     # Read several times per request; the model's config never changes.
     alias: str = field(init=False)
     upstream_model: str = field(init=False)  # the model name the upstream is sent
+    # One deployment to try and no data boundary to check: the executor's short path.
+    alone: bool = field(init=False)
+    min_attempt_s: float = field(init=False)  # resilience.min_attempt_s
 
     def __post_init__(self) -> None:
         self.alias = self.model.alias
         spec = self.model.engine
         model = spec.model if isinstance(spec, OpenAIEngine) else None
         self.upstream_model = model or self.model.alias
+        self.alone = not self.model.fallbacks and self.model.data_boundary is None
+        self.min_attempt_s = self.model.resilience.min_attempt_s
 
     @property
     def ready(self) -> bool:

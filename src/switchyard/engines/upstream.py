@@ -88,7 +88,8 @@ class OpenAIUpstream:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
-        self._timeouts: dict[tuple[int, float, float], aiohttp.ClientTimeout] = {}
+        self._timeouts: dict[int, aiohttp.ClientTimeout] = {}  # by total, in ms
+        self._limits: tuple[Timeouts, float, float, float] | None = None
 
     @property
     def base_url(self) -> str:
@@ -114,14 +115,19 @@ class OpenAIUpstream:
         rounded down to the millisecond and the object reused for that value (a
         ClientTimeout is a frozen dataclass, ~2 us to build), so requests arriving in
         the same millisecond share one."""
-        total = t.total_s if remaining_s is None else max(0.001, min(t.total_s, remaining_s))
-        key = (math.floor(total * 1000), t.connect_s, t.first_byte_s)
-        cached = self._timeouts.get(key)
+        limits = self._limits
+        if limits is None or limits[0] is not t:  # one model's timeouts, read once
+            limits = self._limits = (t, t.total_s, t.connect_s, t.first_byte_s)
+            self._timeouts.clear()
+        total_s = limits[1]
+        total = total_s if remaining_s is None else max(0.001, min(total_s, remaining_s))
+        ms = math.floor(total * 1000)
+        cached = self._timeouts.get(ms)
         if cached is None:
             if len(self._timeouts) >= 1024:
                 self._timeouts.clear()
-            cached = self._timeouts[key] = aiohttp.ClientTimeout(
-                total=max(0.001, key[0] / 1000), sock_connect=t.connect_s, sock_read=t.first_byte_s
+            cached = self._timeouts[ms] = aiohttp.ClientTimeout(
+                total=max(0.001, ms / 1000), sock_connect=limits[2], sock_read=limits[3]
             )
         return cached
 

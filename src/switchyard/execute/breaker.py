@@ -28,9 +28,13 @@ class CircuitBreaker:
     probes_in_flight: int = 0
     opens: int = 0
     _outcomes: deque[tuple[float, bool]] = field(default_factory=deque)
+    _window_s: float = field(init=False)  # cfg.window_s, read per request (a plain attribute)
+
+    def __post_init__(self) -> None:
+        self._window_s = self.cfg.window_s
 
     def _trim(self, now: float) -> None:
-        while self._outcomes and self._outcomes[0][0] <= now - self.cfg.window_s:
+        while self._outcomes and self._outcomes[0][0] <= now - self._window_s:
             self._outcomes.popleft()
 
     def retry_after_s(self, now: float) -> float:

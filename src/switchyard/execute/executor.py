@@ -100,16 +100,15 @@ class Executor:
     async def _run(self, ctx: RequestContext, stream: bool) -> Any:
         primary = ctx.deployment
         assert primary is not None
-        pm = primary.model
         if (
-            not pm.fallbacks
-            and pm.data_boundary is None
+            primary.alone
             and (ctx.principal is None or ctx.principal.regions is None)
             and primary.ready
         ):
             # A chain of one, no boundary to check, ready: what the loop below does,
             # without building the chain (its errors are raised as they are there).
             return await self._attempts(ctx, primary, stream, last_in_chain=True)
+        pm = primary.model
         chain = [primary.alias, *pm.fallbacks]
         needs: dict[str, Any] | None = None  # computed only if a fallback is considered
         boundary = primary.model.data_boundary
@@ -210,7 +209,7 @@ class Executor:
                     retry_after_s=max(1, round(breaker.retry_after_s(time.monotonic()))),
                 )
             remaining = ctx.remaining_s() - reserve
-            if remaining < cfg.min_attempt_s:
+            if remaining < dep.min_attempt_s:
                 breaker.release_probe()
                 ctx.record(
                     "attempt",

@@ -42,10 +42,14 @@ class RetryBudget:
     _firsts: deque[float] = field(default_factory=deque)
     _retries: deque[float] = field(default_factory=deque)
     denied: int = 0
+    _window_s: float = field(init=False)  # cfg.window_s, read per request (a plain attribute)
+
+    def __post_init__(self) -> None:
+        self._window_s = self.cfg.window_s
 
     def _trim(self, now: float) -> None:
         for q in (self._firsts, self._retries):
-            while q and q[0] <= now - self.cfg.window_s:
+            while q and q[0] <= now - self._window_s:
                 q.popleft()
 
     def first_attempt(self, now: float) -> None:
