@@ -99,3 +99,63 @@ def test_first_attempt_metrics_shape_equals_the_one_read_from_decisions(tmp_path
     retried.attempts = 2
     assert metrics.first_attempt_shape(retried, "scripted", "anonymous", "ok") is None
     assert metrics.first_attempt_shape(seen[2], "scripted", "anonymous", "error") is None
+
+
+def test_compact_decision_blocks_are_stored_as_the_full_trace(tmp_path: Path) -> None:
+    """The one-step decision goes down the ledger's pipe as one compact item; the
+    stored trace holds every decision as it was recorded (stage, outcome, reason,
+    evidence and times), so no reader can tell."""
+    from switchyard.bench.hotpath import _reply, _switchyard_app
+    from switchyard.bench.overhead import chat_body
+    from switchyard.observe.db import connect
+    from switchyard.observe.traces import get_request, ledger_entry
+
+    async def run() -> list[Any]:
+        app, gw = await _switchyard_app(tmp_path, _reply(4))
+        seen: list[Any] = []
+        finish_now = gw.finish_now
+
+        def keep(ctx: Any) -> Any:
+            seen.append(ctx)
+            return finish_now(ctx)
+
+        gw.finish_now = keep  # type: ignore[method-assign]
+        try:
+            await Driver(chat_body(False, 4)).drive(app, 3)
+            await gw.settled()
+        finally:
+            await gw.stop()
+        return seen
+
+    seen = asyncio.run(run())
+    assert len(seen) == 3
+    conn = connect(str(tmp_path / "hotpath.db"))
+    for ctx in seen:
+        assert ctx.block is not None
+        sent = ledger_entry(ctx, "ok", 1, 1, 0.0, True)[-1]
+        assert sum(1 for d in sent if d[0] == "@") == 1  # the block went compactly
+        assert len(sent) == len(ctx.decisions) - 10
+        stored = get_request(conn, ctx.request_id)
+        assert stored is not None
+        base = ctx.clock_base
+        want = [
+            (stage, outcome, reason, evidence or {}, base + t0, round((t1 - t0) * 1000, 3))
+            for stage, outcome, reason, evidence, t0, t1 in ctx.decisions
+        ]
+        got = [
+            (
+                d["stage"],
+                d["outcome"],
+                d["reason"],
+                d["evidence"],
+                d["started_at"],
+                d["duration_ms"],
+            )
+            for d in stored["decisions"]
+        ]
+        assert got == want
+        assert [d[0] for d in got][2:13] == [
+            "authorize", "admit", "pii", "embed", "cache", "route",
+            "tools", "select", "deployment_limits", "queue", "place",
+        ]  # fmt: skip
+    conn.close()

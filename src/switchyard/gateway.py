@@ -133,6 +133,7 @@ class Gateway:
         self.counters: dict[str, int] = {"limiter_fail_open": 0, "limiter_fail_closed": 0}
         self._seeded: set[tuple[str, str]] = set()
         self._selections: dict[Any, Selection] = {}
+        self._blocks: dict[tuple[str, bool, str], int] = {}  # ledger block id per state
         # Evidence that is the same for every request of a model, built once (recorded
         # evidence is never changed afterwards, so requests may share the dict).
         self._named: dict[str, dict[str, Any]] = {
@@ -370,6 +371,26 @@ class Gateway:
         sel = self._selection(alias, dep)
         where, placed, region = self._placement(dep)
         named = self._named[alias]
+        state = (alias, dep.ready, dep.label)  # what the block's verdicts depend on
+        block = self._blocks.get(state)
+        if block is None:
+            if len(self._blocks) >= 256:  # an engine restarted many times
+                self._blocks.clear()
+            block = self._blocks[state] = self.ledger.block_id(
+                [
+                    ("authorize", "allowed", "the key may use this model", named),
+                    ("admit", "skip", "no limits apply", None),
+                    ("pii", "skip", "observe_only and no cache or router: no text is stored", None),
+                    ("embed", "skip", "no semantic cache or router for this request", None),
+                    ("cache", "skip", "cache not enabled", None),
+                    ("route", "explicit", "the client named the model", named),
+                    ("tools", "skip", "no tools, or no tool policy", None),
+                    ("select", sel.outcome, sel.reason, sel.evidence),
+                    ("deployment_limits", "skip", "no limits apply", None),
+                    ("queue", "admitted", _NO_WAIT, None),  # each request's own evidence
+                    ("place", where, placed, region),
+                ]
+            )
         ctx.deployment = dep
         ctx.model = dep.model
         ctx.gate = gate
@@ -379,6 +400,7 @@ class Gateway:
             "queued": adm.queued,
             "max_concurrency": gate.max_concurrency,
         }
+        ctx.block = (block, len(ctx.decisions))
         t1 = time.perf_counter()
         ctx.decisions += (
             ("authorize", "allowed", "the key may use this model", named, t, t1),

@@ -128,6 +128,9 @@ class RequestContext:
     finished: bool = False
     wire: tuple[dict[str, Any], bytes] | None = None  # (parsed body, the bytes it came from)
     reply_body: bytes | None = None  # a non-streamed reply whose usage is read at settle
+    # (block id, index of its first decision) when a run of decisions is one of the
+    # ledger's known blocks (traces.BLOCK_STAGES): stored compactly, expanded on write.
+    block: tuple[int, int] | None = None
 
     def record(
         self,

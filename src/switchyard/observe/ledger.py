@@ -85,19 +85,28 @@ class Finished:
 _DUMP_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 
 
-def _batch_json(batch: list[Finished]) -> tuple[bytes, int]:
-    """The batch as one JSON array. The array is serialised in one call (half the cost
-    per row of one call per row); only when that fails is each row serialised on its
-    own, so that a row that cannot be built or serialised is logged and left out
-    rather than costing the rest of the batch. Returns the array and its row count."""
+def _batch_json(batch: list[Finished], templates: dict[int, Any]) -> tuple[bytes, int]:
+    """The batch as one JSON object: `entries` (one array per request) and `blocks`
+    (the templates of the compact block items those entries hold, by id). Serialised
+    in one call (half the cost per row of one call per row); only when that fails is
+    each row serialised on its own, so that a row that cannot be built or serialised
+    is logged and left out rather than costing the rest of the batch. Returns the
+    payload and its row count."""
     entries = []
+    used: set[int] = set()
     for f in batch:
         try:
             entries.append(f.entry())
         except Exception:
             log.exception("ledger row of %s dropped: it could not be built", f.ctx.request_id)
+            continue
+        block = f.ctx.block
+        if block is not None and f.with_trace:
+            used.add(block[0])
+    blocks = {str(i): templates[i] for i in used}
     try:
-        return orjson.dumps(entries, default=str, option=_DUMP_OPTIONS), len(entries)
+        payload = {"blocks": blocks, "entries": entries}
+        return orjson.dumps(payload, default=str, option=_DUMP_OPTIONS), len(entries)
     except Exception:  # some row cannot be serialised: find it, keep the others
         pass
     parts = []
@@ -106,7 +115,8 @@ def _batch_json(batch: list[Finished]) -> tuple[bytes, int]:
             parts.append(orjson.dumps(entry, default=str, option=_DUMP_OPTIONS))
         except Exception:
             log.exception("ledger row of %s dropped: it could not be serialised", entry[0])
-    return b"[" + b",".join(parts) + b"]", len(parts)
+    head = b'{"blocks":' + orjson.dumps(blocks) + b',"entries":['
+    return head + b",".join(parts) + b"]}", len(parts)
 
 
 def _read(fd: int, n: int) -> bytes | None:
@@ -128,6 +138,9 @@ class UsageLedger:
         # caller of flush()/close() in another thread may both be here.
         self._lock = threading.RLock()
         self._batch: list[Finished] = []
+        # Block templates (see traces.BLOCK_STAGES) by id, and ids by their JSON form.
+        self._templates: dict[int, Any] = {}
+        self._template_ids: dict[bytes, int] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_loop: asyncio.AbstractEventLoop | None = None
         self._frames: deque[tuple[bytes, int]] = deque()  # not yet fully in the pipe
@@ -160,6 +173,17 @@ class UsageLedger:
         os.set_blocking(fd, False)
         return proc
 
+    def block_id(self, template: list[tuple[str, str, str, Any]]) -> int:
+        """The id under which entries may refer to a run of decisions (stage, outcome,
+        reason, evidence) in compact form; the same template always gets the same id."""
+        key = orjson.dumps(template, default=str, option=_DUMP_OPTIONS)
+        with self._lock:
+            bid = self._template_ids.get(key)
+            if bid is None:
+                bid = self._template_ids[key] = len(self._templates) + 1
+                self._templates[bid] = template
+        return bid
+
     # -- queueing (event loop) --------------------------------------------------------
     def record(self, finished: Finished) -> None:
         """Queue a settled request; its usage row and (optionally) its trace are
@@ -188,7 +212,7 @@ class UsageLedger:
             batch, self._batch = self._batch, []
             self._timer = None
         if batch:
-            payload, rows = _batch_json(batch)
+            payload, rows = _batch_json(batch, self._templates)
             if rows:
                 self._enqueue(frame(BATCH, payload), rows)
 

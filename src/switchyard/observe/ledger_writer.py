@@ -8,9 +8,10 @@ loop and the writer handed it back and forth several times per request (~3.5 fut
 calls per request at one client; none with the ledger off).
 
 Frames on stdin: one kind byte, a 4-byte big-endian length, the payload.
-- `B`: a JSON array of entries (`traces.ENTRY_FIELDS`, one flat array per request),
-  each made into its usage row and, unless its decisions are null, its trace record:
-  committed in one transaction.
+- `B`: a JSON object: `entries`, one flat array per request (`traces.ENTRY_FIELDS`),
+  each made into its usage row and, unless its decisions are null, its trace record,
+  all committed in one transaction; `blocks`, the templates of the compact runs of
+  decisions those entries hold (`traces.expand_decisions`).
 - `F`: an 8-byte sequence number: answered on stdout (the same frame) once everything
   before it is committed.
 - `S` (or end of input): commit what came before, then exit.
@@ -33,7 +34,12 @@ from typing import Any, BinaryIO
 import orjson
 
 from switchyard.observe.db import connect
-from switchyard.observe.traces import ENTRY_FIELDS, insert_args, trace_from_entry
+from switchyard.observe.traces import (
+    ENTRY_FIELDS,
+    expand_decisions,
+    insert_args,
+    trace_from_entry,
+)
 
 log = logging.getLogger("switchyard.ledger")
 
@@ -127,10 +133,18 @@ def usage_row(e: dict[str, Any]) -> tuple[Any, ...]:
     )
 
 
-def write_batch(conn: sqlite3.Connection, entries: list[list[Any]]) -> bool:
+def write_batch(
+    conn: sqlite3.Connection,
+    entries: list[list[Any]],
+    blocks: dict[str, list[Any]] | None = None,
+) -> bool:
     """Commit one batch: every usage row and trace, or (after retries) none of them."""
     try:
         named = [dict(zip(ENTRY_FIELDS, e, strict=True)) for e in entries]
+        if blocks:
+            for e in named:
+                if e["decisions"] is not None:
+                    e["decisions"] = expand_decisions(e["decisions"], blocks)
         rows = [usage_row(e) for e in named]
         traces = [insert_args(trace_from_entry(e)) for e in named if e["decisions"] is not None]
     except Exception:  # a malformed batch must not end the writer
@@ -164,11 +178,12 @@ def serve(path: str, source: BinaryIO, acks: BinaryIO) -> None:
             kind, payload = got
             if kind == BATCH:
                 try:
-                    entries = orjson.loads(payload)
-                except orjson.JSONDecodeError:
+                    batch = orjson.loads(payload)
+                    entries, blocks = batch["entries"], batch["blocks"]
+                except (orjson.JSONDecodeError, TypeError, KeyError):
                     log.exception("unreadable ledger batch (%d bytes) dropped", len(payload))
                     continue
-                write_batch(conn, entries)
+                write_batch(conn, entries, blocks)
             elif kind == FLUSH:
                 acks.write(frame(FLUSH, payload))
                 acks.flush()

@@ -53,10 +53,58 @@ ENTRY_FIELDS = (
 )
 
 
+# The decisions of the gateway's one-step decision (`Gateway._decide_at_once`): the
+# same for every request of a model but for their times and the queue's evidence. In
+# a ledger entry such a run is one item, ("@", block id, t0, t1, queue evidence), and
+# the writer expands it from the block's template (stage, outcome, reason, evidence)
+# sent with the batch; the stored trace is the same as if it had been sent whole.
+BLOCK_STAGES = (
+    "authorize",
+    "admit",
+    "pii",
+    "embed",
+    "cache",
+    "route",
+    "tools",
+    "select",
+    "deployment_limits",
+    "queue",
+    "place",
+)
+_QUEUE_AT = BLOCK_STAGES.index("queue")
+_BLOCK_LEN = len(BLOCK_STAGES)
+
+
+def compact_decisions(decisions: list[Any], block: tuple[int, int] | None) -> list[Any]:
+    """`decisions` with the block run (if still in place) as one ("@", ...) item."""
+    if block is None:
+        return decisions
+    bid, i = block
+    end = i + _BLOCK_LEN
+    if len(decisions) < end or decisions[i][0] != "authorize" or decisions[end - 1][0] != "place":
+        return decisions
+    q = decisions[i + _QUEUE_AT]
+    return [*decisions[:i], ("@", bid, q[4], q[5], q[3]), *decisions[end:]]
+
+
+def expand_decisions(decisions: list[Any], blocks: dict[str, list[Any]]) -> list[Any]:
+    """The full decisions of an entry whose block runs were sent compactly."""
+    out: list[Any] = []
+    for d in decisions:
+        if d[0] != "@":
+            out.append(d)
+            continue
+        _, bid, t0, t1, queue = d
+        for stage, outcome, reason, evidence in blocks[str(bid)]:
+            out.append([stage, outcome, reason, queue if stage == "queue" else evidence, t0, t1])
+    return out
+
+
 def ledger_entry(
     ctx: RequestContext, status: str, inp: int, out: int, cost: float, with_trace: bool
 ) -> tuple[Any, ...]:
-    """The writer's entry for a finished request (see ENTRY_FIELDS)."""
+    """The writer's entry for a finished request (see ENTRY_FIELDS); its decisions
+    may hold compact block items (`compact_decisions`)."""
     t, p, dep, model = ctx.timings, ctx.principal, ctx.deployment, ctx.model
     return (
         ctx.request_id,
@@ -87,7 +135,7 @@ def ledger_entry(
         t.client_first_byte,
         t.ended,
         ctx.received_at - t.received,
-        ctx.decisions if with_trace else None,
+        compact_decisions(ctx.decisions, ctx.block) if with_trace else None,
     )
 
 
