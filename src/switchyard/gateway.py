@@ -60,6 +60,7 @@ from switchyard.policy.pii import MaskingError, PiiMasker
 log = logging.getLogger("switchyard")
 
 _NO_WAIT = "waited 0.0 ms for a slot"
+_OWN = object()  # in a verdict plan: evidence each request supplies itself
 
 
 class PiiFailure(SwitchyardError):
@@ -133,7 +134,8 @@ class Gateway:
         self.counters: dict[str, int] = {"limiter_fail_open": 0, "limiter_fail_closed": 0}
         self._seeded: set[tuple[str, str]] = set()
         self._selections: dict[Any, Selection] = {}
-        self._blocks: dict[tuple[str, bool, str], int] = {}  # ledger block id per state
+        # The one-step decision's (ledger block id, verdicts) per deployment state.
+        self._plans: dict[tuple[str, bool, str], tuple[int, list[Any]]] = {}
         # Evidence that is the same for every request of a model, built once (recorded
         # evidence is never changed afterwards, so requests may share the dict).
         self._named: dict[str, dict[str, Any]] = {
@@ -368,29 +370,13 @@ class Gateway:
         adm = gate.try_acquire()
         if adm is None:
             return False
-        sel = self._selection(alias, dep)
-        where, placed, region = self._placement(dep)
-        named = self._named[alias]
-        state = (alias, dep.ready, dep.label)  # what the block's verdicts depend on
-        block = self._blocks.get(state)
-        if block is None:
-            if len(self._blocks) >= 256:  # an engine restarted many times
-                self._blocks.clear()
-            block = self._blocks[state] = self.ledger.block_id(
-                [
-                    ("authorize", "allowed", "the key may use this model", named),
-                    ("admit", "skip", "no limits apply", None),
-                    ("pii", "skip", "observe_only and no cache or router: no text is stored", None),
-                    ("embed", "skip", "no semantic cache or router for this request", None),
-                    ("cache", "skip", "cache not enabled", None),
-                    ("route", "explicit", "the client named the model", named),
-                    ("tools", "skip", "no tools, or no tool policy", None),
-                    ("select", sel.outcome, sel.reason, sel.evidence),
-                    ("deployment_limits", "skip", "no limits apply", None),
-                    ("queue", "admitted", _NO_WAIT, None),  # each request's own evidence
-                    ("place", where, placed, region),
-                ]
-            )
+        state = (alias, dep.ready, dep.label)  # all the verdicts depend on
+        plan = self._plans.get(state)
+        if plan is None:
+            if len(self._plans) >= 256:  # an engine restarted many times
+                self._plans.clear()
+            plan = self._plans[state] = self._one_step_plan(alias, dep)
+        block, verdicts = plan
         ctx.deployment = dep
         ctx.model = dep.model
         ctx.gate = gate
@@ -402,20 +388,30 @@ class Gateway:
         }
         ctx.block = (block, len(ctx.decisions))
         t1 = time.perf_counter()
-        ctx.decisions += (
-            ("authorize", "allowed", "the key may use this model", named, t, t1),
-            ("admit", "skip", "no limits apply", None, t, t1),
-            ("pii", "skip", "observe_only and no cache or router: no text is stored", None, t, t1),
-            ("embed", "skip", "no semantic cache or router for this request", None, t, t1),
-            ("cache", "skip", "cache not enabled", None, t, t1),
-            ("route", "explicit", "the client named the model", named, t, t1),
-            ("tools", "skip", "no tools, or no tool policy", None, t, t1),
-            ("select", sel.outcome, sel.reason, sel.evidence, t, t1),
-            ("deployment_limits", "skip", "no limits apply", None, t, t1),
-            ("queue", "admitted", _NO_WAIT, queue, t, t1),
-            ("place", where, placed, region, t, t1),
-        )
+        ctx.decisions += [
+            (stage, outcome, reason, queue if evidence is _OWN else evidence, t, t1)
+            for stage, outcome, reason, evidence in verdicts
+        ]
         return True
+
+    def _one_step_plan(self, alias: str, dep: Deployment) -> tuple[int, list[Any]]:
+        """The verdicts (stage, outcome, reason, evidence) of the one-step decision for
+        a deployment state, and their block id in the ledger (traces.BLOCK_STAGES).
+        The queue's evidence is each request's own (`_OWN` marks its place)."""
+        sel = self._selection(alias, dep)
+        where, placed, region = self._placement(dep)
+        named = self._named[alias]
+        verdicts: list[Any] = [
+            ("authorize", "allowed", "the key may use this model", named),
+            ("admit", "skip", "no limits apply", None),
+            *(v[:4] for v in self._inert_verdicts(alias, 0.0)),
+            ("select", sel.outcome, sel.reason, sel.evidence),
+            ("deployment_limits", "skip", "no limits apply", None),
+            ("queue", "admitted", _NO_WAIT, _OWN),
+            ("place", where, placed, region),
+        ]
+        template = [(*v[:3], None if v[3] is _OWN else v[3]) for v in verdicts]
+        return self.ledger.block_id(template), verdicts
 
     def _authorize(self, ctx: RequestContext) -> None:
         t = time.perf_counter()
@@ -519,9 +515,11 @@ class Gateway:
 
     def _inert_content_stages(self, ctx: RequestContext) -> None:
         """The five verdicts, decided together at one instant (no stage ran)."""
-        t = time.perf_counter()
-        named = self._named.get(ctx.alias or "") or {"model": ctx.alias}
-        ctx.decisions += (
+        ctx.decisions += self._inert_verdicts(ctx.alias, time.perf_counter())
+
+    def _inert_verdicts(self, alias: str | None, t: float) -> tuple[Any, ...]:
+        named = self._named.get(alias or "") or {"model": alias}
+        return (
             ("pii", "skip", "observe_only and no cache or router: no text is stored", None, t, t),
             ("embed", "skip", "no semantic cache or router for this request", None, t, t),
             ("cache", "skip", "cache not enabled", None, t, t),
