@@ -32,7 +32,7 @@ from switchyard.observe.db import connect
 from switchyard.observe.ledger import Finished, UsageLedger
 from switchyard.observe.metrics import Metrics
 from switchyard.observe.otel import build_tracing
-from switchyard.observe.traces import enforce_retention
+from switchyard.observe.traces import BLOCK_STAGES, enforce_retention
 from switchyard.pipeline import Pipeline, RequestContext, RequestIds, Stage, Timings
 from switchyard.policy.admission import Admission, DeploymentGate
 from switchyard.policy.admit import (
@@ -60,7 +60,7 @@ from switchyard.policy.pii import MaskingError, PiiMasker
 log = logging.getLogger("switchyard")
 
 _NO_WAIT = "waited 0.0 ms for a slot"
-_OWN = object()  # in a verdict plan: evidence each request supplies itself
+_QUEUE_AT = BLOCK_STAGES.index("queue")
 
 
 class PiiFailure(SwitchyardError):
@@ -386,18 +386,21 @@ class Gateway:
             "queued": adm.queued,
             "max_concurrency": gate.max_concurrency,
         }
-        ctx.block = (block, len(ctx.decisions))
+        decisions = ctx.decisions
+        start = len(decisions)
+        ctx.block = (block, start)
         t1 = time.perf_counter()
-        ctx.decisions += [
-            (stage, outcome, reason, queue if evidence is _OWN else evidence, t, t1)
+        decisions += [
+            (stage, outcome, reason, evidence, t, t1)
             for stage, outcome, reason, evidence in verdicts
         ]
+        decisions[start + _QUEUE_AT] = ("queue", "admitted", _NO_WAIT, queue, t, t1)
         return True
 
     def _one_step_plan(self, alias: str, dep: Deployment) -> tuple[int, list[Any]]:
         """The verdicts (stage, outcome, reason, evidence) of the one-step decision for
         a deployment state, and their block id in the ledger (traces.BLOCK_STAGES).
-        The queue's evidence is each request's own (`_OWN` marks its place)."""
+        The queue's evidence (None here) is each request's own."""
         sel = self._selection(alias, dep)
         where, placed, region = self._placement(dep)
         named = self._named[alias]
@@ -407,11 +410,11 @@ class Gateway:
             *(v[:4] for v in self._inert_verdicts(alias, 0.0)),
             ("select", sel.outcome, sel.reason, sel.evidence),
             ("deployment_limits", "skip", "no limits apply", None),
-            ("queue", "admitted", _NO_WAIT, _OWN),
+            ("queue", "admitted", _NO_WAIT, None),  # each request's own evidence
             ("place", where, placed, region),
         ]
-        template = [(*v[:3], None if v[3] is _OWN else v[3]) for v in verdicts]
-        return self.ledger.block_id(template), verdicts
+        assert [v[0] for v in verdicts] == list(BLOCK_STAGES)
+        return self.ledger.block_id(verdicts), verdicts
 
     def _authorize(self, ctx: RequestContext) -> None:
         t = time.perf_counter()
