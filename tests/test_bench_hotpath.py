@@ -55,13 +55,13 @@ def test_driver_refuses_answers_that_are_not_200() -> None:
         driver.check()
 
 
-def test_first_attempt_metrics_shape_equals_the_one_read_from_decisions(tmp_path: Path) -> None:
-    """The metrics shortcut for a request served on its first attempt counts exactly
-    what reading its decisions counts (requests driven through the real app)."""
+def _served(tmp_path: Path, n: int) -> tuple[Any, list[Any]]:
+    """Drive n chat requests through the real app (instant upstream reply); return the
+    gateway's metrics and the contexts it settled, once their rows are committed."""
     from switchyard.bench.hotpath import _reply, _switchyard_app
     from switchyard.bench.overhead import chat_body
 
-    async def run() -> list[Any]:
+    async def run() -> tuple[Any, list[Any]]:
         app, gw = await _switchyard_app(tmp_path, _reply(4))
         seen: list[Any] = []
         finish_now = gw.finish_now
@@ -72,12 +72,19 @@ def test_first_attempt_metrics_shape_equals_the_one_read_from_decisions(tmp_path
 
         gw.finish_now = keep  # type: ignore[method-assign]
         try:
-            await Driver(chat_body(False, 4)).drive(app, 3)
+            await Driver(chat_body(False, 4)).drive(app, n)
+            await gw.settled()
         finally:
             await gw.stop()
-        return [gw.metrics, seen]
+        return gw.metrics, seen
 
-    metrics, seen = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_first_attempt_metrics_shape_equals_the_one_read_from_decisions(tmp_path: Path) -> None:
+    """The metrics shortcut for a request served on its first attempt counts exactly
+    what reading its decisions counts (requests driven through the real app)."""
+    metrics, seen = _served(tmp_path, 3)
     assert len(seen) == 3
     for ctx in seen:
         fast = metrics.first_attempt_shape(ctx, "scripted", "anonymous", "ok")
@@ -105,29 +112,10 @@ def test_compact_decision_blocks_are_stored_as_the_full_trace(tmp_path: Path) ->
     """The one-step decision goes down the ledger's pipe as one compact item; the
     stored trace holds every decision as it was recorded (stage, outcome, reason,
     evidence and times), so no reader can tell."""
-    from switchyard.bench.hotpath import _reply, _switchyard_app
-    from switchyard.bench.overhead import chat_body
     from switchyard.observe.db import connect
     from switchyard.observe.traces import get_request, ledger_entry
 
-    async def run() -> list[Any]:
-        app, gw = await _switchyard_app(tmp_path, _reply(4))
-        seen: list[Any] = []
-        finish_now = gw.finish_now
-
-        def keep(ctx: Any) -> Any:
-            seen.append(ctx)
-            return finish_now(ctx)
-
-        gw.finish_now = keep  # type: ignore[method-assign]
-        try:
-            await Driver(chat_body(False, 4)).drive(app, 3)
-            await gw.settled()
-        finally:
-            await gw.stop()
-        return seen
-
-    seen = asyncio.run(run())
+    _, seen = _served(tmp_path, 3)
     assert len(seen) == 3
     conn = connect(str(tmp_path / "hotpath.db"))
     for ctx in seen:
