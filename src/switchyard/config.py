@@ -201,6 +201,13 @@ class LlamaCppEngine(_Strict):
     startup_timeout_s: float = Field(180.0, gt=0)
     restart_backoff_s: float = Field(0.5, gt=0)
     restart_backoff_max_s: float = Field(30.0, gt=0)
+    # llama.cpp's extra CPU buffer types (AMX tiles, repacked weights). Off by default:
+    # the AMX path crashes llama.cpp on some Xeons (issue #16); the portable build has
+    # no AMX, so on it this only toggles weight repacking. On = llama.cpp's default.
+    extra_buffer_types: bool = False
+    # Readiness: a chat prompt of realistic length (~60 tokens) must generate this many
+    # tokens through the same API requests use.
+    warmup_tokens: int = Field(8, ge=2, le=64)
 
 
 class OpenAIEngine(_Strict):
@@ -318,6 +325,18 @@ class ModelConfig(_Strict):
     # Regions this alias's requests may be sent to (the primary and any fallback).
     # None = no data-boundary restriction.
     data_boundary: list[str] | None = None
+    # /readyz is 503 while a required model is not ready; a model with required: false
+    # may fail (or still load) and the gateway reports ready without it.
+    required: bool = True
+
+
+class EnginesConfig(_Strict):
+    """Supervision of managed engines, shared by every local model."""
+
+    # Consecutive failed starts (the worker died or never answered the warm-up) before
+    # the model is marked `failed` and no longer restarted. A model that served and
+    # then died is restarted with backoff; that resets the count.
+    max_crash_restarts: int = Field(3, ge=1)
 
 
 class EmbeddingsConfig(_Strict):
@@ -361,6 +380,7 @@ class Settings(_Strict):
     pii: PiiConfig = PiiConfig()
     tools: ToolsConfig = ToolsConfig()
     models: list[ModelConfig] = Field(min_length=1)
+    engines: EnginesConfig = EnginesConfig()
     embeddings: EmbeddingsConfig = EmbeddingsConfig()
 
     @model_validator(mode="after")

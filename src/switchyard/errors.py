@@ -133,6 +133,24 @@ class EngineNotReady(SwitchyardError):
         self.headers.setdefault("Retry-After", str(retry_after_s))
 
 
+class EngineFailed(EngineNotReady):
+    """The model's engine cannot start (it crashed at every start); the message says why.
+    No Retry-After: retrying will not help until an operator acts."""
+
+    code = "engine_failed"
+
+    def __init__(self, message: str, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.headers.pop("Retry-After", None)
+
+
+class EngineCrashed(UpstreamError):
+    """The local engine died while serving this request. Not retried on that engine
+    (the same prompt may crash it again); a fallback model may still serve it."""
+
+    code = "engine_crashed"
+
+
 class UpstreamTimeout(SwitchyardError):
     status = 504
     type = "timeout_error"

@@ -258,12 +258,16 @@ class Gateway:
             self.tracing.shutdown()
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready when every required model (models[].required, default all) can serve,
+        the embedding model is loaded and the router (if on) is built."""
         now = time.monotonic()
         models = {}
+        ready = True
         for alias, d in self.registry.deployments.items():
             models[alias] = d.describe()
             models[alias]["breaker"] = self.executor.breakers[alias].describe(now)
-        ready = all(m["ready"] for m in models.values())
+            if d.model.required and not d.ready:
+                ready = False
         if self.embedder is not None:
             models[self.settings.embeddings.alias] = self.embedder.describe()
             ready = ready and self.embedder.ready
@@ -274,6 +278,28 @@ class Gateway:
             }
             ready = ready and self.router is not None
         return ready, models
+
+    def startup_settled(self) -> bool:
+        """Every model has an outcome: ready, or failed and no longer restarted; so
+        what start produced can be told to the user (cli's banner)."""
+        for d in self.registry.deployments.values():
+            if d.engine is not None and not (d.ready or d.failed):
+                return False
+        if self.embedder is not None and self.embedder.state in ("loading", "stopped"):
+            return False
+        if self.settings.router.enabled and self.router is None:
+            return self.embedder is not None and not self.embedder.ready
+        return True
+
+    def failed_models(self) -> dict[str, str]:
+        """Models that cannot serve, with the reason in plain words."""
+        out: dict[str, str] = {}
+        for alias, d in self.registry.deployments.items():
+            if d.failed and d.engine is not None:
+                out[alias] = d.engine.reason or d.engine.last_error or "unknown"
+        if self.embedder is not None and self.embedder.state == "failed":
+            out[self.settings.embeddings.alias] = self.embedder.last_error or "unknown"
+        return out
 
     # -- request context ----------------------------------------------------
     def authenticate(self, headers: Mapping[str, str]) -> Principal:

@@ -86,7 +86,9 @@ def create_app(settings: Settings, on_ready: Callable[[Gateway], None] | None = 
     gw = Gateway(settings)
 
     async def announce_ready() -> None:
-        while not gw.readiness()[0]:
+        # Once every model is ready or has failed for good: a failed model must not
+        # keep the first-run key (and how to call what does work) from the user.
+        while not (gw.readiness()[0] or gw.startup_settled()):
             await asyncio.sleep(0.2)
         if on_ready is not None:
             on_ready(gw)

@@ -1,14 +1,19 @@
 """Supervisor of one managed llama.cpp worker process.
 
-Liveness (the process is up) and readiness (the model answered a one-token warm-up
-over the same HTTP API the gateway uses) are separate states. A worker that dies is
-restarted with exponential backoff; the gateway keeps serving other models meanwhile
-and answers 503 with Retry-After for this one.
+Liveness (the process is up) and readiness (the model generated several tokens for a
+chat prompt of realistic length, over the same HTTP API the gateway uses) are separate
+states. A worker that served and then died is restarted with exponential backoff; the
+gateway keeps serving other models meanwhile and answers 503 with Retry-After for this
+one. A worker that dies (or never answers) before it is ready `max_crash_restarts`
+times in a row is `failed`: it is not restarted, and its reason (the exit signal by
+name, the last lines of its stderr) is in /readyz, in the log and in the 503
+`engine_failed` its requests get.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import logging
@@ -20,11 +25,44 @@ import time
 from typing import Any
 
 import aiohttp
+import orjson
 
 from switchyard.config import LlamaCppEngine
 from switchyard.engines.assets import smollm2_gguf_path
 
 log = logging.getLogger("switchyard.engine")
+
+# The warm-up: a system prompt and a question of the length agents send (about 60
+# prompt tokens with the chat template), generating `warmup_tokens` tokens. A one-token
+# prompt can pass where every real prompt crashes (issue #16: AMX on some Xeons).
+WARMUP_MESSAGES = [
+    {
+        "role": "system",
+        "content": "You are a concise assistant for a platform team. Answer in one short "
+        "sentence, and say so plainly when you do not know.",
+    },
+    {
+        "role": "user",
+        "content": "Our gateway sends requests to a local model and to a hosted one. In "
+        "one sentence, why would we check that the local model can answer before we "
+        "send it traffic?",
+    },
+]
+STDERR_LINES = 20  # kept per worker; the last ones explain a crash
+_LINE_CHARS = 400
+
+
+def describe_exit(code: int | None) -> str:
+    """A worker's exit status in words: 'was killed by SIGSEGV', 'exited with code 1'."""
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with code {code}"
 
 
 class EngineState(enum.StrEnum):
@@ -33,23 +71,31 @@ class EngineState(enum.StrEnum):
     READY = "ready"
     RESTARTING = "restarting"  # died; waiting out the backoff
     STOPPED = "stopped"
-    FAILED = "failed"  # cannot start at all (e.g. model file missing)
+    FAILED = "failed"  # cannot start: file missing, or crashed max_crash_restarts times
 
 
 class ManagedLlamaCpp:
-    def __init__(self, alias: str, spec: LlamaCppEngine) -> None:
+    def __init__(self, alias: str, spec: LlamaCppEngine, max_crash_restarts: int = 3) -> None:
         self.alias = alias
         self.spec = spec
+        self.max_crash_restarts = max_crash_restarts
         self.state = EngineState.STOPPED
         self.port: int | None = None
         self.proc: asyncio.subprocess.Process | None = None
+        self.generation = 0  # one per spawned worker: tells a request which one it used
         self.restarts = 0
+        self.failed_starts = 0  # consecutive, reset once a worker is ready
         self.last_error: str | None = None
+        self.reason: str | None = None  # why the engine is failed, in plain words
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
+        self.system_info: str | None = None
         self.ready_since: float | None = None
         self.cold_start_s: float | None = None
         self._task: asyncio.Task[None] | None = None
+        self._pump: asyncio.Task[None] | None = None
         self._stopping = False
         self._ready_event = asyncio.Event()
+        self._settled = asyncio.Event()  # ready or failed: startup has an outcome
 
     # -- public state -------------------------------------------------------
     @property
@@ -64,6 +110,10 @@ class ManagedLlamaCpp:
     def ready(self) -> bool:
         return self.state is EngineState.READY and self.live
 
+    @property
+    def failed(self) -> bool:
+        return self.state is EngineState.FAILED
+
     def describe(self) -> dict[str, Any]:
         return {
             "kind": "llamacpp",
@@ -73,14 +123,32 @@ class ManagedLlamaCpp:
             "pid": self.proc.pid if self.live and self.proc else None,
             "upstream": self.base_url if self.port else None,
             "restarts": self.restarts,
+            "failed_starts": self.failed_starts,
             "cold_start_s": None if self.cold_start_s is None else round(self.cold_start_s, 3),
             "last_error": self.last_error,
+            "reason": self.reason,
+            "stderr_tail": list(self.stderr_tail)[-8:] if self.failed else [],
+            "system_info": self.system_info,
+            "extra_buffer_types": self.spec.extra_buffer_types,
         }
 
     async def wait_ready(self, timeout_s: float) -> bool:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._ready_event.wait(), timeout_s)
         return self.ready
+
+    async def exited_since(self, generation: int, wait_s: float = 0.5) -> bool:
+        """Whether the worker of `generation` has exited: the request that used it saw
+        a broken connection, and the worker's death may take a moment to be noticed."""
+        if generation != self.generation:
+            return True  # a newer worker was spawned: that one is gone
+        proc = self.proc
+        if proc is None:
+            return True
+        if proc.returncode is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(proc.wait()), wait_s)
+        return proc.returncode is not None
 
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
@@ -96,7 +164,9 @@ class ManagedLlamaCpp:
                 await self._task
             self._task = None
         await self._terminate()
-        self.state = EngineState.STOPPED
+        await self._drain_stderr()
+        if self.state is not EngineState.FAILED:
+            self.state = EngineState.STOPPED
         self._ready_event.clear()
 
     async def _terminate(self) -> None:
@@ -112,6 +182,18 @@ class ManagedLlamaCpp:
                 proc.kill()
             await proc.wait()
 
+    def _fail(self, reason: str) -> None:
+        self.state = EngineState.FAILED
+        self.reason = reason
+        self._settled.set()
+        tail = "\n".join(f"    {line}" for line in list(self.stderr_tail)[-8:])
+        log.error(
+            "engine %s FAILED and will not be restarted: %s%s",
+            self.alias,
+            reason,
+            f"\n  last lines of its stderr:\n{tail}" if tail else "",
+        )
+
     async def _supervise(self) -> None:
         backoff = self.spec.restart_backoff_s
         while not self._stopping:
@@ -120,9 +202,8 @@ class ManagedLlamaCpp:
                 if not os.path.exists(gguf):
                     raise FileNotFoundError(f"GGUF file not found: {gguf}")
             except Exception as exc:
-                self.state = EngineState.FAILED
                 self.last_error = str(exc)
-                log.error("engine %s cannot start: %s", self.alias, exc)
+                self._fail(f"the model file cannot be used: {exc}")
                 return
             started = time.perf_counter()
             await self._spawn(gguf)
@@ -130,16 +211,30 @@ class ManagedLlamaCpp:
                 self.cold_start_s = time.perf_counter() - started
                 self.state = EngineState.READY
                 self.ready_since = time.time()
+                self.failed_starts = 0
                 self._ready_event.set()
+                self._settled.set()
                 backoff = self.spec.restart_backoff_s
                 log.info(
-                    "engine %s ready on port %s in %.1fs", self.alias, self.port, self.cold_start_s
+                    "engine %s ready on port %s in %.1fs (%s)",
+                    self.alias,
+                    self.port,
+                    self.cold_start_s,
+                    self.system_info or "system info unknown",
                 )
                 assert self.proc is not None
                 code = await self.proc.wait()
-                self.last_error = f"worker exited with code {code}"
+                await self._drain_stderr()
+                self.last_error = f"worker {describe_exit(code)} while serving"
             else:
                 await self._terminate()
+                await self._drain_stderr()
+                if self._stopping:
+                    return
+                self.failed_starts += 1
+                if self.failed_starts >= self.max_crash_restarts:
+                    self._fail(f"{self.last_error} ({self.failed_starts} failed starts in a row)")
+                    return
             if self._stopping:
                 return
             self._ready_event.clear()
@@ -151,14 +246,7 @@ class ManagedLlamaCpp:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.spec.restart_backoff_max_s)
 
-    async def _spawn(self, gguf: str) -> None:
-        self.state = EngineState.STARTING
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(128)
-        self.port = sock.getsockname()[1]
-        fd = sock.fileno()
+    def worker_command(self, gguf: str, fd: int) -> list[str]:
         cmd = [
             sys.executable,
             "-m",
@@ -174,38 +262,124 @@ class ManagedLlamaCpp:
         ]
         if self.spec.chat_format:
             cmd += ["--chat-format", self.spec.chat_format]
+        if self.spec.extra_buffer_types:
+            cmd.append("--extra-buffer-types")
+        return cmd
+
+    async def _spawn(self, gguf: str) -> None:
+        self.state = EngineState.STARTING
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        self.port = sock.getsockname()[1]
+        fd = sock.fileno()
+        self.stderr_tail.clear()
         try:
-            self.proc = await asyncio.create_subprocess_exec(*cmd, pass_fds=(fd,))
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.worker_command(gguf, fd), pass_fds=(fd,), stderr=asyncio.subprocess.PIPE
+            )
         finally:
             sock.close()  # the child holds its own copy
+        self.generation += 1
+        assert self.proc.stderr is not None
+        self._pump = asyncio.create_task(self._pump_stderr(self.proc.stderr))
         self.state = EngineState.LOADING
 
+    async def _pump_stderr(self, stream: asyncio.StreamReader) -> None:
+        """Pass the worker's stderr through to ours, keeping the last lines."""
+        prefix = f"[engine {self.alias}] "
+        while True:
+            try:
+                raw = await stream.readline()
+            except ValueError:  # a line over the reader's limit: take what is there
+                raw = await stream.read(65536)
+            if not raw:
+                return
+            line = raw.decode("utf-8", "replace").rstrip()
+            if not line:
+                continue
+            self.stderr_tail.append(line[:_LINE_CHARS])
+            with contextlib.suppress(Exception):
+                sys.stderr.write(prefix + line + "\n")
+                sys.stderr.flush()
+
+    async def _drain_stderr(self) -> None:
+        """After the worker exited: wait (briefly) for its last stderr lines."""
+        pump, self._pump = self._pump, None
+        if pump is None:
+            return
+        try:
+            await asyncio.wait_for(pump, 2)
+        except (TimeoutError, asyncio.CancelledError):
+            pump.cancel()
+
+    def _died(self, phase: str) -> bool:
+        if self.live:
+            return False
+        assert self.proc is not None
+        self.last_error = f"worker {describe_exit(self.proc.returncode)} while {phase}"
+        return True
+
     async def _await_ready(self) -> bool:
-        """Poll until the worker answers a one-token chat completion, or give up."""
+        """Wait until the worker's server answers, then send the warm-up: a chat prompt
+        of realistic length that must generate `warmup_tokens` tokens. False (with the
+        reason in last_error) if the worker dies, fails the warm-up or runs out of time."""
         deadline = time.perf_counter() + self.spec.startup_timeout_s
         warmup = {
             "model": self.alias,
-            "messages": [{"role": "user", "content": "Hi"}],
-            "max_tokens": 1,
+            "messages": WARMUP_MESSAGES,
+            "max_tokens": self.spec.warmup_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
         }
         timeout = aiohttp.ClientTimeout(total=30, sock_connect=1)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            while time.perf_counter() < deadline and not self._stopping:
-                if not self.live:
-                    assert self.proc is not None
+            health: dict[str, Any] | None = None
+            while health is None:  # loading: the server listens once the model loaded
+                if self._stopping or self._died("loading the model"):
+                    return False
+                if time.perf_counter() >= deadline:
                     self.last_error = (
-                        f"worker exited with code {self.proc.returncode} while loading"
+                        f"the model did not load within {self.spec.startup_timeout_s}s"
                     )
                     return False
                 try:
-                    async with session.post(self.base_url + "/chat/completions", json=warmup) as r:
+                    async with session.get(self.base_url.removesuffix("/v1") + "/health") as r:
                         if r.status == 200:
-                            await r.read()
-                            return True
-                        self.last_error = f"warm-up answered HTTP {r.status}"
-                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                    self.last_error = f"warm-up failed: {type(exc).__name__}"
-                await asyncio.sleep(0.2)
-        if not self._stopping:
-            self.last_error = f"not ready within {self.spec.startup_timeout_s}s"
-        return False
+                            health = await r.json()
+                except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                    pass
+                if health is None:
+                    await asyncio.sleep(0.2)
+            self.system_info = str(health.get("system_info") or "") or None
+            remaining = max(1.0, deadline - time.perf_counter())
+            try:
+                async with session.post(
+                    self.base_url + "/chat/completions",
+                    json=warmup,
+                    timeout=aiohttp.ClientTimeout(total=remaining, sock_connect=1),
+                ) as r:
+                    raw = await r.read()
+                    status = r.status
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                # Give the exit a moment to be seen: a crash breaks the connection first.
+                if self.proc is not None:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(self.proc.wait()), 1)
+                if not self._died("warming up (a multi-token chat prompt)"):
+                    self.last_error = f"the warm-up request failed ({type(exc).__name__})"
+                return False
+            if status != 200:
+                self.last_error = f"the warm-up request answered HTTP {status}"
+                return False
+            try:
+                usage = orjson.loads(raw)["usage"]
+                generated = int(usage["completion_tokens"])
+            except (ValueError, KeyError, TypeError):
+                self.last_error = "the warm-up reply was not a chat completion"
+                return False
+            if generated < 2:
+                self.last_error = f"the warm-up generated {generated} token(s), not several"
+                return False
+            return True

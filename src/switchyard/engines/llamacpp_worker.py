@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -73,17 +75,59 @@ class _TokenCounter:
         return scores
 
 
+def system_info() -> str:
+    """llama.cpp's own account of the instruction sets it was compiled with."""
+    import llama_cpp
+
+    return llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip()
+
+
+@contextlib.contextmanager
+def _model_defaults(extra_buffer_types: bool) -> Iterator[None]:
+    """Load with llama.cpp's `use_extra_bufts` set as asked.
+
+    In llama-cpp-python 0.3.36 it is a field of `llama_model_params`, not a keyword of
+    `Llama()`, which fills its params from `llama_model_default_params()`; so that
+    function is wrapped while the model loads. Off is what `llama-server --no-repack`
+    does: no AMX or repacked weight buffers (the AMX path crashes on some Xeons).
+    """
+    import llama_cpp.llama_cpp as lib
+
+    original = lib.llama_model_default_params
+
+    def defaults() -> Any:
+        params = original()
+        params.use_extra_bufts = extra_buffer_types
+        return params
+
+    lib.llama_model_default_params = defaults
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = original
+
+
 class Worker:
-    def __init__(self, model_path: str, ctx: int, threads: int, chat_format: str | None) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        ctx: int,
+        threads: int,
+        chat_format: str | None,
+        extra_buffer_types: bool = False,
+    ) -> None:
         from llama_cpp import Llama
 
         kw: dict[str, Any] = {}
         if chat_format:
             kw["chat_format"] = chat_format
         self.model_path = model_path
-        self.llm = Llama(
-            model_path=model_path, n_ctx=ctx, n_threads=threads, verbose=False, seed=0, **kw
-        )
+        self.extra_buffer_types = extra_buffer_types
+        with _model_defaults(extra_buffer_types):
+            self.llm = Llama(
+                model_path=model_path, n_ctx=ctx, n_threads=threads, verbose=False, seed=0, **kw
+            )
+        self.eos = self.llm.token_eos()
         self.lock = threading.Lock()  # one generation at a time
         self.busy = 0
 
@@ -95,6 +139,8 @@ class Worker:
         from llama_cpp import LogitsProcessorList
 
         bias = {int(k): float(v) for k, v in (body.get("logit_bias") or {}).items()}
+        if body.get("ignore_eos") is True:  # as vLLM's extra parameter: generate max_tokens
+            bias[self.eos] = -100.0
         counter = _TokenCounter(bias)
         kw = self.params(body)
         kw["logits_processor"] = LogitsProcessorList([counter])
@@ -133,7 +179,13 @@ def build_app(worker: Worker) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": worker.model_path, "busy": worker.busy}
+        return {
+            "status": "ok",
+            "model": worker.model_path,
+            "busy": worker.busy,
+            "system_info": system_info(),
+            "extra_buffer_types": worker.extra_buffer_types,
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -299,18 +351,27 @@ def _tie_to_gateway() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # A crash in native code prints the Python stack to stderr, which the supervisor
+    # keeps (the last lines) as the reason the engine failed.
+    faulthandler.enable()
     _tie_to_gateway()
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--gguf", default="auto")
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chat-format", default=None)
+    ap.add_argument(
+        "--extra-buffer-types",
+        action="store_true",
+        help="let llama.cpp use AMX / repacked weight buffers (off by default)",
+    )
     ap.add_argument("--fd", type=int, default=None, help="an already bound listening socket")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8001)
     args = ap.parse_args(argv)
     path = smollm2_gguf_path() if args.gguf == "auto" else args.gguf
-    worker = Worker(path, args.ctx, args.threads, args.chat_format)
+    print(f"llama.cpp system info: {system_info()}", file=sys.stderr, flush=True)
+    worker = Worker(path, args.ctx, args.threads, args.chat_format, args.extra_buffer_types)
     app = build_app(worker)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
     server = uvicorn.Server(config)

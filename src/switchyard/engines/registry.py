@@ -45,6 +45,11 @@ class Deployment:
         return self.engine.ready if self.engine is not None else True
 
     @property
+    def failed(self) -> bool:
+        """The engine cannot start and is no longer restarted (reason in describe())."""
+        return self.engine is not None and self.engine.failed
+
+    @property
     def label(self) -> str:
         """What `x-switchyard-upstream` reports: where this request was served."""
         if self.fixed_label is not None:
@@ -59,6 +64,7 @@ class Deployment:
         else:
             out = {"kind": "openai", "state": "external", "ready": True, "upstream": self.label}
         out["revision"] = self.model.revision
+        out["required"] = self.model.required
         return out
 
 
@@ -77,7 +83,7 @@ class Registry:
         for m in settings.models:
             spec = m.engine
             if isinstance(spec, LlamaCppEngine):
-                engine = ManagedLlamaCpp(m.alias, spec)
+                engine = ManagedLlamaCpp(m.alias, spec, settings.engines.max_crash_restarts)
                 upstream = OpenAIUpstream(
                     f"llamacpp:{m.alias}", _engine_url(engine), max_connections=64
                 )

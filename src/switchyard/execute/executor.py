@@ -23,7 +23,13 @@ import orjson
 from switchyard.config import Settings
 from switchyard.engines.registry import Deployment, Registry
 from switchyard.engines.upstream import UpstreamReply, UpstreamStream
-from switchyard.errors import EngineNotReady, SwitchyardError, UpstreamTimeout
+from switchyard.errors import (
+    EngineCrashed,
+    EngineFailed,
+    EngineNotReady,
+    SwitchyardError,
+    UpstreamTimeout,
+)
 from switchyard.execute.breaker import CircuitBreaker
 from switchyard.execute.compat import incompatibility, request_needs
 from switchyard.execute.retry import RetryBudget, backoff_s, is_retryable, retry_class
@@ -141,6 +147,12 @@ class Executor:
                 ctx.record("attempt", f"skip:{alias}", why, t)
                 last = EngineNotReady(f"the model '{alias}' may not serve this tenant: {why}")
                 continue
+            if dep.failed:
+                assert dep.engine is not None
+                why = dep.engine.reason or "it crashed at every start"
+                ctx.record("attempt", f"skip:{alias}", f"engine failed: {why}", t)
+                last = EngineFailed(f"the model '{alias}' failed to start and is not served: {why}")
+                continue
             if not dep.ready:
                 state = dep.describe().get("state")
                 ctx.record("attempt", f"skip:{alias}", f"engine {state}", t)
@@ -152,7 +164,7 @@ class Executor:
                 result = await self._attempts(ctx, dep, stream, last_in_chain=idx == len(chain) - 1)
             except SwitchyardError as exc:
                 if exc.retry_class is None and not isinstance(
-                    exc, EngineNotReady | UpstreamTimeout
+                    exc, EngineNotReady | UpstreamTimeout | EngineCrashed
                 ):
                     raise  # final: the request itself is wrong; another model will not fix it
                 last = exc
@@ -227,6 +239,7 @@ class Executor:
                 if self.tracing is not None
                 else _NO_SPAN
             )
+            generation = dep.engine.generation if dep.engine is not None else 0
             try:
                 call = dep.upstream.stream if stream else dep.upstream.post
                 result = await call(
@@ -254,6 +267,25 @@ class Executor:
                         "status": exc.status,
                     },
                 )
+                if (
+                    dep.engine is not None
+                    and cls in ("connect", "broken")
+                    and await dep.engine.exited_since(generation)
+                ):
+                    # The local worker died under this request: the same prompt may
+                    # crash it again, so it is not retried there.
+                    ctx.record(
+                        "attempt",
+                        "engine_crashed",
+                        f"the worker of {dep.alias} died during this attempt; "
+                        "not retried on the same engine",
+                        time.perf_counter(),
+                        {"alias": dep.alias, "last_error": dep.engine.last_error},
+                    )
+                    raise EngineCrashed(
+                        f"the local engine of '{dep.alias}' crashed while serving this "
+                        "request; it is restarting"
+                    ) from None
                 if not is_retryable(exc, cfg) or retries >= cfg.retries:
                     raise
                 if not budget.try_spend(time.monotonic()):

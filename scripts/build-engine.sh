@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Build the embedded engine (llama-cpp-python, which vendors llama.cpp) portably, once
+# per machine, into a cache outside the clone; print the wheel's path on stdout.
+#
+# Why our own cache: pip's wheel cache is keyed by the source link, not by CMAKE_ARGS,
+# so a wheel compiled with `-march=native` on one CPU (AVX-512, AMX) would be reused on
+# another and either crash or carry instructions that CPU lacks. Here the key is the
+# source version, the flags and the Python tag; the source is built from an unpacked
+# directory, which pip never caches, so the flags below are always the ones compiled.
+#
+# The baseline is x86-64-v3 (AVX, AVX2, FMA, F16C, BMI2): every x86 server CPU of the
+# last decade has it. AVX-512 and AMX are off: AMX's repacked buffers crash llama.cpp
+# on prompts longer than one token on some Xeons (issue #16), and an AVX-512 build
+# would not run on a CPU without it. Override with SWITCHYARD_ENGINE_CMAKE_ARGS.
+#
+# Usage: scripts/build-engine.sh [python]   (default: .venv/bin/python)
+set -euo pipefail
+
+PY=${1:-.venv/bin/python}
+# The version pyproject.toml pins, so the two cannot disagree.
+PINNED=$(grep -oP '"llama-cpp-python==\K[^"]+' "$(dirname "$0")/../pyproject.toml")
+VERSION=${SWITCHYARD_LLAMA_CPP_VERSION:-$PINNED}
+CACHE=${SWITCHYARD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/switchyard}
+
+case "$(uname -m)" in
+  x86_64)
+    DEFAULT_FLAGS="-DGGML_NATIVE=OFF -DGGML_CPU_ALL_VARIANTS=OFF -DGGML_BACKEND_DL=OFF \
+-DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+-DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF \
+-DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    ;;
+  *)
+    # Other architectures: the compiler's generic baseline for the target.
+    DEFAULT_FLAGS="-DGGML_NATIVE=OFF -DGGML_CPU_ALL_VARIANTS=OFF -DGGML_BACKEND_DL=OFF"
+    ;;
+esac
+FLAGS=${SWITCHYARD_ENGINE_CMAKE_ARGS:-$DEFAULT_FLAGS}
+FLAGS=$(echo "$FLAGS" | tr -s ' ')
+
+PYTAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+KEY=$(printf '%s\n%s\n%s\n%s\n' "$VERSION" "$FLAGS" "$PYTAG" "$(uname -m)" | sha256sum | cut -c1-16)
+DIR="$CACHE/engines/llama-cpp-python-$VERSION-$PYTAG-$(uname -m)-$KEY"
+
+wheel=$(ls "$DIR"/llama_cpp_python-*.whl 2>/dev/null | head -n1 || true)
+if [ -n "$wheel" ]; then
+  echo "$wheel"
+  exit 0
+fi
+
+mkdir -p "$CACHE/engines"
+work=$(mktemp -d "$CACHE/engines/build.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+echo "building llama-cpp-python $VERSION portably (about 10 minutes on 2 cores; once per machine)" >&2
+echo "  flags: $FLAGS" >&2
+"$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$work/sdist" >&2
+tar -xzf "$work"/sdist/llama_cpp_python-*.tar.gz -C "$work"
+src=$(ls -d "$work"/llama_cpp_python-*/ | head -n1)
+echo "  log: $work/build.log" >&2
+if ! CMAKE_ARGS="$FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
+  "$PY" -m pip wheel -v --no-deps "$src" -w "$work/out" >"$work/build.log" 2>&1; then
+  tail -n 40 "$work/build.log" >&2
+  echo "build-engine: the build failed (log above)" >&2
+  exit 1
+fi
+# The flags must be what was compiled: read the engine's own account of its
+# instruction sets (llama_print_system_info) from the wheel just built.
+"$PY" -m pip install -q --no-deps --target "$work/check" "$work"/out/llama_cpp_python-*.whl >&2
+info=$(PYTHONPATH="$work/check" "$PY" -c \
+  'import llama_cpp; print(llama_cpp.llama_print_system_info().decode().strip())')
+echo "  built: $info" >&2
+grep -q -- '-DGGML_AVX512=OFF' <<<"$FLAGS" && grep -q 'AVX512 = 1' <<<"$info" && {
+  echo "build-engine: AVX-512 is compiled in although the flags turn it off" >&2; exit 1; }
+grep -q -- '-DGGML_AMX_INT8=OFF' <<<"$FLAGS" && grep -q 'AMX' <<<"$info" && {
+  echo "build-engine: AMX is compiled in although the flags turn it off" >&2; exit 1; }
+mkdir -p "$DIR"
+cp "$work/build.log" "$DIR/build.log"
+printf '%s\n' "version=$VERSION" "flags=$FLAGS" "python=$PYTAG" "built=$(date -u +%FT%TZ)" \
+  "cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //')" \
+  "system_info=$info" >"$DIR/BUILD-INFO"
+mv "$work"/out/llama_cpp_python-*.whl "$DIR/"
+ls "$DIR"/llama_cpp_python-*.whl | head -n1
