@@ -138,7 +138,7 @@ def test_bad_request_timeout_header_is_400(default_gateway: Gateway) -> None:
     )
     assert rec.status_code == 200, rec.text
     got = rec.json()
-    assert got["status"] == "error" and got["error_code"] == "invalid_request"
+    assert got["status"] == "error" and got["error_code"] == "invalid_header"
     assert [d["stage"] for d in got["decisions"]] == ["authenticate"]
 
 
@@ -174,7 +174,8 @@ def test_fast_routes_map_their_own_errors(caplog: pytest.LogCaptureFixture) -> N
     with caplog.at_level("ERROR", logger="switchyard.api"):
         boom_r, bad_r, get_r = asyncio.run(main())
     assert boom_r.status_code == 500 and _error(boom_r)["type"] == "server_error"
-    assert "secret internals" not in boom_r.text and boom_r.headers["x-request-id"] == "r-1"
+    assert "secret internals" not in boom_r.text
+    assert boom_r.headers["x-request-id"].startswith("req_")  # the gateway's, not the client's
     assert any("secret internals" in (r.exc_text or "") for r in caplog.records)
     assert bad_r.status_code == 400 and _error(bad_r)["param"] == "x"
     assert get_r.status_code == 404

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import json
 import sqlite3
 import subprocess
@@ -171,34 +172,43 @@ def test_request_list_filters(gw: Gateway) -> None:
 # -- agent tasks ------------------------------------------------------------------------------
 
 
-def _run_diamond(gw: Gateway, task: str, explicit: bool) -> None:
-    def call(model: str, rid: str, parents: str | None) -> None:
-        h = {"x-task-id": task, "x-request-id": rid, "x-task-planned-steps": "4"}
-        if explicit and parents:
-            h["x-parent-request-id"] = parents
-        assert _chat(gw, model, **h).status_code == 200
+def _run_diamond(gw: Gateway, task: str, explicit: bool) -> dict[str, str]:
+    """Four calls A -> (B, C) -> D of one task; the gateway's id of each step's
+    response, by name (a client names parents by the ids the gateway gave it)."""
+    ids: dict[str, str] = {}
 
-    call("fast", f"{task}-A", None)
+    def call(model: str, name: str, parents: list[str]) -> None:
+        h = {"x-task-id": task, "x-client-request-id": f"{task}-{name}"}
+        h["x-task-planned-steps"] = "4"
+        if explicit and parents:
+            h["x-parent-request-id"] = ",".join(ids[f"{task}-{p}"] for p in parents)
+        r = _chat(gw, model, **h)
+        assert r.status_code == 200
+        assert r.headers["x-client-request-id"] == f"{task}-{name}"
+        ids[f"{task}-{name}"] = r.headers["x-request-id"]
+
+    call("fast", "A", [])
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         list(
             pool.map(
                 lambda a: call(*a),
-                [("fast", f"{task}-B", f"{task}-A"), ("slow", f"{task}-C", f"{task}-A")],
+                [("fast", "B", ["A"]), ("slow", "C", ["A"])],
             )
         )
-    call("fast", f"{task}-D", f"{task}-B,{task}-C")
+    call("fast", "D", ["B", "C"])
+    return ids
 
 
 @pytest.mark.parametrize("explicit", [True, False])
 def test_task_critical_path(gw: Gateway, explicit: bool) -> None:
     task = f"diamond-{'explicit' if explicit else 'inferred'}"
     started = time.time()
-    _run_diamond(gw, task, explicit)
+    ids = _run_diamond(gw, task, explicit)
     wall_ms = (time.time() - started) * 1000
     r = httpx.get(gw.url + f"/admin/tasks/{task}", headers=gw.admin)
     assert r.status_code == 200
     t = r.json()["task"]
-    assert t["critical_path"] == [f"{task}-A", f"{task}-C", f"{task}-D"]
+    assert t["critical_path"] == [ids[f"{task}-A"], ids[f"{task}-C"], ids[f"{task}-D"]]
     assert t["llm_calls"] == 4 and t["steps_planned"] == 4
     # The critical path sleeps A 100 + C 400 + D 100 ms upstream (the rest of e2e is the
     # client's own gaps, which vary); each sleep may end up to ~1 ms early (the scripted
@@ -206,9 +216,9 @@ def test_task_critical_path(gw: Gateway, explicit: bool) -> None:
     assert 100 * 2 + 400 - 5 <= t["e2e_ms"] <= wall_ms
     assert t["critical_path_ms"] == pytest.approx(t["e2e_ms"], abs=1)
     steps = {s["request_id"]: s for s in t["steps"]}
-    b, c = steps[f"{task}-B"], steps[f"{task}-C"]
-    assert f"{task}-B" not in c["parents"] and f"{task}-C" not in b["parents"]  # parallel
-    assert steps[f"{task}-D"]["inferred"] is (not explicit)
+    b, c = steps[ids[f"{task}-B"]], steps[ids[f"{task}-C"]]
+    assert ids[f"{task}-B"] not in c["parents"] and ids[f"{task}-C"] not in b["parents"]
+    assert steps[ids[f"{task}-D"]]["inferred"] is (not explicit)
     assert c["upstream_ms"] >= 400 and c["gateway_ms"] >= 0
 
 
@@ -221,11 +231,12 @@ def test_trace_cli_renders_request_and_task(gw: Gateway) -> None:
             timeout=60,
         )
 
-    _run_diamond(gw, "cli-task", explicit=True)
+    ids = _run_diamond(gw, "cli-task", explicit=True)
     httpx.get(gw.url + "/admin/requests/cli-task-D", headers=gw.admin)  # flushes the ledger
     task = cli("show", "cli-task")
     assert task.returncode == 0, task.stderr
-    assert "critical path: cli-task-A -> cli-task-C -> cli-task-D" in task.stdout
+    path = " -> ".join(ids[f"cli-task-{n}"] for n in "ACD")
+    assert f"critical path: {path}" in task.stdout
     assert sum(1 for line in task.stdout.splitlines() if line.startswith("*")) == 3
     req = cli("show", "obs-fallback")
     assert req.returncode == 0 and "fallback" in req.stdout and "error:connect" in req.stdout
@@ -349,6 +360,7 @@ def test_traceparent_is_the_parent_and_goes_upstream(gw: Gateway, scripted: Scri
         **{"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01", "x-request-id": "obs-otel"},
     )
     assert r.status_code == 200
+    rid = r.headers["x-request-id"]
     upstream_tp = httpx.get(scripted.url + "/stats").json()["last_traceparent"]
     assert upstream_tp.split("-")[1] == trace_id
     deadline = time.monotonic() + 10
@@ -358,13 +370,14 @@ def test_traceparent_is_the_parent_and_goes_upstream(gw: Gateway, scripted: Scri
             [json.loads(x) for x in SPANS.read_text().splitlines() if x] if SPANS.exists() else []
         )
         if any(
-            s["name"] == "chat" and s["attributes"].get("switchyard.request_id") == "obs-otel"
+            s["name"] == "chat" and s["attributes"].get("switchyard.request_id") == rid
             for s in spans
         ):
             break
         time.sleep(0.1)
-    mine = [s for s in spans if s["attributes"].get("switchyard.request_id") == "obs-otel"]
+    mine = [s for s in spans if s["attributes"].get("switchyard.request_id") == rid]
     root = next(s for s in mine if s["name"] == "chat")
+    assert root["attributes"]["switchyard.client_request_id"] == "obs-otel"
     assert root["trace_id"] == trace_id and root["parent_span_id"] == "00f067aa0ba902b7"
     attempt = next(s for s in mine if s["name"] == "attempt plain")
     assert attempt["parent_span_id"] == root["span_id"]
@@ -830,16 +843,32 @@ def test_an_async_flush_waits_for_a_stalled_writer_without_blocking_the_loop(
         ledger.close()
 
 
-def test_a_ledger_row_that_cannot_be_serialised_costs_only_itself(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "evidence",
+    [
+        {1: "a non-string key"},
+        {"big": 10**30},
+        {"text": "lone surrogate \ud800"},
+        {"deep": functools.reduce(lambda acc, _: [acc], range(300), [])},
+    ],
+)
+def test_a_ledger_row_that_cannot_be_serialised_is_repaired_not_lost(
+    tmp_path: Path, evidence: dict[Any, Any]
+) -> None:
+    """The row is the bill: a field that cannot be written is replaced (and counted),
+    the row and its neighbours are kept."""
     from switchyard.observe.ledger import UsageLedger
 
     ledger = UsageLedger(str(tmp_path / "l.db"), flush_s=0.05)
     bad = _finished("bad")
-    bad.ctx.record("validate", "ok", "fine", time.perf_counter(), {1: "a non-string key"})
+    bad.ctx.record("validate", "ok", "fine", time.perf_counter(), evidence)
     for f in (_finished("good-1"), bad, _finished("good-2")):
         ledger.record(f)
     ledger.flush()
     try:
-        assert sorted(r["request_id"] for r in ledger.rows(limit=10)) == ["good-1", "good-2"]
+        rows = {r["request_id"]: r for r in ledger.rows(limit=10)}
+        assert sorted(rows) == ["bad", "good-1", "good-2"]
+        assert rows["bad"]["status"] == rows["good-1"]["status"]
+        assert ledger.repaired == 1 and ledger.dropped == 0
     finally:
         ledger.close()

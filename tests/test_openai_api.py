@@ -105,21 +105,34 @@ def test_embeddings_384_dims_and_deterministic(default_gateway: Gateway) -> None
     np.testing.assert_allclose(r.json()["data"][0]["embedding"], b.data[0].embedding, atol=1e-6)
 
 
-def test_client_request_id_is_echoed(default_gateway: Gateway) -> None:
-    r = default_gateway.post(
-        "/v1/chat/completions",
-        json={"model": MODEL, "messages": MSG, "max_tokens": 1},
-        headers={"x-request-id": "my-id.123"},
-        timeout=60,
-    )
-    assert r.status_code == 200
-    assert r.headers["x-request-id"] == "my-id.123"
+def test_client_request_id_is_echoed_beside_the_gateways_own(default_gateway: Gateway) -> None:
+    ids = set()
+    for header in ("x-request-id", "x-client-request-id"):
+        r = default_gateway.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": MSG, "max_tokens": 1},
+            headers={header: "my-id.123"},
+            timeout=60,
+        )
+        assert r.status_code == 200
+        assert r.headers["x-client-request-id"] == "my-id.123"
+        assert r.headers["x-request-id"].startswith("req_")
+        ids.add(r.headers["x-request-id"])
+    assert len(ids) == 2  # one client id twice: two requests, two ledger rows
+    rows = [
+        u
+        for u in default_gateway.usage(limit=50)
+        if u["client_request_id"] == "my-id.123" and u["request_id"] in ids
+    ]
+    assert len(rows) == 2
     bad = default_gateway.post(
         "/v1/chat/completions",
         json={"model": MODEL, "messages": MSG, "max_tokens": 1},
         headers={"x-request-id": "no spaces <allowed>"},
         timeout=60,
     )
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "x-request-id"
     assert bad.headers["x-request-id"].startswith("req_")
 
 

@@ -177,7 +177,7 @@ def test_usage_row_fields(gw: Gateway) -> None:
     key = _tenant_key(gw)
     r = _chat(gw, key, **{"x-task-id": "task-42", "x-request-id": "req-usage-1"})
     assert r.status_code == 200
-    rows = [x for x in gw.usage(task="task-42") if x["request_id"] == "req-usage-1"]
+    rows = [x for x in gw.usage(task="task-42") if x["client_request_id"] == "req-usage-1"]
     assert len(rows) == 1
     row = rows[0]
     assert row["status"] == "ok" and row["revision"] == "c1"

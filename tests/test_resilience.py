@@ -357,7 +357,7 @@ def test_mid_stream_failure_is_an_sse_error_and_a_partial_usage_row(
     ) as r:
         text = "".join(r.iter_text())
     assert '"error"' in text.split("\n\n")[-2] and "[DONE]" not in text
-    rows = [x for x in gw.usage(limit=50) if x["request_id"] == "midstream-1"]
+    rows = [x for x in gw.usage(limit=50) if x["client_request_id"] == "midstream-1"]
     assert rows and rows[0]["status"] == "incomplete"
     assert rows[0]["output_tokens"] > 0  # what was relayed before the failure is counted
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import re
 import time
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from switchyard.errors import InvalidRequest, ModelNotFound
 from switchyard.pipeline import (
@@ -15,8 +19,9 @@ from switchyard.pipeline import (
     RequestIds,
     Timings,
     decision_dict,
-    request_id_from,
+    new_request_id,
 )
+from switchyard.policy import headers as request_headers
 from switchyard.policy.validate import validate_chat, validate_completion, validate_embeddings
 
 
@@ -79,15 +84,94 @@ def test_completion_and_embeddings() -> None:
         validate_embeddings({"model": "e", "input": ["a"] * 11}, 10)
 
 
-def test_request_id_accepts_well_formed_only() -> None:
-    assert request_id_from("abc-123") == "abc-123"
-    assert request_id_from("has space").startswith("req_")
-    assert request_id_from("x" * 200).startswith("req_")
-    assert request_id_from(None) != request_id_from(None)
+def test_gateway_request_ids_are_unique_and_not_sequential() -> None:
     ids = RequestIds()
-    assert ids("abc-123") == "abc-123" and ids("bad id").startswith("req_")
-    assert len({ids(None) for _ in range(1000)}) == 1000
-    assert ids(None)[:16] != RequestIds()(None)[:16]  # another process, another prefix
+    many = [ids() for _ in range(5000)]
+    assert len(set(many)) == 5000
+    assert all(i.startswith("req_") and len(i) == 28 for i in many)
+
+    # Not a counter in disguise: consecutive ids share no long common prefix, and
+    # another instance (another process) gives other ids for the same counter values.
+    def shared(a: str, b: str) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+    assert max(shared(a, b) for a, b in itertools.pairwise(many)) < 12
+    other = RequestIds()
+    assert not {other() for _ in range(5000)} & set(many)
+    assert new_request_id() != new_request_id()
+
+
+@given(st.text(min_size=1, max_size=200))
+def test_client_request_id_is_kept_only_when_well_formed(value: str) -> None:
+    cid, err = request_headers.client_request_id({"x-request-id": value})
+    ok = 1 <= len(value) <= 128 and all(c.isascii() and (c.isalnum() or c in "._:-") for c in value)
+    if ok:
+        assert cid == value and err is None
+    else:
+        assert cid is None and err is not None
+        assert err.status == 400 and err.param == "x-request-id" and err.code == "invalid_header"
+
+
+def test_x_client_request_id_wins_over_x_request_id() -> None:
+    got = request_headers.client_request_id({"x-client-request-id": "a", "x-request-id": "b"})
+    assert got == ("a", None)
+
+
+@given(st.text(max_size=30))
+def test_request_timeout_accepts_plain_decimal_seconds_only(value: str) -> None:
+    plain = re.fullmatch(r"[0-9]{1,6}(\.[0-9]{1,6})?", value) is not None
+    try:
+        seconds = request_headers.request_timeout(value)
+    except InvalidRequest as exc:
+        assert exc.param == "x-request-timeout"
+        assert not plain or not 0 < float(value) <= 86400
+    else:
+        assert plain and seconds == float(value) and 0 < seconds <= 86400
+
+
+@pytest.mark.parametrize("value", ["1_0", "inf", "nan", "1e3", " 2", "-1", "0", "86401", "0x10"])
+def test_request_timeout_refuses_what_float_would_take(value: str) -> None:
+    with pytest.raises(InvalidRequest):
+        request_headers.request_timeout(value)
+
+
+@given(st.text(max_size=40))
+def test_planned_steps_is_a_bounded_integer(value: str) -> None:
+    steps, err = request_headers.planned_steps({"x-task-planned-steps": value})
+    if err is None:
+        assert steps is not None and 1 <= steps <= request_headers.MAX_PLANNED_STEPS
+        assert str(steps) == value.lstrip("0") or value.lstrip("0") == ""
+    else:
+        assert steps is None and err.param == "x-task-planned-steps"
+
+
+def test_planned_steps_beyond_64_bits_is_refused_not_dropped_later() -> None:
+    steps, err = request_headers.planned_steps({"x-task-planned-steps": "9" * 26})
+    assert steps is None and err is not None
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("x-task-id", "has space"),
+        ("x-task-id", "x" * 129),
+        ("x-parent-request-id", "a,b c"),
+        ("x-parent-request-id", ",".join(f"p{i}" for i in range(40))),
+        ("cache-control", "no-store" + "x" * 300),
+        ("x-switchyard-locale", "en\x01"),
+        ("x-switchyard-cache-tags", ",".join(f"t{i}" for i in range(40))),
+        ("traceparent", "00-" + "a" * 200),
+    ],
+)
+def test_every_read_header_is_bounded(name: str, value: str) -> None:
+    headers = {name: value}
+    errors = [
+        request_headers.task_id(headers)[1],
+        request_headers.parent_request_ids(headers)[1],
+        request_headers.check(headers),
+    ]
+    named = [e for e in errors if e is not None]
+    assert named and named[0].param == name and named[0].status == 400
 
 
 def _ctx() -> RequestContext:

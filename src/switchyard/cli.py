@@ -93,6 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from switchyard.api.app import create_app
+    from switchyard.api.server import GatewayProtocol
 
     settings = load_settings(args.config)
     host = args.host or settings.server.host
@@ -114,6 +115,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         proxy_headers=False,
         server_header=False,
         timeout_graceful_shutdown=5,
+        # The error contract and the limits uvicorn does not have: framing errors as
+        # OpenAI error bodies, a header timeout, a cap on open connections.
+        http=GatewayProtocol.configured(settings.server),
     )
     return 0
 
@@ -194,7 +198,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from switchyard.observe.db import connect
     from switchyard.observe.render import render_request, render_task
     from switchyard.observe.tasks import analyze_task
-    from switchyard.observe.traces import get_request, get_task, list_requests
+    from switchyard.observe.traces import (
+        AmbiguousRequestId,
+        get_request,
+        get_task,
+        list_requests,
+    )
 
     path = sqlite_path(load_settings(args.config), args.db)
     conn = connect(path)
@@ -211,7 +220,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
                     f"{r['status']:<10} {t.get('duration_ms') or 0:>9.1f} ms"
                 )
             return 0
-        record = get_request(conn, args.id)
+        try:
+            record = get_request(conn, args.id, args.tenant)
+        except AmbiguousRequestId as exc:
+            print(f"switchyard: {exc} with --tenant", file=sys.stderr)
+            return 2
         if record is not None:
             print(json.dumps(record, indent=2) if args.json else render_request(record))
             return 0
@@ -333,8 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("trace", help="show decision traces of requests and agent tasks")
     trsub = tr.add_subparsers(dest="action", required=True)
-    trs = trsub.add_parser("show", help="a request id or a task id")
+    trs = trsub.add_parser(
+        "show", help="a request id (the gateway's, or the client's own) or a task id"
+    )
     trs.add_argument("id")
+    trs.add_argument("--tenant", help="the tenant, for a client's own request id")
     trl = trsub.add_parser("list", help="recent requests")
     trl.add_argument("--tenant")
     trl.add_argument("--status")

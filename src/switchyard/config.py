@@ -30,6 +30,15 @@ class ServerConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(8_000_000, gt=0)
     default_deadline_s: float = Field(60.0, gt=0)
+    # A request's body must arrive within this (and within its deadline): 408 else.
+    body_timeout_s: float = Field(30.0, gt=0)
+    # A request's headers must arrive within this of the connection's (or the
+    # request's) first byte: 408 and the connection closes.
+    header_timeout_s: float = Field(10.0, gt=0)
+    # Open client connections; one more is answered 503 and closed.
+    max_connections: int = Field(2048, ge=1)
+    # Nesting of the JSON body (objects and arrays); deeper is 400 before any work.
+    max_json_depth: int = Field(64, ge=8, le=200)
 
 
 class StorageConfig(_Strict):

@@ -29,9 +29,13 @@ class SwitchyardError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        detail: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.message = message
+        self.message = message  # for the client: stable, no exception text
+        # For the log and the trace only (exception text, an upstream's own words);
+        # the trace masks PII in it before it is stored.
+        self.detail = detail
         self.param = param
         if code is not None:
             self.code = code
@@ -94,6 +98,18 @@ class UnsupportedMediaType(SwitchyardError):
     status = 415
     type = "invalid_request_error"
     code = "unsupported_media_type"
+
+
+class RequestTimeout(SwitchyardError):
+    """The client did not send its body (or headers) in time; the connection closes."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+    def __init__(self, message: str, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.headers.setdefault("Connection", "close")
 
 
 class RateLimited(SwitchyardError):

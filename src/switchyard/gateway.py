@@ -34,6 +34,7 @@ from switchyard.observe.metrics import Metrics
 from switchyard.observe.otel import build_tracing
 from switchyard.observe.traces import BLOCK_STAGES, enforce_retention
 from switchyard.pipeline import Pipeline, RequestContext, RequestIds, Stage, Timings
+from switchyard.policy import headers as request_headers
 from switchyard.policy.admission import Admission, DeploymentGate
 from switchyard.policy.admit import (
     cost_usd,
@@ -126,6 +127,7 @@ class Gateway:
         c = settings.cache
         self.cache = ResponseCache(c.max_entries, c.max_bytes) if c.enabled else None
         self.pii = PiiMasker()
+        self.executor.redact = self.pii.mask
         self.router: Any = None  # set below when routing is enabled
         self.gates = {
             m.alias: DeploymentGate(m.alias, m.limits.max_concurrency, m.limits.queue)
@@ -310,23 +312,30 @@ class Gateway:
     def new_context(
         self, endpoint: str, headers: Mapping[str, str], received: float, principal: Principal
     ) -> RequestContext:
-        parents = headers.get("x-parent-request-id")
+        # Every header read here is bounded here; a bad one is kept as the request's
+        # header_error and refused once the request's handling starts (so it is
+        # settled like any refusal, with its usage row and trace).
+        task, bad = request_headers.task_id(headers)
+        parents, bad_parents = request_headers.parent_request_ids(headers)
         # Positional, in field order: a 48-field dataclass matches keywords slowly.
         ctx = RequestContext(
-            self.request_ids(headers.get("x-request-id")),
+            self.request_ids(),
             endpoint,
             {},
             time.time() - (time.perf_counter() - received),
             Timings(received),
             received + self._deadline_s,
-            headers.get("x-task-id"),
-            [p.strip() for p in parents.split(",") if p.strip()] if parents else [],
+            task,
+            parents,
             principal,
             headers,
         )
-        planned = headers.get("x-task-planned-steps")
-        if planned is not None and planned.isdigit():
-            ctx.planned_steps = int(planned)
+        client_id, bad_id = request_headers.client_request_id(headers)
+        ctx.client_request_id = client_id
+        ctx.planned_steps, bad_steps = request_headers.planned_steps(headers)
+        ctx.header_error = (
+            bad_id or bad or bad_parents or bad_steps or request_headers.check(headers)
+        )
         if self.tracing is not None:
             self.tracing.start_request(
                 ctx, headers, time.time_ns() - int((time.perf_counter() - received) * 1e9)
@@ -357,15 +366,7 @@ class Gateway:
         timeout = ctx.headers.get("x-request-timeout") if ctx.headers is not None else None
         if timeout is None:
             return
-        try:
-            asked = float(timeout)
-        except ValueError:
-            asked = -1.0
-        if not 0 < asked < 86400:
-            raise InvalidRequest(
-                "x-request-timeout must be a number of seconds greater than 0",
-                param="x-request-timeout",
-            )
+        asked = request_headers.request_timeout(timeout)
         received = ctx.timings.received
         ctx.deadline = received + min(self.settings.server.default_deadline_s, asked)
 
@@ -658,11 +659,7 @@ class Gateway:
                 revision,
                 ctx.headers.get("x-switchyard-locale") or ctx.headers.get("accept-language"),
                 ctx.headers.get("x-switchyard-data-version") or cfg.data_version,
-                tuple(
-                    t.strip()
-                    for t in (ctx.headers.get("x-switchyard-cache-tags") or "").split(",")
-                    if t.strip()
-                ),
+                request_headers.cache_tags(ctx.headers.get("x-switchyard-cache-tags")),
             )
         ctx.cache_plan = (verdict, keys)
         return verdict, keys

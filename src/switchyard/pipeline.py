@@ -8,10 +8,10 @@ in without rewiring and the decision trace always has the same shape.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
-import re
+import secrets
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -20,29 +20,26 @@ if TYPE_CHECKING:
     from switchyard.config import ModelConfig
     from switchyard.engines.registry import Deployment
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-
 
 class RequestIds:
-    """Request ids: the client's when well-formed, else a random per-instance prefix and
-    a counter — unique across processes without reading the OS random source on every
-    request (as uuid4 does)."""
+    """The gateway's own request ids: unique and unguessable. A keyed hash (BLAKE2b,
+    a random key per process) of a counter: nobody without the key can predict the
+    next id or derive one from another, and no OS random read happens per request (as
+    uuid4 needs). The client's own id is kept beside it (`client_request_id`), never
+    in its place: the gateway's id is the ledger's key."""
 
     def __init__(self) -> None:
-        self._prefix = "req_" + uuid.uuid4().hex[:12]
+        self._key = secrets.token_bytes(32)
         self._counter = itertools.count(1)
 
-    def __call__(self, header: str | None) -> str:
-        if header and _REQUEST_ID.match(header):
-            return header
-        return f"{self._prefix}{next(self._counter):012x}"
+    def __call__(self) -> str:
+        n = next(self._counter).to_bytes(8, "little")
+        return "req_" + hashlib.blake2b(n, key=self._key, digest_size=12).hexdigest()
 
 
-def request_id_from(header: str | None) -> str:
+def new_request_id() -> str:
     """A one-off id (error paths before a gateway exists); see RequestIds."""
-    if header and _REQUEST_ID.match(header):
-        return header
-    return "req_" + uuid.uuid4().hex
+    return "req_" + secrets.token_hex(12)
 
 
 # One stage's verdict: (stage, outcome, reason, evidence, t0, t1), where t0 is the
@@ -131,6 +128,8 @@ class RequestContext:
     # (block id, index of its first decision) when a run of decisions is one of the
     # ledger's known blocks (traces.BLOCK_STAGES): stored compactly, expanded on write.
     block: tuple[int, int] | None = None
+    client_request_id: str | None = None  # the client's own id (x-client-request-id)
+    header_error: Any = None  # an InvalidRequest for a header, raised once ctx exists
 
     def record(
         self,

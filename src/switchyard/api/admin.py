@@ -20,7 +20,7 @@ from switchyard.errors import AuthenticationError, InvalidRequest, PermissionDen
 from switchyard.gateway import Gateway
 from switchyard.observe.db import connect
 from switchyard.observe.tasks import analyze_task
-from switchyard.observe.traces import get_request, get_task, list_requests
+from switchyard.observe.traces import AmbiguousRequestId, get_request, get_task, list_requests
 from switchyard.policy.auth import bearer
 from switchyard.policy.keys import NotFound
 
@@ -129,9 +129,13 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
 
     async def request_trace(request: Request) -> Response:
         guard(request)
+        rid = request.path_params["request_id"]
+        tenant = request.query_params.get("tenant")
         conn = await traces_db()
         try:
-            rec = get_request(conn, request.path_params["request_id"])
+            rec = get_request(conn, rid, tenant)
+        except AmbiguousRequestId as exc:
+            raise InvalidRequest(f"{exc} with ?tenant=", param="tenant") from None
         finally:
             conn.close()
         if rec is None:

@@ -27,18 +27,14 @@ from switchyard.errors import (
     SwitchyardError,
 )
 from switchyard.gateway import Gateway
-from switchyard.pipeline import request_id_from
+from switchyard.pipeline import new_request_id
 
 log = logging.getLogger("switchyard.api")
 
 
 def error_response(request: Request, exc: SwitchyardError) -> Response:
     ctx = request.scope.get(CTX_KEY)
-    if ctx is not None:
-        headers = served_headers(ctx)
-    else:
-        rid = request_id_from(request.headers.get("x-request-id"))
-        headers = {"x-request-id": rid}
+    headers = served_headers(ctx) if ctx is not None else {"x-request-id": new_request_id()}
     headers.update(exc.headers)
     return Response(
         orjson.dumps(exc.body()),
@@ -151,6 +147,7 @@ def create_app(settings: Settings, on_ready: Callable[[Gateway], None] | None = 
         gw.metrics.set_breakers(
             {a: b.describe(now)["state"] for a, b in gw.executor.breakers.items()}
         )
+        gw.metrics.set_ledger(gw.ledger.dropped, gw.ledger.repaired)
         return Response(
             gw.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )

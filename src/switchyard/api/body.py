@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
 
-from switchyard.errors import InvalidRequest, PayloadTooLarge
+from switchyard.errors import InvalidRequest, PayloadTooLarge, RequestTimeout
 
 
 def header_map(request: Request) -> dict[str, str]:
@@ -22,15 +23,21 @@ def header_map(request: Request) -> dict[str, str]:
     return out
 
 
-async def read_json(request: Request, max_bytes: int) -> Any:
-    """The parsed JSON body; 413 past `max_bytes` (checked before reading), 400 if not JSON."""
-    return parse_json(await read_body(request, max_bytes))
+async def read_json(
+    request: Request, max_bytes: int, timeout_s: float = 30.0, max_depth: int = 64
+) -> Any:
+    """The parsed JSON body; 413 past `max_bytes` (checked before reading), 408 if it
+    does not arrive in `timeout_s`, 400 if not JSON or nested deeper than `max_depth`."""
+    return parse_json(await read_body(request, max_bytes, None, timeout_s), max_depth)
 
 
-async def read_body(request: Request, max_bytes: int, declared: str | None = None) -> bytes:
+async def read_body(
+    request: Request, max_bytes: int, declared: str | None = None, timeout_s: float = 30.0
+) -> bytes:
     """The raw body; 413 past `max_bytes`, checked before reading when the length is
     declared (`declared` is the Content-Length header when the caller has it), else
-    counted as it arrives and stopped at the limit.
+    counted as it arrives and stopped at the limit; 408 `request_timeout` when it has
+    not all arrived within `timeout_s` (a stalled client must not hold its slot).
 
     Read straight from the ASGI channel: a body that arrives in one message (nearly
     every request) is taken as it is, with none of the async generator and joins of
@@ -38,12 +45,19 @@ async def read_body(request: Request, max_bytes: int, declared: str | None = Non
     if declared is None:
         declared = request.headers.get("content-length")
     if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise InvalidRequest("invalid Content-Length header") from None
+        if not (declared.isascii() and declared.isdigit()):
+            raise InvalidRequest("invalid Content-Length header", param="content-length")
+        size = int(declared)
         if size > max_bytes:
             raise PayloadTooLarge(f"request body is {size} bytes; the limit is {max_bytes} bytes")
+    try:
+        async with asyncio.timeout(max(0.0, timeout_s)):
+            return await _receive_body(request, max_bytes)
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {timeout_s:.1f}s") from None
+
+
+async def _receive_body(request: Request, max_bytes: int) -> bytes:
     receive = request.receive
     chunks: list[bytes] = []
     total = 0
@@ -63,11 +77,36 @@ async def read_body(request: Request, max_bytes: int, declared: str | None = Non
         chunks.append(chunk)
 
 
-def parse_json(raw: bytes) -> Any:
-    """The parsed body; 400 if it is empty or not JSON."""
+def too_deep(obj: Any, limit: int) -> bool:
+    """Whether objects and arrays nest deeper than `limit` (the top level is 1)."""
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        for child in children:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+    return False
+
+
+def parse_json(raw: bytes, max_depth: int = 64) -> Any:
+    """The parsed body; 400 if it is empty, not JSON, or nested deeper than
+    `max_depth` (orjson cannot write back what nests past ~250 levels: such a body
+    would fail later, in the upstream call or the ledger)."""
     if not raw:
         raise InvalidRequest("the request body is empty; send a JSON object")
     try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        # orjson's message has positions and internals: the client gets a stable one.
+        raise InvalidRequest("the request body is not valid JSON") from None
+    # Only a body with that many brackets can nest that deep: most skip the walk.
+    if (
+        isinstance(body, dict | list)
+        and raw.count(b"{") + raw.count(b"[") > max_depth
+        and too_deep(body, max_depth)
+    ):
+        raise InvalidRequest(f"the request body is nested deeper than {max_depth} levels")
+    return body

@@ -23,6 +23,7 @@ from switchyard.errors import InvalidRequest, ModelNotFound, SwitchyardError
 from switchyard.execute.idempotency import StoredReply, body_hash
 from switchyard.gateway import Gateway
 from switchyard.pipeline import RequestContext
+from switchyard.policy import headers as request_headers
 from switchyard.policy.auth import authorize_model
 from switchyard.policy.validate import validate_chat, validate_completion, validate_embeddings
 
@@ -83,6 +84,8 @@ def _deployment_headers(dep: Deployment) -> list[tuple[bytes, bytes]]:
 def served_raw_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
     """What served the request, as response headers (lower-case names, encoded)."""
     h = [(b"x-request-id", ctx.request_id.encode("latin-1"))]
+    if ctx.client_request_id is not None:  # validated: ASCII
+        h.append((b"x-client-request-id", ctx.client_request_id.encode("latin-1")))
     if ctx.cache is not None:
         h.append((b"x-switchyard-cache", ctx.cache.encode("latin-1")))
         if ctx.cache_similarity is not None and ctx.cache != "hit-exact":
@@ -151,6 +154,8 @@ def reply_text(obj: dict[str, Any]) -> str:
 def build_routes(gw: Gateway) -> list[Route]:
     """Plain Starlette routes: the hot path skips FastAPI's dependency solving."""
     max_body = gw.settings.server.max_body_bytes
+    body_timeout_s = gw.settings.server.body_timeout_s
+    max_depth = gw.settings.server.max_json_depth
 
     async def generate(request: Request, endpoint: str) -> Response:
         received = time.perf_counter()
@@ -160,10 +165,17 @@ def build_routes(gw: Gateway) -> list[Route]:
         request.scope[CTX_KEY] = ctx  # for the error mapping (app.py)
         handed_off = False
         try:
+            if ctx.header_error is not None:
+                raise ctx.header_error
             if "x-request-timeout" in headers:
                 gw.apply_request_timeout(ctx)
-            raw = await read_body(request, max_body, headers.get("content-length"))
-            body = parse_json(raw)
+            raw = await read_body(
+                request,
+                max_body,
+                headers.get("content-length"),
+                min(body_timeout_s, ctx.remaining_s()),
+            )
+            body = parse_json(raw, max_depth)
             if endpoint == "chat.completions":
                 alias = validate_chat(body)
             else:
@@ -322,10 +334,7 @@ def build_routes(gw: Gateway) -> list[Route]:
     async def claim_idempotency(ctx: RequestContext, key: str) -> Response | None:
         """A stored reply for a repeated request, or None once this request owns the key."""
         t = time.perf_counter()
-        if not 0 < len(key) <= 255:
-            raise InvalidRequest(
-                "Idempotency-Key must be 1 to 255 characters", param="Idempotency-Key"
-            )
+        key = request_headers.idempotency_key(key)
         if ctx.stream:
             raise InvalidRequest(
                 "Idempotency-Key is supported for non-streaming requests only",
@@ -383,7 +392,7 @@ def build_routes(gw: Gateway) -> list[Route]:
 
     async def embeddings(request: Request) -> Response:
         principal = gw.authenticate(request.headers)
-        body = await read_json(request, max_body)
+        body = await read_json(request, max_body, body_timeout_s, max_depth)
         cfg = gw.settings.embeddings
         model, texts = validate_embeddings(body, cfg.max_inputs)
         if gw.embedder is None or model != cfg.alias:

@@ -107,7 +107,9 @@ class Client:
     ) -> None:
         """Send one streaming request and fill `rec` in; never raises for request failures."""
         assert self.session is not None, "use the client as an async context manager"
-        h = {"content-type": "application/json", "x-request-id": rec.request_id}
+        # The harness's id goes as the client's own; a gateway answers with its own id,
+        # which then names the record (what its traces and x-parent-request-id use).
+        h = {"content-type": "application/json", "x-client-request-id": rec.request_id}
         if self.target.api_key:
             h["authorization"] = f"Bearer {self.target.api_key}"
         h |= self.target.headers | (headers or {})
@@ -122,6 +124,9 @@ class Client:
             async with self.session.post(self.target.url, data=data, headers=h) as resp:
                 rec.status = resp.status
                 rec.headers = {k: resp.headers[k] for k in KEPT_HEADERS if k in resp.headers}
+                gateway_id = rec.headers.get("x-request-id")
+                if gateway_id and resp.headers.get("x-client-request-id") == rec.request_id:
+                    rec.request_id = gateway_id
                 if resp.status != 200:
                     raw = await resp.read()
                     rec.error, rec.error_detail = f"http_{resp.status}", _message(raw)

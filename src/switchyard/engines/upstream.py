@@ -50,20 +50,31 @@ def _upstream_error(status: int, body: bytes, name: str, headers: Any = None) ->
         pass
     retry_after = headers.get("Retry-After") if headers is not None else None
     err: SwitchyardError
+    # The upstream's own words go to the log and the (PII-masked) trace. A client sees
+    # them only for a 4xx, where they say what is wrong with its own request (context
+    # too long, a bad parameter), bounded; a server error's text is the upstream's
+    # internals, so the client gets a stable message.
+    detail = message[:1000]
     if status == 429:
         err = RateLimited(
-            f"upstream {name} is rate limiting: {message}",
+            f"upstream {name} is rate limiting",
             code="upstream_rate_limited",
             headers={"Retry-After": retry_after} if retry_after else None,
+            detail=detail,
         )
         err.retry_class = "429"
     elif 400 <= status < 500 and status != 408:
-        return UpstreamStatusError(status, message, param=param)
+        return UpstreamStatusError(
+            status,
+            message[:500],
+            param=param if isinstance(param, str) else None,
+            detail=detail,
+        )
     elif status in (408, 504):
-        err = UpstreamTimeout(f"upstream {name} timed out: {message}")
+        err = UpstreamTimeout(f"upstream {name} timed out", detail=detail)
         err.retry_class = "504"
     else:
-        err = UpstreamError(f"upstream {name} failed with HTTP {status}: {message}")
+        err = UpstreamError(f"upstream {name} failed with HTTP {status}", detail=detail)
         err.retry_class = str(status) if status in (500, 502, 503) else "500"
     if retry_after:
         with contextlib.suppress(ValueError):
@@ -194,13 +205,18 @@ class OpenAIUpstream:
             exc,
             aiohttp.ClientConnectorError | ConnectionRefusedError | aiohttp.ConnectionTimeoutError,
         ):
-            err = UpstreamUnreachable(f"upstream {self.name} is unreachable: {exc}")
+            err = UpstreamUnreachable(
+                f"upstream {self.name} is unreachable", detail=f"{type(exc).__name__}: {exc}"
+            )
             err.retry_class = "connect"
         elif isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
             err = UpstreamTimeout(f"upstream {self.name} did not answer in time")
             err.retry_class = "timeout"
         elif isinstance(exc, aiohttp.ClientError | OSError):
-            err = UpstreamError(f"upstream {self.name} broke the connection: {type(exc).__name__}")
+            err = UpstreamError(
+                f"upstream {self.name} broke the connection",
+                detail=f"{type(exc).__name__}: {exc}",
+            )
             err.retry_class = "broken"
         else:
             return exc

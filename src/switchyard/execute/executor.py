@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import orjson
@@ -93,6 +93,9 @@ class Executor:
         self.rng = random.Random(seed)
         self.retries = 0
         self.fallbacks = 0
+        # Masks PII in an upstream's error text before it is recorded (an upstream may
+        # echo the prompt); the gateway sets its masker here.
+        self.redact: Callable[[str], str] = lambda text: text
 
     # Plain functions returning the run's coroutine: one coroutine per request, not two.
     def execute(self, ctx: RequestContext) -> Coroutine[Any, Any, UpstreamReply]:
@@ -257,7 +260,7 @@ class Executor:
                 ctx.record(
                     "attempt",
                     f"error:{cls or exc.code}",
-                    exc.message,
+                    self.redact(exc.detail or exc.message)[:1000],
                     t,
                     {
                         "upstream": dep.label,
@@ -288,15 +291,7 @@ class Executor:
                     ) from None
                 if not is_retryable(exc, cfg) or retries >= cfg.retries:
                     raise
-                if not budget.try_spend(time.monotonic()):
-                    ctx.record(
-                        "retry",
-                        "denied:budget",
-                        "retry budget of the deployment is spent",
-                        time.perf_counter(),
-                        {"allowance": budget.allowance(time.monotonic())},
-                    )
-                    raise
+                # The deadline first: a retry that cannot happen costs no retry budget.
                 wait = backoff_s(retries + 1, cfg, exc.retry_after_s, self.rng)
                 if wait + cfg.min_attempt_s > ctx.remaining_s() - reserve:
                     ctx.record(
@@ -304,6 +299,15 @@ class Executor:
                         "skip:deadline",
                         f"a {wait:.3f}s backoff would pass the deadline",
                         time.perf_counter(),
+                    )
+                    raise
+                if not budget.try_spend(time.monotonic()):
+                    ctx.record(
+                        "retry",
+                        "denied:budget",
+                        "retry budget of the deployment is spent",
+                        time.perf_counter(),
+                        {"allowance": budget.allowance(time.monotonic())},
                     )
                     raise
                 ctx.record(

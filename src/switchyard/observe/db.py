@@ -7,6 +7,7 @@ SQLite itself (busy timeout instead of failing).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 from pathlib import Path
@@ -38,6 +39,7 @@ CREATE TABLE IF NOT EXISTS api_keys (
 CREATE INDEX IF NOT EXISTS api_keys_tenant ON api_keys(tenant_id);
 CREATE TABLE IF NOT EXISTS usage (
     request_id TEXT PRIMARY KEY,
+    client_request_id TEXT,
     task_id TEXT,
     tenant_id TEXT,
     key_id TEXT,
@@ -62,6 +64,7 @@ CREATE INDEX IF NOT EXISTS usage_key_time ON usage(key_id, received_at);
 CREATE INDEX IF NOT EXISTS usage_task ON usage(task_id);
 CREATE TABLE IF NOT EXISTS traces (
     request_id TEXT PRIMARY KEY,
+    client_request_id TEXT,
     task_id TEXT,
     tenant_id TEXT,
     status TEXT NOT NULL,
@@ -72,6 +75,26 @@ CREATE INDEX IF NOT EXISTS traces_task ON traces(task_id);
 CREATE INDEX IF NOT EXISTS traces_tenant_time ON traces(tenant_id, received_at);
 CREATE INDEX IF NOT EXISTS traces_time ON traces(received_at);
 """
+
+# Columns added after a table first shipped: (table, column, type). `connect` adds
+# each to a file made before it, then the indexes that use them.
+MIGRATIONS = (
+    ("usage", "client_request_id", "TEXT"),
+    ("traces", "client_request_id", "TEXT"),
+)
+LATE_INDEXES = """
+CREATE INDEX IF NOT EXISTS usage_client_id ON usage(tenant_id, client_request_id);
+CREATE INDEX IF NOT EXISTS traces_client_id ON traces(tenant_id, client_request_id);
+"""
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    for table, column, kind in MIGRATIONS:
+        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if column not in have:
+            with contextlib.suppress(sqlite3.OperationalError):  # another process won
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+    conn.executescript(LATE_INDEXES)
 
 
 def resolve_path(path: str) -> str:
@@ -93,4 +116,5 @@ def connect(path: str) -> sqlite3.Connection:
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("PRAGMA foreign_keys=ON")
     conn.executescript(SCHEMA)
+    _migrate(conn)
     return conn

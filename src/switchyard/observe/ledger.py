@@ -85,19 +85,71 @@ class Finished:
 _DUMP_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 
 
-def _batch_json(batch: list[Finished], templates: dict[int, Any]) -> tuple[bytes, int]:
+class _Counts:
+    """Rows the ledger repaired or lost (exported as Prometheus counters)."""
+
+    __slots__ = ("dropped", "repaired")
+
+    def __init__(self) -> None:
+        self.dropped = 0
+        self.repaired = 0
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """A JSON-safe copy of `value`: integers beyond 64 bits become strings, text is
+    made valid UTF-8, nesting past 64 levels and unknown types become their repr."""
+    if value is None or isinstance(value, bool | float):
+        return value
+    if isinstance(value, int):
+        return value if -(2**63) <= value < 2**64 else str(value)
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")
+    if depth >= 64:
+        return "<nested too deep>"
+    if isinstance(value, dict):
+        return {str(_plain(k, depth + 1)): _plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v, depth + 1) for v in value]
+    return repr(value)[:200]
+
+
+def _repaired(entry: tuple[Any, ...]) -> tuple[bytes, list[str]] | None:
+    """The entry serialised with each field that cannot be replaced by a JSON-safe
+    copy (`_plain`), and the names of the fields replaced; None if even that fails."""
+    from switchyard.observe.traces import ENTRY_FIELDS
+
+    fields = list(entry)
+    replaced = []
+    for i, value in enumerate(fields):
+        try:
+            orjson.dumps(value, default=str, option=_DUMP_OPTIONS)
+        except Exception:
+            fields[i] = _plain(value)
+            replaced.append(ENTRY_FIELDS[i] if i < len(ENTRY_FIELDS) else str(i))
+    try:
+        return orjson.dumps(fields, default=str, option=_DUMP_OPTIONS), replaced
+    except Exception:
+        return None
+
+
+def _batch_json(
+    batch: list[Finished], templates: dict[int, Any], counts: _Counts | None = None
+) -> tuple[bytes, int]:
     """The batch as one JSON object: `entries` (one array per request) and `blocks`
     (the templates of the compact block items those entries hold, by id). Serialised
     in one call (half the cost per row of one call per row); only when that fails is
-    each row serialised on its own, so that a row that cannot be built or serialised
-    is logged and left out rather than costing the rest of the batch. Returns the
-    payload and its row count."""
+    each row serialised on its own, and a row that cannot be is written with the
+    offending fields replaced by JSON-safe copies (logged, counted as repaired), so
+    it still counts against budgets; one that cannot be built at all is logged and
+    counted as dropped. Returns the payload and its row count."""
+    counts = counts if counts is not None else _Counts()
     entries = []
     used: set[int] = set()
     for f in batch:
         try:
             entries.append(f.entry())
         except Exception:
+            counts.dropped += 1
             log.exception("ledger row of %s dropped: it could not be built", f.ctx.request_id)
             continue
         block = f.ctx.block
@@ -113,8 +165,21 @@ def _batch_json(batch: list[Finished], templates: dict[int, Any]) -> tuple[bytes
     for entry in entries:
         try:
             parts.append(orjson.dumps(entry, default=str, option=_DUMP_OPTIONS))
+            continue
         except Exception:
-            log.exception("ledger row of %s dropped: it could not be serialised", entry[0])
+            pass
+        fixed = _repaired(entry)
+        if fixed is None:
+            counts.dropped += 1
+            log.error("ledger row of %s dropped: it could not be serialised", entry[0])
+            continue
+        parts.append(fixed[0])
+        counts.repaired += 1
+        log.error(
+            "ledger row of %s written with fields replaced (not serialisable): %s",
+            entry[0],
+            ", ".join(fixed[1]),
+        )
     head = b'{"blocks":' + orjson.dumps(blocks) + b',"entries":['
     return head + b",".join(parts) + b"]}", len(parts)
 
@@ -151,13 +216,24 @@ class UsageLedger:
         self._acked = 0  # the highest flush the writer has answered
         self._resent_for: Any = None  # the dead writer whose flushes were sent again
         self._closed = False
-        self.dropped = 0  # rows lost to a stalled or failing writer (logged)
+        self._counts = _Counts()  # rows repaired, or lost before the pipe (logged)
+        self._stalled = 0  # rows lost to a stalled or failing writer (logged)
         self._failures = 0  # writer deaths in a row, each soon after its start
         self._spawned_at = 0.0
         self._respawn_at = 0.0
         self._proc: subprocess.Popen[bytes] | None = self._spawn()
         ref = weakref.ref(self)
         atexit.register(lambda: (lambda led: led.close() if led is not None else None)(ref()))
+
+    @property
+    def dropped(self) -> int:
+        """Rows lost before they reached the writer (each one logged)."""
+        return self._stalled + self._counts.dropped
+
+    @property
+    def repaired(self) -> int:
+        """Rows written with an unserialisable field replaced (each one logged)."""
+        return self._counts.repaired
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         self._spawned_at = time.monotonic()
@@ -212,14 +288,14 @@ class UsageLedger:
             batch, self._batch = self._batch, []
             self._timer = None
         if batch:
-            payload, rows = _batch_json(batch, self._templates)
+            payload, rows = _batch_json(batch, self._templates, self._counts)
             if rows:
                 self._enqueue(frame(BATCH, payload), rows)
 
     def _enqueue(self, data: bytes, rows: int) -> None:
         with self._lock:
             if rows and self._queued + len(data) > _MAX_QUEUED_BYTES:
-                self.dropped += rows
+                self._stalled += rows
                 log.error(
                     "ledger writer is %d MB behind: %d rows dropped (%d so far)",
                     self._queued >> 20,

@@ -48,6 +48,7 @@ BATCH, FLUSH, STOP = b"B", b"F", b"S"
 
 USAGE_COLUMNS = (
     "request_id",
+    "client_request_id",
     "task_id",
     "tenant_id",
     "key_id",
@@ -67,7 +68,15 @@ USAGE_COLUMNS = (
     "ttft_ms",
     "duration_ms",
 )
-TRACE_COLUMNS = ("request_id", "task_id", "tenant_id", "status", "received_at", "record")
+TRACE_COLUMNS = (
+    "request_id",
+    "client_request_id",
+    "task_id",
+    "tenant_id",
+    "status",
+    "received_at",
+    "record",
+)
 
 
 def _insert(table: str, columns: tuple[str, ...]) -> str:
@@ -112,6 +121,7 @@ def usage_row(e: dict[str, Any]) -> tuple[Any, ...]:
         end = received
     return (
         e["request_id"],
+        e["client_request_id"],
         e["task_id"],
         e["tenant_id"],
         e["key_id"],

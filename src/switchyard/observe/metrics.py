@@ -241,6 +241,17 @@ class Metrics:
         self.routes = Counter(
             "switchyard_route_decisions", "Route decisions", ["route"], registry=reg
         )
+        self.ledger_dropped = Counter(
+            "switchyard_ledger_rows_dropped",
+            "Usage rows lost: not serialisable even after repair, or a stalled writer",
+            registry=reg,
+        )
+        self.ledger_repaired = Counter(
+            "switchyard_ledger_rows_repaired",
+            "Usage rows written with an unserialisable field replaced (logged)",
+            registry=reg,
+        )
+        self._ledger_seen = (0, 0)
 
         self._requests = _Children(self.requests)
         self._e2e = _Children(self.e2e)
@@ -417,6 +428,15 @@ class Metrics:
     def set_breakers(self, states: dict[str, Any]) -> None:
         for model, state in states.items():
             self.breaker.labels(model).set(BREAKER_VALUE.get(state, 0))
+
+    def set_ledger(self, dropped: int, repaired: int) -> None:
+        """Bring the ledger's counters (kept by the ledger itself) up to date."""
+        was_dropped, was_repaired = self._ledger_seen
+        if dropped > was_dropped:
+            self.ledger_dropped.inc(dropped - was_dropped)
+        if repaired > was_repaired:
+            self.ledger_repaired.inc(repaired - was_repaired)
+        self._ledger_seen = (max(dropped, was_dropped), max(repaired, was_repaired))
 
     def exposition(self) -> bytes:
         self.fold()

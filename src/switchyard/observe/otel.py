@@ -97,6 +97,8 @@ class Tracing:
             start_time=start_ns,
             attributes={"switchyard.request_id": ctx.request_id},
         )
+        if ctx.client_request_id is not None:
+            span.set_attribute("switchyard.client_request_id", ctx.client_request_id)
         ctx.otel_span = span
 
     def start_attempt(

@@ -21,7 +21,8 @@ from switchyard.pipeline import RequestContext, decision_dict
 # this order, built on the event loop with no dicts and no arithmetic; the writer turns
 # it into the usage row and the stored trace (`usage_row`, `trace_from_entry`).
 ENTRY_FIELDS = (
-    "request_id",
+    "request_id",  # the gateway's own (unguessable): the key of the usage row and trace
+    "client_request_id",  # the client's x-client-request-id / x-request-id, if any
     "task_id",
     "parent_request_ids",
     "tenant_id",
@@ -108,6 +109,7 @@ def ledger_entry(
     t, p, dep, model = ctx.timings, ctx.principal, ctx.deployment, ctx.model
     return (
         ctx.request_id,
+        ctx.client_request_id,
         ctx.task_id,
         ctx.parent_request_ids,
         p.tenant_id if p is not None else None,
@@ -149,6 +151,7 @@ def trace_from_entry(e: dict[str, Any]) -> dict[str, Any]:
     queue_ms = e["queue_ms"]
     return {
         "request_id": e["request_id"],
+        "client_request_id": e["client_request_id"],
         "task_id": e["task_id"],
         "parent_request_ids": e["parent_request_ids"],
         "tenant_id": e["tenant_id"],
@@ -195,14 +198,15 @@ def expand(record: dict[str, Any]) -> dict[str, Any]:
 
 def insert_sql() -> str:
     return (
-        "INSERT OR REPLACE INTO traces (request_id, task_id, tenant_id, status, received_at, record)"
-        " VALUES (?, ?, ?, ?, ?, ?)"
+        "INSERT OR REPLACE INTO traces (request_id, client_request_id, task_id, tenant_id,"
+        " status, received_at, record) VALUES (?, ?, ?, ?, ?, ?, ?)"
     )
 
 
 def insert_args(record: dict[str, Any]) -> tuple[Any, ...]:
     return (
         record["request_id"],
+        record.get("client_request_id"),
         record["task_id"],
         record["tenant_id"],
         record["status"],
@@ -211,8 +215,36 @@ def insert_args(record: dict[str, Any]) -> tuple[Any, ...]:
     )
 
 
-def get_request(conn: sqlite3.Connection, request_id: str) -> dict[str, Any] | None:
-    row = conn.execute("SELECT record FROM traces WHERE request_id = ?", (request_id,)).fetchone()
+class AmbiguousRequestId(ValueError):
+    """A client's request id that several tenants used: name the tenant."""
+
+
+def get_request(
+    conn: sqlite3.Connection, request_id: str, tenant_id: str | None = None
+) -> dict[str, Any] | None:
+    """The trace of a request by the gateway's id, or else by the client's own id
+    (`client_request_id`) within a tenant: the latest request that used it. A client
+    id used by several tenants needs `tenant_id` (AmbiguousRequestId otherwise)."""
+    sql = "SELECT record FROM traces WHERE request_id = ?"
+    args: tuple[Any, ...] = (request_id,)
+    if tenant_id is not None:
+        sql, args = sql + " AND tenant_id = ?", (request_id, tenant_id)
+    row = conn.execute(sql, args).fetchone()
+    if row is None:
+        if tenant_id is None:
+            tenants = conn.execute(
+                "SELECT DISTINCT tenant_id FROM traces WHERE client_request_id = ? LIMIT 2",
+                (request_id,),
+            ).fetchall()
+            if len(tenants) > 1:
+                raise AmbiguousRequestId(
+                    f"several tenants used the request id {request_id!r}; name the tenant"
+                )
+        sql = "SELECT record FROM traces WHERE client_request_id = ?"
+        args = (request_id,)
+        if tenant_id is not None:
+            sql, args = sql + " AND tenant_id = ?", (request_id, tenant_id)
+        row = conn.execute(sql + " ORDER BY received_at DESC LIMIT 1", args).fetchone()
     return None if row is None else expand(dict(json.loads(row[0])))
 
 

@@ -24,9 +24,12 @@ ANONYMOUS = Principal(
 )
 
 
+MAX_AUTHORIZATION = 512  # our keys are ~50 characters; a longer value is not one
+
+
 def bearer(headers: Mapping[str, str]) -> str | None:
     value = headers.get("authorization")
-    if not value:
+    if not value or len(value) > MAX_AUTHORIZATION:
         return None
     scheme, _, token = value.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
