@@ -315,8 +315,11 @@ class Gateway:
         # Every header read here is bounded here; a bad one is kept as the request's
         # header_error and refused once the request's handling starts (so it is
         # settled like any refusal, with its usage row and trace).
-        task, bad = request_headers.task_id(headers)
-        parents, bad_parents = request_headers.parent_request_ids(headers)
+        parents: list[str]
+        if request_headers.READ.isdisjoint(headers):  # nearly every request: none of them
+            task, parents, client_id, planned, bad = None, [], None, None, None
+        else:
+            task, parents, client_id, planned, bad = request_headers.read(headers)
         # Positional, in field order: a 48-field dataclass matches keywords slowly.
         ctx = RequestContext(
             self.request_ids(),
@@ -330,12 +333,9 @@ class Gateway:
             principal,
             headers,
         )
-        client_id, bad_id = request_headers.client_request_id(headers)
         ctx.client_request_id = client_id
-        ctx.planned_steps, bad_steps = request_headers.planned_steps(headers)
-        ctx.header_error = (
-            bad_id or bad or bad_parents or bad_steps or request_headers.check(headers)
-        )
+        ctx.planned_steps = planned
+        ctx.header_error = bad
         if self.tracing is not None:
             self.tracing.start_request(
                 ctx, headers, time.time_ns() - int((time.perf_counter() - received) * 1e9)

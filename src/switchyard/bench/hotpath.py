@@ -83,6 +83,9 @@ class Driver:
         ]
         self.statuses: dict[int, int] = {}
         self.on_each: Callable[[int], None] | None = None
+        # As uvicorn's request cycle, which `receive` is a method of: the whole body
+        # has arrived (api/body.py reads it without a watch then).
+        self.more_body = False
 
     def scope(self) -> dict[str, Any]:
         return {

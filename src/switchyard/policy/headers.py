@@ -38,6 +38,19 @@ _BOUNDED = (
 )
 
 
+# Every header `read` looks at: a request with none of them skips it.
+READ = frozenset(
+    {
+        "x-client-request-id",
+        "x-request-id",
+        "x-task-id",
+        "x-parent-request-id",
+        "x-task-planned-steps",
+        *(name for name, _, _ in _BOUNDED),
+    }
+)
+
+
 def _bad(name: str, why: str) -> InvalidRequest:
     return InvalidRequest(f"header {name}: {why}", param=name, code="invalid_header")
 
@@ -112,6 +125,18 @@ def cache_tags(value: str | None) -> tuple[str, ...]:
     if not value:
         return ()
     return tuple(t.strip() for t in value.split(",") if t.strip())
+
+
+def read(
+    headers: Mapping[str, str],
+) -> tuple[str | None, list[str], str | None, int | None, InvalidRequest | None]:
+    """(task id, parent ids, client request id, planned steps, the first problem)."""
+    task, bad_task = task_id(headers)
+    parents, bad_parents = parent_request_ids(headers)
+    client_id, bad_id = client_request_id(headers)
+    steps, bad_steps = planned_steps(headers)
+    bad = bad_id or bad_task or bad_parents or bad_steps or check(headers)
+    return task, parents, client_id, steps, bad
 
 
 def check(headers: Mapping[str, str]) -> InvalidRequest | None:
