@@ -297,3 +297,75 @@ def test_upstream_failures_reach_the_client_without_exception_text(gw: Gateway) 
     assert r.status_code == 502
     assert r.json()["error"]["code"] == "upstream_unreachable"
     assert not LEAKS.search(r.text), r.text
+
+
+# -- 5. accounting ------------------------------------------------------------------------
+
+
+def test_a_retry_skipped_for_the_deadline_costs_no_retry_budget(tmp_path: Any) -> None:
+    """In process, with the real gateway and executor; only the upstream's reply is
+    scripted: a retryable 503 asking for a 5 s wait, under a 1 s deadline."""
+    import asyncio
+
+    from switchyard.api.app import create_app
+    from switchyard.config import parse_settings
+    from switchyard.errors import UpstreamError
+
+    settings = parse_settings(
+        {
+            "models": [
+                {
+                    "alias": "m",
+                    "engine": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1"},
+                    "resilience": {"retries": 1},
+                }
+            ],
+            "embeddings": {"enabled": False},
+            "auth": {"mode": "disabled"},
+            "storage": {"sqlite_path": str(tmp_path / "t.db")},
+        }
+    )
+    app = create_app(settings)
+    gw = app.state.gateway
+    calls = 0
+
+    async def unavailable(*_a: Any, **_k: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        err = UpstreamError("upstream m failed with HTTP 503")
+        err.retry_class, err.retry_after_s = "503", 5.0
+        raise err
+
+    gw.registry.deployments["m"].upstream.post = unavailable
+
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post(
+                "/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                headers={"x-request-timeout": "1"},
+            )
+
+    try:
+        r = asyncio.run(go())
+        assert r.status_code == 502 and calls == 1
+        budget = gw.executor.budgets["m"]
+        assert budget.denied == 0 and not budget._retries  # nothing was spent
+    finally:
+        gw.ledger.close()
+
+
+def test_refusals_are_counted_under_their_model(gw: Gateway) -> None:
+    tid, key = _key(gw, rpm=1)
+    assert _chat(gw, key).status_code == 200
+    assert _chat(gw, key).status_code == 429
+    metrics = httpx.get(gw.url + "/metrics").text
+    refused = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("switchyard_requests_total{")
+        and 'status="error"' in line
+        and f'tenant="{tid}"' in line
+    ]
+    assert len(refused) == 1 and 'model="cheap"' in refused[0], refused

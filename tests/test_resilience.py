@@ -7,6 +7,7 @@ gateway in front of scripted upstreams on loopback.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import random
 import time
 from collections.abc import Iterator
@@ -357,9 +358,12 @@ def test_mid_stream_failure_is_an_sse_error_and_a_partial_usage_row(
     ) as r:
         text = "".join(r.iter_text())
     assert '"error"' in text.split("\n\n")[-2] and "[DONE]" not in text
+    told = json.loads(text.split("\n\n")[-2].removeprefix("data: "))["error"]["code"]
     rows = [x for x in gw.usage(limit=50) if x["client_request_id"] == "midstream-1"]
     assert rows and rows[0]["status"] == "incomplete"
+    assert rows[0]["error_code"] == told == "upstream_error"  # what the client was told
     assert rows[0]["output_tokens"] > 0  # what was relayed before the failure is counted
+    assert rows[0]["input_tokens"] > 0  # estimated, though no limit asked for an estimate
 
 
 def test_idempotency_one_upstream_call_for_fifty_identical_requests(

@@ -119,6 +119,8 @@ class Gateway:
             self.limiter = MemoryLimiter()
         obs = settings.observe
         self.metrics = Metrics() if obs.metrics else None
+        if self.metrics is not None:  # aliases that may label a refused request
+            self.metrics.known_models = frozenset(m.alias for m in settings.models)
         self.tracing = build_tracing(
             obs.otel.exporter, obs.otel.endpoint, obs.otel.path, obs.otel.service_name
         )
@@ -928,7 +930,10 @@ class Gateway:
             inp = int(usage.get("prompt_tokens") or 0)
             out = int(usage.get("completion_tokens") or 0)
         elif ctx.attempts:
-            inp, out = ctx.prompt_estimate, ctx.chunks  # best effort for broken streams
+            # Best effort for a broken stream, the same whether limits applied (and so
+            # estimated the prompt at admission) or not.
+            inp = ctx.prompt_estimate or estimate_prompt_tokens(ctx.body)
+            out = ctx.chunks
         else:
             inp = out = 0
         cost = cost_usd(ctx.model.price, inp, out) if ctx.model is not None else 0.0

@@ -117,6 +117,7 @@ async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[by
             raise UpstreamError("the upstream ended the stream before it was complete")
     except SwitchyardError as exc:
         ctx.status = "incomplete"
+        ctx.error_code = exc.code  # what the client was told, in the ledger too
         yield error_event(exc)
     finally:
         if ctx.status == "streaming":

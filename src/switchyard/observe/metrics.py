@@ -268,6 +268,7 @@ class Metrics:
         self._fallbacks = _Children(self.fallbacks)
         self._rejections = _Children(self.rejections)
         self.fold_s = 0.02
+        self.known_models: frozenset[str] = frozenset()  # configured aliases
         self._first_attempt: dict[tuple[str, str, str, str | None], Shape] = {}
         self._common: dict[tuple[str, str, str | None, str | None], _Common] = {}
         self._pending: list[tuple[RequestContext, str, int, int, float]] = []
@@ -325,9 +326,12 @@ class Metrics:
     def _observe(
         self, b: _Batch, ctx: RequestContext, status: str, inp: int, out: int, cost: float
     ) -> None:
-        model = ctx.deployment.alias if ctx.deployment is not None else (ctx.alias or "unknown")
-        if ctx.model is None and ctx.deployment is None:
-            model = "unknown"  # never label with a client-supplied, unvalidated name
+        if ctx.deployment is not None:
+            model = ctx.deployment.alias
+        elif ctx.alias is not None and ctx.alias in self.known_models:  # refused early
+            model = ctx.alias
+        else:
+            model = "unknown"  # never label with a client-supplied, unknown name
         tenant = ctx.principal.tenant_id if ctx.principal is not None else "none"
         t = ctx.timings
         incs = self.first_attempt_shape(ctx, model, tenant, status) or self.scanned_shape(
