@@ -56,7 +56,7 @@ from switchyard.policy.limits import (
     period_key,
     period_start,
 )
-from switchyard.policy.pii import MaskingError, PiiMasker
+from switchyard.policy.pii import MaskingError, PiiMasker, mask_body
 
 log = logging.getLogger("switchyard")
 
@@ -575,11 +575,7 @@ class Gateway:
             return
         session = self.pii.session()
         try:
-            masked = dict(ctx.body)
-            if "messages" in masked:
-                masked["messages"] = session.mask_messages(ctx.body["messages"])
-            elif isinstance(masked.get("prompt"), str):
-                masked["prompt"] = session.mask(masked["prompt"])
+            masked = mask_body(session, ctx.body)
         except MaskingError as exc:
             ctx.record("pii", "reject:masking_failed", f"masking failed: {type(exc).__name__}", t)
             raise PiiFailure("PII masking failed; the request was refused (fail closed)") from None

@@ -25,6 +25,7 @@ from switchyard.gateway import Gateway
 from switchyard.pipeline import RequestContext
 from switchyard.policy import headers as request_headers
 from switchyard.policy.auth import authorize_model
+from switchyard.policy.pii import mask_body
 from switchyard.policy.validate import validate_chat, validate_completion, validate_embeddings
 
 CTX_KEY = "switchyard.ctx"  # where a request's context sits in the ASGI scope
@@ -128,13 +129,26 @@ def map_texts(obj: dict[str, Any], fn: Callable[[str], str]) -> dict[str, Any]:
     choices = []
     for c in obj.get("choices") or []:
         c = dict(c)
-        if isinstance(c.get("message"), dict) and isinstance(c["message"].get("content"), str):
-            c["message"] = {**c["message"], "content": fn(c["message"]["content"])}
+        message = c.get("message")
+        if isinstance(message, dict):
+            message = dict(message)
+            if isinstance(message.get("content"), str):
+                message["content"] = fn(message["content"])
+            if isinstance(message.get("tool_calls"), list):
+                message["tool_calls"] = [_map_call(call, fn) for call in message["tool_calls"]]
+            c["message"] = message
         if isinstance(c.get("text"), str):
             c["text"] = fn(c["text"])
         choices.append(c)
     out["choices"] = choices
     return out
+
+
+def _map_call(call: Any, fn: Callable[[str], str]) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    return {**call, "function": {**function, "arguments": fn(function["arguments"])}}
 
 
 def reply_object(body: bytes) -> dict[str, Any] | None:
@@ -260,7 +274,7 @@ def build_routes(gw: Gateway) -> list[Route]:
                             for k, v in raw_headers
                             if k.startswith(b"x-switchyard")
                         },
-                        body,
+                        stored_reply_body(ctx, body),
                     ),
                 )
                 ctx.idempotency_key = None
@@ -354,9 +368,30 @@ def build_routes(gw: Gateway) -> list[Route]:
             "x-request-id": ctx.request_id,
             "x-switchyard-idempotent-replay": "true",
         }
+        body = stored.body
+        obj = reply_object(body) if b"<" in body else None
+        if obj is not None:  # placeholders take this request's values, as the cache does
+            body = orjson.dumps(map_texts(obj, pii_session(ctx).restore))
         return Response(
-            stored.body, status_code=stored.status, media_type="application/json", headers=headers
+            body, status_code=stored.status, media_type="application/json", headers=headers
         )
+
+    def pii_session(ctx: RequestContext) -> Any:
+        """The request's PII session: the PII stage's, or one that has masked the
+        request's own texts (same body, same placeholders)."""
+        if ctx.pii is not None:
+            return ctx.pii
+        session = gw.pii.session()
+        mask_body(session, ctx.wire[0] if ctx.wire is not None else ctx.body)
+        return session
+
+    def stored_reply_body(ctx: RequestContext, body: bytes) -> bytes:
+        """What the idempotency store keeps: the reply with PII masked (restored from
+        the replaying request on replay); never raw values at rest."""
+        obj = reply_object(body)
+        if obj is None:
+            return body
+        return orjson.dumps(map_texts(obj, pii_session(ctx).mask))
 
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "chat.completions")

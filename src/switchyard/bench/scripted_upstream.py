@@ -56,7 +56,7 @@ class Fault:
     """A parsed fault: an optional delay, then at most one action."""
 
     delay_s: float = 0.0
-    action: str | None = None  # "status", "hang", "drop-mid-stream", "close"
+    action: str | None = None  # "status", "echo", "hang", "drop-mid-stream", "close"
     status: int = 0
 
 
@@ -80,12 +80,16 @@ def parse_fault(spec: str) -> Fault:
             if not arg.isdigit() or not 100 <= int(arg) <= 599:
                 raise ValueError(f"fault {part!r}: status needs an HTTP code 100-599")
             action, status = "status", int(arg)
+        elif name == "echo" and arg:  # an error whose message quotes the request
+            if not arg.isdigit() or not 400 <= int(arg) <= 599:
+                raise ValueError(f"fault {part!r}: echo needs an HTTP error code 400-599")
+            action, status = "echo", int(arg)
         elif name in ("hang", "drop-mid-stream", "close") and not arg:
             action = name
         else:
             raise ValueError(
-                f"unknown fault {part!r}; use status:<code>, delay:<ms>, hang, "
-                "drop-mid-stream or close"
+                f"unknown fault {part!r}; use status:<code>, echo:<code>, delay:<ms>, "
+                "hang, drop-mid-stream or close"
             )
     return Fault(delay_s=delay_s, action=action, status=status)
 
@@ -149,11 +153,18 @@ class ScriptedUpstream:
     """The ASGI app. Counts and faults requests, then hands them to a Starlette router."""
 
     def __init__(
-        self, tokens: int = 16, model_name: str = "scripted", fault: str | None = None
+        self,
+        tokens: int = 16,
+        model_name: str = "scripted",
+        fault: str | None = None,
+        record: str | None = None,
+        echo: bool = False,
     ) -> None:
         if tokens < 1:
             raise ValueError("tokens must be at least 1")
         self.tokens = tokens
+        self.record = record  # append every generation body received to this file
+        self.echo = echo  # answer with the request's last message (a reply that quotes it)
         self.model_name = model_name
         self.requests = 0
         self.last_traceparent: str | None = None
@@ -200,9 +211,19 @@ class ScriptedUpstream:
         except ValueError as exc:
             await _send_json(send, 400, error_body(400, f"x-scripted-fault: {exc}"), [])
             return
+        if self.record is not None or (fault is not None and fault.action == "echo"):
+            raw = await _read_all(receive)
+            if self.record is not None:
+                with open(self.record, "ab") as f:
+                    f.write(raw.replace(b"\n", b" ") + b"\n")
+            receive = _replay_body(raw)
         if fault is not None:
             if fault.delay_s > 0:
                 await asyncio.sleep(fault.delay_s)
+            if fault.action == "echo":
+                message = "scripted fault: cannot process " + raw.decode("utf-8", "replace")
+                await _send_json(send, fault.status, error_body(fault.status, message), [])
+                return
             if fault.action == "status":
                 extra = [(b"retry-after", b"1")] if fault.status == 429 else []
                 body = error_body(fault.status, f"scripted fault: HTTP {fault.status}")
@@ -291,6 +312,8 @@ class ScriptedUpstream:
         yield tail
 
     def _content(self, n: int) -> str:
+        if self.echo and self.last_prompt:
+            return f"You said: {self.last_prompt}"
         return "".join(WORDS[i % len(WORDS)] for i in range(n))
 
     def _reply(self, kind: str, n: int, usage: dict[str, int]) -> dict[str, Any]:
@@ -402,6 +425,29 @@ def _error(status: int, message: str) -> Response:
     return Response(error_body(status, message), status_code=status, media_type="application/json")
 
 
+async def _read_all(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay_body(raw: bytes) -> Receive:
+    """A receive that hands the body already read to the app once more."""
+    sent = False
+
+    async def receive() -> Any:
+        nonlocal sent
+        if sent:
+            await asyncio.sleep(HANG_S)
+        sent = True
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    return receive
+
+
 async def _cut(payload: bytes, abort: Abort) -> AsyncIterator[bytes]:
     """Half a JSON reply under the full Content-Length, then the connection drops."""
     yield payload[: len(payload) // 2]
@@ -418,9 +464,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=16, help="tokens in every answer")
     ap.add_argument("--model-name", default="scripted", help="model id the upstream reports")
     ap.add_argument("--fault", default=None, help="fault for every generation request")
+    ap.add_argument("--record", default=None, help="append each generation body to this file")
+    ap.add_argument("--echo", action="store_true", help="answer with the last message")
     args = ap.parse_args(argv)
     try:
-        app = ScriptedUpstream(tokens=args.tokens, model_name=args.model_name, fault=args.fault)
+        app = ScriptedUpstream(
+            tokens=args.tokens,
+            model_name=args.model_name,
+            fault=args.fault,
+            record=args.record,
+            echo=args.echo,
+        )
     except ValueError as exc:
         ap.error(str(exc))
     uvicorn.run(

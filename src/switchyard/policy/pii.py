@@ -743,7 +743,29 @@ class MaskSession:
             out["content"] = self._mask_one(content, reserve=False)
         elif isinstance(content, list):
             out["content"] = [self._mask_part(p) for p in content]
+        name = message.get("name")
+        if isinstance(name, str):
+            # A name must stay a name (OpenAI: [A-Za-z0-9_-]): the placeholder without <>.
+            masked = self._mask_one(name, reserve=False)
+            if masked != name:
+                out["name"] = masked.replace("<", "").replace(">", "")
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            out["tool_calls"] = [self._mask_call(c) for c in calls]
         return out
+
+    def _mask_call(self, call: Any) -> Any:
+        """A tool call with its `function.arguments` (a JSON string) masked."""
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            return call
+        args = call["function"].get("arguments")
+        if not isinstance(args, str):
+            return call
+        return {**call, "function": {**call["function"], "arguments": self.mask_inline(args)}}
+
+    def mask_inline(self, text: str) -> str:
+        """`mask` for a text that is part of a message already reserved."""
+        return self._mask_one(text, reserve=False)
 
     def _mask_part(self, part: Any) -> Any:
         if isinstance(part, str):
@@ -792,6 +814,13 @@ def _message_texts(message: Mapping[str, Any]) -> Iterator[str]:
     """The texts `mask_messages` will mask; fails closed on shapes it cannot read."""
     if not isinstance(message, Mapping):
         raise MaskingError(f"a message must be an object, not {type(message).__name__}")
+    if isinstance(message.get("name"), str):
+        yield message["name"]
+    for call in message.get("tool_calls") or ():
+        if isinstance(call, dict) and isinstance(call.get("function"), dict):
+            args = call["function"].get("arguments")
+            if isinstance(args, str):
+                yield args
     content = message.get("content")
     if content is None:
         return
@@ -851,3 +880,20 @@ _DEFAULT = PiiMasker()
 def contains_pii(text: str) -> bool:
     """True if `text` holds any PII type the default masker detects."""
     return _DEFAULT.contains_pii(text)
+
+
+def mask_body(session: MaskSession, body: Mapping[str, Any]) -> dict[str, Any]:
+    """A request body with every field that can carry user text masked: chat
+    `messages` (content and content-part text, names, tool-call arguments),
+    completion `prompt` (a text or a list of texts) and `user`."""
+    masked = dict(body)
+    if "messages" in masked:
+        masked["messages"] = session.mask_messages(body["messages"])
+    prompt = masked.get("prompt")
+    if isinstance(prompt, str):
+        masked["prompt"] = session.mask(prompt)
+    elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        masked["prompt"] = [session.mask(p) for p in prompt]
+    if isinstance(masked.get("user"), str):
+        masked["user"] = session.mask(masked["user"]).replace("<", "").replace(">", "")
+    return masked
