@@ -369,3 +369,47 @@ def test_refusals_are_counted_under_their_model(gw: Gateway) -> None:
         and f'tenant="{tid}"' in line
     ]
     assert len(refused) == 1 and 'model="cheap"' in refused[0], refused
+
+
+# -- 4. requests the contract says are invalid --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what is this?"},
+                            {"type": "image_url", "image_url": {"url": "https://x/cat.png"}},
+                        ],
+                    }
+                ]
+            },
+            "messages[0].content[1]",
+        ),
+        ({"n": 1000}, "n"),
+        ({"logprobs": "yes"}, "logprobs"),
+        ({"user": {"id": 1}}, "user"),
+        ({"max_tokens": 2**63}, "max_tokens"),
+        ({"response_format": "json"}, "response_format"),
+        ({"tool_choice": "always"}, "tool_choice"),
+        (
+            {"tools": [{"type": "function", "function": {"parameters": {}}}]},
+            "tools[0].function.name",
+        ),
+    ],
+)
+def test_invalid_fields_are_refused_not_forwarded(
+    gw: Gateway, scripted: Scripted, body: dict[str, Any], param: str
+) -> None:
+    tid, key = _key(gw)
+    before = scripted.requests()
+    r = _chat(gw, key, {**CHEAP, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert scripted.requests() == before  # never reached the upstream
+    assert len(gw.usage(tenant=tid, limit=10)) == 1

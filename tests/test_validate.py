@@ -213,3 +213,104 @@ def test_pipeline_reject_propagates() -> None:
 
     with pytest.raises(ModelNotFound):
         asyncio.run(Pipeline([("reject", reject)]).decide(_ctx()))
+
+
+def _chat_body(**extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 1000}, "n"),
+        ({"logprobs": "yes"}, "logprobs"),
+        ({"top_logprobs": 50}, "top_logprobs"),
+        ({"user": {"id": 1}}, "user"),
+        ({"user": "u" * 600}, "user"),
+        ({"max_tokens": 2**63}, "max_tokens"),
+        ({"seed": 2**64}, "seed"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"response_format": "json"}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"tool_choice": "always"}, "tool_choice"),
+        ({"tool_choice": {"type": "function"}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
+            "tools[0].function.parameters",
+        ),
+        ({"tools": ["f"]}, "tools[0]"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias.abc"),
+        ({"logit_bias": {"5": 500}}, "logit_bias.5"),
+        ({"metadata": {"k": 1}}, "metadata"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ],
+)
+def test_fields_the_gateway_forwards_are_validated(extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as got:
+        validate_chat(_chat_body(**extra))
+    assert got.value.param == param and got.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "user", "content": [{"type": "video", "url": "x"}]}, "messages[0].content[0]"),
+        ({"role": "user", "content": [{"type": "text", "text": 5}]}, "messages[0].content[0].text"),
+        ({"role": "user", "content": ["bare string part"]}, "messages[0].content[0]"),
+        (
+            {"role": "user", "content": [{"type": "image_url", "image_url": "http://x"}]},
+            "messages[0].content[0].image_url",
+        ),
+        ({"role": "user", "content": "hi", "name": 7}, "messages[0].name"),
+        ({"role": "tool", "content": "result"}, "messages[0].tool_call_id"),
+        (
+            {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]},
+            "messages[0].tool_calls[0]",
+        ),
+    ],
+)
+def test_message_shapes_are_validated(message: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as got:
+        validate_chat({"model": "m", "messages": [message]})
+    assert got.value.param == param
+
+
+def test_valid_requests_with_every_checked_field_pass() -> None:
+    body = _chat_body(
+        n=2,
+        logprobs=True,
+        top_logprobs=5,
+        user="u-1",
+        max_tokens=100,
+        seed=-5,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": {}}},
+        tool_choice={"type": "function", "function": {"name": "f"}},
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        stop=["a", "b"],
+        logit_bias={"5": -100, "7": 2.5},
+        metadata={"k": "v"},
+        top_k=40,
+        return_token_ids=True,  # an engine's extra: passes by default
+    )
+    body["messages"] += [
+        {"role": "user", "content": [{"type": "text", "text": "x"}], "name": "al"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c", "content": "ok"},
+    ]
+    assert validate_chat(body) == "m"
+    with pytest.raises(InvalidRequest) as got:
+        validate_chat(body, "reject")
+    assert got.value.param == "return_token_ids"
+    assert validate_completion({"model": "m", "prompt": [[1, 2], [3]], "logprobs": 3}) == "m"
+    with pytest.raises(InvalidRequest):
+        validate_completion({"model": "m", "prompt": "x", "logprobs": 9})
+    with pytest.raises(InvalidRequest):
+        validate_completion({"model": "m", "prompt": [1, "a"]})

@@ -339,6 +339,12 @@ class ModelConfig(_Strict):
     required: bool = True
 
 
+class ValidationConfig(_Strict):
+    # Top-level request fields the gateway does not know: pass them to the upstream
+    # (engines take extras: top_k, return_token_ids, adapter fields) or refuse them.
+    unknown_fields: Literal["pass", "reject"] = "pass"
+
+
 class EnginesConfig(_Strict):
     """Supervision of managed engines, shared by every local model."""
 
@@ -390,6 +396,7 @@ class Settings(_Strict):
     tools: ToolsConfig = ToolsConfig()
     models: list[ModelConfig] = Field(min_length=1)
     engines: EnginesConfig = EnginesConfig()
+    validation: ValidationConfig = ValidationConfig()
     embeddings: EmbeddingsConfig = EmbeddingsConfig()
 
     @model_validator(mode="after")

@@ -26,7 +26,12 @@ from switchyard.pipeline import RequestContext
 from switchyard.policy import headers as request_headers
 from switchyard.policy.auth import authorize_model
 from switchyard.policy.pii import mask_body
-from switchyard.policy.validate import validate_chat, validate_completion, validate_embeddings
+from switchyard.policy.validate import (
+    image_parts,
+    validate_chat,
+    validate_completion,
+    validate_embeddings,
+)
 
 CTX_KEY = "switchyard.ctx"  # where a request's context sits in the ASGI scope
 
@@ -170,6 +175,7 @@ def build_routes(gw: Gateway) -> list[Route]:
     max_body = gw.settings.server.max_body_bytes
     body_timeout_s = gw.settings.server.body_timeout_s
     max_depth = gw.settings.server.max_json_depth
+    unknown_fields = gw.settings.validation.unknown_fields
 
     async def generate(request: Request, endpoint: str) -> Response:
         received = time.perf_counter()
@@ -191,9 +197,9 @@ def build_routes(gw: Gateway) -> list[Route]:
             )
             body = parse_json(raw, max_depth)
             if endpoint == "chat.completions":
-                alias = validate_chat(body)
+                alias = validate_chat(body, unknown_fields)
             else:
-                alias = validate_completion(body)
+                alias = validate_completion(body, unknown_fields)
             ctx.body = body
             ctx.wire = (body, raw)
             ctx.alias = alias
@@ -217,6 +223,14 @@ def build_routes(gw: Gateway) -> list[Route]:
                     handed_off = True
                 return response
             assert ctx.model is not None
+            if not ctx.model.capabilities.supports_vision and endpoint == "chat.completions":
+                part = image_parts(ctx.body)
+                if part is not None:
+                    raise InvalidRequest(
+                        f"the model '{ctx.model.alias}' does not accept images "
+                        "(capabilities.supports_vision is false)",
+                        param=part,
+                    )
             if ctx.stream:
                 if not ctx.model.capabilities.supports_streaming:
                     raise InvalidRequest(

@@ -7,6 +7,7 @@ every field it does not know untouched so the upstream sees the client's request
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from switchyard.errors import InvalidRequest
@@ -43,9 +44,13 @@ def _optional(body: dict[str, Any], name: str, types: tuple[type, ...], what: st
 
 _INT = ((int,), "an integer")
 _NUM = ((int, float), "a number")
+_BOOL = ((bool,), "a boolean")
+_STR = ((str,), "a string")
+INT32_MAX = 2**31 - 1
+INT64 = 2**63
 # Typed optional fields: name -> (accepted types, what the error calls them).
 _TYPED: dict[str, tuple[tuple[type, ...], str]] = {
-    "stream": ((bool,), "a boolean"),
+    "stream": _BOOL,
     "max_tokens": _INT,
     "max_completion_tokens": _INT,
     "n": _INT,
@@ -53,18 +58,47 @@ _TYPED: dict[str, tuple[tuple[type, ...], str]] = {
     "top_k": _INT,
     "temperature": _NUM,
     "top_p": _NUM,
+    "min_p": _NUM,
     "presence_penalty": _NUM,
     "frequency_penalty": _NUM,
+    "repeat_penalty": _NUM,
+    "logprobs": _BOOL,  # chat; completions take an integer (validate_completion)
+    "top_logprobs": _INT,
+    "parallel_tool_calls": _BOOL,
+    "store": _BOOL,
+    "user": _STR,
+    "reasoning_effort": _STR,
+    "service_tier": _STR,
+    "echo": _BOOL,
+    "best_of": _INT,
+    "suffix": _STR,
 }
-_AT_LEAST_1 = frozenset({"max_tokens", "max_completion_tokens", "n"})
-_RANGES = {"temperature": (0, 2), "top_p": (0, 1)}
+_AT_LEAST_1 = frozenset({"max_tokens", "max_completion_tokens", "n", "best_of"})
+# Inclusive bounds, as the official API documents them (token counts: 32-bit).
+_RANGES: dict[str, tuple[float, float]] = {
+    "temperature": (0, 2),
+    "top_p": (0, 1),
+    "min_p": (0, 1),
+    "presence_penalty": (-2, 2),
+    "frequency_penalty": (-2, 2),
+    "max_tokens": (1, INT32_MAX),
+    "max_completion_tokens": (1, INT32_MAX),
+    "n": (1, 128),
+    "best_of": (1, 20),
+    "top_logprobs": (0, 20),
+    "top_k": (-1, INT32_MAX),
+    "seed": (-INT64, INT64 - 1),
+    "repeat_penalty": (0, 10),
+}
+_MAX_STRINGS = {"user": 512, "reasoning_effort": 32, "service_tier": 32, "suffix": 100_000}
 
 
 def _stop(body: dict[str, Any], stop: Any) -> None:
     if not (
-        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+        isinstance(stop, str)
+        or (isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop))
     ):
-        raise InvalidRequest("'stop' must be a string or a list of strings", param="stop")
+        raise InvalidRequest("'stop' must be a string or a list of at most 4 strings", param="stop")
 
 
 def _stream_options(body: dict[str, Any], so: Any) -> None:
@@ -85,20 +119,110 @@ def _stream_options(body: dict[str, Any], so: Any) -> None:
 def _logit_bias(body: dict[str, Any], lb: Any) -> None:
     if not isinstance(lb, dict):
         raise InvalidRequest("'logit_bias' must be an object", param="logit_bias")
+    if len(lb) > 1024:
+        raise InvalidRequest("'logit_bias' may hold at most 1024 tokens", param="logit_bias")
+    for token, bias in lb.items():
+        if not (token.isascii() and token.isdigit() and len(token) <= 10):
+            raise InvalidRequest(
+                "'logit_bias' keys must be token ids (integers)", param=f"logit_bias.{token}"[:80]
+            )
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise InvalidRequest(
+                "'logit_bias' values must be numbers from -100 to 100",
+                param=f"logit_bias.{token}",
+            )
+
+
+def _tool_choice(body: dict[str, Any], choice: Any) -> None:
+    if choice in ("none", "auto", "required"):
+        return
+    if (
+        isinstance(choice, dict)
+        and choice.get("type") == "function"
+        and isinstance(choice.get("function"), dict)
+        and _NAME.fullmatch(str(choice["function"].get("name", "")))
+    ):
+        return
+    raise InvalidRequest(
+        "'tool_choice' must be 'none', 'auto', 'required' or "
+        '{"type": "function", "function": {"name": ...}}',
+        param="tool_choice",
+    )
+
+
+def _response_format(body: dict[str, Any], fmt: Any) -> None:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise InvalidRequest(
+            "'response_format' must be an object with 'type' text, json_object or json_schema",
+            param="response_format",
+        )
+    if kind == "json_schema":
+        schema = fmt.get("json_schema")
+        if not isinstance(schema, dict) or not _NAME.fullmatch(str(schema.get("name", ""))):
+            raise InvalidRequest(
+                "'response_format.json_schema' must be an object with a 'name'",
+                param="response_format.json_schema",
+            )
+        if "schema" in schema and not isinstance(schema["schema"], dict):
+            raise InvalidRequest(
+                "'response_format.json_schema.schema' must be an object",
+                param="response_format.json_schema.schema",
+            )
+
+
+def _metadata(body: dict[str, Any], meta: Any) -> None:
+    if not isinstance(meta, dict) or len(meta) > 16:
+        raise InvalidRequest("'metadata' must be an object of at most 16 pairs", param="metadata")
+    for k, v in meta.items():
+        if len(k) > 64 or not isinstance(v, str) or len(v) > 512:
+            raise InvalidRequest(
+                "'metadata' keys are at most 64 characters, values strings of at most 512",
+                param="metadata",
+            )
 
 
 _OTHER: dict[str, Any] = {
     "stop": _stop,
     "stream_options": _stream_options,
     "logit_bias": _logit_bias,
+    "tool_choice": _tool_choice,
+    "response_format": _response_format,
+    "metadata": _metadata,
 }
 
+# Function and schema names, as the official API allows them.
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_PART_TYPES = frozenset({"text", "image_url", "input_audio", "file", "refusal"})
+# The top-level fields of each endpoint that the gateway reads or forwards knowingly;
+# validation.unknown_fields: reject refuses any other.
+CHAT_FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "tools",
+        "functions",
+        "function_call",
+        "modalities",
+        "audio",
+        "prediction",
+        "web_search_options",
+        *_TYPED,
+        *_OTHER,
+    }
+)
+COMPLETION_FIELDS = frozenset({"model", "prompt", *_TYPED, *_OTHER})
 
-def _sampling(body: dict[str, Any]) -> None:
+
+def _sampling(body: dict[str, Any], completion: bool = False) -> None:
     # Walk the fields the client sent (a handful) rather than every field we know; a
     # field sent as null counts as not sent.
     for name, v in body.items():
         if v is None:
+            continue
+        if completion and name == "logprobs":  # /v1/completions: an integer 0-5
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 5:
+                raise InvalidRequest("'logprobs' must be an integer from 0 to 5", param=name)
             continue
         spec = _TYPED.get(name)
         if spec is not None:
@@ -110,13 +234,95 @@ def _sampling(body: dict[str, Any]) -> None:
                 raise InvalidRequest(
                     f"'{name}' must be between {bounds[0]} and {bounds[1]}", param=name
                 )
+            longest = _MAX_STRINGS.get(name)
+            if longest is not None and len(v) > longest:
+                raise InvalidRequest(f"'{name}' is longer than {longest} characters", param=name)
             continue
         check = _OTHER.get(name)
         if check is not None:
             check(body, v)
 
 
-def validate_chat(body: Any) -> str:
+def _unknown(body: dict[str, Any], known: frozenset[str], policy: str) -> None:
+    if policy == "reject":
+        for name in body:
+            if name not in known:
+                raise InvalidRequest(
+                    f"unknown field '{name}' (validation.unknown_fields: reject)", param=name
+                )
+
+
+def _part(i: int, j: int, part: Any) -> None:
+    where = f"messages[{i}].content[{j}]"
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in _PART_TYPES:
+        raise InvalidRequest(
+            f"'{where}' must be a content part of type {sorted(_PART_TYPES)}", param=where
+        )
+    if kind == "text" and not isinstance(part.get("text"), str):
+        raise InvalidRequest(f"'{where}.text' must be a string", param=f"{where}.text")
+    if kind == "image_url":
+        image = part.get("image_url")
+        if not isinstance(image, dict) or not isinstance(image.get("url"), str) or not image["url"]:
+            raise InvalidRequest(
+                f"'{where}.image_url' must be an object with a 'url'", param=f"{where}.image_url"
+            )
+
+
+def _tool_calls(i: int, calls: Any) -> None:
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"'{where}' must be an array", param=where)
+    for k, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(call.get("id"), str)
+            or not _NAME.fullmatch(str(fn.get("name", "")))
+            or not isinstance(fn.get("arguments"), str)
+        ):
+            raise InvalidRequest(
+                f"'{where}[{k}]' must have an 'id' and a 'function' with 'name' and "
+                "'arguments' (a JSON string)",
+                param=f"{where}[{k}]",
+            )
+
+
+def _tools(tools: Any) -> None:
+    if not isinstance(tools, list):
+        raise InvalidRequest("'tools' must be an array", param="tools")
+    for k, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type", "function") != "function":
+            raise InvalidRequest(
+                f"'tools[{k}]' must be {{'type': 'function', 'function': {{...}}}}",
+                param=f"tools[{k}]",
+            )
+        if not _NAME.fullmatch(str(fn.get("name", ""))):
+            raise InvalidRequest(
+                f"'tools[{k}].function.name' must be 1-64 of A-Z a-z 0-9 _ - .",
+                param=f"tools[{k}].function.name",
+            )
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise InvalidRequest(
+                f"'tools[{k}].function.parameters' must be a JSON Schema object",
+                param=f"tools[{k}].function.parameters",
+            )
+
+
+def image_parts(body: dict[str, Any]) -> str | None:
+    """The first image part of a chat request (its param path), or None."""
+    for i, m in enumerate(body.get("messages") or ()):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    return f"messages[{i}].content[{j}]"
+    return None
+
+
+def validate_chat(body: Any, unknown_fields: str = "pass") -> str:
     """Check a chat completion request; return its model name."""
     body = _require_object(body)
     model = _model(body)
@@ -148,14 +354,40 @@ def validate_chat(body: Any) -> str:
                 f"'messages[{i}].content' is required for role {role!r}",
                 param=f"messages[{i}].content",
             )
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                _part(i, j, part)
+        if len(m) > 2 or role == "tool":  # role + content, the common message: no more
+            name = m.get("name")
+            if name is not None and not (isinstance(name, str) and 0 < len(name) <= 256):
+                raise InvalidRequest(
+                    f"'messages[{i}].name' must be a string", param=f"messages[{i}].name"
+                )
+            if m.get("tool_calls") is not None:
+                _tool_calls(i, m["tool_calls"])
+            if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+                raise InvalidRequest(
+                    f"'messages[{i}].tool_call_id' is required for role 'tool'",
+                    param=f"messages[{i}].tool_call_id",
+                )
     tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise InvalidRequest("'tools' must be an array", param="tools")
+    if tools is not None:
+        _tools(tools)
     _sampling(body)
+    if unknown_fields != "pass":
+        _unknown(body, CHAT_FIELDS, unknown_fields)
     return model
 
 
-def validate_completion(body: Any) -> str:
+def _token_list(v: Any) -> bool:
+    return (
+        isinstance(v, list)
+        and bool(v)
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in v)
+    )
+
+
+def validate_completion(body: Any, unknown_fields: str = "pass") -> str:
     body = _require_object(body)
     model = _model(body)
     prompt = body.get("prompt")
@@ -165,9 +397,24 @@ def validate_completion(body: Any) -> str:
             param="prompt",
             code="missing_required_parameter",
         )
-    if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
-        raise InvalidRequest("'prompt' must be a string or a non-empty array", param="prompt")
-    _sampling(body)
+    if not (
+        isinstance(prompt, str)
+        or (
+            isinstance(prompt, list)
+            and prompt
+            and (
+                all(isinstance(p, str) for p in prompt)
+                or _token_list(prompt)
+                or all(_token_list(p) for p in prompt)
+            )
+        )
+    ):
+        raise InvalidRequest(
+            "'prompt' must be a string, an array of strings, or token ids", param="prompt"
+        )
+    _sampling(body, completion=True)
+    if unknown_fields != "pass":
+        _unknown(body, COMPLETION_FIELDS, unknown_fields)
     return model
 
 
