@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from conftest import Gateway, Proc, Scripted, free_port, local_model, start_gateway, start_scripted
+from conftest import Gateway, Proc, Scripted, free_port, local_model, start_gateway
 
 # SmolLM2's end tokens (<|endoftext|>, <|im_end|>): banning them forces long generations.
 NO_EOS = {"0": -100, "2": -100}
@@ -234,13 +234,6 @@ def test_local_model_answers_a_multi_token_chat_on_a_portable_build(
     assert info["failed_starts"] == 0 and info["reason"] is None
 
 
-@pytest.fixture(scope="module")
-def scripted_upstream() -> Iterator[Scripted]:
-    proc, s = start_scripted()
-    yield s
-    proc.stop()
-
-
 def _broken_model_config(tmp: Path, scripted: Scripted, **model: Any) -> dict[str, Any]:
     bad = tmp / "broken.gguf"
     bad.write_bytes(b"GGUF" + os.urandom(4096))  # right magic, garbage after it
@@ -269,9 +262,9 @@ def _wait_failed(gw: Gateway, alias: str, timeout_s: float = 120) -> dict[str, A
 
 
 def test_a_model_that_cannot_load_fails_with_its_reason_while_others_serve(
-    tmp_path: Path, scripted_upstream: Scripted
+    tmp_path: Path, scripted: Scripted
 ) -> None:
-    gw = start_gateway(_broken_model_config(tmp_path, scripted_upstream), wait_ready=False)
+    gw = start_gateway(_broken_model_config(tmp_path, scripted), wait_ready=False)
     try:
         info = _wait_failed(gw, "broken")
         assert info["failed_starts"] == 2 and info["restarts"] == 1
@@ -305,9 +298,9 @@ def test_a_model_that_cannot_load_fails_with_its_reason_while_others_serve(
 
 
 def test_a_model_marked_not_required_does_not_hold_readiness(
-    tmp_path: Path, scripted_upstream: Scripted
+    tmp_path: Path, scripted: Scripted
 ) -> None:
-    config = _broken_model_config(tmp_path, scripted_upstream, required=False)
+    config = _broken_model_config(tmp_path, scripted, required=False)
     gw = start_gateway(config, wait_ready=False)
     try:
         _wait_failed(gw, "broken")
@@ -319,12 +312,12 @@ def test_a_model_marked_not_required_does_not_hold_readiness(
 
 
 def test_make_serve_prints_the_first_run_key_when_the_local_model_fails(
-    tmp_path: Path, scripted_upstream: Scripted
+    tmp_path: Path, scripted: Scripted
 ) -> None:
     """What a new user sees on a machine where the local engine cannot start: which
     model failed, why and what to try, and still the key to call everything else."""
     port = free_port()
-    config = {**_broken_model_config(tmp_path, scripted_upstream), "server": {"port": port}}
+    config = {**_broken_model_config(tmp_path, scripted), "server": {"port": port}}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     repo = Path(__file__).resolve().parents[1]
