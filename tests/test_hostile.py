@@ -413,3 +413,28 @@ def test_invalid_fields_are_refused_not_forwarded(
     assert r.json()["error"]["param"] == param
     assert scripted.requests() == before  # never reached the upstream
     assert len(gw.usage(tenant=tid, limit=10)) == 1
+
+
+# -- 6. what is kept ------------------------------------------------------------------------
+
+
+def test_trace_policy_keeps_what_explains_and_samples_plain_successes(scripted: Scripted) -> None:
+    config = _config(scripted)
+    config["observe"] = {"traces_sample_ok": 0.0}
+    g = start_gateway(config)
+    try:
+        _, key = _key(g)
+        plain = _chat(g, key)
+        failed = _chat(g, key, {**CHEAP, "model": "dead"})
+        task = _chat(g, key, **{"x-task-id": "kept-task"})
+        assert [r.status_code for r in (plain, failed, task)] == [200, 502, 200]
+
+        def trace(r: httpx.Response) -> int:
+            rid = r.headers["x-request-id"]
+            return httpx.get(g.url + f"/admin/requests/{rid}", headers=g.admin).status_code
+
+        assert trace(plain) == 404  # sampled out (a share of 0)
+        assert trace(failed) == 200 and trace(task) == 200
+        assert len(g.usage(limit=10)) == 3  # every usage row is kept
+    finally:
+        g.proc.stop()

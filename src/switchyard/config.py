@@ -100,6 +100,12 @@ class ObserveConfig(_Strict):
     traces: bool = True  # decision traces in SQLite (no prompt or reply bodies)
     traces_retention_days: float = Field(7.0, gt=0)
     traces_max_rows: int = Field(1_000_000, ge=1)
+    # Trace policy: every refused, failed, retried, fallen-back, cached, replayed, slow
+    # or task request keeps its trace; of the plain successes (ok on the first attempt,
+    # no cache, no task, faster than traces_slow_ms) this share does. Usage rows are
+    # always kept. 1.0 = trace everything.
+    traces_sample_ok: float = Field(1.0, ge=0, le=1)
+    traces_slow_ms: float = Field(1000.0, ge=0)
     retention_interval_s: float = Field(300.0, gt=0)
     # Group-commit window of the usage ledger: the most a crash can lose of finished
     # requests' rows. 0 commits every row as soon as the writer is free.

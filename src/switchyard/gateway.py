@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import random
 import secrets
 import time
 from collections.abc import Awaitable, Mapping
@@ -178,6 +179,9 @@ class Gateway:
         # pydantic model costs ~4x one of a plain object).
         self._deadline_s = settings.server.default_deadline_s
         self._traces = settings.observe.traces
+        self._sample_ok = settings.observe.traces_sample_ok
+        self._slow_ms = settings.observe.traces_slow_ms
+        self._sampler = random.Random()
         self._unlimited = {
             m.alias for m in settings.models if m.limits.rpm is None and m.limits.tpm is None
         }
@@ -962,4 +966,23 @@ class Gateway:
                 ctx, status, inp, out, time.time_ns() - int((time.perf_counter() - end) * 1e9)
             )
         # Usage row and trace are built per batch, off this request's path.
-        self.ledger.record(Finished(ctx, status, inp, out, cost, self._traces))
+        self.ledger.record(Finished(ctx, status, inp, out, cost, self._keep_trace(ctx, status)))
+
+    def _keep_trace(self, ctx: RequestContext, status: str) -> bool:
+        """The trace policy (observe.traces_sample_ok): what explains something is
+        always kept; a plain success only as a sample."""
+        if not self._traces:
+            return False
+        if self._sample_ok >= 1.0:
+            return True
+        t = ctx.timings
+        plain = (
+            status == "ok"
+            and ctx.attempts <= 1
+            and ctx.fallback_from is None
+            and ctx.cache in (None, "miss", "bypass")
+            and ctx.task_id is None
+            and t.ended is not None
+            and (t.ended - t.received) * 1000.0 < self._slow_ms
+        )
+        return not plain or self._sampler.random() < self._sample_ok
