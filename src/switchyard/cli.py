@@ -15,8 +15,13 @@ if TYPE_CHECKING:
     from switchyard.gateway import Gateway
 
 
-def _advice(reason: str) -> str:
+def _advice(reason: str, last_line: str = "") -> str:
     """What to try, in plain words, for why a model failed to start."""
+    if "Failed to load model" in last_line:
+        return (
+            "llama.cpp could not read the model file: check models[].engine.gguf (a "
+            "complete GGUF file), or use gguf: auto for the shipped SmolLM2."
+        )
     if "killed by" in reason:
         return (
             "the engine crashed in native code. Rebuild it portably (rm -rf "
@@ -36,9 +41,13 @@ def _failures(gw: Gateway) -> str:
         return ""
     lines = []
     for alias, reason in failed.items():
+        dep = gw.registry.deployments.get(alias)
+        tail = list(dep.engine.stderr_tail) if dep is not None and dep.engine is not None else []
         lines.append(f"  !! Model '{alias}' FAILED to start and is not served:")
         lines.append(f"       {reason}")
-        lines.append(f"     What to try: {_advice(reason)}")
+        if tail:
+            lines.append(f"       last line of its stderr: {tail[-1][:160]}")
+        lines.append(f"     What to try: {_advice(reason, tail[-1] if tail else '')}")
         lines.append("     Requests for it get 503 engine_failed; everything else serves.")
     return "\n".join(lines) + "\n"
 
@@ -73,18 +82,33 @@ def _banner(gw: Gateway, host: str, port: int) -> str:
         if ready
         else f"Switchyard is up at {base}, but not every model is ready (GET /readyz)"
     )
-    return f"""
-{head}  (models: {", ".join(serving) or "none"})
-{_failures(gw)}{note}
-  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
+    embeddings = gw.embedder is not None and gw.embedder.ready
+    client = (
+        f'  from openai import OpenAI\n  client = OpenAI(base_url="{base}/v1", api_key="{key}")\n'
+    )
+    if serving:
+        example = f"""  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Say hello"}}]}}'
 
-  from openai import OpenAI
-  client = OpenAI(base_url="{base}/v1", api_key="{key}")
-  r = client.chat.completions.create(model="{model}",
+{client}  r = client.chat.completions.create(model="{model}",
         messages=[{{"role": "user", "content": "Say hello"}}])
   print(r.choices[0].message.content)
+"""
+    elif embeddings:  # no chat model serves: show what does
+        alias = settings.embeddings.alias
+        example = f"""  curl {base}/v1/embeddings -H 'Content-Type: application/json'{auth} \\
+    -d '{{"model": "{alias}", "input": "Say hello"}}'
 
+{client}  r = client.embeddings.create(model="{alias}", input="Say hello")
+  print(len(r.data[0].embedding))
+"""
+    else:
+        example = ""
+    listed = serving + ([settings.embeddings.alias] if embeddings else [])
+    return f"""
+{head}  (models: {", ".join(listed) or "none"})
+{_failures(gw)}{note}
+{example}
   Health: {base}/healthz   Readiness: {base}/readyz
 """
 
