@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import json
 import sqlite3
@@ -872,3 +873,102 @@ def test_a_ledger_row_that_cannot_be_serialised_is_repaired_not_lost(
         assert ledger.repaired == 1 and ledger.dropped == 0
     finally:
         ledger.close()
+
+
+# -- the bill and the disk ----------------------------------------------------------------
+
+
+def test_daily_rollups_sum_the_rows_and_seed_budgets_after_raw_rows_are_gone(
+    tmp_path: Path,
+) -> None:
+    from switchyard.observe.ledger import Finished, UsageLedger
+    from switchyard.pipeline import RequestContext, Timings
+    from switchyard.policy.auth import ANONYMOUS
+
+    ledger = UsageLedger(str(tmp_path / "l.db"))
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    try:
+        for i in range(30):
+            now = time.perf_counter()
+            ctx = RequestContext(
+                f"r-{i}", "chat.completions", {}, time.time(), Timings(now), now + 5
+            )
+            ctx.timings.ended = now
+            ctx.alias = "cheap"
+            ctx.principal = dataclasses.replace(ANONYMOUS, tenant_id="t1", key_id=f"k{i % 2}")
+            ledger.record(Finished(ctx, "ok" if i % 3 else "error", 10, 5, 0.01))
+        ledger.flush()
+        conn = connect(ledger.path)
+        rows = conn.execute(
+            "SELECT key_id, requests, errors, input_tokens, output_tokens, cost_usd"
+            " FROM usage_daily WHERE day = ? AND tenant_id = 't1' ORDER BY key_id",
+            (day,),
+        ).fetchall()
+        assert [tuple(r)[:5] for r in rows] == [("k0", 15, 5, 150, 75), ("k1", 15, 5, 150, 75)]
+        assert sum(r[5] for r in rows) == pytest.approx(0.30)
+        # Retention may remove raw rows; the bill (and so the budget) stays.
+        conn.execute("DELETE FROM usage")
+        conn.close()
+        midnight = (time.time() // 86400) * 86400
+        assert ledger.spent_since("tenant_id", "t1", midnight) == pytest.approx(0.30)
+        assert ledger.spent_since("key_id", "k0", midnight) == pytest.approx(0.15)
+    finally:
+        ledger.close()
+
+
+def test_a_file_from_before_the_rollups_gets_them_from_its_rows(tmp_path: Path) -> None:
+    path = str(tmp_path / "old.db")
+    conn = connect(path)
+    for i in range(4):
+        conn.execute(
+            "INSERT INTO usage (request_id, tenant_id, key_id, endpoint, model, input_tokens,"
+            " output_tokens, cost_usd, status, received_at) VALUES (?, 't', 'k', 'chat', 'm',"
+            " 3, 2, 0.5, 'ok', ?)",
+            (f"old-{i}", 1_800_000_000.0 + i),
+        )
+    conn.execute("DROP TABLE usage_daily")  # as a file made before they existed
+    conn.close()
+    again = connect(path)
+    again.close()
+    conn = connect(path)  # a second connect must not add them twice
+    row = conn.execute("SELECT day, requests, input_tokens, cost_usd FROM usage_daily").fetchall()
+    assert [tuple(r) for r in row] == [("2027-01-15", 4, 12, 2.0)]
+    conn.close()
+
+
+def test_the_disk_budget_deletes_oldest_traces_then_rows_and_gives_space_back(
+    tmp_path: Path,
+) -> None:
+    from switchyard.observe.traces import bytes_in_use, enforce_disk
+
+    conn = connect(str(tmp_path / "big.db"))
+    assert conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 2  # incremental
+    filler = "x" * 2000
+    conn.execute("BEGIN")
+    for i in range(3000):
+        at = 1_800_000_000.0 + i
+        rec = {"request_id": f"r{i}", "task_id": None, "tenant_id": "t", "status": "ok",
+               "received_at": at, "pad": filler}  # fmt: skip
+        conn.execute(insert_sql(), insert_args(rec))
+        conn.execute(
+            "INSERT INTO usage (request_id, tenant_id, endpoint, status, received_at, upstream)"
+            " VALUES (?, 't', 'chat', 'ok', ?, ?)",
+            (f"r{i}", at, filler),
+        )
+    conn.execute(
+        "INSERT INTO usage_daily (day, tenant_id, requests, cost_usd) VALUES ('2027-01-15', 't', 3000, 9.5)"
+    )
+    conn.execute("COMMIT")
+    before_pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    budget = 3 * 1024 * 1024
+    assert bytes_in_use(conn) > 2 * budget
+    deleted = enforce_disk(conn, budget)
+    assert deleted > 0 and bytes_in_use(conn) <= budget
+    # Oldest first: traces go before any usage row, and what is left is the newest.
+    assert conn.execute("SELECT COUNT(*) FROM traces").fetchone()[0] == 0
+    oldest = conn.execute("SELECT MIN(received_at) FROM usage").fetchone()[0]
+    assert oldest > 1_800_000_000.0
+    assert conn.execute("SELECT cost_usd FROM usage_daily").fetchone()[0] == 9.5
+    assert conn.execute("PRAGMA page_count").fetchone()[0] < before_pages / 2  # given back
+    assert enforce_disk(conn, budget) == 0  # under budget: nothing more
+    conn.close()

@@ -105,6 +105,9 @@ class ObserveConfig(_Strict):
     # no cache, no task, faster than traces_slow_ms) this share does. Usage rows are
     # always kept. 1.0 = trace everything.
     traces_sample_ok: float = Field(1.0, ge=0, le=1)
+    # Data in the SQLite file past which the oldest traces, then the oldest raw usage
+    # rows are deleted (the daily rollups stay); checked every retention_interval_s.
+    max_disk_mb: float = Field(2048.0, gt=0)
     traces_slow_ms: float = Field(1000.0, ge=0)
     retention_interval_s: float = Field(300.0, gt=0)
     # Group-commit window of the usage ledger: the most a crash can lose of finished

@@ -33,7 +33,7 @@ from switchyard.observe.db import connect
 from switchyard.observe.ledger import Finished, UsageLedger
 from switchyard.observe.metrics import Metrics
 from switchyard.observe.otel import build_tracing
-from switchyard.observe.traces import BLOCK_STAGES, enforce_retention
+from switchyard.observe.traces import BLOCK_STAGES, enforce_disk, enforce_retention
 from switchyard.pipeline import Pipeline, RequestContext, RequestIds, Stage, Timings
 from switchyard.policy import headers as request_headers
 from switchyard.policy.admission import Admission, DeploymentGate
@@ -245,7 +245,8 @@ class Gateway:
         obs = self.settings.observe
         conn = connect(self.sqlite_path)
         try:
-            return enforce_retention(conn, obs.traces_retention_days, obs.traces_max_rows, now)
+            n = enforce_retention(conn, obs.traces_retention_days, obs.traces_max_rows, now)
+            return n + enforce_disk(conn, int(obs.max_disk_mb * 1024 * 1024))
         finally:
             conn.close()
 

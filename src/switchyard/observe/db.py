@@ -92,6 +92,60 @@ CREATE INDEX IF NOT EXISTS traces_client ON traces(client_request_id, tenant_id)
 """
 
 
+# The bill: usage per UTC day, tenant, key and model, kept whatever retention removes
+# of the raw rows; budgets are seeded from it on restart. Written by the ledger writer
+# in the same transaction as the rows it sums.
+USAGE_DAILY = """
+CREATE TABLE usage_daily (
+    day TEXT NOT NULL,
+    tenant_id TEXT NOT NULL DEFAULT '',
+    key_id TEXT NOT NULL DEFAULT '',
+    model TEXT NOT NULL DEFAULT '',
+    requests INTEGER NOT NULL DEFAULT 0,
+    errors INTEGER NOT NULL DEFAULT 0,
+    input_tokens INTEGER NOT NULL DEFAULT 0,
+    output_tokens INTEGER NOT NULL DEFAULT 0,
+    cost_usd REAL NOT NULL DEFAULT 0,
+    PRIMARY KEY (day, tenant_id, key_id, model)
+);
+CREATE INDEX usage_daily_tenant ON usage_daily(tenant_id, day);
+CREATE INDEX usage_daily_key ON usage_daily(key_id, day);
+"""
+# A file made before the rollups existed gets them from its raw rows, once.
+BACKFILL_DAILY = """
+INSERT INTO usage_daily
+SELECT date(received_at, 'unixepoch'), COALESCE(tenant_id, ''), COALESCE(key_id, ''),
+       COALESCE(model, ''), COUNT(*), SUM(status != 'ok'), SUM(input_tokens),
+       SUM(output_tokens), SUM(cost_usd)
+FROM usage GROUP BY 1, 2, 3, 4
+"""
+
+
+def _has_table(conn: sqlite3.Connection, name: str) -> bool:
+    row = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)
+    ).fetchone()
+    return row is not None
+
+
+def _add_rollups(conn: sqlite3.Connection) -> None:
+    """Create usage_daily (and fill it from the raw rows) exactly once, under the write
+    lock: the gateway and the ledger writer may both be connecting."""
+    if _has_table(conn, "usage_daily"):
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if not _has_table(conn, "usage_daily"):
+            for statement in USAGE_DAILY.split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+            conn.execute(BACKFILL_DAILY)
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
 def _migrate(conn: sqlite3.Connection) -> None:
     for table, column, kind in MIGRATIONS:
         have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
@@ -99,6 +153,7 @@ def _migrate(conn: sqlite3.Connection) -> None:
             with contextlib.suppress(sqlite3.OperationalError):  # another process won
                 conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
     conn.executescript(LATE_INDEXES)
+    _add_rollups(conn)
 
 
 def resolve_path(path: str) -> str:
@@ -116,6 +171,9 @@ def connect(path: str) -> sqlite3.Connection:
         resolve_path(path), timeout=10, check_same_thread=False, isolation_level=None
     )
     conn.row_factory = sqlite3.Row
+    # Space freed by retention goes back to the disk (observe.max_disk_mb). Takes
+    # effect only in a new, empty file; older files keep their freed pages for reuse.
+    conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("PRAGMA foreign_keys=ON")

@@ -505,14 +505,26 @@ class UsageLedger:
 
     # -- reads (admin, tests, budget seeding) -----------------------------------
     def spent_since(self, column: str, value: str, since: float) -> float:
+        """What a tenant or key spent since `since`. From the daily rollups (the bill,
+        which retention never removes) when `since` is a UTC midnight, as budget
+        periods start; else from the raw rows."""
         if column not in ("tenant_id", "key_id"):
             raise ValueError(column)
         conn = connect(self.path)
         try:
-            row = conn.execute(
-                f"SELECT COALESCE(SUM(cost_usd), 0) FROM usage WHERE {column} = ? AND received_at >= ?",
-                (value, since),
-            ).fetchone()
+            if since % 86400 == 0:
+                day = time.strftime("%Y-%m-%d", time.gmtime(since))
+                row = conn.execute(
+                    f"SELECT COALESCE(SUM(cost_usd), 0) FROM usage_daily"
+                    f" WHERE {column} = ? AND day >= ?",
+                    (value, day),
+                ).fetchone()
+            else:
+                row = conn.execute(
+                    f"SELECT COALESCE(SUM(cost_usd), 0) FROM usage"
+                    f" WHERE {column} = ? AND received_at >= ?",
+                    (value, since),
+                ).fetchone()
             return float(row[0])
         finally:
             conn.close()

@@ -86,6 +86,36 @@ def _insert(table: str, columns: tuple[str, ...]) -> str:
 
 INSERT_USAGE = _insert("usage", USAGE_COLUMNS)
 INSERT_TRACES = _insert("traces", TRACE_COLUMNS)
+ADD_DAILY = (
+    "INSERT INTO usage_daily (day, tenant_id, key_id, model, requests, errors, input_tokens,"
+    " output_tokens, cost_usd) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT (day, tenant_id, key_id, model) DO UPDATE SET"
+    " requests = requests + excluded.requests, errors = errors + excluded.errors,"
+    " input_tokens = input_tokens + excluded.input_tokens,"
+    " output_tokens = output_tokens + excluded.output_tokens,"
+    " cost_usd = cost_usd + excluded.cost_usd"
+)
+
+
+def daily_rollups(named: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """The batch's additions to usage_daily: per UTC day, tenant, key and model."""
+    sums: dict[tuple[str, str, str, str], list[Any]] = {}
+    days: dict[int, str] = {}
+    for e in named:
+        at = int(e["received_at"] // 86400)
+        day = days.get(at)
+        if day is None:
+            day = days[at] = time.strftime("%Y-%m-%d", time.gmtime(at * 86400))
+        key = (day, e["tenant_id"] or "", e["key_id"] or "", e["requested_model"] or "")
+        acc = sums.get(key)
+        if acc is None:
+            acc = sums[key] = [0, 0, 0, 0, 0.0]
+        acc[0] += 1
+        acc[1] += e["status"] != "ok"
+        acc[2] += e["input_tokens"] or 0
+        acc[3] += e["output_tokens"] or 0
+        acc[4] += e["cost_usd"] or 0.0
+    return [(*k, *v) for k, v in sums.items()]
 
 
 def frame(kind: bytes, payload: bytes = b"") -> bytes:
@@ -156,6 +186,7 @@ def write_batch(
                 if e["decisions"] is not None:
                     e["decisions"] = expand_decisions(e["decisions"], blocks)
         rows = [usage_row(e) for e in named]
+        daily = daily_rollups(named)
         traces = [insert_args(trace_from_entry(e)) for e in named if e["decisions"] is not None]
     except Exception:  # a malformed batch must not end the writer
         log.exception("dropped a malformed batch of %d entries", len(entries))
@@ -164,6 +195,7 @@ def write_batch(
         try:
             conn.execute("BEGIN IMMEDIATE")
             conn.executemany(INSERT_USAGE, rows)
+            conn.executemany(ADD_DAILY, daily)
             if traces:
                 conn.executemany(INSERT_TRACES, traces)
             conn.execute("COMMIT")

@@ -303,3 +303,38 @@ def enforce_retention(
         )
         deleted += cur.rowcount
     return int(deleted)
+
+
+def bytes_in_use(conn: sqlite3.Connection) -> int:
+    """Bytes of the SQLite file that hold data (its pages less the free ones)."""
+    size = conn.execute("PRAGMA page_size").fetchone()[0]
+    pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    free = conn.execute("PRAGMA freelist_count").fetchone()[0]
+    return int((pages - free) * size)
+
+
+def enforce_disk(conn: sqlite3.Connection, max_bytes: int, chunk: int = 2000) -> int:
+    """Keep the file's data under `max_bytes` (observe.max_disk_mb): past it, delete the
+    oldest traces, then the oldest raw usage rows, until 90 % of it is in use; the daily
+    rollups (the bill) are never deleted. Freed pages go back to the disk where the
+    file allows it (auto_vacuum=INCREMENTAL, every file made since), else they are
+    reused by new rows, so the file stays flat. Returns the rows deleted."""
+    if bytes_in_use(conn) <= max_bytes:
+        return 0
+    target = int(max_bytes * 0.9)
+    deleted = 0
+    for table in ("traces", "usage"):
+        while bytes_in_use(conn) > target:
+            cur = conn.execute(
+                f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table}"
+                " ORDER BY received_at ASC LIMIT ?)",
+                (chunk,),
+            )
+            if cur.rowcount <= 0:
+                break
+            deleted += cur.rowcount
+    if deleted:
+        # executescript steps it to the end (execute() frees one page per step, and
+        # Python steps a statement that returns no rows only once).
+        conn.executescript("PRAGMA incremental_vacuum;")
+    return deleted
