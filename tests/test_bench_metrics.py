@@ -245,3 +245,30 @@ def test_stream_parsing_handles_crlf_split_across_reads() -> None:
     r = RequestRecord(0, "r", sent_s=0.0)
     asyncio.run(client._read_stream(FakeResponse([one, two]), r))  # type: ignore[arg-type]
     assert r.error is None and r.text == "ab" and r.chunk_s == [2.0, 2.0]
+
+
+def test_soak_summary_reads_growth_drift_and_the_disk_limit() -> None:
+    import argparse
+
+    from switchyard.bench.soak import summarize
+
+    def sl(t: float, n: int, in_use: float, disk: float, rss: float) -> dict[str, float]:
+        return {"t_s": t, "requests": n, "rps": n / t, "p50_ms": 1.0, "p99_ms": 5.0,
+                "errors": 0, "rss_mib": rss, "disk_mb": disk, "in_use_mb": in_use}  # fmt: skip
+
+    args = argparse.Namespace(
+        warmup_slices=1, max_disk_mb=10.0, duration=50, slice=10, connections=8,
+        traces_sample_ok=1.0,
+    )  # fmt: skip
+    slices = [
+        sl(10, 1000, 3.0, 3.5, 100.0),
+        sl(20, 2000, 6.0, 6.5, 104.0),  # 3 KB per request so far
+        sl(30, 3000, 9.8, 10.5, 105.0),  # past 90 % of the limit: retention's turn
+        sl(40, 4000, 9.0, 10.4, 103.0),
+        sl(50, 5000, 9.2, 10.4, 106.0),
+    ]
+    got = summarize(slices, args)
+    assert got["bytes_per_request"] == 3000.0
+    assert got["rss_drift_after_warmup"] == round((106.0 - 104.0) / 104.0, 4)
+    assert got["disk_limit_reached"] is True and got["disk_after_limit_mb"] == [10.4, 10.5]
+    assert got["requests"] == 5000 and got["errors"] == 0

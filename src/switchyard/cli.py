@@ -434,6 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_bench(
         bsub.add_parser("engine", help="embedded engine: decode tok/s per build option")
     )
+    from switchyard.bench.soak import add_arguments as add_soak
+
+    add_soak(bsub.add_parser("soak", help="realistic config under steady load: RSS, disk, latency"))
     from switchyard.bench.hotpath import add_arguments as add_hotpath
 
     add_hotpath(

@@ -337,4 +337,6 @@ def enforce_disk(conn: sqlite3.Connection, max_bytes: int, chunk: int = 2000) ->
         # executescript steps it to the end (execute() frees one page per step, and
         # Python steps a statement that returns no rows only once).
         conn.executescript("PRAGMA incremental_vacuum;")
+        # And the WAL, which holds the deleted pages too, back to its limit.
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
     return deleted
