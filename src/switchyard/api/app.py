@@ -147,7 +147,7 @@ def create_app(settings: Settings, on_ready: Callable[[Gateway], None] | None = 
         gw.metrics.set_breakers(
             {a: b.describe(now)["state"] for a, b in gw.executor.breakers.items()}
         )
-        gw.metrics.set_ledger(gw.ledger.dropped, gw.ledger.repaired)
+        gw.metrics.set_ledger(gw.ledger.dropped, gw.ledger.repaired, gw.ledger.queued_bytes)
         return Response(
             gw.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )

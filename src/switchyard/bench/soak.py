@@ -63,6 +63,17 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _ledger_metrics(text: str) -> dict[str, float]:
+    """The ledger's backlog (MB waiting for the writer) and rows dropped, from /metrics."""
+    out = {"ledger_queued_mb": 0.0, "ledger_dropped": 0.0}
+    for line in text.splitlines():
+        if line.startswith("switchyard_ledger_queued_bytes "):
+            out["ledger_queued_mb"] = round(float(line.split()[1]) / 1e6, 2)
+        elif line.startswith("switchyard_ledger_rows_dropped_total "):
+            out["ledger_dropped"] = float(line.split()[1])
+    return out
+
+
 def _disk(db: Path) -> tuple[int, int]:
     """(bytes of the SQLite files on disk, bytes of the main file in use)."""
     on_disk = sum(p.stat().st_size for p in db.parent.glob(db.name + "*") if p.is_file())
@@ -128,6 +139,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             r = run_wrk(args.wrk, url, script, scenario, args.slice)
             requests += r.requests
             pids = [gateway.proc.pid, *_children(gateway.proc.pid)]
+            _, text = http("GET", f"http://127.0.0.1:{sy_port}/metrics")
+            ledger = _ledger_metrics(text.decode("utf-8", "replace"))
             on_disk, in_use = _disk(db)
             slices.append(
                 {
@@ -138,13 +151,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "p99_ms": r.p99_ms,
                     "errors": r.non_2xx + r.socket_errors,
                     "rss_mib": round(sum(_rss_kb(p) for p in pids) / 1024, 1),
+                    "rss_gateway_mib": round(_rss_kb(pids[0]) / 1024, 1),
                     "disk_mb": round(on_disk / 1e6, 2),
                     "in_use_mb": round(in_use / 1e6, 2),
+                    **ledger,
                 }
             )
             print(
                 f"  t={slices[-1]['t_s']:>6}s  {r.rps:8.0f} req/s  p99 {r.p99_ms:6.2f} ms  "
-                f"rss {slices[-1]['rss_mib']:7.1f} MiB  disk {slices[-1]['disk_mb']:8.2f} MB",
+                f"rss {slices[-1]['rss_mib']:7.1f} MiB  disk {slices[-1]['disk_mb']:8.2f} MB  "
+                f"ledger backlog {slices[-1]['ledger_queued_mb']:6.2f} MB",
                 flush=True,
             )
     finally:
@@ -182,6 +198,8 @@ def summarize(slices: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
         },
         "requests": slices[-1]["requests"] if slices else 0,
         "errors": sum(s["errors"] for s in slices),
+        "ledger_rows_dropped": slices[-1].get("ledger_dropped", 0.0) if slices else 0.0,
+        "ledger_backlog_mb_max": max((s.get("ledger_queued_mb", 0.0) for s in slices), default=0.0),
         "bytes_per_request": None if per_request is None else round(per_request, 1),
         "rss_drift_after_warmup": round((max(rss) - base) / base, 4) if base else None,
         "rss_range_mib": [min(rss), max(rss)],

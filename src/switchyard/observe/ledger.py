@@ -231,6 +231,11 @@ class UsageLedger:
         return self._stalled + self._counts.dropped
 
     @property
+    def queued_bytes(self) -> int:
+        """Serialised batches waiting for the writer (it is behind when this grows)."""
+        return self._queued
+
+    @property
     def repaired(self) -> int:
         """Rows written with an unserialisable field replaced (each one logged)."""
         return self._counts.repaired

@@ -252,6 +252,12 @@ class Metrics:
             registry=reg,
         )
         self._ledger_seen = (0, 0)
+        self.ledger_queued = Gauge(
+            "switchyard_ledger_queued_bytes",
+            "Serialised ledger batches waiting for the writer process (in memory)",
+            registry=reg,
+            multiprocess_mode="max",
+        )
 
         self._requests = _Children(self.requests)
         self._e2e = _Children(self.e2e)
@@ -433,8 +439,9 @@ class Metrics:
         for model, state in states.items():
             self.breaker.labels(model).set(BREAKER_VALUE.get(state, 0))
 
-    def set_ledger(self, dropped: int, repaired: int) -> None:
+    def set_ledger(self, dropped: int, repaired: int, queued_bytes: int = 0) -> None:
         """Bring the ledger's counters (kept by the ledger itself) up to date."""
+        self.ledger_queued.set(queued_bytes)
         was_dropped, was_repaired = self._ledger_seen
         if dropped > was_dropped:
             self.ledger_dropped.inc(dropped - was_dropped)
