@@ -454,3 +454,17 @@ def test_no_raw_pii_in_cache_keys_traces_or_logs(gw: Gateway) -> None:
     for value in PII.values():
         assert value not in dump and value.encode() not in raw_db
         assert value not in logs
+
+
+def test_an_idempotent_request_answered_from_the_cache_replays_that_answer(
+    gw: Gateway, scripted: Scripted
+) -> None:
+    text = "Which port does the gateway listen on by default?"
+    assert _ask(gw, text).headers["x-switchyard-cache"] == "miss"
+    hit = _ask(gw, text, headers={"Idempotency-Key": "cached-idem-1"})
+    assert hit.status_code == 200 and hit.headers["x-switchyard-cache"] == "hit-exact"
+    n = scripted.requests()
+    again = _ask(gw, text, headers={"Idempotency-Key": "cached-idem-1"})
+    assert again.headers.get("x-switchyard-idempotent-replay") == "true"
+    assert again.json()["choices"] == hit.json()["choices"]
+    assert scripted.requests() == n

@@ -221,6 +221,21 @@ def build_routes(gw: Gateway) -> list[Route]:
                 response = cached_response(ctx, ctx.response)
                 if isinstance(response, RelayResponse):
                     handed_off = True
+                elif ctx.idempotency_key is not None:  # a repeat replays this answer
+                    gw.idempotency.complete(
+                        ctx.principal.tenant_id,
+                        ctx.idempotency_key,
+                        StoredReply(
+                            200,
+                            {
+                                k: v
+                                for k, v in response.headers.items()
+                                if k.startswith("x-switchyard")
+                            },
+                            stored_reply_body(ctx, bytes(response.body)),
+                        ),
+                    )
+                    ctx.idempotency_key = None
                 return response
             assert ctx.model is not None
             if not ctx.model.capabilities.supports_vision and endpoint == "chat.completions":
