@@ -17,8 +17,15 @@ import httpx
 import pytest
 import redis
 import yaml
+from hypothesis import settings as hypothesis_settings
 
 from switchyard.bench.policy import redis_server_argv
+
+# Property tests draw the same examples in every run (CI must be reproducible); set
+# HYPOTHESIS_PROFILE=explore to draw new ones while developing.
+hypothesis_settings.register_profile("ci", derandomize=True)
+hypothesis_settings.register_profile("explore", derandomize=False)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

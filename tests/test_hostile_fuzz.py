@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 from conftest import Gateway, Scripted, start_gateway
@@ -43,7 +43,7 @@ HEADERS = (
 header_text = st.text(
     alphabet=st.characters(min_codepoint=0x20, max_codepoint=0xFF, exclude_characters="\x7f"),
     max_size=300,
-)
+).map(lambda v: v.strip(" \t"))  # HTTP trims optional whitespace around a value
 json_leaf = (
     st.none()
     | st.booleans()
@@ -101,6 +101,7 @@ SENT: dict[str, int] = {"authenticated": 0}
 @settings(
     max_examples=150,
     deadline=None,
+    derandomize=True,  # the same examples in every run: CI is reproducible
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(
@@ -114,16 +115,19 @@ def test_generated_requests_never_break_the_gateway(
 ) -> None:
     text = json.dumps(body).encode()  # the stdlib writes any integer (and Infinity)
     content = text if not raw else text[:-1]  # cut: not JSON
-    r = httpx.post(
-        gw.url + path,
-        content=content,
-        headers={
-            **gw.auth,
-            "Content-Type": "application/json",
-            **{k: v.encode("latin-1") for k, v in headers.items()},
-        },
-        timeout=30,
-    )
+    try:
+        r = httpx.post(
+            gw.url + path,
+            content=content,
+            headers={
+                **gw.auth,
+                "Content-Type": "application/json",
+                **{k: v.encode("latin-1") for k, v in headers.items()},
+            },
+            timeout=30,
+        )
+    except httpx.LocalProtocolError:  # the client library would not send it: not a case
+        reject()
     SENT["authenticated"] += 1
     assert r.status_code != 500, r.text
     assert r.status_code < 500 or r.status_code in (502, 503, 504), r.text
