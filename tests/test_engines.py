@@ -21,6 +21,14 @@ from conftest import Gateway, Proc, Scripted, free_port, local_model, start_gate
 NO_EOS = {"0": -100, "2": -100}
 
 
+def chat(model: str, content: str = "Hi", max_tokens: int = 1, **extra: Any) -> dict[str, Any]:
+    """A one-message chat body; `long=True` bans EOS so it runs for `max_tokens`."""
+    if extra.pop("long", False):
+        extra["logit_bias"] = NO_EOS
+    body = {"model": model, "messages": [{"role": "user", "content": content}]}
+    return {**body, "max_tokens": max_tokens, **extra}
+
+
 @pytest.fixture(scope="module")
 def two_upstreams(second_worker: int) -> Iterator[Gateway]:
     config = {
@@ -65,13 +73,7 @@ def test_openai_upstream_serves_its_alias(two_upstreams: Gateway, second_worker:
 
 
 def test_closing_a_stream_early_frees_the_engine(two_upstreams: Gateway) -> None:
-    body = {
-        "model": "local-smol",
-        "messages": [{"role": "user", "content": "Count upwards from one, forever."}],
-        "max_tokens": 1800,
-        "logit_bias": NO_EOS,
-        "stream": True,
-    }
+    body = chat("local-smol", "Count upwards from one, forever.", 1800, long=True, stream=True)
     # Uncancelled, this generation would take far longer than the bound below.
     with two_upstreams.stream(body) as r:
         assert r.status_code == 200
@@ -81,11 +83,7 @@ def test_closing_a_stream_early_frees_the_engine(two_upstreams: Gateway) -> None
     started = time.monotonic()
     r2 = two_upstreams.post(
         "/v1/chat/completions",
-        json={
-            "model": "local-smol",
-            "messages": [{"role": "user", "content": "Hi"}],
-            "max_tokens": 2,
-        },
+        json=chat("local-smol", max_tokens=2),
         timeout=60,
     )
     assert r2.status_code == 200
@@ -97,12 +95,7 @@ def test_long_generation_is_really_long(two_upstreams: Gateway) -> None:
     """Guards the cancellation test: banning EOS does force a long generation."""
     r = two_upstreams.post(
         "/v1/chat/completions",
-        json={
-            "model": "local-smol",
-            "messages": [{"role": "user", "content": "Hi"}],
-            "max_tokens": 40,
-            "logit_bias": NO_EOS,
-        },
+        json=chat("local-smol", max_tokens=40, long=True),
         timeout=60,
     )
     assert r.status_code == 200
@@ -121,11 +114,7 @@ def test_readyz_503_until_ready_then_kill_and_recover() -> None:
         assert first.headers["retry-after"]
         early = gw.post(
             "/v1/chat/completions",
-            json={
-                "model": "smol",
-                "messages": [{"role": "user", "content": "Hi"}],
-                "max_tokens": 1,
-            },
+            json=chat("smol"),
             timeout=30,
         )
         if early.status_code != 200:  # loading: 503 with Retry-After, not a hang or a 500
@@ -139,12 +128,7 @@ def test_readyz_503_until_ready_then_kill_and_recover() -> None:
             long = pool.submit(
                 gw.post,
                 "/v1/chat/completions",
-                json={
-                    "model": "smol",
-                    "messages": [{"role": "user", "content": "Count upwards, forever."}],
-                    "max_tokens": 1500,
-                    "logit_bias": NO_EOS,
-                },
+                json=chat("smol", "Count upwards, forever.", 1500, long=True),
             )
             time.sleep(1.5)
             os.kill(crashed_pid, signal.SIGSEGV)
@@ -163,11 +147,7 @@ def test_readyz_503_until_ready_then_kill_and_recover() -> None:
         # The dead engine is reported and requests fail cleanly (502/503), never hang.
         r = gw.post(
             "/v1/chat/completions",
-            json={
-                "model": "smol",
-                "messages": [{"role": "user", "content": "Hi"}],
-                "max_tokens": 1,
-            },
+            json=chat("smol"),
             timeout=30,
         )
         assert r.status_code in (502, 503), r.text
@@ -182,11 +162,7 @@ def test_readyz_503_until_ready_then_kill_and_recover() -> None:
         assert after["restarts"] >= 2 and after["pid"] != pid
         ok = gw.post(
             "/v1/chat/completions",
-            json={
-                "model": "smol",
-                "messages": [{"role": "user", "content": "Hi"}],
-                "max_tokens": 1,
-            },
+            json=chat("smol"),
             timeout=30,
         )
         assert ok.status_code == 200
