@@ -64,16 +64,16 @@ def _served(tmp_path: Path, n: int) -> tuple[Any, list[Any]]:
     async def run() -> tuple[Any, list[Any]]:
         app, gw = await _switchyard_app(tmp_path, _reply(4))
         seen: list[Any] = []
-        finish_now = gw.finish_now
+        finish_now = gw.service.settle_now
 
         def keep(ctx: Any) -> Any:
             seen.append(ctx)
             return finish_now(ctx)
 
-        gw.finish_now = keep  # type: ignore[method-assign]
+        gw.service.settle_now = keep  # type: ignore[method-assign]
         try:
             await Driver(chat_body(False, 4)).drive(app, n)
-            await gw.settled()
+            await gw.service.settled()
         finally:
             await gw.stop()
         return gw.metrics, seen
@@ -109,9 +109,9 @@ def test_first_attempt_metrics_shape_equals_the_one_read_from_decisions(tmp_path
 
 
 def test_compact_decision_blocks_are_stored_as_the_full_trace(tmp_path: Path) -> None:
-    """The one-step decision goes down the ledger's pipe as one compact item; the
-    stored trace holds every decision as it was recorded (stage, outcome, reason,
-    evidence and times), so no reader can tell."""
+    """The pipeline's folded blocks go down the ledger's pipe as one compact item
+    each; the stored trace holds every decision as it was recorded (stage, outcome,
+    reason, evidence and times), so no reader can tell."""
     from switchyard.observe.db import connect
     from switchyard.observe.traces import get_request, ledger_entry
 
@@ -119,10 +119,11 @@ def test_compact_decision_blocks_are_stored_as_the_full_trace(tmp_path: Path) ->
     assert len(seen) == 3
     conn = connect(str(tmp_path / "hotpath.db"))
     for ctx in seen:
-        assert ctx.block is not None
+        # authorize..deployment_limits, then queue (the request's own), then place
+        assert [count for _, _, count in ctx.blocks] == [9, 1]
         sent = ledger_entry(ctx, "ok", 1, 1, 0.0, True)[-1]
-        assert sum(1 for d in sent if d[0] == "@") == 1  # the block went compactly
-        assert len(sent) == len(ctx.decisions) - 10
+        assert sum(1 for d in sent if d[0] == "@") == 2  # the blocks went compactly
+        assert len(sent) == len(ctx.decisions) - 8
         stored = get_request(conn, ctx.request_id)
         assert stored is not None
         base = ctx.clock_base

@@ -17,6 +17,7 @@ from switchyard.pipeline import (
     Pipeline,
     RequestContext,
     RequestIds,
+    Stage,
     Timings,
     decision_dict,
     new_request_id,
@@ -190,19 +191,44 @@ def _ctx() -> RequestContext:
     )
 
 
-def test_pipeline_records_decisions_and_stops_at_a_response() -> None:
-    calls: list[str] = []
+class _Answer(Stage):
+    name = "first"
 
-    async def first(ctx: RequestContext) -> None:
-        calls.append("first")
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    async def _work(self, ctx: RequestContext) -> None:
+        self.calls.append("first")
         ctx.record("first", "hit", "answered here", time.perf_counter(), {"score": 1.0})
         ctx.response = "cached"
 
-    async def second(ctx: RequestContext) -> None:
-        calls.append("second")
+    def work(self, ctx: RequestContext) -> Any:
+        return self._work(ctx)
 
+
+class _Never(Stage):
+    name = "second"
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def work(self, ctx: RequestContext) -> None:
+        self.calls.append("second")
+
+
+class _Reject(Stage):
+    name = "reject"
+
+    def work(self, ctx: RequestContext) -> None:
+        raise ModelNotFound("nope")
+
+
+def test_pipeline_records_decisions_and_stops_at_a_response() -> None:
+    calls: list[str] = []
     ctx = _ctx()
-    asyncio.run(Pipeline([("first", first), ("second", second)]).decide(ctx))
+    pending = Pipeline([_Answer(calls), _Never(calls)]).decide(ctx)
+    assert pending is not None
+    asyncio.run(pending)  # type: ignore[arg-type]
     assert calls == ["first"]
     assert [d[0] for d in ctx.decisions] == ["first"]
     d = decision_dict(ctx.decisions[0], ctx.clock_base)
@@ -212,11 +238,8 @@ def test_pipeline_records_decisions_and_stops_at_a_response() -> None:
 
 
 def test_pipeline_reject_propagates() -> None:
-    async def reject(ctx: RequestContext) -> None:
-        raise ModelNotFound("nope")
-
     with pytest.raises(ModelNotFound):
-        asyncio.run(Pipeline([("reject", reject)]).decide(_ctx()))
+        Pipeline([_Reject()]).decide(_ctx())
 
 
 def _chat_body(**extra: Any) -> dict[str, Any]:

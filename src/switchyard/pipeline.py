@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from switchyard.config import ModelConfig
@@ -131,9 +131,9 @@ class RequestContext:
     finished: bool = False
     wire: tuple[dict[str, Any], bytes] | None = None  # (parsed body, the bytes it came from)
     reply_body: bytes | None = None  # a non-streamed reply whose usage is read at settle
-    # (block id, index of its first decision) when a run of decisions is one of the
-    # ledger's known blocks (traces.BLOCK_STAGES): stored compactly, expanded on write.
-    block: tuple[int, int] | None = None
+    # (block id, index of its first decision, count) of each folded run of static
+    # verdicts (Pipeline): stored compactly in the ledger, expanded on write.
+    blocks: list[tuple[int, int, int]] = field(default_factory=list)
     client_request_id: str | None = None  # the client's own id (x-client-request-id)
     header_error: Any = None  # an InvalidRequest for a header, raised once ctx exists
 
@@ -157,25 +157,195 @@ class RequestContext:
         return self.deadline - time.perf_counter()
 
 
-# A stage either decides synchronously (returns None) or returns an awaitable; stages
-# that never wait are plain functions, which saves a coroutine per stage per request.
-Stage = Callable[[RequestContext], Awaitable[None] | None]
+# -- stages and the pipeline that folds them ---------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What a stage decides for every request in one `View`, known before any request
+    arrives: its outcome, reason and evidence (shared by the requests that record it,
+    so never changed afterwards) and the context fields it sets (`sets`)."""
+
+    outcome: str
+    reason: str
+    evidence: dict[str, Any] | None = None
+    sets: tuple[tuple[str, Any], ...] = ()
+
+
+class View(NamedTuple):
+    """What a stage's static part may depend on: the endpoint, the model asked for
+    (and its config and deployment), and who asks. Nothing of the request's body."""
+
+    endpoint: str
+    alias: str | None
+    principal: Any
+    model: ModelConfig | None
+    deployment: Deployment | None
+
+
+# Fields a static verdict may not set: the View is read from them, and a block of
+# verdicts is decided for one View.
+_VIEW_FIELDS = frozenset({"endpoint", "alias", "principal"})
+
+
+class Stage:
+    """One decision stage. `static` is the one place where the stage says when its
+    verdict does not depend on the request (from settings, principal and deployment
+    state): it returns that `Verdict`, or None when `work` must look at the request.
+    `work` decides for one request: it records its decision (`ctx.record`), may set
+    `ctx.response` to answer, and raises a `SwitchyardError` to refuse; it returns an
+    awaitable only when it has to wait. The pipeline calls `work` only where `static`
+    returned None, so `work` never restates the static rules."""
+
+    name: str = "stage"
+
+    def static(self, view: View) -> Verdict | None:
+        return None
+
+    def work(self, ctx: RequestContext) -> Awaitable[None] | None:
+        raise NotImplementedError
+
+
+@dataclass(slots=True)
+class _Segment:
+    """From stage `start` on: the verdicts of the static stages that follow one
+    another there (a block, recorded at once) and the stage that ends it (`end`,
+    which works on the request; len(stages) when none does)."""
+
+    principal: Any  # kept so its id stays this principal's while the plan is cached
+    template: list[tuple[str, str, str, dict[str, Any] | None]]
+    sets: tuple[tuple[str, Any], ...]
+    end: int
+    block: int | None  # the ledger's id for the template (compact traces)
 
 
 class Pipeline:
-    """Runs the decision stages in order; stops early when a stage answers."""
+    """Runs the stages in order and stops early when one answers. Consecutive stages
+    whose verdict is static for the request's View are folded into one precomputed
+    block (worked out once per View and cached): the folded run records exactly what
+    the stage-by-stage run (`decide_stepwise`) records, which tests/test_pipeline_fold.py
+    checks over generated configurations, principals and deployment states."""
 
-    def __init__(self, stages: Sequence[tuple[str, Stage]]) -> None:
+    _MAX_PLANS = 4096
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        models: Mapping[str, ModelConfig] | None = None,
+        deployments: Mapping[str, Deployment] | None = None,
+        register_block: Callable[[list[Any]], int] | None = None,
+    ) -> None:
         self.stages = list(stages)
+        self._models = models if models is not None else {}
+        self._deployments = deployments if deployments is not None else {}
+        self._register = register_block
+        self._plans: dict[tuple[Any, ...], _Segment] = {}
 
     @property
     def names(self) -> list[str]:
-        return [name for name, _ in self.stages]
+        return [s.name for s in self.stages]
 
-    async def decide(self, ctx: RequestContext) -> None:
-        for _name, stage in self.stages:
-            pending = stage(ctx)
+    def view(self, ctx: RequestContext) -> View:
+        alias = ctx.alias
+        return View(
+            ctx.endpoint,
+            alias,
+            ctx.principal,
+            self._models.get(alias) if alias is not None else None,
+            self._deployments.get(alias) if alias is not None else None,
+        )
+
+    def _segment(self, ctx: RequestContext, start: int) -> _Segment:
+        alias = ctx.alias
+        dep = self._deployments.get(alias) if alias is not None else None
+        p = ctx.principal
+        key = (
+            start,
+            ctx.endpoint,
+            alias,
+            id(p),
+            dep.ready if dep is not None else None,
+            dep.label if dep is not None else None,
+        )
+        seg = self._plans.get(key)
+        if seg is not None and seg.principal is p:
+            return seg
+        seg = self._plan(self.view(ctx), start)
+        if len(self._plans) >= self._MAX_PLANS:  # principals come and go as keys change
+            self._plans.clear()
+        self._plans[key] = seg
+        return seg
+
+    def _plan(self, view: View, start: int) -> _Segment:
+        template: list[tuple[str, str, str, dict[str, Any] | None]] = []
+        sets: list[tuple[str, Any]] = []
+        end = start
+        while end < len(self.stages):
+            stage = self.stages[end]
+            v = stage.static(view)
+            if v is None:
+                break
+            assert _VIEW_FIELDS.isdisjoint(f for f, _ in v.sets), stage.name
+            template.append((stage.name, v.outcome, v.reason, v.evidence))
+            sets.extend(v.sets)
+            end += 1
+        # Only a configured model's blocks get a ledger id: the ledger keeps every
+        # template it is given, and a client may name any number of unknown models.
+        known = view.model is not None
+        block = self._register(template) if template and known and self._register else None
+        return _Segment(view.principal, template, tuple(sets), end, block)
+
+    def decide(self, ctx: RequestContext) -> Awaitable[None] | None:
+        """Run the stages; None when they decided without waiting."""
+        pending, i = self._step(ctx, 0)
+        return None if pending is None else self._resume(ctx, pending, i)
+
+    async def _resume(self, ctx: RequestContext, pending: Awaitable[None] | None, i: int) -> None:
+        while pending is not None:
+            await pending
+            if ctx.response is not None:
+                return
+            pending, i = self._step(ctx, i)
+
+    def _step(self, ctx: RequestContext, i: int) -> tuple[Awaitable[None] | None, int]:
+        """Run from stage `i` until a stage waits (its awaitable and the next stage's
+        index) or the stages are done (None)."""
+        n = len(self.stages)
+        while i < n:
+            seg = self._segment(ctx, i)
+            if seg.template:
+                t0 = time.perf_counter()
+                decisions = ctx.decisions
+                if seg.block is not None:
+                    ctx.blocks.append((seg.block, len(decisions), len(seg.template)))
+                t1 = time.perf_counter()
+                decisions += [(s, o, r, e, t0, t1) for s, o, r, e in seg.template]
+                for name, value in seg.sets:
+                    setattr(ctx, name, value)
+            i = seg.end
+            if i == n:
+                break
+            pending = self.stages[i].work(ctx)
+            i += 1
             if pending is not None:
-                await pending
+                return pending, i
+            if ctx.response is not None:
+                break
+        return None, n
+
+    async def decide_stepwise(self, ctx: RequestContext) -> None:
+        """Every stage on its own, its static part asked for each request: what the
+        folded run stands for (the property test's reference)."""
+        for stage in self.stages:
+            v = stage.static(self.view(ctx))
+            if v is None:
+                pending = stage.work(ctx)
+                if pending is not None:
+                    await pending
+            else:
+                t = time.perf_counter()
+                ctx.record(stage.name, v.outcome, v.reason, t, v.evidence)
+                for name, value in v.sets:
+                    setattr(ctx, name, value)
             if ctx.response is not None:
                 return

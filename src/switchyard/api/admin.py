@@ -105,7 +105,7 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
     async def usage(request: Request) -> Response:
         """Ledger rows, newest first: ?tenant=&key=&task=&limit=."""
         guard(request)
-        await gw.settled()
+        await gw.service.settled()
         q = request.query_params
         try:
             limit = min(int(q.get("limit", "100")), 10_000)
@@ -124,7 +124,7 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
         )
 
     async def traces_db() -> Any:
-        await gw.settled()  # what was answered before this call is visible
+        await gw.service.settled()  # what was answered before this call is visible
         return connect(gw.sqlite_path)
 
     async def request_trace(request: Request) -> Response:

@@ -18,7 +18,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from switchyard.api.admin import build_admin_routes
-from switchyard.api.openai import CTX_KEY, build_routes, served_headers
+from switchyard.api.openai import CTX_KEY, build_routes
 from switchyard.config import Settings
 from switchyard.errors import (
     InternalError,
@@ -28,6 +28,7 @@ from switchyard.errors import (
 )
 from switchyard.gateway import Gateway
 from switchyard.pipeline import new_request_id
+from switchyard.service import served_headers
 
 log = logging.getLogger("switchyard.api")
 

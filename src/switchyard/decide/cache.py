@@ -32,6 +32,7 @@ import importlib
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,10 +251,20 @@ class Lookup:
 
 
 class ResponseCache:
-    def __init__(self, max_entries: int, max_bytes: int, dim: int = 384) -> None:
+    def __init__(
+        self,
+        max_entries: int,
+        max_bytes: int,
+        dimensions: int | Callable[[], int | None] | None = None,
+    ) -> None:
+        """`dimensions`: the embedder's vector size, or a callable that tells it once
+        the embedding model has loaded. Unknown, a partition takes the size of its
+        first vector; a vector of another size (a different embedding model) is
+        never compared with it."""
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self.dim = dim
+        self._dimensions = dimensions
+        self.bytes = 0
         self.bytes = 0
         self._exact: OrderedDict[str, Entry] = OrderedDict()  # LRU order
         self._partitions: dict[str, _Partition] = {}
@@ -279,11 +290,16 @@ class ResponseCache:
         entry = self._exact.get(keys.exact)
         return entry is not None and entry.expires > (time.time() if now is None else now)
 
+    @property
+    def dim(self) -> int | None:
+        d = self._dimensions
+        return d() if callable(d) else d
+
     def nearest(self, keys: CacheKeys, vec: np.ndarray, now: float | None = None) -> Lookup:
         """The most similar live entry of the request's partition (no threshold here)."""
         now = time.time() if now is None else now
         part = self._partitions.get(keys.partition)
-        if part is None:
+        if part is None or part.dim != vec.shape[-1]:
             return Lookup(None, "miss", None, 0)
         while True:
             entry, sim = part.best(vec)
@@ -311,14 +327,22 @@ class ResponseCache:
         old = self._exact.get(keys.exact)
         if old is not None:
             self._drop(old)
-        vec_bytes = self.dim * 4 + _Partition.bits // 8 if vec is not None else 0
+        if vec is not None:
+            dim = self.dim
+            if dim is not None and vec.shape[-1] != dim:
+                raise ValueError(f"a {vec.shape[-1]}-dimension vector for a {dim}-dimension cache")
+        vec_bytes = vec.shape[-1] * 4 + _Partition.bits // 8 if vec is not None else 0
         entry = Entry(keys, body, now, now + ttl_s, len(body) + vec_bytes + 256)
         self._exact[keys.exact] = entry
         self.bytes += entry.size
         if vec is not None:
             part = self._partitions.get(keys.partition)
+            if part is not None and part.dim != vec.shape[-1]:  # the embedding model changed
+                for old_entry in list(part.entries):
+                    self._drop(old_entry)
+                part = self._partitions.get(keys.partition)
             if part is None:
-                part = self._partitions[keys.partition] = _Partition(self.dim)
+                part = self._partitions[keys.partition] = _Partition(int(vec.shape[-1]))
             part.add(entry, vec)
         while len(self._exact) > self.max_entries or self.bytes > self.max_bytes:
             _, lru = next(iter(self._exact.items()))

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from switchyard.config import CacheConfig
 
 
@@ -77,3 +79,44 @@ def storable_reply(obj: dict[str, Any]) -> str | None:
         if c.get("finish_reason") not in ("stop", "length", None):
             return f"finish_reason {c.get('finish_reason')}"
     return None
+
+
+def assemble(events: list[bytes]) -> dict[str, Any] | None:
+    """Rebuild a chat.completion from streamed chunks (for the cache); None if the
+    stream carried tool calls or could not be read."""
+    text: list[str] = []
+    head: dict[str, Any] = {}
+    finish: str | None = None
+    usage: Any = None
+    for raw in events:
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return None
+        head = head or obj
+        usage = obj.get("usage") or usage
+        for c in obj.get("choices") or []:
+            delta = c.get("delta") or {}
+            if delta.get("tool_calls") or delta.get("function_call"):
+                return None
+            if delta.get("content"):
+                text.append(delta["content"])
+            elif c.get("text"):
+                text.append(c["text"])
+            finish = c.get("finish_reason") or finish
+    if not head:
+        return None
+    return {
+        "id": head.get("id"),
+        "object": "chat.completion",
+        "created": head.get("created"),
+        "model": head.get("model"),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "".join(text)},
+                "finish_reason": finish or "stop",
+            }
+        ],
+        "usage": usage,
+    }

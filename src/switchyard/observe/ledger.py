@@ -152,9 +152,8 @@ def _batch_json(
             counts.dropped += 1
             log.exception("ledger row of %s dropped: it could not be built", f.ctx.request_id)
             continue
-        block = f.ctx.block
-        if block is not None and f.with_trace:
-            used.add(block[0])
+        if f.with_trace:
+            used.update(b[0] for b in f.ctx.blocks)
     blocks = {str(i): templates[i] for i in used}
     try:
         payload = {"blocks": blocks, "entries": entries}
@@ -203,7 +202,7 @@ class UsageLedger:
         # caller of flush()/close() in another thread may both be here.
         self._lock = threading.RLock()
         self._batch: list[Finished] = []
-        # Block templates (see traces.BLOCK_STAGES) by id, and ids by their JSON form.
+        # Block templates (see traces.compact_decisions) by id, and ids by their JSON form.
         self._templates: dict[int, Any] = {}
         self._template_ids: dict[bytes, int] = {}
         self._timer: asyncio.TimerHandle | None = None

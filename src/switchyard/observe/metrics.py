@@ -192,6 +192,17 @@ class _Common:
         self.e2e, self.ttft, self.queue, self.itl = [], [], [], []
 
 
+def _first_attempt_success(ctx: RequestContext, status: str) -> bool:
+    """A request that succeeded on its first attempt at the model it asked for: it
+    went through every stage, made one attempt and was refused nothing."""
+    return (
+        status == "ok"
+        and ctx.attempts == 1
+        and ctx.fallback_from is None
+        and ctx.error_code is None
+    )
+
+
 class Metrics:
     def __init__(self) -> None:
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
@@ -365,9 +376,7 @@ class Metrics:
         """The accumulator of a first-attempt success (see `first_attempt_shape`), or
         None for any other request."""
         dep = ctx.deployment
-        if status != "ok" or ctx.attempts != 1 or ctx.fallback_from is not None:
-            return None
-        if ctx.error_code is not None or dep is None:
+        if dep is None or not _first_attempt_success(ctx, status):
             return None
         tenant = ctx.principal.tenant_id if ctx.principal is not None else "none"
         key = (dep.alias, tenant, ctx.route, ctx.cache)
@@ -388,9 +397,7 @@ class Metrics:
         at the model it asked for, without reading its decisions: such a request went
         through every stage (one route decision), made one attempt (ok, no retry) and
         was refused nothing. None for any other request."""
-        if status != "ok" or ctx.attempts != 1 or ctx.fallback_from is not None:
-            return None
-        if ctx.error_code is not None or ctx.deployment is None:
+        if ctx.deployment is None or not _first_attempt_success(ctx, status):
             return None
         route = "explicit" if ctx.route is None else f"route:{ctx.route}"
         key = (model, tenant, route, ctx.cache)

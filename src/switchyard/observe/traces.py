@@ -54,38 +54,26 @@ ENTRY_FIELDS = (
 )
 
 
-# The decisions of the gateway's one-step decision (`Gateway._decide_at_once`): the
-# same for every request of a model but for their times and the queue's evidence. In
-# a ledger entry such a run is one item, ("@", block id, t0, t1, queue evidence), and
-# the writer expands it from the block's template (stage, outcome, reason, evidence)
-# sent with the batch; the stored trace is the same as if it had been sent whole.
-BLOCK_STAGES = (
-    "authorize",
-    "admit",
-    "pii",
-    "embed",
-    "cache",
-    "route",
-    "tools",
-    "select",
-    "deployment_limits",
-    "queue",
-    "place",
-)
-_QUEUE_AT = BLOCK_STAGES.index("queue")
-_BLOCK_LEN = len(BLOCK_STAGES)
+# A run of static verdicts that the pipeline recorded as one block (pipeline.Pipeline)
+# is the same for every request of its View but for its times. In a ledger entry such a
+# run is one item, ("@", block id, t0, t1), and the writer expands it from the block's
+# template (stage, outcome, reason, evidence) sent with the batch; the stored trace is
+# the same as if it had been sent whole.
 
 
-def compact_decisions(decisions: list[Any], block: tuple[int, int] | None) -> list[Any]:
-    """`decisions` with the block run (if still in place) as one ("@", ...) item."""
-    if block is None:
+def compact_decisions(decisions: list[Any], blocks: list[tuple[int, int, int]]) -> list[Any]:
+    """`decisions` with each block run (bid, start, count) as one ("@", ...) item."""
+    if not blocks:
         return decisions
-    bid, i = block
-    end = i + _BLOCK_LEN
-    if len(decisions) < end or decisions[i][0] != "authorize" or decisions[end - 1][0] != "place":
-        return decisions
-    q = decisions[i + _QUEUE_AT]
-    return [*decisions[:i], ("@", bid, q[4], q[5], q[3]), *decisions[end:]]
+    out: list[Any] = []
+    at = 0
+    for bid, start, count in blocks:
+        first = decisions[start]
+        out.extend(decisions[at:start])
+        out.append(("@", bid, first[4], first[5]))
+        at = start + count
+    out.extend(decisions[at:])
+    return out
 
 
 def expand_decisions(decisions: list[Any], blocks: dict[str, list[Any]]) -> list[Any]:
@@ -95,9 +83,9 @@ def expand_decisions(decisions: list[Any], blocks: dict[str, list[Any]]) -> list
         if d[0] != "@":
             out.append(d)
             continue
-        _, bid, t0, t1, queue = d
+        _, bid, t0, t1 = d
         for stage, outcome, reason, evidence in blocks[str(bid)]:
-            out.append([stage, outcome, reason, queue if stage == "queue" else evidence, t0, t1])
+            out.append([stage, outcome, reason, evidence, t0, t1])
     return out
 
 
@@ -137,7 +125,7 @@ def ledger_entry(
         t.client_first_byte,
         t.ended,
         ctx.received_at - t.received,
-        compact_decisions(ctx.decisions, ctx.block) if with_trace else None,
+        compact_decisions(ctx.decisions, ctx.blocks) if with_trace else None,
     )
 
 

@@ -1,0 +1,346 @@
+"""Decision stages: embed, cache, route, tools, select, place.
+
+Each stage's `static` is the one place that says when it decides the same for every
+request of a View (pipeline.View); `work` handles the rest (see pipeline.Stage).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from switchyard.config import Settings
+from switchyard.decide.cache import CacheKeys, ResponseCache, cache_keys
+from switchyard.decide.cacheability import Cacheability, cacheability
+from switchyard.decide.select import select_deployment
+from switchyard.decide.tools import shortlist, tool_text
+from switchyard.decide.verify import verify
+from switchyard.embed import EmbeddingService
+from switchyard.engines.registry import Deployment
+from switchyard.errors import EngineNotReady, PermissionDenied
+from switchyard.pipeline import RequestContext, Stage, Verdict, View
+from switchyard.policy import headers as request_headers
+
+
+def last_user_text(body: dict[str, Any]) -> str:
+    for m in reversed(body.get("messages") or []):
+        if m.get("role") == "user":
+            c = m.get("content")
+            if isinstance(c, list):
+                return "\n".join(str(p.get("text", "")) for p in c if isinstance(p, dict))
+            return str(c or "")
+    return ""
+
+
+class CachePlanner:
+    """Whether a request may use the cache, and its keys: worked out once per request,
+    for the embed and cache stages."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.cfg = settings.cache
+        self._models = {m.alias: m for m in settings.models}
+        self._router_version = settings.router.policy_version
+
+    def plan(self, ctx: RequestContext) -> tuple[Cacheability, CacheKeys | None]:
+        if ctx.cache_plan is not None:
+            done: tuple[Cacheability, CacheKeys | None] = ctx.cache_plan
+            return done
+        cfg = self.cfg
+        tenant = ctx.principal.tenant_id
+        verdict = cacheability(
+            ctx.body, ctx.endpoint, ctx.headers.get("cache-control"), tenant, ctx.alias or "", cfg
+        )
+        keys = None
+        if verdict.lookup or verdict.store:
+            model = self._models.get(ctx.alias or "")
+            revision = model.revision if model is not None else f"router:{self._router_version}"
+            scope = f"key:{ctx.principal.key_id}" if cfg.scope == "key" else f"tenant:{tenant}"
+            keys = cache_keys(
+                ctx.masked_body or ctx.body,
+                ctx.endpoint,
+                scope,
+                tenant,
+                ctx.alias or "",
+                revision,
+                ctx.headers.get("x-switchyard-locale") or ctx.headers.get("accept-language"),
+                ctx.headers.get("x-switchyard-data-version") or cfg.data_version,
+                request_headers.cache_tags(ctx.headers.get("x-switchyard-cache-tags")),
+            )
+        ctx.cache_plan = (verdict, keys)
+        return verdict, keys
+
+
+class Embed(Stage):
+    """Embed the last user message once; the cache and the router share the vector."""
+
+    name = "embed"
+    UNWANTED = Verdict("skip", "no semantic cache or router for this request")
+
+    def __init__(
+        self,
+        settings: Settings,
+        embedder: EmbeddingService | None,
+        cache: ResponseCache | None,
+        planner: CachePlanner,
+        router: Callable[[], Any],
+    ) -> None:
+        self._semantic = cache is not None and settings.cache.semantic
+        self._routing = settings.router.enabled
+        self._embedder = embedder
+        self._cache = cache
+        self._planner = planner
+        self._router = router
+
+    def static(self, view: View) -> Verdict | None:
+        if not (self._semantic or self._routing) or view.endpoint != "chat.completions":
+            return self.UNWANTED
+        return None
+
+    def work(self, ctx: RequestContext) -> Awaitable[None] | None:
+        t = time.perf_counter()
+        if not self._semantic and self._router() is None:  # the router is still building
+            ctx.record(self.name, self.UNWANTED.outcome, self.UNWANTED.reason, t)
+            return None
+        embedder = self._embedder
+        if embedder is None or not embedder.ready:
+            ctx.record(self.name, "skip", "embedding model not ready", t)
+            return None
+        if self._cache is not None:
+            verdict, keys = self._planner.plan(ctx)
+            if (
+                keys is not None
+                and verdict.lookup
+                and verdict.mode == "enforce"
+                and self._cache.has_exact(keys, now=time.time() + 1.0)
+            ):
+                # The cache stage will answer with this entry (alive for at least another
+                # second, so it cannot expire in between); nothing needs the vector.
+                ctx.record(self.name, "skip", "an exact cache entry answers this request", t)
+                return None
+        return self._embed(ctx, embedder, t)
+
+    async def _embed(self, ctx: RequestContext, embedder: EmbeddingService, t: float) -> None:
+        query = last_user_text(ctx.masked_body or ctx.body)
+        vecs, _, path = await embedder.embed_traced([query])
+        ctx.vector = vecs[0]
+        ctx.record(
+            self.name,
+            "ok",
+            "embedded the last user message",
+            t,
+            {"chars": len(query), "path": path},
+        )
+
+
+class Cache(Stage):
+    """Exact, then semantic lookup in the request's partition (see decide/cache.py)."""
+
+    name = "cache"
+    OFF = Verdict("skip", "cache not enabled")
+
+    def __init__(
+        self, settings: Settings, cache: ResponseCache | None, planner: CachePlanner
+    ) -> None:
+        self._cfg = settings.cache
+        self._cache = cache
+        self._planner = planner
+
+    def static(self, view: View) -> Verdict | None:
+        return self.OFF if self._cache is None else None
+
+    def work(self, ctx: RequestContext) -> None:
+        t = time.perf_counter()
+        cache = self._cache
+        assert cache is not None
+        cfg = self._cfg
+        verdict, keys = self._planner.plan(ctx)
+        if keys is None:
+            ctx.cache = "bypass"
+            ctx.record("cache", "bypass", verdict.reason, t)
+            return
+        ctx.cache_keys = keys if verdict.store else None
+        if not verdict.lookup:
+            ctx.cache = "bypass"
+            ctx.record("cache", "bypass", verdict.reason, t, {"partition": keys.partition[:12]})
+            return
+        evidence: dict[str, Any] = {
+            "partition": keys.partition[:12],
+            "threshold": verdict.threshold,
+            "mode": verdict.mode,
+        }
+        entry = cache.lookup_exact(keys)
+        kind, sim = ("hit-exact", 1.0) if entry is not None else ("miss", None)
+        if entry is None and cfg.semantic and ctx.vector is not None:
+            found = cache.nearest(keys, ctx.vector)
+            evidence["candidates"] = found.candidates
+            if found.entry is not None and found.similarity is not None:
+                sim = found.similarity
+                evidence["best_similarity"] = round(sim, 4)
+                if sim >= verdict.threshold:
+                    ok, why = (
+                        verify(keys.query, found.entry.keys.query)
+                        if cfg.verify
+                        else (True, "verifier off")
+                    )
+                    evidence["verifier"] = why
+                    if ok:
+                        entry, kind = found.entry, "hit-semantic"
+                        cache.touch(entry)
+                    else:
+                        ctx.record("cache", "miss:veto", why, t, evidence)
+                        ctx.cache = "miss"
+                        return
+        if entry is None:
+            ctx.cache = "miss"
+            ctx.record("cache", "miss", "no entry in the partition passed", t, evidence)
+            return
+        ctx.cache_similarity = sim
+        if verdict.mode == "shadow":
+            ctx.cache, ctx.shadow_entry = "shadow-hit", entry
+            ctx.record(
+                "cache",
+                f"shadow:{kind}",
+                "would have served a cached reply; calling the model",
+                t,
+                evidence,
+            )
+            return
+        ctx.cache = kind
+        ctx.cache_keys = None  # nothing new to store
+        ctx.response = entry
+        ctx.record("cache", kind, f"served from cache (similarity {sim:.3f})", t, evidence)
+
+
+class Route(Stage):
+    """Semantic routing of the aliases the router owns (router.routed_aliases)."""
+
+    name = "route"
+
+    def __init__(
+        self, settings: Settings, router: Callable[[], Any], named: Mapping[str, dict[str, Any]]
+    ) -> None:
+        self._cfg = settings.router
+        self._router = router
+        self._explicit = {
+            a: Verdict("explicit", "the client named the model", e) for a, e in named.items()
+        }
+
+    def static(self, view: View) -> Verdict | None:
+        if self._cfg.enabled and view.alias in self._cfg.routed_aliases:
+            return None
+        explicit = self._explicit.get(view.alias or "")
+        return (
+            explicit
+            if explicit is not None
+            else Verdict("explicit", "the client named the model", {"model": view.alias})
+        )
+
+    def work(self, ctx: RequestContext) -> None:
+        t = time.perf_counter()
+        rcfg = self._cfg
+        requested = ctx.alias
+        router = self._router()
+        if router is None or ctx.vector is None:
+            if rcfg.default_route is None:
+                raise EngineNotReady(
+                    "the router is not ready yet; retry shortly", code="router_not_ready"
+                )
+            route = next(r for r in rcfg.routes if r.name == rcfg.default_route)
+            ctx.alias, ctx.route, ctx.route_score = route.model, route.name, None
+            ctx.record(
+                "route",
+                f"route:{route.name}",
+                "router not ready: default route",
+                t,
+                {"policy_version": rcfg.policy_version, "default": True},
+            )
+        else:
+            text = last_user_text(ctx.masked_body or ctx.body)
+            res = router.route(ctx.vector, text, ctx.prompt_estimate, ctx.principal.tenant_id)
+            ctx.alias, ctx.route, ctx.route_score = res.model, res.route, res.score
+            ctx.record("route", res.outcome, res.reason, t, res.evidence())
+        if not ctx.principal.may_use(ctx.alias):
+            raise PermissionDenied(
+                f"the router chose '{ctx.alias}' for '{requested}', which this key may not use",
+                param="model",
+                code="model_not_allowed",
+            )
+
+
+class Tools(Stage):
+    """Remove tools the tenant may not use, then shortlist the rest by similarity."""
+
+    name = "tools"
+    NONE = Verdict("skip", "no tools, or no tool policy")
+
+    def __init__(self, settings: Settings, embedder: EmbeddingService | None) -> None:
+        self._cfg = settings.tools
+        self._embedder = embedder
+
+    def static(self, view: View) -> Verdict | None:
+        c = self._cfg
+        if c.shortlist_k is None and c.allow is None and not c.deny and not c.tenant_allow:
+            return self.NONE
+        return None
+
+    def work(self, ctx: RequestContext) -> Awaitable[None] | None:
+        if not ctx.body.get("tools"):
+            ctx.record(self.name, self.NONE.outcome, self.NONE.reason, time.perf_counter())
+            return None
+        return self._shortlist(ctx)
+
+    async def _shortlist(self, ctx: RequestContext) -> None:
+        t = time.perf_counter()
+        tools = ctx.body["tools"]
+        tcfg = self._cfg
+        vecs = None
+        if ctx.vector is not None and self._embedder is not None and tcfg.shortlist_k is not None:
+            vecs, _ = await self._embedder.embed([tool_text(x) for x in tools])
+        res = shortlist(tools, ctx.vector, vecs, tcfg.shortlist_k, ctx.principal.tenant_id, tcfg)
+        ctx.body = {**ctx.body, "tools": res.tools}
+        if ctx.masked_body is not None:
+            ctx.masked_body = {**ctx.masked_body, "tools": res.tools}
+        ctx.record("tools", res.outcome, res.reason, t, res.evidence())
+
+
+class Select(Stage):
+    """Which deployment serves the alias (decide/select.py)."""
+
+    name = "select"
+
+    def __init__(self, deployments: Mapping[str, Deployment]) -> None:
+        self._deployments = deployments
+
+    def static(self, view: View) -> Verdict | None:
+        if view.deployment is None or view.alias is None:
+            return None  # work refuses it
+        sel = select_deployment(view.alias, self._deployments)
+        dep = sel.deployment
+        return Verdict(
+            sel.outcome, sel.reason, sel.evidence, (("deployment", dep), ("model", dep.model))
+        )
+
+    def work(self, ctx: RequestContext) -> None:
+        t = time.perf_counter()
+        sel = select_deployment(ctx.alias or "", self._deployments)  # raises ModelNotFound
+        ctx.deployment = sel.deployment
+        ctx.model = sel.deployment.model
+        ctx.record(self.name, sel.outcome, sel.reason, t, sel.evidence)
+
+
+class Place(Stage):
+    """Local (a managed engine) or remote (an upstream)."""
+
+    name = "place"
+
+    def static(self, view: View) -> Verdict | None:
+        dep = view.deployment
+        if dep is None:
+            return None
+        where = "local" if dep.engine is not None else "remote"
+        return Verdict(where, f"the deployment runs {where}ly", {"region": dep.model.region})
+
+    def work(self, ctx: RequestContext) -> None:
+        # static decides every request with a deployment, and select set one or refused
+        raise AssertionError(f"place without a deployment for {ctx.alias!r}")

@@ -1,0 +1,325 @@
+"""Policy stages: authorize, admit (key and tenant limits), PII masking, deployment
+limits and the deployment's queue.
+
+Each stage's `static` is the one place that says when it decides the same for every
+request of a View (pipeline.View); `work` handles the rest (see pipeline.Stage).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from switchyard.config import ModelConfig, Price, Settings
+from switchyard.errors import EngineNotReady, InvalidRequest, SwitchyardError
+from switchyard.pipeline import RequestContext, Stage, Verdict, View
+from switchyard.policy.admission import Admission, DeploymentGate
+from switchyard.policy.admit import (
+    cost_usd,
+    deployment_scope,
+    estimate_prompt_tokens,
+    max_output_tokens,
+    principal_scopes,
+    rate_headers,
+    refusal,
+)
+from switchyard.policy.auth import authorize_model
+from switchyard.policy.limits import (
+    Ask,
+    Limiter,
+    LimiterUnavailable,
+    ScopeLimits,
+    period_key,
+    period_start,
+)
+from switchyard.policy.pii import MaskingError, PiiMasker, mask_body
+
+log = logging.getLogger("switchyard")
+
+NO_LIMITS = Verdict("skip", "no limits apply")
+NO_WAIT = "waited 0.0 ms for a slot"
+
+# What was spent by a scope ("key_id" | "tenant_id", id) since a unix time: the ledger.
+SpentSince = Callable[[str, str, float], Awaitable[float]]
+
+
+class PiiFailure(SwitchyardError):
+    status = 500
+    type = "server_error"
+    code = "pii_masking_failed"
+
+
+class Authorize(Stage):
+    """The key may use the model. `named` holds the models this pipeline serves, with
+    the evidence recorded for each (built once, shared by every request)."""
+
+    name = "authorize"
+    UNKNOWN = Verdict("skip", "unknown model; selection will refuse it")
+
+    def __init__(self, named: Mapping[str, dict[str, Any]]) -> None:
+        self._named = named
+        self._allowed = {
+            a: Verdict("allowed", "the key may use this model", e) for a, e in named.items()
+        }
+
+    def static(self, view: View) -> Verdict | None:
+        allowed = self._allowed.get(view.alias or "")
+        if allowed is None:
+            # Unknown models are 404 for everyone; no need to reveal key scopes.
+            return self.UNKNOWN
+        return allowed if view.principal.may_use(view.alias) else None
+
+    def work(self, ctx: RequestContext) -> None:
+        assert ctx.alias is not None
+        t = time.perf_counter()
+        authorize_model(ctx.principal, ctx.alias)  # raises: static let this through
+        ctx.record(self.name, "allowed", "the key may use this model", t, self._named[ctx.alias])
+
+
+class Reserver:
+    """Reserves a request's tokens and cost against limiter scopes and records the
+    verdict; shared by the stages that reserve (admit, deployment_limits).
+    `estimate(ctx)` is the request's (prompt tokens, output tokens, price)."""
+
+    def __init__(
+        self,
+        limiter: Limiter,
+        settings: Settings,
+        spent_since: SpentSince,
+        counters: dict[str, int],
+    ) -> None:
+        self.limiter = limiter
+        self.on_failure = settings.policy.on_limiter_failure
+        self._spent_since = spent_since
+        self.counters = counters
+        self._seeded: set[tuple[str, str]] = set()
+
+    async def reserve(
+        self,
+        ctx: RequestContext,
+        scopes: list[ScopeLimits],
+        stage: str,
+        estimate: tuple[int, int, Price | None],
+    ) -> None:
+        t = time.perf_counter()
+        prompt, out, price = estimate
+        ctx.prompt_estimate = prompt
+        ctx.max_tokens = out
+        ask = Ask(
+            f"{ctx.request_id}#{secrets.token_hex(4)}",
+            prompt + out,
+            cost_usd(price, prompt, out) if price else 0.0,
+        )
+        try:
+            await self._seed_budgets(scopes)
+            verdict = await self.limiter.reserve(scopes, ask)
+        except LimiterUnavailable as exc:
+            if self.on_failure == "fail_open":
+                self.counters["limiter_fail_open"] += 1
+                log.warning("limiter unavailable, admitting (fail_open): %s", exc)
+                ctx.record(stage, "admit:fail_open", f"limiter unavailable: {exc}", t)
+                return
+            self.counters["limiter_fail_closed"] += 1
+            ctx.record(stage, "reject:limiter_unavailable", f"limiter unavailable: {exc}", t)
+            raise EngineNotReady(
+                "rate limiter unavailable; refusing (fail_closed)", code="limiter_unavailable"
+            ) from None
+        ctx.rate_headers.update(rate_headers(verdict))
+        evidence: dict[str, Any] = {
+            "reserved_tokens": ask.tokens,
+            "reserved_usd": ask.cost_usd,
+            "scopes": verdict.state,
+        }
+        if not verdict.allowed:
+            ctx.record(
+                stage,
+                f"reject:{verdict.limit}",
+                f"{verdict.limit} limit of {verdict.scope}",
+                t,
+                evidence,
+            )
+            raise refusal(verdict)
+        ctx.reservations.append((scopes, ask))
+        ctx.record(stage, "admitted", "within every limit", t, evidence)
+
+    async def _seed_budgets(self, scopes: list[ScopeLimits]) -> None:
+        """Budgets survive restarts: the first time a scope is seen in a period, its
+        spend so far is read back from the ledger (off the event loop)."""
+        now = time.time()
+        for s in scopes:
+            if s.budget_usd is None:
+                continue
+            mark = (s.scope, period_key(s.budget_period, now))
+            if mark in self._seeded:
+                continue
+            kind, _, ident = s.scope.partition(":")
+            column = {"key": "key_id", "tenant": "tenant_id"}.get(kind)
+            if column is not None:
+                spent = await self._spent_since(column, ident, period_start(s.budget_period, now))
+                seeded = self.limiter.seed_spent(s.scope, s.budget_period, spent, now)
+                if inspect.isawaitable(seeded):
+                    await seeded
+            self._seeded.add(mark)
+
+
+def generation_estimate(
+    models: Mapping[str, ModelConfig], default_max_tokens: int
+) -> Callable[[RequestContext], tuple[int, int, Price | None]]:
+    """(prompt tokens, output tokens, price) of a chat or completion request."""
+
+    def estimate(ctx: RequestContext) -> tuple[int, int, Price | None]:
+        model = models.get(ctx.alias or "")
+        return (
+            estimate_prompt_tokens(ctx.body),
+            max_output_tokens(ctx.body, default_max_tokens),
+            model.price if model is not None else None,
+        )
+
+    return estimate
+
+
+class Admit(Stage):
+    """The key's and the tenant's limits: rpm, tpm, concurrency, budget."""
+
+    name = "admit"
+
+    def __init__(
+        self,
+        reserver: Reserver,
+        estimate: Callable[[RequestContext], tuple[int, int, Price | None]],
+    ) -> None:
+        self._reserver = reserver
+        self._estimate = estimate
+
+    def static(self, view: View) -> Verdict | None:
+        return NO_LIMITS if not principal_scopes(view.principal) else None
+
+    def work(self, ctx: RequestContext) -> Awaitable[None]:
+        return self._reserver.reserve(
+            ctx, principal_scopes(ctx.principal), self.name, self._estimate(ctx)
+        )
+
+
+class DeploymentLimits(Stage):
+    """The deployment's own rpm and tpm (models[].limits)."""
+
+    name = "deployment_limits"
+
+    def __init__(
+        self,
+        reserver: Reserver,
+        estimate: Callable[[RequestContext], tuple[int, int, Price | None]],
+    ) -> None:
+        self._reserver = reserver
+        self._estimate = estimate
+
+    def static(self, view: View) -> Verdict | None:
+        if view.model is None:  # selection refuses an unknown model before this
+            return None
+        return NO_LIMITS if not deployment_scope(view.model) else None
+
+    def work(self, ctx: RequestContext) -> Awaitable[None]:
+        assert ctx.model is not None
+        return self._reserver.reserve(
+            ctx, deployment_scope(ctx.model), self.name, self._estimate(ctx)
+        )
+
+
+class Queue(Stage):
+    """A slot at the deployment's gate (models[].limits.max_concurrency and queue).
+    Most requests find a free slot: that path decides without a coroutine."""
+
+    name = "queue"
+
+    def __init__(self, gates: Mapping[str, DeploymentGate]) -> None:
+        self._gates = gates
+
+    def work(self, ctx: RequestContext) -> Awaitable[None] | None:
+        assert ctx.model is not None
+        t = time.perf_counter()
+        gate = self._gates[ctx.model.alias]
+        adm = gate.try_acquire()
+        if adm is None:
+            return self._wait_for_slot(ctx, gate, t)
+        self._admitted(ctx, gate, adm, t)
+        return None
+
+    async def _wait_for_slot(self, ctx: RequestContext, gate: DeploymentGate, t: float) -> None:
+        try:
+            adm = await gate.acquire(ctx.deadline)
+        except Exception as exc:
+            ctx.record(
+                "queue", "reject", str(exc), t, {"in_flight": gate.in_flight, "queued": gate.queued}
+            )
+            raise
+        self._admitted(ctx, gate, adm, t)
+
+    @staticmethod
+    def _admitted(ctx: RequestContext, gate: DeploymentGate, adm: Admission, t: float) -> None:
+        ctx.gate = gate
+        ctx.queue_ms = adm.waited_s * 1000
+        waited = adm.waited_s != 0
+        ctx.record(
+            "queue",
+            "waited" if waited else "admitted",
+            f"waited {adm.waited_s * 1000:.1f} ms for a slot" if waited else NO_WAIT,
+            t,
+            {
+                "in_flight": adm.in_flight,
+                "queued": adm.queued,
+                "max_concurrency": gate.max_concurrency,
+            },
+        )
+
+
+class Pii(Stage):
+    """Mask PII once; the masked text is what cache keys, embeddings and traces see."""
+
+    name = "pii"
+    NOTHING_STORED = Verdict("skip", "observe_only and no cache or router: no text is stored")
+
+    def __init__(self, settings: Settings, masker: PiiMasker, cache_on: bool) -> None:
+        self._mode = settings.pii.mode
+        self._modes = dict(settings.pii.models)
+        # Masked text feeds only the cache and the router; with neither, nothing here
+        # stores or forwards request text, so there is nothing to mask.
+        self._text_kept = cache_on or settings.router.enabled
+        self._masker = masker
+
+    def static(self, view: View) -> Verdict | None:
+        mode = self._modes.get(view.alias or "", self._mode)
+        if mode == "observe_only" and not self._text_kept:
+            return self.NOTHING_STORED
+        return None
+
+    def work(self, ctx: RequestContext) -> None:
+        t = time.perf_counter()
+        mode = self._modes.get(ctx.alias or "", self._mode)
+        session = self._masker.session()
+        try:
+            masked = mask_body(session, ctx.body)
+        except MaskingError as exc:
+            ctx.record("pii", "reject:masking_failed", f"masking failed: {type(exc).__name__}", t)
+            raise PiiFailure("PII masking failed; the request was refused (fail closed)") from None
+        found = dict(session.found)
+        evidence = {"mode": mode, "found": found}
+        if found and mode == "block":
+            ctx.record(
+                "pii", "reject:pii_detected", f"request contains {sorted(found)}", t, evidence
+            )
+            raise InvalidRequest(
+                f"the request contains personal data ({', '.join(sorted(found))}) and this "
+                "model does not accept it",
+                code="pii_detected",
+            )
+        ctx.pii = session
+        ctx.masked_body = masked
+        if found and mode == "mask_upstream":
+            ctx.body = masked  # the upstream sees placeholders; the reply is restored
+            ctx.restore_pii = True
+        outcome = ("masked" if mode == "mask_upstream" else "observed") if found else "clean"
+        ctx.record("pii", outcome, f"{sum(found.values())} PII value(s) found", t, evidence)

@@ -1,0 +1,716 @@
+"""One request's lifecycle, for every endpoint: validate, idempotency, decide,
+execute, post-process, settle.
+
+`api/` maps HTTP to this and back: it reads the body (size and time limits are the
+HTTP boundary's), hands the parsed JSON over and turns the `Reply` into a response.
+Everything in between, and the settling that runs exactly once whatever way a request
+ended, is here; the decisions themselves are the pipeline's stages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from switchyard.config import Price, Settings
+from switchyard.decide.cache import Entry, ResponseCache
+from switchyard.decide.cacheability import assemble, storable_reply
+from switchyard.embed import EmbeddingService
+from switchyard.engines.registry import Deployment
+from switchyard.errors import InvalidRequest, ModelNotFound, SwitchyardError
+from switchyard.execute.executor import Executor
+from switchyard.execute.idempotency import IdempotencyStore, StoredReply, body_hash
+from switchyard.observe.ledger import Finished, UsageLedger
+from switchyard.observe.metrics import Metrics
+from switchyard.pipeline import Pipeline, RequestContext, RequestIds, Timings
+from switchyard.policy import headers as request_headers
+from switchyard.policy.admit import cost_usd, estimate_prompt_tokens
+from switchyard.policy.auth import ANONYMOUS, Authenticator
+from switchyard.policy.keys import Principal
+from switchyard.policy.limits import Limiter, LimiterUnavailable
+from switchyard.policy.pii import PiiMasker, mask_body
+from switchyard.policy.validate import (
+    image_parts,
+    validate_chat,
+    validate_completion,
+    validate_embeddings,
+)
+
+if TYPE_CHECKING:
+    from switchyard.observe.otel import Tracing
+
+log = logging.getLogger("switchyard")
+
+# Reads the request's JSON body within a number of seconds: (parsed, raw bytes).
+ReadBody = Callable[[float], Awaitable[tuple[Any, bytes]]]
+
+
+@dataclass(slots=True)
+class JsonReply:
+    """A JSON answer. `settle` (when set) is called once its bytes are sent: the
+    client does not wait for the ledger, metrics and trace of its own request."""
+
+    body: bytes
+    headers: list[tuple[bytes, bytes]]  # lower-case names, encoded
+    settle: Callable[[], Awaitable[None] | None] | None = None
+    status: int = 200
+
+
+@dataclass(slots=True)
+class StreamReply:
+    """A server-sent event stream: the upstream's (`source`) or a cached completion
+    replayed (`cached`). `on_close` runs once the stream ends, however it ends."""
+
+    ctx: RequestContext
+    headers: dict[str, str]
+    on_close: Callable[[], Awaitable[None]]
+    source: Any = None  # the executor's UpstreamStream
+    cached: dict[str, Any] | None = None
+
+
+Reply = JsonReply | StreamReply
+
+
+def reply_object(body: bytes) -> dict[str, Any] | None:
+    """A JSON reply as an object, or None if it is not one."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def reply_usage(body: bytes) -> dict[str, Any] | None:
+    """The `usage` object of a JSON reply, or None."""
+    obj = reply_object(body)
+    usage = obj.get("usage") if obj is not None else None
+    return usage if isinstance(usage, dict) else None
+
+
+def reply_text(obj: dict[str, Any]) -> str:
+    c = (obj.get("choices") or [{}])[0]
+    return str((c.get("message") or {}).get("content") or c.get("text") or "")
+
+
+def map_texts(obj: dict[str, Any], fn: Callable[[str], str]) -> dict[str, Any]:
+    """A copy of a completion with `fn` applied to every generated text."""
+    out = dict(obj)
+    choices = []
+    for c in obj.get("choices") or []:
+        c = dict(c)
+        message = c.get("message")
+        if isinstance(message, dict):
+            message = dict(message)
+            if isinstance(message.get("content"), str):
+                message["content"] = fn(message["content"])
+            if isinstance(message.get("tool_calls"), list):
+                message["tool_calls"] = [_map_call(call, fn) for call in message["tool_calls"]]
+            c["message"] = message
+        if isinstance(c.get("text"), str):
+            c["text"] = fn(c["text"])
+        choices.append(c)
+    out["choices"] = choices
+    return out
+
+
+def _map_call(call: Any, fn: Callable[[str], str]) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    return {**call, "function": {**function, "arguments": fn(function["arguments"])}}
+
+
+def _deployment_headers(dep: Deployment) -> list[tuple[bytes, bytes]]:
+    """`x-switchyard-model`, `-revision` and `-upstream` of a deployment, encoded once
+    per label (a managed engine's label changes when its worker restarts)."""
+    label = dep.label
+    cached = dep.encoded_headers
+    if cached is None or cached[0] != label:
+        cached = dep.encoded_headers = (
+            label,
+            [
+                (b"x-switchyard-model", dep.alias.encode("latin-1")),
+                (b"x-switchyard-revision", dep.model.revision.encode("latin-1")),
+                (b"x-switchyard-upstream", label.encode("latin-1")),
+            ],
+        )
+    return cached[1]
+
+
+def served_raw_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
+    """What served the request, as response headers (lower-case names, encoded)."""
+    h = [(b"x-request-id", ctx.request_id.encode("latin-1"))]
+    if ctx.client_request_id is not None:  # validated: ASCII
+        h.append((b"x-client-request-id", ctx.client_request_id.encode("latin-1")))
+    if ctx.cache is not None:
+        h.append((b"x-switchyard-cache", ctx.cache.encode("latin-1")))
+        if ctx.cache_similarity is not None and ctx.cache != "hit-exact":
+            h.append((b"x-switchyard-cache-similarity", b"%.4f" % ctx.cache_similarity))
+    if ctx.rate_headers:
+        h.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in ctx.rate_headers.items())
+    if ctx.route is not None:
+        h.append((b"x-switchyard-route", ctx.route.encode("latin-1")))
+        if ctx.route_score is not None:
+            h.append((b"x-switchyard-route-score", b"%.4f" % ctx.route_score))
+    dep = ctx.deployment
+    if dep is not None:
+        h.extend(_deployment_headers(dep))
+        h.append((b"x-switchyard-attempts", b"%d" % ctx.attempts))
+        if ctx.fallback_from is not None:
+            h.append(
+                (b"x-switchyard-fallback", f"{ctx.fallback_from} -> {dep.alias}".encode("latin-1"))
+            )
+    t = ctx.timings
+    if t.upstream_sent is not None and t.upstream_first_byte is not None:
+        now = time.perf_counter()
+        gw = (t.upstream_sent - t.received) * 1000
+        up = (t.upstream_first_byte - t.upstream_sent) * 1000
+        total = (now - t.received) * 1000
+        timing = b"gateway;dur=%.2f, upstream;dur=%.2f, total;dur=%.2f" % (gw, up, total)
+        if ctx.queue_ms:
+            timing = b"queue;dur=%.2f, " % ctx.queue_ms + timing
+        h.append((b"server-timing", timing))
+    return h
+
+
+def served_headers(ctx: RequestContext) -> dict[str, str]:
+    """`served_raw_headers` as a dict, for responses built from one."""
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in served_raw_headers(ctx)}
+
+
+def _switchyard_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    return {
+        k.decode("latin-1"): v.decode("latin-1") for k, v in raw if k.startswith(b"x-switchyard")
+    }
+
+
+def embedding_estimate(price: Price) -> Callable[[RequestContext], tuple[int, int, Price]]:
+    """(input tokens, 0, price) of an embeddings request, leaning high as the chat
+    estimate does: ≈3 characters per token of text, one per token of a token array."""
+
+    def estimate(ctx: RequestContext) -> tuple[int, int, Price]:
+        inp = ctx.body.get("input")
+        items = [inp] if isinstance(inp, str) else inp if isinstance(inp, list) else []
+        if items and all(isinstance(x, int) for x in items):  # one token array
+            return len(items), 0, price
+        tokens = sum(len(x) // 3 + 1 if isinstance(x, str) else len(x) for x in items)
+        return tokens, 0, price
+
+    return estimate
+
+
+@dataclass(slots=True)
+class Pipelines:
+    """The stage sequences, per endpoint kind."""
+
+    generation: Pipeline  # chat.completions and completions
+    embeddings: Pipeline
+
+
+@dataclass
+class RequestService:
+    """Runs requests from the moment their headers are read until they are settled."""
+
+    settings: Settings
+    auth: Authenticator
+    pipelines: Pipelines
+    executor: Executor
+    limiter: Limiter
+    ledger: UsageLedger
+    idempotency: IdempotencyStore
+    masker: PiiMasker
+    cache: ResponseCache | None
+    embedder: EmbeddingService | None
+    metrics: Metrics | None
+    tracing: Tracing | None
+    request_ids: RequestIds = field(default_factory=RequestIds)
+    pending_settles: int = 0  # answered requests whose settle runs after the response
+    active: int = 0  # requests between open and settle
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        # Config values read on every request, as plain attributes (an attribute of a
+        # pydantic model costs ~4x one of a plain object).
+        self._deadline_s = s.server.default_deadline_s
+        self._unknown_fields = s.validation.unknown_fields
+        self._traces = s.observe.traces
+        self._sample_ok = s.observe.traces_sample_ok
+        self._slow_ms = s.observe.traces_slow_ms
+        self._sampler = random.Random()
+        self._embed_price = Price(input=s.embeddings.price, output=0.0)
+        self._embed_alias = s.embeddings.alias
+        # The authenticate verdict and evidence per (tenant, key, anonymous).
+        self._authenticated: dict[tuple[str, str, bool], tuple[tuple[str, str], Any]] = {}
+
+    # -- opening a request ----------------------------------------------------------
+    def authenticate(self, headers: Mapping[str, str]) -> Principal:
+        if self.settings.auth.mode == "disabled":
+            return ANONYMOUS
+        return self.auth.authenticate(headers)
+
+    def open(
+        self, endpoint: str, headers: Mapping[str, str], received: float, principal: Principal
+    ) -> RequestContext:
+        """The request's context, once its caller is known. Every header read here is
+        bounded here; a bad one is kept as the request's header_error and refused
+        once its handling starts (so it is settled like any refusal)."""
+        parents: list[str]
+        if request_headers.READ.isdisjoint(headers):  # nearly every request: none of them
+            task, parents, client_id, planned, bad = None, [], None, None, None
+        else:
+            task, parents, client_id, planned, bad = request_headers.read(headers)
+        # Positional, in field order: a dataclass this wide matches keywords slowly.
+        ctx = RequestContext(
+            self.request_ids(),
+            endpoint,
+            {},
+            time.time() - (time.perf_counter() - received),
+            Timings(received),
+            received + self._deadline_s,
+            task,
+            parents,
+            principal,
+            headers,
+        )
+        ctx.client_request_id = client_id
+        ctx.planned_steps = planned
+        ctx.header_error = bad
+        if self.tracing is not None:
+            self.tracing.start_request(
+                ctx, headers, time.time_ns() - int((time.perf_counter() - received) * 1e9)
+            )
+        who = (principal.tenant_id, principal.key_id, principal is ANONYMOUS)
+        authenticated = self._authenticated.get(who)
+        if authenticated is None:
+            authenticated = (
+                ("skip", "auth.mode is disabled")
+                if principal is ANONYMOUS
+                else ("ok", "valid API key"),
+                {"tenant": principal.tenant_id, "key": principal.key_id},
+            )
+            if len(self._authenticated) >= 4096:  # principals are re-read as keys change
+                self._authenticated.clear()
+            self._authenticated[who] = authenticated
+        (outcome, reason), evidence = authenticated
+        ctx.decisions.append(
+            ("authenticate", outcome, reason, evidence, received, time.perf_counter())
+        )
+        self.active += 1
+        return ctx
+
+    def _begin(self, ctx: RequestContext) -> None:
+        """What every request checks first: its headers, then its own deadline
+        (`x-request-timeout`, which can only shorten the gateway's)."""
+        if ctx.header_error is not None:
+            raise ctx.header_error
+        headers = ctx.headers
+        timeout = headers.get("x-request-timeout") if headers is not None else None
+        if timeout is not None:
+            asked = request_headers.request_timeout(timeout)
+            ctx.deadline = ctx.timings.received + min(self._deadline_s, asked)
+
+    # -- chat and completions ---------------------------------------------------------
+    async def generate(self, ctx: RequestContext, read: ReadBody) -> Reply:
+        """validate → idempotency → decide → execute → post-process; settled exactly
+        once, here on a refusal or error, after the reply once it is handed over."""
+        handed_off = False
+        try:
+            self._begin(ctx)
+            body, raw = await read(ctx.remaining_s())
+            if ctx.endpoint == "chat.completions":
+                alias = validate_chat(body, self._unknown_fields)
+            else:
+                alias = validate_completion(body, self._unknown_fields)
+            ctx.body = body
+            ctx.wire = (body, raw)
+            ctx.alias = alias
+            ctx.stream = bool(body.get("stream"))
+            options = body.get("stream_options")  # an object when present (validated)
+            ctx.include_usage = bool(options.get("include_usage")) if options else False
+            received = ctx.timings.received
+            ctx.decisions.append(
+                ("validate", "ok", "request shape is valid", None, received, time.perf_counter())
+            )
+            idem = ctx.headers.get("idempotency-key")
+            if idem is not None:
+                replayed = await self._claim_idempotency(ctx, idem)
+                if replayed is not None:
+                    return replayed
+            pending = self.pipelines.generation.decide(ctx)
+            if pending is not None:
+                await pending
+            if ctx.response is not None:  # a cache hit
+                reply = self._cached(ctx, ctx.response)
+                handed_off = isinstance(reply, StreamReply)
+                return reply
+            reply = await self._execute(ctx)
+            handed_off = True
+            return reply
+        except SwitchyardError as exc:
+            ctx.status, ctx.error_code = "error", exc.code
+            raise
+        except BaseException:
+            ctx.status, ctx.error_code = "error", "internal_error"
+            raise
+        finally:
+            if ctx.idempotency_key is not None:  # we owned the key and did not succeed
+                self.idempotency.release(ctx.principal.tenant_id, ctx.idempotency_key)
+            if not handed_off:
+                await self.settle(ctx)
+
+    async def _execute(self, ctx: RequestContext) -> Reply:
+        model = ctx.model
+        assert model is not None
+        if not model.capabilities.supports_vision and ctx.endpoint == "chat.completions":
+            part = image_parts(ctx.body)
+            if part is not None:
+                raise InvalidRequest(
+                    f"the model '{model.alias}' does not accept images "
+                    "(capabilities.supports_vision is false)",
+                    param=part,
+                )
+        if ctx.stream:
+            if not model.capabilities.supports_streaming:
+                raise InvalidRequest(
+                    f"the model '{ctx.alias}' does not support streaming", param="stream"
+                )
+            stream = await self.executor.execute_stream(ctx)
+            if ctx.cache_keys is not None or ctx.shadow_entry is not None:
+                ctx.collected = []
+
+            async def close() -> None:
+                stream.close(complete=ctx.status == "ok")
+                if ctx.status == "ok" and ctx.collected is not None:
+                    obj = assemble(ctx.collected)
+                    if obj is not None:
+                        await self._remember(ctx, obj)
+                await self.settle(ctx)
+
+            return StreamReply(ctx, served_headers(ctx), close, source=stream)
+        reply = await self.executor.execute(ctx)
+        ctx.status = "ok"
+        ctx.timings.ended = time.perf_counter()
+        body = reply.body
+        if (
+            ctx.cache_keys is not None
+            or ctx.shadow_entry is not None
+            or (ctx.restore_pii and ctx.pii is not None)
+        ):
+            obj = reply_object(body)
+            ctx.usage = obj.get("usage") if obj is not None else None
+            if obj is not None:
+                if ctx.cache_keys is not None or ctx.shadow_entry is not None:
+                    await self._remember(ctx, obj)
+                if ctx.restore_pii and ctx.pii is not None:
+                    body = orjson.dumps(map_texts(obj, ctx.pii.restore))
+        else:
+            # Nothing here needs the reply's content: its usage is read when the
+            # request is settled, after the bytes are on their way.
+            ctx.reply_body = body
+        raw_headers = served_raw_headers(ctx)
+        if ctx.idempotency_key is not None:
+            self._complete_idempotency(ctx, raw_headers, body)
+        self.pending_settles += 1
+        return JsonReply(body, raw_headers, partial(self.settle_after_response, ctx))
+
+    def _cached(self, ctx: RequestContext, entry: Entry) -> Reply:
+        ctx.status = "ok"
+        ctx.timings.ended = ctx.timings.client_first_byte = time.perf_counter()
+        obj = orjson.loads(entry.body)
+        if ctx.pii is not None:  # placeholders take this request's values
+            obj = map_texts(obj, ctx.pii.restore)
+        raw = served_raw_headers(ctx)
+        raw.append((b"x-switchyard-model", (ctx.alias or "").encode("latin-1")))
+        if ctx.stream:
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
+            return StreamReply(ctx, headers, partial(self.settle, ctx), cached=obj)
+        body = orjson.dumps(obj)
+        if ctx.idempotency_key is not None:  # a repeat replays this answer
+            self._complete_idempotency(ctx, raw, body)
+        return JsonReply(body, raw)
+
+    async def _remember(self, ctx: RequestContext, obj: dict[str, Any]) -> None:
+        """Store a good reply (masked) and, in shadow mode, compare it with the would-be hit."""
+        t = time.perf_counter()
+        masked = map_texts(obj, ctx.pii.mask) if ctx.pii is not None else obj
+        embedder = self.embedder
+        if ctx.shadow_entry is not None and embedder is not None and embedder.ready:
+            cached = reply_text(orjson.loads(ctx.shadow_entry.body))
+            vecs, _ = await embedder.embed([cached, reply_text(masked)])
+            agreement = float(vecs[0] @ vecs[1])
+            ctx.record(
+                "cache_shadow",
+                "compared",
+                f"cached vs fresh answer similarity {agreement:.3f}",
+                t,
+                {
+                    "answer_similarity": round(agreement, 4),
+                    "prompt_similarity": ctx.cache_similarity,
+                },
+            )
+        if ctx.cache_keys is None or self.cache is None:
+            return
+        why = storable_reply(masked)
+        if why is not None:
+            ctx.record("cache_store", "skip", why, t)
+            return
+        self.cache.store(
+            ctx.cache_keys, orjson.dumps(masked), ctx.vector, self.settings.cache.ttl_s
+        )
+        ctx.record(
+            "cache_store",
+            "stored",
+            "reply stored for later requests",
+            t,
+            {"partition": ctx.cache_keys.partition[:12]},
+        )
+
+    # -- idempotency ------------------------------------------------------------------
+    async def _claim_idempotency(self, ctx: RequestContext, key: str) -> JsonReply | None:
+        """A stored reply for a repeated request, or None once this request owns the key."""
+        t = time.perf_counter()
+        key = request_headers.idempotency_key(key)
+        if ctx.stream:
+            raise InvalidRequest(
+                "Idempotency-Key is supported for non-streaming requests only",
+                param="Idempotency-Key",
+            )
+        stored = await self.idempotency.begin(
+            ctx.principal.tenant_id, key, body_hash(ctx.body), ctx.deadline
+        )
+        if stored is None:
+            ctx.idempotency_key = key
+            ctx.record("idempotency", "owner", "first request with this key runs", t)
+            return None
+        ctx.status, ctx.cache = "ok", "idempotent_replay"
+        ctx.record("idempotency", "replay", "returning the stored reply; no upstream call", t)
+        headers = {
+            **stored.headers,
+            "x-request-id": ctx.request_id,
+            "x-switchyard-idempotent-replay": "true",
+        }
+        body = stored.body
+        obj = reply_object(body) if b"<" in body else None
+        if obj is not None:  # placeholders take this request's values, as the cache does
+            body = orjson.dumps(map_texts(obj, self._pii_session(ctx).restore))
+        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        return JsonReply(body, raw, status=stored.status)
+
+    def _complete_idempotency(
+        self, ctx: RequestContext, raw_headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> None:
+        assert ctx.idempotency_key is not None
+        self.idempotency.complete(
+            ctx.principal.tenant_id,
+            ctx.idempotency_key,
+            StoredReply(200, _switchyard_headers(raw_headers), self._stored_body(ctx, body)),
+        )
+        ctx.idempotency_key = None
+
+    def _pii_session(self, ctx: RequestContext) -> Any:
+        """The request's PII session: the PII stage's, or one that has masked the
+        request's own texts (same body, same placeholders)."""
+        if ctx.pii is not None:
+            return ctx.pii
+        session = self.masker.session()
+        mask_body(session, ctx.wire[0] if ctx.wire is not None else ctx.body)
+        return session
+
+    def _stored_body(self, ctx: RequestContext, body: bytes) -> bytes:
+        """What the idempotency store keeps: the reply with PII masked (restored from
+        the replaying request on replay); never raw values at rest."""
+        obj = reply_object(body)
+        if obj is None:
+            return body
+        return orjson.dumps(map_texts(obj, self._pii_session(ctx).mask))
+
+    # -- embeddings ---------------------------------------------------------------------
+    async def embeddings(self, ctx: RequestContext, read: ReadBody) -> JsonReply:
+        """validate → authorize → admit (rpm, tpm by input tokens, concurrency,
+        budget at embeddings.price) → embed → settle, like any request."""
+        try:
+            self._begin(ctx)
+            body, raw = await read(ctx.remaining_s())
+            cfg = self.settings.embeddings
+            model, texts = validate_embeddings(body, cfg.max_inputs)
+            ctx.body = body
+            ctx.wire = (body, raw)
+            embedder = self.embedder
+            if embedder is None or model != cfg.alias:
+                if self.settings.model(model) is not None:
+                    raise InvalidRequest(
+                        f"the model '{model}' does not serve embeddings", param="model"
+                    )
+                raise ModelNotFound(f"the embedding model '{model}' does not exist", param="model")
+            ctx.alias = model
+            dims = body.get("dimensions")
+            if dims is not None and embedder.dimensions is not None and dims != embedder.dimensions:
+                raise InvalidRequest(
+                    f"'dimensions' must be {embedder.dimensions} for {model}", param="dimensions"
+                )
+            received = ctx.timings.received
+            ctx.decisions.append(
+                ("validate", "ok", "request shape is valid", None, received, time.perf_counter())
+            )
+            pending = self.pipelines.embeddings.decide(ctx)
+            if pending is not None:
+                await pending
+            t = time.perf_counter()
+            ctx.attempts = 1
+            vecs, counts = await embedder.embed(texts)
+            if dims is not None and dims != vecs.shape[1]:  # the model loaded meanwhile
+                raise InvalidRequest(
+                    f"'dimensions' must be {vecs.shape[1]} for {model}", param="dimensions"
+                )
+            tokens = sum(counts)
+            ctx.record(
+                "embed",
+                "ok",
+                f"embedded {len(texts)} input(s)",
+                t,
+                {"inputs": len(texts), "tokens": tokens, "dimensions": int(vecs.shape[1])},
+            )
+            b64 = body.get("encoding_format") == "base64"
+            data = [
+                {
+                    "object": "embedding",
+                    "index": i,
+                    "embedding": base64.b64encode(v.tobytes()).decode() if b64 else v.tolist(),
+                }
+                for i, v in enumerate(vecs)
+            ]
+            ctx.usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+            out = {"object": "list", "data": data, "model": model, "usage": ctx.usage}
+            ctx.status = "ok"
+            ctx.timings.ended = time.perf_counter()
+            return JsonReply(orjson.dumps(out), served_raw_headers(ctx))
+        except SwitchyardError as exc:
+            ctx.status, ctx.error_code = "error", exc.code
+            raise
+        except BaseException:
+            ctx.status, ctx.error_code = "error", "internal_error"
+            raise
+        finally:
+            await self.settle(ctx)
+
+    # -- settle ---------------------------------------------------------------------
+    def settle_after_response(self, ctx: RequestContext) -> Awaitable[None] | None:
+        """Settle a request whose reply has been sent; counted in `pending_settles`
+        until done. None when it was settled without waiting."""
+        try:
+            pending = self.settle_now(ctx)
+        except BaseException:
+            self.pending_settles -= 1
+            raise
+        if pending is None:
+            self.pending_settles -= 1
+            return None
+        return self._settling(pending)
+
+    async def _settling(self, pending: Awaitable[None]) -> None:
+        try:
+            await pending
+        finally:
+            self.pending_settles -= 1
+
+    async def settled(self, timeout_s: float = 5.0) -> None:
+        """Wait until every answered request has been settled (admin reads use this, so
+        what a client has seen answered is visible in the ledger and traces)."""
+        deadline = time.monotonic() + timeout_s
+        while self.pending_settles > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        await self.ledger.flush_async()
+
+    async def settle(self, ctx: RequestContext) -> None:
+        """Release what the request held, charge what it used, write its usage row.
+        Runs exactly once per request, whatever way it ended."""
+        pending = self.settle_now(ctx)
+        if pending is not None:
+            await pending
+
+    def settle_now(self, ctx: RequestContext) -> Awaitable[None] | None:
+        """`settle`, synchronously unless limiter reservations are to be settled (then
+        the rest is in the returned awaitable)."""
+        if ctx.finished:
+            return None
+        ctx.finished = True
+        self.active -= 1
+        if ctx.gate is not None:
+            ctx.gate.release()
+        if ctx.usage is None and ctx.reply_body is not None:
+            ctx.usage = reply_usage(ctx.reply_body)
+        usage = ctx.usage or {}
+        if usage:
+            inp = int(usage.get("prompt_tokens") or 0)
+            out = int(usage.get("completion_tokens") or 0)
+        elif ctx.attempts and ctx.endpoint != "embeddings":
+            # Best effort for a broken stream, the same whether limits applied (and so
+            # estimated the prompt at admission) or not.
+            inp = ctx.prompt_estimate or estimate_prompt_tokens(ctx.body)
+            out = ctx.chunks
+        else:
+            inp = out = 0
+        if ctx.model is not None:
+            cost = cost_usd(ctx.model.price, inp, out)
+        elif ctx.endpoint == "embeddings" and ctx.alias == self._embed_alias:
+            cost = cost_usd(self._embed_price, inp, 0)
+        else:
+            cost = 0.0
+        if ctx.reservations:
+            return self._settle_reservations(ctx, inp, out, cost)
+        self._finished(ctx, inp, out, cost)
+        return None
+
+    async def _settle_reservations(
+        self, ctx: RequestContext, inp: int, out: int, cost: float
+    ) -> None:
+        for scopes, ask in ctx.reservations:
+            try:
+                await self.limiter.settle(scopes, ask, inp + out, cost)
+            except LimiterUnavailable as exc:
+                log.warning("could not settle %s: %s", ctx.request_id, exc)
+        self._finished(ctx, inp, out, cost)
+
+    def _finished(self, ctx: RequestContext, inp: int, out: int, cost: float) -> None:
+        """Metrics, span and ledger row of a settled request."""
+        t = ctx.timings
+        if t.ended is None:
+            t.ended = time.perf_counter()
+        end = t.ended
+        status = ctx.status if ctx.status not in ("pending", "streaming") else "error"
+        if self.metrics is not None:
+            self.metrics.observe(ctx, status, inp, out, cost)
+        if self.tracing is not None:
+            self.tracing.finish(
+                ctx, status, inp, out, time.time_ns() - int((time.perf_counter() - end) * 1e9)
+            )
+        # Usage row and trace are built per batch, off this request's path.
+        self.ledger.record(Finished(ctx, status, inp, out, cost, self._keep_trace(ctx, status)))
+
+    def _keep_trace(self, ctx: RequestContext, status: str) -> bool:
+        """The trace policy (observe.traces_sample_ok): what explains something is
+        always kept; a plain success only as a sample."""
+        if not self._traces:
+            return False
+        if self._sample_ok >= 1.0:
+            return True
+        t = ctx.timings
+        plain = (
+            status == "ok"
+            and ctx.attempts <= 1
+            and ctx.fallback_from is None
+            and ctx.cache in (None, "miss", "bypass")
+            and ctx.task_id is None
+            and t.ended is not None
+            and (t.ended - t.received) * 1000.0 < self._slow_ms
+        )
+        return not plain or self._sampler.random() < self._sample_ok
