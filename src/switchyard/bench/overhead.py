@@ -14,34 +14,48 @@ see `bench/observe.py`.
 
 Targets: at concurrency 1, Switchyard's added p50 is at most 1.5x the floor's; at
 concurrency 32, Switchyard serves at least 0.70x the floor's requests per second.
+
+Processes, HTTP, wrk and configs come from `bench/harness.py`; this module is the only
+one that imports the scenario modules (policy, observe), so the bench import graph runs
+one way.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import platform
-import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass
-from importlib import metadata
+from dataclasses import asdict
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
-import switchyard
+from switchyard.bench import observe, policy
+from switchyard.bench.harness import (
+    CHAT_PATH,
+    MODEL,
+    Child,
+    Scenario,
+    StartError,
+    chat_body,
+    config_yaml,
+    free_port,
+    http,
+    machine_info,
+    readyz,
+    run_wrk,
+    serve_argv,
+    sigterm_as_exit,
+    smoke,
+    spawn,
+    stop_all,
+    wait_ready,
+    write_scripts,
+)
 
 TARGETS = ("direct", "floor", "switchyard")
 FLOORS = {
@@ -52,245 +66,9 @@ FLOORS = {
 CONCURRENCIES = (1, 32)
 LATENCY_RATIO_MAX = 1.5  # Switchyard added p50 / floor added p50, at concurrency 1
 THROUGHPUT_RATIO_MIN = 0.70  # Switchyard req/s / floor req/s, at concurrency 32
-MODEL = "scripted"
-CHAT_PATH = "/v1/chat/completions"
-UNIT_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60_000.0, "h": 3_600_000.0}
 
 
-class StartError(Exception):
-    """A target did not come up or does not answer correctly; the message says which."""
-
-
-@dataclass(frozen=True, slots=True)
-class Scenario:
-    stream: bool
-    connections: int
-
-    @property
-    def threads(self) -> int:
-        return 1 if self.connections == 1 else 2
-
-    @property
-    def name(self) -> str:
-        return f"{'stream' if self.stream else 'non-stream'} c={self.connections}"
-
-
-@dataclass(frozen=True, slots=True)
-class WrkResult:
-    rps: float
-    avg_ms: float
-    p50_ms: float
-    p75_ms: float
-    p90_ms: float
-    p99_ms: float
-    requests: int
-    non_2xx: int
-    socket_errors: int
-
-
-@dataclass(slots=True)
-class Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-
-def chat_body(stream: bool, max_tokens: int) -> bytes:
-    body: dict[str, Any] = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": max_tokens,
-    }
-    if stream:
-        body["stream"] = True
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
-# --- wrk ------------------------------------------------------------------------------
-
-
-def wrk_script(body: bytes) -> str:
-    """A wrk Lua script that POSTs `body` as JSON on every request."""
-    quoted = body.decode().replace("\\", "\\\\").replace('"', '\\"')
-    return (
-        'wrk.method = "POST"\n'
-        'wrk.headers["Content-Type"] = "application/json"\n'
-        f'wrk.body = "{quoted}"\n'
-    )
-
-
-def _ms(value: str, unit: str) -> float:
-    return float(value) * UNIT_MS[unit]
-
-
-def parse_wrk(text: str) -> WrkResult:
-    """Read wrk's `--latency` report. Raises ValueError when a needed line is missing."""
-    rps = re.search(r"^Requests/sec:\s+([\d.]+)", text, re.M)
-    avg = re.search(r"^\s+Latency\s+([\d.]+)(us|ms|s|m|h)\b", text, re.M)
-    total = re.search(r"^\s+(\d+) requests in ", text, re.M)
-    pct = {
-        m.group(1): _ms(m.group(2), m.group(3))
-        for m in re.finditer(r"^\s+(50|75|90|99)%\s+([\d.]+)(us|ms|s|m|h)\s*$", text, re.M)
-    }
-    if rps is None or avg is None or total is None or len(pct) != 4:
-        raise ValueError(f"unexpected wrk output:\n{text}")
-    non_2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", text)
-    sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
-    return WrkResult(
-        rps=float(rps.group(1)),
-        avg_ms=_ms(avg.group(1), avg.group(2)),
-        p50_ms=pct["50"],
-        p75_ms=pct["75"],
-        p90_ms=pct["90"],
-        p99_ms=pct["99"],
-        requests=int(total.group(1)),
-        non_2xx=int(non_2xx.group(1)) if non_2xx else 0,
-        socket_errors=sum(int(g) for g in sock.groups()) if sock else 0,
-    )
-
-
-def run_wrk(wrk: str, url: str, script: Path, scenario: Scenario, duration_s: int) -> WrkResult:
-    cmd = [
-        wrk,
-        f"-t{scenario.threads}",
-        f"-c{scenario.connections}",
-        f"-d{duration_s}s",
-        "--timeout",
-        "10s",
-        "--latency",
-        "-s",
-        str(script),
-        url,
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + 60)
-    if done.returncode != 0:
-        raise RuntimeError(f"wrk exited {done.returncode}: {done.stderr.strip()}")
-    return parse_wrk(done.stdout)
-
-
-# --- processes ------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _child_env() -> dict[str, str]:
-    """The children import switchyard from the same place we did, installed or not."""
-    env = dict(os.environ)
-    src = str(Path(switchyard.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    return env
-
-
-def gateway_env() -> dict[str, str]:
-    """The children's environment without SWITCHYARD_SQLITE_PATH: it would override each
-    bench gateway's own sqlite_path (its bench key, the trace checks)."""
-    env = _child_env()
-    env.pop("SWITCHYARD_SQLITE_PATH", None)
-    return env
-
-
-def spawn(name: str, argv: list[str], logdir: Path, env: dict[str, str] | None = None) -> Child:
-    log = logdir / f"{name}.log"
-    with log.open("wb") as fh:
-        proc = subprocess.Popen(
-            argv,
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=_child_env() if env is None else env,
-        )
-    return Child(name, proc, log)
-
-
-def stop_all(children: list[Child]) -> None:
-    """Terminate every child, then kill what has not exited after a grace period."""
-    for c in children:
-        if c.proc.poll() is None:
-            c.proc.terminate()
-    deadline = time.monotonic() + 8
-    for c in children:
-        try:
-            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            c.proc.kill()
-            c.proc.wait()
-
-
-def log_tail(child: Child, lines: int = 30) -> str:
-    try:
-        text = child.log.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
-
-
-def http(
-    method: str,
-    url: str,
-    body: bytes | None = None,
-    timeout_s: float = 10,
-    headers: Mapping[str, str] | None = None,
-) -> tuple[int, bytes]:
-    """One HTTP call on loopback, bypassing any proxy from the environment.
-
-    Returns (status, body); status 0 means no HTTP answer (refused, reset, timed out).
-    """
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    req = urllib.request.Request(url, data=body, method=method)
-    if body is not None:
-        req.add_header("Content-Type", "application/json")
-    for name, value in (headers or {}).items():
-        req.add_header(name, value)
-    try:
-        with opener.open(req, timeout=timeout_s) as resp:
-            return int(resp.status), bytes(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-    except (urllib.error.URLError, OSError):
-        return 0, b""
-
-
-def wait_ready(child: Child, ready: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if child.proc.poll() is not None:
-            raise StartError(
-                f"{child.name} exited with code {child.proc.returncode} while starting:\n"
-                f"{log_tail(child)}"
-            )
-        if ready():
-            return
-        time.sleep(0.2)
-    raise StartError(f"{child.name} was not ready after {timeout_s:.0f} s:\n{log_tail(child)}")
-
-
-def smoke(name: str, url: str, max_tokens: int, headers: Mapping[str, str] | None = None) -> None:
-    """One plain and one streaming request must succeed before a target is measured."""
-    status, body = http("POST", url, chat_body(False, max_tokens), headers=headers)
-    if status != 200 or b'"choices"' not in body:
-        raise StartError(f"{name}: POST {url} answered {status}: {body[:500]!r}")
-    status, body = http("POST", url, chat_body(True, max_tokens), headers=headers)
-    if status != 200 or b"data: [DONE]" not in body:
-        raise StartError(f"{name}: streaming POST {url} answered {status}: {body[:500]!r}")
-
-
-def config_yaml(switchyard_port: int, upstream_port: int, db_path: Path) -> str:
-    return (
-        f"server: {{host: 127.0.0.1, port: {switchyard_port}}}\n"
-        "models:\n"
-        f"  - alias: {MODEL}\n"
-        "    revision: scripted-v1\n"
-        f'    engine: {{kind: openai, base_url: "http://127.0.0.1:{upstream_port}/v1"}}\n'
-        "embeddings: {enabled: false}\n"
-        # Policy off: this measures the gateway core against the floor.
-        "auth: {mode: disabled}\n"
-        f'storage: {{sqlite_path: "{db_path}"}}\n'
-    )
+# --- targets --------------------------------------------------------------------------
 
 
 def start_targets(
@@ -350,7 +128,7 @@ def start_targets(
     children.append(floor)
     gateway = spawn(
         "switchyard",
-        [py, "-m", "switchyard", "serve", "--config", str(cfg), "--port", str(sy_port)],
+        serve_argv(cfg, sy_port),
         workdir,
     )
     children.append(gateway)
@@ -361,29 +139,10 @@ def start_targets(
     }
     probe = chat_body(False, max_tokens)
     wait_ready(floor, lambda: http("POST", urls["floor"], probe)[0] == 200, timeout_s)
-    sy_ready = f"http://127.0.0.1:{sy_port}/readyz"
-    wait_ready(gateway, lambda: http("GET", sy_ready)[0] == 200, timeout_s)
+    wait_ready(gateway, lambda: readyz(sy_port), timeout_s)
     for name, url in urls.items():
         smoke(name, url, max_tokens)
     return urls
-
-
-@contextlib.contextmanager
-def sigterm_as_exit() -> Iterator[None]:
-    """Turn SIGTERM into SystemExit, so `finally` blocks stop the children."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise SystemExit(128 + signum)
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 # --- measuring and reporting ----------------------------------------------------------
@@ -566,64 +325,9 @@ def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
         if "policy" in s:
             lines.extend(_policy_lines(s))
         if "observe" in s:
-            from switchyard.bench import observe  # builds on this module: imported late
-
             lines.extend(observe.lines(s))
         lines.append("")
     return "\n".join(lines)
-
-
-# --- machine --------------------------------------------------------------------------
-
-
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def _proc_field(path: str, key: str) -> str | None:
-    try:
-        with open(path) as fh:
-            for line in fh:
-                name, _, value = line.partition(":")
-                if name.strip() == key:
-                    return value.strip()
-    except OSError:
-        pass
-    return None
-
-
-def machine_info(wrk: str) -> dict[str, Any]:
-    """What the numbers depend on, so two result files can be compared honestly."""
-    try:
-        done = subprocess.run([wrk, "--version"], capture_output=True, text=True, timeout=10)
-        wrk_version = (done.stdout + done.stderr).strip().splitlines()[0]
-    except (OSError, IndexError, subprocess.TimeoutExpired):
-        wrk_version = "unknown"
-    return {
-        "cpu_model": _proc_field("/proc/cpuinfo", "model name") or platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "memory_total": _proc_field("/proc/meminfo", "MemTotal"),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "versions": {
-            d: _version(d)
-            for d in (
-                "switchyard",
-                "fastapi",
-                "starlette",
-                "uvicorn",
-                "aiohttp",
-                "uvloop",
-                "httptools",
-                "orjson",
-            )
-        },
-        "wrk": wrk_version,
-    }
 
 
 # --- the command ----------------------------------------------------------------------
@@ -667,12 +371,7 @@ def _start(
     args: argparse.Namespace, workdir: Path, children: list[Child]
 ) -> tuple[dict[str, str], dict[str, dict[bool, Path]]]:
     """Start every target; return each one's chat URL and its wrk scripts by stream."""
-    from switchyard.bench import policy  # builds on this module: imported late, not at the top
-
-    plain: dict[bool, Path] = {}
-    for stream in (False, True):
-        plain[stream] = workdir / ("chat-stream.lua" if stream else "chat.lua")
-        plain[stream].write_text(wrk_script(chat_body(stream, args.tokens)))
+    plain = write_scripts(workdir, "plain", None, args.tokens)
     bare = getattr(args, "floor", "bare") == "bare"
     urls = start_targets(
         workdir, args.tokens, args.tokens, args.startup_timeout, children, bare_floor=bare
@@ -683,8 +382,6 @@ def _start(
             urls[pt.name] = pt.url
             scripts[pt.name] = pt.scripts
     if getattr(args, "observe", False):
-        from switchyard.bench import observe
-
         for ot in observe.start_observe_targets(workdir, urls, args, children):
             urls[ot.name] = ot.url
             scripts[ot.name] = plain
@@ -741,8 +438,6 @@ def _check_tools(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from switchyard.bench import observe, policy  # build on this module: imported late
-
     problem = _check_tools(args)
     if problem is not None:
         print(f"switchyard: {problem}", file=sys.stderr)
