@@ -94,7 +94,7 @@ def test_the_bench_import_graph_runs_one_way() -> None:
     assert problems(BENCH_DIR) == []
     graph = import_graph(BENCH_DIR)
     # The shared helpers are where the process benches get them from.
-    for module in ("overhead", "policy", "observe", "soak", "hotpath"):
+    for module in ("overhead", "policy", "observe", "realistic", "soak", "hotpath"):
         assert BOTTOM in graph[module], module
 
 

@@ -7,17 +7,23 @@ what its decisions cost. wrk drives the load (a C client, so the load generator 
 is measured), in interleaved rounds with the order rotated, so drift on the machine hits
 every target alike; medians across rounds are reported.
 
+Switchyard runs in the scenarios `--scenario` names, both by default:
+- `core`: the `switchyard` target, auth off, observe defaults: the gateway core;
+- `realistic`: the `sy-realistic` target, a key with limits under a tenant with limits and
+  a daily budget, traces on; see `bench/realistic.py`.
+Both are judged against the floor with the same targets.
+
 With `--policy`, two more Switchyard targets with authentication, limits, budget and
 ledger on (in-process and Redis limiters) join the same rounds; see `bench/policy.py`.
 With `--observe`, two more with metrics and traces off, and with OpenTelemetry export on;
-see `bench/observe.py`.
+see `bench/observe.py`. Both compare with the `core` target.
 
 Targets: at concurrency 1, Switchyard's added p50 is at most 1.5x the floor's; at
 concurrency 32, Switchyard serves at least 0.70x the floor's requests per second.
 
 Processes, HTTP, wrk and configs come from `bench/harness.py`; this module is the only
-one that imports the scenario modules (policy, observe), so the bench import graph runs
-one way.
+one that imports the scenario modules (policy, observe, realistic), so the bench import
+graph runs one way.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from switchyard.bench import observe, policy
+from switchyard.bench import observe, policy, realistic
 from switchyard.bench.harness import (
     CHAT_PATH,
     MODEL,
@@ -58,6 +64,10 @@ from switchyard.bench.harness import (
 )
 
 TARGETS = ("direct", "floor", "switchyard")
+CORE = "switchyard"
+# The Switchyard targets each scenario adds; each is judged against the floor.
+SCENARIOS = {"core": CORE, "realistic": realistic.TARGET}
+CHECKED_TARGETS = tuple(SCENARIOS.values())
 FLOORS = {
     "fastapi": "passthrough proxy (FastAPI + aiohttp)",
     "bare": "passthrough proxy (uvicorn + Starlette request/response from the ASGI call, "
@@ -71,6 +81,22 @@ THROUGHPUT_RATIO_MIN = 0.70  # Switchyard req/s / floor req/s, at concurrency 32
 # --- targets --------------------------------------------------------------------------
 
 
+def scenarios_of(args: argparse.Namespace) -> tuple[str, ...]:
+    """The `--scenario` names asked for, in SCENARIOS' order, each once."""
+    asked = set(getattr(args, "scenario", None) or SCENARIOS)
+    return tuple(name for name in SCENARIOS if name in asked)
+
+
+def target_names(args: argparse.Namespace) -> tuple[str, ...]:
+    """Every target a run with these arguments measures, in the order it starts them."""
+    names = ["direct", "floor", *(SCENARIOS[s] for s in scenarios_of(args))]
+    if getattr(args, "policy", False):
+        names += policy.POLICY_TARGETS
+    if getattr(args, "observe", False):
+        names += observe.OBSERVE_TARGETS
+    return tuple(names)
+
+
 def start_targets(
     workdir: Path,
     tokens: int,
@@ -78,8 +104,10 @@ def start_targets(
     timeout_s: float,
     children: list[Child],
     bare_floor: bool = False,
+    core: bool = True,
 ) -> dict[str, str]:
-    """Start upstream, floor and Switchyard; return each target's chat URL once it works.
+    """Start upstream, floor and (with `core`) Switchyard; return each target's chat URL
+    once it works.
 
     Started children are appended to `children` as soon as they exist, so the caller can
     stop them whatever happens here.
@@ -107,8 +135,6 @@ def start_targets(
     up_base = f"http://127.0.0.1:{up_port}"
     wait_ready(upstream, lambda: http("GET", up_base + "/health")[0] == 200, timeout_s)
 
-    cfg = workdir / "switchyard.yaml"
-    cfg.write_text(config_yaml(sy_port, up_port, workdir / "switchyard.db"))
     floor = spawn(
         "floor",
         [
@@ -126,20 +152,21 @@ def start_targets(
         workdir,
     )
     children.append(floor)
-    gateway = spawn(
-        "switchyard",
-        serve_argv(cfg, sy_port),
-        workdir,
-    )
-    children.append(gateway)
     urls = {
         "direct": up_base + CHAT_PATH,
         "floor": f"http://127.0.0.1:{floor_port}{CHAT_PATH}",
-        "switchyard": f"http://127.0.0.1:{sy_port}{CHAT_PATH}",
     }
+    gateway = None
+    if core:
+        cfg = workdir / "switchyard.yaml"
+        cfg.write_text(config_yaml(sy_port, up_port, workdir / "switchyard.db"))
+        gateway = spawn(CORE, serve_argv(cfg, sy_port), workdir)
+        children.append(gateway)
+        urls[CORE] = f"http://127.0.0.1:{sy_port}{CHAT_PATH}"
     probe = chat_body(False, max_tokens)
     wait_ready(floor, lambda: http("POST", urls["floor"], probe)[0] == 200, timeout_s)
-    wait_ready(gateway, lambda: readyz(sy_port), timeout_s)
+    if gateway is not None:
+        wait_ready(gateway, lambda: readyz(sy_port), timeout_s)
     for name, url in urls.items():
         smoke(name, url, max_tokens)
     return urls
@@ -199,12 +226,15 @@ def measure(
 def summarize(
     runs: list[dict[str, Any]], targets: tuple[str, ...] = TARGETS
 ) -> list[dict[str, Any]]:
-    """Medians per scenario and target, the added latencies, the ratios and the verdict.
+    """Medians per scenario and target, the added latencies, the ratios and the verdicts.
 
-    `targets` must include TARGETS; the verdict compares Switchyard with the floor only.
+    `targets` must include direct and floor. Every target of CHECKED_TARGETS among them
+    (`switchyard`, `sy-realistic`) is judged against the floor, under "checks"; the
+    top-level ratio and verdict fields are `switchyard`'s, when it was measured.
     """
     out: list[dict[str, Any]] = []
     scenarios = [Scenario(s, c) for s in (False, True) for c in CONCURRENCIES]
+    checked = [t for t in targets if t in CHECKED_TARGETS]
     for sc in scenarios:
         med: dict[str, dict[str, float]] = {}
         for target in targets:
@@ -214,50 +244,70 @@ def summarize(
             }
             med[target]["errors"] = sum(r["non_2xx"] + r["socket_errors"] for r in mine)
         floor_added = med["floor"]["p50_ms"] - med["direct"]["p50_ms"]
-        sy_added = med["switchyard"]["p50_ms"] - med["direct"]["p50_ms"]
-        lat_ratio = sy_added / floor_added if floor_added > 0 else None
-        rps_ratio = (
-            med["switchyard"]["rps"] / med["floor"]["rps"] if med["floor"]["rps"] > 0 else None
-        )
-        paired = _per_round(runs, sc.name)
         if sc.connections == 1:
             check = f"added p50 ratio <= {LATENCY_RATIO_MAX}"
-            ok = lat_ratio is not None and lat_ratio <= LATENCY_RATIO_MAX
         else:
             check = f"req/s ratio >= {THROUGHPUT_RATIO_MIN}"
-            ok = rps_ratio is not None and rps_ratio >= THROUGHPUT_RATIO_MIN
-        out.append(
-            {
-                "scenario": sc.name,
-                "stream": sc.stream,
-                "connections": sc.connections,
-                "targets": med,
-                "floor_added_p50_ms": floor_added,
-                "switchyard_added_p50_ms": sy_added,
-                "added_p50_ratio": lat_ratio,
-                "rps_ratio": rps_ratio,
-                "per_round": paired,
-                "check": check,
-                "verdict": "PASS" if ok else "MISS",
+        checks = {t: _judge(runs, sc, med, t) for t in checked}
+        entry: dict[str, Any] = {
+            "scenario": sc.name,
+            "stream": sc.stream,
+            "connections": sc.connections,
+            "targets": med,
+            "floor_added_p50_ms": floor_added,
+            "check": check,
+            "checks": checks,
+        }
+        if CORE in checks:  # switchyard's, at the top level, as before there were two
+            core = checks[CORE]
+            entry |= {
+                "switchyard_added_p50_ms": core["added_p50_ms"],
+                "added_p50_ratio": core["added_p50_ratio"],
+                "rps_ratio": core["rps_ratio"],
+                "per_round": core["per_round"],
+                "verdict": core["verdict"],
             }
-        )
+        out.append(entry)
     return out
 
 
-def _per_round(runs: list[dict[str, Any]], scenario: str) -> dict[str, list[float]]:
-    """Each round's own ratios (its three targets ran minutes apart at most, so drift
-    of the machine between rounds cancels): the spread behind the medians' verdict."""
+def _judge(
+    runs: list[dict[str, Any]], sc: Scenario, med: dict[str, dict[str, float]], target: str
+) -> dict[str, Any]:
+    """One Switchyard target against the floor in one scenario: its added p50, the two
+    ratios of medians, each round's own ratios and the verdict of this scenario's check."""
+    floor_added = med["floor"]["p50_ms"] - med["direct"]["p50_ms"]
+    added = med[target]["p50_ms"] - med["direct"]["p50_ms"]
+    lat_ratio = added / floor_added if floor_added > 0 else None
+    rps_ratio = med[target]["rps"] / med["floor"]["rps"] if med["floor"]["rps"] > 0 else None
+    if sc.connections == 1:
+        ok = lat_ratio is not None and lat_ratio <= LATENCY_RATIO_MAX
+    else:
+        ok = rps_ratio is not None and rps_ratio >= THROUGHPUT_RATIO_MIN
+    return {
+        "added_p50_ms": added,
+        "added_p50_ratio": lat_ratio,
+        "rps_ratio": rps_ratio,
+        "per_round": _per_round(runs, sc.name, target),
+        "verdict": "PASS" if ok else "MISS",
+    }
+
+
+def _per_round(runs: list[dict[str, Any]], scenario: str, target: str) -> dict[str, list[float]]:
+    """Each round's own ratios of `target` to the floor (a round's targets ran minutes
+    apart at most, so drift of the machine between rounds cancels): the spread behind
+    the medians' verdict."""
     lat: list[float] = []
     rps: list[float] = []
     for rnd in sorted({r["round"] for r in runs}):
         got = {r["target"]: r for r in runs if r["scenario"] == scenario and r["round"] == rnd}
-        if not all(t in got for t in TARGETS):
+        if not all(t in got for t in ("direct", "floor", target)):
             continue
         floor_added = got["floor"]["p50_ms"] - got["direct"]["p50_ms"]
         if floor_added > 0:
-            lat.append((got["switchyard"]["p50_ms"] - got["direct"]["p50_ms"]) / floor_added)
+            lat.append((got[target]["p50_ms"] - got["direct"]["p50_ms"]) / floor_added)
         if got["floor"]["rps"] > 0:
-            rps.append(got["switchyard"]["rps"] / got["floor"]["rps"])
+            rps.append(got[target]["rps"] / got["floor"]["rps"])
     return {"added_p50_ratio": lat, "rps_ratio": rps}
 
 
@@ -272,12 +322,16 @@ def _num(value: float | None, fmt: str) -> str:
 
 
 def _added_p50(s: dict[str, Any], target: str) -> float | None:
-    """A target's added p50 over direct, as `summarize` (and `policy.annotate`) stored it."""
+    """A target's added p50 over direct, as `summarize` (and `policy.annotate`,
+    `observe.annotate`) stored it."""
     if target == "direct":
         return None
-    if target in ("floor", "switchyard"):
-        value: float = s[f"{target}_added_p50_ms"]
-        return value
+    if target == "floor":
+        floor_value: float = s["floor_added_p50_ms"]
+        return floor_value
+    if target in s.get("checks", {}):
+        checked_value: float = s["checks"][target]["added_p50_ms"]
+        return checked_value
     section = "observe" if target in s.get("observe", {}).get("targets", {}) else "policy"
     policy_value: float | None = s[section]["targets"][target]["added_p50_ms"]
     return policy_value
@@ -291,6 +345,25 @@ def _policy_lines(s: dict[str, Any]) -> list[str]:
         f"added p50 {_num(p['added_p50_ratio_vs_policy_off'], '.2f')}"
         for name, p in s["policy"]["targets"].items()
     ]
+
+
+def _check_lines(s: dict[str, Any]) -> list[str]:
+    """Two lines per target judged against the floor: the ratios of medians with the
+    verdict, and each round's own ratios."""
+    lines = []
+    for target, c in s.get("checks", {}).items():
+        lines.append(
+            f"{'':<16}added p50 {target}/floor {_num(c['added_p50_ratio'], '.2f')}, "
+            f"req/s {target}/floor {_num(c['rps_ratio'], '.2f')}  "
+            f"[{s['check']}: {c['verdict']}]"
+        )
+        pr = c["per_round"]
+        if pr["added_p50_ratio"] or pr["rps_ratio"]:
+            lines.append(
+                f"{'':<16}  per round: added p50 ratio {_spread(pr['added_p50_ratio'])}, "
+                f"req/s ratio {_spread(pr['rps_ratio'])}"
+            )
+    return lines
 
 
 def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -311,17 +384,7 @@ def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 f"{s['scenario'] if i == 0 else '':<16}{target:<{tw}}{t['rps']:>10.1f}"
                 f"{t['p50_ms']:>10.3f}{t['p99_ms']:>10.3f}{_num(added, '.3f'):>10}{errors}"
             )
-        lines.append(
-            f"{'':<16}added p50 switchyard/floor {_num(s['added_p50_ratio'], '.2f')}, "
-            f"req/s switchyard/floor {_num(s['rps_ratio'], '.2f')}  "
-            f"[{s['check']}: {s['verdict']}]"
-        )
-        if s.get("per_round"):
-            pr = s["per_round"]
-            lines.append(
-                f"{'':<16}per round: added p50 ratio {_spread(pr['added_p50_ratio'])}, "
-                f"req/s ratio {_spread(pr['rps_ratio'])}"
-            )
+        lines.extend(_check_lines(s))
         if "policy" in s:
             lines.extend(_policy_lines(s))
         if "observe" in s:
@@ -348,6 +411,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "routes are served (like for like, the default); fastapi: they go through "
         "FastAPI's stack (the floor of runs before 2026-11-29's last round)",
     )
+    parser.add_argument(
+        "--scenario",
+        nargs="+",
+        choices=tuple(SCENARIOS),
+        default=list(SCENARIOS),
+        help="the Switchyard targets judged against the floor (default: both): core "
+        "(switchyard: auth off, the gateway core) and realistic (sy-realistic: a key "
+        "with rpm 1e6 under a tenant with rpm 1e6, tpm 1e9, max_concurrency 1000 and a "
+        "$1e6 daily budget, traces on); --policy and --observe need core",
+    )
     parser.add_argument("--out", default=None, help="JSON result path")
     parser.add_argument(
         "--policy",
@@ -373,11 +446,22 @@ def _start(
     """Start every target; return each one's chat URL and its wrk scripts by stream."""
     plain = write_scripts(workdir, "plain", None, args.tokens)
     bare = getattr(args, "floor", "bare") == "bare"
+    scenarios = scenarios_of(args)
     urls = start_targets(
-        workdir, args.tokens, args.tokens, args.startup_timeout, children, bare_floor=bare
+        workdir,
+        args.tokens,
+        args.tokens,
+        args.startup_timeout,
+        children,
+        bare_floor=bare,
+        core="core" in scenarios,
     )
     scripts = {target: plain for target in urls}
-    if args.policy:
+    if "realistic" in scenarios:
+        rt = realistic.start_realistic_target(workdir, urls, args, children)
+        urls[rt.name] = rt.url
+        scripts[rt.name] = rt.scripts
+    if getattr(args, "policy", False):
         for pt in policy.start_policy_targets(workdir, urls, args, children):
             urls[pt.name] = pt.url
             scripts[pt.name] = pt.scripts
@@ -385,6 +469,7 @@ def _start(
         for ot in observe.start_observe_targets(workdir, urls, args, children):
             urls[ot.name] = ot.url
             scripts[ot.name] = plain
+    assert tuple(urls) == target_names(args), (tuple(urls), target_names(args))
     return urls, scripts
 
 
@@ -410,12 +495,18 @@ def _result(
                 "non_stream": chat_body(False, args.tokens).decode(),
                 "stream": chat_body(True, args.tokens).decode(),
             },
+            "scenarios": list(scenarios_of(args)),
             "targets": {
                 "direct": "scripted upstream",
                 "floor": FLOORS[getattr(args, "floor", "bare")],
-                "switchyard": "switchyard serve, one openai-kind model",
+                **(
+                    {CORE: "switchyard serve, one openai-kind model, auth off"}
+                    if "core" in scenarios_of(args)
+                    else {}
+                ),
             },
             "criteria": {
+                "judged_against_floor": [t for t in CHECKED_TARGETS if t in target_names(args)],
                 "added_p50_ratio_max_at_c1": LATENCY_RATIO_MAX,
                 "rps_ratio_min_at_c32": THROUGHPUT_RATIO_MIN,
             },
@@ -434,6 +525,8 @@ def _check_tools(args: argparse.Namespace) -> str | None:
         return f"bench overhead needs wrk ({args.wrk!r} not found)"
     if args.policy and shutil.which(args.redis_server) is None:
         return f"bench overhead --policy needs redis-server ({args.redis_server!r} not found)"
+    if (args.policy or args.observe) and "core" not in scenarios_of(args):
+        return "--policy and --observe compare with the core switchyard target: add --scenario core"
     return None
 
 
@@ -473,6 +566,9 @@ def run(args: argparse.Namespace) -> int:
         observe.annotate(summary)
     print(render(summary, args))
     result = _result(args, started, summary, runs)
+    with_realistic = realistic.TARGET in urls
+    if with_realistic:
+        realistic.record(result)
     if args.policy:
         policy.record(result, args.redis_server)
     if args.observe:
@@ -481,6 +577,8 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"results: {out}")
     code = _policy_errors(policy.errors(summary)) if args.policy else 0
+    if with_realistic:
+        code = max(code, realistic.check_errors(summary))
     if args.observe:
         code = max(code, observe.check_errors(summary))
     return code
