@@ -58,8 +58,8 @@ def test_driver_refuses_answers_that_are_not_200() -> None:
 def _served(tmp_path: Path, n: int) -> tuple[Any, list[Any]]:
     """Drive n chat requests through the real app (instant upstream reply); return the
     gateway's metrics and the contexts it settled, once their rows are committed."""
+    from switchyard.bench.harness import chat_body
     from switchyard.bench.hotpath import _reply, _switchyard_app
-    from switchyard.bench.overhead import chat_body
 
     async def run() -> tuple[Any, list[Any]]:
         app, gw = await _switchyard_app(tmp_path, _reply(4))

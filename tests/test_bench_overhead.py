@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from switchyard.bench.overhead import summarize
+from switchyard.bench import realistic
+from switchyard.bench.overhead import CHECKED_TARGETS, TARGETS, render, summarize, target_names
 
 
 def _runs(table: dict[tuple[int, str], tuple[float, float]]) -> list[dict[str, Any]]:
@@ -87,3 +90,121 @@ def test_the_floor_relays_bytes_as_they_are(scripted: Any, bare: bool) -> None:
         assert ("server" in floor.headers) is not bare
     finally:
         proc.stop()
+
+
+def test_the_realistic_target_is_judged_against_the_floor_like_switchyard() -> None:
+    runs = _runs(
+        {
+            (1, "direct"): (6000, 0.2),
+            (1, "floor"): (1200, 0.9),
+            (1, "switchyard"): (960, 1.2),
+            (1, "sy-realistic"): (600, 1.6),
+            (2, "direct"): (6000, 0.2),
+            (2, "floor"): (1200, 0.9),
+            (2, "switchyard"): (960, 1.2),
+            (2, "sy-realistic"): (900, 1.1),
+        }
+    )
+    targets = ("direct", "floor", "switchyard", "sy-realistic")
+    by_name = {s["scenario"]: s for s in summarize(runs, targets)}
+    c1, c32 = by_name["stream c=1"], by_name["stream c=32"]
+    real1, real32 = c1["checks"]["sy-realistic"], c32["checks"]["sy-realistic"]
+    # Medians: realistic p50 (1.6+1.1)/2 = 1.35 -> (1.35-0.2)/0.7; req/s 750/1200.
+    assert real1["added_p50_ratio"] == pytest.approx(1.15 / 0.7)
+    assert real1["verdict"] == "MISS"
+    assert real32["rps_ratio"] == pytest.approx(750 / 1200) and real32["verdict"] == "MISS"
+    assert real1["per_round"]["added_p50_ratio"] == pytest.approx([1.4 / 0.7, 0.9 / 0.7])
+    assert real32["per_round"]["rps_ratio"] == pytest.approx([0.5, 0.75])
+    # switchyard's own verdict is unchanged by the extra target, at the top level too.
+    assert c1["checks"]["switchyard"]["verdict"] == c1["verdict"] == "PASS"
+    assert c32["rps_ratio"] == pytest.approx(0.8)
+
+    text = render(summarize(runs, targets), argparse.Namespace(duration=1, rounds=2))
+    assert "added p50 sy-realistic/floor 1.64, req/s sy-realistic/floor 0.62" in text
+    assert "[req/s ratio >= 0.7: MISS]" in text and "[added p50 ratio <= 1.5: PASS]" in text
+
+
+def test_the_realistic_scenario_runs_by_default_next_to_the_others() -> None:
+    from switchyard.cli import build_parser
+
+    def targets(*argv: str) -> tuple[str, ...]:
+        return target_names(build_parser().parse_args(["bench", "overhead", *argv]))
+
+    assert targets() == ("direct", "floor", "switchyard", "sy-realistic")
+    assert targets("--policy") == (
+        "direct",
+        "floor",
+        "switchyard",
+        "sy-realistic",
+        "sy-policy",
+        "sy-policy-redis",
+    )
+    assert targets("--scenario", "realistic") == ("direct", "floor", "sy-realistic")
+    assert targets("--scenario", "core") == TARGETS
+    assert targets("--scenario", "realistic", "core") == targets()
+    assert realistic.TARGET in CHECKED_TARGETS
+
+
+def test_the_realistic_key_and_tenant_carry_their_limits(tmp_path: Path) -> None:
+    """The tenant and key the realistic target creates (through the CLI), read back
+    from the key store its gateway uses, and its config as the gateway loads it."""
+    from switchyard.config import ObserveConfig, load_settings
+    from switchyard.observe.db import connect
+    from switchyard.policy.keys import KeyStore, Limits
+
+    gw = realistic.prepare(tmp_path, upstream_port=9, timeout_s=120)
+    store = KeyStore(connect(str(gw.db)))
+    tenant = store.get_tenant("realistic")
+    assert tenant["limits"] == {
+        "rpm": 1_000_000,
+        "tpm": 1_000_000_000,
+        "max_concurrency": 1_000,
+        "budget_usd": 1_000_000,
+        "budget_period": "day",
+    }
+    [key] = store.list_keys("realistic")
+    assert key["limits"]["rpm"] == 1_000_000
+    principal = store.verify(gw.key)
+    assert not isinstance(principal, str), principal
+    assert principal.key_limits == Limits(rpm=1_000_000)
+    assert principal.tenant_limits == Limits(1_000_000, 1_000_000_000, 1_000, 1_000_000, "day")
+
+    settings = load_settings(str(gw.config))
+    assert settings.auth.mode == "keys" and not settings.auth.bootstrap_dev_key
+    assert settings.observe == ObserveConfig()  # the default trace policy
+    assert settings.observe.traces and settings.observe.traces_sample_ok == 1.0
+    assert Path(settings.storage.sqlite_path) == gw.db
+    assert [m.alias for m in settings.models] == ["scripted"]
+
+
+def test_the_realistic_target_serves_its_key_and_stores_traces(
+    tmp_path: Path, scripted: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started for real: refused without its key, served with it, traced; the admin API
+    of the running gateway shows the limits; wrk with its script gets no refusal."""
+    import json
+    import shutil
+
+    from switchyard.bench.harness import CHAT_PATH, Scenario, count_rows, http, run_wrk, stop_all
+
+    monkeypatch.setenv("SWITCHYARD_ADMIN_KEY", "admin-test")
+    children: list[Any] = []
+    args = argparse.Namespace(startup_timeout=120.0, tokens=4)
+    try:
+        target = realistic.start_realistic_target(
+            tmp_path, {"direct": scripted.url + CHAT_PATH}, args, children
+        )
+        # Its smoke requests (one plain, one streamed) left usage rows and traces.
+        assert count_rows(target.db, "usage") >= 2 and count_rows(target.db, "traces") >= 2
+        base = target.url.removesuffix(CHAT_PATH)
+        admin = {"Authorization": "Bearer admin-test"}
+        status, body = http("GET", base + "/admin/tenants/realistic", headers=admin)
+        assert status == 200, body
+        assert json.loads(body)["limits"]["max_concurrency"] == 1_000
+        status, body = http("GET", base + "/admin/keys?tenant=realistic", headers=admin)
+        assert status == 200 and json.loads(body)["data"][0]["limits"]["rpm"] == 1_000_000
+        if shutil.which("wrk") is not None:
+            res = run_wrk("wrk", target.url, target.scripts[True], Scenario(True, 1), 1)
+            assert res.requests > 0 and res.non_2xx == 0 and res.socket_errors == 0
+    finally:
+        stop_all(children)

@@ -42,10 +42,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from switchyard.bench.overhead import MODEL, chat_body
+from switchyard.bench.harness import CHAT_PATH, MODEL, chat_body
 from switchyard.engines.upstream import UpstreamReply
 
-CHAT_PATH = "/v1/chat/completions"
 METRICS_FOLD_EVERY = 64
 
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]

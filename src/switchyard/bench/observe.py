@@ -18,7 +18,7 @@ the added p50 (the target's p50 minus direct's).
 Before measuring, each target is checked to really have what it claims: /metrics is
 served or refused, trace rows are or are not written, spans reach the file.
 
-This module builds on the process and HTTP helpers of `overhead.py`; only `overhead.run`
+This module builds on the process and HTTP helpers of `harness.py`; only `overhead.run`
 calls into it, and only with `--observe`.
 """
 
@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sqlite3
 import sys
-import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -38,17 +36,19 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from switchyard.bench.overhead import (
+from switchyard.bench.harness import (
     CHAT_PATH,
     Child,
     StartError,
-    _version,
     config_yaml,
+    count_rows,
     free_port,
-    gateway_env,
     http,
+    package_version,
+    readyz,
     smoke,
-    spawn,
+    start_gateway,
+    wait_for,
     wait_ready,
 )
 
@@ -101,24 +101,6 @@ def observe_config(base_yaml: str, db_path: Path, observe: dict[str, Any]) -> st
 # --- checks -----------------------------------------------------------------------------
 
 
-def _count(db: Path, table: str) -> int:
-    try:
-        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
-            row = conn.execute(f"SELECT count(*) FROM {table}").fetchone()
-            return int(row[0])
-    except sqlite3.Error:
-        return 0
-
-
-def _wait_for(pred: Any, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.1)
-    return bool(pred())
-
-
 def check_observe(name: str, url: str, db: Path, workdir: Path, max_tokens: int) -> None:
     """Serve one plain and one streaming request, then check the target's observability
     is what its config says, so the ratios compare what they claim to."""
@@ -126,9 +108,9 @@ def check_observe(name: str, url: str, db: Path, workdir: Path, max_tokens: int)
     base = url.removesuffix(CHAT_PATH)
     metrics_status, body = http("GET", base + "/metrics")
     # The usage ledger is written by a background thread: wait for the smoke's rows.
-    if not _wait_for(lambda: _count(db, "usage") >= 2):
+    if not wait_for(lambda: count_rows(db, "usage") >= 2):
         raise StartError(f"{name}: no usage rows in {db} after the smoke requests")
-    traces = _count(db, "traces")
+    traces = count_rows(db, "traces")
     if name == OFF_TARGET:
         if metrics_status != 404:
             raise StartError(f"{name}: /metrics answered {metrics_status}, not 404 (metrics off)")
@@ -137,19 +119,15 @@ def check_observe(name: str, url: str, db: Path, workdir: Path, max_tokens: int)
         return
     if metrics_status != 200 or b"switchyard_requests_total" not in body:
         raise StartError(f"{name}: /metrics answered {metrics_status}: {body[:300]!r}")
-    if not _wait_for(lambda: _count(db, "traces") >= 2):
+    if not wait_for(lambda: count_rows(db, "traces") >= 2):
         raise StartError(f"{name}: no decision trace rows in {db}")
     if name == OTEL_TARGET:
         spans = workdir / SPANS_FILE
-        if not _wait_for(lambda: spans.exists() and spans.stat().st_size > 0):
+        if not wait_for(lambda: spans.exists() and spans.stat().st_size > 0):
             raise StartError(f"{name}: no spans written to {spans}")
 
 
 # --- gateways ---------------------------------------------------------------------------
-
-
-def _readyz(port: int) -> bool:
-    return http("GET", f"http://127.0.0.1:{port}/readyz")[0] == 200
 
 
 def start_observe_targets(
@@ -173,22 +151,12 @@ def start_observe_targets(
         cfg = workdir / f"{name}.yaml"
         base = config_yaml(port, upstream_port, db)
         cfg.write_text(observe_config(base, db, observe_section(name, workdir)))
-        argv = [
-            sys.executable,
-            "-m",
-            "switchyard",
-            "serve",
-            "--config",
-            str(cfg),
-            "--port",
-            str(port),
-        ]
-        child = spawn(name, argv, workdir, env=gateway_env())
+        child = start_gateway(name, cfg, port, workdir)
         children.append(child)
         launched.append((name, child, port, db))
     targets: list[ObserveTarget] = []
     for name, child, port, db in launched:
-        wait_ready(child, partial(_readyz, port), args.startup_timeout)
+        wait_ready(child, partial(readyz, port), args.startup_timeout)
         url = f"http://127.0.0.1:{port}{CHAT_PATH}"
         check_observe(name, url, db, workdir, args.tokens)
         targets.append(ObserveTarget(name, url, db))
@@ -293,5 +261,5 @@ def record(result: dict[str, Any], spans: dict[str, int] | None) -> None:
         "otel_spans_written": spans,
     }
     result["machine"]["versions"].update(
-        {d: _version(d) for d in ("prometheus-client", "opentelemetry-sdk")}
+        {d: package_version(d) for d in ("prometheus-client", "opentelemetry-sdk")}
     )

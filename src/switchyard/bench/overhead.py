@@ -7,43 +7,67 @@ what its decisions cost. wrk drives the load (a C client, so the load generator 
 is measured), in interleaved rounds with the order rotated, so drift on the machine hits
 every target alike; medians across rounds are reported.
 
+Switchyard runs in the scenarios `--scenario` names, both by default:
+- `core`: the `switchyard` target, auth off, observe defaults: the gateway core;
+- `realistic`: the `sy-realistic` target, a key with limits under a tenant with limits and
+  a daily budget, traces on; see `bench/realistic.py`.
+Both are judged against the floor with the same targets.
+
 With `--policy`, two more Switchyard targets with authentication, limits, budget and
 ledger on (in-process and Redis limiters) join the same rounds; see `bench/policy.py`.
 With `--observe`, two more with metrics and traces off, and with OpenTelemetry export on;
-see `bench/observe.py`.
+see `bench/observe.py`. Both compare with the `core` target.
 
 Targets: at concurrency 1, Switchyard's added p50 is at most 1.5x the floor's; at
 concurrency 32, Switchyard serves at least 0.70x the floor's requests per second.
+
+Processes, HTTP, wrk and configs come from `bench/harness.py`; this module is the only
+one that imports the scenario modules (policy, observe, realistic), so the bench import
+graph runs one way.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import platform
-import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass
-from importlib import metadata
+from dataclasses import asdict
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
-import switchyard
+from switchyard.bench import observe, policy, realistic
+from switchyard.bench.harness import (
+    CHAT_PATH,
+    MODEL,
+    Child,
+    Scenario,
+    StartError,
+    chat_body,
+    config_yaml,
+    free_port,
+    http,
+    machine_info,
+    readyz,
+    run_wrk,
+    serve_argv,
+    sigterm_as_exit,
+    smoke,
+    spawn,
+    stop_all,
+    wait_ready,
+    write_scripts,
+)
 
 TARGETS = ("direct", "floor", "switchyard")
+CORE = "switchyard"
+# The Switchyard targets each scenario adds; each is judged against the floor.
+SCENARIOS = {"core": CORE, "realistic": realistic.TARGET}
+CHECKED_TARGETS = tuple(SCENARIOS.values())
 FLOORS = {
     "fastapi": "passthrough proxy (FastAPI + aiohttp)",
     "bare": "passthrough proxy (uvicorn + Starlette request/response from the ASGI call, "
@@ -52,245 +76,25 @@ FLOORS = {
 CONCURRENCIES = (1, 32)
 LATENCY_RATIO_MAX = 1.5  # Switchyard added p50 / floor added p50, at concurrency 1
 THROUGHPUT_RATIO_MIN = 0.70  # Switchyard req/s / floor req/s, at concurrency 32
-MODEL = "scripted"
-CHAT_PATH = "/v1/chat/completions"
-UNIT_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60_000.0, "h": 3_600_000.0}
 
 
-class StartError(Exception):
-    """A target did not come up or does not answer correctly; the message says which."""
+# --- targets --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Scenario:
-    stream: bool
-    connections: int
-
-    @property
-    def threads(self) -> int:
-        return 1 if self.connections == 1 else 2
-
-    @property
-    def name(self) -> str:
-        return f"{'stream' if self.stream else 'non-stream'} c={self.connections}"
+def scenarios_of(args: argparse.Namespace) -> tuple[str, ...]:
+    """The `--scenario` names asked for, in SCENARIOS' order, each once."""
+    asked = set(getattr(args, "scenario", None) or SCENARIOS)
+    return tuple(name for name in SCENARIOS if name in asked)
 
 
-@dataclass(frozen=True, slots=True)
-class WrkResult:
-    rps: float
-    avg_ms: float
-    p50_ms: float
-    p75_ms: float
-    p90_ms: float
-    p99_ms: float
-    requests: int
-    non_2xx: int
-    socket_errors: int
-
-
-@dataclass(slots=True)
-class Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-
-def chat_body(stream: bool, max_tokens: int) -> bytes:
-    body: dict[str, Any] = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": max_tokens,
-    }
-    if stream:
-        body["stream"] = True
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
-# --- wrk ------------------------------------------------------------------------------
-
-
-def wrk_script(body: bytes) -> str:
-    """A wrk Lua script that POSTs `body` as JSON on every request."""
-    quoted = body.decode().replace("\\", "\\\\").replace('"', '\\"')
-    return (
-        'wrk.method = "POST"\n'
-        'wrk.headers["Content-Type"] = "application/json"\n'
-        f'wrk.body = "{quoted}"\n'
-    )
-
-
-def _ms(value: str, unit: str) -> float:
-    return float(value) * UNIT_MS[unit]
-
-
-def parse_wrk(text: str) -> WrkResult:
-    """Read wrk's `--latency` report. Raises ValueError when a needed line is missing."""
-    rps = re.search(r"^Requests/sec:\s+([\d.]+)", text, re.M)
-    avg = re.search(r"^\s+Latency\s+([\d.]+)(us|ms|s|m|h)\b", text, re.M)
-    total = re.search(r"^\s+(\d+) requests in ", text, re.M)
-    pct = {
-        m.group(1): _ms(m.group(2), m.group(3))
-        for m in re.finditer(r"^\s+(50|75|90|99)%\s+([\d.]+)(us|ms|s|m|h)\s*$", text, re.M)
-    }
-    if rps is None or avg is None or total is None or len(pct) != 4:
-        raise ValueError(f"unexpected wrk output:\n{text}")
-    non_2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", text)
-    sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
-    return WrkResult(
-        rps=float(rps.group(1)),
-        avg_ms=_ms(avg.group(1), avg.group(2)),
-        p50_ms=pct["50"],
-        p75_ms=pct["75"],
-        p90_ms=pct["90"],
-        p99_ms=pct["99"],
-        requests=int(total.group(1)),
-        non_2xx=int(non_2xx.group(1)) if non_2xx else 0,
-        socket_errors=sum(int(g) for g in sock.groups()) if sock else 0,
-    )
-
-
-def run_wrk(wrk: str, url: str, script: Path, scenario: Scenario, duration_s: int) -> WrkResult:
-    cmd = [
-        wrk,
-        f"-t{scenario.threads}",
-        f"-c{scenario.connections}",
-        f"-d{duration_s}s",
-        "--timeout",
-        "10s",
-        "--latency",
-        "-s",
-        str(script),
-        url,
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + 60)
-    if done.returncode != 0:
-        raise RuntimeError(f"wrk exited {done.returncode}: {done.stderr.strip()}")
-    return parse_wrk(done.stdout)
-
-
-# --- processes ------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _child_env() -> dict[str, str]:
-    """The children import switchyard from the same place we did, installed or not."""
-    env = dict(os.environ)
-    src = str(Path(switchyard.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    return env
-
-
-def gateway_env() -> dict[str, str]:
-    """The children's environment without SWITCHYARD_SQLITE_PATH: it would override each
-    bench gateway's own sqlite_path (its bench key, the trace checks)."""
-    env = _child_env()
-    env.pop("SWITCHYARD_SQLITE_PATH", None)
-    return env
-
-
-def spawn(name: str, argv: list[str], logdir: Path, env: dict[str, str] | None = None) -> Child:
-    log = logdir / f"{name}.log"
-    with log.open("wb") as fh:
-        proc = subprocess.Popen(
-            argv,
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=_child_env() if env is None else env,
-        )
-    return Child(name, proc, log)
-
-
-def stop_all(children: list[Child]) -> None:
-    """Terminate every child, then kill what has not exited after a grace period."""
-    for c in children:
-        if c.proc.poll() is None:
-            c.proc.terminate()
-    deadline = time.monotonic() + 8
-    for c in children:
-        try:
-            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            c.proc.kill()
-            c.proc.wait()
-
-
-def log_tail(child: Child, lines: int = 30) -> str:
-    try:
-        text = child.log.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
-
-
-def http(
-    method: str,
-    url: str,
-    body: bytes | None = None,
-    timeout_s: float = 10,
-    headers: Mapping[str, str] | None = None,
-) -> tuple[int, bytes]:
-    """One HTTP call on loopback, bypassing any proxy from the environment.
-
-    Returns (status, body); status 0 means no HTTP answer (refused, reset, timed out).
-    """
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    req = urllib.request.Request(url, data=body, method=method)
-    if body is not None:
-        req.add_header("Content-Type", "application/json")
-    for name, value in (headers or {}).items():
-        req.add_header(name, value)
-    try:
-        with opener.open(req, timeout=timeout_s) as resp:
-            return int(resp.status), bytes(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-    except (urllib.error.URLError, OSError):
-        return 0, b""
-
-
-def wait_ready(child: Child, ready: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if child.proc.poll() is not None:
-            raise StartError(
-                f"{child.name} exited with code {child.proc.returncode} while starting:\n"
-                f"{log_tail(child)}"
-            )
-        if ready():
-            return
-        time.sleep(0.2)
-    raise StartError(f"{child.name} was not ready after {timeout_s:.0f} s:\n{log_tail(child)}")
-
-
-def smoke(name: str, url: str, max_tokens: int, headers: Mapping[str, str] | None = None) -> None:
-    """One plain and one streaming request must succeed before a target is measured."""
-    status, body = http("POST", url, chat_body(False, max_tokens), headers=headers)
-    if status != 200 or b'"choices"' not in body:
-        raise StartError(f"{name}: POST {url} answered {status}: {body[:500]!r}")
-    status, body = http("POST", url, chat_body(True, max_tokens), headers=headers)
-    if status != 200 or b"data: [DONE]" not in body:
-        raise StartError(f"{name}: streaming POST {url} answered {status}: {body[:500]!r}")
-
-
-def config_yaml(switchyard_port: int, upstream_port: int, db_path: Path) -> str:
-    return (
-        f"server: {{host: 127.0.0.1, port: {switchyard_port}}}\n"
-        "models:\n"
-        f"  - alias: {MODEL}\n"
-        "    revision: scripted-v1\n"
-        f'    engine: {{kind: openai, base_url: "http://127.0.0.1:{upstream_port}/v1"}}\n'
-        "embeddings: {enabled: false}\n"
-        # Policy off: this measures the gateway core against the floor.
-        "auth: {mode: disabled}\n"
-        f'storage: {{sqlite_path: "{db_path}"}}\n'
-    )
+def target_names(args: argparse.Namespace) -> tuple[str, ...]:
+    """Every target a run with these arguments measures, in the order it starts them."""
+    names = ["direct", "floor", *(SCENARIOS[s] for s in scenarios_of(args))]
+    if getattr(args, "policy", False):
+        names += policy.POLICY_TARGETS
+    if getattr(args, "observe", False):
+        names += observe.OBSERVE_TARGETS
+    return tuple(names)
 
 
 def start_targets(
@@ -300,8 +104,10 @@ def start_targets(
     timeout_s: float,
     children: list[Child],
     bare_floor: bool = False,
+    core: bool = True,
 ) -> dict[str, str]:
-    """Start upstream, floor and Switchyard; return each target's chat URL once it works.
+    """Start upstream, floor and (with `core`) Switchyard; return each target's chat URL
+    once it works.
 
     Started children are appended to `children` as soon as they exist, so the caller can
     stop them whatever happens here.
@@ -329,8 +135,6 @@ def start_targets(
     up_base = f"http://127.0.0.1:{up_port}"
     wait_ready(upstream, lambda: http("GET", up_base + "/health")[0] == 200, timeout_s)
 
-    cfg = workdir / "switchyard.yaml"
-    cfg.write_text(config_yaml(sy_port, up_port, workdir / "switchyard.db"))
     floor = spawn(
         "floor",
         [
@@ -348,42 +152,24 @@ def start_targets(
         workdir,
     )
     children.append(floor)
-    gateway = spawn(
-        "switchyard",
-        [py, "-m", "switchyard", "serve", "--config", str(cfg), "--port", str(sy_port)],
-        workdir,
-    )
-    children.append(gateway)
     urls = {
         "direct": up_base + CHAT_PATH,
         "floor": f"http://127.0.0.1:{floor_port}{CHAT_PATH}",
-        "switchyard": f"http://127.0.0.1:{sy_port}{CHAT_PATH}",
     }
+    gateway = None
+    if core:
+        cfg = workdir / "switchyard.yaml"
+        cfg.write_text(config_yaml(sy_port, up_port, workdir / "switchyard.db"))
+        gateway = spawn(CORE, serve_argv(cfg, sy_port), workdir)
+        children.append(gateway)
+        urls[CORE] = f"http://127.0.0.1:{sy_port}{CHAT_PATH}"
     probe = chat_body(False, max_tokens)
     wait_ready(floor, lambda: http("POST", urls["floor"], probe)[0] == 200, timeout_s)
-    sy_ready = f"http://127.0.0.1:{sy_port}/readyz"
-    wait_ready(gateway, lambda: http("GET", sy_ready)[0] == 200, timeout_s)
+    if gateway is not None:
+        wait_ready(gateway, lambda: readyz(sy_port), timeout_s)
     for name, url in urls.items():
         smoke(name, url, max_tokens)
     return urls
-
-
-@contextlib.contextmanager
-def sigterm_as_exit() -> Iterator[None]:
-    """Turn SIGTERM into SystemExit, so `finally` blocks stop the children."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise SystemExit(128 + signum)
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 # --- measuring and reporting ----------------------------------------------------------
@@ -440,12 +226,15 @@ def measure(
 def summarize(
     runs: list[dict[str, Any]], targets: tuple[str, ...] = TARGETS
 ) -> list[dict[str, Any]]:
-    """Medians per scenario and target, the added latencies, the ratios and the verdict.
+    """Medians per scenario and target, the added latencies, the ratios and the verdicts.
 
-    `targets` must include TARGETS; the verdict compares Switchyard with the floor only.
+    `targets` must include direct and floor. Every target of CHECKED_TARGETS among them
+    (`switchyard`, `sy-realistic`) is judged against the floor, under "checks"; the
+    top-level ratio and verdict fields are `switchyard`'s, when it was measured.
     """
     out: list[dict[str, Any]] = []
     scenarios = [Scenario(s, c) for s in (False, True) for c in CONCURRENCIES]
+    checked = [t for t in targets if t in CHECKED_TARGETS]
     for sc in scenarios:
         med: dict[str, dict[str, float]] = {}
         for target in targets:
@@ -455,50 +244,70 @@ def summarize(
             }
             med[target]["errors"] = sum(r["non_2xx"] + r["socket_errors"] for r in mine)
         floor_added = med["floor"]["p50_ms"] - med["direct"]["p50_ms"]
-        sy_added = med["switchyard"]["p50_ms"] - med["direct"]["p50_ms"]
-        lat_ratio = sy_added / floor_added if floor_added > 0 else None
-        rps_ratio = (
-            med["switchyard"]["rps"] / med["floor"]["rps"] if med["floor"]["rps"] > 0 else None
-        )
-        paired = _per_round(runs, sc.name)
         if sc.connections == 1:
             check = f"added p50 ratio <= {LATENCY_RATIO_MAX}"
-            ok = lat_ratio is not None and lat_ratio <= LATENCY_RATIO_MAX
         else:
             check = f"req/s ratio >= {THROUGHPUT_RATIO_MIN}"
-            ok = rps_ratio is not None and rps_ratio >= THROUGHPUT_RATIO_MIN
-        out.append(
-            {
-                "scenario": sc.name,
-                "stream": sc.stream,
-                "connections": sc.connections,
-                "targets": med,
-                "floor_added_p50_ms": floor_added,
-                "switchyard_added_p50_ms": sy_added,
-                "added_p50_ratio": lat_ratio,
-                "rps_ratio": rps_ratio,
-                "per_round": paired,
-                "check": check,
-                "verdict": "PASS" if ok else "MISS",
+        checks = {t: _judge(runs, sc, med, t) for t in checked}
+        entry: dict[str, Any] = {
+            "scenario": sc.name,
+            "stream": sc.stream,
+            "connections": sc.connections,
+            "targets": med,
+            "floor_added_p50_ms": floor_added,
+            "check": check,
+            "checks": checks,
+        }
+        if CORE in checks:  # switchyard's, at the top level, as before there were two
+            core = checks[CORE]
+            entry |= {
+                "switchyard_added_p50_ms": core["added_p50_ms"],
+                "added_p50_ratio": core["added_p50_ratio"],
+                "rps_ratio": core["rps_ratio"],
+                "per_round": core["per_round"],
+                "verdict": core["verdict"],
             }
-        )
+        out.append(entry)
     return out
 
 
-def _per_round(runs: list[dict[str, Any]], scenario: str) -> dict[str, list[float]]:
-    """Each round's own ratios (its three targets ran minutes apart at most, so drift
-    of the machine between rounds cancels): the spread behind the medians' verdict."""
+def _judge(
+    runs: list[dict[str, Any]], sc: Scenario, med: dict[str, dict[str, float]], target: str
+) -> dict[str, Any]:
+    """One Switchyard target against the floor in one scenario: its added p50, the two
+    ratios of medians, each round's own ratios and the verdict of this scenario's check."""
+    floor_added = med["floor"]["p50_ms"] - med["direct"]["p50_ms"]
+    added = med[target]["p50_ms"] - med["direct"]["p50_ms"]
+    lat_ratio = added / floor_added if floor_added > 0 else None
+    rps_ratio = med[target]["rps"] / med["floor"]["rps"] if med["floor"]["rps"] > 0 else None
+    if sc.connections == 1:
+        ok = lat_ratio is not None and lat_ratio <= LATENCY_RATIO_MAX
+    else:
+        ok = rps_ratio is not None and rps_ratio >= THROUGHPUT_RATIO_MIN
+    return {
+        "added_p50_ms": added,
+        "added_p50_ratio": lat_ratio,
+        "rps_ratio": rps_ratio,
+        "per_round": _per_round(runs, sc.name, target),
+        "verdict": "PASS" if ok else "MISS",
+    }
+
+
+def _per_round(runs: list[dict[str, Any]], scenario: str, target: str) -> dict[str, list[float]]:
+    """Each round's own ratios of `target` to the floor (a round's targets ran minutes
+    apart at most, so drift of the machine between rounds cancels): the spread behind
+    the medians' verdict."""
     lat: list[float] = []
     rps: list[float] = []
     for rnd in sorted({r["round"] for r in runs}):
         got = {r["target"]: r for r in runs if r["scenario"] == scenario and r["round"] == rnd}
-        if not all(t in got for t in TARGETS):
+        if not all(t in got for t in ("direct", "floor", target)):
             continue
         floor_added = got["floor"]["p50_ms"] - got["direct"]["p50_ms"]
         if floor_added > 0:
-            lat.append((got["switchyard"]["p50_ms"] - got["direct"]["p50_ms"]) / floor_added)
+            lat.append((got[target]["p50_ms"] - got["direct"]["p50_ms"]) / floor_added)
         if got["floor"]["rps"] > 0:
-            rps.append(got["switchyard"]["rps"] / got["floor"]["rps"])
+            rps.append(got[target]["rps"] / got["floor"]["rps"])
     return {"added_p50_ratio": lat, "rps_ratio": rps}
 
 
@@ -513,12 +322,16 @@ def _num(value: float | None, fmt: str) -> str:
 
 
 def _added_p50(s: dict[str, Any], target: str) -> float | None:
-    """A target's added p50 over direct, as `summarize` (and `policy.annotate`) stored it."""
+    """A target's added p50 over direct, as `summarize` (and `policy.annotate`,
+    `observe.annotate`) stored it."""
     if target == "direct":
         return None
-    if target in ("floor", "switchyard"):
-        value: float = s[f"{target}_added_p50_ms"]
-        return value
+    if target == "floor":
+        floor_value: float = s["floor_added_p50_ms"]
+        return floor_value
+    if target in s.get("checks", {}):
+        checked_value: float = s["checks"][target]["added_p50_ms"]
+        return checked_value
     section = "observe" if target in s.get("observe", {}).get("targets", {}) else "policy"
     policy_value: float | None = s[section]["targets"][target]["added_p50_ms"]
     return policy_value
@@ -532,6 +345,25 @@ def _policy_lines(s: dict[str, Any]) -> list[str]:
         f"added p50 {_num(p['added_p50_ratio_vs_policy_off'], '.2f')}"
         for name, p in s["policy"]["targets"].items()
     ]
+
+
+def _check_lines(s: dict[str, Any]) -> list[str]:
+    """Two lines per target judged against the floor: the ratios of medians with the
+    verdict, and each round's own ratios."""
+    lines = []
+    for target, c in s.get("checks", {}).items():
+        lines.append(
+            f"{'':<16}added p50 {target}/floor {_num(c['added_p50_ratio'], '.2f')}, "
+            f"req/s {target}/floor {_num(c['rps_ratio'], '.2f')}  "
+            f"[{s['check']}: {c['verdict']}]"
+        )
+        pr = c["per_round"]
+        if pr["added_p50_ratio"] or pr["rps_ratio"]:
+            lines.append(
+                f"{'':<16}  per round: added p50 ratio {_spread(pr['added_p50_ratio'])}, "
+                f"req/s ratio {_spread(pr['rps_ratio'])}"
+            )
+    return lines
 
 
 def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -552,78 +384,13 @@ def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 f"{s['scenario'] if i == 0 else '':<16}{target:<{tw}}{t['rps']:>10.1f}"
                 f"{t['p50_ms']:>10.3f}{t['p99_ms']:>10.3f}{_num(added, '.3f'):>10}{errors}"
             )
-        lines.append(
-            f"{'':<16}added p50 switchyard/floor {_num(s['added_p50_ratio'], '.2f')}, "
-            f"req/s switchyard/floor {_num(s['rps_ratio'], '.2f')}  "
-            f"[{s['check']}: {s['verdict']}]"
-        )
-        if s.get("per_round"):
-            pr = s["per_round"]
-            lines.append(
-                f"{'':<16}per round: added p50 ratio {_spread(pr['added_p50_ratio'])}, "
-                f"req/s ratio {_spread(pr['rps_ratio'])}"
-            )
+        lines.extend(_check_lines(s))
         if "policy" in s:
             lines.extend(_policy_lines(s))
         if "observe" in s:
-            from switchyard.bench import observe  # builds on this module: imported late
-
             lines.extend(observe.lines(s))
         lines.append("")
     return "\n".join(lines)
-
-
-# --- machine --------------------------------------------------------------------------
-
-
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def _proc_field(path: str, key: str) -> str | None:
-    try:
-        with open(path) as fh:
-            for line in fh:
-                name, _, value = line.partition(":")
-                if name.strip() == key:
-                    return value.strip()
-    except OSError:
-        pass
-    return None
-
-
-def machine_info(wrk: str) -> dict[str, Any]:
-    """What the numbers depend on, so two result files can be compared honestly."""
-    try:
-        done = subprocess.run([wrk, "--version"], capture_output=True, text=True, timeout=10)
-        wrk_version = (done.stdout + done.stderr).strip().splitlines()[0]
-    except (OSError, IndexError, subprocess.TimeoutExpired):
-        wrk_version = "unknown"
-    return {
-        "cpu_model": _proc_field("/proc/cpuinfo", "model name") or platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "memory_total": _proc_field("/proc/meminfo", "MemTotal"),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "versions": {
-            d: _version(d)
-            for d in (
-                "switchyard",
-                "fastapi",
-                "starlette",
-                "uvicorn",
-                "aiohttp",
-                "uvloop",
-                "httptools",
-                "orjson",
-            )
-        },
-        "wrk": wrk_version,
-    }
 
 
 # --- the command ----------------------------------------------------------------------
@@ -643,6 +410,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bare: the proxy serves its routes from the ASGI call, as Switchyard's model "
         "routes are served (like for like, the default); fastapi: they go through "
         "FastAPI's stack (the floor of runs before 2026-11-29's last round)",
+    )
+    parser.add_argument(
+        "--scenario",
+        nargs="+",
+        choices=tuple(SCENARIOS),
+        default=list(SCENARIOS),
+        help="the Switchyard targets judged against the floor (default: both): core "
+        "(switchyard: auth off, the gateway core) and realistic (sy-realistic: a key "
+        "with rpm 1e6 under a tenant with rpm 1e6, tpm 1e9, max_concurrency 1000 and a "
+        "$1e6 daily budget, traces on); --policy and --observe need core",
     )
     parser.add_argument("--out", default=None, help="JSON result path")
     parser.add_argument(
@@ -667,27 +444,32 @@ def _start(
     args: argparse.Namespace, workdir: Path, children: list[Child]
 ) -> tuple[dict[str, str], dict[str, dict[bool, Path]]]:
     """Start every target; return each one's chat URL and its wrk scripts by stream."""
-    from switchyard.bench import policy  # builds on this module: imported late, not at the top
-
-    plain: dict[bool, Path] = {}
-    for stream in (False, True):
-        plain[stream] = workdir / ("chat-stream.lua" if stream else "chat.lua")
-        plain[stream].write_text(wrk_script(chat_body(stream, args.tokens)))
+    plain = write_scripts(workdir, "plain", None, args.tokens)
     bare = getattr(args, "floor", "bare") == "bare"
+    scenarios = scenarios_of(args)
     urls = start_targets(
-        workdir, args.tokens, args.tokens, args.startup_timeout, children, bare_floor=bare
+        workdir,
+        args.tokens,
+        args.tokens,
+        args.startup_timeout,
+        children,
+        bare_floor=bare,
+        core="core" in scenarios,
     )
     scripts = {target: plain for target in urls}
-    if args.policy:
+    if "realistic" in scenarios:
+        rt = realistic.start_realistic_target(workdir, urls, args, children)
+        urls[rt.name] = rt.url
+        scripts[rt.name] = rt.scripts
+    if getattr(args, "policy", False):
         for pt in policy.start_policy_targets(workdir, urls, args, children):
             urls[pt.name] = pt.url
             scripts[pt.name] = pt.scripts
     if getattr(args, "observe", False):
-        from switchyard.bench import observe
-
         for ot in observe.start_observe_targets(workdir, urls, args, children):
             urls[ot.name] = ot.url
             scripts[ot.name] = plain
+    assert tuple(urls) == target_names(args), (tuple(urls), target_names(args))
     return urls, scripts
 
 
@@ -713,12 +495,18 @@ def _result(
                 "non_stream": chat_body(False, args.tokens).decode(),
                 "stream": chat_body(True, args.tokens).decode(),
             },
+            "scenarios": list(scenarios_of(args)),
             "targets": {
                 "direct": "scripted upstream",
                 "floor": FLOORS[getattr(args, "floor", "bare")],
-                "switchyard": "switchyard serve, one openai-kind model",
+                **(
+                    {CORE: "switchyard serve, one openai-kind model, auth off"}
+                    if "core" in scenarios_of(args)
+                    else {}
+                ),
             },
             "criteria": {
+                "judged_against_floor": [t for t in CHECKED_TARGETS if t in target_names(args)],
                 "added_p50_ratio_max_at_c1": LATENCY_RATIO_MAX,
                 "rps_ratio_min_at_c32": THROUGHPUT_RATIO_MIN,
             },
@@ -737,12 +525,12 @@ def _check_tools(args: argparse.Namespace) -> str | None:
         return f"bench overhead needs wrk ({args.wrk!r} not found)"
     if args.policy and shutil.which(args.redis_server) is None:
         return f"bench overhead --policy needs redis-server ({args.redis_server!r} not found)"
+    if (args.policy or args.observe) and "core" not in scenarios_of(args):
+        return "--policy and --observe compare with the core switchyard target: add --scenario core"
     return None
 
 
 def run(args: argparse.Namespace) -> int:
-    from switchyard.bench import observe, policy  # build on this module: imported late
-
     problem = _check_tools(args)
     if problem is not None:
         print(f"switchyard: {problem}", file=sys.stderr)
@@ -778,6 +566,9 @@ def run(args: argparse.Namespace) -> int:
         observe.annotate(summary)
     print(render(summary, args))
     result = _result(args, started, summary, runs)
+    with_realistic = realistic.TARGET in urls
+    if with_realistic:
+        realistic.record(result)
     if args.policy:
         policy.record(result, args.redis_server)
     if args.observe:
@@ -786,6 +577,8 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"results: {out}")
     code = _policy_errors(policy.errors(summary)) if args.policy else 0
+    if with_realistic:
+        code = max(code, realistic.check_errors(summary))
     if args.observe:
         code = max(code, observe.check_errors(summary))
     return code

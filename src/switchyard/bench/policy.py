@@ -14,40 +14,36 @@ ever refused: every request pays for the whole policy path, and a non-2xx answer
 the numbers are wrong, not slow. Ratios are against the policy-off `switchyard` target
 measured in the same rounds, so machine drift cancels out.
 
-This module builds on the process and HTTP helpers of `overhead.py`; only `overhead.run`
-calls into it, and only with `--policy`.
+This module builds on the process, key and HTTP helpers of `harness.py`; only
+`overhead.run` calls into it, and only with `--policy`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import subprocess
-import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import yaml
-
-from switchyard.bench.overhead import (
-    CHAT_PATH,
+from switchyard.bench.harness import (
+    AUTH_ON,
     Child,
-    StartError,
-    _child_env,
-    _version,
-    chat_body,
-    config_yaml,
+    KeyedGateway,
+    LimitValue,
+    check_auth_on,
+    create_tenant_key,
     free_port,
-    gateway_env,
-    http,
-    smoke,
+    package_version,
+    prepare_keyed_gateway,
+    readyz,
     spawn,
+    start_gateway,
     wait_ready,
-    wrk_script,
+    write_scripts,
 )
 
 BASELINE = "switchyard"  # the policy-off target every policy target is compared with
@@ -57,13 +53,12 @@ POLICY_TARGETS = (MEMORY_TARGET, REDIS_TARGET)
 TENANT = "bench"
 # High enough that no request in any run is refused: the bench measures the cost of
 # checking limits, not the effect of hitting them. Each request reserves about 20 tokens.
-TENANT_LIMITS: dict[str, int | float] = {
+TENANT_LIMITS: dict[str, LimitValue] = {
     "rpm": 100_000_000,
     "tpm": 1_000_000_000,
     "max_concurrency": 100_000,
     "budget_usd": 1_000_000,
 }
-AUTH_ON = {"mode": "keys", "bootstrap_dev_key": False}
 DESCRIPTIONS = {
     MEMORY_TARGET: "switchyard serve, auth keys, key+tenant limits and budget in the "
     "in-process MemoryLimiter, SQLite usage ledger",
@@ -80,52 +75,7 @@ class PolicyTarget:
     scripts: dict[bool, Path]
 
 
-# --- configuration and keys -------------------------------------------------------------
-
-
-def policy_config(base_yaml: str, db_path: Path, redis_url: str | None) -> str:
-    """The policy-off config with auth on and its own storage.
-
-    Derived from the policy-off YAML rather than written anew, so the model config is the
-    same by construction and only auth and storage differ.
-    """
-    cfg: dict[str, Any] = yaml.safe_load(base_yaml)
-    cfg["auth"] = dict(AUTH_ON)
-    storage: dict[str, str] = {"sqlite_path": str(db_path)}
-    if redis_url is not None:
-        storage["redis_url"] = redis_url
-    cfg["storage"] = storage
-    return yaml.safe_dump(cfg, sort_keys=False)
-
-
-def _cli(argv: list[str], timeout_s: float) -> dict[str, Any]:
-    """Run `python -m switchyard ARGV` and return its JSON output.
-
-    The bench goes through the CLI, not `KeyStore`, so it exercises what an operator does.
-    """
-    cmd = [sys.executable, "-m", "switchyard", *argv]
-    try:
-        done = subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            env=_child_env(),
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired:
-        raise StartError(f"`switchyard {' '.join(argv[:2])}` took over {timeout_s:.0f} s") from None
-    if done.returncode != 0:
-        raise StartError(
-            f"`switchyard {' '.join(argv[:2])}` exited {done.returncode}: {done.stderr.strip()}"
-        )
-    try:
-        out: dict[str, Any] = json.loads(done.stdout)
-    except json.JSONDecodeError:
-        raise StartError(
-            f"`switchyard {' '.join(argv[:2])}` printed no JSON: {done.stdout!r}"
-        ) from None
-    return out
+# --- tenant and key ---------------------------------------------------------------------
 
 
 def create_key(db_path: Path, timeout_s: float) -> str:
@@ -134,14 +84,7 @@ def create_key(db_path: Path, timeout_s: float) -> str:
     The key sets no limits of its own, so the tenant's apply: one scope with rpm, tpm,
     concurrency and budget, all far above what the bench can reach.
     """
-    limits = [
-        arg for name, v in TENANT_LIMITS.items() for arg in (f"--{name.replace('_', '-')}", str(v))
-    ]
-    _cli(["tenants", "create", TENANT, *limits, "--db", str(db_path)], timeout_s)
-    key = _cli(["keys", "create", "--tenant", TENANT, "--db", str(db_path)], timeout_s).get("key")
-    if not isinstance(key, str) or not key:
-        raise StartError("`switchyard keys create` printed no key")
-    return key
+    return create_tenant_key(db_path, TENANT, TENANT_LIMITS, timeout_s)
 
 
 # --- redis ------------------------------------------------------------------------------
@@ -191,45 +134,6 @@ def redis_server_version(binary: str) -> str:
 # --- gateways ---------------------------------------------------------------------------
 
 
-def auth_script(body: bytes, key: str) -> str:
-    """The overhead bench's wrk script plus the Bearer key the policy gateways require."""
-    return wrk_script(body) + f'wrk.headers["Authorization"] = "Bearer {key}"\n'
-
-
-def write_scripts(workdir: Path, name: str, key: str, max_tokens: int) -> dict[bool, Path]:
-    scripts: dict[bool, Path] = {}
-    for stream in (False, True):
-        scripts[stream] = workdir / f"{name}-{'chat-stream' if stream else 'chat'}.lua"
-        scripts[stream].write_text(auth_script(chat_body(stream, max_tokens), key))
-    return scripts
-
-
-def check_policy_on(name: str, url: str, key: str, max_tokens: int) -> None:
-    """Before measuring: a request without a key must be refused (else policy is off and
-    the target measures nothing new), and with the key it must be served."""
-    status, body = http("POST", url, chat_body(False, max_tokens))
-    if status != 401:
-        raise StartError(f"{name}: a request without a key answered {status}, not 401: {body!r}")
-    smoke(name, url, max_tokens, headers={"Authorization": f"Bearer {key}"})
-
-
-def _launch(
-    name: str, workdir: Path, upstream_port: int, redis_url: str | None, timeout_s: float
-) -> tuple[Child, int, str]:
-    """Create the tenant and key in a fresh SQLite file, then start that gateway."""
-    db = workdir / f"{name}.db"
-    key = create_key(db, timeout_s)
-    port = free_port()
-    cfg = workdir / f"{name}.yaml"
-    cfg.write_text(policy_config(config_yaml(port, upstream_port, db), db, redis_url))
-    argv = [sys.executable, "-m", "switchyard", "serve", "--config", str(cfg), "--port", str(port)]
-    return spawn(name, argv, workdir, env=gateway_env()), port, key
-
-
-def _readyz(port: int) -> bool:
-    return http("GET", f"http://127.0.0.1:{port}/readyz")[0] == 200
-
-
 def start_policy_targets(
     workdir: Path,
     urls: dict[str, str],
@@ -244,17 +148,26 @@ def start_policy_targets(
     upstream_port = urlsplit(urls["direct"]).port
     assert upstream_port is not None
     redis_url, _ = start_redis(args.redis_server, workdir, args.startup_timeout, children)
-    launched: list[tuple[str, Child, int, str]] = []
+    launched: list[tuple[KeyedGateway, Child]] = []
     for name, redis in ((MEMORY_TARGET, None), (REDIS_TARGET, redis_url)):
-        child, port, key = _launch(name, workdir, upstream_port, redis, args.startup_timeout)
+        gw = prepare_keyed_gateway(
+            name,
+            workdir,
+            upstream_port,
+            TENANT,
+            TENANT_LIMITS,
+            args.startup_timeout,
+            redis_url=redis,
+        )
+        child = start_gateway(name, gw.config, gw.port, workdir)
         children.append(child)
-        launched.append((name, child, port, key))
+        launched.append((gw, child))
     targets: list[PolicyTarget] = []
-    for name, child, port, key in launched:
-        wait_ready(child, partial(_readyz, port), args.startup_timeout)
-        url = f"http://127.0.0.1:{port}{CHAT_PATH}"
-        check_policy_on(name, url, key, args.tokens)
-        targets.append(PolicyTarget(name, url, write_scripts(workdir, name, key, args.tokens)))
+    for gw, child in launched:
+        wait_ready(child, partial(readyz, gw.port), args.startup_timeout)
+        check_auth_on(gw.name, gw.url, gw.key, args.tokens)
+        scripts = write_scripts(workdir, gw.name, gw.key, args.tokens)
+        targets.append(PolicyTarget(gw.name, gw.url, scripts))
     return targets
 
 
@@ -305,5 +218,5 @@ def record(result: dict[str, Any], redis_binary: str) -> None:
         },
     }
     machine = result["machine"]
-    machine["versions"]["redis"] = _version("redis")
+    machine["versions"]["redis"] = package_version("redis")
     machine["redis_server"] = redis_server_version(redis_binary)

@@ -26,10 +26,11 @@ from typing import Any
 
 import yaml
 
-from switchyard.bench.overhead import (
+from switchyard.bench.harness import (
     CHAT_PATH,
     Child,
     Scenario,
+    auth_config,
     config_yaml,
     free_port,
     gateway_env,
@@ -39,8 +40,9 @@ from switchyard.bench.overhead import (
     spawn,
     stop_all,
     wait_ready,
+    write_scripts,
 )
-from switchyard.bench.policy import create_key, policy_config, write_scripts
+from switchyard.bench.policy import create_key
 
 
 def _rss_kb(pid: int) -> int:
@@ -108,9 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         db = workdir / "soak.db"
         key = create_key(db, args.startup_timeout)
-        cfg: dict[str, Any] = yaml.safe_load(
-            policy_config(config_yaml(sy_port, up_port, db), db, None)
-        )
+        cfg: dict[str, Any] = yaml.safe_load(auth_config(config_yaml(sy_port, up_port, db), db))
         cfg["observe"] = {
             "max_disk_mb": args.max_disk_mb,
             "retention_interval_s": args.retention_interval,
