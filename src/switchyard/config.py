@@ -42,6 +42,10 @@ class ServerConfig(_Strict):
 
 
 class StorageConfig(_Strict):
+    # sqlite: keys, ledger, traces and idempotency in sqlite_path (durable, shared with
+    # the CLI and other gateway processes); memory: all of it in this process only, lost
+    # on exit (tests, throwaway gateways).
+    backend: Literal["sqlite", "memory"] = "sqlite"
     sqlite_path: str = "~/.switchyard/switchyard.db"
     redis_url: str | None = None  # shared limits and budgets across gateway processes
     # Per Redis call; past it the limiter counts as unavailable (fail_closed/fail_open).

@@ -20,16 +20,14 @@ from switchyard.decide.stages import Cache, CachePlanner, Embed, Place, Route, S
 from switchyard.embed import EmbeddingService
 from switchyard.engines.registry import Deployment, Registry
 from switchyard.execute.executor import Executor
-from switchyard.execute.idempotency import IdempotencyStore
-from switchyard.observe.db import connect
-from switchyard.observe.ledger import UsageLedger
 from switchyard.observe.metrics import Metrics
 from switchyard.observe.otel import build_tracing
+from switchyard.observe.store import MemoryStore, SqliteStore, Store
 from switchyard.observe.traces import enforce_disk, enforce_retention
 from switchyard.pipeline import Pipeline
 from switchyard.policy.admission import DeploymentGate
 from switchyard.policy.auth import Authenticator
-from switchyard.policy.keys import KeyStore, Limits
+from switchyard.policy.keys import Limits
 from switchyard.policy.limits import Limiter, MemoryLimiter
 from switchyard.policy.pii import PiiMasker
 from switchyard.policy.stages import (
@@ -104,12 +102,17 @@ class Gateway:
         )
         self.sqlite_path = sqlite_path(settings)
         d = settings.tenants_defaults
-        self.keys = KeyStore(
-            connect(self.sqlite_path),
-            Limits(d.rpm, d.tpm, d.max_concurrency, d.budget.usd, d.budget.period),
+        defaults = Limits(d.rpm, d.tpm, d.max_concurrency, d.budget.usd, d.budget.period)
+        flush_s = settings.observe.ledger_flush_ms / 1000
+        self.store: Store = (
+            MemoryStore(defaults, settings.idempotency.ttl_s, flush_s)
+            if settings.storage.backend == "memory"
+            else SqliteStore(self.sqlite_path, defaults, settings.idempotency.ttl_s, flush_s)
         )
-        self.auth = Authenticator(self.keys, settings.auth.key_cache_s)
-        self.ledger = UsageLedger(self.sqlite_path, settings.observe.ledger_flush_ms / 1000)
+        self.keys = self.store.keys
+        self.ledger = self.store.ledger
+        self.idempotency = self.store.idempotency
+        self.auth = Authenticator(self.store.verify_key, settings.auth.key_cache_s)
         self.limiter: Limiter
         if settings.storage.redis_url:
             from switchyard.policy.redis_limits import RedisLimiter
@@ -129,7 +132,6 @@ class Gateway:
             obs.otel.exporter, obs.otel.endpoint, obs.otel.path, obs.otel.service_name
         )
         self.executor = Executor(settings, self.registry, self.tracing)
-        self.idempotency = IdempotencyStore(connect(self.sqlite_path), settings.idempotency.ttl_s)
         c = settings.cache
         self.cache = (
             ResponseCache(c.max_entries, c.max_bytes, dimensions=self._embedding_dimensions)
@@ -151,7 +153,7 @@ class Gateway:
             build_pipelines(
                 settings,
                 self.registry.deployments,
-                Reserver(self.limiter, settings, self._spent_since, self.counters),
+                Reserver(self.limiter, settings, self.store.spent_since, self.counters),
                 self.gates,
                 self.pii,
                 self.cache,
@@ -170,12 +172,6 @@ class Gateway:
             self.tracing,
         )
         self.started_at = time.time()
-
-    async def _spent_since(self, column: str, ident: str, since: float) -> float:
-        """A scope's spend since `since`, read from the ledger off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(
-            None, self.ledger.spent_since, column, ident, since
-        )
 
     def _embedding_dimensions(self) -> int | None:
         return self.embedder.dimensions if self.embedder is not None else None
@@ -222,7 +218,10 @@ class Gateway:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                n = await loop.run_in_executor(None, self.enforce_retention)
+                if self.settings.storage.backend == "memory":  # no disk to wait for
+                    n = self.enforce_retention()
+                else:
+                    n = await loop.run_in_executor(None, self.enforce_retention)
                 if n:
                     log.info("trace retention removed %d records", n)
             except Exception as exc:  # retention must never take the gateway down
@@ -233,12 +232,11 @@ class Gateway:
 
     def enforce_retention(self, now: float | None = None) -> int:
         obs = self.settings.observe
-        conn = connect(self.sqlite_path)
-        try:
+        with self.store.connection() as conn:
             n = enforce_retention(conn, obs.traces_retention_days, obs.traces_max_rows, now)
+            if self.settings.storage.backend == "memory":
+                return n
             return n + enforce_disk(conn, int(obs.max_disk_mb * 1024 * 1024))
-        finally:
-            conn.close()
 
     async def stop(self) -> None:
         retention = getattr(self, "_retention", None)
@@ -252,7 +250,7 @@ class Gateway:
             await close()
         if self.executor.shared is not None:
             await self.executor.shared.close()
-        self.ledger.close()
+        self.store.close()
         if self.tracing is not None:
             self.tracing.shutdown()
 

@@ -252,7 +252,9 @@ class RequestService:
         self._authenticated: dict[tuple[str, str, bool], tuple[tuple[str, str], Any]] = {}
 
     # -- opening a request ----------------------------------------------------------
-    def authenticate(self, headers: Mapping[str, str]) -> Principal:
+    def authenticate(self, headers: Mapping[str, str]) -> Principal | Awaitable[Principal]:
+        """The caller, before any costly work: at once when its key is cached, else an
+        awaitable (the key store is read off the event loop)."""
         if self.settings.auth.mode == "disabled":
             return ANONYMOUS
         return self.auth.authenticate(headers)
@@ -349,7 +351,7 @@ class RequestService:
             if pending is not None:
                 await pending
             if ctx.response is not None:  # a cache hit
-                reply = self._cached(ctx, ctx.response)
+                reply = await self._cached(ctx, ctx.response)
                 handed_off = isinstance(reply, StreamReply)
                 return reply
             reply = await self._execute(ctx)
@@ -363,7 +365,7 @@ class RequestService:
             raise
         finally:
             if ctx.idempotency_key is not None:  # we owned the key and did not succeed
-                self.idempotency.release(ctx.principal.tenant_id, ctx.idempotency_key)
+                await self.idempotency.release(ctx.principal.tenant_id, ctx.idempotency_key)
             if not handed_off:
                 await self.settle(ctx)
 
@@ -418,11 +420,11 @@ class RequestService:
             ctx.reply_body = body
         raw_headers = served_raw_headers(ctx)
         if ctx.idempotency_key is not None:
-            self._complete_idempotency(ctx, raw_headers, body)
+            await self._complete_idempotency(ctx, raw_headers, body)
         self.pending_settles += 1
         return JsonReply(body, raw_headers, partial(self.settle_after_response, ctx))
 
-    def _cached(self, ctx: RequestContext, entry: Entry) -> Reply:
+    async def _cached(self, ctx: RequestContext, entry: Entry) -> Reply:
         ctx.status = "ok"
         ctx.timings.ended = ctx.timings.client_first_byte = time.perf_counter()
         obj = orjson.loads(entry.body)
@@ -435,7 +437,7 @@ class RequestService:
             return StreamReply(ctx, headers, partial(self.settle, ctx), cached=obj)
         body = orjson.dumps(obj)
         if ctx.idempotency_key is not None:  # a repeat replays this answer
-            self._complete_idempotency(ctx, raw, body)
+            await self._complete_idempotency(ctx, raw, body)
         return JsonReply(body, raw)
 
     async def _remember(self, ctx: RequestContext, obj: dict[str, Any]) -> None:
@@ -505,11 +507,11 @@ class RequestService:
         raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         return JsonReply(body, raw, status=stored.status)
 
-    def _complete_idempotency(
+    async def _complete_idempotency(
         self, ctx: RequestContext, raw_headers: list[tuple[bytes, bytes]], body: bytes
     ) -> None:
         assert ctx.idempotency_key is not None
-        self.idempotency.complete(
+        await self.idempotency.complete(
             ctx.principal.tenant_id,
             ctx.idempotency_key,
             StoredReply(200, _switchyard_headers(raw_headers), self._stored_body(ctx, body)),

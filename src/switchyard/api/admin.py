@@ -18,7 +18,6 @@ from starlette.routing import Route
 from switchyard.api.body import read_json
 from switchyard.errors import AuthenticationError, InvalidRequest, PermissionDenied
 from switchyard.gateway import Gateway
-from switchyard.observe.db import connect
 from switchyard.observe.tasks import analyze_task
 from switchyard.observe.traces import AmbiguousRequestId, get_request, get_task, list_requests
 from switchyard.policy.auth import bearer
@@ -123,21 +122,19 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
             }
         )
 
-    async def traces_db() -> Any:
+    async def settled() -> None:
         await gw.service.settled()  # what was answered before this call is visible
-        return connect(gw.sqlite_path)
 
     async def request_trace(request: Request) -> Response:
         guard(request)
         rid = request.path_params["request_id"]
         tenant = request.query_params.get("tenant")
-        conn = await traces_db()
-        try:
-            rec = get_request(conn, rid, tenant)
-        except AmbiguousRequestId as exc:
-            raise InvalidRequest(f"{exc} with ?tenant=", param="tenant") from None
-        finally:
-            conn.close()
+        await settled()
+        with gw.store.connection() as conn:
+            try:
+                rec = get_request(conn, rid, tenant)
+            except AmbiguousRequestId as exc:
+                raise InvalidRequest(f"{exc} with ?tenant=", param="tenant") from None
         if rec is None:
             raise NotFound(f"no trace for request '{request.path_params['request_id']}'")
         return _json(rec)
@@ -151,21 +148,17 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
             limit = min(int(q.get("limit", "100")), 10_000)
         except ValueError:
             raise InvalidRequest("'since' and 'limit' must be numbers") from None
-        conn = await traces_db()
-        try:
+        await settled()
+        with gw.store.connection() as conn:
             data = list_requests(conn, q.get("tenant"), since, q.get("status"), limit)
-        finally:
-            conn.close()
         return _json({"object": "list", "data": data})
 
     async def task_trace(request: Request) -> Response:
         guard(request)
         task_id = request.path_params["task_id"]
-        conn = await traces_db()
-        try:
+        await settled()
+        with gw.store.connection() as conn:
             records = get_task(conn, task_id)
-        finally:
-            conn.close()
         if not records:
             raise NotFound(f"no requests recorded for task '{task_id}'")
         return _json({"task": analyze_task(records), "requests": records})

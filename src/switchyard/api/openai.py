@@ -15,6 +15,7 @@ from starlette.types import Receive, Scope, Send
 from switchyard.api.body import header_map, parse_json, read_body
 from switchyard.api.sse import RelayResponse, relay, replay
 from switchyard.gateway import Gateway
+from switchyard.policy.keys import Principal
 from switchyard.service import ReadBody, Reply, StreamReply, served_headers
 
 __all__ = ["CTX_KEY", "build_routes", "served_headers", "to_response"]
@@ -96,6 +97,8 @@ def build_routes(gw: Gateway) -> list[Route]:
         received = time.perf_counter()
         headers = header_map(request)
         principal = service.authenticate(headers)  # before any costly work
+        if not isinstance(principal, Principal):
+            principal = await principal
         ctx = service.open(endpoint, headers, received, principal)
         request.scope[CTX_KEY] = ctx  # for the error mapping (app.py)
         if endpoint == "embeddings":
@@ -113,6 +116,8 @@ def build_routes(gw: Gateway) -> list[Route]:
 
     async def models(request: Request) -> Response:
         principal = service.authenticate(request.headers)
+        if not isinstance(principal, Principal):
+            principal = await principal
         data: list[dict[str, Any]] = [
             {
                 "id": m.alias,

@@ -16,10 +16,14 @@ import json
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from switchyard.errors import SwitchyardError, UpstreamTimeout
+
+T = TypeVar("T")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS idempotency (
@@ -56,12 +60,22 @@ def body_hash(raw: Any) -> str:
 
 
 class IdempotencyStore:
-    def __init__(self, conn: sqlite3.Connection, ttl_s: float) -> None:
+    """`io` runs the SQL: an executor (the store's I/O thread, so a slow disk delays
+    only the requests that carry a key, never the event loop) or None to run it in
+    the caller (an in-memory database, which never waits for a disk)."""
+
+    def __init__(self, conn: sqlite3.Connection, ttl_s: float, io: Executor | None = None) -> None:
         self.conn = conn
         self.ttl_s = ttl_s
         self.conn.executescript(SCHEMA)
         self._lock = threading.Lock()
+        self._io = io
         self._events: dict[tuple[str, str], asyncio.Event] = {}
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._io is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
     def _claim(self, tenant: str, key: str, digest: str) -> StoredReply | str:
         """'owner' if we now own the key, 'wait' if another request does, or the reply."""
@@ -103,7 +117,7 @@ class IdempotencyStore:
         A StoredReply: answer with it. Waits for an in-flight owner until `deadline`
         (perf_counter seconds)."""
         while True:
-            got = self._claim(tenant, key, digest)
+            got = await self._run(self._claim, tenant, key, digest)
             if isinstance(got, StoredReply):
                 return got
             if got == "owner":
@@ -124,23 +138,29 @@ class IdempotencyStore:
             except TimeoutError:
                 pass
 
-    def complete(self, tenant: str, key: str, reply: StoredReply) -> None:
+    async def complete(self, tenant: str, key: str, reply: StoredReply) -> None:
+        await self._run(self._complete, tenant, key, reply)
+        self._wake(tenant, key)
+
+    async def release(self, tenant: str, key: str) -> None:
+        """The owner failed: forget the key so a repeat runs again."""
+        await self._run(self._release, tenant, key)
+        self._wake(tenant, key)
+
+    def _complete(self, tenant: str, key: str, reply: StoredReply) -> None:
         with self._lock:
             self.conn.execute(
                 "UPDATE idempotency SET state = 'done', status = ?, headers = ?, body = ?"
                 " WHERE tenant_id = ? AND key = ?",
                 (reply.status, json.dumps(reply.headers), reply.body, tenant, key),
             )
-        self._wake(tenant, key)
 
-    def release(self, tenant: str, key: str) -> None:
-        """The owner failed: forget the key so a repeat runs again."""
+    def _release(self, tenant: str, key: str) -> None:
         with self._lock:
             self.conn.execute(
                 "DELETE FROM idempotency WHERE tenant_id = ? AND key = ? AND state = 'in_flight'",
                 (tenant, key),
             )
-        self._wake(tenant, key)
 
     def _wake(self, tenant: str, key: str) -> None:
         event = self._events.pop((tenant, key), None)

@@ -146,7 +146,7 @@ def _add_rollups(conn: sqlite3.Connection) -> None:
         raise
 
 
-def _migrate(conn: sqlite3.Connection) -> None:
+def migrate(conn: sqlite3.Connection) -> None:
     for table, column, kind in MIGRATIONS:
         have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
         if column not in have:
@@ -181,5 +181,5 @@ def connect(path: str) -> sqlite3.Connection:
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("PRAGMA foreign_keys=ON")
     conn.executescript(SCHEMA)
-    _migrate(conn)
+    migrate(conn)
     return conn

@@ -33,6 +33,7 @@ import fcntl
 import logging
 import os
 import select
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -85,7 +86,7 @@ class Finished:
 _DUMP_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 
 
-class _Counts:
+class LedgerCounts:
     """Rows the ledger repaired or lost (exported as Prometheus counters)."""
 
     __slots__ = ("dropped", "repaired")
@@ -132,8 +133,8 @@ def _repaired(entry: tuple[Any, ...]) -> tuple[bytes, list[str]] | None:
         return None
 
 
-def _batch_json(
-    batch: list[Finished], templates: dict[int, Any], counts: _Counts | None = None
+def batch_json(
+    batch: list[Finished], templates: dict[int, Any], counts: LedgerCounts | None = None
 ) -> tuple[bytes, int]:
     """The batch as one JSON object: `entries` (one array per request) and `blocks`
     (the templates of the compact block items those entries hold, by id). Serialised
@@ -142,7 +143,7 @@ def _batch_json(
     offending fields replaced by JSON-safe copies (logged, counted as repaired), so
     it still counts against budgets; one that cannot be built at all is logged and
     counted as dropped. Returns the payload and its row count."""
-    counts = counts if counts is not None else _Counts()
+    counts = counts if counts is not None else LedgerCounts()
     entries = []
     used: set[int] = set()
     for f in batch:
@@ -215,7 +216,7 @@ class UsageLedger:
         self._acked = 0  # the highest flush the writer has answered
         self._resent_for: Any = None  # the dead writer whose flushes were sent again
         self._closed = False
-        self._counts = _Counts()  # rows repaired, or lost before the pipe (logged)
+        self._counts = LedgerCounts()  # rows repaired, or lost before the pipe (logged)
         self._stalled = 0  # rows lost to a stalled or failing writer (logged)
         self._failures = 0  # writer deaths in a row, each soon after its start
         self._spawned_at = 0.0
@@ -292,7 +293,7 @@ class UsageLedger:
             batch, self._batch = self._batch, []
             self._timer = None
         if batch:
-            payload, rows = _batch_json(batch, self._templates, self._counts)
+            payload, rows = batch_json(batch, self._templates, self._counts)
             if rows:
                 self._enqueue(frame(BATCH, payload), rows)
 
@@ -509,27 +510,10 @@ class UsageLedger:
 
     # -- reads (admin, tests, budget seeding) -----------------------------------
     def spent_since(self, column: str, value: str, since: float) -> float:
-        """What a tenant or key spent since `since`. From the daily rollups (the bill,
-        which retention never removes) when `since` is a UTC midnight, as budget
-        periods start; else from the raw rows."""
-        if column not in ("tenant_id", "key_id"):
-            raise ValueError(column)
+        """What a tenant or key spent since `since` (see `spent_since`)."""
         conn = connect(self.path)
         try:
-            if since % 86400 == 0:
-                day = time.strftime("%Y-%m-%d", time.gmtime(since))
-                row = conn.execute(
-                    f"SELECT COALESCE(SUM(cost_usd), 0) FROM usage_daily"
-                    f" WHERE {column} = ? AND day >= ?",
-                    (value, day),
-                ).fetchone()
-            else:
-                row = conn.execute(
-                    f"SELECT COALESCE(SUM(cost_usd), 0) FROM usage"
-                    f" WHERE {column} = ? AND received_at >= ?",
-                    (value, since),
-                ).fetchone()
-            return float(row[0])
+            return spent_since(conn, column, value, since)
         finally:
             conn.close()
 
@@ -540,17 +524,48 @@ class UsageLedger:
         task_id: str | None = None,
         limit: int = 100,
     ) -> list[dict[str, Any]]:
-        where, args = [], []
-        for column, value in (("tenant_id", tenant_id), ("key_id", key_id), ("task_id", task_id)):
-            if value is not None:
-                where.append(f"{column} = ?")
-                args.append(value)
-        sql = "SELECT * FROM usage"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY received_at DESC LIMIT ?"
         conn = connect(self.path)
         try:
-            return [dict(r) for r in conn.execute(sql, (*args, limit)).fetchall()]
+            return usage_rows(conn, tenant_id, key_id, task_id, limit)
         finally:
             conn.close()
+
+
+def spent_since(conn: sqlite3.Connection, column: str, value: str, since: float) -> float:
+    """What a tenant or key spent since `since`. From the daily rollups (the bill,
+    which retention never removes) when `since` is a UTC midnight, as budget
+    periods start; else from the raw rows."""
+    if column not in ("tenant_id", "key_id"):
+        raise ValueError(column)
+    if since % 86400 == 0:
+        day = time.strftime("%Y-%m-%d", time.gmtime(since))
+        row = conn.execute(
+            f"SELECT COALESCE(SUM(cost_usd), 0) FROM usage_daily WHERE {column} = ? AND day >= ?",
+            (value, day),
+        ).fetchone()
+    else:
+        row = conn.execute(
+            f"SELECT COALESCE(SUM(cost_usd), 0) FROM usage WHERE {column} = ? AND received_at >= ?",
+            (value, since),
+        ).fetchone()
+    return float(row[0])
+
+
+def usage_rows(
+    conn: sqlite3.Connection,
+    tenant_id: str | None = None,
+    key_id: str | None = None,
+    task_id: str | None = None,
+    limit: int = 100,
+) -> list[dict[str, Any]]:
+    """Ledger rows, newest first, filtered by tenant, key and task."""
+    where, args = [], []
+    for column, value in (("tenant_id", tenant_id), ("key_id", key_id), ("task_id", task_id)):
+        if value is not None:
+            where.append(f"{column} = ?")
+            args.append(value)
+    sql = "SELECT * FROM usage"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += " ORDER BY received_at DESC LIMIT ?"
+    return [dict(r) for r in conn.execute(sql, (*args, limit)).fetchall()]

@@ -8,10 +8,10 @@ Authorization of the model is separate: a valid key may still not use a model.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from switchyard.errors import AuthenticationError, PermissionDenied
-from switchyard.policy.keys import KeyStore, Limits, Principal
+from switchyard.policy.keys import Limits, Principal
 
 # Who calls when auth.mode is disabled: no key, no limits of its own.
 ANONYMOUS = Principal(
@@ -38,32 +38,43 @@ def bearer(headers: Mapping[str, str]) -> str | None:
 
 
 class Authenticator:
-    def __init__(self, store: KeyStore, cache_s: float) -> None:
-        self.store = store
+    """`verify(token)` looks a key up in the store (awaitable: the store runs it off
+    the event loop); its answer is cached for `cache_s`, so the hot path touches no
+    store at all, and a lookup that has to wait delays only its own request."""
+
+    def __init__(self, verify: Callable[[str], Awaitable[Principal | str]], cache_s: float) -> None:
+        self._verify = verify
         self.cache_s = cache_s
         self._cache: dict[str, tuple[float, Principal | str]] = {}
 
     def invalidate(self) -> None:
         self._cache.clear()
 
-    def authenticate(self, headers: Mapping[str, str]) -> Principal:
+    def authenticate(self, headers: Mapping[str, str]) -> Principal | Awaitable[Principal]:
+        """The caller's principal when its key is cached, else an awaitable of it;
+        raises (or the awaitable raises) 401 for a missing or refused key."""
         token = bearer(headers)
         if token is None:
             raise AuthenticationError(
                 "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
             )
-        now = time.monotonic()
         hit = self._cache.get(token)
-        if hit is not None and hit[0] > now:
-            result = hit[1]
-        else:
-            result = self.store.verify(token)
-            if len(self._cache) > 10_000:
-                self._cache.clear()
-            self._cache[token] = (now + self.cache_s, result)
-        if isinstance(result, str):
-            raise AuthenticationError(result, code="invalid_api_key")
-        return result
+        if hit is not None and hit[0] > time.monotonic():
+            return _accepted(hit[1])
+        return self._lookup(token)
+
+    async def _lookup(self, token: str) -> Principal:
+        result = await self._verify(token)
+        if len(self._cache) > 10_000:
+            self._cache.clear()
+        self._cache[token] = (time.monotonic() + self.cache_s, result)
+        return _accepted(result)
+
+
+def _accepted(result: Principal | str) -> Principal:
+    if isinstance(result, str):
+        raise AuthenticationError(result, code="invalid_api_key")
+    return result
 
 
 def authorize_model(principal: Principal, alias: str) -> None:

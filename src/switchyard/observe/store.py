@@ -1,0 +1,233 @@
+"""The store: keys and tenants, idempotency, budgets (spend so far), the usage ledger
+and traces, behind one interface.
+
+What the request path needs of it — a key lookup on an authentication-cache miss, an
+idempotency claim or completion, the spend that seeds a budget — is awaitable and runs
+off the event loop: `SqliteStore` does it on one I/O thread with its own connection, so
+a slow disk delays only the requests that need the store, never the others. The ledger
+is written by its own process (observe/ledger.py). Control-plane calls (admin API, the
+CLI, the first-run key) stay synchronous.
+
+`MemoryStore` is the same schema and the same code in one in-memory SQLite database:
+building a gateway on it opens no file and starts no process, which is what tests and
+throwaway gateways want (`storage.backend: memory`; nothing survives a restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import orjson
+
+from switchyard.execute.idempotency import IdempotencyStore
+from switchyard.observe.db import SCHEMA, migrate
+from switchyard.observe.ledger import (
+    Finished,
+    LedgerCounts,
+    UsageLedger,
+    batch_json,
+    spent_since,
+    usage_rows,
+)
+from switchyard.observe.ledger_writer import write_batch
+from switchyard.policy.keys import KeyStore, Limits, Principal
+
+log = logging.getLogger("switchyard")
+
+
+class Store:
+    """What every store offers (see the module docstring)."""
+
+    keys: KeyStore
+    idempotency: IdempotencyStore
+    ledger: Any  # UsageLedger or MemoryLedger: record, flush_async, block_id, rows, close
+
+    async def verify_key(self, plaintext: str) -> Principal | str:
+        raise NotImplementedError
+
+    async def spent_since(self, column: str, ident: str, since: float) -> float:
+        raise NotImplementedError
+
+    def connection(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        """A connection for reads and maintenance (admin API, retention)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class SqliteStore(Store):
+    """One SQLite file in WAL mode (storage.sqlite_path), shared with the CLI and with
+    other gateway processes."""
+
+    def __init__(self, path: str, defaults: Limits, idempotency_ttl_s: float, flush_s: float):
+        from switchyard.observe.db import connect
+
+        self.path = path
+        self._connect = connect
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="switchyard-store")
+        self._io_local = threading.local()
+        self._defaults = defaults
+        self.keys = KeyStore(connect(path), defaults)
+        self.idempotency = IdempotencyStore(connect(path), idempotency_ttl_s, self._io)
+        self.ledger = UsageLedger(path, flush_s)
+
+    def _io_keys(self) -> KeyStore:
+        """The I/O thread's own key store (its own connection, used by it alone)."""
+        keys = getattr(self._io_local, "keys", None)
+        if keys is None:
+            keys = self._io_local.keys = KeyStore(self._connect(self.path), self._defaults)
+        return keys
+
+    def _verify(self, plaintext: str) -> Principal | str:
+        return self._io_keys().verify(plaintext)
+
+    def _spent(self, column: str, ident: str, since: float) -> float:
+        return spent_since(self._io_keys().conn, column, ident, since)
+
+    async def verify_key(self, plaintext: str) -> Principal | str:
+        return await asyncio.get_running_loop().run_in_executor(self._io, self._verify, plaintext)
+
+    async def spent_since(self, column: str, ident: str, since: float) -> float:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._io, self._spent, column, ident, since)
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[sqlite3.Connection]:
+        conn = self._connect(self.path)
+        try:
+            yield conn
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.ledger.close()
+        self._io.shutdown(wait=True)
+
+
+def memory_connection() -> sqlite3.Connection:
+    """A fresh in-memory database with the gateway's schema."""
+    conn = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA foreign_keys=ON")
+    conn.executescript(SCHEMA)
+    migrate(conn)
+    return conn
+
+
+class MemoryLedger:
+    """The usage ledger in the store's in-memory database: rows are serialised as the
+    writer process would receive them and committed by the same `write_batch`, every
+    `flush_s`, at a flush, or once 256 are queued."""
+
+    def __init__(self, conn: sqlite3.Connection, lock: threading.RLock, flush_s: float) -> None:
+        self.conn = conn
+        self._lock = lock
+        self.flush_s = flush_s
+        self._batch: list[Finished] = []
+        self._templates: dict[int, Any] = {}
+        self._template_ids: dict[bytes, int] = {}
+        self._counts = LedgerCounts()
+        self._timer: asyncio.TimerHandle | None = None
+        self.queued_bytes = 0
+
+    @property
+    def dropped(self) -> int:
+        return self._counts.dropped
+
+    @property
+    def repaired(self) -> int:
+        return self._counts.repaired
+
+    def block_id(self, template: list[tuple[str, str, str, Any]]) -> int:
+        key = orjson.dumps(template, default=str)
+        with self._lock:
+            bid = self._template_ids.get(key)
+            if bid is None:
+                bid = self._template_ids[key] = len(self._templates) + 1
+                self._templates[bid] = template
+        return bid
+
+    def record(self, finished: Finished) -> None:
+        self._batch.append(finished)
+        if len(self._batch) >= 256:
+            self.flush()
+            return
+        if self._timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.flush()
+                return
+            self._timer = loop.call_later(self.flush_s, self.flush)
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch, self._batch = self._batch, []
+        if not batch:
+            return
+        payload, _ = batch_json(batch, self._templates, self._counts)
+        obj = orjson.loads(payload)
+        with self._lock:
+            write_batch(self.conn, obj["entries"], obj["blocks"])
+
+    async def flush_async(self, timeout_s: float = 10.0) -> bool:
+        self.flush()
+        return True
+
+    def close(self) -> None:
+        self.flush()
+
+    def spent_since(self, column: str, value: str, since: float) -> float:
+        self.flush()
+        with self._lock:
+            return spent_since(self.conn, column, value, since)
+
+    def rows(
+        self,
+        tenant_id: str | None = None,
+        key_id: str | None = None,
+        task_id: str | None = None,
+        limit: int = 100,
+    ) -> list[dict[str, Any]]:
+        self.flush()
+        with self._lock:
+            return usage_rows(self.conn, tenant_id, key_id, task_id, limit)
+
+
+class MemoryStore(Store):
+    """Everything in one in-memory SQLite database, in this process (see the module
+    docstring). Its calls never wait for a disk, so they run in the caller."""
+
+    def __init__(self, defaults: Limits, idempotency_ttl_s: float, flush_s: float = 0.02):
+        self.conn = memory_connection()
+        self._lock = threading.RLock()
+        self.keys = KeyStore(self.conn, defaults)
+        self.idempotency = IdempotencyStore(self.conn, idempotency_ttl_s)
+        self.ledger = MemoryLedger(self.conn, self._lock, flush_s)
+
+    async def verify_key(self, plaintext: str) -> Principal | str:
+        with self._lock:
+            return self.keys.verify(plaintext, time.time())
+
+    async def spent_since(self, column: str, ident: str, since: float) -> float:
+        return self.ledger.spent_since(column, ident, since)
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[sqlite3.Connection]:
+        self.ledger.flush()
+        with self._lock:
+            yield self.conn
+
+    def close(self) -> None:
+        self.ledger.close()
