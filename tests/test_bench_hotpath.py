@@ -121,9 +121,10 @@ def test_compact_decision_blocks_are_stored_as_the_full_trace(tmp_path: Path) ->
     for ctx in seen:
         # authorize..deployment_limits, then queue (the request's own), then place
         assert [count for _, _, count in ctx.blocks] == [9, 1]
-        sent = ledger_entry(ctx, "ok", 1, 1, 0.0, True)[-1]
-        assert sum(1 for d in sent if d[0] == "@") == 2  # the blocks went compactly
-        assert len(sent) == len(ctx.decisions) - 8
+        sent = ledger_entry(ctx, "ok", 1, 1, 0.0, True)
+        assert len(sent.blocks) == 2  # the blocks went compactly, by reference
+        assert sent.decisions is not None
+        assert len(sent.decisions) == len(ctx.decisions) - 10
         stored = get_request(conn, ctx.request_id)
         assert stored is not None
         base = ctx.clock_base

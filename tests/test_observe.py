@@ -845,19 +845,19 @@ def test_an_async_flush_waits_for_a_stalled_writer_without_blocking_the_loop(
 
 
 @pytest.mark.parametrize(
-    "evidence",
+    ("evidence", "repaired"),
     [
-        {1: "a non-string key"},
-        {"big": 10**30},
-        {"text": "lone surrogate \ud800"},
-        {"deep": functools.reduce(lambda acc, _: [acc], range(300), [])},
+        ({1: "a non-string key"}, 0),  # JSON has a form for it: the key as text
+        ({"big": 10**30}, 0),  # JSON has it; SQLite gets it as text
+        ({"text": "lone surrogate \ud800"}, 1),  # not UTF-8: replaced
+        ({"deep": functools.reduce(lambda acc, _: [acc], range(300), [])}, 0),
     ],
 )
 def test_a_ledger_row_that_cannot_be_serialised_is_repaired_not_lost(
-    tmp_path: Path, evidence: dict[Any, Any]
+    tmp_path: Path, evidence: dict[Any, Any], repaired: int
 ) -> None:
     """The row is the bill: a field that cannot be written is replaced (and counted),
-    the row and its neighbours are kept."""
+    the row, its trace and its neighbours are kept."""
     from switchyard.observe.ledger import UsageLedger
 
     ledger = UsageLedger(str(tmp_path / "l.db"), flush_s=0.05)
@@ -870,7 +870,11 @@ def test_a_ledger_row_that_cannot_be_serialised_is_repaired_not_lost(
         rows = {r["request_id"]: r for r in ledger.rows(limit=10)}
         assert sorted(rows) == ["bad", "good-1", "good-2"]
         assert rows["bad"]["status"] == rows["good-1"]["status"]
-        assert ledger.repaired == 1 and ledger.dropped == 0
+        assert ledger.repaired == repaired and ledger.dropped == 0
+        conn = connect(str(tmp_path / "l.db"))
+        stored = get_request(conn, "bad")
+        conn.close()
+        assert stored is not None and stored["decisions"][-1]["stage"] == "validate"
     finally:
         ledger.close()
 

@@ -12,6 +12,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -70,6 +71,28 @@ def decision_dict(d: Decision, base: float) -> dict[str, Any]:
     }
 
 
+class Status(StrEnum):
+    """How a request ended (the ledger's `status`; pending and streaming while it runs)."""
+
+    PENDING = "pending"
+    STREAMING = "streaming"
+    OK = "ok"
+    ERROR = "error"
+    INCOMPLETE = "incomplete"  # the upstream's stream broke off
+    CANCELLED = "cancelled"  # the client left before the end
+
+
+class CacheOutcome(StrEnum):
+    """What the response cache (or an idempotency replay) did for a request."""
+
+    HIT_EXACT = "hit-exact"
+    HIT_SEMANTIC = "hit-semantic"
+    MISS = "miss"
+    BYPASS = "bypass"
+    SHADOW_HIT = "shadow-hit"  # would have hit; the model answered (shadow mode)
+    REPLAY = "idempotent_replay"
+
+
 @dataclass(slots=True)
 class Timings:
     """Monotonic timestamps (perf_counter seconds) of one request's milestones."""
@@ -100,7 +123,7 @@ class RequestContext:
     include_usage: bool = False
     response: Any = None  # set by a stage that answers without an upstream call
     decisions: list[Decision] = field(default_factory=list)
-    status: str = "pending"
+    status: Status = Status.PENDING
     usage: dict[str, Any] | None = None
     attempts: int = 0
     error_code: str | None = None
@@ -108,7 +131,7 @@ class RequestContext:
     prompt_estimate: int = 0
     max_tokens: int = 0
     fallback_from: str | None = None
-    cache: str | None = None  # cache / replay outcome for the ledger
+    cache: CacheOutcome | None = None  # cache / replay outcome for the ledger
     idempotency_key: str | None = None  # set while this request owns the key
     planned_steps: int | None = None  # x-task-planned-steps, for task accounting
     chunk_gaps: list[float] = field(default_factory=list)  # seconds between streamed writes

@@ -31,7 +31,7 @@ from switchyard.execute.executor import Executor
 from switchyard.execute.idempotency import IdempotencyStore, StoredReply, body_hash
 from switchyard.observe.ledger import Finished, UsageLedger
 from switchyard.observe.metrics import Metrics
-from switchyard.pipeline import Pipeline, RequestContext, RequestIds, Timings
+from switchyard.pipeline import CacheOutcome, Pipeline, RequestContext, RequestIds, Status, Timings
 from switchyard.policy import headers as request_headers
 from switchyard.policy.admit import cost_usd, estimate_prompt_tokens
 from switchyard.policy.auth import ANONYMOUS, Authenticator
@@ -153,7 +153,7 @@ def served_raw_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
         h.append((b"x-client-request-id", ctx.client_request_id.encode("latin-1")))
     if ctx.cache is not None:
         h.append((b"x-switchyard-cache", ctx.cache.encode("latin-1")))
-        if ctx.cache_similarity is not None and ctx.cache != "hit-exact":
+        if ctx.cache_similarity is not None and ctx.cache != CacheOutcome.HIT_EXACT:
             h.append((b"x-switchyard-cache-similarity", b"%.4f" % ctx.cache_similarity))
     if ctx.rate_headers:
         h.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in ctx.rate_headers.items())
@@ -358,10 +358,10 @@ class RequestService:
             handed_off = True
             return reply
         except SwitchyardError as exc:
-            ctx.status, ctx.error_code = "error", exc.code
+            ctx.status, ctx.error_code = Status.ERROR, exc.code
             raise
         except BaseException:
-            ctx.status, ctx.error_code = "error", "internal_error"
+            ctx.status, ctx.error_code = Status.ERROR, "internal_error"
             raise
         finally:
             if ctx.idempotency_key is not None:  # we owned the key and did not succeed
@@ -390,8 +390,8 @@ class RequestService:
                 ctx.collected = []
 
             async def close() -> None:
-                stream.close(complete=ctx.status == "ok")
-                if ctx.status == "ok" and ctx.collected is not None:
+                stream.close(complete=ctx.status == Status.OK)
+                if ctx.status == Status.OK and ctx.collected is not None:
                     obj = assemble(ctx.collected)
                     if obj is not None:
                         await self._remember(ctx, obj)
@@ -399,7 +399,7 @@ class RequestService:
 
             return StreamReply(ctx, served_headers(ctx), close, source=stream)
         reply = await self.executor.execute(ctx)
-        ctx.status = "ok"
+        ctx.status = Status.OK
         ctx.timings.ended = time.perf_counter()
         body = reply.body
         if (
@@ -425,7 +425,7 @@ class RequestService:
         return JsonReply(body, raw_headers, partial(self.settle_after_response, ctx))
 
     async def _cached(self, ctx: RequestContext, entry: Entry) -> Reply:
-        ctx.status = "ok"
+        ctx.status = Status.OK
         ctx.timings.ended = ctx.timings.client_first_byte = time.perf_counter()
         obj = orjson.loads(entry.body)
         if ctx.pii is not None:  # placeholders take this request's values
@@ -493,7 +493,7 @@ class RequestService:
             ctx.idempotency_key = key
             ctx.record("idempotency", "owner", "first request with this key runs", t)
             return None
-        ctx.status, ctx.cache = "ok", "idempotent_replay"
+        ctx.status, ctx.cache = Status.OK, CacheOutcome.REPLAY
         ctx.record("idempotency", "replay", "returning the stored reply; no upstream call", t)
         headers = {
             **stored.headers,
@@ -592,14 +592,14 @@ class RequestService:
             ]
             ctx.usage = {"prompt_tokens": tokens, "total_tokens": tokens}
             out = {"object": "list", "data": data, "model": model, "usage": ctx.usage}
-            ctx.status = "ok"
+            ctx.status = Status.OK
             ctx.timings.ended = time.perf_counter()
             return JsonReply(orjson.dumps(out), served_raw_headers(ctx))
         except SwitchyardError as exc:
-            ctx.status, ctx.error_code = "error", exc.code
+            ctx.status, ctx.error_code = Status.ERROR, exc.code
             raise
         except BaseException:
-            ctx.status, ctx.error_code = "error", "internal_error"
+            ctx.status, ctx.error_code = Status.ERROR, "internal_error"
             raise
         finally:
             await self.settle(ctx)
@@ -688,7 +688,10 @@ class RequestService:
         if t.ended is None:
             t.ended = time.perf_counter()
         end = t.ended
-        status = ctx.status if ctx.status not in ("pending", "streaming") else "error"
+        # A plain str from here on: metrics labels and the ledger take the value.
+        status = str(
+            ctx.status if ctx.status not in (Status.PENDING, Status.STREAMING) else Status.ERROR
+        )
         if self.metrics is not None:
             self.metrics.observe(ctx, status, inp, out, cost)
         if self.tracing is not None:
@@ -710,7 +713,7 @@ class RequestService:
             status == "ok"
             and ctx.attempts <= 1
             and ctx.fallback_from is None
-            and ctx.cache in (None, "miss", "bypass")
+            and ctx.cache in (None, CacheOutcome.MISS, CacheOutcome.BYPASS)
             and ctx.task_id is None
             and t.ended is not None
             and (t.ended - t.received) * 1000.0 < self._slow_ms

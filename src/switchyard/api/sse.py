@@ -21,7 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from switchyard.engines.upstream import UpstreamStream
 from switchyard.errors import SwitchyardError, UpstreamError
-from switchyard.pipeline import RequestContext
+from switchyard.pipeline import RequestContext, Status
 
 DONE = b"data: [DONE]\n\n"
 
@@ -67,7 +67,7 @@ async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[by
     done = False
     last = 0.0
     restorer = ctx.pii.restore_stream() if ctx.restore_pii and ctx.pii is not None else None
-    ctx.status = "streaming"
+    ctx.status = Status.STREAMING
     # Closed explicitly below: an async generator left suspended after [DONE] would be
     # finalised by the event loop's hook instead (a cross-thread wake-up and a task
     # per request).
@@ -101,7 +101,7 @@ async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[by
                     tail = restorer.flush()
                     if tail:
                         out.append(_tail_event(tail))
-                ctx.status = "ok"
+                ctx.status = Status.OK
                 out.append(DONE)
             if out:
                 now = time.perf_counter()
@@ -116,12 +116,12 @@ async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[by
         if not done:
             raise UpstreamError("the upstream ended the stream before it was complete")
     except SwitchyardError as exc:
-        ctx.status = "incomplete"
+        ctx.status = Status.INCOMPLETE
         ctx.error_code = exc.code  # what the client was told, in the ledger too
         yield error_event(exc)
     finally:
-        if ctx.status == "streaming":
-            ctx.status = "cancelled"  # the client left before the end
+        if ctx.status == Status.STREAMING:
+            ctx.status = Status.CANCELLED  # the client left before the end
         ctx.timings.ended = time.perf_counter()
         await upstream_events.aclose()
         stream.close(complete=done)

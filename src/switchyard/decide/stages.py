@@ -19,7 +19,7 @@ from switchyard.decide.verify import verify
 from switchyard.embed import EmbeddingService
 from switchyard.engines.registry import Deployment
 from switchyard.errors import EngineNotReady, PermissionDenied
-from switchyard.pipeline import RequestContext, Stage, Verdict, View
+from switchyard.pipeline import CacheOutcome, RequestContext, Stage, Verdict, View
 from switchyard.policy import headers as request_headers
 
 
@@ -156,12 +156,12 @@ class Cache(Stage):
         cfg = self._cfg
         verdict, keys = self._planner.plan(ctx)
         if keys is None:
-            ctx.cache = "bypass"
+            ctx.cache = CacheOutcome.BYPASS
             ctx.record("cache", "bypass", verdict.reason, t)
             return
         ctx.cache_keys = keys if verdict.store else None
         if not verdict.lookup:
-            ctx.cache = "bypass"
+            ctx.cache = CacheOutcome.BYPASS
             ctx.record("cache", "bypass", verdict.reason, t, {"partition": keys.partition[:12]})
             return
         evidence: dict[str, Any] = {
@@ -170,7 +170,9 @@ class Cache(Stage):
             "mode": verdict.mode,
         }
         entry = cache.lookup_exact(keys)
-        kind, sim = ("hit-exact", 1.0) if entry is not None else ("miss", None)
+        kind, sim = (
+            (CacheOutcome.HIT_EXACT, 1.0) if entry is not None else (CacheOutcome.MISS, None)
+        )
         if entry is None and cfg.semantic and ctx.vector is not None:
             found = cache.nearest(keys, ctx.vector)
             evidence["candidates"] = found.candidates
@@ -185,19 +187,19 @@ class Cache(Stage):
                     )
                     evidence["verifier"] = why
                     if ok:
-                        entry, kind = found.entry, "hit-semantic"
+                        entry, kind = found.entry, CacheOutcome.HIT_SEMANTIC
                         cache.touch(entry)
                     else:
                         ctx.record("cache", "miss:veto", why, t, evidence)
-                        ctx.cache = "miss"
+                        ctx.cache = CacheOutcome.MISS
                         return
         if entry is None:
-            ctx.cache = "miss"
+            ctx.cache = CacheOutcome.MISS
             ctx.record("cache", "miss", "no entry in the partition passed", t, evidence)
             return
         ctx.cache_similarity = sim
         if verdict.mode == "shadow":
-            ctx.cache, ctx.shadow_entry = "shadow-hit", entry
+            ctx.cache, ctx.shadow_entry = CacheOutcome.SHADOW_HIT, entry
             ctx.record(
                 "cache",
                 f"shadow:{kind}",

@@ -44,11 +44,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
+import msgspec
 
 from switchyard.observe.db import connect
 from switchyard.observe.ledger_writer import BATCH, FLUSH, HEADER, STOP, frame
-from switchyard.observe.traces import ledger_entry
+from switchyard.observe.traces import LedgerBatch, LedgerEntry, ledger_entry
 from switchyard.pipeline import RequestContext
 
 log = logging.getLogger("switchyard.ledger")
@@ -70,9 +70,9 @@ class Finished:
     cost_usd: float
     with_trace: bool = True
 
-    def entry(self) -> tuple[Any, ...]:
-        """What the writer needs, as one flat tuple (traces.ENTRY_FIELDS): the writer
-        derives the usage row and, when traced, the trace record from it."""
+    def entry(self) -> LedgerEntry:
+        """What the writer needs (traces.LedgerEntry): the writer derives the usage
+        row and, when traced, the trace record from it."""
         return ledger_entry(
             self.ctx,
             self.status,
@@ -83,7 +83,14 @@ class Finished:
         )
 
 
-_DUMP_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+def _json_safe(value: Any) -> Any:
+    """What the encoder writes for a type JSON has no form for: a numpy value as its
+    list or number, anything else as its str."""
+    tolist = getattr(value, "tolist", None)
+    return tolist() if callable(tolist) else str(value)
+
+
+_ENCODER = msgspec.json.Encoder(enc_hook=_json_safe)
 
 
 class LedgerCounts:
@@ -114,21 +121,18 @@ def _plain(value: Any, depth: int = 0) -> Any:
     return repr(value)[:200]
 
 
-def _repaired(entry: tuple[Any, ...]) -> tuple[bytes, list[str]] | None:
-    """The entry serialised with each field that cannot be replaced by a JSON-safe
-    copy (`_plain`), and the names of the fields replaced; None if even that fails."""
-    from switchyard.observe.traces import ENTRY_FIELDS
-
-    fields = list(entry)
-    replaced = []
-    for i, value in enumerate(fields):
+def _repaired(entry: LedgerEntry) -> tuple[bytes, list[str]] | None:
+    """The entry encoded with each field that cannot be replaced by a JSON-safe copy
+    (`_plain`), and the names of the fields replaced; None if even that fails."""
+    changes: dict[str, Any] = {}
+    for name in entry.__struct_fields__:
+        value = getattr(entry, name)
         try:
-            orjson.dumps(value, default=str, option=_DUMP_OPTIONS)
+            _ENCODER.encode(value)
         except Exception:
-            fields[i] = _plain(value)
-            replaced.append(ENTRY_FIELDS[i] if i < len(ENTRY_FIELDS) else str(i))
+            changes[name] = _plain(value)
     try:
-        return orjson.dumps(fields, default=str, option=_DUMP_OPTIONS), replaced
+        return _ENCODER.encode(msgspec.structs.replace(entry, **changes)), sorted(changes)
     except Exception:
         return None
 
@@ -157,30 +161,29 @@ def batch_json(
             used.update(b[0] for b in f.ctx.blocks)
     blocks = {str(i): templates[i] for i in used}
     try:
-        payload = {"blocks": blocks, "entries": entries}
-        return orjson.dumps(payload, default=str, option=_DUMP_OPTIONS), len(entries)
+        return _ENCODER.encode(LedgerBatch(blocks, entries)), len(entries)
     except Exception:  # some row cannot be serialised: find it, keep the others
         pass
     parts = []
     for entry in entries:
         try:
-            parts.append(orjson.dumps(entry, default=str, option=_DUMP_OPTIONS))
+            parts.append(_ENCODER.encode(entry))
             continue
         except Exception:
             pass
         fixed = _repaired(entry)
         if fixed is None:
             counts.dropped += 1
-            log.error("ledger row of %s dropped: it could not be serialised", entry[0])
+            log.error("ledger row of %s dropped: it could not be serialised", entry.request_id)
             continue
         parts.append(fixed[0])
         counts.repaired += 1
         log.error(
             "ledger row of %s written with fields replaced (not serialisable): %s",
-            entry[0],
+            entry.request_id,
             ", ".join(fixed[1]),
         )
-    head = b'{"blocks":' + orjson.dumps(blocks) + b',"entries":['
+    head = b'{"blocks":' + _ENCODER.encode(blocks) + b',"entries":['
     return head + b",".join(parts) + b"]}", len(parts)
 
 
@@ -257,7 +260,7 @@ class UsageLedger:
     def block_id(self, template: list[tuple[str, str, str, Any]]) -> int:
         """The id under which entries may refer to a run of decisions (stage, outcome,
         reason, evidence) in compact form; the same template always gets the same id."""
-        key = orjson.dumps(template, default=str, option=_DUMP_OPTIONS)
+        key = _ENCODER.encode(template)
         with self._lock:
             bid = self._template_ids.get(key)
             if bid is None:

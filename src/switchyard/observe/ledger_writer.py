@@ -8,10 +8,10 @@ loop and the writer handed it back and forth several times per request (~3.5 fut
 calls per request at one client; none with the ledger off).
 
 Frames on stdin: one kind byte, a 4-byte big-endian length, the payload.
-- `B`: a JSON object: `entries`, one flat array per request (`traces.ENTRY_FIELDS`),
-  each made into its usage row and, unless its decisions are null, its trace record,
-  all committed in one transaction; `blocks`, the templates of the compact runs of
-  decisions those entries hold (`traces.expand_decisions`).
+- `B`: a `traces.LedgerBatch` as JSON: `entries`, one `LedgerEntry` (a flat array) per
+  request, each made into its usage row and, unless its decisions are null, its trace
+  record, all committed in one transaction; `blocks`, the templates of the folded runs
+  of decisions those entries refer to (`traces.expand_decisions`).
 - `F`: an 8-byte sequence number: answered on stdout (the same frame) once everything
   before it is committed.
 - `S` (or end of input): commit what came before, then exit.
@@ -31,11 +31,12 @@ import sys
 import time
 from typing import Any, BinaryIO
 
-import orjson
+import msgspec
 
 from switchyard.observe.db import connect
 from switchyard.observe.traces import (
-    ENTRY_FIELDS,
+    LedgerBatch,
+    LedgerEntry,
     expand_decisions,
     insert_args,
     trace_from_entry,
@@ -97,24 +98,24 @@ ADD_DAILY = (
 )
 
 
-def daily_rollups(named: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+def daily_rollups(named: list[LedgerEntry]) -> list[tuple[Any, ...]]:
     """The batch's additions to usage_daily: per UTC day, tenant, key and model."""
     sums: dict[tuple[str, str, str, str], list[Any]] = {}
     days: dict[int, str] = {}
     for e in named:
-        at = int(e["received_at"] // 86400)
+        at = int(e.received_at // 86400)
         day = days.get(at)
         if day is None:
             day = days[at] = time.strftime("%Y-%m-%d", time.gmtime(at * 86400))
-        key = (day, e["tenant_id"] or "", e["key_id"] or "", e["requested_model"] or "")
+        key = (day, e.tenant_id or "", e.key_id or "", e.requested_model or "")
         acc = sums.get(key)
         if acc is None:
             acc = sums[key] = [0, 0, 0, 0, 0.0]
         acc[0] += 1
-        acc[1] += e["status"] != "ok"
-        acc[2] += e["input_tokens"] or 0
-        acc[3] += e["output_tokens"] or 0
-        acc[4] += e["cost_usd"] or 0.0
+        acc[1] += e.status != "ok"
+        acc[2] += e.input_tokens or 0
+        acc[3] += e.output_tokens or 0
+        acc[4] += e.cost_usd or 0.0
     return [(*k, *v) for k, v in sums.items()]
 
 
@@ -144,63 +145,70 @@ def read_frame(stream: BinaryIO) -> tuple[bytes, bytes] | None:
     return kind, payload
 
 
-def usage_row(e: dict[str, Any]) -> tuple[Any, ...]:
-    """The `usage` row (USAGE_COLUMNS) of an entry given as a dict of ENTRY_FIELDS."""
-    received, first, end = e["t_received"], e["t_client_first_byte"], e["t_ended"]
+def usage_row(e: LedgerEntry) -> tuple[Any, ...]:
+    """The `usage` row (USAGE_COLUMNS) of an entry."""
+    received, first, end = e.t_received, e.t_client_first_byte, e.t_ended
     if end is None:
         end = received
     return (
-        e["request_id"],
-        e["client_request_id"],
-        e["task_id"],
-        e["tenant_id"],
-        e["key_id"],
-        e["endpoint"],
-        e["requested_model"],
-        e["revision"],
-        e["upstream"],
-        e["input_tokens"],
-        e["output_tokens"],
-        e["cost_usd"],
-        e["cache"],
-        e["status"],
-        e["error_code"],
-        e["attempts"],
-        e["received_at"],
-        e["queue_ms"],
+        e.request_id,
+        e.client_request_id,
+        e.task_id,
+        e.tenant_id,
+        e.key_id,
+        e.endpoint,
+        e.requested_model,
+        e.revision,
+        e.upstream,
+        e.input_tokens,
+        e.output_tokens,
+        e.cost_usd,
+        e.cache,
+        e.status,
+        e.error_code,
+        e.attempts,
+        e.received_at,
+        e.queue_ms,
         (first - received) * 1000 if first else None,
         (end - received) * 1000,
     )
 
 
-def write_batch(
-    conn: sqlite3.Connection,
-    entries: list[list[Any]],
-    blocks: dict[str, list[Any]] | None = None,
-) -> bool:
+def _sqlite_safe(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`row` with integers SQLite cannot hold (beyond 64 bits) as text."""
+    return tuple(str(v) if isinstance(v, int) and not -(2**63) <= v < 2**63 else v for v in row)
+
+
+def write_batch(conn: sqlite3.Connection, batch: LedgerBatch) -> bool:
     """Commit one batch: every usage row and trace, or (after retries) none of them."""
     try:
-        named = [dict(zip(ENTRY_FIELDS, e, strict=True)) for e in entries]
-        if blocks:
-            for e in named:
-                if e["decisions"] is not None:
-                    e["decisions"] = expand_decisions(e["decisions"], blocks)
-        rows = [usage_row(e) for e in named]
-        daily = daily_rollups(named)
-        traces = [insert_args(trace_from_entry(e)) for e in named if e["decisions"] is not None]
+        entries = batch.entries
+        rows = [usage_row(e) for e in entries]
+        daily = daily_rollups(entries)
+        traces = [
+            insert_args(trace_from_entry(e, expand_decisions(e.decisions, e.blocks, batch.blocks)))
+            for e in entries
+            if e.decisions is not None
+        ]
     except Exception:  # a malformed batch must not end the writer
-        log.exception("dropped a malformed batch of %d entries", len(entries))
+        log.exception("dropped a malformed batch of %d entries", len(batch.entries))
         return False
     for attempt in range(3):
         try:
             conn.execute("BEGIN IMMEDIATE")
-            conn.executemany(INSERT_USAGE, rows)
-            conn.executemany(ADD_DAILY, daily)
-            if traces:
-                conn.executemany(INSERT_TRACES, traces)
+            try:
+                conn.executemany(INSERT_USAGE, rows)
+                conn.executemany(ADD_DAILY, daily)
+                if traces:
+                    conn.executemany(INSERT_TRACES, traces)
+            except OverflowError:  # a value SQLite cannot bind: keep the rows, as text
+                conn.executemany(INSERT_USAGE, [_sqlite_safe(r) for r in rows])
+                conn.executemany(ADD_DAILY, [_sqlite_safe(r) for r in daily])
+                if traces:
+                    conn.executemany(INSERT_TRACES, [_sqlite_safe(r) for r in traces])
             conn.execute("COMMIT")
             return True
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OverflowError) as exc:
             with contextlib.suppress(sqlite3.Error):
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
@@ -208,6 +216,35 @@ def write_batch(
             time.sleep(0.05 * (attempt + 1))
     log.error("dropped %d usage rows after repeated write failures", len(rows))
     return False
+
+
+_BATCH = msgspec.json.Decoder(LedgerBatch)
+_LOOSE = msgspec.json.Decoder()
+
+
+def decode_batch(payload: bytes) -> LedgerBatch | None:
+    """The batch, validated; when one entry does not fit its type, the others are
+    kept (each bad one logged). None when the payload is not a batch at all."""
+    try:
+        return _BATCH.decode(payload)
+    except msgspec.ValidationError:
+        pass
+    except msgspec.DecodeError:
+        log.exception("unreadable ledger batch (%d bytes) dropped", len(payload))
+        return None
+    try:
+        raw = _LOOSE.decode(payload)
+        blocks = msgspec.convert(raw["blocks"], dict[str, list[tuple[str, str, str, Any]]])
+        entries = []
+        for e in raw["entries"]:
+            try:
+                entries.append(msgspec.convert(e, LedgerEntry))
+            except msgspec.ValidationError as exc:
+                log.error("ledger row %r dropped: %s", e[0] if e else None, exc)
+        return LedgerBatch(blocks, entries)
+    except (msgspec.ValidationError, KeyError, TypeError):
+        log.exception("unreadable ledger batch (%d bytes) dropped", len(payload))
+        return None
 
 
 def serve(path: str, source: BinaryIO, acks: BinaryIO) -> None:
@@ -219,13 +256,9 @@ def serve(path: str, source: BinaryIO, acks: BinaryIO) -> None:
                 return
             kind, payload = got
             if kind == BATCH:
-                try:
-                    batch = orjson.loads(payload)
-                    entries, blocks = batch["entries"], batch["blocks"]
-                except (orjson.JSONDecodeError, TypeError, KeyError):
-                    log.exception("unreadable ledger batch (%d bytes) dropped", len(payload))
-                    continue
-                write_batch(conn, entries, blocks)
+                batch = decode_batch(payload)
+                if batch is not None:
+                    write_batch(conn, batch)
             elif kind == FLUSH:
                 acks.write(frame(FLUSH, payload))
                 acks.flush()

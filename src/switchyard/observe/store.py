@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import orjson
+import msgspec
 
 from switchyard.execute.idempotency import IdempotencyStore
 from switchyard.observe.db import SCHEMA, migrate
@@ -37,7 +37,7 @@ from switchyard.observe.ledger import (
     spent_since,
     usage_rows,
 )
-from switchyard.observe.ledger_writer import write_batch
+from switchyard.observe.ledger_writer import decode_batch, write_batch
 from switchyard.policy.keys import KeyStore, Limits, Principal
 
 log = logging.getLogger("switchyard")
@@ -148,7 +148,7 @@ class MemoryLedger:
         return self._counts.repaired
 
     def block_id(self, template: list[tuple[str, str, str, Any]]) -> int:
-        key = orjson.dumps(template, default=str)
+        key = msgspec.json.encode(template, enc_hook=str)
         with self._lock:
             bid = self._template_ids.get(key)
             if bid is None:
@@ -177,9 +177,11 @@ class MemoryLedger:
         if not batch:
             return
         payload, _ = batch_json(batch, self._templates, self._counts)
-        obj = orjson.loads(payload)
+        decoded = decode_batch(payload)  # as the writer process would receive it
+        if decoded is None:
+            return
         with self._lock:
-            write_batch(self.conn, obj["entries"], obj["blocks"])
+            write_batch(self.conn, decoded)
 
     async def flush_async(self, timeout_s: float = 10.0) -> bool:
         self.flush()

@@ -13,45 +13,62 @@ import sqlite3
 import time
 from typing import Any
 
-import orjson
+import msgspec
 
 from switchyard.pipeline import RequestContext, decision_dict
 
-# What the gateway hands the ledger writer per finished request: one flat tuple, in
-# this order, built on the event loop with no dicts and no arithmetic; the writer turns
-# it into the usage row and the stored trace (`usage_row`, `trace_from_entry`).
-ENTRY_FIELDS = (
-    "request_id",  # the gateway's own (unguessable): the key of the usage row and trace
-    "client_request_id",  # the client's x-client-request-id / x-request-id, if any
-    "task_id",
-    "parent_request_ids",
-    "tenant_id",
-    "key_id",
-    "endpoint",
-    "model",  # what served it: the deployment's alias (after any fallback)
-    "requested_model",  # the alias the pipeline resolved before execution
-    "revision",
-    "upstream",
-    "status",
-    "error_code",
-    "attempts",
-    "input_tokens",
-    "output_tokens",
-    "cost_usd",
-    "cache",
-    "fallback_from",
-    "planned_steps",
-    "stream",
-    "received_at",
-    "queue_ms",
-    "t_received",  # perf_counter milestones of the request (Timings)
-    "t_upstream_sent",
-    "t_upstream_first_byte",
-    "t_client_first_byte",
-    "t_ended",
-    "clock_base",
-    "decisions",  # None when traces are off: only the usage row is kept
-)
+
+class LedgerEntry(msgspec.Struct, array_like=True, gc=False):
+    """What the gateway hands the ledger writer per finished request, built on the
+    event loop with no dicts and no arithmetic; the writer turns it into the usage row
+    and the stored trace (`usage_row`, `trace_from_entry`). Encoded as one JSON array
+    in this field order; the writer decodes it back into this type (validated)."""
+
+    request_id: str  # the gateway's own (unguessable): the key of the usage row and trace
+    client_request_id: str | None  # the client's x-client-request-id / x-request-id
+    task_id: str | None
+    parent_request_ids: list[str]
+    tenant_id: str | None
+    key_id: str | None
+    endpoint: str
+    model: str | None  # what served it: the deployment's alias (after any fallback)
+    requested_model: str | None  # the alias the pipeline resolved before execution
+    revision: str | None
+    upstream: str | None
+    status: str
+    error_code: str | None
+    attempts: int
+    input_tokens: int
+    output_tokens: int
+    cost_usd: float
+    cache: str | None
+    fallback_from: str | None
+    planned_steps: int | None
+    stream: bool
+    received_at: float
+    queue_ms: float | None
+    t_received: float  # perf_counter milestones of the request (Timings)
+    t_upstream_sent: float | None
+    t_upstream_first_byte: float | None
+    t_client_first_byte: float | None
+    t_ended: float | None
+    clock_base: float
+    # [stage, outcome, reason, evidence, t0, t1] each, but for the folded blocks; None
+    # when traces are off (only the usage row is kept).
+    decisions: list[Any] | None
+    # The pipeline's folded blocks: (template id, index in the full decision list, t0,
+    # t1); the templates travel once per batch (`expand_decisions`).
+    blocks: list[tuple[int, int, float, float]] = []
+
+
+ENTRY_FIELDS = LedgerEntry.__struct_fields__
+
+
+class LedgerBatch(msgspec.Struct):
+    """One batch down the writer's pipe: the entries and the block templates they use."""
+
+    blocks: dict[str, list[tuple[str, str, str, Any]]]
+    entries: list[LedgerEntry]
 
 
 # A run of static verdicts that the pipeline recorded as one block (pipeline.Pipeline)
@@ -61,41 +78,57 @@ ENTRY_FIELDS = (
 # the same as if it had been sent whole.
 
 
-def compact_decisions(decisions: list[Any], blocks: list[tuple[int, int, int]]) -> list[Any]:
-    """`decisions` with each block run (bid, start, count) as one ("@", ...) item."""
+def compact_decisions(
+    decisions: list[Any], blocks: list[tuple[int, int, int]]
+) -> tuple[list[Any], list[tuple[int, int, float, float]]]:
+    """`decisions` without the block runs (bid, start, count), and the runs as
+    (bid, start, t0, t1)."""
     if not blocks:
-        return decisions
-    out: list[Any] = []
+        return decisions, []
+    rest: list[Any] = []
+    refs = []
     at = 0
     for bid, start, count in blocks:
         first = decisions[start]
-        out.extend(decisions[at:start])
-        out.append(("@", bid, first[4], first[5]))
+        rest.extend(decisions[at:start])
+        refs.append((bid, start, first[4], first[5]))
         at = start + count
-    out.extend(decisions[at:])
-    return out
+    rest.extend(decisions[at:])
+    return rest, refs
 
 
-def expand_decisions(decisions: list[Any], blocks: dict[str, list[Any]]) -> list[Any]:
+def expand_decisions(
+    decisions: list[Any],
+    refs: list[tuple[int, int, float, float]],
+    blocks: dict[str, list[Any]],
+) -> list[Any]:
     """The full decisions of an entry whose block runs were sent compactly."""
+    if not refs:
+        return decisions
     out: list[Any] = []
-    for d in decisions:
-        if d[0] != "@":
-            out.append(d)
-            continue
-        _, bid, t0, t1 = d
-        for stage, outcome, reason, evidence in blocks[str(bid)]:
-            out.append([stage, outcome, reason, evidence, t0, t1])
+    rest = iter(decisions)
+    for bid, start, t0, t1 in refs:
+        while len(out) < start:
+            out.append(next(rest))
+        out.extend(
+            [stage, outcome, reason, evidence, t0, t1]
+            for stage, outcome, reason, evidence in blocks[str(bid)]
+        )
+    out.extend(rest)
     return out
 
 
 def ledger_entry(
     ctx: RequestContext, status: str, inp: int, out: int, cost: float, with_trace: bool
-) -> tuple[Any, ...]:
-    """The writer's entry for a finished request (see ENTRY_FIELDS); its decisions
-    may hold compact block items (`compact_decisions`)."""
+) -> LedgerEntry:
+    """The writer's entry for a finished request; its folded blocks go compactly
+    (`compact_decisions`)."""
     t, p, dep, model = ctx.timings, ctx.principal, ctx.deployment, ctx.model
-    return (
+    if with_trace:
+        decisions, refs = compact_decisions(ctx.decisions, ctx.blocks)
+    else:
+        decisions, refs = None, []
+    return LedgerEntry(
         ctx.request_id,
         ctx.client_request_id,
         ctx.task_id,
@@ -125,7 +158,8 @@ def ledger_entry(
         t.client_first_byte,
         t.ended,
         ctx.received_at - t.received,
-        compact_decisions(ctx.decisions, ctx.blocks) if with_trace else None,
+        decisions,
+        refs,
     )
 
 
@@ -133,44 +167,45 @@ def _ms(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round((b - a) * 1000, 3)
 
 
-def trace_from_entry(e: dict[str, Any]) -> dict[str, Any]:
-    """The stored form of a finished request (no bodies), from its entry as a dict."""
-    received, sent, end = e["t_received"], e["t_upstream_sent"], e["t_ended"]
-    queue_ms = e["queue_ms"]
+def trace_from_entry(e: LedgerEntry, decisions: list[Any] | None) -> dict[str, Any]:
+    """The stored form of a finished request (no bodies), from its entry and its full
+    decisions (`expand_decisions`)."""
+    received, sent, end = e.t_received, e.t_upstream_sent, e.t_ended
+    queue_ms = e.queue_ms
     return {
-        "request_id": e["request_id"],
-        "client_request_id": e["client_request_id"],
-        "task_id": e["task_id"],
-        "parent_request_ids": e["parent_request_ids"],
-        "tenant_id": e["tenant_id"],
-        "key_id": e["key_id"],
-        "endpoint": e["endpoint"],
-        "model": e["model"],
-        "requested_model": e["requested_model"],
-        "revision": e["revision"],
-        "upstream": e["upstream"],
-        "status": e["status"],
-        "error_code": e["error_code"],
-        "attempts": e["attempts"],
-        "input_tokens": e["input_tokens"],
-        "output_tokens": e["output_tokens"],
-        "cost_usd": e["cost_usd"],
-        "cache": e["cache"],
-        "fallback_from": e["fallback_from"],
-        "planned_steps": e["planned_steps"],
-        "stream": e["stream"],
-        "received_at": e["received_at"],
+        "request_id": e.request_id,
+        "client_request_id": e.client_request_id,
+        "task_id": e.task_id,
+        "parent_request_ids": e.parent_request_ids,
+        "tenant_id": e.tenant_id,
+        "key_id": e.key_id,
+        "endpoint": e.endpoint,
+        "model": e.model,
+        "requested_model": e.requested_model,
+        "revision": e.revision,
+        "upstream": e.upstream,
+        "status": e.status,
+        "error_code": e.error_code,
+        "attempts": e.attempts,
+        "input_tokens": e.input_tokens,
+        "output_tokens": e.output_tokens,
+        "cost_usd": e.cost_usd,
+        "cache": e.cache,
+        "fallback_from": e.fallback_from,
+        "planned_steps": e.planned_steps,
+        "stream": e.stream,
+        "received_at": e.received_at,
         "timings": {
             "queue_ms": None if queue_ms is None else round(queue_ms, 3),
-            "upstream_first_byte_ms": _ms(received, e["t_upstream_first_byte"]),
-            "client_first_byte_ms": _ms(received, e["t_client_first_byte"]),
+            "upstream_first_byte_ms": _ms(received, e.t_upstream_first_byte),
+            "client_first_byte_ms": _ms(received, e.t_client_first_byte),
             "upstream_ms": _ms(sent, end) if sent is not None else None,
             "duration_ms": _ms(received, end),
         },
         # Stored compactly: [stage, outcome, reason, evidence, t0, t1] with perf_counter
         # times; `expand` gives the documented form on read.
-        "clock_base": e["clock_base"],
-        "decisions": e["decisions"],
+        "clock_base": e.clock_base,
+        "decisions": decisions,
     }
 
 
@@ -191,6 +226,9 @@ def insert_sql() -> str:
     )
 
 
+_RECORD = msgspec.json.Encoder(enc_hook=str)
+
+
 def insert_args(record: dict[str, Any]) -> tuple[Any, ...]:
     return (
         record["request_id"],
@@ -199,7 +237,7 @@ def insert_args(record: dict[str, Any]) -> tuple[Any, ...]:
         record["tenant_id"],
         record["status"],
         record["received_at"],
-        orjson.dumps(record, default=str, option=orjson.OPT_SERIALIZE_NUMPY).decode(),
+        _RECORD.encode(record).decode(),
     )
 
 
