@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -110,7 +109,7 @@ class Reserver:
         ctx.prompt_estimate = prompt
         ctx.max_tokens = out
         ask = Ask(
-            f"{ctx.request_id}#{secrets.token_hex(4)}",
+            f"{ctx.request_id}#{stage}",  # one reservation per request and stage
             prompt + out,
             cost_usd(price, prompt, out) if price else 0.0,
         )
@@ -194,14 +193,21 @@ class Admit(Stage):
     ) -> None:
         self._reserver = reserver
         self._estimate = estimate
+        # The scopes of each principal seen lately (a principal is immutable; the one
+        # object is kept, so its id stays its own while cached).
+        self._scopes: dict[int, tuple[Any, list[ScopeLimits]]] = {}
 
     def static(self, view: View) -> Verdict | None:
         return NO_LIMITS if not principal_scopes(view.principal) else None
 
     def work(self, ctx: RequestContext) -> Awaitable[None]:
-        return self._reserver.reserve(
-            ctx, principal_scopes(ctx.principal), self.name, self._estimate(ctx)
-        )
+        p = ctx.principal
+        held = self._scopes.get(id(p))
+        if held is None or held[0] is not p:
+            if len(self._scopes) >= 4096:
+                self._scopes.clear()
+            held = self._scopes[id(p)] = (p, principal_scopes(p))
+        return self._reserver.reserve(ctx, held[1], self.name, self._estimate(ctx))
 
 
 class DeploymentLimits(Stage):
