@@ -143,14 +143,15 @@ class _World:
             m.alias: DeploymentGate(m.alias, m.limits.max_concurrency, m.limits.queue)
             for m in s.models
         }
-        self.templates: dict[int, Any] = {}
+        self.templates: dict[str, Any] = {}
 
         async def spent(column: str, ident: str, since: float) -> float:
             return 0.25  # what the ledger says the scope has spent this period
 
-        def register(template: list[Any]) -> int:
-            self.templates[len(self.templates) + 1] = template
-            return len(self.templates)
+        def register(template: list[Any]) -> str:
+            bid = f"b{len(self.templates) + 1}"
+            self.templates[bid] = template
+            return bid
 
         cache = ResponseCache(100, 1 << 20) if s.cache.enabled else None
         self.pipeline: Pipeline = build_pipelines(

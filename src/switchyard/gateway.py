@@ -53,7 +53,7 @@ def build_pipelines(
     cache: ResponseCache | None,
     embedder: EmbeddingService | None,
     router: Callable[[], Any],
-    register_block: Callable[[list[Any]], int] | None = None,
+    register_block: Callable[[list[Any]], str] | None = None,
 ) -> Pipelines:
     """The stages, in order (DESIGN.md: the request pipeline). Evidence that is the
     same for every request of a model is built once and shared (recorded evidence

@@ -156,7 +156,7 @@ class RequestContext:
     reply_body: bytes | None = None  # a non-streamed reply whose usage is read at settle
     # (block id, index of its first decision, count) of each folded run of static
     # verdicts (Pipeline): stored compactly in the ledger, expanded on write.
-    blocks: list[tuple[int, int, int]] = field(default_factory=list)
+    blocks: list[tuple[str, int, int]] = field(default_factory=list)
     client_request_id: str | None = None  # the client's own id (x-client-request-id)
     header_error: Any = None  # an InvalidRequest for a header, raised once ctx exists
 
@@ -239,7 +239,7 @@ class _Segment:
     template: list[tuple[str, str, str, dict[str, Any] | None]]
     sets: tuple[tuple[str, Any], ...]
     end: int
-    block: int | None  # the ledger's id for the template (compact traces)
+    block: str | None  # the ledger's id for the template (compact traces)
 
 
 class Pipeline:
@@ -256,7 +256,7 @@ class Pipeline:
         stages: Sequence[Stage],
         models: Mapping[str, ModelConfig] | None = None,
         deployments: Mapping[str, Deployment] | None = None,
-        register_block: Callable[[list[Any]], int] | None = None,
+        register_block: Callable[[list[Any]], str] | None = None,
     ) -> None:
         self.stages = list(stages)
         self._models = models if models is not None else {}

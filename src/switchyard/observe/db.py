@@ -74,6 +74,12 @@ CREATE TABLE IF NOT EXISTS traces (
 CREATE INDEX IF NOT EXISTS traces_task ON traces(task_id);
 CREATE INDEX IF NOT EXISTS traces_tenant_time ON traces(tenant_id, received_at);
 CREATE INDEX IF NOT EXISTS traces_time ON traces(received_at);
+-- The pipeline's folded blocks of decisions (the same for every request of a View), by
+-- a hash of their content: a trace refers to them instead of repeating them.
+CREATE TABLE IF NOT EXISTS trace_templates (
+    id TEXT PRIMARY KEY,
+    template TEXT NOT NULL
+);
 """
 
 # Columns added after a table first shipped: (table, column, type). `connect` adds

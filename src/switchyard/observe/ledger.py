@@ -48,7 +48,7 @@ import msgspec
 
 from switchyard.observe.db import connect
 from switchyard.observe.ledger_writer import BATCH, FLUSH, HEADER, STOP, frame
-from switchyard.observe.traces import LedgerBatch, LedgerEntry, ledger_entry
+from switchyard.observe.traces import LedgerBatch, LedgerEntry, ledger_entry, template_id
 from switchyard.pipeline import RequestContext
 
 log = logging.getLogger("switchyard.ledger")
@@ -138,7 +138,7 @@ def _repaired(entry: LedgerEntry) -> tuple[bytes, list[str]] | None:
 
 
 def batch_json(
-    batch: list[Finished], templates: dict[int, Any], counts: LedgerCounts | None = None
+    batch: list[Finished], templates: dict[str, Any], counts: LedgerCounts | None = None
 ) -> tuple[bytes, int]:
     """The batch as one JSON object: `entries` (one array per request) and `blocks`
     (the templates of the compact block items those entries hold, by id). Serialised
@@ -149,7 +149,7 @@ def batch_json(
     counted as dropped. Returns the payload and its row count."""
     counts = counts if counts is not None else LedgerCounts()
     entries = []
-    used: set[int] = set()
+    used: set[str] = set()
     for f in batch:
         try:
             entries.append(f.entry())
@@ -159,7 +159,7 @@ def batch_json(
             continue
         if f.with_trace:
             used.update(b[0] for b in f.ctx.blocks)
-    blocks = {str(i): templates[i] for i in used}
+    blocks = {i: templates[i] for i in used}
     try:
         return _ENCODER.encode(LedgerBatch(blocks, entries)), len(entries)
     except Exception:  # some row cannot be serialised: find it, keep the others
@@ -207,8 +207,7 @@ class UsageLedger:
         self._lock = threading.RLock()
         self._batch: list[Finished] = []
         # Block templates (see traces.compact_decisions) by id, and ids by their JSON form.
-        self._templates: dict[int, Any] = {}
-        self._template_ids: dict[bytes, int] = {}
+        self._templates: dict[str, Any] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_loop: asyncio.AbstractEventLoop | None = None
         self._frames: deque[tuple[bytes, int]] = deque()  # not yet fully in the pipe
@@ -257,15 +256,13 @@ class UsageLedger:
         os.set_blocking(fd, False)
         return proc
 
-    def block_id(self, template: list[tuple[str, str, str, Any]]) -> int:
-        """The id under which entries may refer to a run of decisions (stage, outcome,
-        reason, evidence) in compact form; the same template always gets the same id."""
-        key = _ENCODER.encode(template)
+    def block_id(self, template: list[tuple[str, str, str, Any]]) -> str:
+        """The id under which entries refer to a run of decisions (stage, outcome,
+        reason, evidence): a hash of its content, so the same template has the same
+        id in every process and across restarts (it is stored once)."""
+        bid = template_id(template)
         with self._lock:
-            bid = self._template_ids.get(key)
-            if bid is None:
-                bid = self._template_ids[key] = len(self._templates) + 1
-                self._templates[bid] = template
+            self._templates.setdefault(bid, template)
         return bid
 
     # -- queueing (event loop) --------------------------------------------------------

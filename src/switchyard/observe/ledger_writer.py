@@ -37,7 +37,6 @@ from switchyard.observe.db import connect
 from switchyard.observe.traces import (
     LedgerBatch,
     LedgerEntry,
-    expand_decisions,
     insert_args,
     trace_from_entry,
 )
@@ -87,6 +86,8 @@ def _insert(table: str, columns: tuple[str, ...]) -> str:
 
 INSERT_USAGE = _insert("usage", USAGE_COLUMNS)
 INSERT_TRACES = _insert("traces", TRACE_COLUMNS)
+INSERT_TEMPLATES = "INSERT OR IGNORE INTO trace_templates (id, template) VALUES (?, ?)"
+_TEMPLATE = msgspec.json.Encoder(enc_hook=str)
 ADD_DAILY = (
     "INSERT INTO usage_daily (day, tenant_id, key_id, model, requests, errors, input_tokens,"
     " output_tokens, cost_usd) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
@@ -185,11 +186,8 @@ def write_batch(conn: sqlite3.Connection, batch: LedgerBatch) -> bool:
         entries = batch.entries
         rows = [usage_row(e) for e in entries]
         daily = daily_rollups(entries)
-        traces = [
-            insert_args(trace_from_entry(e, expand_decisions(e.decisions, e.blocks, batch.blocks)))
-            for e in entries
-            if e.decisions is not None
-        ]
+        traces = [insert_args(trace_from_entry(e)) for e in entries if e.decisions is not None]
+        templates = [(bid, _TEMPLATE.encode(t).decode()) for bid, t in batch.blocks.items()]
     except Exception:  # a malformed batch must not end the writer
         log.exception("dropped a malformed batch of %d entries", len(batch.entries))
         return False
@@ -200,11 +198,13 @@ def write_batch(conn: sqlite3.Connection, batch: LedgerBatch) -> bool:
                 conn.executemany(INSERT_USAGE, rows)
                 conn.executemany(ADD_DAILY, daily)
                 if traces:
+                    conn.executemany(INSERT_TEMPLATES, templates)
                     conn.executemany(INSERT_TRACES, traces)
             except OverflowError:  # a value SQLite cannot bind: keep the rows, as text
                 conn.executemany(INSERT_USAGE, [_sqlite_safe(r) for r in rows])
                 conn.executemany(ADD_DAILY, [_sqlite_safe(r) for r in daily])
                 if traces:
+                    conn.executemany(INSERT_TEMPLATES, templates)
                     conn.executemany(INSERT_TRACES, [_sqlite_safe(r) for r in traces])
             conn.execute("COMMIT")
             return True

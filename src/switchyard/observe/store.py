@@ -25,8 +25,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import msgspec
-
 from switchyard.execute.idempotency import IdempotencyStore
 from switchyard.observe.db import SCHEMA, migrate
 from switchyard.observe.ledger import (
@@ -38,6 +36,7 @@ from switchyard.observe.ledger import (
     usage_rows,
 )
 from switchyard.observe.ledger_writer import decode_batch, write_batch
+from switchyard.observe.traces import template_id
 from switchyard.policy.keys import KeyStore, Limits, Principal
 
 log = logging.getLogger("switchyard")
@@ -133,8 +132,7 @@ class MemoryLedger:
         self._lock = lock
         self.flush_s = flush_s
         self._batch: list[Finished] = []
-        self._templates: dict[int, Any] = {}
-        self._template_ids: dict[bytes, int] = {}
+        self._templates: dict[str, Any] = {}
         self._counts = LedgerCounts()
         self._timer: asyncio.TimerHandle | None = None
         self.queued_bytes = 0
@@ -147,13 +145,9 @@ class MemoryLedger:
     def repaired(self) -> int:
         return self._counts.repaired
 
-    def block_id(self, template: list[tuple[str, str, str, Any]]) -> int:
-        key = msgspec.json.encode(template, enc_hook=str)
-        with self._lock:
-            bid = self._template_ids.get(key)
-            if bid is None:
-                bid = self._template_ids[key] = len(self._templates) + 1
-                self._templates[bid] = template
+    def block_id(self, template: list[tuple[str, str, str, Any]]) -> str:
+        bid = template_id(template)
+        self._templates.setdefault(bid, template)
         return bid
 
     def record(self, finished: Finished) -> None:

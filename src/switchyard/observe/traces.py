@@ -8,9 +8,11 @@ Records are kept for `observe.traces_retention_days` and at most
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sqlite3
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -57,8 +59,8 @@ class LedgerEntry(msgspec.Struct, array_like=True, gc=False):
     # when traces are off (only the usage row is kept).
     decisions: list[Any] | None
     # The pipeline's folded blocks: (template id, index in the full decision list, t0,
-    # t1); the templates travel once per batch (`expand_decisions`).
-    blocks: list[tuple[int, int, float, float]] = []
+    # t1); the templates travel once per batch and are stored once (trace_templates).
+    blocks: list[tuple[str, int, float, float]] = []
 
 
 ENTRY_FIELDS = LedgerEntry.__struct_fields__
@@ -67,7 +69,7 @@ ENTRY_FIELDS = LedgerEntry.__struct_fields__
 class LedgerBatch(msgspec.Struct):
     """One batch down the writer's pipe: the entries and the block templates they use."""
 
-    blocks: dict[str, list[tuple[str, str, str, Any]]]
+    blocks: dict[str, list[tuple[str, str, str, Any]]]  # the templates, by id
     entries: list[LedgerEntry]
 
 
@@ -78,9 +80,17 @@ class LedgerBatch(msgspec.Struct):
 # the same as if it had been sent whole.
 
 
+_TEMPLATE_KEY = msgspec.json.Encoder(enc_hook=str)
+
+
+def template_id(template: list[tuple[str, str, str, Any]]) -> str:
+    """A block template's id: the hash of its content (stable across processes)."""
+    return hashlib.sha256(_TEMPLATE_KEY.encode(template)).hexdigest()[:24]
+
+
 def compact_decisions(
-    decisions: list[Any], blocks: list[tuple[int, int, int]]
-) -> tuple[list[Any], list[tuple[int, int, float, float]]]:
+    decisions: list[Any], blocks: list[tuple[str, int, int]]
+) -> tuple[list[Any], list[tuple[str, int, float, float]]]:
     """`decisions` without the block runs (bid, start, count), and the runs as
     (bid, start, t0, t1)."""
     if not blocks:
@@ -99,10 +109,10 @@ def compact_decisions(
 
 def expand_decisions(
     decisions: list[Any],
-    refs: list[tuple[int, int, float, float]],
-    blocks: dict[str, list[Any]],
+    refs: list[Any],
+    blocks: Mapping[str, list[Any]],
 ) -> list[Any]:
-    """The full decisions of an entry whose block runs were sent compactly."""
+    """The full decisions of a trace whose block runs are kept as references."""
     if not refs:
         return decisions
     out: list[Any] = []
@@ -167,9 +177,9 @@ def _ms(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round((b - a) * 1000, 3)
 
 
-def trace_from_entry(e: LedgerEntry, decisions: list[Any] | None) -> dict[str, Any]:
-    """The stored form of a finished request (no bodies), from its entry and its full
-    decisions (`expand_decisions`)."""
+def trace_from_entry(e: LedgerEntry) -> dict[str, Any]:
+    """The stored form of a finished request (no bodies), from its entry. Its folded
+    blocks stay references (`blocks`) to the stored templates; reads expand them."""
     received, sent, end = e.t_received, e.t_upstream_sent, e.t_ended
     queue_ms = e.queue_ms
     return {
@@ -205,17 +215,39 @@ def trace_from_entry(e: LedgerEntry, decisions: list[Any] | None) -> dict[str, A
         # Stored compactly: [stage, outcome, reason, evidence, t0, t1] with perf_counter
         # times; `expand` gives the documented form on read.
         "clock_base": e.clock_base,
-        "decisions": decisions,
+        "decisions": e.decisions,
+        "blocks": e.blocks,
     }
 
 
-def expand(record: dict[str, Any]) -> dict[str, Any]:
-    """A stored record in its documented form: each decision with `started_at` (unix
-    seconds) and `duration_ms`, evidence always an object."""
+class Templates(dict[str, list[Any]]):
+    """The stored block templates a read needs, loaded once each per read."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        super().__init__()
+        self._conn = conn
+
+    def __missing__(self, bid: str) -> list[Any]:
+        row = self._conn.execute(
+            "SELECT template FROM trace_templates WHERE id = ?", (bid,)
+        ).fetchone()
+        template: list[Any] = json.loads(row[0]) if row is not None else []
+        self[bid] = template
+        return template
+
+
+def expand(record: dict[str, Any], templates: Mapping[str, list[Any]]) -> dict[str, Any]:
+    """A stored record in its documented form: its blocks expanded in place, each
+    decision with `started_at` (unix seconds) and `duration_ms`, evidence always an
+    object."""
     base = record.pop("clock_base", None)
+    refs = record.pop("blocks", None)
     if base is None:
         return record
-    record["decisions"] = [decision_dict(d, base) for d in record.get("decisions") or []]
+    decisions = record.get("decisions") or []
+    if refs:
+        decisions = expand_decisions(decisions, refs, templates)
+    record["decisions"] = [decision_dict(d, base) for d in decisions]
     return record
 
 
@@ -271,14 +303,15 @@ def get_request(
         if tenant_id is not None:
             sql, args = sql + " AND tenant_id = ?", (request_id, tenant_id)
         row = conn.execute(sql + " ORDER BY received_at DESC LIMIT 1", args).fetchone()
-    return None if row is None else expand(dict(json.loads(row[0])))
+    return None if row is None else expand(dict(json.loads(row[0])), Templates(conn))
 
 
 def get_task(conn: sqlite3.Connection, task_id: str) -> list[dict[str, Any]]:
     rows = conn.execute(
         "SELECT record FROM traces WHERE task_id = ? ORDER BY received_at", (task_id,)
     ).fetchall()
-    return [expand(json.loads(r[0])) for r in rows]
+    templates = Templates(conn)
+    return [expand(json.loads(r[0]), templates) for r in rows]
 
 
 def list_requests(
@@ -309,6 +342,7 @@ def list_requests(
         rec = json.loads(raw)
         rec.pop("decisions", None)  # the list view is a summary
         rec.pop("clock_base", None)
+        rec.pop("blocks", None)
         out.append(rec)
     return out
 
