@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from switchyard.bench.harness import CHAT_PATH, MODEL, chat_body
+from switchyard.bench.realistic import KEY_LIMITS, TENANT, TENANT_LIMITS
 from switchyard.engines.upstream import UpstreamReply
 
 METRICS_FOLD_EVERY = 64
@@ -124,7 +125,9 @@ class Driver:
             raise RuntimeError(f"requests were not answered 200: {bad}")
 
 
-async def _switchyard_app(workdir: Path, reply: bytes) -> tuple[App, Any]:
+async def _switchyard_app(workdir: Path, reply: bytes, realistic: bool = False) -> tuple[App, Any]:
+    """Switchyard with auth off, or (`realistic`) with auth on and a key under the
+    realistic scenario's limits (bench/realistic.py); its key is `gw.bench_key`."""
     from switchyard.api.app import create_app
     from switchyard.config import parse_settings
 
@@ -138,7 +141,7 @@ async def _switchyard_app(workdir: Path, reply: bytes) -> tuple[App, Any]:
                 }
             ],
             "embeddings": {"enabled": False},
-            "auth": {"mode": "disabled"},
+            "auth": {"mode": "keys" if realistic else "disabled", "bootstrap_dev_key": False},
             "storage": {"sqlite_path": str(workdir / "hotpath.db")},
         },
         "hotpath",
@@ -146,6 +149,10 @@ async def _switchyard_app(workdir: Path, reply: bytes) -> tuple[App, Any]:
     app = create_app(settings)
     gw = app.state.gateway
     gw.start()
+    gw.bench_key = None
+    if realistic:
+        gw.keys.create_tenant(TENANT, **TENANT_LIMITS)
+        gw.bench_key = gw.keys.create_key(TENANT, **KEY_LIMITS)["key"]
 
     async def instant(*_args: Any, **_kwargs: Any) -> UpstreamReply:
         return UpstreamReply(200, reply, {"content-type": "application/json"})
@@ -205,19 +212,28 @@ def _folds(gw: Any) -> Callable[[int], None]:
     return each
 
 
-async def _timed(args: argparse.Namespace) -> dict[str, Any]:
+async def _switchyard_us(args: argparse.Namespace, realistic: bool) -> list[float]:
     reply, body = _reply(args.tokens), chat_body(False, args.tokens)
     with tempfile.TemporaryDirectory() as tmp:
-        app, gw = await _switchyard_app(Path(tmp), reply)
+        app, gw = await _switchyard_app(Path(tmp), reply, realistic)
         driver = Driver(body)
+        if gw.bench_key is not None:
+            driver.headers.append((b"authorization", f"Bearer {gw.bench_key}".encode()))
         driver.on_each = _folds(gw)
         try:
-            sy = await _measure(app, driver, args.requests, args.blocks)
+            return await _measure(app, driver, args.requests, args.blocks)
         finally:
             await gw.stop()
+
+
+async def _timed(args: argparse.Namespace) -> dict[str, Any]:
+    reply, body = _reply(args.tokens), chat_body(False, args.tokens)
+    sy = await _switchyard_us(args, realistic=False)
+    real = await _switchyard_us(args, realistic=True)
     floor = await _measure(_floor_app(reply), Driver(body), args.requests, args.blocks)
     return {
         "switchyard_us": {"min": min(sy), "median": statistics.median(sy), "blocks": sy},
+        "realistic_us": {"min": min(real), "median": statistics.median(real), "blocks": real},
         "floor_us": {"min": min(floor), "median": statistics.median(floor), "blocks": floor},
     }
 
@@ -299,11 +315,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     timed = asyncio.run(_timed(args))
     counted = _instructions(args) if args.instructions else None
-    sy, fl = timed["switchyard_us"], timed["floor_us"]
+    sy, real, fl = timed["switchyard_us"], timed["realistic_us"], timed["floor_us"]
     lines = [
         f"hot path, {args.requests} requests per app, in one process, no network "
         f"(CPU us per request, min / median of {args.blocks} blocks)",
-        f"  switchyard  {sy['min']:8.1f} / {sy['median']:8.1f}",
+        f"  switchyard  {sy['min']:8.1f} / {sy['median']:8.1f}   (auth off)",
+        f"  realistic   {real['min']:8.1f} / {real['median']:8.1f}   (a key under the realistic "
+        "scenario's limits, traces on)",
         f"  floor       {fl['min']:8.1f} / {fl['median']:8.1f}",
         f"  switchyard's own work (min - min): {sy['min'] - fl['min']:.1f} us",
     ]
