@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from switchyard.api.admin import build_admin_routes
 from switchyard.api.openai import CTX_KEY, build_routes
+from switchyard.api.openapi import describe
 from switchyard.config import Settings
 from switchyard.errors import (
     InternalError,
@@ -121,6 +122,16 @@ def create_app(settings: Settings, on_ready: Callable[[Gateway], None] | None = 
         r.path: r.endpoint for r in routes if isinstance(r, Route) and r.methods == {"POST"}
     }
     app.router.routes.extend(build_admin_routes(gw))
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> Response:
+        """The API's description, the model routes included (api/openapi.py)."""
+        if app.openapi_schema is None:
+            embedding = [settings.embeddings.alias] if gw.embedder is not None else []
+            app.openapi_schema = describe(
+                app.openapi(), [m.alias for m in settings.models], embedding
+            )
+        return Response(orjson.dumps(app.openapi_schema), media_type="application/json")
 
     @app.get("/healthz")
     async def healthz() -> Response:

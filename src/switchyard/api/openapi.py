@@ -1,0 +1,194 @@
+"""The OpenAPI description served at /openapi.json.
+
+The model routes are served straight from the ASGI call (app.py, `GatewayApp`), so
+FastAPI does not see them; they are described here by hand, with the shapes and bounds
+`policy/validate.py` enforces (what a client may send; the gateway still checks every
+field itself). The rest (health, readiness, metrics, admin) comes from FastAPI.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ERROR = {
+    "description": "an OpenAI-shaped error",
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "required": ["error"],
+                "properties": {
+                    "error": {
+                        "type": "object",
+                        "required": ["message", "type"],
+                        "properties": {
+                            "message": {"type": "string"},
+                            "type": {"type": "string"},
+                            "param": {"type": ["string", "null"]},
+                            "code": {"type": ["string", "null"]},
+                        },
+                    }
+                },
+            }
+        }
+    },
+}
+
+_TEXT_PART = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+}
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
+_NAME = {"type": "string", "minLength": 1, "maxLength": 256}
+
+
+def _message(roles: list[str], required: list[str], **extra: Any) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["role", *required],
+        "properties": {"role": {"enum": roles}, "name": _NAME, **extra},
+    }
+
+
+_MESSAGE = {
+    "anyOf": [
+        _message(["system", "developer", "user"], ["content"], content=_CONTENT),
+        _message(["assistant"], [], content={"anyOf": [_CONTENT, {"type": "null"}]}),
+        _message(["tool"], ["tool_call_id"], content=_CONTENT, tool_call_id={"type": "string"}),
+    ]
+}
+_TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string"},
+                "description": {"type": "string"},
+                "parameters": {"type": "object"},
+            },
+        },
+    },
+}
+_SAMPLING = {
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "n": {"type": "integer", "minimum": 1, "maximum": 1},
+    "stream": {"type": "boolean"},
+    "stop": {
+        "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]
+    },
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "seed": {"type": "integer"},
+    "user": {"type": "string"},
+}
+_CHAT = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": {
+        "model": {"type": "string"},
+        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+        "max_completion_tokens": {"type": "integer", "minimum": 1},
+        "tools": {"type": "array", "items": _TOOL},
+        "stream_options": {
+            "type": "object",
+            "properties": {"include_usage": {"type": "boolean"}},
+        },
+        **_SAMPLING,
+    },
+}
+_COMPLETION = {
+    "type": "object",
+    "required": ["model", "prompt"],
+    "properties": {
+        "model": {"type": "string"},
+        "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+        **_SAMPLING,
+    },
+}
+_EMBEDDINGS = {
+    "type": "object",
+    "required": ["model", "input"],
+    "properties": {
+        "model": {"type": "string"},
+        "input": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}, "minItems": 1},
+            ]
+        },
+        "encoding_format": {"enum": ["float", "base64"]},
+        "dimensions": {"type": "integer", "minimum": 1},
+        "user": {"type": "string"},
+    },
+}
+
+
+def _post(summary: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "security": [{"bearer": []}],
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": schema}},
+            },
+            "responses": {
+                "200": {"description": "the model's answer (JSON, or SSE when streamed)"},
+                "400": _ERROR,
+                "401": _ERROR,
+                "403": _ERROR,
+                "404": _ERROR,
+                "408": _ERROR,
+                "413": _ERROR,
+                "422": _ERROR,
+                "429": _ERROR,
+                "502": _ERROR,
+                "503": _ERROR,
+                "504": _ERROR,
+            },
+        }
+    }
+
+
+def _with_models(schema: dict[str, Any], models: list[str]) -> dict[str, Any]:
+    """`schema` with `model` restricted to the configured aliases (when any)."""
+    if not models:
+        return schema
+    props = {**schema["properties"], "model": {"enum": sorted(models)}}
+    return {**schema, "properties": props}
+
+
+def model_routes(chat_models: list[str], embedding_models: list[str]) -> dict[str, Any]:
+    """The OpenAPI `paths` of the OpenAI-compatible routes, naming the models this
+    gateway serves (a key may still be allowed only some of them)."""
+    return {
+        "/v1/chat/completions": _post("chat completion", _with_models(_CHAT, chat_models)),
+        "/v1/completions": _post("text completion", _with_models(_COMPLETION, chat_models)),
+        "/v1/embeddings": _post("embeddings", _with_models(_EMBEDDINGS, embedding_models)),
+        "/v1/models": {
+            "get": {
+                "summary": "the models this key may use",
+                "security": [{"bearer": []}],
+                "responses": {"200": {"description": "a list of models"}, "401": _ERROR},
+            }
+        },
+    }
+
+
+def describe(
+    generated: dict[str, Any], chat_models: list[str], embedding_models: list[str]
+) -> dict[str, Any]:
+    """FastAPI's generated description with the model routes added."""
+    doc = dict(generated)
+    doc["paths"] = {**model_routes(chat_models, embedding_models), **doc.get("paths", {})}
+    components = dict(doc.get("components") or {})
+    components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    doc["components"] = components
+    return doc
