@@ -976,3 +976,34 @@ def test_the_disk_budget_deletes_oldest_traces_then_rows_and_gives_space_back(
     assert conn.execute("PRAGMA page_count").fetchone()[0] < before_pages / 2  # given back
     assert enforce_disk(conn, budget) == 0  # under budget: nothing more
     conn.close()
+
+
+def test_the_ledger_writer_keeps_the_byte_budget_as_it_writes(tmp_path: Path) -> None:
+    """The writer process enforces observe.max_disk_mb itself, between batches: with
+    no retention pass at all, the file stays under the budget while the bill (the daily
+    rollups) counts every request."""
+    from switchyard.observe.ledger import UsageLedger
+    from switchyard.observe.traces import bytes_in_use
+
+    budget = 4 * 1024 * 1024
+    ledger = UsageLedger(str(tmp_path / "l.db"), flush_s=0.05, max_disk_bytes=budget)
+    try:
+        for round_ in range(4):
+            for i in range(1500):
+                f = _finished(f"b-{round_}-{i}")
+                f.ctx.record("validate", "ok", "x" * 400, time.perf_counter(), {"pad": "y" * 400})
+                ledger.record(f)
+            ledger.flush()
+            time.sleep(0.6)  # past the writer's check interval
+        ledger.record(_finished("last"))
+        ledger.flush()
+        conn = connect(str(tmp_path / "l.db"))
+        in_use = bytes_in_use(conn)
+        billed = conn.execute("SELECT SUM(requests) FROM usage_daily").fetchone()[0]
+        kept = conn.execute("SELECT COUNT(*) FROM traces").fetchone()[0]
+        conn.close()
+        assert in_use <= budget, in_use
+        assert billed == 6001
+        assert 0 < kept < 6001  # the oldest traces went first
+    finally:
+        ledger.close()

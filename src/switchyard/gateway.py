@@ -107,7 +107,13 @@ class Gateway:
         self.store: Store = (
             MemoryStore(defaults, settings.idempotency.ttl_s, flush_s)
             if settings.storage.backend == "memory"
-            else SqliteStore(self.sqlite_path, defaults, settings.idempotency.ttl_s, flush_s)
+            else SqliteStore(
+                self.sqlite_path,
+                defaults,
+                settings.idempotency.ttl_s,
+                flush_s,
+                int(settings.observe.max_disk_mb * 1024 * 1024),
+            )
         )
         self.keys = self.store.keys
         self.ledger = self.store.ledger

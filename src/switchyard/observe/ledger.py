@@ -198,9 +198,12 @@ def _read(fd: int, n: int) -> bytes | None:
 
 
 class UsageLedger:
-    def __init__(self, sqlite_path: str, flush_s: float = 0.02) -> None:
+    def __init__(self, sqlite_path: str, flush_s: float = 0.02, max_disk_bytes: int = 0) -> None:
+        """`max_disk_bytes` (observe.max_disk_mb): the writer keeps the file under it
+        as it writes; 0 = no byte budget."""
         self.path = sqlite_path
         self.flush_s = flush_s
+        self.max_disk_bytes = max_disk_bytes
         connect(sqlite_path).close()  # the schema exists before anyone reads
         # One lock for the batch, the timer and the frames: the event loop and a
         # caller of flush()/close() in another thread may both be here.
@@ -245,7 +248,13 @@ class UsageLedger:
     def _spawn(self) -> subprocess.Popen[bytes]:
         self._spawned_at = time.monotonic()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "switchyard.observe.ledger_writer", self.path],
+            [
+                sys.executable,
+                "-m",
+                "switchyard.observe.ledger_writer",
+                self.path,
+                str(self.max_disk_bytes),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )

@@ -16,7 +16,7 @@ Frames on stdin: one kind byte, a 4-byte big-endian length, the payload.
   before it is committed.
 - `S` (or end of input): commit what came before, then exit.
 
-    python -m switchyard.observe.ledger_writer PATH
+    python -m switchyard.observe.ledger_writer PATH [MAX_BYTES]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from switchyard.observe.db import connect
 from switchyard.observe.traces import (
     LedgerBatch,
     LedgerEntry,
+    enforce_disk,
     insert_args,
     trace_from_entry,
 )
@@ -247,8 +248,17 @@ def decode_batch(payload: bytes) -> LedgerBatch | None:
         return None
 
 
-def serve(path: str, source: BinaryIO, acks: BinaryIO) -> None:
+# How often the writer checks the byte budget (observe.max_disk_mb) between batches.
+DISK_CHECK_S = 0.5
+
+
+def serve(path: str, source: BinaryIO, acks: BinaryIO, max_bytes: int = 0) -> None:
+    """Commit batches until the end of the input. With `max_bytes`, the writer keeps
+    the file under it as it writes (`traces.enforce_disk`, at most every DISK_CHECK_S):
+    it is the one process that adds rows, so the budget holds within a fraction of a
+    second of load instead of growing until the gateway's next retention pass."""
     conn = connect(path)
+    checked = 0.0
     try:
         while True:
             got = read_frame(source)
@@ -259,6 +269,13 @@ def serve(path: str, source: BinaryIO, acks: BinaryIO) -> None:
                 batch = decode_batch(payload)
                 if batch is not None:
                     write_batch(conn, batch)
+                now = time.monotonic()
+                if max_bytes and now - checked >= DISK_CHECK_S:
+                    checked = now
+                    try:
+                        enforce_disk(conn, max_bytes)
+                    except sqlite3.Error as exc:  # the next check tries again
+                        log.warning("byte budget not enforced: %s", exc)
             elif kind == FLUSH:
                 acks.write(frame(FLUSH, payload))
                 acks.flush()
@@ -279,7 +296,8 @@ def main() -> None:
     gc.freeze()
     gc.set_threshold(100_000, 50, 50)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    serve(sys.argv[1], sys.stdin.buffer, sys.stdout.buffer)
+    max_bytes = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    serve(sys.argv[1], sys.stdin.buffer, sys.stdout.buffer, max_bytes)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,14 @@ class SqliteStore(Store):
     """One SQLite file in WAL mode (storage.sqlite_path), shared with the CLI and with
     other gateway processes."""
 
-    def __init__(self, path: str, defaults: Limits, idempotency_ttl_s: float, flush_s: float):
+    def __init__(
+        self,
+        path: str,
+        defaults: Limits,
+        idempotency_ttl_s: float,
+        flush_s: float,
+        max_disk_bytes: int = 0,
+    ):
         from switchyard.observe.db import connect
 
         self.path = path
@@ -77,7 +84,7 @@ class SqliteStore(Store):
         self._defaults = defaults
         self.keys = KeyStore(connect(path), defaults)
         self.idempotency = IdempotencyStore(connect(path), idempotency_ttl_s, self._io)
-        self.ledger = UsageLedger(path, flush_s)
+        self.ledger = UsageLedger(path, flush_s, max_disk_bytes)
 
     def _io_keys(self) -> KeyStore:
         """The I/O thread's own key store (its own connection, used by it alone)."""
