@@ -36,6 +36,23 @@ def _vec(seed: int) -> np.ndarray:
     return v / np.linalg.norm(v)
 
 
+def test_the_cache_takes_its_dimension_from_the_embedder() -> None:
+    """A 768-dimension embedding model: the cache stores and finds its vectors (it
+    assumed 384 before), refuses a vector of another size, and a partition made under
+    one model is never compared with another model's vectors."""
+    dims: list[int | None] = [None]  # unknown until the embedder has loaded
+    cache = ResponseCache(100, 10_000_000, dimensions=lambda: dims[0])
+    dims[0] = 768
+    wide = np.random.default_rng(7).normal(size=768).astype(np.float32)
+    wide /= np.linalg.norm(wide)
+    cache.store(_keys("a"), b'{"a":1}', wide, ttl_s=60, now=0)
+    found = cache.nearest(_keys("a"), wide, now=1)
+    assert found.entry is not None and found.similarity == pytest.approx(1.0, abs=1e-4)
+    with pytest.raises(ValueError):
+        cache.store(_keys("a", revision="r9"), b"{}", _vec(1), ttl_s=60, now=0)
+    assert cache.nearest(_keys("a"), _vec(1), now=1).entry is None  # 384 vs a 768 partition
+
+
 def test_partitions_isolate_tenants_at_any_threshold() -> None:
     cache = ResponseCache(100, 10_000_000)
     v = _vec(1)

@@ -354,13 +354,7 @@ def test_a_static_stage_run_is_recorded_as_one_block(tmp_path: Any) -> None:
     )
     world = _World(s, {"m": None, "n": None})
     p = Principal("t", "k", ("*",), ("*",), Limits(), Limits())
-    r = {
-        "alias": "m",
-        "endpoint": "chat.completions",
-        "text": "hi",
-        "tools": False,
-        "max_tokens": None,
-    }
+    r = dict(_HI)
     for _ in range(2):
         ctx = _ctx(p, r)
         assert world.pipeline.decide(ctx) is None  # decided without waiting
@@ -391,13 +385,7 @@ def test_plans_are_cached_per_view() -> None:
 
     p = Pipeline([ReadsBody()])
     principal = Principal("t", "k", ("*",), ("*",), Limits(), Limits())
-    r = {
-        "alias": "m",
-        "endpoint": "chat.completions",
-        "text": "hi",
-        "tools": False,
-        "max_tokens": None,
-    }
+    r = dict(_HI)
     a, b = _ctx(principal, r), _ctx(principal, r)
     assert p.decide(a) is None
     asyncio.run(p.decide_stepwise(b))

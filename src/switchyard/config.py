@@ -397,6 +397,32 @@ class EmbeddingsConfig(_Strict):
     cache_dir: str = "auto"  # "auto" = $XDG_CACHE_HOME/switchyard (~/.cache/switchyard)
 
 
+class MediaFetchConfig(_Strict):
+    """Fetching image URLs named in requests (media/fetch.py). Off by default: a URL
+    fetched on a client's behalf is a network permission."""
+
+    enabled: bool = False
+    allow_domains: list[str] = []  # hosts ("img.example.com", "*.example.com"); [] = any
+    deny_domains: list[str] = []
+    allow_http: bool = False  # plain http:// (https only by default)
+    # Networks fetched from although not public (an internal image host); every other
+    # loopback, private, link-local, CGNAT, multicast, reserved or metadata address is
+    # refused in all its spellings.
+    allow_networks: list[str] = []
+    max_bytes: int = Field(10 * 1024 * 1024, ge=1)
+    timeout_s: float = Field(10.0, gt=0)  # the whole fetch, redirects included
+    read_timeout_s: float = Field(5.0, gt=0)  # between two reads
+    max_redirects: int = Field(3, ge=0)
+
+
+class MediaConfig(_Strict):
+    fetch: MediaFetchConfig = MediaFetchConfig()
+    max_side: int = Field(1024, ge=16)  # the longer side after resizing
+    format: Literal["jpeg", "png", "webp"] = "jpeg"
+    quality: int = Field(85, ge=1, le=100)
+    max_pixels: int = Field(40_000_000, ge=1)  # refused before decoding past this
+
+
 class Settings(_Strict):
     server: ServerConfig = ServerConfig()
     storage: StorageConfig = StorageConfig()
@@ -408,6 +434,7 @@ class Settings(_Strict):
     router: RouterConfig = RouterConfig()
     cache: CacheConfig = CacheConfig()
     pii: PiiConfig = PiiConfig()
+    media: MediaConfig = MediaConfig()
     tools: ToolsConfig = ToolsConfig()
     models: list[ModelConfig] = Field(min_length=1)
     engines: EnginesConfig = EnginesConfig()

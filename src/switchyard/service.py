@@ -193,6 +193,12 @@ def _switchyard_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
     }
 
 
+def _failed(ctx: RequestContext, exc: BaseException) -> None:
+    """Mark a request that ended by an exception: its code, or internal_error."""
+    code = exc.code if isinstance(exc, SwitchyardError) else "internal_error"
+    ctx.status, ctx.error_code = Status.ERROR, code
+
+
 def embedding_estimate(price: Price) -> Callable[[RequestContext], tuple[int, int, Price]]:
     """(input tokens, 0, price) of an embeddings request, leaning high as the chat
     estimate does: ≈3 characters per token of text, one per token of a token array."""
@@ -357,11 +363,8 @@ class RequestService:
             reply = await self._execute(ctx)
             handed_off = True
             return reply
-        except SwitchyardError as exc:
-            ctx.status, ctx.error_code = Status.ERROR, exc.code
-            raise
-        except BaseException:
-            ctx.status, ctx.error_code = Status.ERROR, "internal_error"
+        except BaseException as exc:
+            _failed(ctx, exc)
             raise
         finally:
             if ctx.idempotency_key is not None:  # we owned the key and did not succeed
@@ -595,11 +598,8 @@ class RequestService:
             ctx.status = Status.OK
             ctx.timings.ended = time.perf_counter()
             return JsonReply(orjson.dumps(out), served_raw_headers(ctx))
-        except SwitchyardError as exc:
-            ctx.status, ctx.error_code = Status.ERROR, exc.code
-            raise
-        except BaseException:
-            ctx.status, ctx.error_code = Status.ERROR, "internal_error"
+        except BaseException as exc:
+            _failed(ctx, exc)
             raise
         finally:
             await self.settle(ctx)

@@ -41,6 +41,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,7 +198,29 @@ def _read(fd: int, n: int) -> bytes | None:
     return data
 
 
-class UsageLedger:
+class LedgerReads:
+    """The reads every ledger offers, over the connection its `reading()` lends."""
+
+    def reading(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        raise NotImplementedError
+
+    def spent_since(self, column: str, value: str, since: float) -> float:
+        """What a tenant or key spent since `since` (see `spent_since`)."""
+        with self.reading() as conn:
+            return spent_since(conn, column, value, since)
+
+    def rows(
+        self,
+        tenant_id: str | None = None,
+        key_id: str | None = None,
+        task_id: str | None = None,
+        limit: int = 100,
+    ) -> list[dict[str, Any]]:
+        with self.reading() as conn:
+            return usage_rows(conn, tenant_id, key_id, task_id, limit)
+
+
+class UsageLedger(LedgerReads):
     def __init__(self, sqlite_path: str, flush_s: float = 0.02, max_disk_bytes: int = 0) -> None:
         """`max_disk_bytes` (observe.max_disk_mb): the writer keeps the file under it
         as it writes; 0 = no byte budget."""
@@ -518,24 +541,11 @@ class UsageLedger:
             proc.stdout.close()
 
     # -- reads (admin, tests, budget seeding) -----------------------------------
-    def spent_since(self, column: str, value: str, since: float) -> float:
-        """What a tenant or key spent since `since` (see `spent_since`)."""
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[sqlite3.Connection]:
         conn = connect(self.path)
         try:
-            return spent_since(conn, column, value, since)
-        finally:
-            conn.close()
-
-    def rows(
-        self,
-        tenant_id: str | None = None,
-        key_id: str | None = None,
-        task_id: str | None = None,
-        limit: int = 100,
-    ) -> list[dict[str, Any]]:
-        conn = connect(self.path)
-        try:
-            return usage_rows(conn, tenant_id, key_id, task_id, limit)
+            yield conn
         finally:
             conn.close()
 

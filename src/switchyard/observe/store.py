@@ -30,10 +30,10 @@ from switchyard.observe.db import SCHEMA, migrate
 from switchyard.observe.ledger import (
     Finished,
     LedgerCounts,
+    LedgerReads,
     UsageLedger,
     batch_json,
     spent_since,
-    usage_rows,
 )
 from switchyard.observe.ledger_writer import decode_batch, write_batch
 from switchyard.observe.traces import template_id
@@ -129,7 +129,7 @@ def memory_connection() -> sqlite3.Connection:
     return conn
 
 
-class MemoryLedger:
+class MemoryLedger(LedgerReads):
     """The usage ledger in the store's in-memory database: rows are serialised as the
     writer process would receive them and committed by the same `write_batch`, every
     `flush_s`, at a flush, or once 256 are queued."""
@@ -191,21 +191,11 @@ class MemoryLedger:
     def close(self) -> None:
         self.flush()
 
-    def spent_since(self, column: str, value: str, since: float) -> float:
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[sqlite3.Connection]:
         self.flush()
         with self._lock:
-            return spent_since(self.conn, column, value, since)
-
-    def rows(
-        self,
-        tenant_id: str | None = None,
-        key_id: str | None = None,
-        task_id: str | None = None,
-        limit: int = 100,
-    ) -> list[dict[str, Any]]:
-        self.flush()
-        with self._lock:
-            return usage_rows(self.conn, tenant_id, key_id, task_id, limit)
+            yield self.conn
 
 
 class MemoryStore(Store):

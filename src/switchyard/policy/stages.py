@@ -165,9 +165,11 @@ class Reserver:
             self._seeded.add(mark)
 
 
-def generation_estimate(
-    models: Mapping[str, ModelConfig], default_max_tokens: int
-) -> Callable[[RequestContext], tuple[int, int, Price | None]]:
+# A request's (prompt tokens, output tokens, price) for its reservation.
+Estimate = Callable[[RequestContext], tuple[int, int, Price | None]]
+
+
+def generation_estimate(models: Mapping[str, ModelConfig], default_max_tokens: int) -> Estimate:
     """(prompt tokens, output tokens, price) of a chat or completion request."""
 
     def estimate(ctx: RequestContext) -> tuple[int, int, Price | None]:
@@ -181,18 +183,24 @@ def generation_estimate(
     return estimate
 
 
-class Admit(Stage):
+class _Reserving(Stage):
+    """A stage that reserves against limiter scopes through the shared Reserver."""
+
+    def __init__(self, reserver: Reserver, estimate: Estimate) -> None:
+        self._reserver = reserver
+        self._estimate = estimate
+
+    def _reserve(self, ctx: RequestContext, scopes: list[ScopeLimits]) -> Awaitable[None]:
+        return self._reserver.reserve(ctx, scopes, self.name, self._estimate(ctx))
+
+
+class Admit(_Reserving):
     """The key's and the tenant's limits: rpm, tpm, concurrency, budget."""
 
     name = "admit"
 
-    def __init__(
-        self,
-        reserver: Reserver,
-        estimate: Callable[[RequestContext], tuple[int, int, Price | None]],
-    ) -> None:
-        self._reserver = reserver
-        self._estimate = estimate
+    def __init__(self, reserver: Reserver, estimate: Estimate) -> None:
+        super().__init__(reserver, estimate)
         # The scopes of each principal seen lately (a principal is immutable; the one
         # object is kept, so its id stays its own while cached).
         self._scopes: dict[int, tuple[Any, list[ScopeLimits]]] = {}
@@ -207,21 +215,13 @@ class Admit(Stage):
             if len(self._scopes) >= 4096:
                 self._scopes.clear()
             held = self._scopes[id(p)] = (p, principal_scopes(p))
-        return self._reserver.reserve(ctx, held[1], self.name, self._estimate(ctx))
+        return self._reserve(ctx, held[1])
 
 
-class DeploymentLimits(Stage):
+class DeploymentLimits(_Reserving):
     """The deployment's own rpm and tpm (models[].limits)."""
 
     name = "deployment_limits"
-
-    def __init__(
-        self,
-        reserver: Reserver,
-        estimate: Callable[[RequestContext], tuple[int, int, Price | None]],
-    ) -> None:
-        self._reserver = reserver
-        self._estimate = estimate
 
     def static(self, view: View) -> Verdict | None:
         if view.model is None:  # selection refuses an unknown model before this
@@ -230,9 +230,7 @@ class DeploymentLimits(Stage):
 
     def work(self, ctx: RequestContext) -> Awaitable[None]:
         assert ctx.model is not None
-        return self._reserver.reserve(
-            ctx, deployment_scope(ctx.model), self.name, self._estimate(ctx)
-        )
+        return self._reserve(ctx, deployment_scope(ctx.model))
 
 
 class Queue(Stage):

@@ -1,0 +1,1 @@
+"""Media inputs: SSRF-safe fetch and staged preprocessing of images."""
