@@ -24,6 +24,7 @@ from switchyard.decide.cache import ResponseCache
 from switchyard.engines.registry import Registry
 from switchyard.errors import SwitchyardError
 from switchyard.gateway import build_pipelines
+from switchyard.media.process import MediaProcessor
 from switchyard.pipeline import Pipeline, RequestContext, Timings
 from switchyard.policy.admission import DeploymentGate
 from switchyard.policy.keys import Limits, Principal
@@ -85,6 +86,7 @@ configs = st.fixed_dictionaries(
         "m_limits": model_limits,
         "n_limits": model_limits,
         "price": st.sampled_from([0.0, 2.0]),
+        "n_vision": st.booleans(),  # a vision model brings the media stage
     }
 )
 engine_states = st.one_of(
@@ -114,6 +116,7 @@ def _settings(c: dict[str, Any], tmp: str) -> Settings:
             "engine": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1"},
             "limits": lim,
             "price": {"input": c["price"], "output": c["price"]},
+            "capabilities": {"supports_vision": alias == "n" and c.get("n_vision", False)},
         }
 
     return parse_settings(
@@ -164,6 +167,9 @@ class _World:
             None,
             lambda: None,
             register,
+            MediaProcessor(s.media)
+            if any(m.capabilities.supports_vision for m in s.models)
+            else None,
         ).generation
 
 

@@ -20,6 +20,8 @@ from switchyard.decide.stages import Cache, CachePlanner, Embed, Place, Route, S
 from switchyard.embed import EmbeddingService
 from switchyard.engines.registry import Deployment, Registry
 from switchyard.execute.executor import Executor
+from switchyard.media.process import MediaProcessor
+from switchyard.media.stage import Media
 from switchyard.observe.metrics import Metrics
 from switchyard.observe.otel import build_tracing
 from switchyard.observe.store import MemoryStore, SqliteStore, Store
@@ -54,6 +56,7 @@ def build_pipelines(
     embedder: EmbeddingService | None,
     router: Callable[[], Any],
     register_block: Callable[[list[Any]], str] | None = None,
+    media: MediaProcessor | None = None,
 ) -> Pipelines:
     """The stages, in order (DESIGN.md: the request pipeline). Evidence that is the
     same for every request of a model is built once and shared (recorded evidence
@@ -72,6 +75,7 @@ def build_pipelines(
             Route(s, router, named),
             Tools(s, embedder),
             Select(deployments),
+            *([Media(media)] if media is not None else []),
             DeploymentLimits(reserver, estimate),
             Queue(gates),
             Place(),
@@ -153,6 +157,9 @@ class Gateway:
         }
         self.counters: dict[str, int] = {"limiter_fail_open": 0, "limiter_fail_closed": 0}
         self.dev_key: str | None = None
+        # Image preprocessing, when any model takes images (its threads start lazily).
+        vision = any(m.capabilities.supports_vision for m in settings.models)
+        self.media = MediaProcessor(settings.media) if vision else None
         self.service = RequestService(
             settings,
             self.auth,
@@ -166,6 +173,7 @@ class Gateway:
                 self.embedder,
                 lambda: self.router,  # built after start
                 self.ledger.block_id,
+                self.media,
             ),
             self.executor,
             self.limiter,
@@ -257,6 +265,8 @@ class Gateway:
         if self.executor.shared is not None:
             await self.executor.shared.close()
         self.store.close()
+        if self.media is not None:
+            self.media.close()
         if self.tracing is not None:
             self.tracing.shutdown()
 

@@ -158,6 +158,7 @@ class RequestContext:
     # verdicts (Pipeline): stored compactly in the ledger, expanded on write.
     blocks: list[tuple[str, int, int]] = field(default_factory=list)
     client_request_id: str | None = None  # the client's own id (x-client-request-id)
+    media_ms: dict[str, float] | None = None  # the media stage's time per step
     header_error: Any = None  # an InvalidRequest for a header, raised once ctx exists
 
     def record(

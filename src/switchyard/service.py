@@ -178,6 +178,9 @@ def served_raw_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
         timing = b"gateway;dur=%.2f, upstream;dur=%.2f, total;dur=%.2f" % (gw, up, total)
         if ctx.queue_ms:
             timing = b"queue;dur=%.2f, " % ctx.queue_ms + timing
+        if ctx.media_ms:
+            media = ", ".join(f"media_{k};dur={v:.2f}" for k, v in ctx.media_ms.items())
+            timing = media.encode("ascii") + b", " + timing
         h.append((b"server-timing", timing))
     return h
 

@@ -1,0 +1,98 @@
+"""The `media` stage: every image part of a chat request for a vision model, fetched
+(or decoded from its data: URI), resized and re-encoded before the deployment's
+queue, so the upstream receives images of the configured format and size, without
+metadata, and the trace shows each image's shape and each step's time."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from typing import Any
+
+from switchyard.errors import SwitchyardError
+from switchyard.media.process import STAGES, MediaProcessor, Processed
+from switchyard.pipeline import RequestContext, Stage, Verdict, View
+
+
+def image_urls(body: dict[str, Any]) -> list[tuple[int, int, str]]:
+    """(message index, part index, url) of every image part of a chat body."""
+    out = []
+    for i, m in enumerate(body.get("messages") or ()):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    image = part.get("image_url")
+                    url = image.get("url") if isinstance(image, dict) else None
+                    if isinstance(url, str):
+                        out.append((i, j, url))
+    return out
+
+
+class Media(Stage):
+    name = "media"
+    NO_IMAGES = Verdict("skip", "the model takes no images")
+
+    def __init__(self, processor: MediaProcessor) -> None:
+        self._processor = processor
+
+    def static(self, view: View) -> Verdict | None:
+        model = view.model
+        if view.endpoint != "chat.completions" or model is None:
+            return self.NO_IMAGES
+        return None if model.capabilities.supports_vision else self.NO_IMAGES
+
+    def work(self, ctx: RequestContext) -> Awaitable[None] | None:
+        parts = image_urls(ctx.body)
+        if not parts:
+            ctx.record(self.name, "skip", "no image parts", time.perf_counter())
+            return None
+        return self._process(ctx, parts)
+
+    async def _process(self, ctx: RequestContext, parts: list[tuple[int, int, str]]) -> None:
+        t = time.perf_counter()
+        try:
+            done: list[Processed] = await asyncio.gather(
+                *(self._processor.process(url) for _, _, url in parts)
+            )
+        except SwitchyardError as exc:
+            ctx.record(self.name, f"reject:{exc.code}", exc.message, t, {"images": len(parts)})
+            raise
+        messages = list(ctx.body["messages"])
+        for (i, j, _), p in zip(parts, done, strict=True):
+            message = dict(messages[i])
+            content = list(message["content"])
+            part = dict(content[j])
+            image = dict(part["image_url"])
+            image["url"] = p.data_uri
+            part["image_url"] = image
+            content[j] = part
+            message["content"] = content
+            messages[i] = message
+        ctx.body = {**ctx.body, "messages": messages}
+        totals = {
+            s: round(sum(p.timings_ms.get(s, (0.0, 0.0))[1] for p in done), 3) for s in STAGES
+        }
+        waits = {s: round(sum(p.timings_ms.get(s, (0.0, 0.0))[0] for p in done), 3) for s in STAGES}
+        ctx.media_ms = totals
+        ctx.record(
+            self.name,
+            "processed",
+            f"{len(done)} image(s) fetched, resized and re-encoded",
+            t,
+            {
+                "images": [
+                    {
+                        "bytes_in": p.bytes_in,
+                        "bytes_out": p.bytes_out,
+                        "size_in": list(p.size_in),
+                        "size_out": list(p.size_out),
+                        "type": p.media_type,
+                    }
+                    for p in done
+                ],
+                "stage_ms": totals,
+                "queue_ms": waits,
+            },
+        )

@@ -1,0 +1,224 @@
+"""Image preprocessing: resized, re-encoded and stripped of metadata, bombs refused
+before decoding, full stage queues refusing at once; and end to end through a
+vision-capable scripted upstream that records what it receives."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.server
+import io
+import json
+import struct
+import threading
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from PIL import Image
+from tests.conftest import Gateway, Proc, free_port, start_gateway, wait_http
+
+from switchyard.config import MediaConfig
+from switchyard.media.fetch import MediaTooLarge, MediaUnsupported
+from switchyard.media.process import MediaProcessor, MediaQueueFull, _Stage
+
+
+def _jpeg_with_exif(w: int = 1600, h: int = 800) -> bytes:
+    """A JPEG whose EXIF says 'rotate 90°' and carries a GPS position."""
+    img = Image.new("RGB", (w, h), (200, 30, 30))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90° clockwise to display
+    exif[0x8825] = {1: "N", 2: (52.0, 31.0, 0.0)}  # GPS IFD
+    out = io.BytesIO()
+    img.save(out, "JPEG", exif=exif.tobytes())
+    return out.getvalue()
+
+
+def _data_uri(raw: bytes, kind: str = "image/jpeg") -> str:
+    return f"data:{kind};base64,{base64.b64encode(raw).decode()}"
+
+
+def _bomb_png(w: int = 100_000, h: int = 100_000) -> bytes:
+    """A tiny PNG whose header claims w x h pixels."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\x00"))
+        + chunk(b"IEND", b"")
+    )
+
+
+def _decoded(uri: str) -> Image.Image:
+    head, _, payload = uri.partition(",")
+    assert head.startswith("data:image/jpeg;base64")
+    return Image.open(io.BytesIO(base64.b64decode(payload)))
+
+
+def test_an_image_is_oriented_resized_and_stripped_of_metadata() -> None:
+    p = MediaProcessor(MediaConfig(max_side=512))
+    try:
+        out = asyncio.run(p.process(_data_uri(_jpeg_with_exif())))
+    finally:
+        p.close()
+    assert out.size_in == (800, 1600)  # the EXIF orientation applied: portrait
+    assert out.size_out == (256, 512)
+    img = _decoded(out.data_uri)
+    assert img.size == (256, 512)
+    assert not img.getexif() and "exif" not in img.info
+    assert set(out.timings_ms) == {"fetch", "decode", "resize", "encode"}
+
+
+def test_a_decompression_bomb_is_refused_before_decoding() -> None:
+    p = MediaProcessor(MediaConfig(max_pixels=10_000_000))
+    try:
+        with pytest.raises(MediaTooLarge):
+            asyncio.run(p.process(_data_uri(_bomb_png(), "image/png")))
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("raw", [b"<svg></svg>", b"\x89PNG\r\n\x1a\n broken"])
+def test_what_is_not_a_decodable_image_is_unsupported(raw: bytes) -> None:
+    p = MediaProcessor(MediaConfig())
+    try:
+        with pytest.raises(MediaUnsupported):
+            asyncio.run(p.process(_data_uri(raw, "image/png")))
+    finally:
+        p.close()
+
+
+def test_a_full_stage_queue_refuses_at_once() -> None:
+    p = MediaProcessor(MediaConfig())
+    p.stages["decode"] = _Stage("decode", workers=1, queue=0)
+    uri = _data_uri(_jpeg_with_exif(2400, 2400))
+
+    async def burst() -> list[Any]:
+        return await asyncio.gather(*(p.process(uri) for _ in range(3)), return_exceptions=True)
+
+    try:
+        results = asyncio.run(burst())
+    finally:
+        p.close()
+    refused = [r for r in results if isinstance(r, MediaQueueFull)]
+    assert len(refused) == 2 and refused[0].headers["Retry-After"] == "1"
+    assert sum(1 for r in results if not isinstance(r, BaseException)) == 1
+
+
+# -- end to end --------------------------------------------------------------------------
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    body = b""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("content-type", "image/jpeg")
+        self.send_header("content-length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def images() -> Iterator[str]:
+    _Images.body = _jpeg_with_exif(1200, 600)
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}/photo.jpg"
+    srv.shutdown()
+
+
+@pytest.fixture(scope="module")
+def vision(tmp_path_factory: Any) -> Iterator[tuple[Gateway, Path]]:
+    import sys
+
+    record = tmp_path_factory.mktemp("vision") / "received.jsonl"
+    port = free_port()
+    up = Proc(
+        [sys.executable, "-m", "switchyard.bench.scripted_upstream", "--port", str(port),
+         "--record", str(record)],
+        "scripted",
+    )  # fmt: skip
+    wait_http(f"http://127.0.0.1:{port}/health", up)
+    engine = {"kind": "openai", "base_url": f"http://127.0.0.1:{port}/v1"}
+    g = start_gateway(
+        {
+            "models": [
+                {"alias": "eyes", "engine": engine, "capabilities": {"supports_vision": True}},
+                {"alias": "text", "engine": engine},
+            ],
+            "embeddings": {"enabled": False},
+            "media": {
+                "max_side": 512,
+                "fetch": {"enabled": True, "allow_http": True, "allow_networks": ["127.0.0.1/32"]},
+            },
+        }
+    )
+    yield g, record
+    g.proc.stop()
+    up.stop()
+
+
+def _chat(model: str, url: str) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is this?"},
+                    {"type": "image_url", "image_url": {"url": url}},
+                ],
+            }
+        ],
+    }
+
+
+def _last_image_received(record: Path) -> Image.Image:
+    body = json.loads(record.read_text().strip().splitlines()[-1])
+    return _decoded(body["messages"][0]["content"][1]["image_url"]["url"])
+
+
+def test_a_data_uri_image_reaches_the_upstream_resized_and_clean(
+    vision: tuple[Gateway, Path],
+) -> None:
+    gw, record = vision
+    r = gw.post("/v1/chat/completions", json=_chat("eyes", _data_uri(_jpeg_with_exif())))
+    assert r.status_code == 200, r.text
+    img = _last_image_received(record)
+    assert img.size == (256, 512) and not img.getexif()
+    assert "media_decode;dur=" in r.headers["server-timing"]
+    trace = httpx.get(gw.url + f"/admin/requests/{r.headers['x-request-id']}", headers=gw.admin)
+    media = next(d for d in trace.json()["decisions"] if d["stage"] == "media")
+    assert media["outcome"] == "processed"
+    assert media["evidence"]["images"][0]["size_out"] == [256, 512]
+    assert "base64" not in json.dumps(trace.json())  # no image bytes in the trace
+
+
+def test_a_url_image_is_fetched_safely_and_forwarded_inline(
+    vision: tuple[Gateway, Path], images: str
+) -> None:
+    gw, record = vision
+    r = gw.post("/v1/chat/completions", json=_chat("eyes", images))
+    assert r.status_code == 200, r.text
+    assert _last_image_received(record).size == (256, 512)  # 600x1200 after EXIF, resized
+
+
+def test_blocked_urls_and_non_vision_models_are_refused(vision: tuple[Gateway, Path]) -> None:
+    gw, _ = vision
+    r = gw.post("/v1/chat/completions", json=_chat("eyes", "http://169.254.169.254/latest/"))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "media_fetch_refused"
+    r = gw.post("/v1/chat/completions", json=_chat("text", _data_uri(_jpeg_with_exif())))
+    assert r.status_code == 400 and "supports_vision" in r.json()["error"]["message"]
