@@ -205,6 +205,13 @@ def test_a_data_uri_image_reaches_the_upstream_resized_and_clean(
     assert media["outcome"] == "processed"
     assert media["evidence"]["images"][0]["size_out"] == [256, 512]
     assert "base64" not in json.dumps(trace.json())  # no image bytes in the trace
+    row = next(u for u in gw.usage() if u["request_id"] == r.headers["x-request-id"])
+    assert (row["images"], row["image_pixels_in"], row["image_pixels_out"]) == (
+        1,
+        1600 * 800,
+        256 * 512,
+    )
+    assert row["image_bytes"] > 0
 
 
 def test_a_url_image_is_fetched_safely_and_forwarded_inline(
@@ -222,3 +229,38 @@ def test_blocked_urls_and_non_vision_models_are_refused(vision: tuple[Gateway, P
     assert r.status_code == 400 and r.json()["error"]["code"] == "media_fetch_refused"
     r = gw.post("/v1/chat/completions", json=_chat("text", _data_uri(_jpeg_with_exif())))
     assert r.status_code == 400 and "supports_vision" in r.json()["error"]["message"]
+
+
+def test_the_media_cache_hits_for_the_same_bytes_of_one_tenant_only() -> None:
+    p = MediaProcessor(MediaConfig(max_side=256))
+    uri = _data_uri(_jpeg_with_exif(900, 300))
+
+    async def three() -> list[Any]:
+        return [
+            await p.process(uri, "acme"),
+            await p.process(uri, "acme"),
+            await p.process(uri, "globex"),
+        ]
+
+    try:
+        first, again, other = asyncio.run(three())
+    finally:
+        p.close()
+    assert (first.cached, again.cached, other.cached) == (False, True, False)
+    assert again.data_uri == first.data_uri and set(again.timings_ms) == {"fetch"}
+    assert p.cache is not None and p.cache.bytes <= p.cache.max_bytes
+
+
+def test_the_media_cache_stays_within_its_bytes() -> None:
+    p = MediaProcessor(MediaConfig(max_side=64, cache_max_bytes=4000))
+    uris = [_data_uri(_jpeg_with_exif(100 + i, 100)) for i in range(20)]
+
+    async def many() -> None:
+        for uri in uris:
+            await p.process(uri, "acme")
+
+    try:
+        asyncio.run(many())
+    finally:
+        p.close()
+    assert p.cache is not None and 0 < p.cache.bytes <= 4000

@@ -159,6 +159,7 @@ class RequestContext:
     blocks: list[tuple[str, int, int]] = field(default_factory=list)
     client_request_id: str | None = None  # the client's own id (x-client-request-id)
     media_ms: dict[str, float] | None = None  # the media stage's time per step
+    media_shape: tuple[int, int, int, int] | None = None  # images, bytes, pixels in/out
     header_error: Any = None  # an InvalidRequest for a header, raised once ctx exists
 
     def record(

@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import io
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from PIL import Image, ImageOps
@@ -56,6 +58,37 @@ class Processed:
     size_in: tuple[int, int]
     size_out: tuple[int, int]
     timings_ms: dict[str, tuple[float, float]] = field(default_factory=dict)  # (wait, work)
+    cached: bool = False  # answered by the media cache (no decode, resize, encode)
+
+
+class MediaCache:
+    """Processed images by (tenant, content hash, processing settings), LRU within
+    `max_bytes`. The tenant is part of the key: one tenant's upload never answers
+    another's request, even for the same bytes."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[tuple[str, str, tuple[Any, ...]], Processed] = OrderedDict()
+
+    def get(self, key: tuple[str, str, tuple[Any, ...]]) -> Processed | None:
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+        return hit
+
+    def put(self, key: tuple[str, str, tuple[Any, ...]], value: Processed) -> None:
+        size = len(value.data_uri)
+        if size > self.max_bytes:
+            return
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.bytes -= len(old.data_uri)
+        self._entries[key] = value
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, dropped = self._entries.popitem(last=False)
+            self.bytes -= len(dropped.data_uri)
 
 
 class _Stage:
@@ -125,11 +158,14 @@ class MediaProcessor:
         self.cfg = cfg
         self.fetcher = fetcher if fetcher is not None else MediaFetcher(cfg.fetch)
         self.stages = {name: _Stage(name, workers, queue=8 * workers) for name in STAGES}
+        self.cache = MediaCache(cfg.cache_max_bytes) if cfg.cache_max_bytes else None
+        self._settings = (cfg.max_side, cfg.format, cfg.quality)
         Image.MAX_IMAGE_PIXELS = cfg.max_pixels  # Pillow's bomb check, set explicitly
 
-    async def process(self, url: str) -> Processed:
+    async def process(self, url: str, tenant: str = "") -> Processed:
         """One image part's URL (https, http where allowed, or data:) made into the
-        configured format and size, as a data: URI."""
+        configured format and size, as a data: URI; from the media cache when this
+        tenant sent the same bytes before."""
         timings: dict[str, tuple[float, float]] = {}
         t = time.perf_counter()
         if url.startswith("data:"):
@@ -147,6 +183,11 @@ class MediaProcessor:
             timings["fetch"] = (w0, d0)
         if sniff(raw[:16]) is None:
             raise MediaUnsupported("the image is not a PNG, JPEG, GIF or WebP", param="image_url")
+        key = (tenant, hashlib.sha256(raw).hexdigest(), self._settings)
+        if self.cache is not None:
+            hit = self.cache.get(key)
+            if hit is not None:
+                return replace(hit, timings_ms={"fetch": timings["fetch"]}, cached=True)
         img, w1, d1 = await self.stages["decode"].run(self._decode, raw)
         timings["decode"] = (w1, d1)
         size_in = img.size
@@ -155,7 +196,10 @@ class MediaProcessor:
         (data, media_type), w3, d3 = await self.stages["encode"].run(self._encode, img)
         timings["encode"] = (w3, d3)
         uri = f"data:{media_type};base64,{base64.b64encode(data).decode('ascii')}"
-        return Processed(uri, media_type, len(raw), len(data), size_in, img.size, timings)
+        out = Processed(uri, media_type, len(raw), len(data), size_in, img.size, timings)
+        if self.cache is not None:
+            self.cache.put(key, out)
+        return out
 
     def _decode(self, raw: bytes) -> Image.Image:
         try:

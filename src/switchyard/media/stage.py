@@ -54,7 +54,7 @@ class Media(Stage):
         t = time.perf_counter()
         try:
             done: list[Processed] = await asyncio.gather(
-                *(self._processor.process(url) for _, _, url in parts)
+                *(self._processor.process(url, ctx.principal.tenant_id) for _, _, url in parts)
             )
         except SwitchyardError as exc:
             ctx.record(self.name, f"reject:{exc.code}", exc.message, t, {"images": len(parts)})
@@ -76,6 +76,12 @@ class Media(Stage):
         }
         waits = {s: round(sum(p.timings_ms.get(s, (0.0, 0.0))[0] for p in done), 3) for s in STAGES}
         ctx.media_ms = totals
+        ctx.media_shape = (
+            len(done),
+            sum(p.bytes_in for p in done),
+            sum(p.size_in[0] * p.size_in[1] for p in done),
+            sum(p.size_out[0] * p.size_out[1] for p in done),
+        )
         ctx.record(
             self.name,
             "processed",
@@ -89,6 +95,7 @@ class Media(Stage):
                         "size_in": list(p.size_in),
                         "size_out": list(p.size_out),
                         "type": p.media_type,
+                        "cache": "hit" if p.cached else "miss",
                     }
                     for p in done
                 ],

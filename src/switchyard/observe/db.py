@@ -87,6 +87,10 @@ CREATE TABLE IF NOT EXISTS trace_templates (
 MIGRATIONS = (
     ("usage", "client_request_id", "TEXT"),
     ("traces", "client_request_id", "TEXT"),
+    ("usage", "images", "INTEGER"),
+    ("usage", "image_bytes", "INTEGER"),
+    ("usage", "image_pixels_in", "INTEGER"),
+    ("usage", "image_pixels_out", "INTEGER"),
 )
 # Partial: only requests that carry a client id pay for an index entry (a full index
 # cost the writer two more B-tree inserts for every request).

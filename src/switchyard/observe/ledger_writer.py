@@ -68,6 +68,10 @@ USAGE_COLUMNS = (
     "queue_ms",
     "ttft_ms",
     "duration_ms",
+    "images",  # the media stage's: count, bytes received, pixels before and after
+    "image_bytes",
+    "image_pixels_in",
+    "image_pixels_out",
 )
 TRACE_COLUMNS = (
     "request_id",
@@ -173,6 +177,7 @@ def usage_row(e: LedgerEntry) -> tuple[Any, ...]:
         e.queue_ms,
         (first - received) * 1000 if first else None,
         (end - received) * 1000,
+        *(e.images if e.images is not None else (None, None, None, None)),
     )
 
 

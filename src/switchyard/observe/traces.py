@@ -61,6 +61,9 @@ class LedgerEntry(msgspec.Struct, array_like=True, gc=False):
     # The pipeline's folded blocks: (template id, index in the full decision list, t0,
     # t1); the templates travel once per batch and are stored once (trace_templates).
     blocks: list[tuple[str, int, float, float]] = []
+    # The request's images (the media stage): count, bytes received, pixels before
+    # and after processing; None without images.
+    images: tuple[int, int, int, int] | None = None
 
 
 ENTRY_FIELDS = LedgerEntry.__struct_fields__
@@ -170,6 +173,7 @@ def ledger_entry(
         ctx.received_at - t.received,
         decisions,
         refs,
+        ctx.media_shape,
     )
 
 
