@@ -205,6 +205,8 @@ def test_a_data_uri_image_reaches_the_upstream_resized_and_clean(
     assert media["outcome"] == "processed"
     assert media["evidence"]["images"][0]["size_out"] == [256, 512]
     assert "base64" not in json.dumps(trace.json())  # no image bytes in the trace
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert 'switchyard_media_stage_seconds_count{stage="decode"}' in metrics
     row = next(u for u in gw.usage() if u["request_id"] == r.headers["x-request-id"])
     assert (row["images"], row["image_pixels_in"], row["image_pixels_out"]) == (
         1,
@@ -227,6 +229,8 @@ def test_blocked_urls_and_non_vision_models_are_refused(vision: tuple[Gateway, P
     gw, _ = vision
     r = gw.post("/v1/chat/completions", json=_chat("eyes", "http://169.254.169.254/latest/"))
     assert r.status_code == 400 and r.json()["error"]["code"] == "media_fetch_refused"
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert 'switchyard_media_refusals_total{code="media_fetch_refused"}' in metrics
     r = gw.post("/v1/chat/completions", json=_chat("text", _data_uri(_jpeg_with_exif())))
     assert r.status_code == 400 and "supports_vision" in r.json()["error"]["message"]
 
@@ -264,3 +268,17 @@ def test_the_media_cache_stays_within_its_bytes() -> None:
     finally:
         p.close()
     assert p.cache is not None and 0 < p.cache.bytes <= 4000
+
+
+def test_bench_media_reports_every_stage(tmp_path: Path) -> None:
+    from switchyard.cli import main
+
+    out = tmp_path / "media.json"
+    argv = ["bench", "media", "--images", "3", "--sizes", "512", "--workers", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["workers"], r["concurrency"]) for r in result["results"]] == [(1, 1), (1, 8)]
+    first = result["results"][0]
+    assert first["images"] == 3 and first["images_per_s"] > 0
+    assert set(first["stages"]) == {"fetch", "decode", "resize", "encode"}
+    assert result["peak_rss_mib"] > 0

@@ -437,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     from switchyard.bench.soak import add_arguments as add_soak
 
     add_soak(bsub.add_parser("soak", help="realistic config under steady load: RSS, disk, latency"))
+    from switchyard.bench.media import add_arguments as add_media_bench
+
+    add_media_bench(bsub.add_parser("media", help="image preprocessing stages: time, img/s, RSS"))
     from switchyard.bench.hotpath import add_arguments as add_hotpath
 
     add_hotpath(

@@ -57,6 +57,7 @@ def build_pipelines(
     router: Callable[[], Any],
     register_block: Callable[[list[Any]], str] | None = None,
     media: MediaProcessor | None = None,
+    metrics: Metrics | None = None,
 ) -> Pipelines:
     """The stages, in order (DESIGN.md: the request pipeline). Evidence that is the
     same for every request of a model is built once and shared (recorded evidence
@@ -75,7 +76,7 @@ def build_pipelines(
             Route(s, router, named),
             Tools(s, embedder),
             Select(deployments),
-            *([Media(media)] if media is not None else []),
+            *([Media(media, metrics)] if media is not None else []),
             DeploymentLimits(reserver, estimate),
             Queue(gates),
             Place(),
@@ -174,6 +175,7 @@ class Gateway:
                 lambda: self.router,  # built after start
                 self.ledger.block_id,
                 self.media,
+                self.metrics,
             ),
             self.executor,
             self.limiter,

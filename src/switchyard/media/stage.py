@@ -12,6 +12,7 @@ from typing import Any
 
 from switchyard.errors import SwitchyardError
 from switchyard.media.process import STAGES, MediaProcessor, Processed
+from switchyard.observe.metrics import Metrics
 from switchyard.pipeline import RequestContext, Stage, Verdict, View
 
 
@@ -34,8 +35,9 @@ class Media(Stage):
     name = "media"
     NO_IMAGES = Verdict("skip", "the model takes no images")
 
-    def __init__(self, processor: MediaProcessor) -> None:
+    def __init__(self, processor: MediaProcessor, metrics: Metrics | None = None) -> None:
         self._processor = processor
+        self._metrics = metrics
 
     def static(self, view: View) -> Verdict | None:
         model = view.model
@@ -57,8 +59,14 @@ class Media(Stage):
                 *(self._processor.process(url, ctx.principal.tenant_id) for _, _, url in parts)
             )
         except SwitchyardError as exc:
+            if self._metrics is not None:
+                self._metrics.media_refusals.labels(exc.code).inc()
             ctx.record(self.name, f"reject:{exc.code}", exc.message, t, {"images": len(parts)})
             raise
+        if self._metrics is not None:
+            for p in done:
+                for step, (_wait, work) in p.timings_ms.items():
+                    self._metrics.media_stage.labels(step).observe(work / 1000)
         messages = list(ctx.body["messages"])
         for (i, j, _), p in zip(parts, done, strict=True):
             message = dict(messages[i])

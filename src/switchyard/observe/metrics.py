@@ -252,6 +252,19 @@ class Metrics:
         self.routes = Counter(
             "switchyard_route_decisions", "Route decisions", ["route"], registry=reg
         )
+        self.media_stage = Histogram(
+            "switchyard_media_stage_seconds",
+            "Image preprocessing time per step (fetch, decode, resize, encode)",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.media_refusals = Counter(
+            "switchyard_media_refusals",
+            "Image parts refused, by error code",
+            ["code"],
+            registry=reg,
+        )
         self.ledger_dropped = Counter(
             "switchyard_ledger_rows_dropped",
             "Usage rows lost: not serialisable even after repair, or a stalled writer",
