@@ -286,3 +286,49 @@ async def test_a_body_that_is_not_an_image_is_refused_whatever_its_header(
     server.routes["/fake.png"] = _ok(b"<html>not an image</html>", ctype="image/png")
     with pytest.raises(MediaUnsupported):
         await _fetcher([]).fetch(f"http://127.0.0.1:{server.port}/fake.png")
+
+
+def _https_server(cert_for: str) -> tuple[Any, Any]:
+    """A trustme CA and a server context whose certificate names `cert_for`."""
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert(cert_for).configure_cert(server_ctx)
+    client_ctx = ssl.create_default_context()
+    ca.configure_trust(client_ctx)
+    return server_ctx, client_ctx
+
+
+@pytest.mark.parametrize(("cert_for", "ok"), [("images.test", True), ("other.test", False)])
+def test_https_is_verified_against_the_name_in_the_url(cert_for: str, ok: bool) -> None:
+    """The connection goes to the pinned address, and TLS still checks the URL's host
+    name (a certificate for another name is refused)."""
+    server_ctx, client_ctx = _https_server(cert_for)
+
+    async def main() -> None:
+        s = _Server()
+        s.routes["/img.png"] = _ok(PNG)
+        srv = await asyncio.start_server(s.handle, "127.0.0.1", 0, ssl=server_ctx)
+        port = srv.sockets[0].getsockname()[1]
+
+        async def resolve(host: str, p: int) -> list[tuple[int, str]]:
+            return [(2, "127.0.0.1")]
+
+        dialed: list[str] = []
+        cfg = MediaFetchConfig(enabled=True, allow_networks=["127.0.0.1/32"])
+        fetcher = MediaFetcher(
+            cfg, resolve=resolve, on_dial=lambda a, _p: dialed.append(a), ssl_context=client_ctx
+        )
+        async with srv:
+            if ok:
+                got = await fetcher.fetch(f"https://images.test:{port}/img.png")
+                assert got.body == PNG
+            else:
+                with pytest.raises(MediaFetchRefused):
+                    await fetcher.fetch(f"https://images.test:{port}/img.png")
+        assert dialed == ["127.0.0.1"]
+
+    asyncio.run(main())
