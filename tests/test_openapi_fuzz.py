@@ -21,7 +21,12 @@ def fuzzed(scripted: Scripted) -> Iterator[Gateway]:
     g = start_gateway(
         {
             "models": [
-                {"alias": "chat", "engine": {"kind": "openai", "base_url": scripted.url + "/v1"}}
+                {"alias": "chat", "engine": {"kind": "openai", "base_url": scripted.url + "/v1"}},
+                {
+                    "alias": "eyes",  # image parts go through the media stage
+                    "engine": {"kind": "openai", "base_url": scripted.url + "/v1"},
+                    "capabilities": {"supports_vision": True},
+                },
             ],
             "embeddings": {"enabled": True, "max_inputs": 4},
         }
@@ -36,7 +41,7 @@ def test_the_description_names_the_model_routes_and_models(fuzzed: Gateway) -> N
         doc["paths"]
     )
     chat = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]
-    assert chat["application/json"]["schema"]["properties"]["model"] == {"enum": ["chat"]}
+    assert chat["application/json"]["schema"]["properties"]["model"] == {"enum": ["chat", "eyes"]}
 
 
 def _check(fuzzed: Gateway, case: Any, seen: Counter[tuple[str, int]]) -> None:

@@ -39,7 +39,27 @@ _TEXT_PART = {
     "required": ["type", "text"],
     "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
 }
-_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
+_IMAGE_PART = {
+    "type": "object",
+    "required": ["type", "image_url"],
+    "properties": {
+        "type": {"const": "image_url"},
+        "image_url": {
+            "type": "object",
+            "required": ["url"],
+            "properties": {
+                "url": {"type": "string", "description": "https:// or data:image/...;base64,"},
+                "detail": {"enum": ["auto", "low", "high"]},
+            },
+        },
+    },
+}
+_CONTENT = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"anyOf": [_TEXT_PART, _IMAGE_PART]}},
+    ]
+}
 _NAME = {"type": "string", "minLength": 1, "maxLength": 256}
 
 
