@@ -157,6 +157,12 @@ def vision(tmp_path_factory: Any) -> Iterator[tuple[Gateway, Path]]:
         {
             "models": [
                 {"alias": "eyes", "engine": engine, "capabilities": {"supports_vision": True}},
+                {
+                    "alias": "thumbs",  # its own image settings over media's
+                    "engine": engine,
+                    "capabilities": {"supports_vision": True},
+                    "media": {"max_side": 128, "format": "png"},
+                },
                 {"alias": "text", "engine": engine},
             ],
             "embeddings": {"enabled": False},
@@ -282,3 +288,25 @@ def test_bench_media_reports_every_stage(tmp_path: Path) -> None:
     assert first["images"] == 3 and first["images_per_s"] > 0
     assert set(first["stages"]) == {"fetch", "decode", "resize", "encode"}
     assert result["peak_rss_mib"] > 0
+
+
+def test_a_model_s_own_image_settings_apply(vision: tuple[Gateway, Path]) -> None:
+    gw, record = vision
+    r = gw.post("/v1/chat/completions", json=_chat("thumbs", _data_uri(_jpeg_with_exif())))
+    assert r.status_code == 200, r.text
+    body = json.loads(record.read_text().strip().splitlines()[-1])
+    uri = body["messages"][0]["content"][1]["image_url"]["url"]
+    assert uri.startswith("data:image/png;base64,")
+    img = Image.open(io.BytesIO(base64.b64decode(uri.partition(",")[2])))
+    assert img.size == (64, 128)
+
+
+def test_the_request_deadline_covers_image_processing(vision: tuple[Gateway, Path]) -> None:
+    gw, _ = vision
+    big = _data_uri(_jpeg_with_exif(3840, 2160))
+    r = gw.post(
+        "/v1/chat/completions",
+        json=_chat("eyes", big),
+        headers={"x-request-timeout": "0.001"},
+    )
+    assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"

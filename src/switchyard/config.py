@@ -332,11 +332,20 @@ class Resilience(_Strict):
         return v
 
 
+class MediaOverride(_Strict):
+    """A model's own image settings (media.max_side, format, quality when unset)."""
+
+    max_side: int | None = Field(None, ge=16)
+    format: Literal["jpeg", "png", "webp"] | None = None
+    quality: int | None = Field(None, ge=1, le=100)
+
+
 class ModelConfig(_Strict):
     alias: str = Field(pattern=ALIAS_PATTERN)
     revision: str = "unversioned"
     engine: Engine
     capabilities: Capabilities = Capabilities()
+    media: MediaOverride = MediaOverride()  # for a vision model: its image settings
     region: str = "local"
     price: Price = Price()
     timeouts: Timeouts = Timeouts()

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from PIL import Image, ImageOps
 
@@ -43,6 +43,14 @@ _FORMATS = {
     "png": ("PNG", "image/png"),
     "webp": ("WEBP", "image/webp"),
 }
+
+
+class Settings(NamedTuple):
+    """What an image is made into: the longer side, the format, the quality."""
+
+    max_side: int
+    format: str
+    quality: int
 
 
 class MediaQueueFull(RateLimited):
@@ -159,10 +167,12 @@ class MediaProcessor:
         self.fetcher = fetcher if fetcher is not None else MediaFetcher(cfg.fetch)
         self.stages = {name: _Stage(name, workers, queue=8 * workers) for name in STAGES}
         self.cache = MediaCache(cfg.cache_max_bytes) if cfg.cache_max_bytes else None
-        self._settings = (cfg.max_side, cfg.format, cfg.quality)
+        self.defaults = Settings(cfg.max_side, cfg.format, cfg.quality)
         Image.MAX_IMAGE_PIXELS = cfg.max_pixels  # Pillow's bomb check, set explicitly
 
-    async def process(self, url: str, tenant: str = "") -> Processed:
+    async def process(
+        self, url: str, tenant: str = "", settings: Settings | None = None
+    ) -> Processed:
         """One image part's URL (https, http where allowed, or data:) made into the
         configured format and size, as a data: URI; from the media cache when this
         tenant sent the same bytes before."""
@@ -183,7 +193,8 @@ class MediaProcessor:
             timings["fetch"] = (w0, d0)
         if sniff(raw[:16]) is None:
             raise MediaUnsupported("the image is not a PNG, JPEG, GIF or WebP", param="image_url")
-        key = (tenant, hashlib.sha256(raw).hexdigest(), self._settings)
+        want = settings or self.defaults
+        key = (tenant, hashlib.sha256(raw).hexdigest(), tuple(want))
         if self.cache is not None:
             hit = self.cache.get(key)
             if hit is not None:
@@ -191,9 +202,9 @@ class MediaProcessor:
         img, w1, d1 = await self.stages["decode"].run(self._decode, raw)
         timings["decode"] = (w1, d1)
         size_in = img.size
-        img, w2, d2 = await self.stages["resize"].run(self._resize, img)
+        img, w2, d2 = await self.stages["resize"].run(self._resize, img, want.max_side)
         timings["resize"] = (w2, d2)
-        (data, media_type), w3, d3 = await self.stages["encode"].run(self._encode, img)
+        (data, media_type), w3, d3 = await self.stages["encode"].run(self._encode, img, want)
         timings["encode"] = (w3, d3)
         uri = f"data:{media_type};base64,{base64.b64encode(data).decode('ascii')}"
         out = Processed(uri, media_type, len(raw), len(data), size_in, img.size, timings)
@@ -220,20 +231,19 @@ class MediaProcessor:
             raise MediaUnsupported("the image could not be decoded", param="image_url") from None
         return img
 
-    def _resize(self, img: Image.Image) -> Image.Image:
-        side = self.cfg.max_side
+    def _resize(self, img: Image.Image, side: int) -> Image.Image:
         if max(img.size) > side:
             img = img.copy()
             img.thumbnail((side, side), Image.Resampling.LANCZOS)
         return img
 
-    def _encode(self, img: Image.Image) -> tuple[bytes, str]:
-        fmt, media_type = _FORMATS[self.cfg.format]
+    def _encode(self, img: Image.Image, want: Settings) -> tuple[bytes, str]:
+        fmt, media_type = _FORMATS[want.format]
         mode = "RGB" if fmt == "JPEG" or img.mode not in ("RGB", "RGBA", "L") else img.mode
         # Only the pixels: a fresh image carries no EXIF, GPS, ICC or comment.
         clean = Image.frombytes(mode, img.size, img.convert(mode).tobytes())
         out = io.BytesIO()
-        options: dict[str, Any] = {"quality": self.cfg.quality} if fmt in ("JPEG", "WEBP") else {}
+        options: dict[str, Any] = {"quality": want.quality} if fmt in ("JPEG", "WEBP") else {}
         clean.save(out, fmt, **options)
         return out.getvalue(), media_type
 

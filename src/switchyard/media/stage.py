@@ -10,8 +10,9 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
-from switchyard.errors import SwitchyardError
-from switchyard.media.process import STAGES, MediaProcessor, Processed
+from switchyard.config import ModelConfig
+from switchyard.errors import SwitchyardError, UpstreamTimeout
+from switchyard.media.process import STAGES, MediaProcessor, Processed, Settings
 from switchyard.observe.metrics import Metrics
 from switchyard.pipeline import RequestContext, Stage, Verdict, View
 
@@ -52,12 +53,29 @@ class Media(Stage):
             return None
         return self._process(ctx, parts)
 
+    def _settings(self, model: ModelConfig | None) -> Settings:
+        """The model's own image settings over media's defaults."""
+        d = self._processor.defaults
+        o = model.media if model is not None else None
+        if o is None:
+            return d
+        return Settings(o.max_side or d.max_side, o.format or d.format, o.quality or d.quality)
+
     async def _process(self, ctx: RequestContext, parts: list[tuple[int, int, str]]) -> None:
         t = time.perf_counter()
+        want = self._settings(ctx.model)
+        tenant = ctx.principal.tenant_id
         try:
-            done: list[Processed] = await asyncio.gather(
-                *(self._processor.process(url, ctx.principal.tenant_id) for _, _, url in parts)
-            )
+            try:
+                async with asyncio.timeout(max(0.0, ctx.remaining_s())):  # the deadline covers it
+                    done: list[Processed] = await asyncio.gather(
+                        *(self._processor.process(url, tenant, want) for _, _, url in parts)
+                    )
+            except TimeoutError:
+                raise UpstreamTimeout(
+                    "the request's deadline passed while its images were processed",
+                    code="deadline_exceeded",
+                ) from None
         except SwitchyardError as exc:
             if self._metrics is not None:
                 self._metrics.media_refusals.labels(exc.code).inc()
