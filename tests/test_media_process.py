@@ -310,3 +310,27 @@ def test_the_request_deadline_covers_image_processing(vision: tuple[Gateway, Pat
         headers={"x-request-timeout": "0.001"},
     )
     assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+
+
+def test_bench_run_with_images_splits_the_media_time_by_step(
+    vision: tuple[Gateway, Path], tmp_path: Path
+) -> None:
+    from switchyard.cli import main
+
+    gw, _ = vision
+    out = tmp_path / "run"
+    code = main(
+        [
+            "bench", "run", "--endpoint", gw.url, "--model", "eyes", "--images", "2",
+            "--concurrency", "1", "--num-requests", "3", "--output-len", "4",
+            "--header", f"Authorization: Bearer {gw.key}",
+            "--out", str(out), "--no-plots", "--quiet",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads((out / "result.json").read_text())
+    summary = result["points"][0]["summary"]
+    assert summary["completed"] == 3
+    assert set(summary["media_ms"]) == {"fetch", "decode", "resize", "encode"}
+    assert summary["media_ms"]["decode"]["max"] > 0  # the first; the rest hit the media cache
+    assert result["metadata"]["workload"]["images"]["per_request"] == 2

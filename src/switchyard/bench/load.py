@@ -35,6 +35,7 @@ KEPT_HEADERS = (
     "x-switchyard-attempts",
     "x-switchyard-fallback",
     "x-switchyard-cache",
+    "server-timing",
 )
 
 Job = Callable[[int, float | None, bool], Coroutine[Any, Any, None]]

@@ -30,10 +30,10 @@ from switchyard.media.process import STAGES, MediaProcessor, Processed
 SIZES = {"512": (512, 512), "4k": (3840, 2160)}
 
 
-def _image(w: int, h: int) -> str:
+def make_image(w: int, h: int) -> str:
+    """A w x h JPEG with EXIF as a data: URI (a gradient, so encoders have work)."""
     from PIL import Image
 
-    # A gradient, so the encoders have real work (a flat colour compresses to nothing).
     img = Image.linear_gradient("L").resize((w, h)).convert("RGB")
     exif = Image.Exif()
     exif[0x0112] = 1
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     lines = [f"media preprocessing, {args.images} images per point, max_side {args.max_side}"]
     for name in args.sizes:
         w, h = SIZES[name]
-        uri = _image(w, h)
+        uri = make_image(w, h)
         base_rate = None
         for workers in args.workers:
             for conc in (1, 8):

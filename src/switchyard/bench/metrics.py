@@ -19,6 +19,7 @@ divides by the measurement window: from the first measured send to the last meas
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections import Counter
@@ -203,4 +204,32 @@ def summarize(
         "e2e_ms": stats(collect("e2e_ms")),
         "send_lag_ms": stats([v for r in measured if (v := r.lag_ms) is not None]),
         "token_source": dict(Counter(r.token_source or "none" for r in ok)),
+        **_media_split(ok),
     }
+
+
+def server_timing(value: str) -> dict[str, float]:
+    """`Server-Timing: name;dur=1.2, ...` as {name: ms}."""
+    out: dict[str, float] = {}
+    for item in value.split(","):
+        name, _, rest = item.strip().partition(";")
+        for param in rest.split(";"):
+            key, _, dur = param.strip().partition("=")
+            if key == "dur":
+                with contextlib.suppress(ValueError):  # a malformed entry is left out
+                    out[name.strip()] = float(dur)
+    return out
+
+
+def _media_split(ok: Sequence[RequestRecord]) -> dict[str, Any]:
+    """The media stage's time per step (from Server-Timing), when requests had images:
+    TTFT split into fetch, decode, resize, encode and the rest."""
+    steps: dict[str, list[float]] = {}
+    for r in ok:
+        timing = r.headers.get("server-timing")
+        if not timing:
+            continue
+        for name, ms in server_timing(timing).items():
+            if name.startswith("media_"):
+                steps.setdefault(name.removeprefix("media_"), []).append(ms)
+    return {"media_ms": {k: stats(v) for k, v in sorted(steps.items())}} if steps else {}

@@ -24,7 +24,7 @@ import orjson
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from switchyard.bench import agent, load, report, tokens, workloads
+from switchyard.bench import agent, load, media, report, tokens, workloads
 from switchyard.bench.metrics import RequestRecord, Slo, parse_slo, summarize
 
 
@@ -80,6 +80,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--temperature", type=float, default=0.0)
     w.add_argument("--top-p", type=float, default=None)
     w.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension)")
+    w.add_argument(
+        "--images",
+        type=int,
+        default=0,
+        help="image parts per request (a vision model's media stage)",
+    )
+    w.add_argument("--image-size", choices=("512", "4k"), default="512")
     o = p.add_argument_group("output")
     o.add_argument(
         "--goodput", nargs="+", default=[], metavar="NAME:MS", help="ttft: tpot: e2e: task:"
@@ -131,13 +138,19 @@ def _target(args: argparse.Namespace) -> load.Target:
 def _workload(args: argparse.Namespace) -> workloads.Workload | list[agent.TaskGraph]:
     if args.agent_tasks:
         return agent.load_graphs(args.agent_tasks, args.output_len)
+    work: workloads.Workload
     if args.prompts:
-        return workloads.load_jsonl(args.prompts, args.output_len, args.seed)
-    if args.sharegpt:
-        return workloads.load_sharegpt(args.sharegpt, args.output_len, args.seed)
-    return workloads.Synthetic(
-        args.input_len, args.output_len, args.len_dist, args.len_spread, args.seed
-    )
+        work = workloads.load_jsonl(args.prompts, args.output_len, args.seed)
+    elif args.sharegpt:
+        work = workloads.load_sharegpt(args.sharegpt, args.output_len, args.seed)
+    else:
+        work = workloads.Synthetic(
+            args.input_len, args.output_len, args.len_dist, args.len_spread, args.seed
+        )
+    if args.images:
+        w, h = media.SIZES[args.image_size]
+        work = workloads.WithImages(work, args.images, media.make_image(w, h), args.image_size)
+    return work
 
 
 def _describe(

@@ -155,3 +155,37 @@ def load_sharegpt(path: str, max_output: int, seed: int) -> Dataset:
         items.append(RequestSpec([{"role": "user", "content": prompt}], max(1, min(n, max_output))))
     note = f"reply length, capped at {max_output}"
     return Dataset("sharegpt", path, items, seed, note)
+
+
+class WithImages(Workload):
+    """Another workload's requests with `count` image parts (one data: URI, made once)
+    added to the last user message, for vision models and the media stage."""
+
+    kind = "with_images"
+
+    def __init__(self, inner: Workload, count: int, data_uri: str, size: str) -> None:
+        self.inner = inner
+        self.count = count
+        self.data_uri = data_uri
+        self.size = size
+
+    def next(self) -> RequestSpec:
+        spec = self.inner.next()
+        messages = [dict(m) for m in spec.messages]
+        for m in reversed(messages):
+            if m.get("role") == "user":
+                text = m.get("content")
+                parts: list[dict[str, Any]] = [{"type": "text", "text": str(text or "")}]
+                parts += [
+                    {"type": "image_url", "image_url": {"url": self.data_uri}}
+                    for _ in range(self.count)
+                ]
+                m["content"] = parts
+                break
+        return RequestSpec(messages, spec.max_tokens, spec.input_len)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **self.inner.describe(),
+            "images": {"per_request": self.count, "size": self.size, "bytes": len(self.data_uri)},
+        }
