@@ -237,6 +237,17 @@ def test_cacheability_rules() -> None:
     ).store
     assert not cacheability(body, "chat.completions", None, "p", "m", cfg).store
     assert not cacheability({**body, "tools": [{}]}, "chat.completions", None, "t", "m", cfg).store
+    # the same question about another picture is another question
+    picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with_image = {
+        **body,
+        "messages": [
+            MSGS[0],
+            {"role": "user", "content": [{"type": "text", "text": "what?"}, picture]},
+        ],
+    }
+    verdict = cacheability(with_image, "chat.completions", None, "t", "m", cfg)
+    assert not verdict.lookup and not verdict.store and "images" in verdict.reason
     tool_reply = {
         "choices": [{"message": {"tool_calls": [{"id": "1"}]}, "finish_reason": "tool_calls"}]
     }

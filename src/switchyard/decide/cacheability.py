@@ -62,9 +62,22 @@ def cacheability(
         return no(f"temperature {temperature} > cache.max_temperature {cfg.max_temperature}")
     if (body.get("n") or 1) != 1:
         return no("n > 1 is not cached")
+    if _has_images(body):
+        # The semantic key sees the text alone, and the answer depends on the image.
+        return no("requests with images are not cached")
     if "no-cache" in directives:
         return Cacheability(False, True, mode, threshold, "Cache-Control: no-cache (store only)")
     return Cacheability(True, True, mode, threshold, "cacheable")
+
+
+def _has_images(body: dict[str, Any]) -> bool:
+    for m in body.get("messages") or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type") in ("image_url", "input_image") for p in content
+        ):
+            return True
+    return False
 
 
 def storable_reply(obj: dict[str, Any]) -> str | None:
