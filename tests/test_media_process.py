@@ -334,3 +334,37 @@ def test_bench_run_with_images_splits_the_media_time_by_step(
     assert set(summary["media_ms"]) == {"fetch", "decode", "resize", "encode"}
     assert summary["media_ms"]["decode"]["max"] > 0  # the first; the rest hit the media cache
     assert result["metadata"]["workload"]["images"]["per_request"] == 2
+
+
+def test_a_full_decode_queue_answers_429_at_once_end_to_end(tmp_path: Path) -> None:
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    port = free_port()
+    up = Proc(
+        [sys.executable, "-m", "switchyard.bench.scripted_upstream", "--port", str(port)],
+        "scripted",
+    )
+    wait_http(f"http://127.0.0.1:{port}/health", up)
+    engine = {"kind": "openai", "base_url": f"http://127.0.0.1:{port}/v1"}
+    gw = start_gateway(
+        {
+            "models": [
+                {"alias": "eyes", "engine": engine, "capabilities": {"supports_vision": True}}
+            ],
+            "embeddings": {"enabled": False},
+            "media": {"workers": 1, "queue": 0, "cache_max_bytes": 0},
+        }
+    )
+    try:
+        big = _chat("eyes", _data_uri(_jpeg_with_exif(3840, 2160)))
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda _: gw.post("/v1/chat/completions", json=big), range(6)))
+    finally:
+        gw.proc.stop()
+        up.stop()
+    statuses = sorted(r.status_code for r in answers)
+    assert set(statuses) <= {200, 429} and 200 in statuses and 429 in statuses, statuses
+    full = next(r for r in answers if r.status_code == 429)
+    assert full.json()["error"]["code"] == "media_queue_full"
+    assert full.headers["retry-after"] == "1"

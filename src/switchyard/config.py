@@ -433,6 +433,8 @@ class MediaConfig(_Strict):
     # Processed images by content hash, settings and tenant (never shared across
     # tenants; a URL is never a key); 0 = off.
     cache_max_bytes: int = Field(64 * 1024 * 1024, ge=0)
+    workers: int = Field(2, ge=1)  # threads per step (decode, resize, encode); fetches at once
+    queue: int = Field(16, ge=0)  # images waiting per step before 429 media_queue_full
 
 
 class Settings(_Strict):

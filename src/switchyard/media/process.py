@@ -162,10 +162,13 @@ def decode_data_uri(uri: str, max_bytes: int) -> bytes:
 class MediaProcessor:
     """The stages, their queues and workers (media.*)."""
 
-    def __init__(self, cfg: MediaConfig, fetcher: MediaFetcher | None = None, workers: int = 2):
+    def __init__(
+        self, cfg: MediaConfig, fetcher: MediaFetcher | None = None, workers: int | None = None
+    ):
         self.cfg = cfg
         self.fetcher = fetcher if fetcher is not None else MediaFetcher(cfg.fetch)
-        self.stages = {name: _Stage(name, workers, queue=8 * workers) for name in STAGES}
+        n = workers if workers is not None else cfg.workers
+        self.stages = {name: _Stage(name, n, queue=cfg.queue) for name in STAGES}
         self.cache = MediaCache(cfg.cache_max_bytes) if cfg.cache_max_bytes else None
         self.defaults = Settings(cfg.max_side, cfg.format, cfg.quality)
         Image.MAX_IMAGE_PIXELS = cfg.max_pixels  # Pillow's bomb check, set explicitly
