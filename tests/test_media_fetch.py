@@ -165,6 +165,8 @@ async def test_an_allowed_loopback_image_is_fetched_without_client_headers(
         "http://169.254.169.254/latest/meta-data/",
         "http://[fd00:ec2::254]/latest/meta-data/",
         "http://100.100.100.200/latest/meta-data/",
+        "http://%31%32%37.0.0.1:{port}/img.png",  # percent-encoded host
+        "http://[fe80::1%25eth0]:{port}/img.png",  # an IPv6 zone
     ],
 )
 @with_server

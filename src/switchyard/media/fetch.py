@@ -24,7 +24,7 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from urllib.parse import SplitResult, urljoin, urlsplit
+from urllib.parse import SplitResult, urljoin, urlsplit, urlunsplit
 
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
@@ -223,6 +223,8 @@ class MediaFetcher:
                 "the image URL's port is not valid", param="image_url"
             ) from None
         host = raw_host.strip("[]").lower()
+        if "%" in host:  # percent-encoding or an IPv6 zone: no second reading of the host
+            raise MediaFetchRefused("the image URL's host is not valid", param="image_url")
         literal = _ip_literal(host)
         if literal is None:
             labels = host.rstrip(".").split(".")
@@ -270,7 +272,11 @@ class MediaFetcher:
             raise MediaFetchRefused(f"the host {host!r} does not resolve", param="image_url")
         for _family, addr in addresses:
             self.check_address(addr)
-        return Target(parts.geturl(), host, port, tuple(dict.fromkeys(addresses)))
+        # The request goes to the URL as parsed here: the checked host (IDNA), its port,
+        # the path and query; never the fragment, never a second parser's reading.
+        netloc = f"[{host}]" if ":" in host else host
+        sent = urlunsplit((parts.scheme, f"{netloc}:{port}", parts.path or "/", parts.query, ""))
+        return Target(sent, host, port, tuple(dict.fromkeys(addresses)))
 
     # -- the fetch ------------------------------------------------------------------
     async def fetch(self, url: str) -> Fetched:
