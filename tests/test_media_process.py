@@ -239,6 +239,10 @@ def test_blocked_urls_and_non_vision_models_are_refused(vision: tuple[Gateway, P
     assert 'switchyard_media_refusals_total{code="media_fetch_refused"}' in metrics
     r = gw.post("/v1/chat/completions", json=_chat("text", _data_uri(_jpeg_with_exif())))
     assert r.status_code == 400 and "supports_vision" in r.json()["error"]["message"]
+    many = _chat("eyes", "http://169.254.169.254/")
+    many["messages"][0]["content"] *= 9  # nine images (and texts): refused before any fetch
+    r = gw.post("/v1/chat/completions", json=many)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "media_too_large"
 
 
 def test_the_media_cache_hits_for_the_same_bytes_of_one_tenant_only() -> None:

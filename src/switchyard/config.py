@@ -430,6 +430,7 @@ class MediaConfig(_Strict):
     format: Literal["jpeg", "png", "webp"] = "jpeg"
     quality: int = Field(85, ge=1, le=100)
     max_pixels: int = Field(40_000_000, ge=1)  # refused before decoding past this
+    max_images: int = Field(8, ge=1)  # image parts per request
     # Processed images by content hash, settings and tenant (never shared across
     # tenants; a URL is never a key); 0 = off.
     cache_max_bytes: int = Field(64 * 1024 * 1024, ge=0)

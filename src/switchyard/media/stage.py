@@ -12,6 +12,7 @@ from typing import Any
 
 from switchyard.config import ModelConfig
 from switchyard.errors import SwitchyardError, UpstreamTimeout
+from switchyard.media.fetch import MediaTooLarge
 from switchyard.media.process import STAGES, MediaProcessor, Processed, Settings
 from switchyard.observe.metrics import Metrics
 from switchyard.pipeline import RequestContext, Stage, Verdict, View
@@ -51,6 +52,12 @@ class Media(Stage):
         if not parts:
             ctx.record(self.name, "skip", "no image parts", time.perf_counter())
             return None
+        most = self._processor.cfg.max_images
+        if len(parts) > most:  # before any fetch or decode
+            ctx.record(self.name, "reject:media_too_large", "too many images", time.perf_counter())
+            raise MediaTooLarge(
+                f"at most {most} images per request (media.max_images)", param="messages"
+            )
         return self._process(ctx, parts)
 
     def _settings(self, model: ModelConfig | None) -> Settings:
