@@ -202,7 +202,7 @@ class MediaProcessor:
             hit = self.cache.get(key)
             if hit is not None:
                 return replace(hit, timings_ms={"fetch": timings["fetch"]}, cached=True)
-        img, w1, d1 = await self.stages["decode"].run(self._decode, raw)
+        img, w1, d1 = await self.stages["decode"].run(self._decode, raw, want.max_side)
         timings["decode"] = (w1, d1)
         size_in = img.size
         img, w2, d2 = await self.stages["resize"].run(self._resize, img, want.max_side)
@@ -215,7 +215,7 @@ class MediaProcessor:
             self.cache.put(key, out)
         return out
 
-    def _decode(self, raw: bytes) -> Image.Image:
+    def _decode(self, raw: bytes, side: int) -> Image.Image:
         try:
             opened = Image.open(io.BytesIO(raw))
             w, h = opened.size  # from the header: nothing decoded yet
@@ -224,6 +224,11 @@ class MediaProcessor:
                     f"the image has {w}x{h} pixels; at most {self.cfg.max_pixels} are decoded",
                     param="image_url",
                 )
+            if opened.format == "JPEG":
+                # Decode at the smallest DCT scale still at least `side` on both sides:
+                # a 4K photo for a 1024 target decodes at half size, in a quarter of the
+                # time and memory, and is then resized as before.
+                opened.draft("RGB", (side, side))
             opened.load()
             img: Image.Image = ImageOps.exif_transpose(opened) or opened
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
