@@ -372,3 +372,16 @@ def test_a_full_decode_queue_answers_429_at_once_end_to_end(tmp_path: Path) -> N
     full = next(r for r in answers if r.status_code == 429)
     assert full.json()["error"]["code"] == "media_queue_full"
     assert full.headers["retry-after"] == "1"
+
+
+def test_the_size_before_is_the_file_s_even_when_decoded_smaller() -> None:
+    """A 4K JPEG is decoded at a reduced DCT scale; its recorded size is still 4K."""
+    p = MediaProcessor(MediaConfig(max_side=512))
+    img = Image.new("RGB", (3840, 2160), (10, 200, 10))
+    raw = io.BytesIO()
+    img.save(raw, "JPEG")
+    try:
+        out = asyncio.run(p.process(_data_uri(raw.getvalue())))
+    finally:
+        p.close()
+    assert out.size_in == (3840, 2160) and out.size_out == (512, 288)

@@ -202,9 +202,10 @@ class MediaProcessor:
             hit = self.cache.get(key)
             if hit is not None:
                 return replace(hit, timings_ms={"fetch": timings["fetch"]}, cached=True)
-        img, w1, d1 = await self.stages["decode"].run(self._decode, raw, want.max_side)
+        (img, size_in), w1, d1 = await self.stages["decode"].run(
+            self._decode, raw, want.max_side
+        )
         timings["decode"] = (w1, d1)
-        size_in = img.size
         img, w2, d2 = await self.stages["resize"].run(self._resize, img, want.max_side)
         timings["resize"] = (w2, d2)
         (data, media_type), w3, d3 = await self.stages["encode"].run(self._encode, img, want)
@@ -215,7 +216,8 @@ class MediaProcessor:
             self.cache.put(key, out)
         return out
 
-    def _decode(self, raw: bytes, side: int) -> Image.Image:
+    def _decode(self, raw: bytes, side: int) -> tuple[Image.Image, tuple[int, int]]:
+        """The decoded, upright image and the size the file declared (upright too)."""
         try:
             opened = Image.open(io.BytesIO(raw))
             w, h = opened.size  # from the header: nothing decoded yet
@@ -231,13 +233,15 @@ class MediaProcessor:
                 opened.draft("RGB", (side, side))
             opened.load()
             img: Image.Image = ImageOps.exif_transpose(opened) or opened
+            turned = img.size != opened.size and img.size == opened.size[::-1]
+            declared = (h, w) if turned else (w, h)
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
             raise MediaTooLarge("the image decodes to too many pixels", param="image_url") from None
         except InvalidRequest:
             raise
         except (OSError, ValueError, SyntaxError):
             raise MediaUnsupported("the image could not be decoded", param="image_url") from None
-        return img
+        return img, declared
 
     def _resize(self, img: Image.Image, side: int) -> Image.Image:
         if max(img.size) > side:
