@@ -221,8 +221,8 @@ def _outcome(world: _World, ctx: RequestContext, error: BaseException | None) ->
         ctx.max_tokens,
         ctx.cache,
         ctx.body,
-        ctx.masked_body,
-        ctx.restore_pii,
+        ctx.pii.masked_body if ctx.pii is not None else None,
+        ctx.pii.restore if ctx.pii is not None else False,
         _normal(dict(ctx.rate_headers))
         if not any("reset" in k for k in ctx.rate_headers)
         else sorted(ctx.rate_headers),

@@ -94,6 +94,31 @@ class CacheOutcome(StrEnum):
 
 
 @dataclass(slots=True)
+class CacheState:
+    """What the embed and cache stages worked out for a request, for the rest of it."""
+
+    plan: Any = None  # (Cacheability, CacheKeys | None), worked out once
+    store_keys: Any = None  # CacheKeys when the reply may be stored
+    similarity: float | None = None  # of the entry that hit (or would have)
+    shadow_entry: Any = None  # the would-be hit in shadow mode
+    collected: list[bytes] | None = None  # streamed data events kept for the store
+
+    @property
+    def wants_reply(self) -> bool:
+        """The reply is to be stored, or compared with a shadow hit."""
+        return self.store_keys is not None or self.shadow_entry is not None
+
+
+@dataclass(slots=True)
+class PiiState:
+    """What the pii stage leaves for the rest of the request."""
+
+    session: Any  # the mask session: the placeholder mapping is held only here
+    masked_body: dict[str, Any]  # what cache keys, embeddings and the router see
+    restore: bool  # the upstream saw placeholders: the reply gets the raw values back
+
+
+@dataclass(slots=True)
 class Timings:
     """Monotonic timestamps (perf_counter seconds) of one request's milestones."""
 
@@ -137,14 +162,8 @@ class RequestContext:
     chunk_gaps: list[float] = field(default_factory=list)  # seconds between streamed writes
     otel_span: Any = None  # the request's OpenTelemetry span, when tracing is on
     vector: Any = None  # embedding of the (masked) last user message, shared by cache & router
-    cache_keys: Any = None  # CacheKeys when the reply may be stored
-    cache_similarity: float | None = None
-    cache_plan: Any = None  # (Cacheability, CacheKeys) once worked out for this request
-    shadow_entry: Any = None  # the would-be hit in shadow mode
-    collected: list[bytes] | None = None  # streamed data events kept for the cache
-    pii: Any = None  # the request's PII mask session (mapping held only here)
-    masked_body: dict[str, Any] | None = None  # what cache keys, embeddings, traces see
-    restore_pii: bool = False  # placeholders in the reply go back to the raw values
+    cache_state: CacheState | None = None  # set once the cache stages looked at it
+    pii: PiiState | None = None  # set by the pii stage when it masked the request
     route: str | None = None
     route_score: float | None = None
     queue_ms: float | None = None
@@ -172,6 +191,10 @@ class RequestContext:
     ) -> None:
         """Append a decision for a stage that began at perf_counter time `started`."""
         self.decisions.append((stage, outcome, reason, evidence, started, time.perf_counter()))
+
+    def masked_body(self) -> dict[str, Any]:
+        """The body as the cache, embeddings and the router may see it."""
+        return self.pii.masked_body if self.pii is not None else self.body
 
     @property
     def clock_base(self) -> float:

@@ -153,8 +153,10 @@ def served_raw_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
         h.append((b"x-client-request-id", ctx.client_request_id.encode("latin-1")))
     if ctx.cache is not None:
         h.append((b"x-switchyard-cache", ctx.cache.encode("latin-1")))
-        if ctx.cache_similarity is not None and ctx.cache != CacheOutcome.HIT_EXACT:
-            h.append((b"x-switchyard-cache-similarity", b"%.4f" % ctx.cache_similarity))
+        cs = ctx.cache_state
+        sim = cs.similarity if cs is not None else None
+        if sim is not None and ctx.cache != CacheOutcome.HIT_EXACT:
+            h.append((b"x-switchyard-cache-similarity", b"%.4f" % sim))
     if ctx.rate_headers:
         h.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in ctx.rate_headers.items())
     if ctx.route is not None:
@@ -392,13 +394,14 @@ class RequestService:
                     f"the model '{ctx.alias}' does not support streaming", param="stream"
                 )
             stream = await self.executor.execute_stream(ctx)
-            if ctx.cache_keys is not None or ctx.shadow_entry is not None:
-                ctx.collected = []
+            cs = ctx.cache_state
+            if cs is not None and cs.wants_reply:
+                cs.collected = []
 
             async def close() -> None:
                 stream.close(complete=ctx.status == Status.OK)
-                if ctx.status == Status.OK and ctx.collected is not None:
-                    obj = assemble(ctx.collected)
+                if ctx.status == Status.OK and cs is not None and cs.collected is not None:
+                    obj = assemble(cs.collected)
                     if obj is not None:
                         await self._remember(ctx, obj)
                 await self.settle(ctx)
@@ -408,18 +411,16 @@ class RequestService:
         ctx.status = Status.OK
         ctx.timings.ended = time.perf_counter()
         body = reply.body
-        if (
-            ctx.cache_keys is not None
-            or ctx.shadow_entry is not None
-            or (ctx.restore_pii and ctx.pii is not None)
-        ):
+        cs = ctx.cache_state
+        remember = cs is not None and cs.wants_reply
+        if remember or (ctx.pii is not None and ctx.pii.restore):
             obj = reply_object(body)
             ctx.usage = obj.get("usage") if obj is not None else None
             if obj is not None:
-                if ctx.cache_keys is not None or ctx.shadow_entry is not None:
+                if remember:
                     await self._remember(ctx, obj)
-                if ctx.restore_pii and ctx.pii is not None:
-                    body = orjson.dumps(map_texts(obj, ctx.pii.restore))
+                if ctx.pii is not None and ctx.pii.restore:
+                    body = orjson.dumps(map_texts(obj, ctx.pii.session.restore))
         else:
             # Nothing here needs the reply's content: its usage is read when the
             # request is settled, after the bytes are on their way.
@@ -435,7 +436,7 @@ class RequestService:
         ctx.timings.ended = ctx.timings.client_first_byte = time.perf_counter()
         obj = orjson.loads(entry.body)
         if ctx.pii is not None:  # placeholders take this request's values
-            obj = map_texts(obj, ctx.pii.restore)
+            obj = map_texts(obj, ctx.pii.session.restore)
         raw = served_raw_headers(ctx)
         raw.append((b"x-switchyard-model", (ctx.alias or "").encode("latin-1")))
         if ctx.stream:
@@ -449,10 +450,12 @@ class RequestService:
     async def _remember(self, ctx: RequestContext, obj: dict[str, Any]) -> None:
         """Store a good reply (masked) and, in shadow mode, compare it with the would-be hit."""
         t = time.perf_counter()
-        masked = map_texts(obj, ctx.pii.mask) if ctx.pii is not None else obj
+        cs = ctx.cache_state
+        assert cs is not None  # only called when the cache stages wanted the reply
+        masked = map_texts(obj, ctx.pii.session.mask) if ctx.pii is not None else obj
         embedder = self.embedder
-        if ctx.shadow_entry is not None and embedder is not None and embedder.ready:
-            cached = reply_text(orjson.loads(ctx.shadow_entry.body))
+        if cs.shadow_entry is not None and embedder is not None and embedder.ready:
+            cached = reply_text(orjson.loads(cs.shadow_entry.body))
             vecs, _ = await embedder.embed([cached, reply_text(masked)])
             agreement = float(vecs[0] @ vecs[1])
             ctx.record(
@@ -462,24 +465,22 @@ class RequestService:
                 t,
                 {
                     "answer_similarity": round(agreement, 4),
-                    "prompt_similarity": ctx.cache_similarity,
+                    "prompt_similarity": cs.similarity,
                 },
             )
-        if ctx.cache_keys is None or self.cache is None:
+        if cs.store_keys is None or self.cache is None:
             return
         why = storable_reply(masked)
         if why is not None:
             ctx.record("cache_store", "skip", why, t)
             return
-        self.cache.store(
-            ctx.cache_keys, orjson.dumps(masked), ctx.vector, self.settings.cache.ttl_s
-        )
+        self.cache.store(cs.store_keys, orjson.dumps(masked), ctx.vector, self.settings.cache.ttl_s)
         ctx.record(
             "cache_store",
             "stored",
             "reply stored for later requests",
             t,
-            {"partition": ctx.cache_keys.partition[:12]},
+            {"partition": cs.store_keys.partition[:12]},
         )
 
     # -- idempotency ------------------------------------------------------------------
@@ -528,7 +529,7 @@ class RequestService:
         """The request's PII session: the PII stage's, or one that has masked the
         request's own texts (same body, same placeholders)."""
         if ctx.pii is not None:
-            return ctx.pii
+            return ctx.pii.session
         session = self.masker.session()
         mask_body(session, ctx.wire[0] if ctx.wire is not None else ctx.body)
         return session

@@ -66,7 +66,10 @@ def _tail_event(tail: str) -> bytes:
 async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[bytes]:
     done = False
     last = 0.0
-    restorer = ctx.pii.restore_stream() if ctx.restore_pii and ctx.pii is not None else None
+    pii = ctx.pii
+    restorer = pii.session.restore_stream() if pii is not None and pii.restore else None
+    cs = ctx.cache_state
+    collected = cs.collected if cs is not None else None  # events kept for the cache
     ctx.status = Status.STREAMING
     # Closed explicitly below: an async generator left suspended after [DONE] would be
     # finalised by the event loop's hook instead (a cross-thread wake-up and a task
@@ -82,8 +85,8 @@ async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[by
                 if data == b"[DONE]":
                     done = True
                     break
-                if ctx.collected is not None:
-                    ctx.collected.append(data)
+                if collected is not None:
+                    collected.append(data)
                 if b'"usage"' in data:
                     obj = orjson.loads(data)
                     usage = obj.get("usage")

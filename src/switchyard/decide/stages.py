@@ -19,7 +19,7 @@ from switchyard.decide.verify import verify
 from switchyard.embed import EmbeddingService
 from switchyard.engines.registry import Deployment
 from switchyard.errors import EngineNotReady, PermissionDenied
-from switchyard.pipeline import CacheOutcome, RequestContext, Stage, Verdict, View
+from switchyard.pipeline import CacheOutcome, CacheState, RequestContext, Stage, Verdict, View
 from switchyard.policy import headers as request_headers
 
 
@@ -43,8 +43,11 @@ class CachePlanner:
         self._router_version = settings.router.policy_version
 
     def plan(self, ctx: RequestContext) -> tuple[Cacheability, CacheKeys | None]:
-        if ctx.cache_plan is not None:
-            done: tuple[Cacheability, CacheKeys | None] = ctx.cache_plan
+        state = ctx.cache_state
+        if state is None:
+            state = ctx.cache_state = CacheState()
+        elif state.plan is not None:
+            done: tuple[Cacheability, CacheKeys | None] = state.plan
             return done
         cfg = self.cfg
         tenant = ctx.principal.tenant_id
@@ -57,7 +60,7 @@ class CachePlanner:
             revision = model.revision if model is not None else f"router:{self._router_version}"
             scope = f"key:{ctx.principal.key_id}" if cfg.scope == "key" else f"tenant:{tenant}"
             keys = cache_keys(
-                ctx.masked_body or ctx.body,
+                ctx.masked_body(),
                 ctx.endpoint,
                 scope,
                 tenant,
@@ -67,7 +70,7 @@ class CachePlanner:
                 ctx.headers.get("x-switchyard-data-version") or cfg.data_version,
                 request_headers.cache_tags(ctx.headers.get("x-switchyard-cache-tags")),
             )
-        ctx.cache_plan = (verdict, keys)
+        state.plan = (verdict, keys)
         return verdict, keys
 
 
@@ -121,7 +124,7 @@ class Embed(Stage):
         return self._embed(ctx, embedder, t)
 
     async def _embed(self, ctx: RequestContext, embedder: EmbeddingService, t: float) -> None:
-        query = last_user_text(ctx.masked_body or ctx.body)
+        query = last_user_text(ctx.masked_body())
         vecs, _, path = await embedder.embed_traced([query])
         ctx.vector = vecs[0]
         ctx.record(
@@ -155,11 +158,13 @@ class Cache(Stage):
         assert cache is not None
         cfg = self._cfg
         verdict, keys = self._planner.plan(ctx)
+        state = ctx.cache_state
+        assert state is not None  # the planner made it
         if keys is None:
             ctx.cache = CacheOutcome.BYPASS
             ctx.record("cache", "bypass", verdict.reason, t)
             return
-        ctx.cache_keys = keys if verdict.store else None
+        state.store_keys = keys if verdict.store else None
         if not verdict.lookup:
             ctx.cache = CacheOutcome.BYPASS
             ctx.record("cache", "bypass", verdict.reason, t, {"partition": keys.partition[:12]})
@@ -197,9 +202,9 @@ class Cache(Stage):
             ctx.cache = CacheOutcome.MISS
             ctx.record("cache", "miss", "no entry in the partition passed", t, evidence)
             return
-        ctx.cache_similarity = sim
+        state.similarity = sim
         if verdict.mode == "shadow":
-            ctx.cache, ctx.shadow_entry = CacheOutcome.SHADOW_HIT, entry
+            ctx.cache, state.shadow_entry = CacheOutcome.SHADOW_HIT, entry
             ctx.record(
                 "cache",
                 f"shadow:{kind}",
@@ -209,7 +214,7 @@ class Cache(Stage):
             )
             return
         ctx.cache = kind
-        ctx.cache_keys = None  # nothing new to store
+        state.store_keys = None  # nothing new to store
         ctx.response = entry
         ctx.record("cache", kind, f"served from cache (similarity {sim:.3f})", t, evidence)
 
@@ -258,7 +263,7 @@ class Route(Stage):
                 {"policy_version": rcfg.policy_version, "default": True},
             )
         else:
-            text = last_user_text(ctx.masked_body or ctx.body)
+            text = last_user_text(ctx.masked_body())
             res = router.route(ctx.vector, text, ctx.prompt_estimate, ctx.principal.tenant_id)
             ctx.alias, ctx.route, ctx.route_score = res.model, res.route, res.score
             ctx.record("route", res.outcome, res.reason, t, res.evidence())
@@ -301,8 +306,8 @@ class Tools(Stage):
             vecs, _ = await self._embedder.embed([tool_text(x) for x in tools])
         res = shortlist(tools, ctx.vector, vecs, tcfg.shortlist_k, ctx.principal.tenant_id, tcfg)
         ctx.body = {**ctx.body, "tools": res.tools}
-        if ctx.masked_body is not None:
-            ctx.masked_body = {**ctx.masked_body, "tools": res.tools}
+        if ctx.pii is not None:
+            ctx.pii.masked_body = {**ctx.pii.masked_body, "tools": res.tools}
         ctx.record("tools", res.outcome, res.reason, t, res.evidence())
 
 

@@ -202,9 +202,7 @@ class MediaProcessor:
             hit = self.cache.get(key)
             if hit is not None:
                 return replace(hit, timings_ms={"fetch": timings["fetch"]}, cached=True)
-        (img, size_in), w1, d1 = await self.stages["decode"].run(
-            self._decode, raw, want.max_side
-        )
+        (img, size_in), w1, d1 = await self.stages["decode"].run(self._decode, raw, want.max_side)
         timings["decode"] = (w1, d1)
         img, w2, d2 = await self.stages["resize"].run(self._resize, img, want.max_side)
         timings["resize"] = (w2, d2)

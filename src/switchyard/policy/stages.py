@@ -15,7 +15,7 @@ from typing import Any
 
 from switchyard.config import ModelConfig, Price, Settings
 from switchyard.errors import EngineNotReady, InvalidRequest, SwitchyardError
-from switchyard.pipeline import RequestContext, Stage, Verdict, View
+from switchyard.pipeline import PiiState, RequestContext, Stage, Verdict, View
 from switchyard.policy.admission import Admission, DeploymentGate
 from switchyard.policy.admit import (
     cost_usd,
@@ -320,10 +320,9 @@ class Pii(Stage):
                 "model does not accept it",
                 code="pii_detected",
             )
-        ctx.pii = session
-        ctx.masked_body = masked
-        if found and mode == "mask_upstream":
+        restore = bool(found) and mode == "mask_upstream"
+        ctx.pii = PiiState(session, masked, restore)
+        if restore:
             ctx.body = masked  # the upstream sees placeholders; the reply is restored
-            ctx.restore_pii = True
         outcome = ("masked" if mode == "mask_upstream" else "observed") if found else "clean"
         ctx.record("pii", outcome, f"{sum(found.values())} PII value(s) found", t, evidence)
