@@ -332,6 +332,13 @@ def count_rows(db: Path, table: str) -> int:
         return 0
 
 
+def expect_rows(name: str, db: Path, table: str, what: str, at_least: int = 2) -> None:
+    """Wait until the ledger's writer process has committed `at_least` rows to `table`
+    (the smoke requests'); StartError naming the target and `what` is missing."""
+    if not wait_for(lambda: count_rows(db, table) >= at_least):
+        raise StartError(f"{name}: no {what} in {db} after the smoke requests")
+
+
 def smoke(name: str, url: str, max_tokens: int, headers: Mapping[str, str] | None = None) -> None:
     """One plain and one streaming request must succeed before a target is measured."""
     status, body = http("POST", url, chat_body(False, max_tokens), headers=headers)

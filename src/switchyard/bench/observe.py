@@ -42,6 +42,7 @@ from switchyard.bench.harness import (
     StartError,
     config_yaml,
     count_rows,
+    expect_rows,
     free_port,
     http,
     package_version,
@@ -107,9 +108,7 @@ def check_observe(name: str, url: str, db: Path, workdir: Path, max_tokens: int)
     smoke(name, url, max_tokens)
     base = url.removesuffix(CHAT_PATH)
     metrics_status, body = http("GET", base + "/metrics")
-    # The usage ledger is written by a background thread: wait for the smoke's rows.
-    if not wait_for(lambda: count_rows(db, "usage") >= 2):
-        raise StartError(f"{name}: no usage rows in {db} after the smoke requests")
+    expect_rows(name, db, "usage", "usage rows")
     traces = count_rows(db, "traces")
     if name == OFF_TARGET:
         if metrics_status != 404:
@@ -119,8 +118,7 @@ def check_observe(name: str, url: str, db: Path, workdir: Path, max_tokens: int)
         return
     if metrics_status != 200 or b"switchyard_requests_total" not in body:
         raise StartError(f"{name}: /metrics answered {metrics_status}: {body[:300]!r}")
-    if not wait_for(lambda: count_rows(db, "traces") >= 2):
-        raise StartError(f"{name}: no decision trace rows in {db}")
+    expect_rows(name, db, "traces", "decision trace rows")
     if name == OTEL_TARGET:
         spans = workdir / SPANS_FILE
         if not wait_for(lambda: spans.exists() and spans.stat().st_size > 0):

@@ -34,13 +34,11 @@ from switchyard.bench.harness import (
     Child,
     KeyedGateway,
     LimitValue,
-    StartError,
     check_auth_on,
-    count_rows,
+    expect_rows,
     prepare_keyed_gateway,
     readyz,
     start_gateway,
-    wait_for,
     wait_ready,
     write_scripts,
 )
@@ -90,11 +88,8 @@ def check_realistic(gw: KeyedGateway, max_tokens: int) -> None:
     """Refused without its key, served with it, and the smoke requests' usage rows and
     decision traces reach its SQLite file: else it is not the realistic target."""
     check_auth_on(gw.name, gw.url, gw.key, max_tokens)
-    # The ledger is written by a background process: wait for the smoke's rows.
-    if not wait_for(lambda: count_rows(gw.db, "usage") >= 2):
-        raise StartError(f"{gw.name}: no usage rows in {gw.db} after the smoke requests")
-    if not wait_for(lambda: count_rows(gw.db, "traces") >= 2):
-        raise StartError(f"{gw.name}: no decision trace rows in {gw.db} (traces should be on)")
+    expect_rows(gw.name, gw.db, "usage", "usage rows")
+    expect_rows(gw.name, gw.db, "traces", "decision trace rows (traces should be on)")
 
 
 def start_realistic_target(
