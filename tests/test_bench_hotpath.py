@@ -103,7 +103,7 @@ def test_first_attempt_metrics_shape_equals_the_one_read_from_decisions(tmp_path
         map(repr, metrics.scanned_shape(routed, "scripted", "anonymous", "ok"))
     )
     retried = seen[1]  # two attempts: only the decisions can tell
-    retried.attempts = 2
+    retried.run.attempts = 2
     assert metrics.first_attempt_shape(retried, "scripted", "anonymous", "ok") is None
     assert metrics.first_attempt_shape(seen[2], "scripted", "anonymous", "error") is None
 
@@ -125,7 +125,7 @@ def test_compact_decision_blocks_are_stored_as_the_full_trace(tmp_path: Path) ->
         assert len(sent.blocks) == 2  # the blocks went compactly, by reference
         assert sent.decisions is not None
         assert len(sent.decisions) == len(ctx.decisions) - 10
-        stored = get_request(conn, ctx.request_id)
+        stored = get_request(conn, ctx.input.request_id)
         assert stored is not None
         base = ctx.clock_base
         want = [

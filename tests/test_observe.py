@@ -28,7 +28,7 @@ from conftest import Gateway, Scripted, free_port, local_model, start_gateway, s
 from switchyard.observe.db import connect
 from switchyard.observe.otel import Tracing
 from switchyard.observe.traces import enforce_retention, get_request, insert_args, insert_sql
-from switchyard.pipeline import RequestContext, Timings
+from switchyard.pipeline import RequestContext, RequestInput, Timings
 
 BODY: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 SPANS = Path(tempfile.mkdtemp(prefix="switchyard-otel-")) / "spans.jsonl"
@@ -329,10 +329,8 @@ def test_spans_nest_and_carry_request_id_in_memory() -> None:
     tracing = Tracing(exporter, batch=False)
     now = time.perf_counter()
     ctx = RequestContext(
-        request_id="req-otel",
-        endpoint="chat.completions",
+        input=RequestInput("req-otel", "chat.completions", time.time()),
         body={"max_tokens": 5},
-        received_at=time.time(),
         timings=Timings(received=now),
         deadline=now + 5,
     )
@@ -414,19 +412,26 @@ def test_ledger_batch_keeps_every_value(tmp_path: Path) -> None:
     """Rows go to SQLite as one JSON array per batch; what comes back is what went in,
     numpy scalars included."""
     from switchyard.observe.ledger import Finished, UsageLedger
-    from switchyard.pipeline import RequestContext, Timings
+    from switchyard.pipeline import RequestContext, RequestInput, Timings
 
     ledger = UsageLedger(str(tmp_path / "l.db"), flush_s=0.05)
     now = time.perf_counter()
     for i in range(3):
         ctx = RequestContext(
-            f"led-{i}", "chat.completions", {}, 1_800_000_000.123456 + i, Timings(now), now + 5
+            RequestInput(
+                f"led-{i}", "chat.completions", 1_800_000_000.123456 + i, None, "t" if i else None
+            ),
+            {},
+            Timings(now),
+            now + 5,
         )
-        ctx.alias, ctx.task_id, ctx.cache = "m", ("t" if i else None), "miss"
+        ctx.alias, ctx.cache = "m", "miss"
         ctx.timings.ended = now + 0.25
         ctx.record("validate", "ok", 'fine "quoted" ünïcode', now, {"n": i, "x": None})
         ledger.record(Finished(ctx, "ok", 10 + i, 7, 0.000123 * (i + 1), with_trace=i != 2))
-    odd = RequestContext("led-np", "chat.completions", {}, 1_800_000_009.0, Timings(now), now + 5)
+    odd = RequestContext(
+        RequestInput("led-np", "chat.completions", 1_800_000_009.0), {}, Timings(now), now + 5
+    )
     odd.timings.ended = now
     odd.cache = np.str_("miss")  # type: ignore[assignment]
     ledger.record(Finished(odd, "ok", np.int64(5), 3, np.float64(0.5)))  # type: ignore[arg-type]
@@ -450,10 +455,12 @@ def test_ledger_batch_keeps_every_value(tmp_path: Path) -> None:
 
 def _finished(request_id: str) -> Any:
     from switchyard.observe.ledger import Finished
-    from switchyard.pipeline import RequestContext, Timings
+    from switchyard.pipeline import RequestContext, RequestInput, Timings
 
     now = time.perf_counter()
-    ctx = RequestContext(request_id, "chat.completions", {}, time.time(), Timings(now), now + 5)
+    ctx = RequestContext(
+        RequestInput(request_id, "chat.completions", time.time()), {}, Timings(now), now + 5
+    )
     ctx.timings.ended = now
     return Finished(ctx, "ok", 1, 1, 0.0)
 
@@ -506,7 +513,7 @@ def test_metrics_fold_after_the_request_and_always_before_a_scrape() -> None:
 
     metrics = Metrics()
     f = _finished("m-1")
-    f.ctx.alias, f.ctx.chunk_gaps = "m", [0.01, 0.02]
+    f.ctx.alias, f.ctx.run.chunk_gaps = "m", [0.01, 0.02]
 
     def count(text: str, name: str) -> float:
         for line in text.splitlines():
@@ -550,12 +557,12 @@ def test_a_batched_fold_exposes_what_one_by_one_updates_would() -> None:
     durations = [0.0005, 0.001, 0.0011, 0.0025, 0.7, 5.0, 75.0, 0.001]  # on and past bounds
     for i, d in enumerate(durations):
         f = _finished(f"b-{i}")
-        f.ctx.alias, f.ctx.chunk_gaps = "m", [d / 2, d / 3]
+        f.ctx.alias, f.ctx.run.chunk_gaps = "m", [d / 2, d / 3]
         f.ctx.timings.ended = f.ctx.timings.received + d
         metrics._pending.append((f.ctx, "ok" if i % 3 else "error", 0, 0, 0.0))
         requests.labels("unknown", "none", "ok" if i % 3 else "error").inc()
         e2e.labels("unknown").observe(f.ctx.timings.ended - f.ctx.timings.received)
-        for gap in f.ctx.chunk_gaps:
+        for gap in f.ctx.run.chunk_gaps:
             itl.labels("unknown").observe(gap)
     metrics.fold()
 
@@ -593,7 +600,7 @@ def test_first_attempt_successes_expose_what_request_by_request_folding_would(
     from switchyard.config import parse_settings
     from switchyard.gateway import Gateway
     from switchyard.observe.metrics import Metrics, _Batch
-    from switchyard.pipeline import RequestContext, Timings
+    from switchyard.pipeline import RequestContext, RequestInput, Timings
     from switchyard.policy.auth import ANONYMOUS
 
     gw = Gateway(
@@ -616,15 +623,17 @@ def test_first_attempt_successes_expose_what_request_by_request_folding_would(
 
     def request(i: int) -> tuple[RequestContext, int, int, float]:
         now = time.perf_counter()
-        ctx = RequestContext(f"r{i}", "chat.completions", {}, time.time(), Timings(now), now + 5)
+        ctx = RequestContext(
+            RequestInput(f"r{i}", "chat.completions", time.time()), {}, Timings(now), now + 5
+        )
         dep = gw.registry.deployments["m1" if i % 3 else "m2"]
         ctx.principal, ctx.deployment, ctx.model, ctx.alias = ANONYMOUS, dep, dep.model, dep.alias
-        ctx.attempts, ctx.status, ctx.queue_ms = 1, "ok", 0.5 * i
+        ctx.run.attempts, ctx.status, ctx.admission.queue_ms = 1, "ok", 0.5 * i
         ctx.route = "r" if i % 4 == 0 else None
         ctx.cache = "miss" if i % 5 == 0 else None
         ctx.timings.ended = now + 0.002 * i
         ctx.timings.client_first_byte = now + 0.001 * i if i % 2 else None
-        ctx.chunk_gaps = [0.01 * i, 0.003] if i % 2 else []
+        ctx.run.chunk_gaps = [0.01 * i, 0.003] if i % 2 else []
         return ctx, i, 2 * i, 0.001 * i
 
     for fold in range(2):
@@ -886,7 +895,7 @@ def test_daily_rollups_sum_the_rows_and_seed_budgets_after_raw_rows_are_gone(
     tmp_path: Path,
 ) -> None:
     from switchyard.observe.ledger import Finished, UsageLedger
-    from switchyard.pipeline import RequestContext, Timings
+    from switchyard.pipeline import RequestContext, RequestInput, Timings
     from switchyard.policy.auth import ANONYMOUS
 
     ledger = UsageLedger(str(tmp_path / "l.db"))
@@ -895,7 +904,7 @@ def test_daily_rollups_sum_the_rows_and_seed_budgets_after_raw_rows_are_gone(
         for i in range(30):
             now = time.perf_counter()
             ctx = RequestContext(
-                f"r-{i}", "chat.completions", {}, time.time(), Timings(now), now + 5
+                RequestInput(f"r-{i}", "chat.completions", time.time()), {}, Timings(now), now + 5
             )
             ctx.timings.ended = now
             ctx.alias = "cheap"

@@ -9,7 +9,7 @@ import orjson
 from switchyard.config import parse_settings
 from switchyard.engines.registry import Registry
 from switchyard.execute.executor import upstream_payload
-from switchyard.pipeline import RequestContext, Timings
+from switchyard.pipeline import RequestContext, RequestInput, Timings
 
 SETTINGS = parse_settings(
     {
@@ -29,7 +29,9 @@ REGISTRY = Registry(SETTINGS)
 def _ctx(raw: bytes) -> RequestContext:
     body = orjson.loads(raw)
     now = time.perf_counter()
-    ctx = RequestContext("r", "chat.completions", body, time.time(), Timings(now), now + 5)
+    ctx = RequestContext(
+        RequestInput("r", "chat.completions", time.time()), body, Timings(now), now + 5
+    )
     ctx.wire = (body, raw)
     ctx.stream = bool(body.get("stream"))
     ctx.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))

@@ -25,7 +25,7 @@ from switchyard.engines.registry import Registry
 from switchyard.errors import SwitchyardError
 from switchyard.gateway import build_pipelines
 from switchyard.media.process import MediaProcessor
-from switchyard.pipeline import Pipeline, RequestContext, Timings
+from switchyard.pipeline import Pipeline, RequestContext, RequestInput, Timings
 from switchyard.policy.admission import DeploymentGate
 from switchyard.policy.keys import Limits, Principal
 from switchyard.policy.limits import MemoryLimiter
@@ -189,9 +189,10 @@ def _ctx(principal: Principal, r: dict[str, Any]) -> RequestContext:
         ]
     if r["max_tokens"] is not None:
         body["max_tokens"] = r["max_tokens"]
-    ctx = RequestContext("req_1", r["endpoint"], body, time.time(), Timings(now), now + 0.05)
+    ctx = RequestContext(
+        RequestInput("req_1", r["endpoint"], time.time(), {}), body, Timings(now), now + 0.05
+    )
     ctx.principal = principal
-    ctx.headers = {}
     ctx.alias = r["alias"]
     return ctx
 
@@ -212,10 +213,10 @@ def _outcome(world: _World, ctx: RequestContext, error: BaseException | None) ->
         ctx.alias,
         ctx.model.alias if ctx.model is not None else None,
         ctx.deployment.alias if ctx.deployment is not None else None,
-        ctx.gate is not None,
+        ctx.admission.gate is not None,
         [
             (sorted(s.scope for s in scopes), ask.tokens, ask.cost_usd)
-            for scopes, ask in ctx.reservations
+            for scopes, ask in ctx.admission.reservations
         ],
         ctx.prompt_estimate,
         ctx.max_tokens,
@@ -223,9 +224,9 @@ def _outcome(world: _World, ctx: RequestContext, error: BaseException | None) ->
         ctx.body,
         ctx.pii.masked_body if ctx.pii is not None else None,
         ctx.pii.restore if ctx.pii is not None else False,
-        _normal(dict(ctx.rate_headers))
-        if not any("reset" in k for k in ctx.rate_headers)
-        else sorted(ctx.rate_headers),
+        _normal(dict(ctx.admission.rate_headers))
+        if not any("reset" in k for k in ctx.admission.rate_headers)
+        else sorted(ctx.admission.rate_headers),
         ctx.response is not None,
         {a: (g.in_flight, g.queued) for a, g in world.gates.items()},
     )
@@ -246,8 +247,8 @@ async def _serve(world: _World, ctx: RequestContext, stepwise: bool, ready: bool
     except SwitchyardError as exc:
         error = exc
     out = _outcome(world, ctx, error)
-    if ctx.gate is not None:
-        ctx.gate.release()
+    if ctx.admission.gate is not None:
+        ctx.admission.gate.release()
     return out, ctx, error
 
 
@@ -292,7 +293,7 @@ def _check_rules(
         deployment_limited = model.limits.rpm is not None or model.limits.tpm is not None
         assert (verdicts["deployment_limits"] != "skip") == deployment_limited
     if error is None and "queue" in stages:
-        assert ctx.gate is not None and ctx.deployment is not None
+        assert ctx.admission.gate is not None and ctx.deployment is not None
         assert ctx.deployment.alias == alias
 
 
@@ -366,8 +367,8 @@ def test_a_static_stage_run_is_recorded_as_one_block(tmp_path: Any) -> None:
         assert world.pipeline.decide(ctx) is None  # decided without waiting
         assert [n for _, _, n in ctx.blocks] == [9, 1]
         assert [d[0] for d in ctx.decisions] == world.pipeline.names
-        assert ctx.gate is not None
-        ctx.gate.release()
+        assert ctx.admission.gate is not None
+        ctx.admission.gate.release()
     assert len(world.templates) == 2  # one template per block, registered once
     # A limit on the key turns admit into work: the block splits around it.
     limited = Principal("t", "k", ("*",), ("*",), Limits(rpm=5), Limits())

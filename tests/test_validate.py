@@ -17,6 +17,7 @@ from switchyard.pipeline import (
     Pipeline,
     RequestContext,
     RequestIds,
+    RequestInput,
     Stage,
     Timings,
     decision_dict,
@@ -182,10 +183,8 @@ def test_every_read_header_is_bounded(name: str, value: str) -> None:
 def _ctx() -> RequestContext:
     now = time.perf_counter()
     return RequestContext(
-        request_id="r",
-        endpoint="chat.completions",
+        input=RequestInput("r", "chat.completions", time.time()),
         body={},
-        received_at=time.time(),
         timings=Timings(received=now),
         deadline=now + 5,
     )
@@ -234,7 +233,7 @@ def test_pipeline_records_decisions_and_stops_at_a_response() -> None:
     d = decision_dict(ctx.decisions[0], ctx.clock_base)
     assert d["outcome"] == "hit" and d["evidence"] == {"score": 1.0} and d["duration_ms"] >= 0
     # Wall-clock start is derived from the request's clock: never before it was received.
-    assert d["started_at"] >= ctx.received_at - 1e-6
+    assert d["started_at"] >= ctx.input.received_at - 1e-6
 
 
 def test_pipeline_reject_propagates() -> None:

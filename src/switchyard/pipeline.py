@@ -129,54 +129,80 @@ class Timings:
     ended: float | None = None
 
 
-@dataclass(slots=True)
-class RequestContext:
+@dataclass(frozen=True, slots=True)
+class RequestInput:
+    """What the request is, read once when it opens and fixed for its life: the
+    gateway's id, the endpoint, when it arrived and the client's headers with the
+    values read from them (each bounded by `api.headers` as it was read). Stages may
+    not change it (frozen); what they decide goes into the context or a record."""
+
     request_id: str
     endpoint: str  # "chat.completions" | "completions" | "embeddings"
-    body: dict[str, Any]  # replaced (never edited in place) by stages that change it
     received_at: float  # unix seconds
+    headers: Any = None  # the client's request headers
+    task_id: str | None = None  # x-task-id
+    parent_request_ids: tuple[str, ...] = ()  # x-parent-request-id
+    client_request_id: str | None = None  # the client's own id (x-client-request-id)
+    planned_steps: int | None = None  # x-task-planned-steps, for task accounting
+
+
+@dataclass(slots=True)
+class AdmissionState:
+    """The admit, deployment-limit and queue stages' state: what this request holds
+    until it is settled."""
+
+    reservations: list[tuple[Any, Any]] = field(default_factory=list)  # (scopes, Ask)
+    rate_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* to send
+    gate: Any = None  # the deployment slot held, released at settle
+    queue_ms: float | None = None  # time spent waiting for that slot
+    resident: Any = None  # the local engine held in the pool (residency), released at settle
+
+
+@dataclass(slots=True)
+class ExecutionState:
+    """The executor's account of the upstream calls it made for this request."""
+
+    attempts: int = 0
+    fallback_from: str | None = None  # the alias the request was first sent to
+    chunks: int = 0  # content events relayed to the client
+    chunk_gaps: list[float] = field(default_factory=list)  # seconds between streamed writes
+    usage: dict[str, Any] | None = None  # the upstream's usage object, once read
+    reply_body: bytes | None = None  # a non-streamed reply whose usage is read at settle
+
+
+@dataclass(slots=True)
+class RequestContext:
+    input: RequestInput
+    body: dict[str, Any]  # replaced (never edited in place) by stages that change it
     timings: Timings
     deadline: float  # perf_counter seconds
-    task_id: str | None = None
-    parent_request_ids: list[str] = field(default_factory=list)
     principal: Any = None  # set by authentication (policy layer)
-    headers: Any = None  # the client's request headers
     alias: str | None = None
     model: ModelConfig | None = None
     deployment: Deployment | None = None
-    stream: bool = False
+    stream: bool = False  # set by validate, from the body
     include_usage: bool = False
     response: Any = None  # set by a stage that answers without an upstream call
     decisions: list[Decision] = field(default_factory=list)
     status: Status = Status.PENDING
-    usage: dict[str, Any] | None = None
-    attempts: int = 0
     error_code: str | None = None
-    chunks: int = 0  # content events relayed to the client
     prompt_estimate: int = 0
     max_tokens: int = 0
-    fallback_from: str | None = None
     cache: CacheOutcome | None = None  # cache / replay outcome for the ledger
     idempotency_key: str | None = None  # set while this request owns the key
-    planned_steps: int | None = None  # x-task-planned-steps, for task accounting
-    chunk_gaps: list[float] = field(default_factory=list)  # seconds between streamed writes
     otel_span: Any = None  # the request's OpenTelemetry span, when tracing is on
     vector: Any = None  # embedding of the (masked) last user message, shared by cache & router
     cache_state: CacheState | None = None  # set once the cache stages looked at it
     pii: PiiState | None = None  # set by the pii stage when it masked the request
     route: str | None = None
     route_score: float | None = None
-    queue_ms: float | None = None
-    reservations: list[tuple[Any, Any]] = field(default_factory=list)  # (scopes, Ask)
-    rate_headers: dict[str, str] = field(default_factory=dict)
-    gate: Any = None  # the deployment slot held, released at settle
+    admission: AdmissionState = field(default_factory=AdmissionState)
+    run: ExecutionState = field(default_factory=ExecutionState)
     finished: bool = False
     wire: tuple[dict[str, Any], bytes] | None = None  # (parsed body, the bytes it came from)
-    reply_body: bytes | None = None  # a non-streamed reply whose usage is read at settle
     # (block id, index of its first decision, count) of each folded run of static
     # verdicts (Pipeline): stored compactly in the ledger, expanded on write.
     blocks: list[tuple[str, int, int]] = field(default_factory=list)
-    client_request_id: str | None = None  # the client's own id (x-client-request-id)
     media_ms: dict[str, float] | None = None  # the media stage's time per step
     media_shape: tuple[int, int, int, int] | None = None  # images, bytes, pixels in/out
     header_error: Any = None  # an InvalidRequest for a header, raised once ctx exists
@@ -199,7 +225,7 @@ class RequestContext:
     @property
     def clock_base(self) -> float:
         """Add to a perf_counter time of this request to get unix seconds."""
-        return self.received_at - self.timings.received
+        return self.input.received_at - self.timings.received
 
     def remaining_s(self) -> float:
         return self.deadline - time.perf_counter()
@@ -296,7 +322,7 @@ class Pipeline:
     def view(self, ctx: RequestContext) -> View:
         alias = ctx.alias
         return View(
-            ctx.endpoint,
+            ctx.input.endpoint,
             alias,
             ctx.principal,
             self._models.get(alias) if alias is not None else None,
@@ -309,7 +335,7 @@ class Pipeline:
         p = ctx.principal
         key = (
             start,
-            ctx.endpoint,
+            ctx.input.endpoint,
             alias,
             id(p),
             dep.ready if dep is not None else None,

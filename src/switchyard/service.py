@@ -31,7 +31,15 @@ from switchyard.execute.executor import Executor
 from switchyard.execute.idempotency import IdempotencyStore, StoredReply, body_hash
 from switchyard.observe.ledger import Finished, UsageLedger
 from switchyard.observe.metrics import Metrics
-from switchyard.pipeline import CacheOutcome, Pipeline, RequestContext, RequestIds, Status, Timings
+from switchyard.pipeline import (
+    CacheOutcome,
+    Pipeline,
+    RequestContext,
+    RequestIds,
+    RequestInput,
+    Status,
+    Timings,
+)
 from switchyard.policy import headers as request_headers
 from switchyard.policy.admit import cost_usd, estimate_prompt_tokens
 from switchyard.policy.auth import ANONYMOUS, Authenticator
@@ -148,17 +156,20 @@ def _deployment_headers(dep: Deployment) -> list[tuple[bytes, bytes]]:
 
 def served_raw_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
     """What served the request, as response headers (lower-case names, encoded)."""
-    h = [(b"x-request-id", ctx.request_id.encode("latin-1"))]
-    if ctx.client_request_id is not None:  # validated: ASCII
-        h.append((b"x-client-request-id", ctx.client_request_id.encode("latin-1")))
+    h = [(b"x-request-id", ctx.input.request_id.encode("latin-1"))]
+    if ctx.input.client_request_id is not None:  # validated: ASCII
+        h.append((b"x-client-request-id", ctx.input.client_request_id.encode("latin-1")))
     if ctx.cache is not None:
         h.append((b"x-switchyard-cache", ctx.cache.encode("latin-1")))
         cs = ctx.cache_state
         sim = cs.similarity if cs is not None else None
         if sim is not None and ctx.cache != CacheOutcome.HIT_EXACT:
             h.append((b"x-switchyard-cache-similarity", b"%.4f" % sim))
-    if ctx.rate_headers:
-        h.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in ctx.rate_headers.items())
+    if ctx.admission.rate_headers:
+        h.extend(
+            (k.encode("latin-1"), v.encode("latin-1"))
+            for k, v in ctx.admission.rate_headers.items()
+        )
     if ctx.route is not None:
         h.append((b"x-switchyard-route", ctx.route.encode("latin-1")))
         if ctx.route_score is not None:
@@ -166,10 +177,13 @@ def served_raw_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
     dep = ctx.deployment
     if dep is not None:
         h.extend(_deployment_headers(dep))
-        h.append((b"x-switchyard-attempts", b"%d" % ctx.attempts))
-        if ctx.fallback_from is not None:
+        h.append((b"x-switchyard-attempts", b"%d" % ctx.run.attempts))
+        if ctx.run.fallback_from is not None:
             h.append(
-                (b"x-switchyard-fallback", f"{ctx.fallback_from} -> {dep.alias}".encode("latin-1"))
+                (
+                    b"x-switchyard-fallback",
+                    f"{ctx.run.fallback_from} -> {dep.alias}".encode("latin-1"),
+                )
             )
     t = ctx.timings
     if t.upstream_sent is not None and t.upstream_first_byte is not None:
@@ -178,8 +192,8 @@ def served_raw_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
         up = (t.upstream_first_byte - t.upstream_sent) * 1000
         total = (now - t.received) * 1000
         timing = b"gateway;dur=%.2f, upstream;dur=%.2f, total;dur=%.2f" % (gw, up, total)
-        if ctx.queue_ms:
-            timing = b"queue;dur=%.2f, " % ctx.queue_ms + timing
+        if ctx.admission.queue_ms:
+            timing = b"queue;dur=%.2f, " % ctx.admission.queue_ms + timing
         if ctx.media_ms:
             media = ", ".join(f"media_{k};dur={v:.2f}" for k, v in ctx.media_ms.items())
             timing = media.encode("ascii") + b", " + timing
@@ -276,26 +290,28 @@ class RequestService:
         """The request's context, once its caller is known. Every header read here is
         bounded here; a bad one is kept as the request's header_error and refused
         once its handling starts (so it is settled like any refusal)."""
-        parents: list[str]
+        parents: tuple[str, ...]
         if request_headers.READ.isdisjoint(headers):  # nearly every request: none of them
-            task, parents, client_id, planned, bad = None, [], None, None, None
+            task, parents, client_id, planned, bad = None, (), None, None, None
         else:
             task, parents, client_id, planned, bad = request_headers.read(headers)
         # Positional, in field order: a dataclass this wide matches keywords slowly.
         ctx = RequestContext(
-            self.request_ids(),
-            endpoint,
+            RequestInput(
+                self.request_ids(),
+                endpoint,
+                time.time() - (time.perf_counter() - received),
+                headers,
+                task,
+                parents,
+                client_id,
+                planned,
+            ),
             {},
-            time.time() - (time.perf_counter() - received),
             Timings(received),
             received + self._deadline_s,
-            task,
-            parents,
             principal,
-            headers,
         )
-        ctx.client_request_id = client_id
-        ctx.planned_steps = planned
         ctx.header_error = bad
         if self.tracing is not None:
             self.tracing.start_request(
@@ -325,7 +341,7 @@ class RequestService:
         (`x-request-timeout`, which can only shorten the gateway's)."""
         if ctx.header_error is not None:
             raise ctx.header_error
-        headers = ctx.headers
+        headers = ctx.input.headers
         timeout = headers.get("x-request-timeout") if headers is not None else None
         if timeout is not None:
             asked = request_headers.request_timeout(timeout)
@@ -339,7 +355,7 @@ class RequestService:
         try:
             self._begin(ctx)
             body, raw = await read(ctx.remaining_s())
-            if ctx.endpoint == "chat.completions":
+            if ctx.input.endpoint == "chat.completions":
                 alias = validate_chat(body, self._unknown_fields)
             else:
                 alias = validate_completion(body, self._unknown_fields)
@@ -353,7 +369,7 @@ class RequestService:
             ctx.decisions.append(
                 ("validate", "ok", "request shape is valid", None, received, time.perf_counter())
             )
-            idem = ctx.headers.get("idempotency-key")
+            idem = ctx.input.headers.get("idempotency-key")
             if idem is not None:
                 replayed = await self._claim_idempotency(ctx, idem)
                 if replayed is not None:
@@ -380,7 +396,7 @@ class RequestService:
     async def _execute(self, ctx: RequestContext) -> Reply:
         model = ctx.model
         assert model is not None
-        if not model.capabilities.supports_vision and ctx.endpoint == "chat.completions":
+        if not model.capabilities.supports_vision and ctx.input.endpoint == "chat.completions":
             part = image_parts(ctx.body)
             if part is not None:
                 raise InvalidRequest(
@@ -415,7 +431,7 @@ class RequestService:
         remember = cs is not None and cs.wants_reply
         if remember or (ctx.pii is not None and ctx.pii.restore):
             obj = reply_object(body)
-            ctx.usage = obj.get("usage") if obj is not None else None
+            ctx.run.usage = obj.get("usage") if obj is not None else None
             if obj is not None:
                 if remember:
                     await self._remember(ctx, obj)
@@ -424,7 +440,7 @@ class RequestService:
         else:
             # Nothing here needs the reply's content: its usage is read when the
             # request is settled, after the bytes are on their way.
-            ctx.reply_body = body
+            ctx.run.reply_body = body
         raw_headers = served_raw_headers(ctx)
         if ctx.idempotency_key is not None:
             await self._complete_idempotency(ctx, raw_headers, body)
@@ -504,7 +520,7 @@ class RequestService:
         ctx.record("idempotency", "replay", "returning the stored reply; no upstream call", t)
         headers = {
             **stored.headers,
-            "x-request-id": ctx.request_id,
+            "x-request-id": ctx.input.request_id,
             "x-switchyard-idempotent-replay": "true",
         }
         body = stored.body
@@ -574,7 +590,7 @@ class RequestService:
             if pending is not None:
                 await pending
             t = time.perf_counter()
-            ctx.attempts = 1
+            ctx.run.attempts = 1
             vecs, counts = await embedder.embed(texts)
             if dims is not None and dims != vecs.shape[1]:  # the model loaded meanwhile
                 raise InvalidRequest(
@@ -597,8 +613,8 @@ class RequestService:
                 }
                 for i, v in enumerate(vecs)
             ]
-            ctx.usage = {"prompt_tokens": tokens, "total_tokens": tokens}
-            out = {"object": "list", "data": data, "model": model, "usage": ctx.usage}
+            ctx.run.usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+            out = {"object": "list", "data": data, "model": model, "usage": ctx.run.usage}
             ctx.status = Status.OK
             ctx.timings.ended = time.perf_counter()
             return JsonReply(orjson.dumps(out), served_raw_headers(ctx))
@@ -650,28 +666,28 @@ class RequestService:
             return None
         ctx.finished = True
         self.active -= 1
-        if ctx.gate is not None:
-            ctx.gate.release()
-        if ctx.usage is None and ctx.reply_body is not None:
-            ctx.usage = reply_usage(ctx.reply_body)
-        usage = ctx.usage or {}
+        if ctx.admission.gate is not None:
+            ctx.admission.gate.release()
+        if ctx.run.usage is None and ctx.run.reply_body is not None:
+            ctx.run.usage = reply_usage(ctx.run.reply_body)
+        usage = ctx.run.usage or {}
         if usage:
             inp = int(usage.get("prompt_tokens") or 0)
             out = int(usage.get("completion_tokens") or 0)
-        elif ctx.attempts and ctx.endpoint != "embeddings":
+        elif ctx.run.attempts and ctx.input.endpoint != "embeddings":
             # Best effort for a broken stream, the same whether limits applied (and so
             # estimated the prompt at admission) or not.
             inp = ctx.prompt_estimate or estimate_prompt_tokens(ctx.body)
-            out = ctx.chunks
+            out = ctx.run.chunks
         else:
             inp = out = 0
         if ctx.model is not None:
             cost = cost_usd(ctx.model.price, inp, out)
-        elif ctx.endpoint == "embeddings" and ctx.alias == self._embed_alias:
+        elif ctx.input.endpoint == "embeddings" and ctx.alias == self._embed_alias:
             cost = cost_usd(self._embed_price, inp, 0)
         else:
             cost = 0.0
-        if ctx.reservations:
+        if ctx.admission.reservations:
             return self._settle_reservations(ctx, inp, out, cost)
         self._finished(ctx, inp, out, cost)
         return None
@@ -679,11 +695,11 @@ class RequestService:
     async def _settle_reservations(
         self, ctx: RequestContext, inp: int, out: int, cost: float
     ) -> None:
-        for scopes, ask in ctx.reservations:
+        for scopes, ask in ctx.admission.reservations:
             try:
                 await self.limiter.settle(scopes, ask, inp + out, cost)
             except LimiterUnavailable as exc:
-                log.warning("could not settle %s: %s", ctx.request_id, exc)
+                log.warning("could not settle %s: %s", ctx.input.request_id, exc)
         self._finished(ctx, inp, out, cost)
 
     def _finished(self, ctx: RequestContext, inp: int, out: int, cost: float) -> None:
@@ -715,10 +731,10 @@ class RequestService:
         t = ctx.timings
         plain = (
             status == "ok"
-            and ctx.attempts <= 1
-            and ctx.fallback_from is None
+            and ctx.run.attempts <= 1
+            and ctx.run.fallback_from is None
             and ctx.cache in (None, CacheOutcome.MISS, CacheOutcome.BYPASS)
-            and ctx.task_id is None
+            and ctx.input.task_id is None
             and t.ended is not None
             and (t.ended - t.received) * 1000.0 < self._slow_ms
         )

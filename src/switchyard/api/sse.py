@@ -91,13 +91,13 @@ async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[by
                     obj = orjson.loads(data)
                     usage = obj.get("usage")
                     if usage:
-                        ctx.usage = usage
+                        ctx.run.usage = usage
                         if not ctx.include_usage and not obj.get("choices"):
                             continue  # asked for by the gateway, not by the client
                 if restorer is not None:
                     data = _restore_event(data, restorer)
                 out.append(b"data: " + data + b"\n\n")
-            ctx.chunks += len(out)
+            ctx.run.chunks += len(out)
             if done:
                 # The end goes out in the same write as the last events.
                 if restorer is not None:
@@ -111,7 +111,7 @@ async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[by
                 if ctx.timings.client_first_byte is None:
                     ctx.timings.client_first_byte = now
                 else:
-                    ctx.chunk_gaps.append(now - last)
+                    ctx.run.chunk_gaps.append(now - last)
                 last = now
                 yield b"".join(out)
             if done:

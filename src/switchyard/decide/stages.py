@@ -52,7 +52,12 @@ class CachePlanner:
         cfg = self.cfg
         tenant = ctx.principal.tenant_id
         verdict = cacheability(
-            ctx.body, ctx.endpoint, ctx.headers.get("cache-control"), tenant, ctx.alias or "", cfg
+            ctx.body,
+            ctx.input.endpoint,
+            ctx.input.headers.get("cache-control"),
+            tenant,
+            ctx.alias or "",
+            cfg,
         )
         keys = None
         if verdict.lookup or verdict.store:
@@ -61,14 +66,15 @@ class CachePlanner:
             scope = f"key:{ctx.principal.key_id}" if cfg.scope == "key" else f"tenant:{tenant}"
             keys = cache_keys(
                 ctx.masked_body(),
-                ctx.endpoint,
+                ctx.input.endpoint,
                 scope,
                 tenant,
                 ctx.alias or "",
                 revision,
-                ctx.headers.get("x-switchyard-locale") or ctx.headers.get("accept-language"),
-                ctx.headers.get("x-switchyard-data-version") or cfg.data_version,
-                request_headers.cache_tags(ctx.headers.get("x-switchyard-cache-tags")),
+                ctx.input.headers.get("x-switchyard-locale")
+                or ctx.input.headers.get("accept-language"),
+                ctx.input.headers.get("x-switchyard-data-version") or cfg.data_version,
+                request_headers.cache_tags(ctx.input.headers.get("x-switchyard-cache-tags")),
             )
         state.plan = (verdict, keys)
         return verdict, keys

@@ -174,7 +174,7 @@ class Executor:
                 continue
             if idx > 0:
                 self.fallbacks += 1
-                ctx.fallback_from = primary.alias
+                ctx.run.fallback_from = primary.alias
                 ctx.deployment = dep
                 ctx.model = dep.model
             return result
@@ -235,7 +235,7 @@ class Executor:
                 raise UpstreamTimeout("the request deadline leaves no time for another attempt")
             if retries == 0:
                 budget.first_attempt(now)
-            ctx.attempts += 1
+            ctx.run.attempts += 1
             ctx.timings.upstream_sent = t
             span, headers = (
                 self.tracing.start_attempt(ctx, dep.alias, dep.label)
@@ -246,7 +246,7 @@ class Executor:
             try:
                 call = dep.upstream.stream if stream else dep.upstream.post
                 result = await call(
-                    PATHS[ctx.endpoint],
+                    PATHS[ctx.input.endpoint],
                     upstream_payload(ctx, dep),
                     dep.model.timeouts,
                     remaining,
@@ -265,7 +265,7 @@ class Executor:
                     {
                         "upstream": dep.label,
                         "alias": dep.alias,
-                        "attempt": ctx.attempts,
+                        "attempt": ctx.run.attempts,
                         "class": cls,
                         "status": exc.status,
                     },
@@ -337,6 +337,6 @@ class Executor:
                 "ok",
                 f"served by {dep.label}",
                 t,
-                {"upstream": dep.label, "alias": dep.alias, "attempt": ctx.attempts},
+                {"upstream": dep.label, "alias": dep.alias, "attempt": ctx.run.attempts},
             )
             return result

@@ -156,7 +156,7 @@ def batch_json(
             entries.append(f.entry())
         except Exception:
             counts.dropped += 1
-            log.exception("ledger row of %s dropped: it could not be built", f.ctx.request_id)
+            log.exception("ledger row of %s dropped: it could not be built", f.ctx.input.request_id)
             continue
         if f.with_trace:
             used.update(b[0] for b in f.ctx.blocks)

@@ -197,8 +197,8 @@ def _first_attempt_success(ctx: RequestContext, status: str) -> bool:
     went through every stage, made one attempt and was refused nothing."""
     return (
         status == "ok"
-        and ctx.attempts == 1
-        and ctx.fallback_from is None
+        and ctx.run.attempts == 1
+        and ctx.run.fallback_from is None
         and ctx.error_code is None
     )
 
@@ -319,13 +319,13 @@ class Metrics:
                 common.e2e.append(t.ended - t.received)
             if t.client_first_byte is not None:
                 common.ttft.append(t.client_first_byte - t.received)
-            if ctx.queue_ms is not None:
-                common.queue.append(ctx.queue_ms / 1000)
+            if ctx.admission.queue_ms is not None:
+                common.queue.append(ctx.admission.queue_ms / 1000)
             common.inp += inp
             common.out += out
             common.cost += cost
-            if ctx.chunk_gaps:
-                common.itl.extend(ctx.chunk_gaps)
+            if ctx.run.chunk_gaps:
+                common.itl.extend(ctx.run.chunk_gaps)
         scheduled = self._fold_loop
         if self._fold_due and scheduled is not None and not scheduled.is_closed():
             return  # a fold is already scheduled (no loop lookup: it costs a syscall)
@@ -350,7 +350,7 @@ class Metrics:
             try:
                 self._observe(batch, *args)
             except Exception:  # one bad record must not cost the others theirs
-                log.exception("could not record metrics of %s", args[0].request_id)
+                log.exception("could not record metrics of %s", args[0].input.request_id)
         batch.apply()
 
     def _observe(
@@ -372,17 +372,17 @@ class Metrics:
             b.observe(self._e2e, (model,), t.ended - t.received)
         if t.client_first_byte is not None:
             b.observe(self._ttft, (model,), t.client_first_byte - t.received)
-        if ctx.queue_ms is not None:
-            b.observe(self._queue, (model,), ctx.queue_ms / 1000)
+        if ctx.admission.queue_ms is not None:
+            b.observe(self._queue, (model,), ctx.admission.queue_ms / 1000)
         if inp:
             b.inc(self._tokens, (model, "input"), inp)
         if out:
             b.inc(self._tokens, (model, "output"), out)
         if cost:
             b.inc(self._cost, (model, tenant), cost)
-        if ctx.chunk_gaps:
+        if ctx.run.chunk_gaps:
             itl = (ctx.deployment.alias if ctx.deployment is not None else "unknown",)
-            for gap in ctx.chunk_gaps:
+            for gap in ctx.run.chunk_gaps:
                 b.observe(self._itl, itl, gap)
 
     def _common_of(self, ctx: RequestContext, status: str) -> _Common | None:
@@ -443,10 +443,12 @@ class Metrics:
                 incs.append((self._retries, (model,)))
             elif stage == "route":
                 incs.append((self._routes, (outcome,)))
-        if ctx.fallback_from is not None:
-            incs.append((self._fallbacks, (ctx.fallback_from, model)))
-        if status == "ok" and ctx.attempts:
-            after = "fallback" if ctx.fallback_from else ("retry" if retried else "first_attempt")
+        if ctx.run.fallback_from is not None:
+            incs.append((self._fallbacks, (ctx.run.fallback_from, model)))
+        if status == "ok" and ctx.run.attempts:
+            after = (
+                "fallback" if ctx.run.fallback_from else ("retry" if retried else "first_attempt")
+            )
             incs.append((self._success, (model, after)))
         kind = REJECTION_CODES.get(ctx.error_code or "")
         if kind is not None:

@@ -91,14 +91,14 @@ class Tracing:
             extract({"traceparent": headers["traceparent"]}) if headers.get("traceparent") else None
         )
         span = self.tracer.start_span(
-            f"{OPERATION.get(ctx.endpoint, ctx.endpoint)}",
+            f"{OPERATION.get(ctx.input.endpoint, ctx.input.endpoint)}",
             context=parent,
             kind=SpanKind.SERVER,
             start_time=start_ns,
-            attributes={"switchyard.request_id": ctx.request_id},
+            attributes={"switchyard.request_id": ctx.input.request_id},
         )
-        if ctx.client_request_id is not None:
-            span.set_attribute("switchyard.client_request_id", ctx.client_request_id)
+        if ctx.input.client_request_id is not None:
+            span.set_attribute("switchyard.client_request_id", ctx.input.client_request_id)
         ctx.otel_span = span
 
     def start_attempt(
@@ -113,7 +113,7 @@ class Tracing:
             context=trace.set_span_in_context(parent),
             kind=SpanKind.CLIENT,
             attributes={
-                "switchyard.request_id": ctx.request_id,
+                "switchyard.request_id": ctx.input.request_id,
                 "gen_ai.request.model": alias,
                 "server.address": upstream,
             },
@@ -146,18 +146,18 @@ class Tracing:
                     "switchyard.stage": stage,
                     "switchyard.outcome": outcome,
                     "switchyard.reason": reason[:500],
-                    "switchyard.request_id": ctx.request_id,
+                    "switchyard.request_id": ctx.input.request_id,
                 },
             )
             s.end(end_time=start + int((t1 - t0) * 1e9))
         attrs: dict[str, Any] = {
-            "gen_ai.operation.name": OPERATION.get(ctx.endpoint, ctx.endpoint),
+            "gen_ai.operation.name": OPERATION.get(ctx.input.endpoint, ctx.input.endpoint),
             "gen_ai.system": "openai",
             "gen_ai.request.model": ctx.alias or "",
             "gen_ai.usage.input_tokens": inp,
             "gen_ai.usage.output_tokens": out,
             "switchyard.status": status,
-            "switchyard.attempts": ctx.attempts,
+            "switchyard.attempts": ctx.run.attempts,
         }
         if ctx.deployment is not None:
             attrs["gen_ai.response.model"] = ctx.deployment.alias
@@ -165,8 +165,8 @@ class Tracing:
             attrs["server.address"] = ctx.deployment.label
         if ctx.principal is not None:
             attrs["switchyard.tenant"] = ctx.principal.tenant_id
-        if ctx.task_id:
-            attrs["switchyard.task_id"] = ctx.task_id
+        if ctx.input.task_id:
+            attrs["switchyard.task_id"] = ctx.input.task_id
         if ctx.body.get("max_tokens") is not None:
             attrs["gen_ai.request.max_tokens"] = ctx.body["max_tokens"]
         span.set_attributes(attrs)

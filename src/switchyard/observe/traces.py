@@ -29,7 +29,7 @@ class LedgerEntry(msgspec.Struct, array_like=True, gc=False):
     request_id: str  # the gateway's own (unguessable): the key of the usage row and trace
     client_request_id: str | None  # the client's x-client-request-id / x-request-id
     task_id: str | None
-    parent_request_ids: list[str]
+    parent_request_ids: tuple[str, ...]
     tenant_id: str | None
     key_id: str | None
     endpoint: str
@@ -142,35 +142,35 @@ def ledger_entry(
     else:
         decisions, refs = None, []
     return LedgerEntry(
-        ctx.request_id,
-        ctx.client_request_id,
-        ctx.task_id,
-        ctx.parent_request_ids,
+        ctx.input.request_id,
+        ctx.input.client_request_id,
+        ctx.input.task_id,
+        ctx.input.parent_request_ids,
         p.tenant_id if p is not None else None,
         p.key_id if p is not None else None,
-        ctx.endpoint,
+        ctx.input.endpoint,
         dep.alias if dep is not None else ctx.alias,
         ctx.alias,
         model.revision if model is not None else None,
         dep.label if dep is not None else None,
         status,
         ctx.error_code,
-        ctx.attempts,
+        ctx.run.attempts,
         inp,
         out,
         cost,
         ctx.cache,
-        ctx.fallback_from,
-        ctx.planned_steps,
+        ctx.run.fallback_from,
+        ctx.input.planned_steps,
         ctx.stream,
-        ctx.received_at,
-        ctx.queue_ms,
+        ctx.input.received_at,
+        ctx.admission.queue_ms,
         t.received,
         t.upstream_sent,
         t.upstream_first_byte,
         t.client_first_byte,
         t.ended,
-        ctx.received_at - t.received,
+        ctx.input.received_at - t.received,
         decisions,
         refs,
         ctx.media_shape,

@@ -76,18 +76,20 @@ def task_id(headers: Mapping[str, str]) -> tuple[str | None, InvalidRequest | No
     return None, _bad("x-task-id", "must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
 
 
-def parent_request_ids(headers: Mapping[str, str]) -> tuple[list[str], InvalidRequest | None]:
+def parent_request_ids(
+    headers: Mapping[str, str],
+) -> tuple[tuple[str, ...], InvalidRequest | None]:
     value = headers.get("x-parent-request-id")
     if not value:
-        return [], None
+        return (), None
     if len(value) > MAX_PARENTS * 130:
-        return [], _bad("x-parent-request-id", f"at most {MAX_PARENTS} request ids")
-    ids = [p.strip() for p in value.split(",") if p.strip()]
+        return (), _bad("x-parent-request-id", f"at most {MAX_PARENTS} request ids")
+    ids = tuple(p.strip() for p in value.split(",") if p.strip())
     if len(ids) > MAX_PARENTS:
-        return [], _bad("x-parent-request-id", f"at most {MAX_PARENTS} request ids")
+        return (), _bad("x-parent-request-id", f"at most {MAX_PARENTS} request ids")
     for p in ids:
         if not ID_PATTERN.fullmatch(p):
-            return [], _bad("x-parent-request-id", "a comma-separated list of request ids")
+            return (), _bad("x-parent-request-id", "a comma-separated list of request ids")
     return ids, None
 
 
@@ -129,7 +131,7 @@ def cache_tags(value: str | None) -> tuple[str, ...]:
 
 def read(
     headers: Mapping[str, str],
-) -> tuple[str | None, list[str], str | None, int | None, InvalidRequest | None]:
+) -> tuple[str | None, tuple[str, ...], str | None, int | None, InvalidRequest | None]:
     """(task id, parent ids, client request id, planned steps, the first problem)."""
     task, bad_task = task_id(headers)
     parents, bad_parents = parent_request_ids(headers)

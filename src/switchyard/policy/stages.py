@@ -109,7 +109,7 @@ class Reserver:
         ctx.prompt_estimate = prompt
         ctx.max_tokens = out
         ask = Ask(
-            f"{ctx.request_id}#{stage}",  # one reservation per request and stage
+            f"{ctx.input.request_id}#{stage}",  # one reservation per request and stage
             prompt + out,
             cost_usd(price, prompt, out) if price else 0.0,
         )
@@ -127,7 +127,7 @@ class Reserver:
             raise EngineNotReady(
                 "rate limiter unavailable; refusing (fail_closed)", code="limiter_unavailable"
             ) from None
-        ctx.rate_headers.update(rate_headers(verdict))
+        ctx.admission.rate_headers.update(rate_headers(verdict))
         evidence: dict[str, Any] = {
             "reserved_tokens": ask.tokens,
             "reserved_usd": ask.cost_usd,
@@ -142,7 +142,7 @@ class Reserver:
                 evidence,
             )
             raise refusal(verdict)
-        ctx.reservations.append((scopes, ask))
+        ctx.admission.reservations.append((scopes, ask))
         ctx.record(stage, "admitted", "within every limit", t, evidence)
 
     async def _seed_budgets(self, scopes: list[ScopeLimits]) -> None:
@@ -264,8 +264,8 @@ class Queue(Stage):
 
     @staticmethod
     def _admitted(ctx: RequestContext, gate: DeploymentGate, adm: Admission, t: float) -> None:
-        ctx.gate = gate
-        ctx.queue_ms = adm.waited_s * 1000
+        ctx.admission.gate = gate
+        ctx.admission.queue_ms = adm.waited_s * 1000
         waited = adm.waited_s != 0
         ctx.record(
             "queue",
