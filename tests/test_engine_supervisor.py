@@ -73,6 +73,7 @@ class ScriptedWorker(ManagedLlamaCpp):
         gguf.write_bytes(b"GGUF")
         spec = LlamaCppEngine(
             kind="llamacpp",
+            runtime="worker",  # the scripted program speaks the worker's --fd protocol
             gguf=str(gguf),
             restart_backoff_s=0.05,
             startup_timeout_s=20,

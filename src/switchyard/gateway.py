@@ -16,8 +16,18 @@ from typing import Any
 
 from switchyard.config import Price, Settings, sqlite_path
 from switchyard.decide.cache import ResponseCache
-from switchyard.decide.stages import Cache, CachePlanner, Embed, Place, Route, Select, Tools
+from switchyard.decide.stages import (
+    Cache,
+    CachePlanner,
+    Embed,
+    Place,
+    Residency,
+    Route,
+    Select,
+    Tools,
+)
 from switchyard.embed import EmbeddingService
+from switchyard.engines.pool import EnginePool
 from switchyard.engines.registry import Deployment, Registry
 from switchyard.execute.executor import Executor
 from switchyard.media.process import MediaProcessor
@@ -58,17 +68,18 @@ def build_pipelines(
     register_block: Callable[[list[Any]], str] | None = None,
     media: MediaProcessor | None = None,
     metrics: Metrics | None = None,
+    pool: EnginePool | None = None,
 ) -> Pipelines:
     """The stages, in order (DESIGN.md: the request pipeline). Evidence that is the
     same for every request of a model is built once and shared (recorded evidence
     is never changed afterwards)."""
-    models = {m.alias: m for m in s.models}
+    models = {m.alias: m for m in s.served_models()}
     named = {m.alias: {"model": m.alias} for m in s.models}
     estimate = generation_estimate(models, s.policy.default_max_tokens)
     planner = CachePlanner(s)
     generation = Pipeline(
         [
-            Authorize(named),
+            Authorize(named, {a.name: a for a in s.adapters}),
             Admit(reserver, estimate),
             Pii(s, masker, cache is not None),
             Embed(s, embedder, cache, planner, router),
@@ -79,6 +90,7 @@ def build_pipelines(
             *([Media(media, metrics)] if media is not None else []),
             DeploymentLimits(reserver, estimate),
             Queue(gates),
+            *([Residency(pool)] if pool is not None else []),
             Place(),
         ],
         models,
@@ -99,7 +111,7 @@ class Gateway:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.registry = Registry(settings)
-        self.models = {m.alias: m for m in settings.models}
+        self.models = {m.alias: m for m in settings.served_models()}
         self.embedder = (
             EmbeddingService(settings.embeddings, idle=lambda: self.service.active <= 1)
             if settings.embeddings.enabled
@@ -135,6 +147,9 @@ class Gateway:
             self.limiter = MemoryLimiter()
         obs = settings.observe
         self.metrics = Metrics() if obs.metrics else None
+        if self.metrics is not None:
+            self.registry.pool.on_event = self.metrics.engine_event
+            self.registry.pool.on_memory = self.metrics.engine_memory_mb
         if self.metrics is not None:  # aliases that may label a refused request
             self.metrics.known_models = frozenset(
                 [m.alias for m in settings.models] + [settings.embeddings.alias]
@@ -156,6 +171,8 @@ class Gateway:
             m.alias: DeploymentGate(m.alias, m.limits.max_concurrency, m.limits.queue)
             for m in settings.models
         }
+        for a in settings.adapters:  # an adapter runs in its base's slots
+            self.gates[a.name] = self.gates[a.base]
         self.counters: dict[str, int] = {"limiter_fail_open": 0, "limiter_fail_closed": 0}
         self.dev_key: str | None = None
         # Image preprocessing, when any model takes images (its threads start lazily).
@@ -176,6 +193,7 @@ class Gateway:
                 self.ledger.block_id,
                 self.media,
                 self.metrics,
+                self.registry.pool,
             ),
             self.executor,
             self.limiter,
@@ -281,7 +299,7 @@ class Gateway:
         for alias, d in self.registry.deployments.items():
             models[alias] = d.describe()
             models[alias]["breaker"] = self.executor.breakers[alias].describe(now)
-            if d.model.required and not d.ready:
+            if d.model.required and not (d.ready or d.loadable):
                 ready = False
         if self.embedder is not None:
             models[self.settings.embeddings.alias] = self.embedder.describe()
@@ -298,7 +316,7 @@ class Gateway:
         """Every model has an outcome: ready, or failed and no longer restarted; so
         what start produced can be told to the user (cli's banner)."""
         for d in self.registry.deployments.values():
-            if d.engine is not None and not (d.ready or d.failed):
+            if d.engine is not None and not (d.ready or d.failed or d.loadable):
                 return False
         if self.embedder is not None and self.embedder.state in ("loading", "stopped"):
             return False

@@ -25,6 +25,7 @@ from switchyard.config import Price, Settings
 from switchyard.decide.cache import Entry, ResponseCache
 from switchyard.decide.cacheability import assemble, storable_reply
 from switchyard.embed import EmbeddingService
+from switchyard.engines.pool import EnginePool
 from switchyard.engines.registry import Deployment
 from switchyard.errors import InvalidRequest, ModelNotFound, SwitchyardError
 from switchyard.execute.executor import Executor
@@ -151,6 +152,11 @@ def _deployment_headers(dep: Deployment) -> list[tuple[bytes, bytes]]:
                 (b"x-switchyard-upstream", label.encode("latin-1")),
             ],
         )
+        if dep.adapter is not None:  # the adapter and its revision, beside the base's
+            cached[1].append((b"x-switchyard-adapter", dep.adapter.name.encode("latin-1")))
+            cached[1].append(
+                (b"x-switchyard-adapter-revision", dep.adapter.revision.encode("latin-1"))
+            )
     return cached[1]
 
 
@@ -668,6 +674,8 @@ class RequestService:
         self.active -= 1
         if ctx.admission.gate is not None:
             ctx.admission.gate.release()
+        if ctx.admission.resident is not None:
+            EnginePool.release(ctx.admission.resident)
         if ctx.run.usage is None and ctx.run.reply_body is not None:
             ctx.run.usage = reply_usage(ctx.run.reply_body)
         usage = ctx.run.usage or {}

@@ -181,6 +181,17 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
             raise InvalidRequest(str(exc)) from None
         return _json(out)
 
+    async def engines(request: Request) -> Response:
+        """The residency pool and every managed engine (state, memory, adapters)."""
+        guard(request)
+        reg = gw.registry
+        return _json(
+            {
+                "pool": reg.pool.describe(),
+                "engines": {e.alias: e.describe() for e in reg.managed()},
+            }
+        )
+
     async def cache_stats(request: Request) -> Response:
         guard(request)
         return _json(gw.cache.stats() if gw.cache is not None else {"enabled": False})
@@ -188,6 +199,7 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
     return [
         Route("/admin/cache/invalidate", cache_invalidate, methods=["POST"]),
         Route("/admin/cache/stats", cache_stats, methods=["GET"]),
+        Route("/admin/engines", engines, methods=["GET"]),
         Route("/admin/requests", request_list, methods=["GET"]),
         Route("/admin/requests/{request_id}", request_trace, methods=["GET"]),
         Route("/admin/tasks/{task_id}", task_trace, methods=["GET"]),

@@ -129,6 +129,22 @@ def build_routes(gw: Gateway) -> list[Route]:
             for m in gw.settings.models
             if principal.may_use(m.alias)
         ]
+        for a in gw.settings.adapters:  # only the adapters this key and tenant may use
+            if (
+                principal.may_use(a.name)
+                and principal.adapter_refusal(a.name, a.allowed_tenants) is None
+            ):
+                data.append(
+                    {
+                        "id": a.name,
+                        "object": "model",
+                        "created": int(gw.started_at),
+                        "owned_by": "switchyard",
+                        "revision": a.revision,
+                        "parent": a.base,
+                        "root": a.base,
+                    }
+                )
         if gw.embedder is not None and principal.may_use(gw.settings.embeddings.alias):
             data.append(
                 {

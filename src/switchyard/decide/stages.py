@@ -1,4 +1,4 @@
-"""Decision stages: embed, cache, route, tools, select, place.
+"""Decision stages: embed, cache, route, tools, select, residency, place.
 
 Each stage's `static` is the one place that says when it decides the same for every
 request of a View (pipeline.View); `work` handles the rest (see pipeline.Stage).
@@ -17,8 +17,9 @@ from switchyard.decide.select import select_deployment
 from switchyard.decide.tools import shortlist, tool_text
 from switchyard.decide.verify import verify
 from switchyard.embed import EmbeddingService
+from switchyard.engines.pool import EnginePool
 from switchyard.engines.registry import Deployment
-from switchyard.errors import EngineNotReady, PermissionDenied
+from switchyard.errors import EngineFailed, EngineNotReady, PermissionDenied, SwitchyardError
 from switchyard.pipeline import CacheOutcome, CacheState, RequestContext, Stage, Verdict, View
 from switchyard.policy import headers as request_headers
 
@@ -39,7 +40,7 @@ class CachePlanner:
 
     def __init__(self, settings: Settings) -> None:
         self.cfg = settings.cache
-        self._models = {m.alias: m for m in settings.models}
+        self._models = {m.alias: m for m in settings.served_models()}
         self._router_version = settings.router.policy_version
 
     def plan(self, ctx: RequestContext) -> tuple[Cacheability, CacheKeys | None]:
@@ -340,6 +341,73 @@ class Select(Stage):
         ctx.deployment = sel.deployment
         ctx.model = sel.deployment.model
         ctx.record(self.name, sel.outcome, sel.reason, t, sel.evidence)
+
+
+class Residency(Stage):
+    """Whether the local model is loaded (`hot`) or is loaded for this request
+    (`cold-load`: load time, what was evicted and why), and which adapter it applies
+    (engines/pool.py). Holds the engine until the request is settled, so the pool never
+    evicts an engine a request is using."""
+
+    name = "residency"
+    REMOTE = Verdict("skip", "the deployment is not a local engine")
+
+    def __init__(self, pool: EnginePool) -> None:
+        self._pool = pool
+
+    def static(self, view: View) -> Verdict | None:
+        dep = view.deployment
+        if dep is None:
+            return None  # select refused it
+        return self.REMOTE if dep.engine is None else None
+
+    def work(self, ctx: RequestContext) -> Awaitable[None] | None:
+        dep = ctx.deployment
+        assert dep is not None and dep.engine is not None
+        t = time.perf_counter()
+        now = self._pool.hot(dep.engine)
+        if now is None:
+            return self._load(ctx, dep, t)
+        self._held(ctx, dep, now.outcome, now.reason, now.evidence, t)
+        return None
+
+    async def _load(self, ctx: RequestContext, dep: Deployment, t: float) -> None:
+        assert dep.engine is not None
+        try:
+            r = await self._pool.acquire(dep.engine, ctx.remaining_s())
+        except SwitchyardError as exc:
+            ctx.record(self.name, "reject", exc.message, t, {"state": dep.engine.state.value})
+            raise
+        self._held(ctx, dep, r.outcome, r.reason, r.evidence, t)
+
+    def _held(
+        self,
+        ctx: RequestContext,
+        dep: Deployment,
+        outcome: str,
+        reason: str,
+        evidence: dict[str, Any],
+        t: float,
+    ) -> None:
+        engine = dep.engine
+        assert engine is not None
+        ctx.admission.resident = engine
+        adapter = dep.adapter
+        if adapter is not None:
+            ident = dep.adapter_id()
+            if ident is None:
+                why = engine.adapter_errors.get(adapter.name) or "it is not loaded in its engine"
+                ctx.record(self.name, "reject", f"adapter {adapter.name}: {why}", t, evidence)
+                raise EngineFailed(f"the adapter '{adapter.name}' is not served: {why}")
+            evidence = {
+                **evidence,
+                "adapter": adapter.name,
+                "adapter_revision": adapter.revision,
+                "adapter_id": ident,
+                "base": adapter.base,
+                "base_revision": adapter.base_revision,
+            }
+        ctx.record(self.name, outcome, reason, t, evidence)
 
 
 class Place(Stage):

@@ -1,4 +1,5 @@
-"""Supervisor of one managed llama.cpp worker process.
+"""Supervisor of one managed llama.cpp process: llama.cpp's own server (`llama-server`,
+the default runtime) or the one-request-at-a-time Python worker.
 
 Liveness (the process is up) and readiness (the model generated several tokens for a
 chat prompt of realistic length, over the same HTTP API the gateway uses) are separate
@@ -16,12 +17,16 @@ import asyncio
 import collections
 import contextlib
 import enum
+import hashlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -65,7 +70,64 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def llama_server_binary(spec: LlamaCppEngine) -> str:
+    """The llama-server to run: the configured path, else the one make installed next
+    to this Python (scripts/build-llama-server.sh), else one on PATH."""
+    if spec.binary != "auto":
+        return spec.binary
+    beside = Path(sys.executable).parent / "llama-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("llama-server")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "llama-server is not installed (make builds it with scripts/build-llama-server.sh); "
+        "or set the model's engine.runtime to 'worker'"
+    )
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterFile:
+    """An adapter an engine loads at start: its id in the server is its position."""
+
+    name: str
+    path: str
+    sha256: str
+    revision: str
+
+
+def rss_mb(pid: int) -> float | None:
+    """A process's resident memory in MiB (Linux), or None."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _info_line(line: str) -> bool:
+    """A llama-server log line below warning level ("0.05.015 I srv ...") or the
+    continuation of one."""
+    if line.startswith(("\t", " ")):
+        return True
+    parts = line.split(" ", 2)
+    return len(parts) > 1 and parts[1] in ("I", "D", "T")
+
+
 class EngineState(enum.StrEnum):
+    COLD = "cold"  # not loaded; the pool loads it on demand
     STARTING = "starting"  # process being spawned
     LOADING = "loading"  # process alive, model not yet answering
     READY = "ready"
@@ -75,11 +137,22 @@ class EngineState(enum.StrEnum):
 
 
 class ManagedLlamaCpp:
-    def __init__(self, alias: str, spec: LlamaCppEngine, max_crash_restarts: int = 3) -> None:
+    def __init__(
+        self,
+        alias: str,
+        spec: LlamaCppEngine,
+        max_crash_restarts: int = 3,
+        adapters: tuple[AdapterFile, ...] = (),
+    ) -> None:
         self.alias = alias
         self.spec = spec
         self.max_crash_restarts = max_crash_restarts
-        self.state = EngineState.STOPPED
+        self.adapters = adapters
+        # The adapters the running server loaded, by name -> its id there; those whose
+        # file failed its checksum are refused (name -> why) and the base still serves.
+        self.adapter_ids: dict[str, int] = {}
+        self.adapter_errors: dict[str, str] = {}
+        self.state = EngineState.COLD if spec.lazy else EngineState.STOPPED
         self.port: int | None = None
         self.proc: asyncio.subprocess.Process | None = None
         self.generation = 0  # one per spawned worker: tells a request which one it used
@@ -96,6 +169,13 @@ class ManagedLlamaCpp:
         self._stopping = False
         self._ready_event = asyncio.Event()
         self._settled = asyncio.Event()  # ready or failed: startup has an outcome
+        # Residency (engines/pool.py): when it was loaded and last used, requests now
+        # using it, its measured memory.
+        self.loaded_at: float | None = None
+        self.last_used = 0.0
+        self.in_flight = 0
+        self.loads = 0
+        self.memory_mb: float | None = None
 
     # -- public state -------------------------------------------------------
     @property
@@ -114,9 +194,27 @@ class ManagedLlamaCpp:
     def failed(self) -> bool:
         return self.state is EngineState.FAILED
 
+    @property
+    def cold(self) -> bool:
+        return self.state is EngineState.COLD
+
+    @property
+    def loading(self) -> bool:
+        return self._task is not None and not self.ready and not self.failed
+
+    def measure(self) -> float | None:
+        """Its process's resident memory now (MiB), kept as memory_mb."""
+        if self.live and self.proc is not None:
+            mb = rss_mb(self.proc.pid)
+            if mb is not None:
+                self.memory_mb = mb
+        return self.memory_mb
+
     def describe(self) -> dict[str, Any]:
         return {
             "kind": "llamacpp",
+            "runtime": self.spec.runtime,
+            "parallel": self.spec.parallel if self.spec.runtime == "server" else 1,
             "state": self.state.value,
             "live": self.live,
             "ready": self.ready,
@@ -130,6 +228,21 @@ class ManagedLlamaCpp:
             "stderr_tail": list(self.stderr_tail)[-8:] if self.failed else [],
             "system_info": self.system_info,
             "extra_buffer_types": self.spec.extra_buffer_types,
+            "pinned": self.spec.pinned,
+            "lazy": self.spec.lazy,
+            "loads": self.loads,
+            "in_flight": self.in_flight,
+            "memory_mb": None if self.memory_mb is None else round(self.memory_mb, 1),
+            "adapters": {
+                a.name: {
+                    "revision": a.revision,
+                    "state": "refused"
+                    if a.name in self.adapter_errors
+                    else ("loaded" if a.name in self.adapter_ids else "cold"),
+                    "error": self.adapter_errors.get(a.name),
+                }
+                for a in self.adapters
+            },
         }
 
     async def wait_ready(self, timeout_s: float) -> bool:
@@ -153,8 +266,17 @@ class ManagedLlamaCpp:
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
         if self._task is None:
+            if self.state is EngineState.COLD:
+                self.state = EngineState.STARTING  # loading from now on, for waiters
             self._stopping = False
             self._task = asyncio.create_task(self._supervise(), name=f"engine:{self.alias}")
+
+    async def unload(self) -> None:
+        """Stop the process and leave the engine cold: the pool loads it again on demand."""
+        await self.stop()
+        if self.state is not EngineState.FAILED:
+            self.state = EngineState.COLD
+        self.loaded_at = None
 
     async def stop(self) -> None:
         self._stopping = True
@@ -205,10 +327,20 @@ class ManagedLlamaCpp:
                 self.last_error = str(exc)
                 self._fail(f"the model file cannot be used: {exc}")
                 return
+            try:
+                binary = llama_server_binary(self.spec) if self.spec.runtime == "server" else ""
+            except FileNotFoundError as exc:
+                self.last_error = str(exc)
+                self._fail(str(exc))
+                return
             started = time.perf_counter()
-            await self._spawn(gguf)
+            loras = await asyncio.to_thread(self._checked_adapters)
+            await self._spawn(gguf, binary, loras)
             if await self._await_ready():
                 self.cold_start_s = time.perf_counter() - started
+                self.loads += 1
+                self.loaded_at = self.last_used = time.monotonic()
+                self.measure()
                 self.state = EngineState.READY
                 self.ready_since = time.time()
                 self.failed_starts = 0
@@ -246,6 +378,65 @@ class ManagedLlamaCpp:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.spec.restart_backoff_max_s)
 
+    def _checked_adapters(self) -> list[AdapterFile]:
+        """The adapters whose file is there and matches its sha256 (checked before every
+        load); the others are refused by name, with why, and the base serves on."""
+        ok: list[AdapterFile] = []
+        self.adapter_errors = {}
+        for a in self.adapters:
+            try:
+                digest = sha256_file(a.path)
+            except OSError as exc:
+                self.adapter_errors[a.name] = f"cannot read {a.path}: {exc.strerror or exc}"
+                continue
+            if digest != a.sha256:
+                self.adapter_errors[a.name] = (
+                    f"checksum mismatch: {a.path} has sha256 {digest[:16]}..., "
+                    f"the registry says {a.sha256[:16]}..."
+                )
+                continue
+            ok.append(a)
+        for name, why in self.adapter_errors.items():
+            log.error("engine %s: adapter %s refused: %s", self.alias, name, why)
+        return ok
+
+    def server_command(self, binary: str, gguf: str, port: int, loras: list[str]) -> list[str]:
+        """llama-server with `parallel` slots of `ctx` tokens each (continuous batching
+        is its default), its /metrics and /slots on, and the adapters loaded unapplied:
+        each request names the one it uses."""
+        spec = self.spec
+        cmd = [
+            binary,
+            "--model",
+            gguf,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--alias",
+            self.alias,
+            "--ctx-size",
+            str(spec.ctx * spec.parallel),
+            "--parallel",
+            str(spec.parallel),
+            "--threads",
+            str(spec.threads),
+            "--threads-batch",
+            str(spec.threads),
+            "--metrics",
+            "--slots",
+            "--no-webui",
+            "--verbosity",
+            "4",
+        ]
+        if not spec.extra_buffer_types:
+            cmd.append("--no-repack")
+        for path in loras:
+            cmd += ["--lora", path]
+        if loras:
+            cmd.append("--lora-init-without-apply")
+        return cmd
+
     def worker_command(self, gguf: str, fd: int) -> list[str]:
         cmd = [
             sys.executable,
@@ -266,29 +457,55 @@ class ManagedLlamaCpp:
             cmd.append("--extra-buffer-types")
         return cmd
 
-    async def _spawn(self, gguf: str) -> None:
+    async def _spawn(self, gguf: str, binary: str, loras: list[AdapterFile]) -> None:
         self.state = EngineState.STARTING
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
-        sock.listen(128)
         self.port = sock.getsockname()[1]
-        fd = sock.fileno()
         self.stderr_tail.clear()
+        self.system_info = None
+        self.adapter_ids = {}
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                *self.worker_command(gguf, fd), pass_fds=(fd,), stderr=asyncio.subprocess.PIPE
-            )
+            if binary:
+                # llama-server binds its own port: the one just picked, freed for it
+                # (another process taking it in between fails this start, which is
+                # retried on a new port like any failed start).
+                sock.close()
+                cmd = self.server_command(binary, gguf, self.port, [a.path for a in loras])
+                # If the gateway dies without stopping it, the kernel sends the server
+                # SIGTERM (Linux's parent-death signal, set by util-linux's setpriv
+                # before it execs the server), so no orphan keeps a model in memory.
+                setpriv = shutil.which("setpriv")
+                if setpriv is not None:
+                    cmd = [setpriv, "--pdeathsig", "TERM", "--", *cmd]
+                self.proc = await asyncio.create_subprocess_exec(
+                    *cmd,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.DEVNULL,
+                )
+                self.adapter_ids = {a.name: i for i, a in enumerate(loras)}
+            else:
+                sock.listen(128)
+                fd = sock.fileno()
+                self.proc = await asyncio.create_subprocess_exec(
+                    *self.worker_command(gguf, fd), pass_fds=(fd,), stderr=asyncio.subprocess.PIPE
+                )
         finally:
-            sock.close()  # the child holds its own copy
+            sock.close()  # the worker holds its own copy
         self.generation += 1
         assert self.proc.stderr is not None
         self._pump = asyncio.create_task(self._pump_stderr(self.proc.stderr))
         self.state = EngineState.LOADING
 
     async def _pump_stderr(self, stream: asyncio.StreamReader) -> None:
-        """Pass the worker's stderr through to ours, keeping the last lines."""
+        """Pass the engine's stderr through to ours, keeping the last lines. llama-server
+        runs at verbosity 4, the level at which it states its instruction sets; once it
+        is ready only its warnings and errors are passed on (its per-request info
+        lines are kept in the tail, which explains a crash)."""
         prefix = f"[engine {self.alias}] "
+        server = self.spec.runtime == "server"
         while True:
             try:
                 raw = await stream.readline()
@@ -299,7 +516,12 @@ class ManagedLlamaCpp:
             line = raw.decode("utf-8", "replace").rstrip()
             if not line:
                 continue
+            at = line.find("system_info:")
+            if at >= 0:  # llama-server's account of its instruction sets, at start
+                self.system_info = line[at + len("system_info:") :].strip()[:_LINE_CHARS]
             self.stderr_tail.append(line[:_LINE_CHARS])
+            if server and self.state is EngineState.READY and _info_line(line):
+                continue
             with contextlib.suppress(Exception):
                 sys.stderr.write(prefix + line + "\n")
                 sys.stderr.flush()
@@ -352,7 +574,22 @@ class ManagedLlamaCpp:
                     pass
                 if health is None:
                     await asyncio.sleep(0.2)
-            self.system_info = str(health.get("system_info") or "") or None
+            if health.get("system_info"):  # the worker says it here; the server on stderr
+                self.system_info = str(health["system_info"])
+            if self.adapter_ids:
+                # Adapters load at scale 1; a request that names none must get the base.
+                # Requests always list every adapter's scale; this is the second guard.
+                zero = [{"id": i, "scale": 0.0} for i in self.adapter_ids.values()]
+                try:
+                    async with session.post(
+                        self.base_url.removesuffix("/v1") + "/lora-adapters", json=zero
+                    ) as r:
+                        if r.status != 200:
+                            self.last_error = f"setting the adapters' scales answered {r.status}"
+                            return False
+                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    self.last_error = f"setting the adapters' scales failed ({type(exc).__name__})"
+                    return False
             remaining = max(1.0, deadline - time.perf_counter())
             try:
                 async with session.post(

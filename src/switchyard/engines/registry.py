@@ -12,8 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from switchyard.config import LlamaCppEngine, ModelConfig, OpenAIEngine, Settings
-from switchyard.engines.llamacpp import ManagedLlamaCpp
+from switchyard.config import AdapterConfig, LlamaCppEngine, ModelConfig, OpenAIEngine, Settings
+from switchyard.engines.llamacpp import AdapterFile, ManagedLlamaCpp
+from switchyard.engines.pool import EnginePool
 from switchyard.engines.upstream import OpenAIUpstream
 
 
@@ -23,6 +24,8 @@ class Deployment:
     upstream: OpenAIUpstream
     engine: ManagedLlamaCpp | None = None
     fixed_label: str | None = None  # an external upstream's label never changes
+    # A LoRA adapter served by the base model's engine: clients name it as the model.
+    adapter: AdapterConfig | None = None
     # (label, its response headers encoded), kept by the API layer (api/openai.py)
     encoded_headers: tuple[str, list[tuple[bytes, bytes]]] | None = None
     # Read several times per request; the model's config never changes.
@@ -31,18 +34,35 @@ class Deployment:
     # One deployment to try and no data boundary to check: the executor's short path.
     alone: bool = field(init=False)
     min_attempt_s: float = field(init=False)  # resilience.min_attempt_s
+    # For an engine that loads adapters: the request's `lora` list (its adapter at
+    # scale 1, or none for the base), set on every request; None for other engines.
+    lora: Callable[[], list[dict[str, Any]]] | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.alias = self.model.alias
         spec = self.model.engine
         model = spec.model if isinstance(spec, OpenAIEngine) else None
         self.upstream_model = model or self.model.alias
+        if self.adapter is not None:
+            self.upstream_model = self.adapter.base
+        self.lora = None
+        if self.engine is not None and self.engine.adapters:
+            self.lora = self._lora
         self.alone = not self.model.fallbacks and self.model.data_boundary is None
         self.min_attempt_s = self.model.resilience.min_attempt_s
 
     @property
     def ready(self) -> bool:
-        return self.engine.ready if self.engine is not None else True
+        if self.engine is None:
+            return True
+        if self.adapter is not None:
+            return self.engine.ready and self.adapter.name in self.engine.adapter_ids
+        return self.engine.ready
+
+    @property
+    def loadable(self) -> bool:
+        """Not loaded, and the pool loads it on the first request (lazy or evicted)."""
+        return self.engine is not None and self.engine.cold
 
     @property
     def failed(self) -> bool:
@@ -58,7 +78,37 @@ class Deployment:
             return f"llamacpp:{self.engine.base_url.removesuffix('/v1')}"
         return self.upstream.base_url
 
+    def _lora(self) -> list[dict[str, Any]]:
+        """Every loaded adapter with its scale: 1 for this deployment's, 0 for the rest.
+        Always the full list: llama-server applies an empty list as "every adapter at
+        its global scale", which is 1 for an adapter loaded at start."""
+        assert self.engine is not None
+        ident = self.adapter_id()
+        return [
+            {"id": i, "scale": 1.0 if i == ident else 0.0}
+            for i in sorted(self.engine.adapter_ids.values())
+        ]
+
+    def adapter_id(self) -> int | None:
+        """The adapter's id in the running engine (None: not loaded there)."""
+        if self.adapter is None or self.engine is None:
+            return None
+        return self.engine.adapter_ids.get(self.adapter.name)
+
     def describe(self) -> dict[str, Any]:
+        if self.adapter is not None and self.engine is not None:
+            base = self.engine.describe()
+            return {
+                "kind": "adapter",
+                "base": self.engine.alias,
+                "base_revision": self.adapter.base_revision,
+                "revision": self.adapter.revision,
+                "state": base["adapters"][self.adapter.name]["state"],
+                "engine_state": base["state"],
+                "ready": self.ready,
+                "error": base["adapters"][self.adapter.name]["error"],
+                "required": False,
+            }
         if self.engine is not None:
             out = self.engine.describe()
         else:
@@ -80,14 +130,26 @@ def _fixed_url(url: str) -> Callable[[], str]:
 class Registry:
     def __init__(self, settings: Settings) -> None:
         self.deployments: dict[str, Deployment] = {}
+        adapters: dict[str, list[AdapterConfig]] = {}
+        for a in settings.adapters:
+            adapters.setdefault(a.base, []).append(a)
+        served = {m.alias: m for m in settings.served_models()}
         for m in settings.models:
             spec = m.engine
             if isinstance(spec, LlamaCppEngine):
-                engine = ManagedLlamaCpp(m.alias, spec, settings.engines.max_crash_restarts)
+                mine = adapters.get(m.alias, [])
+                files = tuple(AdapterFile(a.name, a.path, a.sha256, a.revision) for a in mine)
+                engine = ManagedLlamaCpp(
+                    m.alias, spec, settings.engines.max_crash_restarts, adapters=files
+                )
                 upstream = OpenAIUpstream(
                     f"llamacpp:{m.alias}", _engine_url(engine), max_connections=64
                 )
                 self.deployments[m.alias] = Deployment(m, upstream, engine)
+                for a in mine:
+                    # The adapter is its own alias over the base's engine and client.
+                    am = served[a.name]
+                    self.deployments[a.name] = Deployment(am, upstream, engine, adapter=a)
             else:
                 url = spec.base_url
                 upstream = OpenAIUpstream(
@@ -95,17 +157,23 @@ class Registry:
                 )
                 self.deployments[m.alias] = Deployment(m, upstream, fixed_label=url)
 
+        self.pool = EnginePool({e.alias: e for e in self.managed()}, settings.engines)
+
     def get(self, alias: str) -> Deployment | None:
         return self.deployments.get(alias)
 
     def managed(self) -> list[ManagedLlamaCpp]:
-        return [d.engine for d in self.deployments.values() if d.engine is not None]
+        return [
+            d.engine
+            for d in self.deployments.values()
+            if d.engine is not None and d.adapter is None
+        ]
 
     def start(self) -> None:
-        for e in self.managed():
-            e.start()
+        self.pool.start()
 
     async def stop(self) -> None:
+        await self.pool.stop()
         await asyncio.gather(*(e.stop() for e in self.managed()), return_exceptions=True)
         await asyncio.gather(
             *(d.upstream.close() for d in self.deployments.values()), return_exceptions=True

@@ -54,7 +54,13 @@ def upstream_payload(ctx: RequestContext, dep: Deployment) -> bytes:
     When no stage replaced the body and nothing needs changing, the client's bytes go
     out as they came (no second serialization of a long agent prompt)."""
     wire = ctx.wire
-    if wire is not None and wire[0] is ctx.body and ctx.body.get("model") == dep.upstream_model:
+    lora = dep.lora
+    if (
+        wire is not None
+        and wire[0] is ctx.body
+        and lora is None
+        and ctx.body.get("model") == dep.upstream_model
+    ):
         if not ctx.stream or ctx.include_usage is True:
             return wire[1]
         if "stream_options" not in ctx.body:
@@ -64,6 +70,8 @@ def upstream_payload(ctx: RequestContext, dep: Deployment) -> bytes:
             return raw[:-1] + b',"stream_options":{"include_usage":true}}'
     body = dict(ctx.body)
     body["model"] = dep.upstream_model
+    if lora is not None:
+        body["lora"] = lora()
     if ctx.stream:
         opts = dict(body.get("stream_options") or {})
         opts["include_usage"] = True  # we account usage even when the client does not ask
@@ -87,9 +95,11 @@ class Executor:
                 settings.storage.redis_url, settings.storage.redis_timeout_s
             )
         self.breakers = {
-            m.alias: CircuitBreaker(m.alias, m.resilience.breaker) for m in settings.models
+            m.alias: CircuitBreaker(m.alias, m.resilience.breaker) for m in settings.served_models()
         }
-        self.budgets = {m.alias: RetryBudget(m.resilience.retry_budget) for m in settings.models}
+        self.budgets = {
+            m.alias: RetryBudget(m.resilience.retry_budget) for m in settings.served_models()
+        }
         self.rng = random.Random(seed)
         self.retries = 0
         self.fallbacks = 0

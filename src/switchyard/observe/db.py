@@ -91,6 +91,8 @@ MIGRATIONS = (
     ("usage", "image_bytes", "INTEGER"),
     ("usage", "image_pixels_in", "INTEGER"),
     ("usage", "image_pixels_out", "INTEGER"),
+    ("usage", "adapter", "TEXT"),
+    ("usage", "adapter_revision", "TEXT"),
 )
 # Partial: only requests that carry a client id pay for an index entry (a full index
 # cost the writer two more B-tree inserts for every request).

@@ -72,6 +72,8 @@ USAGE_COLUMNS = (
     "image_bytes",
     "image_pixels_in",
     "image_pixels_out",
+    "adapter",  # the LoRA adapter that served it, and its revision
+    "adapter_revision",
 )
 TRACE_COLUMNS = (
     "request_id",
@@ -178,6 +180,7 @@ def usage_row(e: LedgerEntry) -> tuple[Any, ...]:
         (first - received) * 1000 if first else None,
         (end - received) * 1000,
         *(e.images if e.images is not None else (None, None, None, None)),
+        *(e.adapter if e.adapter is not None else (None, None)),
     )
 
 

@@ -275,6 +275,37 @@ class Metrics:
             "Usage rows written with an unserialisable field replaced (logged)",
             registry=reg,
         )
+        # The residency pool (engines/pool.py).
+        self.engine_loads = Counter(
+            "switchyard_engine_loads", "Local model loads by the pool", ["model"], registry=reg
+        )
+        self.engine_evictions = Counter(
+            "switchyard_engine_evictions",
+            "Local models unloaded to make room (LRU) or after their idle TTL",
+            ["model", "reason"],
+            registry=reg,
+        )
+        self.engine_cold_start = Histogram(
+            "switchyard_engine_cold_start_seconds",
+            "Time from starting a local model to its first real answer",
+            ["model"],
+            buckets=(0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120),
+            registry=reg,
+        )
+        self.engine_resident = Gauge(
+            "switchyard_engine_resident",
+            "1 while the local model is loaded",
+            ["model"],
+            registry=reg,
+            multiprocess_mode="max",
+        )
+        self.engine_memory = Gauge(
+            "switchyard_engine_memory_bytes",
+            "Resident memory of the local model's engine process (measured)",
+            ["model"],
+            registry=reg,
+            multiprocess_mode="max",
+        )
         self._ledger_seen = (0, 0)
         self.ledger_queued = Gauge(
             "switchyard_ledger_queued_bytes",
@@ -298,12 +329,29 @@ class Metrics:
         self._fallbacks = _Children(self.fallbacks)
         self._rejections = _Children(self.rejections)
         self.fold_s = 0.02
+
         self.known_models: frozenset[str] = frozenset()  # configured aliases
         self._first_attempt: dict[tuple[str, str, str, str | None], Shape] = {}
         self._common: dict[tuple[str, str, str | None, str | None], _Common] = {}
         self._pending: list[tuple[RequestContext, str, int, int, float]] = []
         self._fold_loop: asyncio.AbstractEventLoop | None = None
         self._fold_due = False  # something is waiting for the scheduled fold
+
+    def engine_event(self, event: str, model: str, seconds: float | None) -> None:
+        """The pool's load / evict / unload events (EnginePool.on_event)."""
+        if event == "load":
+            self.engine_loads.labels(model).inc()
+            if seconds is not None:
+                self.engine_cold_start.labels(model).observe(seconds)
+            self.engine_resident.labels(model).set(1)
+        elif event in ("evict", "unload"):
+            reason = "lru" if event == "evict" else "idle"
+            self.engine_evictions.labels(model, reason).inc()
+            self.engine_resident.labels(model).set(0)
+
+    def engine_memory_mb(self, model: str, mb: float | None) -> None:
+        if mb is not None:
+            self.engine_memory.labels(model).set(mb * 1024 * 1024)
 
     def observe(self, ctx: RequestContext, status: str, inp: int, out: int, cost: float) -> None:
         """Record one finished request. Under an event loop it is folded into the

@@ -64,6 +64,8 @@ class LedgerEntry(msgspec.Struct, array_like=True, gc=False):
     # The request's images (the media stage): count, bytes received, pixels before
     # and after processing; None without images.
     images: tuple[int, int, int, int] | None = None
+    # The LoRA adapter that served it and the adapter's revision; None for a base model.
+    adapter: tuple[str, str] | None = None
 
 
 ENTRY_FIELDS = LedgerEntry.__struct_fields__
@@ -174,6 +176,9 @@ def ledger_entry(
         decisions,
         refs,
         ctx.media_shape,
+        (dep.adapter.name, dep.adapter.revision)
+        if dep is not None and dep.adapter is not None
+        else None,
     )
 
 
@@ -197,6 +202,7 @@ def trace_from_entry(e: LedgerEntry) -> dict[str, Any]:
         "model": e.model,
         "requested_model": e.requested_model,
         "revision": e.revision,
+        "adapter": None if e.adapter is None else {"name": e.adapter[0], "revision": e.adapter[1]},
         "upstream": e.upstream,
         "status": e.status,
         "error_code": e.error_code,

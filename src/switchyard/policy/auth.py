@@ -21,6 +21,7 @@ ANONYMOUS = Principal(
     tenant_models=("*",),
     key_limits=Limits(),
     tenant_limits=Limits(),
+    key_adapters=("*",),  # auth disabled: adapters open to every tenant ("*") serve
 )
 
 

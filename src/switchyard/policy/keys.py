@@ -72,9 +72,20 @@ class Principal:
     labels: dict[str, Any] = field(default_factory=dict)
     # Regions (data boundary) this tenant's requests may go to; None = anywhere.
     regions: tuple[str, ...] | None = None
+    # The key's allowed_adapters (patterns): none unless the key names them.
+    key_adapters: tuple[str, ...] = ()
 
     def may_use(self, alias: str) -> bool:
         return model_allowed(self.key_models, alias) and model_allowed(self.tenant_models, alias)
+
+    def adapter_refusal(self, name: str, allowed_tenants: list[str]) -> str | None:
+        """Why this caller may not use the adapter `name`, or None: the adapter must
+        list its tenant (or "*") and the key's allowed_adapters must match it."""
+        if self.tenant_id not in allowed_tenants and "*" not in allowed_tenants:
+            return f"the adapter '{name}' is not available to this tenant"
+        if not model_allowed(self.key_adapters, name):
+            return f"this API key may not use the adapter '{name}' (its allowed_adapters)"
+        return None
 
 
 def _limits(row: sqlite3.Row, defaults: Limits | None = None) -> Limits:
@@ -289,6 +300,7 @@ class KeyStore:
             key_id=row["id"],
             key_models=tuple(json.loads(row["allowed_models"])),
             tenant_models=tuple(json.loads(row["t_models"])),
+            key_adapters=tuple(json.loads(row["allowed_adapters"])),
             key_limits=_limits(row),
             tenant_limits=tenant_limits,
             labels=json.loads(row["labels"]),

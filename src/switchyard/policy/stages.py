@@ -13,8 +13,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from switchyard.config import ModelConfig, Price, Settings
-from switchyard.errors import EngineNotReady, InvalidRequest, SwitchyardError
+from switchyard.config import AdapterConfig, ModelConfig, Price, Settings
+from switchyard.errors import AdapterNotAllowed, EngineNotReady, InvalidRequest, SwitchyardError
 from switchyard.pipeline import PiiState, RequestContext, Stage, Verdict, View
 from switchyard.policy.admission import Admission, DeploymentGate
 from switchyard.policy.admit import (
@@ -59,10 +59,17 @@ class Authorize(Stage):
     name = "authorize"
     UNKNOWN = Verdict("skip", "unknown model; selection will refuse it")
 
-    def __init__(self, named: Mapping[str, dict[str, Any]]) -> None:
-        self._named = named
+    def __init__(
+        self,
+        named: Mapping[str, dict[str, Any]],
+        adapters: Mapping[str, AdapterConfig] | None = None,
+    ) -> None:
+        self._named = dict(named)
+        self._adapters = dict(adapters or {})
+        for name, a in self._adapters.items():
+            self._named[name] = {"model": name, "adapter": name, "base": a.base}
         self._allowed = {
-            a: Verdict("allowed", "the key may use this model", e) for a, e in named.items()
+            a: Verdict("allowed", "the key may use this model", e) for a, e in self._named.items()
         }
 
     def static(self, view: View) -> Verdict | None:
@@ -70,12 +77,24 @@ class Authorize(Stage):
         if allowed is None:
             # Unknown models are 404 for everyone; no need to reveal key scopes.
             return self.UNKNOWN
-        return allowed if view.principal.may_use(view.alias) else None
+        if not view.principal.may_use(view.alias):
+            return None
+        adapter = self._adapters.get(view.alias or "")
+        if adapter is not None and view.principal.adapter_refusal(
+            adapter.name, adapter.allowed_tenants
+        ):
+            return None
+        return allowed
 
     def work(self, ctx: RequestContext) -> None:
         assert ctx.alias is not None
         t = time.perf_counter()
         authorize_model(ctx.principal, ctx.alias)  # raises: static let this through
+        adapter = self._adapters.get(ctx.alias)
+        if adapter is not None:
+            why = ctx.principal.adapter_refusal(adapter.name, adapter.allowed_tenants)
+            if why is not None:
+                raise AdapterNotAllowed(why, param="model")
         ctx.record(self.name, "allowed", "the key may use this model", t, self._named[ctx.alias])
 
 

@@ -182,7 +182,16 @@ def _metadata(body: dict[str, Any], meta: Any) -> None:
             )
 
 
+def _lora(body: dict[str, Any], v: Any) -> None:
+    # llama-server applies the adapters a request lists by id: a client listing them
+    # would bypass adapter authorization. The gateway sets it from the model name.
+    raise InvalidRequest(
+        "'lora' is set by the gateway: name the adapter as the model instead", param="lora"
+    )
+
+
 _OTHER: dict[str, Any] = {
+    "lora": _lora,
     "stop": _stop,
     "stream_options": _stream_options,
     "logit_bias": _logit_bias,

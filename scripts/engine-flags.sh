@@ -1,0 +1,22 @@
+# shellcheck shell=bash
+# The instruction-set baseline of every engine Switchyard compiles (sourced by
+# scripts/build-engine.sh and scripts/build-llama-server.sh): sets ENGINE_FLAGS.
+#
+# x86-64-v3 (AVX, AVX2, FMA, F16C, BMI2): every x86 server CPU of the last decade has
+# it. AVX-512 and AMX are off: AMX's repacked buffers crash llama.cpp on prompts longer
+# than one token on some Xeons (issue #16), and an AVX-512 build would not run on a CPU
+# without it. Override with SWITCHYARD_ENGINE_CMAKE_ARGS.
+case "$(uname -m)" in
+  x86_64)
+    _default="-DGGML_NATIVE=OFF -DGGML_CPU_ALL_VARIANTS=OFF -DGGML_BACKEND_DL=OFF \
+-DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+-DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF \
+-DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    ;;
+  *)
+    # Other architectures: the compiler's generic baseline for the target.
+    _default="-DGGML_NATIVE=OFF -DGGML_CPU_ALL_VARIANTS=OFF -DGGML_BACKEND_DL=OFF"
+    ;;
+esac
+ENGINE_FLAGS=$(echo "${SWITCHYARD_ENGINE_CMAKE_ARGS:-$_default}" | tr -s ' ')
+unset _default

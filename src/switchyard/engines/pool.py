@@ -1,0 +1,347 @@
+"""The residency pool: which local models are loaded, under a memory budget and a cap.
+
+Engines load at start unless they are `lazy`; a lazy (or evicted, or idle-unloaded)
+engine is cold and loads on its first request. Loading makes room first: the least
+recently used loaded engine that is not pinned, not serving a request and loaded for at
+least `min_residency_s` is evicted, until the new one fits both `max_loaded` and
+`memory_budget_mb`. Requests for a loading model wait for that one load (bounded by
+`load_queue` and by their deadline). An engine unused for its idle TTL is unloaded.
+
+Each request's residency decision says `hot`, or `cold-load` with the load's time and
+what was evicted and why; refusals are 503 `model_loading` with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from switchyard.config import EnginesConfig
+from switchyard.engines.assets import smollm2_gguf_path
+from switchyard.engines.llamacpp import EngineState, ManagedLlamaCpp
+from switchyard.errors import EngineFailed, EngineNotReady, ModelLoading
+
+log = logging.getLogger("switchyard.engine")
+
+# A model's memory before its first load: its file, its KV cache (bytes per token
+# from the GGUF's shape, or this when the file does not say) and the server's own.
+_KV_BYTES_PER_TOKEN = 48 * 1024
+_OVERHEAD_MB = 64.0
+# The cold start a model never loaded before is expected to take.
+_FIRST_LOAD_S = 10.0
+
+
+def estimate_mb(engine: ManagedLlamaCpp) -> float:
+    """The engine's memory: measured once it ran, else estimated from its file."""
+    if engine.memory_mb is not None:
+        return engine.memory_mb
+    spec = engine.spec
+    try:
+        path = smollm2_gguf_path() if spec.gguf == "auto" else spec.gguf
+        file_mb = os.path.getsize(path) / (1 << 20)
+    except Exception:
+        return _OVERHEAD_MB
+    tokens = spec.ctx * (spec.parallel if spec.runtime == "server" else 1)
+    kv = kv_bytes_per_token(path) or _KV_BYTES_PER_TOKEN
+    return file_mb + tokens * kv / (1 << 20) + _OVERHEAD_MB
+
+
+def kv_bytes_per_token(path: str) -> int | None:
+    """K and V in f16 for every layer, from the GGUF's metadata (None if unreadable)."""
+    try:
+        from gguf import GGUFReader  # the llama.cpp project's reader
+
+        reader = GGUFReader(path)
+        arch = _field(reader, "general.architecture")
+        layers = _field(reader, f"{arch}.block_count")
+        heads = _field(reader, f"{arch}.attention.head_count")
+        kv_heads = _field(reader, f"{arch}.attention.head_count_kv") or heads
+        width = _field(reader, f"{arch}.embedding_length")
+        return int(2 * layers * kv_heads * (width // heads) * 2)
+    except Exception:
+        return None
+
+
+def _field(reader: Any, key: str) -> Any:
+    f = reader.fields[key]
+    value = f.parts[f.data[0]]
+    if f.types and f.types[0].name == "STRING":
+        return bytes(value).decode()
+    return int(value[0])
+
+
+@dataclass(slots=True)
+class Residency:
+    """One request's residency decision."""
+
+    outcome: str  # "hot" | "cold-load"
+    reason: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+class EnginePool:
+    def __init__(
+        self,
+        engines: dict[str, ManagedLlamaCpp],
+        cfg: EnginesConfig,
+        on_event: Callable[[str, str, float | None], None] | None = None,
+        on_memory: Callable[[str, float | None], None] | None = None,
+    ) -> None:
+        self.engines = engines
+        self.cfg = cfg
+        self.on_event = on_event  # (event, alias, seconds): "load", "evict", "unload"
+        self.on_memory = on_memory  # (alias, MiB) as measured
+        self._lock = asyncio.Lock()  # one load (and its evictions) decided at a time
+        self._waiting: dict[str, int] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        self._reports: set[asyncio.Task[None]] = set()
+        self.evictions = 0
+
+    # -- state ------------------------------------------------------------------
+    def loaded(self) -> list[ManagedLlamaCpp]:
+        return [e for e in self.engines.values() if not e.cold and not e.failed]
+
+    def used_mb(self, without: ManagedLlamaCpp | None = None) -> float:
+        return sum(estimate_mb(e) for e in self.loaded() if e is not without)
+
+    def ttl(self, e: ManagedLlamaCpp) -> float:
+        return self.cfg.idle_ttl_s if e.spec.idle_ttl_s is None else e.spec.idle_ttl_s
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "memory_budget_mb": self.cfg.memory_budget_mb,
+            "max_loaded": self.cfg.max_loaded,
+            "idle_ttl_s": self.cfg.idle_ttl_s,
+            "min_residency_s": self.cfg.min_residency_s,
+            "loaded": sorted(e.alias for e in self.loaded()),
+            "memory_used_mb": round(self.used_mb(), 1),
+            "evictions": self.evictions,
+            "models": {
+                a: {
+                    "state": e.state.value,
+                    "memory_mb": round(estimate_mb(e), 1),
+                    "measured": e.memory_mb is not None,
+                    "idle_s": None if e.cold else round(time.monotonic() - e.last_used, 1),
+                    "pinned": e.spec.pinned,
+                    "loads": e.loads,
+                }
+                for a, e in sorted(self.engines.items())
+            },
+        }
+
+    # -- lifecycle --------------------------------------------------------------
+    def start(self) -> None:
+        """Load what is not lazy (pinned first), as far as the budget allows."""
+        order = sorted(self.engines.values(), key=lambda e: (not e.spec.pinned, e.alias))
+        budget, cap = self.cfg.memory_budget_mb, self.cfg.max_loaded
+        used, n = 0.0, 0
+        for e in order:
+            if e.spec.lazy and not e.spec.pinned:
+                continue
+            cost = estimate_mb(e)
+            if (cap is not None and n + 1 > cap) or (
+                budget is not None and used + cost > budget and n > 0
+            ):
+                log.warning("engine %s stays cold at start: the pool is full", e.alias)
+                continue
+            used, n = used + cost, n + 1
+            e.start()
+            self._reports.add(asyncio.create_task(self._report_load(e)))
+        if self._reaper is None:
+            self._reaper = asyncio.create_task(self._reap(), name="engine-pool-reaper")
+
+    async def _report_load(self, e: ManagedLlamaCpp) -> None:
+        """A load at start is a load too (metrics), once it has an outcome."""
+        while not (e.ready or e.failed or e.cold):
+            await e.wait_ready(1.0)
+        if e.ready and self.on_event is not None:
+            self.on_event("load", e.alias, e.cold_start_s)
+
+    async def stop(self) -> None:
+        for t in self._reports:
+            t.cancel()
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+            self._reaper = None
+
+    async def _reap(self) -> None:
+        """Unload engines idle past their TTL (never a pinned or busy one); measure the
+        memory of the loaded ones."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for e in list(self.engines.values()):
+                ttl = self.ttl(e)
+                if (
+                    ttl > 0
+                    and e.ready
+                    and not e.spec.pinned
+                    and e.in_flight == 0
+                    and now - e.last_used >= ttl
+                ):
+                    log.info("engine %s idle %.0fs: unloading", e.alias, now - e.last_used)
+                    await e.unload()
+                    if self.on_event is not None:
+                        self.on_event("unload", e.alias, None)
+            for e in self.loaded():
+                if e.ready:
+                    mb = e.measure()
+                    if self.on_memory is not None:
+                        self.on_memory(e.alias, mb)
+
+    # -- a request's residency ---------------------------------------------------
+    def hold(self, e: ManagedLlamaCpp) -> None:
+        e.in_flight += 1
+        e.last_used = time.monotonic()
+
+    @staticmethod
+    def release(e: ManagedLlamaCpp) -> None:
+        e.in_flight -= 1
+        e.last_used = time.monotonic()
+
+    def expected_load_s(self, e: ManagedLlamaCpp) -> float:
+        return e.cold_start_s if e.cold_start_s is not None else _FIRST_LOAD_S
+
+    def hot(self, e: ManagedLlamaCpp) -> Residency | None:
+        """The engine is loaded: hold it for this request (release() at settle)."""
+        if not e.ready:
+            return None
+        self.hold(e)
+        return Residency("hot", "the model is loaded", {"memory_mb": _r(estimate_mb(e))})
+
+    async def acquire(self, e: ManagedLlamaCpp, remaining_s: float) -> Residency:
+        """Make `e` serve this request: at once when loaded, else after one load (made
+        room for first). Holds the engine (release() at settle)."""
+        now = self.hot(e)
+        if now is not None:
+            return now
+        if e.failed:
+            raise EngineFailed(
+                f"the model '{e.alias}' failed to start and is not served: {e.reason}"
+            )
+        if e.state is EngineState.RESTARTING:
+            # It crashed and waits out its backoff: refuse now rather than hold
+            # requests on an engine that may crash again.
+            raise EngineNotReady(
+                f"the model '{e.alias}' is not ready yet (engine state: restarting); retry shortly"
+            )
+        expected = self.expected_load_s(e)
+        if remaining_s < expected:
+            raise ModelLoading(
+                f"the model '{e.alias}' is not loaded and its load (~{expected:.1f}s) "
+                f"would not fit this request's deadline ({remaining_s:.1f}s left)",
+                retry_after=max(1, round(expected)),
+            )
+        waiting = self._waiting.get(e.alias, 0)
+        if waiting >= self.cfg.load_queue:
+            raise ModelLoading(
+                f"the model '{e.alias}' is loading and {waiting} requests already wait "
+                f"for it (engines.load_queue)",
+                retry_after=max(1, round(expected)),
+            )
+        self._waiting[e.alias] = waiting + 1
+        t0 = time.perf_counter()
+        evicted: list[dict[str, Any]] = []
+        started_here = False
+        try:
+            async with self._lock:
+                if e.cold and not e.failed:
+                    evicted = await self._make_room(e)
+                    e.start()
+                    started_here = True
+            ok = await _wait_ready(e, remaining_s - (time.perf_counter() - t0))
+        finally:
+            self._waiting[e.alias] -= 1
+        load_s = time.perf_counter() - t0
+        if not ok:
+            if e.failed:
+                raise EngineFailed(
+                    f"the model '{e.alias}' failed to load and is not served: {e.reason}"
+                )
+            raise ModelLoading(
+                f"the model '{e.alias}' is still loading; retry shortly",
+                retry_after=max(1, round(expected)),
+            )
+        if started_here and self.on_event is not None:
+            self.on_event("load", e.alias, e.cold_start_s)
+        self.hold(e)
+        evidence: dict[str, Any] = {
+            "load_ms": round(load_s * 1000.0, 1),
+            "joined_load": not started_here,
+            "evicted": evicted,
+            "memory_mb": _r(estimate_mb(e)),
+            "memory_used_mb": _r(self.used_mb()),
+            "memory_budget_mb": self.cfg.memory_budget_mb,
+        }
+        why = "loaded on demand" if started_here else "waited for its load in progress"
+        if evicted:
+            why += f", evicting {', '.join(v['alias'] for v in evicted)}"
+        return Residency("cold-load", why, evidence)
+
+    async def _make_room(self, e: ManagedLlamaCpp) -> list[dict[str, Any]]:
+        budget, cap = self.cfg.memory_budget_mb, self.cfg.max_loaded
+        need = estimate_mb(e)
+        evicted: list[dict[str, Any]] = []
+        now = time.monotonic()
+        while True:
+            loaded = [x for x in self.loaded() if x is not e]
+            over_cap = cap is not None and len(loaded) + 1 > cap
+            over_mem = budget is not None and self.used_mb(without=e) + need > budget
+            if not (over_cap or over_mem):
+                return evicted
+            candidates = [
+                x
+                for x in loaded
+                if not x.spec.pinned
+                and x.in_flight == 0
+                and x.ready
+                and x.loaded_at is not None
+                and now - x.loaded_at >= self.cfg.min_residency_s
+            ]
+            if not candidates:
+                why = "max_loaded" if over_cap else "memory_budget_mb"
+                raise ModelLoading(
+                    f"no room to load '{e.alias}' ({why}): every loaded model is pinned, "
+                    f"busy or loaded less than engines.min_residency_s "
+                    f"({self.cfg.min_residency_s:g}s) ago",
+                    retry_after=max(1, round(self.cfg.min_residency_s)),
+                )
+            victim = min(candidates, key=lambda x: x.last_used)
+            entry = {
+                "alias": victim.alias,
+                "reason": "least recently used" + (" (max_loaded)" if over_cap else " (memory)"),
+                "idle_s": _r(now - victim.last_used),
+                "memory_mb": _r(estimate_mb(victim)),
+            }
+            log.info("engine %s evicted to load %s: %s", victim.alias, e.alias, entry["reason"])
+            await victim.unload()
+            self.evictions += 1
+            evicted.append(entry)
+            if self.on_event is not None:
+                self.on_event("evict", victim.alias, None)
+
+
+async def _wait_ready(e: ManagedLlamaCpp, timeout_s: float) -> bool:
+    """Wait until `e` is ready (True), failed or out of time (False)."""
+    deadline = time.perf_counter() + max(0.0, timeout_s)
+    while True:
+        if e.ready:
+            return True
+        if e.failed or e.cold:
+            return False
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return False
+        await e.wait_ready(min(0.25, left))
+
+
+def _r(x: float) -> float:
+    return round(x, 1)
