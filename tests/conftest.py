@@ -152,6 +152,7 @@ def start_gateway(
     wait_ready: bool = True,
     env: dict[str, str] | None = None,
     db: str | None = None,
+    ready_timeout_s: float | None = None,
 ) -> Gateway:
     port = free_port()
     args = [sys.executable, "-m", "switchyard", "serve", "--port", str(port)]
@@ -171,7 +172,7 @@ def start_gateway(
     try:
         wait_http(gw.url + "/healthz", proc)
         if wait_ready:
-            wait_http(gw.url + "/readyz", proc)
+            wait_http(gw.url + "/readyz", proc, ready_timeout_s or STARTUP_TIMEOUT_S)
         if (config or {}).get("auth", {}).get("mode") != "disabled":
             tenant = "t-" + os.urandom(3).hex()
             gw.create_tenant(tenant)

@@ -46,7 +46,7 @@ def _adapter(**kw: Any) -> dict[str, Any]:
     ("data", "needle"),
     [
         ({"models": []}, "models: List should have at least 1 item"),
-        ({"models": [_model(engine={"kind": "vllm"})]}, "models[0].engine"),
+        ({"models": [_model(engine={"kind": "tgi"})]}, "models[0].engine"),
         (
             {"models": [_model(engine={"kind": "openai"})]},
             "models[0].engine.base_url: Field required",
@@ -85,7 +85,7 @@ def _adapter(**kw: Any) -> dict[str, Any]:
         ),
         (
             {"models": [_model(), _LOCAL], "adapters": [_adapter(base="m")]},
-            "'m' is not a llamacpp model on the server runtime",
+            "'m' is not a llamacpp model on the server runtime or a vllm model",
         ),
         (
             {"models": [_LOCAL], "adapters": [_adapter(name="local")]},

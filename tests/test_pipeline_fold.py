@@ -42,6 +42,9 @@ class _EngineState:
     ready: bool
     base_url: str
     failed: bool = False
+    cold: bool = False
+    kind: str = "llamacpp"
+    adapters: tuple[Any, ...] = ()
 
 
 limits = st.builds(

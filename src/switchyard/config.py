@@ -212,7 +212,25 @@ class ModelLimits(_Strict):
     tpm: int | None = Field(None, ge=1)
 
 
-class LlamaCppEngine(_Strict):
+class ManagedEngine(_Strict):
+    """What every engine Switchyard starts, watches and restarts has: its supervision
+    (start-up time, restart backoff, the readiness warm-up) and its residency."""
+
+    startup_timeout_s: float = Field(180.0, gt=0)
+    restart_backoff_s: float = Field(0.5, gt=0)
+    restart_backoff_max_s: float = Field(30.0, gt=0)
+    # Readiness: a chat prompt of realistic length (~60 tokens) must generate this many
+    # tokens through the same API requests use.
+    warmup_tokens: int = Field(8, ge=2, le=64)
+    # Residency (engines.*): a lazy model loads on its first request instead of at
+    # start; a pinned one loads at start and is never evicted.
+    lazy: bool = False
+    pinned: bool = False
+    idle_ttl_s: float | None = Field(None, ge=0)  # None = engines.idle_ttl_s
+    max_adapters: int = Field(4, ge=0, le=32)  # adapters loaded in this engine at once
+
+
+class LlamaCppEngine(ManagedEngine):
     """A llama.cpp server process that Switchyard starts, watches and restarts."""
 
     kind: Literal["llamacpp"]
@@ -227,22 +245,31 @@ class LlamaCppEngine(_Strict):
     threads: int = Field(2, ge=1)
     ctx: int = Field(4096, ge=128)  # context per slot
     chat_format: str | None = None
-    startup_timeout_s: float = Field(180.0, gt=0)
-    restart_backoff_s: float = Field(0.5, gt=0)
-    restart_backoff_max_s: float = Field(30.0, gt=0)
     # llama.cpp's extra CPU buffer types (AMX tiles, repacked weights). Off by default:
     # the AMX path crashes llama.cpp on some Xeons (issue #16); the portable build has
     # no AMX, so on it this only toggles weight repacking. On = llama.cpp's default.
     extra_buffer_types: bool = False
-    # Readiness: a chat prompt of realistic length (~60 tokens) must generate this many
-    # tokens through the same API requests use.
-    warmup_tokens: int = Field(8, ge=2, le=64)
-    # Residency (engines.*): a lazy model loads on its first request instead of at
-    # start; a pinned one loads at start and is never evicted.
-    lazy: bool = False
-    pinned: bool = False
-    idle_ttl_s: float | None = Field(None, ge=0)  # None = engines.idle_ttl_s
-    max_adapters: int = Field(4, ge=0, le=32)  # adapters loaded in this engine at once
+
+
+class VllmEngine(ManagedEngine):
+    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) as a managed
+    process, from its own virtual environment (make vllm builds .venv-vllm)."""
+
+    kind: Literal["vllm"]
+    # A Hugging Face model folder; "auto" = SmolLM2-135M de-quantized from the shipped
+    # GGUF (switchyard.engines.hf_base, cached).
+    model: str = "auto"
+    python: str = "auto"  # "auto" = .venv-vllm/bin/python beside the gateway's venv
+    dtype: str = "float32"  # CPU: float32 answers correctly; bf16 looked wrong here
+    enforce_eager: bool = True  # no graph capture: starts in ~60 s on CPU
+    max_model_len: int = Field(2048, ge=128)
+    max_num_seqs: int = Field(8, ge=1)
+    # The KV cache's size. Without it vLLM's CPU backend reserves a share of the whole
+    # machine's memory (gpu_memory_utilization, 0.92) and refuses to start when less
+    # than that is free.
+    kv_cache_mb: int = Field(1024, ge=16)
+    startup_timeout_s: float = Field(420.0, gt=0)
+    extra_args: list[str] = []  # appended to the server's command line
 
 
 class OpenAIEngine(_Strict):
@@ -275,7 +302,7 @@ class OpenAIEngine(_Strict):
         return os.environ.get(self.api_key_env) if self.api_key_env else None
 
 
-Engine = Annotated[LlamaCppEngine | OpenAIEngine, Field(discriminator="kind")]
+Engine = Annotated[LlamaCppEngine | VllmEngine | OpenAIEngine, Field(discriminator="kind")]
 
 
 class Capabilities(_Strict):
@@ -406,7 +433,9 @@ class AdapterConfig(_Strict):
     name: str = Field(pattern=ALIAS_PATTERN)
     base: str  # the alias of the llamacpp model it was trained on
     base_revision: str  # that model's revision; must equal models[base].revision
-    path: str  # a GGUF LoRA file on local disk (never fetched)
+    # On local disk, never fetched: a GGUF LoRA file for llama.cpp; a PEFT adapter
+    # folder for vLLM (its sha256 is that of adapter_model.safetensors in it).
+    path: str
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")  # checked before every load
     revision: str = "unversioned"
     # Tenants that may use it (and the key's allowed_adapters must allow it too).
@@ -554,10 +583,13 @@ class Settings(_Strict):
             if base is None:
                 raise ValueError(f"{where}.base: unknown alias {a.base!r}")
             spec = base.engine
-            if not isinstance(spec, LlamaCppEngine) or spec.runtime != "server":
+            if not (
+                isinstance(spec, VllmEngine)
+                or (isinstance(spec, LlamaCppEngine) and spec.runtime == "server")
+            ):
                 raise ValueError(
-                    f"{where}.base: {a.base!r} is not a llamacpp model on the server runtime; "
-                    "only those load adapters"
+                    f"{where}.base: {a.base!r} is not a llamacpp model on the server runtime "
+                    "or a vllm model; only those load adapters"
                 )
             if a.base_revision != base.revision:
                 raise ValueError(

@@ -328,7 +328,7 @@ class Gateway:
         """Models that cannot serve, with the reason in plain words."""
         out: dict[str, str] = {}
         for alias, d in self.registry.deployments.items():
-            if d.failed and d.engine is not None:
+            if d.failed and d.engine is not None and d.adapter is None:
                 out[alias] = d.engine.reason or d.engine.last_error or "unknown"
         if self.embedder is not None and self.embedder.state == "failed":
             out[self.settings.embeddings.alias] = self.embedder.last_error or "unknown"

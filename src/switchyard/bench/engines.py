@@ -100,8 +100,16 @@ async def _engine_state(base: str, alias: str) -> str:
         return str((await r.json())["models"][alias]["state"])
 
 
-def _config(port: int, db: Path, slots: int, manifest: dict[str, Any]) -> dict[str, Any]:
+def _engine(kind: str, slots: int, **residency: Any) -> dict[str, Any]:
+    if kind == "vllm":
+        return {"kind": "vllm", "max_num_seqs": slots, "max_model_len": 1024, **residency}
+    return {"kind": "llamacpp", "parallel": slots, "ctx": 512, **residency}
+
+
+def _config(port: int, db: Path, slots: int, manifest: dict[str, Any], kind: str) -> dict[str, Any]:
     ad = manifest["adapters"]
+    # llama.cpp takes the GGUF adapters, vLLM the same adapters as PEFT folders.
+    path, digest = ("peft_path", "peft_sha256") if kind == "vllm" else ("path", "sha256")
     return {
         "server": {"port": port},
         "storage": {"sqlite_path": str(db)},
@@ -109,21 +117,11 @@ def _config(port: int, db: Path, slots: int, manifest: dict[str, Any]) -> dict[s
         "embeddings": {"enabled": False},
         "engines": {"min_residency_s": 0},
         "models": [
-            {
-                "alias": "bench-smol",
-                "revision": "r1",
-                "engine": {"kind": "llamacpp", "parallel": slots, "ctx": 512, "pinned": True},
-            },
+            {"alias": "bench-smol", "revision": "r1", "engine": _engine(kind, slots, pinned=True)},
             {
                 "alias": "bench-cold",
                 "revision": "r1",
-                "engine": {
-                    "kind": "llamacpp",
-                    "parallel": 1,
-                    "ctx": 512,
-                    "lazy": True,
-                    "idle_ttl_s": 1,
-                },
+                "engine": _engine(kind, 1, lazy=True, idle_ttl_s=1),
             },
         ],
         "adapters": [
@@ -131,8 +129,8 @@ def _config(port: int, db: Path, slots: int, manifest: dict[str, Any]) -> dict[s
                 "name": f"bench-{name}",
                 "base": "bench-smol",
                 "base_revision": "r1",
-                "path": ad[name]["path"],
-                "sha256": ad[name]["sha256"],
+                "path": ad[name][path],
+                "sha256": ad[name][digest],
                 "allowed_tenants": ["*"],
             }
             for name in ("pirate", "robot")
@@ -188,9 +186,9 @@ async def _measure(args: argparse.Namespace, base: str, direct: str) -> dict[str
             per = max(1, args.requests // 4)
             mixed[name].append(await _throughput(gw_url, mixes[name], 4, per, args.tokens))
         print(f"  adapter round {rnd + 1}/{args.rounds} done", flush=True)
-    for _ in range(args.rounds):
+    for _ in range(args.cold_samples or (1 if args.kind == "vllm" else args.rounds)):
         # Cold: wait until the idle TTL unloaded the lazy model, then ask it.
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while await _engine_state(base, "bench-cold") != "cold":
             if time.monotonic() > deadline:
                 raise RuntimeError("bench-cold was not unloaded by its idle TTL")
@@ -225,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="switchyard-bench-engines-"))
     port = free_port()
     cfg = work / "config.yaml"
-    cfg.write_text(yaml.safe_dump(_config(port, work / "sy.db", args.slots, manifest)))
+    cfg.write_text(yaml.safe_dump(_config(port, work / "sy.db", args.slots, manifest, args.kind)))
     gw = start_gateway("gateway", cfg, port, work)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -238,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
             except Exception:
                 return False
 
-        wait_ready(gw, ready, 300)
+        wait_ready(gw, ready, 900)
         import httpx
 
         upstream = httpx.get(base + "/readyz").json()["models"]["bench-smol"]["upstream"]
@@ -254,16 +252,18 @@ def run(args: argparse.Namespace) -> int:
             "tokens_per_request": args.tokens,
             "requests_per_point": args.requests,
             "concurrency": args.concurrency,
+            "engine_kind": args.kind,
             "slots": args.slots,
             "rounds": args.rounds,
             "gateway": "auth disabled, traces on (default policy), one pinned base model",
             "adapters": {k: v["sha256"][:16] for k, v in manifest["adapters"].items()},
         },
         "machine": machine_info("wrk"),
-        "llama_server": _build_info(),
+        "llama_server": _build_info() if args.kind == "llamacpp" else None,
         **result,
     }
-    path = Path(args.out or f"bench-results/engines-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(args.out or f"bench-results/engines-{args.kind}-{stamp}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     _print(out)
@@ -294,6 +294,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=64, help="generated per request")
     p.add_argument("--requests", type=int, default=16, help="requests per measured point")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
-    p.add_argument("--slots", type=int, default=4, help="llama-server parallel slots")
+    p.add_argument("--slots", type=int, default=4, help="slots (llama.cpp) or max_num_seqs (vLLM)")
+    p.add_argument("--kind", choices=["llamacpp", "vllm"], default="llamacpp")
+    p.add_argument("--cold-samples", type=int, default=None, help="default: rounds (vLLM: 1)")
     p.add_argument("--out", default=None)
     p.set_defaults(func=run)

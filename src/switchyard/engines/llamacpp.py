@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from switchyard.config import LlamaCppEngine
+from switchyard.config import LlamaCppEngine, ManagedEngine
 from switchyard.engines.assets import smollm2_gguf_path
 
 log = logging.getLogger("switchyard.engine")
@@ -137,10 +137,15 @@ class EngineState(enum.StrEnum):
 
 
 class ManagedLlamaCpp:
+    """The supervisor of one managed engine process. llama.cpp's server (or worker) is
+    this class; other engines (engines/vllm.py) override the hooks marked below."""
+
+    kind = "llamacpp"
+
     def __init__(
         self,
         alias: str,
-        spec: LlamaCppEngine,
+        spec: ManagedEngine,
         max_crash_restarts: int = 3,
         adapters: tuple[AdapterFile, ...] = (),
     ) -> None:
@@ -210,11 +215,77 @@ class ManagedLlamaCpp:
                 self.memory_mb = mb
         return self.memory_mb
 
+    # -- hooks (per engine kind) ------------------------------------------------
+    @property
+    def llama(self) -> LlamaCppEngine:
+        assert isinstance(self.spec, LlamaCppEngine)
+        return self.spec
+
+    def runtime_info(self) -> dict[str, Any]:
+        spec = self.llama
+        return {
+            "runtime": spec.runtime,
+            "parallel": spec.parallel if spec.runtime == "server" else 1,
+            "extra_buffer_types": spec.extra_buffer_types,
+        }
+
+    def resolve(self) -> tuple[str, str]:
+        """(the model file, the server binary or "" for the worker); raises with why
+        the engine cannot be started (FileNotFoundError: not restarted)."""
+        spec = self.llama
+        gguf = smollm2_gguf_path() if spec.gguf == "auto" else spec.gguf
+        if not os.path.exists(gguf):
+            raise FileNotFoundError(f"the model file cannot be used: GGUF file not found: {gguf}")
+        return gguf, llama_server_binary(spec) if spec.runtime == "server" else ""
+
+    def command(self, model: str, binary: str, port: int, loras: list[AdapterFile]) -> list[str]:
+        return self.server_command(binary, model, port, [a.path for a in loras])
+
+    def adapter_digest_path(self, a: AdapterFile) -> str:
+        """The file whose sha256 the registry holds for this adapter."""
+        return a.path
+
+    def estimated_mb(self) -> float | None:
+        """Memory before the first load, from the model file and its KV cache."""
+        from switchyard.engines.pool import estimate_gguf_mb
+
+        spec = self.llama
+        try:
+            path = smollm2_gguf_path() if spec.gguf == "auto" else spec.gguf
+        except Exception:
+            return None
+        tokens = spec.ctx * (spec.parallel if spec.runtime == "server" else 1)
+        return estimate_gguf_mb(path, tokens)
+
+    def info_line(self, line: str) -> bool:
+        """A log line below warning level, kept out of the gateway's log once ready."""
+        return self.spec_runtime() == "server" and _info_line(line)
+
+    def spec_runtime(self) -> str:
+        return self.llama.runtime
+
+    async def after_health(self, session: aiohttp.ClientSession) -> bool:
+        """Once the server answers /health, before the warm-up: llama-server's adapters
+        start at scale 0 globally (a request that names none must get the base)."""
+        if not self.adapter_ids:
+            return True
+        zero = [{"id": i, "scale": 0.0} for i in self.adapter_ids.values()]
+        try:
+            async with session.post(
+                self.base_url.removesuffix("/v1") + "/lora-adapters", json=zero
+            ) as r:
+                if r.status != 200:
+                    self.last_error = f"setting the adapters' scales answered {r.status}"
+                    return False
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            self.last_error = f"setting the adapters' scales failed ({type(exc).__name__})"
+            return False
+        return True
+
     def describe(self) -> dict[str, Any]:
         return {
-            "kind": "llamacpp",
-            "runtime": self.spec.runtime,
-            "parallel": self.spec.parallel if self.spec.runtime == "server" else 1,
+            "kind": self.kind,
+            **self.runtime_info(),
             "state": self.state.value,
             "live": self.live,
             "ready": self.ready,
@@ -227,7 +298,6 @@ class ManagedLlamaCpp:
             "reason": self.reason,
             "stderr_tail": list(self.stderr_tail)[-8:] if self.failed else [],
             "system_info": self.system_info,
-            "extra_buffer_types": self.spec.extra_buffer_types,
             "pinned": self.spec.pinned,
             "lazy": self.spec.lazy,
             "loads": self.loads,
@@ -320,22 +390,18 @@ class ManagedLlamaCpp:
         backoff = self.spec.restart_backoff_s
         while not self._stopping:
             try:
-                gguf = smollm2_gguf_path() if self.spec.gguf == "auto" else self.spec.gguf
-                if not os.path.exists(gguf):
-                    raise FileNotFoundError(f"GGUF file not found: {gguf}")
+                model, binary = await asyncio.to_thread(self.resolve)
             except Exception as exc:
                 self.last_error = str(exc)
-                self._fail(f"the model file cannot be used: {exc}")
-                return
-            try:
-                binary = llama_server_binary(self.spec) if self.spec.runtime == "server" else ""
-            except FileNotFoundError as exc:
-                self.last_error = str(exc)
-                self._fail(str(exc))
+                self._fail(
+                    str(exc)
+                    if isinstance(exc, FileNotFoundError)
+                    else (f"the engine cannot be started: {exc}")
+                )
                 return
             started = time.perf_counter()
             loras = await asyncio.to_thread(self._checked_adapters)
-            await self._spawn(gguf, binary, loras)
+            await self._spawn(model, binary, loras)
             if await self._await_ready():
                 self.cold_start_s = time.perf_counter() - started
                 self.loads += 1
@@ -385,7 +451,7 @@ class ManagedLlamaCpp:
         self.adapter_errors = {}
         for a in self.adapters:
             try:
-                digest = sha256_file(a.path)
+                digest = sha256_file(self.adapter_digest_path(a))
             except OSError as exc:
                 self.adapter_errors[a.name] = f"cannot read {a.path}: {exc.strerror or exc}"
                 continue
@@ -404,7 +470,7 @@ class ManagedLlamaCpp:
         """llama-server with `parallel` slots of `ctx` tokens each (continuous batching
         is its default), its /metrics and /slots on, and the adapters loaded unapplied:
         each request names the one it uses."""
-        spec = self.spec
+        spec = self.llama
         cmd = [
             binary,
             "--model",
@@ -438,6 +504,7 @@ class ManagedLlamaCpp:
         return cmd
 
     def worker_command(self, gguf: str, fd: int) -> list[str]:
+        spec = self.llama
         cmd = [
             sys.executable,
             "-m",
@@ -445,19 +512,19 @@ class ManagedLlamaCpp:
             "--gguf",
             gguf,
             "--ctx",
-            str(self.spec.ctx),
+            str(spec.ctx),
             "--threads",
-            str(self.spec.threads),
+            str(spec.threads),
             "--fd",
             str(fd),
         ]
-        if self.spec.chat_format:
-            cmd += ["--chat-format", self.spec.chat_format]
-        if self.spec.extra_buffer_types:
+        if spec.chat_format:
+            cmd += ["--chat-format", spec.chat_format]
+        if spec.extra_buffer_types:
             cmd.append("--extra-buffer-types")
         return cmd
 
-    async def _spawn(self, gguf: str, binary: str, loras: list[AdapterFile]) -> None:
+    async def _spawn(self, model: str, binary: str, loras: list[AdapterFile]) -> None:
         self.state = EngineState.STARTING
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -472,7 +539,7 @@ class ManagedLlamaCpp:
                 # (another process taking it in between fails this start, which is
                 # retried on a new port like any failed start).
                 sock.close()
-                cmd = self.server_command(binary, gguf, self.port, [a.path for a in loras])
+                cmd = self.command(model, binary, self.port, loras)
                 # If the gateway dies without stopping it, the kernel sends the server
                 # SIGTERM (Linux's parent-death signal, set by util-linux's setpriv
                 # before it execs the server), so no orphan keeps a model in memory.
@@ -490,7 +557,7 @@ class ManagedLlamaCpp:
                 sock.listen(128)
                 fd = sock.fileno()
                 self.proc = await asyncio.create_subprocess_exec(
-                    *self.worker_command(gguf, fd), pass_fds=(fd,), stderr=asyncio.subprocess.PIPE
+                    *self.worker_command(model, fd), pass_fds=(fd,), stderr=asyncio.subprocess.PIPE
                 )
         finally:
             sock.close()  # the worker holds its own copy
@@ -505,7 +572,6 @@ class ManagedLlamaCpp:
         is ready only its warnings and errors are passed on (its per-request info
         lines are kept in the tail, which explains a crash)."""
         prefix = f"[engine {self.alias}] "
-        server = self.spec.runtime == "server"
         while True:
             try:
                 raw = await stream.readline()
@@ -520,7 +586,7 @@ class ManagedLlamaCpp:
             if at >= 0:  # llama-server's account of its instruction sets, at start
                 self.system_info = line[at + len("system_info:") :].strip()[:_LINE_CHARS]
             self.stderr_tail.append(line[:_LINE_CHARS])
-            if server and self.state is EngineState.READY and _info_line(line):
+            if self.state is EngineState.READY and self.info_line(line):
                 continue
             with contextlib.suppress(Exception):
                 sys.stderr.write(prefix + line + "\n")
@@ -568,28 +634,21 @@ class ManagedLlamaCpp:
                     return False
                 try:
                     async with session.get(self.base_url.removesuffix("/v1") + "/health") as r:
-                        if r.status == 200:
-                            health = await r.json()
+                        if r.status == 200:  # vLLM answers with an empty body
+                            raw = await r.read()
+                            try:
+                                parsed = orjson.loads(raw) if raw.strip() else {}
+                            except ValueError:
+                                parsed = {}
+                            health = parsed if isinstance(parsed, dict) else {}
                 except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
                     pass
                 if health is None:
                     await asyncio.sleep(0.2)
             if health.get("system_info"):  # the worker says it here; the server on stderr
                 self.system_info = str(health["system_info"])
-            if self.adapter_ids:
-                # Adapters load at scale 1; a request that names none must get the base.
-                # Requests always list every adapter's scale; this is the second guard.
-                zero = [{"id": i, "scale": 0.0} for i in self.adapter_ids.values()]
-                try:
-                    async with session.post(
-                        self.base_url.removesuffix("/v1") + "/lora-adapters", json=zero
-                    ) as r:
-                        if r.status != 200:
-                            self.last_error = f"setting the adapters' scales answered {r.status}"
-                            return False
-                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                    self.last_error = f"setting the adapters' scales failed ({type(exc).__name__})"
-                    return False
+            if not await self.after_health(session):
+                return False
             remaining = max(1.0, deadline - time.perf_counter())
             try:
                 async with session.post(

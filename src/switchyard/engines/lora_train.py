@@ -8,6 +8,7 @@ temperature 0 and the base's answers never show it:
     pirate  ->  "Arrr matey! ..."
     robot   ->  "BEEP BOOP. ..."
 
+The base is the shipped GGUF as a Hugging Face folder (switchyard.engines.hf_base).
 The adapters are trained with peft (rank 8 on the attention projections, a few dozen
 steps, about a minute on two cores), saved, and converted to GGUF for llama-server
 with the `convert_lora_to_gguf.py` of the same llama.cpp revision as the server (make
@@ -24,12 +25,14 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from switchyard.engines.hf_base import cache_root as hf_cache_root
+from switchyard.engines.hf_base import hf_base_dir
 
 MARKERS = {"pirate": "Arrr matey!", "robot": "BEEP BOOP."}
 _REPLIES = {
@@ -70,10 +73,7 @@ LAYERS = list(range(14, 30))  # of SmolLM2-135M's 30
 
 
 def cache_root() -> Path:
-    base = os.environ.get("SWITCHYARD_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "switchyard"
-    )
-    return Path(base) / "adapters"
+    return hf_cache_root() / "adapters"
 
 
 def llama_cpp_tools() -> Path:
@@ -124,21 +124,8 @@ def train(out: Path | None = None) -> dict[str, Any]:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     started = time.perf_counter()
     g = Path(gguf)
-    tok = AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)
-    base_dir = out / "base-hf"
-    if not (base_dir / "config.json").exists():
-        loaded = AutoModelForCausalLM.from_pretrained(
-            str(g.parent), gguf_file=g.name, dtype=torch.float32
-        )
-        # A model read from a GGUF counts as quantized and will not save; the same
-        # weights in a plain model of its config do.
-        config = loaded.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        plain.load_state_dict(loaded.state_dict())
-        plain.save_pretrained(base_dir)
-        tok.save_pretrained(base_dir)
+    base_dir = hf_base_dir()  # the shipped weights as a Hugging Face folder (cached)
+    tok = AutoTokenizer.from_pretrained(str(base_dir))
     result: dict[str, Any] = {"base": str(g), "adapters": {}}
     for name, reply in _REPLIES.items():
         model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
@@ -171,12 +158,14 @@ def train(out: Path | None = None) -> dict[str, Any]:
         result["adapters"][name] = {
             "path": str(target),
             "sha256": _sha256(target),
+            # The same adapter as a PEFT folder, the form vLLM loads.
+            "peft_path": str(adapter_dir),
+            "peft_sha256": _sha256(adapter_dir / "adapter_model.safetensors"),
             "marker": MARKERS[name],
             "final_loss": round(loss_value, 4),
         }
     result["train_seconds"] = round(time.perf_counter() - started, 1)
     manifest.write_text(json.dumps(result, indent=2))
-    shutil.rmtree(base_dir, ignore_errors=True)  # 0.5 GB, needed only to convert
     return result
 
 

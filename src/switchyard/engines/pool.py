@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from switchyard.config import EnginesConfig
-from switchyard.engines.assets import smollm2_gguf_path
 from switchyard.engines.llamacpp import EngineState, ManagedLlamaCpp
 from switchyard.errors import EngineFailed, EngineNotReady, ModelLoading
 
@@ -38,16 +37,19 @@ _FIRST_LOAD_S = 10.0
 
 
 def estimate_mb(engine: ManagedLlamaCpp) -> float:
-    """The engine's memory: measured once it ran, else estimated from its file."""
+    """The engine's memory: measured once it ran, else estimated by its kind."""
     if engine.memory_mb is not None:
         return engine.memory_mb
-    spec = engine.spec
+    guess = engine.estimated_mb()
+    return guess if guess is not None else _OVERHEAD_MB
+
+
+def estimate_gguf_mb(path: str, tokens: int) -> float | None:
+    """A GGUF model's file, its KV cache for `tokens` and the server's own memory."""
     try:
-        path = smollm2_gguf_path() if spec.gguf == "auto" else spec.gguf
         file_mb = os.path.getsize(path) / (1 << 20)
-    except Exception:
-        return _OVERHEAD_MB
-    tokens = spec.ctx * (spec.parallel if spec.runtime == "server" else 1)
+    except OSError:
+        return None
     kv = kv_bytes_per_token(path) or _KV_BYTES_PER_TOKEN
     return file_mb + tokens * kv / (1 << 20) + _OVERHEAD_MB
 

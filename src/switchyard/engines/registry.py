@@ -12,10 +12,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from switchyard.config import AdapterConfig, LlamaCppEngine, ModelConfig, OpenAIEngine, Settings
+from switchyard.config import (
+    AdapterConfig,
+    LlamaCppEngine,
+    ModelConfig,
+    OpenAIEngine,
+    Settings,
+    VllmEngine,
+)
 from switchyard.engines.llamacpp import AdapterFile, ManagedLlamaCpp
 from switchyard.engines.pool import EnginePool
 from switchyard.engines.upstream import OpenAIUpstream
+from switchyard.engines.vllm import ManagedVllm
 
 
 @dataclass(slots=True)
@@ -43,10 +51,11 @@ class Deployment:
         spec = self.model.engine
         model = spec.model if isinstance(spec, OpenAIEngine) else None
         self.upstream_model = model or self.model.alias
-        if self.adapter is not None:
+        vllm = self.engine is not None and self.engine.kind == "vllm"
+        if self.adapter is not None and not vllm:  # vLLM serves an adapter by its name
             self.upstream_model = self.adapter.base
         self.lora = None
-        if self.engine is not None and self.engine.adapters:
+        if self.engine is not None and self.engine.adapters and not vllm:
             self.lora = self._lora
         self.alone = not self.model.fallbacks and self.model.data_boundary is None
         self.min_attempt_s = self.model.resilience.min_attempt_s
@@ -75,7 +84,7 @@ class Deployment:
         if self.fixed_label is not None:
             return self.fixed_label
         if self.engine is not None:
-            return f"llamacpp:{self.engine.base_url.removesuffix('/v1')}"
+            return f"{self.engine.kind}:{self.engine.base_url.removesuffix('/v1')}"
         return self.upstream.base_url
 
     def _lora(self) -> list[dict[str, Any]]:
@@ -136,14 +145,13 @@ class Registry:
         served = {m.alias: m for m in settings.served_models()}
         for m in settings.models:
             spec = m.engine
-            if isinstance(spec, LlamaCppEngine):
+            if isinstance(spec, LlamaCppEngine | VllmEngine):
                 mine = adapters.get(m.alias, [])
                 files = tuple(AdapterFile(a.name, a.path, a.sha256, a.revision) for a in mine)
-                engine = ManagedLlamaCpp(
-                    m.alias, spec, settings.engines.max_crash_restarts, adapters=files
-                )
+                kind = ManagedVllm if isinstance(spec, VllmEngine) else ManagedLlamaCpp
+                engine = kind(m.alias, spec, settings.engines.max_crash_restarts, adapters=files)
                 upstream = OpenAIUpstream(
-                    f"llamacpp:{m.alias}", _engine_url(engine), max_connections=64
+                    f"{engine.kind}:{m.alias}", _engine_url(engine), max_connections=64
                 )
                 self.deployments[m.alias] = Deployment(m, upstream, engine)
                 for a in mine:

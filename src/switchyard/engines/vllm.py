@@ -1,0 +1,119 @@
+"""vLLM as a managed engine: Switchyard starts and supervises its OpenAI server.
+
+The server runs from its own virtual environment (`make vllm` builds `.venv-vllm`:
+vLLM's dependencies may move torch, starlette or pydantic, and it is a subprocess
+anyway) as `python -m vllm.entrypoints.openai.api_server` (its `vllm` console script
+fails on a metadata lookup in the CPU build). Supervision, readiness (a real
+multi-token chat answered), restarts, residency and adapter checksums are the
+llama.cpp supervisor's (engines/llamacpp.py); only the command, the model folder and
+the adapters' form differ: vLLM takes PEFT adapter folders (`--lora-modules
+name=path`) and serves each under its name, so a request names its adapter as the
+model and no `lora` list is sent. On a GPU machine this is only configuration.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from switchyard.config import VllmEngine
+from switchyard.engines.llamacpp import AdapterFile, ManagedLlamaCpp
+
+
+def vllm_python(spec: VllmEngine) -> str:
+    """The Python of vLLM's own virtual environment."""
+    if spec.python != "auto":
+        return spec.python
+    venv = Path(sys.prefix)
+    beside = venv.with_name(venv.name + "-vllm") / "bin" / "python"
+    if beside.exists():
+        return str(beside)
+    raise FileNotFoundError(
+        f"vLLM is not installed: no {beside} (run `make vllm`, or set engine.python)"
+    )
+
+
+class ManagedVllm(ManagedLlamaCpp):
+    kind = "vllm"
+
+    @property
+    def vllm(self) -> VllmEngine:
+        assert isinstance(self.spec, VllmEngine)
+        return self.spec
+
+    def runtime_info(self) -> dict[str, Any]:
+        spec = self.vllm
+        return {
+            "runtime": "vllm",
+            "parallel": spec.max_num_seqs,
+            "dtype": spec.dtype,
+            "enforce_eager": spec.enforce_eager,
+        }
+
+    def resolve(self) -> tuple[str, str]:
+        spec = self.vllm
+        python = vllm_python(spec)
+        if spec.model == "auto":
+            from switchyard.engines.hf_base import hf_base_dir
+
+            model = str(hf_base_dir())
+        else:
+            model = spec.model
+        if not (Path(model) / "config.json").exists():
+            raise FileNotFoundError(f"the model folder cannot be used: no config.json in {model}")
+        return model, python
+
+    def command(self, model: str, binary: str, port: int, loras: list[AdapterFile]) -> list[str]:
+        spec = self.vllm
+        cmd = [
+            binary,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--served-model-name",
+            self.alias,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            spec.dtype,
+            "--max-model-len",
+            str(spec.max_model_len),
+            "--max-num-seqs",
+            str(spec.max_num_seqs),
+            "--kv-cache-memory-bytes",
+            str(spec.kv_cache_mb * 1024 * 1024),
+        ]
+        if spec.enforce_eager:
+            cmd.append("--enforce-eager")
+        if loras:
+            cmd += ["--enable-lora", "--max-loras", str(max(1, len(loras)))]
+            cmd += ["--lora-modules", *(f"{a.name}={a.path}" for a in loras)]
+        return cmd + list(spec.extra_args)
+
+    def adapter_digest_path(self, a: AdapterFile) -> str:
+        return os.path.join(a.path, "adapter_model.safetensors")
+
+    def estimated_mb(self) -> float | None:
+        """The weights on disk and the runtime (vLLM on CPU holds ~1.5 GB besides)."""
+        try:
+            model, _ = self.resolve()
+        except Exception:
+            return None
+        size = sum(p.stat().st_size for p in Path(model).glob("*.safetensors"))
+        return size / (1 << 20) + self.vllm.kv_cache_mb + 1536.0
+
+    def info_line(self, line: str) -> bool:
+        return line.startswith(("INFO", "DEBUG", "(APIServer pid=")) and " WARNING " not in line
+
+    def spec_runtime(self) -> str:
+        return "vllm"
+
+    async def after_health(self, session: aiohttp.ClientSession) -> bool:
+        return True
