@@ -141,6 +141,18 @@ class Gateway:
         assert r.status_code == 201, r.text
         return dict(r.json())
 
+    def trace(self, request_id: str, timeout_s: float = 20) -> dict[str, Any]:
+        """A request's stored trace (the ledger writer commits it a moment after the
+        reply, so this waits for it)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            r = httpx.get(f"{self.url}/admin/requests/{request_id}", headers=self.admin)
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
     def usage(self, **query: Any) -> list[dict[str, Any]]:
         r = httpx.get(self.url + "/admin/usage", params=query, headers=self.admin)
         assert r.status_code == 200, r.text

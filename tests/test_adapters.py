@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import random
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -97,17 +96,6 @@ def _text(r: httpx.Response) -> str:
     return str(r.json()["choices"][0]["message"]["content"])
 
 
-def _trace(gw: Gateway, request_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 20
-    while True:
-        r = httpx.get(f"{gw.url}/admin/requests/{request_id}", headers=gw.admin, timeout=30)
-        if r.status_code == 200 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert r.status_code == 200, r.text
-    return dict(r.json())
-
-
 def test_each_adapter_shows_its_marker_and_the_base_shows_none(lora: Gateway) -> None:
     key = lora.keys["one"]  # type: ignore[attr-defined]
     base = _text(_ask(lora, key, "smol"))
@@ -120,7 +108,7 @@ def test_each_adapter_shows_its_marker_and_the_base_shows_none(lora: Gateway) ->
     assert pirate.headers["x-switchyard-adapter-revision"] == "pirate-v1"
     assert pirate.headers["x-switchyard-revision"] == "smol-rev"  # the base's weights
     assert "x-switchyard-adapter" not in _ask(lora, key, "smol").headers
-    trace = _trace(lora, robot.headers["x-request-id"])
+    trace = lora.trace(robot.headers["x-request-id"])
     assert trace["adapter"] == {"name": "support-robot", "revision": "robot-v3"}
     residency = next(d for d in trace["decisions"] if d["stage"] == "residency")
     assert residency["evidence"]["adapter"] == "support-robot"
@@ -160,7 +148,7 @@ def test_fifty_concurrent_mixed_requests_each_get_the_adapter_they_asked_for(
             marker = MARKERS["pirate" if model == "support-pirate" else "robot"]
             assert text.startswith(marker.split()[0]), (model, text)
     for model, r in list(zip(asked, replies, strict=True))[:10]:
-        adapter = _trace(lora, r.headers["x-request-id"])["adapter"]
+        adapter = lora.trace(r.headers["x-request-id"])["adapter"]
         assert (adapter or {}).get("name") == (None if model == "smol" else model)
 
 

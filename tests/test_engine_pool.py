@@ -30,18 +30,6 @@ def _chat(model: str, max_tokens: int = 4, content: str = "Hi", **extra: Any) ->
     }
 
 
-def _trace(gw: Gateway, request_id: str) -> dict[str, Any]:
-    """The stored trace (the ledger writer commits it a moment after the reply)."""
-    deadline = time.monotonic() + 20
-    while True:
-        r = httpx.get(f"{gw.url}/admin/requests/{request_id}", headers=gw.admin, timeout=30)
-        if r.status_code == 200 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert r.status_code == 200, r.text
-    return dict(r.json())
-
-
 def _decision(trace: dict[str, Any], stage: str) -> dict[str, Any]:
     found = [d for d in trace["decisions"] if d["stage"] == stage]
     assert len(found) == 1, trace["decisions"]
@@ -149,7 +137,7 @@ def _pool_gateway(pinned: str | None = None) -> Gateway:
 def _ask(gw: Gateway, alias: str) -> dict[str, Any]:
     r = gw.post("/v1/chat/completions", json=_chat(alias), timeout=120)
     assert r.status_code == 200, r.text
-    return _decision(_trace(gw, r.headers["x-request-id"]), "residency")
+    return _decision(gw.trace(r.headers["x-request-id"]), "residency")
 
 
 def test_the_third_model_evicts_the_least_recently_used_and_says_so() -> None:

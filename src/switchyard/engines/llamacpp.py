@@ -87,7 +87,7 @@ def llama_server_binary(spec: LlamaCppEngine) -> str:
     )
 
 
-def sha256_file(path: str) -> str:
+def sha256_file(path: str | os.PathLike[str]) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

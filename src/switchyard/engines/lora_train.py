@@ -33,6 +33,7 @@ from typing import Any
 
 from switchyard.engines.hf_base import cache_root as hf_cache_root
 from switchyard.engines.hf_base import hf_base_dir
+from switchyard.engines.llamacpp import sha256_file
 
 MARKERS = {"pirate": "Arrr matey!", "robot": "BEEP BOOP."}
 _REPLIES = {
@@ -95,14 +96,6 @@ def cache_key(gguf: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def train(out: Path | None = None) -> dict[str, Any]:
     """Train (or reuse) both adapters; return the manifest: per adapter its GGUF path,
     sha256 and marker, and the seconds training took."""
@@ -157,10 +150,10 @@ def train(out: Path | None = None) -> dict[str, Any]:
         _convert(adapter_dir, base_dir, target)
         result["adapters"][name] = {
             "path": str(target),
-            "sha256": _sha256(target),
+            "sha256": sha256_file(target),
             # The same adapter as a PEFT folder, the form vLLM loads.
             "peft_path": str(adapter_dir),
-            "peft_sha256": _sha256(adapter_dir / "adapter_model.safetensors"),
+            "peft_sha256": sha256_file(adapter_dir / "adapter_model.safetensors"),
             "marker": MARKERS[name],
             "final_loss": round(loss_value, 4),
         }
