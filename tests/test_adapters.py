@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -193,5 +194,42 @@ def test_an_adapter_whose_file_fails_its_checksum_is_refused_and_the_base_serves
     engines = httpx.get(lora.url + "/admin/engines", headers=lora.admin).json()["engines"]
     state = engines["smol"]["adapters"]
     assert state["support-tampered"]["state"] == "refused"
-    assert state["support-pirate"]["state"] == "loaded"
+    assert state["support-pirate"]["state"] in ("warm", "hot")
     assert _text(_ask(lora, key, "smol"))
+
+
+def test_an_adapter_is_hot_while_a_request_uses_it_and_warm_after(lora: Gateway) -> None:
+    key = lora.keys["one"]  # type: ignore[attr-defined]
+
+    def state() -> str:
+        engines = httpx.get(lora.url + "/admin/engines", headers=lora.admin).json()["engines"]
+        return str(engines["smol"]["adapters"]["support-robot"]["state"])
+
+    assert state() == "warm"
+    body = {
+        "model": "support-robot",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 300,
+        "stream": True,
+        "logit_bias": {"0": -100, "2": -100},
+    }
+    with httpx.stream(
+        "POST",
+        lora.url + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=120,
+    ) as r:
+        assert r.status_code == 200
+        seen, states = 0, []
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+                states.append(state())
+            if seen >= 5:
+                break
+        assert "hot" in states, (states, time.monotonic())
+    deadline = time.monotonic() + 20  # the gateway settles the closed stream
+    while state() != "warm":
+        assert time.monotonic() < deadline, state()
+        time.sleep(0.1)

@@ -72,7 +72,7 @@ def _ask(gw: Gateway, model: str, **extra: Any) -> httpx.Response:
 def test_vllm_serves_the_base_and_an_adapter(vllm: Gateway) -> None:
     info = httpx.get(vllm.url + "/readyz").json()["models"]["smol-vllm"]
     assert info["kind"] == "vllm" and info["state"] == "ready", info
-    assert info["adapters"]["vllm-pirate"]["state"] == "loaded"
+    assert info["adapters"]["vllm-pirate"]["state"] == "warm"
     base = _ask(vllm, "smol-vllm")
     assert base.status_code == 200, base.text
     text = base.json()["choices"][0]["message"]["content"]

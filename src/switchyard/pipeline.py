@@ -155,7 +155,8 @@ class AdmissionState:
     rate_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* to send
     gate: Any = None  # the deployment slot held, released at settle
     queue_ms: float | None = None  # time spent waiting for that slot
-    resident: Any = None  # the local engine held in the pool (residency), released at settle
+    # (engine, adapter name or None) held in the pool (residency), released at settle
+    resident: tuple[Any, str | None] | None = None
 
 
 @dataclass(slots=True)

@@ -675,7 +675,7 @@ class RequestService:
         if ctx.admission.gate is not None:
             ctx.admission.gate.release()
         if ctx.admission.resident is not None:
-            EnginePool.release(ctx.admission.resident)
+            EnginePool.release(*ctx.admission.resident)
         if ctx.run.usage is None and ctx.run.reply_body is not None:
             ctx.run.usage = reply_usage(ctx.run.reply_body)
         usage = ctx.run.usage or {}

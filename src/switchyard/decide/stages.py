@@ -391,7 +391,7 @@ class Residency(Stage):
     ) -> None:
         engine = dep.engine
         assert engine is not None
-        ctx.admission.resident = engine
+        ctx.admission.resident = (engine, None)
         adapter = dep.adapter
         if adapter is not None:
             ident = dep.adapter_id()
@@ -399,11 +399,17 @@ class Residency(Stage):
                 why = engine.adapter_errors.get(adapter.name) or "it is not loaded in its engine"
                 ctx.record(self.name, "reject", f"adapter {adapter.name}: {why}", t, evidence)
                 raise EngineFailed(f"the adapter '{adapter.name}' is not served: {why}")
+            was = engine.adapter_state(adapter.name)
+            engine.adapter_in_flight[adapter.name] = (
+                engine.adapter_in_flight.get(adapter.name, 0) + 1
+            )
+            ctx.admission.resident = (engine, adapter.name)
             evidence = {
                 **evidence,
                 "adapter": adapter.name,
                 "adapter_revision": adapter.revision,
                 "adapter_id": ident,
+                "adapter_state": was,  # before this request: hot (in use) or warm
                 "base": adapter.base,
                 "base_revision": adapter.base_revision,
             }

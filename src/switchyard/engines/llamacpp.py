@@ -157,6 +157,7 @@ class ManagedLlamaCpp:
         # file failed its checksum are refused (name -> why) and the base still serves.
         self.adapter_ids: dict[str, int] = {}
         self.adapter_errors: dict[str, str] = {}
+        self.adapter_in_flight: dict[str, int] = {}  # requests now using each adapter
         self.state = EngineState.COLD if spec.lazy else EngineState.STOPPED
         self.port: int | None = None
         self.proc: asyncio.subprocess.Process | None = None
@@ -306,14 +307,22 @@ class ManagedLlamaCpp:
             "adapters": {
                 a.name: {
                     "revision": a.revision,
-                    "state": "refused"
-                    if a.name in self.adapter_errors
-                    else ("loaded" if a.name in self.adapter_ids else "cold"),
+                    "state": self.adapter_state(a.name),
+                    "in_flight": self.adapter_in_flight.get(a.name, 0),
                     "error": self.adapter_errors.get(a.name),
                 }
                 for a in self.adapters
             },
         }
+
+    def adapter_state(self, name: str) -> str:
+        """hot (loaded, a request uses it now), warm (loaded, idle), cold (on disk: the
+        engine is not running), refused (its file failed its checksum)."""
+        if name in self.adapter_errors:
+            return "refused"
+        if name not in self.adapter_ids or not self.live:
+            return "cold"
+        return "hot" if self.adapter_in_flight.get(name, 0) > 0 else "warm"
 
     async def wait_ready(self, timeout_s: float) -> bool:
         with contextlib.suppress(TimeoutError):

@@ -205,9 +205,11 @@ class EnginePool:
         e.last_used = time.monotonic()
 
     @staticmethod
-    def release(e: ManagedLlamaCpp) -> None:
+    def release(e: ManagedLlamaCpp, adapter: str | None = None) -> None:
         e.in_flight -= 1
         e.last_used = time.monotonic()
+        if adapter is not None:
+            e.adapter_in_flight[adapter] -= 1
 
     def expected_load_s(self, e: ManagedLlamaCpp) -> float:
         return e.cold_start_s if e.cold_start_s is not None else _FIRST_LOAD_S
