@@ -221,6 +221,8 @@ def test_an_adapter_is_hot_while_a_request_uses_it_and_warm_after(lora: Gateway)
         timeout=120,
     ) as r:
         assert r.status_code == 200
+        # Read the state while the stream is open: leaving iter_lines (a break) closes
+        # the response, so the gateway would already have settled the request.
         seen, states = 0, []
         for line in r.iter_lines():
             if line.startswith("data: {"):
