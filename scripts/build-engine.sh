@@ -34,14 +34,11 @@ if [ -n "$wheel" ]; then
   exit 0
 fi
 
-mkdir -p "$CACHE/engines"
-work=$(mktemp -d "$CACHE/engines/build.XXXXXX")
-trap 'rm -rf "$work"' EXIT
 echo "building llama-cpp-python $VERSION portably (about 10 minutes on 2 cores; once per machine)" >&2
 echo "  flags: $FLAGS" >&2
-"$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$work/sdist" >&2
-tar -xzf "$work"/sdist/llama_cpp_python-*.tar.gz -C "$work"
-src=$(ls -d "$work"/llama_cpp_python-*/ | head -n1)
+unpack_sdist "$PY" "$VERSION"
+work=$WORK
+src=$SDIST_DIR
 echo "  log: $work/build.log" >&2
 if ! CMAKE_ARGS="$FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
   "$PY" -m pip wheel -v --no-deps "$src" -w "$work/out" >"$work/build.log" 2>&1; then

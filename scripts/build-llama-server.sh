@@ -37,14 +37,11 @@ if [ -x "$DIR/llama-server" ]; then
   exit 0
 fi
 
-mkdir -p "$CACHE/engines"
-work=$(mktemp -d "$CACHE/engines/build-server.XXXXXX")
-trap 'rm -rf "$work"' EXIT
 echo "building llama-server from llama-cpp-python $VERSION's vendored llama.cpp (a few minutes; once per machine)" >&2
 echo "  flags: $ALL_FLAGS" >&2
-"$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$work/sdist" >&2
-tar -xzf "$work"/sdist/llama_cpp_python-*.tar.gz -C "$work"
-src=$(ls -d "$work"/llama_cpp_python-*/vendor/llama.cpp | head -n1)
+unpack_sdist "$PY" "$VERSION"
+work=$WORK
+src=$SDIST_DIR/vendor/llama.cpp
 echo "  log: $work/build.log" >&2
 start=$(date +%s)
 # shellcheck disable=SC2086

@@ -1,6 +1,7 @@
 # shellcheck shell=bash
-# The instruction-set baseline of every engine Switchyard compiles (sourced by
-# scripts/build-engine.sh and scripts/build-llama-server.sh): sets ENGINE_FLAGS.
+# What the engine builds share (sourced by scripts/build-engine.sh and
+# scripts/build-llama-server.sh): the instruction-set baseline (ENGINE_FLAGS) and
+# where the source comes from (unpack_sdist).
 #
 # x86-64-v3 (AVX, AVX2, FMA, F16C, BMI2): every x86 server CPU of the last decade has
 # it. AVX-512 and AMX are off: AMX's repacked buffers crash llama.cpp on prompts longer
@@ -20,3 +21,17 @@ case "$(uname -m)" in
 esac
 ENGINE_FLAGS=$(echo "${SWITCHYARD_ENGINE_CMAKE_ARGS:-$_default}" | tr -s ' ')
 unset _default
+
+# The pinned llama-cpp-python sdist (it vendors llama.cpp), never a binary, unpacked
+# into a fresh folder under $CACHE/engines that is removed when the calling script
+# exits. Usage: unpack_sdist PYTHON VERSION; sets WORK and SDIST_DIR (no trailing /).
+unpack_sdist() {
+  mkdir -p "$CACHE/engines"
+  WORK=$(mktemp -d "$CACHE/engines/build.XXXXXX")
+  # shellcheck disable=SC2064  # expand now: WORK is this call's folder
+  trap "rm -rf '$WORK'" EXIT
+  "$1" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$2" -d "$WORK/sdist" >&2
+  tar -xzf "$WORK"/sdist/llama_cpp_python-*.tar.gz -C "$WORK"
+  SDIST_DIR=$(ls -d "$WORK"/llama_cpp_python-*/ | head -n1)
+  SDIST_DIR=${SDIST_DIR%/}
+}

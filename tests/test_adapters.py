@@ -25,38 +25,39 @@ def manifest() -> dict[str, Any]:
     return train()
 
 
+def _adapter(
+    name: str, path: str, sha256: str, tenants: list[str], revision: str = "unversioned"
+) -> dict[str, Any]:
+    """An adapters[] entry for the base model `smol` (revision smol-rev)."""
+    return {
+        "name": name,
+        "base": "smol",
+        "base_revision": "smol-rev",
+        "path": path,
+        "sha256": sha256,
+        "revision": revision,
+        "allowed_tenants": tenants,
+    }
+
+
 @pytest.fixture(scope="module")
 def lora(manifest: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     a = manifest["adapters"]
     odd = tmp_path_factory.mktemp("adapters") / "tampered.gguf"
     odd.write_bytes(Path(a["pirate"]["path"]).read_bytes()[:-16] + b"\0" * 16)
     adapters = [
-        {
-            "name": "support-pirate",
-            "base": "smol",
-            "base_revision": "smol-rev",
-            "path": a["pirate"]["path"],
-            "sha256": a["pirate"]["sha256"],
-            "revision": "pirate-v1",
-            "allowed_tenants": ["t-one"],
-        },
-        {
-            "name": "support-robot",
-            "base": "smol",
-            "base_revision": "smol-rev",
-            "path": a["robot"]["path"],
-            "sha256": a["robot"]["sha256"],
-            "revision": "robot-v3",
-            "allowed_tenants": ["t-one", "t-two"],
-        },
-        {  # the file changed after it was registered: refused, the rest serve
-            "name": "support-tampered",
-            "base": "smol",
-            "base_revision": "smol-rev",
-            "path": str(odd),
-            "sha256": a["pirate"]["sha256"],
-            "allowed_tenants": ["*"],
-        },
+        _adapter(
+            "support-pirate", a["pirate"]["path"], a["pirate"]["sha256"], ["t-one"], "pirate-v1"
+        ),
+        _adapter(
+            "support-robot",
+            a["robot"]["path"],
+            a["robot"]["sha256"],
+            ["t-one", "t-two"],
+            "robot-v3",
+        ),
+        # The file changed after it was registered: refused, the rest serve.
+        _adapter("support-tampered", str(odd), a["pirate"]["sha256"], ["*"]),
     ]
     gw = start_gateway(
         {
