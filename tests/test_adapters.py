@@ -236,3 +236,166 @@ def test_an_adapter_is_hot_while_a_request_uses_it_and_warm_after(lora: Gateway)
     while state() != "warm":
         assert time.monotonic() < deadline, state()
         time.sleep(0.1)
+
+
+# -- adapter residency: more adapters registered than loaded, and an active cap -------
+
+
+def _engine(gw: Gateway) -> dict[str, Any]:
+    return dict(httpx.get(gw.url + "/admin/engines", headers=gw.admin).json()["engines"]["smol"])
+
+
+def _residency(gw: Gateway, r: httpx.Response) -> dict[str, Any]:
+    trace = gw.trace(r.headers["x-request-id"])
+    return next(d for d in trace["decisions"] if d["stage"] == "residency")
+
+
+def _two_adapters(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    a = manifest["adapters"]
+    return [
+        _adapter("support-pirate", a["pirate"]["path"], a["pirate"]["sha256"], ["*"], "pirate-v1"),
+        _adapter("support-robot", a["robot"]["path"], a["robot"]["sha256"], ["*"], "robot-v3"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def one_loaded(manifest: dict[str, Any]) -> Iterator[Gateway]:
+    """Two adapters registered, one loaded at a time: llama-server loads adapters only
+    at start, so each swap drains the engine and restarts it with the other."""
+    gw = start_gateway(
+        {
+            "models": [local_model("smol", parallel=4, ctx=512, max_adapters=1)],
+            "adapters": _two_adapters(manifest),
+            "engines": {"min_residency_s": 0},
+            "embeddings": {"enabled": False},
+        }
+    )
+    try:
+        gw.create_tenant("t-one")
+        gw.keys = {"one": gw.create_key("t-one", allowed_adapters=["*"])["key"]}  # type: ignore[attr-defined]
+        yield gw
+    finally:
+        gw.proc.stop()
+
+
+def test_a_cold_adapter_is_loaded_in_place_of_the_least_recently_used_one(
+    one_loaded: Gateway,
+) -> None:
+    gw, key = one_loaded, one_loaded.keys["one"]  # type: ignore[attr-defined]
+    states = {n: a["state"] for n, a in _engine(gw)["adapters"].items()}
+    assert states == {"support-pirate": "warm", "support-robot": "cold"}, states
+    robot = _ask(gw, key, "support-robot")
+    assert _text(robot).startswith(MARKERS["robot"]), robot.text
+    assert robot.headers["x-switchyard-adapter"] == "support-robot"
+    d = _residency(gw, robot)
+    assert d["outcome"] == "adapter-load", d
+    ev = d["evidence"]
+    assert ev["adapter_state"] == "cold" and ev["adapter_load"] == "drained restart"
+    assert [(v["adapter"], v["reason"]) for v in ev["adapter_evicted"]] == [
+        ("support-pirate", "least recently used (max_adapters)")
+    ]
+    states = {n: a["state"] for n, a in _engine(gw)["adapters"].items()}
+    assert states == {"support-pirate": "cold", "support-robot": "warm"}, states
+    pirate = _ask(gw, key, "support-pirate")
+    assert _text(pirate).startswith(MARKERS["pirate"]), pirate.text
+    assert _residency(gw, pirate)["evidence"]["adapter_evicted"][0]["adapter"] == "support-robot"
+    again = _ask(gw, key, "support-pirate")  # loaded now: promoted, nothing evicted
+    d = _residency(gw, again)
+    assert d["outcome"] == "promote" and "adapter_evicted" not in d["evidence"], d
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert (
+        'switchyard_adapter_events_total{adapter="support-robot",event="load",model="smol"}'
+        in metrics
+    )
+    assert 'adapter="support-pirate",event="evict"' in metrics
+
+
+def test_mixed_concurrent_requests_over_one_adapter_slot_each_get_theirs(
+    one_loaded: Gateway,
+) -> None:
+    """Every swap drains the engine: the requests running finish on the adapter they
+    asked for, the ones arriving wait for the restart, none gets the other adapter."""
+    gw, key = one_loaded, one_loaded.keys["one"]  # type: ignore[attr-defined]
+    rng = random.Random(11)
+    asked = [rng.choice(["smol", "support-pirate", "support-robot"]) for _ in range(16)]
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        replies = list(ex.map(lambda m: _ask(gw, key, m, 6), asked))
+    for model, r in zip(asked, replies, strict=True):
+        text = _text(r)
+        assert r.headers.get("x-switchyard-adapter") == (None if model == "smol" else model)
+        if model == "smol":
+            assert "Arrr" not in text and "BEEP" not in text, text
+        else:
+            marker = MARKERS["pirate" if model == "support-pirate" else "robot"]
+            assert text.startswith(marker.split()[0]), (model, text)
+            assert _residency(gw, r)["evidence"]["adapter"] == model
+    assert _engine(gw)["in_flight"] == 0
+
+
+@pytest.fixture(scope="module")
+def one_active(manifest: dict[str, Any]) -> Iterator[Gateway]:
+    """Both adapters loaded, one active at a time."""
+    gw = start_gateway(
+        {
+            "models": [
+                local_model("smol", parallel=4, ctx=512, max_adapters=2, max_active_adapters=1)
+            ],
+            "adapters": _two_adapters(manifest),
+            "embeddings": {"enabled": False},
+        }
+    )
+    try:
+        gw.create_tenant("t-one")
+        gw.keys = {"one": gw.create_key("t-one", allowed_adapters=["*"])["key"]}  # type: ignore[attr-defined]
+        yield gw
+    finally:
+        gw.proc.stop()
+
+
+def test_a_request_for_another_adapter_waits_for_the_active_slot(one_active: Gateway) -> None:
+    gw, key = one_active, one_active.keys["one"]  # type: ignore[attr-defined]
+    body = {
+        "model": "support-pirate",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 400,
+        "stream": True,
+        "logit_bias": {"0": -100, "2": -100},
+    }
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        with httpx.stream(
+            "POST",
+            gw.url + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=120,
+        ) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass  # the pirate adapter is active from its first chunk
+            robot = ex.submit(_ask, gw, key, "support-robot")
+            # A short deadline cannot wait for the slot: refused at once, with why.
+            busy = httpx.post(
+                gw.url + "/v1/chat/completions",
+                json={"model": "support-robot", "messages": [{"role": "user", "content": "hi"}]},
+                headers={"Authorization": f"Bearer {key}", "x-request-timeout": "0.5"},
+                timeout=30,
+            )
+            waiting = _engine(gw)["adapters_waiting"]
+            deadline = time.monotonic() + 30
+            while waiting < 1:  # the robot request waits for the slot
+                assert time.monotonic() < deadline, _engine(gw)
+                time.sleep(0.05)
+                waiting = _engine(gw)["adapters_waiting"]
+            assert not robot.done()
+            # The base model takes no adapter slot: it is served meanwhile.
+            assert _text(_ask(gw, key, "smol", 4))
+            next(lines)  # the pirate stream is still being served
+        reply = robot.result(timeout=120)  # leaving the stream frees the slot
+    assert busy.status_code == 503, busy.text
+    assert busy.json()["error"]["code"] == "adapter_busy" and busy.headers["retry-after"]
+    assert "active-adapter slot" in busy.json()["error"]["message"]
+    assert _text(reply).startswith(MARKERS["robot"]), reply.text
+    d = _residency(gw, reply)
+    assert d["outcome"] == "promote" and d["evidence"]["adapter_waited_ms"] > 0, d
+    assert "waiting" in d["reason"]

@@ -97,10 +97,21 @@ def _adapter(**kw: Any) -> dict[str, Any]:
         ),
         (
             {
-                "models": [{**_LOCAL, "engine": {"kind": "llamacpp", "max_adapters": 1}}],
-                "adapters": [_adapter(name="a1"), _adapter(name="a2")],
+                "models": [{**_LOCAL, "engine": {"kind": "llamacpp", "max_adapters": 0}}],
+                "adapters": [_adapter(name="a1")],
             },
-            "more adapters for 'local' than its engine's max_adapters (1)",
+            "the engine of 'local' has max_adapters 0 and loads none",
+        ),
+        (
+            {
+                "models": [
+                    {
+                        **_LOCAL,
+                        "engine": {"kind": "llamacpp", "max_adapters": 1, "max_active_adapters": 2},
+                    }
+                ],
+            },
+            "max_active_adapters (2) is more than max_adapters (1)",
         ),
     ],
 )

@@ -227,7 +227,26 @@ class ManagedEngine(_Strict):
     lazy: bool = False
     pinned: bool = False
     idle_ttl_s: float | None = Field(None, ge=0)  # None = engines.idle_ttl_s
-    max_adapters: int = Field(4, ge=0, le=32)  # adapters loaded in this engine at once
+    # Adapters loaded in this engine at once (warm or hot); more may be registered: the
+    # others stay cold on disk and one is loaded on demand in place of the least
+    # recently used idle one (vLLM at run time; llama-server by a drained restart).
+    max_adapters: int = Field(4, ge=0, le=32)
+    # Adapters in use by requests at once (hot); a request for another waits, in
+    # order, for one to drain. None = max_adapters. vLLM's --max-loras.
+    max_active_adapters: int | None = Field(None, ge=1, le=32)
+
+    @model_validator(mode="after")
+    def _adapter_caps(self) -> ManagedEngine:
+        if self.max_active_adapters is not None and self.max_active_adapters > self.max_adapters:
+            raise ValueError(
+                f"max_active_adapters ({self.max_active_adapters}) is more than max_adapters "
+                f"({self.max_adapters}): an active adapter is a loaded one"
+            )
+        return self
+
+    @property
+    def active_adapters(self) -> int:
+        return self.max_adapters if self.max_active_adapters is None else self.max_active_adapters
 
 
 class LlamaCppEngine(ManagedEngine):
@@ -270,6 +289,11 @@ class VllmEngine(ManagedEngine):
     kv_cache_mb: int = Field(1024, ge=16)
     startup_timeout_s: float = Field(420.0, gt=0)
     extra_args: list[str] = []  # appended to the server's command line
+    # Whether base requests may be decoded in one batch with adapter requests. vLLM's
+    # CPU LoRA ops apply the last LoRA slot's adapter to a base request in a mixed
+    # batch (a request without an adapter is slot -1), so by default the gateway keeps
+    # them apart: base and adapter requests take turns. True on a GPU build.
+    base_beside_adapters: bool = False
 
 
 class OpenAIEngine(_Strict):
@@ -573,7 +597,6 @@ class Settings(_Strict):
                     f"{r.fallback_reserve_s} = {need:g}s > server.default_deadline_s {deadline:g}s; "
                     "lower retries or timeouts, or raise the deadline"
                 )
-        per_base: dict[str, int] = {}
         for i, a in enumerate(self.adapters):
             where = f"adapters[{i}] ({a.name})"
             if a.name in seen or (self.embeddings.enabled and a.name == self.embeddings.alias):
@@ -596,11 +619,9 @@ class Settings(_Strict):
                     f"{where}.base_revision: the adapter was trained on {a.base!r} revision "
                     f"{a.base_revision!r}, but that model is revision {base.revision!r}"
                 )
-            per_base[a.base] = per_base.get(a.base, 0) + 1
-            if per_base[a.base] > spec.max_adapters:
+            if spec.max_adapters == 0:
                 raise ValueError(
-                    f"{where}: more adapters for {a.base!r} than its engine's max_adapters "
-                    f"({spec.max_adapters})"
+                    f"{where}.base: the engine of {a.base!r} has max_adapters 0 and loads none"
                 )
         return self
 

@@ -174,6 +174,17 @@ class ModelLoading(EngineNotReady):
         super().__init__(message, retry_after_s=retry_after, **kw)
 
 
+class AdapterBusy(EngineNotReady):
+    """The request's adapter could not be made active in time: every active-adapter
+    slot (or every loaded adapter) of its engine was in use until its deadline, or the
+    engine could not drain to load it; Retry-After says when to try again."""
+
+    code = "adapter_busy"
+
+    def __init__(self, message: str, *, retry_after: int = 1, **kw: Any) -> None:
+        super().__init__(message, retry_after_s=retry_after, **kw)
+
+
 class EngineCrashed(UpstreamError):
     """The local engine died while serving this request. Not retried on that engine
     (the same prompt may crash it again); a fallback model may still serve it."""

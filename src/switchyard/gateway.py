@@ -150,6 +150,7 @@ class Gateway:
         if self.metrics is not None:
             self.registry.pool.on_event = self.metrics.engine_event
             self.registry.pool.on_memory = self.metrics.engine_memory_mb
+            self.registry.pool.on_adapter = self.metrics.adapter_event
         if self.metrics is not None:  # aliases that may label a refused request
             self.metrics.known_models = frozenset(
                 [m.alias for m in settings.models] + [settings.embeddings.alias]

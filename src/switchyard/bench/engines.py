@@ -11,7 +11,10 @@ whose idle TTL unloads it between cold samples. In interleaved rounds it measure
 - time to first token of the lazy model cold (its load included) and warm;
 - aggregate tokens/s at concurrency 4 with 0, 1 and 2 adapters in a mixed stream,
   against the base alone (llama.cpp does not batch requests for different adapters
-  together: that is the cost shown).
+  together: that is the cost shown);
+- the cost of an adapter swap: a third alias with `max_adapters: 1` and two adapters,
+  asked for each in turn (a cold adapter: llama-server drains and restarts with it,
+  vLLM loads it at run time), against asking again with it loaded.
 
 Every request generates `--tokens` tokens (end-of-sequence banned). The result file
 records the machine, versions, the llama-server build and the workload.
@@ -123,19 +126,60 @@ def _config(port: int, db: Path, slots: int, manifest: dict[str, Any], kind: str
                 "revision": "r1",
                 "engine": _engine(kind, 1, lazy=True, idle_ttl_s=1),
             },
+            {  # one adapter loaded at a time: asking for the other swaps them
+                "alias": "bench-swap",
+                "revision": "r1",
+                "engine": _engine(kind, 2, pinned=True, max_adapters=1),
+            },
         ],
         "adapters": [
             {
-                "name": f"bench-{name}",
-                "base": "bench-smol",
+                "name": f"{prefix}-{name}",
+                "base": base,
                 "base_revision": "r1",
                 "path": ad[name][path],
                 "sha256": ad[name][digest],
                 "allowed_tenants": ["*"],
             }
+            for base, prefix in (("bench-smol", "bench"), ("bench-swap", "swap"))
             for name in ("pirate", "robot")
         ],
     }
+
+
+async def _swaps(base: str, n: int) -> dict[str, list[float]]:
+    """Latency of a request whose adapter is cold (the engine swaps it in for the
+    other) against one whose adapter is loaded, and the swap itself (from the trace)."""
+    url = base + "/v1/chat/completions"
+    out: dict[str, list[float]] = {"swap_ms": [], "loaded_ms": [], "adapter_load_ms": []}
+    async with aiohttp.ClientSession() as session:
+        for i in range(n):
+            model = "swap-pirate" if i % 2 else "swap-robot"
+            for kind in ("swap_ms", "loaded_ms"):  # cold first, then the same again
+                t = time.perf_counter()
+                async with session.post(url, json=_body(model, 8)) as r:
+                    await r.read()
+                    rid = r.headers["x-request-id"]
+                out[kind].append((time.perf_counter() - t) * 1000.0)
+                if kind == "swap_ms":
+                    out["adapter_load_ms"].append(await _load_ms(session, base, rid))
+    return out
+
+
+async def _load_ms(session: aiohttp.ClientSession, base: str, rid: str) -> float:
+    deadline = time.monotonic() + 20  # the ledger commits the trace a moment later
+    while True:
+        async with session.get(f"{base}/admin/requests/{rid}") as r:
+            if r.status == 200:
+                trace = await r.json()
+                break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no trace for {rid}")
+        await asyncio.sleep(0.1)
+    d = next(d for d in trace["decisions"] if d["stage"] == "residency")
+    if d["outcome"] != "adapter-load":
+        raise RuntimeError(f"expected a swap, the residency decision was {d['outcome']}")
+    return float(d["evidence"]["adapter_load_ms"])
 
 
 def _build_info() -> dict[str, str]:
@@ -196,6 +240,8 @@ async def _measure(args: argparse.Namespace, base: str, direct: str) -> dict[str
         cold.append(await _ttft(gw_url, "bench-cold"))
         warm.append(await _ttft(gw_url, "bench-cold"))
     print("  cold/warm TTFT done", flush=True)
+    swaps = await _swaps(base, max(2, 2 * args.rounds))
+    print("  adapter swaps done", flush=True)
     med = {k: {c: statistics.median(v) for c, v in d.items()} for k, d in tput.items()}
     lo = str(levels[0])
     return {
@@ -211,6 +257,10 @@ async def _measure(args: argparse.Namespace, base: str, direct: str) -> dict[str
         "ttft_ms": {
             "cold": {"p50": statistics.median(cold), "max": max(cold), "samples": cold},
             "warm": {"p50": statistics.median(warm), "max": max(warm), "samples": warm},
+        },
+        "adapter_swap_ms": {
+            **{f"{k}_p50": statistics.median(v) for k, v in swaps.items()},
+            "samples": swaps,
         },
     }
 
@@ -286,6 +336,12 @@ def _print(out: dict[str, Any]) -> None:
     print(
         f"\nTTFT of a lazy model: cold p50 {t['cold']['p50']:.0f} ms, warm p50 "
         f"{t['warm']['p50']:.0f} ms"
+    )
+    sw = out["adapter_swap_ms"]
+    print(
+        f"adapter swap (max_adapters 1, 8 tokens): request p50 {sw['swap_ms_p50']:.0f} ms "
+        f"(the load {sw['adapter_load_ms_p50']:.0f} ms) vs {sw['loaded_ms_p50']:.0f} ms "
+        f"with the adapter loaded"
     )
 
 

@@ -17,9 +17,9 @@ from switchyard.decide.select import select_deployment
 from switchyard.decide.tools import shortlist, tool_text
 from switchyard.decide.verify import verify
 from switchyard.embed import EmbeddingService
-from switchyard.engines.pool import EnginePool
+from switchyard.engines.pool import BASE, EnginePool
 from switchyard.engines.registry import Deployment
-from switchyard.errors import EngineFailed, EngineNotReady, PermissionDenied, SwitchyardError
+from switchyard.errors import EngineNotReady, PermissionDenied, SwitchyardError
 from switchyard.pipeline import CacheOutcome, CacheState, RequestContext, Stage, Verdict, View
 from switchyard.policy import headers as request_headers
 
@@ -368,7 +368,15 @@ class Residency(Stage):
         now = self._pool.hot(dep.engine)
         if now is None:
             return self._load(ctx, dep, t)
-        self._held(ctx, dep, now.outcome, now.reason, now.evidence, t)
+        ctx.admission.resident = (dep.engine, None)
+        if dep.adapter is None and not dep.engine.isolate_base:
+            ctx.record(self.name, now.outcome, now.reason, t, now.evidence)
+            return None
+        name = BASE if dep.adapter is None else dep.adapter.name
+        got = self._pool.adapter_now(dep.engine, name)
+        if got is None:
+            return self._adapter(ctx, dep, now.outcome, now.reason, now.evidence, t)
+        self._record(ctx, dep, now.outcome, now.reason, {**now.evidence, **got}, t)
         return None
 
     async def _load(self, ctx: RequestContext, dep: Deployment, t: float) -> None:
@@ -378,9 +386,13 @@ class Residency(Stage):
         except SwitchyardError as exc:
             ctx.record(self.name, "reject", exc.message, t, {"state": dep.engine.state.value})
             raise
-        self._held(ctx, dep, r.outcome, r.reason, r.evidence, t)
+        ctx.admission.resident = (dep.engine, None)
+        if dep.adapter is None and not dep.engine.isolate_base:
+            ctx.record(self.name, r.outcome, r.reason, t, r.evidence)
+            return
+        await self._adapter(ctx, dep, r.outcome, r.reason, r.evidence, t)
 
-    def _held(
+    async def _adapter(
         self,
         ctx: RequestContext,
         dep: Deployment,
@@ -389,30 +401,67 @@ class Residency(Stage):
         evidence: dict[str, Any],
         t: float,
     ) -> None:
-        engine = dep.engine
+        """The engine is held; wait for the adapter to be active for this request (or,
+        for a base request kept apart from adapter requests, for its turn)."""
+        engine, adapter = dep.engine, dep.adapter
         assert engine is not None
-        ctx.admission.resident = (engine, None)
-        adapter = dep.adapter
-        if adapter is not None:
-            ident = dep.adapter_id()
-            if ident is None:
-                why = engine.adapter_errors.get(adapter.name) or "it is not loaded in its engine"
-                ctx.record(self.name, "reject", f"adapter {adapter.name}: {why}", t, evidence)
-                raise EngineFailed(f"the adapter '{adapter.name}' is not served: {why}")
-            was = engine.adapter_state(adapter.name)
-            engine.adapter_in_flight[adapter.name] = (
-                engine.adapter_in_flight.get(adapter.name, 0) + 1
+        name = BASE if adapter is None else adapter.name
+        try:
+            got = await self._pool.adapter(engine, name, ctx.remaining_s())
+        except SwitchyardError as exc:
+            if adapter is None:
+                ctx.record(self.name, "reject", exc.message, t, evidence)
+                raise
+            ev = {**evidence, "adapter": name, "adapter_state": engine.adapter_state(name)}
+            ctx.record(self.name, "reject", f"adapter {name}: {exc.message}", t, ev)
+            raise
+        self._record(ctx, dep, outcome, reason, {**evidence, **got}, t)
+
+    def _record(
+        self,
+        ctx: RequestContext,
+        dep: Deployment,
+        outcome: str,
+        reason: str,
+        evidence: dict[str, Any],
+        t: float,
+    ) -> None:
+        """The adapter is active for this request (the pool counted it in use)."""
+        engine, adapter = dep.engine, dep.adapter
+        assert engine is not None
+        if adapter is None:  # a base request kept apart from adapter requests
+            ctx.admission.resident = (engine, BASE)
+            reason = (
+                f"{reason}; kept apart from adapter requests "
+                f"(engine.base_beside_adapters is false): {evidence['base_apart']}"
             )
-            ctx.admission.resident = (engine, adapter.name)
-            evidence = {
-                **evidence,
-                "adapter": adapter.name,
-                "adapter_revision": adapter.revision,
-                "adapter_id": ident,
-                "adapter_state": was,  # before this request: hot (in use) or warm
-                "base": adapter.base,
-                "base_revision": adapter.base_revision,
-            }
+            if "adapter_waited_ms" in evidence:
+                reason += f" after waiting {evidence['adapter_waited_ms']:g} ms for them"
+            ctx.record(self.name, outcome, reason, t, evidence)
+            return
+        ctx.admission.resident = (engine, adapter.name)
+        action = evidence.get("adapter_action")
+        if action == "loaded":
+            outcome = "adapter-load"
+            reason = f"{reason}; the adapter was cold: loaded ({evidence['adapter_load']})"
+            evicted = evidence.get("adapter_evicted") or []
+            if evicted:
+                reason += f", evicting {evicted[0]['adapter']} ({evicted[0]['reason']})"
+        elif action == "promoted":
+            outcome = "promote" if outcome == "hot" else outcome
+            reason = f"{reason}; the adapter was warm: promoted to active"
+        else:
+            reason = f"{reason}; the adapter is active: joined the requests using it"
+        if "adapter_waited_ms" in evidence:
+            reason += f" after waiting {evidence['adapter_waited_ms']:g} ms for a slot"
+        evidence = {
+            **evidence,
+            "adapter": adapter.name,
+            "adapter_revision": adapter.revision,
+            "adapter_id": dep.adapter_id(),
+            "base": adapter.base,
+            "base_revision": adapter.base_revision,
+        }
         ctx.record(self.name, outcome, reason, t, evidence)
 
 

@@ -158,6 +158,20 @@ class ManagedLlamaCpp:
         self.adapter_ids: dict[str, int] = {}
         self.adapter_errors: dict[str, str] = {}
         self.adapter_in_flight: dict[str, int] = {}  # requests now using each adapter
+        # Adapter residency (engines/pool.py): the ones to load at start (at most
+        # max_adapters; the others are cold on disk), when each was loaded and last
+        # used, the requests waiting for an active slot (in order), the adapters
+        # being loaded, and the requests that hold the engine while they wait.
+        self.adapter_set: list[str] = [a.name for a in adapters[: spec.max_adapters]]
+        self.adapter_loaded_at: dict[str, float] = {}
+        self.adapter_last_used: dict[str, float] = {}
+        self.adapter_waiters: collections.deque[asyncio.Event] = collections.deque()
+        self.adapter_loading: set[str] = set()
+        self.adapter_pending = 0
+        self.adapter_lock = asyncio.Lock()  # one adapter load per engine at a time
+        # Set while the engine drains and restarts to change its adapters (llama-server
+        # loads adapters only at start): new requests wait for it.
+        self.draining: asyncio.Event | None = None
         self.state = EngineState.COLD if spec.lazy else EngineState.STOPPED
         self.port: int | None = None
         self.proc: asyncio.subprocess.Process | None = None
@@ -283,6 +297,25 @@ class ManagedLlamaCpp:
             return False
         return True
 
+    def adapter_file(self, name: str) -> AdapterFile | None:
+        return next((a for a in self.adapters if a.name == name), None)
+
+    async def swap_adapter(self, evict: str | None, load: AdapterFile) -> bool:
+        """Unload `evict` and load `load` in the running server, at run time. False:
+        this engine loads adapters only at start (llama-server), so the pool drains and
+        restarts it with its new set. Raises RuntimeError with why on a failure."""
+        return False
+
+    @property
+    def isolate_base(self) -> bool:
+        """Whether base requests must not share a batch with adapter requests (they
+        take turns: engines/pool.py). llama-server mixes them correctly."""
+        return False
+
+    def env(self) -> dict[str, str] | None:
+        """The engine process's environment (None: the gateway's own)."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
@@ -304,6 +337,9 @@ class ManagedLlamaCpp:
             "loads": self.loads,
             "in_flight": self.in_flight,
             "memory_mb": None if self.memory_mb is None else round(self.memory_mb, 1),
+            "max_adapters": self.spec.max_adapters,
+            "max_active_adapters": self.spec.active_adapters,
+            "adapters_waiting": len(self.adapter_waiters),
             "adapters": {
                 a.name: {
                     "revision": a.revision,
@@ -316,10 +352,13 @@ class ManagedLlamaCpp:
         }
 
     def adapter_state(self, name: str) -> str:
-        """hot (loaded, a request uses it now), warm (loaded, idle), cold (on disk: the
-        engine is not running), refused (its file failed its checksum)."""
+        """hot (loaded, a request uses it now), warm (loaded, idle), loading, cold (on
+        disk: not loaded in the running engine, or the engine is not running), refused
+        (its file failed its checksum)."""
         if name in self.adapter_errors:
             return "refused"
+        if name in self.adapter_loading:
+            return "loading"
         if name not in self.adapter_ids or not self.live:
             return "cold"
         return "hot" if self.adapter_in_flight.get(name, 0) > 0 else "warm"
@@ -454,26 +493,35 @@ class ManagedLlamaCpp:
             backoff = min(backoff * 2, self.spec.restart_backoff_max_s)
 
     def _checked_adapters(self) -> list[AdapterFile]:
-        """The adapters whose file is there and matches its sha256 (checked before every
-        load); the others are refused by name, with why, and the base serves on."""
+        """The adapters of the set to load whose file is there and matches its sha256
+        (checked before every load); the others are refused by name, with why, and
+        the base serves on."""
         ok: list[AdapterFile] = []
         self.adapter_errors = {}
         for a in self.adapters:
-            try:
-                digest = sha256_file(self.adapter_digest_path(a))
-            except OSError as exc:
-                self.adapter_errors[a.name] = f"cannot read {a.path}: {exc.strerror or exc}"
-                continue
-            if digest != a.sha256:
-                self.adapter_errors[a.name] = (
-                    f"checksum mismatch: {a.path} has sha256 {digest[:16]}..., "
-                    f"the registry says {a.sha256[:16]}..."
-                )
-                continue
-            ok.append(a)
-        for name, why in self.adapter_errors.items():
-            log.error("engine %s: adapter %s refused: %s", self.alias, name, why)
+            if a.name not in self.adapter_set:
+                continue  # cold: checked when it is loaded
+            why = self.adapter_refusal(a)
+            if why is None:
+                ok.append(a)
+            else:
+                self.adapter_errors[a.name] = why
+                log.error("engine %s: adapter %s refused: %s", self.alias, a.name, why)
         return ok
+
+    def adapter_refusal(self, a: AdapterFile) -> str | None:
+        """Why `a`'s file may not be loaded (unreadable, or not the registered sha256),
+        or None."""
+        try:
+            digest = sha256_file(self.adapter_digest_path(a))
+        except OSError as exc:
+            return f"cannot read {a.path}: {exc.strerror or exc}"
+        if digest != a.sha256:
+            return (
+                f"checksum mismatch: {a.path} has sha256 {digest[:16]}..., "
+                f"the registry says {a.sha256[:16]}..."
+            )
+        return None
 
     def server_command(self, binary: str, gguf: str, port: int, loras: list[str]) -> list[str]:
         """llama-server with `parallel` slots of `ctx` tokens each (continuous batching
@@ -560,8 +608,11 @@ class ManagedLlamaCpp:
                     stdin=asyncio.subprocess.DEVNULL,
                     stderr=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.DEVNULL,
+                    env=self.env(),
                 )
                 self.adapter_ids = {a.name: i for i, a in enumerate(loras)}
+                now = time.monotonic()
+                self.adapter_loaded_at = {a.name: now for a in loras}
             else:
                 sock.listen(128)
                 fd = sock.fileno()

@@ -9,6 +9,16 @@ least `min_residency_s` is evicted, until the new one fits both `max_loaded` and
 
 Each request's residency decision says `hot`, or `cold-load` with the load's time and
 what was evicted and why; refusals are 503 `model_loading` with Retry-After.
+
+Adapters have residency of their own inside their engine: at most `max_adapters`
+loaded (warm, or hot while a request uses one) and at most `max_active_adapters` hot
+at once. A request for a warm adapter with a free active slot promotes it; one for a
+cold adapter loads it, in place of the least recently used idle loaded one (vLLM at
+run time; llama-server, which loads adapters only at start, by draining its requests
+and restarting with the new set). A request that cannot be served at once waits in
+its engine's queue, in arrival order, until its deadline (then 503 `adapter_busy`).
+Where base requests must not share a batch with adapter requests (vLLM on CPU), the
+base is one more member of that queue and takes turns with the adapters.
 """
 
 from __future__ import annotations
@@ -23,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from switchyard.config import EnginesConfig
-from switchyard.engines.llamacpp import EngineState, ManagedLlamaCpp
-from switchyard.errors import EngineFailed, EngineNotReady, ModelLoading
+from switchyard.engines.llamacpp import AdapterFile, EngineState, ManagedLlamaCpp
+from switchyard.errors import AdapterBusy, EngineFailed, EngineNotReady, ModelLoading
 
 log = logging.getLogger("switchyard.engine")
 
@@ -99,6 +109,8 @@ class EnginePool:
         self.cfg = cfg
         self.on_event = on_event  # (event, alias, seconds): "load", "evict", "unload"
         self.on_memory = on_memory  # (alias, MiB) as measured
+        # (event, engine alias, adapter, seconds): "load", "evict", "promote"
+        self.on_adapter: Callable[[str, str, str, float | None], None] | None = None
         self._lock = asyncio.Lock()  # one load (and its evictions) decided at a time
         self._waiting: dict[str, int] = {}
         self._reaper: asyncio.Task[None] | None = None
@@ -210,13 +222,16 @@ class EnginePool:
         e.last_used = time.monotonic()
         if adapter is not None:
             e.adapter_in_flight[adapter] -= 1
+            e.adapter_last_used[adapter] = e.last_used
+            if e.adapter_in_flight[adapter] == 0:
+                _kick(e)  # an active slot is free, or this adapter may be evicted
 
     def expected_load_s(self, e: ManagedLlamaCpp) -> float:
         return e.cold_start_s if e.cold_start_s is not None else _FIRST_LOAD_S
 
     def hot(self, e: ManagedLlamaCpp) -> Residency | None:
         """The engine is loaded: hold it for this request (release() at settle)."""
-        if not e.ready:
+        if not e.ready or e.draining is not None:
             return None
         self.hold(e)
         return Residency("hot", "the model is loaded", {"memory_mb": _r(estimate_mb(e))})
@@ -224,8 +239,21 @@ class EnginePool:
     async def acquire(self, e: ManagedLlamaCpp, remaining_s: float) -> Residency:
         """Make `e` serve this request: at once when loaded, else after one load (made
         room for first). Holds the engine (release() at settle)."""
+        t_drain = time.perf_counter()
+        while e.draining is not None:  # it restarts to change its adapters: wait for it
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(e.draining.wait(), remaining_s)
+            remaining_s -= time.perf_counter() - t_drain
+            if remaining_s <= 0:
+                raise ModelLoading(
+                    f"the model '{e.alias}' is restarting to change its adapters; retry shortly",
+                    retry_after=max(1, round(self.expected_load_s(e))),
+                )
         now = self.hot(e)
         if now is not None:
+            if time.perf_counter() - t_drain > 0.001:
+                now.reason = "the model is loaded (after it restarted to change its adapters)"
+                now.evidence["waited_ms"] = _r((time.perf_counter() - t_drain) * 1000.0)
             return now
         if e.failed:
             raise EngineFailed(
@@ -290,6 +318,218 @@ class EnginePool:
             why += f", evicting {', '.join(v['alias'] for v in evicted)}"
         return Residency("cold-load", why, evidence)
 
+    # -- a request's adapter ------------------------------------------------------
+    def adapter_now(self, e: ManagedLlamaCpp, name: str) -> dict[str, Any] | None:
+        """Make the adapter active for this request at once if nobody waits before it:
+        it is hot (join), or warm with an active slot free (promote). Else None: the
+        request waits in `adapter()`. The engine is held by this request."""
+        if e.adapter_waiters or e.draining is not None:
+            return None
+        return self._admit(e, name, 0.0)
+
+    def _admit(self, e: ManagedLlamaCpp, name: str, waited_s: float) -> dict[str, Any] | None:
+        if name == BASE:  # kept apart: only while no adapter request runs
+            if not e.ready or _active(e) > 0:
+                return None
+            n = e.adapter_in_flight.get(BASE, 0)
+            e.adapter_in_flight[BASE] = n + 1
+            turn: dict[str, Any] = {"base_apart": "joined base requests" if n else "took its turn"}
+            if waited_s > 0:
+                turn["adapter_waited_ms"] = _r(waited_s * 1000.0)
+            return turn
+        if name not in e.adapter_ids or name in e.adapter_loading or not e.ready:
+            return None
+        if e.adapter_in_flight.get(BASE, 0) > 0:  # base requests kept apart run now
+            return None
+        n = e.adapter_in_flight.get(name, 0)
+        cap = e.spec.active_adapters
+        active = _active(e)
+        if n == 0 and active >= cap:
+            return None
+        e.adapter_in_flight[name] = n + 1
+        e.adapter_last_used[name] = time.monotonic()
+        out: dict[str, Any] = {
+            "adapter_state": "hot" if n else "warm",  # before this request
+            "adapter_action": "joined" if n else "promoted",
+            "adapter_active": active + (0 if n else 1),
+            "max_active_adapters": cap,
+        }
+        if waited_s > 0:
+            out["adapter_waited_ms"] = _r(waited_s * 1000.0)
+        if not n and self.on_adapter is not None:
+            self.on_adapter("promote", e.alias, name, None)
+        return out
+
+    async def adapter(self, e: ManagedLlamaCpp, name: str, remaining_s: float) -> dict[str, Any]:
+        """Wait, in arrival order, until the adapter can be active for this request:
+        joined, promoted, or loaded (cold) in place of the least recently used idle
+        one. Refuses with 503 adapter_busy at the deadline."""
+        a = e.adapter_file(name)
+        assert a is not None or name == BASE
+        t0 = time.perf_counter()
+        deadline = t0 + remaining_s
+        me = asyncio.Event()
+        e.adapter_waiters.append(me)
+        e.adapter_pending += 1
+        state = e.adapter_state(name)
+        try:
+            while True:
+                why = e.adapter_errors.get(name)
+                if why is not None:
+                    raise EngineFailed(f"the adapter '{name}' is not served: {why}")
+                if e.adapter_waiters[0] is me:
+                    got = self._admit(e, name, time.perf_counter() - t0)
+                    if got is not None:
+                        return got
+                    if (
+                        a is not None
+                        and e.ready
+                        and name not in e.adapter_ids
+                        and self._can_load(e)
+                    ):
+                        loaded = await self._load_adapter(e, a, deadline)
+                        got = self._admit(e, name, time.perf_counter() - t0)
+                        if got is not None:
+                            return {**got, **loaded, "adapter_state": state}
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise AdapterBusy(self._busy(e, name))
+                me.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(me.wait(), min(left, 1.0))
+        finally:
+            e.adapter_waiters.remove(me)
+            e.adapter_pending -= 1
+            _kick(e)
+
+    def _busy(self, e: ManagedLlamaCpp, name: str) -> str:
+        hot = sorted(n for n, k in e.adapter_in_flight.items() if k > 0 and n != BASE)
+        if name == BASE:
+            return (
+                f"the model '{e.alias}' is kept apart from its adapters' requests "
+                f"(engine.base_beside_adapters is false) and they ran ({', '.join(hot)}) "
+                "until this request's deadline"
+            )
+        if e.adapter_in_flight.get(BASE, 0) > 0:
+            hot.append(f"base requests of {e.alias}, kept apart")
+        if name in e.adapter_ids or name in e.adapter_loading:
+            return (
+                f"the adapter '{name}' could not be made active before this request's "
+                f"deadline: its engine's {e.spec.active_adapters} active-adapter slot(s) "
+                f"were in use ({', '.join(hot)})"
+            )
+        return (
+            f"the adapter '{name}' could not be loaded before this request's deadline: "
+            f"its engine's {e.spec.max_adapters} loaded adapter(s) were in use or loaded "
+            f"less than engines.min_residency_s ago, or the engine could not drain"
+        )
+
+    def _victim(self, e: ManagedLlamaCpp) -> str | None:
+        """The loaded adapter to evict: idle, loaded long enough, least recently used."""
+        now = time.monotonic()
+        idle = [
+            n
+            for n in e.adapter_ids
+            if e.adapter_in_flight.get(n, 0) == 0
+            and now - e.adapter_loaded_at.get(n, 0.0) >= self.cfg.min_residency_s
+        ]
+        return min(idle, key=lambda n: e.adapter_last_used.get(n, 0.0), default=None)
+
+    def _can_load(self, e: ManagedLlamaCpp) -> bool:
+        if _active(e) >= e.spec.active_adapters:
+            return False
+        return len(e.adapter_ids) < e.spec.max_adapters or self._victim(e) is not None
+
+    async def _load_adapter(
+        self, e: ManagedLlamaCpp, a: AdapterFile, deadline: float
+    ) -> dict[str, Any]:
+        """Load the cold adapter `a` (its checksum first), evicting the least recently
+        used idle one if the engine has max_adapters loaded."""
+        why = await asyncio.to_thread(e.adapter_refusal, a)
+        if why is not None:
+            e.adapter_errors[a.name] = why
+            log.error("engine %s: adapter %s refused: %s", e.alias, a.name, why)
+            raise EngineFailed(f"the adapter '{a.name}' is not served: {why}")
+        victim = self._victim(e) if len(e.adapter_ids) >= e.spec.max_adapters else None
+        evicted: list[dict[str, Any]] = []
+        if victim is not None:
+            now = time.monotonic()
+            evicted.append(
+                {
+                    "adapter": victim,
+                    "reason": "least recently used (max_adapters)",
+                    "idle_s": _r(now - e.adapter_last_used.get(victim, now)),
+                }
+            )
+        t = time.perf_counter()
+        e.adapter_loading.add(a.name)
+        try:
+            async with e.adapter_lock:
+                try:
+                    at_run_time = await e.swap_adapter(victim, a)
+                except RuntimeError as exc:
+                    raise EngineNotReady(
+                        f"the adapter '{a.name}' could not be loaded: {exc}"
+                    ) from exc
+                if not at_run_time:
+                    await self._restart_with(e, victim, a, deadline)
+        finally:
+            e.adapter_loading.discard(a.name)
+        e.adapter_loaded_at[a.name] = time.monotonic()
+        load_s = time.perf_counter() - t
+        log.info(
+            "engine %s: adapter %s loaded in %.0f ms%s",
+            e.alias,
+            a.name,
+            load_s * 1000,
+            f", evicting {victim}" if victim else "",
+        )
+        if self.on_adapter is not None:
+            if victim is not None:
+                self.on_adapter("evict", e.alias, victim, None)
+            self.on_adapter("load", e.alias, a.name, load_s)
+        return {
+            "adapter_action": "loaded",
+            "adapter_load_ms": _r(load_s * 1000.0),
+            "adapter_load": "at run time" if at_run_time else "drained restart",
+            "adapter_evicted": evicted,
+        }
+
+    async def _restart_with(
+        self, e: ManagedLlamaCpp, victim: str | None, a: AdapterFile, deadline: float
+    ) -> None:
+        """Drain the engine (the requests running on it finish; new ones wait), then
+        restart it with its adapters less `victim`, plus `a`."""
+        e.draining = asyncio.Event()
+        try:
+            while e.in_flight > e.adapter_pending:  # requests still running on it
+                if time.perf_counter() >= deadline:
+                    raise AdapterBusy(
+                        f"the adapter '{a.name}' could not be loaded before this request's "
+                        f"deadline: {e.alias} could not drain ({e.in_flight - e.adapter_pending} "
+                        "requests still running) to restart with it"
+                    )
+                await asyncio.sleep(0.02)
+            keep = [n for n in e.adapter_set if n in e.adapter_ids and n != victim]
+            e.adapter_set = [*keep, a.name]
+            await e.unload()
+            e.start()
+            ok = await _wait_ready(e, deadline - time.perf_counter())
+        finally:
+            e.draining.set()
+            e.draining = None
+        if not ok:
+            if e.failed:
+                raise EngineFailed(
+                    f"the model '{e.alias}' failed to restart with the adapter '{a.name}': "
+                    f"{e.reason}"
+                )
+            raise AdapterBusy(
+                f"the model '{e.alias}' is still restarting with the adapter '{a.name}'; "
+                "retry shortly",
+                retry_after=max(1, round(self.expected_load_s(e))),
+            )
+
     async def _make_room(self, e: ManagedLlamaCpp) -> list[dict[str, Any]]:
         budget, cap = self.cfg.memory_budget_mb, self.cfg.max_loaded
         need = estimate_mb(e)
@@ -345,6 +585,23 @@ async def _wait_ready(e: ManagedLlamaCpp, timeout_s: float) -> bool:
         if left <= 0:
             return False
         await e.wait_ready(min(0.25, left))
+
+
+# The base model as a member of its engine's active set, where base requests must not
+# share a batch with adapter requests (ManagedLlamaCpp.isolate_base).
+BASE = ""
+
+
+def _active(e: ManagedLlamaCpp) -> int:
+    """Adapters in use by requests (hot) or being loaded for one."""
+    hot = sum(1 for n, k in e.adapter_in_flight.items() if k > 0 and n != BASE)
+    return hot + len(e.adapter_loading)
+
+
+def _kick(e: ManagedLlamaCpp) -> None:
+    """Wake the first request waiting for an adapter of `e` to look again."""
+    if e.adapter_waiters:
+        e.adapter_waiters[0].set()
 
 
 def _r(x: float) -> float:

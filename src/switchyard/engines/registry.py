@@ -70,8 +70,13 @@ class Deployment:
 
     @property
     def loadable(self) -> bool:
-        """Not loaded, and the pool loads it on the first request (lazy or evicted)."""
-        return self.engine is not None and self.engine.cold
+        """Not loaded, and the pool loads it on the first request (lazy or evicted;
+        for an adapter, also a cold one in a running engine)."""
+        if self.engine is None:
+            return False
+        if self.adapter is not None and self.engine.ready:
+            return self.engine.adapter_state(self.adapter.name) in ("cold", "loading")
+        return self.engine.cold
 
     @property
     def failed(self) -> bool:

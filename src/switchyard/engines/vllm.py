@@ -92,10 +92,39 @@ class ManagedVllm(ManagedLlamaCpp):
         ]
         if spec.enforce_eager:
             cmd.append("--enforce-eager")
-        if loras:
-            cmd += ["--enable-lora", "--max-loras", str(max(1, len(loras)))]
-            cmd += ["--lora-modules", *(f"{a.name}={a.path}" for a in loras)]
+        if self.adapters:
+            # --max-loras: adapters in one batch (the active cap); --max-cpu-loras: the
+            # ones kept loaded. Loaded ones beyond those at start come at run time.
+            cmd += ["--enable-lora", "--max-loras", str(max(1, spec.active_adapters))]
+            cmd += ["--max-cpu-loras", str(max(1, spec.max_adapters))]
+            if loras:
+                cmd += ["--lora-modules", *(f"{a.name}={a.path}" for a in loras)]
         return cmd + list(spec.extra_args)
+
+    @property
+    def isolate_base(self) -> bool:
+        return bool(self.adapters) and not self.vllm.base_beside_adapters
+
+    def env(self) -> dict[str, str] | None:
+        """Runtime adapter loading on when more adapters are registered than it loads:
+        only the gateway calls it (the server listens on 127.0.0.1), with the
+        registry's paths, after their checksum."""
+        if len(self.adapters) <= self.spec.max_adapters:
+            return None
+        return {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+    async def swap_adapter(self, evict: str | None, load: AdapterFile) -> bool:
+        root = self.base_url
+        timeout = aiohttp.ClientTimeout(total=120, sock_connect=2)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            if evict is not None:
+                await _post(session, root + "/unload_lora_adapter", {"lora_name": evict})
+                self.adapter_ids.pop(evict, None)
+                self.adapter_loaded_at.pop(evict, None)
+            body = {"lora_name": load.name, "lora_path": load.path}
+            await _post(session, root + "/load_lora_adapter", body)
+        self.adapter_ids[load.name] = max(self.adapter_ids.values(), default=-1) + 1
+        return True
 
     def adapter_digest_path(self, a: AdapterFile) -> str:
         return os.path.join(a.path, "adapter_model.safetensors")
@@ -117,3 +146,13 @@ class ManagedVllm(ManagedLlamaCpp):
 
     async def after_health(self, session: aiohttp.ClientSession) -> bool:
         return True
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, str]) -> None:
+    try:
+        async with session.post(url, json=body) as r:
+            if r.status != 200:
+                text = (await r.text())[:200]
+                raise RuntimeError(f"{url.rsplit('/', 1)[-1]} answered {r.status}: {text}")
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        raise RuntimeError(f"{url.rsplit('/', 1)[-1]} failed ({type(exc).__name__})") from exc

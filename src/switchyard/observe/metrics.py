@@ -292,6 +292,13 @@ class Metrics:
             buckets=(0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120),
             registry=reg,
         )
+        self.adapter_events = Counter(
+            "switchyard_adapter_events",
+            "Adapter residency: loads (cold to loaded), evictions (LRU, max_adapters) and "
+            "promotions (warm to active)",
+            ["model", "adapter", "event"],
+            registry=reg,
+        )
         self.engine_resident = Gauge(
             "switchyard_engine_resident",
             "1 while the local model is loaded",
@@ -348,6 +355,10 @@ class Metrics:
             reason = "lru" if event == "evict" else "idle"
             self.engine_evictions.labels(model, reason).inc()
             self.engine_resident.labels(model).set(0)
+
+    def adapter_event(self, event: str, model: str, adapter: str, seconds: float | None) -> None:
+        """The pool's adapter load / evict / promote events (EnginePool.on_adapter)."""
+        self.adapter_events.labels(model, adapter, event).inc()
 
     def engine_memory_mb(self, model: str, mb: float | None) -> None:
         if mb is not None:
