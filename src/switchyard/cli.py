@@ -40,8 +40,9 @@ def _failures(gw: Gateway) -> str:
     if not failed:
         return ""
     lines = []
+    by_name = {d.name: d for d in gw.registry.every()}
     for alias, reason in failed.items():
-        dep = gw.registry.deployments.get(alias)
+        dep = by_name.get(alias)
         tail = list(dep.engine.stderr_tail) if dep is not None and dep.engine is not None else []
         lines.append(f"  !! Model '{alias}' FAILED to start and is not served:")
         lines.append(f"       {reason}")
@@ -439,6 +440,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engines_bench(
         bsub.add_parser(
             "engines", help="engine pool: tok/s by concurrency, gateway vs direct, adapters"
+        )
+    )
+    from switchyard.bench.balance import add_arguments as add_balance_bench
+
+    add_balance_bench(
+        bsub.add_parser(
+            "balance", help="several deployments per alias: selection cost, skewed load"
         )
     )
     from switchyard.bench.soak import add_arguments as add_soak

@@ -404,10 +404,59 @@ class MediaOverride(_Strict):
     quality: int | None = Field(None, ge=1, le=100)
 
 
+DEPLOYMENT_NAME = r"^[a-z0-9][a-z0-9_.-]{0,31}$"
+
+
+class DeploymentConfig(_Strict):
+    """One deployment of a model alias: its own engine (an upstream or a managed
+    engine), revision, region, share of traffic and capacity."""
+
+    name: str = Field(pattern=DEPLOYMENT_NAME)
+    engine: Engine
+    revision: str | None = None  # None = the model's
+    region: str | None = None  # None = the model's
+    weight: float = Field(1.0, ge=0)  # the weighted strategy's share; 0 = never chosen
+    # Requests in flight at once; a full deployment is skipped (None = no cap).
+    max_in_flight: int | None = Field(None, ge=1)
+    labels: dict[str, str] = {}
+
+
+class BalanceConfig(_Strict):
+    """How a request picks one of its alias's deployments (decide/balance.py)."""
+
+    # weighted: random by weight. least_outstanding: two weighted random choices, the
+    # one with fewer requests in flight (power of two choices). latency: the lowest
+    # EWMA of time to first token plus per-token time, with a probe share.
+    strategy: Literal["weighted", "least_outstanding", "latency"] = "least_outstanding"
+    # Requests of one agent task (x-task-id, per tenant) or session (prompt_cache_key,
+    # x-session-id, or the deprecated `user` field) stay on one deployment while it is
+    # eligible and not loaded past `affinity_load_factor` x the average in flight.
+    affinity: bool = True
+    affinity_load_factor: float = Field(1.5, ge=1.0)
+    affinity_entries: int = Field(100_000, ge=1)  # remembered tasks and sessions (LRU)
+    # latency: the EWMA's weight of a new sample; the share of requests sent to a
+    # random other deployment (so a recovered one is measured again); an EWMA older
+    # than `stale_s` is not trusted: that deployment is probed first.
+    ewma_alpha: float = Field(0.3, gt=0, le=1)
+    probe: float = Field(0.05, ge=0, le=0.5)
+    stale_s: float = Field(30.0, gt=0)
+    # Requests whose prompt starts with the same `prefix_chars` characters go to the
+    # same deployment, by consistent hashing with bounded load (affinity_load_factor),
+    # so the engine reuses the cached prefix; a prompt shorter than `prefix_min_chars`
+    # has no prefix affinity.
+    prefix_affinity: bool = True
+    prefix_chars: int = Field(1024, ge=1)
+    prefix_min_chars: int = Field(1024, ge=1)
+
+
 class ModelConfig(_Strict):
     alias: str = Field(pattern=ALIAS_PATTERN)
     revision: str = "unversioned"
     engine: Engine
+    # Several deployments of this alias (the engine above is then the first one's,
+    # filled in when absent); selection balances among them by `balance`.
+    deployments: list[DeploymentConfig] = []
+    balance: BalanceConfig = BalanceConfig()
     capabilities: Capabilities = Capabilities()
     media: MediaOverride = MediaOverride()  # for a vision model: its image settings
     region: str = "local"
@@ -423,6 +472,41 @@ class ModelConfig(_Strict):
     # /readyz is 503 while a required model is not ready; a model with required: false
     # may fail (or still load) and the gateway reports ready without it.
     required: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_deployment_engine(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "engine" not in data:
+            deps = data.get("deployments")
+            if (
+                isinstance(deps, list)
+                and deps
+                and isinstance(deps[0], dict)
+                and "engine" in deps[0]
+            ):
+                data = {**data, "engine": deps[0]["engine"]}
+        return data
+
+    @model_validator(mode="after")
+    def _deployment_names(self) -> ModelConfig:
+        names = [d.name for d in self.deployments]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"deployments: duplicate name {name!r}")
+        if self.deployments and not any(d.weight > 0 for d in self.deployments):
+            raise ValueError("deployments: every weight is 0; one must be positive")
+        return self
+
+    def replica(self, d: DeploymentConfig) -> ModelConfig:
+        """This model's config as deployment `d` serves it."""
+        return self.model_copy(
+            update={
+                "engine": d.engine,
+                "revision": d.revision or self.revision,
+                "region": d.region or self.region,
+                "deployments": [],
+            }
+        )
 
 
 class ValidationConfig(_Strict):
@@ -583,6 +667,13 @@ class Settings(_Strict):
                 raise ValueError(
                     f"{where}.region: {m.region!r} is outside its own data_boundary {m.data_boundary}"
                 )
+            for j, d in enumerate(m.deployments):
+                region = d.region or m.region
+                if m.data_boundary is not None and region not in m.data_boundary:
+                    raise ValueError(
+                        f"{where}.deployments[{j}] ({d.name}).region: {region!r} is outside "
+                        f"the model's data_boundary {m.data_boundary}"
+                    )
             r, t = m.resilience, m.timeouts
             need = (
                 (r.retries + 1) * t.first_byte_s
@@ -605,6 +696,11 @@ class Settings(_Strict):
             base = by_alias.get(a.base)
             if base is None:
                 raise ValueError(f"{where}.base: unknown alias {a.base!r}")
+            if base.deployments:
+                raise ValueError(
+                    f"{where}.base: {a.base!r} has several deployments; adapters load on a "
+                    "model with one engine"
+                )
             spec = base.engine
             if not (
                 isinstance(spec, VllmEngine)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from switchyard.config import Price, Settings, sqlite_path
+from switchyard.decide.balance import Balancer
 from switchyard.decide.cache import ResponseCache
 from switchyard.decide.stages import (
     Cache,
@@ -69,6 +70,7 @@ def build_pipelines(
     media: MediaProcessor | None = None,
     metrics: Metrics | None = None,
     pool: EnginePool | None = None,
+    balancers: Mapping[str, Balancer] | None = None,
 ) -> Pipelines:
     """The stages, in order (DESIGN.md: the request pipeline). Evidence that is the
     same for every request of a model is built once and shared (recorded evidence
@@ -86,7 +88,7 @@ def build_pipelines(
             Cache(s, cache, planner),
             Route(s, router, named),
             Tools(s, embedder),
-            Select(deployments),
+            Select(deployments, balancers),
             *([Media(media, metrics)] if media is not None else []),
             DeploymentLimits(reserver, estimate),
             Queue(gates),
@@ -94,7 +96,9 @@ def build_pipelines(
             Place(),
         ],
         models,
-        deployments,
+        # An alias with several deployments has none fixed: its stages look at the
+        # one select chose for each request.
+        {a: d for a, d in deployments.items() if a not in (balancers or {})},
         register_block,
     )
     alias = s.embeddings.alias
@@ -159,6 +163,15 @@ class Gateway:
             obs.otel.exporter, obs.otel.endpoint, obs.otel.path, obs.otel.service_name
         )
         self.executor = Executor(settings, self.registry, self.tracing)
+        # An alias with several deployments picks one per request (decide/balance.py).
+        self.balancers = {
+            alias: Balancer(alias, deps, deps[0].model.balance, self.executor.breakers)
+            for alias, deps in self.registry.replicas.items()
+        }
+        if self.metrics is not None:
+            self.metrics.watch_deployments(
+                [d for b in self.balancers.values() for d in b.deployments]
+            )
         c = settings.cache
         self.cache = (
             ResponseCache(c.max_entries, c.max_bytes, dimensions=self._embedding_dimensions)
@@ -195,6 +208,7 @@ class Gateway:
                 self.media,
                 self.metrics,
                 self.registry.pool,
+                self.balancers,
             ),
             self.executor,
             self.limiter,
@@ -298,6 +312,25 @@ class Gateway:
         models = {}
         ready = True
         for alias, d in self.registry.deployments.items():
+            deps = self.registry.replicas.get(alias)
+            if deps is not None:  # several deployments: serviceable while one is
+                each = {}
+                for r in deps:
+                    each[r.replica.name if r.replica else r.name] = {
+                        **r.describe(),
+                        "breaker": self.executor.breakers[r.name].describe(now),
+                    }
+                up = any(r.ready or r.loadable for r in deps)
+                models[alias] = {
+                    "kind": "deployments",
+                    "ready": up,
+                    "strategy": d.model.balance.strategy,
+                    "required": d.model.required,
+                    "deployments": each,
+                }
+                if d.model.required and not up:
+                    ready = False
+                continue
             models[alias] = d.describe()
             models[alias]["breaker"] = self.executor.breakers[alias].describe(now)
             if d.model.required and not (d.ready or d.loadable):
@@ -316,7 +349,7 @@ class Gateway:
     def startup_settled(self) -> bool:
         """Every model has an outcome: ready, or failed and no longer restarted; so
         what start produced can be told to the user (cli's banner)."""
-        for d in self.registry.deployments.values():
+        for d in self.registry.every():
             if d.engine is not None and not (d.ready or d.failed or d.loadable):
                 return False
         if self.embedder is not None and self.embedder.state in ("loading", "stopped"):
@@ -328,9 +361,9 @@ class Gateway:
     def failed_models(self) -> dict[str, str]:
         """Models that cannot serve, with the reason in plain words."""
         out: dict[str, str] = {}
-        for alias, d in self.registry.deployments.items():
+        for d in self.registry.every():
             if d.failed and d.engine is not None and d.adapter is None:
-                out[alias] = d.engine.reason or d.engine.last_error or "unknown"
+                out[d.name] = d.engine.reason or d.engine.last_error or "unknown"
         if self.embedder is not None and self.embedder.state == "failed":
             out[self.settings.embeddings.alias] = self.embedder.last_error or "unknown"
         return out

@@ -157,6 +157,8 @@ class AdmissionState:
     queue_ms: float | None = None  # time spent waiting for that slot
     # (engine, adapter name or None) held in the pool (residency), released at settle
     resident: tuple[Any, str | None] | None = None
+    # (balancer, deployment) when select balanced among several: in flight until settle
+    balanced: tuple[Any, Any] | None = None
 
 
 @dataclass(slots=True)

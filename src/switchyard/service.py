@@ -676,6 +676,16 @@ class RequestService:
             ctx.admission.gate.release()
         if ctx.admission.resident is not None:
             EnginePool.release(*ctx.admission.resident)
+        if ctx.admission.balanced is not None:
+            balancer, dep = ctx.admission.balanced
+            tm = ctx.timings
+            ttft = tpot = None
+            if tm.upstream_sent is not None and tm.upstream_first_byte is not None:
+                ttft = tm.upstream_first_byte - tm.upstream_sent
+                n = ctx.run.chunks
+                if n > 1:
+                    tpot = ((tm.ended or time.perf_counter()) - tm.upstream_first_byte) / (n - 1)
+            balancer.settled(dep, ttft, tpot)
         if ctx.run.usage is None and ctx.run.reply_body is not None:
             ctx.run.usage = reply_usage(ctx.run.reply_body)
         usage = ctx.run.usage or {}

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import secrets
 import statistics
 import tempfile
 import time
@@ -36,12 +37,17 @@ import yaml
 
 from switchyard.bench.harness import (
     free_port,
+    gateway_env,
     machine_info,
-    start_gateway,
+    serve_argv,
+    spawn,
     stop_all,
     wait_ready,
 )
 from switchyard.engines.llamacpp import llama_server_binary
+
+PHASES = ("throughput", "adapters", "ttft", "swap")
+ADMIN_ENV = "SWITCHYARD_ADMIN_KEY"
 
 NO_EOS = {"0": -100, "2": -100}
 PROMPT = "Write a few sentences about rivers and the towns built on them."
@@ -147,7 +153,7 @@ def _config(port: int, db: Path, slots: int, manifest: dict[str, Any], kind: str
     }
 
 
-async def _swaps(base: str, n: int) -> dict[str, list[float]]:
+async def _swaps(base: str, admin: dict[str, str], n: int) -> dict[str, list[float]]:
     """Latency of a request whose adapter is cold (the engine swaps it in for the
     other) against one whose adapter is loaded, and the swap itself (from the trace)."""
     url = base + "/v1/chat/completions"
@@ -162,14 +168,16 @@ async def _swaps(base: str, n: int) -> dict[str, list[float]]:
                     rid = r.headers["x-request-id"]
                 out[kind].append((time.perf_counter() - t) * 1000.0)
                 if kind == "swap_ms":
-                    out["adapter_load_ms"].append(await _load_ms(session, base, rid))
+                    out["adapter_load_ms"].append(await _load_ms(session, base, admin, rid))
     return out
 
 
-async def _load_ms(session: aiohttp.ClientSession, base: str, rid: str) -> float:
+async def _load_ms(
+    session: aiohttp.ClientSession, base: str, admin: dict[str, str], rid: str
+) -> float:
     deadline = time.monotonic() + 20  # the ledger commits the trace a moment later
     while True:
-        async with session.get(f"{base}/admin/requests/{rid}") as r:
+        async with session.get(f"{base}/admin/requests/{rid}", headers=admin) as r:
             if r.status == 200:
                 trace = await r.json()
                 break
@@ -195,7 +203,9 @@ def _build_info() -> dict[str, str]:
     return out
 
 
-async def _measure(args: argparse.Namespace, base: str, direct: str) -> dict[str, Any]:
+async def _measure(
+    args: argparse.Namespace, base: str, direct: str, admin: dict[str, str]
+) -> dict[str, Any]:
     gw_url, eng_url = base + "/v1/chat/completions", direct + "/v1/chat/completions"
     levels = args.concurrency
     tput: dict[str, dict[str, list[float]]] = {
@@ -211,9 +221,11 @@ async def _measure(args: argparse.Namespace, base: str, direct: str) -> dict[str
     cold: list[float] = []
     warm: list[float] = []
     await _throughput(gw_url, ["bench-smol"], 2, 1, 8)  # warm both paths up
+    phases = set(args.phases)
+    out: dict[str, Any] = {"phases": sorted(phases)}
     # Three phases, each in interleaved rounds (the order flips or rotates per round),
     # so a slow moment of the machine falls on every side alike.
-    for rnd in range(args.rounds):
+    for rnd in range(args.rounds if "throughput" in phases else 0):
         for c in levels:
             per = max(1, args.requests // c)
             order = [("gateway", gw_url), ("direct", eng_url)]
@@ -225,12 +237,13 @@ async def _measure(args: argparse.Namespace, base: str, direct: str) -> dict[str
                 )
         print(f"  throughput round {rnd + 1}/{args.rounds} done", flush=True)
     names = list(mixes)
-    for rnd in range(args.rounds):
+    for rnd in range(args.rounds if "adapters" in phases else 0):
         for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
             per = max(1, args.requests // 4)
             mixed[name].append(await _throughput(gw_url, mixes[name], 4, per, args.tokens))
         print(f"  adapter round {rnd + 1}/{args.rounds} done", flush=True)
-    for _ in range(args.cold_samples or (1 if args.kind == "vllm" else args.rounds)):
+    cold_n = args.cold_samples or (1 if args.kind == "vllm" else args.rounds)
+    for _ in range(cold_n if "ttft" in phases else 0):
         # Cold: wait until the idle TTL unloaded the lazy model, then ask it.
         deadline = time.monotonic() + 60
         while await _engine_state(base, "bench-cold") != "cold":
@@ -239,30 +252,35 @@ async def _measure(args: argparse.Namespace, base: str, direct: str) -> dict[str
             await asyncio.sleep(0.2)
         cold.append(await _ttft(gw_url, "bench-cold"))
         warm.append(await _ttft(gw_url, "bench-cold"))
-    print("  cold/warm TTFT done", flush=True)
-    swaps = await _swaps(base, max(2, 2 * args.rounds))
-    print("  adapter swaps done", flush=True)
-    med = {k: {c: statistics.median(v) for c, v in d.items()} for k, d in tput.items()}
-    lo = str(levels[0])
-    return {
-        "throughput_tok_s": tput,
-        "median_tok_s": med,
-        "gateway_vs_direct": {c: med["gateway"][c] / med["direct"][c] for c in med["gateway"]},
-        "batching_gain_vs_c1": {c: med["gateway"][c] / med["gateway"][lo] for c in med["gateway"]},
-        "adapter_mix_tok_s": mixed,
-        "adapter_mix_vs_base": {
-            k: statistics.median(v) / statistics.median(mixed["base alone"])
-            for k, v in mixed.items()
-        },
-        "ttft_ms": {
+    if cold:
+        print("  cold/warm TTFT done", flush=True)
+        out["ttft_ms"] = {
             "cold": {"p50": statistics.median(cold), "max": max(cold), "samples": cold},
             "warm": {"p50": statistics.median(warm), "max": max(warm), "samples": warm},
-        },
-        "adapter_swap_ms": {
+        }
+    if "swap" in phases:
+        swaps = await _swaps(base, admin, max(2, 2 * args.rounds))
+        print("  adapter swaps done", flush=True)
+        out["adapter_swap_ms"] = {
             **{f"{k}_p50": statistics.median(v) for k, v in swaps.items()},
             "samples": swaps,
-        },
-    }
+        }
+    if tput["gateway"][str(levels[0])]:
+        med = {k: {c: statistics.median(v) for c, v in d.items()} for k, d in tput.items()}
+        lo = str(levels[0])
+        out["throughput_tok_s"] = tput
+        out["median_tok_s"] = med
+        out["gateway_vs_direct"] = {c: med["gateway"][c] / med["direct"][c] for c in med["gateway"]}
+        out["batching_gain_vs_c1"] = {
+            c: med["gateway"][c] / med["gateway"][lo] for c in med["gateway"]
+        }
+    if mixed["base alone"]:
+        out["adapter_mix_tok_s"] = mixed
+        out["adapter_mix_vs_base"] = {
+            k: statistics.median(v) / statistics.median(mixed["base alone"])
+            for k, v in mixed.items()
+        }
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -274,7 +292,9 @@ def run(args: argparse.Namespace) -> int:
     port = free_port()
     cfg = work / "config.yaml"
     cfg.write_text(yaml.safe_dump(_config(port, work / "sy.db", args.slots, manifest, args.kind)))
-    gw = start_gateway("gateway", cfg, port, work)
+    admin_key = secrets.token_urlsafe(24)  # the swaps read their traces
+    gw = spawn("gateway", serve_argv(cfg, port), work, env={**gateway_env(), ADMIN_ENV: admin_key})
+    admin = {"Authorization": f"Bearer {admin_key}"}
     base = f"http://127.0.0.1:{port}"
     try:
 
@@ -292,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
         upstream = httpx.get(base + "/readyz").json()["models"]["bench-smol"]["upstream"]
         direct = upstream.removesuffix("/v1")
         print(f"gateway {base}, engine {direct}; {args.rounds} rounds", flush=True)
-        result = asyncio.run(_measure(args, base, direct))
+        result = asyncio.run(_measure(args, base, direct, admin))
     finally:
         stop_all([gw])
     out = {
@@ -322,27 +342,31 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(out: dict[str, Any]) -> None:
-    med = out["median_tok_s"]
-    print("\naggregate output tok/s (median of rounds)")
-    print(f"{'concurrency':>12} {'gateway':>10} {'direct':>10} {'gw/direct':>10} {'vs c=1':>8}")
-    for c in med["gateway"]:
-        g, d = med["gateway"][c], med["direct"][c]
-        gain = out["batching_gain_vs_c1"][c]
-        print(f"{c:>12} {g:>10.1f} {d:>10.1f} {g / d:>10.3f} {gain:>8.2f}")
-    print("\nconcurrency 4, mixed adapters (tok/s, ratio to base alone)")
-    for k, v in out["adapter_mix_tok_s"].items():
-        print(f"  {k:<20} {statistics.median(v):>8.1f}  {out['adapter_mix_vs_base'][k]:.3f}")
-    t = out["ttft_ms"]
-    print(
-        f"\nTTFT of a lazy model: cold p50 {t['cold']['p50']:.0f} ms, warm p50 "
-        f"{t['warm']['p50']:.0f} ms"
-    )
-    sw = out["adapter_swap_ms"]
-    print(
-        f"adapter swap (max_adapters 1, 8 tokens): request p50 {sw['swap_ms_p50']:.0f} ms "
-        f"(the load {sw['adapter_load_ms_p50']:.0f} ms) vs {sw['loaded_ms_p50']:.0f} ms "
-        f"with the adapter loaded"
-    )
+    if "median_tok_s" in out:
+        med = out["median_tok_s"]
+        print("\naggregate output tok/s (median of rounds)")
+        print(f"{'concurrency':>12} {'gateway':>10} {'direct':>10} {'gw/direct':>10} {'vs c=1':>8}")
+        for c in med["gateway"]:
+            g, d = med["gateway"][c], med["direct"][c]
+            gain = out["batching_gain_vs_c1"][c]
+            print(f"{c:>12} {g:>10.1f} {d:>10.1f} {g / d:>10.3f} {gain:>8.2f}")
+    if "adapter_mix_tok_s" in out:
+        print("\nconcurrency 4, mixed adapters (tok/s, ratio to base alone)")
+        for k, v in out["adapter_mix_tok_s"].items():
+            print(f"  {k:<20} {statistics.median(v):>8.1f}  {out['adapter_mix_vs_base'][k]:.3f}")
+    if "ttft_ms" in out:
+        t = out["ttft_ms"]
+        print(
+            f"\nTTFT of a lazy model: cold p50 {t['cold']['p50']:.0f} ms, warm p50 "
+            f"{t['warm']['p50']:.0f} ms"
+        )
+    if "adapter_swap_ms" in out:
+        sw = out["adapter_swap_ms"]
+        print(
+            f"adapter swap (max_adapters 1, 8 tokens): request p50 {sw['swap_ms_p50']:.0f} ms "
+            f"(the load {sw['adapter_load_ms_p50']:.0f} ms) vs {sw['loaded_ms_p50']:.0f} ms "
+            f"with the adapter loaded"
+        )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -353,5 +377,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slots", type=int, default=4, help="slots (llama.cpp) or max_num_seqs (vLLM)")
     p.add_argument("--kind", choices=["llamacpp", "vllm"], default="llamacpp")
     p.add_argument("--cold-samples", type=int, default=None, help="default: rounds (vLLM: 1)")
+    p.add_argument(
+        "--phases",
+        nargs="+",
+        choices=PHASES,
+        default=list(PHASES),
+        help="which phases to run (default: all)",
+    )
     p.add_argument("--out", default=None)
     p.set_defaults(func=run)

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from switchyard.config import Settings
+from switchyard.decide.balance import Balancer, affinity_key, prompt_prefix
 from switchyard.decide.cache import CacheKeys, ResponseCache, cache_keys
 from switchyard.decide.cacheability import Cacheability, cacheability
 from switchyard.decide.select import select_deployment
@@ -323,12 +324,19 @@ class Select(Stage):
 
     name = "select"
 
-    def __init__(self, deployments: Mapping[str, Deployment]) -> None:
+    def __init__(
+        self,
+        deployments: Mapping[str, Deployment],
+        balancers: Mapping[str, Balancer] | None = None,
+    ) -> None:
         self._deployments = deployments
+        self._balancers = balancers or {}
 
     def static(self, view: View) -> Verdict | None:
         if view.deployment is None or view.alias is None:
-            return None  # work refuses it
+            return None  # work refuses it, or balances among several deployments
+        if view.alias in self._balancers:
+            return None
         sel = select_deployment(view.alias, self._deployments)
         dep = sel.deployment
         return Verdict(
@@ -337,10 +345,40 @@ class Select(Stage):
 
     def work(self, ctx: RequestContext) -> None:
         t = time.perf_counter()
+        balancer = self._balancers.get(ctx.alias or "")
+        if balancer is not None:
+            self._balance(ctx, balancer, t)
+            return
         sel = select_deployment(ctx.alias or "", self._deployments)  # raises ModelNotFound
         ctx.deployment = sel.deployment
         ctx.model = sel.deployment.model
         ctx.record(self.name, sel.outcome, sel.reason, t, sel.evidence)
+
+    def _balance(self, ctx: RequestContext, balancer: Balancer, t: float) -> None:
+        p = ctx.principal
+        boundary = balancer.deployments[0].model.data_boundary
+        regions = p.regions if p is not None else None
+        if regions is not None:
+            boundary = [r for r in (boundary or regions) if r in regions]
+        cfg = balancer.cfg
+        prefix = (
+            prompt_prefix(ctx.body, cfg.prefix_min_chars, cfg.prefix_chars)
+            if cfg.prefix_affinity
+            else None
+        )
+        dep, reason, evidence = balancer.choose(
+            tenant=p.tenant_id if p is not None else None,
+            affinity=affinity_key(ctx.input.task_id, ctx.body, ctx.input.headers),
+            prefix=prefix,
+            regions=boundary,
+            tokens=ctx.max_tokens or 256,
+        )
+        ctx.admission.balanced = (balancer, dep)
+        ctx.deployment = dep
+        ctx.model = dep.model
+        evidence["upstream"] = dep.label
+        evidence["revision"] = dep.model.revision
+        ctx.record(self.name, f"deployment:{dep.name}", reason, t, evidence)
 
 
 class Residency(Stage):
@@ -363,8 +401,11 @@ class Residency(Stage):
 
     def work(self, ctx: RequestContext) -> Awaitable[None] | None:
         dep = ctx.deployment
-        assert dep is not None and dep.engine is not None
+        assert dep is not None
         t = time.perf_counter()
+        if dep.engine is None:  # a balanced deployment that is remote
+            ctx.record(self.name, self.REMOTE.outcome, self.REMOTE.reason, t)
+            return None
         now = self._pool.hot(dep.engine)
         if now is None:
             return self._load(ctx, dep, t)
@@ -478,5 +519,11 @@ class Place(Stage):
         return Verdict(where, f"the deployment runs {where}ly", {"region": dep.model.region})
 
     def work(self, ctx: RequestContext) -> None:
-        # static decides every request with a deployment, and select set one or refused
-        raise AssertionError(f"place without a deployment for {ctx.alias!r}")
+        """A balanced deployment (static decides the others; select set one or refused)."""
+        dep = ctx.deployment
+        assert dep is not None, f"place without a deployment for {ctx.alias!r}"
+        t = time.perf_counter()
+        where = "local" if dep.engine is not None else "remote"
+        ctx.record(
+            self.name, where, f"the deployment runs {where}ly", t, {"region": dep.model.region}
+        )

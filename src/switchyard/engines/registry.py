@@ -14,6 +14,7 @@ from typing import Any
 
 from switchyard.config import (
     AdapterConfig,
+    DeploymentConfig,
     LlamaCppEngine,
     ModelConfig,
     OpenAIEngine,
@@ -27,6 +28,29 @@ from switchyard.engines.vllm import ManagedVllm
 
 
 @dataclass(slots=True)
+class Live:
+    """A deployment's live state, for balancing (decide/balance.py): requests in
+    flight, times chosen, and EWMAs of time to first token and per-token time."""
+
+    in_flight: int = 0
+    selected: int = 0
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    last_sample: float = 0.0  # monotonic; 0 = never measured
+    # The EWMAs as the decision evidence shows them (ms, rounded once per update)
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "in_flight": self.in_flight,
+            "selected": self.selected,
+            "ewma_ttft_ms": self.ttft_ms,
+            "ewma_tpot_ms": self.tpot_ms,
+        }
+
+
+@dataclass(slots=True)
 class Deployment:
     model: ModelConfig
     upstream: OpenAIUpstream
@@ -34,6 +58,8 @@ class Deployment:
     fixed_label: str | None = None  # an external upstream's label never changes
     # A LoRA adapter served by the base model's engine: clients name it as the model.
     adapter: AdapterConfig | None = None
+    # One of several deployments of the alias (models[].deployments[]), or None.
+    replica: DeploymentConfig | None = None
     # (label, its response headers encoded), kept by the API layer (api/openai.py)
     encoded_headers: tuple[str, list[tuple[bytes, bytes]]] | None = None
     # Read several times per request; the model's config never changes.
@@ -46,11 +72,20 @@ class Deployment:
     # scale 1, or none for the base), set on every request; None for other engines.
     lora: Callable[[], list[dict[str, Any]]] | None = field(init=False)
 
+    # "alias" for an alias's only deployment, "alias/name" for one of several: the
+    # key of its breaker and retry budget.
+    name: str = field(init=False)
+    live: Live = field(init=False)
+
     def __post_init__(self) -> None:
         self.alias = self.model.alias
+        self.name = self.alias if self.replica is None else f"{self.alias}/{self.replica.name}"
+        self.live = Live()
         spec = self.model.engine
         model = spec.model if isinstance(spec, OpenAIEngine) else None
         self.upstream_model = model or self.model.alias
+        if self.engine is not None and self.adapter is None:
+            self.upstream_model = self.engine.alias  # the name its server serves
         vllm = self.engine is not None and self.engine.kind == "vllm"
         if self.adapter is not None and not vllm:  # vLLM serves an adapter by its name
             self.upstream_model = self.adapter.base
@@ -129,6 +164,12 @@ class Deployment:
             out = {"kind": "openai", "state": "external", "ready": True, "upstream": self.label}
         out["revision"] = self.model.revision
         out["required"] = self.model.required
+        if self.replica is not None:
+            out["deployment"] = self.replica.name
+            out["region"] = self.model.region
+            out["weight"] = self.replica.weight
+            out["labels"] = self.replica.labels
+            out.update(self.live.describe())
         return out
 
 
@@ -143,44 +184,47 @@ def _fixed_url(url: str) -> Callable[[], str]:
 
 class Registry:
     def __init__(self, settings: Settings) -> None:
+        # Per alias: its deployment (the first one, for an alias with several), and
+        # every deployment of an alias with several (models[].deployments).
         self.deployments: dict[str, Deployment] = {}
+        self.replicas: dict[str, list[Deployment]] = {}
         adapters: dict[str, list[AdapterConfig]] = {}
         for a in settings.adapters:
             adapters.setdefault(a.base, []).append(a)
         served = {m.alias: m for m in settings.served_models()}
+        crash = settings.engines.max_crash_restarts
         for m in settings.models:
-            spec = m.engine
-            if isinstance(spec, LlamaCppEngine | VllmEngine):
-                mine = adapters.get(m.alias, [])
-                files = tuple(AdapterFile(a.name, a.path, a.sha256, a.revision) for a in mine)
-                kind = ManagedVllm if isinstance(spec, VllmEngine) else ManagedLlamaCpp
-                engine = kind(m.alias, spec, settings.engines.max_crash_restarts, adapters=files)
-                upstream = OpenAIUpstream(
-                    f"{engine.kind}:{m.alias}", _engine_url(engine), max_connections=64
-                )
-                self.deployments[m.alias] = Deployment(m, upstream, engine)
-                for a in mine:
-                    # The adapter is its own alias over the base's engine and client.
-                    am = served[a.name]
-                    self.deployments[a.name] = Deployment(am, upstream, engine, adapter=a)
-            else:
-                url = spec.base_url
-                upstream = OpenAIUpstream(
-                    url, _fixed_url(url), spec.api_key(), spec.max_connections
-                )
-                self.deployments[m.alias] = Deployment(m, upstream, fixed_label=url)
+            if m.deployments:
+                deps = [
+                    _deployment(m.replica(d), f"{m.alias}/{d.name}", (), crash, d)
+                    for d in m.deployments
+                ]
+                self.replicas[m.alias] = deps
+                self.deployments[m.alias] = deps[0]
+                continue
+            mine = adapters.get(m.alias, [])
+            files = tuple(AdapterFile(a.name, a.path, a.sha256, a.revision) for a in mine)
+            dep = _deployment(m, m.alias, files, crash, None)
+            self.deployments[m.alias] = dep
+            for a in mine:
+                # The adapter is its own alias over the base's engine and client.
+                am = served[a.name]
+                self.deployments[a.name] = Deployment(am, dep.upstream, dep.engine, adapter=a)
 
         self.pool = EnginePool({e.alias: e for e in self.managed()}, settings.engines)
+
+    def every(self) -> list[Deployment]:
+        """Every deployment: each alias's, and each of an alias with several."""
+        out = [d for a, d in self.deployments.items() if a not in self.replicas]
+        for deps in self.replicas.values():
+            out.extend(deps)
+        return out
 
     def get(self, alias: str) -> Deployment | None:
         return self.deployments.get(alias)
 
     def managed(self) -> list[ManagedLlamaCpp]:
-        return [
-            d.engine
-            for d in self.deployments.values()
-            if d.engine is not None and d.adapter is None
-        ]
+        return [d.engine for d in self.every() if d.engine is not None and d.adapter is None]
 
     def start(self) -> None:
         self.pool.start()
@@ -188,6 +232,24 @@ class Registry:
     async def stop(self) -> None:
         await self.pool.stop()
         await asyncio.gather(*(e.stop() for e in self.managed()), return_exceptions=True)
-        await asyncio.gather(
-            *(d.upstream.close() for d in self.deployments.values()), return_exceptions=True
-        )
+        await asyncio.gather(*(d.upstream.close() for d in self.every()), return_exceptions=True)
+
+
+def _deployment(
+    m: ModelConfig,
+    name: str,
+    files: tuple[AdapterFile, ...],
+    max_crash_restarts: int,
+    replica: DeploymentConfig | None,
+) -> Deployment:
+    """A deployment of `m` on its engine: a managed one (named `name` in the pool and
+    to its server) or an external upstream."""
+    spec = m.engine
+    if isinstance(spec, LlamaCppEngine | VllmEngine):
+        kind = ManagedVllm if isinstance(spec, VllmEngine) else ManagedLlamaCpp
+        engine = kind(name, spec, max_crash_restarts, adapters=files)
+        upstream = OpenAIUpstream(f"{engine.kind}:{name}", _engine_url(engine), max_connections=64)
+        return Deployment(m, upstream, engine, replica=replica)
+    url = spec.base_url
+    upstream = OpenAIUpstream(url, _fixed_url(url), spec.api_key(), spec.max_connections)
+    return Deployment(m, upstream, fixed_label=url, replica=replica)

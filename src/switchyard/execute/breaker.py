@@ -40,6 +40,14 @@ class CircuitBreaker:
     def retry_after_s(self, now: float) -> float:
         return max(0.0, self.opened_at + self.cfg.cooldown_s - now) if self.state == "open" else 0.0
 
+    def refusal(self, now: float) -> str | None:
+        """Why `allow` would refuse a request now, or None; takes no probe slot."""
+        if self.state == "open" and now - self.opened_at < self.cfg.cooldown_s:
+            return f"circuit open for another {self.retry_after_s(now):.1f}s"
+        if self.state == "half_open" and self.probes_in_flight >= self.cfg.half_open_probes:
+            return "circuit half-open and its probe slots are taken"
+        return None
+
     def allow(self, now: float) -> tuple[bool, str]:
         """May a request go to this deployment now? Reserves a probe slot when half-open;
         the caller must then report `record(success)`."""

@@ -100,6 +100,10 @@ class Executor:
         self.budgets = {
             m.alias: RetryBudget(m.resilience.retry_budget) for m in settings.served_models()
         }
+        for deps in registry.replicas.values():  # one breaker per deployment of an alias
+            for d in deps:
+                self.breakers[d.name] = CircuitBreaker(d.name, d.model.resilience.breaker)
+                self.budgets[d.name] = RetryBudget(d.model.resilience.retry_budget)
         self.rng = random.Random(seed)
         self.retries = 0
         self.fallbacks = 0
@@ -211,8 +215,8 @@ class Executor:
         """Attempts at one deployment: `stream` (returns once the headers arrived) or
         `post` (the whole reply), with the request's payload and the remaining time."""
         cfg = dep.model.resilience
-        breaker = self.breakers[dep.alias]
-        budget = self.budgets[dep.alias]
+        breaker = self.breakers[dep.name]
+        budget = self.budgets[dep.name]
         reserve = 0.0 if last_in_chain else cfg.fallback_reserve_s
         retries = 0
         while True:
@@ -224,7 +228,7 @@ class Executor:
             if not ok:
                 ctx.record(
                     "attempt",
-                    f"breaker_open:{dep.alias}",
+                    f"breaker_open:{dep.name}",
                     why,
                     t,
                     breaker.describe(time.monotonic()),

@@ -292,6 +292,14 @@ class Metrics:
             buckets=(0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120),
             registry=reg,
         )
+        # Several deployments of an alias (decide/balance.py): how often each was
+        # chosen; in flight and the latency EWMAs are read from the balancers at scrape.
+        self.deployment_selected = Counter(
+            "switchyard_deployment_selected",
+            "Requests sent to each deployment of an alias with several",
+            ["model", "deployment"],
+            registry=reg,
+        )
         self.adapter_events = Counter(
             "switchyard_adapter_events",
             "Adapter residency: loads (cold to loaded), evictions (LRU, max_adapters) and "
@@ -364,10 +372,20 @@ class Metrics:
         if mb is not None:
             self.engine_memory.labels(model).set(mb * 1024 * 1024)
 
+    def watch_deployments(self, deployments: list[Any]) -> None:
+        """Gauges of each balanced deployment's live state, read at scrape time (in
+        one process; the multiprocess mode has no callbacks)."""
+        if self.multiprocess or not deployments:
+            return
+        self.registry.register(_LiveCollector(deployments))
+
     def observe(self, ctx: RequestContext, status: str, inp: int, out: int, cost: float) -> None:
         """Record one finished request. Under an event loop it is folded into the
         metrics within `fold_s` (with whatever else finished meanwhile) and always
         before a scrape, so a request that has just finished pays for none of it."""
+        if ctx.admission.balanced is not None:
+            dep = ctx.admission.balanced[1]
+            self.deployment_selected.labels(dep.alias, dep.name).inc()
         common = self._common_of(ctx, status)
         if common is None:
             self._pending.append((ctx, status, inp, out, cost))
@@ -537,3 +555,41 @@ class Metrics:
             multiprocess.MultiProcessCollector(registry)
             return bytes(generate_latest(registry))
         return bytes(generate_latest(self.registry))
+
+
+class _LiveCollector:
+    """switchyard_deployment_in_flight and _ewma_ttft_seconds / _ewma_tpot_seconds."""
+
+    def __init__(self, deployments: list[Any]) -> None:
+        self._deps = deployments
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        labels = ["model", "deployment"]
+        flight = GaugeMetricFamily(
+            "switchyard_deployment_in_flight", "Requests in flight per deployment", labels=labels
+        )
+        ttft = GaugeMetricFamily(
+            "switchyard_deployment_ewma_ttft_seconds",
+            "EWMA of time to first token per deployment",
+            labels=labels,
+        )
+        tpot = GaugeMetricFamily(
+            "switchyard_deployment_ewma_tpot_seconds",
+            "EWMA of time per output token per deployment",
+            labels=labels,
+        )
+        for d in self._deps:
+            key = [d.alias, d.name]
+            flight.add_metric(key, d.live.in_flight)
+            if d.live.ttft_s is not None:
+                ttft.add_metric(key, d.live.ttft_s)
+            if d.live.tpot_s is not None:
+                tpot.add_metric(key, d.live.tpot_s)
+        yield flight
+        yield ttft
+        yield tpot

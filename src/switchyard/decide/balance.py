@@ -1,0 +1,344 @@
+"""Which of an alias's deployments serves a request (models[].deployments).
+
+Eligible deployments are those that can take the request now: ready (or loadable by
+the pool), not failed, breaker not open (checked without taking a half-open probe:
+the executor takes it), below their `max_in_flight`, with a positive weight, and
+inside the tenant's regions and the model's data boundary. Among them:
+
+- `weighted`: random by weight;
+- `least_outstanding`: two weighted random picks, the one with fewer requests in
+  flight (power of two choices, as Ray Serve's and LiteLLM's least-busy routers);
+- `latency`: the lowest EWMA of time to first token plus per-token time for the
+  request's expected tokens; a deployment never measured, or not for `stale_s`, is
+  tried first, and a `probe` share goes to a random other one, so a deployment that
+  recovered is measured again.
+
+Affinity: a request of an agent task (x-task-id, per tenant) or a session
+(prompt_cache_key, x-session-id, or `user`) goes where the task's previous request
+went while that deployment is eligible and not loaded past `affinity_load_factor` x
+the average in flight; when it yields, the decision says why. Otherwise a request
+with a long prompt goes to its prefix's deployment on a hash ring (consistent hashing
+with the same load bound: the next one clockwise when it is full), so requests
+sharing a prefix find it in that engine's cache.
+
+When no deployment is eligible the first is chosen with every reason recorded, and
+the executor refuses it (not ready, circuit open), so the model's fallbacks apply.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+from switchyard.config import BalanceConfig
+from switchyard.engines.registry import Deployment
+from switchyard.execute.breaker import CircuitBreaker
+
+_KEY_CHARS = 256  # an affinity key longer than this is kept as its hash
+RING_POINTS = 64  # points per deployment on the prefix hash ring
+
+
+class Balancer:
+    def __init__(
+        self,
+        alias: str,
+        deployments: list[Deployment],
+        cfg: BalanceConfig,
+        breakers: Mapping[str, CircuitBreaker],
+        rng: random.Random | None = None,
+    ) -> None:
+        self.alias = alias
+        self.deployments = deployments
+        self.cfg = cfg
+        self._breakers = breakers
+        self.rng = rng or random.Random()
+        self._affinity: OrderedDict[tuple[str, str, str], Deployment] = OrderedDict()
+        # Per deployment, read on every request: (it, its weight, its max_in_flight,
+        # its breaker).
+        self._rows = [
+            (
+                d,
+                _weight(d),
+                d.replica.max_in_flight if d.replica is not None else None,
+                breakers.get(d.name),
+            )
+            for d in deployments
+        ]
+        self._weights = {d.name: w for d, w, _, _ in self._rows}
+        # The hash ring for prefix affinity: RING_POINTS points per deployment, by name
+        # (so a restart or another gateway builds the same ring).
+        ring = [
+            (_hash(f"{d.name}#{i}".encode()), d) for d in deployments for i in range(RING_POINTS)
+        ]
+        ring.sort(key=lambda p: p[0])
+        self._ring_points = [p for p, _ in ring]
+        self._ring = [d for _, d in ring]
+
+    # -- one request -------------------------------------------------------------
+    def choose(
+        self,
+        *,
+        tenant: str | None = None,
+        affinity: tuple[str, str] | None = None,
+        prefix: str | None = None,
+        regions: list[str] | None = None,
+        tokens: int = 256,
+        now: float | None = None,
+    ) -> tuple[Deployment, str, dict[str, Any]]:
+        """(the deployment, why it won, the evidence: every candidate with its state)."""
+        now = time.monotonic() if now is None else now
+        states: dict[str, dict[str, Any]] = {}
+        eligible: list[Deployment] = []
+        for d, weight, cap, breaker in self._rows:
+            live = d.live
+            state: dict[str, Any] = {
+                "in_flight": live.in_flight,
+                "ewma_ttft_ms": live.ttft_ms,
+                "ewma_tpot_ms": live.tpot_ms,
+                "weight": weight,
+            }
+            states[d.name] = state
+            why = self._ineligible(d, weight, cap, breaker, regions, now)
+            if why is None:
+                eligible.append(d)
+            else:
+                state["skipped"] = why
+        evidence: dict[str, Any] = {"strategy": self.cfg.strategy, "candidates": states}
+        if not eligible:
+            chosen = self.deployments[0]
+            reason = (
+                "no deployment is eligible: sent to the first, whose refusal lets fallbacks apply"
+            )
+            return self._take(chosen, None, reason, evidence)
+        key = None
+        if self.cfg.affinity and affinity is not None:
+            kind, value = affinity
+            if len(value) > _KEY_CHARS:
+                value = hashlib.sha256(value.encode("utf-8", "replace")).hexdigest()
+            key = (tenant or "", kind, value)
+            kept = self._affinity.get(key)
+            if kept is not None:
+                self._affinity.move_to_end(key)
+                yielded = self._yield_reason(kept, eligible, states)
+                if yielded is None:
+                    evidence["affinity"] = {"kind": kind, "outcome": "kept"}
+                    return self._take(kept, None, f"affinity: the {kind}'s deployment", evidence)
+                evidence["affinity"] = {
+                    "kind": kind,
+                    "outcome": "yielded",
+                    "from": kept.name,
+                    "why": yielded,
+                }
+        if prefix is not None and self.cfg.prefix_affinity:
+            chosen, how = self._ring_pick(prefix, eligible)
+            evidence["prefix_affinity"] = how
+            reason = f"prefix affinity: the prompt prefix's deployment on the hash ring ({how})"
+        else:
+            chosen, reason = self._pick(eligible, tokens, now)
+        if key is not None:
+            evidence.setdefault("affinity", {"kind": key[1], "outcome": "new"})
+            self._affinity[key] = chosen
+            self._affinity.move_to_end(key)
+            while len(self._affinity) > self.cfg.affinity_entries:
+                self._affinity.popitem(last=False)
+        return self._take(chosen, key, reason, evidence)
+
+    def _take(
+        self, d: Deployment, key: Any, reason: str, evidence: dict[str, Any]
+    ) -> tuple[Deployment, str, dict[str, Any]]:
+        d.live.in_flight += 1
+        d.live.selected += 1
+        evidence["chosen"] = d.name
+        return d, reason, evidence
+
+    @staticmethod
+    def _ineligible(
+        d: Deployment,
+        weight: float,
+        cap: int | None,
+        breaker: CircuitBreaker | None,
+        regions: list[str] | None,
+        now: float,
+    ) -> str | None:
+        if weight <= 0:
+            return "weight 0"
+        engine = d.engine
+        if engine is not None:
+            if engine.failed:
+                return "engine failed"
+            if not (d.ready or d.loadable):
+                return f"not ready (engine {engine.state.value})"
+        if breaker is not None and breaker.state != "closed":
+            why = breaker.refusal(now)
+            if why is not None:
+                return why
+        if cap is not None and d.live.in_flight >= cap:
+            return f"full ({d.live.in_flight} in flight, max_in_flight {cap})"
+        if regions is not None and d.model.region not in regions:
+            return f"region {d.model.region!r} is outside the allowed {regions}"
+        return None
+
+    def _yield_reason(
+        self, kept: Deployment, eligible: list[Deployment], states: dict[str, dict[str, Any]]
+    ) -> str | None:
+        if not any(d is kept for d in eligible):  # identity: == compares whole configs
+            return str(states.get(kept.name, {}).get("skipped", "no longer a deployment"))
+        total = sum(d.live.in_flight for d in eligible)
+        bound = math.ceil(self.cfg.affinity_load_factor * (total + 1) / len(eligible))
+        if kept.live.in_flight + 1 > bound:
+            return (
+                f"loaded past the affinity bound ({kept.live.in_flight} in flight, bound {bound})"
+            )
+        return None
+
+    def _ring_pick(self, prefix: str, eligible: list[Deployment]) -> tuple[Deployment, str]:
+        """The first deployment clockwise from the prefix's hash that is eligible and
+        within the load bound (consistent hashing with bounded load)."""
+        total = sum(d.live.in_flight for d in eligible)
+        bound = math.ceil(self.cfg.affinity_load_factor * (total + 1) / len(eligible))
+        start = bisect.bisect_left(self._ring_points, _hash(prefix.encode("utf-8", "replace")))
+        ring, n = self._ring, len(self._ring)
+        first: Deployment | None = None
+        seen: set[str] = set()
+        for i in range(n):
+            d = ring[(start + i) % n]
+            if d.name in seen:
+                continue
+            seen.add(d.name)
+            if not any(x is d for x in eligible):
+                continue
+            if first is None:
+                first = d
+            if d.live.in_flight + 1 <= bound:
+                return d, "its point" if d is first else f"next on the ring ({first.name} full)"
+            if len(seen) == len(self.deployments):
+                break
+        # every eligible one is at the bound: the least loaded
+        d = min(eligible, key=lambda x: x.live.in_flight)
+        return d, "every deployment at the load bound: the least loaded"
+
+    def _pick(self, eligible: list[Deployment], tokens: int, now: float) -> tuple[Deployment, str]:
+        if len(eligible) == 1:
+            return eligible[0], "the only eligible deployment"
+        strategy = self.cfg.strategy
+        if strategy == "weighted":
+            return self._weighted(eligible), "weighted random"
+        if strategy == "least_outstanding":
+            a = self._weighted(eligible)
+            b = self._weighted([d for d in eligible if d is not a])
+            if b.live.in_flight < a.live.in_flight:
+                a, b = b, a
+            return a, (
+                f"fewer in flight of two random choices ({a.name}: {a.live.in_flight}, "
+                f"{b.name}: {b.live.in_flight})"
+            )
+        stale = [d for d in eligible if now - d.live.last_sample > self.cfg.stale_s]
+        if stale:
+            d = min(stale, key=lambda x: x.live.last_sample)
+            return d, "latency: not measured recently, probed first"
+        ranked = sorted(eligible, key=lambda x: _score(x, tokens))
+        if self.rng.random() < self.cfg.probe:
+            return self.rng.choice(ranked[1:]), "latency: the probe share (a random other)"
+        best = ranked[0]
+        return best, f"latency: lowest expected time ({_score(best, tokens) * 1000:.0f} ms)"
+
+    def _weighted(self, eligible: list[Deployment]) -> Deployment:
+        """One of `eligible`, at random by weight."""
+        weights = self._weights
+        total = 0.0
+        for d in eligible:
+            total += weights[d.name]
+        x = self.rng.random() * total
+        for d in eligible:
+            x -= weights[d.name]
+            if x < 0:
+                return d
+        return eligible[-1]
+
+    # -- after the request --------------------------------------------------------
+    def settled(
+        self,
+        d: Deployment,
+        ttft_s: float | None,
+        tpot_s: float | None,
+        now: float | None = None,
+    ) -> None:
+        """The request sent to `d` is over: it is no longer in flight, and its
+        latencies (when it got an answer) update the EWMAs."""
+        live = d.live
+        live.in_flight = max(0, live.in_flight - 1)
+        a = self.cfg.ewma_alpha
+        if ttft_s is not None:
+            live.ttft_s = ttft_s if live.ttft_s is None else (1 - a) * live.ttft_s + a * ttft_s
+            live.ttft_ms = round(live.ttft_s * 1000.0, 1)
+            live.last_sample = time.monotonic() if now is None else now
+        if tpot_s is not None:
+            live.tpot_s = tpot_s if live.tpot_s is None else (1 - a) * live.tpot_s + a * tpot_s
+            live.tpot_ms = round(live.tpot_s * 1000.0, 2)
+
+
+def _hash(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def prompt_prefix(body: Mapping[str, Any], min_chars: int, max_chars: int) -> str | None:
+    """The first `max_chars` characters of the prompt (roles and texts of the messages
+    in order, or a completion's prompt), or None when it is shorter than `min_chars`."""
+    parts: list[str] = []
+    n = 0
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for m in messages:
+            if not isinstance(m, dict):
+                continue
+            c = m.get("content")
+            if isinstance(c, list):
+                c = "".join(
+                    p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str)
+                )
+            if not isinstance(c, str):
+                continue
+            parts.append(str(m.get("role"))[:16])
+            parts.append(c)
+            n += len(c) + 1
+            if n >= max_chars:
+                break
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            parts.append(prompt[:max_chars])
+    text = "\x00".join(parts)[:max_chars]
+    return text if len(text) >= min_chars else None
+
+
+def _weight(d: Deployment) -> float:
+    return d.replica.weight if d.replica is not None else 1.0
+
+
+def _score(d: Deployment, tokens: int) -> float:
+    return (d.live.ttft_s or 0.0) + (d.live.tpot_s or 0.0) * tokens
+
+
+def affinity_key(
+    task_id: str | None, body: Mapping[str, Any], headers: Any
+) -> tuple[str, str] | None:
+    """The request's task or session, as ("task" | "session", value), or None."""
+    if task_id:
+        return ("task", task_id)
+    cache_key = body.get("prompt_cache_key")
+    if isinstance(cache_key, str) and cache_key:
+        return ("session", cache_key)
+    if headers is not None:
+        session = headers.get("x-session-id")
+        if session:
+            return ("session", str(session)[:_KEY_CHARS])
+    user = body.get("user")
+    if isinstance(user, str) and user:
+        return ("session", user)
+    return None

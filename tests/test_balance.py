@@ -1,0 +1,417 @@
+"""Several deployments per model alias (models[].deployments): the balancer on its own
+(decide/balance.py, with real Deployments from a real Registry), then through a real
+gateway in front of two scripted upstreams speaking HTTP."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tests.conftest import Gateway, Scripted, start_gateway, start_scripted
+
+from switchyard.config import ConfigError, Settings, parse_settings
+from switchyard.decide.balance import Balancer, affinity_key, prompt_prefix
+from switchyard.engines.registry import Deployment, Registry
+from switchyard.execute.breaker import CircuitBreaker
+
+
+def _model(strategy: str, deployments: list[dict[str, Any]], **balance: Any) -> dict[str, Any]:
+    return {
+        "alias": "chat",
+        "revision": "r1",
+        "deployments": deployments,
+        "balance": {"strategy": strategy, **balance},
+    }
+
+
+def _remote(name: str, **kw: Any) -> dict[str, Any]:
+    return {"name": name, "engine": {"kind": "openai", "base_url": f"http://{name}.invalid"}, **kw}
+
+
+def _balancer(
+    strategy: str, deployments: list[dict[str, Any]], seed: int = 7, **balance: Any
+) -> tuple[Balancer, dict[str, Deployment], dict[str, CircuitBreaker]]:
+    s = Settings.model_validate({"models": [_model(strategy, deployments, **balance)]})
+    reg = Registry(s)
+    deps = reg.replicas["chat"]
+    breakers = {d.name: CircuitBreaker(d.name, d.model.resilience.breaker) for d in deps}
+    b = Balancer("chat", deps, s.models[0].balance, breakers, random.Random(seed))
+    return b, {d.replica.name: d for d in deps if d.replica is not None}, breakers
+
+
+def _pick(b: Balancer, **kw: Any) -> tuple[Deployment, str, dict[str, Any]]:
+    """One request, chosen and settled at once (nothing stays in flight)."""
+    d, why, ev = b.choose(**kw)
+    b.settled(d, None, None)
+    return d, why, ev
+
+
+@pytest.mark.parametrize(
+    "weights", [[1.0, 1.0], [1.0, 3.0], [5.0, 3.0, 2.0], [95.0, 5.0], [2.0, 0.0, 2.0]]
+)
+def test_the_weighted_split_is_within_three_points_of_the_weights(weights: list[float]) -> None:
+    b, _, _ = _balancer("weighted", [_remote(f"d{i}", weight=w) for i, w in enumerate(weights)])
+    counts = collections.Counter(_pick(b)[0].replica.name for _ in range(2000))  # type: ignore[union-attr]
+    total = sum(weights)
+    for i, w in enumerate(weights):
+        share = counts[f"d{i}"] / 2000
+        assert abs(share - w / total) <= 0.03, (weights, counts)
+    if 0.0 in weights:
+        assert counts[f"d{weights.index(0.0)}"] == 0
+
+
+def test_a_task_stays_on_one_deployment_and_tenants_do_not_share_tasks() -> None:
+    b, _, _ = _balancer("weighted", [_remote("a"), _remote("b"), _remote("c")])
+    where: dict[tuple[str, str], set[str]] = collections.defaultdict(set)
+    rng = random.Random(3)
+    for _ in range(600):
+        tenant, task = rng.choice(["t1", "t2"]), f"task-{rng.randrange(30)}"
+        d, why, ev = _pick(b, tenant=tenant, affinity=("task", task))
+        where[(tenant, task)].add(d.name)
+    assert all(len(v) == 1 for v in where.values()), where
+    # The same task id of two tenants is two tasks: over 30 ids, some land apart.
+    assert any(where[("t1", f"task-{i}")] != where[("t2", f"task-{i}")] for i in range(30))
+    d, why, ev = _pick(b, tenant="t1", affinity=("task", "task-0"))
+    assert ev["affinity"] == {"kind": "task", "outcome": "kept"} and why.startswith("affinity")
+
+
+def test_affinity_yields_to_an_open_breaker_and_to_load() -> None:
+    b, deps, breakers = _balancer("least_outstanding", [_remote("a"), _remote("b")])
+    first, _, _ = _pick(b, tenant="t", affinity=("session", "s1"))
+    other = next(d for d in deps.values() if d is not first)
+    br = breakers[first.name]
+    for _ in range(br.cfg.min_requests + 1):  # enough failures to open it
+        br.record(False, time.monotonic())
+    assert br.state == "open"
+    d, _why, ev = _pick(b, tenant="t", affinity=("session", "s1"))
+    assert d is other
+    assert ev["affinity"]["outcome"] == "yielded" and "circuit open" in ev["affinity"]["why"]
+    assert ev["candidates"][first.name]["skipped"].startswith("circuit open")
+    # Load: concurrent requests of one session (none settled) stay together until
+    # their deployment holds more than 1.5 x the average (rounded up).
+    b2, _, _ = _balancer("least_outstanding", [_remote("a"), _remote("b")])
+    got = [b2.choose(tenant="t", affinity=("session", "s2")) for _ in range(4)]
+    outcomes = [ev["affinity"]["outcome"] for _, _, ev in got]
+    assert outcomes == ["new", "kept", "kept", "yielded"], got
+    assert "affinity bound" in got[3][2]["affinity"]["why"] and got[3][0] is not got[0][0]
+
+
+def test_a_deployment_open_not_ready_or_outside_the_region_is_never_chosen() -> None:
+    b, deps, breakers = _balancer(
+        "weighted",
+        [
+            _remote("open"),
+            {"name": "cold", "engine": {"kind": "llamacpp", "gguf": "/nonexistent.gguf"}},
+            _remote("eu", region="eu"),
+            _remote("us", region="us"),
+        ],
+    )
+    br = breakers[deps["open"].name]
+    for _ in range(br.cfg.min_requests + 1):
+        br.record(False, time.monotonic())
+    chosen = collections.Counter(_pick(b, regions=["us"])[0].replica.name for _ in range(300))  # type: ignore[union-attr]
+    assert chosen == {"us": 300}
+    _, _, ev = _pick(b, regions=["us"])
+    c = ev["candidates"]
+    assert c["chat/open"]["skipped"].startswith("circuit open")
+    assert c["chat/cold"]["skipped"] == "not ready (engine stopped)"
+    assert c["chat/eu"]["skipped"] == "region 'eu' is outside the allowed ['us']"
+    assert "skipped" not in c["chat/us"]
+    # None eligible: the first, with every reason, so the executor's refusal applies.
+    d, why, ev = _pick(b, regions=["mars"])
+    assert d is deps["open"] and why.startswith("no deployment is eligible")
+
+
+def test_least_outstanding_prefers_fewer_in_flight() -> None:
+    b, deps, _ = _balancer("least_outstanding", [_remote("a"), _remote("b")])
+    for _ in range(5):
+        deps["a"].live.in_flight += 1  # five requests still running on a
+    picks = [b.choose()[0].replica.name for _ in range(5)]  # type: ignore[union-attr]
+    assert picks == ["b"] * 5  # b has fewer until it also holds five
+
+
+def test_latency_prefers_the_faster_probes_and_returns_after_recovery() -> None:
+    b, _deps, _ = _balancer("latency", [_remote("a"), _remote("b")], probe=0.1, stale_s=1000)
+    now = 1000.0
+    speed = {"a": 0.5, "b": 0.1}
+
+    def run(n: int) -> collections.Counter[str]:
+        nonlocal now
+        got: collections.Counter[str] = collections.Counter()
+        for _ in range(n):
+            now += 0.01
+            d, _, _ = b.choose(now=now)
+            name = d.replica.name  # type: ignore[union-attr]
+            got[name] += 1
+            b.settled(d, speed[name], 0.0, now=now)
+        return got
+
+    run(2)  # each is measured once (never measured: probed first)
+    got = run(200)
+    assert got["b"] > 160 and got["a"] > 0, got  # the probe share still measures a
+    speed.update(a=0.05, b=0.6)  # a recovered, b slowed
+    run(60)
+    got = run(200)
+    assert got["a"] > 160, got
+
+
+def test_affinity_keys_come_from_the_task_then_the_session() -> None:
+    assert affinity_key("t1", {"prompt_cache_key": "k"}, None) == ("task", "t1")
+    assert affinity_key(None, {"prompt_cache_key": "k", "user": "u"}, None) == ("session", "k")
+    assert affinity_key(None, {"user": "u"}, {"x-session-id": "s"}) == ("session", "s")
+    assert affinity_key(None, {"user": "u"}, {}) == ("session", "u")
+    assert affinity_key(None, {"user": 5}, {}) is None
+
+
+@pytest.mark.parametrize(
+    ("model", "needle"),
+    [
+        (_model("weighted", [_remote("a"), _remote("a")]), "duplicate name 'a'"),
+        (_model("weighted", [_remote("a", weight=0)]), "every weight is 0"),
+        (
+            {
+                **_model("weighted", [_remote("a", region="us")]),
+                "data_boundary": ["eu"],
+                "region": "eu",
+            },
+            "deployments[0] (a).region: 'us' is outside the model's data_boundary",
+        ),
+        (_model("fastest", [_remote("a")]), "balance.strategy"),
+    ],
+)
+def test_bad_deployment_configs_name_the_key(model: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        parse_settings({"models": [model]})
+    assert needle in str(exc.value)
+
+
+# -- through the gateway ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two() -> Iterator[tuple[Scripted, Scripted]]:
+    pa, a = start_scripted()
+    pb, b = start_scripted()
+    yield a, b
+    pa.stop()
+    pb.stop()
+
+
+def _gateway(two: tuple[Scripted, Scripted], strategy: str, **balance: Any) -> Gateway:
+    a, b = two
+    deps = [
+        {
+            "name": "a",
+            "engine": {"kind": "openai", "base_url": a.url + "/v1"},
+            "labels": {"z": "1"},
+        },
+        {"name": "b", "engine": {"kind": "openai", "base_url": b.url + "/v1"}},
+    ]
+    return start_gateway(
+        {"models": [_model(strategy, deps, **balance)], "embeddings": {"enabled": False}}
+    )
+
+
+def _ask(gw: Gateway, **headers: str) -> httpx.Response:
+    r = httpx.post(
+        gw.url + "/v1/chat/completions",
+        json={"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        headers={"Authorization": f"Bearer {gw.key}", **headers},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    return r
+
+
+def _clear(two: tuple[Scripted, Scripted]) -> None:
+    for s in two:
+        httpx.put(s.url + "/control/fault", json={"fault": None})
+
+
+def test_least_outstanding_sends_traffic_to_the_idle_deployment(
+    two: tuple[Scripted, Scripted],
+) -> None:
+    a, b = two
+    _clear(two)
+    gw = _gateway(two, "least_outstanding", affinity=False)
+    try:
+        a.fault("delay:1500", count=1000)  # a answers in 1.5 s, b at once
+        with concurrent.futures.ThreadPoolExecutor(6) as ex:
+            replies = list(ex.map(lambda _: _ask(gw), range(36)))
+        served = collections.Counter(r.headers["x-switchyard-upstream"] for r in replies)
+        assert served[b.url + "/v1"] > 2 * served[a.url + "/v1"], served
+        trace = gw.trace(replies[-1].headers["x-request-id"])
+        sel = next(d for d in trace["decisions"] if d["stage"] == "select")
+        assert sel["evidence"]["strategy"] == "least_outstanding"
+        assert set(sel["evidence"]["candidates"]) == {"chat/a", "chat/b"}
+        assert "in_flight" in sel["evidence"]["candidates"]["chat/a"]
+        ready = httpx.get(gw.url + "/readyz").json()["models"]["chat"]
+        assert ready["kind"] == "deployments" and set(ready["deployments"]) == {"a", "b"}
+        assert ready["deployments"]["a"]["labels"] == {"z": "1"}
+        metrics = httpx.get(gw.url + "/metrics").text
+        assert 'switchyard_deployment_selected_total{deployment="chat/b",model="chat"}' in metrics
+        assert 'switchyard_deployment_in_flight{deployment="chat/a",model="chat"}' in metrics
+    finally:
+        _clear(two)
+        gw.proc.stop()
+
+
+def test_latency_aware_moves_off_a_slow_deployment_and_back(
+    two: tuple[Scripted, Scripted],
+) -> None:
+    a, b = two
+    _clear(two)
+    gw = _gateway(two, "latency", affinity=False, probe=0.1, stale_s=60)
+    try:
+        a.fault("delay:400", count=1000)
+
+        def served(n: int) -> collections.Counter[str]:
+            return collections.Counter(
+                _ask(gw).headers["x-switchyard-upstream"].split(":")[-1].split("/")[0]
+                for _ in range(n)
+            )
+
+        served(4)  # both measured
+        got = served(30)
+        port_a, port_b = a.url.rsplit(":", 1)[1], b.url.rsplit(":", 1)[1]
+        assert got[port_b] >= 22, got
+        _clear(two)
+        b.fault("delay:400", count=1000)  # a recovered, b slowed
+        served(20)  # the probe share measures a again
+        got = served(30)
+        assert got[port_a] >= 22, got
+    finally:
+        _clear(two)
+        gw.proc.stop()
+
+
+def test_a_task_sticks_to_its_deployment_through_the_gateway(
+    two: tuple[Scripted, Scripted],
+) -> None:
+    _clear(two)
+    gw = _gateway(two, "weighted")
+    try:
+        for task in ("task-1", "task-2", "task-3", "task-4"):
+            ups = {
+                _ask(gw, **{"x-task-id": task}).headers["x-switchyard-upstream"] for _ in range(6)
+            }
+            assert len(ups) == 1, (task, ups)
+        r = _ask(gw, **{"x-task-id": "task-1"})
+        sel = next(
+            d for d in gw.trace(r.headers["x-request-id"])["decisions"] if d["stage"] == "select"
+        )
+        assert sel["evidence"]["affinity"] == {"kind": "task", "outcome": "kept"}
+    finally:
+        gw.proc.stop()
+
+
+# -- prefix affinity ---------------------------------------------------------------------
+
+_LONG = "You are the support assistant of a logistics platform. " * 30  # ~1,700 chars
+
+
+def _chat(system: str, question: str) -> dict[str, Any]:
+    return {
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ]
+    }
+
+
+def test_the_prompt_prefix_is_the_first_characters_of_a_long_enough_prompt() -> None:
+    body = _chat(_LONG, "where is my parcel?")
+    whole = "\x00".join(["system", _LONG, "user", "where is my parcel?"])
+    assert prompt_prefix(body, 1024, 4096) == whole
+    assert prompt_prefix(body, 1024, 1024) == whole[:1024]
+    assert prompt_prefix(body, 1024, 100) is None  # 100 chars kept: shorter than the minimum
+    assert prompt_prefix(_chat("short", "hi"), 1024, 4096) is None
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": _LONG}]}]}
+    assert prompt_prefix(parts, 1024, 4096) == ("user\x00" + _LONG)[:4096]
+    assert prompt_prefix({"prompt": _LONG}, 1024, 64) is None
+    assert prompt_prefix({"prompt": _LONG}, 10, 64) == _LONG[:64]
+
+
+def test_requests_sharing_a_prefix_go_to_one_deployment_and_prefixes_spread() -> None:
+    b, _, _ = _balancer("least_outstanding", [_remote("a"), _remote("b"), _remote("c")])
+    where: dict[int, set[str]] = collections.defaultdict(set)
+    for i in range(300):
+        p = i % 12
+        prefix = prompt_prefix(_chat(f"{p} {_LONG}", f"question {i}"), 1024, 1024)
+        d, why, ev = _pick(b, prefix=prefix)
+        where[p].add(d.name)
+        assert why.startswith("prefix affinity") and ev["prefix_affinity"] == "its point"
+    assert all(len(v) == 1 for v in where.values()), where
+    assert len({next(iter(v)) for v in where.values()}) >= 2, where
+
+
+@settings(max_examples=30)
+@given(st.lists(st.text(min_size=1, max_size=20), min_size=5, max_size=40, unique=True))
+def test_a_deployment_leaving_the_ring_moves_only_its_own_prefixes(names: list[str]) -> None:
+    """Consistent hashing: with one deployment's breaker open, every prefix that was
+    not on it stays where it was."""
+    b, deps, breakers = _balancer("weighted", [_remote(x) for x in "abcd"])
+    before = {n: _pick(b, prefix=n)[0].name for n in names}
+    br = breakers[deps["b"].name]
+    for _ in range(br.cfg.min_requests + 1):
+        br.record(False, time.monotonic())
+    after = {n: _pick(b, prefix=n)[0].name for n in names}
+    for n in names:
+        assert after[n] != "chat/b"
+        if before[n] != "chat/b":
+            assert after[n] == before[n], n
+
+
+def test_prefix_affinity_yields_to_load_on_the_ring() -> None:
+    b, _, _ = _balancer("least_outstanding", [_remote("a"), _remote("b")])
+    held = [b.choose(prefix="same prefix") for _ in range(4)]  # none settled
+    hows = [ev["prefix_affinity"] for _, _, ev in held]
+    assert hows[:3] == ["its point"] * 3, hows  # 1, 2, then 3 in flight: within the bound
+    assert hows[3].startswith("next on the ring"), hows
+    assert held[3][0] is not held[0][0]
+
+
+def test_a_long_prefix_lands_on_one_llama_server_replica() -> None:
+    gw = start_gateway(
+        {
+            "models": [
+                {
+                    "alias": "smol",
+                    "revision": "r1",
+                    "deployments": [
+                        {"name": n, "engine": {"kind": "llamacpp", "parallel": 1, "ctx": 1024}}
+                        for n in ("r1", "r2")
+                    ],
+                }
+            ],
+            "embeddings": {"enabled": False},
+        }
+    )
+    try:
+        ups: dict[int, set[str]] = collections.defaultdict(set)
+        for i in range(12):
+            p = i % 3
+            r = httpx.post(
+                gw.url + "/v1/chat/completions",
+                json={
+                    "model": "smol",
+                    **_chat(f"Team {p}. {_LONG}", f"Question {i}: how do I track a parcel?"),
+                    "max_tokens": 2,
+                },
+                headers={"Authorization": f"Bearer {gw.key}"},
+                timeout=120,
+            )
+            assert r.status_code == 200, r.text
+            ups[p].add(r.headers["x-switchyard-upstream"])
+        assert all(len(v) == 1 for v in ups.values()), ups
+        assert all(next(iter(v)).startswith("llamacpp:") for v in ups.values())
+    finally:
+        gw.proc.stop()
