@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import json
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.conftest import Gateway, Scripted, start_gateway, start_scripted
@@ -279,13 +283,24 @@ def test_latency_aware_moves_off_a_slow_deployment_and_back(
                 for _ in range(n)
             )
 
-        served(4)  # both measured
-        got = served(30)
         port_a, port_b = a.url.rsplit(":", 1)[1], b.url.rsplit(":", 1)[1]
+
+        def settle_on(port: str) -> None:
+            """Until `port` wins three times in a row (a hang guard of 100 requests):
+            the probe share measures the other again and the EWMAs cross."""
+            streak = 0
+            for _ in range(100):
+                streak = streak + 1 if served(1)[port] else 0
+                if streak == 3:
+                    return
+            raise AssertionError(f"traffic never moved to {port}")
+
+        settle_on(port_b)
+        got = served(30)
         assert got[port_b] >= 22, got
         _clear(two)
         b.fault("delay:400", count=1000)  # a recovered, b slowed
-        served(20)  # the probe share measures a again
+        settle_on(port_a)
         got = served(30)
         assert got[port_a] >= 22, got
     finally:
@@ -413,5 +428,186 @@ def test_a_long_prefix_lands_on_one_llama_server_replica() -> None:
             ups[p].add(r.headers["x-switchyard-upstream"])
         assert all(len(v) == 1 for v in ups.values()), ups
         assert all(next(iter(v)).startswith("llamacpp:") for v in ups.values())
+    finally:
+        gw.proc.stop()
+
+
+# -- revisions: canaries, the guard, promote / rollback, pins ------------------------------
+
+
+def test_one_task_never_mixes_revisions_even_under_load() -> None:
+    b, _deps, _ = _balancer(
+        "least_outstanding",
+        [_remote("stable", revision="r17", weight=95), _remote("canary", revision="r18", weight=5)],
+    )
+    held = [b.choose(tenant="t", affinity=("task", "agent-1")) for _ in range(12)]  # none settled
+    assert len({d.model.revision for d, _, _ in held}) == 1, [d.name for d, _, _ in held]
+    first = held[0][0]
+    first.live.weight = 0.0  # rolled back: the task moves, to the other revision
+    d, _, ev = b.choose(tenant="t", affinity=("task", "agent-1"))
+    assert d is not first and ev["affinity"]["why"] == "weight 0"
+
+
+def _versioned(a: Scripted, b: Scripted, **extra: Any) -> dict[str, Any]:
+    return {
+        "models": [
+            {
+                "alias": "chat",
+                "revision": "r17",
+                "deployments": [
+                    {
+                        "name": "stable",
+                        "revision": "r17",
+                        "engine": {"kind": "openai", "base_url": a.url + "/v1"},
+                    },
+                    {
+                        "name": "canary",
+                        "revision": "r18",
+                        "canary": True,
+                        "engine": {"kind": "openai", "base_url": b.url + "/v1"},
+                    },
+                ],
+                "balance": {"strategy": "weighted", "affinity": False},
+                "canary_guard": {"max_error_rate": 0.2, "min_samples": 4, "window_s": 120},
+                "resilience": {"retries": 0},
+                **extra,
+            },
+            {
+                "alias": "solo",
+                "revision": "s1",
+                "engine": {"kind": "openai", "base_url": a.url + "/v1"},
+            },
+        ],
+        "embeddings": {"enabled": False},
+    }
+
+
+def _revision(gw: Gateway, key: str, model: str = "chat") -> httpx.Response:
+    return httpx.post(
+        gw.url + "/v1/chat/completions",
+        json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=30,
+    )
+
+
+def _weights(gw: Gateway) -> dict[str, float]:
+    deps = httpx.get(gw.url + "/readyz").json()["models"]["chat"]["deployments"]
+    return {n: d["weight"] for n, d in deps.items()}
+
+
+def _until(pred: Any, what: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s  # a hang guard, not a timing assertion
+    while not pred():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_the_canary_guard_cuts_a_failing_canary_and_the_cut_survives_a_restart(
+    two: tuple[Scripted, Scripted], tmp_path: Any
+) -> None:
+    a, b = two
+    _clear(two)
+    cfg = _versioned(a, b)
+    db = str(tmp_path / "sy.db")
+    gw = start_gateway(cfg, db=db)
+    try:
+        b.fault("status:500", count=1000)  # the canary fails every request
+        replies = [_revision(gw, gw.key) for _ in range(40)]
+        revs = [r.headers.get("x-switchyard-revision") for r in replies]
+        assert _weights(gw) == {"stable": 1.0, "canary": 0.0}
+        cut_at = max(i for i, r in enumerate(replies) if r.status_code != 200)
+        assert all(rv == "r17" for rv in revs[cut_at + 1 :]) and cut_at < 39, revs
+        traces = [gw.trace(r.headers["x-request-id"]) for r in replies if r.status_code != 200]
+        cuts = [d for t in traces for d in t["decisions"] if d["stage"] == "canary"]
+        assert len(cuts) == 1 and cuts[0]["outcome"] == "cut", cuts
+        assert "error rate" in cuts[0]["reason"] and "chat/canary" in cuts[0]["reason"]
+        metrics = httpx.get(gw.url + "/metrics").text
+        assert 'switchyard_canary_cuts_total{deployment="chat/canary",model="chat"} 1.0' in metrics
+    finally:
+        gw.proc.stop()
+    _clear(two)
+    gw = start_gateway(cfg, db=db)  # the stored weight outlives the process
+    try:
+        assert _weights(gw) == {"stable": 1.0, "canary": 0.0}
+        assert {_revision(gw, gw.key).headers["x-switchyard-revision"] for _ in range(10)} == {
+            "r17"
+        }
+    finally:
+        gw.proc.stop()
+
+
+def test_promote_and_rollback_move_the_weights_of_a_running_gateway(
+    two: tuple[Scripted, Scripted], tmp_path: Any
+) -> None:
+    a, b = two
+    _clear(two)
+    cfg = _versioned(a, b)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    db = str(tmp_path / "sy.db")
+    gw = start_gateway(cfg, db=db)
+    try:
+
+        def cli(*argv: str) -> dict[str, Any]:
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "switchyard",
+                    "models",
+                    *argv,
+                    "--config",
+                    str(path),
+                    "--db",
+                    db,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert done.returncode == 0, done.stderr
+            return dict(json.loads(done.stdout))
+
+        assert cli("promote", "chat")["weights"] == {"stable": 0.0, "canary": 1.0}
+        _until(lambda: _weights(gw) == {"stable": 0.0, "canary": 1.0}, "promote applied")
+        assert {_revision(gw, gw.key).headers["x-switchyard-revision"] for _ in range(6)} == {"r18"}
+        assert cli("rollback", "chat")["weights"] == {"stable": 1.0, "canary": 0.0}
+        _until(lambda: _weights(gw) == {"stable": 1.0, "canary": 0.0}, "rollback applied")
+        # The admin API sets weights by name, and refuses unknown names or all zeros.
+        url = gw.url + "/admin/models/chat/weights"
+        r = httpx.post(url, json={"weights": {"stable": 3, "canary": 1}}, headers=gw.admin)
+        assert r.status_code == 200 and r.json()["weights"] == {"stable": 3.0, "canary": 1.0}
+        assert cli("weights", "chat")["weights"] == {"stable": 3.0, "canary": 1.0}
+        bad = httpx.post(url, json={"weights": {"nope": 1}}, headers=gw.admin)
+        assert bad.status_code == 400 and "unknown deployments" in bad.json()["error"]["message"]
+        zero = httpx.post(url, json={"weights": {"stable": 0, "canary": 0}}, headers=gw.admin)
+        assert zero.status_code == 400
+        r = httpx.post(gw.url + "/admin/models/chat/rollback", headers=gw.admin)
+        assert r.json()["weights"] == {"stable": 1.0, "canary": 0.0}
+    finally:
+        gw.proc.stop()
+
+
+def test_a_revision_is_pinned_only_by_a_key_that_may(two: tuple[Scripted, Scripted]) -> None:
+    a, b = two
+    _clear(two)
+    gw = start_gateway(_versioned(a, b))
+    try:
+        tenant = "t-pin"
+        gw.create_tenant(tenant)
+        pinner = gw.create_key(tenant, may_pin_revisions=True)["key"]
+        r = _revision(gw, gw.key, "chat@r18")
+        assert r.status_code == 403 and r.json()["error"]["code"] == "revision_pin_not_allowed"
+        revs = {
+            _revision(gw, pinner, "chat@r18").headers["x-switchyard-revision"] for _ in range(8)
+        }
+        assert revs == {"r18"}
+        assert _revision(gw, pinner, "chat@canary").headers["x-switchyard-revision"] == "r18"
+        r = _revision(gw, pinner, "chat@r99")
+        assert r.status_code == 404 and "no revision 'r99'" in r.json()["error"]["message"]
+        assert _revision(gw, gw.key, "solo@s1").status_code == 200  # its own revision: a no-op
+        assert _revision(gw, gw.key, "solo@s2").status_code == 404
+        assert _revision(gw, gw.key, "chat@").status_code == 404
     finally:
         gw.proc.stop()

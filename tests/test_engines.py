@@ -143,20 +143,26 @@ def test_readyz_503_until_ready_then_kill_and_recover() -> None:
         assert info["state"] == "ready" and info["restarts"] == 1
         pid = info["pid"]
         assert info["live"] and pid and pid != crashed_pid
+        killed_at = info["upstream"].removesuffix("/v1")
         os.kill(pid, signal.SIGKILL)
-        # The dead engine is reported and requests fail cleanly (502/503), never hang.
+        # The dead engine is reported and requests fail cleanly (502/503), never hang;
+        # one that arrives once the restart is under way waits for it (the pool's one
+        # load) and is served by the new process.
         r = gw.post(
             "/v1/chat/completions",
             json=chat("smol"),
             timeout=30,
         )
-        assert r.status_code in (502, 503), r.text
-        assert r.json()["error"]["code"] in (
-            "engine_not_ready",
-            "engine_crashed",
-            "upstream_unreachable",
-            "upstream_error",
-        )
+        if r.status_code == 200:
+            assert r.headers["x-switchyard-upstream"] != f"llamacpp:{killed_at}", r.headers
+        else:
+            assert r.status_code in (502, 503), r.text
+            assert r.json()["error"]["code"] in (
+                "engine_not_ready",
+                "engine_crashed",
+                "upstream_unreachable",
+                "upstream_error",
+            )
         _wait_ready(gw)
         after = httpx.get(gw.url + "/readyz").json()["models"]["smol"]
         assert after["restarts"] >= 2 and after["pid"] != pid

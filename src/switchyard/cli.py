@@ -184,7 +184,53 @@ def _limit_values(args: argparse.Namespace) -> dict[str, Any]:
         out["allowed_models"] = [m.strip() for m in args.models.split(",") if m.strip()]
     if getattr(args, "adapters", None):
         out["allowed_adapters"] = [m.strip() for m in args.adapters.split(",") if m.strip()]
+    if getattr(args, "may_pin_revisions", False):
+        out["may_pin_revisions"] = True
     return out
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """models weights | promote | rollback ALIAS: the deployment weights, stored where
+    the gateway with this config reads them (it applies a change within seconds)."""
+    from switchyard.config import ConfigError
+    from switchyard.observe.db import connect
+    from switchyard.observe.weights import read_weights, write_weights
+
+    try:
+        settings = load_settings(getattr(args, "config", None))
+    except ConfigError as exc:
+        print(f"switchyard: {exc}", file=sys.stderr)
+        return 2
+    model = next((m for m in settings.models if m.alias == args.alias), None)
+    if model is None or not model.deployments:
+        print(f"switchyard: the model '{args.alias}' has no deployments", file=sys.stderr)
+        return 1
+    configured = {d.name: d.weight for d in model.deployments}
+    canary = {d.name for d in model.deployments if d.canary}
+    conn = connect(sqlite_path(settings, args.db))
+    try:
+        if args.action in ("promote", "rollback"):
+            if not canary:
+                print(f"switchyard: the model '{args.alias}' has no canary", file=sys.stderr)
+                return 1
+            if args.action == "promote":
+                weights = {n: (1.0 if n in canary else 0.0) for n in configured}
+            else:
+                weights = {n: (0.0 if n in canary else w) for n, w in configured.items()}
+            write_weights(conn, args.alias, weights, f"{args.action} by the CLI")
+        stored = read_weights(conn).get(args.alias, {})
+    finally:
+        conn.close()
+    now = {n: stored[n]["weight"] if n in stored else w for n, w in configured.items()}
+    out = {
+        "model": args.alias,
+        "weights": now,
+        "config": configured,
+        "canaries": sorted(canary),
+        "stored": stored,
+    }
+    print(json.dumps(out, indent=2))
+    return 0
 
 
 def cmd_admin(args: argparse.Namespace) -> int:
@@ -351,12 +397,31 @@ def build_parser() -> argparse.ArgumentParser:
         _add_store_options(p)
         p.set_defaults(func=cmd_admin)
 
+    models = sub.add_parser(
+        "models", help="deployment weights of a model: show, promote or roll back its canary"
+    )
+    msub = models.add_subparsers(dest="action", required=True)
+    for action, what in (
+        ("weights", "every deployment's weight now and in the config"),
+        ("promote", "the canaries take all the traffic"),
+        ("rollback", "the canaries take none; the others get their configured weight"),
+    ):
+        mp = msub.add_parser(action, help=what)
+        mp.add_argument("alias")
+        _add_store_options(mp)
+        mp.set_defaults(func=cmd_models)
+
     keys = sub.add_parser("keys", help="manage API keys")
     ksub = keys.add_subparsers(dest="action", required=True)
     kc = ksub.add_parser("create")
     kc.add_argument("--tenant", required=True)
     kc.add_argument("--name")
     kc.add_argument("--adapters", help="comma-separated adapter names or wildcards")
+    kc.add_argument(
+        "--may-pin-revisions",
+        action="store_true",
+        help='the key may name a revision: model "alias@revision"',
+    )
     kc.add_argument("--expires-in-s", type=float)
     _add_limit_options(kc)
     kl = ksub.add_parser("list")

@@ -419,6 +419,18 @@ class DeploymentConfig(_Strict):
     # Requests in flight at once; a full deployment is skipped (None = no cap).
     max_in_flight: int | None = Field(None, ge=1)
     labels: dict[str, str] = {}
+    # A canary: watched by the model's canary_guard, moved by promote / rollback.
+    canary: bool = False
+
+
+class CanaryGuard(_Strict):
+    """Cuts a canary deployment's weight to 0 when, over the last `window_s` with at
+    least `min_samples` requests, its error rate or p95 latency passes its bound."""
+
+    max_error_rate: float = Field(0.05, ge=0, le=1)
+    max_p95_ms: float | None = Field(None, gt=0)
+    window_s: float = Field(300.0, gt=0)
+    min_samples: int = Field(20, ge=1)
 
 
 class BalanceConfig(_Strict):
@@ -457,6 +469,7 @@ class ModelConfig(_Strict):
     # filled in when absent); selection balances among them by `balance`.
     deployments: list[DeploymentConfig] = []
     balance: BalanceConfig = BalanceConfig()
+    canary_guard: CanaryGuard | None = None
     capabilities: Capabilities = Capabilities()
     media: MediaOverride = MediaOverride()  # for a vision model: its image settings
     region: str = "local"
@@ -495,6 +508,8 @@ class ModelConfig(_Strict):
                 raise ValueError(f"deployments: duplicate name {name!r}")
         if self.deployments and not any(d.weight > 0 for d in self.deployments):
             raise ValueError("deployments: every weight is 0; one must be positive")
+        if self.canary_guard is not None and not any(d.canary for d in self.deployments):
+            raise ValueError("canary_guard: no deployment is a canary (deployments[].canary)")
         return self
 
     def replica(self, d: DeploymentConfig) -> ModelConfig:

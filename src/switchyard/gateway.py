@@ -30,6 +30,7 @@ from switchyard.decide.stages import (
 from switchyard.embed import EmbeddingService
 from switchyard.engines.pool import EnginePool
 from switchyard.engines.registry import Deployment, Registry
+from switchyard.errors import InvalidRequest, ModelNotFound
 from switchyard.execute.executor import Executor
 from switchyard.media.process import MediaProcessor
 from switchyard.media.stage import Media
@@ -37,6 +38,8 @@ from switchyard.observe.metrics import Metrics
 from switchyard.observe.otel import build_tracing
 from switchyard.observe.store import MemoryStore, SqliteStore, Store
 from switchyard.observe.traces import enforce_disk, enforce_retention
+from switchyard.observe.weights import REFRESH_S as WEIGHTS_REFRESH_S
+from switchyard.observe.weights import read_weights, write_weights
 from switchyard.pipeline import Pipeline
 from switchyard.policy.admission import DeploymentGate
 from switchyard.policy.auth import Authenticator
@@ -220,6 +223,7 @@ class Gateway:
             self.metrics,
             self.tracing,
         )
+        self.service.on_canary_cut = self._canary_cut
         self.started_at = time.time()
 
     def _embedding_dimensions(self) -> int | None:
@@ -240,6 +244,9 @@ class Gateway:
         if self.embedder is not None:
             self.embedder.start()
         self._retention = asyncio.create_task(self._retention_loop())
+        if self.balancers:
+            self.refresh_weights()
+            self._weights_task = asyncio.create_task(self._weights_loop())
         if self.settings.router.enabled:
             self._router_task = asyncio.create_task(self._build_router())
 
@@ -287,10 +294,73 @@ class Gateway:
                 return n
             return n + enforce_disk(conn, int(obs.max_disk_mb * 1024 * 1024))
 
+    # -- deployment weights (canaries, promote / rollback) --------------------------
+    def refresh_weights(self) -> None:
+        """Apply the weights stored by any process (observe/weights.py)."""
+        with self.store.connection() as conn:
+            stored = read_weights(conn)
+        for alias, rows in stored.items():
+            b = self.balancers.get(alias)
+            if b is not None:
+                changed = b.set_weights({n: r["weight"] for n, r in rows.items()})
+                for name, w in changed.items():
+                    log.info(
+                        "deployment %s: weight %g (%s)",
+                        name,
+                        w,
+                        rows[name.split("/")[-1]]["reason"],
+                    )
+
+    async def _weights_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(WEIGHTS_REFRESH_S)
+            try:
+                await loop.run_in_executor(None, self.refresh_weights)
+            except Exception as exc:  # a locked or missing table must not stop the gateway
+                log.warning("reading deployment weights failed: %s", exc)
+
+    def set_weights(self, alias: str, weights: dict[str, float], reason: str) -> dict[str, float]:
+        """Set and store an alias's weights (admin API); returns them all, by name."""
+        b = self.balancers.get(alias)
+        if b is None:
+            raise ModelNotFound(f"the model '{alias}' has no deployments to weigh")
+        names = {d.replica.name for d in b.deployments if d.replica is not None}
+        unknown = sorted(set(weights) - names)
+        if unknown:
+            raise InvalidRequest(
+                f"unknown deployments of '{alias}': {', '.join(unknown)} "
+                f"(it has: {', '.join(sorted(names))})",
+                param="weights",
+            )
+        if not any(w > 0 for w in {**b.weights(), **weights}.values()):
+            raise InvalidRequest(
+                "at least one deployment must keep a positive weight", param="weights"
+            )
+        with self.store.connection() as conn:
+            write_weights(conn, alias, weights, reason)
+        b.set_weights(weights)
+        log.warning("model %s: weights %s (%s)", alias, weights, reason)
+        return b.weights()
+
+    def _canary_cut(self, alias: str, dep: Deployment, why: str) -> None:
+        log.error("model %s: %s", alias, why)
+        if self.metrics is not None:
+            self.metrics.canary_cuts.labels(alias, dep.name).inc()
+        short = dep.replica.name if dep.replica is not None else dep.name
+
+        def store() -> None:
+            with self.store.connection() as conn:
+                write_weights(conn, alias, {short: 0.0}, why)
+
+        task = asyncio.get_running_loop().run_in_executor(None, store)
+        task.add_done_callback(_log_failure)
+
     async def stop(self) -> None:
-        retention = getattr(self, "_retention", None)
-        if retention is not None:
-            retention.cancel()
+        for name in ("_retention", "_weights_task"):
+            task = getattr(self, name, None)
+            if task is not None:
+                task.cancel()
         await self.registry.stop()
         if self.embedder is not None:
             await self.embedder.stop()
@@ -367,3 +437,9 @@ class Gateway:
         if self.embedder is not None and self.embedder.state == "failed":
             out[self.settings.embeddings.alias] = self.embedder.last_error or "unknown"
         return out
+
+
+def _log_failure(fut: Any) -> None:
+    exc = fut.exception()
+    if exc is not None:
+        log.error("storing a deployment weight failed: %s", exc)

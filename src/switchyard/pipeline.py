@@ -181,6 +181,7 @@ class RequestContext:
     deadline: float  # perf_counter seconds
     principal: Any = None  # set by authentication (policy layer)
     alias: str | None = None
+    pin: str | None = None  # the revision named as `alias@revision`
     model: ModelConfig | None = None
     deployment: Deployment | None = None
     stream: bool = False  # set by validate, from the body

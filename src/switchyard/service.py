@@ -266,6 +266,9 @@ class RequestService:
     request_ids: RequestIds = field(default_factory=RequestIds)
     pending_settles: int = 0  # answered requests whose settle runs after the response
     active: int = 0  # requests between open and settle
+    # (alias, deployment, why) when the canary guard cut a deployment (gateway.py
+    # stores the weight, logs and counts it)
+    on_canary_cut: Callable[[str, Any, str], None] | None = None
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -279,6 +282,7 @@ class RequestService:
         self._sampler = random.Random()
         self._embed_price = Price(input=s.embeddings.price, output=0.0)
         self._embed_alias = s.embeddings.alias
+        self._models = {m.alias: m for m in s.models}  # for `alias@revision` pins
         # The authenticate verdict and evidence per (tenant, key, anonymous).
         self._authenticated: dict[tuple[str, str, bool], tuple[tuple[str, str], Any]] = {}
 
@@ -367,6 +371,9 @@ class RequestService:
                 alias = validate_completion(body, self._unknown_fields)
             ctx.body = body
             ctx.wire = (body, raw)
+            if "@" in alias:  # `alias@revision` pins a revision
+                alias, pin = self._pin(alias)
+                ctx.pin = pin
             ctx.alias = alias
             ctx.stream = bool(body.get("stream"))
             options = body.get("stream_options")  # an object when present (validated)
@@ -665,6 +672,27 @@ class RequestService:
         if pending is not None:
             await pending
 
+    def _pin(self, name: str) -> tuple[str, str | None]:
+        """(the alias, the pinned revision) of `alias@revision`. A pin needs an alias
+        with several deployments; on one with a single deployment only its own
+        revision may be named (a no-op)."""
+        alias, _, pin = name.partition("@")
+        model = self._models.get(alias)
+        if not pin or model is None:
+            raise ModelNotFound(
+                f"the model '{name[:128]}' does not exist; GET /v1/models lists the "
+                "available ones (a revision is pinned as alias@revision)",
+                param="model",
+            )
+        if model.deployments:
+            return alias, pin
+        if pin == model.revision:
+            return alias, None
+        raise ModelNotFound(
+            f"the model '{alias}' has no revision '{pin[:64]}' (it is revision {model.revision!r})",
+            param="model",
+        )
+
     def settle_now(self, ctx: RequestContext) -> Awaitable[None] | None:
         """`settle`, synchronously unless limiter reservations are to be settled (then
         the rest is in the returned awaitable)."""
@@ -686,6 +714,14 @@ class RequestService:
                 if n > 1:
                     tpot = ((tm.ended or time.perf_counter()) - tm.upstream_first_byte) / (n - 1)
             balancer.settled(dep, ttft, tpot)
+            if balancer.guard is not None:
+                t = time.perf_counter()
+                e2e_ms = (t - tm.received) * 1000.0
+                cut = balancer.guard_check(dep, ctx.error_code is None, e2e_ms, time.monotonic())
+                if cut is not None:
+                    ctx.record("canary", "cut", cut, t, {"deployment": dep.name, "weight": 0.0})
+                    if self.on_canary_cut is not None:
+                        self.on_canary_cut(balancer.alias, dep, cut)
         if ctx.run.usage is None and ctx.run.reply_body is not None:
             ctx.run.usage = reply_usage(ctx.run.reply_body)
         usage = ctx.run.usage or {}

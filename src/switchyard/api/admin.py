@@ -16,7 +16,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from switchyard.api.body import read_json
-from switchyard.errors import AuthenticationError, InvalidRequest, PermissionDenied
+from switchyard.errors import AuthenticationError, InvalidRequest, ModelNotFound, PermissionDenied
 from switchyard.gateway import Gateway
 from switchyard.observe.tasks import analyze_task
 from switchyard.observe.traces import AmbiguousRequestId, get_request, get_task, list_requests
@@ -32,7 +32,14 @@ _TENANT_FIELDS = (
     "allowed_models",
     "labels",
 )
-_KEY_FIELDS = (*_TENANT_FIELDS, "name", "allowed_adapters", "expires_in_s", "expires_at")
+_KEY_FIELDS = (
+    *_TENANT_FIELDS,
+    "name",
+    "allowed_adapters",
+    "may_pin_revisions",
+    "expires_in_s",
+    "expires_at",
+)
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -192,6 +199,57 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
             }
         )
 
+    def balancer(request: Request) -> Any:
+        alias = request.path_params["alias"]
+        b = gw.balancers.get(alias)
+        if b is None:
+            raise ModelNotFound(f"the model '{alias[:128]}' has no deployments to weigh")
+        return b
+
+    async def model_weights(request: Request) -> Response:
+        """GET: every deployment's weight now; POST {"weights": {name: w}, "reason"}."""
+        guard(request)
+        b = balancer(request)
+        if request.method == "POST":
+            body = await body_of(request, ("weights", "reason"))
+            weights = body.get("weights")
+            if (
+                not isinstance(weights, dict)
+                or not weights
+                or not all(
+                    isinstance(k, str)
+                    and isinstance(v, int | float)
+                    and not isinstance(v, bool)
+                    and 0 <= v <= 1e6
+                    for k, v in weights.items()
+                )
+            ):
+                raise InvalidRequest(
+                    "'weights' must map deployment names to numbers from 0 to 1000000",
+                    param="weights",
+                )
+            reason = body.get("reason")
+            why = reason[:200] if isinstance(reason, str) and reason else "set by the admin API"
+            gw.set_weights(b.alias, {k: float(v) for k, v in weights.items()}, why)
+        return _json({"model": b.alias, "weights": b.weights(), "config": b.config_weights()})
+
+    async def model_move(request: Request) -> Response:
+        """promote: the canaries take all the traffic; rollback: they take none."""
+        guard(request)
+        b = balancer(request)
+        action = request.path_params["action"]
+        if not b.canaries():
+            raise InvalidRequest(f"the model '{b.alias}' has no canary deployment")
+        weights = b.promote() if action == "promote" else b.rollback()
+        gw.set_weights(b.alias, weights, f"{action} by the admin API")
+        return _json({"model": b.alias, "weights": b.weights(), "config": b.config_weights()})
+
+    async def model_move_checked(request: Request) -> Response:
+        if request.path_params["action"] not in ("promote", "rollback"):
+            guard(request)
+            raise InvalidRequest("use /admin/models/{alias}/promote or /rollback")
+        return await model_move(request)
+
     async def cache_stats(request: Request) -> Response:
         guard(request)
         return _json(gw.cache.stats() if gw.cache is not None else {"enabled": False})
@@ -200,6 +258,8 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
         Route("/admin/cache/invalidate", cache_invalidate, methods=["POST"]),
         Route("/admin/cache/stats", cache_stats, methods=["GET"]),
         Route("/admin/engines", engines, methods=["GET"]),
+        Route("/admin/models/{alias:path}/weights", model_weights, methods=["GET", "POST"]),
+        Route("/admin/models/{alias:path}/{action:str}", model_move_checked, methods=["POST"]),
         Route("/admin/requests", request_list, methods=["GET"]),
         Route("/admin/requests/{request_id}", request_trace, methods=["GET"]),
         Route("/admin/tasks/{task_id}", task_trace, methods=["GET"]),

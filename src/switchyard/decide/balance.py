@@ -36,8 +36,9 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-from switchyard.config import BalanceConfig
+from switchyard.config import BalanceConfig, CanaryGuard
 from switchyard.engines.registry import Deployment
+from switchyard.errors import ModelNotFound
 from switchyard.execute.breaker import CircuitBreaker
 
 _KEY_CHARS = 256  # an affinity key longer than this is kept as its hash
@@ -59,18 +60,15 @@ class Balancer:
         self._breakers = breakers
         self.rng = rng or random.Random()
         self._affinity: OrderedDict[tuple[str, str, str], Deployment] = OrderedDict()
-        # Per deployment, read on every request: (it, its weight, its max_in_flight,
-        # its breaker).
+        # Per deployment, read on every request: (it, its max_in_flight, its breaker).
         self._rows = [
-            (
-                d,
-                _weight(d),
-                d.replica.max_in_flight if d.replica is not None else None,
-                breakers.get(d.name),
-            )
+            (d, d.replica.max_in_flight if d.replica is not None else None, breakers.get(d.name))
             for d in deployments
         ]
-        self._weights = {d.name: w for d, w, _, _ in self._rows}
+        # Deployments of more than one revision: a task never mixes them (its affinity
+        # does not yield to load), and weights are canary weights.
+        self.versioned = len({d.model.revision for d in deployments}) > 1
+        self.guard: CanaryGuard | None = deployments[0].model.canary_guard if deployments else None
         # The hash ring for prefix affinity: RING_POINTS points per deployment, by name
         # (so a restart or another gateway builds the same ring).
         ring = [
@@ -87,6 +85,7 @@ class Balancer:
         tenant: str | None = None,
         affinity: tuple[str, str] | None = None,
         prefix: str | None = None,
+        pin: str | None = None,
         regions: list[str] | None = None,
         tokens: int = 256,
         now: float | None = None,
@@ -95,21 +94,24 @@ class Balancer:
         now = time.monotonic() if now is None else now
         states: dict[str, dict[str, Any]] = {}
         eligible: list[Deployment] = []
-        for d, weight, cap, breaker in self._rows:
+        for d, cap, breaker in self._rows:
             live = d.live
             state: dict[str, Any] = {
                 "in_flight": live.in_flight,
                 "ewma_ttft_ms": live.ttft_ms,
                 "ewma_tpot_ms": live.tpot_ms,
-                "weight": weight,
+                "weight": live.weight,
+                "breaker": breaker.state if breaker is not None else None,
             }
             states[d.name] = state
-            why = self._ineligible(d, weight, cap, breaker, regions, now)
+            why = self._ineligible(d, 1.0 if pin else live.weight, cap, breaker, regions, now)
             if why is None:
                 eligible.append(d)
             else:
                 state["skipped"] = why
         evidence: dict[str, Any] = {"strategy": self.cfg.strategy, "candidates": states}
+        if pin is not None:
+            return self._pinned(pin, eligible, evidence)
         if not eligible:
             chosen = self.deployments[0]
             reason = (
@@ -135,7 +137,14 @@ class Balancer:
                     "from": kept.name,
                     "why": yielded,
                 }
-        if prefix is not None and self.cfg.prefix_affinity:
+                if self.versioned:
+                    evidence["affinity"]["revision"] = kept.model.revision
+        kept_rev = evidence.get("affinity", {}).get("revision")
+        same = [d for d in eligible if d.model.revision == kept_rev] if kept_rev else []
+        if same:  # a task whose deployment left: another of its revision if there is one
+            chosen, reason = self._pick(same, tokens, now)
+            reason = f"affinity: another deployment of the task's revision ({reason})"
+        elif prefix is not None and self.cfg.prefix_affinity:
             chosen, how = self._ring_pick(prefix, eligible)
             evidence["prefix_affinity"] = how
             reason = f"prefix affinity: the prompt prefix's deployment on the hash ring ({how})"
@@ -148,6 +157,29 @@ class Balancer:
             while len(self._affinity) > self.cfg.affinity_entries:
                 self._affinity.popitem(last=False)
         return self._take(chosen, key, reason, evidence)
+
+    def _pinned(
+        self, pin: str, eligible: list[Deployment], evidence: dict[str, Any]
+    ) -> tuple[Deployment, str, dict[str, Any]]:
+        """The client named the revision (`alias@revision`, or a deployment's name)."""
+        match = [
+            d
+            for d in self.deployments
+            if d.model.revision == pin or (d.replica is not None and d.replica.name == pin)
+        ]
+        if not match:
+            known = sorted({d.model.revision for d in self.deployments})
+            raise ModelNotFound(
+                f"the model '{self.alias}' has no revision '{pin}' (it has: {', '.join(known)})",
+                param="model",
+            )
+        ok = [d for d in match if any(d is e for e in eligible)]
+        chosen = min(ok or match, key=lambda d: d.live.in_flight)
+        evidence["pin"] = pin
+        why = f"pinned by the client to revision {chosen.model.revision}"
+        if not ok:
+            why += ": no deployment of it is eligible, so the executor refuses it"
+        return self._take(chosen, None, why, evidence)
 
     def _take(
         self, d: Deployment, key: Any, reason: str, evidence: dict[str, Any]
@@ -189,6 +221,8 @@ class Balancer:
     ) -> str | None:
         if not any(d is kept for d in eligible):  # identity: == compares whole configs
             return str(states.get(kept.name, {}).get("skipped", "no longer a deployment"))
+        if self.versioned:
+            return None  # one task, one revision: load does not move it
         total = sum(d.live.in_flight for d in eligible)
         bound = math.ceil(self.cfg.affinity_load_factor * (total + 1) / len(eligible))
         if kept.live.in_flight + 1 > bound:
@@ -250,18 +284,74 @@ class Balancer:
 
     def _weighted(self, eligible: list[Deployment]) -> Deployment:
         """One of `eligible`, at random by weight."""
-        weights = self._weights
         total = 0.0
         for d in eligible:
-            total += weights[d.name]
+            total += d.live.weight
         x = self.rng.random() * total
         for d in eligible:
-            x -= weights[d.name]
+            x -= d.live.weight
             if x < 0:
                 return d
         return eligible[-1]
 
     # -- after the request --------------------------------------------------------
+    def set_weights(self, weights: Mapping[str, float]) -> dict[str, float]:
+        """Set deployments' weights by name (`d0` or `alias/d0`); returns what changed."""
+        changed = {}
+        for d in self.deployments:
+            w = weights.get(_short(d), weights.get(d.name))
+            if w is not None and w != d.live.weight:
+                d.live.weight = float(w)
+                changed[d.name] = float(w)
+        return changed
+
+    def config_weights(self) -> dict[str, float]:
+        return {d.replica.name: d.replica.weight for d in self.deployments if d.replica is not None}
+
+    def canaries(self) -> list[Deployment]:
+        return [d for d in self.deployments if d.replica is not None and d.replica.canary]
+
+    def promote(self) -> dict[str, float]:
+        """The weights that give the canaries all the traffic (the others 0)."""
+        canary = {d.name for d in self.canaries()}
+        return {_short(d): (1.0 if d.name in canary else 0.0) for d in self.deployments}
+
+    def rollback(self) -> dict[str, float]:
+        """The weights that give the canaries none, the others their configured one."""
+        canary = {d.name for d in self.canaries()}
+        return {_short(d): (0.0 if d.name in canary else _weight(d)) for d in self.deployments}
+
+    def weights(self) -> dict[str, float]:
+        return {_short(d): d.live.weight for d in self.deployments}
+
+    def guard_check(self, d: Deployment, ok: bool, e2e_ms: float, now: float) -> str | None:
+        """Record a canary's outcome; when its window breaches the guard's bounds and
+        it still has weight, cut it to 0 and say why (None otherwise)."""
+        g = self.guard
+        if g is None or d.replica is None or not d.replica.canary:
+            return None
+        window = d.live.outcomes
+        window.append((now, ok, e2e_ms))
+        while window and window[0][0] < now - g.window_s:
+            window.popleft()
+        if d.live.weight <= 0 or len(window) < g.min_samples:
+            return None
+        n = len(window)
+        errors = sum(1 for _, good, _ in window if not good)
+        rate = errors / n
+        why = None
+        if rate > g.max_error_rate:
+            why = f"error rate {rate:.2f} > {g.max_error_rate:g} over {n} requests"
+        elif g.max_p95_ms is not None:
+            lat = sorted(ms for _, good, ms in window if good)
+            p95 = lat[int(len(lat) * 0.95)] if lat else 0.0
+            if p95 > g.max_p95_ms:
+                why = f"p95 {p95:.0f} ms > {g.max_p95_ms:g} ms over {n} requests"
+        if why is None:
+            return None
+        d.live.weight = 0.0
+        return f"the canary guard cut {d.name} to weight 0: {why} in {g.window_s:g}s"
+
     def settled(
         self,
         d: Deployment,
@@ -315,6 +405,10 @@ def prompt_prefix(body: Mapping[str, Any], min_chars: int, max_chars: int) -> st
             parts.append(prompt[:max_chars])
     text = "\x00".join(parts)[:max_chars]
     return text if len(text) >= min_chars else None
+
+
+def _short(d: Deployment) -> str:
+    return d.replica.name if d.replica is not None else d.name
 
 
 def _weight(d: Deployment) -> float:

@@ -356,6 +356,10 @@ class Select(Stage):
 
     def _balance(self, ctx: RequestContext, balancer: Balancer, t: float) -> None:
         p = ctx.principal
+        if ctx.pin is not None and p is not None and not p.may_pin_revisions:
+            why = "this API key may not pin a revision (its may_pin_revisions is off)"
+            ctx.record(self.name, "reject", why, t, {"pin": ctx.pin})
+            raise PermissionDenied(why, code="revision_pin_not_allowed", param="model")
         boundary = balancer.deployments[0].model.data_boundary
         regions = p.regions if p is not None else None
         if regions is not None:
@@ -370,6 +374,7 @@ class Select(Stage):
             tenant=p.tenant_id if p is not None else None,
             affinity=affinity_key(ctx.input.task_id, ctx.body, ctx.input.headers),
             prefix=prefix,
+            pin=ctx.pin,
             regions=boundary,
             tokens=ctx.max_tokens or 256,
         )

@@ -8,6 +8,7 @@ the data plane only reads `ready` and `upstream`.
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,11 @@ class Live:
     # The EWMAs as the decision evidence shows them (ms, rounded once per update)
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    weight: float = 1.0  # its share now: the config's, or as set (stored) since
+    # A canary's recent outcomes (monotonic time, ok, end-to-end ms) for its guard.
+    outcomes: collections.deque[tuple[float, bool, float]] = field(
+        default_factory=collections.deque
+    )
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -47,6 +53,7 @@ class Live:
             "selected": self.selected,
             "ewma_ttft_ms": self.ttft_ms,
             "ewma_tpot_ms": self.tpot_ms,
+            "weight": self.weight,
         }
 
 
@@ -80,7 +87,7 @@ class Deployment:
     def __post_init__(self) -> None:
         self.alias = self.model.alias
         self.name = self.alias if self.replica is None else f"{self.alias}/{self.replica.name}"
-        self.live = Live()
+        self.live = Live(weight=self.replica.weight if self.replica is not None else 1.0)
         spec = self.model.engine
         model = spec.model if isinstance(spec, OpenAIEngine) else None
         self.upstream_model = model or self.model.alias
@@ -167,7 +174,7 @@ class Deployment:
         if self.replica is not None:
             out["deployment"] = self.replica.name
             out["region"] = self.model.region
-            out["weight"] = self.replica.weight
+            out["canary"] = self.replica.canary
             out["labels"] = self.replica.labels
             out.update(self.live.describe())
         return out

@@ -32,6 +32,7 @@ CREATE TABLE IF NOT EXISTS api_keys (
     revoked_at REAL,
     allowed_models TEXT NOT NULL DEFAULT '["*"]',
     allowed_adapters TEXT NOT NULL DEFAULT '[]',
+    may_pin_revisions INTEGER NOT NULL DEFAULT 0,
     rpm INTEGER, tpm INTEGER, max_concurrency INTEGER,
     budget_usd REAL, budget_period TEXT,
     labels TEXT NOT NULL DEFAULT '{}'
@@ -80,6 +81,14 @@ CREATE TABLE IF NOT EXISTS trace_templates (
     id TEXT PRIMARY KEY,
     template TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS deployment_weights (
+    alias TEXT NOT NULL,
+    deployment TEXT NOT NULL,
+    weight REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY (alias, deployment)
+);
 """
 
 # Columns added after a table first shipped: (table, column, type). `connect` adds
@@ -93,6 +102,7 @@ MIGRATIONS = (
     ("usage", "image_pixels_out", "INTEGER"),
     ("usage", "adapter", "TEXT"),
     ("usage", "adapter_revision", "TEXT"),
+    ("api_keys", "may_pin_revisions", "INTEGER NOT NULL DEFAULT 0"),
 )
 # Partial: only requests that carry a client id pay for an index entry (a full index
 # cost the writer two more B-tree inserts for every request).

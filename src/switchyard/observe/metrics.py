@@ -300,6 +300,12 @@ class Metrics:
             ["model", "deployment"],
             registry=reg,
         )
+        self.canary_cuts = Counter(
+            "switchyard_canary_cuts",
+            "Canary deployments cut to weight 0 by the canary guard",
+            ["model", "deployment"],
+            registry=reg,
+        )
         self.adapter_events = Counter(
             "switchyard_adapter_events",
             "Adapter residency: loads (cold to loaded), evictions (LRU, max_adapters) and "
@@ -583,13 +589,20 @@ class _LiveCollector:
             "EWMA of time per output token per deployment",
             labels=labels,
         )
+        weight = GaugeMetricFamily(
+            "switchyard_deployment_weight",
+            "Each deployment's weight now (a canary's share)",
+            labels=labels,
+        )
         for d in self._deps:
             key = [d.alias, d.name]
             flight.add_metric(key, d.live.in_flight)
+            weight.add_metric(key, d.live.weight)
             if d.live.ttft_s is not None:
                 ttft.add_metric(key, d.live.ttft_s)
             if d.live.tpot_s is not None:
                 tpot.add_metric(key, d.live.tpot_s)
         yield flight
+        yield weight
         yield ttft
         yield tpot

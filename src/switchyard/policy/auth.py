@@ -22,6 +22,7 @@ ANONYMOUS = Principal(
     key_limits=Limits(),
     tenant_limits=Limits(),
     key_adapters=("*",),  # auth disabled: adapters open to every tenant ("*") serve
+    may_pin_revisions=True,
 )
 
 

@@ -74,6 +74,8 @@ class Principal:
     regions: tuple[str, ...] | None = None
     # The key's allowed_adapters (patterns): none unless the key names them.
     key_adapters: tuple[str, ...] = ()
+    # Whether the key may pin a revision (`model: "alias@revision"`).
+    may_pin_revisions: bool = False
 
     def may_use(self, alias: str) -> bool:
         return model_allowed(self.key_models, alias) and model_allowed(self.tenant_models, alias)
@@ -197,13 +199,19 @@ class KeyStore:
                     "'expires_in_s' must be a positive number", param="expires_in_s"
                 )
             expires = time.time() + float(ttl)
+        pin = values.get("may_pin_revisions", False)
+        if not isinstance(pin, bool):
+            raise InvalidRequest(
+                "'may_pin_revisions' must be true or false", param="may_pin_revisions"
+            )
         plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
         key_id = "key_" + secrets.token_hex(6)
         with self._lock:
             self.conn.execute(
                 "INSERT INTO api_keys (id, tenant_id, hash, prefix, name, created_at, expires_at,"
-                " allowed_models, allowed_adapters, rpm, tpm, max_concurrency, budget_usd,"
-                " budget_period, labels) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " allowed_models, allowed_adapters, may_pin_revisions, rpm, tpm,"
+                " max_concurrency, budget_usd, budget_period, labels)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     key_id,
                     tenant_id,
@@ -214,6 +222,7 @@ class KeyStore:
                     expires,
                     json.dumps(models),
                     json.dumps(adapters),
+                    int(pin),
                     lim["rpm"],
                     lim["tpm"],
                     lim["max_concurrency"],
@@ -263,6 +272,7 @@ class KeyStore:
             "revoked_at": row["revoked_at"],
             "allowed_models": json.loads(row["allowed_models"]),
             "allowed_adapters": json.loads(row["allowed_adapters"]),
+            "may_pin_revisions": bool(row["may_pin_revisions"]),
             "limits": {k: row[k] for k in LIMIT_FIELDS},
             "labels": json.loads(row["labels"]),
         }
@@ -301,6 +311,7 @@ class KeyStore:
             key_models=tuple(json.loads(row["allowed_models"])),
             tenant_models=tuple(json.loads(row["t_models"])),
             key_adapters=tuple(json.loads(row["allowed_adapters"])),
+            may_pin_revisions=bool(row["may_pin_revisions"]),
             key_limits=_limits(row),
             tenant_limits=tenant_limits,
             labels=json.loads(row["labels"]),
