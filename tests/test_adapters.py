@@ -258,15 +258,16 @@ def _two_adapters(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-@pytest.fixture(scope="module")
-def one_loaded(manifest: dict[str, Any]) -> Iterator[Gateway]:
-    """Two adapters registered, one loaded at a time: llama-server loads adapters only
-    at start, so each swap drains the engine and restarts it with the other."""
+def _two_adapter_gateway(
+    manifest: dict[str, Any], engine: dict[str, Any], engines: dict[str, Any] | None = None
+) -> Iterator[Gateway]:
+    """A gateway with `smol` (these engine settings) and both adapters, and a key of
+    tenant t-one that may use them."""
     gw = start_gateway(
         {
-            "models": [local_model("smol", parallel=4, ctx=512, max_adapters=1)],
+            "models": [local_model("smol", parallel=4, ctx=512, **engine)],
             "adapters": _two_adapters(manifest),
-            "engines": {"min_residency_s": 0},
+            "engines": engines or {},
             "embeddings": {"enabled": False},
         }
     )
@@ -276,6 +277,13 @@ def one_loaded(manifest: dict[str, Any]) -> Iterator[Gateway]:
         yield gw
     finally:
         gw.proc.stop()
+
+
+@pytest.fixture(scope="module")
+def one_loaded(manifest: dict[str, Any]) -> Iterator[Gateway]:
+    """Two adapters registered, one loaded at a time: llama-server loads adapters only
+    at start, so each swap drains the engine and restarts it with the other."""
+    yield from _two_adapter_gateway(manifest, {"max_adapters": 1}, {"min_residency_s": 0})
 
 
 def test_a_cold_adapter_is_loaded_in_place_of_the_least_recently_used_one(
@@ -335,21 +343,7 @@ def test_mixed_concurrent_requests_over_one_adapter_slot_each_get_theirs(
 @pytest.fixture(scope="module")
 def one_active(manifest: dict[str, Any]) -> Iterator[Gateway]:
     """Both adapters loaded, one active at a time."""
-    gw = start_gateway(
-        {
-            "models": [
-                local_model("smol", parallel=4, ctx=512, max_adapters=2, max_active_adapters=1)
-            ],
-            "adapters": _two_adapters(manifest),
-            "embeddings": {"enabled": False},
-        }
-    )
-    try:
-        gw.create_tenant("t-one")
-        gw.keys = {"one": gw.create_key("t-one", allowed_adapters=["*"])["key"]}  # type: ignore[attr-defined]
-        yield gw
-    finally:
-        gw.proc.stop()
+    yield from _two_adapter_gateway(manifest, {"max_adapters": 2, "max_active_adapters": 1})
 
 
 def test_a_request_for_another_adapter_waits_for_the_active_slot(one_active: Gateway) -> None:
