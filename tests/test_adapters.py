@@ -93,6 +93,25 @@ def _ask(gw: Gateway, key: str, model: str, max_tokens: int = 10) -> httpx.Respo
     )
 
 
+def _long_stream(gw: Gateway, key: str, model: str) -> Any:
+    """A streamed request that generates 400 tokens (end of sequence banned): it keeps
+    its adapter in use while the test looks."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 400,
+        "stream": True,
+        "logit_bias": {"0": -100, "2": -100},
+    }
+    return httpx.stream(
+        "POST",
+        gw.url + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=120,
+    )
+
+
 def _text(r: httpx.Response) -> str:
     assert r.status_code == 200, r.text
     return str(r.json()["choices"][0]["message"]["content"])
@@ -207,20 +226,7 @@ def test_an_adapter_is_hot_while_a_request_uses_it_and_warm_after(lora: Gateway)
         return str(engines["smol"]["adapters"]["support-robot"]["state"])
 
     assert state() == "warm"
-    body = {
-        "model": "support-robot",
-        "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": 300,
-        "stream": True,
-        "logit_bias": {"0": -100, "2": -100},
-    }
-    with httpx.stream(
-        "POST",
-        lora.url + "/v1/chat/completions",
-        json=body,
-        headers={"Authorization": f"Bearer {key}"},
-        timeout=120,
-    ) as r:
+    with _long_stream(lora, key, "support-robot") as r:
         assert r.status_code == 200
         # Read the state while the stream is open: leaving iter_lines (a break) closes
         # the response, so the gateway would already have settled the request.
@@ -348,21 +354,8 @@ def one_active(manifest: dict[str, Any]) -> Iterator[Gateway]:
 
 def test_a_request_for_another_adapter_waits_for_the_active_slot(one_active: Gateway) -> None:
     gw, key = one_active, one_active.keys["one"]  # type: ignore[attr-defined]
-    body = {
-        "model": "support-pirate",
-        "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": 400,
-        "stream": True,
-        "logit_bias": {"0": -100, "2": -100},
-    }
     with concurrent.futures.ThreadPoolExecutor(2) as ex:
-        with httpx.stream(
-            "POST",
-            gw.url + "/v1/chat/completions",
-            json=body,
-            headers={"Authorization": f"Bearer {key}"},
-            timeout=120,
-        ) as r:
+        with _long_stream(gw, key, "support-pirate") as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             while not next(lines).startswith("data: {"):
