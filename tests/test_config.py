@@ -96,6 +96,14 @@ def _adapter(**kw: Any) -> dict[str, Any]:
             "adapters[0].sha256",
         ),
         (
+            {"models": [{**_LOCAL, "alias": "auto"}]},
+            "models[0].alias: 'auto' is reserved for the router",
+        ),
+        (
+            {"models": [_LOCAL], "adapters": [_adapter(name="auto")]},
+            "adapters[0].name: 'auto' is reserved for the router",
+        ),
+        (
             {
                 "models": [{**_LOCAL, "engine": {"kind": "llamacpp", "max_adapters": 0}}],
                 "adapters": [_adapter(name="a1")],

@@ -657,6 +657,20 @@ class Settings(_Strict):
             raise ValueError(
                 f"embeddings.alias: {self.embeddings.alias!r} is also a chat model alias"
             )
+        # One namespace: models, adapters and the router's routed aliases ("auto").
+        reserved = set(self.router.routed_aliases)
+        for i, m in enumerate(self.models):
+            if m.alias in reserved:
+                raise ValueError(
+                    f"models[{i}].alias: {m.alias!r} is reserved for the router "
+                    "(router.routed_aliases)"
+                )
+        for i, a in enumerate(self.adapters):
+            if a.name in reserved:
+                raise ValueError(
+                    f"adapters[{i}].name: {a.name!r} is reserved for the router "
+                    "(router.routed_aliases)"
+                )
         by_alias = {m.alias: m for m in self.models}
         for i, route in enumerate(self.router.routes):
             if route.model not in by_alias:
