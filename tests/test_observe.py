@@ -720,15 +720,26 @@ def test_stopping_the_gateway_leaves_no_process_and_ctrl_c_loses_no_row(
     while _children_of(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     left = _children_of(proc.pid)
+    who = [_describe(p) for p in left]  # read before they are killed: names the survivor
     if left:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # do not leak them into later tests
     assert _processes_with(f"ledger_writer\0{db}".encode()) == []  # gone with its gateway
-    assert left == []  # the engine worker too
+    assert left == [], who  # the engine worker too
     if stop == "ctrl-c":
         assert "Traceback" not in out, out
         conn = sqlite3.connect(db)
         assert conn.execute("SELECT count(*) FROM usage").fetchone()[0] == 20
+
+
+def _describe(pid: str) -> str:
+    """A process's state letter (Z: a zombie not yet reaped) and command line."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except (OSError, IndexError):
+        return f"{pid}: gone"
+    return f"{pid} [{state}] {cmd}"
 
 
 def _children_of(pid: int) -> list[str]:
