@@ -503,13 +503,19 @@ def _until(pred: Any, what: str, timeout_s: float = 20) -> None:
         time.sleep(0.1)
 
 
-def test_the_canary_guard_cuts_a_failing_canary_and_the_cut_survives_a_restart(
-    two: tuple[Scripted, Scripted], tmp_path: Any
-) -> None:
-    a, b = two
+@pytest.fixture
+def versioned(two: tuple[Scripted, Scripted], tmp_path: Any) -> tuple[dict[str, Any], str]:
+    """The stable/canary config over the two scripted upstreams (no faults), and a
+    fresh SQLite file for it."""
     _clear(two)
-    cfg = _versioned(a, b)
-    db = str(tmp_path / "sy.db")
+    return _versioned(*two), str(tmp_path / "sy.db")
+
+
+def test_the_canary_guard_cuts_a_failing_canary_and_the_cut_survives_a_restart(
+    two: tuple[Scripted, Scripted], versioned: tuple[dict[str, Any], str]
+) -> None:
+    b = two[1]
+    cfg, db = versioned
     gw = start_gateway(cfg, db=db)
     try:
         b.fault("status:500", count=1000)  # the canary fails every request
@@ -538,14 +544,11 @@ def test_the_canary_guard_cuts_a_failing_canary_and_the_cut_survives_a_restart(
 
 
 def test_promote_and_rollback_move_the_weights_of_a_running_gateway(
-    two: tuple[Scripted, Scripted], tmp_path: Any
+    versioned: tuple[dict[str, Any], str], tmp_path: Any
 ) -> None:
-    a, b = two
-    _clear(two)
-    cfg = _versioned(a, b)
+    cfg, db = versioned
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    db = str(tmp_path / "sy.db")
     gw = start_gateway(cfg, db=db)
     try:
 
@@ -589,10 +592,10 @@ def test_promote_and_rollback_move_the_weights_of_a_running_gateway(
         gw.proc.stop()
 
 
-def test_a_revision_is_pinned_only_by_a_key_that_may(two: tuple[Scripted, Scripted]) -> None:
-    a, b = two
-    _clear(two)
-    gw = start_gateway(_versioned(a, b))
+def test_a_revision_is_pinned_only_by_a_key_that_may(
+    versioned: tuple[dict[str, Any], str],
+) -> None:
+    gw = start_gateway(versioned[0])
     try:
         tenant = "t-pin"
         gw.create_tenant(tenant)

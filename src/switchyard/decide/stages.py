@@ -19,6 +19,7 @@ from switchyard.decide.tools import shortlist, tool_text
 from switchyard.decide.verify import verify
 from switchyard.embed import EmbeddingService
 from switchyard.engines.pool import BASE, EnginePool
+from switchyard.engines.pool import Residency as EngineResidency
 from switchyard.engines.registry import Deployment
 from switchyard.errors import EngineNotReady, PermissionDenied, SwitchyardError
 from switchyard.pipeline import CacheOutcome, CacheState, RequestContext, Stage, Verdict, View
@@ -414,16 +415,7 @@ class Residency(Stage):
         now = self._pool.hot(dep.engine)
         if now is None:
             return self._load(ctx, dep, t)
-        ctx.admission.resident = (dep.engine, None)
-        if dep.adapter is None and not dep.engine.isolate_base:
-            ctx.record(self.name, now.outcome, now.reason, t, now.evidence)
-            return None
-        name = BASE if dep.adapter is None else dep.adapter.name
-        got = self._pool.adapter_now(dep.engine, name)
-        if got is None:
-            return self._adapter(ctx, dep, now.outcome, now.reason, now.evidence, t)
-        self._record(ctx, dep, now.outcome, now.reason, {**now.evidence, **got}, t)
-        return None
+        return self._held(ctx, dep, now, t)
 
     async def _load(self, ctx: RequestContext, dep: Deployment, t: float) -> None:
         assert dep.engine is not None
@@ -432,23 +424,33 @@ class Residency(Stage):
         except SwitchyardError as exc:
             ctx.record(self.name, "reject", exc.message, t, {"state": dep.engine.state.value})
             raise
-        ctx.admission.resident = (dep.engine, None)
-        if dep.adapter is None and not dep.engine.isolate_base:
+        pending = self._held(ctx, dep, r, t)
+        if pending is not None:
+            await pending
+
+    def _held(
+        self, ctx: RequestContext, dep: Deployment, r: EngineResidency, t: float
+    ) -> Awaitable[None] | None:
+        """The engine is held for this request (`r`: how it came to be). Then its
+        adapter, or its turn beside adapter requests: at once, or waited for."""
+        engine = dep.engine
+        assert engine is not None
+        ctx.admission.resident = (engine, None)
+        if dep.adapter is None and not engine.isolate_base:
             ctx.record(self.name, r.outcome, r.reason, t, r.evidence)
-            return
-        await self._adapter(ctx, dep, r.outcome, r.reason, r.evidence, t)
+            return None
+        name = BASE if dep.adapter is None else dep.adapter.name
+        got = self._pool.adapter_now(engine, name)
+        if got is None:
+            return self._adapter(ctx, dep, r, t)
+        self._record(ctx, dep, r, got, t)
+        return None
 
     async def _adapter(
-        self,
-        ctx: RequestContext,
-        dep: Deployment,
-        outcome: str,
-        reason: str,
-        evidence: dict[str, Any],
-        t: float,
+        self, ctx: RequestContext, dep: Deployment, r: EngineResidency, t: float
     ) -> None:
-        """The engine is held; wait for the adapter to be active for this request (or,
-        for a base request kept apart from adapter requests, for its turn)."""
+        """Wait for the adapter to be active for this request (or, for a base request
+        kept apart from adapter requests, for its turn)."""
         engine, adapter = dep.engine, dep.adapter
         assert engine is not None
         name = BASE if adapter is None else adapter.name
@@ -456,25 +458,25 @@ class Residency(Stage):
             got = await self._pool.adapter(engine, name, ctx.remaining_s())
         except SwitchyardError as exc:
             if adapter is None:
-                ctx.record(self.name, "reject", exc.message, t, evidence)
+                ctx.record(self.name, "reject", exc.message, t, r.evidence)
                 raise
-            ev = {**evidence, "adapter": name, "adapter_state": engine.adapter_state(name)}
+            ev = {**r.evidence, "adapter": name, "adapter_state": engine.adapter_state(name)}
             ctx.record(self.name, "reject", f"adapter {name}: {exc.message}", t, ev)
             raise
-        self._record(ctx, dep, outcome, reason, {**evidence, **got}, t)
+        self._record(ctx, dep, r, got, t)
 
     def _record(
         self,
         ctx: RequestContext,
         dep: Deployment,
-        outcome: str,
-        reason: str,
-        evidence: dict[str, Any],
+        r: EngineResidency,
+        got: dict[str, Any],
         t: float,
     ) -> None:
         """The adapter is active for this request (the pool counted it in use)."""
         engine, adapter = dep.engine, dep.adapter
         assert engine is not None
+        outcome, reason, evidence = r.outcome, r.reason, {**r.evidence, **got}
         if adapter is None:  # a base request kept apart from adapter requests
             ctx.admission.resident = (engine, BASE)
             reason = (
