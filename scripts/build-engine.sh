@@ -47,8 +47,10 @@ if ! CMAKE_ARGS="$FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL
   exit 1
 fi
 # The flags must be what was compiled: read the engine's own account of its
-# instruction sets (llama_print_system_info) from the wheel just built.
-"$PY" -m pip install -q --no-deps --target "$work/check" "$work"/out/llama_cpp_python-*.whl >&2
+# instruction sets (llama_print_system_info) from the wheel just built. With its
+# dependencies: on a fresh machine the venv has none of them yet (`import llama_cpp`
+# needs diskcache and numpy).
+"$PY" -m pip install -q --target "$work/check" "$work"/out/llama_cpp_python-*.whl >&2
 info=$(PYTHONPATH="$work/check" "$PY" -c \
   'import llama_cpp; print(llama_cpp.llama_print_system_info().decode().strip())')
 echo "  built: $info" >&2
