@@ -121,11 +121,11 @@ def test_compact_decision_blocks_are_stored_as_the_full_trace(tmp_path: Path) ->
     for ctx in seen:
         # authorize..deployment_limits, then queue (the request's own), then residency
         # (a remote deployment's skip) and place
-        assert [count for _, _, count in ctx.blocks] == [9, 2]
+        assert [count for _, _, count in ctx.blocks] == [11, 2]
         sent = ledger_entry(ctx, "ok", 1, 1, 0.0, True)
         assert len(sent.blocks) == 2  # the blocks went compactly, by reference
         assert sent.decisions is not None
-        assert len(sent.decisions) == len(ctx.decisions) - 11
+        assert len(sent.decisions) == len(ctx.decisions) - 13
         stored = get_request(conn, ctx.input.request_id)
         assert stored is not None
         base = ctx.clock_base
@@ -145,8 +145,8 @@ def test_compact_decision_blocks_are_stored_as_the_full_trace(tmp_path: Path) ->
             for d in stored["decisions"]
         ]
         assert got == want
-        assert [d[0] for d in got][2:14] == [
-            "authorize", "admit", "pii", "embed", "cache", "route",
+        assert [d[0] for d in got][2:16] == [
+            "authorize", "tool_results", "task", "admit", "pii", "embed", "cache", "route",
             "tools", "select", "deployment_limits", "queue", "residency", "place",
         ]  # fmt: skip
     conn.close()

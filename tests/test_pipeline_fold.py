@@ -85,6 +85,7 @@ configs = st.fixed_dictionaries(
             st.just({}),
             st.fixed_dictionaries({"deny": st.just(["rm"])}),
             st.fixed_dictionaries({"allow": st.just(["search"])}),
+            st.just({"registry": [{"name": "rm", "requires_approval": True}]}),
         ),
         "m_limits": model_limits,
         "n_limits": model_limits,
@@ -108,6 +109,7 @@ requests = st.fixed_dictionaries(
         "text": st.sampled_from(["hi", "mail me at ann@example.com", "x" * 120]),
         "tools": st.booleans(),
         "max_tokens": st.sampled_from([None, 5, 400]),
+        "task": st.sampled_from([None, "a", "b"]),  # x-task-id, with a budget of 2 calls
     }
 )
 
@@ -192,8 +194,13 @@ def _ctx(principal: Principal, r: dict[str, Any]) -> RequestContext:
         ]
     if r["max_tokens"] is not None:
         body["max_tokens"] = r["max_tokens"]
+    task = r.get("task")
+    hdrs = {"x-task-id": task, "x-task-budget": "calls=2"} if task else {}
     ctx = RequestContext(
-        RequestInput("req_1", r["endpoint"], time.time(), {}), body, Timings(now), now + 0.05
+        RequestInput("req_1", r["endpoint"], time.time(), hdrs, task),
+        body,
+        Timings(now),
+        now + 0.05,
     )
     ctx.principal = principal
     ctx.alias = r["alias"]
@@ -201,9 +208,14 @@ def _ctx(principal: Principal, r: dict[str, Any]) -> RequestContext:
 
 
 def _normal(evidence: Any) -> Any:
-    """Evidence without what depends on when it was decided (limiter reset times)."""
+    """Evidence without what depends on when it was decided (limiter reset times, a
+    task's age)."""
     if isinstance(evidence, dict):
-        return {k: _normal(v) for k, v in evidence.items() if not k.startswith("reset")}
+        return {
+            k: _normal(v)
+            for k, v in evidence.items()
+            if not k.startswith("reset") and k not in ("age_s", "deadline_in_s")
+        }
     if isinstance(evidence, list):
         return [_normal(v) for v in evidence]
     return evidence
@@ -315,6 +327,7 @@ _HI = {
     "text": "hi",
     "tools": False,
     "max_tokens": None,
+    "task": None,
 }
 
 
@@ -349,7 +362,8 @@ def test_folded_run_equals_stage_by_stage_run(
 
 def test_a_static_stage_run_is_recorded_as_one_block(tmp_path: Any) -> None:
     """Nothing of the request matters to most stages in the default configuration:
-    authorize..deployment_limits are one cached block, then the queue works, then
+    authorize..deployment_limits (tool_results and task among them: no task, no
+    approvals configured) are one cached block, then the queue works, then
     place is a block of its own; the second request reuses the plans."""
     s = _settings(
         {
@@ -368,7 +382,7 @@ def test_a_static_stage_run_is_recorded_as_one_block(tmp_path: Any) -> None:
     for _ in range(2):
         ctx = _ctx(p, r)
         assert world.pipeline.decide(ctx) is None  # decided without waiting
-        assert [n for _, _, n in ctx.blocks] == [9, 1]
+        assert [n for _, _, n in ctx.blocks] == [11, 1]
         assert [d[0] for d in ctx.decisions] == world.pipeline.names
         assert ctx.admission.gate is not None
         ctx.admission.gate.release()
@@ -379,8 +393,8 @@ def test_a_static_stage_run_is_recorded_as_one_block(tmp_path: Any) -> None:
     pending = world.pipeline.decide(ctx)
     assert pending is not None
     asyncio.run(pending)  # type: ignore[arg-type]
-    assert [d[1] for d in ctx.decisions][:2] == ["allowed", "admitted"]
-    assert [n for _, _, n in ctx.blocks] == [1, 7, 1]
+    assert [d[1] for d in ctx.decisions][:4] == ["allowed", "skip", "skip", "admitted"]
+    assert [n for _, _, n in ctx.blocks] == [3, 7, 1]
 
 
 def test_plans_are_cached_per_view() -> None:

@@ -186,6 +186,10 @@ def _limit_values(args: argparse.Namespace) -> dict[str, Any]:
         out["allowed_adapters"] = [m.strip() for m in args.adapters.split(",") if m.strip()]
     if getattr(args, "may_pin_revisions", False):
         out["may_pin_revisions"] = True
+    if getattr(args, "task_budget", None):
+        from switchyard.policy.headers import task_budget
+
+        out["task_budget"] = task_budget(args.task_budget)  # the header's syntax
     return out
 
 
@@ -261,6 +265,31 @@ def cmd_admin(args: argparse.Namespace) -> int:
     print(json.dumps(out, indent=2))
     if args.command == "keys" and action == "create":
         print("\nStore this key now: it is shown only once.", file=sys.stderr)
+    return 0
+
+
+def cmd_approve(args: argparse.Namespace) -> int:
+    """approve TASK CALL_ID: the same ApprovalStore call as POST /admin/approvals,
+    on the SQLite file the gateway with this config uses."""
+    from switchyard.errors import SwitchyardError
+    from switchyard.observe.db import connect
+    from switchyard.policy.tool_calls import ApprovalStore
+
+    settings = load_settings(getattr(args, "config", None))
+    store = ApprovalStore(connect(sqlite_path(settings, args.db)))
+    try:
+        out = store.issue(
+            args.tenant,
+            None if args.task == "-" else args.task,
+            args.call_id,
+            args.approver,
+            args.ttl_s if args.ttl_s is not None else settings.tools.approval_ttl_s,
+        )
+    except SwitchyardError as exc:
+        print(f"switchyard: {exc.message}", file=sys.stderr)
+        return 1
+    print(json.dumps(out, indent=2))
+    print("\nGive the client this token now: it is shown only once.", file=sys.stderr)
     return 0
 
 
@@ -364,6 +393,11 @@ def _add_limit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-usd", type=float)
     p.add_argument("--budget-period", choices=["day", "month"])
     p.add_argument("--models", help="comma-separated aliases or wildcards (default: all)")
+    p.add_argument(
+        "--task-budget",
+        help="default budget of each agent task, e.g. 'calls=20, tokens=100000, cost_usd=1, "
+        "wall_s=300' (a client's x-task-budget may only lower it)",
+    )
 
 
 def _add_store_options(p: argparse.ArgumentParser) -> None:
@@ -449,6 +483,19 @@ def build_parser() -> argparse.ArgumentParser:
         _add_store_options(p)
         p.add_argument("--json", action="store_true", help="raw JSON instead of text")
         p.set_defaults(func=cmd_trace)
+
+    ap_ = sub.add_parser(
+        "approve",
+        help="approve one tool call's result (a tool that requires_approval); prints a "
+        "single-use token for the client's x-switchyard-approval header",
+    )
+    ap_.add_argument("task", help="the task id (x-task-id); '-' for a call outside any task")
+    ap_.add_argument("call_id", help="the tool call's id, as the reply gave it")
+    ap_.add_argument("--tenant", required=True)
+    ap_.add_argument("--approver", required=True, help="who approves (recorded in the trace)")
+    ap_.add_argument("--ttl-s", type=float, help="lifetime (default tools.approval_ttl_s)")
+    _add_store_options(ap_)
+    ap_.set_defaults(func=cmd_approve)
 
     cache = sub.add_parser("cache", help="response cache: invalidate, calibrate")
     csub = cache.add_subparsers(dest="action", required=True)

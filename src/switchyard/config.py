@@ -160,11 +160,64 @@ class RouterConfig(_Strict):
         return self
 
 
+ToolClass = Literal["read_only", "side_effect"]
+
+
+class ToolSpec(_Strict):
+    """One tool the gateway knows: what running it does and who may have it run."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=128)
+    # read_only: running it changes nothing; side_effect: it does (sends, pays, writes).
+    tool_class: ToolClass = Field("side_effect", alias="class")
+    # A request carrying this tool's result must present an approval for that call.
+    requires_approval: bool = False
+    allowed_tenants: list[str] = ["*"]
+
+
 class ToolsConfig(_Strict):
     shortlist_k: int | None = Field(None, ge=1)  # keep at most k tools; None = no shortlist
     allow: list[str] | None = None  # tool names any tenant may use (None = all)
     deny: list[str] = []  # tool names never forwarded
     tenant_allow: dict[str, list[str]] = {}  # per-tenant allow lists (tenant id → names)
+    registry: list[ToolSpec] = []
+    # The class of a tool the registry does not list.
+    default_class: ToolClass = "side_effect"
+    # A tool call in a model's reply that the tenant may not use: removed (block) or
+    # relayed and recorded (flag). Recorded as a decision either way.
+    on_forbidden_call: Literal["block", "flag"] = "block"
+    approval_ttl_s: float = Field(3600.0, gt=0, le=30 * 86400)  # an approval's lifetime
+
+    @model_validator(mode="after")
+    def _unique_tools(self) -> ToolsConfig:
+        seen: set[str] = set()
+        for i, t in enumerate(self.registry):
+            if t.name in seen:
+                raise ValueError(f"tools.registry[{i}].name: duplicate tool {t.name!r}")
+            seen.add(t.name)
+        return self
+
+
+class TaskBudgetConfig(_Strict):
+    """A task's limits over its whole life (None = unlimited)."""
+
+    calls: int | None = Field(None, ge=1)  # model calls admitted
+    tokens: int | None = Field(None, ge=1)  # input + output tokens
+    cost_usd: float | None = Field(None, gt=0)
+    wall_s: float | None = Field(None, gt=0)  # from the task's first request
+
+
+class TasksConfig(_Strict):
+    """Agent tasks (`x-task-id`) as a unit of policy: budgets, deadlines, cancel."""
+
+    budget: TaskBudgetConfig = TaskBudgetConfig()  # every tenant's default
+    # Task states kept per gateway (the least recently active go first) and how long
+    # one is kept after its last request.
+    max_tasks: int = Field(100_000, ge=1)
+    idle_ttl_s: float = Field(3600.0, gt=0)
+    # Tool calls remembered per task (side-effect keys, results seen).
+    max_tool_calls: int = Field(1000, ge=1)
 
 
 class CacheOverride(_Strict):
@@ -640,6 +693,7 @@ class Settings(_Strict):
     pii: PiiConfig = PiiConfig()
     media: MediaConfig = MediaConfig()
     tools: ToolsConfig = ToolsConfig()
+    tasks: TasksConfig = TasksConfig()
     models: list[ModelConfig] = Field(min_length=1)
     engines: EnginesConfig = EnginesConfig()
     adapters: list[AdapterConfig] = []

@@ -211,3 +211,31 @@ class UpstreamStatusError(SwitchyardError):
 
 def error_body(message: str, type_: str, code: str, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class TaskBudgetExceeded(RateLimited):
+    """A task (`x-task-id`) has used what its budget allows; the message names the
+    budget and what is left."""
+
+    code = "task_budget_exceeded"
+
+
+class TaskCancelled(SwitchyardError):
+    """The task was cancelled (DELETE /v1/tasks/{id}): its calls are refused, and
+    those in flight were stopped."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "task_cancelled"
+
+
+class TaskDeadlineExceeded(SwitchyardError):
+    status = 504
+    type = "timeout_error"
+    code = "task_deadline_exceeded"
+
+
+class ApprovalRequired(PermissionDenied):
+    """A tool result for a tool that `requires_approval` came without a valid approval."""
+
+    code = "approval_required"

@@ -43,21 +43,30 @@ from switchyard.observe.weights import read_weights, write_weights
 from switchyard.pipeline import Pipeline
 from switchyard.policy.admission import DeploymentGate
 from switchyard.policy.auth import Authenticator
-from switchyard.policy.keys import Limits
+from switchyard.policy.keys import Limits, NotFound
 from switchyard.policy.limits import Limiter, MemoryLimiter
 from switchyard.policy.pii import PiiMasker
 from switchyard.policy.stages import (
     Admit,
     Authorize,
+    ConsumeApproval,
     DeploymentLimits,
     Pii,
     Queue,
     Reserver,
+    Task,
+    ToolResults,
     generation_estimate,
 )
+from switchyard.policy.tasks import MemoryTaskStore, Running, TaskStore
+from switchyard.policy.tool_calls import ToolPolicy
 from switchyard.service import Pipelines, RequestService, embedding_estimate
 
 log = logging.getLogger("switchyard")
+
+
+async def _no_approvals(*_: Any) -> tuple[str | None, str | None]:
+    return None, "no approval store"
 
 
 def build_pipelines(
@@ -74,6 +83,9 @@ def build_pipelines(
     metrics: Metrics | None = None,
     pool: EnginePool | None = None,
     balancers: Mapping[str, Balancer] | None = None,
+    tasks: TaskStore | None = None,
+    running: Running | None = None,
+    consume_approval: ConsumeApproval | None = None,
 ) -> Pipelines:
     """The stages, in order (DESIGN.md: the request pipeline). Evidence that is the
     same for every request of a model is built once and shared (recorded evidence
@@ -82,9 +94,15 @@ def build_pipelines(
     named = {m.alias: {"model": m.alias} for m in s.models}
     estimate = generation_estimate(models, s.policy.default_max_tokens)
     planner = CachePlanner(s)
+    t = s.tasks
+    tasks = tasks or MemoryTaskStore(t.max_tasks, t.idle_ttl_s, t.max_tool_calls)
+    running = running or Running()
+    embed_estimate = embedding_estimate(Price(input=s.embeddings.price, output=0.0))
     generation = Pipeline(
         [
             Authorize(named, {a.name: a for a in s.adapters}),
+            ToolResults(ToolPolicy(s.tools), tasks, consume_approval or _no_approvals),
+            Task(s, tasks, running, estimate),
             Admit(reserver, estimate),
             Pii(s, masker, cache is not None),
             Embed(s, embedder, cache, planner, router),
@@ -108,7 +126,8 @@ def build_pipelines(
     embeddings = Pipeline(
         [
             Authorize({alias: {"model": alias}}),
-            Admit(reserver, embedding_estimate(Price(input=s.embeddings.price, output=0.0))),
+            Task(s, tasks, running, embed_estimate),
+            Admit(reserver, embed_estimate),
         ]
     )
     return Pipelines(generation, embeddings)
@@ -192,6 +211,9 @@ class Gateway:
             self.gates[a.name] = self.gates[a.base]
         self.counters: dict[str, int] = {"limiter_fail_open": 0, "limiter_fail_closed": 0}
         self.dev_key: str | None = None
+        t = settings.tasks
+        self.tasks: TaskStore = MemoryTaskStore(t.max_tasks, t.idle_ttl_s, t.max_tool_calls)
+        self.running = Running()  # the tasks' calls in flight here
         # Image preprocessing, when any model takes images (its threads start lazily).
         vision = any(m.capabilities.supports_vision for m in settings.models)
         self.media = MediaProcessor(settings.media) if vision else None
@@ -212,6 +234,9 @@ class Gateway:
                 self.metrics,
                 self.registry.pool,
                 self.balancers,
+                self.tasks,
+                self.running,
+                self.store.consume_approval,
             ),
             self.executor,
             self.limiter,
@@ -222,6 +247,9 @@ class Gateway:
             self.embedder,
             self.metrics,
             self.tracing,
+            tasks=self.tasks,
+            running=self.running,
+            tools=ToolPolicy(settings.tools),
         )
         self.service.on_canary_cut = self._canary_cut
         self.started_at = time.time()
@@ -295,6 +323,46 @@ class Gateway:
             return n + enforce_disk(conn, int(obs.max_disk_mb * 1024 * 1024))
 
     # -- deployment weights (canaries, promote / rollback) --------------------------
+    async def cancel_task(self, tenant: str, task_id: str) -> dict[str, Any]:
+        """Cancel a tenant's task: its later calls get 409 task_cancelled, its calls in
+        flight here are stopped (their upstream connections closed). What was running,
+        what was stopped and which side-effecting tool calls were emitted without a
+        result yet."""
+        key = (tenant, task_id)
+        running = self.running.running(key)
+        state = await self.tasks.cancel(key, time.time())
+        if state is None and not running:
+            raise NotFound(f"no task '{task_id}' is known for this tenant")
+        stopped = self.running.stop(key)
+        log.info("task %s of %s cancelled; stopped %d call(s)", task_id, tenant, len(stopped))
+        calls = state["tool_calls"] if state is not None else []
+        return {
+            "object": "task.cancelled",
+            "task_id": task_id,
+            "tenant": tenant,
+            "cancelled": True,
+            "cancelled_at": state["cancelled_at"] if state is not None else time.time(),
+            "running": running,
+            "stopped": stopped,
+            "unconfirmed_side_effects": [
+                c for c in calls if c["class"] == "side_effect" and c["results"] == 0
+            ],
+            "budget": state["budget"] if state is not None else {},
+            "used": state["used"] if state is not None else {},
+        }
+
+    async def describe_task(self, tenant: str, task_id: str) -> dict[str, Any]:
+        """The live state of a tenant's task (budget, use, deadline, tool calls)."""
+        state = await self.tasks.describe((tenant, task_id))
+        running = self.running.running((tenant, task_id))
+        if state is None and not running:
+            raise NotFound(f"no task '{task_id}' is known for this tenant")
+        return {
+            "object": "task",
+            **(state or {"tenant": tenant, "task_id": task_id}),
+            "running": running,
+        }
+
     def refresh_weights(self) -> None:
         """Apply the weights stored by any process (observe/weights.py)."""
         with self.store.connection() as conn:

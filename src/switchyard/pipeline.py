@@ -195,6 +195,10 @@ class RequestContext:
     cache: CacheOutcome | None = None  # cache / replay outcome for the ledger
     idempotency_key: str | None = None  # set while this request owns the key
     otel_span: Any = None  # the request's OpenTelemetry span, when tracing is on
+    task: Any = None  # the task's hold (policy/tasks.TaskHold) until settle
+    cancelled: bool = False  # its task was cancelled while it ran
+    tools_blocked: int = 0  # tool calls removed from the reply (tools.on_forbidden_call)
+    tool_notes: list[Any] | None = None  # the reply's tool calls, for the task's record
     vector: Any = None  # embedding of the (masked) last user message, shared by cache & router
     cache_state: CacheState | None = None  # set once the cache stages looked at it
     pii: PiiState | None = None  # set by the pii stage when it masked the request
@@ -252,13 +256,15 @@ class Verdict:
 
 class View(NamedTuple):
     """What a stage's static part may depend on: the endpoint, the model asked for
-    (and its config and deployment), and who asks. Nothing of the request's body."""
+    (and its config and deployment), who asks, and whether the request belongs to an
+    agent task (`x-task-id`). Nothing of the request's body."""
 
     endpoint: str
     alias: str | None
     principal: Any
     model: ModelConfig | None
     deployment: Deployment | None
+    in_task: bool = False
 
 
 # Fields a static verdict may not set: the View is read from them, and a block of
@@ -331,6 +337,7 @@ class Pipeline:
             ctx.principal,
             self._models.get(alias) if alias is not None else None,
             self._deployments.get(alias) if alias is not None else None,
+            ctx.input.task_id is not None,
         )
 
     def _segment(self, ctx: RequestContext, start: int) -> _Segment:
@@ -344,6 +351,7 @@ class Pipeline:
             id(p),
             dep.ready if dep is not None else None,
             dep.label if dep is not None else None,
+            ctx.input.task_id is not None,
         )
         seg = self._plans.get(key)
         if seg is not None and seg.principal is p:

@@ -27,7 +27,7 @@ from switchyard.decide.cacheability import assemble, storable_reply
 from switchyard.embed import EmbeddingService
 from switchyard.engines.pool import EnginePool
 from switchyard.engines.registry import Deployment
-from switchyard.errors import InvalidRequest, ModelNotFound, SwitchyardError
+from switchyard.errors import InvalidRequest, ModelNotFound, SwitchyardError, TaskCancelled
 from switchyard.execute.executor import Executor
 from switchyard.execute.idempotency import IdempotencyStore, StoredReply, body_hash
 from switchyard.observe.ledger import Finished, UsageLedger
@@ -47,6 +47,8 @@ from switchyard.policy.auth import ANONYMOUS, Authenticator
 from switchyard.policy.keys import Principal
 from switchyard.policy.limits import Limiter, LimiterUnavailable
 from switchyard.policy.pii import PiiMasker, mask_body
+from switchyard.policy.tasks import Running, TaskStore
+from switchyard.policy.tool_calls import ToolGovernor, ToolOutcome, ToolPolicy
 from switchyard.policy.validate import (
     image_parts,
     validate_chat,
@@ -84,6 +86,7 @@ class StreamReply:
     on_close: Callable[[], Awaitable[None]]
     source: Any = None  # the executor's UpstreamStream
     cached: dict[str, Any] | None = None
+    tools: Any = None  # a ToolGovernor factory for the stream's tool calls
 
 
 Reply = JsonReply | StreamReply
@@ -180,6 +183,8 @@ def served_raw_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
         h.append((b"x-switchyard-route", ctx.route.encode("latin-1")))
         if ctx.route_score is not None:
             h.append((b"x-switchyard-route-score", b"%.4f" % ctx.route_score))
+    if ctx.tools_blocked:
+        h.append((b"x-switchyard-tools-blocked", b"%d" % ctx.tools_blocked))
     dep = ctx.deployment
     if dep is not None:
         h.extend(_deployment_headers(dep))
@@ -216,6 +221,26 @@ def _switchyard_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
     return {
         k.decode("latin-1"): v.decode("latin-1") for k, v in raw if k.startswith(b"x-switchyard")
     }
+
+
+def _stopped_by_cancel(ctx: RequestContext) -> TaskCancelled | None:
+    """A request its task's cancel stopped (policy/tasks.Running.stop): the asyncio
+    cancellation is taken back and the request ends as 409 task_cancelled, recorded.
+    None for any other cancellation (the client left, shutdown): that one goes on."""
+    if not ctx.cancelled:
+        return None
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+    ctx.record("task", "stopped", "the task was cancelled while this call ran", time.perf_counter())
+    return TaskCancelled(f"the task '{ctx.input.task_id}' was cancelled while this call ran")
+
+
+def record_tool_calls(ctx: RequestContext, result: ToolOutcome, t: float) -> None:
+    """The tool_calls decision of a reply, and what the task keeps of its calls."""
+    ctx.tools_blocked = result.blocked
+    ctx.tool_notes = result.notes
+    ctx.record("tool_calls", result.outcome, result.reason(), t, {"calls": result.calls})
 
 
 def _failed(ctx: RequestContext, exc: BaseException) -> None:
@@ -269,6 +294,9 @@ class RequestService:
     # (alias, deployment, why) when the canary guard cut a deployment (gateway.py
     # stores the weight, logs and counts it)
     on_canary_cut: Callable[[str, Any, str], None] | None = None
+    tasks: TaskStore | None = None  # agent tasks' budgets (policy/tasks.py)
+    running: Running | None = None  # the tasks' calls in flight here
+    tools: ToolPolicy | None = None  # tool calls in replies (policy/tool_calls.py)
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -397,6 +425,12 @@ class RequestService:
             reply = await self._execute(ctx)
             handed_off = True
             return reply
+        except asyncio.CancelledError as exc:
+            stopped = _stopped_by_cancel(ctx)
+            _failed(ctx, stopped or exc)
+            if stopped is None:
+                raise
+            raise stopped from None
         except BaseException as exc:
             _failed(ctx, exc)
             raise
@@ -435,11 +469,15 @@ class RequestService:
                         await self._remember(ctx, obj)
                 await self.settle(ctx)
 
-            return StreamReply(ctx, served_headers(ctx), close, source=stream)
+            return StreamReply(
+                ctx, served_headers(ctx), close, source=stream, tools=self._governor(ctx)
+            )
         reply = await self.executor.execute(ctx)
         ctx.status = Status.OK
         ctx.timings.ended = time.perf_counter()
         body = reply.body
+        if b'"tool_calls"' in body and self.tools is not None:
+            body = self._govern_tools(ctx, body)
         cs = ctx.cache_state
         remember = cs is not None and cs.wants_reply
         if remember or (ctx.pii is not None and ctx.pii.restore):
@@ -459,6 +497,32 @@ class RequestService:
             await self._complete_idempotency(ctx, raw_headers, body)
         self.pending_settles += 1
         return JsonReply(body, raw_headers, partial(self.settle_after_response, ctx))
+
+    def _governor(self, ctx: RequestContext) -> ToolGovernor | None:
+        if self.tools is None or ctx.input.endpoint != "chat.completions":
+            return None
+        return ToolGovernor(
+            self.tools,
+            ctx.principal.tenant_id,
+            ctx.input.task_id,
+            ctx.input.request_id,
+            ctx.input.parent_request_ids,
+            ctx.wire[0] if ctx.wire is not None else ctx.body,
+        )
+
+    def _govern_tools(self, ctx: RequestContext, body: bytes) -> bytes:
+        """A non-streamed reply with its tool calls governed (policy/tool_calls.py)."""
+        obj = reply_object(body)
+        governor = self._governor(ctx)
+        if obj is None or governor is None:
+            return body
+        t = time.perf_counter()
+        governed = governor.govern_reply(obj)
+        result = governor.result
+        if not result.calls:
+            return body
+        record_tool_calls(ctx, result, t)
+        return orjson.dumps(governed)
 
     async def _cached(self, ctx: RequestContext, entry: Entry) -> Reply:
         ctx.status = Status.OK
@@ -631,6 +695,12 @@ class RequestService:
             ctx.status = Status.OK
             ctx.timings.ended = time.perf_counter()
             return JsonReply(orjson.dumps(out), served_raw_headers(ctx))
+        except asyncio.CancelledError as exc:
+            stopped = _stopped_by_cancel(ctx)
+            _failed(ctx, stopped or exc)
+            if stopped is None:
+                raise
+            raise stopped from None
         except BaseException as exc:
             _failed(ctx, exc)
             raise
@@ -741,7 +811,7 @@ class RequestService:
             cost = cost_usd(self._embed_price, inp, 0)
         else:
             cost = 0.0
-        if ctx.admission.reservations:
+        if ctx.admission.reservations or ctx.task is not None:
             return self._settle_reservations(ctx, inp, out, cost)
         self._finished(ctx, inp, out, cost)
         return None
@@ -749,6 +819,18 @@ class RequestService:
     async def _settle_reservations(
         self, ctx: RequestContext, inp: int, out: int, cost: float
     ) -> None:
+        hold = ctx.task
+        if hold is not None:
+            if self.running is not None:
+                self.running.remove(hold.key, hold.request_id)
+            if self.tasks is not None:
+                try:
+                    if ctx.tool_notes:
+                        await self.tasks.note_tool_calls(hold.key, ctx.tool_notes)
+                    called = ctx.run.attempts > 0 or ctx.cache is not None
+                    await self.tasks.settle(hold.key, hold.request_id, inp + out, cost, called)
+                except Exception as exc:  # shared task state unreachable: logged, not lost
+                    log.warning("could not settle task of %s: %s", ctx.input.request_id, exc)
         for scopes, ask in ctx.admission.reservations:
             try:
                 await self.limiter.settle(scopes, ask, inp + out, cost)

@@ -6,6 +6,7 @@ admin key configured the admin API refuses everything (it never runs open).
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from typing import Any
@@ -23,6 +24,8 @@ from switchyard.observe.traces import AmbiguousRequestId, get_request, get_task,
 from switchyard.policy.auth import bearer
 from switchyard.policy.keys import NotFound
 
+log = logging.getLogger("switchyard")
+
 _TENANT_FIELDS = (
     "rpm",
     "tpm",
@@ -31,6 +34,7 @@ _TENANT_FIELDS = (
     "budget_period",
     "allowed_models",
     "labels",
+    "task_budget",
 )
 _KEY_FIELDS = (
     *_TENANT_FIELDS,
@@ -161,14 +165,44 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
         return _json({"object": "list", "data": data})
 
     async def task_trace(request: Request) -> Response:
+        """GET: the task report (?tenant= narrows to one tenant's task);
+        DELETE ?tenant=: cancel the tenant's task."""
         guard(request)
         task_id = request.path_params["task_id"]
+        tenant = request.query_params.get("tenant")
+        if request.method == "DELETE":
+            if not tenant:
+                raise InvalidRequest("cancelling a task needs ?tenant=", param="tenant")
+            return _json(await gw.cancel_task(tenant, task_id))
         await settled()
         with gw.store.connection() as conn:
             records = get_task(conn, task_id)
+        if tenant:  # task ids are the clients': one tenant's task of that id
+            records = [r for r in records if r.get("tenant_id") == tenant]
         if not records:
             raise NotFound(f"no requests recorded for task '{task_id}'")
         return _json({"task": analyze_task(records), "requests": records})
+
+    async def approvals(request: Request) -> Response:
+        """{"tenant", "task_id", "call_id", "approver", "ttl_s"}: a single-use approval
+        for one tool call's result (policy/tool_calls.py); the token is shown once."""
+        guard(request)
+        body = await body_of(request, ("tenant", "task_id", "call_id", "approver", "ttl_s"))
+        out = gw.store.approvals.issue(
+            body.get("tenant"),  # type: ignore[arg-type]
+            body.get("task_id"),
+            body.get("call_id"),  # type: ignore[arg-type]
+            body.get("approver"),  # type: ignore[arg-type]
+            body.get("ttl_s", gw.settings.tools.approval_ttl_s),
+        )
+        log.info(
+            "approval issued by %s for call %s of task %s (tenant %s)",
+            out["approver"],
+            out["call_id"],
+            out["task_id"],
+            out["tenant"],
+        )
+        return _json(out, 201)
 
     async def cache_invalidate(request: Request) -> Response:
         """{"tenant", "model", "tag", "partition", "dry_run"}: at least one filter."""
@@ -262,7 +296,8 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
         Route("/admin/models/{alias:path}/{action:str}", model_move_checked, methods=["POST"]),
         Route("/admin/requests", request_list, methods=["GET"]),
         Route("/admin/requests/{request_id}", request_trace, methods=["GET"]),
-        Route("/admin/tasks/{task_id}", task_trace, methods=["GET"]),
+        Route("/admin/tasks/{task_id}", task_trace, methods=["GET", "DELETE"]),
+        Route("/admin/approvals", approvals, methods=["POST"]),
         Route("/admin/tenants", tenants, methods=["GET", "POST"]),
         Route("/admin/tenants/{tenant_id}", tenant, methods=["GET"]),
         Route("/admin/keys", keys, methods=["GET", "POST"]),

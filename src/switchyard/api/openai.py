@@ -14,7 +14,9 @@ from starlette.types import Receive, Scope, Send
 
 from switchyard.api.body import header_map, parse_json, read_body
 from switchyard.api.sse import RelayResponse, relay, replay
+from switchyard.errors import InvalidRequest
 from switchyard.gateway import Gateway
+from switchyard.policy.headers import ID_PATTERN
 from switchyard.policy.keys import Principal
 from switchyard.service import ReadBody, Reply, StreamReply, served_headers
 
@@ -62,12 +64,16 @@ def to_response(reply: Reply) -> Response:
     if isinstance(reply, StreamReply):
         ctx = reply.ctx
         events = (
-            relay(ctx, reply.source)
+            relay(ctx, reply.source, reply.tools)
             if reply.source is not None
             else replay(reply.cached or {}, ctx.include_usage)
         )
         return RelayResponse(
-            events, media_type="text/event-stream", headers=reply.headers, on_close=reply.on_close
+            events,
+            media_type="text/event-stream",
+            headers=reply.headers,
+            on_close=reply.on_close,
+            ctx=ctx,
         )
     if reply.settle is not None:
         return SettleAfterResponse(reply.body, reply.headers, reply.settle)
@@ -158,7 +164,25 @@ def build_routes(gw: Gateway) -> list[Route]:
             orjson.dumps({"object": "list", "data": data}), media_type="application/json"
         )
 
+    async def task(request: Request) -> Response:
+        """GET: the task's live state; DELETE: cancel it. A key sees and cancels only
+        its own tenant's tasks (task ids are the client's, so state is per tenant)."""
+        principal = service.authenticate(header_map(request))
+        if not isinstance(principal, Principal):
+            principal = await principal
+        task_id = request.path_params["task_id"]
+        if not ID_PATTERN.fullmatch(task_id):
+            raise InvalidRequest(
+                "a task id is 1 to 128 characters of A-Z a-z 0-9 . _ : -", param="task_id"
+            )
+        if request.method == "DELETE":
+            out = await gw.cancel_task(principal.tenant_id, task_id)
+        else:
+            out = await gw.describe_task(principal.tenant_id, task_id)
+        return Response(orjson.dumps(out), media_type="application/json")
+
     return [
+        Route("/v1/tasks/{task_id}", task, methods=["GET", "DELETE"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),

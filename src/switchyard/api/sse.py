@@ -11,6 +11,7 @@ stops generating.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -20,8 +21,10 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from switchyard.engines.upstream import UpstreamStream
-from switchyard.errors import SwitchyardError, UpstreamError
+from switchyard.errors import SwitchyardError, TaskCancelled, UpstreamError
 from switchyard.pipeline import RequestContext, Status
+from switchyard.policy.tool_calls import StreamToolGate, ToolGovernor
+from switchyard.service import record_tool_calls
 
 DONE = b"data: [DONE]\n\n"
 
@@ -63,8 +66,25 @@ def _tail_event(tail: str) -> bytes:
     return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
-async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[bytes]:
+def _governed(gate: StreamToolGate, data: bytes) -> tuple[list[bytes], dict[str, Any] | None]:
+    """A chunk that carries tool calls, as the tool gate relays it: (data of each
+    chunk, the parsed chunk as a template for held calls)."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return [data], None
+    if not isinstance(obj, dict):
+        return [data], None
+    return [orjson.dumps(o) for o in gate.feed(obj)], obj
+
+
+async def relay(
+    ctx: RequestContext, stream: UpstreamStream, governor: ToolGovernor | None = None
+) -> AsyncIterator[bytes]:
     done = False
+    gate: StreamToolGate | None = None  # made at the first chunk with tool calls
+    gate_t = 0.0
+    template: dict[str, Any] | None = None
     last = 0.0
     pii = ctx.pii
     restorer = pii.session.restore_stream() if pii is not None and pii.restore else None
@@ -94,9 +114,27 @@ async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[by
                         ctx.run.usage = usage
                         if not ctx.include_usage and not obj.get("choices"):
                             continue  # asked for by the gateway, not by the client
+                if governor is not None and b'"tool_calls"' in data:
+                    if gate is None:
+                        gate, gate_t = StreamToolGate(governor), time.perf_counter()
+                    governed, parsed = _governed(gate, data)
+                    template = parsed or template
+                    if collected is not None:  # the cache keeps what the client got
+                        collected.pop()
+                        collected.extend(governed)
+                    for piece in governed:
+                        if restorer is not None:
+                            piece = _restore_event(piece, restorer)
+                        out.append(b"data: " + piece + b"\n\n")
+                    continue
                 if restorer is not None:
                     data = _restore_event(data, restorer)
                 out.append(b"data: " + data + b"\n\n")
+            if done and gate is not None:
+                for held in gate.flush(template or {}):  # calls whose choice never finished
+                    out.append(b"data: " + orjson.dumps(held) + b"\n\n")
+                if gate.governor.result.calls:
+                    record_tool_calls(ctx, gate.governor.result, gate_t)
             ctx.run.chunks += len(out)
             if done:
                 # The end goes out in the same write as the last events.
@@ -122,12 +160,32 @@ async def relay(ctx: RequestContext, stream: UpstreamStream) -> AsyncIterator[by
         ctx.status = Status.INCOMPLETE
         ctx.error_code = exc.code  # what the client was told, in the ledger too
         yield error_event(exc)
+    except asyncio.CancelledError:
+        if not ctx.cancelled:
+            raise  # the client left, or shutdown
+        # The task was cancelled (DELETE /v1/tasks/{id}): the client is told so, and
+        # the upstream is closed below, so the engine stops generating.
+        stopped = _task_stopped(ctx)
+        yield error_event(stopped)
     finally:
         if ctx.status == Status.STREAMING:
             ctx.status = Status.CANCELLED  # the client left before the end
         ctx.timings.ended = time.perf_counter()
         await upstream_events.aclose()
         stream.close(complete=done)
+
+
+def _task_stopped(ctx: RequestContext) -> TaskCancelled:
+    """Take back the cancellation that stopped this stream for its task's cancel."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        task.uncancel()
+    ctx.status = Status.CANCELLED
+    ctx.error_code = TaskCancelled.code
+    ctx.record(
+        "task", "stopped", "the task was cancelled while this call streamed", time.perf_counter()
+    )
+    return TaskCancelled(f"the task '{ctx.input.task_id}' was cancelled while this call streamed")
 
 
 class RelayResponse(StreamingResponse):
@@ -146,10 +204,12 @@ class RelayResponse(StreamingResponse):
         media_type: str,
         headers: dict[str, str],
         on_close: Callable[[], Awaitable[None]],
+        ctx: RequestContext | None = None,
     ) -> None:
         super().__init__(content, media_type=media_type, headers=headers)
         self._relay = content
         self._on_close = on_close
+        self._ctx = ctx
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # One watcher task on plain asyncio (an anyio task group per stream cost more
@@ -174,9 +234,23 @@ class RelayResponse(StreamingResponse):
             state["streaming"] = False
         except asyncio.CancelledError:
             state["streaming"] = False
-            if not state["gone"]:
+            ctx = self._ctx
+            if ctx is not None and ctx.cancelled and not state["gone"]:
+                # Its task's cancel landed while a write was under way (the relay
+                # handles one that lands while it waits for the upstream).
+                stopped = _task_stopped(ctx)
+                with contextlib.suppress(Exception):
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": error_event(stopped),
+                            "more_body": False,
+                        }
+                    )
+            elif not state["gone"]:
                 raise  # cancelled from outside (shutdown): not ours to swallow
-            task.uncancel()
+            else:
+                task.uncancel()
         finally:
             state["streaming"] = False
             watcher.cancel()

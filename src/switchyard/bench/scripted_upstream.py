@@ -15,6 +15,13 @@ run time with `PUT /control/fault`), comma-separated, e.g. `delay:100,status:503
 - `drop-mid-stream` send half the tokens, then close the connection (no `[DONE]`;
                     a non-streaming reply is cut in half under its full Content-Length)
 - `close`           close the connection without any response
+- `slow:<ms>`       stream: wait this long before each event (a long generation)
+
+Tool calls: `PUT /control/tool_calls` with `{"calls": [{"name", "arguments"}, ...]}`
+makes every later chat reply call those tools (`finish_reason: "tool_calls"`; streamed
+as OpenAI does: the id and name first, then the arguments in pieces); `{"calls": []}`
+goes back to text. `GET /stats` also says how many streams are open now
+(`open_streams`) and how many were closed by the client before their end (`aborted`).
 
 Faults apply to the two generation routes only, so `/health`, `/stats` and `/v1/models`
 stay usable for readiness polling and counting. `GET /stats` says how many generation
@@ -47,6 +54,7 @@ HANG_S = 3600.0
 WORDS = ("Hello", " from", " the", " scripted", " upstream", ".")
 DONE = b"data: [DONE]\n\n"
 ABORT_KEY = "switchyard.scripted.abort"
+SLOW_KEY = "switchyard.scripted.slow"
 
 Abort = Callable[[], Awaitable[None]]
 
@@ -58,6 +66,7 @@ class Fault:
     delay_s: float = 0.0
     action: str | None = None  # "status", "echo", "hang", "drop-mid-stream", "close"
     status: int = 0
+    slow_s: float = 0.0  # between streamed events
 
 
 def parse_fault(spec: str) -> Fault:
@@ -67,11 +76,17 @@ def parse_fault(spec: str) -> Fault:
     that is wrong, so a typo in a test fails loudly instead of silently not faulting.
     """
     delay_s = 0.0
+    slow_s = 0.0
     action: str | None = None
     status = 0
     for part in (p.strip() for p in spec.split(",")):
         name, _, arg = part.partition(":")
-        if name == "delay" and arg:
+        if name == "slow" and arg:
+            try:
+                slow_s = float(arg) / 1000.0
+            except ValueError:
+                raise ValueError(f"fault {part!r}: slow needs milliseconds") from None
+        elif name == "delay" and arg:
             try:
                 delay_s += float(arg) / 1000.0
             except ValueError:
@@ -89,9 +104,9 @@ def parse_fault(spec: str) -> Fault:
         else:
             raise ValueError(
                 f"unknown fault {part!r}; use status:<code>, echo:<code>, delay:<ms>, "
-                "hang, drop-mid-stream or close"
+                "slow:<ms>, hang, drop-mid-stream or close"
             )
-    return Fault(delay_s=delay_s, action=action, status=status)
+    return Fault(delay_s=delay_s, action=action, status=status, slow_s=slow_s)
 
 
 def _error_type(status: int) -> str:
@@ -171,6 +186,9 @@ class ScriptedUpstream:
         self.last_prompt: str | None = None
         self.created = int(time.time())
         self._default_fault = parse_fault(fault) if fault else None
+        self.tool_calls: list[dict[str, Any]] = []  # PUT /control/tool_calls
+        self.open_streams = 0
+        self.aborted = 0  # streams the client closed before their end
         self._runtime_fault: Fault | None = None
         self._runtime_left: int | None = None  # None: every request until changed
         self._events: dict[tuple[str, int], list[bytes]] = {}
@@ -195,6 +213,7 @@ class ScriptedUpstream:
                 Route("/health", self._health, methods=["GET"]),
                 Route("/stats", self._stats, methods=["GET", "DELETE"]),
                 Route("/control/fault", self._control, methods=["PUT"]),
+                Route("/control/tool_calls", self._control_tools, methods=["PUT"]),
             ]
         )
 
@@ -237,6 +256,8 @@ class ScriptedUpstream:
                 return
             if fault.action == "drop-mid-stream":
                 scope = {**scope, ABORT_KEY: lambda: _abort(send, receive)}
+            if fault.slow_s:
+                scope = {**scope, SLOW_KEY: fault.slow_s}
         await self._router(scope, receive, send)
 
     def _fault_for(self, scope: Scope) -> Fault | None:
@@ -282,15 +303,32 @@ class ScriptedUpstream:
             "total_tokens": max(1, len(raw) // 4) + n,
         }
         abort: Abort | None = request.scope.get(ABORT_KEY)
+        calls = self.tool_calls if kind == "chat" else []
         if body.get("stream"):
             options = body.get("stream_options")
             with_usage = isinstance(options, dict) and bool(options.get("include_usage"))
             tail = self._usage_event(kind, usage) + DONE if with_usage else DONE
+            events = self._tool_events(calls) if calls else self._events_for(kind, n)
             return StreamingResponse(
-                self._stream(self._events_for(kind, n), n, tail, abort),
+                self._stream(events, n, tail, abort, request.scope.get(SLOW_KEY, 0.0)),
                 media_type="text/event-stream",
             )
-        payload = orjson.dumps(self._reply(kind, n, usage))
+        reply = self._reply(kind, n, usage)
+        if calls:
+            reply["choices"][0]["message"] = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": f"call_{i}",
+                        "type": "function",
+                        "function": {"name": c["name"], "arguments": c["arguments"]},
+                    }
+                    for i, c in enumerate(calls)
+                ],
+            }
+            reply["choices"][0]["finish_reason"] = "tool_calls"
+        payload = orjson.dumps(reply)
         if abort is not None:
             return StreamingResponse(
                 _cut(payload, abort),
@@ -300,16 +338,45 @@ class ScriptedUpstream:
         return Response(payload, media_type="application/json")
 
     async def _stream(
-        self, events: list[bytes], n: int, tail: bytes, abort: Abort | None
+        self, events: list[bytes], n: int, tail: bytes, abort: Abort | None, slow_s: float = 0.0
     ) -> AsyncIterator[bytes]:
         if abort is not None:
             for event in events[: n // 2]:
                 yield event
             await abort()
             return
-        for event in events:
-            yield event
-        yield tail
+        self.open_streams += 1
+        finished = False
+        try:
+            for event in events:
+                if slow_s:
+                    await asyncio.sleep(slow_s)
+                yield event
+            yield tail
+            finished = True
+        finally:
+            self.open_streams -= 1
+            if not finished:
+                self.aborted += 1
+
+    def _tool_events(self, calls: list[dict[str, Any]]) -> list[bytes]:
+        """Streamed tool calls as OpenAI sends them: per call, its id and name with
+        empty arguments, then the arguments in two pieces; then the finish."""
+        choices: list[dict[str, Any]] = []
+        for i, c in enumerate(calls):
+            args = c["arguments"]
+            head = {"index": i, "id": f"call_{i}", "type": "function"}
+            head["function"] = {"name": c["name"], "arguments": ""}
+            delta: dict[str, Any] = {"tool_calls": [head]}
+            if i == 0:
+                delta = {"role": "assistant", "content": None, **delta}
+            choices.append({"index": 0, "delta": delta, "finish_reason": None})
+            half = len(args) // 2
+            for piece in (args[:half], args[half:]):
+                part = {"index": i, "function": {"arguments": piece}}
+                choices.append({"index": 0, "delta": {"tool_calls": [part]}, "finish_reason": None})
+        choices.append({"index": 0, "delta": {}, "finish_reason": "tool_calls"})
+        return [b"data: " + orjson.dumps(self._chunk("chat", [c])) + b"\n\n" for c in choices]
 
     def _content(self, n: int) -> str:
         if self.echo and self.last_prompt:
@@ -394,10 +461,19 @@ class ScriptedUpstream:
                     "requests": self.requests,
                     "last_traceparent": self.last_traceparent,
                     "last_prompt": self.last_prompt,
+                    "open_streams": self.open_streams,
+                    "aborted": self.aborted,
                 }
             ),
             media_type="application/json",
         )
+
+    async def _control_tools(self, request: Request) -> Response:
+        try:
+            self.tool_calls = _tool_call_list(orjson.loads(await request.body()))
+        except (orjson.JSONDecodeError, ValueError) as exc:
+            return _error(400, f"control: {exc}")
+        return Response(orjson.dumps({"calls": self.tool_calls}), media_type="application/json")
 
     async def _control(self, request: Request) -> Response:
         """Set the fault for later requests: `{"fault": "status:503", "count": 2}`.
@@ -419,6 +495,24 @@ class ScriptedUpstream:
         return Response(
             orjson.dumps({"fault": spec, "count": count}), media_type="application/json"
         )
+
+
+def _tool_call_list(body: Any) -> list[dict[str, Any]]:
+    calls = body.get("calls") if isinstance(body, dict) else None
+    if not isinstance(calls, list):
+        raise ValueError("calls must be a list")
+    out = []
+    for c in calls:
+        if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+            raise ValueError("each call needs a name")
+        args = c.get("arguments", {})
+        out.append(
+            {
+                "name": c["name"],
+                "arguments": args if isinstance(args, str) else orjson.dumps(args).decode(),
+            }
+        )
+    return out
 
 
 def _error(status: int, message: str) -> Response:

@@ -19,7 +19,8 @@ CREATE TABLE IF NOT EXISTS tenants (
     rpm INTEGER, tpm INTEGER, max_concurrency INTEGER,
     budget_usd REAL, budget_period TEXT,
     allowed_models TEXT NOT NULL DEFAULT '["*"]',
-    labels TEXT NOT NULL DEFAULT '{}'
+    labels TEXT NOT NULL DEFAULT '{}',
+    task_budget TEXT
 );
 CREATE TABLE IF NOT EXISTS api_keys (
     id TEXT PRIMARY KEY,
@@ -35,7 +36,8 @@ CREATE TABLE IF NOT EXISTS api_keys (
     may_pin_revisions INTEGER NOT NULL DEFAULT 0,
     rpm INTEGER, tpm INTEGER, max_concurrency INTEGER,
     budget_usd REAL, budget_period TEXT,
-    labels TEXT NOT NULL DEFAULT '{}'
+    labels TEXT NOT NULL DEFAULT '{}',
+    task_budget TEXT
 );
 CREATE INDEX IF NOT EXISTS api_keys_tenant ON api_keys(tenant_id);
 CREATE TABLE IF NOT EXISTS usage (
@@ -81,6 +83,19 @@ CREATE TABLE IF NOT EXISTS trace_templates (
     id TEXT PRIMARY KEY,
     template TEXT NOT NULL
 );
+-- Approvals of tool calls that need one (policy/tool_calls.py): single-use, expiring,
+-- kept as a hash of the token.
+CREATE TABLE IF NOT EXISTS approvals (
+    token_hash TEXT PRIMARY KEY,
+    tenant_id TEXT NOT NULL,
+    task_id TEXT,
+    call_id TEXT NOT NULL,
+    approver TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    used_at REAL,
+    used_by TEXT
+);
 CREATE TABLE IF NOT EXISTS deployment_weights (
     alias TEXT NOT NULL,
     deployment TEXT NOT NULL,
@@ -103,6 +118,8 @@ MIGRATIONS = (
     ("usage", "adapter", "TEXT"),
     ("usage", "adapter_revision", "TEXT"),
     ("api_keys", "may_pin_revisions", "INTEGER NOT NULL DEFAULT 0"),
+    ("tenants", "task_budget", "TEXT"),
+    ("api_keys", "task_budget", "TEXT"),
 )
 # Partial: only requests that carry a client id pay for an index entry (a full index
 # cost the writer two more B-tree inserts for every request).

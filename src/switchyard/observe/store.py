@@ -38,6 +38,7 @@ from switchyard.observe.ledger import (
 from switchyard.observe.ledger_writer import decode_batch, write_batch
 from switchyard.observe.traces import template_id
 from switchyard.policy.keys import KeyStore, Limits, Principal
+from switchyard.policy.tool_calls import ApprovalStore
 
 log = logging.getLogger("switchyard")
 
@@ -46,6 +47,7 @@ class Store:
     """What every store offers (see the module docstring)."""
 
     keys: KeyStore
+    approvals: ApprovalStore
     idempotency: IdempotencyStore
     ledger: Any  # UsageLedger or MemoryLedger: record, flush_async, block_id, rows, close
 
@@ -53,6 +55,12 @@ class Store:
         raise NotImplementedError
 
     async def spent_since(self, column: str, ident: str, since: float) -> float:
+        raise NotImplementedError
+
+    async def consume_approval(
+        self, token: str, tenant: str, task_id: str | None, call_id: str, request_id: str
+    ) -> tuple[str | None, str | None]:
+        """ApprovalStore.consume, off the event loop where the store has a disk."""
         raise NotImplementedError
 
     def connection(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
@@ -83,6 +91,7 @@ class SqliteStore(Store):
         self._io_local = threading.local()
         self._defaults = defaults
         self.keys = KeyStore(connect(path), defaults)
+        self.approvals = ApprovalStore(connect(path))
         self.idempotency = IdempotencyStore(connect(path), idempotency_ttl_s, self._io)
         self.ledger = UsageLedger(path, flush_s, max_disk_bytes)
 
@@ -105,6 +114,13 @@ class SqliteStore(Store):
     async def spent_since(self, column: str, ident: str, since: float) -> float:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._io, self._spent, column, ident, since)
+
+    async def consume_approval(
+        self, token: str, tenant: str, task_id: str | None, call_id: str, request_id: str
+    ) -> tuple[str | None, str | None]:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._io, self.approvals.consume, token, tenant, task_id, call_id, request_id
+        )
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[sqlite3.Connection]:
@@ -206,6 +222,7 @@ class MemoryStore(Store):
         self.conn = memory_connection()
         self._lock = threading.RLock()
         self.keys = KeyStore(self.conn, defaults)
+        self.approvals = ApprovalStore(self.conn)
         self.idempotency = IdempotencyStore(self.conn, idempotency_ttl_s)
         self.ledger = MemoryLedger(self.conn, self._lock, flush_s)
 
@@ -215,6 +232,12 @@ class MemoryStore(Store):
 
     async def spent_since(self, column: str, ident: str, since: float) -> float:
         return self.ledger.spent_since(column, ident, since)
+
+    async def consume_approval(
+        self, token: str, tenant: str, task_id: str | None, call_id: str, request_id: str
+    ) -> tuple[str | None, str | None]:
+        with self._lock:
+            return self.approvals.consume(token, tenant, task_id, call_id, request_id)
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[sqlite3.Connection]:

@@ -100,6 +100,119 @@ def analyze_task(records: list[dict[str, Any]]) -> dict[str, Any]:
         "steps": [_step_dict(s, s.request_id in on_path) for s in steps],
         "critical_path": [s.request_id for s in path],
         "critical_path_ms": _r(path[-1].end_ms - path[0].start_ms),
+        "governance": governance(records, steps, t0),
+    }
+
+
+def _decisions(record: dict[str, Any], stage: str) -> list[dict[str, Any]]:
+    return [d for d in record.get("decisions") or [] if d.get("stage") == stage]
+
+
+def governance(records: list[dict[str, Any]], steps: list[_Step], t0: float) -> dict[str, Any]:
+    """What the task's policy did, from its requests' decisions (policy/tasks.py,
+    policy/tool_calls.py): budget and use, refusals by cause, the deadline and the
+    goodput against it, what a cancel stopped and what came after it, and each
+    step's tool calls with their class, idempotency key and what was done to them.
+
+    * `used`: the latest `task` decision's account (reservations included).
+    * `refused`: refused calls by cause (a budget field, `deadline`, `cancelled`).
+    * `cancelled_at`: the earliest moment a call was stopped or refused by a cancel.
+    * `after_cancel`: calls that arrived after it (`refused`, or `ran` where a
+      process had not yet heard of it) and those that `ended_after` it.
+    * `goodput`: steps that ended `ok` by the deadline, of all steps (none when the
+      task had no deadline).
+    """
+    budget: dict[str, Any] = {}
+    used: dict[str, Any] = {}
+    latest = -1.0
+    deadline_at: float | None = None
+    refused: Counter[str] = Counter()
+    stopped: list[str] = []
+    cancel_marks: list[float] = []
+    tool_calls: list[dict[str, Any]] = []
+    duplicates: list[dict[str, Any]] = []
+    approvals: list[dict[str, Any]] = []
+    for r in records:
+        rid = str(r.get("request_id"))
+        for d in _decisions(r, "task"):
+            ev = d.get("evidence") or {}
+            outcome = str(d.get("outcome") or "")
+            if ev.get("budget") is not None and float(d.get("started_at") or 0) >= latest:
+                latest = float(d.get("started_at") or 0)
+                budget, used = ev["budget"], ev.get("used") or {}
+            if ev.get("deadline_at") is not None:
+                deadline_at = float(ev["deadline_at"])
+            if outcome.startswith("reject:"):
+                cause = outcome.partition(":")[2]
+                refused[cause] += 1
+                if cause == "cancelled":
+                    cancel_marks.append(float(ev.get("cancelled_at") or d.get("started_at") or 0))
+            elif outcome == "stopped":
+                stopped.append(rid)
+                cancel_marks.append(float(d.get("started_at") or 0))
+        for d in _decisions(r, "tool_calls"):
+            for call in (d.get("evidence") or {}).get("calls") or []:
+                tool_calls.append({"request_id": rid, **call})
+        for d in _decisions(r, "tool_results"):
+            ev = d.get("evidence") or {}
+            duplicates += [{"request_id": rid, **x} for x in ev.get("duplicates") or []]
+            approvals += [{"request_id": rid, **x} for x in ev.get("approved") or []]
+    cancelled_at = min(cancel_marks) if cancel_marks else None
+    after: dict[str, Any] | None = None
+    if cancelled_at is not None:
+        arrived = [r for r in records if _received_at(r) > cancelled_at]
+        after = {
+            "refused": sum(
+                1
+                for r in arrived
+                if any(d.get("outcome") == "reject:cancelled" for d in _decisions(r, "task"))
+            ),
+            "ran": [
+                str(r["request_id"])
+                for r in arrived
+                if not any(
+                    str(d.get("outcome", "")).startswith("reject:") for d in _decisions(r, "task")
+                )
+            ],
+            "ended_after": [
+                s.request_id
+                for s in steps
+                if t0 + s.end_ms / 1000 > cancelled_at and t0 + s.start_ms / 1000 <= cancelled_at
+            ],
+        }
+    goodput = None
+    if deadline_at is not None:
+        good = sum(
+            1
+            for s in steps
+            if s.record.get("status") == "ok" and t0 + s.end_ms / 1000 <= deadline_at
+        )
+        goodput = {
+            "deadline_at": deadline_at,
+            "ok_by_deadline": good,
+            "steps": len(steps),
+            "ratio": round(good / len(steps), 4) if steps else 0.0,
+        }
+    return {
+        "budget": budget,
+        "used": used,
+        "refused": dict(sorted(refused.items())),
+        "refused_by_budget": sum(
+            n for cause, n in refused.items() if cause in ("calls", "tokens", "cost_usd", "wall_s")
+        ),
+        "deadline_at": deadline_at,
+        "goodput": goodput,
+        "cancelled_at": cancelled_at,
+        "stopped": stopped,
+        "after_cancel": after,
+        "tool_calls": tool_calls,
+        "side_effects": [
+            c
+            for c in tool_calls
+            if c.get("class") == "side_effect" and c.get("action") != "blocked"
+        ],
+        "duplicate_results": duplicates,
+        "approvals": approvals,
     }
 
 

@@ -9,6 +9,7 @@ a refused request is still settled, with its usage row and trace.
 
 from __future__ import annotations
 
+import datetime as _dt
 import re
 from collections.abc import Mapping
 
@@ -120,6 +121,79 @@ def idempotency_key(value: str) -> str:
     if 0 < len(value) <= MAX_IDEMPOTENCY_KEY and _PRINTABLE.fullmatch(value):
         return value
     raise _bad("Idempotency-Key", f"1 to {MAX_IDEMPOTENCY_KEY} visible ASCII characters, no spaces")
+
+
+MAX_TASK_TIMEOUT_S = 7 * 86400.0
+MAX_TASK_BUDGET_HEADER = 256
+_TASK_BUDGET_INTS = {"calls": 10**9, "tokens": 10**12}
+_TASK_BUDGET_SECONDS = {"cost_usd": 10**9, "wall_s": MAX_TASK_TIMEOUT_S}
+_DECIMAL = re.compile(r"[0-9]{1,9}(\.[0-9]{1,9})?")
+# RFC 3339: a date, T, a time, an offset (Z or ±hh:mm); fractions of a second allowed.
+_RFC3339 = re.compile(
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?"
+    r"([Zz]|[+-][0-9]{2}:[0-9]{2})"
+)
+
+
+def task_budget(value: str) -> dict[str, float]:
+    """`x-task-budget: calls=10, tokens=50000, cost_usd=0.50, wall_s=120` (any subset,
+    each at most once) as {name: value}; raises InvalidRequest naming the header."""
+    why = "name=value pairs of calls, tokens (integers), cost_usd, wall_s (numbers > 0)"
+    if len(value) > MAX_TASK_BUDGET_HEADER or not _TEXT.fullmatch(value):
+        raise _bad("x-task-budget", why)
+    out: dict[str, float] = {}
+    for part in value.split(","):
+        name, eq, raw = part.strip().partition("=")
+        name, raw = name.strip(), raw.strip()
+        if not eq or name in out:
+            raise _bad("x-task-budget", why)
+        if name in _TASK_BUDGET_INTS:
+            if not (raw.isascii() and raw.isdigit() and len(raw) <= 13):
+                raise _bad("x-task-budget", why)
+            number: float = int(raw)
+            ceiling: float = _TASK_BUDGET_INTS[name]
+        elif name in _TASK_BUDGET_SECONDS:
+            if not _DECIMAL.fullmatch(raw):
+                raise _bad("x-task-budget", why)
+            number, ceiling = float(raw), _TASK_BUDGET_SECONDS[name]
+        else:
+            raise _bad("x-task-budget", why)
+        if not 0 < number <= ceiling:
+            raise _bad("x-task-budget", f"{name} must be greater than 0 and at most {ceiling:g}")
+        out[name] = number
+    if not out:
+        raise _bad("x-task-budget", why)
+    return out
+
+
+def task_timeout(value: str) -> float:
+    """`x-task-timeout`: seconds from the task's first request."""
+    if _SECONDS.fullmatch(value):
+        seconds = float(value)
+        if 0 < seconds <= MAX_TASK_TIMEOUT_S:
+            return seconds
+    raise _bad(
+        "x-task-timeout",
+        f"a number of seconds greater than 0 and at most {MAX_TASK_TIMEOUT_S:.0f}",
+    )
+
+
+def task_deadline(value: str) -> float:
+    """`x-task-deadline`: an RFC 3339 timestamp with its offset, as unix seconds."""
+    if len(value) <= 40 and _RFC3339.fullmatch(value):
+        try:
+            when = _dt.datetime.fromisoformat(value.replace("z", "Z").replace("Z", "+00:00"))
+        except ValueError:
+            when = None
+        if when is not None and when.tzinfo is not None:
+            return when.timestamp()
+    raise _bad("x-task-deadline", "an RFC 3339 timestamp with an offset, like 2026-12-01T12:00:00Z")
+
+
+def approval_token(value: str) -> str:
+    if 0 < len(value) <= 128 and _PRINTABLE.fullmatch(value):
+        return value
+    raise _bad("x-switchyard-approval", "1 to 128 visible ASCII characters")
 
 
 def cache_tags(value: str | None) -> tuple[str, ...]:

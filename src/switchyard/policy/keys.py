@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from switchyard.errors import InvalidRequest, SwitchyardError
+from switchyard.policy.tasks import TaskBudget
 
 KEY_PREFIX = "sk-sy-"
 TENANT_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
@@ -76,6 +77,8 @@ class Principal:
     key_adapters: tuple[str, ...] = ()
     # Whether the key may pin a revision (`model: "alias@revision"`).
     may_pin_revisions: bool = False
+    # The tenant's and the key's task budget, combined (policy/tasks.TaskBudget).
+    task_budget: Any = None
 
     def may_use(self, alias: str) -> bool:
         return model_allowed(self.key_models, alias) and model_allowed(self.tenant_models, alias)
@@ -121,6 +124,29 @@ def _check_limits(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+TASK_BUDGET_FIELDS = {"calls": int, "tokens": int, "cost_usd": float, "wall_s": float}
+
+
+def _check_task_budget(v: Any) -> str | None:
+    """A tenant's or key's `task_budget` ({calls, tokens, cost_usd, wall_s}, each
+    optional and > 0) as the JSON stored, or None."""
+    if v is None:
+        return None
+    why = "'task_budget' must be an object of calls, tokens (integers), cost_usd, wall_s (> 0)"
+    if not isinstance(v, dict) or not set(v) <= set(TASK_BUDGET_FIELDS):
+        raise InvalidRequest(why, param="task_budget")
+    for name, value in v.items():
+        kind = TASK_BUDGET_FIELDS[name]
+        ok = isinstance(value, int) if kind is int else isinstance(value, int | float)
+        if not ok or isinstance(value, bool) or not 0 < value <= 1e12:
+            raise InvalidRequest(why, param="task_budget")
+    return json.dumps(v, sort_keys=True) if v else None
+
+
+def _task_budget(raw: str | None) -> TaskBudget | None:
+    return TaskBudget.of(json.loads(raw)) if raw else None
+
+
 def _patterns(v: Any, name: str) -> list[str]:
     if v is None:
         return ["*"] if name == "allowed_models" else []
@@ -142,11 +168,13 @@ class KeyStore:
         lim = _check_limits(values)
         models = _patterns(values.get("allowed_models"), "allowed_models")
         labels = values.get("labels") or {}
+        task_budget = _check_task_budget(values.get("task_budget"))
         with self._lock:
             try:
                 self.conn.execute(
                     "INSERT INTO tenants (id, created_at, rpm, tpm, max_concurrency, budget_usd,"
-                    " budget_period, allowed_models, labels) VALUES (?,?,?,?,?,?,?,?,?)",
+                    " budget_period, allowed_models, labels, task_budget)"
+                    " VALUES (?,?,?,?,?,?,?,?,?,?)",
                     (
                         tenant_id,
                         time.time(),
@@ -157,6 +185,7 @@ class KeyStore:
                         lim["budget_period"],
                         json.dumps(models),
                         json.dumps(labels),
+                        task_budget,
                     ),
                 )
             except sqlite3.IntegrityError:
@@ -182,6 +211,7 @@ class KeyStore:
             "labels": json.loads(row["labels"]),
             "limits": {k: row[k] for k in LIMIT_FIELDS},
             "effective_limits": {k: getattr(eff, k) for k in LIMIT_FIELDS},
+            "task_budget": json.loads(row["task_budget"]) if row["task_budget"] else None,
         }
 
     # -- keys -----------------------------------------------------------------
@@ -204,14 +234,15 @@ class KeyStore:
             raise InvalidRequest(
                 "'may_pin_revisions' must be true or false", param="may_pin_revisions"
             )
+        task_budget = _check_task_budget(values.get("task_budget"))
         plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
         key_id = "key_" + secrets.token_hex(6)
         with self._lock:
             self.conn.execute(
                 "INSERT INTO api_keys (id, tenant_id, hash, prefix, name, created_at, expires_at,"
                 " allowed_models, allowed_adapters, may_pin_revisions, rpm, tpm,"
-                " max_concurrency, budget_usd, budget_period, labels)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " max_concurrency, budget_usd, budget_period, labels, task_budget)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     key_id,
                     tenant_id,
@@ -229,6 +260,7 @@ class KeyStore:
                     lim["budget_usd"],
                     lim["budget_period"],
                     json.dumps(values.get("labels") or {}),
+                    task_budget,
                 ),
             )
         out = self.get_key(key_id)
@@ -275,6 +307,7 @@ class KeyStore:
             "may_pin_revisions": bool(row["may_pin_revisions"]),
             "limits": {k: row[k] for k in LIMIT_FIELDS},
             "labels": json.loads(row["labels"]),
+            "task_budget": json.loads(row["task_budget"]) if row["task_budget"] else None,
         }
 
     # -- verification ------------------------------------------------------------
@@ -284,7 +317,8 @@ class KeyStore:
         row = self.conn.execute(
             "SELECT k.*, t.rpm AS t_rpm, t.tpm AS t_tpm, t.max_concurrency AS t_conc,"
             " t.budget_usd AS t_budget, t.budget_period AS t_period,"
-            " t.allowed_models AS t_models, t.labels AS t_labels FROM api_keys k JOIN tenants t ON t.id = k.tenant_id"
+            " t.allowed_models AS t_models, t.labels AS t_labels,"
+            " t.task_budget AS t_task_budget FROM api_keys k JOIN tenants t ON t.id = k.tenant_id"
             " WHERE k.hash = ?",
             (hash_key(plaintext),),
         ).fetchone()
@@ -304,6 +338,12 @@ class KeyStore:
         )
         tenant_labels = json.loads(row["t_labels"])
         regions = tenant_labels.get("regions")
+        task_budget = _task_budget(row["t_task_budget"])
+        key_task_budget = _task_budget(row["task_budget"])
+        if key_task_budget is not None:
+            task_budget = (
+                key_task_budget if task_budget is None else task_budget.lower(key_task_budget)
+            )
         return Principal(
             regions=tuple(regions) if isinstance(regions, list) else None,
             tenant_id=row["tenant_id"],
@@ -315,6 +355,7 @@ class KeyStore:
             key_limits=_limits(row),
             tenant_limits=tenant_limits,
             labels=json.loads(row["labels"]),
+            task_budget=task_budget,
         )
 
     def count_tenants(self) -> int:

@@ -14,8 +14,18 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from switchyard.config import AdapterConfig, ModelConfig, Price, Settings
-from switchyard.errors import AdapterNotAllowed, EngineNotReady, InvalidRequest, SwitchyardError
+from switchyard.errors import (
+    AdapterNotAllowed,
+    ApprovalRequired,
+    EngineNotReady,
+    InvalidRequest,
+    SwitchyardError,
+    TaskBudgetExceeded,
+    TaskCancelled,
+    TaskDeadlineExceeded,
+)
 from switchyard.pipeline import PiiState, RequestContext, Stage, Verdict, View
+from switchyard.policy import headers as request_headers
 from switchyard.policy.admission import Admission, DeploymentGate
 from switchyard.policy.admit import (
     cost_usd,
@@ -36,6 +46,15 @@ from switchyard.policy.limits import (
     period_start,
 )
 from switchyard.policy.pii import MaskingError, PiiMasker, mask_body
+from switchyard.policy.tasks import (
+    Running,
+    TaskAdmission,
+    TaskBudget,
+    TaskFirst,
+    TaskHold,
+    TaskStore,
+)
+from switchyard.policy.tool_calls import ToolPolicy, approval_tokens, called_tool, new_results
 
 log = logging.getLogger("switchyard")
 
@@ -345,3 +364,200 @@ class Pii(Stage):
             ctx.body = masked  # the upstream sees placeholders; the reply is restored
         outcome = ("masked" if mode == "mask_upstream" else "observed") if found else "clean"
         ctx.record("pii", outcome, f"{sum(found.values())} PII value(s) found", t, evidence)
+
+
+class Task(Stage):
+    """The request's agent task (`x-task-id`): refused once the task is cancelled or
+    past its deadline, or when its estimate does not fit what the task's budget has
+    left; otherwise reserved against that budget, its deadline cut to the task's, and
+    counted among the task's calls in flight (so a cancel can stop it)."""
+
+    name = "task"
+    NO_TASK = Verdict("skip", "no x-task-id")
+
+    def __init__(
+        self, settings: Settings, store: TaskStore, running: Running, estimate: Estimate
+    ) -> None:
+        self._default = TaskBudget.of(settings.tasks.budget)
+        self._store = store
+        self._running = running
+        self._estimate = estimate
+
+    def static(self, view: View) -> Verdict | None:
+        return None if view.in_task else self.NO_TASK
+
+    def work(self, ctx: RequestContext) -> Awaitable[None]:
+        return self._admit(ctx)
+
+    def _first(self, ctx: RequestContext) -> TaskFirst:
+        """What this request would set if it were the task's first (its headers are
+        validated whether or not they take effect)."""
+        h = ctx.input.headers
+        budget = self._default
+        p = ctx.principal
+        if p is not None and p.task_budget is not None:
+            budget = budget.lower(p.task_budget)
+        raw = h.get("x-task-budget")
+        if raw is not None:
+            budget = budget.lower(TaskBudget.of(request_headers.task_budget(raw)))
+        timeout = h.get("x-task-timeout")
+        deadline = h.get("x-task-deadline")
+        return TaskFirst(
+            budget,
+            request_headers.task_timeout(timeout) if timeout is not None else None,
+            request_headers.task_deadline(deadline) if deadline is not None else None,
+        )
+
+    async def _admit(self, ctx: RequestContext) -> None:
+        t = time.perf_counter()
+        task_id = ctx.input.task_id
+        assert task_id is not None
+        try:
+            first = self._first(ctx)
+        except InvalidRequest as exc:
+            ctx.record(self.name, "reject:invalid_header", exc.message, t)
+            raise
+        key = (ctx.principal.tenant_id, task_id)
+        prompt, out, price = self._estimate(ctx)
+        cost = cost_usd(price, prompt, out) if price else 0.0
+        now = time.time()
+        rid = ctx.input.request_id
+        adm = await self._store.admit(key, first, rid, prompt + out, cost, now)
+        evidence = adm.evidence(now)
+        refused = adm.refused
+        if refused is not None:
+            ctx.record(self.name, f"reject:{refused}", _task_refusal_reason(refused), t, evidence)
+            raise _task_error(task_id, refused, adm)
+        ctx.task = TaskHold(key, rid)
+        self._running.add(key, ctx)
+        if adm.deadline_at is not None:
+            cut = ctx.timings.received + (adm.deadline_at - ctx.input.received_at)
+            if cut < ctx.deadline:
+                ctx.deadline = cut
+                evidence["deadline_cut"] = True
+        ctx.record(self.name, "admitted", "within the task's budget and deadline", t, evidence)
+
+
+def _task_refusal_reason(refused: str) -> str:
+    if refused == "cancelled":
+        return "the task was cancelled"
+    if refused == "deadline":
+        return "the task's deadline has passed"
+    return f"the task's {refused} budget is spent"
+
+
+def _task_error(task_id: str, refused: str, adm: TaskAdmission) -> SwitchyardError:
+    if refused == "cancelled":
+        return TaskCancelled(f"the task '{task_id}' was cancelled; it takes no more calls")
+    if refused == "deadline":
+        return TaskDeadlineExceeded(
+            f"the deadline of the task '{task_id}' has passed; the call was not sent upstream"
+        )
+    left = adm.remaining()
+    if refused == "wall_s":
+        what = f"its wall time of {adm.budget['wall_s']:g}s has passed"
+    else:
+        what = (
+            f"its {refused} budget of {adm.budget[refused]:g} has {left.get(refused, 0.0):g} "
+            "left, less than this call needs"
+        )
+    return TaskBudgetExceeded(
+        f"task budget exceeded for the task '{task_id}': {what}",
+        param=refused,
+    )
+
+
+# ApprovalStore.consume off the event loop: (token, tenant, task, call id, request id).
+ConsumeApproval = Callable[
+    [str, str, "str | None", str, str], Awaitable[tuple["str | None", "str | None"]]
+]
+
+
+class ToolResults(Stage):
+    """The tool results a chat request brings for the first time (policy/tool_calls):
+    each needs an approval when its tool `requires_approval`; in a task, each is
+    counted, and one whose call already had a result is a duplicate side effect."""
+
+    name = "tool_results"
+    NONE = Verdict("skip", "no tool results to check")
+
+    def __init__(self, policy: ToolPolicy, store: TaskStore, consume: ConsumeApproval) -> None:
+        self._policy = policy
+        self._store = store
+        self._consume = consume
+
+    def static(self, view: View) -> Verdict | None:
+        if view.endpoint != "chat.completions":
+            return self.NONE
+        if not view.in_task and not self._policy.approvals:
+            return self.NONE
+        return None
+
+    def work(self, ctx: RequestContext) -> Awaitable[None] | None:
+        ids = new_results(ctx.body)
+        if not ids:
+            ctx.record(self.name, "skip", "no new tool results", time.perf_counter())
+            return None
+        return self._check(ctx, ids[:256])
+
+    async def _check(self, ctx: RequestContext, ids: list[str]) -> None:
+        t = time.perf_counter()
+        tenant = ctx.principal.tenant_id
+        task = ctx.input.task_id
+        key = (tenant, task) if task is not None else None
+        need: list[tuple[str, str]] = []
+        for cid in ids:
+            note = await self._store.tool_call(key, cid) if key is not None else None
+            tool = note.tool if note is not None else called_tool(ctx.body, cid)
+            if tool is not None and self._policy.requires_approval(tool):
+                need.append((cid, tool))
+        approved: list[dict[str, Any]] = []
+        if need:
+            try:
+                tokens = approval_tokens(ctx.input.headers.get("x-switchyard-approval"))
+            except InvalidRequest as exc:
+                ctx.record(self.name, "reject:invalid_header", exc.message, t)
+                raise
+            for cid, tool in need:
+                approver, why = None, "no approval was presented"
+                for token in tokens:
+                    approver, why_not = await self._consume(
+                        token, tenant, task, cid, ctx.input.request_id
+                    )
+                    if approver is not None:
+                        tokens.remove(token)
+                        break
+                    why = why_not or why
+                if approver is None:
+                    ctx.record(
+                        self.name,
+                        "reject:approval_required",
+                        f"the result of {cid} ({tool}) needs an approval: {why}",
+                        t,
+                        {"call_id": cid, "tool": tool, "approved": approved},
+                    )
+                    raise ApprovalRequired(
+                        f"the result of the tool call '{cid}' ({tool}) needs an approval "
+                        f"(x-switchyard-approval): {why}",
+                        param="x-switchyard-approval",
+                    )
+                approved.append({"call_id": cid, "tool": tool, "approver": approver})
+        notes = await self._store.note_results(key, ids) if key is not None else {}
+        duplicates = [
+            {"call_id": cid, "tool": n.tool, "class": n.tool_class, "results": n.results}
+            for cid, n in notes.items()
+            if n.results > 1
+        ]
+        evidence = {"results": len(ids), "known": len(notes), "approved": approved}
+        if duplicates:
+            evidence["duplicates"] = duplicates
+            ctx.record(
+                self.name,
+                f"duplicate:{len(duplicates)}",
+                f"{len(duplicates)} tool result(s) for calls that already had one: "
+                "a side effect may have run twice",
+                t,
+                evidence,
+            )
+            return
+        ctx.record(self.name, "ok", f"{len(ids)} new tool result(s)", t, evidence)

@@ -1,0 +1,498 @@
+"""Tool calls under governance: the model choosing a tool is not permission to run it.
+
+Shortlisting (decide/tools.py) decides which tools are *offered*; this module checks
+what the model *returns* and what the client sends back:
+
+* **Authorization on model outputs.** Every tool call in a reply is checked against
+  the tenant's permissions (`tools.deny`, `tools.allow`, `tools.tenant_allow` and the
+  registry's `allowed_tenants`). A forbidden call is removed (`tools.on_forbidden_call:
+  block`) or relayed and flagged (`flag`); either way it is a decision in the trace.
+  When blocking removes every call of a choice, its `finish_reason` becomes "stop".
+  A streamed call is checked when its name arrives, before any of it is relayed.
+* **Idempotency keys for side effects.** A call to a `side_effect` tool (the
+  registry's class, else `tools.default_class`) gets the id `call_sy_<key>`, where key
+  is the first 32 hex digits of BLAKE2b over (tenant, task id, the step's lineage,
+  tool name, canonical JSON of the arguments); the lineage is the step's
+  `x-parent-request-id` list and a digest of the conversation it was asked with. A
+  retried or replayed step therefore yields the same key, and whatever runs the tool
+  can refuse to run it twice. A streamed side-effecting call is held until its
+  arguments are complete and then relayed whole (its key needs them).
+* **Results and approvals** (the `tool_results` stage): the tool results a request
+  brings for the first time (the `tool` messages after its last assistant message) are
+  counted per task; a result for a call whose result was already brought is flagged as
+  a duplicate side effect. A result for a tool that `requires_approval` needs a valid
+  approval for that call (`x-switchyard-approval`), issued by an operator, scoped to
+  tenant, task and call, single-use and expiring (`ApprovalStore`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from switchyard.config import ToolsConfig
+from switchyard.decide.tools import _denial
+from switchyard.errors import InvalidRequest
+from switchyard.policy.tasks import ToolCallNote
+
+KEYED_PREFIX = "call_sy_"
+
+
+def _obj(value: Any) -> dict[str, Any]:
+    """`value` when it is a JSON object, else an empty one (replies are the upstream's)."""
+    return value if isinstance(value, dict) else {}
+
+
+class ToolPolicy:
+    """The registry and permission rules of `tools` in the config."""
+
+    def __init__(self, cfg: ToolsConfig) -> None:
+        self.cfg = cfg
+        self.specs = {t.name: t for t in cfg.registry}
+        self.block = cfg.on_forbidden_call == "block"
+        self.approvals = any(t.requires_approval for t in cfg.registry)
+
+    def tool_class(self, name: str) -> str:
+        spec = self.specs.get(name)
+        return spec.tool_class if spec is not None else self.cfg.default_class
+
+    def requires_approval(self, name: str) -> bool:
+        spec = self.specs.get(name)
+        return spec is not None and spec.requires_approval
+
+    def refusal(self, name: str | None, tenant: str | None) -> str | None:
+        """Why the tenant may not have this tool run, or None."""
+        why = _denial(name, tenant, self.cfg)
+        if why is not None:
+            return why
+        spec = self.specs.get(name or "")
+        allowed = spec.allowed_tenants if spec is not None else ["*"]
+        if "*" not in allowed and tenant not in allowed:
+            return f"not in tools.registry[{name!r}].allowed_tenants"
+        return None
+
+
+def canonical_arguments(arguments: Any) -> bytes:
+    """The arguments as canonical JSON (sorted keys); a string that is not JSON as is."""
+    if isinstance(arguments, str):
+        try:
+            arguments = orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            return arguments.encode("utf-8", "replace")
+    return orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS)
+
+
+def lineage(parents: tuple[str, ...], body: dict[str, Any]) -> bytes:
+    """What identifies a generation step: its parents and the conversation it was
+    asked with (the same for a retry or a replay of the step)."""
+    convo = body.get("messages", body.get("prompt"))
+    digest = hashlib.blake2b(
+        orjson.dumps(convo, option=orjson.OPT_SORT_KEYS), digest_size=16
+    ).digest()
+    return ",".join(parents).encode() + b"|" + digest
+
+
+def idempotency_key(tenant: str, task: str | None, step: bytes, name: str, arguments: Any) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for part in (tenant.encode(), (task or "").encode(), step, name.encode()):
+        h.update(len(part).to_bytes(4, "big"))
+        h.update(part)
+    h.update(canonical_arguments(arguments))
+    return h.hexdigest()
+
+
+@dataclass(slots=True)
+class ToolOutcome:
+    """What governance did to one request's tool calls, for its decision and task."""
+
+    calls: list[dict[str, Any]] = field(default_factory=list)  # evidence, one per call
+    notes: list[ToolCallNote] = field(default_factory=list)  # for the task's record
+    blocked: int = 0
+    flagged: int = 0
+
+    @property
+    def outcome(self) -> str:
+        if self.blocked:
+            return f"blocked:{self.blocked}"
+        if self.flagged:
+            return f"flagged:{self.flagged}"
+        return "ok"
+
+    def reason(self) -> str:
+        n = len(self.calls)
+        if self.blocked:
+            return f"{self.blocked} of {n} tool call(s) removed: the tenant may not use them"
+        if self.flagged:
+            return f"{self.flagged} of {n} tool call(s) the tenant may not use were relayed (flag)"
+        return f"{n} tool call(s) checked; all permitted"
+
+
+class ToolGovernor:
+    """Checks one request's tool calls (see the module docstring)."""
+
+    def __init__(
+        self,
+        policy: ToolPolicy,
+        tenant: str,
+        task: str | None,
+        request_id: str,
+        parents: tuple[str, ...],
+        body: dict[str, Any],
+    ) -> None:
+        self.policy = policy
+        self.tenant = tenant
+        self.task = task
+        self.request_id = request_id
+        self._parents = parents
+        self._body = body
+        self._step: bytes | None = None
+        self.result = ToolOutcome()
+
+    def _key(self, name: str, arguments: Any) -> str:
+        if self._step is None:
+            self._step = lineage(self._parents, self._body)
+        return idempotency_key(self.tenant, self.task, self._step, name, arguments)
+
+    def check(self, call_id: Any, name: Any) -> tuple[bool, str]:
+        """(relay it, its class) for a call named `name`; records it."""
+        name = name if isinstance(name, str) and name else None
+        why = self.policy.refusal(name, self.tenant)
+        cls = self.policy.tool_class(name or "")
+        entry: dict[str, Any] = {"name": name or "?", "class": cls}
+        if why is not None:
+            entry["action"] = "blocked" if self.policy.block else "flagged"
+            entry["reason"] = why
+            if self.policy.block:
+                self.result.blocked += 1
+            else:
+                self.result.flagged += 1
+        else:
+            entry["action"] = "relayed"
+        self.result.calls.append(entry)
+        return why is None or not self.policy.block, cls
+
+    def keyed(self, call: dict[str, Any], cls: str) -> dict[str, Any]:
+        """The call as relayed: a side-effecting one with its idempotency key as id."""
+        fn = _obj(call.get("function"))
+        name = str(fn.get("name") or "")
+        entry = self.result.calls[-1]
+        call_id = call.get("id")
+        key = None
+        if cls == "side_effect":
+            key = self._key(name, fn.get("arguments", ""))
+            call_id = KEYED_PREFIX + key
+            call = {**call, "id": call_id}
+            entry["idempotency_key"] = key
+        entry["id"] = call_id
+        self.result.notes.append(ToolCallNote(str(call_id or ""), name, cls, self.request_id, key))
+        return call
+
+    def govern_reply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """A non-streamed completion with its tool calls governed."""
+        choices = []
+        for c in obj.get("choices") or []:
+            message = _obj(c.get("message")) if isinstance(c, dict) else {}
+            calls = message.get("tool_calls")
+            if not isinstance(calls, list) or not calls:
+                choices.append(c)
+                continue
+            kept = []
+            for call in calls:
+                if not isinstance(call, dict):
+                    continue
+                fn = _obj(call.get("function"))
+                relay, cls = self.check(call.get("id"), fn.get("name"))
+                if relay:
+                    kept.append(self.keyed(call, cls))
+            message = dict(message)
+            c = dict(c)
+            if kept:
+                message["tool_calls"] = kept
+            else:
+                message.pop("tool_calls", None)
+                if message.get("content") is None:
+                    message["content"] = ""
+                if c.get("finish_reason") == "tool_calls":
+                    c["finish_reason"] = "stop"
+            c["message"] = message
+            choices.append(c)
+        return {**obj, "choices": choices}
+
+
+@dataclass(slots=True)
+class _Call:
+    """One streamed tool call (by choice and the upstream's index)."""
+
+    relay: bool
+    cls: str
+    index: int  # as relayed (calls removed before it do not leave gaps)
+    held: dict[str, Any] | None = None  # a side-effecting call, assembled until complete
+    arguments: list[str] = field(default_factory=list)
+
+
+class StreamToolGate:
+    """Governs the tool calls of a stream, chunk by chunk: a forbidden call is dropped
+    from its first delta on (block), a side-effecting one is held until the choice
+    finishes and then relayed whole with its key, a read-only one passes as it came."""
+
+    def __init__(self, governor: ToolGovernor) -> None:
+        self.governor = governor
+        self._calls: dict[tuple[int, int], _Call] = {}
+        self._next: dict[int, int] = {}  # choice → next relayed index
+
+    def feed(self, obj: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chunks to relay in place of `obj` (none, it, or held calls then it)."""
+        out_choices = []
+        before: list[dict[str, Any]] = []
+        changed = False
+        for c in obj.get("choices") or []:
+            if not isinstance(c, dict):
+                out_choices.append(c)
+                continue
+            ci = c.get("index", 0) if isinstance(c.get("index"), int) else 0
+            delta = _obj(c.get("delta"))
+            calls = delta.get("tool_calls")
+            if isinstance(calls, list):
+                changed = True
+                relayed = [d for d in (self._delta(ci, d) for d in calls) if d is not None]
+                delta = dict(delta)
+                if relayed:
+                    delta["tool_calls"] = relayed
+                else:
+                    delta.pop("tool_calls")
+                c = {**c, "delta": delta}
+            if c.get("finish_reason") is not None:
+                held = self._release(ci)
+                if held:
+                    before.append(self._chunk(obj, ci, held))
+                if c.get("finish_reason") == "tool_calls" and not self._relayed_any(ci):
+                    c = {**c, "finish_reason": "stop"}
+                    changed = True
+            if calls is not None and not (c["delta"] or c.get("finish_reason") is not None):
+                continue  # nothing left of this choice's chunk
+            out_choices.append(c)
+        if not changed and not before:
+            return [obj]
+        out = before
+        if out_choices or not obj.get("choices"):
+            out.append({**obj, "choices": out_choices})
+        return out
+
+    def flush(self, template: dict[str, Any]) -> list[dict[str, Any]]:
+        """Held calls of choices that never finished (the stream ended first)."""
+        return [
+            self._chunk(template, ci, held)
+            for ci in sorted({ci for ci, _ in self._calls})
+            if (held := self._release(ci))
+        ]
+
+    def _delta(self, ci: int, d: Any) -> dict[str, Any] | None:
+        if not isinstance(d, dict):
+            return None
+        ui = d.get("index", 0) if isinstance(d.get("index"), int) else 0
+        call = self._calls.get((ci, ui))
+        fn = _obj(d.get("function"))
+        if call is None:
+            relay, cls = self.governor.check(d.get("id"), fn.get("name"))
+            index = self._next.get(ci, 0)
+            if relay:
+                self._next[ci] = index + 1
+            call = self._calls[(ci, ui)] = _Call(relay, cls, index)
+            if relay and cls == "side_effect":
+                call.held = {
+                    "index": index,
+                    "id": d.get("id"),
+                    "type": d.get("type", "function"),
+                    "function": {"name": fn.get("name"), "arguments": ""},
+                }
+            elif relay:
+                self.governor.keyed({"id": d.get("id"), "function": fn}, cls)
+        if not call.relay:
+            return None
+        if call.held is not None:
+            if isinstance(fn.get("arguments"), str):
+                call.arguments.append(fn["arguments"])
+            return None
+        return {**d, "index": call.index}
+
+    def _release(self, ci: int) -> list[dict[str, Any]]:
+        held = []
+        for (c, _), call in sorted(self._calls.items()):
+            if c != ci or call.held is None:
+                continue
+            whole = call.held
+            whole["function"]["arguments"] = "".join(call.arguments)
+            held.append(self.governor.keyed(whole, call.cls))
+            call.held = None
+        return held
+
+    def _relayed_any(self, ci: int) -> bool:
+        return self._next.get(ci, 0) > 0
+
+    @staticmethod
+    def _chunk(template: dict[str, Any], ci: int, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        base = {k: v for k, v in template.items() if k in ("id", "object", "created", "model")}
+        base.setdefault("object", "chat.completion.chunk")
+        return {
+            **base,
+            "choices": [{"index": ci, "delta": {"tool_calls": calls}, "finish_reason": None}],
+        }
+
+
+def new_results(body: dict[str, Any]) -> list[str]:
+    """The call ids of the tool results this request brings for the first time: the
+    `tool` messages after its last assistant message (earlier ones are history)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return []
+    out: list[str] = []
+    for m in reversed(messages):
+        if not isinstance(m, dict):
+            continue
+        role = m.get("role")
+        if role == "tool":
+            cid = m.get("tool_call_id")
+            if isinstance(cid, str) and cid:
+                out.append(cid)
+        elif role == "assistant":
+            break
+    out.reverse()
+    return out
+
+
+def called_tool(body: dict[str, Any], call_id: str) -> str | None:
+    """The tool an assistant message of this conversation called as `call_id`."""
+    for m in reversed(body.get("messages") or []):
+        if isinstance(m, dict) and m.get("role") == "assistant":
+            for call in m.get("tool_calls") or []:
+                if isinstance(call, dict) and call.get("id") == call_id:
+                    fn = call.get("function")
+                    name = fn.get("name") if isinstance(fn, dict) else None
+                    return name if isinstance(name, str) else None
+    return None
+
+
+MAX_APPROVALS_PER_REQUEST = 16
+
+
+def approval_tokens(value: str | None) -> list[str]:
+    """`x-switchyard-approval: TOKEN[, TOKEN...]`, bounded."""
+    if not value:
+        return []
+    from switchyard.policy.headers import approval_token
+
+    parts = [p.strip() for p in value.split(",") if p.strip()]
+    if len(value) > 130 * MAX_APPROVALS_PER_REQUEST or len(parts) > MAX_APPROVALS_PER_REQUEST:
+        raise InvalidRequest(
+            f"header x-switchyard-approval: at most {MAX_APPROVALS_PER_REQUEST} tokens",
+            param="x-switchyard-approval",
+            code="invalid_header",
+        )
+    return [approval_token(p) for p in parts]
+
+
+APPROVAL_PREFIX = "apr-sy-"
+
+
+def _hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class ApprovalStore:
+    """Approvals of tool calls, in the gateway's database (table `approvals`): a token
+    is shown once and kept as a hash, scoped to (tenant, task, call id), single-use
+    and expiring. The CLI and the admin API issue them; the gateway consumes them."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def issue(
+        self,
+        tenant: str,
+        task_id: str | None,
+        call_id: str,
+        approver: str,
+        ttl_s: float,
+        now: float | None = None,
+    ) -> dict[str, Any]:
+        from switchyard.policy.headers import ID_PATTERN
+
+        now = time.time() if now is None else now
+        for name, value, longest in (
+            ("tenant", tenant, 63),
+            ("call_id", call_id, 128),
+            ("approver", approver, 128),
+        ):
+            if not isinstance(value, str) or not value or len(value) > longest:
+                raise InvalidRequest(f"'{name}' must be 1 to {longest} characters", param=name)
+        if task_id is not None and not (isinstance(task_id, str) and ID_PATTERN.fullmatch(task_id)):
+            raise InvalidRequest("'task_id' must be a task id", param="task_id")
+        if (
+            not isinstance(ttl_s, int | float)
+            or isinstance(ttl_s, bool)
+            or not 0 < ttl_s <= 30 * 86400
+        ):
+            raise InvalidRequest("'ttl_s' must be seconds in (0, 2592000]", param="ttl_s")
+        token = APPROVAL_PREFIX + secrets.token_urlsafe(24)
+        with self._lock:
+            self.conn.execute(
+                "INSERT INTO approvals (token_hash, tenant_id, task_id, call_id, approver,"
+                " created_at, expires_at) VALUES (?,?,?,?,?,?,?)",
+                (_hash(token), tenant, task_id, call_id, approver, now, now + ttl_s),
+            )
+        return {
+            "object": "approval",
+            "token": token,
+            "tenant": tenant,
+            "task_id": task_id,
+            "call_id": call_id,
+            "approver": approver,
+            "expires_at": now + ttl_s,
+        }
+
+    def consume(
+        self,
+        token: str,
+        tenant: str,
+        task_id: str | None,
+        call_id: str,
+        request_id: str,
+        now: float | None = None,
+    ) -> tuple[str | None, str | None]:
+        """(approver, None) when the token approves this call (and is now used), else
+        (None, why)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            row = self.conn.execute(
+                "SELECT tenant_id, task_id, call_id, approver, expires_at, used_at"
+                " FROM approvals WHERE token_hash = ?",
+                (_hash(token),),
+            ).fetchone()
+            if row is None:
+                return None, "unknown approval token"
+            r_tenant, r_task, r_call, approver, expires_at, used_at = tuple(row)
+            if (
+                r_tenant != tenant
+                or r_call != call_id
+                or (r_task is not None and r_task != task_id)
+            ):
+                return None, "the approval is for another tenant, task or call"
+            if used_at is not None:
+                return None, "the approval was already used"
+            if expires_at <= now:
+                return None, "the approval has expired"
+            cur = self.conn.execute(
+                "UPDATE approvals SET used_at = ?, used_by = ? WHERE token_hash = ? AND used_at IS NULL",
+                (now, request_id, _hash(token)),
+            )
+            if cur.rowcount != 1:  # another process used it meanwhile
+                return None, "the approval was already used"
+        return str(approver), None
