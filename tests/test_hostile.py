@@ -151,6 +151,9 @@ def test_budget_survives_a_restart_exactly(scripted: Scripted) -> None:
         second.proc.stop()
 
 
+_TASK_HEADERS = ("x-task-budget", "x-task-timeout", "x-task-deadline")
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [
@@ -164,13 +167,21 @@ def test_budget_survives_a_restart_exactly(scripted: Scripted) -> None:
         ("x-parent-request-id", ",".join(["p"] * 100)),
         ("cache-control", "x" * 1000),
         ("idempotency-key", "k" * 300),
+        ("x-task-budget", "calls=" + "9" * 40),
+        ("x-task-budget", "cost_usd=-1"),
+        ("x-task-budget", "tokens=1," * 200),
+        ("x-task-timeout", "inf"),
+        ("x-task-deadline", "2026-12-01T00:00:00"),
+        ("x-task-deadline", "9" * 300),
     ],
 )
 def test_a_header_out_of_bounds_is_400_naming_it_and_still_recorded(
     gw: Gateway, name: str, value: str
 ) -> None:
     tid, key = _key(gw)
-    r = _chat(gw, key, **{name: value})
+    # The task's own headers are read for a request of a task.
+    extra = {"x-task-id": "hostile-task"} if name in _TASK_HEADERS else {}
+    r = _chat(gw, key, **{name: value, **extra})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == "invalid_header" and err["param"].lower() == name
@@ -448,3 +459,50 @@ def test_trace_policy_keeps_what_explains_and_samples_plain_successes(scripted: 
         assert len(g.usage(limit=10)) == 3  # every usage row is kept
     finally:
         g.proc.stop()
+
+
+# -- task and tool endpoints -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task_id", ["a" * 129, "no spaces", "semi;colon", "%00"])
+@pytest.mark.parametrize("method", ["GET", "DELETE"])
+def test_a_bad_task_id_in_the_path_is_400(gw: Gateway, task_id: str, method: str) -> None:
+    _, key = _key(gw)
+    r = httpx.request(
+        method, f"{gw.url}/v1/tasks/{task_id}", headers={"Authorization": f"Bearer {key}"}
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "task_id"
+    r = httpx.request(method, f"{gw.url}/v1/tasks/ok-id")  # no key: 401, nothing revealed
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"tenant": 5, "call_id": "c", "approver": "a"},
+        {"tenant": "t", "call_id": "c" * 1000, "approver": "a"},
+        {"tenant": "t", "call_id": "c", "approver": "a", "ttl_s": 10**12},
+        {"tenant": "t", "call_id": "c", "approver": "a", "ttl_s": True},
+        {"tenant": "t", "call_id": "c", "approver": "a", "task_id": "bad id"},
+        {"tenant": "t", "call_id": "c", "approver": "a", "extra": 1},
+        {"tenant": "t", "call_id": "c"},
+    ],
+)
+def test_a_bad_approval_request_is_400(gw: Gateway, body: dict[str, Any]) -> None:
+    r = httpx.post(gw.url + "/admin/approvals", json=body, headers=gw.admin)
+    assert r.status_code == 400, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_many_forged_tool_results_are_bounded(gw: Gateway) -> None:
+    _, key = _key(gw)
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    messages += [{"role": "tool", "tool_call_id": f"c{i}", "content": "r"} for i in range(3000)]
+    r = _chat(gw, key, {**CHEAP, "messages": messages}, **{"x-task-id": "forged"})
+    assert r.status_code == 200, r.text
+    d = next(
+        d for d in gw.trace(r.headers["x-request-id"])["decisions"] if d["stage"] == "tool_results"
+    )
+    assert d["evidence"]["results"] == 256  # at most 256 looked at per request
+    _still_serves(gw, key)

@@ -458,3 +458,193 @@ def _tenant(gw: Gateway) -> str:
     keys = httpx.get(f"{gw.url}/admin/keys", headers=gw.admin, timeout=5).json()["data"]
     prefix = gw.key[:10]
     return str(next(k["tenant_id"] for k in keys if k["prefix"] == prefix))
+
+
+# -- the shared store: the same answers as the in-process one --------------------------
+
+steps = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("admit"),
+            st.sampled_from(["a", "a", "a", "b"]),
+            st.sampled_from([0, 300, 400, 500]),
+            st.sampled_from([0.0, 0.03, 0.04]),
+        ),
+        st.tuples(
+            st.just("admit"),
+            st.sampled_from(["a", "a", "a", "b"]),
+            st.sampled_from([0, 300, 400, 500]),  # tokens: sums land on the budget's edge
+            st.sampled_from([0.0, 0.03, 0.04]),
+        ),
+        st.tuples(
+            st.just("settle"),
+            st.integers(0, 30),
+            st.sampled_from([0, 100, 300]),
+            st.sampled_from([0.0, 0.01]),
+        ),
+        st.tuples(st.just("cancel"), st.sampled_from(["a", "b"])),
+        st.tuples(st.just("tick"), st.sampled_from([1.0, 2.5])),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    from conftest import start_redis, stop_redis
+
+    proc, url = start_redis()
+    yield url
+    stop_redis(proc)
+
+
+def test_the_redis_store_answers_as_the_memory_store(redis_url: str) -> None:
+    """Over generated sequences of admits, settles, cancels and clock ticks on two
+    tasks, `RedisTaskStore` (its Lua scripts) gives every answer `MemoryTaskStore`
+    gives: allowed or refused and why, and the use after each step."""
+    from hypothesis import settings as hsettings
+
+    from switchyard.policy.redis_tasks import RedisTaskStore
+
+    first = TaskFirst(TaskBudget(calls=4, tokens=1000, cost_usd=0.1, wall_s=6), timeout_s=5)
+
+    @hsettings(max_examples=150, deadline=None)
+    @given(steps)
+    def check(seq: list[Any]) -> None:
+        async def go() -> None:
+            mem = MemoryTaskStore()
+            red = RedisTaskStore(redis_url, prefix=f"prop{time.monotonic_ns()}:")
+            now, admitted = 1000.0, []
+            try:
+                for step in seq:
+                    if step[0] == "admit":
+                        key = ("t", step[1])
+                        rid = f"r{len(admitted)}"
+                        a = await mem.admit(key, first, rid, step[2], step[3], now)
+                        b = await red.admit(key, first, rid, step[2], step[3], now)
+                        assert (a.allowed, a.refused) == (b.allowed, b.refused)
+                        assert a.used == pytest.approx(b.used)
+                        assert (a.deadline_at, a.deadline_by) == (b.deadline_at, b.deadline_by)
+                        if a.allowed:
+                            admitted.append((key, rid))
+                    elif step[0] == "settle" and admitted:
+                        key, rid = admitted[step[1] % len(admitted)]
+                        called = step[1] % 3 != 0
+                        await mem.settle(key, rid, step[2], step[3], called)
+                        await red.settle(key, rid, step[2], step[3], called)
+                    elif step[0] == "cancel":
+                        a2 = await mem.cancel(("t", step[1]), now)
+                        b2 = await red.cancel(("t", step[1]), now)
+                        assert (a2 is None) == (b2 is None)
+                    elif step[0] == "tick":
+                        now += step[1]
+                for name in ("a", "b"):
+                    a3 = await mem.describe(("t", name), now)
+                    b3 = await red.describe(("t", name), now)
+                    assert (a3 is None) == (b3 is None)
+                    if a3 is not None and b3 is not None:
+                        assert a3["used"] == pytest.approx(b3["used"])
+                        assert a3["refused"] == b3["refused"]
+                        assert a3["cancelled_at"] == b3["cancelled_at"]
+            finally:
+                await red.close()
+
+        asyncio.run(go())
+
+    check()
+
+
+def test_two_gateways_share_one_task_budget_through_redis(
+    redis_url: str, upstream: Scripted
+) -> None:
+    config = {
+        "storage": {"redis_url": redis_url},
+        "models": [
+            {
+                "alias": "m",
+                "engine": {"kind": "openai", "base_url": upstream.url + "/v1"},
+                "timeouts": TIMEOUTS,
+            }
+        ],
+    }
+    a = start_gateway(config)
+    b = start_gateway(config, db=a.db)
+    try:
+        b.key = a.key
+        task = _task("shared")
+        h = {"x-task-id": task, "x-task-budget": "calls=3"}
+        codes = [
+            g.post("/v1/chat/completions", json=_body(), headers=h).status_code
+            for g in (a, b, a, b)
+        ]
+        assert codes == [200, 200, 200, 429]
+        # A cancel through one gateway refuses the task's calls on the other.
+        assert httpx.delete(f"{a.url}/v1/tasks/{task}", headers=a.auth).status_code == 200
+        r = b.post("/v1/chat/completions", json=_body(), headers=h)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "task_cancelled"
+    finally:
+        a.proc.stop()
+        b.proc.stop()
+
+
+def test_the_task_report_governance_section_is_exact() -> None:
+    """On known records: budget use, refusals by cause, the goodput against the
+    deadline, what the cancel stopped and what came after, and the tool calls."""
+    from switchyard.observe.render import render_task
+    from switchyard.observe.tasks import analyze_task
+
+    def rec(
+        rid: str, at: float, ms: float, status: str, *decisions: dict[str, Any]
+    ) -> dict[str, Any]:
+        return {
+            "request_id": rid,
+            "task_id": "T",
+            "received_at": at,
+            "status": status,
+            "timings": {"duration_ms": ms},
+            "decisions": list(decisions),
+        }
+
+    def task(outcome: str, at: float, **ev: Any) -> dict[str, Any]:
+        return {"stage": "task", "outcome": outcome, "started_at": at, "evidence": ev}
+
+    budget = {"calls": 3}
+    records = [
+        rec("r1", 100.0, 1000, "ok",
+            task("admitted", 100.0, budget=budget, used={"calls": 1}, deadline_at=110.0),
+            {"stage": "tool_calls", "outcome": "blocked:1", "started_at": 101.0, "evidence": {
+                "calls": [
+                    {"name": "wire", "class": "side_effect", "action": "blocked"},
+                    {"name": "ticket", "class": "side_effect", "action": "relayed",
+                     "id": "call_sy_ab", "idempotency_key": "ab"},
+                ]}}),
+        rec("r2", 101.5, 9000, "ok",  # ends at 110.5: after the deadline
+            task("admitted", 101.5, budget=budget, used={"calls": 2}, deadline_at=110.0)),
+        rec("r3", 102.0, 500, "error", task("reject:calls", 102.0, budget=budget, used={"calls": 2})),
+        rec("r4", 103.0, 4000, "cancelled",
+            task("admitted", 103.0, budget=budget, used={"calls": 3}, deadline_at=110.0),
+            task("stopped", 105.0)),
+        rec("r5", 106.0, 1, "error", task("reject:cancelled", 106.0, cancelled_at=105.0),
+            {"stage": "tool_results", "outcome": "duplicate:1", "started_at": 106.0, "evidence": {
+                "duplicates": [{"call_id": "call_sy_ab", "tool": "ticket", "results": 2}],
+                "approved": [{"call_id": "x", "tool": "mail", "approver": "ops"}]}}),
+    ]  # fmt: skip
+    g = analyze_task(records)["governance"]
+    assert g["budget"] == budget and g["used"] == {"calls": 3}
+    assert g["refused"] == {"calls": 1, "cancelled": 1} and g["refused_by_budget"] == 1
+    assert g["goodput"] == {"deadline_at": 110.0, "ok_by_deadline": 1, "steps": 5, "ratio": 0.2}
+    assert g["cancelled_at"] == 105.0 and g["stopped"] == ["r4"]
+    assert g["after_cancel"] == {"refused": 1, "ran": [], "ended_after": ["r2", "r4"]}
+    assert [c["name"] for c in g["tool_calls"]] == ["wire", "ticket"]
+    assert [c["name"] for c in g["side_effects"]] == ["ticket"]
+    assert g["duplicate_results"][0]["call_id"] == "call_sy_ab"
+    assert g["approvals"] == [
+        {"request_id": "r5", "call_id": "x", "tool": "mail", "approver": "ops"}
+    ]
+    text = render_task(analyze_task(records), records)
+    assert "budget: calls 3/3" in text
+    assert "goodput: 1 of 5 steps ok by the task's deadline" in text
+    assert "cancelled: stopped r4; after it 1 refused, 0 ran, 2 still ending" in text
+    assert "r1: wire (side_effect) blocked" in text
+    assert "approved: x (mail) by ops" in text

@@ -212,7 +212,18 @@ class Gateway:
         self.counters: dict[str, int] = {"limiter_fail_open": 0, "limiter_fail_closed": 0}
         self.dev_key: str | None = None
         t = settings.tasks
-        self.tasks: TaskStore = MemoryTaskStore(t.max_tasks, t.idle_ttl_s, t.max_tool_calls)
+        self.tasks: TaskStore
+        if settings.storage.redis_url:  # one task state for every gateway process
+            from switchyard.policy.redis_tasks import RedisTaskStore
+
+            self.tasks = RedisTaskStore(
+                settings.storage.redis_url,
+                timeout_s=settings.storage.redis_timeout_s,
+                idle_ttl_s=t.idle_ttl_s,
+                max_calls=t.max_tool_calls,
+            )
+        else:
+            self.tasks = MemoryTaskStore(t.max_tasks, t.idle_ttl_s, t.max_tool_calls)
         self.running = Running()  # the tasks' calls in flight here
         # Image preprocessing, when any model takes images (its threads start lazily).
         vision = any(m.capabilities.supports_vision for m in settings.models)
@@ -437,6 +448,7 @@ class Gateway:
             await close()
         if self.executor.shared is not None:
             await self.executor.shared.close()
+        await self.tasks.close()
         self.store.close()
         if self.media is not None:
             self.media.close()

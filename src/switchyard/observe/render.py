@@ -44,7 +44,52 @@ def render_task(analysis: Mapping[str, Any], records: list[dict[str, Any]]) -> s
         f"critical path: {path} "
         f"({_f(analysis['critical_path_ms'])} ms of {_f(analysis['e2e_ms'])} ms)"
     )
+    lines.extend(_governance(analysis.get("governance") or {}))
     return "\n".join(lines)
+
+
+def _governance(g: Mapping[str, Any]) -> list[str]:
+    """The task's policy: budget and use, refusals, deadline, cancel, tool calls."""
+    lines: list[str] = []
+    if g.get("budget"):
+        used = g.get("used") or {}
+        parts = [
+            f"{k} {_or_dash(used.get(k))}/{v}" for k, v in g["budget"].items() if k != "wall_s"
+        ]
+        if "wall_s" in g["budget"]:
+            parts.append(f"wall_s {g['budget']['wall_s']}")
+        lines.append("budget: " + ", ".join(parts))
+    if g.get("refused"):
+        lines.append(
+            "refused: "
+            + ", ".join(f"{k} {v}" for k, v in g["refused"].items())
+            + f" ({g.get('refused_by_budget', 0)} by the budget)"
+        )
+    gp = g.get("goodput")
+    if gp:
+        lines.append(
+            f"goodput: {gp['ok_by_deadline']} of {gp['steps']} steps ok by the task's deadline"
+        )
+    if g.get("cancelled_at") is not None:
+        after = g.get("after_cancel") or {}
+        lines.append(
+            f"cancelled: stopped {', '.join(g.get('stopped') or []) or 'nothing'}; "
+            f"after it {after.get('refused', 0)} refused, "
+            f"{len(after.get('ran') or [])} ran, {len(after.get('ended_after') or [])} still ending"
+        )
+    calls = g.get("tool_calls") or []
+    if calls:
+        lines.append("tool calls:")
+        for c in calls:
+            key = f" key {c['idempotency_key'][:12]}" if c.get("idempotency_key") else ""
+            lines.append(
+                f"  {c.get('request_id')}: {c.get('name')} ({c.get('class')}) {c.get('action')}{key}"
+            )
+    for d in g.get("duplicate_results") or []:
+        lines.append(f"duplicate result: {d.get('call_id')} ({d.get('tool')}) x{d.get('results')}")
+    for a in g.get("approvals") or []:
+        lines.append(f"approved: {a.get('call_id')} ({a.get('tool')}) by {a.get('approver')}")
+    return ["", *lines] if lines else []
 
 
 # -- request ---------------------------------------------------------------------------

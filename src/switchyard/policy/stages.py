@@ -379,6 +379,7 @@ class Task(Stage):
         self, settings: Settings, store: TaskStore, running: Running, estimate: Estimate
     ) -> None:
         self._default = TaskBudget.of(settings.tasks.budget)
+        self._fail_open = settings.policy.on_limiter_failure == "fail_open"
         self._store = store
         self._running = running
         self._estimate = estimate
@@ -422,7 +423,17 @@ class Task(Stage):
         cost = cost_usd(price, prompt, out) if price else 0.0
         now = time.time()
         rid = ctx.input.request_id
-        adm = await self._store.admit(key, first, rid, prompt + out, cost, now)
+        try:
+            adm = await self._store.admit(key, first, rid, prompt + out, cost, now)
+        except LimiterUnavailable as exc:
+            if self._fail_open:
+                log.warning("task state unavailable, admitting (fail_open): %s", exc)
+                ctx.record(self.name, "admit:fail_open", f"task state unavailable: {exc}", t)
+                return
+            ctx.record(self.name, "reject:unavailable", f"task state unavailable: {exc}", t)
+            raise EngineNotReady(
+                "task state unavailable; refusing (fail_closed)", code="task_state_unavailable"
+            ) from None
         evidence = adm.evidence(now)
         refused = adm.refused
         if refused is not None:

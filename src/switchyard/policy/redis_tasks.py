@@ -1,0 +1,331 @@
+"""`RedisTaskStore`: the `MemoryTaskStore` semantics, shared by several gateway processes.
+
+Admission and settlement are one Lua script each, so check-then-reserve happens
+atomically on the Redis server: two processes admitting the last call a budget
+allows cannot both win. The rule the script applies is `policy.tasks.check`, in the
+same order (cancelled, deadline, calls, tokens, cost); tests/test_task_governance.py
+runs both stores over generated sequences of calls and compares every answer.
+
+Per task (tenant, task id) the keys are, all expiring `tasks.idle_ttl_s` after the
+task's last call (Redis bounds the count by expiry, not by `tasks.max_tasks`):
+
+    {prefix}task:{tenant}:{task}          hash: budget, deadline, use, refusals, cancel
+    {prefix}task:{tenant}:{task}:held     hash: request id → "tokens cost" reserved
+    {prefix}task:{tenant}:{task}:calls    hash: tool-call id → its note (JSON)
+
+Times are the caller's `now`, never the server clock, as in `RedisLimiter`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from switchyard.policy.limits import LimiterUnavailable
+from switchyard.policy.redis_limits import _UNAVAILABLE
+from switchyard.policy.tasks import (
+    TaskAdmission,
+    TaskBudget,
+    TaskFirst,
+    TaskKey,
+    ToolCallNote,
+    first_deadline,
+    note_dict,
+)
+
+# KEYS: state, held. ARGV: now, ttl, calls, tokens, cost, wall, deadline_at,
+# deadline_by ('' = none), request id, tokens asked, cost asked.
+_ADMIT = """
+local k, held = KEYS[1], KEYS[2]
+local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+if redis.call('EXISTS', k) == 0 then
+  redis.call('HSET', k, 'started_at', ARGV[1], 'b_calls', ARGV[3], 'b_tokens', ARGV[4],
+    'b_cost', ARGV[5], 'b_wall', ARGV[6], 'deadline_at', ARGV[7], 'deadline_by', ARGV[8],
+    'u_calls', 0, 'u_tokens', 0, 'u_cost', 0)
+end
+local rid, tokens, cost = ARGV[9], tonumber(ARGV[10]), tonumber(ARGV[11])
+local s = redis.call('HMGET', k, 'b_calls', 'b_tokens', 'b_cost', 'deadline_at',
+  'deadline_by', 'u_calls', 'u_tokens', 'u_cost', 'cancelled_at')
+local b_calls, b_tokens, b_cost = tonumber(s[1]), tonumber(s[2]), tonumber(s[3])
+local deadline_at, deadline_by = tonumber(s[4]), s[5]
+local u_calls, u_tokens, u_cost = tonumber(s[6]), tonumber(s[7]), tonumber(s[8])
+local refused = ''
+if s[9] then
+  refused = 'cancelled'
+elseif deadline_at and now >= deadline_at then
+  if deadline_by == 'wall_s' then refused = 'wall_s' else refused = 'deadline' end
+elseif b_calls and u_calls + 1 > b_calls then
+  refused = 'calls'
+elseif b_tokens and u_tokens + tokens > b_tokens then
+  refused = 'tokens'
+elseif b_cost and u_cost + cost > b_cost + 1e-12 then
+  refused = 'cost_usd'
+end
+if refused == '' then
+  u_calls = redis.call('HINCRBY', k, 'u_calls', 1)
+  u_tokens = redis.call('HINCRBYFLOAT', k, 'u_tokens', tokens)
+  u_cost = redis.call('HINCRBYFLOAT', k, 'u_cost', cost)
+  redis.call('HSET', held, rid, string.format('%.17g %.17g', tokens, cost))
+else
+  redis.call('HINCRBY', k, 'r_' .. refused, 1)
+end
+redis.call('EXPIRE', k, ttl)
+redis.call('EXPIRE', held, ttl)
+return {refused, tostring(u_calls), tostring(u_tokens), tostring(u_cost)}
+"""
+
+# KEYS: state, held. ARGV: request id, tokens used, cost used, called (1/0).
+_SETTLE = """
+local k, held = KEYS[1], KEYS[2]
+local h = redis.call('HGET', held, ARGV[1])
+if not h or redis.call('EXISTS', k) == 0 then return 0 end
+redis.call('HDEL', held, ARGV[1])
+local sp = string.find(h, ' ')
+local r_tokens, r_cost = tonumber(string.sub(h, 1, sp - 1)), tonumber(string.sub(h, sp + 1))
+local function lower(field, by)
+  local v = tonumber(redis.call('HGET', k, field)) + by
+  if v < 0 then v = 0 end
+  redis.call('HSET', k, field, string.format('%.17g', v))
+end
+lower('u_tokens', tonumber(ARGV[2]) - r_tokens)
+lower('u_cost', tonumber(ARGV[3]) - r_cost)
+if ARGV[4] == '0' then lower('u_calls', -1) end
+return 1
+"""
+
+# KEYS: state. ARGV: now, ttl. The cancel time, or nil for an unknown task.
+_CANCEL = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+redis.call('HSETNX', KEYS[1], 'cancelled_at', ARGV[1])
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
+return redis.call('HGET', KEYS[1], 'cancelled_at')
+"""
+
+# KEYS: calls. ARGV: call ids. Each known call's result count goes up; returns
+# [id, note JSON, count, ...] of the known ones.
+_RESULTS = """
+local out = {}
+for i = 1, #ARGV do
+  local note = redis.call('HGET', KEYS[1], ARGV[i])
+  if note then
+    local n = redis.call('HINCRBY', KEYS[1], 'results:' .. ARGV[i], 1)
+    table.insert(out, ARGV[i]); table.insert(out, note); table.insert(out, n)
+  end
+end
+return out
+"""
+
+
+def _num(v: Any) -> float | None:
+    if v is None or v == b"" or v == "":
+        return None
+    return float(v)
+
+
+def _str(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _opt(v: float | None) -> str:
+    return "" if v is None else repr(float(v))
+
+
+class RedisTaskStore:
+    """Task state in Redis, shared by every gateway process (module docstring)."""
+
+    def __init__(
+        self,
+        url: str,
+        prefix: str = "switchyard:",
+        timeout_s: float = 0.5,
+        idle_ttl_s: float = 3600.0,
+        max_calls: int = 1000,
+    ) -> None:
+        self._redis = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        )
+        self._prefix = f"{prefix}task:"
+        self.idle_ttl_s = idle_ttl_s
+        self.max_calls = max_calls
+        self._admit = self._redis.register_script(_ADMIT)
+        self._settle = self._redis.register_script(_SETTLE)
+        self._cancel = self._redis.register_script(_CANCEL)
+        self._results = self._redis.register_script(_RESULTS)
+
+    def _k(self, key: TaskKey) -> str:
+        # Both parts are validated ids (no ':' in a tenant id); the task id may hold
+        # ':', which is fine as the last part.
+        return f"{self._prefix}{key[0]}:{key[1]}"
+
+    @property
+    def _ttl(self) -> int:
+        return max(1, int(self.idle_ttl_s + 0.999))
+
+    async def _call(self, what: str, coro: Awaitable[Any]) -> Any:
+        try:
+            return await coro
+        except _UNAVAILABLE as exc:
+            raise LimiterUnavailable(
+                f"Redis task state unavailable during {what}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def admit(
+        self, key: TaskKey, first: TaskFirst, rid: str, tokens: int, cost: float, now: float
+    ) -> TaskAdmission:
+        k = self._k(key)
+        deadline_at, by = first_deadline(first, now)
+        b = first.budget
+        out = await self._call(
+            "admit",
+            self._admit(
+                keys=[k, k + ":held"],
+                args=[
+                    repr(now),
+                    self._ttl,
+                    _opt(b.calls),
+                    _opt(b.tokens),
+                    _opt(b.cost_usd),
+                    _opt(b.wall_s),
+                    _opt(deadline_at),
+                    by or "",
+                    rid,
+                    tokens,
+                    repr(float(cost)),
+                ],
+            ),
+        )
+        refused = _str(out[0]) or None
+        fields = await self._call(
+            "admit",
+            self._redis.hmget(
+                k, "b_calls", "b_tokens", "b_cost", "b_wall", "started_at", "deadline_at",
+                "deadline_by", "cancelled_at",
+            ),
+        )  # fmt: skip
+        bc, bt, bu, bw, started, d_at, d_by, cancelled = fields
+        budget = TaskBudget(
+            int(_num(bc)) if _num(bc) is not None else None,  # type: ignore[arg-type]
+            int(_num(bt)) if _num(bt) is not None else None,  # type: ignore[arg-type]
+            _num(bu),
+            _num(bw),
+        )
+        return TaskAdmission(
+            refused is None,
+            refused,
+            budget.as_dict(),
+            {"calls": float(out[1]), "tokens": float(out[2]), "cost_usd": float(out[3])},
+            _num(started) or now,
+            _num(d_at),
+            _str(d_by) or None if d_by is not None else None,
+            _num(cancelled),
+        )
+
+    async def settle(
+        self, key: TaskKey, rid: str, tokens: int, cost: float, called: bool = True
+    ) -> None:
+        k = self._k(key)
+        await self._call(
+            "settle",
+            self._settle(keys=[k, k + ":held"], args=[rid, tokens, repr(float(cost)), int(called)]),
+        )
+
+    async def cancel(self, key: TaskKey, now: float) -> dict[str, Any] | None:
+        at = await self._call(
+            "cancel", self._cancel(keys=[self._k(key)], args=[repr(now), self._ttl])
+        )
+        if at is None:
+            return None
+        return await self.describe(key)
+
+    async def note_tool_calls(self, key: TaskKey, calls: list[ToolCallNote]) -> None:
+        if not calls:
+            return
+        k = self._k(key) + ":calls"
+        mapping = {n.call_id: orjson.dumps(note_dict(n)) for n in calls}
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hset(k, mapping=mapping)  # type: ignore[arg-type]
+        pipe.expire(k, self._ttl)
+        await self._call("note_tool_calls", pipe.execute())
+
+    async def note_results(self, key: TaskKey, call_ids: list[str]) -> dict[str, ToolCallNote]:
+        out = await self._call(
+            "note_results", self._results(keys=[self._k(key) + ":calls"], args=call_ids)
+        )
+        notes: dict[str, ToolCallNote] = {}
+        for i in range(0, len(out), 3):
+            note = _note(orjson.loads(out[i + 1]))
+            note.results = int(out[i + 2])
+            notes[_str(out[i])] = note
+        return notes
+
+    async def tool_call(self, key: TaskKey, call_id: str) -> ToolCallNote | None:
+        raw = await self._call("tool_call", self._redis.hget(self._k(key) + ":calls", call_id))
+        return _note(orjson.loads(raw)) if raw is not None else None
+
+    async def describe(self, key: TaskKey, now: float | None = None) -> dict[str, Any] | None:
+        k = self._k(key)
+        state = await self._call("describe", self._redis.hgetall(k))
+        if not state:
+            return None
+        s = {_str(a): _str(b) for a, b in state.items()}
+        raw_calls = await self._call("describe", self._redis.hgetall(k + ":calls"))
+        counts = {
+            _str(a)[8:]: int(b) for a, b in raw_calls.items() if _str(a).startswith("results:")
+        }
+        calls = []
+        for a, b in raw_calls.items():
+            if not _str(a).startswith("results:"):
+                d = orjson.loads(b)
+                d["results"] = counts.get(d["call_id"], 0)
+                calls.append(d)
+        budget = TaskBudget.of(
+            {
+                f: _num(s.get(src))
+                for f, src in (
+                    ("calls", "b_calls"),
+                    ("tokens", "b_tokens"),
+                    ("cost_usd", "b_cost"),
+                    ("wall_s", "b_wall"),
+                )
+                if _num(s.get(src)) is not None
+            }
+        )
+        return {
+            "tenant": key[0],
+            "task_id": key[1],
+            "budget": budget.as_dict(),
+            "used": {
+                "calls": float(s["u_calls"]),
+                "tokens": float(s["u_tokens"]),
+                "cost_usd": round(float(s["u_cost"]), 9),
+            },
+            "started_at": float(s["started_at"]),
+            "deadline_at": _num(s.get("deadline_at")),
+            "deadline_by": s.get("deadline_by") or None,
+            "refused": {a[2:]: int(b) for a, b in sorted(s.items()) if a.startswith("r_")},
+            "cancelled_at": _num(s.get("cancelled_at")),
+            "tool_calls": calls,
+        }
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+def _note(d: dict[str, Any]) -> ToolCallNote:
+    return ToolCallNote(
+        d["call_id"],
+        d["tool"],
+        d["class"],
+        d["request_id"],
+        d.get("idempotency_key"),
+        d.get("results", 0),
+    )
