@@ -141,6 +141,11 @@ class ManagedLlamaCpp:
     this class; other engines (engines/vllm.py) override the hooks marked below."""
 
     kind = "llamacpp"
+    # What the kernel sends the server when the gateway dies without stopping it.
+    # SIGKILL: llama-server keeps nothing worth a graceful exit once its gateway is
+    # gone, and its SIGTERM handler, which waits for its HTTP loop, was seen to leave
+    # it alive for over 20 s on a loaded machine (tests/test_observe.py, kill -9).
+    parent_death_signal = "KILL"
 
     def __init__(
         self,
@@ -597,12 +602,12 @@ class ManagedLlamaCpp:
                 # retried on a new port like any failed start).
                 sock.close()
                 cmd = self.command(model, binary, self.port, loras)
-                # If the gateway dies without stopping it, the kernel sends the server
-                # SIGTERM (Linux's parent-death signal, set by util-linux's setpriv
+                # If the gateway dies without stopping it, the kernel signals the
+                # server (Linux's parent-death signal, set by util-linux's setpriv
                 # before it execs the server), so no orphan keeps a model in memory.
                 setpriv = shutil.which("setpriv")
                 if setpriv is not None:
-                    cmd = [setpriv, "--pdeathsig", "TERM", "--", *cmd]
+                    cmd = [setpriv, "--pdeathsig", self.parent_death_signal, "--", *cmd]
                 self.proc = await asyncio.create_subprocess_exec(
                     *cmd,
                     stdin=asyncio.subprocess.DEVNULL,

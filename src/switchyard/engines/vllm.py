@@ -39,6 +39,9 @@ def vllm_python(spec: VllmEngine) -> str:
 
 class ManagedVllm(ManagedLlamaCpp):
     kind = "vllm"
+    # vLLM's API server stops its engine-core process on SIGTERM; SIGKILL would
+    # orphan that process (and the model it holds).
+    parent_death_signal = "TERM"
 
     @property
     def vllm(self) -> VllmEngine:
