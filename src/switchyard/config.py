@@ -187,6 +187,9 @@ class ToolsConfig(_Strict):
     # A tool call in a model's reply that the tenant may not use: removed (block) or
     # relayed and recorded (flag). Recorded as a decision either way.
     on_forbidden_call: Literal["block", "flag"] = "block"
+    # Check the tool calls in replies at all (authorization, idempotency keys). Off
+    # trusts the upstream's tool calls as they come; approvals still apply.
+    check_outputs: bool = True
     approval_ttl_s: float = Field(3600.0, gt=0, le=30 * 86400)  # an approval's lifetime
 
     @model_validator(mode="after")

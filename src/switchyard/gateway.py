@@ -260,7 +260,7 @@ class Gateway:
             self.tracing,
             tasks=self.tasks,
             running=self.running,
-            tools=ToolPolicy(settings.tools),
+            tools=ToolPolicy(settings.tools) if settings.tools.check_outputs else None,
         )
         self.service.on_canary_cut = self._canary_cut
         self.started_at = time.time()

@@ -40,7 +40,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from switchyard.bench import observe, policy, realistic
+from switchyard.bench import governed, observe, policy, realistic
 from switchyard.bench.harness import (
     CHAT_PATH,
     MODEL,
@@ -66,7 +66,8 @@ from switchyard.bench.harness import (
 TARGETS = ("direct", "floor", "switchyard")
 CORE = "switchyard"
 # The Switchyard targets each scenario adds; each is judged against the floor.
-SCENARIOS = {"core": CORE, "realistic": realistic.TARGET}
+SCENARIOS = {"core": CORE, "realistic": realistic.TARGET, "governed": governed.TARGET}
+DEFAULT_SCENARIOS = ("core", "realistic")
 CHECKED_TARGETS = tuple(SCENARIOS.values())
 FLOORS = {
     "fastapi": "passthrough proxy (FastAPI + aiohttp)",
@@ -83,13 +84,15 @@ THROUGHPUT_RATIO_MIN = 0.70  # Switchyard req/s / floor req/s, at concurrency 32
 
 def scenarios_of(args: argparse.Namespace) -> tuple[str, ...]:
     """The `--scenario` names asked for, in SCENARIOS' order, each once."""
-    asked = set(getattr(args, "scenario", None) or SCENARIOS)
+    asked = set(getattr(args, "scenario", None) or DEFAULT_SCENARIOS)
     return tuple(name for name in SCENARIOS if name in asked)
 
 
 def target_names(args: argparse.Namespace) -> tuple[str, ...]:
     """Every target a run with these arguments measures, in the order it starts them."""
-    names = ["direct", "floor", *(SCENARIOS[s] for s in scenarios_of(args))]
+    names = ["direct", "floor"]
+    for s in scenarios_of(args):
+        names += [governed.BASELINE, governed.TARGET] if s == "governed" else [SCENARIOS[s]]
     if getattr(args, "policy", False):
         names += policy.POLICY_TARGETS
     if getattr(args, "observe", False):
@@ -105,6 +108,7 @@ def start_targets(
     children: list[Child],
     bare_floor: bool = False,
     core: bool = True,
+    tool_calls: str | None = None,
 ) -> dict[str, str]:
     """Start upstream, floor and (with `core`) Switchyard; return each target's chat URL
     once it works.
@@ -128,6 +132,7 @@ def start_targets(
             str(tokens),
             "--model-name",
             MODEL,
+            *(["--tool-calls", tool_calls] if tool_calls else []),
         ],
         workdir,
     )
@@ -332,6 +337,9 @@ def _added_p50(s: dict[str, Any], target: str) -> float | None:
     if target in s.get("checks", {}):
         checked_value: float = s["checks"][target]["added_p50_ms"]
         return checked_value
+    if target not in s.get("observe", {}).get("targets", {}) and "policy" not in s:
+        added: float = s["targets"][target]["p50_ms"] - s["targets"]["direct"]["p50_ms"]
+        return added  # a baseline measured beside a judged target (sy-gov-off)
     section = "observe" if target in s.get("observe", {}).get("targets", {}) else "policy"
     policy_value: float | None = s[section]["targets"][target]["added_p50_ms"]
     return policy_value
@@ -390,6 +398,7 @@ def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
         if "observe" in s:
             lines.extend(observe.lines(s))
         lines.append("")
+    lines.extend(governed.lines(summary))
     return "\n".join(lines)
 
 
@@ -415,11 +424,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scenario",
         nargs="+",
         choices=tuple(SCENARIOS),
-        default=list(SCENARIOS),
-        help="the Switchyard targets judged against the floor (default: both): core "
-        "(switchyard: auth off, the gateway core) and realistic (sy-realistic: a key "
-        "with rpm 1e6 under a tenant with rpm 1e6, tpm 1e9, max_concurrency 1000 and a "
-        "$1e6 daily budget, traces on); --policy and --observe need core",
+        default=list(DEFAULT_SCENARIOS),
+        help="the Switchyard targets judged against the floor (default: core and "
+        "realistic): core (switchyard: auth off, the gateway core), realistic "
+        "(sy-realistic: a key with rpm 1e6 under a tenant with rpm 1e6, tpm 1e9, "
+        "max_concurrency 1000 and a $1e6 daily budget, traces on) and governed "
+        "(sy-governed vs sy-gov-off: task budgets and tool-call checks on vs off, the "
+        "upstream answering with tool calls for every target); --policy and --observe "
+        "need core",
     )
     parser.add_argument("--out", default=None, help="JSON result path")
     parser.add_argument(
@@ -455,12 +467,17 @@ def _start(
         children,
         bare_floor=bare,
         core="core" in scenarios,
+        tool_calls=governed.TOOL_CALLS if "governed" in scenarios else None,
     )
     scripts = {target: plain for target in urls}
     if "realistic" in scenarios:
         rt = realistic.start_realistic_target(workdir, urls, args, children)
         urls[rt.name] = rt.url
         scripts[rt.name] = rt.scripts
+    if "governed" in scenarios:
+        for gt in governed.start_governed_targets(workdir, urls, args, children):
+            urls[gt.name] = gt.url
+            scripts[gt.name] = gt.scripts
     if getattr(args, "policy", False):
         for pt in policy.start_policy_targets(workdir, urls, args, children):
             urls[pt.name] = pt.url
@@ -573,6 +590,8 @@ def run(args: argparse.Namespace) -> int:
         policy.record(result, args.redis_server)
     if args.observe:
         observe.record(result, spans)
+    if governed.TARGET in urls:
+        governed.record(result, summary)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"results: {out}")

@@ -560,6 +560,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault", default=None, help="fault for every generation request")
     ap.add_argument("--record", default=None, help="append each generation body to this file")
     ap.add_argument("--echo", action="store_true", help="answer with the last message")
+    ap.add_argument(
+        "--tool-calls",
+        default=None,
+        help='comma-separated tool names every chat reply calls (arguments {"q": "x"})',
+    )
     args = ap.parse_args(argv)
     try:
         app = ScriptedUpstream(
@@ -571,6 +576,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as exc:
         ap.error(str(exc))
+    if args.tool_calls:
+        app.tool_calls = [
+            {"name": n.strip(), "arguments": '{"q": "x"}'}
+            for n in args.tool_calls.split(",")
+            if n.strip()
+        ]
     uvicorn.run(
         app,
         host=args.host,
