@@ -411,6 +411,15 @@ def test_a_long_prefix_lands_on_one_llama_server_replica() -> None:
         }
     )
     try:
+        # /readyz answers once one deployment of an alias can serve; affinity is only
+        # stable once both are eligible, so wait for the second too.
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            deps = httpx.get(gw.url + "/readyz").json()["models"]["smol"]["deployments"]
+            if all(d.get("state") == "ready" for d in deps.values()):
+                break
+            time.sleep(0.2)
+        assert all(d.get("state") == "ready" for d in deps.values()), deps
         ups: dict[int, set[str]] = collections.defaultdict(set)
         for i in range(12):
             p = i % 3

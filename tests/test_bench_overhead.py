@@ -208,3 +208,37 @@ def test_the_realistic_target_serves_its_key_and_stores_traces(
             assert res.requests > 0 and res.non_2xx == 0 and res.socket_errors == 0
     finally:
         stop_all(children)
+
+
+def test_the_governed_scenario_reports_on_vs_off_beside_the_floor_verdict() -> None:
+    """`--scenario governed`: sy-governed is judged against the floor; sy-gov-off, its
+    baseline, is measured in the same rounds and the on/off ratios are exact."""
+    from switchyard.bench import governed
+    from switchyard.cli import build_parser
+
+    argv = ["bench", "overhead", "--scenario", "governed"]
+    assert target_names(build_parser().parse_args(argv)) == (
+        "direct",
+        "floor",
+        "sy-gov-off",
+        "sy-governed",
+    )
+    runs = _runs(
+        {
+            (1, "direct"): (6000, 0.2),
+            (1, "floor"): (1200, 0.9),
+            (1, "sy-gov-off"): (1000, 1.0),
+            (1, "sy-governed"): (800, 1.4),
+        }
+    )
+    summary = summarize(runs, ("direct", "floor", "sy-gov-off", "sy-governed"))
+    c1 = {s["scenario"]: s for s in summary}["non-stream c=1"]
+    assert set(c1["checks"]) == {"sy-governed"}  # the baseline is not judged
+    ratio = {r["scenario"]: r for r in governed.ratios(summary)}["non-stream c=1"]
+    assert ratio["added_p50_ms_on"] == pytest.approx(1.2)
+    assert ratio["added_p50_ms_off"] == pytest.approx(0.8)
+    assert ratio["added_p50_ratio_on_off"] == pytest.approx(1.5)
+    assert ratio["rps_ratio_on_off"] == pytest.approx(0.8)
+    text = render(summary, argparse.Namespace(duration=1, rounds=1))
+    assert "governance on (sy-governed) vs off (sy-gov-off):" in text
+    assert "added p50 1.200 vs 0.800 ms (1.50x), req/s 0.80x" in text

@@ -63,6 +63,7 @@ def test_rpm_refuses_embeddings_and_every_call_is_recorded_and_traced(gw: Gatewa
         ("authenticate", "ok"),
         ("validate", "ok"),
         ("authorize", "allowed"),
+        ("task", "skip"),
         ("admit", "admitted"),
         ("embed", "ok"),
     ]

@@ -104,6 +104,8 @@ def test_plain_request_trace(gw: Gateway) -> None:
         "authenticate",
         "validate",
         "authorize",
+        "tool_results",
+        "task",
         "admit",
         "pii",
         "embed",

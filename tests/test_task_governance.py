@@ -579,9 +579,20 @@ def test_two_gateways_share_one_task_budget_through_redis(
             for g in (a, b, a, b)
         ]
         assert codes == [200, 200, 200, 429]
-        # A cancel through one gateway refuses the task's calls on the other.
-        assert httpx.delete(f"{a.url}/v1/tasks/{task}", headers=a.auth).status_code == 200
-        r = b.post("/v1/chat/completions", json=_body(), headers=h)
+        # A cancel through one gateway stops the task's stream on the other, and
+        # refuses the task's later calls there.
+        task2 = _task("shared-cancel")
+        upstream.fault("slow:300", count=1)
+        out: list[Any] = []
+        started = threading.Event()
+        reader = threading.Thread(target=_read_stream, args=(b, task2, out, started))
+        reader.start()
+        assert started.wait(10)
+        assert httpx.delete(f"{a.url}/v1/tasks/{task2}", headers=a.auth).status_code == 200
+        reader.join(10)
+        assert not reader.is_alive()
+        assert json.loads(out[-1])["error"]["code"] == "task_cancelled"
+        r = b.post("/v1/chat/completions", json=_body(), headers={"x-task-id": task2})
         assert r.status_code == 409 and r.json()["error"]["code"] == "task_cancelled"
     finally:
         a.proc.stop()

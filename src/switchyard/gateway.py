@@ -280,6 +280,9 @@ class Gateway:
             self.keys.create_tenant("dev")
             self.dev_key = self.keys.create_key("dev", name="first-run development key")["key"]
         self.registry.start()
+        listen = getattr(self.tasks, "listen", None)
+        if listen is not None:  # cancels made through other gateway processes
+            self._cancels = asyncio.create_task(listen(self.running.stop))
         if self.embedder is not None:
             self.embedder.start()
         self._retention = asyncio.create_task(self._retention_loop())
@@ -436,7 +439,7 @@ class Gateway:
         task.add_done_callback(_log_failure)
 
     async def stop(self) -> None:
-        for name in ("_retention", "_weights_task"):
+        for name in ("_retention", "_weights_task", "_cancels"):
             task = getattr(self, name, None)
             if task is not None:
                 task.cancel()

@@ -13,12 +13,17 @@ task's last call (Redis bounds the count by expiry, not by `tasks.max_tasks`):
     {prefix}task:{tenant}:{task}:held     hash: request id → "tokens cost" reserved
     {prefix}task:{tenant}:{task}:calls    hash: tool-call id → its note (JSON)
 
-Times are the caller's `now`, never the server clock, as in `RedisLimiter`.
+Times are the caller's `now`, never the server clock, as in `RedisLimiter`. A cancel
+is published on `{prefix}task-cancel`; every gateway process listens (`listen`) and
+stops the task's calls it has in flight.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -38,6 +43,8 @@ from switchyard.policy.tasks import (
     first_deadline,
     note_dict,
 )
+
+log = logging.getLogger("switchyard")
 
 # KEYS: state, held. ARGV: now, ttl, calls, tokens, cost, wall, deadline_at,
 # deadline_by ('' = none), request id, tokens asked, cost asked.
@@ -154,6 +161,7 @@ class RedisTaskStore:
             retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         self._prefix = f"{prefix}task:"
+        self._channel = f"{prefix}task-cancel"
         self.idle_ttl_s = idle_ttl_s
         self.max_calls = max_calls
         self._admit = self._redis.register_script(_ADMIT)
@@ -244,7 +252,31 @@ class RedisTaskStore:
         )
         if at is None:
             return None
+        # Every other gateway process stops the task's calls it has in flight.
+        await self._call("cancel", self._redis.publish(self._channel, orjson.dumps(list(key))))
         return await self.describe(key)
+
+    async def listen(self, on_cancel: Callable[[TaskKey], Any]) -> None:
+        """Call `on_cancel(key)` for each task a gateway process cancels, until
+        cancelled; reconnects after Redis comes back."""
+        while True:
+            pubsub = self._redis.pubsub()
+            try:
+                await pubsub.subscribe(self._channel)
+                async for message in pubsub.listen():
+                    if message.get("type") != "message":
+                        continue
+                    try:
+                        tenant, task = orjson.loads(message["data"])
+                    except (orjson.JSONDecodeError, ValueError, TypeError):
+                        continue
+                    on_cancel((str(tenant), str(task)))
+            except _UNAVAILABLE as exc:
+                log.warning("task cancel channel unavailable (%s); retrying in 1 s", exc)
+                await asyncio.sleep(1.0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
 
     async def note_tool_calls(self, key: TaskKey, calls: list[ToolCallNote]) -> None:
         if not calls:
