@@ -518,6 +518,9 @@ class RequestService:
             return body
         t = time.perf_counter()
         governed = governor.govern_reply(obj)
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            ctx.run.usage = usage  # parsed here: settle need not read the reply again
         result = governor.result
         if not result.calls:
             return body

@@ -380,6 +380,7 @@ class Task(Stage):
     ) -> None:
         self._default = TaskBudget.of(settings.tasks.budget)
         self._fail_open = settings.policy.on_limiter_failure == "fail_open"
+        self._asked: dict[str, TaskBudget] = {}  # x-task-budget values, parsed
         self._store = store
         self._running = running
         self._estimate = estimate
@@ -400,7 +401,13 @@ class Task(Stage):
             budget = budget.lower(p.task_budget)
         raw = h.get("x-task-budget")
         if raw is not None:
-            budget = budget.lower(TaskBudget.of(request_headers.task_budget(raw)))
+            asked = self._asked.get(raw)
+            if asked is None:  # agents send the same few values: parsed once each
+                asked = TaskBudget.of(request_headers.task_budget(raw))
+                if len(self._asked) >= 1024:
+                    self._asked.clear()
+                self._asked[raw] = asked
+            budget = budget.lower(asked)
         timeout = h.get("x-task-timeout")
         deadline = h.get("x-task-deadline")
         return TaskFirst(

@@ -191,7 +191,9 @@ class ToolGovernor:
             call = {**call, "id": call_id}
             entry["idempotency_key"] = key
         entry["id"] = call_id
-        self.result.notes.append(ToolCallNote(str(call_id or ""), name, cls, self.request_id, key))
+        if self.task is not None:  # what the task keeps of its calls
+            note = ToolCallNote(str(call_id or ""), name, cls, self.request_id, key)
+            self.result.notes.append(note)
         return call
 
     def govern_reply(self, obj: dict[str, Any]) -> dict[str, Any]:
