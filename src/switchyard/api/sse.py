@@ -75,7 +75,10 @@ def _governed(gate: StreamToolGate, data: bytes) -> tuple[list[bytes], dict[str,
         return [data], None
     if not isinstance(obj, dict):
         return [data], None
-    return [orjson.dumps(o) for o in gate.feed(obj)], obj
+    out = gate.feed(obj)
+    if len(out) == 1 and out[0] is obj:  # relayed as it came
+        return [data], obj
+    return [orjson.dumps(o) for o in out], obj
 
 
 async def relay(

@@ -262,14 +262,20 @@ class StreamToolGate:
             delta = _obj(c.get("delta"))
             calls = delta.get("tool_calls")
             if isinstance(calls, list):
-                changed = True
                 relayed = [d for d in (self._delta(ci, d) for d in calls) if d is not None]
-                delta = dict(delta)
-                if relayed:
-                    delta["tool_calls"] = relayed
-                else:
-                    delta.pop("tool_calls")
-                c = {**c, "delta": delta}
+                # A delta relayed as it came (a permitted read-only call, no removed
+                # call before it) leaves the chunk as it is: its bytes pass unchanged.
+                same = len(relayed) == len(calls) and all(
+                    a is b for a, b in zip(relayed, calls, strict=True)
+                )
+                if not same:
+                    changed = True
+                    delta = dict(delta)
+                    if relayed:
+                        delta["tool_calls"] = relayed
+                    else:
+                        delta.pop("tool_calls")
+                    c = {**c, "delta": delta}
             if c.get("finish_reason") is not None:
                 held = self._release(ci)
                 if held:
@@ -277,7 +283,10 @@ class StreamToolGate:
                 if c.get("finish_reason") == "tool_calls" and not self._relayed_any(ci):
                     c = {**c, "finish_reason": "stop"}
                     changed = True
-            if calls is not None and not (c["delta"] or c.get("finish_reason") is not None):
+            if calls is not None and not (
+                _obj(c.get("delta")) or c.get("finish_reason") is not None
+            ):
+                changed = True
                 continue  # nothing left of this choice's chunk
             out_choices.append(c)
         if not changed and not before:
@@ -322,7 +331,7 @@ class StreamToolGate:
             if isinstance(fn.get("arguments"), str):
                 call.arguments.append(fn["arguments"])
             return None
-        return {**d, "index": call.index}
+        return d if ui == call.index else {**d, "index": call.index}
 
     def _release(self, ci: int) -> list[dict[str, Any]]:
         held = []
