@@ -659,3 +659,48 @@ def test_the_task_report_governance_section_is_exact() -> None:
     assert "cancelled: stopped r4; after it 1 refused, 0 ran, 2 still ending" in text
     assert "r1: wire (side_effect) blocked" in text
     assert "approved: x (mail) by ops" in text
+
+
+def test_a_tasks_deployment_is_one_record_for_every_gateway(redis_url: str) -> None:
+    """Task affinity lives in the task store: a task's steps, alternating between two
+    gateways that share Redis, stay on the one deployment the first step got — which
+    two gateways with only their own affinity maps would agree on by chance only."""
+    ups = [start_scripted() for _ in range(2)]
+    config = {
+        "storage": {"redis_url": redis_url},
+        "models": [
+            {
+                "alias": "pair",
+                "timeouts": TIMEOUTS,
+                "balance": {"strategy": "weighted"},
+                "deployments": [
+                    {"name": f"d{i}", "engine": {"kind": "openai", "base_url": s.url + "/v1"}}
+                    for i, (_, s) in enumerate(ups)
+                ],
+            }
+        ],
+    }
+    a = start_gateway(config)
+    b = start_gateway(config, db=a.db)
+    try:
+        b.key = a.key
+        served: dict[str, set[str]] = {}
+        for n in range(8):
+            task = _task(f"affinity-{n}")
+            for step in range(4):
+                g = (a, b)[step % 2]
+                r = g.post(
+                    "/v1/chat/completions", json=_body(model="pair"), headers={"x-task-id": task}
+                )
+                assert r.status_code == 200, r.text
+                served.setdefault(task, set()).add(r.headers["x-switchyard-upstream"])
+        assert all(len(v) == 1 for v in served.values()), served
+        # Both deployments served some task: the choice itself was not fixed.
+        assert len(set().union(*served.values())) == 2
+        state = httpx.get(f"{a.url}/v1/tasks/{task}", headers=a.auth).json()
+        assert set(state["deployments"]) == {"pair"}
+    finally:
+        a.proc.stop()
+        b.proc.stop()
+        for proc, _ in ups:
+            proc.stop()

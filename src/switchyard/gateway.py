@@ -109,7 +109,7 @@ def build_pipelines(
             Cache(s, cache, planner),
             Route(s, router, named),
             Tools(s, embedder),
-            Select(deployments, balancers),
+            Select(deployments, balancers, tasks),
             *([Media(media, metrics)] if media is not None else []),
             DeploymentLimits(reserver, estimate),
             Queue(gates),

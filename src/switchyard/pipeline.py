@@ -196,6 +196,7 @@ class RequestContext:
     idempotency_key: str | None = None  # set while this request owns the key
     otel_span: Any = None  # the request's OpenTelemetry span, when tracing is on
     task: Any = None  # the task's hold (policy/tasks.TaskHold) until settle
+    task_deployments: dict[str, str] | None = None  # the task's deployment per alias
     cancelled: bool = False  # its task was cancelled while it ran
     tools_blocked: int = 0  # tool calls removed from the reply (tools.on_forbidden_call)
     tool_notes: list[Any] | None = None  # the reply's tool calls, for the task's record

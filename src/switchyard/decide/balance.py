@@ -60,6 +60,7 @@ class Balancer:
         self._breakers = breakers
         self.rng = rng or random.Random()
         self._affinity: OrderedDict[tuple[str, str, str], Deployment] = OrderedDict()
+        self._by_name = {d.name: d for d in deployments}
         # Per deployment, read on every request: (it, its max_in_flight, its breaker).
         self._rows = [
             (d, d.replica.max_in_flight if d.replica is not None else None, breakers.get(d.name))
@@ -89,8 +90,11 @@ class Balancer:
         regions: list[str] | None = None,
         tokens: int = 256,
         now: float | None = None,
+        remembered: str | None = None,
     ) -> tuple[Deployment, str, dict[str, Any]]:
-        """(the deployment, why it won, the evidence: every candidate with its state)."""
+        """(the deployment, why it won, the evidence: every candidate with its state).
+        `remembered` is the deployment the task store holds for this request's task
+        (every gateway process's record): it wins over this process's own map."""
         now = time.monotonic() if now is None else now
         states: dict[str, dict[str, Any]] = {}
         eligible: list[Deployment] = []
@@ -125,6 +129,10 @@ class Balancer:
                 value = hashlib.sha256(value.encode("utf-8", "replace")).hexdigest()
             key = (tenant or "", kind, value)
             kept = self._affinity.get(key)
+            if remembered is not None and (kept is None or kept.name != remembered):
+                kept = self._by_name.get(remembered, kept)
+                if kept is not None:
+                    self._affinity[key] = kept  # this process learns the shared record
             if kept is not None:
                 self._affinity.move_to_end(key)
                 yielded = self._yield_reason(kept, eligible, states)

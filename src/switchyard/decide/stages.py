@@ -329,9 +329,11 @@ class Select(Stage):
         self,
         deployments: Mapping[str, Deployment],
         balancers: Mapping[str, Balancer] | None = None,
+        tasks: Any = None,
     ) -> None:
         self._deployments = deployments
         self._balancers = balancers or {}
+        self._tasks = tasks  # the task store: a task's deployment, for every process
 
     def static(self, view: View) -> Verdict | None:
         if view.deployment is None or view.alias is None:
@@ -344,18 +346,18 @@ class Select(Stage):
             sel.outcome, sel.reason, sel.evidence, (("deployment", dep), ("model", dep.model))
         )
 
-    def work(self, ctx: RequestContext) -> None:
+    def work(self, ctx: RequestContext) -> Awaitable[None] | None:
         t = time.perf_counter()
         balancer = self._balancers.get(ctx.alias or "")
         if balancer is not None:
-            self._balance(ctx, balancer, t)
-            return
+            return self._balance(ctx, balancer, t)
         sel = select_deployment(ctx.alias or "", self._deployments)  # raises ModelNotFound
         ctx.deployment = sel.deployment
         ctx.model = sel.deployment.model
         ctx.record(self.name, sel.outcome, sel.reason, t, sel.evidence)
+        return None
 
-    def _balance(self, ctx: RequestContext, balancer: Balancer, t: float) -> None:
+    def _balance(self, ctx: RequestContext, balancer: Balancer, t: float) -> Awaitable[None] | None:
         p = ctx.principal
         if ctx.pin is not None and p is not None and not p.may_pin_revisions:
             why = "this API key may not pin a revision (its may_pin_revisions is off)"
@@ -371,6 +373,8 @@ class Select(Stage):
             if cfg.prefix_affinity
             else None
         )
+        hold = ctx.task
+        remembered = ctx.task_deployments.get(balancer.alias) if ctx.task_deployments else None
         dep, reason, evidence = balancer.choose(
             tenant=p.tenant_id if p is not None else None,
             affinity=affinity_key(ctx.input.task_id, ctx.body, ctx.input.headers),
@@ -378,6 +382,7 @@ class Select(Stage):
             pin=ctx.pin,
             regions=boundary,
             tokens=ctx.max_tokens or 256,
+            remembered=remembered,
         )
         ctx.admission.balanced = (balancer, dep)
         ctx.deployment = dep
@@ -385,6 +390,10 @@ class Select(Stage):
         evidence["upstream"] = dep.label
         evidence["revision"] = dep.model.revision
         ctx.record(self.name, f"deployment:{dep.name}", reason, t, evidence)
+        if hold is not None and self._tasks is not None and dep.name != remembered:
+            # The task's deployment for this alias, for its later steps in any process.
+            return self._tasks.set_deployment(hold.key, balancer.alias, dep.name)
+        return None
 
 
 class Residency(Stage):

@@ -212,14 +212,15 @@ class RedisTaskStore:
             ),
         )
         refused = _str(out[0]) or None
-        fields = await self._call(
-            "admit",
-            self._redis.hmget(
-                k, "b_calls", "b_tokens", "b_cost", "b_wall", "started_at", "deadline_at",
+        fields = await self._call("admit", self._redis.hgetall(k))
+        f = {_str(a): b for a, b in fields.items()}
+        bc, bt, bu, bw, started, d_at, d_by, cancelled = (
+            f.get(n)
+            for n in (
+                "b_calls", "b_tokens", "b_cost", "b_wall", "started_at", "deadline_at",
                 "deadline_by", "cancelled_at",
-            ),
+            )
         )  # fmt: skip
-        bc, bt, bu, bw, started, d_at, d_by, cancelled = fields
         budget = TaskBudget(
             int(_num(bc)) if _num(bc) is not None else None,  # type: ignore[arg-type]
             int(_num(bt)) if _num(bt) is not None else None,  # type: ignore[arg-type]
@@ -235,6 +236,7 @@ class RedisTaskStore:
             _num(d_at),
             _str(d_by) or None if d_by is not None else None,
             _num(cancelled),
+            {n[2:]: _str(v) for n, v in f.items() if n.startswith("d:")},
         )
 
     async def settle(
@@ -299,6 +301,16 @@ class RedisTaskStore:
             notes[_str(out[i])] = note
         return notes
 
+    async def set_deployment(self, key: TaskKey, alias: str, deployment: str) -> None:
+        # HSET on an existing task only (a hash made here would have no budget).
+        pipe = self._redis.pipeline(transaction=True)
+        k = self._k(key)
+        pipe.exists(k)
+        pipe.hset(k, "d:" + alias, deployment)
+        exists, _ = await self._call("set_deployment", pipe.execute())
+        if not exists:
+            await self._call("set_deployment", self._redis.delete(k))
+
     async def tool_call(self, key: TaskKey, call_id: str) -> ToolCallNote | None:
         raw = await self._call("tool_call", self._redis.hget(self._k(key) + ":calls", call_id))
         return _note(orjson.loads(raw)) if raw is not None else None
@@ -346,6 +358,7 @@ class RedisTaskStore:
             "refused": {a[2:]: int(b) for a, b in sorted(s.items()) if a.startswith("r_")},
             "cancelled_at": _num(s.get("cancelled_at")),
             "tool_calls": calls,
+            "deployments": {a[2:]: b for a, b in s.items() if a.startswith("d:")},
         }
 
     async def close(self) -> None:

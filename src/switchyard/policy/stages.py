@@ -447,6 +447,8 @@ class Task(Stage):
             ctx.record(self.name, f"reject:{refused}", _task_refusal_reason(refused), t, evidence)
             raise _task_error(task_id, refused, adm)
         ctx.task = TaskHold(key, rid)
+        if adm.deployments:
+            ctx.task_deployments = adm.deployments
         self._running.add(key, ctx)
         if adm.deadline_at is not None:
             cut = ctx.timings.received + (adm.deadline_at - ctx.input.received_at)

@@ -105,6 +105,9 @@ class TaskAdmission:
     deadline_at: float | None
     deadline_by: str | None  # what set the deadline: wall_s, x-task-timeout, x-task-deadline
     cancelled_at: float | None = None
+    # The deployment serving this task, per alias with several (decide/balance.py):
+    # one record for every gateway process, so the task's steps stay on it.
+    deployments: dict[str, str] = field(default_factory=dict)
 
     def remaining(self) -> dict[str, float]:
         return {
@@ -191,6 +194,7 @@ class _State:
     refused: dict[str, int] = field(default_factory=dict)  # by budget/cause
     cancelled_at: float | None = None
     tool_calls: OrderedDict[str, ToolCallNote] = field(default_factory=OrderedDict)
+    deployments: dict[str, str] = field(default_factory=dict)  # alias → deployment
 
 
 class TaskStore(Protocol):
@@ -216,6 +220,10 @@ class TaskStore(Protocol):
 
     async def tool_call(self, key: TaskKey, call_id: str) -> ToolCallNote | None: ...
 
+    async def set_deployment(self, key: TaskKey, alias: str, deployment: str) -> None:
+        """The deployment that serves the task's calls to `alias` from now on."""
+        ...
+
     async def describe(self, key: TaskKey, now: float | None = None) -> dict[str, Any] | None: ...
 
     async def close(self) -> None: ...
@@ -233,6 +241,7 @@ def describe_state(key: TaskKey, st: Any) -> dict[str, Any]:
         "refused": dict(st.refused),
         "cancelled_at": st.cancelled_at,
         "tool_calls": [note_dict(n) for n in st.tool_calls.values()],
+        "deployments": dict(st.deployments),
     }
 
 
@@ -302,6 +311,7 @@ class MemoryTaskStore:
             st.deadline_at,
             st.deadline_by,
             st.cancelled_at,
+            dict(st.deployments),
         )
 
     async def settle(
@@ -350,6 +360,11 @@ class MemoryTaskStore:
     async def tool_call(self, key: TaskKey, call_id: str) -> ToolCallNote | None:
         st = self._tasks.get(key)
         return st.tool_calls.get(call_id) if st is not None else None
+
+    async def set_deployment(self, key: TaskKey, alias: str, deployment: str) -> None:
+        st = self._tasks.get(key)
+        if st is not None:
+            st.deployments[alias] = deployment
 
     async def describe(self, key: TaskKey, now: float | None = None) -> dict[str, Any] | None:
         st = self._get(key, time.time() if now is None else now)
