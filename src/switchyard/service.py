@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import orjson
 
@@ -243,6 +243,16 @@ def record_tool_calls(ctx: RequestContext, result: ToolOutcome, t: float) -> Non
     ctx.record("tool_calls", result.outcome, result.reason(), t, {"calls": result.calls})
 
 
+def _raise_cancelled(ctx: RequestContext, exc: asyncio.CancelledError) -> NoReturn:
+    """A cancelled request ends as 409 task_cancelled when its task's cancel stopped it
+    (recorded, the cancellation taken back); any other cancellation goes on."""
+    stopped = _stopped_by_cancel(ctx)
+    _failed(ctx, stopped or exc)
+    if stopped is None:
+        raise exc
+    raise stopped from None
+
+
 def _failed(ctx: RequestContext, exc: BaseException) -> None:
     """Mark a request that ended by an exception: its code, or internal_error."""
     code = exc.code if isinstance(exc, SwitchyardError) else "internal_error"
@@ -426,11 +436,7 @@ class RequestService:
             handed_off = True
             return reply
         except asyncio.CancelledError as exc:
-            stopped = _stopped_by_cancel(ctx)
-            _failed(ctx, stopped or exc)
-            if stopped is None:
-                raise
-            raise stopped from None
+            _raise_cancelled(ctx, exc)
         except BaseException as exc:
             _failed(ctx, exc)
             raise
@@ -699,11 +705,7 @@ class RequestService:
             ctx.timings.ended = time.perf_counter()
             return JsonReply(orjson.dumps(out), served_raw_headers(ctx))
         except asyncio.CancelledError as exc:
-            stopped = _stopped_by_cancel(ctx)
-            _failed(ctx, stopped or exc)
-            if stopped is None:
-                raise
-            raise stopped from None
+            _raise_cancelled(ctx, exc)
         except BaseException as exc:
             _failed(ctx, exc)
             raise

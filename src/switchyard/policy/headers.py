@@ -105,16 +105,18 @@ def planned_steps(headers: Mapping[str, str]) -> tuple[int | None, InvalidReques
     return None, _bad("x-task-planned-steps", f"an integer from 1 to {MAX_PLANNED_STEPS}")
 
 
-def request_timeout(value: str) -> float:
-    """`x-request-timeout` in seconds; raises InvalidRequest naming the header."""
+def _seconds(name: str, value: str, most: float) -> float:
+    """Plain decimal seconds in (0, most]; raises InvalidRequest naming the header."""
     if _SECONDS.fullmatch(value):
         seconds = float(value)
-        if 0 < seconds <= MAX_TIMEOUT_S:
+        if 0 < seconds <= most:
             return seconds
-    raise _bad(
-        "x-request-timeout",
-        f"a number of seconds greater than 0 and at most {MAX_TIMEOUT_S:.0f}, like 30 or 2.5",
-    )
+    raise _bad(name, f"a number of seconds greater than 0 and at most {most:.0f}, like 30 or 2.5")
+
+
+def request_timeout(value: str) -> float:
+    """`x-request-timeout` in seconds."""
+    return _seconds("x-request-timeout", value, MAX_TIMEOUT_S)
 
 
 def idempotency_key(value: str) -> str:
@@ -168,14 +170,7 @@ def task_budget(value: str) -> dict[str, float]:
 
 def task_timeout(value: str) -> float:
     """`x-task-timeout`: seconds from the task's first request."""
-    if _SECONDS.fullmatch(value):
-        seconds = float(value)
-        if 0 < seconds <= MAX_TASK_TIMEOUT_S:
-            return seconds
-    raise _bad(
-        "x-task-timeout",
-        f"a number of seconds greater than 0 and at most {MAX_TASK_TIMEOUT_S:.0f}",
-    )
+    return _seconds("x-task-timeout", value, MAX_TASK_TIMEOUT_S)
 
 
 def task_deadline(value: str) -> float:

@@ -222,6 +222,19 @@ def _arg(value: float | None) -> str:
     return "" if value is None else repr(float(value))
 
 
+def redis_client(url: str, timeout_s: float) -> aioredis.Redis:
+    """The client of the shared state (limits, task state). One immediate retry on
+    connection errors covers a pooled connection that Redis has dropped; backoff would
+    hold every request up while Redis is down. Timeouts are not retried: the script
+    may have run, and a replay would reserve twice."""
+    return aioredis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+    )
+
+
 class RedisLimiter:
     """Limiter whose state lives in Redis, so all gateway processes share one limit.
 
@@ -230,15 +243,7 @@ class RedisLimiter:
     """
 
     def __init__(self, url: str, prefix: str = "switchyard:", timeout_s: float = 0.5) -> None:
-        # One immediate retry on connection errors covers a pooled connection that Redis
-        # has dropped; backoff would hold every request up while Redis is down. Timeouts
-        # are not retried: the script may have run, and a replay would reserve twice.
-        self._redis = aioredis.Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-        )
+        self._redis = redis_client(url, timeout_s)
         self._prefix = f"{prefix}rl:"
         self._reserve = self._redis.register_script(_RESERVE)
         self._settle = self._redis.register_script(_SETTLE)

@@ -27,13 +27,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from switchyard.policy.limits import LimiterUnavailable
-from switchyard.policy.redis_limits import _UNAVAILABLE
+from switchyard.policy.redis_limits import _UNAVAILABLE, redis_client
 from switchyard.policy.tasks import (
     TaskAdmission,
     TaskBudget,
@@ -154,12 +150,7 @@ class RedisTaskStore:
         idle_ttl_s: float = 3600.0,
         max_calls: int = 1000,
     ) -> None:
-        self._redis = aioredis.Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-        )
+        self._redis = redis_client(url, timeout_s)
         self._prefix = f"{prefix}task:"
         self._channel = f"{prefix}task-cancel"
         self.idle_ttl_s = idle_ttl_s
