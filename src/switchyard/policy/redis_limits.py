@@ -235,6 +235,17 @@ def redis_client(url: str, timeout_s: float) -> aioredis.Redis:
     )
 
 
+async def shared_call(state: str, what: str, coro: Awaitable[Any]) -> Any:
+    """Await a Redis call; unreachable Redis becomes `LimiterUnavailable` (the caller
+    applies policy.on_limiter_failure)."""
+    try:
+        return await coro
+    except _UNAVAILABLE as exc:
+        raise LimiterUnavailable(
+            f"Redis {state} unavailable during {what}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 class RedisLimiter:
     """Limiter whose state lives in Redis, so all gateway processes share one limit.
 
@@ -260,13 +271,7 @@ class RedisLimiter:
         return keys
 
     async def _call(self, what: str, coro: Awaitable[Any]) -> Any:
-        """Await a Redis call; unreachable Redis becomes `LimiterUnavailable`."""
-        try:
-            return await coro
-        except _UNAVAILABLE as exc:
-            raise LimiterUnavailable(
-                f"Redis limiter unavailable during {what}: {type(exc).__name__}: {exc}"
-            ) from exc
+        return await shared_call("limiter", what, coro)
 
     async def seed_spent(
         self, scope: str, period: Period, usd: float, now: float | None = None

@@ -28,8 +28,7 @@ from typing import Any
 
 import orjson
 
-from switchyard.policy.limits import LimiterUnavailable
-from switchyard.policy.redis_limits import _UNAVAILABLE, redis_client
+from switchyard.policy.redis_limits import _UNAVAILABLE, redis_client, shared_call
 from switchyard.policy.tasks import (
     TaskAdmission,
     TaskBudget,
@@ -170,12 +169,7 @@ class RedisTaskStore:
         return max(1, int(self.idle_ttl_s + 0.999))
 
     async def _call(self, what: str, coro: Awaitable[Any]) -> Any:
-        try:
-            return await coro
-        except _UNAVAILABLE as exc:
-            raise LimiterUnavailable(
-                f"Redis task state unavailable during {what}: {type(exc).__name__}: {exc}"
-            ) from exc
+        return await shared_call("task state", what, coro)
 
     async def admit(
         self, key: TaskKey, first: TaskFirst, rid: str, tokens: int, cost: float, now: float
