@@ -199,6 +199,33 @@ def model_routes(chat_models: list[str], embedding_models: list[str]) -> dict[st
                 "responses": {"200": {"description": "a list of models"}, "401": _ERROR},
             }
         },
+        "/v1/tasks/{task_id}": {
+            "parameters": [
+                {
+                    "name": "task_id",
+                    "in": "path",
+                    "required": True,
+                    "schema": {"type": "string", "pattern": r"^[A-Za-z0-9._:\-]{1,128}$"},
+                }
+            ],
+            "get": _task_operation("an agent task of the key's tenant: its live state"),
+            "delete": _task_operation(
+                "cancel the task: stop its calls in flight, refuse its later calls"
+            ),
+        },
+    }
+
+
+def _task_operation(summary: str) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "security": [{"bearer": []}],
+        "responses": {
+            "200": {"description": "the task's state, or what the cancel stopped"},
+            "400": _ERROR,
+            "401": _ERROR,
+            "404": _ERROR,
+        },
     }
 
 
