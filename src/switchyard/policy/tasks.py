@@ -110,17 +110,24 @@ class TaskAdmission:
     deployments: dict[str, str] = field(default_factory=dict)
 
     def remaining(self) -> dict[str, float]:
-        return {
-            f: max(0.0, float(self.budget[f]) - self.used.get(f, 0.0))
-            for f in ("calls", "tokens", "cost_usd")
-            if f in self.budget
-        }
+        budget, used = self.budget, self.used
+        out: dict[str, float] = {}
+        for f in ("calls", "tokens", "cost_usd"):
+            limit = budget.get(f)
+            if limit is not None:
+                out[f] = max(0.0, round(float(limit) - used.get(f, 0.0), 9))
+        return out
 
     def evidence(self, now: float) -> dict[str, Any]:
+        used = self.used
         out: dict[str, Any] = {
-            "budget": self.budget,
-            "used": {k: round(v, 9) for k, v in self.used.items()},
-            "remaining": {k: round(v, 9) for k, v in self.remaining().items()},
+            "budget": self.budget,  # the task's own dict: fixed once the task began
+            "used": {
+                "calls": used["calls"],
+                "tokens": used["tokens"],
+                "cost_usd": round(used["cost_usd"], 9),
+            },
+            "remaining": self.remaining(),
             "age_s": round(now - self.started_at, 3),
         }
         if self.deadline_at is not None:
@@ -195,6 +202,7 @@ class _State:
     cancelled_at: float | None = None
     tool_calls: OrderedDict[str, ToolCallNote] = field(default_factory=OrderedDict)
     deployments: dict[str, str] = field(default_factory=dict)  # alias → deployment
+    budget_dict: dict[str, Any] | None = None  # budget.as_dict(), made once
 
 
 class TaskStore(Protocol):
@@ -302,10 +310,12 @@ class MemoryTaskStore:
             st.held[rid] = (tokens, cost)
         else:
             st.refused[refused] = st.refused.get(refused, 0) + 1
+        if st.budget_dict is None:
+            st.budget_dict = st.budget.as_dict()
         return TaskAdmission(
             refused is None,
             refused,
-            st.budget.as_dict(),
+            st.budget_dict,
             dict(st.used),
             st.started_at,
             st.deadline_at,
