@@ -514,7 +514,9 @@ def test_the_redis_store_answers_as_the_memory_store(redis_url: str) -> None:
     def check(seq: list[Any]) -> None:
         async def go() -> None:
             mem = MemoryTaskStore()
-            red = RedisTaskStore(redis_url, prefix=f"prop{time.monotonic_ns()}:")
+            # A fresh client per example: a generous connect timeout, as a loaded CI
+            # machine can take longer than the default 0.5 s to accept one.
+            red = RedisTaskStore(redis_url, prefix=f"prop{time.monotonic_ns()}:", timeout_s=5)
             now, admitted = 1000.0, []
             try:
                 for step in seq:
