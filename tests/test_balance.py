@@ -328,6 +328,72 @@ def test_a_task_sticks_to_its_deployment_through_the_gateway(
         gw.proc.stop()
 
 
+def test_a_failed_deployment_fails_over_and_a_fallback_alias_is_balanced(
+    two: tuple[Scripted, Scripted],
+) -> None:
+    a, b = two
+    _clear(two)
+    deps = [
+        {"name": "a", "engine": {"kind": "openai", "base_url": a.url + "/v1"}},
+        {"name": "b", "engine": {"kind": "openai", "base_url": b.url + "/v1"}},
+    ]
+    cfg = {
+        "models": [
+            {
+                **_model("weighted", deps, affinity=False),
+                "resilience": {"retries": 0},
+            },
+            {  # fails, then falls back to an alias of several deployments
+                "alias": "front",
+                "engine": {"kind": "openai", "base_url": a.url + "/v1"},
+                "fallbacks": ["back"],
+                "resilience": {"retries": 0},
+            },
+            {
+                "alias": "back",
+                "deployments": [
+                    {**deps[0], "weight": 0.0},  # rolled back: never to be chosen
+                    deps[1],
+                ],
+                "balance": {"failover": 0},
+            },
+        ],
+        "embeddings": {"enabled": False},
+    }
+    gw = start_gateway(cfg)
+    try:
+        a.fault("status:500", count=1000)
+        replies = [_ask(gw) for _ in range(12)]  # _ask: every one is a 200
+        assert {r.headers["x-switchyard-upstream"] for r in replies} == {b.url + "/v1"}
+        moved = [
+            d
+            for r in replies
+            for d in gw.trace(r.headers["x-request-id"])["decisions"]
+            if d["stage"] == "failover"
+        ]
+        assert moved, "weighted 1:1 over 12 requests never chose the failing deployment"
+        assert {d["outcome"] for d in moved} == {"try:chat/b"}
+        assert all(d["evidence"]["from"] == "chat/a" for d in moved)
+        # Nothing stays in flight on the deployment a request left.
+        live = httpx.get(gw.url + "/readyz").json()["models"]["chat"]["deployments"]
+        assert live["a"]["in_flight"] == 0 and live["b"]["in_flight"] == 0, live
+        r = httpx.post(
+            gw.url + "/v1/chat/completions",
+            json={"model": "front", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"Authorization": f"Bearer {gw.key}"},
+            timeout=30,
+        )
+        assert r.status_code == 200 and r.headers["x-switchyard-upstream"] == b.url + "/v1"
+        fb = next(
+            d for d in gw.trace(r.headers["x-request-id"])["decisions"] if d["stage"] == "fallback"
+        )
+        assert fb["outcome"] == "try:back" and fb["evidence"]["deployment"] == "back/b", fb
+        assert fb["evidence"]["balance"]["strategy"] == "least_outstanding"
+    finally:
+        _clear(two)
+        gw.proc.stop()
+
+
 # -- prefix affinity ---------------------------------------------------------------------
 
 _LONG = "You are the support assistant of a logistics platform. " * 30  # ~1,700 chars
@@ -529,14 +595,29 @@ def test_the_canary_guard_cuts_a_failing_canary_and_the_cut_survives_a_restart(
     try:
         b.fault("status:500", count=1000)  # the canary fails every request
         replies = [_revision(gw, gw.key) for _ in range(40)]
-        revs = [r.headers.get("x-switchyard-revision") for r in replies]
+        # Each request the canary failed failed over to the stable deployment (no task,
+        # no pin: any revision may serve it), and the guard counted the failure.
+        assert [r.status_code for r in replies] == [200] * 40
+        assert {r.headers["x-switchyard-revision"] for r in replies} == {"r17"}
         assert _weights(gw) == {"stable": 1.0, "canary": 0.0}
-        cut_at = max(i for i, r in enumerate(replies) if r.status_code != 200)
-        assert all(rv == "r17" for rv in revs[cut_at + 1 :]) and cut_at < 39, revs
-        traces = [gw.trace(r.headers["x-request-id"]) for r in replies if r.status_code != 200]
+        traces = [gw.trace(r.headers["x-request-id"]) for r in replies]
+        over = [
+            i for i, t in enumerate(traces) if any(d["stage"] == "failover" for d in t["decisions"])
+        ]
+        assert len(over) >= 4 and max(over) < 39, over  # min_samples failures, then no more
+        first = next(d for d in traces[over[0]]["decisions"] if d["stage"] == "failover")
+        assert first["outcome"] == "try:chat/stable" and first["evidence"]["from"] == "chat/canary"
         cuts = [d for t in traces for d in t["decisions"] if d["stage"] == "canary"]
         assert len(cuts) == 1 and cuts[0]["outcome"] == "cut", cuts
         assert "error rate" in cuts[0]["reason"] and "chat/canary" in cuts[0]["reason"]
+        # A pinned request keeps its revision: the failing canary's error reaches it.
+        pinner = gw.create_key(gw.create_tenant("t-pin")["id"], may_pin_revisions=True)["key"]
+        r = _revision(gw, pinner, "chat@r18")
+        assert r.status_code in (502, 503), r.text  # the 500, or its circuit now open
+        none = next(
+            d for d in gw.trace(r.headers["x-request-id"])["decisions"] if d["stage"] == "failover"
+        )
+        assert none["outcome"] == "none:chat", none
         metrics = httpx.get(gw.url + "/metrics").text
         assert 'switchyard_canary_cuts_total{deployment="chat/canary",model="chat"} 1.0' in metrics
     finally:

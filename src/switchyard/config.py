@@ -515,6 +515,11 @@ class BalanceConfig(_Strict):
     prefix_affinity: bool = True
     prefix_chars: int = Field(1024, ge=1)
     prefix_min_chars: int = Field(1024, ge=1)
+    # When the chosen deployment fails with an error another one may not have (cannot
+    # connect, timed out, 5xx, not ready, circuit open), up to `failover` other
+    # eligible deployments of the alias are tried before the model's fallbacks (of the
+    # same revision for a pinned request or an agent task's). 0: straight to them.
+    failover: int = Field(1, ge=0)
 
 
 class ModelConfig(_Strict):

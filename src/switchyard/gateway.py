@@ -190,6 +190,7 @@ class Gateway:
             alias: Balancer(alias, deps, deps[0].model.balance, self.executor.breakers)
             for alias, deps in self.registry.replicas.items()
         }
+        self.executor.balancers = self.balancers  # fallbacks and failover balance too
         if self.metrics is not None:
             self.metrics.watch_deployments(
                 [d for b in self.balancers.values() for d in b.deployments]

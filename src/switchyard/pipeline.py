@@ -159,6 +159,9 @@ class AdmissionState:
     resident: tuple[Any, str | None] | None = None
     # (balancer, deployment) when select balanced among several: in flight until settle
     balanced: tuple[Any, Any] | None = None
+    # (balancer, deployment, whether an attempt was made) the request left for another
+    # deployment: each settled as a failure
+    left: list[tuple[Any, Any, bool]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -57,6 +57,7 @@ from switchyard.policy.validate import (
 )
 
 if TYPE_CHECKING:
+    from switchyard.decide.balance import Balancer
     from switchyard.observe.otel import Tracing
 
 log = logging.getLogger("switchyard")
@@ -768,6 +769,16 @@ class RequestService:
             param="model",
         )
 
+    def _guard(self, ctx: RequestContext, balancer: Balancer, dep: Deployment, ok: bool) -> None:
+        """The request's outcome at `dep`, for its alias's canary guard."""
+        t = time.perf_counter()
+        e2e_ms = (t - ctx.timings.received) * 1000.0
+        cut = balancer.guard_check(dep, ok, e2e_ms, time.monotonic())
+        if cut is not None:
+            ctx.record("canary", "cut", cut, t, {"deployment": dep.name, "weight": 0.0})
+            if self.on_canary_cut is not None:
+                self.on_canary_cut(balancer.alias, dep, cut)
+
     def settle_now(self, ctx: RequestContext) -> Awaitable[None] | None:
         """`settle`, synchronously unless limiter reservations are to be settled (then
         the rest is in the returned awaitable)."""
@@ -790,13 +801,11 @@ class RequestService:
                     tpot = ((tm.ended or time.perf_counter()) - tm.upstream_first_byte) / (n - 1)
             balancer.settled(dep, ttft, tpot)
             if balancer.guard is not None:
-                t = time.perf_counter()
-                e2e_ms = (t - tm.received) * 1000.0
-                cut = balancer.guard_check(dep, ctx.error_code is None, e2e_ms, time.monotonic())
-                if cut is not None:
-                    ctx.record("canary", "cut", cut, t, {"deployment": dep.name, "weight": 0.0})
-                    if self.on_canary_cut is not None:
-                        self.on_canary_cut(balancer.alias, dep, cut)
+                self._guard(ctx, balancer, dep, ctx.error_code is None)
+        for balancer, dep, attempted in ctx.admission.left:  # failed over from these
+            balancer.settled(dep, None, None)
+            if attempted and balancer.guard is not None:
+                self._guard(ctx, balancer, dep, False)
         if ctx.run.usage is None and ctx.run.reply_body is not None:
             ctx.run.usage = reply_usage(ctx.run.reply_body)
         usage = ctx.run.usage or {}

@@ -166,6 +166,41 @@ class Balancer:
                 self._affinity.popitem(last=False)
         return self._take(chosen, key, reason, evidence)
 
+    def failover(
+        self,
+        tried: set[str],
+        *,
+        revision: str | None = None,
+        regions: list[str] | None = None,
+        tokens: int = 256,
+        now: float | None = None,
+    ) -> tuple[Deployment, str, dict[str, Any]] | None:
+        """Another eligible deployment, not one in `tried` (by name) and of `revision`
+        when given, picked by the strategy (no affinity: the one it had just failed);
+        None when there is none. The pick is in flight until settled, as choose's."""
+        now = time.monotonic() if now is None else now
+        skipped: dict[str, str] = {}
+        eligible: list[Deployment] = []
+        for d, cap, breaker in self._rows:
+            if d.name in tried:
+                continue
+            why = (
+                f"revision {d.model.revision}, not the request's {revision}"
+                if revision is not None and d.model.revision != revision
+                else self._ineligible(d, d.live.weight, cap, breaker, regions, now)
+            )
+            if why is None:
+                eligible.append(d)
+            else:
+                skipped[d.name] = why
+        if not eligible:
+            return None
+        chosen, reason = self._pick(eligible, tokens, now)
+        evidence: dict[str, Any] = {"strategy": self.cfg.strategy, "tried": sorted(tried)}
+        if skipped:
+            evidence["skipped"] = skipped
+        return self._take(chosen, None, reason, evidence)
+
     def _pinned(
         self, pin: str, eligible: list[Deployment], evidence: dict[str, Any]
     ) -> tuple[Deployment, str, dict[str, Any]]:

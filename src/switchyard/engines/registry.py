@@ -72,7 +72,8 @@ class Deployment:
     # Read several times per request; the model's config never changes.
     alias: str = field(init=False)
     upstream_model: str = field(init=False)  # the model name the upstream is sent
-    # One deployment to try and no data boundary to check: the executor's short path.
+    # One deployment to try (no fallbacks, no failover to another deployment of the
+    # alias) and no data boundary to check: the executor's short path.
     alone: bool = field(init=False)
     min_attempt_s: float = field(init=False)  # resilience.min_attempt_s
     # For an engine that loads adapters: the request's `lora` list (its adapter at
@@ -99,7 +100,11 @@ class Deployment:
         self.lora = None
         if self.engine is not None and self.engine.adapters and not vllm:
             self.lora = self._lora
-        self.alone = not self.model.fallbacks and self.model.data_boundary is None
+        self.alone = (
+            not self.model.fallbacks
+            and self.model.data_boundary is None
+            and (self.replica is None or self.model.balance.failover == 0)
+        )
         self.min_attempt_s = self.model.resilience.min_attempt_s
 
     @property

@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 import orjson
 
 from switchyard.config import Settings
+from switchyard.decide.balance import Balancer
 from switchyard.engines.registry import Deployment, Registry
 from switchyard.engines.upstream import UpstreamReply, UpstreamStream
 from switchyard.errors import (
@@ -104,6 +105,9 @@ class Executor:
             for d in deps:
                 self.breakers[d.name] = CircuitBreaker(d.name, d.model.resilience.breaker)
                 self.budgets[d.name] = RetryBudget(d.model.resilience.retry_budget)
+        # The aliases with several deployments (set by the gateway): a fallback to one
+        # is balanced among them, and a failed deployment fails over to another.
+        self.balancers: Mapping[str, Balancer] = {}
         self.rng = random.Random(seed)
         self.retries = 0
         self.fallbacks = 0
@@ -139,61 +143,135 @@ class Executor:
         if tenant_regions is not None:
             boundary = [r for r in (boundary or tenant_regions) if r in tenant_regions]
         last: SwitchyardError | None = None
+        tokens = ctx.max_tokens or 256
         for idx, alias in enumerate(chain):
-            dep = self.registry.get(alias)
-            assert dep is not None  # config validation guarantees it
+            balancer = self.balancers.get(alias)
             t = time.perf_counter()
-            if idx > 0:
+            if idx == 0:
+                dep: Deployment | None = primary
+            else:
+                dep = self.registry.get(alias)
+                assert dep is not None  # config validation guarantees it
                 if needs is None:
                     needs = request_needs(ctx.body, ctx.prompt_estimate, ctx.max_tokens)
-                why = incompatibility(needs, dep.model, boundary)
+                # Several deployments: their regions are the balancer's to check.
+                why = incompatibility(needs, dep.model, None if balancer else boundary)
                 if why is None and ctx.principal is not None and not ctx.principal.may_use(alias):
                     why = "this key may not use it"
+                picked = None
+                if why is None and balancer is not None:
+                    picked = balancer.failover(set(), regions=boundary, tokens=tokens)
+                    if picked is None:
+                        why = (
+                            "none of its deployments is eligible (failed, not ready, circuit "
+                            "open, full, weight 0 or outside the allowed regions)"
+                        )
                 if why is not None:
                     ctx.record("fallback", f"skip:{alias}", why, t, {"target": alias})
                     continue
+                evidence: dict[str, Any] = {"from": primary.alias, "to": alias}
+                if picked is not None:
+                    dep, reason, evidence["balance"] = picked
+                    ctx.admission.balanced = (balancer, dep)
+                    evidence["deployment"] = dep.name
+                    evidence["reason"] = reason
                 ctx.record(
-                    "fallback",
-                    f"try:{alias}",
-                    f"{chain[idx - 1]} failed: {last}",
-                    t,
-                    {"from": primary.alias, "to": alias},
+                    "fallback", f"try:{alias}", f"{chain[idx - 1]} failed: {last}", t, evidence
                 )
-            elif boundary is not None and dep.model.region not in boundary:
-                why = f"region {dep.model.region!r} is outside the allowed {boundary}"
-                ctx.record("attempt", f"skip:{alias}", why, t)
-                last = EngineNotReady(f"the model '{alias}' may not serve this tenant: {why}")
-                continue
-            if dep.failed:
-                assert dep.engine is not None
-                why = dep.engine.reason or "it crashed at every start"
-                ctx.record("attempt", f"skip:{alias}", f"engine failed: {why}", t)
-                last = EngineFailed(f"the model '{alias}' failed to start and is not served: {why}")
-                continue
-            if not dep.ready:
-                state = dep.describe().get("state")
-                ctx.record("attempt", f"skip:{alias}", f"engine {state}", t)
-                last = EngineNotReady(
-                    f"the model '{alias}' is not ready yet (engine state: {state}); retry shortly"
+            assert dep is not None
+            # Another deployment of the alias when this one fails (balance.failover).
+            left = balancer.cfg.failover if balancer is not None else 0
+            tried = {dep.name}
+            while True:
+                before = ctx.run.attempts
+                done, out = await self._try_at(
+                    ctx, dep, stream, idx == len(chain) - 1 and left == 0, t, boundary, idx == 0
                 )
-                continue
-            try:
-                result = await self._attempts(ctx, dep, stream, last_in_chain=idx == len(chain) - 1)
-            except SwitchyardError as exc:
-                if exc.retry_class is None and not isinstance(
-                    exc, EngineNotReady | UpstreamTimeout | EngineCrashed
-                ):
-                    raise  # final: the request itself is wrong; another model will not fix it
-                last = exc
-                continue
-            if idx > 0:
-                self.fallbacks += 1
-                ctx.run.fallback_from = primary.alias
-                ctx.deployment = dep
-                ctx.model = dep.model
-            return result
+                if done:
+                    if idx > 0:
+                        self.fallbacks += 1
+                        ctx.run.fallback_from = primary.alias
+                    if dep is not primary:
+                        ctx.deployment = dep
+                        ctx.model = dep.model
+                    return out
+                last = out
+                if balancer is None:
+                    break
+                _leave(ctx, dep, ctx.run.attempts > before)
+                if left <= 0:
+                    break
+                left -= 1
+                t = time.perf_counter()
+                # A pinned request or a task's keeps its revision; others take any.
+                keep = balancer.versioned and (ctx.pin is not None or ctx.input.task_id)
+                picked = balancer.failover(
+                    tried,
+                    revision=dep.model.revision if keep else None,
+                    regions=boundary,
+                    tokens=tokens,
+                )
+                if picked is None:
+                    ctx.record(
+                        "failover",
+                        f"none:{alias}",
+                        f"{dep.name} failed and no other deployment of {alias} is eligible",
+                        t,
+                        {"tried": sorted(tried)},
+                    )
+                    break
+                failed = dep.name
+                dep, reason, evidence = picked
+                tried.add(dep.name)
+                ctx.admission.balanced = (balancer, dep)
+                evidence["from"] = failed
+                ctx.record(
+                    "failover", f"try:{dep.name}", f"{failed} failed: {last}; {reason}", t, evidence
+                )
         assert last is not None
         raise last
+
+    async def _try_at(
+        self,
+        ctx: RequestContext,
+        dep: Deployment,
+        stream: bool,
+        last_in_chain: bool,
+        t: float,
+        boundary: list[str] | None,
+        check_region: bool,
+    ) -> tuple[bool, Any]:
+        """(True, the result) from `dep`, or (False, the error) when the request may
+        move on to another deployment; a final error (the request itself is wrong:
+        another model will not fix it) is raised."""
+        name = dep.name
+        if check_region and boundary is not None and dep.model.region not in boundary:
+            why = f"region {dep.model.region!r} is outside the allowed {boundary}"
+            ctx.record("attempt", f"skip:{name}", why, t)
+            return False, EngineNotReady(
+                f"the model '{dep.alias}' may not serve this tenant: {why}"
+            )
+        if dep.failed:
+            assert dep.engine is not None
+            why = dep.engine.reason or "it crashed at every start"
+            ctx.record("attempt", f"skip:{name}", f"engine failed: {why}", t)
+            return False, EngineFailed(
+                f"the model '{dep.alias}' failed to start and is not served: {why}"
+            )
+        if not dep.ready:
+            state = dep.describe().get("state")
+            ctx.record("attempt", f"skip:{name}", f"engine {state}", t)
+            return False, EngineNotReady(
+                f"the model '{dep.alias}' is not ready yet (engine state: {state}); retry shortly"
+            )
+        try:
+            return True, await self._attempts(ctx, dep, stream, last_in_chain=last_in_chain)
+        except SwitchyardError as exc:
+            if exc.retry_class is None and not isinstance(
+                exc, EngineNotReady | UpstreamTimeout | EngineCrashed
+            ):
+                raise
+            return False, exc
 
     async def _record(self, breaker: CircuitBreaker, success: bool) -> None:
         before = breaker.state
@@ -354,3 +432,12 @@ class Executor:
                 {"upstream": dep.label, "alias": dep.alias, "attempt": ctx.run.attempts},
             )
             return result
+
+
+def _leave(ctx: RequestContext, dep: Deployment, attempted: bool) -> None:
+    """The request moves on from a balanced deployment: it is settled there at the
+    request's end as a failure (for its canary guard, if an attempt was made)."""
+    held = ctx.admission.balanced
+    if held is not None and held[1] is dep:
+        ctx.admission.left.append((held[0], dep, attempted))
+        ctx.admission.balanced = None
