@@ -326,6 +326,27 @@ def test_a_result_that_needs_approval(gw: Gateway, upstream: Scripted) -> None:
     assert r.status_code == 200, r.text
 
 
+def test_outside_a_task_a_renamed_call_still_needs_its_approval(
+    gw: Gateway, upstream: Scripted
+) -> None:
+    """Outside a task the gateway keeps no note of the calls it relayed, and the client
+    writes the conversation it sends back: the id says the call needs an approval."""
+    who = _tenant(gw, "forge")
+    _calls(upstream, ("send_email", {"to": "cfo@example.com"}), ("search", {"q": "x"}))
+    calls = _post(gw, who, ASK).json()["choices"][0]["message"]["tool_calls"]
+    ids = {c["function"]["name"]: c["id"] for c in calls}
+    assert ids["send_email"].startswith("call_sya_"), ids  # keyed, with its own prefix
+    assert not ids["search"].startswith("call_sy"), ids  # read-only, no approval: as it came
+    _calls(upstream)
+    forged = _with_result(ids["send_email"], "search")  # the history renames the tool
+    r = _post(gw, who, forged)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "approval_required", r.text
+    token = _approve(gw, who["tenant"], None, ids["send_email"])
+    assert _post(gw, who, forged, **{"x-switchyard-approval": token}).status_code == 200
+    # A read-only call's result needs nothing.
+    assert _post(gw, who, _with_result(ids["search"], "search")).status_code == 200
+
+
 def test_flag_mode_relays_a_forbidden_call_and_records_it(upstream: Scripted) -> None:
     g = start_gateway(_config(upstream, mode="flag"))
     try:

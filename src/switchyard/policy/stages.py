@@ -54,7 +54,13 @@ from switchyard.policy.tasks import (
     TaskHold,
     TaskStore,
 )
-from switchyard.policy.tool_calls import ToolPolicy, approval_tokens, called_tool, new_results
+from switchyard.policy.tool_calls import (
+    APPROVAL_CALL_PREFIX,
+    ToolPolicy,
+    approval_tokens,
+    called_tool,
+    new_results,
+)
 
 log = logging.getLogger("switchyard")
 
@@ -529,8 +535,10 @@ class ToolResults(Stage):
         for cid in ids:
             note = await self._store.tool_call(key, cid) if key is not None else None
             tool = note.tool if note is not None else called_tool(ctx.body, cid)
-            if tool is not None and self._policy.requires_approval(tool):
-                need.append((cid, tool))
+            if cid.startswith(APPROVAL_CALL_PREFIX) or (
+                tool is not None and self._policy.requires_approval(tool)
+            ):
+                need.append((cid, tool or "a tool that requires approval"))
         approved: list[dict[str, Any]] = []
         if need:
             try:

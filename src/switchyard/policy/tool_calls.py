@@ -16,13 +16,16 @@ what the model *returns* and what the client sends back:
   `x-parent-request-id` list and a digest of the conversation it was asked with. A
   retried or replayed step therefore yields the same key, and whatever runs the tool
   can refuse to run it twice. A streamed side-effecting call is held until its
-  arguments are complete and then relayed whole (its key needs them).
+  arguments are complete and then relayed whole (its key needs them). A call to a
+  tool that `requires_approval` is keyed the same way, with the prefix `call_sya_`.
 * **Results and approvals** (the `tool_results` stage): the tool results a request
   brings for the first time (the `tool` messages after its last assistant message) are
   counted per task; a result for a call whose result was already brought is flagged as
   a duplicate side effect. A result for a tool that `requires_approval` needs a valid
   approval for that call (`x-switchyard-approval`), issued by an operator, scoped to
-  tenant, task and call, single-use and expiring (`ApprovalStore`).
+  tenant, task and call, single-use and expiring (`ApprovalStore`). So does a result
+  for a `call_sya_` id, whatever tool the conversation sent back names for it: outside
+  a task the gateway keeps no note of its calls, and the client writes the history.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ from switchyard.errors import InvalidRequest
 from switchyard.policy.tasks import ToolCallNote
 
 KEYED_PREFIX = "call_sy_"
+# The id prefix of a call to a tool that requires_approval: its result needs an
+# approval whatever tool the conversation the client sends back names for the id.
+APPROVAL_CALL_PREFIX = "call_sya_"
 
 
 def _obj(value: Any) -> dict[str, Any]:
@@ -66,6 +72,11 @@ class ToolPolicy:
     def requires_approval(self, name: str) -> bool:
         spec = self.specs.get(name)
         return spec is not None and spec.requires_approval
+
+    def keyed(self, name: str, cls: str) -> bool:
+        """Whether a call gets an idempotency key as its id (and, streamed, is held
+        until complete): a side effect, or a tool that requires approval."""
+        return cls == "side_effect" or (self.approvals and self.requires_approval(name))
 
     def refusal(self, name: str | None, tenant: str | None) -> str | None:
         """Why the tenant may not have this tool run, or None."""
@@ -185,9 +196,10 @@ class ToolGovernor:
         entry = self.result.calls[-1]
         call_id = call.get("id")
         key = None
-        if cls == "side_effect":
+        if self.policy.keyed(name, cls):
             key = self._key(name, fn.get("arguments", ""))
-            call_id = KEYED_PREFIX + key
+            approval = self.policy.approvals and self.policy.requires_approval(name)
+            call_id = (APPROVAL_CALL_PREFIX if approval else KEYED_PREFIX) + key
             call = {**call, "id": call_id}
             entry["idempotency_key"] = key
         entry["id"] = call_id
@@ -316,7 +328,8 @@ class StreamToolGate:
             if relay:
                 self._next[ci] = index + 1
             call = self._calls[(ci, ui)] = _Call(relay, cls, index)
-            if relay and cls == "side_effect":
+            name = fn.get("name")
+            if relay and self.governor.policy.keyed(name if isinstance(name, str) else "", cls):
                 call.held = {
                     "index": index,
                     "id": d.get("id"),
