@@ -38,8 +38,44 @@ def test_hotpath_measures_both_apps_and_writes_a_result(tmp_path: Path) -> None:
     for target in ("switchyard_us", "floor_us"):
         blocks = result["timed"][target]["blocks"]
         assert len(blocks) == 2 and all(b > 0 for b in blocks)
-    assert result["workload"] == {"requests": 400, "blocks": 2, "tokens": 16}
+    assert result["workload"] == {
+        "requests": 400,
+        "blocks": 2,
+        "tokens": 16,
+        "targets": ["switchyard", "realistic"],
+    }
     assert result["instructions"] is None  # not asked for
+
+
+def test_hotpath_governed_measures_governance_on_and_off(tmp_path: Path) -> None:
+    out = tmp_path / "hotpath.json"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "switchyard.bench.hotpath", "--governed"),
+            *("--requests", "300", "--blocks", "2", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "governed / gov-off (min):" in done.stdout
+    timed = json.loads(out.read_text())["timed"]
+    assert set(timed) == {"gov-off_us", "governed_us", "floor_us"}
+
+
+def test_the_governed_driver_refuses_replies_without_the_idempotency_key() -> None:
+    """The governed mode checks that each reply's side-effecting call got its key."""
+
+    async def ungoverned(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b'{"id":"call_1"}'})
+
+    driver = Driver(b"{}")
+    driver.expect = b'"id":"call_sy_'
+    asyncio.run(driver.drive(ungoverned, 2))
+    with pytest.raises(RuntimeError, match="2 replies lacked"):
+        driver.check()
 
 
 def test_driver_refuses_answers_that_are_not_200() -> None:

@@ -42,6 +42,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from switchyard.bench.governed import REGISTRY, TASK_HEADERS, TOOL_CALLS
 from switchyard.bench.harness import CHAT_PATH, MODEL, chat_body
 from switchyard.bench.realistic import KEY_LIMITS, TENANT, TENANT_LIMITS
 from switchyard.engines.upstream import UpstreamReply
@@ -70,6 +71,25 @@ def _reply(tokens: int) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+def _tool_reply(tokens: int) -> bytes:
+    """The governed mode's reply: the two tool calls bench/governed.py's upstream makes."""
+    body = json.loads(_reply(tokens))
+    body["choices"][0]["message"] = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": f"call_{i}",
+                "type": "function",
+                "function": {"name": name, "arguments": '{"q": "x"}'},
+            }
+            for i, name in enumerate(TOOL_CALLS.split(","))
+        ],
+    }
+    body["choices"][0]["finish_reason"] = "tool_calls"
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
 class Driver:
     """Calls an ASGI app as uvicorn would for one keep-alive client, and checks that
     every request was answered 200 (a broken path must not look fast)."""
@@ -82,6 +102,10 @@ class Driver:
             (b"content-length", str(len(body)).encode()),
         ]
         self.statuses: dict[int, int] = {}
+        # When set, every reply body must contain it (the governed mode: the
+        # side-effecting call's idempotency key), so a path that skips the work fails.
+        self.expect: bytes | None = None
+        self.missing = 0
         self.on_each: Callable[[int], None] | None = None
         # As uvicorn's request cycle, which `receive` is a method of: the whole body
         # has arrived (api/body.py reads it without a watch then).
@@ -111,6 +135,8 @@ class Driver:
         if message["type"] == "http.response.start":
             status = int(message["status"])
             self.statuses[status] = self.statuses.get(status, 0) + 1
+        elif self.expect is not None and message.get("body") and self.expect not in message["body"]:
+            self.missing += 1
 
     async def drive(self, app: App, n: int) -> None:
         for i in range(n):
@@ -123,29 +149,34 @@ class Driver:
         bad = {s: c for s, c in self.statuses.items() if s != 200}
         if bad:
             raise RuntimeError(f"requests were not answered 200: {bad}")
+        if self.missing:
+            raise RuntimeError(f"{self.missing} replies lacked {self.expect!r}")
 
 
-async def _switchyard_app(workdir: Path, reply: bytes, realistic: bool = False) -> tuple[App, Any]:
+async def _switchyard_app(
+    workdir: Path, reply: bytes, realistic: bool = False, tools: dict[str, Any] | None = None
+) -> tuple[App, Any]:
     """Switchyard with auth off, or (`realistic`) with auth on and a key under the
-    realistic scenario's limits (bench/realistic.py); its key is `gw.bench_key`."""
+    realistic scenario's limits (bench/realistic.py); its key is `gw.bench_key`.
+    `tools` is its `tools` config (the governed mode's)."""
     from switchyard.api.app import create_app
     from switchyard.config import parse_settings
 
-    settings = parse_settings(
-        {
-            "models": [
-                {
-                    "alias": MODEL,
-                    "revision": "scripted-v1",
-                    "engine": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1"},
-                }
-            ],
-            "embeddings": {"enabled": False},
-            "auth": {"mode": "keys" if realistic else "disabled", "bootstrap_dev_key": False},
-            "storage": {"sqlite_path": str(workdir / "hotpath.db")},
-        },
-        "hotpath",
-    )
+    raw: dict[str, Any] = {
+        "models": [
+            {
+                "alias": MODEL,
+                "revision": "scripted-v1",
+                "engine": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1"},
+            }
+        ],
+        "embeddings": {"enabled": False},
+        "auth": {"mode": "keys" if realistic else "disabled", "bootstrap_dev_key": False},
+        "storage": {"sqlite_path": str(workdir / "hotpath.db")},
+    }
+    if tools is not None:
+        raw["tools"] = tools
+    settings = parse_settings(raw, "hotpath")
     app = create_app(settings)
     gw = app.state.gateway
     gw.start()
@@ -212,46 +243,67 @@ def _folds(gw: Any) -> Callable[[int], None]:
     return each
 
 
-async def _switchyard_us(args: argparse.Namespace, realistic: bool) -> list[float]:
-    reply, body = _reply(args.tokens), chat_body(False, args.tokens)
+# The targets: (auth and the realistic key, tools config, task headers, tool-call reply).
+# gov-off and governed are bench/governed.py's sy-gov-off and sy-governed in process.
+TARGETS: dict[str, tuple[bool, dict[str, Any] | None, dict[str, str], bool]] = {
+    "switchyard": (False, None, {}, False),
+    "realistic": (True, None, {}, False),
+    "gov-off": (True, {"check_outputs": False}, {}, True),
+    "governed": (True, {"registry": REGISTRY}, TASK_HEADERS, True),
+}
+
+
+async def _started(target: str, workdir: Path, tokens: int) -> tuple[App, Any, Driver]:
+    """The target's app and a driver for it (its key and headers set)."""
+    realistic, tools, headers, calls = TARGETS[target]
+    reply = _tool_reply(tokens) if calls else _reply(tokens)
+    app, gw = await _switchyard_app(workdir, reply, realistic, tools)
+    driver = Driver(chat_body(False, tokens))
+    if gw.bench_key is not None:
+        driver.headers.append((b"authorization", f"Bearer {gw.bench_key}".encode()))
+    driver.headers += [(k.encode(), v.encode()) for k, v in headers.items()]
+    driver.on_each = _folds(gw)
+    if target == "governed":
+        driver.expect = b'"id":"call_sy_'
+    return app, gw, driver
+
+
+async def _switchyard_us(args: argparse.Namespace, target: str) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
-        app, gw = await _switchyard_app(Path(tmp), reply, realistic)
-        driver = Driver(body)
-        if gw.bench_key is not None:
-            driver.headers.append((b"authorization", f"Bearer {gw.bench_key}".encode()))
-        driver.on_each = _folds(gw)
+        app, gw, driver = await _started(target, Path(tmp), args.tokens)
         try:
             return await _measure(app, driver, args.requests, args.blocks)
         finally:
             await gw.stop()
 
 
+def _targets(args: argparse.Namespace) -> list[str]:
+    return ["gov-off", "governed"] if args.governed else ["switchyard", "realistic"]
+
+
 async def _timed(args: argparse.Namespace) -> dict[str, Any]:
     reply, body = _reply(args.tokens), chat_body(False, args.tokens)
-    sy = await _switchyard_us(args, realistic=False)
-    real = await _switchyard_us(args, realistic=True)
+    out: dict[str, Any] = {}
+    for target in _targets(args):
+        us = await _switchyard_us(args, target)
+        out[f"{target}_us"] = {"min": min(us), "median": statistics.median(us), "blocks": us}
     floor = await _measure(_floor_app(reply), Driver(body), args.requests, args.blocks)
-    return {
-        "switchyard_us": {"min": min(sy), "median": statistics.median(sy), "blocks": sy},
-        "realistic_us": {"min": min(real), "median": statistics.median(real), "blocks": real},
-        "floor_us": {"min": min(floor), "median": statistics.median(floor), "blocks": floor},
-    }
+    out["floor_us"] = {"min": min(floor), "median": statistics.median(floor), "blocks": floor}
+    return out
 
 
 async def _counted(target: str, requests: int, tokens: int) -> None:
     """The body of one callgrind run: start the target, then answer `requests`."""
-    reply, body = _reply(tokens), chat_body(False, tokens)
-    driver = Driver(body)
-    with tempfile.TemporaryDirectory() as tmp:
-        if target == "switchyard":
-            app, gw = await _switchyard_app(Path(tmp), reply)
-            driver.on_each = _folds(gw)
+    if target == "floor":
+        driver = Driver(chat_body(False, tokens))
+        await driver.drive(_floor_app(_reply(tokens)), requests)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            app, gw, driver = await _started(target, Path(tmp), tokens)
             try:
                 await driver.drive(app, requests)
             finally:
                 await gw.stop()
-        else:
-            await driver.drive(_floor_app(reply), requests)
     driver.check()
 
 
@@ -289,7 +341,7 @@ def _instructions(args: argparse.Namespace) -> dict[str, Any] | None:
     n = args.count_requests
     out: dict[str, Any] = {"requests": [n, 2 * n]}
     with tempfile.TemporaryDirectory() as tmp:
-        for target in ("switchyard", "floor"):
+        for target in (*_targets(args), "floor"):
             low = _callgrind_total(valgrind, target, n, args.tokens, Path(tmp))
             high = _callgrind_total(valgrind, target, 2 * n, args.tokens, Path(tmp))
             out[target] = round((high - low) / n)
@@ -308,6 +360,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--count-requests", type=int, default=1000, help="N for the callgrind runs (N and 2N)"
     )
+    parser.add_argument(
+        "--governed",
+        action="store_true",
+        help="measure bench overhead's governed scenario instead: the realistic key with a "
+        "tool-call reply, tool checks off (gov-off) vs a tool registry and a task budget "
+        "on every request (governed)",
+    )
     parser.add_argument("--out", default=None, help="result file (default bench-results/...)")
     parser.set_defaults(func=run)
 
@@ -315,21 +374,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     timed = asyncio.run(_timed(args))
     counted = _instructions(args) if args.instructions else None
-    sy, real, fl = timed["switchyard_us"], timed["realistic_us"], timed["floor_us"]
+    fl = timed["floor_us"]
+    notes = {
+        "switchyard": "(auth off)",
+        "realistic": "(a key under the realistic scenario's limits, traces on)",
+        "gov-off": "(realistic key, tool-call reply, tool checks off, no task)",
+        "governed": "(realistic key, tool-call reply, tool registry, task budget)",
+    }
     lines = [
         f"hot path, {args.requests} requests per app, in one process, no network "
-        f"(CPU us per request, min / median of {args.blocks} blocks)",
-        f"  switchyard  {sy['min']:8.1f} / {sy['median']:8.1f}   (auth off)",
-        f"  realistic   {real['min']:8.1f} / {real['median']:8.1f}   (a key under the realistic "
-        "scenario's limits, traces on)",
-        f"  floor       {fl['min']:8.1f} / {fl['median']:8.1f}",
-        f"  switchyard's own work (min - min): {sy['min'] - fl['min']:.1f} us",
+        f"(CPU us per request, min / median of {args.blocks} blocks)"
     ]
+    for target in _targets(args):
+        t = timed[f"{target}_us"]
+        lines.append(f"  {target:<11} {t['min']:8.1f} / {t['median']:8.1f}   {notes[target]}")
+    lines.append(f"  {'floor':<11} {fl['min']:8.1f} / {fl['median']:8.1f}")
+    first = _targets(args)[0]
+    lines.append(
+        f"  {first}'s own work (min - min): {timed[first + '_us']['min'] - fl['min']:.1f} us"
+    )
+    if args.governed:
+        on, off = timed["governed_us"]["min"], timed["gov-off_us"]["min"]
+        lines.append(f"  governed / gov-off (min): {on / off:.2f}x")
     if counted is not None:
-        lines.append(
-            f"  instructions per request: switchyard {counted['switchyard']:,}, "
-            f"floor {counted['floor']:,}, own {counted['switchyard'] - counted['floor']:,}"
-        )
+        parts = [f"{t} {counted[t]:,}" for t in (*_targets(args), "floor")]
+        lines.append("  instructions per request: " + ", ".join(parts))
+        if args.governed:
+            lines.append(
+                f"  governed / gov-off (instructions): {counted['governed'] / counted['gov-off']:.3f}x"
+            )
     print("\n".join(lines))
     result = {
         "bench": "hotpath",
@@ -339,7 +412,12 @@ def run(args: argparse.Namespace) -> int:
             "python": platform.python_version(),
             "kernel": platform.release(),
         },
-        "workload": {"requests": args.requests, "blocks": args.blocks, "tokens": args.tokens},
+        "workload": {
+            "requests": args.requests,
+            "blocks": args.blocks,
+            "tokens": args.tokens,
+            "targets": _targets(args),
+        },
         "timed": timed,
         "instructions": counted,
     }
@@ -353,7 +431,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m switchyard.bench.hotpath")
     add_arguments(ap)
-    ap.add_argument("--count-run", choices=("switchyard", "floor"), help=argparse.SUPPRESS)
+    ap.add_argument("--count-run", choices=(*TARGETS, "floor"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.count_run:
         asyncio.run(_counted(args.count_run, args.requests, args.tokens))
