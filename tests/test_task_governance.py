@@ -24,7 +24,7 @@ from switchyard.config import Price
 from switchyard.errors import InvalidRequest
 from switchyard.policy import headers
 from switchyard.policy.admit import cost_usd, estimate_prompt_tokens
-from switchyard.policy.tasks import MemoryTaskStore, TaskBudget, TaskFirst
+from switchyard.policy.tasks import MemoryTaskStore, TaskBudget, TaskFirst, ToolCallNote
 
 # -- headers ------------------------------------------------------------------------------
 
@@ -472,7 +472,7 @@ steps = st.lists(
         ),
         st.tuples(
             st.just("admit"),
-            st.sampled_from(["a", "a", "a", "b"]),
+            st.sampled_from(["a", "b", "c", "c"]),  # three tasks, room for two
             st.sampled_from([0, 300, 400, 500]),  # tokens: sums land on the budget's edge
             st.sampled_from([0.0, 0.03, 0.04]),
         ),
@@ -482,7 +482,10 @@ steps = st.lists(
             st.sampled_from([0, 100, 300]),
             st.sampled_from([0.0, 0.01]),
         ),
-        st.tuples(st.just("cancel"), st.sampled_from(["a", "b"])),
+        st.tuples(st.just("cancel"), st.sampled_from(["a", "b", "c"])),
+        # Notes on one task often enough to pass its cap of three (ids repeat too).
+        st.tuples(st.just("note"), st.just(0), st.sampled_from(["x", "y", "z", "w", "v"])),
+        st.tuples(st.just("note"), st.integers(0, 30), st.sampled_from(["x", "y", "z", "w"])),
         st.tuples(st.just("tick"), st.sampled_from([1.0, 2.5])),
     ),
     min_size=1,
@@ -500,9 +503,10 @@ def redis_url() -> Iterator[str]:
 
 
 def test_the_redis_store_answers_as_the_memory_store(redis_url: str) -> None:
-    """Over generated sequences of admits, settles, cancels and clock ticks on two
-    tasks, `RedisTaskStore` (its Lua scripts) gives every answer `MemoryTaskStore`
-    gives: allowed or refused and why, and the use after each step."""
+    """Over generated sequences of admits, settles, cancels, tool-call notes and clock
+    ticks on three tasks, with room for two and three notes each, `RedisTaskStore`
+    (its Lua scripts) gives every answer `MemoryTaskStore` gives: allowed or refused
+    and why, the use after each step, which tasks are kept and which notes."""
     from hypothesis import settings as hsettings
 
     from switchyard.policy.redis_tasks import RedisTaskStore
@@ -513,10 +517,16 @@ def test_the_redis_store_answers_as_the_memory_store(redis_url: str) -> None:
     @given(steps)
     def check(seq: list[Any]) -> None:
         async def go() -> None:
-            mem = MemoryTaskStore()
+            mem = MemoryTaskStore(max_tasks=2, max_calls=3)
             # A fresh client per example: a generous connect timeout, as a loaded CI
             # machine can take longer than the default 0.5 s to accept one.
-            red = RedisTaskStore(redis_url, prefix=f"prop{time.monotonic_ns()}:", timeout_s=5)
+            red = RedisTaskStore(
+                redis_url,
+                prefix=f"prop{time.monotonic_ns()}:",
+                timeout_s=5,
+                max_tasks=2,
+                max_calls=3,
+            )
             now, admitted = 1000.0, []
             try:
                 for step in seq:
@@ -539,9 +549,14 @@ def test_the_redis_store_answers_as_the_memory_store(redis_url: str) -> None:
                         a2 = await mem.cancel(("t", step[1]), now)
                         b2 = await red.cancel(("t", step[1]), now)
                         assert (a2 is None) == (b2 is None)
+                    elif step[0] == "note" and admitted:
+                        key, rid = admitted[step[1] % len(admitted)]
+                        notes = [ToolCallNote(f"call_{step[2]}", "t", "side_effect", rid, None)]
+                        await mem.note_tool_calls(key, notes)
+                        await red.note_tool_calls(key, notes)
                     elif step[0] == "tick":
                         now += step[1]
-                for name in ("a", "b"):
+                for name in ("a", "b", "c"):
                     a3 = await mem.describe(("t", name), now)
                     b3 = await red.describe(("t", name), now)
                     assert (a3 is None) == (b3 is None)
@@ -549,6 +564,8 @@ def test_the_redis_store_answers_as_the_memory_store(redis_url: str) -> None:
                         assert a3["used"] == pytest.approx(b3["used"])
                         assert a3["refused"] == b3["refused"]
                         assert a3["cancelled_at"] == b3["cancelled_at"]
+                        ids = sorted(c["call_id"] for c in a3["tool_calls"])
+                        assert ids == sorted(c["call_id"] for c in b3["tool_calls"])
             finally:
                 await red.close()
 

@@ -222,6 +222,7 @@ class Gateway:
                 timeout_s=settings.storage.redis_timeout_s,
                 idle_ttl_s=t.idle_ttl_s,
                 max_calls=t.max_tool_calls,
+                max_tasks=t.max_tasks,
             )
         else:
             self.tasks = MemoryTaskStore(t.max_tasks, t.idle_ttl_s, t.max_tool_calls)

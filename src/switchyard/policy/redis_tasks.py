@@ -7,11 +7,19 @@ same order (cancelled, deadline, calls, tokens, cost); tests/test_task_governanc
 runs both stores over generated sequences of calls and compares every answer.
 
 Per task (tenant, task id) the keys are, all expiring `tasks.idle_ttl_s` after the
-task's last call (Redis bounds the count by expiry, not by `tasks.max_tasks`):
+task's last call:
 
     {prefix}task:{tenant}:{task}          hash: budget, deadline, use, refusals, cancel
     {prefix}task:{tenant}:{task}:held     hash: request id → "tokens cost" reserved
     {prefix}task:{tenant}:{task}:calls    hash: tool-call id → its note (JSON)
+    {prefix}task:{tenant}:{task}:order    list: the noted call ids, oldest first
+
+and `{prefix}task-index` (a sorted set: task key → the number of its last admission,
+from the counter `{prefix}task-index:seq`) bounds their count as the memory store
+does: past `tasks.max_tasks` the least recently admitted tasks' keys are deleted by
+the admission that made one too many. Their tool-call
+notes are capped at `tasks.max_tool_calls` per task, the oldest dropped first. (The
+scripts touch keys they compute, so they assume one Redis server, not a cluster.)
 
 Times are the caller's `now`, never the server clock, as in `RedisLimiter`. A cancel
 is published on `{prefix}task-cancel`; every gateway process listens (`listen`) and
@@ -41,11 +49,19 @@ from switchyard.policy.tasks import (
 
 log = logging.getLogger("switchyard")
 
-# KEYS: state, held. ARGV: now, ttl, calls, tokens, cost, wall, deadline_at,
-# deadline_by ('' = none), request id, tokens asked, cost asked.
+# KEYS: state, held, index. ARGV: now, ttl, calls, tokens, cost, wall, deadline_at,
+# deadline_by ('' = none), request id, tokens asked, cost asked, max tasks.
 _ADMIT = """
-local k, held = KEYS[1], KEYS[2]
+local k, held, index = KEYS[1], KEYS[2], KEYS[3]
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+redis.call('ZADD', index, redis.call('INCR', index .. ':seq'), k)
+local over = redis.call('ZCARD', index) - tonumber(ARGV[12])
+if over > 0 then  -- the least recently active tasks go (expired ones among them)
+  for _, old in ipairs(redis.call('ZRANGE', index, 0, over - 1)) do
+    redis.call('DEL', old, old .. ':held', old .. ':calls', old .. ':order')
+  end
+  redis.call('ZREMRANGEBYRANK', index, 0, over - 1)
+end
 if redis.call('EXISTS', k) == 0 then
   redis.call('HSET', k, 'started_at', ARGV[1], 'b_calls', ARGV[3], 'b_tokens', ARGV[4],
     'b_cost', ARGV[5], 'b_wall', ARGV[6], 'deadline_at', ARGV[7], 'deadline_by', ARGV[8],
@@ -109,6 +125,27 @@ redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
 return redis.call('HGET', KEYS[1], 'cancelled_at')
 """
 
+# KEYS: calls, order, state. ARGV: ttl, max notes, then call id and note JSON pairs.
+# A call noted again moves to the end; past the cap the oldest notes (and their
+# result counts) go. Nothing is noted for a task that is gone.
+_NOTE = """
+local calls, order = KEYS[1], KEYS[2]
+if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
+for i = 3, #ARGV, 2 do
+  redis.call('HSET', calls, ARGV[i], ARGV[i + 1])
+  redis.call('LREM', order, 0, ARGV[i])
+  redis.call('RPUSH', order, ARGV[i])
+end
+local over = redis.call('LLEN', order) - tonumber(ARGV[2])
+for _ = 1, over do
+  local old = redis.call('LPOP', order)
+  redis.call('HDEL', calls, old, 'results:' .. old)
+end
+redis.call('EXPIRE', calls, tonumber(ARGV[1]))
+redis.call('EXPIRE', order, tonumber(ARGV[1]))
+return 0
+"""
+
 # KEYS: calls. ARGV: call ids. Each known call's result count goes up; returns
 # [id, note JSON, count, ...] of the known ones.
 _RESULTS = """
@@ -148,16 +185,20 @@ class RedisTaskStore:
         timeout_s: float = 0.5,
         idle_ttl_s: float = 3600.0,
         max_calls: int = 1000,
+        max_tasks: int = 100_000,
     ) -> None:
         self._redis = redis_client(url, timeout_s)
         self._prefix = f"{prefix}task:"
+        self._index = f"{prefix}task-index"
         self._channel = f"{prefix}task-cancel"
         self.idle_ttl_s = idle_ttl_s
         self.max_calls = max_calls
+        self.max_tasks = max_tasks
         self._admit = self._redis.register_script(_ADMIT)
         self._settle = self._redis.register_script(_SETTLE)
         self._cancel = self._redis.register_script(_CANCEL)
         self._results = self._redis.register_script(_RESULTS)
+        self._note_calls = self._redis.register_script(_NOTE)
 
     def _k(self, key: TaskKey) -> str:
         # Both parts are validated ids (no ':' in a tenant id); the task id may hold
@@ -180,7 +221,7 @@ class RedisTaskStore:
         out = await self._call(
             "admit",
             self._admit(
-                keys=[k, k + ":held"],
+                keys=[k, k + ":held", self._index],
                 args=[
                     repr(now),
                     self._ttl,
@@ -193,6 +234,7 @@ class RedisTaskStore:
                     rid,
                     tokens,
                     repr(float(cost)),
+                    self.max_tasks,
                 ],
             ),
         )
@@ -268,12 +310,14 @@ class RedisTaskStore:
     async def note_tool_calls(self, key: TaskKey, calls: list[ToolCallNote]) -> None:
         if not calls:
             return
-        k = self._k(key) + ":calls"
-        mapping = {n.call_id: orjson.dumps(note_dict(n)) for n in calls}
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.hset(k, mapping=mapping)  # type: ignore[arg-type]
-        pipe.expire(k, self._ttl)
-        await self._call("note_tool_calls", pipe.execute())
+        k = self._k(key)
+        args: list[Any] = [self._ttl, self.max_calls]
+        for n in calls:
+            args += [n.call_id, orjson.dumps(note_dict(n))]
+        await self._call(
+            "note_tool_calls",
+            self._note_calls(keys=[k + ":calls", k + ":order", k], args=args),
+        )
 
     async def note_results(self, key: TaskKey, call_ids: list[str]) -> dict[str, ToolCallNote]:
         out = await self._call(
