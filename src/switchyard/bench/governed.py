@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import yaml
 
 from switchyard.bench.harness import (
     Child,
+    KeyedTarget,
     StartError,
     auth_script,
     chat_body,
@@ -61,13 +61,6 @@ DESCRIPTIONS = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class GovernedTarget:
-    name: str
-    url: str
-    scripts: dict[bool, Path]
-
-
 def _config(path: Path, governed: bool) -> None:
     cfg: dict[str, Any] = yaml.safe_load(path.read_text())
     cfg["tools"] = {"registry": REGISTRY} if governed else {"check_outputs": False}
@@ -87,7 +80,7 @@ def _scripts(workdir: Path, name: str, key: str, max_tokens: int) -> dict[bool, 
 
 def start_governed_targets(
     workdir: Path, urls: dict[str, str], args: argparse.Namespace, children: list[Child]
-) -> list[GovernedTarget]:
+) -> list[KeyedTarget]:
     """Start both gateways against the upstream serving `urls["direct"]`; each started
     child is appended to `children` at once."""
     upstream_port = urlsplit(urls["direct"]).port
@@ -104,7 +97,7 @@ def start_governed_targets(
         check_auth_on(gw.name, gw.url, gw.key, args.tokens)
         if name == TARGET:  # served within its task, its tool calls governed
             _check_governed(gw.url, gw.key, args.tokens)
-        out.append(GovernedTarget(name, gw.url, _scripts(workdir, name, gw.key, args.tokens)))
+        out.append(KeyedTarget(name, gw.url, _scripts(workdir, name, gw.key, args.tokens)))
     return out
 
 

@@ -444,6 +444,15 @@ def create_tenant_key(
 
 
 @dataclass(frozen=True, slots=True)
+class KeyedTarget:
+    """A started gateway with a key: its chat URL and the wrk scripts that carry it."""
+
+    name: str
+    url: str
+    scripts: dict[bool, Path]
+
+
+@dataclass(frozen=True, slots=True)
 class KeyedGateway:
     """A gateway ready to start: its config and SQLite file, with a tenant and key in it."""
 

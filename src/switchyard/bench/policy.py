@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import socket
 import subprocess
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from switchyard.bench.harness import (
     AUTH_ON,
     Child,
     KeyedGateway,
+    KeyedTarget,
     LimitValue,
     check_auth_on,
     create_tenant_key,
@@ -64,15 +64,6 @@ DESCRIPTIONS = {
     "in-process MemoryLimiter, SQLite usage ledger",
     REDIS_TARGET: "as sy-policy, with storage.redis_url: RedisLimiter on a local redis-server",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyTarget:
-    """A started policy gateway: its chat URL and the wrk scripts that carry its key."""
-
-    name: str
-    url: str
-    scripts: dict[bool, Path]
 
 
 # --- tenant and key ---------------------------------------------------------------------
@@ -139,7 +130,7 @@ def start_policy_targets(
     urls: dict[str, str],
     args: argparse.Namespace,
     children: list[Child],
-) -> list[PolicyTarget]:
+) -> list[KeyedTarget]:
     """Start redis and both policy gateways against the upstream already serving `urls`.
 
     Started children are appended to `children` at once, so the caller stops them
@@ -162,12 +153,12 @@ def start_policy_targets(
         child = start_gateway(name, gw.config, gw.port, workdir)
         children.append(child)
         launched.append((gw, child))
-    targets: list[PolicyTarget] = []
+    targets: list[KeyedTarget] = []
     for gw, child in launched:
         wait_ready(child, partial(readyz, gw.port), args.startup_timeout)
         check_auth_on(gw.name, gw.url, gw.key, args.tokens)
         scripts = write_scripts(workdir, gw.name, gw.key, args.tokens)
-        targets.append(PolicyTarget(gw.name, gw.url, scripts))
+        targets.append(KeyedTarget(gw.name, gw.url, scripts))
     return targets
 
 
