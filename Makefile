@@ -38,10 +38,12 @@ $(STAMP): pyproject.toml $(ENGINE_SCRIPTS) | $(VENV)/bin/python
 	@$(PY) -c 'import llama_cpp; print("engine: llama.cpp", llama_cpp.llama_print_system_info().decode().strip())'
 	touch $(STAMP)
 
-# System packages: redis-server for shared counters, wrk as the C load generator.
+# System packages: redis-server for shared counters, wrk as the C load generator,
+# PostgreSQL for the shared store (the tests start their own server on a free port).
 sysdeps:
-	@if ! command -v redis-server >/dev/null || ! command -v wrk >/dev/null; then \
-		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server wrk; \
+	@if ! command -v redis-server >/dev/null || ! command -v wrk >/dev/null || \
+		! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then \
+		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server wrk postgresql; \
 	fi
 
 # vLLM (the `vllm` engine kind) in its own virtual environment: its dependencies may

@@ -9,7 +9,8 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from switchyard.config import ConfigError, load_settings, sqlite_path
+from switchyard.config import ConfigError, load_settings, store_target
+from switchyard.observe.pg import StoreUnavailable
 
 if TYPE_CHECKING:
     from switchyard.gateway import Gateway
@@ -159,7 +160,7 @@ def _store(args: argparse.Namespace) -> Any:
     from switchyard.policy.keys import KeyStore, Limits
 
     settings = load_settings(getattr(args, "config", None))
-    path = sqlite_path(settings, args.db)
+    path = store_target(settings, args.db)
     d = settings.tenants_defaults
     return KeyStore(
         connect(path), Limits(d.rpm, d.tpm, d.max_concurrency, d.budget.usd, d.budget.period)
@@ -211,7 +212,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         return 1
     configured = {d.name: d.weight for d in model.deployments}
     canary = {d.name for d in model.deployments if d.canary}
-    conn = connect(sqlite_path(settings, args.db))
+    conn = connect(store_target(settings, args.db))
     try:
         if args.action in ("promote", "rollback"):
             if not canary:
@@ -276,7 +277,7 @@ def cmd_approve(args: argparse.Namespace) -> int:
     from switchyard.policy.tool_calls import ApprovalStore
 
     settings = load_settings(getattr(args, "config", None))
-    store = ApprovalStore(connect(sqlite_path(settings, args.db)))
+    store = ApprovalStore(connect(store_target(settings, args.db)))
     try:
         out = store.issue(
             args.tenant,
@@ -296,6 +297,7 @@ def cmd_approve(args: argparse.Namespace) -> int:
 def cmd_trace(args: argparse.Namespace) -> int:
     """trace show <request-or-task-id> | trace list: read the traces the gateway stored."""
     from switchyard.observe.db import connect
+    from switchyard.observe.pg import redact
     from switchyard.observe.render import render_request, render_task
     from switchyard.observe.tasks import analyze_task
     from switchyard.observe.traces import (
@@ -305,7 +307,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         list_requests,
     )
 
-    path = sqlite_path(load_settings(args.config), args.db)
+    path = store_target(load_settings(args.config), args.db)
     conn = connect(path)
     try:
         if args.action == "list":
@@ -336,7 +338,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
             else:
                 print(render_task(analysis, records))
             return 0
-        print(f"switchyard: no request or task '{args.id}' in {path}", file=sys.stderr)
+        print(f"switchyard: no request or task '{args.id}' in {redact(path)}", file=sys.stderr)
         return 1
     finally:
         conn.close()
@@ -584,6 +586,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # a bad config fails here, naming the key, for every command
         print(f"switchyard: {exc}", file=sys.stderr)
         return 2
+    except StoreUnavailable as exc:  # the database cannot be reached: said, not a traceback
+        print(f"switchyard: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -47,6 +47,10 @@ class StorageConfig(_Strict):
     # on exit (tests, throwaway gateways).
     backend: Literal["sqlite", "memory"] = "sqlite"
     sqlite_path: str = "~/.switchyard/switchyard.db"
+    # The same tables in PostgreSQL instead of the SQLite file, for gateways on several
+    # machines: a URI (postgresql://user@host:5432/db). Keep the password out of it:
+    # libpq reads PGPASSWORD or a password file (PGPASSFILE, ~/.pgpass).
+    postgres_dsn: str | None = Field(None, pattern=r"^postgres(ql)?://")
     redis_url: str | None = None  # shared limits and budgets across gateway processes
     # Per Redis call; past it the limiter counts as unavailable (fail_closed/fail_open).
     redis_timeout_s: float = Field(0.5, gt=0)
@@ -876,10 +880,12 @@ def parse_settings(data: Any, source: str = "config") -> Settings:
         raise ConfigError(f"{source} is invalid:\n" + "\n".join(lines)) from None
 
 
-def sqlite_path(settings: Settings, override: str | None = None) -> str:
-    """The SQLite file in use: an explicit override (CLI --db), then the
-    SWITCHYARD_SQLITE_PATH environment variable, then storage.sqlite_path."""
-    return override or os.environ.get("SWITCHYARD_SQLITE_PATH") or settings.storage.sqlite_path
+def store_target(settings: Settings, override: str | None = None) -> str:
+    """The database in use, a SQLite file or a PostgreSQL URI: an explicit override
+    (CLI --db), then the SWITCHYARD_SQLITE_PATH environment variable, then
+    storage.postgres_dsn, then storage.sqlite_path."""
+    s = settings.storage
+    return override or os.environ.get("SWITCHYARD_SQLITE_PATH") or s.postgres_dsn or s.sqlite_path
 
 
 def load_settings(path: str | Path | None) -> Settings:

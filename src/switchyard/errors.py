@@ -141,6 +141,19 @@ class UpstreamUnreachable(UpstreamError):
     code = "upstream_unreachable"
 
 
+class DatabaseUnavailable(SwitchyardError):
+    """The store's database (PostgreSQL) cannot be reached for a lookup the request
+    needs (its key, its idempotency claim, an approval): refused, never guessed."""
+
+    status = 503
+    type = "server_error"
+    code = "store_unavailable"
+
+    def __init__(self, message: str, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.headers.setdefault("Retry-After", "2")
+
+
 class EngineNotReady(SwitchyardError):
     """The model exists but its engine cannot serve yet (loading, restarting)."""
 

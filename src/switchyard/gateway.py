@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from switchyard.config import Price, Settings, sqlite_path
+from switchyard.config import Price, Settings, store_target
 from switchyard.decide.balance import Balancer
 from switchyard.decide.cache import ResponseCache
 from switchyard.decide.stages import (
@@ -143,7 +143,7 @@ class Gateway:
             if settings.embeddings.enabled
             else None
         )
-        self.sqlite_path = sqlite_path(settings)
+        self.store_target = store_target(settings)
         d = settings.tenants_defaults
         defaults = Limits(d.rpm, d.tpm, d.max_concurrency, d.budget.usd, d.budget.period)
         flush_s = settings.observe.ledger_flush_ms / 1000
@@ -151,7 +151,7 @@ class Gateway:
             MemoryStore(defaults, settings.idempotency.ttl_s, flush_s)
             if settings.storage.backend == "memory"
             else SqliteStore(
-                self.sqlite_path,
+                self.store_target,
                 defaults,
                 settings.idempotency.ttl_s,
                 flush_s,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -21,7 +22,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from switchyard.errors import SwitchyardError, UpstreamTimeout
+from switchyard.errors import DatabaseUnavailable, SwitchyardError, UpstreamTimeout
+
+log = logging.getLogger("switchyard")
 
 T = TypeVar("T")
 
@@ -73,9 +76,15 @@ class IdempotencyStore:
         self._events: dict[tuple[str, str], asyncio.Event] = {}
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        if self._io is None:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+        try:
+            if self._io is None:
+                return fn(*args)
+            return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+        except sqlite3.OperationalError as exc:  # PostgreSQL down: refused, not guessed
+            log.error("store unavailable for an Idempotency-Key: %s", exc)
+            raise DatabaseUnavailable(
+                "the gateway's database is unavailable (the Idempotency-Key's claim)"
+            ) from None
 
     def _claim(self, tenant: str, key: str, digest: str) -> StoredReply | str:
         """'owner' if we now own the key, 'wait' if another request does, or the reply."""

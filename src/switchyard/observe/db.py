@@ -12,6 +12,8 @@ import os
 import sqlite3
 from pathlib import Path
 
+from switchyard.observe.pg import is_postgres
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
     id TEXT PRIMARY KEY,
@@ -195,8 +197,13 @@ def migrate(conn: sqlite3.Connection) -> None:
     _add_rollups(conn)
 
 
+def is_sqlite(conn: object) -> bool:
+    """Whether a store connection is SQLite's (else PostgreSQL's, observe/pg.py)."""
+    return isinstance(conn, sqlite3.Connection)
+
+
 def resolve_path(path: str) -> str:
-    if path == ":memory:":
+    if path == ":memory:" or is_postgres(path):
         return path
     p = Path(os.path.expandvars(os.path.expanduser(path)))
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -205,7 +212,12 @@ def resolve_path(path: str) -> str:
 
 def connect(path: str) -> sqlite3.Connection:
     """A connection with the schema in place. Safe to share across threads when the
-    caller serializes use (check_same_thread=False)."""
+    caller serializes use (check_same_thread=False). A PostgreSQL URI gives a
+    connection with the same interface to that database (observe/pg.py)."""
+    if is_postgres(path):
+        from switchyard.observe import pg
+
+        return pg.connect(path)  # type: ignore[return-value]
     conn = sqlite3.connect(
         resolve_path(path), timeout=10, check_same_thread=False, isolation_level=None
     )

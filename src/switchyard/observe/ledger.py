@@ -49,6 +49,7 @@ import msgspec
 
 from switchyard.observe.db import connect
 from switchyard.observe.ledger_writer import BATCH, FLUSH, HEADER, STOP, frame
+from switchyard.observe.pg import is_postgres
 from switchyard.observe.traces import LedgerBatch, LedgerEntry, ledger_entry, template_id
 from switchyard.pipeline import RequestContext
 
@@ -270,16 +271,18 @@ class UsageLedger(LedgerReads):
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         self._spawned_at = time.monotonic()
+        pg = is_postgres(self.path)  # a URI goes by the environment, not argv
         proc = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
                 "switchyard.observe.ledger_writer",
-                self.path,
+                "-" if pg else self.path,
                 str(self.max_disk_bytes),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            env={**os.environ, "SWITCHYARD_LEDGER_DB": self.path} if pg else None,
         )
         assert proc.stdin is not None
         fd = proc.stdin.fileno()

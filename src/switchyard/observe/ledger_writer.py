@@ -17,6 +17,9 @@ Frames on stdin: one kind byte, a 4-byte big-endian length, the payload.
 - `S` (or end of input): commit what came before, then exit.
 
     python -m switchyard.observe.ledger_writer PATH [MAX_BYTES]
+
+PATH `-` reads the database from SWITCHYARD_LEDGER_DB (a PostgreSQL URI is passed so,
+not on the command line, which every user of the machine can read).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import signal
 import sqlite3
 import struct
@@ -99,10 +103,11 @@ ADD_DAILY = (
     "INSERT INTO usage_daily (day, tenant_id, key_id, model, requests, errors, input_tokens,"
     " output_tokens, cost_usd) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
     " ON CONFLICT (day, tenant_id, key_id, model) DO UPDATE SET"
-    " requests = requests + excluded.requests, errors = errors + excluded.errors,"
-    " input_tokens = input_tokens + excluded.input_tokens,"
-    " output_tokens = output_tokens + excluded.output_tokens,"
-    " cost_usd = cost_usd + excluded.cost_usd"
+    " requests = usage_daily.requests + excluded.requests,"
+    " errors = usage_daily.errors + excluded.errors,"
+    " input_tokens = usage_daily.input_tokens + excluded.input_tokens,"
+    " output_tokens = usage_daily.output_tokens + excluded.output_tokens,"
+    " cost_usd = usage_daily.cost_usd + excluded.cost_usd"
 )
 
 
@@ -200,7 +205,9 @@ def write_batch(conn: sqlite3.Connection, batch: LedgerBatch) -> bool:
     except Exception:  # a malformed batch must not end the writer
         log.exception("dropped a malformed batch of %d entries", len(batch.entries))
         return False
-    for attempt in range(3):
+    attempt, outage_until = 0, time.monotonic() + OUTAGE_S
+    while True:
+        attempt += 1
         try:
             conn.execute("BEGIN IMMEDIATE")
             try:
@@ -210,19 +217,30 @@ def write_batch(conn: sqlite3.Connection, batch: LedgerBatch) -> bool:
                     conn.executemany(INSERT_TEMPLATES, templates)
                     conn.executemany(INSERT_TRACES, traces)
             except OverflowError:  # a value SQLite cannot bind: keep the rows, as text
-                conn.executemany(INSERT_USAGE, [_sqlite_safe(r) for r in rows])
-                conn.executemany(ADD_DAILY, [_sqlite_safe(r) for r in daily])
+                # (PostgreSQL: held at BIGINT's bounds, observe/pg.py)
+                safe = getattr(conn, "safe_row", _sqlite_safe)
+                if conn.in_transaction:  # PostgreSQL: the failed statement ended it
+                    conn.execute("ROLLBACK")
+                    conn.execute("BEGIN IMMEDIATE")
+                conn.executemany(INSERT_USAGE, [safe(r) for r in rows])
+                conn.executemany(ADD_DAILY, [safe(r) for r in daily])
                 if traces:
                     conn.executemany(INSERT_TEMPLATES, templates)
-                    conn.executemany(INSERT_TRACES, [_sqlite_safe(r) for r in traces])
+                    conn.executemany(INSERT_TRACES, [safe(r) for r in traces])
             conn.execute("COMMIT")
             return True
         except (sqlite3.Error, OverflowError) as exc:
             with contextlib.suppress(sqlite3.Error):
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
-            log.error("ledger write failed (attempt %d): %s", attempt + 1, exc)
-            time.sleep(0.05 * (attempt + 1))
+            log.error("ledger write failed (attempt %d): %s", attempt, exc)
+            # A database that cannot be reached (PostgreSQL down, SQLite locked) is
+            # waited for up to OUTAGE_S; batches queue behind this one meanwhile (the
+            # gateway counts what its bounded queue cannot hold). Other errors: 3 tries.
+            waiting = isinstance(exc, sqlite3.OperationalError) and time.monotonic() < outage_until
+            if attempt >= 3 and not waiting:
+                break
+            time.sleep(min(1.0, 0.05 * attempt))
     log.error("dropped %d usage rows after repeated write failures", len(rows))
     return False
 
@@ -256,6 +274,8 @@ def decode_batch(payload: bytes) -> LedgerBatch | None:
         return None
 
 
+# How long a batch waits for a database that cannot be reached before it is dropped.
+OUTAGE_S = 30.0
 # How often the writer checks the byte budget (observe.max_disk_mb) between batches.
 DISK_CHECK_S = 0.5
 
@@ -305,7 +325,8 @@ def main() -> None:
     gc.set_threshold(100_000, 50, 50)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     max_bytes = int(sys.argv[2]) if len(sys.argv) > 2 else 0
-    serve(sys.argv[1], sys.stdin.buffer, sys.stdout.buffer, max_bytes)
+    path = sys.argv[1] if sys.argv[1] != "-" else os.environ["SWITCHYARD_LEDGER_DB"]
+    serve(path, sys.stdin.buffer, sys.stdout.buffer, max_bytes)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,11 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
+from switchyard.errors import DatabaseUnavailable
 from switchyard.execute.idempotency import IdempotencyStore
 from switchyard.observe.db import SCHEMA, migrate
 from switchyard.observe.ledger import (
@@ -41,6 +42,7 @@ from switchyard.policy.keys import KeyStore, Limits, Principal
 from switchyard.policy.tool_calls import ApprovalStore
 
 log = logging.getLogger("switchyard")
+T = TypeVar("T")
 
 
 class Store:
@@ -108,18 +110,26 @@ class SqliteStore(Store):
     def _spent(self, column: str, ident: str, since: float) -> float:
         return spent_since(self._io_keys().conn, column, ident, since)
 
+    async def _on_io(self, what: str, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the I/O thread; a database that cannot be reached (PostgreSQL
+        down) is 503 store_unavailable for the request, and logged once per call."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+        except sqlite3.OperationalError as exc:
+            log.error("store unavailable for %s: %s", what, exc)
+            raise DatabaseUnavailable(f"the gateway's database is unavailable ({what})") from None
+
     async def verify_key(self, plaintext: str) -> Principal | str:
-        return await asyncio.get_running_loop().run_in_executor(self._io, self._verify, plaintext)
+        return await self._on_io("the key lookup", self._verify, plaintext)
 
     async def spent_since(self, column: str, ident: str, since: float) -> float:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._io, self._spent, column, ident, since)
+        return await self._on_io("the budget's spend", self._spent, column, ident, since)
 
     async def consume_approval(
         self, token: str, tenant: str, task_id: str | None, call_id: str, request_id: str
     ) -> tuple[str | None, str | None]:
-        return await asyncio.get_running_loop().run_in_executor(
-            self._io, self.approvals.consume, token, tenant, task_id, call_id, request_id
+        return await self._on_io(
+            "the approval", self.approvals.consume, token, tenant, task_id, call_id, request_id
         )
 
     @contextlib.contextmanager

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from switchyard.observe.db import is_sqlite
 from switchyard.pipeline import RequestContext, decision_dict
 
 
@@ -389,8 +390,8 @@ def enforce_disk(conn: sqlite3.Connection, max_bytes: int, chunk: int = 2000) ->
     rollups (the bill) are never deleted. Freed pages go back to the disk where the
     file allows it (auto_vacuum=INCREMENTAL, every file made since), else they are
     reused by new rows, so the file stays flat. Returns the rows deleted."""
-    if bytes_in_use(conn) <= max_bytes:
-        return 0
+    if not is_sqlite(conn) or bytes_in_use(conn) <= max_bytes:
+        return 0  # PostgreSQL: its server's own business (README, data handling)
     target = int(max_bytes * 0.9)
     deleted = 0
     for table in ("traces", "usage"):
