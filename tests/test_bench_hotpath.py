@@ -64,6 +64,22 @@ def test_hotpath_governed_measures_governance_on_and_off(tmp_path: Path) -> None
     assert set(timed) == {"gov-off_us", "governed_us", "floor_us"}
 
 
+def test_hotpath_placement_measures_an_alias_with_and_without_a_policy(tmp_path: Path) -> None:
+    out = tmp_path / "hotpath.json"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "switchyard.bench.hotpath", "--placement"),
+            *("--requests", "300", "--blocks", "2", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "placed / balanced (min):" in done.stdout
+    assert set(json.loads(out.read_text())["timed"]) == {"balanced_us", "placed_us", "floor_us"}
+
+
 def test_the_governed_driver_refuses_replies_without_the_idempotency_key() -> None:
     """The governed mode checks that each reply's side-effecting call got its key."""
 

@@ -187,6 +187,8 @@ def _limit_values(args: argparse.Namespace) -> dict[str, Any]:
         out["allowed_adapters"] = [m.strip() for m in args.adapters.split(",") if m.strip()]
     if getattr(args, "may_pin_revisions", False):
         out["may_pin_revisions"] = True
+    if getattr(args, "may_report_device_state", False):
+        out["may_report_device_state"] = True
     if getattr(args, "task_budget", None):
         from switchyard.policy.headers import task_budget
 
@@ -458,6 +460,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help='the key may name a revision: model "alias@revision"',
     )
+    kc.add_argument(
+        "--may-report-device-state",
+        action="store_true",
+        help="placement honours the key's x-switchyard-device-state and -network headers",
+    )
     kc.add_argument("--expires-in-s", type=float)
     _add_limit_options(kc)
     kl = ksub.add_parser("list")
@@ -561,6 +568,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_balance_bench(
         bsub.add_parser(
             "balance", help="several deployments per alias: selection cost, skewed load"
+        )
+    )
+    from switchyard.bench.placement import add_arguments as add_placement_bench
+
+    add_placement_bench(
+        bsub.add_parser(
+            "placement", help="edge or cloud over a device and network trace, with hysteresis"
         )
     )
     from switchyard.bench.soak import add_arguments as add_soak

@@ -481,6 +481,52 @@ class DeploymentConfig(_Strict):
     labels: dict[str, str] = {}
     # A canary: watched by the model's canary_guard, moved by promote / rollback.
     canary: bool = False
+    # Where it runs, for placement (models[].placement): on the device (a managed
+    # engine, by default) or in the cloud (an upstream, by default).
+    location: Literal["device", "cloud"] | None = None
+
+    @property
+    def where(self) -> str:
+        if self.location is not None:
+            return self.location
+        return "cloud" if isinstance(self.engine, OpenAIEngine) else "device"
+
+
+class Hysteresis(_Strict):
+    """A device condition with separate enter and exit thresholds: it starts at
+    `enter` and ends only past `exit`, held for the placement's `min_dwell_s`."""
+
+    enter: float
+    exit: float
+
+
+class PlacementConfig(_Strict):
+    """Edge or cloud per request, among an alias's deployments (decide/placement.py)."""
+
+    # A request with PII found by the pii stage (or `x-switchyard-data-boundary:
+    # device`) runs on the device or is refused: never sent to the cloud.
+    pii_stays_local: bool = True
+    # Device conditions: hot (CPU °C), battery low (% while not charging), memory
+    # pressure (% used). Entering one moves work off the device when privacy and the
+    # deadline allow, else degrades it; it ends only past `exit` after min_dwell_s.
+    thermal_c: Hysteresis = Hysteresis(enter=85.0, exit=75.0)
+    battery_pct: Hysteresis = Hysteresis(enter=15.0, exit=25.0)
+    memory_pct: Hysteresis = Hysteresis(enter=92.0, exit=85.0)
+    min_dwell_s: float = Field(30.0, ge=0)
+    # Degraded: this (device) deployment instead, and/or at most this many output tokens.
+    degraded_deployment: str | None = None
+    degraded_max_tokens: int | None = Field(None, ge=1)
+    # Routes (router.routes[].name) whose requests prefer the cloud (quality) when
+    # privacy and the deadline allow.
+    cloud_routes: list[str] = []
+    # Before a deployment is measured: its assumed time to first token and per token.
+    prior_ttft_ms: float = Field(200.0, gt=0)
+    prior_tpot_ms: float = Field(20.0, gt=0)
+    # A location never measured gets the next request that may go there, and one whose
+    # measurements are older than stale_s gets a `probe` share, so its estimate follows
+    # what it can do now (not what it did when it was last chosen).
+    probe: float = Field(0.02, ge=0, le=0.5)
+    stale_s: float = Field(60.0, gt=0)
 
 
 class CanaryGuard(_Strict):
@@ -535,6 +581,8 @@ class ModelConfig(_Strict):
     deployments: list[DeploymentConfig] = []
     balance: BalanceConfig = BalanceConfig()
     canary_guard: CanaryGuard | None = None
+    # Edge or cloud per request among the deployments (their `location`).
+    placement: PlacementConfig | None = None
     capabilities: Capabilities = Capabilities()
     media: MediaOverride = MediaOverride()  # for a vision model: its image settings
     region: str = "local"
@@ -575,6 +623,25 @@ class ModelConfig(_Strict):
             raise ValueError("deployments: every weight is 0; one must be positive")
         if self.canary_guard is not None and not any(d.canary for d in self.deployments):
             raise ValueError("canary_guard: no deployment is a canary (deployments[].canary)")
+        p = self.placement
+        if p is not None:
+            if not self.deployments:
+                raise ValueError("placement: needs deployments (each with its location)")
+            for name, h, low_bad in (
+                ("thermal_c", p.thermal_c, False),
+                ("battery_pct", p.battery_pct, True),
+                ("memory_pct", p.memory_pct, False),
+            ):
+                if (h.exit >= h.enter) if not low_bad else (h.exit <= h.enter):
+                    side = "above" if low_bad else "below"
+                    raise ValueError(f"placement.{name}: exit must be {side} enter (hysteresis)")
+            if p.degraded_deployment is not None:
+                d = next((d for d in self.deployments if d.name == p.degraded_deployment), None)
+                if d is None or d.where != "device":
+                    raise ValueError(
+                        f"placement.degraded_deployment: {p.degraded_deployment!r} is not a "
+                        "device deployment of this alias"
+                    )
         return self
 
     def replica(self, d: DeploymentConfig) -> ModelConfig:

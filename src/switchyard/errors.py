@@ -154,6 +154,19 @@ class DatabaseUnavailable(SwitchyardError):
         self.headers.setdefault("Retry-After", "2")
 
 
+class PlacementRefused(SwitchyardError):
+    """The request's data may not leave the device (PII, or x-switchyard-data-boundary:
+    device) and no device deployment can serve it now: refused, never sent elsewhere."""
+
+    status = 503
+    type = "server_error"
+    code = "placement_refused"
+
+    def __init__(self, message: str, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.headers.setdefault("Retry-After", "2")
+
+
 class EngineNotReady(SwitchyardError):
     """The model exists but its engine cannot serve yet (loading, restarting)."""
 

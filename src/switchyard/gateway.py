@@ -17,6 +17,7 @@ from typing import Any
 from switchyard.config import Price, Settings, store_target
 from switchyard.decide.balance import Balancer
 from switchyard.decide.cache import ResponseCache
+from switchyard.decide.placement import Placer
 from switchyard.decide.stages import (
     Cache,
     CachePlanner,
@@ -86,6 +87,7 @@ def build_pipelines(
     tasks: TaskStore | None = None,
     running: Running | None = None,
     consume_approval: ConsumeApproval | None = None,
+    placers: Mapping[str, Placer] | None = None,
 ) -> Pipelines:
     """The stages, in order (DESIGN.md: the request pipeline). Evidence that is the
     same for every request of a model is built once and shared (recorded evidence
@@ -109,7 +111,7 @@ def build_pipelines(
             Cache(s, cache, planner),
             Route(s, router, named),
             Tools(s, embedder),
-            Select(deployments, balancers, tasks),
+            Select(deployments, balancers, tasks, placers, metrics.placed if metrics else None),
             *([Media(media, metrics)] if media is not None else []),
             DeploymentLimits(reserver, estimate),
             Queue(gates),
@@ -191,6 +193,12 @@ class Gateway:
             for alias, deps in self.registry.replicas.items()
         }
         self.executor.balancers = self.balancers  # fallbacks and failover balance too
+        # Edge or cloud per request among an alias's deployments (decide/placement.py).
+        self.placers = {
+            m.alias: Placer(m.alias, m.placement)
+            for m in settings.models
+            if m.placement is not None and m.alias in self.balancers
+        }
         if self.metrics is not None:
             self.metrics.watch_deployments(
                 [d for b in self.balancers.values() for d in b.deployments]
@@ -250,6 +258,7 @@ class Gateway:
                 self.tasks,
                 self.running,
                 self.store.consume_approval,
+                self.placers,
             ),
             self.executor,
             self.limiter,

@@ -116,6 +116,7 @@ class PiiState:
     session: Any  # the mask session: the placeholder mapping is held only here
     masked_body: dict[str, Any]  # what cache keys, embeddings and the router see
     restore: bool  # the upstream saw placeholders: the reply gets the raw values back
+    found: dict[str, int] = field(default_factory=dict)  # PII kinds found, and how many
 
 
 @dataclass(slots=True)
@@ -208,6 +209,7 @@ class RequestContext:
     pii: PiiState | None = None  # set by the pii stage when it masked the request
     route: str | None = None
     route_score: float | None = None
+    placement: Any = None  # decide/placement.Placement, for an alias with a placement policy
     admission: AdmissionState = field(default_factory=AdmissionState)
     run: ExecutionState = field(default_factory=ExecutionState)
     finished: bool = False

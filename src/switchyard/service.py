@@ -186,6 +186,9 @@ def served_raw_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
             h.append((b"x-switchyard-route-score", b"%.4f" % ctx.route_score))
     if ctx.tools_blocked:
         h.append((b"x-switchyard-tools-blocked", b"%d" % ctx.tools_blocked))
+    placed = ctx.placement
+    if placed is not None:
+        h.append((b"x-switchyard-placement", f"{placed.mode}; reason={placed.reason}".encode()))
     dep = ctx.deployment
     if dep is not None:
         h.extend(_deployment_headers(dep))
@@ -800,6 +803,17 @@ class RequestService:
                 if n > 1:
                     tpot = ((tm.ended or time.perf_counter()) - tm.upstream_first_byte) / (n - 1)
             balancer.settled(dep, ttft, tpot)
+            placed = ctx.placement
+            if (
+                placed is not None
+                and placed.estimate_ms is not None
+                and self.metrics is not None
+                and ctx.error_code is None
+            ):  # how far placement's estimate was from what the request took
+                observed = (tm.ended or time.perf_counter()) - tm.received
+                self.metrics.placement_error.labels(balancer.alias, placed.location).observe(
+                    observed - placed.estimate_ms / 1000.0
+                )
             if balancer.guard is not None:
                 self._guard(ctx, balancer, dep, ctx.error_code is None)
         for balancer, dep, attempted in ctx.admission.left:  # failed over from these

@@ -41,6 +41,7 @@ _KEY_FIELDS = (
     "name",
     "allowed_adapters",
     "may_pin_revisions",
+    "may_report_device_state",
     "expires_in_s",
     "expires_at",
 )

@@ -154,11 +154,16 @@ class Driver:
 
 
 async def _switchyard_app(
-    workdir: Path, reply: bytes, realistic: bool = False, tools: dict[str, Any] | None = None
+    workdir: Path,
+    reply: bytes,
+    realistic: bool = False,
+    tools: dict[str, Any] | None = None,
+    model: dict[str, Any] | None = None,
 ) -> tuple[App, Any]:
     """Switchyard with auth off, or (`realistic`) with auth on and a key under the
     realistic scenario's limits (bench/realistic.py); its key is `gw.bench_key`.
-    `tools` is its `tools` config (the governed mode's)."""
+    `tools` is its `tools` config (the governed mode's); `model` adds to the model's
+    config (the placement mode's deployments)."""
     from switchyard.api.app import create_app
     from switchyard.config import parse_settings
 
@@ -168,6 +173,7 @@ async def _switchyard_app(
                 "alias": MODEL,
                 "revision": "scripted-v1",
                 "engine": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1"},
+                **(model or {}),
             }
         ],
         "embeddings": {"enabled": False},
@@ -188,7 +194,7 @@ async def _switchyard_app(
     async def instant(*_args: Any, **_kwargs: Any) -> UpstreamReply:
         return UpstreamReply(200, reply, {"content-type": "application/json"})
 
-    for dep in gw.registry.deployments.values():
+    for dep in gw.registry.every():
         dep.upstream.post = instant
     # Count-based batching, so every run does the same work in the same order.
     gw.ledger.flush_s = 1e9
@@ -250,6 +256,26 @@ TARGETS: dict[str, tuple[bool, dict[str, Any] | None, dict[str, str], bool]] = {
     "realistic": (True, None, {}, False),
     "gov-off": (True, {"check_outputs": False}, {}, True),
     "governed": (True, {"registry": REGISTRY}, TASK_HEADERS, True),
+    "balanced": (True, None, {}, False),
+    "placed": (True, None, {}, False),
+}
+# The placement mode: the realistic key on an alias of two deployments, balanced
+# (least outstanding) without and with a placement policy between them.
+_TWO = [
+    {
+        "name": "dev",
+        "location": "device",
+        "engine": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1"},
+    },
+    {
+        "name": "cloud",
+        "location": "cloud",
+        "engine": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1"},
+    },
+]
+MODELS: dict[str, dict[str, Any]] = {
+    "balanced": {"deployments": _TWO, "balance": {"affinity": False}},
+    "placed": {"deployments": _TWO, "balance": {"affinity": False}, "placement": {}},
 }
 
 
@@ -257,7 +283,7 @@ async def _started(target: str, workdir: Path, tokens: int) -> tuple[App, Any, D
     """The target's app and a driver for it (its key and headers set)."""
     realistic, tools, headers, calls = TARGETS[target]
     reply = _tool_reply(tokens) if calls else _reply(tokens)
-    app, gw = await _switchyard_app(workdir, reply, realistic, tools)
+    app, gw = await _switchyard_app(workdir, reply, realistic, tools, MODELS.get(target))
     driver = Driver(chat_body(False, tokens))
     if gw.bench_key is not None:
         driver.headers.append((b"authorization", f"Bearer {gw.bench_key}".encode()))
@@ -278,6 +304,8 @@ async def _switchyard_us(args: argparse.Namespace, target: str) -> list[float]:
 
 
 def _targets(args: argparse.Namespace) -> list[str]:
+    if args.placement:
+        return ["balanced", "placed"]
     return ["gov-off", "governed"] if args.governed else ["switchyard", "realistic"]
 
 
@@ -367,6 +395,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "tool-call reply, tool checks off (gov-off) vs a tool registry and a task budget "
         "on every request (governed)",
     )
+    parser.add_argument(
+        "--placement",
+        action="store_true",
+        help="measure placement instead: the realistic key on two deployments of one alias, "
+        "balanced without (balanced) and with a placement policy (placed)",
+    )
     parser.add_argument("--out", default=None, help="result file (default bench-results/...)")
     parser.set_defaults(func=run)
 
@@ -380,6 +414,8 @@ def run(args: argparse.Namespace) -> int:
         "realistic": "(a key under the realistic scenario's limits, traces on)",
         "gov-off": "(realistic key, tool-call reply, tool checks off, no task)",
         "governed": "(realistic key, tool-call reply, tool registry, task budget)",
+        "balanced": "(realistic key, two deployments, least outstanding)",
+        "placed": "(the same with a placement policy: device state, estimates)",
     }
     lines = [
         f"hot path, {args.requests} requests per app, in one process, no network "
@@ -393,16 +429,16 @@ def run(args: argparse.Namespace) -> int:
     lines.append(
         f"  {first}'s own work (min - min): {timed[first + '_us']['min'] - fl['min']:.1f} us"
     )
-    if args.governed:
-        on, off = timed["governed_us"]["min"], timed["gov-off_us"]["min"]
-        lines.append(f"  governed / gov-off (min): {on / off:.2f}x")
+    if args.governed or args.placement:
+        a, b = _targets(args)
+        on, off = timed[f"{b}_us"]["min"], timed[f"{a}_us"]["min"]
+        lines.append(f"  {b} / {a} (min): {on / off:.2f}x")
     if counted is not None:
         parts = [f"{t} {counted[t]:,}" for t in (*_targets(args), "floor")]
         lines.append("  instructions per request: " + ", ".join(parts))
-        if args.governed:
-            lines.append(
-                f"  governed / gov-off (instructions): {counted['governed'] / counted['gov-off']:.3f}x"
-            )
+        if args.governed or args.placement:
+            a, b = _targets(args)
+            lines.append(f"  {b} / {a} (instructions): {counted[b] / counted[a]:.3f}x")
     print("\n".join(lines))
     result = {
         "bench": "hotpath",

@@ -91,10 +91,14 @@ class Balancer:
         tokens: int = 256,
         now: float | None = None,
         remembered: str | None = None,
+        location: str | None = None,
+        only: str | None = None,
     ) -> tuple[Deployment, str, dict[str, Any]]:
         """(the deployment, why it won, the evidence: every candidate with its state).
         `remembered` is the deployment the task store holds for this request's task
-        (every gateway process's record): it wins over this process's own map."""
+        (every gateway process's record): it wins over this process's own map.
+        `location` (placement's choice) keeps only the deployments there; `only`
+        (placement's degraded deployment) keeps that one."""
         now = time.monotonic() if now is None else now
         states: dict[str, dict[str, Any]] = {}
         eligible: list[Deployment] = []
@@ -109,6 +113,10 @@ class Balancer:
             }
             states[d.name] = state
             why = self._ineligible(d, 1.0 if pin else live.weight, cap, breaker, regions, now)
+            if why is None and location is not None and d.location != location:
+                why = f"placed on the {location}, it runs on the {d.location}"
+            if why is None and only is not None and d.name != only:
+                why = f"placement degraded to {only}"
             if why is None:
                 eligible.append(d)
             else:
@@ -117,7 +125,8 @@ class Balancer:
         if pin is not None:
             return self._pinned(pin, eligible, evidence)
         if not eligible:
-            chosen = self.deployments[0]
+            at = [d for d in self.deployments if location is None or d.location == location]
+            chosen = at[0] if at else self.deployments[0]
             reason = (
                 "no deployment is eligible: sent to the first, whose refusal lets fallbacks apply"
             )
@@ -174,6 +183,7 @@ class Balancer:
         regions: list[str] | None = None,
         tokens: int = 256,
         now: float | None = None,
+        location: str | None = None,
     ) -> tuple[Deployment, str, dict[str, Any]] | None:
         """Another eligible deployment, not one in `tried` (by name) and of `revision`
         when given, picked by the strategy (no affinity: the one it had just failed);
@@ -187,6 +197,8 @@ class Balancer:
             why = (
                 f"revision {d.model.revision}, not the request's {revision}"
                 if revision is not None and d.model.revision != revision
+                else f"placed on the {location}"
+                if location is not None and d.location != location
                 else self._ineligible(d, d.live.weight, cap, breaker, regions, now)
             )
             if why is None:
@@ -200,6 +212,17 @@ class Balancer:
         if skipped:
             evidence["skipped"] = skipped
         return self._take(chosen, None, reason, evidence)
+
+    def eligible(
+        self, regions: list[str] | None = None, now: float | None = None
+    ) -> list[Deployment]:
+        """The deployments that could take a request now (choose's filter, no pick)."""
+        now = time.monotonic() if now is None else now
+        return [
+            d
+            for d, cap, breaker in self._rows
+            if self._ineligible(d, d.live.weight, cap, breaker, regions, now) is None
+        ]
 
     def _pinned(
         self, pin: str, eligible: list[Deployment], evidence: dict[str, Any]

@@ -10,10 +10,20 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import orjson
+
 from switchyard.config import Settings
 from switchyard.decide.balance import Balancer, affinity_key, prompt_prefix
 from switchyard.decide.cache import CacheKeys, ResponseCache, cache_keys
 from switchyard.decide.cacheability import Cacheability, cacheability
+from switchyard.decide.placement import (
+    Change,
+    Placement,
+    Placer,
+    parse_device_state,
+    parse_network,
+    read_sensors,
+)
 from switchyard.decide.select import select_deployment
 from switchyard.decide.tools import shortlist, tool_text
 from switchyard.decide.verify import verify
@@ -21,7 +31,13 @@ from switchyard.embed import EmbeddingService
 from switchyard.engines.pool import BASE, EnginePool
 from switchyard.engines.pool import Residency as EngineResidency
 from switchyard.engines.registry import Deployment
-from switchyard.errors import EngineNotReady, PermissionDenied, SwitchyardError
+from switchyard.errors import (
+    EngineNotReady,
+    InvalidRequest,
+    PermissionDenied,
+    PlacementRefused,
+    SwitchyardError,
+)
 from switchyard.pipeline import CacheOutcome, CacheState, RequestContext, Stage, Verdict, View
 from switchyard.policy import headers as request_headers
 
@@ -330,10 +346,14 @@ class Select(Stage):
         deployments: Mapping[str, Deployment],
         balancers: Mapping[str, Balancer] | None = None,
         tasks: Any = None,
+        placers: Mapping[str, Placer] | None = None,
+        on_place: Callable[[str, Placement, list[Change]], None] | None = None,
     ) -> None:
         self._deployments = deployments
         self._balancers = balancers or {}
         self._tasks = tasks  # the task store: a task's deployment, for every process
+        self._placers = placers or {}  # aliases with a placement policy
+        self._on_place = on_place  # metrics
 
     def static(self, view: View) -> Verdict | None:
         if view.deployment is None or view.alias is None:
@@ -375,6 +395,8 @@ class Select(Stage):
         )
         hold = ctx.task
         remembered = ctx.task_deployments.get(balancer.alias) if ctx.task_deployments else None
+        placer = self._placers.get(balancer.alias)
+        placed = self._place(ctx, balancer, placer, boundary) if placer is not None else None
         dep, reason, evidence = balancer.choose(
             tenant=p.tenant_id if p is not None else None,
             affinity=affinity_key(ctx.input.task_id, ctx.body, ctx.input.headers),
@@ -383,7 +405,14 @@ class Select(Stage):
             regions=boundary,
             tokens=ctx.max_tokens or 256,
             remembered=remembered,
+            location=placed.location if placed is not None else None,
+            only=placed.only if placed is not None else None,
         )
+        if placed is not None and placed.stay and dep.location != "device":
+            balancer.settled(dep, None, None)  # never sent: the data may not leave
+            why = f"{placed.why}, and no device deployment is eligible now"
+            ctx.record(self.name, "reject:placement", why, t, evidence)
+            raise PlacementRefused(f"the request may not leave the device: {why}")
         ctx.admission.balanced = (balancer, dep)
         ctx.deployment = dep
         ctx.model = dep.model
@@ -394,6 +423,88 @@ class Select(Stage):
             # The task's deployment for this alias, for its later steps in any process.
             return self._tasks.set_deployment(hold.key, balancer.alias, dep.name)
         return None
+
+    def _place(
+        self, ctx: RequestContext, balancer: Balancer, placer: Placer, regions: list[str] | None
+    ) -> Placement | None:
+        """Where the request runs (decide/placement.py): recorded as the `place` decision,
+        with the device conditions it changed; the balancer then picks within it."""
+        t = time.perf_counter()
+        h = ctx.input.headers
+        p = ctx.principal
+        reports = p is None or p.may_report_device_state
+        ignored = []
+        raw_state = h.get("x-switchyard-device-state")
+        raw_net = h.get("x-switchyard-network")
+        state = parse_device_state(raw_state) if raw_state is not None and reports else None
+        network = parse_network(raw_net) if raw_net is not None and reports else None
+        if not reports:
+            ignored = [n for n, v in (("device-state", raw_state), ("network", raw_net)) if v]
+        if state is None:
+            state = read_sensors()
+        boundary = h.get("x-switchyard-data-boundary")
+        private = None
+        if boundary is not None:
+            if boundary.strip().lower() != "device":
+                raise InvalidRequest(
+                    "header x-switchyard-data-boundary: the only value is 'device'",
+                    param="x-switchyard-data-boundary",
+                )
+            private = "x-switchyard-data-boundary: device"
+        elif placer.cfg.pii_stays_local and ctx.pii is not None and ctx.pii.found:
+            private = f"PII found ({', '.join(sorted(ctx.pii.found))})"
+        now = time.monotonic()
+        changes = placer.observe(state, now)
+        for c in changes:
+            word = "entered" if c.active else "ended"
+            ctx.record(
+                "place",
+                f"{'enter' if c.active else 'exit'}:{c.condition}",
+                f"the device's {c.condition} condition {word}",
+                t,
+                {
+                    "value": c.value,
+                    "limits": getattr(placer.cfg, _LIMITS[c.condition]).model_dump(),
+                },
+            )
+        eligible = balancer.eligible(regions, now)
+        body_bytes = len(orjson.dumps(ctx.body)) if network is not None else 0
+        placed = placer.decide(
+            device=[d for d in eligible if d.location == "device"],
+            cloud=[d for d in eligible if d.location == "cloud"],
+            private=private,
+            state=state,
+            network=network,
+            nbytes=body_bytes,
+            tokens=ctx.max_tokens or 256,
+            remaining_ms=ctx.remaining_s() * 1000.0,
+            route=ctx.route,
+        )
+        if placed is None:
+            return None
+        evidence = {**placed.evidence, "reason": placed.reason}
+        if ignored:
+            evidence["ignored_headers"] = ignored  # this key may not report device state
+        if placed.mode == "refused":
+            ctx.record("place", "reject:privacy", placed.why, t, evidence)
+            raise PlacementRefused(
+                f"the request may not leave the device ({placed.why}) and no device "
+                "deployment can serve it now"
+            )
+        cap = placed.max_tokens
+        if cap is not None and (ctx.max_tokens == 0 or ctx.max_tokens > cap):
+            field = "max_completion_tokens" if "max_completion_tokens" in ctx.body else "max_tokens"
+            ctx.body = {**ctx.body, field: cap}
+            ctx.max_tokens = cap
+            evidence["max_tokens"] = cap
+        ctx.placement = placed
+        ctx.record("place", placed.mode, placed.why, t, evidence)
+        if self._on_place is not None:
+            self._on_place(balancer.alias, placed, changes)
+        return placed
+
+
+_LIMITS = {"thermal": "thermal_c", "battery": "battery_pct", "memory": "memory_pct"}
 
 
 class Residency(Stage):
@@ -536,6 +647,8 @@ class Place(Stage):
 
     def work(self, ctx: RequestContext) -> None:
         """A balanced deployment (static decides the others; select set one or refused)."""
+        if ctx.placement is not None:
+            return  # placement decided it before balancing (Select._place), recorded there
         dep = ctx.deployment
         assert dep is not None, f"place without a deployment for {ctx.alias!r}"
         t = time.perf_counter()

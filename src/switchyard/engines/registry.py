@@ -84,11 +84,17 @@ class Deployment:
     # key of its breaker and retry budget.
     name: str = field(init=False)
     live: Live = field(init=False)
+    location: str = field(init=False)  # "device" or "cloud", for placement
 
     def __post_init__(self) -> None:
         self.alias = self.model.alias
         self.name = self.alias if self.replica is None else f"{self.alias}/{self.replica.name}"
         self.live = Live(weight=self.replica.weight if self.replica is not None else 1.0)
+        self.location = (
+            self.replica.where
+            if self.replica is not None
+            else ("device" if self.engine is not None else "cloud")
+        )
         spec = self.model.engine
         model = spec.model if isinstance(spec, OpenAIEngine) else None
         self.upstream_model = model or self.model.alias

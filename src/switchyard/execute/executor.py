@@ -144,6 +144,8 @@ class Executor:
             boundary = [r for r in (boundary or tenant_regions) if r in tenant_regions]
         last: SwitchyardError | None = None
         tokens = ctx.max_tokens or 256
+        # Placement kept the data on the device (privacy): so do failover and fallbacks.
+        stay = "device" if ctx.placement is not None and ctx.placement.stay else None
         for idx, alias in enumerate(chain):
             balancer = self.balancers.get(alias)
             t = time.perf_counter()
@@ -158,9 +160,13 @@ class Executor:
                 why = incompatibility(needs, dep.model, None if balancer else boundary)
                 if why is None and ctx.principal is not None and not ctx.principal.may_use(alias):
                     why = "this key may not use it"
+                if why is None and stay and balancer is None and dep.location != stay:
+                    why = "privacy: the request's data may not leave the device"
                 picked = None
                 if why is None and balancer is not None:
-                    picked = balancer.failover(set(), regions=boundary, tokens=tokens)
+                    picked = balancer.failover(
+                        set(), regions=boundary, tokens=tokens, location=stay
+                    )
                     if picked is None:
                         why = (
                             "none of its deployments is eligible (failed, not ready, circuit "
@@ -210,6 +216,7 @@ class Executor:
                     revision=dep.model.revision if keep else None,
                     regions=boundary,
                     tokens=tokens,
+                    location=stay,
                 )
                 if picked is None:
                     ctx.record(

@@ -36,6 +36,7 @@ CREATE TABLE IF NOT EXISTS api_keys (
     allowed_models TEXT NOT NULL DEFAULT '["*"]',
     allowed_adapters TEXT NOT NULL DEFAULT '[]',
     may_pin_revisions INTEGER NOT NULL DEFAULT 0,
+    may_report_device_state INTEGER NOT NULL DEFAULT 0,
     rpm INTEGER, tpm INTEGER, max_concurrency INTEGER,
     budget_usd REAL, budget_period TEXT,
     labels TEXT NOT NULL DEFAULT '{}',
@@ -120,7 +121,9 @@ MIGRATIONS = (
     ("usage", "adapter", "TEXT"),
     ("usage", "adapter_revision", "TEXT"),
     ("api_keys", "may_pin_revisions", "INTEGER NOT NULL DEFAULT 0"),
+    ("api_keys", "may_report_device_state", "INTEGER NOT NULL DEFAULT 0"),
     ("tenants", "task_budget", "TEXT"),
+    ("usage", "placement", "TEXT"),
     ("api_keys", "task_budget", "TEXT"),
 )
 # Partial: only requests that carry a client id pay for an index entry (a full index

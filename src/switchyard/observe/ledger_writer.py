@@ -78,6 +78,7 @@ USAGE_COLUMNS = (
     "image_pixels_out",
     "adapter",  # the LoRA adapter that served it, and its revision
     "adapter_revision",
+    "placement",  # placement's mode and reason, for an alias with a placement policy
 )
 TRACE_COLUMNS = (
     "request_id",
@@ -186,6 +187,7 @@ def usage_row(e: LedgerEntry) -> tuple[Any, ...]:
         (end - received) * 1000,
         *(e.images if e.images is not None else (None, None, None, None)),
         *(e.adapter if e.adapter is not None else (None, None)),
+        e.placement,
     )
 
 

@@ -306,6 +306,25 @@ class Metrics:
             ["model", "deployment"],
             registry=reg,
         )
+        self.placements = Counter(
+            "switchyard_placements",
+            "Placement decisions (models[].placement) by mode and reason",
+            ["model", "mode", "reason"],
+            registry=reg,
+        )
+        self.placement_changes = Counter(
+            "switchyard_placement_mode_changes",
+            "Device conditions entered or ended (hysteresis), by condition",
+            ["model", "condition", "to"],
+            registry=reg,
+        )
+        self.placement_error = Histogram(
+            "switchyard_placement_estimate_error_seconds",
+            "Observed end-to-end time minus placement's estimate for the chosen location",
+            ["model", "location"],
+            buckets=(-5, -1, -0.25, -0.05, -0.01, 0, 0.01, 0.05, 0.25, 1, 5),
+            registry=reg,
+        )
         self.adapter_events = Counter(
             "switchyard_adapter_events",
             "Adapter residency: loads (cold to loaded), evictions (LRU, max_adapters) and "
@@ -369,6 +388,14 @@ class Metrics:
             reason = "lru" if event == "evict" else "idle"
             self.engine_evictions.labels(model, reason).inc()
             self.engine_resident.labels(model).set(0)
+
+    def placed(self, model: str, placement: Any, changes: list[Any]) -> None:
+        """A placement decision, and the device conditions it saw change."""
+        self.placements.labels(model, placement.mode, placement.reason).inc()
+        for c in changes:
+            self.placement_changes.labels(
+                model, c.condition, "active" if c.active else "ended"
+            ).inc()
 
     def adapter_event(self, event: str, model: str, adapter: str, seconds: float | None) -> None:
         """The pool's adapter load / evict / promote events (EnginePool.on_adapter)."""

@@ -67,6 +67,8 @@ class LedgerEntry(msgspec.Struct, array_like=True, gc=False):
     images: tuple[int, int, int, int] | None = None
     # The LoRA adapter that served it and the adapter's revision; None for a base model.
     adapter: tuple[str, str] | None = None
+    # Placement's "mode; reason=…" (models[].placement); None without a placement policy.
+    placement: str | None = None
 
 
 ENTRY_FIELDS = LedgerEntry.__struct_fields__
@@ -179,6 +181,9 @@ def ledger_entry(
         ctx.media_shape,
         (dep.adapter.name, dep.adapter.revision)
         if dep is not None and dep.adapter is not None
+        else None,
+        f"{ctx.placement.mode}; reason={ctx.placement.reason}"
+        if ctx.placement is not None
         else None,
     )
 

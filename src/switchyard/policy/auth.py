@@ -23,6 +23,7 @@ ANONYMOUS = Principal(
     tenant_limits=Limits(),
     key_adapters=("*",),  # auth disabled: adapters open to every tenant ("*") serve
     may_pin_revisions=True,
+    may_report_device_state=True,  # auth disabled: local experiments report freely
 )
 
 

@@ -77,6 +77,8 @@ class Principal:
     key_adapters: tuple[str, ...] = ()
     # Whether the key may pin a revision (`model: "alias@revision"`).
     may_pin_revisions: bool = False
+    # Whether placement honours the key's x-switchyard-device-state / -network headers.
+    may_report_device_state: bool = False
     # The tenant's and the key's task budget, combined (policy/tasks.TaskBudget).
     task_budget: Any = None
 
@@ -230,19 +232,19 @@ class KeyStore:
                 )
             expires = time.time() + float(ttl)
         pin = values.get("may_pin_revisions", False)
-        if not isinstance(pin, bool):
-            raise InvalidRequest(
-                "'may_pin_revisions' must be true or false", param="may_pin_revisions"
-            )
+        device = values.get("may_report_device_state", False)
+        for name, flag in (("may_pin_revisions", pin), ("may_report_device_state", device)):
+            if not isinstance(flag, bool):
+                raise InvalidRequest(f"'{name}' must be true or false", param=name)
         task_budget = _check_task_budget(values.get("task_budget"))
         plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
         key_id = "key_" + secrets.token_hex(6)
         with self._lock:
             self.conn.execute(
                 "INSERT INTO api_keys (id, tenant_id, hash, prefix, name, created_at, expires_at,"
-                " allowed_models, allowed_adapters, may_pin_revisions, rpm, tpm,"
-                " max_concurrency, budget_usd, budget_period, labels, task_budget)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " allowed_models, allowed_adapters, may_pin_revisions, may_report_device_state,"
+                " rpm, tpm, max_concurrency, budget_usd, budget_period, labels, task_budget)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     key_id,
                     tenant_id,
@@ -254,6 +256,7 @@ class KeyStore:
                     json.dumps(models),
                     json.dumps(adapters),
                     int(pin),
+                    int(device),
                     lim["rpm"],
                     lim["tpm"],
                     lim["max_concurrency"],
@@ -305,6 +308,7 @@ class KeyStore:
             "allowed_models": json.loads(row["allowed_models"]),
             "allowed_adapters": json.loads(row["allowed_adapters"]),
             "may_pin_revisions": bool(row["may_pin_revisions"]),
+            "may_report_device_state": bool(row["may_report_device_state"]),
             "limits": {k: row[k] for k in LIMIT_FIELDS},
             "labels": json.loads(row["labels"]),
             "task_budget": json.loads(row["task_budget"]) if row["task_budget"] else None,
@@ -352,6 +356,7 @@ class KeyStore:
             tenant_models=tuple(json.loads(row["t_models"])),
             key_adapters=tuple(json.loads(row["allowed_adapters"])),
             may_pin_revisions=bool(row["may_pin_revisions"]),
+            may_report_device_state=bool(row["may_report_device_state"]),
             key_limits=_limits(row),
             tenant_limits=tenant_limits,
             labels=json.loads(row["labels"]),

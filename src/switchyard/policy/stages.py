@@ -337,10 +337,16 @@ class Pii(Stage):
         # stores or forwards request text, so there is nothing to mask.
         self._text_kept = cache_on or settings.router.enabled
         self._masker = masker
+        # Aliases whose placement keeps PII on the device: found PII is needed there.
+        self._placed = {
+            m.alias
+            for m in settings.models
+            if m.placement is not None and m.placement.pii_stays_local
+        }
 
     def static(self, view: View) -> Verdict | None:
         mode = self._modes.get(view.alias or "", self._mode)
-        if mode == "observe_only" and not self._text_kept:
+        if mode == "observe_only" and not self._text_kept and view.alias not in self._placed:
             return self.NOTHING_STORED
         return None
 
@@ -365,7 +371,7 @@ class Pii(Stage):
                 code="pii_detected",
             )
         restore = bool(found) and mode == "mask_upstream"
-        ctx.pii = PiiState(session, masked, restore)
+        ctx.pii = PiiState(session, masked, restore, found)
         if restore:
             ctx.body = masked  # the upstream sees placeholders; the reply is restored
         outcome = ("masked" if mode == "mask_upstream" else "observed") if found else "clean"
