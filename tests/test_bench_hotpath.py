@@ -47,11 +47,21 @@ def test_hotpath_measures_both_apps_and_writes_a_result(tmp_path: Path) -> None:
     assert result["instructions"] is None  # not asked for
 
 
-def test_hotpath_governed_measures_governance_on_and_off(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("mode", "ratio", "targets"),
+    [
+        ("--governed", "governed / gov-off (min):", {"gov-off_us", "governed_us"}),
+        ("--placement", "placed / balanced (min):", {"balanced_us", "placed_us"}),
+    ],
+)
+def test_hotpath_modes_measure_their_pair_of_targets(
+    tmp_path: Path, mode: str, ratio: str, targets: set[str]
+) -> None:
+    """--governed: governance on and off; --placement: an alias with and without a policy."""
     out = tmp_path / "hotpath.json"
     done = subprocess.run(
         [
-            *(sys.executable, "-m", "switchyard.bench.hotpath", "--governed"),
+            *(sys.executable, "-m", "switchyard.bench.hotpath", mode),
             *("--requests", "300", "--blocks", "2", "--out", str(out)),
         ],
         capture_output=True,
@@ -59,25 +69,8 @@ def test_hotpath_governed_measures_governance_on_and_off(tmp_path: Path) -> None
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    assert "governed / gov-off (min):" in done.stdout
-    timed = json.loads(out.read_text())["timed"]
-    assert set(timed) == {"gov-off_us", "governed_us", "floor_us"}
-
-
-def test_hotpath_placement_measures_an_alias_with_and_without_a_policy(tmp_path: Path) -> None:
-    out = tmp_path / "hotpath.json"
-    done = subprocess.run(
-        [
-            *(sys.executable, "-m", "switchyard.bench.hotpath", "--placement"),
-            *("--requests", "300", "--blocks", "2", "--out", str(out)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "placed / balanced (min):" in done.stdout
-    assert set(json.loads(out.read_text())["timed"]) == {"balanced_us", "placed_us", "floor_us"}
+    assert ratio in done.stdout
+    assert set(json.loads(out.read_text())["timed"]) == {*targets, "floor_us"}
 
 
 def test_the_governed_driver_refuses_replies_without_the_idempotency_key() -> None:
