@@ -42,8 +42,10 @@ $(STAMP): pyproject.toml $(ENGINE_SCRIPTS) | $(VENV)/bin/python
 # PostgreSQL for the shared store (the tests start their own server on a free port).
 sysdeps:
 	@if ! command -v redis-server >/dev/null || ! command -v wrk >/dev/null || \
-		! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then \
-		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server wrk postgresql; \
+		! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || \
+		! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+		$(SUDO) apt-get update -q && \
+		$(SUDO) apt-get install -y -q redis-server wrk postgresql chromium chromium-driver; \
 	fi
 
 # vLLM (the `vllm` engine kind) in its own virtual environment: its dependencies may

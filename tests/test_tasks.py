@@ -220,14 +220,14 @@ def test_planned_versus_executed() -> None:
 def test_retries_fallbacks_cache_and_usage_totals() -> None:
     records = [
         rec("A", 0, 10, attempts=3, cache="miss", cost_usd=0.25),
-        rec("B", 20, 10, attempts=2, fallback_from="big", cost_usd=0.5),
-        rec("C", 40, 10, cache="hit", status="error", error_code="upstream_timeout"),
+        rec("B", 20, 10, attempts=2, fallback_from="big", cost_usd=0.5, cache="hit-exact"),
+        rec("C", 40, 10, cache="hit-semantic", status="error", error_code="upstream_timeout"),
         rec("D", 60, 10, attempts=None, cache="idempotent_replay", input_tokens=None),
     ]
     a = analyze_task(records)
     assert a["retries"] == 3
     assert a["fallbacks"] == 1
-    assert a["cache_hits"] == 1
+    assert a["cache_hits"] == 2  # exact and semantic hits; a replay or miss is none
     assert a["statuses"] == {"error": 1, "ok": 3}
     assert (a["input_tokens"], a["output_tokens"]) == (60, 64)
     assert a["cost_usd"] == 0.75

@@ -296,6 +296,32 @@ def cmd_approve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cost(args: argparse.Namespace) -> int:
+    """cost --since 30d: build vs buy from the usage ledger (observe/cost.py)."""
+    import time
+
+    from switchyard.observe.cost import cost_report, parse_since, render
+    from switchyard.observe.db import connect
+
+    settings = load_settings(args.config)
+    now = time.time()
+    try:
+        since = parse_since(args.since, now)
+    except ValueError as exc:
+        print(f"switchyard: {exc}", file=sys.stderr)
+        return 2
+    conn = connect(store_target(settings, args.db))
+    try:
+        report = cost_report(conn, settings.cost, since, now)
+    except ValueError as exc:
+        print(f"switchyard: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        conn.close()
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     """trace show <request-or-task-id> | trace list: read the traces the gateway stored."""
     from switchyard.observe.db import connect
@@ -492,6 +518,15 @@ def build_parser() -> argparse.ArgumentParser:
         _add_store_options(p)
         p.add_argument("--json", action="store_true", help="raw JSON instead of text")
         p.set_defaults(func=cmd_trace)
+
+    co = sub.add_parser(
+        "cost",
+        help="build vs buy: local engines' traffic self-hosted vs on a managed API (config: cost)",
+    )
+    co.add_argument("--since", default="30d", help="30d, 12h, a date (UTC) or unix seconds")
+    _add_store_options(co)
+    co.add_argument("--json", action="store_true", help="the report as JSON")
+    co.set_defaults(func=cmd_cost)
 
     ap_ = sub.add_parser(
         "approve",

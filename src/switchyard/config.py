@@ -759,6 +759,22 @@ class MediaConfig(_Strict):
     queue: int = Field(16, ge=0)  # images waiting per step before 429 media_queue_full
 
 
+class CostConfig(_Strict):
+    """The build-vs-buy report (`switchyard cost`, the console's cost page): what the
+    traffic served by local engines costs self-hosted, against a managed API's prices
+    for the same tokens. Both sides over the same window, in USD."""
+
+    # Self-hosted: the instances that run the local engines, and what running them
+    # costs besides (people, monitoring), per 730-hour month.
+    instance_usd_per_hour: float = Field(0.0, ge=0, le=1e6)
+    instances: int = Field(1, ge=1, le=100_000)
+    ops_usd_per_month: float = Field(0.0, ge=0, le=1e9)
+    # A managed API's list prices, USD per million tokens: `managed` for every model,
+    # `managed_models` for a model whose comparable managed model is priced otherwise.
+    managed: Price = Price()
+    managed_models: dict[str, Price] = {}
+
+
 class Settings(_Strict):
     server: ServerConfig = ServerConfig()
     storage: StorageConfig = StorageConfig()
@@ -778,6 +794,7 @@ class Settings(_Strict):
     adapters: list[AdapterConfig] = []
     validation: ValidationConfig = ValidationConfig()
     embeddings: EmbeddingsConfig = EmbeddingsConfig()
+    cost: CostConfig = CostConfig()
 
     @model_validator(mode="after")
     def _unique_aliases(self) -> Settings:

@@ -35,6 +35,7 @@ from switchyard.errors import InvalidRequest, ModelNotFound
 from switchyard.execute.executor import Executor
 from switchyard.media.process import MediaProcessor
 from switchyard.media.stage import Media
+from switchyard.observe.cost import record_busy
 from switchyard.observe.metrics import Metrics
 from switchyard.observe.otel import build_tracing
 from switchyard.observe.store import MemoryStore, SqliteStore, Store
@@ -64,6 +65,7 @@ from switchyard.policy.tool_calls import ToolPolicy
 from switchyard.service import Pipelines, RequestService, embedding_estimate
 
 log = logging.getLogger("switchyard")
+BUSY_FLUSH_S = 10.0  # how often engine busy time goes to the store (observe/cost.py)
 
 
 async def _no_approvals(*_: Any) -> tuple[str | None, str | None]:
@@ -139,6 +141,7 @@ class Gateway:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.registry = Registry(settings)
+        self._busy_flushed: dict[str, float] = {}  # engine -> busy seconds stored
         self.models = {m.alias: m for m in settings.served_models()}
         self.embedder = (
             EmbeddingService(settings.embeddings, idle=lambda: self.service.active <= 1)
@@ -297,6 +300,7 @@ class Gateway:
         if self.embedder is not None:
             self.embedder.start()
         self._retention = asyncio.create_task(self._retention_loop())
+        self._busy_task = asyncio.create_task(self._busy_loop())
         if self.balancers:
             self.refresh_weights()
             self._weights_task = asyncio.create_task(self._weights_loop())
@@ -338,6 +342,38 @@ class Gateway:
             if self.embedder is not None:
                 await loop.run_in_executor(None, self.embedder.mark_in_use)
             await asyncio.sleep(obs.retention_interval_s)
+
+    async def _busy_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(BUSY_FLUSH_S)
+            try:
+                await loop.run_in_executor(None, self.flush_busy)
+            except Exception as exc:  # a missed flush is added to the next one
+                log.warning("could not record engine busy time: %s", exc)
+
+    def flush_busy(self) -> None:
+        """Store each local engine's busy seconds since the last flush (cost report)."""
+        now, wall = time.monotonic(), time.time()
+        deltas = []
+        for e in self.registry.managed():
+            total = e.busy_now(now)
+            delta = total - self._busy_flushed.get(e.alias, 0.0)
+            if delta > 0:
+                deltas.append((e.alias, total, delta))
+        if not deltas:
+            return
+        with self.store.connection() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                for alias, _, delta in deltas:
+                    record_busy(conn, alias, wall, delta)
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        for alias, total, _ in deltas:
+            self._busy_flushed[alias] = total
 
     def enforce_retention(self, now: float | None = None) -> int:
         obs = self.settings.observe
@@ -450,10 +486,14 @@ class Gateway:
         task.add_done_callback(_log_failure)
 
     async def stop(self) -> None:
-        for name in ("_retention", "_weights_task", "_cancels"):
+        for name in ("_retention", "_weights_task", "_cancels", "_busy_task"):
             task = getattr(self, name, None)
             if task is not None:
                 task.cancel()
+        try:
+            self.flush_busy()
+        except Exception as exc:
+            log.warning("could not record engine busy time: %s", exc)
         await self.registry.stop()
         if self.embedder is not None:
             await self.embedder.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
 from typing import Any
 
 import orjson
@@ -19,10 +20,13 @@ from starlette.routing import Route
 from switchyard.api.body import read_json
 from switchyard.errors import AuthenticationError, InvalidRequest, ModelNotFound, PermissionDenied
 from switchyard.gateway import Gateway
+from switchyard.observe.cost import cost_report, parse_since
+from switchyard.observe.ledger import live_summary, task_rows
 from switchyard.observe.tasks import analyze_task
 from switchyard.observe.traces import AmbiguousRequestId, get_request, get_task, list_requests
 from switchyard.policy.auth import bearer
 from switchyard.policy.keys import NotFound
+from switchyard.policy.limits import period_start
 
 log = logging.getLogger("switchyard")
 
@@ -51,7 +55,30 @@ def _json(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
-def build_admin_routes(gw: Gateway) -> list[Route]:
+def _number(q: Any, name: str, default: float | None = None) -> float | None:
+    if name not in q:
+        return default
+    try:
+        value = float(q[name][:32])
+    except ValueError:
+        raise InvalidRequest(f"'{name}' must be a number", param=name) from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise InvalidRequest(f"'{name}' must be a finite number", param=name)
+    return value
+
+
+def _limit(q: Any, default: int = 100) -> int:
+    n = _number(q, "limit", default)
+    assert n is not None
+    return max(1, min(int(n), 10_000))
+
+
+def _text(q: Any, name: str) -> str | None:
+    value = q.get(name)
+    return None if value in (None, "") else str(value)[:256]
+
+
+def build_admin_routes(gw: Gateway, sessions: Any = None) -> list[Route]:
     env = gw.settings.auth.admin_key_env
 
     def guard(request: Request) -> None:
@@ -60,6 +87,12 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
             raise PermissionDenied(
                 f"the admin API is disabled: set {env} to enable it", code="admin_disabled"
             )
+        if (
+            sessions is not None
+            and "authorization" not in request.headers
+            and sessions.check(request)  # the console's session (and CSRF token)
+        ):
+            return
         given = bearer(request.headers) or ""
         if not secrets.compare_digest(given.encode(), expected.encode()):
             raise AuthenticationError("invalid admin key", code="invalid_admin_key")
@@ -76,7 +109,16 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
     async def tenants(request: Request) -> Response:
         guard(request)
         if request.method == "GET":
-            return _json({"object": "list", "data": gw.keys.list_tenants()})
+            data = gw.keys.list_tenants()
+            now = time.time()
+            for t in data:  # what the budget period has used so far
+                lim = t["effective_limits"]
+                if lim.get("budget_usd") is not None:
+                    since = period_start(lim.get("budget_period") or "month", now)
+                    t["budget_used_usd"] = round(
+                        await gw.store.spent_since("tenant_id", t["id"], since), 6
+                    )
+            return _json({"object": "list", "data": data})
         body = await body_of(request, _TENANT_FIELDS)
         tenant_id = body.pop("id", None)
         if not tenant_id:
@@ -114,25 +156,79 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
         return _json(out)
 
     async def usage(request: Request) -> Response:
-        """Ledger rows, newest first: ?tenant=&key=&task=&limit=."""
+        """Ledger rows, newest first: ?tenant=&key=&task=&model=&status=&since=&before=
+        &limit= (since/before: unix seconds; the next page is ?before= the last row's
+        received_at)."""
         guard(request)
         await gw.service.settled()
         q = request.query_params
-        try:
-            limit = min(int(q.get("limit", "100")), 10_000)
-        except ValueError:
-            raise InvalidRequest("'limit' must be an integer", param="limit") from None
+        limit = _limit(q)
         return _json(
             {
                 "object": "list",
                 "data": gw.ledger.rows(
-                    tenant_id=q.get("tenant"),
-                    key_id=q.get("key"),
-                    task_id=q.get("task"),
+                    tenant_id=_text(q, "tenant"),
+                    key_id=_text(q, "key"),
+                    task_id=_text(q, "task"),
                     limit=limit,
+                    model=_text(q, "model"),
+                    status=_text(q, "status"),
+                    since=_number(q, "since"),
+                    before=_number(q, "before"),
                 ),
             }
         )
+
+    async def task_list(request: Request) -> Response:
+        """Tasks, most recently active first: ?tenant=&before=&limit=."""
+        guard(request)
+        await gw.service.settled()
+        q = request.query_params
+        data = gw.ledger.read(task_rows, _text(q, "tenant"), _limit(q), _number(q, "before"))
+        return _json({"object": "list", "data": data})
+
+    async def live(request: Request) -> Response:
+        """The live view: the ledger over the last ?window_s= (60, at most 3600) seconds,
+        and the gateway's state now (breakers, queues, engines)."""
+        guard(request)
+        await gw.service.settled()
+        window = _number(request.query_params, "window_s", 60.0)
+        assert window is not None
+        window = min(max(window, 1.0), 3600.0)
+        now_wall = time.time()
+        out = gw.ledger.read(live_summary, now_wall - window, now_wall + 1e-6)
+        now = time.monotonic()
+        out["breakers"] = {a: b.describe(now)["state"] for a, b in gw.executor.breakers.items()}
+        out["queues"] = {
+            name: {"in_flight": g.in_flight, "queued": g.queued} for name, g in gw.gates.items()
+        }
+        out["active_requests"] = gw.service.active
+        reg = gw.registry
+        out["engines"] = {
+            e.alias: {
+                "state": e.describe()["state"],
+                "in_flight": e.in_flight,
+                "memory_mb": e.memory_mb,
+                "adapters": {
+                    n: a["state"] for n, a in (e.describe().get("adapters") or {}).items()
+                },
+            }
+            for e in reg.managed()
+        }
+        out["cache"] = gw.cache.stats() if gw.cache is not None else {"enabled": False}
+        return _json(out)
+
+    async def cost(request: Request) -> Response:
+        """The build-vs-buy report (observe/cost.py): ?since=30d (or a date, or unix s)."""
+        guard(request)
+        await gw.service.settled()
+        now = time.time()
+        try:
+            since = parse_since(request.query_params.get("since", "30d"), now)
+            report = gw.ledger.read(cost_report, gw.settings.cost, since, now)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="since") from None
+        return _json(report)
 
     async def settled() -> None:
         await gw.service.settled()  # what was answered before this call is visible
@@ -297,6 +393,9 @@ def build_admin_routes(gw: Gateway) -> list[Route]:
         Route("/admin/models/{alias:path}/{action:str}", model_move_checked, methods=["POST"]),
         Route("/admin/requests", request_list, methods=["GET"]),
         Route("/admin/requests/{request_id}", request_trace, methods=["GET"]),
+        Route("/admin/tasks", task_list, methods=["GET"]),
+        Route("/admin/live", live, methods=["GET"]),
+        Route("/admin/cost", cost, methods=["GET"]),
         Route("/admin/tasks/{task_id}", task_trace, methods=["GET", "DELETE"]),
         Route("/admin/approvals", approvals, methods=["POST"]),
         Route("/admin/tenants", tenants, methods=["GET", "POST"]),

@@ -199,10 +199,20 @@ class ManagedLlamaCpp:
         self.loaded_at: float | None = None
         self.last_used = 0.0
         self.in_flight = 0
+        # Busy time: seconds with at least one request held on it (from residency to
+        # the end of its reply), for the cost report's utilization (observe/cost.py).
+        self.busy_s = 0.0
+        self.busy_since: float | None = None
         self.loads = 0
         self.memory_mb: float | None = None
 
     # -- public state -------------------------------------------------------
+    def busy_now(self, now: float | None = None) -> float:
+        """Busy seconds since start, the current busy stretch included."""
+        if self.busy_since is None:
+            return self.busy_s
+        return self.busy_s + (time.monotonic() if now is None else now) - self.busy_since
+
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1" if self.port else "http://127.0.0.1:0/v1"
@@ -341,6 +351,7 @@ class ManagedLlamaCpp:
             "lazy": self.spec.lazy,
             "loads": self.loads,
             "in_flight": self.in_flight,
+            "busy_s": round(self.busy_now(), 3),
             "memory_mb": None if self.memory_mb is None else round(self.memory_mb, 1),
             "max_adapters": self.spec.max_adapters,
             "max_active_adapters": self.spec.active_adapters,

@@ -215,11 +215,16 @@ class EnginePool:
     def hold(self, e: ManagedLlamaCpp) -> None:
         e.in_flight += 1
         e.last_used = time.monotonic()
+        if e.busy_since is None:
+            e.busy_since = e.last_used
 
     @staticmethod
     def release(e: ManagedLlamaCpp, adapter: str | None = None) -> None:
         e.in_flight -= 1
         e.last_used = time.monotonic()
+        if e.in_flight <= 0 and e.busy_since is not None:
+            e.busy_s += e.last_used - e.busy_since
+            e.busy_since = None
         if adapter is not None:
             e.adapter_in_flight[adapter] -= 1
             e.adapter_last_used[adapter] = e.last_used

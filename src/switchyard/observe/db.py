@@ -107,6 +107,14 @@ CREATE TABLE IF NOT EXISTS deployment_weights (
     reason TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (alias, deployment)
 );
+-- Seconds each local engine was busy (a request held on it), per UTC hour (unix time
+-- // 3600): the cost report's utilization (observe/cost.py).
+CREATE TABLE IF NOT EXISTS engine_busy (
+    engine TEXT NOT NULL,
+    hour INTEGER NOT NULL,
+    busy_s REAL NOT NULL DEFAULT 0,
+    PRIMARY KEY (engine, hour)
+);
 """
 
 # Columns added after a table first shipped: (table, column, type). `connect` adds

@@ -328,7 +328,8 @@ def _totals(records: list[dict[str, Any]]) -> dict[str, Any]:
         "input_tokens": sum(int(r.get("input_tokens") or 0) for r in records),
         "output_tokens": sum(int(r.get("output_tokens") or 0) for r in records),
         "cost_usd": round(sum(_num(r.get("cost_usd")) for r in records), 9),
-        "cache_hits": sum(1 for r in records if r.get("cache") == "hit"),
+        # The ledger's hits are "hit-exact" and "hit-semantic" (CacheOutcome).
+        "cache_hits": sum(1 for r in records if str(r.get("cache") or "").startswith("hit-")),
         "retries": sum(max(0, int(r.get("attempts") or 0) - 1) for r in records),
         "fallbacks": sum(1 for r in records if r.get("fallback_from")),
         "statuses": dict(sorted(statuses.items())),
