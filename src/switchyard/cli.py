@@ -107,11 +107,18 @@ def _banner(gw: Gateway, host: str, port: int) -> str:
     else:
         example = ""
     listed = serving + ([settings.embeddings.alias] if embeddings else [])
+    admin_env = settings.auth.admin_key_env
+    console = (
+        f"Console: {base}/console (log in with the admin key in ${admin_env})"
+        if os.environ.get(admin_env)
+        else f"Console and admin API: set {admin_env} to enable {base}/console"
+    )
     return f"""
 {head}  (models: {", ".join(listed) or "none"})
 {_failures(gw)}{note}
 {example}
   Health: {base}/healthz   Readiness: {base}/readyz
+  {console}
 """
 
 

@@ -18,6 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from switchyard.api.body import read_json
+from switchyard.api.console import Sessions
 from switchyard.errors import AuthenticationError, InvalidRequest, ModelNotFound, PermissionDenied
 from switchyard.gateway import Gateway
 from switchyard.observe.cost import cost_report, parse_since
@@ -78,7 +79,7 @@ def _text(q: Any, name: str) -> str | None:
     return None if value in (None, "") else str(value)[:256]
 
 
-def build_admin_routes(gw: Gateway, sessions: Any = None) -> list[Route]:
+def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Route]:
     env = gw.settings.auth.admin_key_env
 
     def guard(request: Request) -> None:

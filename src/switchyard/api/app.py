@@ -18,6 +18,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from switchyard.api.admin import build_admin_routes
+from switchyard.api.console import Sessions, build_console_routes
 from switchyard.api.openai import CTX_KEY, build_routes
 from switchyard.api.openapi import describe
 from switchyard.config import Settings
@@ -121,7 +122,9 @@ def create_app(settings: Settings, on_ready: Callable[[Gateway], None] | None = 
     app.fast = {
         r.path: r.endpoint for r in routes if isinstance(r, Route) and r.methods == {"POST"}
     }
-    app.router.routes.extend(build_admin_routes(gw))
+    sessions = Sessions(settings.auth.admin_key_env)
+    app.router.routes.extend(build_admin_routes(gw, sessions))
+    app.router.routes.extend(build_console_routes(sessions))
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> Response:
