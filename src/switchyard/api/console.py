@@ -198,6 +198,16 @@ def _redirect(to: str, headers: dict[str, str] | None = None) -> Response:
     return r
 
 
+async def _form_field(request: Request, name: str) -> str:
+    """One field of a small url-encoded form body (4 KiB at most; "" when absent)."""
+    raw = await read_body(request, 4096, timeout_s=10.0)
+    try:
+        form = parse_qs(raw.decode("utf-8"), max_num_fields=8)
+    except (UnicodeDecodeError, ValueError):
+        form = {}
+    return (form.get(name) or [""])[0]
+
+
 def build_console_routes(sessions: Sessions) -> list[Route]:
     async def login(request: Request) -> Response:
         if request.method == "GET":
@@ -210,12 +220,7 @@ def build_console_routes(sessions: Sessions) -> list[Route]:
                 _page("Log in", _login_form(f"the admin API is disabled: set {sessions.env}")),
                 403,
             )
-        raw = await read_body(request, 4096, timeout_s=10.0)
-        try:
-            form = parse_qs(raw.decode("utf-8"), max_num_fields=8)
-        except (UnicodeDecodeError, ValueError):
-            form = {}
-        given = (form.get("admin_key") or [""])[0]
+        given = await _form_field(request, "admin_key")
         if not secrets.compare_digest(given.encode(), expected.encode()):
             return _html(_page("Log in", _login_form("wrong admin key")), 401)
         secure = "; Secure" if request.url.scheme == "https" else ""
@@ -227,12 +232,7 @@ def build_console_routes(sessions: Sessions) -> list[Route]:
 
     async def logout(request: Request) -> Response:
         token = sessions.csrf(request)
-        raw = await read_body(request, 4096, timeout_s=10.0)
-        try:
-            form = parse_qs(raw.decode("utf-8"), max_num_fields=8)
-        except (UnicodeDecodeError, ValueError):
-            form = {}
-        given = (form.get("csrf") or [""])[0]
+        given = await _form_field(request, "csrf")
         if token is not None:
             if not hmac.compare_digest(given.encode(), token.encode()):
                 raise PermissionDenied("missing or wrong CSRF token", code="csrf_failed")

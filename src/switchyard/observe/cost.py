@@ -75,6 +75,17 @@ def _price(cfg: CostConfig, model: str) -> Price:
     return cfg.managed_models.get(model, cfg.managed)
 
 
+def _counts(prefix: str = "") -> dict[str, Any]:
+    return {f"{prefix}requests": 0, f"{prefix}input_tokens": 0, f"{prefix}output_tokens": 0}
+
+
+def _add(acc: dict[str, Any], n: int, inp: int, out: int, prefix: str = "") -> None:
+    """Add one ledger group's requests and tokens to `acc`'s counts named `prefix`..."""
+    acc[f"{prefix}requests"] += n
+    acc[f"{prefix}input_tokens"] += inp
+    acc[f"{prefix}output_tokens"] += out
+
+
 def _usd(price: Price, inp: int, out: int) -> float:
     return (inp * price.input + out * price.output) / 1e6
 
@@ -110,40 +121,21 @@ def cost_report(
             model,
             {
                 "model": model,
-                "requests": 0,
-                "input_tokens": 0,
-                "output_tokens": 0,
+                **_counts(),
                 "billed_usd": 0.0,
-                "self_hosted_requests": 0,
-                "self_hosted_input_tokens": 0,
-                "self_hosted_output_tokens": 0,
+                **_counts("self_hosted_"),
                 "managed_usd": 0.0,
             },
         )
-        m["requests"] += n
-        m["input_tokens"] += inp
-        m["output_tokens"] += out
+        _add(m, n, inp, out)
         m["billed_usd"] += float(billed or 0.0)
         if not local:
             continue
         managed = _usd(_price(cfg, model), inp, out)
-        m["self_hosted_requests"] += n
-        m["self_hosted_input_tokens"] += inp
-        m["self_hosted_output_tokens"] += out
+        _add(m, n, inp, out, "self_hosted_")
         m["managed_usd"] += managed
-        t = tenants.setdefault(
-            tenant,
-            {
-                "tenant": tenant,
-                "requests": 0,
-                "input_tokens": 0,
-                "output_tokens": 0,
-                "managed_usd": 0.0,
-            },
-        )
-        t["requests"] += n
-        t["input_tokens"] += inp
-        t["output_tokens"] += out
+        t = tenants.setdefault(tenant, {"tenant": tenant, **_counts(), "managed_usd": 0.0})
+        _add(t, n, inp, out)
         t["managed_usd"] += managed
 
     busy_rows = conn.execute(
