@@ -23,7 +23,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from conftest import ADMIN_KEY, Gateway, Scripted, start_gateway, start_scripted
+from conftest import ADMIN_KEY, Gateway, Scripted, local_model, start_gateway, start_scripted
 
 SHOTS = Path(__file__).resolve().parents[1] / "build" / "console-screenshots"
 BODY: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
@@ -55,6 +55,7 @@ def gw(upstreams: tuple[Scripted, Scripted]) -> Iterator[Gateway]:
             "models": [
                 {"alias": "fast", "engine": {"kind": "openai", "base_url": fast.url + "/v1"}},
                 {"alias": "slow", "engine": {"kind": "openai", "base_url": slow.url + "/v1"}},
+                local_model(),  # a resident engine for the live page (never called)
             ],
             "embeddings": {"enabled": False},
             # Exact cache for temperature-0 requests only: the other tests' calls (no
@@ -419,6 +420,8 @@ def test_live_page_refreshes_without_reloading(browser: WebDriver, gw: Gateway) 
     _until(browser, grew)
     assert browser.execute_script("return window.__same_page") is True  # no reload
     assert "fast" in browser.find_element(By.ID, "live-breakers").text
+    engines = browser.find_element(By.ID, "live-engines").text
+    assert "smollm2-135m" in engines and "ready" in engines
     _shot(browser, "live")
 
 
