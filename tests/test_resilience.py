@@ -427,3 +427,46 @@ def test_breaker_opened_by_one_gateway_stops_the_other_through_redis(second: Scr
         a.proc.stop()
         b.proc.stop()
         stop_redis(redis_proc)
+
+
+def test_failures_split_across_gateways_open_the_breaker_through_redis(second: Scripted) -> None:
+    """Each gateway sees fewer failures than the threshold; together they reach it. A
+    success on either ends the run for both."""
+    from conftest import start_redis, stop_redis
+
+    redis_proc, url = start_redis()
+    model = _model(
+        "split",
+        second.url,
+        resilience={"retries": 0, "breaker": {"failures": 3, "cooldown_s": 30}},
+    )
+    base = {
+        "models": [model],
+        "embeddings": {"enabled": False},
+        "storage": {"redis_url": url, "redis_timeout_s": 3},
+    }
+    a = start_gateway(base)
+    b = start_gateway(base)
+    try:
+        # A run broken by a success: fail (a), fail (b), ok (a), fail (b): never 3 in a row.
+        second.fault("status:500", count=2)
+        assert [_chat(g, "split").status_code for g in (a, b)] == [502, 502]
+        assert _chat(a, "split").status_code == 200
+        second.fault("status:500", count=1)
+        assert _chat(b, "split").status_code == 502
+        time.sleep(0.5)  # past the refresh interval: b knows the run is at 1
+        assert [_chat(g, "split").status_code for g in (a, b)] == [200, 200]
+
+        # Now three in a row, split 2 (a) + 1 (b): neither alone reaches 3.
+        second.fault("status:500", count=3)
+        assert [_chat(g, "split").status_code for g in (a, b, a)] == [502, 502, 502]
+        before = second.requests()
+        time.sleep(0.5)
+        for g in (a, b):
+            r = _chat(g, "split")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "circuit_open"
+        assert second.requests() == before  # neither called the failing upstream again
+    finally:
+        a.proc.stop()
+        b.proc.stop()
+        stop_redis(redis_proc)

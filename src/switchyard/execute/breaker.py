@@ -94,6 +94,12 @@ class CircuitBreaker:
             return failed / n >= self.cfg.failure_rate
         return False
 
+    def trip(self, now: float) -> None:
+        """Open now on evidence from outside this breaker (failures other processes
+        counted: see shared_breaker.py). Only a closed breaker trips."""
+        if self.state == "closed":
+            self._open(now)
+
     def adopt_open(self, opened_at: float) -> None:
         """Another process opened this deployment's breaker at `opened_at` (our clock)."""
         if self.state == "closed":  # the shared key lives only for the cooldown

@@ -282,8 +282,18 @@ class Executor:
 
     async def _record(self, breaker: CircuitBreaker, success: bool) -> None:
         before = breaker.state
+        local_failures = breaker.consecutive_failures
         breaker.record(success, time.monotonic())
-        if self.shared is None or breaker.state == before:
+        if self.shared is None:
+            return
+        if before == "closed" == breaker.state:  # the run of failures, counted by all
+            if success:
+                await self.shared.succeeded(breaker.name, local_failures)
+            else:
+                count = await self.shared.failed(breaker.name, breaker.cfg.window_s)
+                if count >= breaker.cfg.failures:
+                    breaker.trip(time.monotonic())
+        if breaker.state == before:
             return
         if breaker.state == "open":
             await self.shared.opened(breaker.name, breaker.cfg.cooldown_s)
