@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml $(ENGINE_SCRIPTS) | $(VENV)/bin/python
 		rm -rf $(VENV)/lib/llama.cpp && mkdir -p $(VENV)/lib/llama.cpp && \
 		cp -r "$$d"/convert_lora_to_gguf.py "$$d"/convert_hf_to_gguf.py "$$d"/gguf-py \
 			"$$d"/conversion $(VENV)/lib/llama.cpp/
-	$(PIP) install -e '.[dev]'
+	$(PIP) install -e '.[dev,ray]'
 	@$(PY) -c 'import llama_cpp; print("engine: llama.cpp", llama_cpp.llama_print_system_info().decode().strip())'
 	touch $(STAMP)
 

@@ -7,9 +7,12 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from switchyard.config import ConfigError, load_settings, store_target
+import yaml
+
+from switchyard.config import DEFAULT_CONFIG, ConfigError, Settings, load_settings, store_target
 from switchyard.observe.pg import StoreUnavailable
 
 if TYPE_CHECKING:
@@ -122,6 +125,88 @@ def _banner(gw: Gateway, host: str, port: int) -> str:
 """
 
 
+def _serve_args(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
+    """What every Serve app builder gets: the config file's absolute path, or the
+    config inline (--inline; for a cluster whose nodes do not have the file)."""
+    if getattr(args, "inline", False):
+        if args.config is None:
+            return {"settings": json.loads(json.dumps(DEFAULT_CONFIG))}
+        return {"settings": yaml.safe_load(Path(args.config).read_text())}
+    return {"config": str(Path(args.config).resolve())} if args.config else {}
+
+
+def cmd_serve_ray(args: argparse.Namespace, settings: Settings) -> int:
+    """The Serve config's applications on Ray (RAY_ADDRESS, or a local Ray started
+    here), engines first; stays in the foreground until Ctrl-C or SIGTERM."""
+    import signal
+    import time
+
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        print("switchyard: --ray needs Ray Serve: pip install 'ray[serve]'", file=sys.stderr)
+        return 2
+    from switchyard.scale import ray_app
+    from switchyard.scale.serve_config import serve_config
+
+    try:
+        ray_app.gateway_settings(settings)
+    except ValueError as exc:
+        print(f"switchyard: {exc}", file=sys.stderr)
+        return 2
+    if args.port is not None or args.host is not None:
+        print(
+            "switchyard: with --ray, set the port and host in the config's `ray:`", file=sys.stderr
+        )
+        return 2
+    config = serve_config(settings, _serve_args(args, settings))
+    ray.init(address=os.environ.get("RAY_ADDRESS") or None, namespace="serve")
+    serve.start(http_options={"host": settings.ray.host, "port": settings.ray.port})
+    builders = {"gateway_app": ray_app.gateway_app, "engine_app": ray_app.engine_app}
+    apps = sorted(config["applications"], key=lambda a: a["route_prefix"] == "/")
+    for app in apps:
+        builder = builders[app["import_path"].rsplit(":", 1)[1]]
+        print(f"switchyard: deploying {app['name']} at {app['route_prefix']}", flush=True)
+        serve.run(builder(app["args"]), name=app["name"], route_prefix=app["route_prefix"])
+    base = f"http://127.0.0.1:{settings.ray.port}"
+    print(
+        f"\nSwitchyard is ready on Ray Serve at {base}  ({len(apps)} applications; "
+        f"{settings.ray.gateway_replicas} gateway replicas)\n"
+        f"  Health: {base}/healthz   Readiness: {base}/readyz\n",
+        flush=True,
+    )
+    stop = False
+
+    def on_term(*_: Any) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        while not stop:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    for app in apps:
+        serve.delete(app["name"])
+    return 0
+
+
+def cmd_ray_config(args: argparse.Namespace) -> int:
+    """Print the Ray Serve config (serve run / serve deploy / KubeRay serveConfigV2)."""
+    from switchyard.scale.serve_config import serve_config
+
+    class NoAliases(yaml.SafeDumper):  # each app's args written out whole, no anchors
+        def ignore_aliases(self, data: Any) -> bool:
+            return True
+
+    settings = load_settings(args.config)
+    config = serve_config(settings, _serve_args(args, settings))
+    print(yaml.dump(config, Dumper=NoAliases, sort_keys=False), end="")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -129,6 +214,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from switchyard.api.server import GatewayProtocol
 
     settings = load_settings(args.config)
+    if args.ray:
+        return cmd_serve_ray(args, settings)
     host = args.host or settings.server.host
     port = args.port if args.port is not None else settings.server.port
     logging.basicConfig(
@@ -450,7 +537,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="YAML config; without it the embedded default is used")
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=int, default=None)
+    serve.add_argument(
+        "--ray",
+        action="store_true",
+        help="run on Ray Serve (RAY_ADDRESS, or a local Ray): gateway replicas and "
+        "autoscaled engines, as `switchyard ray-config` describes",
+    )
+    serve.add_argument("--inline", action="store_true", help="with --ray: pass the config inline")
     serve.set_defaults(func=cmd_serve)
+
+    rc = sub.add_parser("ray-config", help="print the Ray Serve config for a Switchyard config")
+    rc.add_argument("--config", help="YAML config; without it the embedded default is used")
+    rc.add_argument(
+        "--inline",
+        action="store_true",
+        help="carry the Switchyard config inside the Serve config (KubeRay)",
+    )
+    rc.set_defaults(func=cmd_ray_config)
 
     check = sub.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("--config", required=True)

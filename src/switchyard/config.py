@@ -775,6 +775,43 @@ class CostConfig(_Strict):
     managed_models: dict[str, Price] = {}
 
 
+class RayEngineScaling(_Strict):
+    """Ray Serve autoscaling of each local model's engine deployment (scale/ray_app.py)."""
+
+    min_replicas: int = Field(1, ge=0, le=1000)
+    max_replicas: int = Field(2, ge=1, le=1000)
+    initial_replicas: int | None = Field(None, ge=0, le=1000)
+    # Requests in flight per replica that Serve aims for; more adds replicas.
+    target_ongoing_requests: float = Field(2.0, gt=0, le=10_000)
+    max_ongoing_requests: int = Field(8, ge=1, le=100_000)
+    upscale_delay_s: float = Field(5.0, ge=0, le=3600)
+    downscale_delay_s: float = Field(30.0, ge=0, le=86_400)
+    num_cpus: float = Field(1.0, ge=0, le=1024)
+    num_gpus: float = Field(0.0, ge=0, le=64)
+    # How long a new replica may take to answer its first real request (weight load).
+    startup_timeout_s: float = Field(300.0, gt=0, le=3600)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RayEngineScaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas may not exceed max_replicas")
+        return self
+
+
+class RayConfig(_Strict):
+    """`switchyard serve --ray` and the Serve config (`switchyard ray-config`): the
+    gateway as N replicas behind Ray Serve's proxy, each local model's engine as its own
+    autoscaled deployment, reached by the gateway through that proxy."""
+
+    gateway_replicas: int = Field(2, ge=1, le=1000)
+    gateway_num_cpus: float = Field(0.5, ge=0, le=1024)
+    # Serve's HTTP proxy: where clients call the gateway, and where the gateway calls
+    # the engines (/engines/{alias}/v1) on its own node.
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=1, le=65535)
+    engines: RayEngineScaling = RayEngineScaling()
+
+
 class Settings(_Strict):
     server: ServerConfig = ServerConfig()
     storage: StorageConfig = StorageConfig()
@@ -795,6 +832,7 @@ class Settings(_Strict):
     validation: ValidationConfig = ValidationConfig()
     embeddings: EmbeddingsConfig = EmbeddingsConfig()
     cost: CostConfig = CostConfig()
+    ray: RayConfig = RayConfig()
 
     @model_validator(mode="after")
     def _unique_aliases(self) -> Settings:

@@ -23,10 +23,10 @@ from __future__ import annotations
 import logging
 import time
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from switchyard.execute.breaker import CircuitBreaker
+from switchyard.policy.redis_limits import redis_client
 
 log = logging.getLogger("switchyard.breaker")
 
@@ -39,9 +39,7 @@ class SharedBreakers:
         prefix: str = "switchyard:breaker:",
         refresh_s: float = 0.25,
     ) -> None:
-        self._redis = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
-        )
+        self._redis = redis_client(url, timeout_s)
         self.prefix = prefix
         self.refresh_s = refresh_s
         self._fetched_at = -1e9

@@ -24,6 +24,7 @@ second `settle` finds nothing left to release.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Awaitable
 from typing import Any
@@ -222,13 +223,18 @@ def _arg(value: float | None) -> str:
     return "" if value is None else repr(float(value))
 
 
+REDIS_PASSWORD_ENV = "SWITCHYARD_REDIS_PASSWORD"
+
+
 def redis_client(url: str, timeout_s: float) -> aioredis.Redis:
-    """The client of the shared state (limits, task state). One immediate retry on
-    connection errors covers a pooled connection that Redis has dropped; backoff would
-    hold every request up while Redis is down. Timeouts are not retried: the script
-    may have run, and a replay would reserve twice."""
+    """The client of the shared state (limits, task state, breakers). One immediate
+    retry on connection errors covers a pooled connection that Redis has dropped;
+    backoff would hold every request up while Redis is down. Timeouts are not retried:
+    the script may have run, and a replay would reserve twice. The password: the URL's,
+    else $SWITCHYARD_REDIS_PASSWORD (so a secret need not sit in the config)."""
     return aioredis.Redis.from_url(
         url,
+        password=os.environ.get(REDIS_PASSWORD_ENV) or None,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),

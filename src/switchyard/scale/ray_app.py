@@ -1,0 +1,199 @@
+"""Switchyard as a Ray Serve application.
+
+- `gateway_app(args)`: the gateway, `ray.gateway_replicas` replicas behind Serve's
+  HTTP proxy. Each replica runs the same ASGI app as `switchyard serve` (its lifespan
+  starts the gateway: ledger writer, limits, breakers), with one change: every local
+  model's engine is replaced by an OpenAI upstream at that model's engine application
+  on Serve's proxy of the same node (`http://127.0.0.1:{ray.port}/engines/{alias}/v1`).
+  So the gateway's decisions (limits, cache, routing, retries, breakers) stay exactly
+  those of one machine, and shared state comes from `storage.redis_url` and
+  `storage.postgres_dsn` as for several processes anywhere.
+- `engine_app(args)`: one local model's engine, autoscaled by Serve on requests in
+  flight. A replica supervises its own llama.cpp (or vLLM) server with the same
+  supervisor as `switchyard serve` (portable build, crash named with its signal). It is
+  started when the model has answered a real generation (the supervisor's warm-up),
+  and Serve's health check sends it another real request every period.
+
+Why HTTP through Serve's proxy between the two, not a deployment handle: the gateway
+keeps one upstream client (timeouts, first-byte deadline, SSE relay, retry classes)
+for every kind of upstream, and Serve's proxy is what counts requests in flight per
+engine replica for autoscaling. The price is one loopback hop per request (measured in
+`switchyard bench ray`, README).
+
+The args of both builders: {"config": path} (a file every node has) or
+{"settings": {...}} (the Switchyard config inline, as a KubeRay manifest carries it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import aiohttp
+from ray import serve
+from ray.serve import Application
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from switchyard.config import (
+    LlamaCppEngine,
+    ModelConfig,
+    OpenAIEngine,
+    Settings,
+    VllmEngine,
+    load_settings,
+    parse_settings,
+)
+from switchyard.scale.serve_config import (
+    ENGINE_DEPLOYMENT,
+    GATEWAY_DEPLOYMENT,
+    engine_options,
+    engine_route,
+    gateway_options,
+)
+
+log = logging.getLogger("switchyard.ray")
+_ENGINE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+_MAX_BODY = 64 * 1024 * 1024  # the gateway bounds bodies far below this; a backstop
+
+
+def settings_from(args: dict[str, Any]) -> Settings:
+    if "settings" in args:
+        return parse_settings(args["settings"], "the Serve app's args.settings")
+    return load_settings(args.get("config"))
+
+
+def gateway_settings(settings: Settings) -> Settings:
+    """The gateway replicas' settings: local engines become the engine applications."""
+    proxy = f"http://127.0.0.1:{settings.ray.port}"
+    models: list[ModelConfig] = []
+    for m in settings.models:
+        if isinstance(m.engine, LlamaCppEngine | VllmEngine):
+            remote = OpenAIEngine(
+                kind="openai",
+                base_url=f"{proxy}{engine_route(m.alias)}/v1",
+                model=m.alias,
+                max_connections=256,
+            )
+            m = m.model_copy(update={"engine": remote})
+        models.append(m)
+    if settings.adapters:
+        raise ValueError(
+            "adapters are not served under Ray yet: run them with `switchyard serve`, or "
+            "give each adapter's merged model its own engine"
+        )
+    return settings.model_copy(update={"models": models})
+
+
+@serve.deployment(name=GATEWAY_DEPLOYMENT)
+@serve.ingress()
+class GatewayDeployment:
+    def __init__(self, args: dict[str, Any]) -> None:
+        self.settings = gateway_settings(settings_from(args))
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from switchyard.api.app import create_app
+
+        return create_app(self.settings)
+
+
+@serve.deployment(name=ENGINE_DEPLOYMENT)
+class EngineDeployment:
+    """One replica of one local model's engine (see the module doc)."""
+
+    async def __init__(self, args: dict[str, Any]) -> None:  # type: ignore[misc]  # Serve awaits it
+        from switchyard.engines.llamacpp import ManagedLlamaCpp
+        from switchyard.engines.vllm import ManagedVllm
+
+        settings = settings_from(args)
+        alias = str(args["alias"])
+        model = next((m for m in settings.models if m.alias == alias), None)
+        if model is None or not isinstance(model.engine, LlamaCppEngine | VllmEngine):
+            raise ValueError(f"no local model {alias!r} in the Switchyard config")
+        kind = ManagedVllm if isinstance(model.engine, VllmEngine) else ManagedLlamaCpp
+        self.alias = alias
+        self.engine = kind(alias, model.engine, settings.engines.max_crash_restarts)
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.engine.start()
+        if not await self.engine.wait_ready(model.engine.startup_timeout_s):
+            reason = self.engine.reason or "not ready in time"
+            await self.engine.stop()
+            # Serve reports the replica as failed to start, with this message.
+            raise RuntimeError(f"engine {alias} failed to start: {reason}")
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)
+        )
+        log.info("engine %s replica %s ready (pid %d)", alias, self.replica, os.getpid())
+
+    async def check_health(self) -> None:
+        """Serve's health check: the model answers a real one-token generation."""
+        if not self.engine.ready:
+            raise RuntimeError(f"engine {self.alias} is {self.engine.state}: {self.engine.reason}")
+        body = {"prompt": "Hello", "max_tokens": 1, "temperature": 0}
+        async with self.session.post(
+            self.engine.base_url + "/completions",
+            json=body,
+            timeout=aiohttp.ClientTimeout(total=20),
+        ) as r:
+            if r.status != 200:
+                raise RuntimeError(f"engine {self.alias} answered the health check with {r.status}")
+            await r.read()
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path
+        at = path.find("/v1/")
+        suffix = path[at:] if at >= 0 else ""
+        headers = {"x-switchyard-engine-replica": self.replica}
+        if suffix not in _ENGINE_PATHS:
+            return JSONResponse(
+                {"error": {"message": "no such engine route", "type": "invalid_request_error"}},
+                status_code=404,
+                headers=headers,
+            )
+        body = await request.body()
+        if len(body) > _MAX_BODY:
+            return JSONResponse(
+                {"error": {"message": "body too large", "type": "invalid_request_error"}},
+                status_code=413,
+                headers=headers,
+            )
+        url = self.engine.base_url[: -len("/v1")] + suffix
+        upstream = await self.session.request(
+            request.method, url, data=body or None, headers={"content-type": "application/json"}
+        )
+        ctype = upstream.headers.get("content-type", "application/json")
+        if ctype.startswith("text/event-stream"):
+
+            async def relay() -> Any:
+                try:
+                    async for chunk in upstream.content.iter_any():
+                        yield chunk
+                finally:
+                    upstream.release()
+
+            return StreamingResponse(
+                relay(), status_code=upstream.status, media_type=ctype, headers=headers
+            )
+        try:
+            data = await upstream.read()
+        finally:
+            upstream.release()
+        return Response(data, status_code=upstream.status, media_type=ctype, headers=headers)
+
+    async def __del__(self) -> None:
+        session = getattr(self, "session", None)
+        if session is not None:
+            await session.close()
+        await self.engine.stop()
+
+
+def gateway_app(args: dict[str, Any]) -> Application:
+    settings = settings_from(args)
+    gateway_settings(settings)  # refuse what Ray cannot serve before any replica starts
+    return GatewayDeployment.options(**gateway_options(settings)).bind(args)  # type: ignore[attr-defined]
+
+
+def engine_app(args: dict[str, Any]) -> Application:
+    settings = settings_from(args)
+    return EngineDeployment.options(**engine_options(settings)).bind(args)  # type: ignore[attr-defined]

@@ -1,0 +1,339 @@
+"""Switchyard on Ray Serve: the Serve config and the KubeRay manifest against Ray's own
+schema, and a real local Ray cluster (`ray start --head` on loopback ports) running
+`switchyard serve --ray` with the local model: two gateway replicas behind Serve's
+proxy, an autoscaled engine deployment, and the data plane serving with the Serve
+controller gone."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from conftest import ADMIN_KEY, Proc, free_port, wait_http
+from switchyard.config import load_settings, parse_settings
+from switchyard.scale.ray_app import gateway_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+MANIFEST = ROOT / "examples" / "kuberay" / "rayservice.yaml"
+RAY = str(Path(sys.executable).with_name("ray"))
+ALIAS = "smollm2-135m"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "switchyard", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+# -- the Serve config and the KubeRay manifest ---------------------------------------------
+
+
+def test_serve_config_is_valid_for_ray_and_carries_autoscaling(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "models": [
+                    {"alias": ALIAS, "engine": {"kind": "llamacpp", "threads": 1}},
+                    {"alias": "remote", "engine": {"kind": "openai", "base_url": "http://x/v1"}},
+                ],
+                "ray": {
+                    "gateway_replicas": 3,
+                    "engines": {"min_replicas": 2, "max_replicas": 5, "upscale_delay_s": 7},
+                },
+            }
+        )
+    )
+    out = _cli("ray-config", "--config", str(cfg))
+    assert out.returncode == 0, out.stderr
+    parsed = ServeDeploySchema.model_validate(yaml.safe_load(out.stdout))
+    apps = {a.name: a for a in parsed.applications}
+    assert set(apps) == {"switchyard", f"engine-{ALIAS}"}  # a remote model has no engine
+    gw = apps["switchyard"]
+    assert gw.route_prefix == "/" and gw.args == {"config": str(cfg.resolve())}
+    assert gw.deployments[0].num_replicas == 3
+    engine = apps[f"engine-{ALIAS}"]
+    assert engine.route_prefix == f"/engines/{ALIAS}"
+    scaling = engine.deployments[0].autoscaling_config
+    assert scaling["min_replicas"] == 2 and scaling["max_replicas"] == 5
+    assert scaling["upscale_delay_s"] == 7
+    raw = yaml.safe_load(out.stdout)["applications"][1]["deployments"][0]
+    assert "num_replicas" not in raw  # autoscaled, not a fixed count
+    # The gateway replicas reach the engine through Serve's proxy on their own node.
+    local = gateway_settings(load_settings(cfg))
+    m = next(m for m in local.models if m.alias == ALIAS)
+    assert m.engine.kind == "openai"
+    assert m.engine.base_url == f"http://127.0.0.1:8000/engines/{ALIAS}/v1"
+
+
+def test_ray_refuses_what_it_cannot_serve(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"models": [{"alias": ALIAS, "engine": {"kind": "llamacpp"}}]}))
+    out = _cli("serve", "--ray", "--config", str(cfg), "--port", "9")
+    assert out.returncode == 2 and "ray:" in out.stderr
+
+
+def _rayservice() -> dict[str, Any]:
+    docs = list(yaml.safe_load_all(MANIFEST.read_text()))
+    return next(d for d in docs if d["kind"] == "RayService")
+
+
+def test_kuberay_manifest_is_what_kuberay_and_ray_read() -> None:
+    rs = _rayservice()
+    assert rs["apiVersion"] == "ray.io/v1" and rs["kind"] == "RayService"
+    spec = rs["spec"]
+    serve = yaml.safe_load(spec["serveConfigV2"])  # KubeRay takes it as a YAML string
+    parsed = ServeDeploySchema.model_validate(serve)
+    assert {a.name for a in parsed.applications} == {"switchyard", f"engine-{ALIAS}"}
+    # The Switchyard config it carries is valid, and the block is exactly what
+    # `switchyard ray-config --inline` makes of examples/kuberay/switchyard.yaml.
+    inline = serve["applications"][0]["args"]["settings"]
+    parse_settings(inline)
+    out = _cli("ray-config", "--inline", "--config", str(MANIFEST.with_name("switchyard.yaml")))
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout) == serve
+
+    cluster = spec["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    assert len(cluster["workerGroupSpecs"]) >= 1
+    for g in groups:
+        for c in g["template"]["spec"]["containers"]:
+            res = c["resources"]
+            assert res["requests"]["cpu"] and res["limits"]["memory"]
+            assert "/" not in c["image"].split(":")[0]  # a local image name, no registry
+            env = {e["name"]: e for e in c["env"]}
+            for secret in ("SWITCHYARD_ADMIN_KEY", "PGPASSWORD", "SWITCHYARD_REDIS_PASSWORD"):
+                ref = env[secret]["valueFrom"]["secretKeyRef"]
+                assert ref["name"] and ref["key"] and "value" not in env[secret]
+    w = cluster["workerGroupSpecs"][0]
+    assert w["minReplicas"] <= w["replicas"] <= w["maxReplicas"]
+    # No secret in the text: the DSN names no password, nor does the Redis URL.
+    storage = inline["storage"]
+    assert "@" in storage["postgres_dsn"] and ":" not in storage["postgres_dsn"].split("@")[0][13:]
+    assert "@" not in storage["redis_url"]
+    services = {d["metadata"]["name"] for d in yaml.safe_load_all(MANIFEST.read_text())}
+    assert {"switchyard-redis", "switchyard-postgres"} <= services
+
+
+# -- a real Ray cluster --------------------------------------------------------------------
+
+
+class Cluster:
+    def __init__(self, address: str, url: str, env: dict[str, str], serve: Proc) -> None:
+        self.address = address
+        self.url = url
+        self.env = env
+        self.serve = serve
+        self.key = "unset"
+
+    def ray_py(self, code: str) -> Any:
+        """Run `code` in a driver attached to the cluster; its last stdout line as JSON."""
+        prelude = (
+            "import json, ray\nfrom ray import serve\n"
+            f"ray.init(address={self.address!r}, namespace='serve', "
+            "logging_level='ERROR', log_to_driver=False)\n"
+        )
+        r = subprocess.run(
+            [sys.executable, "-c", prelude + code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=self.env,
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def replicas(self) -> dict[str, dict[str, int]]:
+        return dict(
+            self.ray_py(
+                "st = serve.status()\n"
+                "print(json.dumps({a: {d: dict(s.replica_states) for d, s in "
+                "app.deployments.items()} for a, app in st.applications.items()}))"
+            )
+        )
+
+    def chat(self, max_tokens: int = 8, **kw: Any) -> httpx.Response:
+        body = {"model": ALIAS, "messages": [{"role": "user", "content": "Say hi"}]}
+        return httpx.post(
+            self.url + "/v1/chat/completions",
+            json={**body, "max_tokens": max_tokens, **kw},
+            headers={"Authorization": f"Bearer {self.key}"},
+            timeout=120,
+        )
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    work = Path(tempfile.mkdtemp(prefix="sy-ray-", dir="/tmp"))
+    gcs, proxy = free_port(), free_port()
+    env = {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "SWITCHYARD_ADMIN_KEY": ADMIN_KEY,
+        "SWITCHYARD_SQLITE_PATH": str(work / "switchyard.db"),
+        "HF_HUB_OFFLINE": "1",
+        "RAY_ADDRESS": f"127.0.0.1:{gcs}",
+    }
+    cfg = work / "switchyard.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "models": [
+                    {
+                        "alias": ALIAS,
+                        "engine": {"kind": "llamacpp", "threads": 1, "ctx": 1024, "parallel": 2},
+                    }
+                ],
+                "embeddings": {"enabled": False},
+                "auth": {"bootstrap_dev_key": False},
+                "ray": {
+                    "gateway_replicas": 2,
+                    "gateway_num_cpus": 0.5,
+                    "host": "127.0.0.1",
+                    "port": proxy,
+                    "engines": {
+                        "min_replicas": 1,
+                        "max_replicas": 2,
+                        "target_ongoing_requests": 1,
+                        "upscale_delay_s": 1,
+                        "downscale_delay_s": 4,
+                        "num_cpus": 1,
+                    },
+                },
+            }
+        )
+    )
+    start = [RAY, "start", "--head", "--port", str(gcs), "--num-cpus", "4"]
+    start += ["--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", str(work)]
+    started = subprocess.run(start, capture_output=True, text=True, timeout=120, env=env)
+    assert started.returncode == 0, started.stderr[-2000:]
+    serve_proc = Proc(
+        [sys.executable, "-m", "switchyard", "serve", "--ray", "--config", str(cfg)],
+        "ray-serve",
+        env=env,
+    )
+    c = Cluster(env["RAY_ADDRESS"], f"http://127.0.0.1:{proxy}", env, serve_proc)
+    try:
+        deadline = time.monotonic() + 300
+        while "ready on Ray Serve" not in serve_proc.output():
+            assert serve_proc.popen.poll() is None, serve_proc.output()[-3000:]
+            assert time.monotonic() < deadline, serve_proc.output()[-3000:]
+            time.sleep(0.5)
+        wait_http(c.url + "/readyz", serve_proc)
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        r = httpx.post(c.url + "/admin/tenants", json={"id": "ray"}, headers=admin, timeout=30)
+        assert r.status_code == 201, r.text
+        r = httpx.post(c.url + "/admin/keys", json={"tenant_id": "ray"}, headers=admin, timeout=30)
+        c.key = r.json()["key"]
+        yield c
+    finally:
+        serve_proc.stop()
+        subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120, env=env)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_requests_flow_through_gateway_replicas_to_the_engine(cluster: Cluster) -> None:
+    states = cluster.replicas()
+    assert states["switchyard"]["Gateway"] == {"RUNNING": 2}
+    assert states[f"engine-{ALIAS}"]["Engine"] == {"RUNNING": 1}
+    r = cluster.chat()
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"]
+    assert r.headers["x-switchyard-upstream"].endswith(f"/engines/{ALIAS}/v1")
+    # Streaming is relayed chunk by chunk through both hops.
+    with httpx.stream(
+        "POST",
+        cluster.url + "/v1/chat/completions",
+        json={"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+        headers={"Authorization": f"Bearer {cluster.key}"},
+        timeout=120,
+    ) as s:
+        lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and len(lines) > 3
+    # The usage rows of both replicas land in the one store, with the key's tenant.
+    time.sleep(1)
+    usage = httpx.get(
+        cluster.url + "/admin/usage",
+        params={"tenant": "ray"},
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        timeout=30,
+    ).json()["data"]
+    assert len(usage) >= 2 and {u["status"] for u in usage} == {"ok"}
+
+
+def test_a_bad_request_is_refused_by_the_gateway_not_the_engine(cluster: Cluster) -> None:
+    r = cluster.chat(max_tokens=-1)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(cluster.url + "/v1/chat/completions", json={"model": ALIAS}, timeout=30)
+    assert r.status_code == 401 and "error" in r.json()
+
+
+def test_engine_scales_out_under_load_and_back_without_losing_a_request(
+    cluster: Cluster,
+) -> None:
+    seen: list[int] = []
+    stop = time.monotonic() + 25
+
+    def load() -> list[int]:
+        codes = []
+        while time.monotonic() < stop:
+            codes.append(cluster.chat(max_tokens=40).status_code)
+        return codes
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        futures = [pool.submit(load) for _ in range(5)]
+        peak = 1
+        while time.monotonic() < stop:
+            running = cluster.replicas()[f"engine-{ALIAS}"]["Engine"].get("RUNNING", 0)
+            peak = max(peak, running)
+            time.sleep(1)
+        for f in futures:
+            seen += f.result()
+    assert peak == 2, "the engine deployment never scaled out under load"
+    assert seen and set(seen) == {200}, seen  # none lost, none refused
+    deadline = time.monotonic() + 60
+    while cluster.replicas()[f"engine-{ALIAS}"]["Engine"] != {"RUNNING": 1}:
+        assert time.monotonic() < deadline, "the engine deployment never scaled back"
+        time.sleep(1)
+    assert cluster.chat().status_code == 200
+
+
+def test_data_plane_serves_with_the_controller_killed(cluster: Cluster) -> None:
+    """Last in the module: the controller is killed for good (no restart), so what still
+    answers is the proxies and replicas alone."""
+    killed = cluster.ray_py(
+        "from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE\n"
+        "c = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)\n"
+        "ray.kill(c, no_restart=True)\n"
+        "print(json.dumps({'killed': SERVE_CONTROLLER_NAME}))"
+    )
+    assert killed == {"killed": "SERVE_CONTROLLER_ACTOR"}
+    gone = cluster.ray_py(
+        "from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE\n"
+        "import time\n"
+        "for _ in range(50):\n"
+        "    try:\n"
+        "        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)\n"
+        "        time.sleep(0.1)\n"
+        "    except ValueError:\n"
+        "        print(json.dumps(True)); break\n"
+        "else:\n"
+        "    print(json.dumps(False))"
+    )
+    assert gone is True
+    codes = [cluster.chat().status_code for _ in range(8)]
+    assert codes == [200] * 8
