@@ -10,6 +10,7 @@ import concurrent.futures
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from conftest import ADMIN_KEY, Proc, free_port, wait_http
+from conftest import ADMIN_KEY, Postgres, Proc, free_port, start_redis, stop_redis, wait_http
 from switchyard.config import load_settings, parse_settings
 from switchyard.scale.ray_app import gateway_settings
 
@@ -132,6 +133,17 @@ def test_kuberay_manifest_is_what_kuberay_and_ray_read() -> None:
 # -- a real Ray cluster --------------------------------------------------------------------
 
 
+def wait_port(port: int, proc: Proc, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.popen.poll() is None, proc.output()[-3000:]
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        assert time.monotonic() < deadline, proc.output()[-3000:]
+        time.sleep(0.2)
+
+
 class Cluster:
     def __init__(self, address: str, url: str, env: dict[str, str], serve: Proc) -> None:
         self.address = address
@@ -139,6 +151,7 @@ class Cluster:
         self.env = env
         self.serve = serve
         self.key = "unset"
+        self.pg = ""
 
     def ray_py(self, code: str) -> Any:
         """Run `code` in a driver attached to the cluster; its last stdout line as JSON."""
@@ -180,11 +193,14 @@ class Cluster:
 def cluster() -> Iterator[Cluster]:
     work = Path(tempfile.mkdtemp(prefix="sy-ray-", dir="/tmp"))
     gcs, proxy = free_port(), free_port()
+    # The replicas' one state: Redis (limits, breakers, tasks) and PostgreSQL (keys,
+    # ledger, traces, idempotency).
+    redis_proc, redis_url = start_redis()
+    pg = Postgres()
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != "SWITCHYARD_SQLITE_PATH"},
         "RAY_USAGE_STATS_ENABLED": "0",
         "SWITCHYARD_ADMIN_KEY": ADMIN_KEY,
-        "SWITCHYARD_SQLITE_PATH": str(work / "switchyard.db"),
         "HF_HUB_OFFLINE": "1",
         "RAY_ADDRESS": f"127.0.0.1:{gcs}",
     }
@@ -200,6 +216,7 @@ def cluster() -> Iterator[Cluster]:
                 ],
                 "embeddings": {"enabled": False},
                 "auth": {"bootstrap_dev_key": False},
+                "storage": {"redis_url": redis_url, "postgres_dsn": pg.url, "redis_timeout_s": 3},
                 "ray": {
                     "gateway_replicas": 2,
                     "gateway_num_cpus": 0.5,
@@ -217,16 +234,19 @@ def cluster() -> Iterator[Cluster]:
             }
         )
     )
-    start = [RAY, "start", "--head", "--port", str(gcs), "--num-cpus", "4"]
+    # In the foreground (--block), as this test's child: stopping it stops this cluster
+    # only (`ray stop` would stop every Ray on the machine).
+    start = [RAY, "start", "--head", "--block", "--port", str(gcs), "--num-cpus", "4"]
     start += ["--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", str(work)]
-    started = subprocess.run(start, capture_output=True, text=True, timeout=120, env=env)
-    assert started.returncode == 0, started.stderr[-2000:]
+    head = Proc(start, "ray-head", env=env)
+    wait_port(gcs, head)
     serve_proc = Proc(
         [sys.executable, "-m", "switchyard", "serve", "--ray", "--config", str(cfg)],
         "ray-serve",
         env=env,
     )
     c = Cluster(env["RAY_ADDRESS"], f"http://127.0.0.1:{proxy}", env, serve_proc)
+    c.pg = pg.url
     try:
         deadline = time.monotonic() + 300
         while "ready on Ray Serve" not in serve_proc.output():
@@ -242,7 +262,9 @@ def cluster() -> Iterator[Cluster]:
         yield c
     finally:
         serve_proc.stop()
-        subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120, env=env)
+        head.stop()
+        stop_redis(redis_proc)
+        pg.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -273,6 +295,64 @@ def test_requests_flow_through_gateway_replicas_to_the_engine(cluster: Cluster) 
         timeout=30,
     ).json()["data"]
     assert len(usage) >= 2 and {u["status"] for u in usage} == {"ok"}
+
+
+def test_gateway_replicas_enforce_one_combined_rpm_limit(cluster: Cluster) -> None:
+    """40 concurrent requests spread over both replicas by Serve's proxy; the tenant's
+    limit is 12 a minute: exactly 12 are served, whichever replica took them."""
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    r = httpx.post(cluster.url + "/admin/tenants", json={"id": "ray-rpm", "rpm": 12}, headers=admin)
+    assert r.status_code == 201, r.text
+    key = httpx.post(
+        cluster.url + "/admin/keys", json={"tenant_id": "ray-rpm"}, headers=admin
+    ).json()["key"]
+    body = {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    def call(_: int) -> int:
+        return httpx.post(
+            cluster.url + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=120,
+        ).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        codes = list(pool.map(call, range(40)))
+    assert codes.count(200) == 12 and codes.count(429) == 28, codes
+
+
+def test_a_task_across_replicas_reads_back_from_postgres(cluster: Cluster) -> None:
+    """Steps of one task, served by whichever gateway replica Serve picked, form one
+    task in the shared store; `switchyard trace show` reads it from PostgreSQL."""
+    ids = []
+    for _ in range(4):
+        r = httpx.post(
+            cluster.url + "/v1/chat/completions",
+            json={"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            headers={"Authorization": f"Bearer {cluster.key}", "x-task-id": "ray-task"},
+            timeout=120,
+        )
+        assert r.status_code == 200
+        # Serve's proxy adds its own X-Request-ID beside the gateway's: the gateway's
+        # is the one that is also in x-switchyard-request-id.
+        ours = r.headers["x-switchyard-request-id"]
+        assert ours.startswith("req_") and ours in r.headers.get_list("x-request-id")
+        ids.append(ours)
+    deadline = time.monotonic() + 20
+    while True:
+        out = subprocess.run(
+            [sys.executable, "-m", "switchyard", "trace", "show", "ray-task", "--db", cluster.pg],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if (
+            out.returncode == 0 and all(i in out.stdout for i in ids)
+        ) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert out.returncode == 0, out.stderr
+    assert all(i in out.stdout for i in ids), out.stdout
 
 
 def test_a_bad_request_is_refused_by_the_gateway_not_the_engine(cluster: Cluster) -> None:

@@ -722,6 +722,11 @@ def build_parser() -> argparse.ArgumentParser:
             "placement", help="edge or cloud over a device and network trace, with hysteresis"
         )
     )
+    from switchyard.bench.ray import add_arguments as add_ray_bench
+
+    add_ray_bench(
+        bsub.add_parser("ray", help="Ray Serve: gateway on Ray vs engine via Serve vs one machine")
+    )
     from switchyard.bench.soak import add_arguments as add_soak
 
     add_soak(bsub.add_parser("soak", help="realistic config under steady load: RSS, disk, latency"))

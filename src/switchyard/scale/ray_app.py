@@ -95,7 +95,36 @@ class GatewayDeployment:
     def __serve_build_asgi_app__(self) -> Any:
         from switchyard.api.app import create_app
 
-        return create_app(self.settings)
+        return RequestIdAlias(create_app(self.settings))
+
+
+class RequestIdAlias:
+    """Serve's proxy appends its own `X-Request-ID` to every response (a second value
+    beside the gateway's `req_...`; clients that join them see "req_..., <uuid>"). The
+    gateway's id is therefore also sent as `x-switchyard-request-id`, the one to quote
+    in `x-parent-request-id` and trace lookups under Ray. Lifespan and everything else
+    pass through untouched."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.router = getattr(app, "router", None)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def aliased(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                for name, value in headers:
+                    if name == b"x-request-id":
+                        headers.append((b"x-switchyard-request-id", value))
+                        message = {**message, "headers": headers}
+                        break
+            await send(message)
+
+        await self.app(scope, receive, aliased)
 
 
 @serve.deployment(name=ENGINE_DEPLOYMENT)
