@@ -178,7 +178,9 @@ def run(args: argparse.Namespace) -> int:
         children += [on_ray, one]
         ray_base, one_base = f"http://127.0.0.1:{proxy}", f"http://127.0.0.1:{local}"
         wait_ready(one, lambda: http("GET", one_base + "/readyz")[0] == 200, 300)
-        wait_ready(on_ray, lambda: "ready on Ray Serve" in on_ray.log.read_text("replace"), 300)
+        wait_ready(
+            on_ray, lambda: "ready on Ray Serve" in on_ray.log.read_text(errors="replace"), 300
+        )
         targets = {
             "engine-via-serve": (f"{ray_base}/engines/{ALIAS}/v1/chat/completions", None),
             "gateway-on-ray": (ray_base + "/v1/chat/completions", _key(ray_base)),
