@@ -355,6 +355,28 @@ def test_a_task_across_replicas_reads_back_from_postgres(cluster: Cluster) -> No
     assert all(i in out.stdout for i in ids), out.stdout
 
 
+def test_one_idempotency_key_across_replicas_makes_one_engine_call(cluster: Cluster) -> None:
+    """Sent 6 times at once (Serve spreads them over both replicas): one engine call, so
+    every reply is the same completion (its id is the engine's, one per generation)."""
+    idem = {"Idempotency-Key": f"ray-{time.monotonic_ns()}"}
+    body = {"model": ALIAS, "messages": [{"role": "user", "content": "Tell a story"}]}
+
+    def call(_: int) -> httpx.Response:
+        return httpx.post(
+            cluster.url + "/v1/chat/completions",
+            json={**body, "max_tokens": 24},
+            headers={"Authorization": f"Bearer {cluster.key}", **idem},
+            timeout=120,
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        replies = list(pool.map(call, range(6)))
+    assert [r.status_code for r in replies] == [200] * 6, [r.text for r in replies]
+    assert len({r.json()["id"] for r in replies}) == 1
+    replayed = [r for r in replies if r.headers.get("x-switchyard-idempotent-replay") == "true"]
+    assert len(replayed) == 5
+
+
 def test_a_bad_request_is_refused_by_the_gateway_not_the_engine(cluster: Cluster) -> None:
     r = cluster.chat(max_tokens=-1)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
