@@ -34,9 +34,13 @@ RAY = str(Path(sys.executable).with_name("ray"))
 ALIAS = "smollm2-135m"
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "switchyard", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "switchyard", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
 
 
@@ -84,8 +88,13 @@ def test_serve_config_is_valid_for_ray_and_carries_autoscaling(tmp_path: Path) -
 def test_ray_refuses_what_it_cannot_serve(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"models": [{"alias": ALIAS, "engine": {"kind": "llamacpp"}}]}))
-    out = _cli("serve", "--ray", "--config", str(cfg), "--port", "9")
+    keyed = {**os.environ, "SWITCHYARD_ADMIN_KEY": ADMIN_KEY}
+    out = _cli("serve", "--ray", "--config", str(cfg), "--port", "9", env=keyed)
     assert out.returncode == 2 and "ray:" in out.stderr
+    # Without the admin key the engines could not tell the gateway from anyone else.
+    bare = {k: v for k, v in os.environ.items() if k != "SWITCHYARD_ADMIN_KEY"}
+    out = _cli("serve", "--ray", "--config", str(cfg), env=bare)
+    assert out.returncode == 2 and "SWITCHYARD_ADMIN_KEY must be set" in out.stderr
 
 
 def _rayservice() -> dict[str, Any]:
@@ -382,6 +391,12 @@ def test_a_bad_request_is_refused_by_the_gateway_not_the_engine(cluster: Cluster
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     r = httpx.post(cluster.url + "/v1/chat/completions", json={"model": ALIAS}, timeout=30)
     assert r.status_code == 401 and "error" in r.json()
+    # The engine application on Serve's proxy answers the gateway only.
+    engine = f"{cluster.url}/engines/{ALIAS}/v1/chat/completions"
+    body = {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for headers in ({}, {"Authorization": f"Bearer {ADMIN_KEY}"}):
+        r = httpx.post(engine, json=body, headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_engine_scales_out_under_load_and_back_without_losing_a_request(

@@ -148,11 +148,12 @@ def cmd_serve_ray(args: argparse.Namespace, settings: Settings) -> int:
         print("switchyard: --ray needs Ray Serve: pip install 'ray[serve]'", file=sys.stderr)
         return 2
     from switchyard.scale import ray_app
-    from switchyard.scale.serve_config import serve_config
+    from switchyard.scale.serve_config import engine_token, serve_config
 
     try:
         ray_app.gateway_settings(settings)
-    except ValueError as exc:
+        engine_token(settings)
+    except (ValueError, RuntimeError) as exc:
         print(f"switchyard: {exc}", file=sys.stderr)
         return 2
     if args.port is not None or args.host is not None:

@@ -42,9 +42,12 @@ from switchyard.bench.harness import (
     stop_all,
     wait_ready,
 )
+from switchyard.config import load_settings
+from switchyard.scale.serve_config import engine_token
 
 ALIAS = "smollm2-135m"
 ADMIN = "bench-admin-" + os.urandom(6).hex()
+ADMIN_ENV = "SWITCHYARD_ADMIN_KEY"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -181,8 +184,10 @@ def run(args: argparse.Namespace) -> int:
         wait_ready(
             on_ray, lambda: "ready on Ray Serve" in on_ray.log.read_text(errors="replace"), 300
         )
+        os.environ[ADMIN_ENV] = ADMIN  # the gateway's credential at the engine, as it has it
+        token = engine_token(load_settings(ray_cfg))
         targets = {
-            "engine-via-serve": (f"{ray_base}/engines/{ALIAS}/v1/chat/completions", None),
+            "engine-via-serve": (f"{ray_base}/engines/{ALIAS}/v1/chat/completions", token),
             "gateway-on-ray": (ray_base + "/v1/chat/completions", _key(ray_base)),
             "gateway-one-machine": (one_base + "/v1/chat/completions", _key(one_base)),
         }

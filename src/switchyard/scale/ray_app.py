@@ -26,6 +26,7 @@ The args of both builders: {"config": path} (a file every node has) or
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 from typing import Any
@@ -47,9 +48,11 @@ from switchyard.config import (
 )
 from switchyard.scale.serve_config import (
     ENGINE_DEPLOYMENT,
+    ENGINE_TOKEN_ENV,
     GATEWAY_DEPLOYMENT,
     engine_options,
     engine_route,
+    engine_token,
     gateway_options,
 )
 
@@ -74,6 +77,7 @@ def gateway_settings(settings: Settings) -> Settings:
                 kind="openai",
                 base_url=f"{proxy}{engine_route(m.alias)}/v1",
                 model=m.alias,
+                api_key_env=ENGINE_TOKEN_ENV,
                 max_connections=256,
             )
             m = m.model_copy(update={"engine": remote})
@@ -91,6 +95,7 @@ def gateway_settings(settings: Settings) -> Settings:
 class GatewayDeployment:
     def __init__(self, args: dict[str, Any]) -> None:
         self.settings = gateway_settings(settings_from(args))
+        os.environ[ENGINE_TOKEN_ENV] = engine_token(self.settings)
 
     def __serve_build_asgi_app__(self) -> Any:
         from switchyard.api.app import create_app
@@ -142,6 +147,7 @@ class EngineDeployment:
             raise ValueError(f"no local model {alias!r} in the Switchyard config")
         kind = ManagedVllm if isinstance(model.engine, VllmEngine) else ManagedLlamaCpp
         self.alias = alias
+        self.token = engine_token(settings).encode()
         self.engine = kind(alias, model.engine, settings.engines.max_crash_restarts)
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.engine.start()
@@ -174,6 +180,19 @@ class EngineDeployment:
         at = path.find("/v1/")
         suffix = path[at:] if at >= 0 else ""
         headers = {"x-switchyard-engine-replica": self.replica}
+        given = request.headers.get("authorization", "")[:256].removeprefix("Bearer ")
+        if not hmac.compare_digest(given.encode(), self.token):
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "the engine deployments answer the gateway only",
+                        "type": "authentication_error",
+                        "code": "invalid_api_key",
+                    }
+                },
+                status_code=401,
+                headers=headers,
+            )
         if suffix not in _ENGINE_PATHS:
             return JSONResponse(
                 {"error": {"message": "no such engine route", "type": "invalid_request_error"}},

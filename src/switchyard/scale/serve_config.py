@@ -15,6 +15,9 @@ Imports nothing from Ray: it runs where Ray is not installed.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 from typing import Any
 
 from switchyard.config import LlamaCppEngine, Settings, VllmEngine
@@ -22,6 +25,22 @@ from switchyard.config import LlamaCppEngine, Settings, VllmEngine
 GATEWAY_APP = "switchyard"
 GATEWAY_DEPLOYMENT = "Gateway"
 ENGINE_DEPLOYMENT = "Engine"
+
+# The gateway replicas' credential at the engine applications, which Serve's proxy would
+# otherwise open to anyone who reaches it: derived from the admin key (every node has
+# it), so no second secret is needed, and sent as the engines' bearer key.
+ENGINE_TOKEN_ENV = "SWITCHYARD_ENGINE_TOKEN"
+
+
+def engine_token(settings: Settings) -> str:
+    env = settings.auth.admin_key_env
+    admin = os.environ.get(env)
+    if not admin:
+        raise RuntimeError(
+            f"under Ray, {env} must be set on every node: it keys the admin API and the "
+            "gateway's credential at the engine deployments"
+        )
+    return hmac.new(admin.encode(), b"switchyard-engine", hashlib.sha256).hexdigest()
 
 
 def engine_app_name(alias: str) -> str:
