@@ -7,6 +7,7 @@ gateway in front of scripted upstreams on loopback.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import random
 import time
@@ -398,14 +399,19 @@ def test_failed_idempotent_request_can_be_repeated(gw: Gateway, scripted: Script
     assert r.status_code == 200 and "x-switchyard-idempotent-replay" not in r.headers
 
 
-def test_breaker_opened_by_one_gateway_stops_the_other_through_redis(second: Scripted) -> None:
+@contextlib.contextmanager
+def _gateways_sharing_redis(
+    second: Scripted, alias: str, failures: int
+) -> Iterator[tuple[Gateway, Gateway]]:
+    """Two gateways on one Redis, serving `alias` from `second` with no retries and a
+    breaker that opens after `failures`."""
     from conftest import start_redis, stop_redis
 
     redis_proc, url = start_redis()
     model = _model(
-        "shared",
+        alias,
         second.url,
-        resilience={"retries": 0, "breaker": {"failures": 2, "cooldown_s": 30}},
+        resilience={"retries": 0, "breaker": {"failures": failures, "cooldown_s": 30}},
     )
     base = {
         "models": [model],
@@ -415,6 +421,15 @@ def test_breaker_opened_by_one_gateway_stops_the_other_through_redis(second: Scr
     a = start_gateway(base)
     b = start_gateway(base)
     try:
+        yield a, b
+    finally:
+        a.proc.stop()
+        b.proc.stop()
+        stop_redis(redis_proc)
+
+
+def test_breaker_opened_by_one_gateway_stops_the_other_through_redis(second: Scripted) -> None:
+    with _gateways_sharing_redis(second, "shared", failures=2) as (a, b):
         assert _chat(b, "shared").status_code == 200  # b's breaker is closed and healthy
         second.fault("status:500", count=2)
         assert [_chat(a, "shared").status_code for _ in range(2)] == [502, 502]  # a opens
@@ -423,31 +438,12 @@ def test_breaker_opened_by_one_gateway_stops_the_other_through_redis(second: Scr
         r = _chat(b, "shared")
         assert r.status_code == 503 and r.json()["error"]["code"] == "circuit_open"
         assert second.requests() == before  # b never called the failing upstream
-    finally:
-        a.proc.stop()
-        b.proc.stop()
-        stop_redis(redis_proc)
 
 
 def test_failures_split_across_gateways_open_the_breaker_through_redis(second: Scripted) -> None:
     """Each gateway sees fewer failures than the threshold; together they reach it. A
     success on either ends the run for both."""
-    from conftest import start_redis, stop_redis
-
-    redis_proc, url = start_redis()
-    model = _model(
-        "split",
-        second.url,
-        resilience={"retries": 0, "breaker": {"failures": 3, "cooldown_s": 30}},
-    )
-    base = {
-        "models": [model],
-        "embeddings": {"enabled": False},
-        "storage": {"redis_url": url, "redis_timeout_s": 3},
-    }
-    a = start_gateway(base)
-    b = start_gateway(base)
-    try:
+    with _gateways_sharing_redis(second, "split", failures=3) as (a, b):
         # A run broken by a success: fail (a), fail (b), ok (a), fail (b): never 3 in a row.
         second.fault("status:500", count=2)
         assert [_chat(g, "split").status_code for g in (a, b)] == [502, 502]
@@ -466,7 +462,3 @@ def test_failures_split_across_gateways_open_the_breaker_through_redis(second: S
             r = _chat(g, "split")
             assert r.status_code == 503 and r.json()["error"]["code"] == "circuit_open"
         assert second.requests() == before  # neither called the failing upstream again
-    finally:
-        a.proc.stop()
-        b.proc.stop()
-        stop_redis(redis_proc)

@@ -67,6 +67,16 @@ def _model() -> dict[str, Any]:
     }
 
 
+def _config(db: Path) -> dict[str, Any]:
+    """The Switchyard config both gateways share (the Ray one adds its `ray:`)."""
+    return {
+        "models": [_model()],
+        "embeddings": {"enabled": False},
+        "auth": {"bootstrap_dev_key": False},
+        "storage": {"sqlite_path": str(db)},
+    }
+
+
 def _key(base: str) -> str:
     admin = {"Authorization": f"Bearer {ADMIN}"}
     tenant = {"id": "bench", "rpm": 1_000_000, "tpm": 1_000_000_000}
@@ -136,35 +146,16 @@ def run(args: argparse.Namespace) -> int:
         "HF_HUB_OFFLINE": "1",
         "RAY_ADDRESS": f"127.0.0.1:{gcs}",
     }
-    ray_cfg = work / "ray.yaml"
-    ray_cfg.write_text(
-        yaml.safe_dump(
-            {
-                "models": [_model()],
-                "embeddings": {"enabled": False},
-                "auth": {"bootstrap_dev_key": False},
-                "storage": {"sqlite_path": str(work / "ray.db")},
-                "ray": {
-                    "gateway_replicas": 2,
-                    "gateway_num_cpus": 0.5,
-                    "host": "127.0.0.1",
-                    "port": proxy,
-                    "engines": {"min_replicas": 1, "max_replicas": 1, "num_cpus": 1},
-                },
-            }
-        )
-    )
-    one_cfg = work / "one.yaml"
-    one_cfg.write_text(
-        yaml.safe_dump(
-            {
-                "models": [_model()],
-                "embeddings": {"enabled": False},
-                "auth": {"bootstrap_dev_key": False},
-                "storage": {"sqlite_path": str(work / "one.db")},
-            }
-        )
-    )
+    ray_cfg, one_cfg = work / "ray.yaml", work / "one.yaml"
+    ray_section = {
+        "gateway_replicas": 2,
+        "gateway_num_cpus": 0.5,
+        "host": "127.0.0.1",
+        "port": proxy,
+        "engines": {"min_replicas": 1, "max_replicas": 1, "num_cpus": 1},
+    }
+    ray_cfg.write_text(yaml.safe_dump({**_config(work / "ray.db"), "ray": ray_section}))
+    one_cfg.write_text(yaml.safe_dump(_config(work / "one.db")))
     children: list[Child] = []
     # In the foreground, as our child: stopping it stops this cluster only.
     start = [ray_bin, "start", "--head", "--block", "--port", str(gcs), "--num-cpus", "4"]
