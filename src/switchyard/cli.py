@@ -728,6 +728,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_ray_bench(
         bsub.add_parser("ray", help="Ray Serve: gateway on Ray vs engine via Serve vs one machine")
     )
+    from switchyard.bench.cache_shared import add_arguments as add_cache_shared
+
+    add_cache_shared(
+        bsub.add_parser(
+            "cache-shared", help="cache entries shared through Redis: propagation and cost"
+        )
+    )
     from switchyard.bench.soak import add_arguments as add_soak
 
     add_soak(bsub.add_parser("soak", help="realistic config under steady load: RSS, disk, latency"))

@@ -248,6 +248,9 @@ class CacheConfig(_Strict):
     personalized_tenants: list[str] = []  # never cached
     shadow_tenants: list[str] = []  # shadow mode for these tenants even when enforcing
     data_version: str | None = None  # bump to invalidate everything logically
+    # With storage.redis_url: entries are stored once in Redis and every gateway
+    # process's index learns new and invalidated ones (decide/shared_cache.py).
+    shared: bool = True
     models: dict[str, CacheOverride] = {}
 
 

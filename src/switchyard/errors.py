@@ -154,6 +154,20 @@ class DatabaseUnavailable(SwitchyardError):
         self.headers.setdefault("Retry-After", "2")
 
 
+class SharedStateUnavailable(SwitchyardError):
+    """Redis cannot be reached for an operation that must reach every gateway
+    process (a cache invalidation): it did not happen everywhere, and the caller must
+    know."""
+
+    status = 503
+    type = "server_error"
+    code = "shared_state_unavailable"
+
+    def __init__(self, message: str, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.headers.setdefault("Retry-After", "2")
+
+
 class PlacementRefused(SwitchyardError):
     """The request's data may not leave the device (PII, or x-switchyard-data-boundary:
     device) and no device deployment can serve it now: refused, never sent elsewhere."""

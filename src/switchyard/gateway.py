@@ -212,6 +212,12 @@ class Gateway:
             if c.enabled
             else None
         )
+        if self.cache is not None and c.shared and settings.storage.redis_url:
+            from switchyard.decide.shared_cache import SharedCache
+
+            self.cache.share = SharedCache(
+                self.cache, settings.storage.redis_url, settings.storage.redis_timeout_s
+            )
         self.pii = PiiMasker()
         self.executor.redact = self.pii.mask
         self.router: Any = None  # set once built (start), when routing is enabled
@@ -297,6 +303,8 @@ class Gateway:
         listen = getattr(self.tasks, "listen", None)
         if listen is not None:  # cancels made through other gateway processes
             self._cancels = asyncio.create_task(listen(self.running.stop))
+        if self.cache is not None and self.cache.share is not None:
+            self._cache_events = asyncio.create_task(self.cache.share.listen())
         if self.embedder is not None:
             self.embedder.start()
         self._retention = asyncio.create_task(self._retention_loop())
@@ -486,7 +494,7 @@ class Gateway:
         task.add_done_callback(_log_failure)
 
     async def stop(self) -> None:
-        for name in ("_retention", "_weights_task", "_cancels", "_busy_task"):
+        for name in ("_retention", "_weights_task", "_cancels", "_busy_task", "_cache_events"):
             task = getattr(self, name, None)
             if task is not None:
                 task.cancel()
@@ -502,6 +510,8 @@ class Gateway:
             await close()
         if self.executor.shared is not None:
             await self.executor.shared.close()
+        if self.cache is not None and self.cache.share is not None:
+            await self.cache.share.close()
         await self.tasks.close()
         self.store.close()
         if self.media is not None:

@@ -580,14 +580,13 @@ class RequestService:
         if why is not None:
             ctx.record("cache_store", "skip", why, t)
             return
-        self.cache.store(cs.store_keys, orjson.dumps(masked), ctx.vector, self.settings.cache.ttl_s)
-        ctx.record(
-            "cache_store",
-            "stored",
-            "reply stored for later requests",
-            t,
-            {"partition": cs.store_keys.partition[:12]},
+        entry = self.cache.store(
+            cs.store_keys, orjson.dumps(masked), ctx.vector, self.settings.cache.ttl_s
         )
+        evidence: dict[str, Any] = {"partition": cs.store_keys.partition[:12]}
+        if self.cache.share is not None:  # every gateway process learns it
+            evidence["shared"] = await self.cache.share.put(entry, ctx.vector)
+        ctx.record("cache_store", "stored", "reply stored for later requests", t, evidence)
 
     # -- idempotency ------------------------------------------------------------------
     async def _claim_idempotency(self, ctx: RequestContext, key: str) -> JsonReply | None:

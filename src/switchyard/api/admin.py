@@ -13,13 +13,20 @@ import time
 from typing import Any
 
 import orjson
+from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from switchyard.api.body import read_json
 from switchyard.api.console import Sessions
-from switchyard.errors import AuthenticationError, InvalidRequest, ModelNotFound, PermissionDenied
+from switchyard.errors import (
+    AuthenticationError,
+    InvalidRequest,
+    ModelNotFound,
+    PermissionDenied,
+    SharedStateUnavailable,
+)
 from switchyard.gateway import Gateway
 from switchyard.observe.cost import cost_report, parse_since
 from switchyard.observe.ledger import live_summary, task_rows
@@ -308,16 +315,22 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
         if gw.cache is None:
             raise InvalidRequest("the cache is not enabled (cache.enabled: false)")
         body = await body_of(request, ("tenant", "model", "tag", "partition", "dry_run"))
+        f = {k: body.get(k) for k in ("tenant", "model", "tag", "partition")}
+        dry_run = bool(body.get("dry_run", False))
         try:
-            out = gw.cache.invalidate(
-                tenant=body.get("tenant"),
-                model=body.get("model"),
-                tag=body.get("tag"),
-                partition=body.get("partition"),
-                dry_run=bool(body.get("dry_run", False)),
-            )
+            out = gw.cache.invalidate(**f, dry_run=dry_run)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+        share = gw.cache.share
+        if share is not None:  # Redis and every other gateway process
+            try:
+                out["shared"] = await share.invalidate(f, dry_run)
+            except (RedisError, OSError):
+                log.warning("cache invalidation not shared: Redis unreachable", exc_info=True)
+                raise SharedStateUnavailable(
+                    "removed from this gateway process only: the shared cache (Redis) is "
+                    "unreachable; repeat the invalidation once it is back"
+                ) from None
         return _json(out)
 
     async def engines(request: Request) -> Response:

@@ -34,10 +34,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
+
+if TYPE_CHECKING:
+    from switchyard.decide.shared_cache import SharedCache
 
 # Request fields that change the output; part of the partition (and the exact key).
 SAMPLING_FIELDS = (
@@ -265,9 +268,10 @@ class ResponseCache:
         self.max_bytes = max_bytes
         self._dimensions = dimensions
         self.bytes = 0
-        self.bytes = 0
         self._exact: OrderedDict[str, Entry] = OrderedDict()  # LRU order
         self._partitions: dict[str, _Partition] = {}
+        # Set by the gateway with storage.redis_url: entries shared by every process.
+        self.share: SharedCache | None = None
 
     def __len__(self) -> int:
         return len(self._exact)
@@ -308,6 +312,16 @@ class ResponseCache:
             if entry.expires > now:
                 return Lookup(entry, "semantic", sim, len(part.entries))
             self._drop(entry)  # expired: remove and look again
+
+    def entry(self, exact: str) -> Entry | None:
+        """The entry under an exact key, live or not; touches nothing."""
+        return self._exact.get(exact)
+
+    def entries(self) -> list[Entry]:
+        return list(self._exact.values())
+
+    def drop(self, entry: Entry) -> None:
+        self._drop(entry)
 
     def touch(self, entry: Entry) -> None:
         if entry.keys.exact in self._exact:
@@ -397,4 +411,5 @@ class ResponseCache:
             "bytes": self.bytes,
             "max_entries": self.max_entries,
             "max_bytes": self.max_bytes,
+            "shared": self.share.stats() if self.share is not None else {"redis": False},
         }
