@@ -167,6 +167,46 @@ def test_ledger_batches_read_back_the_same_from_sqlite_and_postgresql(server: st
     check()
 
 
+def test_the_byte_budget_on_postgresql_deletes_oldest_traces_then_rows(server: str) -> None:
+    """observe.max_disk_mb on PostgreSQL counts the rows' own bytes (its files do not
+    shrink on DELETE): past it the oldest traces go, then the oldest usage rows, down
+    to 90 %; the daily rollups stay."""
+    from switchyard.observe.traces import enforce_disk, insert_args, insert_sql, row_bytes
+
+    conn = connect(fresh(server))
+    filler = "x" * 1500
+    conn.execute("BEGIN")
+    for i in range(1500):
+        at = 1_800_000_000.0 + i
+        rec = {"request_id": f"r{i}", "task_id": None, "tenant_id": "t", "status": "ok",
+               "received_at": at, "pad": filler}  # fmt: skip
+        conn.execute(insert_sql(), insert_args(rec))
+        conn.execute(
+            "INSERT INTO usage (request_id, tenant_id, endpoint, status, received_at, upstream)"
+            " VALUES (?, 't', 'chat', 'ok', ?, ?)",
+            (f"r{i}", at, filler),
+        )
+    conn.execute(
+        "INSERT INTO usage_daily (day, tenant_id, requests, cost_usd) VALUES ('2027-01-15', 't', 1500, 9.5)"
+    )
+    conn.execute("COMMIT")
+
+    def in_use() -> float:
+        return sum(n * mean for n, mean in (row_bytes(conn, t) for t in ("traces", "usage")))
+
+    budget = 1024 * 1024
+    assert in_use() > 2 * budget
+    assert enforce_disk(conn, budget) > 0
+    assert budget * 0.8 <= in_use() <= budget
+    assert conn.execute("SELECT COUNT(*) FROM traces").fetchone()[0] == 0
+    (oldest,) = conn.execute("SELECT MIN(received_at) FROM usage").fetchone()
+    (newest,) = conn.execute("SELECT MAX(received_at) FROM usage").fetchone()
+    assert oldest > 1_800_000_000.0 and newest == 1_800_000_000.0 + 1499
+    assert conn.execute("SELECT cost_usd FROM usage_daily").fetchone()[0] == 9.5
+    assert enforce_disk(conn, budget) == 0  # under budget: nothing more
+    conn.close()
+
+
 def test_errors_come_back_as_sqlite3s(server: str) -> None:
     conn = connect(fresh(server))
     try:

@@ -37,7 +37,7 @@ from typing import Any, BinaryIO
 
 import msgspec
 
-from switchyard.observe.db import connect
+from switchyard.observe.db import connect, is_sqlite
 from switchyard.observe.traces import (
     LedgerBatch,
     LedgerEntry,
@@ -288,6 +288,7 @@ def serve(path: str, source: BinaryIO, acks: BinaryIO, max_bytes: int = 0) -> No
     it is the one process that adds rows, so the budget holds within a fraction of a
     second of load instead of growing until the gateway's next retention pass."""
     conn = connect(path)
+    sqlite = is_sqlite(conn)
     checked = 0.0
     try:
         while True:
@@ -300,7 +301,9 @@ def serve(path: str, source: BinaryIO, acks: BinaryIO, max_bytes: int = 0) -> No
                 if batch is not None:
                     write_batch(conn, batch)
                 now = time.monotonic()
-                if max_bytes and now - checked >= DISK_CHECK_S:
+                # PostgreSQL's budget counts rows (COUNT(*)): the gateways' retention
+                # pass checks it, every observe.retention_interval_s.
+                if max_bytes and sqlite and now - checked >= DISK_CHECK_S:
                     checked = now
                     try:
                         enforce_disk(conn, max_bytes)

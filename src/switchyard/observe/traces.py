@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sqlite3
 import time
 from collections.abc import Mapping
@@ -395,8 +396,10 @@ def enforce_disk(conn: sqlite3.Connection, max_bytes: int, chunk: int = 2000) ->
     rollups (the bill) are never deleted. Freed pages go back to the disk where the
     file allows it (auto_vacuum=INCREMENTAL, every file made since), else they are
     reused by new rows, so the file stays flat. Returns the rows deleted."""
-    if not is_sqlite(conn) or bytes_in_use(conn) <= max_bytes:
-        return 0  # PostgreSQL: its server's own business (README, data handling)
+    if not is_sqlite(conn):
+        return _enforce_rows_budget(conn, max_bytes, max(chunk, 50_000))
+    if bytes_in_use(conn) <= max_bytes:
+        return 0
     target = int(max_bytes * 0.9)
     deleted = 0
     for table in ("traces", "usage"):
@@ -415,4 +418,48 @@ def enforce_disk(conn: sqlite3.Connection, max_bytes: int, chunk: int = 2000) ->
         conn.executescript("PRAGMA incremental_vacuum;")
         # And the WAL, which holds the deleted pages too, back to its limit.
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+    return deleted
+
+
+def row_bytes(conn: Any, table: str, sample: int = 500) -> tuple[int, float]:
+    """PostgreSQL: the table's rows and their mean size in bytes (pg_column_size of the
+    newest `sample` rows). The file sizes are no measure there: deleted rows leave
+    space that VACUUM marks reusable but does not give back."""
+    (count,) = conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()
+    if not count:
+        return 0, 0.0
+    (mean,) = conn.execute(
+        f"SELECT AVG(pg_column_size(s.*)) FROM (SELECT * FROM {table}"
+        " ORDER BY received_at DESC LIMIT ?) s",
+        (sample,),
+    ).fetchone()
+    return int(count), float(mean or 0.0)
+
+
+def _enforce_rows_budget(conn: Any, max_bytes: int, chunk: int) -> int:
+    """The byte budget on PostgreSQL: the rows' own bytes (count x mean row size) of
+    traces and raw usage rows; past `max_bytes`, the oldest traces, then the oldest
+    usage rows, are deleted down to 90 % of it. Rollups are never deleted."""
+    sizes = {t: row_bytes(conn, t) for t in ("traces", "usage")}
+    total = sum(n * mean for n, mean in sizes.values())
+    if total <= max_bytes:
+        return 0
+    excess = total - max_bytes * 0.9
+    deleted = 0
+    for table in ("traces", "usage"):
+        n, mean = sizes[table]
+        if excess <= 0 or n == 0 or mean <= 0:
+            continue
+        todo = min(n, math.ceil(excess / mean))
+        excess -= todo * mean
+        while todo > 0:
+            cur = conn.execute(
+                f"DELETE FROM {table} WHERE request_id IN (SELECT request_id FROM {table}"
+                " ORDER BY received_at ASC LIMIT ?)",
+                (min(chunk, todo),),
+            )
+            if cur.rowcount <= 0:
+                break
+            todo -= cur.rowcount
+            deleted += cur.rowcount
     return deleted
