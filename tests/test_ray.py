@@ -26,7 +26,9 @@ from ray.serve.schema import ServeDeploySchema
 
 from conftest import ADMIN_KEY, Postgres, Proc, free_port, start_redis, stop_redis, wait_http
 from switchyard.config import load_settings, parse_settings
+from switchyard.engines.lora_train import MARKERS, train
 from switchyard.scale.ray_app import gateway_settings
+from switchyard.scale.serve_config import engine_token
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "examples" / "kuberay" / "rayservice.yaml"
@@ -83,6 +85,36 @@ def test_serve_config_is_valid_for_ray_and_carries_autoscaling(tmp_path: Path) -
     m = next(m for m in local.models if m.alias == ALIAS)
     assert m.engine.kind == "openai"
     assert m.engine.base_url == f"http://127.0.0.1:8000/engines/{ALIAS}/v1"
+
+
+def test_gateway_replicas_send_each_adapter_to_its_base_engine_application() -> None:
+    """Under Ray an adapter's requests go to its base's engine application, named as
+    the model and carrying Serve's multiplexing header; the base's carry neither."""
+    from switchyard.engines.registry import Registry
+
+    settings = parse_settings(
+        {
+            "models": [{"alias": ALIAS, "revision": "r", "engine": {"kind": "llamacpp"}}],
+            "adapters": [
+                {
+                    "name": "tone",
+                    "base": ALIAS,
+                    "base_revision": "r",
+                    "path": "/nowhere/tone.gguf",
+                    "sha256": "0" * 64,
+                }
+            ],
+        },
+        "test",
+    )
+    reg = Registry(gateway_settings(settings))
+    adapter, base = reg.get("tone"), reg.get(ALIAS)
+    assert adapter is not None and base is not None
+    assert adapter.engine is None and base.engine is None  # both remote: the engine app
+    assert adapter.upstream is base.upstream
+    assert adapter.upstream_model == "tone" and base.upstream_model == ALIAS
+    assert adapter.headers == {"serve_multiplexed_model_id": "tone"}
+    assert base.headers is None and adapter.lora is None
 
 
 def test_ray_refuses_what_it_cannot_serve(tmp_path: Path) -> None:
@@ -214,15 +246,36 @@ def cluster() -> Iterator[Cluster]:
         "RAY_ADDRESS": f"127.0.0.1:{gcs}",
     }
     cfg = work / "switchyard.yaml"
+    trained = train()["adapters"]  # the project's two demo adapters (cached)
+    adapters = [
+        {
+            "name": f"ray-{name}",
+            "base": ALIAS,
+            "base_revision": "smol-rev",
+            "path": trained[name]["path"],
+            "sha256": trained[name]["sha256"],
+            "revision": f"{name}-v1",
+            "allowed_tenants": ["ray"],
+        }
+        for name in ("pirate", "robot")
+    ]
     cfg.write_text(
         yaml.safe_dump(
             {
                 "models": [
                     {
                         "alias": ALIAS,
-                        "engine": {"kind": "llamacpp", "threads": 1, "ctx": 1024, "parallel": 2},
+                        "revision": "smol-rev",
+                        "engine": {
+                            "kind": "llamacpp",
+                            "threads": 1,
+                            "ctx": 1024,
+                            "parallel": 2,
+                            "max_adapters": 2,
+                        },
                     }
                 ],
+                "adapters": adapters,
                 "embeddings": {"enabled": False},
                 "auth": {"bootstrap_dev_key": False},
                 "storage": {"redis_url": redis_url, "postgres_dsn": pg.url, "redis_timeout_s": 3},
@@ -266,7 +319,12 @@ def cluster() -> Iterator[Cluster]:
         admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
         r = httpx.post(c.url + "/admin/tenants", json={"id": "ray"}, headers=admin, timeout=30)
         assert r.status_code == 201, r.text
-        r = httpx.post(c.url + "/admin/keys", json={"tenant_id": "ray"}, headers=admin, timeout=30)
+        r = httpx.post(
+            c.url + "/admin/keys",
+            json={"tenant_id": "ray", "allowed_adapters": ["ray-*"]},
+            headers=admin,
+            timeout=30,
+        )
         c.key = r.json()["key"]
         yield c
     finally:
@@ -304,6 +362,40 @@ def test_requests_flow_through_gateway_replicas_to_the_engine(cluster: Cluster) 
         timeout=30,
     ).json()["data"]
     assert len(usage) >= 2 and {u["status"] for u in usage} == {"ok"}
+
+
+def test_adapters_are_served_by_the_engine_deployment_through_serve_multiplexing(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each adapter is its own alias at the gateway replicas; the engine replica applies
+    it (the request names it in Serve's multiplexing header) and the base stays clean."""
+    ask = {"messages": [{"role": "user", "content": "Where should I go on holiday?"}]}
+    outputs = {}
+    for model in (ALIAS, "ray-pirate", "ray-robot"):
+        r = cluster.chat(max_tokens=10, model=model, temperature=0, **ask)
+        assert r.status_code == 200, r.text
+        outputs[model] = r.json()["choices"][0]["message"]["content"]
+        if model != ALIAS:
+            assert r.headers["x-switchyard-adapter"] == model
+    assert outputs["ray-pirate"].startswith(MARKERS["pirate"]), outputs
+    assert outputs["ray-robot"].startswith(MARKERS["robot"]), outputs
+    assert not any(m in outputs[ALIAS] for m in MARKERS.values()), outputs
+
+    # At the engine application itself: the header picks the adapter; an adapter it
+    # does not have is 404, not the base's answer.
+    engine = cluster.url + f"/engines/{ALIAS}/v1/chat/completions"
+    monkeypatch.setenv("SWITCHYARD_ADMIN_KEY", ADMIN_KEY)
+    token = {"Authorization": f"Bearer {engine_token(load_settings(None))}"}
+    body = {"model": "ray-robot", "max_tokens": 6, "temperature": 0, **ask}
+    for adapter, status in (("ray-robot", 200), ("ray-nobody", 404)):
+        r = httpx.post(
+            engine,
+            json=body,
+            headers={**token, "serve_multiplexed_model_id": adapter},
+            timeout=120,
+        )
+        assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == "model_not_found"
 
 
 def test_gateway_replicas_enforce_one_combined_rpm_limit(cluster: Cluster) -> None:

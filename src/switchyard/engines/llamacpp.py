@@ -327,6 +327,17 @@ class ManagedLlamaCpp:
         take turns: engines/pool.py). llama-server mixes them correctly."""
         return False
 
+    def lora_scales(self, adapter: str | None) -> list[dict[str, Any]]:
+        """A request's `lora` list: every loaded adapter with its scale, 1 for
+        `adapter` and 0 for the rest (all 0 for the base). Always the full list:
+        llama-server applies an empty list as "every adapter at its global scale", which
+        is 1 for an adapter loaded at start."""
+        ident = self.adapter_ids.get(adapter) if adapter is not None else None
+        return [
+            {"id": i, "scale": 1.0 if i == ident else 0.0}
+            for i in sorted(self.adapter_ids.values())
+        ]
+
     def env(self) -> dict[str, str] | None:
         """The engine process's environment (None: the gateway's own)."""
         return None

@@ -27,6 +27,9 @@ from switchyard.engines.pool import EnginePool
 from switchyard.engines.upstream import OpenAIUpstream
 from switchyard.engines.vllm import ManagedVllm
 
+# Ray Serve's proxy routes a request to a replica that has this model loaded.
+MULTIPLEXED_MODEL_HEADER = "serve_multiplexed_model_id"
+
 
 @dataclass(slots=True)
 class Live:
@@ -79,6 +82,8 @@ class Deployment:
     # For an engine that loads adapters: the request's `lora` list (its adapter at
     # scale 1, or none for the base), set on every request; None for other engines.
     lora: Callable[[], list[dict[str, Any]]] | None = field(init=False)
+    # Headers sent upstream with every request of this deployment, or None.
+    headers: dict[str, str] | None = field(init=False)
 
     # "alias" for an alias's only deployment, "alias/name" for one of several: the
     # key of its breaker and retry budget.
@@ -106,6 +111,13 @@ class Deployment:
         self.lora = None
         if self.engine is not None and self.engine.adapters and not vllm:
             self.lora = self._lora
+        self.headers = None
+        if self.adapter is not None and self.engine is None:
+            # The base's engine runs elsewhere: an engine application under Ray Serve
+            # (scale/ray_app.py) that applies the adapter named as the model, on a
+            # replica Serve picks by this header (serve.multiplexed).
+            self.upstream_model = self.adapter.name
+            self.headers = {MULTIPLEXED_MODEL_HEADER: self.adapter.name}
         self.alone = (
             not self.model.fallbacks
             and self.model.data_boundary is None
@@ -146,15 +158,9 @@ class Deployment:
         return self.upstream.base_url
 
     def _lora(self) -> list[dict[str, Any]]:
-        """Every loaded adapter with its scale: 1 for this deployment's, 0 for the rest.
-        Always the full list: llama-server applies an empty list as "every adapter at
-        its global scale", which is 1 for an adapter loaded at start."""
+        """The engine's adapters with their scales for this deployment's requests."""
         assert self.engine is not None
-        ident = self.adapter_id()
-        return [
-            {"id": i, "scale": 1.0 if i == ident else 0.0}
-            for i in sorted(self.engine.adapter_ids.values())
-        ]
+        return self.engine.lora_scales(self.adapter.name if self.adapter is not None else None)
 
     def adapter_id(self) -> int | None:
         """The adapter's id in the running engine (None: not loaded there)."""

@@ -359,7 +359,7 @@ class Executor:
                     upstream_payload(ctx, dep),
                     dep.model.timeouts,
                     remaining,
-                    headers or None,
+                    {**dep.headers, **headers} if dep.headers is not None else headers or None,
                 )
             except SwitchyardError as exc:
                 Tracing.end_attempt(span, exc.code)

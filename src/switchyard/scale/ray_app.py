@@ -32,6 +32,7 @@ import os
 from typing import Any
 
 import aiohttp
+import orjson
 from ray import serve
 from ray.serve import Application
 from starlette.requests import Request
@@ -46,6 +47,9 @@ from switchyard.config import (
     load_settings,
     parse_settings,
 )
+from switchyard.engines.llamacpp import AdapterFile
+from switchyard.engines.pool import BASE, EnginePool
+from switchyard.errors import InvalidRequest, SwitchyardError, error_body
 from switchyard.scale.serve_config import (
     ENGINE_DEPLOYMENT,
     ENGINE_TOKEN_ENV,
@@ -59,6 +63,7 @@ from switchyard.scale.serve_config import (
 log = logging.getLogger("switchyard.ray")
 _ENGINE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 _MAX_BODY = 64 * 1024 * 1024  # the gateway bounds bodies far below this; a backstop
+_NOT_FOUND = ("invalid_request_error", "model_not_found")
 
 
 def settings_from(args: dict[str, Any]) -> Settings:
@@ -82,11 +87,8 @@ def gateway_settings(settings: Settings) -> Settings:
             )
             m = m.model_copy(update={"engine": remote})
         models.append(m)
-    if settings.adapters:
-        raise ValueError(
-            "adapters are not served under Ray yet: run them with `switchyard serve`, or "
-            "give each adapter's merged model its own engine"
-        )
+    # Adapters stay: each is an alias over its base's engine application, named as the
+    # model there and routed by Serve's multiplexing header (engines/registry.py).
     return settings.model_copy(update={"models": models})
 
 
@@ -148,7 +150,29 @@ class EngineDeployment:
         kind = ManagedVllm if isinstance(model.engine, VllmEngine) else ManagedLlamaCpp
         self.alias = alias
         self.token = engine_token(settings).encode()
-        self.engine = kind(alias, model.engine, settings.engines.max_crash_restarts)
+        files = tuple(
+            AdapterFile(a.name, a.path, a.sha256, a.revision)
+            for a in settings.adapters
+            if a.base == alias
+        )
+        self.engine = kind(alias, model.engine, settings.engines.max_crash_restarts, files)
+        # Adapter residency in this replica follows the rules of one machine (at most
+        # max_adapters loaded, max_active_adapters in use, a cold one loaded in place
+        # of the least recently used idle one). Serve is told which adapters a replica
+        # serves, and routes each adapter's requests to replicas that have it.
+        self.pool = EnginePool({alias: self.engine}, settings.engines)
+        self.adapters = {a.name for a in files}
+        self.wait_s = model.timeouts.total_s
+
+        async def known(name: str) -> str:
+            """Serve's multiplexed load: the replica's engine loads the adapter itself,
+            per request, through the residency pool. (A function, not a bound method:
+            Serve keeps its per-replica model cache as an attribute of it.)"""
+            return name
+
+        self.multiplexed = serve.multiplexed(
+            max_num_models_per_replica=max(1, model.engine.max_adapters)
+        )(known)
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.engine.start()
         if not await self.engine.wait_ready(model.engine.startup_timeout_s):
@@ -163,6 +187,8 @@ class EngineDeployment:
 
     async def check_health(self) -> None:
         """Serve's health check: the model answers a real one-token generation."""
+        if self.engine.draining is not None:  # restarting to change its adapters
+            return
         if not self.engine.ready:
             raise RuntimeError(f"engine {self.alias} is {self.engine.state}: {self.engine.reason}")
         body = {"prompt": "Hello", "max_tokens": 1, "temperature": 0}
@@ -206,10 +232,34 @@ class EngineDeployment:
                 status_code=413,
                 headers=headers,
             )
-        url = self.engine.base_url[: -len("/v1")] + suffix
-        upstream = await self.session.request(
-            request.method, url, data=body or None, headers={"content-type": "application/json"}
-        )
+        adapter = serve.get_multiplexed_model_id()
+        if adapter and adapter not in self.adapters:
+            return JSONResponse(
+                error_body(f"no adapter {adapter[:128]!r} on this engine", *_NOT_FOUND),
+                status_code=404,
+                headers=headers,
+            )
+        held: str | None = None  # what the pool counts this request in (released below)
+        if suffix != "/v1/models" and (self.engine.adapters or adapter):
+            try:
+                body, held = await self._with_adapter(body, adapter)
+            except SwitchyardError as exc:
+                return JSONResponse(
+                    exc.body(), status_code=exc.status, headers={**headers, **exc.headers}
+                )
+            if adapter:
+                headers["x-switchyard-engine-adapter"] = adapter
+        try:
+            url = self.engine.base_url[: -len("/v1")] + suffix
+            upstream = await self.session.request(
+                request.method,
+                url,
+                data=body or None,
+                headers={"content-type": "application/json"},
+            )
+        except BaseException:
+            self._release(held)
+            raise
         ctype = upstream.headers.get("content-type", "application/json")
         if ctype.startswith("text/event-stream"):
 
@@ -219,6 +269,7 @@ class EngineDeployment:
                         yield chunk
                 finally:
                     upstream.release()
+                    self._release(held)
 
             return StreamingResponse(
                 relay(), status_code=upstream.status, media_type=ctype, headers=headers
@@ -227,7 +278,43 @@ class EngineDeployment:
             data = await upstream.read()
         finally:
             upstream.release()
+            self._release(held)
         return Response(data, status_code=upstream.status, media_type=ctype, headers=headers)
+
+    async def _with_adapter(self, body: bytes, adapter: str) -> tuple[bytes, str]:
+        """Hold the engine with the request's adapter (or the base) active, as the
+        residency pool decides; the body to send, and the name the pool counts it
+        under. Raises the pool's refusals (503 with Retry-After)."""
+        try:
+            obj = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raise InvalidRequest("the body is not JSON") from None
+        if not isinstance(obj, dict):
+            raise InvalidRequest("the body is not a JSON object")
+        if adapter:
+            await self.multiplexed(adapter)  # Serve's record of this replica's adapters
+        await self.pool.acquire(self.engine, self.wait_s)  # holds the engine
+        name = adapter or BASE  # BASE: a base request (its turn, if kept apart)
+        try:
+            if adapter or self.engine.isolate_base:
+                got = self.pool.adapter_now(self.engine, name)
+                if got is None:
+                    await self.pool.adapter(self.engine, name, self.wait_s)
+        except BaseException:
+            self.pool.release(self.engine, None)
+            raise
+        if self.engine.kind == "vllm":
+            obj["model"] = adapter or self.alias  # vLLM serves an adapter by its name
+        else:
+            obj["model"] = self.alias
+            obj["lora"] = self.engine.lora_scales(adapter or None)
+        return orjson.dumps(obj), name
+
+    def _release(self, held: str | None) -> None:
+        if held is None:
+            return
+        counted = held != BASE or self.engine.isolate_base  # in adapter_in_flight
+        self.pool.release(self.engine, held if counted else None)
 
     async def __del__(self) -> None:
         session = getattr(self, "session", None)
