@@ -277,6 +277,9 @@ def cluster() -> Iterator[Cluster]:
                 ],
                 "adapters": adapters,
                 "embeddings": {"enabled": False},
+                # Exact matches only (no embedding model here); requests that name no
+                # temperature count as 1.0 and are never cached (the load tests).
+                "cache": {"enabled": True, "semantic": False, "max_temperature": 0.5},
                 "auth": {"bootstrap_dev_key": False},
                 "storage": {"redis_url": redis_url, "postgres_dsn": pg.url, "redis_timeout_s": 3},
                 "ray": {
@@ -288,6 +291,9 @@ def cluster() -> Iterator[Cluster]:
                         "min_replicas": 1,
                         "max_replicas": 2,
                         "target_ongoing_requests": 1,
+                        "max_ongoing_requests": 2,
+                        "max_queued_requests": 16,
+                        "retry_after_s": 1,
                         "upscale_delay_s": 1,
                         "downscale_delay_s": 4,
                         "num_cpus": 1,
@@ -396,6 +402,68 @@ def test_adapters_are_served_by_the_engine_deployment_through_serve_multiplexing
         )
         assert r.status_code == status, r.text
     assert r.json()["error"]["code"] == "model_not_found"
+
+
+def _on_each_replica(cluster: Cluster, path: str) -> dict[str, Any]:
+    """GET `path` through Serve's proxy until both gateway replicas have answered."""
+    seen: dict[str, Any] = {}
+    deadline = time.monotonic() + 30  # hang guard
+    while len(seen) < 2:
+        assert time.monotonic() < deadline, seen
+        r = httpx.get(cluster.url + path, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        seen[r.headers["x-switchyard-gateway-replica"]] = r.json()
+    return seen
+
+
+def test_a_reply_cached_through_one_gateway_replica_is_a_hit_through_the_other(
+    cluster: Cluster,
+) -> None:
+    ask = {"messages": [{"role": "user", "content": f"cache probe {os.urandom(4).hex()}"}]}
+    first = cluster.chat(temperature=0, **ask)
+    assert first.headers["x-switchyard-cache"] == "miss", first.headers
+    stored_by = first.headers["x-switchyard-gateway-replica"]
+    time.sleep(0.5)  # (the other replica learns it within milliseconds)
+    for _ in range(40):
+        r = cluster.chat(temperature=0, **ask)
+        assert r.headers["x-switchyard-cache"] == "hit-exact", r.headers
+        assert r.json()["choices"] == first.json()["choices"]
+        if r.headers["x-switchyard-gateway-replica"] != stored_by:
+            break
+    else:
+        raise AssertionError("Serve never sent the request to the other gateway replica")
+    done = httpx.post(
+        cluster.url + "/admin/cache/invalidate",
+        json={"tenant": "ray"},
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        timeout=30,
+    )
+    assert done.status_code == 200 and done.json()["shared"]["removed"] >= 1, done.text
+    time.sleep(0.5)
+    stats = _on_each_replica(cluster, "/admin/cache/stats")
+    assert {s["entries"] for s in stats.values()} == {0}, stats
+
+
+def test_a_burst_beyond_the_engines_queue_is_refused_at_once_with_retry_after(
+    cluster: Cluster,
+) -> None:
+    """40 requests at once against 1-2 engine replicas that take 2 each and a queue of
+    16: each is answered or refused with 503 and Retry-After (after at most one retry
+    that fits its deadline); none waits unbounded while a replica starts."""
+
+    def one() -> tuple[httpx.Response, float]:
+        t = time.monotonic()
+        return cluster.chat(max_tokens=40), time.monotonic() - t
+
+    with concurrent.futures.ThreadPoolExecutor(40) as pool:
+        results = list(pool.map(lambda _: one(), range(40)))
+    codes = sorted(r.status_code for r, _ in results)
+    assert set(codes) == {200, 503}, codes
+    for r, took in results:
+        assert took < 90, took  # a hang guard
+        if r.status_code == 503:
+            assert r.json()["error"]["code"] == "upstream_overloaded", r.text
+            assert r.headers["retry-after"] == "1"
+    assert cluster.chat().status_code == 200
 
 
 def test_gateway_replicas_enforce_one_combined_rpm_limit(cluster: Cluster) -> None:

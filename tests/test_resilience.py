@@ -327,6 +327,24 @@ def test_breaker_opens_blocks_then_probes_and_closes(gw: Gateway, second: Script
     assert httpx.get(gw.url + "/readyz").json()["models"]["brk"]["breaker"]["state"] == "closed"
 
 
+def test_an_upstream_at_capacity_is_passed_on_and_never_opens_the_breaker(
+    gw: Gateway, second: Scripted
+) -> None:
+    """503 with Retry-After (a Serve deployment's full queue while it scales out): the
+    client gets 503 and that Retry-After at once, and the breaker, which opens after 3
+    failures, counts none of them."""
+    second.fault("busy:1", count=4)
+    replies = [_chat(gw, "brk") for _ in range(4)]
+    assert [r.status_code for r in replies] == [503] * 4, [r.text for r in replies]
+    for r in replies:
+        assert r.json()["error"]["code"] == "upstream_overloaded"
+        assert r.headers["retry-after"] == "1"
+    before = second.requests()
+    assert _chat(gw, "brk").status_code == 200
+    assert second.requests() == before + 1
+    assert httpx.get(gw.url + "/readyz").json()["models"]["brk"]["breaker"]["state"] == "closed"
+
+
 def test_tool_request_falls_back_only_to_a_tool_capable_target(gw: Gateway) -> None:
     r = _chat(gw, "primary", body={"tools": TOOLS})
     assert r.status_code == 200, r.text

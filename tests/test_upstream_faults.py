@@ -72,6 +72,7 @@ def test_openai_client_raises_on_mid_stream_error(gw: Gateway, scripted: Scripte
     [
         ("status:500", 502, "upstream_error"),
         ("status:503", 502, "upstream_error"),
+        ("busy:3", 503, "upstream_overloaded"),  # at capacity: 503 with its Retry-After
         ("status:400", 400, "upstream_rejected"),
         ("status:429", 429, "upstream_rate_limited"),
         ("close", 502, "upstream_error"),
@@ -88,6 +89,8 @@ def test_upstream_errors_map_to_the_contract(
     assert "Traceback" not in r.text
     if status == 429:
         assert r.headers["retry-after"] == "1"
+    if status == 503:
+        assert r.headers["retry-after"] == "3"
     assert _post(gw, BODY).status_code == 200  # the fault was one request only
 
 

@@ -787,6 +787,12 @@ class RayEngineScaling(_Strict):
     # Requests in flight per replica that Serve aims for; more adds replicas.
     target_ongoing_requests: float = Field(2.0, gt=0, le=10_000)
     max_ongoing_requests: int = Field(8, ge=1, le=100_000)
+    # Requests queued at each Serve proxy beyond what the replicas take (-1: no
+    # bound). Past it Serve answers 503 with Retry-After: retry_after_s at once, and
+    # the gateway passes it on (503 upstream_overloaded) unless a retry fits in the
+    # request's deadline: a request never waits unbounded while a replica loads.
+    max_queued_requests: int = Field(64, ge=-1, le=100_000)
+    retry_after_s: int = Field(2, ge=1, le=3600)
     upscale_delay_s: float = Field(5.0, ge=0, le=3600)
     downscale_delay_s: float = Field(30.0, ge=0, le=86_400)
     num_cpus: float = Field(1.0, ge=0, le=1024)
@@ -798,6 +804,8 @@ class RayEngineScaling(_Strict):
     def _bounds(self) -> RayEngineScaling:
         if self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas may not exceed max_replicas")
+        if self.max_queued_requests == 0:
+            raise ValueError("max_queued_requests: -1 (no bound) or at least 1")
         return self
 
 

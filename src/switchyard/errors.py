@@ -136,6 +136,16 @@ class UpstreamError(SwitchyardError):
     code = "upstream_error"
 
 
+class UpstreamOverloaded(UpstreamError):
+    """The upstream answered 503 with a Retry-After: it is at capacity (a Serve
+    deployment's queue is full while it scales out, a provider shedding load), not
+    broken. The client gets 503 and the upstream's Retry-After; breakers do not count it
+    as a failure."""
+
+    status = 503
+    code = "upstream_overloaded"
+
+
 class UpstreamUnreachable(UpstreamError):
     status = 502
     code = "upstream_unreachable"

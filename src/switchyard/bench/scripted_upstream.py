@@ -10,6 +10,7 @@ run time with `PUT /control/fault`), comma-separated, e.g. `delay:100,status:503
 
 - `status:<code>`   answer with that HTTP status and an OpenAI error body
                     (`status:429` also sends `Retry-After: 1`)
+- `busy:<s>`        answer 503 with `Retry-After: <s>` (an upstream at capacity)
 - `delay:<ms>`      sleep before answering
 - `hang`            never answer (waits until the client leaves, at most an hour)
 - `drop-mid-stream` send half the tokens, then close the connection (no `[DONE]`;
@@ -67,6 +68,7 @@ class Fault:
     action: str | None = None  # "status", "echo", "hang", "drop-mid-stream", "close"
     status: int = 0
     slow_s: float = 0.0  # between streamed events
+    retry_after: str | None = None  # sent with a status answer
 
 
 def parse_fault(spec: str) -> Fault:
@@ -79,6 +81,7 @@ def parse_fault(spec: str) -> Fault:
     slow_s = 0.0
     action: str | None = None
     status = 0
+    retry_after: str | None = None
     for part in (p.strip() for p in spec.split(",")):
         name, _, arg = part.partition(":")
         if name == "slow" and arg:
@@ -95,6 +98,10 @@ def parse_fault(spec: str) -> Fault:
             if not arg.isdigit() or not 100 <= int(arg) <= 599:
                 raise ValueError(f"fault {part!r}: status needs an HTTP code 100-599")
             action, status = "status", int(arg)
+        elif name == "busy" and arg:
+            if not arg.isdigit():
+                raise ValueError(f"fault {part!r}: busy needs whole seconds")
+            action, status, retry_after = "status", 503, arg
         elif name == "echo" and arg:  # an error whose message quotes the request
             if not arg.isdigit() or not 400 <= int(arg) <= 599:
                 raise ValueError(f"fault {part!r}: echo needs an HTTP error code 400-599")
@@ -103,10 +110,10 @@ def parse_fault(spec: str) -> Fault:
             action = name
         else:
             raise ValueError(
-                f"unknown fault {part!r}; use status:<code>, echo:<code>, delay:<ms>, "
-                "slow:<ms>, hang, drop-mid-stream or close"
+                f"unknown fault {part!r}; use status:<code>, busy:<s>, echo:<code>, "
+                "delay:<ms>, slow:<ms>, hang, drop-mid-stream or close"
             )
-    return Fault(delay_s=delay_s, action=action, status=status, slow_s=slow_s)
+    return Fault(delay_s, action, status, slow_s, retry_after)
 
 
 def _error_type(status: int) -> str:
@@ -245,6 +252,8 @@ class ScriptedUpstream:
                 return
             if fault.action == "status":
                 extra = [(b"retry-after", b"1")] if fault.status == 429 else []
+                if fault.retry_after is not None:
+                    extra = [(b"retry-after", fault.retry_after.encode())]
                 body = error_body(fault.status, f"scripted fault: HTTP {fault.status}")
                 await _send_json(send, fault.status, body, extra)
                 return

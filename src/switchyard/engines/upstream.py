@@ -22,6 +22,7 @@ from switchyard.errors import (
     RateLimited,
     SwitchyardError,
     UpstreamError,
+    UpstreamOverloaded,
     UpstreamStatusError,
     UpstreamTimeout,
     UpstreamUnreachable,
@@ -73,6 +74,13 @@ def _upstream_error(status: int, body: bytes, name: str, headers: Any = None) ->
     elif status in (408, 504):
         err = UpstreamTimeout(f"upstream {name} timed out", detail=detail)
         err.retry_class = "504"
+    elif status == 503 and retry_after and retry_after.strip().isdigit() and len(retry_after) <= 6:
+        err = UpstreamOverloaded(
+            f"upstream {name} is at capacity; retry after {retry_after.strip()} s",
+            headers={"Retry-After": retry_after.strip()},
+            detail=detail,
+        )
+        err.retry_class = "503"
     else:
         err = UpstreamError(f"upstream {name} failed with HTTP {status}", detail=detail)
         err.retry_class = str(status) if status in (500, 502, 503) else "500"

@@ -29,6 +29,7 @@ from switchyard.errors import (
     EngineFailed,
     EngineNotReady,
     SwitchyardError,
+    UpstreamOverloaded,
     UpstreamTimeout,
 )
 from switchyard.execute.breaker import CircuitBreaker
@@ -364,8 +365,10 @@ class Executor:
             except SwitchyardError as exc:
                 Tracing.end_attempt(span, exc.code)
                 cls = retry_class(exc)
-                # A 4xx means the upstream is healthy and the request is wrong.
-                await self._record(breaker, cls is None)
+                # A 4xx means the upstream is healthy and the request is wrong; a 503
+                # with Retry-After, that it is healthy and full (neither counts).
+                if not isinstance(exc, UpstreamOverloaded):
+                    await self._record(breaker, cls is None)
                 ctx.record(
                     "attempt",
                     f"error:{cls or exc.code}",

@@ -102,19 +102,22 @@ class GatewayDeployment:
     def __serve_build_asgi_app__(self) -> Any:
         from switchyard.api.app import create_app
 
-        return RequestIdAlias(create_app(self.settings))
+        replica = serve.get_replica_context().replica_id.unique_id
+        return RequestIdAlias(create_app(self.settings), replica)
 
 
 class RequestIdAlias:
     """Serve's proxy appends its own `X-Request-ID` to every response (a second value
     beside the gateway's `req_...`; clients that join them see "req_..., <uuid>"). The
     gateway's id is therefore also sent as `x-switchyard-request-id`, the one to quote
-    in `x-parent-request-id` and trace lookups under Ray. Lifespan and everything else
-    pass through untouched."""
+    in `x-parent-request-id` and trace lookups under Ray. `x-switchyard-gateway-replica`
+    names the replica that answered. Lifespan and everything else pass through
+    untouched."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, replica: str = "") -> None:
         self.app = app
         self.router = getattr(app, "router", None)
+        self.replica = (b"x-switchyard-gateway-replica", replica.encode()[:128])
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -127,8 +130,9 @@ class RequestIdAlias:
                 for name, value in headers:
                     if name == b"x-request-id":
                         headers.append((b"x-switchyard-request-id", value))
-                        message = {**message, "headers": headers}
                         break
+                headers.append(self.replica)
+                message = {**message, "headers": headers}
             await send(message)
 
         await self.app(scope, receive, aliased)

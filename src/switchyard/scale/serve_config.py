@@ -77,6 +77,10 @@ def engine_options(settings: Settings) -> dict[str, Any]:
     return {
         "autoscaling_config": autoscaling(settings),
         "max_ongoing_requests": e.max_ongoing_requests,
+        # Beyond the replicas and this queue (while a new replica loads, say): 503
+        # with Retry-After at once, never an unbounded wait.
+        "max_queued_requests": e.max_queued_requests,
+        "backpressure_config": {"status_code": 503, "retry_after_s": e.retry_after_s},
         "ray_actor_options": actor,
         # The first real answer (weights loaded, a generation through the API) is the
         # replica's start; the health check is a real request too.
