@@ -37,6 +37,12 @@ def _models(scripted: Scripted) -> list[dict[str, Any]]:
         },
         {"alias": "other", "engine": {"kind": "openai", "base_url": scripted.url + "/v1"}},
         {
+            # $1000 per million input tokens: the prompt is what costs.
+            "alias": "prompty",
+            "engine": {"kind": "openai", "base_url": scripted.url + "/v1"},
+            "price": {"input": 1000.0, "output": 0.0},
+        },
+        {
             "alias": "slow",
             "engine": {"kind": "openai", "base_url": scripted.url + "/v1"},
             "limits": {"max_concurrency": 1, "queue": 1},
@@ -171,6 +177,30 @@ def test_budget_race_admits_at_most_what_fits_and_ledger_sums(gw: Gateway) -> No
     assert sum(r["cost_usd"] for r in rows) == pytest.approx(0.2)
     assert all(r["output_tokens"] == 10 and r["model"] == "cheap" for r in charged)
     assert len(rows) == 100  # refused requests are recorded too, at zero cost
+
+
+def test_a_budget_holds_when_prompts_cost_more_than_their_text(
+    gw: Gateway, scripted: Scripted
+) -> None:
+    """The upstream counts more prompt tokens than the text's estimate (a template;
+    here the scripted upstream's count of the whole body). Once one reply has shown
+    it, reservations include that overhead: 100 concurrent requests spend no more than
+    the budget."""
+    body = {**CHEAP, "model": "prompty"}
+    warm = _chat(gw, _tenant_key(gw), body)  # any tenant: the overhead is the model's
+    assert warm.status_code == 200
+    per_request = warm.json()["usage"]["prompt_tokens"] * 1000.0 / 1_000_000
+    tid = "prompty" + str(time.monotonic_ns())[-6:]
+    budget = round(per_request * 8.5, 6)  # 8 fit
+    gw.create_tenant(tid, budget_usd=budget, budget_period="day")
+    key = gw.create_key(tid)["key"]
+    scripted.fault("delay:500", count=100)  # every admission happens before any settle
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        rs = list(pool.map(lambda _: _chat(gw, key, body), range(100)))
+    scripted.fault("delay:0", count=0)
+    assert sum(r.status_code == 200 for r in rs) == 8
+    spent = sum(r["cost_usd"] for r in gw.usage(tenant=tid, limit=1000))
+    assert spent == pytest.approx(per_request * 8) and spent <= budget
 
 
 def test_usage_row_fields(gw: Gateway) -> None:

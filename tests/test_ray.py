@@ -266,6 +266,8 @@ def cluster() -> Iterator[Cluster]:
                     {
                         "alias": ALIAS,
                         "revision": "smol-rev",
+                        # Priced, so a tenant budget has something to count.
+                        "price": {"input": 1000.0, "output": 1000.0},
                         "engine": {
                             "kind": "llamacpp",
                             "threads": 1,
@@ -488,6 +490,46 @@ def test_gateway_replicas_enforce_one_combined_rpm_limit(cluster: Cluster) -> No
     with concurrent.futures.ThreadPoolExecutor(20) as pool:
         codes = list(pool.map(call, range(40)))
     assert codes.count(200) == 12 and codes.count(429) == 28, codes
+
+
+def test_gateway_replicas_enforce_one_combined_budget(cluster: Cluster) -> None:
+    """100 concurrent requests over both replicas against a tenant budget of $0.10
+    ($1000 per million tokens): what is served costs no more than the budget, the rest
+    get 429 insufficient_quota."""
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    r = httpx.post(
+        cluster.url + "/admin/tenants",
+        json={"id": "ray-budget", "budget_usd": 0.10, "budget_period": "day"},
+        headers=admin,
+    )
+    assert r.status_code == 201, r.text
+    key = httpx.post(
+        cluster.url + "/admin/keys", json={"tenant_id": "ray-budget"}, headers=admin
+    ).json()["key"]
+    body = {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    def call(_: int) -> httpx.Response:
+        return httpx.post(
+            cluster.url + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=120,
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(50) as pool:
+        replies = list(pool.map(call, range(100)))
+    codes = [r.status_code for r in replies]
+    assert 0 < codes.count(200) < 100 and set(codes) == {200, 429}, codes
+    assert {r.json()["error"]["code"] for r in replies if r.status_code == 429} == {
+        "insufficient_quota"
+    }
+    time.sleep(1.5)  # the ledger writers flush
+    rows = httpx.get(
+        cluster.url + "/admin/usage", params={"tenant": "ray-budget"}, headers=admin
+    ).json()["data"]
+    served = [u for u in rows if u["status"] == "ok"]
+    assert len(served) == codes.count(200)
+    assert 0 < sum(u["cost_usd"] for u in served) <= 0.10
 
 
 def test_a_task_across_replicas_reads_back_from_postgres(cluster: Cluster) -> None:

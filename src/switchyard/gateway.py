@@ -44,6 +44,7 @@ from switchyard.observe.weights import REFRESH_S as WEIGHTS_REFRESH_S
 from switchyard.observe.weights import read_weights, write_weights
 from switchyard.pipeline import Pipeline
 from switchyard.policy.admission import DeploymentGate
+from switchyard.policy.admit import PromptOverhead
 from switchyard.policy.auth import Authenticator
 from switchyard.policy.keys import Limits, NotFound
 from switchyard.policy.limits import Limiter, MemoryLimiter
@@ -90,13 +91,15 @@ def build_pipelines(
     running: Running | None = None,
     consume_approval: ConsumeApproval | None = None,
     placers: Mapping[str, Placer] | None = None,
+    overhead: PromptOverhead | None = None,
 ) -> Pipelines:
     """The stages, in order (DESIGN.md: the request pipeline). Evidence that is the
     same for every request of a model is built once and shared (recorded evidence
     is never changed afterwards)."""
     models = {m.alias: m for m in s.served_models()}
     named = {m.alias: {"model": m.alias} for m in s.models}
-    estimate = generation_estimate(models, s.policy.default_max_tokens)
+    overhead = overhead or PromptOverhead()
+    estimate = generation_estimate(models, s.policy.default_max_tokens, overhead)
     planner = CachePlanner(s)
     t = s.tasks
     tasks = tasks or MemoryTaskStore(t.max_tasks, t.idle_ttl_s, t.max_tool_calls)
@@ -219,6 +222,7 @@ class Gateway:
                 self.cache, settings.storage.redis_url, settings.storage.redis_timeout_s
             )
         self.pii = PiiMasker()
+        self.overhead = PromptOverhead()  # learned per model, for the reservations
         self.executor.redact = self.pii.mask
         self.router: Any = None  # set once built (start), when routing is enabled
         self.gates = {
@@ -268,6 +272,7 @@ class Gateway:
                 self.running,
                 self.store.consume_approval,
                 self.placers,
+                self.overhead,
             ),
             self.executor,
             self.limiter,
@@ -281,6 +286,7 @@ class Gateway:
             tasks=self.tasks,
             running=self.running,
             tools=ToolPolicy(settings.tools) if settings.tools.check_outputs else None,
+            overhead=self.overhead,
         )
         self.service.on_canary_cut = self._canary_cut
         self.started_at = time.time()

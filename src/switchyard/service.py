@@ -42,7 +42,7 @@ from switchyard.pipeline import (
     Timings,
 )
 from switchyard.policy import headers as request_headers
-from switchyard.policy.admit import cost_usd, estimate_prompt_tokens
+from switchyard.policy.admit import PromptOverhead, cost_usd, estimate_prompt_tokens
 from switchyard.policy.auth import ANONYMOUS, Authenticator
 from switchyard.policy.keys import Principal
 from switchyard.policy.limits import Limiter, LimiterUnavailable
@@ -311,6 +311,8 @@ class RequestService:
     tasks: TaskStore | None = None  # agent tasks' budgets (policy/tasks.py)
     running: Running | None = None  # the tasks' calls in flight here
     tools: ToolPolicy | None = None  # tool calls in replies (policy/tool_calls.py)
+    # Prompt tokens beyond the estimate, per model (shared with the estimates).
+    overhead: PromptOverhead = field(default_factory=PromptOverhead)
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -825,6 +827,8 @@ class RequestService:
         if usage:
             inp = int(usage.get("prompt_tokens") or 0)
             out = int(usage.get("completion_tokens") or 0)
+            if inp and ctx.alias is not None and ctx.input.endpoint != "embeddings":
+                self.overhead.observe(ctx.alias, ctx.body, inp)  # reservations lean high
         elif ctx.run.attempts and ctx.input.endpoint != "embeddings":
             # Best effort for a broken stream, the same whether limits applied (and so
             # estimated the prompt at admission) or not.

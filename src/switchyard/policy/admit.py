@@ -39,6 +39,26 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
     return len(str(prompt or "")) // 3 + 8
 
 
+class PromptOverhead:
+    """Tokens a model's prompts carry beyond what `estimate_prompt_tokens` counts (its
+    chat template, a default system prompt the template adds), learned from replies:
+    the largest excess an upstream reported per model. Added to every reservation's
+    estimate, so that a budget is not overshot by prompts that cost more than their
+    text. Until a model's first reply with usage, its estimate has no overhead."""
+
+    def __init__(self, cap: int = 4096) -> None:
+        self.tokens: dict[str, int] = {}  # per configured alias
+        self.cap = cap  # an upstream's odd count cannot make every estimate absurd
+
+    def get(self, alias: str) -> int:
+        return self.tokens.get(alias, 0)
+
+    def observe(self, alias: str, body: dict[str, Any], reported: int) -> None:
+        excess = min(reported - estimate_prompt_tokens(body), self.cap)
+        if excess > self.tokens.get(alias, 0):
+            self.tokens[alias] = excess
+
+
 def max_output_tokens(body: dict[str, Any], default: int) -> int:
     v = body.get("max_completion_tokens") or body.get("max_tokens")
     return int(v) if isinstance(v, int) and v > 0 else default

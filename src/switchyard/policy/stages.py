@@ -28,6 +28,7 @@ from switchyard.pipeline import PiiState, RequestContext, Stage, Verdict, View
 from switchyard.policy import headers as request_headers
 from switchyard.policy.admission import Admission, DeploymentGate
 from switchyard.policy.admit import (
+    PromptOverhead,
     cost_usd,
     deployment_scope,
     estimate_prompt_tokens,
@@ -213,13 +214,16 @@ class Reserver:
 Estimate = Callable[[RequestContext], tuple[int, int, Price | None]]
 
 
-def generation_estimate(models: Mapping[str, ModelConfig], default_max_tokens: int) -> Estimate:
-    """(prompt tokens, output tokens, price) of a chat or completion request."""
+def generation_estimate(
+    models: Mapping[str, ModelConfig], default_max_tokens: int, overhead: PromptOverhead
+) -> Estimate:
+    """(prompt tokens, output tokens, price) of a chat or completion request; the
+    prompt includes the model's learned overhead (its template)."""
 
     def estimate(ctx: RequestContext) -> tuple[int, int, Price | None]:
         model = models.get(ctx.alias or "")
         return (
-            estimate_prompt_tokens(ctx.body),
+            estimate_prompt_tokens(ctx.body) + overhead.get(ctx.alias or ""),
             max_output_tokens(ctx.body, default_max_tokens),
             model.price if model is not None else None,
         )
