@@ -279,6 +279,15 @@ def gw(scripted: Scripted) -> Iterator[Gateway]:
                 "enabled": True,
                 "threshold": 0.80,
                 "models": {"shadowed": {"mode": "shadow"}},
+                # In place of the shipped classes (tests/test_cache.py checks those in
+                # process): the semantic tests here ask an account question.
+                "risk": {
+                    "classes": {
+                        "billing": {"policy": "exact_only", "terms": ["receipt"]},
+                        "live": {"policy": "off", "terms": ["right now"]},
+                    },
+                    "tags": {"volatile": "off"},
+                },
             },
             "pii": {"mode": "observe_only"},
         }
@@ -431,6 +440,67 @@ def test_shadow_mode_calls_the_model_and_records_agreement(gw: Gateway, scripted
     rec = httpx.get(gw.url + "/admin/requests/shadow-1", headers=gw.admin).json()
     shadow = next(d for d in rec["decisions"] if d["stage"] == "cache_shadow")
     assert shadow["evidence"]["answer_similarity"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_risk_classes_exact_only_never_serves_a_semantic_hit_and_off_never_caches(
+    gw: Gateway, scripted: Scripted
+) -> None:
+    first = _ask(gw, "Where do I download the receipt for March?")
+    assert first.headers["x-switchyard-cache"] == "miss"
+    n = scripted.requests()
+    # A paraphrase that the semantic cache would serve (0.80, the verifier agrees) is a
+    # miss: billing questions are exact only. The exact repeat still hits.
+    para = _ask(
+        gw, "Where can I download the receipt for March?", headers={"x-request-id": "risk-1"}
+    )
+    assert para.headers["x-switchyard-cache"] == "miss"
+    assert scripted.requests() == n + 1
+    rec = httpx.get(gw.url + "/admin/requests/risk-1", headers=gw.admin).json()
+    cache = next(d for d in rec["decisions"] if d["stage"] == "cache")
+    assert cache["evidence"]["risk"] == "class:billing"
+    assert cache["evidence"]["risk_policy"] == "exact_only"
+    embed = next(d for d in rec["decisions"] if d["stage"] == "embed")
+    assert embed["outcome"] == "skip" and "class:billing" in embed["reason"]
+    again = _ask(gw, "Where do I download the receipt for March?")
+    assert again.headers["x-switchyard-cache"] == "hit-exact"
+    # Off: never looked up, never stored; by content and by tag.
+    for text, headers in (
+        ("What is the queue length right now?", {}),
+        ("Which plan has the volatile discount?", {"x-switchyard-cache-tags": "volatile"}),
+    ):
+        for _ in range(2):
+            r = _ask(gw, text, headers=headers)
+            assert r.headers["x-switchyard-cache"] == "bypass", r.headers
+    assert scripted.requests() == n + 1 + 4
+
+
+def test_the_shipped_risk_classes() -> None:
+    from switchyard.config import CacheRisk
+    from switchyard.decide.risk import RiskClassifier
+
+    risk = RiskClassifier(CacheRisk())
+    cases = {
+        "What's the weather in Lisbon today?": ("off", "class:live_data"),
+        "What is the latest exchange rate for the yen?": ("off", "class:live_data"),
+        "How do I reset my password?": ("exact_only", "class:account"),
+        "Why was I charged twice?": ("exact_only", "class:payment"),
+        "My card <CARD_1> was refused": ("exact_only", "class:payment"),
+        "What dosage of ibuprofen is safe for a child?": ("exact_only", "class:medical"),
+        "What is the capital of France?": ("semantic", None),
+        "How do I export a CSV from the dashboard?": ("semantic", None),
+        "Is myaccount.example a phishing site?": ("semantic", None),  # whole words only
+    }
+    for text, (policy, source) in cases.items():
+        got = risk.classify(text, "m", ())
+        assert (got.policy, got.source) == (policy, source), (text, got)
+    # The strictest rule wins: a model rule, a tag rule, then the content classes.
+    strict = RiskClassifier(CacheRisk(models={"m": "exact_only"}, tags={"t": "off"}))
+    assert strict.classify("What is the capital of France?", "m", ()).source == "model:m"
+    assert strict.classify("How do I reset my password?", "m", ("t",)).policy == "off"
+    assert strict.classify("What's the weather today?", "m", ()).source == "class:live_data"
+    assert (
+        RiskClassifier(CacheRisk(classes={})).classify("my password today", "m", ()).source is None
+    )
 
 
 def test_invalidation_over_admin_api_with_dry_run(gw: Gateway) -> None:

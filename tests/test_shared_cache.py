@@ -188,7 +188,9 @@ def test_two_gateways_share_hits_and_invalidations(scripted: Scripted) -> None:
                 "resilience": {"retries": 0},
             }
         ],
-        "cache": {"enabled": True, "threshold": 0.80},
+        # No content risk classes: this is about sharing (the password question would
+        # be an exact-only account question by default).
+        "cache": {"enabled": True, "threshold": 0.80, "risk": {"classes": {}}},
         "storage": {"redis_url": url, "redis_timeout_s": 3},
     }
     gws: list[Gateway] = []

@@ -232,6 +232,94 @@ class CacheOverride(_Strict):
     threshold: float | None = Field(None, ge=-1, le=1)
 
 
+RiskPolicy = Literal["semantic", "exact_only", "off"]
+
+
+class RiskClass(_Strict):
+    """A content class of requests and how far the cache may go for it."""
+
+    policy: RiskPolicy
+    # Whole words or phrases (case-insensitive) of the last user message, after PII
+    # masking, that put a request in this class; and PII types masked in it (CARD...).
+    terms: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field([], max_length=500)
+    pii: list[Annotated[str, Field(pattern=r"^[A-Z_]{2,20}$")]] = []
+
+
+def _default_risk_classes() -> dict[str, RiskClass]:
+    """Personal, money, medical and live-data questions: at most exact hits (README)."""
+    mine = "account balance order orders subscription plan profile password login username"
+    mine += " data address email history"
+    money = "card payment refund invoice bill charge transaction transfer statement loan"
+    money += " credit tax"
+    return {
+        "account": RiskClass(
+            policy="exact_only",
+            terms=[f"my {w}" for w in mine.split()]
+            + ["order number", "account number", "tracking number"],
+            pii=["EMAIL", "PHONE", "SSN", "KR_RRN"],
+        ),
+        "payment": RiskClass(
+            policy="exact_only",
+            terms=[f"my {w}" for w in money.split()] + ["charged", "declined", "chargeback"],
+            pii=["CARD", "IBAN"],
+        ),
+        "medical": RiskClass(
+            policy="exact_only",
+            terms=[
+                "dose",
+                "dosage",
+                "mg",
+                "milligrams",
+                "medication",
+                "medicine",
+                "prescription",
+                "prescribed",
+                "symptom",
+                "symptoms",
+                "side effect",
+                "side effects",
+                "pregnant",
+                "allergic",
+                "overdose",
+                "diagnosis",
+                "diagnosed",
+                "my doctor",
+                "my pain",
+            ],
+        ),
+        "live_data": RiskClass(
+            policy="off",
+            terms=[
+                "today",
+                "tonight",
+                "right now",
+                "currently",
+                "at the moment",
+                "this morning",
+                "this week",
+                "latest",
+                "live score",
+                "weather",
+                "stock price",
+                "share price",
+                "exchange rate",
+                "open now",
+                "breaking",
+            ],
+        ),
+    }
+
+
+class CacheRisk(_Strict):
+    """Risk classes (decide/risk.py): the strictest of the request's model's, its cache
+    tags' and its content classes' policies applies. Setting `classes` replaces the
+    shipped ones (give a shipped class policy `semantic` to lift it)."""
+
+    classes: dict[str, RiskClass] = Field(default_factory=_default_risk_classes)
+    models: dict[str, RiskPolicy] = {}
+    tags: dict[str, RiskPolicy] = {}
+
+
 class CacheConfig(_Strict):
     enabled: bool = False
     # enforce: serve hits; shadow: look up and record would-be hits, call the model anyway.
@@ -248,6 +336,7 @@ class CacheConfig(_Strict):
     personalized_tenants: list[str] = []  # never cached
     shadow_tenants: list[str] = []  # shadow mode for these tenants even when enforcing
     data_version: str | None = None  # bump to invalidate everything logically
+    risk: CacheRisk = CacheRisk()
     # With storage.redis_url: entries are stored once in Redis and every gateway
     # process's index learns new and invalidated ones (decide/shared_cache.py).
     shared: bool = True

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from switchyard.config import CacheConfig
+from switchyard.decide.risk import Risk
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,8 @@ class Cacheability:
     mode: str  # "enforce" | "shadow" | "off"
     threshold: float
     reason: str
+    semantic: bool = True  # False: exact hits only (a risk class, decide/risk.py)
+    risk: Risk | None = None  # the risk rule that applied, if any
 
 
 def cacheability(

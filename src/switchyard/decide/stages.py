@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -24,6 +25,7 @@ from switchyard.decide.placement import (
     parse_network,
     read_sensors,
 )
+from switchyard.decide.risk import RiskClassifier
 from switchyard.decide.select import select_deployment
 from switchyard.decide.tools import shortlist, tool_text
 from switchyard.decide.verify import verify
@@ -60,6 +62,7 @@ class CachePlanner:
         self.cfg = settings.cache
         self._models = {m.alias: m for m in settings.served_models()}
         self._router_version = settings.router.policy_version
+        self._risk = RiskClassifier(settings.cache.risk)
 
     def plan(self, ctx: RequestContext) -> tuple[Cacheability, CacheKeys | None]:
         state = ctx.cache_state
@@ -95,6 +98,16 @@ class CachePlanner:
                 ctx.input.headers.get("x-switchyard-data-version") or cfg.data_version,
                 request_headers.cache_tags(ctx.input.headers.get("x-switchyard-cache-tags")),
             )
+            risk = self._risk.classify(keys.query, ctx.alias or "", keys.tags)
+            if risk.source is not None:
+                why = f"risk {risk.source}" + (f" ({risk.matched!r})" if risk.matched else "")
+                if risk.policy == "off":
+                    verdict = replace(
+                        verdict, lookup=False, store=False, reason=f"{why}: cache off", risk=risk
+                    )
+                    keys = None
+                elif risk.policy == "exact_only":
+                    verdict = replace(verdict, semantic=False, risk=risk)
         state.plan = (verdict, keys)
         return verdict, keys
 
@@ -146,6 +159,12 @@ class Embed(Stage):
                 # second, so it cannot expire in between); nothing needs the vector.
                 ctx.record(self.name, "skip", "an exact cache entry answers this request", t)
                 return None
+            if not self._routing and (keys is None or not verdict.semantic):
+                why = "no semantic lookup for this request"
+                if verdict.risk is not None:
+                    why += f" (risk {verdict.risk.source}: {verdict.risk.policy})"
+                ctx.record(self.name, "skip", why, t)
+                return None
         return self._embed(ctx, embedder, t)
 
     async def _embed(self, ctx: RequestContext, embedder: EmbeddingService, t: float) -> None:
@@ -187,7 +206,9 @@ class Cache(Stage):
         assert state is not None  # the planner made it
         if keys is None:
             ctx.cache = CacheOutcome.BYPASS
-            ctx.record("cache", "bypass", verdict.reason, t)
+            risk = verdict.risk
+            ev = None if risk is None else {"risk": risk.source, "risk_policy": risk.policy}
+            ctx.record("cache", "bypass", verdict.reason, t, ev)
             return
         state.store_keys = keys if verdict.store else None
         if not verdict.lookup:
@@ -199,11 +220,14 @@ class Cache(Stage):
             "threshold": verdict.threshold,
             "mode": verdict.mode,
         }
+        if verdict.risk is not None:
+            evidence["risk"] = verdict.risk.source
+            evidence["risk_policy"] = verdict.risk.policy
         entry = cache.lookup_exact(keys)
         kind, sim = (
             (CacheOutcome.HIT_EXACT, 1.0) if entry is not None else (CacheOutcome.MISS, None)
         )
-        if entry is None and cfg.semantic and ctx.vector is not None:
+        if entry is None and cfg.semantic and verdict.semantic and ctx.vector is not None:
             found = cache.nearest(keys, ctx.vector)
             evidence["candidates"] = found.candidates
             if found.entry is not None and found.similarity is not None:
