@@ -158,6 +158,34 @@ def test_run_calibration_end_to_end_with_a_fake_model(tmp_path: Path) -> None:
     assert "with verifier: threshold 0.500" in report
 
 
+def test_a_held_out_set_is_reported_at_the_development_sets_threshold(tmp_path: Path) -> None:
+    """The first file picks the threshold; the second is only reported, at that
+    threshold and at the shipped default, with its own exact numbers."""
+
+    def write(name: str, rows: list[tuple[str, str, bool]]) -> str:
+        path = tmp_path / name
+        path.write_text(
+            "".join(json.dumps({"a": a, "b": b, "same_answer": s}) + "\n" for a, b, s in rows)
+        )
+        return str(path)
+
+    dev = write("dev.jsonl", [("x", "z", True), ("x", "y", False), ("z", "z", True)])
+    test = write(
+        "test.jsonl", [("y", "z", False), ("x", "x", True), ("y", "y", True), ("x", "y", True)]
+    )
+    report = run_calibration([dev, test], [0.5, 0.9], 0.0, fake_embed([]), stub_verifier, 0.9)
+    assert "dev.jsonl (development set)" in report and "test.jsonl (held-out set)" in report
+    # cosines: y-z 0.707 (a trap), x-x 1, y-y 1, x-y 0 (a paraphrase the model misses)
+    assert (
+        "at the development set's threshold 0.500 with the verifier: false-hit rate "
+        "100.00% (1 pairs), recall 66.67%, precision 66.67%"
+    ) in report
+    assert (
+        "at the shipped default threshold 0.900 with the verifier: false-hit rate "
+        "0.00% (0 pairs), recall 66.67%, precision 100.00%"
+    ) in report
+
+
 @pytest.fixture(scope="module")
 def shipped() -> Iterator[tuple[list[dict[str, Any]], list[float]]]:
     """The shipped set embedded once with the gateway's model (~10-30 s on 2 cores)."""

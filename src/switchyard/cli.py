@@ -470,11 +470,15 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def cmd_cache(args: argparse.Namespace) -> int:
     """cache invalidate (over the admin API: the cache lives in the gateway) | calibrate."""
     if args.action == "calibrate":
+        from switchyard.config import CacheConfig
         from switchyard.decide.calibrate import minilm_embed, parse_thresholds, run_calibration
 
         embed = minilm_embed(runtime=args.runtime)
         thresholds = parse_thresholds(args.thresholds)
-        print(run_calibration(args.pairs, thresholds, args.max_false_hit_rate, embed))
+        shipped = CacheConfig().threshold
+        print(
+            run_calibration(args.pairs, thresholds, args.max_false_hit_rate, embed, None, shipped)
+        )
         return 0
     import urllib.error
     import urllib.request
@@ -662,7 +666,13 @@ def build_parser() -> argparse.ArgumentParser:
     ci.add_argument("--dry-run", action="store_true", help="report what would go; change nothing")
     ci.set_defaults(func=cmd_cache)
     cc = csub.add_parser("calibrate", help="precision/recall per threshold on labelled pairs")
-    cc.add_argument("--pairs", default="data/cache_pairs.jsonl")
+    cc.add_argument(
+        "--pairs",
+        nargs="+",
+        default=["data/cache_pairs.jsonl", "data/cache_pairs_test.jsonl"],
+        help="labelled pairs files: the first tunes (development set), the rest are "
+        "held out and only reported (default: the shipped development and test sets)",
+    )
     cc.add_argument("--thresholds", default="0.50:0.99:0.01", help="start:stop:step")
     cc.add_argument("--max-false-hit-rate", type=float, default=0.01)
     cc.add_argument(

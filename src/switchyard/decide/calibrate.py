@@ -180,8 +180,10 @@ def category_report(
     similarities: Sequence[float],
     threshold: float | None,
     verifier: Verifier,
+    field: str = "category",
 ) -> str:
-    """Per category: how often the verifier vetoes, and what is served at `threshold`.
+    """Per category (or another field of the pairs, e.g. domain): how often the
+    verifier vetoes, and what is served at `threshold`, split by label.
 
     Tells an operator which kind of trap still gets through, or which paraphrases the
     verifier refuses, rather than one aggregate number."""
@@ -189,45 +191,78 @@ def category_report(
     served: Counter[str] = Counter()
     total: Counter[str] = Counter()
     for pair, sim in zip(pairs, similarities, strict=True):
-        cat = str(pair.get("category") or ("paraphrase" if pair["same_answer"] else "trap"))
+        label = "hit" if pair["same_answer"] else "trap"
+        value = pair.get(field) or ("paraphrase" if pair["same_answer"] else "trap")
+        cat = f"{value}/{label}" if field != "category" else str(value)
         ok = verifier(pair["a"], pair["b"])[0]
         total[cat] += 1
         vetoed[cat] += not ok
         served[cat] += ok and threshold is not None and sim >= threshold
     at = "-" if threshold is None else f"{threshold:.3f}"
-    lines = [f"category     pairs  vetoed  served@{at}"]
+    width = max([12, *(len(c) for c in total)])
+    lines = [f"{field:{width}s} pairs  vetoed  served@{at}"]
     lines += [
-        f"{cat:12s} {total[cat]:5d}  {vetoed[cat] / total[cat]:6.1%}  {served[cat]:5d}"
+        f"{cat:{width}s} {total[cat]:5d}  {vetoed[cat] / total[cat]:6.1%}  {served[cat]:5d}"
         for cat in sorted(total)
     ]
     return "\n".join(lines)
 
 
+def _at(rows: Sequence[Row], threshold: float | None, what: str) -> str:
+    """One line: the verified metrics at `threshold` (one of the rows' thresholds)."""
+    row = next((r for r in rows if r["threshold"] == threshold and r["verifier"]), None)
+    if row is None:
+        return f"{what}: not among the thresholds scored"
+    return (
+        f"{what} {threshold:.3f} with the verifier: false-hit rate {row['false_hit_rate']:.2%} "
+        f"({row['fp']} pairs), recall {row['recall']:.2%}, precision {row['precision']:.2%}"
+    )
+
+
 def run_calibration(
-    path: str,
+    paths: str | Sequence[str],
     thresholds: list[float],
     max_false_hit_rate: float,
     embed: Embed,
     verifier: Verifier | None = None,
+    default_threshold: float | None = None,
 ) -> str:
-    """The `switchyard cache calibrate` report for a pairs file, as printable text."""
+    """The `switchyard cache calibrate` report, as printable text. The first file is
+    the development set: it picks the threshold. Every later file is held out: it is
+    reported at that threshold and at `default_threshold` (the shipped default), never
+    used to choose anything."""
     if verifier is None:
         from switchyard.decide.verify import verify
 
         verifier = verify
-    pairs = load_pairs(path)
-    sims = similarities_for(pairs, embed)
-    rows = calibrate(pairs, sims, thresholds, verifier)
-    positives = sum(bool(p["same_answer"]) for p in pairs)
-    chosen = best_threshold(rows, max_false_hit_rate, verifier=True)
-    return "\n\n".join(
-        [
-            f"{path}: {len(pairs)} pairs ({positives} should hit, {len(pairs) - positives} should "
-            f"not); cosine similarity, * marks the chosen threshold",
+    if isinstance(paths, str):
+        paths = [paths]
+    parts: list[str] = []
+    dev_choice: float | None = None
+    for i, path in enumerate(paths):
+        pairs = load_pairs(path)
+        sims = similarities_for(pairs, embed)
+        rows = calibrate(pairs, sims, thresholds, verifier)
+        positives = sum(bool(p["same_answer"]) for p in pairs)
+        chosen = best_threshold(rows, max_false_hit_rate, verifier=True)
+        role = "development set" if i == 0 else "held-out set"
+        parts += [
+            f"{path} ({role}): {len(pairs)} pairs ({positives} should hit, "
+            f"{len(pairs) - positives} should not); cosine similarity, * marks the lowest "
+            "threshold within the false-hit limit on this set",
             format_report(rows, max_false_hit_rate),
-            category_report(pairs, sims, chosen, verifier),
         ]
-    )
+        if i == 0:
+            dev_choice = chosen
+        elif dev_choice is not None:
+            parts.append(_at(rows, dev_choice, "at the development set's threshold"))
+        if default_threshold is not None:
+            parts.append(_at(rows, default_threshold, "at the shipped default threshold"))
+        at = chosen if i == 0 else (dev_choice if default_threshold is None else default_threshold)
+        parts.append(category_report(pairs, sims, at, verifier))
+        if any("domain" in p for p in pairs):
+            parts.append(category_report(pairs, sims, at, verifier, field="domain"))
+    return "\n\n".join(parts)
 
 
 def minilm_embed(batch_size: int = 64, runtime: str | None = None) -> Embed:
