@@ -24,7 +24,15 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import Gateway, Scripted, free_port, local_model, start_gateway, start_scripted
+from conftest import (
+    Gateway,
+    Scripted,
+    fill_store,
+    free_port,
+    local_model,
+    start_gateway,
+    start_scripted,
+)
 from switchyard.observe.db import connect
 from switchyard.observe.otel import Tracing
 from switchyard.observe.traces import enforce_retention, get_request, insert_args, insert_sql
@@ -972,22 +980,7 @@ def test_the_disk_budget_deletes_oldest_traces_then_rows_and_gives_space_back(
     assert conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 2  # incremental
     # ~1.5 KB rows: two to a 4 KB page whatever columns a migration adds (2 KB rows sat
     # at the edge, and four added NULL columns made it one row per page)
-    filler = "x" * 1500
-    conn.execute("BEGIN")
-    for i in range(3000):
-        at = 1_800_000_000.0 + i
-        rec = {"request_id": f"r{i}", "task_id": None, "tenant_id": "t", "status": "ok",
-               "received_at": at, "pad": filler}  # fmt: skip
-        conn.execute(insert_sql(), insert_args(rec))
-        conn.execute(
-            "INSERT INTO usage (request_id, tenant_id, endpoint, status, received_at, upstream)"
-            " VALUES (?, 't', 'chat', 'ok', ?, ?)",
-            (f"r{i}", at, filler),
-        )
-    conn.execute(
-        "INSERT INTO usage_daily (day, tenant_id, requests, cost_usd) VALUES ('2027-01-15', 't', 3000, 9.5)"
-    )
-    conn.execute("COMMIT")
+    fill_store(conn, 3000, "x" * 1500)
     before_pages = conn.execute("PRAGMA page_count").fetchone()[0]
     budget = 3 * 1024 * 1024
     assert bytes_in_use(conn) > 2 * budget

@@ -27,6 +27,7 @@ from conftest import (
     Gateway,
     Postgres,
     Scripted,
+    fill_store,
     start_gateway,
     start_scripted,
 )
@@ -171,25 +172,10 @@ def test_the_byte_budget_on_postgresql_deletes_oldest_traces_then_rows(server: s
     """observe.max_disk_mb on PostgreSQL counts the rows' own bytes (its files do not
     shrink on DELETE): past it the oldest traces go, then the oldest usage rows, down
     to 90 %; the daily rollups stay."""
-    from switchyard.observe.traces import enforce_disk, insert_args, insert_sql, row_bytes
+    from switchyard.observe.traces import enforce_disk, row_bytes
 
     conn = connect(fresh(server))
-    filler = "x" * 1500
-    conn.execute("BEGIN")
-    for i in range(1500):
-        at = 1_800_000_000.0 + i
-        rec = {"request_id": f"r{i}", "task_id": None, "tenant_id": "t", "status": "ok",
-               "received_at": at, "pad": filler}  # fmt: skip
-        conn.execute(insert_sql(), insert_args(rec))
-        conn.execute(
-            "INSERT INTO usage (request_id, tenant_id, endpoint, status, received_at, upstream)"
-            " VALUES (?, 't', 'chat', 'ok', ?, ?)",
-            (f"r{i}", at, filler),
-        )
-    conn.execute(
-        "INSERT INTO usage_daily (day, tenant_id, requests, cost_usd) VALUES ('2027-01-15', 't', 1500, 9.5)"
-    )
-    conn.execute("COMMIT")
+    fill_store(conn, 1500, "x" * 1500)
 
     def in_use() -> float:
         return sum(n * mean for n, mean in (row_bytes(conn, t) for t in ("traces", "usage")))

@@ -295,31 +295,26 @@ def run(args: argparse.Namespace) -> int:
             args,
         )
         local_rows = _rows(lat, rps, "gateway-one-machine")
-        lat, rps = _measure(
-            {
-                "instant-one-machine": instant_one,
-                "instant-direct": instant_direct,
-                "instant-on-ray-2": (ray_base + "/v1/chat/completions", ray_key, INSTANT),
-            },
-            args,
-        )
-        instant_rows = _rows(lat, rps, "instant-one-machine")
+
+        def instant_rows_with(gateways: int, key: str) -> list[dict[str, Any]]:
+            lat, rps = _measure(
+                {
+                    "instant-one-machine": instant_one,
+                    "instant-direct": instant_direct,
+                    f"instant-on-ray-{gateways}": (ray_base + "/v1/chat/completions", key, INSTANT),
+                },
+                args,
+            )
+            return _rows(lat, rps, "instant-one-machine")
+
+        instant_rows = instant_rows_with(2, ray_key)
         tokens = {"engine_replicas_1": _tokens_per_s(engine_url, token, args)}
         stop_all([first])
         children.remove(first)
 
         # Phase 2: 1 gateway replica, 2 engine replicas.
         on_ray(ray_config(1, 2), "ray-serve-1")
-        ray_key = _key(ray_base)
-        lat, rps = _measure(
-            {
-                "instant-one-machine": instant_one,
-                "instant-direct": instant_direct,
-                "instant-on-ray-1": (ray_base + "/v1/chat/completions", ray_key, INSTANT),
-            },
-            args,
-        )
-        instant_rows_1 = _rows(lat, rps, "instant-one-machine")
+        instant_rows_1 = instant_rows_with(1, _key(ray_base))
         tokens["engine_replicas_2"] = _tokens_per_s(engine_url, token, args)
         tokens["ratio_2_vs_1"] = round(tokens["engine_replicas_2"] / tokens["engine_replicas_1"], 3)
 
