@@ -469,15 +469,36 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 def cmd_cache(args: argparse.Namespace) -> int:
     """cache invalidate (over the admin API: the cache lives in the gateway) | calibrate."""
+    if args.action == "train-verifier":
+        from switchyard.config import CacheConfig
+        from switchyard.decide import pair_model
+        from switchyard.decide.calibrate import load_pairs, minilm_embed, similarities_for
+
+        embed = minilm_embed()
+        pairs = [p for path in args.pairs for p in load_pairs(path)]
+        sims = similarities_for(pairs, embed)
+        threshold = CacheConfig().threshold if args.threshold is None else args.threshold
+        model, report = pair_model.train(pairs, sims, threshold, args.max_false_hit_rate)
+        out = Path(args.out) if args.out else pair_model.MODEL_FILE
+        out.write_text(model.to_json(" + ".join(args.pairs), report) + "\n")
+        print(f"{len(pairs)} pairs; {report}; written: {out}")
+        return 0
     if args.action == "calibrate":
         from switchyard.config import CacheConfig
         from switchyard.decide.calibrate import minilm_embed, parse_thresholds, run_calibration
 
         embed = minilm_embed(runtime=args.runtime)
         thresholds = parse_thresholds(args.thresholds)
-        shipped = CacheConfig().threshold
+        cfg = CacheConfig()
+        learned = None
+        if cfg.verify_model:  # as the gateway serves: the rules and the learned model
+            from switchyard.decide.pair_model import shipped
+
+            learned = shipped().verify
         print(
-            run_calibration(args.pairs, thresholds, args.max_false_hit_rate, embed, None, shipped)
+            run_calibration(
+                args.pairs, thresholds, args.max_false_hit_rate, embed, None, cfg.threshold, learned
+            )
         )
         return 0
     import urllib.error
@@ -681,6 +702,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="embedding runtime (default: the embeddings.runtime default, onnx-int8)",
     )
     cc.set_defaults(func=cmd_cache)
+    ct = csub.add_parser(
+        "train-verifier", help="fit the learned pair model on the development set (CPU, seconds)"
+    )
+    ct.add_argument("--pairs", nargs="+", default=["data/cache_pairs.jsonl"])
+    ct.add_argument("--threshold", type=float, default=None, help="default: cache.threshold")
+    ct.add_argument("--max-false-hit-rate", type=float, default=0.01)
+    ct.add_argument("--out", default=None, help="default: the model the gateway ships")
+    ct.set_defaults(func=cmd_cache)
 
     route = sub.add_parser("route", help="semantic routing")
     rsub = route.add_subparsers(dest="route_command", required=True)

@@ -25,6 +25,8 @@ from switchyard.decide.labeled import read_jsonl
 Pair = dict[str, Any]
 Row = dict[str, Any]
 Verifier = Callable[[str, str], tuple[bool, str]]
+# The learned pair model's verdict, which also weighs the pair's cosine.
+ModelVerifier = Callable[[str, str, float], tuple[bool, str]]
 Embed = Callable[[list[str]], np.ndarray]
 
 METRICS = ("tp", "fp", "fn", "tn", "precision", "recall", "f1", "false_hit_rate")
@@ -92,15 +94,24 @@ def calibrate(
     similarities: Sequence[float],
     thresholds: Sequence[float],
     verifier: Verifier | None = None,
+    model: ModelVerifier | None = None,
 ) -> list[Row]:
-    """One row per threshold without the verifier and, when given, one with it.
+    """One row per threshold without the verifier and, when given, one with it (and
+    with the learned model too, when given: what the gateway serves).
 
     Each row: threshold, verifier (bool) and METRICS. A pair is a predicted hit when
     similarity >= threshold and (without verifier, or the verifier passes it)."""
     if len(pairs) != len(similarities):
         raise ValueError(f"{len(pairs)} pairs but {len(similarities)} similarities")
     labels = [bool(p["same_answer"]) for p in pairs]
-    passes = [verifier(p["a"], p["b"])[0] for p in pairs] if verifier else None
+    passes = (
+        [
+            verifier(p["a"], p["b"])[0] and (model is None or model(p["a"], p["b"], s)[0])
+            for p, s in zip(pairs, similarities, strict=True)
+        ]
+        if verifier
+        else None
+    )
     rows: list[Row] = []
     for t in thresholds:
         above = [s >= t for s in similarities]
@@ -181,6 +192,7 @@ def category_report(
     threshold: float | None,
     verifier: Verifier,
     field: str = "category",
+    model: ModelVerifier | None = None,
 ) -> str:
     """Per category (or another field of the pairs, e.g. domain): how often the
     verifier vetoes, and what is served at `threshold`, split by label.
@@ -194,7 +206,9 @@ def category_report(
         label = "hit" if pair["same_answer"] else "trap"
         value = pair.get(field) or ("paraphrase" if pair["same_answer"] else "trap")
         cat = f"{value}/{label}" if field != "category" else str(value)
-        ok = verifier(pair["a"], pair["b"])[0]
+        ok = verifier(pair["a"], pair["b"])[0] and (
+            model is None or model(pair["a"], pair["b"], sim)[0]
+        )
         total[cat] += 1
         vetoed[cat] += not ok
         served[cat] += ok and threshold is not None and sim >= threshold
@@ -226,6 +240,7 @@ def run_calibration(
     embed: Embed,
     verifier: Verifier | None = None,
     default_threshold: float | None = None,
+    model: ModelVerifier | None = None,
 ) -> str:
     """The `switchyard cache calibrate` report, as printable text. The first file is
     the development set: it picks the threshold. Every later file is held out: it is
@@ -242,7 +257,7 @@ def run_calibration(
     for i, path in enumerate(paths):
         pairs = load_pairs(path)
         sims = similarities_for(pairs, embed)
-        rows = calibrate(pairs, sims, thresholds, verifier)
+        rows = calibrate(pairs, sims, thresholds, verifier, model)
         positives = sum(bool(p["same_answer"]) for p in pairs)
         chosen = best_threshold(rows, max_false_hit_rate, verifier=True)
         role = "development set" if i == 0 else "held-out set"
@@ -259,9 +274,9 @@ def run_calibration(
         if default_threshold is not None:
             parts.append(_at(rows, default_threshold, "at the shipped default threshold"))
         at = chosen if i == 0 else (dev_choice if default_threshold is None else default_threshold)
-        parts.append(category_report(pairs, sims, at, verifier))
+        parts.append(category_report(pairs, sims, at, verifier, model=model))
         if any("domain" in p for p in pairs):
-            parts.append(category_report(pairs, sims, at, verifier, field="domain"))
+            parts.append(category_report(pairs, sims, at, verifier, "domain", model))
     return "\n\n".join(parts)
 
 

@@ -17,6 +17,7 @@ from switchyard.config import Settings
 from switchyard.decide.balance import Balancer, affinity_key, prompt_prefix
 from switchyard.decide.cache import CacheKeys, ResponseCache, cache_keys
 from switchyard.decide.cacheability import Cacheability, cacheability
+from switchyard.decide.pair_model import shipped
 from switchyard.decide.placement import (
     Change,
     Placement,
@@ -192,6 +193,7 @@ class Cache(Stage):
         self._cfg = settings.cache
         self._cache = cache
         self._planner = planner
+        self._model = shipped() if settings.cache.verify_model and cache is not None else None
 
     def static(self, view: View) -> Verdict | None:
         return self.OFF if self._cache is None else None
@@ -239,6 +241,8 @@ class Cache(Stage):
                         if cfg.verify
                         else (True, "verifier off")
                     )
+                    if ok and self._model is not None:
+                        ok, why = self._model.verify(keys.query, found.entry.keys.query, sim)
                     evidence["verifier"] = why
                     if ok:
                         entry, kind = found.entry, CacheOutcome.HIT_SEMANTIC

@@ -948,3 +948,8 @@ def verify(a: str, b: str) -> Verdict:
         if detail is not None:
             return False, f"veto: {name} {detail}".rstrip()
     return OK
+
+
+# For the learned pair model (decide/pair_model.py): each check is one of its features.
+CHECKS = _CHECKS
+parse = _parse
