@@ -417,6 +417,61 @@ def cmd_cost(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rollouts(args: argparse.Namespace) -> int:
+    """rollouts export --since 1d --format jsonl: stored rollout records for a trainer."""
+    import time
+
+    from switchyard.observe.cost import parse_since
+    from switchyard.observe.db import connect
+    from switchyard.observe.rollouts import export_rollouts
+
+    settings = load_settings(args.config)
+    try:
+        since = parse_since(args.since, time.time())
+    except ValueError as exc:
+        print(f"switchyard: {exc}", file=sys.stderr)
+        return 2
+    conn = connect(store_target(settings, args.db))
+    out = open(args.out, "w") if args.out else sys.stdout  # noqa: SIM115
+    n = 0
+    try:
+        for rec in export_rollouts(conn, since, args.model, args.revision, args.tenant):
+            out.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            n += 1
+    finally:
+        conn.close()
+        if args.out:
+            out.close()
+    print(f"{n} records", file=sys.stderr)
+    return 0
+
+
+def cmd_determinism(args: argparse.Namespace) -> int:
+    """determinism --model M --prompts FILE: the same prompts alone, in batches of
+    several sizes and orders, and after an engine restart (engines/determinism.py)."""
+    import asyncio
+
+    from switchyard.engines.determinism import render, run
+
+    settings = load_settings(args.config)
+    model = next((m for m in settings.models if m.alias == args.model), None)
+    if model is None:
+        print(f"switchyard: no model '{args.model}' in the config", file=sys.stderr)
+        return 2
+    with open(args.prompts) as f:
+        prompts = [
+            json.loads(line) if line.lstrip().startswith("{") else {"prompt": line.rstrip("\n")}
+            for line in f
+            if line.strip()
+        ]
+    report = asyncio.run(run(model, prompts, args.max_tokens, args.seed, args.batches))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0 if report["equal_all"] else 1
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     """trace show <request-or-task-id> | trace list: read the traces the gateway stored."""
     from switchyard.observe.db import connect
@@ -677,6 +732,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_store_options(ap_)
     ap_.set_defaults(func=cmd_approve)
 
+    ro = sub.add_parser("rollouts", help="RL rollout records kept by the gateway")
+    rosub = ro.add_subparsers(dest="action", required=True)
+    rex = rosub.add_parser("export", help="stored records as JSON lines, oldest first")
+    rex.add_argument("--since", default="30d", help="e.g. 2h, 7d, or a unix time")
+    rex.add_argument("--format", choices=["jsonl"], default="jsonl")
+    rex.add_argument("--model")
+    rex.add_argument("--revision")
+    rex.add_argument("--tenant")
+    rex.add_argument("--out", help="a file (default: standard output)")
+    rex.add_argument("--config")
+    rex.add_argument("--db", help="the store (a SQLite path or a postgresql:// DSN)")
+    rex.set_defaults(func=cmd_rollouts)
+    de = sub.add_parser(
+        "determinism", help="is a local model's output the same alone, batched and restarted?"
+    )
+    de.add_argument("--model", required=True, help="a llamacpp model alias of the config")
+    de.add_argument("--prompts", required=True, help="a text file (a prompt per line) or JSONL")
+    de.add_argument("--max-tokens", type=int, default=32)
+    de.add_argument("--seed", type=int, default=1234)
+    de.add_argument("--batches", default="1,2,4", help="batch sizes to run each prompt in")
+    de.add_argument("--out", help="write the JSON report here too")
+    de.add_argument("--json", action="store_true")
+    de.add_argument("--config")
+    de.set_defaults(func=cmd_determinism)
+
     cache = sub.add_parser("cache", help="response cache: invalidate, calibrate")
     csub = cache.add_subparsers(dest="action", required=True)
     ci = csub.add_parser("invalidate", help="remove entries from a running gateway's cache")
@@ -784,6 +864,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_hotpath(
         bsub.add_parser("hotpath", help="the gateway's own CPU and instructions per request")
+    )
+    from switchyard.bench.rollouts import add_arguments as add_rollouts_bench
+
+    add_rollouts_bench(
+        bsub.add_parser("rollouts", help="RL rollouts: tok/s at n = 1, 4, 8; revision swap times")
     )
     return ap
 

@@ -915,6 +915,60 @@ class RayConfig(_Strict):
     engines: RayEngineScaling = RayEngineScaling()
 
 
+class RlValidationPrompt(_Strict):
+    """One validation prompt a revision must pass before it may become active: greedy
+    decoding of `prompt` (text) or `messages` (chat, the engine's template)."""
+
+    prompt: str | None = Field(None, max_length=4000)
+    messages: list[dict[str, Any]] | None = Field(None, max_length=32)
+    max_tokens: int = Field(16, ge=1, le=256)
+    # One of these must appear in the output (case-insensitive); [] = no check.
+    expect_any: list[Annotated[str, Field(min_length=1, max_length=200)]] = []
+    # None of these may appear (case-insensitive).
+    forbid: list[Annotated[str, Field(min_length=1, max_length=200)]] = []
+    # Logprob sanity: every token's logprob is finite and <= 0, and their mean at least this.
+    min_mean_logprob: float = Field(-6.0, le=0)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> RlValidationPrompt:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+def _default_validation() -> list[RlValidationPrompt]:
+    return [RlValidationPrompt(prompt="The capital of France is", max_tokens=8)]
+
+
+class RlModel(_Strict):
+    """A local model whose revisions the RL lifecycle manages (rl.models[alias])."""
+
+    validation: list[RlValidationPrompt] = Field(
+        default_factory=_default_validation, min_length=1, max_length=32
+    )
+    # How long a draining revision may take to finish its admitted rollouts before
+    # its engine is stopped anyway (its records then end with finish_reason "error").
+    drain_timeout_s: float = Field(300.0, gt=0, le=86_400)
+
+
+class RlConfig(_Strict):
+    """Serving inside RL training (capability 12): `POST /v1/rollouts`, revisions of a
+    local model that activate behind a barrier, the rollout store."""
+
+    # New weights (GGUF files, LoRA adapters) load only from under these directories.
+    weights_dirs: list[str] = []
+    models: dict[str, RlModel] = {}
+    max_prompts: int = Field(64, ge=1, le=4096)  # per rollout request
+    max_n: int = Field(16, ge=1, le=256)  # samples per prompt
+    max_samples: int = Field(256, ge=1, le=65_536)  # prompts x n per request
+    max_tokens: int = Field(1024, ge=1, le=32_768)  # per sample
+    max_top_logprobs: int = Field(5, ge=0, le=20)
+    max_prompt_chars: int = Field(32_000, ge=1, le=1_000_000)
+    max_weights_mb: float = Field(16_384.0, gt=0)  # a registered file's size cap
+    store: bool = True  # keep each record in the rollout store for export
+    retention_days: float = Field(30.0, gt=0)
+
+
 class Settings(_Strict):
     server: ServerConfig = ServerConfig()
     storage: StorageConfig = StorageConfig()
@@ -936,6 +990,7 @@ class Settings(_Strict):
     embeddings: EmbeddingsConfig = EmbeddingsConfig()
     cost: CostConfig = CostConfig()
     ray: RayConfig = RayConfig()
+    rl: RlConfig = RlConfig()
 
     @model_validator(mode="after")
     def _unique_aliases(self) -> Settings:
@@ -1039,6 +1094,20 @@ class Settings(_Strict):
                 raise ValueError(
                     f"{where}.base: the engine of {a.base!r} has max_adapters 0 and loads none"
                 )
+        for alias in self.rl.models:
+            rl_model = by_alias.get(alias)
+            where = f"rl.models.{alias}"
+            if rl_model is None:
+                raise ValueError(f"{where}: unknown model alias {alias!r}")
+            if not (
+                isinstance(rl_model.engine, LlamaCppEngine) and rl_model.engine.runtime == "server"
+            ):
+                raise ValueError(
+                    f"{where}: revisions are managed for llamacpp models on the server "
+                    "runtime (token ids, logprobs and seeds come from llama-server)"
+                )
+            if rl_model.deployments:
+                raise ValueError(f"{where}: a model with several deployments has no one revision")
         return self
 
     def model(self, alias: str) -> ModelConfig | None:

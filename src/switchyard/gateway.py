@@ -289,7 +289,70 @@ class Gateway:
             overhead=self.overhead,
         )
         self.service.on_canary_cut = self._canary_cut
+        self.rollouts = self._build_rollouts(settings)
         self.started_at = time.time()
+
+    def _build_rollouts(self, settings: Settings) -> Any:
+        """RL serving (rl.models): a revision manager per model, and the rollout service."""
+        from switchyard.engines.revisions import RevisionManager
+        from switchyard.rollouts import RolloutService
+
+        self.revisions: dict[str, RevisionManager] = {}
+        if not settings.rl.models:
+            return None
+        by_alias = {m.alias: m for m in settings.models}
+        for alias, rl_model in settings.rl.models.items():
+            manager = RevisionManager(
+                by_alias[alias],
+                rl_model,
+                settings.rl,
+                settings.engines.max_crash_restarts,
+                self._persist_revision,
+            )
+            if self.metrics is not None:
+                manager.on_change = self.metrics.revision_event
+            self.revisions[alias] = manager
+        return RolloutService(
+            settings,
+            self.service,
+            Reserver(self.limiter, settings, self.store.spent_since, self.counters),
+            self.revisions,
+            self._store_rollouts if settings.rl.store else None,
+            self.pii.mask,
+            self.pii.contains_pii,
+        )
+
+    async def _persist_revision(self, row: dict[str, Any]) -> None:
+        from switchyard.observe.rollouts import write_revision
+
+        def write() -> None:
+            with self.store.connection() as conn:
+                write_revision(conn, row)
+
+        await asyncio.to_thread(write)
+
+    async def _store_rollouts(self, records: list[dict[str, Any]]) -> None:
+        from switchyard.observe.rollouts import write_rollouts
+
+        def write() -> None:
+            with self.store.connection() as conn:
+                write_rollouts(conn, records)
+
+        await asyncio.to_thread(write)
+
+    async def _boot_revisions(self) -> None:
+        from switchyard.observe.rollouts import read_revisions
+
+        def read() -> list[dict[str, Any]]:
+            with self.store.connection() as conn:
+                return read_revisions(conn)
+
+        stored = await asyncio.to_thread(read)
+        for alias, manager in self.revisions.items():
+            try:
+                await manager.boot([r for r in stored if r["alias"] == alias])
+            except Exception:
+                log.exception("the revisions of %s could not be brought up", alias)
 
     def _embedding_dimensions(self) -> int | None:
         return self.embedder.dimensions if self.embedder is not None else None
@@ -306,6 +369,8 @@ class Gateway:
             self.keys.create_tenant("dev")
             self.dev_key = self.keys.create_key("dev", name="first-run development key")["key"]
         self.registry.start()
+        if self.revisions:
+            self._revisions_task = asyncio.create_task(self._boot_revisions())
         listen = getattr(self.tasks, "listen", None)
         if listen is not None:  # cancels made through other gateway processes
             self._cancels = asyncio.create_task(listen(self.running.stop))
@@ -393,6 +458,10 @@ class Gateway:
         obs = self.settings.observe
         with self.store.connection() as conn:
             n = enforce_retention(conn, obs.traces_retention_days, obs.traces_max_rows, now)
+            if self.settings.rl.models:
+                from switchyard.observe.rollouts import enforce_rollout_retention
+
+                n += enforce_rollout_retention(conn, self.settings.rl.retention_days, now)
             if self.settings.storage.backend == "memory":
                 return n
             return n + enforce_disk(conn, int(obs.max_disk_mb * 1024 * 1024))
@@ -509,6 +578,10 @@ class Gateway:
         except Exception as exc:
             log.warning("could not record engine busy time: %s", exc)
         await self.registry.stop()
+        boot = getattr(self, "_revisions_task", None)
+        if boot is not None:
+            boot.cancel()
+        await asyncio.gather(*(m.stop() for m in self.revisions.values()), return_exceptions=True)
         if self.embedder is not None:
             await self.embedder.stop()
         close = getattr(self.limiter, "close", None)
@@ -555,6 +628,15 @@ class Gateway:
             models[alias]["breaker"] = self.executor.breakers[alias].describe(now)
             if d.model.required and not (d.ready or d.loadable):
                 ready = False
+        for alias, manager in self.revisions.items():
+            active = manager.active
+            up = active is not None and active.engine is not None and active.engine.ready
+            models[f"{alias} (rollouts)"] = {
+                "kind": "rl",
+                "ready": up,
+                "active_revision": active.revision if active is not None else None,
+            }
+            ready = ready and up
         if self.embedder is not None:
             models[self.settings.embeddings.alias] = self.embedder.describe()
             ready = ready and self.embedder.ready

@@ -251,13 +251,13 @@ def _raise_cancelled(ctx: RequestContext, exc: asyncio.CancelledError) -> NoRetu
     """A cancelled request ends as 409 task_cancelled when its task's cancel stopped it
     (recorded, the cancellation taken back); any other cancellation goes on."""
     stopped = _stopped_by_cancel(ctx)
-    _failed(ctx, stopped or exc)
+    mark_failed(ctx, stopped or exc)
     if stopped is None:
         raise exc
     raise stopped from None
 
 
-def _failed(ctx: RequestContext, exc: BaseException) -> None:
+def mark_failed(ctx: RequestContext, exc: BaseException) -> None:
     """Mark a request that ended by an exception: its code, or internal_error."""
     code = exc.code if isinstance(exc, SwitchyardError) else "internal_error"
     ctx.status, ctx.error_code = Status.ERROR, code
@@ -390,7 +390,7 @@ class RequestService:
         self.active += 1
         return ctx
 
-    def _begin(self, ctx: RequestContext) -> None:
+    def begin(self, ctx: RequestContext) -> None:
         """What every request checks first: its headers, then its own deadline
         (`x-request-timeout`, which can only shorten the gateway's)."""
         if ctx.header_error is not None:
@@ -407,7 +407,7 @@ class RequestService:
         once, here on a refusal or error, after the reply once it is handed over."""
         handed_off = False
         try:
-            self._begin(ctx)
+            self.begin(ctx)
             body, raw = await read(ctx.remaining_s())
             if ctx.input.endpoint == "chat.completions":
                 alias = validate_chat(body, self._unknown_fields)
@@ -444,7 +444,7 @@ class RequestService:
         except asyncio.CancelledError as exc:
             _raise_cancelled(ctx, exc)
         except BaseException as exc:
-            _failed(ctx, exc)
+            mark_failed(ctx, exc)
             raise
         finally:
             if ctx.idempotency_key is not None:  # we owned the key and did not succeed
@@ -654,7 +654,7 @@ class RequestService:
         """validate → authorize → admit (rpm, tpm by input tokens, concurrency,
         budget at embeddings.price) → embed → settle, like any request."""
         try:
-            self._begin(ctx)
+            self.begin(ctx)
             body, raw = await read(ctx.remaining_s())
             cfg = self.settings.embeddings
             model, texts = validate_embeddings(body, cfg.max_inputs)
@@ -712,7 +712,7 @@ class RequestService:
         except asyncio.CancelledError as exc:
             _raise_cancelled(ctx, exc)
         except BaseException as exc:
-            _failed(ctx, exc)
+            mark_failed(ctx, exc)
             raise
         finally:
             await self.settle(ctx)

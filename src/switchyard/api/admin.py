@@ -6,6 +6,7 @@ admin key configured the admin API refuses everything (it never runs open).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
@@ -395,6 +396,59 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
             raise InvalidRequest("use /admin/models/{alias}/promote or /rollback")
         return await model_move(request)
 
+    def revisions_of(request: Request) -> Any:
+        manager = gw.revisions.get(request.path_params["alias"])
+        if manager is None:
+            raise ModelNotFound(
+                f"the model '{request.path_params['alias'][:128]}' has no managed revisions "
+                "(rl.models)"
+            )
+        return manager
+
+    async def wait_for(rev: Any, body: dict[str, Any], states: tuple[str, ...]) -> None:
+        """Answer once the revision reached one of `states`, or after wait_s."""
+        wait_s = body.get("wait_s", 0)
+        if (
+            isinstance(wait_s, bool)
+            or not isinstance(wait_s, int | float)
+            or not 0 <= wait_s <= 600
+        ):
+            raise InvalidRequest(
+                "'wait_s' must be a number of seconds from 0 to 600", param="wait_s"
+            )
+        end = time.monotonic() + wait_s
+        while rev.state not in states and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+
+    async def revisions(request: Request) -> Response:
+        """GET: the model's revisions; POST: register one (loaded, validated and, if
+        asked, activated in the background; wait_s waits for the outcome)."""
+        guard(request)
+        manager = revisions_of(request)
+        if request.method == "GET":
+            return _json(manager.describe())
+        body = await body_of(request, ("revision", "kind", "path", "sha256", "activate", "wait_s"))
+        rev = await manager.register({k: v for k, v in body.items() if k != "wait_s"})
+        target = ("active", "rejected") if body.get("activate") else ("validated", "rejected")
+        await wait_for(rev, body, target)
+        return _json(rev.describe(), 201)
+
+    async def revision(request: Request) -> Response:
+        guard(request)
+        return _json(revisions_of(request).get(request.path_params["revision"]).describe())
+
+    async def revision_activate(request: Request) -> Response:
+        guard(request)
+        manager = revisions_of(request)
+        rev = await manager.activate(request.path_params["revision"])
+        return _json({**manager.describe(), "activated": rev.revision})
+
+    async def revision_rollback(request: Request) -> Response:
+        guard(request)
+        manager = revisions_of(request)
+        rev = await manager.rollback()
+        return _json({**manager.describe(), "activated": rev.revision})
+
     async def cache_stats(request: Request) -> Response:
         guard(request)
         return _json(gw.cache.stats() if gw.cache is not None else {"enabled": False})
@@ -404,6 +458,14 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
         Route("/admin/cache/stats", cache_stats, methods=["GET"]),
         Route("/admin/engines", engines, methods=["GET"]),
         Route("/admin/models/{alias:path}/weights", model_weights, methods=["GET", "POST"]),
+        Route("/admin/models/{alias:path}/revisions", revisions, methods=["GET", "POST"]),
+        Route("/admin/models/{alias:path}/revisions/rollback", revision_rollback, methods=["POST"]),
+        Route("/admin/models/{alias:path}/revisions/{revision}", revision, methods=["GET"]),
+        Route(
+            "/admin/models/{alias:path}/revisions/{revision}/activate",
+            revision_activate,
+            methods=["POST"],
+        ),
         Route("/admin/models/{alias:path}/{action:str}", model_move_checked, methods=["POST"]),
         Route("/admin/requests", request_list, methods=["GET"]),
         Route("/admin/requests/{request_id}", request_trace, methods=["GET"]),

@@ -8,17 +8,17 @@ from typing import Any
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from switchyard.api.body import header_map, parse_json, read_body
 from switchyard.api.sse import RelayResponse, relay, replay
-from switchyard.errors import InvalidRequest
+from switchyard.errors import InvalidRequest, RouteNotFound
 from switchyard.gateway import Gateway
 from switchyard.policy.headers import ID_PATTERN
 from switchyard.policy.keys import Principal
-from switchyard.service import ReadBody, Reply, StreamReply, served_headers
+from switchyard.service import ReadBody, Reply, StreamReply, mark_failed, served_headers
 
 __all__ = ["CTX_KEY", "build_routes", "served_headers", "to_response"]
 
@@ -181,7 +181,34 @@ def build_routes(gw: Gateway) -> list[Route]:
             out = await gw.describe_task(principal.tenant_id, task_id)
         return Response(orjson.dumps(out), media_type="application/json")
 
+    async def rollouts(request: Request) -> Response:
+        """RL rollouts (rollouts.py): NDJSON records as samples finish."""
+        received = time.perf_counter()
+        headers = header_map(request)
+        principal = service.authenticate(headers)
+        if not isinstance(principal, Principal):
+            principal = await principal
+        ctx = service.open("rollouts", headers, received, principal)
+        request.scope[CTX_KEY] = ctx
+        try:
+            if gw.rollouts is None:
+                raise RouteNotFound("rollouts are off: no model is listed under rl.models")
+            service.begin(ctx)
+            body, _ = await reader(request, headers)(ctx.remaining_s())
+            plan = await gw.rollouts.admit(ctx, body)
+        except BaseException as exc:
+            mark_failed(ctx, exc)
+            await service.settle(ctx)
+            raise
+        out = served_headers(ctx)
+        out["x-switchyard-model"] = plan.alias
+        out["x-switchyard-revision"] = plan.lease.rev.revision if plan.lease else ""
+        return StreamingResponse(
+            gw.rollouts.stream(ctx, plan), media_type="application/x-ndjson", headers=out
+        )
+
     return [
+        Route("/v1/rollouts", rollouts, methods=["POST"]),
         Route("/v1/tasks/{task_id}", task, methods=["GET", "DELETE"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),

@@ -115,6 +115,31 @@ CREATE TABLE IF NOT EXISTS engine_busy (
     busy_s REAL NOT NULL DEFAULT 0,
     PRIMARY KEY (engine, hour)
 );
+-- RL serving (engines/revisions.py, observe/rollouts.py): each registered revision of a
+-- model with its state and the history of its state changes, and the rollout records.
+CREATE TABLE IF NOT EXISTS rl_revisions (
+    alias TEXT NOT NULL,
+    revision TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    path TEXT NOT NULL,
+    sha256 TEXT NOT NULL,
+    state TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    history TEXT NOT NULL DEFAULT '[]',
+    PRIMARY KEY (alias, revision)
+);
+CREATE TABLE IF NOT EXISTS rollouts (
+    sample_id TEXT PRIMARY KEY,
+    request_id TEXT NOT NULL,
+    tenant_id TEXT,
+    model TEXT NOT NULL,
+    revision TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    record TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS rollouts_time ON rollouts(created_at);
 """
 
 # Columns added after a table first shipped: (table, column, type). `connect` adds

@@ -332,6 +332,13 @@ class Metrics:
             ["model", "adapter", "event"],
             registry=reg,
         )
+        self.revision_events = Counter(
+            "switchyard_revision_events",
+            "RL revision state changes (prepared, loaded, validated, active, draining, "
+            "retired, rejected)",
+            ["model", "state"],
+            registry=reg,
+        )
         self.engine_resident = Gauge(
             "switchyard_engine_resident",
             "1 while the local model is loaded",
@@ -400,6 +407,10 @@ class Metrics:
     def adapter_event(self, event: str, model: str, adapter: str, seconds: float | None) -> None:
         """The pool's adapter load / evict / promote events (EnginePool.on_adapter)."""
         self.adapter_events.labels(model, adapter, event).inc()
+
+    def revision_event(self, rev: Any, state: str) -> None:
+        """A revision's state change (engines/revisions.py)."""
+        self.revision_events.labels(rev.alias, state).inc()
 
     def engine_memory_mb(self, model: str, mb: float | None) -> None:
         if mb is not None:
