@@ -171,3 +171,42 @@ def test_rollout_records_older_than_retention_go_and_newer_stay(tmp_path: Any) -
     assert enforce_rollout_retention(conn, 3.5, now) == 6
     assert [r["sample_id"] for r in export_rollouts(conn, 0)] == ["r3", "r2", "r1", "r0"]
     assert [r["sample_id"] for r in export_rollouts(conn, 0, revision="v1")] == ["r3", "r1"]
+
+
+def test_which_models_return_token_ids_and_what_a_fallback_is_skipped_for() -> None:
+    from switchyard.execute.compat import incompatibility, request_needs
+
+    cfg = Settings.model_validate(
+        {
+            "models": [
+                {"alias": "server", "engine": {"kind": "llamacpp", "gguf": "auto"}},
+                {
+                    "alias": "worker",
+                    "engine": {"kind": "llamacpp", "gguf": "auto", "runtime": "worker"},
+                },
+                {"alias": "vllm", "engine": {"kind": "vllm"}},
+                {"alias": "remote", "engine": {"kind": "openai", "base_url": "http://h:1/v1"}},
+                {
+                    "alias": "remote-vllm",
+                    "engine": {"kind": "openai", "base_url": "http://h:2/v1"},
+                    "capabilities": {"supports_token_ids": True},
+                },
+            ]
+        }
+    )
+    models = {m.alias: m for m in cfg.models}
+
+    def why(alias: str, **body: Any) -> str | None:
+        needs = request_needs({"messages": [], **body}, 10, 10)
+        return incompatibility(needs, models[alias], None)
+
+    for alias in models:  # without the option nothing is refused for it
+        assert why(alias, stream=True, n=3) is None
+    asked = {"return_token_ids": True}
+    assert [a for a in models if why(a, **asked) is None] == ["server", "vllm", "remote-vllm"]
+    assert "does not return token ids" in (why("worker", **asked) or "")
+    assert "does not return token ids" in (why("remote", **asked) or "")
+    assert "streaming" in (why("server", stream=True, **asked) or "")
+    assert "n = 1" in (why("server", n=2, **asked) or "")
+    assert why("vllm", stream=True, n=2, **asked) is None  # vLLM gives both natively
+    assert why("server", return_token_ids=False, stream=True) is None

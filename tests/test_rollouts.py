@@ -197,6 +197,69 @@ def test_the_same_seed_repeats_and_different_seeds_differ(rl: Gateway) -> None:
     assert all(x["provenance"]["sampling"]["deterministic"] for x in first)
 
 
+def test_chat_and_completions_return_every_token_id_in_vllms_shape(rl: Gateway) -> None:
+    from transformers import AutoTokenizer
+
+    from switchyard.engines.hf_base import hf_base_dir
+
+    tok = AutoTokenizer.from_pretrained(str(hf_base_dir()))
+
+    def post(path: str, body: dict[str, Any]) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {rl.key}"}
+        return httpx.post(rl.url + path, json=body, headers=headers, timeout=120)
+
+    # Emoji: llama-server's logprobs lose the tokens that end inside a character, so
+    # ids read from logprobs would be short; every id must be there.
+    for content in (PROMPT, "Write three emoji: \U0001f600\U0001f389\U0001f680"):
+        body = {"model": "smol", "messages": [{"role": "user", "content": content}]}
+        r = post(
+            "/v1/chat/completions",
+            {**body, "max_tokens": 24, "temperature": 0, "return_token_ids": True},
+        )
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert "__verbose" not in out
+        choice, usage = out["choices"][0], out["usage"]
+        ids = choice["token_ids"]
+        assert len(ids) == usage["completion_tokens"] and all(isinstance(i, int) for i in ids)
+        text = choice["message"]["content"]
+        assert tok.decode(ids, skip_special_tokens=True).strip() == text.strip()
+        prompt_ids = out["prompt_token_ids"]
+        assert len(prompt_ids) == usage["prompt_tokens"]
+        templated = tok.decode(prompt_ids)
+        assert content in templated and "<|im_start|>assistant" in templated
+        plain = post("/v1/chat/completions", {**body, "max_tokens": 24, "temperature": 0})
+        assert plain.status_code == 200
+        assert "token_ids" not in plain.json()["choices"][0]
+        assert "prompt_token_ids" not in plain.json()
+        assert plain.json()["choices"][0]["message"]["content"] == text  # same answer
+    r = post(
+        "/v1/completions",
+        {
+            "model": "smol",
+            "prompt": "The capital of France is",
+            "max_tokens": 8,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert tok.decode(choice["token_ids"]) == choice["text"]
+    assert tok.decode(choice["prompt_token_ids"]) == "The capital of France is"
+    # What llama-server cannot give is refused, naming the option; its own switches
+    # (which add its native result to the reply) are the gateway's.
+    for extra in ({"stream": True}, {"n": 2}, {"verbose": True}, {"return_tokens": True}):
+        r = post(
+            "/v1/chat/completions",
+            {**CHAT, "model": "smol", "max_tokens": 4, "return_token_ids": True, **extra},
+        )
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["param"] == "return_token_ids", r.text
+    r = post("/v1/chat/completions", {**CHAT, "model": "smol", "return_token_ids": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_token_ids"
+
+
 def test_refusals_are_openai_shaped_and_come_before_any_work(
     rl: Gateway, manifest: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -318,7 +318,8 @@ def test_valid_requests_with_every_checked_field_pass() -> None:
         logit_bias={"5": -100, "7": 2.5},
         metadata={"k": "v"},
         top_k=40,
-        return_token_ids=True,  # an engine's extra: passes by default
+        return_token_ids=True,
+        typical_p=0.9,  # an engine's extra: passes by default
     )
     body["messages"] += [
         {"role": "user", "content": [{"type": "text", "text": "x"}], "name": "al"},
@@ -334,7 +335,7 @@ def test_valid_requests_with_every_checked_field_pass() -> None:
     assert validate_chat(body) == "m"
     with pytest.raises(InvalidRequest) as got:
         validate_chat(body, "reject")
-    assert got.value.param == "return_token_ids"
+    assert got.value.param == "typical_p"
     assert validate_completion({"model": "m", "prompt": [[1, 2], [3]], "logprobs": 3}) == "m"
     with pytest.raises(InvalidRequest):
         validate_completion({"model": "m", "prompt": "x", "logprobs": 9})

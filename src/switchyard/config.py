@@ -490,6 +490,9 @@ class Capabilities(_Strict):
     supports_json_schema: bool = False
     supports_streaming: bool = True
     supports_vision: bool = False
+    # An external (openai-kind) upstream that honours vLLM's `return_token_ids`;
+    # local engines say it themselves (engines/token_ids.py).
+    supports_token_ids: bool = False
 
 
 class Price(_Strict):

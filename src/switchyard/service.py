@@ -27,6 +27,8 @@ from switchyard.decide.cacheability import assemble, storable_reply
 from switchyard.embed import EmbeddingService
 from switchyard.engines.pool import EnginePool
 from switchyard.engines.registry import Deployment
+from switchyard.engines.token_ids import attach as attach_token_ids
+from switchyard.engines.token_ids import refusal as token_ids_refusal
 from switchyard.errors import InvalidRequest, ModelNotFound, SwitchyardError, TaskCancelled
 from switchyard.execute.executor import Executor
 from switchyard.execute.idempotency import IdempotencyStore, StoredReply, body_hash
@@ -463,6 +465,10 @@ class RequestService:
                     "(capabilities.supports_vision is false)",
                     param=part,
                 )
+        if ctx.body.get("return_token_ids") is True:
+            why = token_ids_refusal(model, ctx.stream, ctx.body.get("n"))
+            if why is not None:
+                raise InvalidRequest(f"the model '{model.alias}' {why}", param="return_token_ids")
         if ctx.stream:
             if not model.capabilities.supports_streaming:
                 raise InvalidRequest(
@@ -488,6 +494,15 @@ class RequestService:
         ctx.status = Status.OK
         ctx.timings.ended = time.perf_counter()
         body = reply.body
+        served = ctx.deployment
+        if (
+            served is not None
+            and served.token_ids == "llamacpp"
+            and ctx.body.get("return_token_ids") is True
+        ):
+            body = await attach_token_ids(
+                body, ctx.input.endpoint, served.upstream, max(0.5, ctx.remaining_s())
+            )
         if b'"tool_calls"' in body and self.tools is not None:
             body = self._govern_tools(ctx, body)
         cs = ctx.cache_state

@@ -59,6 +59,7 @@ SAMPLING_FIELDS = (
     "logit_bias",
     "logprobs",
     "top_logprobs",
+    "return_token_ids",
 )
 
 

@@ -24,6 +24,8 @@ from switchyard.config import (
 )
 from switchyard.engines.llamacpp import AdapterFile, ManagedLlamaCpp
 from switchyard.engines.pool import EnginePool
+from switchyard.engines.token_ids import Support
+from switchyard.engines.token_ids import support as token_ids_support
 from switchyard.engines.upstream import OpenAIUpstream
 from switchyard.engines.vllm import ManagedVllm
 
@@ -84,6 +86,8 @@ class Deployment:
     lora: Callable[[], list[dict[str, Any]]] | None = field(init=False)
     # Headers sent upstream with every request of this deployment, or None.
     headers: dict[str, str] | None = field(init=False)
+    # How its engine gives `return_token_ids` (engines/token_ids.py), or None.
+    token_ids: Support | None = field(init=False)
 
     # "alias" for an alias's only deployment, "alias/name" for one of several: the
     # key of its breaker and retry budget.
@@ -124,6 +128,7 @@ class Deployment:
             and (self.replica is None or self.model.balance.failover == 0)
         )
         self.min_attempt_s = self.model.resilience.min_attempt_s
+        self.token_ids = token_ids_support(self.model)
 
     @property
     def ready(self) -> bool:

@@ -176,6 +176,26 @@ class OpenAIUpstream:
         except BaseException as exc:
             raise self._translate(exc) from None
 
+    async def tokenize(self, text: str, timeout_s: float) -> list[int] | None:
+        """`text` as llama-server tokenizes a prompt (special tokens parsed, BOS as the
+        model adds it), or None when the server does not answer so."""
+        url = self.base_url.removesuffix("/v1") + "/tokenize"
+        body = {"content": text, "add_special": True, "parse_special": True}
+        try:
+            async with self._client().post(
+                url,
+                data=orjson.dumps(body),
+                timeout=aiohttp.ClientTimeout(total=max(0.001, timeout_s)),
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                got = orjson.loads(await resp.read()).get("tokens")
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, AttributeError):
+            return None
+        if isinstance(got, list) and all(type(i) is int for i in got):
+            return got
+        return None
+
     async def stream(
         self,
         path: str,

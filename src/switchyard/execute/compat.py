@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from switchyard.config import ModelConfig
+from switchyard.engines.token_ids import refusal as token_ids_refusal
 
 
 def request_needs(body: dict[str, Any], prompt_tokens: int, max_tokens: int) -> dict[str, Any]:
@@ -29,6 +30,8 @@ def request_needs(body: dict[str, Any], prompt_tokens: int, max_tokens: int) -> 
         "json_schema": isinstance(rf, dict) and rf.get("type") in ("json_schema", "json_object"),
         "streaming": bool(body.get("stream")),
         "vision": vision,
+        "token_ids": body.get("return_token_ids") is True,
+        "n": body.get("n"),
     }
 
 
@@ -47,6 +50,10 @@ def incompatibility(
         return "does not support streaming"
     if needs["vision"] and not cap.supports_vision:
         return "does not support image input"
+    if needs["token_ids"]:
+        why = token_ids_refusal(model, needs["streaming"], needs["n"])
+        if why is not None:
+            return why
     if boundary is not None and model.region not in boundary:
         return f"region {model.region!r} is outside the allowed {boundary}"
     return None

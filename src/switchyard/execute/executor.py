@@ -23,6 +23,7 @@ import orjson
 from switchyard.config import Settings
 from switchyard.decide.balance import Balancer
 from switchyard.engines.registry import Deployment, Registry
+from switchyard.engines.token_ids import llamacpp_body
 from switchyard.engines.upstream import UpstreamReply, UpstreamStream
 from switchyard.errors import (
     EngineCrashed,
@@ -57,10 +58,12 @@ def upstream_payload(ctx: RequestContext, dep: Deployment) -> bytes:
     out as they came (no second serialization of a long agent prompt)."""
     wire = ctx.wire
     lora = dep.lora
+    native_ids = dep.token_ids == "llamacpp" and ctx.body.get("return_token_ids") is True
     if (
         wire is not None
         and wire[0] is ctx.body
         and lora is None
+        and not native_ids
         and ctx.body.get("model") == dep.upstream_model
     ):
         if not ctx.stream or ctx.include_usage is True:
@@ -70,7 +73,7 @@ def upstream_payload(ctx: RequestContext, dep: Deployment) -> bytes:
             # parsed as a JSON object, so its last non-space byte is the closing brace.
             raw = wire[1].rstrip()
             return raw[:-1] + b',"stream_options":{"include_usage":true}}'
-    body = dict(ctx.body)
+    body = llamacpp_body(ctx.body) if native_ids else dict(ctx.body)
     body["model"] = dep.upstream_model
     if lora is not None:
         body["lora"] = lora()

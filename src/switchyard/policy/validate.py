@@ -64,6 +64,7 @@ _TYPED: dict[str, tuple[tuple[type, ...], str]] = {
     "repeat_penalty": _NUM,
     "logprobs": _BOOL,  # chat; completions take an integer (validate_completion)
     "top_logprobs": _INT,
+    "return_token_ids": _BOOL,  # vLLM's option; engines/token_ids.py
     "parallel_tool_calls": _BOOL,
     "store": _BOOL,
     "user": _STR,
@@ -190,8 +191,20 @@ def _lora(body: dict[str, Any], v: Any) -> None:
     )
 
 
+def _engine_verbose(body: dict[str, Any], v: Any) -> None:
+    # llama-server's own switches: they add its native result (the templated prompt,
+    # its settings) to the reply, outside the OpenAI shape. The gateway sets them when
+    # it needs them; a client asks for token ids with return_token_ids.
+    raise InvalidRequest(
+        "'verbose' and 'return_tokens' are set by the gateway: ask for 'return_token_ids'",
+        param="return_token_ids",
+    )
+
+
 _OTHER: dict[str, Any] = {
     "lora": _lora,
+    "verbose": _engine_verbose,
+    "return_tokens": _engine_verbose,
     "stop": _stop,
     "stream_options": _stream_options,
     "logit_bias": _logit_bias,

@@ -1,0 +1,99 @@
+"""`return_token_ids` on chat and completions: the token ids a reply was made of.
+
+The reply shape is vLLM's (`return_token_ids`, vLLM >= 0.10.2), so a trainer written
+against vLLM reads ours unchanged: chat puts `prompt_token_ids` on the reply and
+`token_ids` on each choice; completions put both on each choice.
+
+- vLLM engines take the option natively: it passes through.
+- llama-server's OpenAI routes drop token ids, and their per-token logprobs lose the
+  entry of a token that ends inside a UTF-8 character (so ids read from logprobs
+  would silently miss tokens). Its `verbose` + `return_tokens` options add the full
+  native result (`__verbose`) to a non-streamed reply: every generated id, and the
+  prompt string the chat template produced. The gateway asks for those, moves the ids
+  into the vLLM shape, tokenizes the prompt string on the same server (what the
+  server itself does with it) and drops `__verbose`. Only the first choice is
+  covered there, and streamed chunks carry no ids: n > 1 and streaming are refused.
+- The python worker runtime and external upstreams do not offer it (an external
+  upstream known to be vLLM says so with `capabilities.supports_token_ids`).
+
+Prompt ids are given only when they are exactly what the engine read: their count
+must equal the reply's `usage.prompt_tokens`, else `prompt_token_ids` is null.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import orjson
+
+from switchyard.config import LlamaCppEngine, ModelConfig, OpenAIEngine, VllmEngine
+from switchyard.engines.upstream import OpenAIUpstream
+
+Support = Literal["native", "llamacpp"]
+
+
+def support(model: ModelConfig) -> Support | None:
+    """How `model`'s engine gives token ids, or None when it cannot."""
+    spec = model.engine
+    if isinstance(spec, VllmEngine):
+        return "native"
+    if isinstance(spec, LlamaCppEngine):
+        return "llamacpp" if spec.runtime == "server" else None
+    if isinstance(spec, OpenAIEngine) and model.capabilities.supports_token_ids:
+        return "native"
+    return None
+
+
+def refusal(model: ModelConfig, stream: bool, n: Any) -> str | None:
+    """Why `model` cannot return token ids for this request, or None if it can."""
+    how = support(model)
+    if how is None:
+        return (
+            "does not return token ids (llamacpp models on the server runtime and vllm "
+            "models do; an external upstream that does sets capabilities.supports_token_ids)"
+        )
+    if how == "llamacpp" and stream:
+        return "cannot return token ids while streaming (llama-server's chunks carry none)"
+    if how == "llamacpp" and isinstance(n, int) and n > 1:
+        return "returns token ids for n = 1 only (llama-server reports the first choice)"
+    return None
+
+
+def llamacpp_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The request as llama-server is asked for its native result beside the reply."""
+    out = {k: v for k, v in body.items() if k != "return_token_ids"}
+    out["return_tokens"] = True
+    out["verbose"] = True
+    return out
+
+
+async def attach(body: bytes, endpoint: str, upstream: OpenAIUpstream, timeout_s: float) -> bytes:
+    """A llama-server reply (asked with `llamacpp_body`) in vLLM's token-ids shape."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    if not isinstance(obj, dict):
+        return body
+    native = obj.pop("__verbose", None)
+    choices = obj.get("choices")
+    if not isinstance(native, dict) or not isinstance(choices, list) or not choices:
+        return orjson.dumps(obj)
+    ids = native.get("tokens")
+    ids = ids if isinstance(ids, list) and all(type(i) is int for i in ids) else None
+    prompt_ids = None
+    prompt = native.get("prompt")
+    usage = obj.get("usage")
+    want = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    if isinstance(prompt, str) and isinstance(want, int):
+        got = await upstream.tokenize(prompt, timeout_s)
+        if got is not None and len(got) == want:
+            prompt_ids = got
+    first = choices[0]
+    if isinstance(first, dict):
+        first["token_ids"] = ids
+        if endpoint == "completions":
+            first["prompt_token_ids"] = prompt_ids
+    if endpoint != "completions":
+        obj["prompt_token_ids"] = prompt_ids
+    return orjson.dumps(obj)
