@@ -37,8 +37,11 @@ def manifest() -> dict[str, Any]:
 
 
 def _config(weights_dir: str) -> dict[str, Any]:
+    # One thread per engine: during an activation the old and the new revision's
+    # engines run together, and two llama.cpp thread pools spinning on these 2 cores
+    # slow each other by 10-100x (a 10-token answer took over 25 s).
     return {
-        "models": [local_model("smol", parallel=4, ctx=1024)],
+        "models": [local_model("smol", parallel=4, ctx=1024, threads=1)],
         "embeddings": {"enabled": False},
         "rl": {
             "weights_dirs": [weights_dir],
@@ -323,6 +326,26 @@ def test_refusals_are_openai_shaped_and_come_before_any_work(
     assert [x["revision"] for x in revs] == ["smol-rev"]
 
 
+def test_a_client_that_leaves_lets_go_of_its_revision_at_once(rl: Gateway) -> None:
+    """Samples one at a time (deterministic) would hold the revision for many seconds;
+    the client leaves after the headers: the lease is released and the request settled
+    as cancelled, long before it would have finished (or drain_timeout_s, 60 s)."""
+    active = admin(rl, "GET", "/admin/models/smol/revisions").json()["active"]
+    body = {"model": "smol", "prompts": [CHAT], "n": 8, "max_tokens": 64, "deterministic": True}
+    with httpx.stream(
+        "POST", rl.url + "/v1/rollouts", json=body, headers=rl.auth, timeout=120
+    ) as r:
+        assert r.status_code == 200
+        rid = r.headers["x-request-id"]
+        assert state(rl, active)["in_flight"] == 1
+    deadline = time.monotonic() + 20  # hang guard
+    while state(rl, active)["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state(rl, active)["in_flight"] == 0
+    trace = rl.trace(rid)
+    assert trace["status"] == "cancelled", trace["status"]
+
+
 def test_a_gateway_without_rl_models_has_no_rollouts(default_gateway: Gateway) -> None:
     r = rollout(default_gateway, {"model": "smollm2-135m", "prompts": ["hi"]})
     assert r.status_code == 404 and "rl.models" in r.json()["error"]["message"]
@@ -351,14 +374,53 @@ def test_activation_is_a_barrier_under_load_and_rejection_and_rollback_hold(
                 recs = [json.loads(x) for x in r.iter_lines() if x.strip()]
             results.append((sent, admitted, header, recs[:-1]))
 
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    # Chat on the same alias (plain and streamed) runs beside them: it is served by
+    # the active revision too, under the same barrier.
+    chats: list[tuple[float, str, str, str]] = []
+    chat = {"model": "smol", **CHAT, "max_tokens": 10, "temperature": 0.0}
+
+    def chatter(streamed: bool) -> None:
+        while not stop.is_set():
+            sent = time.time()
+            if streamed:
+                with httpx.stream(
+                    "POST",
+                    rl.url + "/v1/chat/completions",
+                    json={**chat, "stream": True},
+                    headers=rl.auth,
+                    timeout=120,
+                ) as r:
+                    assert r.status_code == 200
+                    header, rid = r.headers["x-switchyard-revision"], r.headers["x-request-id"]
+                    text = "".join(
+                        (json.loads(x[6:])["choices"] or [{}])[0].get("delta", {}).get("content")
+                        or ""
+                        for x in r.iter_lines()
+                        if x.startswith("data: {")
+                    )
+            else:
+                r = httpx.post(
+                    rl.url + "/v1/chat/completions", json=chat, headers=rl.auth, timeout=120
+                )
+                assert r.status_code == 200, r.text
+                header, rid = r.headers["x-switchyard-revision"], r.headers["x-request-id"]
+                text = r.json()["choices"][0]["message"]["content"]
+            chats.append((sent, header, rid, text))
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
         futures = [pool.submit(client) for _ in range(3)]
+        futures += [pool.submit(chatter, streamed) for streamed in (False, True)]
         time.sleep(1.5)
         r = register(rl, manifest, "robot", "robot-1", activate=True, wait_s=120)
         activated = time.time()
         assert r.status_code == 201, r.text
         assert r.json()["state"] == "active", r.json()
-        time.sleep(2.0)
+        deadline = time.monotonic() + 60  # until each kind finished one sent after it
+        while time.monotonic() < deadline and not (
+            any(sent > activated for sent, *_ in results)
+            and sum(sent > activated for sent, *_ in chats) >= 2
+        ):
+            time.sleep(0.1)
         stop.set()
         for f in futures:
             f.result()
@@ -374,6 +436,19 @@ def test_activation_is_a_barrier_under_load_and_rejection_and_rollback_hold(
             )
         if sent > activated:
             assert header == "robot-1"
+    assert {h for _, h, _, _ in chats} == {"smol-rev", "robot-1"}
+    for sent, header, _rid, text in chats:
+        assert (ROBOT in text) == (header == "robot-1"), (header, text)
+        if sent > activated:
+            assert header == "robot-1"
+    for header in ("smol-rev", "robot-1"):  # the usage row and trace name it
+        rid = next(rid for _, h, rid, _ in chats if h == header)
+        trace = rl.trace(rid)
+        assert trace["revision"] == header
+        assert any(
+            d["stage"] == "residency" and d["outcome"] == f"revision:{header}"
+            for d in trace["decisions"]
+        ), trace["decisions"]
     robot = state(rl, "robot-1")
     assert [h["state"] for h in robot["history"]] == ["prepared", "loaded", "validated", "active"]
     assert robot["validation"] and robot["validation"][0]["mean_logprob"] <= 0

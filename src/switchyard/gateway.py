@@ -92,6 +92,7 @@ def build_pipelines(
     consume_approval: ConsumeApproval | None = None,
     placers: Mapping[str, Placer] | None = None,
     overhead: PromptOverhead | None = None,
+    revisions: Mapping[str, Any] | None = None,
 ) -> Pipelines:
     """The stages, in order (DESIGN.md: the request pipeline). Evidence that is the
     same for every request of a model is built once and shared (recorded evidence
@@ -100,7 +101,7 @@ def build_pipelines(
     named = {m.alias: {"model": m.alias} for m in s.models}
     overhead = overhead or PromptOverhead()
     estimate = generation_estimate(models, s.policy.default_max_tokens, overhead)
-    planner = CachePlanner(s)
+    planner = CachePlanner(s, revisions)
     t = s.tasks
     tasks = tasks or MemoryTaskStore(t.max_tasks, t.idle_ttl_s, t.max_tool_calls)
     running = running or Running()
@@ -120,7 +121,7 @@ def build_pipelines(
             *([Media(media, metrics)] if media is not None else []),
             DeploymentLimits(reserver, estimate),
             Queue(gates),
-            *([Residency(pool)] if pool is not None else []),
+            *([Residency(pool, revisions)] if pool is not None else []),
             Place(),
         ],
         models,
@@ -144,6 +145,9 @@ class Gateway:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.registry = Registry(settings)
+        # RL-managed models' revision managers (filled by _build_rollouts): the
+        # pipeline sends their chat and completions to the active revision.
+        self.revisions: dict[str, Any] = {}
         self._busy_flushed: dict[str, float] = {}  # engine -> busy seconds stored
         self.models = {m.alias: m for m in settings.served_models()}
         self.embedder = (
@@ -273,6 +277,7 @@ class Gateway:
                 self.store.consume_approval,
                 self.placers,
                 self.overhead,
+                self.revisions,
             ),
             self.executor,
             self.limiter,
@@ -297,7 +302,6 @@ class Gateway:
         from switchyard.engines.revisions import RevisionManager
         from switchyard.rollouts import RolloutService
 
-        self.revisions: dict[str, RevisionManager] = {}
         if not settings.rl.models:
             return None
         by_alias = {m.alias: m for m in settings.models}

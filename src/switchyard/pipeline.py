@@ -158,6 +158,8 @@ class AdmissionState:
     queue_ms: float | None = None  # time spent waiting for that slot
     # (engine, adapter name or None) held in the pool (residency), released at settle
     resident: tuple[Any, str | None] | None = None
+    # The lease on an RL-managed model's active revision (engines/revisions.py)
+    lease: Any = None
     # (balancer, deployment) when select balanced among several: in flight until settle
     balanced: tuple[Any, Any] | None = None
     # (balancer, deployment, whether an attempt was made) the request left for another

@@ -415,6 +415,15 @@ class RolloutService:
                 except Exception as exc:  # the client has every record; the log says so
                     log.error("could not store %d rollout records: %s", len(plan.records), exc)
 
+    async def abandon(self, ctx: RequestContext, plan: Plan) -> None:
+        """After the response: a stream the client left before it started still lets
+        go of its revision and is settled (both are no-ops after a finished stream)."""
+        if ctx.status == Status.PENDING:
+            ctx.status, ctx.error_code = Status.CANCELLED, "client_disconnected"
+        if plan.lease is not None:
+            plan.lease.release()
+        await self.service.settle(ctx)
+
     def settings_parallel(self, alias: str) -> int:
         m = self.managers[alias]
         return m.spec.parallel

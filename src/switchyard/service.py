@@ -809,6 +809,8 @@ class RequestService:
             ctx.admission.gate.release()
         if ctx.admission.resident is not None:
             EnginePool.release(*ctx.admission.resident)
+        if ctx.admission.lease is not None:
+            ctx.admission.lease.release()
         if ctx.admission.balanced is not None:
             balancer, dep = ctx.admission.balanced
             tm = ctx.timings

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -203,8 +204,13 @@ def build_routes(gw: Gateway) -> list[Route]:
         out = served_headers(ctx)
         out["x-switchyard-model"] = plan.alias
         out["x-switchyard-revision"] = plan.lease.rev.revision if plan.lease else ""
-        return StreamingResponse(
-            gw.rollouts.stream(ctx, plan), media_type="application/x-ndjson", headers=out
+        # Stops when the client leaves, and releases the lease and settles even when
+        # the stream never started (the generator's own `finally` then never runs).
+        return RelayResponse(
+            gw.rollouts.stream(ctx, plan),
+            media_type="application/x-ndjson",
+            headers=out,
+            on_close=partial(gw.rollouts.abandon, ctx, plan),
         )
 
     return [

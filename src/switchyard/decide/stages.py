@@ -59,9 +59,12 @@ class CachePlanner:
     """Whether a request may use the cache, and its keys: worked out once per request,
     for the embed and cache stages."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, revisions: Mapping[str, Any] | None = None) -> None:
         self.cfg = settings.cache
         self._models = {m.alias: m for m in settings.served_models()}
+        # RL-managed aliases (engines/revisions.py): their answers are keyed by the
+        # revision active now, so an activation never serves the old weights' answers.
+        self._revisions = revisions if revisions is not None else {}
         self._router_version = settings.router.policy_version
         self._risk = RiskClassifier(settings.cache.risk)
 
@@ -86,6 +89,9 @@ class CachePlanner:
         if verdict.lookup or verdict.store:
             model = self._models.get(ctx.alias or "")
             revision = model.revision if model is not None else f"router:{self._router_version}"
+            manager = self._revisions.get(ctx.alias or "") if self._revisions else None
+            if manager is not None and manager.active is not None:
+                revision = manager.active.revision
             scope = f"key:{ctx.principal.key_id}" if cfg.scope == "key" else f"tenant:{tenant}"
             keys = cache_keys(
                 ctx.masked_body(),
@@ -544,8 +550,11 @@ class Residency(Stage):
     name = "residency"
     REMOTE = Verdict("skip", "the deployment is not a local engine")
 
-    def __init__(self, pool: EnginePool) -> None:
+    def __init__(self, pool: EnginePool, revisions: Mapping[str, Any] | None = None) -> None:
         self._pool = pool
+        # RL-managed aliases: their base requests go to the active revision's engine
+        # (engines/revisions.py), under a lease that the activation barrier waits for.
+        self._revisions = revisions if revisions is not None else {}
 
     def static(self, view: View) -> Verdict | None:
         dep = view.deployment
@@ -560,10 +569,42 @@ class Residency(Stage):
         if dep.engine is None:  # a balanced deployment that is remote
             ctx.record(self.name, self.REMOTE.outcome, self.REMOTE.reason, t)
             return None
+        if dep.adapter is None and self._revisions:
+            manager = self._revisions.get(dep.alias)
+            if manager is not None:
+                self._revision(ctx, manager, t)
+                return None
         now = self._pool.hot(dep.engine)
         if now is None:
             return self._load(ctx, dep, t)
         return self._held(ctx, dep, now, t)
+
+    def _revision(self, ctx: RequestContext, manager: Any, t: float) -> None:
+        """An RL-managed model: the request holds a lease on the active revision and is
+        served by its engine; an activation lets it finish there."""
+        try:
+            lease = manager.lease()
+        except SwitchyardError as exc:
+            ctx.record(self.name, "reject", exc.message, t, {"active": None})
+            raise
+        rev = lease.rev
+        ctx.admission.lease = lease
+        dep = manager.deployment(rev)
+        ctx.deployment = dep
+        ctx.model = dep.model
+        ctx.record(
+            self.name,
+            f"revision:{rev.revision}",
+            f"RL-managed model: served by its active revision {rev.revision} ({rev.kind}), "
+            "held until the request ends (an activation lets it finish there)",
+            t,
+            {
+                "revision": rev.revision,
+                "kind": rev.kind,
+                "sha256": rev.sha256,
+                "in_flight": rev.in_flight,
+            },
+        )
 
     async def _load(self, ctx: RequestContext, dep: Deployment, t: float) -> None:
         assert dep.engine is not None

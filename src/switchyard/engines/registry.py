@@ -233,6 +233,11 @@ class Registry:
                 continue
             mine = adapters.get(m.alias, [])
             files = tuple(AdapterFile(a.name, a.path, a.sha256, a.revision) for a in mine)
+            if m.alias in settings.rl.models and isinstance(m.engine, LlamaCppEngine):
+                # An RL-managed model's requests run on its active revision's engine
+                # (engines/revisions.py); this one loads only for its adapters.
+                spec = m.engine.model_copy(update={"lazy": True, "pinned": False})
+                m = m.model_copy(update={"engine": spec})
             dep = _deployment(m, m.alias, files, crash, None)
             self.deployments[m.alias] = dep
             for a in mine:

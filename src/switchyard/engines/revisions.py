@@ -33,6 +33,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -41,6 +42,8 @@ from switchyard.config import LlamaCppEngine, ModelConfig, RlConfig, RlModel
 from switchyard.engines import rollout
 from switchyard.engines.assets import smollm2_gguf_path
 from switchyard.engines.llamacpp import AdapterFile, ManagedLlamaCpp
+from switchyard.engines.registry import Deployment
+from switchyard.engines.upstream import OpenAIUpstream
 from switchyard.errors import EngineNotReady, InvalidRequest, PermissionDenied, SwitchyardError
 
 log = logging.getLogger("switchyard")
@@ -143,6 +146,11 @@ class Lease:
             self.manager._release(self.rev)
 
 
+def _engine_url(rev: Revision) -> str:
+    engine = rev.engine  # replaced when a retired revision is brought up again
+    return engine.base_url if engine is not None else "http://127.0.0.1:0/v1"
+
+
 class RevisionManager:
     """The revisions of one RL-managed model (rl.models[alias])."""
 
@@ -168,6 +176,10 @@ class RevisionManager:
         self._session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()  # one activation or rollback at a time
         self.on_change: Callable[[Revision, str], None] | None = None  # metrics
+        # Chat and completions on the alias go to the active revision's engine: a
+        # client per revision, a deployment per (revision, engine process).
+        self._upstreams: dict[str, OpenAIUpstream] = {}
+        self._deployments: dict[str, Deployment] = {}
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -222,6 +234,7 @@ class RevisionManager:
                 r.moving.cancel()
         engines = [r.engine for r in self.revisions.values() if r.engine is not None]
         await asyncio.gather(*(e.stop() for e in engines), return_exceptions=True)
+        await asyncio.gather(*(u.close() for u in self._upstreams.values()), return_exceptions=True)
         if self._session is not None:
             await self._session.close()
 
@@ -238,6 +251,27 @@ class RevisionManager:
         rev.in_flight += 1
         rev.drained.clear()
         return Lease(rev, self)
+
+    def deployment(self, rev: Revision) -> Deployment:
+        """Where a chat or completion request holding a lease on `rev` is sent: its
+        engine, with its adapter applied for an adapter revision, and the model's
+        config naming `rev` as the revision (usage rows, traces and cache keys)."""
+        engine = rev.engine
+        assert engine is not None  # a lease is only given on a ready engine
+        dep = self._deployments.get(rev.revision)
+        if dep is not None and dep.engine is engine:
+            return dep
+        upstream = self._upstreams.get(rev.revision)
+        if upstream is None:
+            upstream = OpenAIUpstream(
+                f"llamacpp:{engine.alias}", partial(_engine_url, rev), max_connections=64
+            )
+            self._upstreams[rev.revision] = upstream
+        dep = Deployment(self.model.model_copy(update={"revision": rev.revision}), upstream, engine)
+        if rev.kind == "adapter":
+            dep.lora = partial(engine.lora_scales, rev.revision)
+        self._deployments[rev.revision] = dep
+        return dep
 
     def _release(self, rev: Revision) -> None:
         rev.in_flight -= 1
