@@ -395,8 +395,9 @@ def embed() -> Any:
 
 
 def fill_store(conn: Any, n: int, filler: str, first_at: float = 1_800_000_000.0) -> None:
-    """`n` traces and `n` usage rows of ~1.5 KB (`filler` in their upstream column), one a
-    second from `first_at`, and one daily rollup: a store to put over its byte budget."""
+    """`n` traces, `n` rollout records and `n` usage rows of ~1.5 KB (`filler` in their
+    upstream column or record), one a second from `first_at`, and one daily rollup: a
+    store to put over its byte budget."""
     from switchyard.observe.traces import insert_args, insert_sql
 
     conn.execute("BEGIN")
@@ -409,6 +410,11 @@ def fill_store(conn: Any, n: int, filler: str, first_at: float = 1_800_000_000.0
             "INSERT INTO usage (request_id, tenant_id, endpoint, status, received_at, upstream)"
             " VALUES (?, 't', 'chat', 'ok', ?, ?)",
             (f"r{i}", at, filler),
+        )
+        conn.execute(
+            "INSERT INTO rollouts (sample_id, request_id, model, revision, created_at, record)"
+            " VALUES (?, ?, 'm', 'r', ?, ?)",
+            (f"s{i}", f"r{i}", at, filler),
         )
     conn.execute(
         "INSERT INTO usage_daily (day, tenant_id, requests, cost_usd)"

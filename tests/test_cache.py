@@ -237,6 +237,11 @@ def test_cacheability_rules() -> None:
     ).store
     assert not cacheability(body, "chat.completions", None, "p", "m", cfg).store
     assert not cacheability({**body, "tools": [{}]}, "chat.completions", None, "t", "m", cfg).store
+    ids = cacheability({**body, "return_token_ids": True}, "completions", None, "t", "m", cfg)
+    assert not ids.lookup and not ids.store and "token ids" in ids.reason
+    assert cacheability(
+        {**body, "return_token_ids": False}, "completions", None, "t", "m", cfg
+    ).store
     # the same question about another picture is another question
     picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     with_image = {

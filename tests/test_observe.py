@@ -986,8 +986,10 @@ def test_the_disk_budget_deletes_oldest_traces_then_rows_and_gives_space_back(
     assert bytes_in_use(conn) > 2 * budget
     deleted = enforce_disk(conn, budget)
     assert deleted > 0 and bytes_in_use(conn) <= budget
-    # Oldest first: traces go before any usage row, and what is left is the newest.
+    # Oldest first: traces, then rollout records, go before any usage row, and what is
+    # left is the newest.
     assert conn.execute("SELECT COUNT(*) FROM traces").fetchone()[0] == 0
+    assert conn.execute("SELECT COUNT(*) FROM rollouts").fetchone()[0] == 0
     oldest = conn.execute("SELECT MIN(received_at) FROM usage").fetchone()[0]
     assert oldest > 1_800_000_000.0
     assert conn.execute("SELECT cost_usd FROM usage_daily").fetchone()[0] == 9.5

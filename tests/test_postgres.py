@@ -172,19 +172,20 @@ def test_the_byte_budget_on_postgresql_deletes_oldest_traces_then_rows(server: s
     """observe.max_disk_mb on PostgreSQL counts the rows' own bytes (its files do not
     shrink on DELETE): past it the oldest traces go, then the oldest usage rows, down
     to 90 %; the daily rollups stay."""
-    from switchyard.observe.traces import enforce_disk, row_bytes
+    from switchyard.observe.traces import BUDGETED, enforce_disk, row_bytes
 
     conn = connect(fresh(server))
     fill_store(conn, 1500, "x" * 1500)
 
     def in_use() -> float:
-        return sum(n * mean for n, mean in (row_bytes(conn, t) for t in ("traces", "usage")))
+        return sum(n * mean for n, mean in (row_bytes(conn, t, at=at) for t, at, _ in BUDGETED))
 
     budget = 1024 * 1024
     assert in_use() > 2 * budget
     assert enforce_disk(conn, budget) > 0
     assert budget * 0.8 <= in_use() <= budget
     assert conn.execute("SELECT COUNT(*) FROM traces").fetchone()[0] == 0
+    assert conn.execute("SELECT COUNT(*) FROM rollouts").fetchone()[0] == 0
     (oldest,) = conn.execute("SELECT MIN(received_at) FROM usage").fetchone()
     (newest,) = conn.execute("SELECT MAX(received_at) FROM usage").fetchone()
     assert oldest > 1_800_000_000.0 and newest == 1_800_000_000.0 + 1499
@@ -404,3 +405,73 @@ def test_a_postgresql_restart_refuses_what_needs_it_and_loses_no_usage_row(
         assert _chat(gw, fresh_key).status_code == 200  # reconnected
     finally:
         gw.proc.stop()
+
+
+def test_revisions_and_rollout_records_are_stored_alike_on_both_stores(
+    server: str, tmp_path: Path
+) -> None:
+    """The RL tables (observe/rollouts.py) through the same SQL on SQLite and
+    PostgreSQL: revisions upserted and read back, records stored once per sample id,
+    exported in pages in order with their filters, and aged out by retention."""
+    from switchyard.observe.rollouts import (
+        enforce_rollout_retention,
+        export_rollouts,
+        read_revisions,
+        write_revision,
+        write_rollouts,
+    )
+
+    def record(i: int, rev: str) -> dict[str, Any]:
+        return {
+            "sample_id": f"s-{i:03d}",
+            "request_id": f"r-{i // 4}",
+            "tenant_id": "t1" if i % 3 else "t2",
+            "finished_at": 1_800_000_000.0 + i // 2,  # pairs share a time: ids break ties
+            "provenance": {"model": "smol", "revision": rev},
+            "token_ids": [i, i + 1],
+            "text": f"sample {i} ✓",
+        }
+
+    def run(conn: Any) -> dict[str, Any]:
+        base = {"alias": "smol", "kind": "base", "path": "/w/a.gguf", "sha256": "a" * 64,
+                "reason": "", "created_at": 1.0}  # fmt: skip
+        write_revision(conn, {**base, "revision": "v1", "state": "prepared",
+                              "updated_at": 1.0, "history": [{"state": "prepared"}]})  # fmt: skip
+        write_revision(conn, {**base, "revision": "v1", "state": "active", "reason": "ok",
+                              "updated_at": 2.0,
+                              "history": [{"state": "prepared"}, {"state": "active"}]})  # fmt: skip
+        write_revision(conn, {**base, "revision": "v2", "state": "rejected", "reason": "x" * 2000,
+                              "created_at": 3.0, "updated_at": 3.0, "history": []})  # fmt: skip
+        records = [record(i, "v1" if i < 30 else "v2") for i in range(50)]
+        stored = write_rollouts(conn, records)
+        again = write_rollouts(conn, [{**records[0], "text": "changed"}])  # kept as it was
+        out = {
+            "revisions": read_revisions(conn, "smol"),
+            "stored": (stored, again),
+            "all": list(export_rollouts(conn, batch=7)),
+            "since": [r["sample_id"] for r in export_rollouts(conn, 1_800_000_010.0, batch=3)],
+            "v2_t2": [
+                r["sample_id"]
+                for r in export_rollouts(conn, revision="v2", tenant_id="t2", batch=2)
+            ],
+            "aged": enforce_rollout_retention(conn, 1.0, now=1_800_000_020.0 + 86400),
+        }
+        out["left"] = [r["sample_id"] for r in export_rollouts(conn)]
+        return out
+
+    lite, post = connect(str(tmp_path / "rl.db")), connect(fresh(server))
+    try:
+        a, b = run(lite), run(post)
+    finally:
+        lite.close()
+        post.close()
+    assert a == b
+    revs = {r["revision"]: r for r in a["revisions"]}
+    assert revs["v1"]["state"] == "active" and len(revs["v1"]["history"]) == 2
+    assert revs["v2"]["state"] == "rejected" and len(revs["v2"]["reason"]) == 1000
+    assert a["stored"] == (50, 1)
+    assert [r["sample_id"] for r in a["all"]] == [f"s-{i:03d}" for i in range(50)]
+    assert a["all"][0]["text"] == "sample 0 ✓"  # the first write stands
+    assert a["since"] == [f"s-{i:03d}" for i in range(20, 50)]
+    assert a["v2_t2"] == [f"s-{i:03d}" for i in range(30, 50) if i % 3 == 0]
+    assert a["aged"] == 40 and a["left"] == [f"s-{i:03d}" for i in range(40, 50)]

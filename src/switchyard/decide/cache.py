@@ -59,7 +59,6 @@ SAMPLING_FIELDS = (
     "logit_bias",
     "logprobs",
     "top_logprobs",
-    "return_token_ids",
 )
 
 

@@ -65,6 +65,10 @@ def cacheability(
         return no(f"temperature {temperature} > cache.max_temperature {cfg.max_temperature}")
     if (body.get("n") or 1) != 1:
         return no("n > 1 is not cached")
+    if body.get("return_token_ids") is True:
+        # Token ids are the one part of a reply the cache's PII masking cannot reach
+        # (they decode to the raw text), and a trainer wants this generation's.
+        return no("requests for token ids are not cached")
     if _has_images(body):
         # The semantic key sees the text alone, and the answer depends on the image.
         return no("requests with images are not cached")

@@ -390,10 +390,20 @@ def bytes_in_use(conn: sqlite3.Connection) -> int:
     return int((pages - free) * size)
 
 
+# What the byte budget deletes, in this order, oldest first: (table, its time column,
+# its key). Traces explain requests; rollout records are training data a trainer has
+# usually exported (and has in its stream); raw usage rows go last, rollups never.
+BUDGETED = (
+    ("traces", "received_at", "request_id"),
+    ("rollouts", "created_at", "sample_id"),
+    ("usage", "received_at", "request_id"),
+)
+
+
 def enforce_disk(conn: sqlite3.Connection, max_bytes: int, chunk: int = 2000) -> int:
     """Keep the file's data under `max_bytes` (observe.max_disk_mb): past it, delete the
-    oldest traces, then the oldest raw usage rows, until 90 % of it is in use; the daily
-    rollups (the bill) are never deleted. Freed pages go back to the disk where the
+    oldest traces, then the oldest stored rollout records, then the oldest raw usage
+    rows, until 90 % of it is in use; the daily rollups (the bill) are never deleted. Freed pages go back to the disk where the
     file allows it (auto_vacuum=INCREMENTAL, every file made since), else they are
     reused by new rows, so the file stays flat. Returns the rows deleted."""
     if not is_sqlite(conn):
@@ -402,11 +412,11 @@ def enforce_disk(conn: sqlite3.Connection, max_bytes: int, chunk: int = 2000) ->
         return 0
     target = int(max_bytes * 0.9)
     deleted = 0
-    for table in ("traces", "usage"):
+    for table, at, _key in BUDGETED:
         while bytes_in_use(conn) > target:
             cur = conn.execute(
                 f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table}"
-                " ORDER BY received_at ASC LIMIT ?)",
+                f" ORDER BY {at} ASC LIMIT ?)",
                 (chunk,),
             )
             if cur.rowcount <= 0:
@@ -421,7 +431,9 @@ def enforce_disk(conn: sqlite3.Connection, max_bytes: int, chunk: int = 2000) ->
     return deleted
 
 
-def row_bytes(conn: Any, table: str, sample: int = 500) -> tuple[int, float]:
+def row_bytes(
+    conn: Any, table: str, sample: int = 500, at: str = "received_at"
+) -> tuple[int, float]:
     """PostgreSQL: the table's rows and their mean size in bytes (pg_column_size of the
     newest `sample` rows). The file sizes are no measure there: deleted rows leave
     space that VACUUM marks reusable but does not give back."""
@@ -430,7 +442,7 @@ def row_bytes(conn: Any, table: str, sample: int = 500) -> tuple[int, float]:
         return 0, 0.0
     (mean,) = conn.execute(
         f"SELECT AVG(pg_column_size(s.*)) FROM (SELECT * FROM {table}"
-        " ORDER BY received_at DESC LIMIT ?) s",
+        f" ORDER BY {at} DESC LIMIT ?) s",
         (sample,),
     ).fetchone()
     return int(count), float(mean or 0.0)
@@ -438,15 +450,15 @@ def row_bytes(conn: Any, table: str, sample: int = 500) -> tuple[int, float]:
 
 def _enforce_rows_budget(conn: Any, max_bytes: int, chunk: int) -> int:
     """The byte budget on PostgreSQL: the rows' own bytes (count x mean row size) of
-    traces and raw usage rows; past `max_bytes`, the oldest traces, then the oldest
-    usage rows, are deleted down to 90 % of it. Rollups are never deleted."""
-    sizes = {t: row_bytes(conn, t) for t in ("traces", "usage")}
+    traces, rollout records and raw usage rows; past `max_bytes`, the oldest of each,
+    in that order, are deleted down to 90 % of it. Rollups are never deleted."""
+    sizes = {t: row_bytes(conn, t, at=at) for t, at, _ in BUDGETED}
     total = sum(n * mean for n, mean in sizes.values())
     if total <= max_bytes:
         return 0
     excess = total - max_bytes * 0.9
     deleted = 0
-    for table in ("traces", "usage"):
+    for table, at, key in BUDGETED:
         n, mean = sizes[table]
         if excess <= 0 or n == 0 or mean <= 0:
             continue
@@ -454,8 +466,8 @@ def _enforce_rows_budget(conn: Any, max_bytes: int, chunk: int) -> int:
         excess -= todo * mean
         while todo > 0:
             cur = conn.execute(
-                f"DELETE FROM {table} WHERE request_id IN (SELECT request_id FROM {table}"
-                " ORDER BY received_at ASC LIMIT ?)",
+                f"DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM {table}"
+                f" ORDER BY {at} ASC LIMIT ?)",
                 (min(chunk, todo),),
             )
             if cur.rowcount <= 0:
