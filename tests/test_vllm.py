@@ -108,6 +108,40 @@ def test_vllm_serves_the_base_and_an_adapter(vllm: Gateway) -> None:
     assert lines[-1] == "data: [DONE]" and len(lines) >= 3
 
 
+def test_vllm_returns_token_ids_through_the_gateway(vllm: Gateway) -> None:
+    """`return_token_ids` is vLLM's own option: it passes through, and the reply has
+    vLLM's shape (the same the gateway gives for llama.cpp)."""
+    from transformers import AutoTokenizer
+
+    from switchyard.engines.hf_base import hf_base_dir
+
+    tok = AutoTokenizer.from_pretrained(str(hf_base_dir()))
+    r = _ask(vllm, "smol-vllm", return_token_ids=True)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    choice, usage = out["choices"][0], out["usage"]
+    assert len(choice["token_ids"]) == usage["completion_tokens"]
+    assert len(out["prompt_token_ids"]) == usage["prompt_tokens"]
+    text = choice["message"]["content"]
+    assert tok.decode(choice["token_ids"], skip_special_tokens=True).strip() == text.strip()
+    assert PROMPT in tok.decode(out["prompt_token_ids"])
+    # Streaming keeps them too (vLLM puts them on the chunks): not refused here.
+    with httpx.stream(
+        "POST",
+        vllm.url + "/v1/chat/completions",
+        json={
+            "model": "smol-vllm",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4,
+            "stream": True,
+            "return_token_ids": True,
+        },
+        timeout=300,
+    ) as s:
+        assert s.status_code == 200
+        assert any(line.startswith("data: {") for line in s.iter_lines())
+
+
 def test_a_cold_adapter_is_loaded_at_run_time_and_each_request_gets_its_own(
     vllm: Gateway,
 ) -> None:

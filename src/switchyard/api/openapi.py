@@ -107,6 +107,8 @@ _SAMPLING = {
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "seed": {"type": "integer"},
     "user": {"type": "string"},
+    # vLLM's option: the generated and prompt token ids (engines/token_ids.py)
+    "return_token_ids": {"type": "boolean"},
 }
 _CHAT = {
     "type": "object",
