@@ -1,9 +1,8 @@
-"""The rollout API's request checks, the engine gate, logprob alignment and the
-determinism comparison, without an engine."""
+"""The rollout API's request checks, logprob alignment and the determinism
+comparison, without an engine."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
@@ -14,7 +13,7 @@ from switchyard.config import Settings
 from switchyard.engines.determinism import compare
 from switchyard.engines.rollout import align_logprobs
 from switchyard.errors import InvalidRequest
-from switchyard.rollouts import SEED_MAX, Gate, validate_rollout
+from switchyard.rollouts import SEED_MAX, validate_rollout
 
 SETTINGS = Settings.model_validate(
     {
@@ -104,33 +103,6 @@ def test_alignment_keeps_every_reported_logprob_at_its_token(
         if lp is not None:
             assert ids[i] == probs[k]["id"]
             k += 1
-
-
-def test_an_exclusive_hold_waits_for_the_shared_ones_and_blocks_new_ones() -> None:
-    async def go() -> list[str]:
-        gate, log = Gate(), []
-
-        async def shared(name: str, hold: float) -> None:
-            async with gate.hold(False):
-                log.append(f"{name}+")
-                await asyncio.sleep(hold)
-                log.append(f"{name}-")
-
-        async def exclusive() -> None:
-            async with gate.hold(True):
-                log.append("X+")
-                await asyncio.sleep(0.02)
-                log.append("X-")
-
-        first = asyncio.create_task(shared("a", 0.05))
-        await asyncio.sleep(0.01)
-        ex = asyncio.create_task(exclusive())
-        await asyncio.sleep(0.01)
-        late = asyncio.create_task(shared("b", 0.0))  # arrives while X waits
-        await asyncio.wait_for(asyncio.gather(first, ex, late), 5)
-        return log
-
-    assert asyncio.run(go()) == ["a+", "a-", "X+", "X-", "b+", "b-"]
 
 
 def test_compare_reports_the_first_divergence_and_the_logprob_gap() -> None:

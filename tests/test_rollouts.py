@@ -173,9 +173,11 @@ def test_records_are_complete_and_their_token_ids_decode_to_the_text(rl: Gateway
 
 
 def test_the_same_seed_repeats_and_different_seeds_differ(rl: Gateway) -> None:
-    """With `deterministic` the samples run alone on the engine and repeat exactly,
-    even while batched rollouts run beside them. (Batched, llama.cpp promises no
-    repeat: a sample's numbers depend on what it is batched with.)"""
+    """With `deterministic` (no prompt cache) the same seed repeats exactly, batched
+    as usual and while other rollouts run beside them. With the prompt cache it does
+    not: a sample whose prompt prefix is reused from the cache evaluates the rest in
+    another split, and the changed numbers move a draw at temperature 1 (checked by
+    turning the cache on here: this test then fails every time)."""
     body = {
         "model": "smol",
         "prompts": [CHAT],

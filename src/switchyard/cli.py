@@ -747,7 +747,9 @@ def build_parser() -> argparse.ArgumentParser:
     de = sub.add_parser(
         "determinism", help="is a local model's output the same alone, batched and restarted?"
     )
-    de.add_argument("--model", required=True, help="a llamacpp model alias of the config")
+    de.add_argument(
+        "--model", required=True, help="a llamacpp (server runtime) or vllm model of the config"
+    )
     de.add_argument("--prompts", required=True, help="a text file (a prompt per line) or JSONL")
     de.add_argument("--max-tokens", type=int, default=32)
     de.add_argument("--seed", type=int, default=1234)

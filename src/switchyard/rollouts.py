@@ -15,7 +15,6 @@ the other samples go on. The last line is a summary.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -220,41 +219,6 @@ def validate_rollout(body: Any, settings: Settings) -> Plan:
     )
 
 
-class Gate:
-    """Shared or exclusive use of one revision's engine. Batched rollouts share it;
-    a deterministic one waits until it is alone, and runs its samples one at a time
-    (waiting exclusive requests go first, so they are not starved)."""
-
-    def __init__(self) -> None:
-        self._cond = asyncio.Condition()
-        self._shared = 0
-        self._exclusive = False
-        self._waiting = 0
-
-    @contextlib.asynccontextmanager
-    async def hold(self, exclusive: bool) -> AsyncIterator[None]:
-        async with self._cond:
-            if exclusive:
-                self._waiting += 1
-                try:
-                    await self._cond.wait_for(lambda: not self._exclusive and not self._shared)
-                finally:
-                    self._waiting -= 1
-                self._exclusive = True
-            else:
-                await self._cond.wait_for(lambda: not self._exclusive and not self._waiting)
-                self._shared += 1
-        try:
-            yield
-        finally:
-            async with self._cond:
-                if exclusive:
-                    self._exclusive = False
-                else:
-                    self._shared -= 1
-                self._cond.notify_all()
-
-
 class RolloutService:
     """Runs rollout requests (see the module docstring)."""
 
@@ -276,7 +240,6 @@ class RolloutService:
         self._mask = mask
         self._contains_pii = contains_pii
         self._models = {m.alias: m for m in settings.models}
-        self._gates: dict[tuple[str, str], Gate] = {}  # per revision (its engine)
 
     async def admit(self, ctx: RequestContext, body: Any) -> Plan:
         """Validate, authorize, admit and lease; raises the refusal (the caller settles)."""
@@ -328,16 +291,11 @@ class RolloutService:
         engine = rev.engine
         ctx.status = Status.STREAMING
         pending: set[asyncio.Task[dict[str, Any]]] = set()
-        entered: contextlib.AbstractAsyncContextManager[None] | None = None
         inp = out = errors = 0
         try:
             assert engine is not None
-            gate = self._gates.setdefault((plan.alias, rev.revision), Gate())
-            held = gate.hold(plan.deterministic)
-            await held.__aenter__()
-            entered = held
             prompt_ids = await self._prompt_ids(plan, rev)
-            parallel = 1 if plan.deterministic else self.settings_parallel(plan.alias)
+            parallel = self.settings_parallel(plan.alias)
             slots = asyncio.Semaphore(max(1, parallel))
             ctx.timings.upstream_sent = time.perf_counter()
             for i, p in enumerate(plan.prompts):
@@ -395,8 +353,6 @@ class RolloutService:
         finally:
             for task in pending:
                 task.cancel()
-            if entered is not None:
-                await entered.__aexit__(None, None, None)
             lease.release()
             ctx.run.attempts = 1
             ctx.run.usage = {"prompt_tokens": inp, "completion_tokens": out}

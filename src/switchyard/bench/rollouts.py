@@ -6,7 +6,7 @@ the rollout store on), the local model `smol` under rl.models with four slots:
 1. **Throughput**: chat prompts x n samples (n = 1, 4, 8), seeded, temperature 1,
    `--tokens` each, through `POST /v1/rollouts`: generated tokens/s, samples/s and the
    completion rate (samples that ended "stop" or "length" of those asked for). Also n
-   = 4 with `deterministic` (samples alone on the engine): what batch invariance costs.
+   = 4 with `deterministic` (no prompt cache): what repeatable samples cost.
 2. **Direct**: the same samples straight to a llama-server started with the same
    flags, four at a time: the baseline the gateway's ratio is measured against.
 3. **Swaps**: the time from "register revision" to "active" (client side, and from

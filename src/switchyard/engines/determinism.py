@@ -20,15 +20,20 @@ from typing import Any
 
 import aiohttp
 
-from switchyard.config import LlamaCppEngine, ModelConfig
-from switchyard.engines import rollout
+from switchyard.config import LlamaCppEngine, ModelConfig, VllmEngine
+from switchyard.engines import rollout, vllm_sampling
 from switchyard.engines.llamacpp import ManagedLlamaCpp
+from switchyard.engines.vllm import ManagedVllm
 
 GUARANTEES = {
     "llamacpp": (
         "llama.cpp: a fixed seed makes sampling repeat on the same build and hardware; "
         "no batch invariance is promised (a sequence's numbers may change with the batch "
         "it shares)"
+    ),
+    "vllm": (
+        "vLLM: reproducible only on the same hardware and vLLM version, with a per-request "
+        "seed; not batch-invariant unless run in its batch-invariant mode (at a cost)"
     ),
 }
 
@@ -59,7 +64,21 @@ async def _sample(
     ids: list[int],
     s: rollout.Sampling,
 ) -> dict[str, Any]:
+    if engine.kind == "vllm":
+        return await vllm_sampling.sample(session, engine, ids, s)
     return await rollout.sample(session, engine, ids, s, None)
+
+
+async def _prompt_ids(
+    session: aiohttp.ClientSession, engine: ManagedLlamaCpp, p: dict[str, Any]
+) -> list[int]:
+    """The ids the engine reads for a prompt (a chat under the engine's own template)."""
+    if engine.kind == "vllm":
+        return await vllm_sampling.prompt_ids(session, engine, p)
+    text = p.get("prompt")
+    if text is None:
+        text = await rollout.render_prompt(session, engine, p["messages"])
+    return await rollout.tokenize(session, engine, str(text))
 
 
 async def run(
@@ -71,11 +90,21 @@ async def run(
 ) -> dict[str, Any]:
     """The report (see the module docstring)."""
     spec = model.engine
-    if not (isinstance(spec, LlamaCppEngine) and spec.runtime == "server"):
-        raise SystemExit("switchyard: determinism runs llamacpp models on the server runtime")
     sizes = sorted({max(1, int(x)) for x in batches.split(",") if x.strip()})
-    spec = spec.model_copy(update={"lazy": False, "parallel": max(max(sizes), spec.parallel)})
-    engine = ManagedLlamaCpp(f"{model.alias}-determinism", spec)
+    name = f"{model.alias}-determinism"
+    engine: ManagedLlamaCpp
+    if isinstance(spec, VllmEngine):
+        seqs = max(max(sizes), spec.max_num_seqs)
+        engine = ManagedVllm(name, spec.model_copy(update={"lazy": False, "max_num_seqs": seqs}))
+    elif isinstance(spec, LlamaCppEngine) and spec.runtime == "server":
+        parallel = max(max(sizes), spec.parallel)
+        engine = ManagedLlamaCpp(
+            name, spec.model_copy(update={"lazy": False, "parallel": parallel})
+        )
+    else:
+        raise SystemExit(
+            "switchyard: determinism runs llamacpp models (server runtime) and vllm models"
+        )
     settings = {
         "greedy": rollout.Sampling(0.0, 1.0, 0, 0.0, max_tokens, seed, (), 0),
         "seeded": rollout.Sampling(0.8, 0.95, 40, 0.0, max_tokens, seed, (), 0),
@@ -91,14 +120,12 @@ async def run(
                 f"switchyard: the engine did not start: {engine.reason or engine.last_error}"
             )
         try:
-            texts = []
-            for p in prompts:
-                text = p.get("prompt")
-                if text is None:
-                    text = await rollout.render_prompt(session, engine, p["messages"])
-                texts.append(text)
-            ids = [await rollout.tokenize(session, engine, t) for t in texts]
-            facts = await rollout.engine_facts(session, engine)
+            ids = [await _prompt_ids(session, engine, p) for p in prompts]
+            facts = await (
+                vllm_sampling.engine_facts(session, engine)
+                if engine.kind == "vllm"
+                else rollout.engine_facts(session, engine)
+            )
             refs: dict[tuple[str, int], dict[str, Any]] = {}
             for mode, s in settings.items():
                 for i, pid in enumerate(ids):
@@ -144,7 +171,7 @@ async def run(
                         )
             await engine.stop()
             engine.start()
-            if not await engine.wait_ready(spec.startup_timeout_s):
+            if not await engine.wait_ready(engine.spec.startup_timeout_s):
                 raise SystemExit("switchyard: the engine did not restart")
             for mode, s in settings.items():
                 for i, pid in enumerate(ids):

@@ -51,8 +51,10 @@ class Sampling:
     seed: int
     stop: tuple[str, ...]
     top_logprobs: int
-    # Alone on the engine, no prompt cache: the same inputs give the same tokens
-    # (llama.cpp is not batch-invariant; see rollouts.py).
+    # No prompt cache: the same inputs give the same tokens. Reusing a cached prompt
+    # prefix evaluates the rest in another split, which changes the numbers (and so
+    # seeded draws); batching with other sequences did not, here (`switchyard
+    # determinism` measures both).
     deterministic: bool = False
 
     def describe(self) -> dict[str, Any]:
