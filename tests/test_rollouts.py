@@ -469,6 +469,20 @@ def test_activation_is_a_barrier_under_load_and_rejection_and_rollback_hold(
     assert r.status_code == 409 and r.json()["error"]["code"] == "revision_conflict"
     listing = admin(rl, "GET", "/admin/models/smol/revisions").json()
     assert listing["active"] == "robot-1"
+    # A pinned chat gets exactly the revision it names, or a 404 saying which is active.
+    for pin, status in (("robot-1", 200), ("smol-rev", 404), ("pirate-1", 404)):
+        r = httpx.post(
+            rl.url + "/v1/chat/completions",
+            json={"model": f"smol@{pin}", **CHAT, "max_tokens": 4, "temperature": 0},
+            headers=rl.auth,
+            timeout=120,
+        )
+        assert r.status_code == status, (pin, r.text)
+        if status == 200:
+            assert r.headers["x-switchyard-revision"] == pin
+        else:
+            assert r.json()["error"]["param"] == "model" and "robot-1" in r.text
+    assert state(rl, "robot-1")["in_flight"] == 0  # the refused ones let go of their lease
     assert ROBOT in lines(rollout(rl, body))[0][0]["text"]
 
     # Rollback re-activates the base (loaded and validated again), the robot drains.

@@ -294,6 +294,7 @@ class Gateway:
             overhead=self.overhead,
         )
         self.service.on_canary_cut = self._canary_cut
+        self.service.rl_aliases = self.revisions
         self.rollouts = self._build_rollouts(settings)
         self.started_at = time.time()
 

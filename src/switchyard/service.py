@@ -329,6 +329,9 @@ class RequestService:
         self._embed_price = Price(input=s.embeddings.price, output=0.0)
         self._embed_alias = s.embeddings.alias
         self._models = {m.alias: m for m in s.models}  # for `alias@revision` pins
+        # RL-managed aliases (their revision managers; the gateway sets it): a pin on
+        # one is checked against the revision the request leases (decide/stages.py).
+        self.rl_aliases: Mapping[str, Any] = {}
         # The authenticate verdict and evidence per (tenant, key, anonymous).
         self._authenticated: dict[tuple[str, str, bool], tuple[tuple[str, str], Any]] = {}
 
@@ -779,7 +782,7 @@ class RequestService:
                 "available ones (a revision is pinned as alias@revision)",
                 param="model",
             )
-        if model.deployments:
+        if model.deployments or alias in self.rl_aliases:
             return alias, pin
         if pin == model.revision:
             return alias, None

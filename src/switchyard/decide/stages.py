@@ -37,6 +37,7 @@ from switchyard.engines.registry import Deployment
 from switchyard.errors import (
     EngineNotReady,
     InvalidRequest,
+    ModelNotFound,
     PermissionDenied,
     PlacementRefused,
     SwitchyardError,
@@ -588,6 +589,14 @@ class Residency(Stage):
             ctx.record(self.name, "reject", exc.message, t, {"active": None})
             raise
         rev = lease.rev
+        if ctx.pin is not None and ctx.pin != rev.revision:
+            lease.release()
+            why = (
+                f"the model '{manager.alias}' is RL-managed and answers with its active "
+                f"revision only: '{rev.revision}', not '{ctx.pin[:64]}'"
+            )
+            ctx.record(self.name, "reject", why, t, {"pin": ctx.pin, "active": rev.revision})
+            raise ModelNotFound(why, param="model")
         ctx.admission.lease = lease
         dep = manager.deployment(rev)
         ctx.deployment = dep
