@@ -1103,11 +1103,16 @@ class Settings(_Strict):
             if rl_model is None:
                 raise ValueError(f"{where}: unknown model alias {alias!r}")
             if not (
-                isinstance(rl_model.engine, LlamaCppEngine) and rl_model.engine.runtime == "server"
+                (
+                    isinstance(rl_model.engine, LlamaCppEngine)
+                    and rl_model.engine.runtime == "server"
+                )
+                or isinstance(rl_model.engine, VllmEngine)
             ):
                 raise ValueError(
                     f"{where}: revisions are managed for llamacpp models on the server "
-                    "runtime (token ids, logprobs and seeds come from llama-server)"
+                    "runtime and vllm models (token ids, logprobs and seeds come from the "
+                    "engine)"
                 )
             if rl_model.deployments:
                 raise ValueError(f"{where}: a model with several deployments has no one revision")

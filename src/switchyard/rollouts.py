@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from switchyard.config import Settings
+from switchyard.config import Settings, VllmEngine
 from switchyard.engines import rollout
 from switchyard.engines.revisions import Lease, RevisionManager
 from switchyard.errors import InvalidRequest, ModelNotFound, PermissionDenied
@@ -219,6 +219,13 @@ def validate_rollout(body: Any, settings: Settings) -> Plan:
     )
 
 
+# What a record's logprobs are, per engine kind.
+LOGPROBS = {
+    "llamacpp": "llama-server, before sampling transforms (post_sampling_probs off)",
+    "vllm": "vLLM raw logprobs, before sampling transforms (its default logprobs mode)",
+}
+
+
 class RolloutService:
     """Runs rollout requests (see the module docstring)."""
 
@@ -381,8 +388,8 @@ class RolloutService:
         await self.service.settle(ctx)
 
     def settings_parallel(self, alias: str) -> int:
-        m = self.managers[alias]
-        return m.spec.parallel
+        spec = self.managers[alias].spec
+        return spec.max_num_seqs if isinstance(spec, VllmEngine) else spec.parallel
 
     async def _prompt_ids(self, plan: Plan, rev: Any) -> list[list[int]]:
         """Each prompt's token ids on the serving revision's engine (its template)."""
@@ -390,11 +397,7 @@ class RolloutService:
         out = []
         manager = self.managers[plan.alias]
         for p in plan.prompts:
-            text = p.text
-            if p.messages is not None:
-                text = await rollout.render_prompt(manager.session, engine, p.messages)
-            assert text is not None
-            out.append(await rollout.tokenize(manager.session, engine, text))
+            out.append(await rollout.prompt_ids(manager.session, engine, p.text, p.messages))
         return out
 
     async def _one(
@@ -423,7 +426,9 @@ class RolloutService:
         started = time.time()
         async with slots:
             try:
-                got = await rollout.sample(manager.session, rev.engine, ids, s, rev.lora)
+                got = await rollout.draw(
+                    manager.session, rev.engine, ids, s, rev.lora, rev.served_as
+                )
                 error = None
             except rollout.EngineCallFailed as exc:
                 got, error = None, {"code": "engine_error", "message": str(exc)}
@@ -455,7 +460,8 @@ class RolloutService:
                 "weights_sha256": rev.sha256,
                 "adapter_revision": rev.revision if rev.kind == "adapter" else None,
                 "tokenizer_sha256": facts.get("tokenizer_sha256"),
-                "chat_template_sha256": (facts.get("engine") or {}).get("chat_template_sha256"),
+                "chat_template_sha256": (facts.get("engine") or {}).get("chat_template_sha256")
+                or facts.get("hf_chat_template_sha256"),
                 "engine": {
                     "kind": (facts.get("engine") or {}).get("kind"),
                     "version": (facts.get("engine") or {}).get("version"),
@@ -463,7 +469,9 @@ class RolloutService:
                 },
                 "hardware": rollout.hardware(),
                 "sampling": s.describe(),
-                "logprobs": "llama-server, before sampling transforms (post_sampling_probs off)",
+                "logprobs": LOGPROBS.get(rev.engine.kind if rev.engine else "", "")
+                if got
+                else None,
                 "batch": got["batch"] if got else None,
                 "dataset_revision": plan.dataset_revision,
             },

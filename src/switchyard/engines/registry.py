@@ -233,7 +233,7 @@ class Registry:
                 continue
             mine = adapters.get(m.alias, [])
             files = tuple(AdapterFile(a.name, a.path, a.sha256, a.revision) for a in mine)
-            if m.alias in settings.rl.models and isinstance(m.engine, LlamaCppEngine):
+            if m.alias in settings.rl.models and isinstance(m.engine, LlamaCppEngine | VllmEngine):
                 # An RL-managed model's requests run on its active revision's engine
                 # (engines/revisions.py); this one loads only for its adapters.
                 spec = m.engine.model_copy(update={"lazy": True, "pinned": False})

@@ -38,12 +38,13 @@ from typing import Any
 
 import aiohttp
 
-from switchyard.config import LlamaCppEngine, ModelConfig, RlConfig, RlModel
+from switchyard.config import LlamaCppEngine, ModelConfig, RlConfig, RlModel, VllmEngine
 from switchyard.engines import rollout
 from switchyard.engines.assets import smollm2_gguf_path
 from switchyard.engines.llamacpp import AdapterFile, ManagedLlamaCpp
 from switchyard.engines.registry import Deployment
 from switchyard.engines.upstream import OpenAIUpstream
+from switchyard.engines.vllm import ManagedVllm
 from switchyard.errors import EngineNotReady, InvalidRequest, PermissionDenied, SwitchyardError
 
 log = logging.getLogger("switchyard")
@@ -51,6 +52,7 @@ log = logging.getLogger("switchyard")
 REVISION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 RESERVED = {"rollback"}  # a path word of the admin API
+ADAPTER_FILE = "adapter_model.safetensors"  # a PEFT folder's weights (vLLM revisions)
 
 
 class RevState(enum.StrEnum):
@@ -125,6 +127,11 @@ class Revision:
         return out
 
     @property
+    def served_as(self) -> str | None:
+        """The model name vLLM serves this revision's adapter under (None: the base)."""
+        return self.revision if self.kind == "adapter" else None
+
+    @property
     def lora(self) -> list[dict[str, Any]] | None:
         """The `lora` list of this revision's requests (its adapter at scale 1)."""
         if self.kind != "adapter" or self.engine is None:
@@ -162,9 +169,12 @@ class RevisionManager:
         max_crash_restarts: int,
         persist: Callable[[dict[str, Any]], Awaitable[None]],
     ) -> None:
-        assert isinstance(model.engine, LlamaCppEngine)
+        assert isinstance(model.engine, LlamaCppEngine | VllmEngine)
         self.model = model
         self.alias = model.alias
+        # vLLM: the base is a model folder and new revisions are PEFT adapter folders
+        # (a revision's sha256 is that of its safetensors file); llama.cpp: GGUF files.
+        self.vllm = isinstance(model.engine, VllmEngine)
         self.spec = model.engine.model_copy(update={"lazy": False, "pinned": True})
         self.rl = rl
         self.settings = settings
@@ -208,8 +218,8 @@ class RevisionManager:
             self.revisions[rev.revision] = rev
         base_id = self.model.revision
         if base_id not in self.revisions:
-            path = smollm2_gguf_path() if self.spec.gguf == "auto" else self.spec.gguf
-            digest = await asyncio.to_thread(sha256_of, path)
+            path, weights = self._base_weights()
+            digest = await asyncio.to_thread(sha256_of, weights)
             rev = Revision(self.alias, base_id, "base", path, digest, RevState.PREPARED)
             self.revisions[base_id] = rev
             await self._move(rev, RevState.PREPARED, "the model's configured weights")
@@ -264,11 +274,13 @@ class RevisionManager:
         upstream = self._upstreams.get(rev.revision)
         if upstream is None:
             upstream = OpenAIUpstream(
-                f"llamacpp:{engine.alias}", partial(_engine_url, rev), max_connections=64
+                f"{engine.kind}:{engine.alias}", partial(_engine_url, rev), max_connections=64
             )
             self._upstreams[rev.revision] = upstream
         dep = Deployment(self.model.model_copy(update={"revision": rev.revision}), upstream, engine)
-        if rev.kind == "adapter":
+        if rev.kind == "adapter" and self.vllm:
+            dep.upstream_model = rev.revision  # vLLM serves the adapter by its name
+        elif rev.kind == "adapter":
             dep.lora = partial(engine.lora_scales, rev.revision)
         self._deployments[rev.revision] = dep
         return dep
@@ -300,11 +312,31 @@ class RevisionManager:
                 code="path_not_allowed",
                 param="path",
             )
-        if not os.path.isfile(real):
+        if self.vllm:  # a PEFT adapter folder
+            if not os.path.isfile(os.path.join(real, ADAPTER_FILE)):
+                raise InvalidRequest(
+                    f"no PEFT adapter folder (with {ADAPTER_FILE}) there under rl.weights_dirs",
+                    param="path",
+                )
+            weights = os.path.join(real, ADAPTER_FILE)
+        elif not os.path.isfile(real):
             raise InvalidRequest("no such file under rl.weights_dirs", param="path")
-        if os.path.getsize(real) > self.settings.max_weights_mb * 1024 * 1024:
+        else:
+            weights = real
+        if os.path.getsize(weights) > self.settings.max_weights_mb * 1024 * 1024:
             raise InvalidRequest("the file is larger than rl.max_weights_mb", param="path")
         return real
+
+    def _base_weights(self) -> tuple[str, str]:
+        """(the configured weights' path, the file its sha256 is of)."""
+        if isinstance(self.spec, VllmEngine):
+            from switchyard.engines.hf_base import hf_base_dir
+
+            folder = str(hf_base_dir()) if self.spec.model == "auto" else self.spec.model
+            return folder, os.path.join(folder, "model.safetensors")
+        assert isinstance(self.spec, LlamaCppEngine)
+        path = smollm2_gguf_path() if self.spec.gguf == "auto" else self.spec.gguf
+        return path, path
 
     async def register(self, body: dict[str, Any]) -> Revision:
         """A new revision, prepared once its file passed its checksum; its load and
@@ -318,6 +350,11 @@ class RevisionManager:
         kind = body.get("kind", "gguf")
         if kind not in ("gguf", "adapter"):
             raise InvalidRequest("'kind' must be 'gguf' or 'adapter'", param="kind")
+        if self.vllm and kind != "adapter":
+            raise InvalidRequest(
+                "a vllm model's revisions are PEFT adapters: 'kind' must be 'adapter'",
+                param="kind",
+            )
         digest = body.get("sha256")
         if not isinstance(digest, str) or not SHA256.match(digest):
             raise InvalidRequest("'sha256' (64 lowercase hex digits) is required", param="sha256")
@@ -329,7 +366,8 @@ class RevisionManager:
                 f"the revision '{rev_id}' is already registered", param="revision"
             )
         real = self.check_path(body.get("path"))
-        actual = await asyncio.to_thread(sha256_of, real)
+        weights = os.path.join(real, ADAPTER_FILE) if self.vllm else real
+        actual = await asyncio.to_thread(sha256_of, weights)
         if actual != digest:
             raise InvalidRequest(
                 "the file's sha256 does not match 'sha256'",
@@ -404,6 +442,13 @@ class RevisionManager:
 
     def _engine_for(self, rev: Revision) -> ManagedLlamaCpp:
         name = f"{self.alias}@{rev.revision}"
+        if self.vllm:  # the base folder, and the revision's adapter served by its name
+            files = (
+                (AdapterFile(rev.revision, rev.path, rev.sha256, rev.revision),)
+                if rev.kind == "adapter"
+                else ()
+            )
+            return ManagedVllm(name, self.spec, self.crash, adapters=files)
         if rev.kind == "adapter":
             adapter = AdapterFile(rev.revision, rev.path, rev.sha256, rev.revision)
             return ManagedLlamaCpp(name, self.spec, self.crash, adapters=(adapter,))
@@ -425,8 +470,9 @@ class RevisionManager:
                 why = engine.adapter_errors.get(rev.revision, "the engine did not load the adapter")
                 await self._reject(rev, why)
                 return
-            facts = await rollout.engine_facts(self.session, engine)
-            digests = await asyncio.to_thread(rollout.tokenizer_digest, engine.resolve()[0])
+            facts = await rollout.facts(self.session, engine)
+            digest = rollout.hf_tokenizer_digest if self.vllm else rollout.tokenizer_digest
+            digests = await asyncio.to_thread(digest, engine.resolve()[0])
             rev.facts = {"engine": facts, **digests}
             await self._move(rev, RevState.LOADED, f"engine up ({facts.get('version')})")
         results, failure = await self._validate(rev)
@@ -442,13 +488,9 @@ class RevisionManager:
         results: list[dict[str, Any]] = []
         for i, v in enumerate(self.rl.validation):
             try:
-                text = v.prompt
-                if v.messages is not None:
-                    text = await rollout.render_prompt(self.session, rev.engine, v.messages)
-                assert text is not None
-                ids = await rollout.tokenize(self.session, rev.engine, text)
+                ids = await rollout.prompt_ids(self.session, rev.engine, v.prompt, v.messages)
                 s = rollout.Sampling(0.0, 1.0, 0, 0.0, v.max_tokens, 0, (), 0)
-                out = await rollout.sample(self.session, rev.engine, ids, s, rev.lora)
+                out = await rollout.draw(self.session, rev.engine, ids, s, rev.lora, rev.served_as)
             except rollout.EngineCallFailed as exc:
                 return results, f"validation prompt {i}: {exc}"
             lps = [x for x in out["logprobs"] if x is not None]

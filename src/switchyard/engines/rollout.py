@@ -283,3 +283,71 @@ async def sample(
         "started_at": started,
         "finished_at": time.time(),
     }
+
+
+# -- either engine kind: what rollouts, validation and determinism call ---------------
+async def prompt_ids(
+    session: aiohttp.ClientSession,
+    engine: ManagedLlamaCpp,
+    text: str | None,
+    messages: list[dict[str, Any]] | None,
+) -> list[int]:
+    """The ids the engine reads for a text prompt, or a chat under its own template."""
+    if engine.kind == "vllm":
+        from switchyard.engines import vllm_sampling
+
+        p: dict[str, Any] = {"messages": messages} if messages is not None else {"prompt": text}
+        return await vllm_sampling.prompt_ids(session, engine, p)
+    if messages is not None:
+        text = await render_prompt(session, engine, messages)
+    return await tokenize(session, engine, str(text))
+
+
+async def draw(
+    session: aiohttp.ClientSession,
+    engine: ManagedLlamaCpp,
+    ids: list[int],
+    s: Sampling,
+    lora: list[dict[str, Any]] | None,
+    served_as: str | None = None,
+) -> dict[str, Any]:
+    """One sample from either engine kind (`served_as`: the name vLLM serves an
+    adapter under; llama-server takes the adapter as `lora`)."""
+    if engine.kind == "vllm":
+        from switchyard.engines import vllm_sampling
+
+        return await vllm_sampling.sample(session, engine, ids, s, served_as)
+    return await sample(session, engine, ids, s, lora)
+
+
+async def facts(session: aiohttp.ClientSession, engine: ManagedLlamaCpp) -> dict[str, Any]:
+    if engine.kind == "vllm":
+        from switchyard.engines import vllm_sampling
+
+        return await vllm_sampling.engine_facts(session, engine)
+    return await engine_facts(session, engine)
+
+
+@cache
+def hf_tokenizer_digest(folder: str) -> dict[str, str | None]:
+    """sha256 of a Hugging Face model folder's tokenizer and of its chat template."""
+    root = Path(folder)
+    tok = root / "tokenizer.json"
+    template: str | None = None
+    jinja = root / "chat_template.jinja"
+    if jinja.exists():
+        template = jinja.read_text(encoding="utf-8")
+    else:
+        import json
+
+        cfg = root / "tokenizer_config.json"
+        if cfg.exists():
+            t = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
+            template = t if isinstance(t, str) else None
+    return {
+        "tokenizer_sha256": hashlib.sha256(tok.read_bytes()).hexdigest() if tok.exists() else None,
+        "gguf_chat_template_sha256": None,
+        "hf_chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()
+        if template is not None
+        else None,
+    }

@@ -64,16 +64,21 @@ async def engine_facts(session: aiohttp.ClientSession, engine: ManagedLlamaCpp) 
         "kind": engine.kind,
         "version": out.get("version") if isinstance(out, dict) else None,
         "slots": engine.runtime_info().get("parallel"),
-        "chat_template_sha256": None,
+        "chat_template_sha256": None,  # the folder's (hf_chat_template_sha256) applies
     }
 
 
 async def sample(
-    session: aiohttp.ClientSession, engine: ManagedLlamaCpp, ids: list[int], s: Sampling
+    session: aiohttp.ClientSession,
+    engine: ManagedLlamaCpp,
+    ids: list[int],
+    s: Sampling,
+    served_as: str | None = None,
 ) -> dict[str, Any]:
-    """One sample: its text, token ids, logprobs, finish reason and timings."""
+    """One sample: its text, token ids, logprobs, finish reason and timings
+    (`served_as`: an adapter's name, which vLLM serves it under)."""
     body: dict[str, Any] = {
-        "model": engine.alias,
+        "model": served_as or engine.alias,
         "prompt": ids,
         "max_tokens": s.max_tokens,
         "temperature": s.temperature,
