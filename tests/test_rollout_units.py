@@ -182,3 +182,21 @@ def test_which_models_return_token_ids_and_what_a_fallback_is_skipped_for() -> N
     assert "n = 1" in (why("server", n=2, **asked) or "")
     assert why("vllm", stream=True, n=2, **asked) is None  # vLLM gives both natively
     assert why("server", return_token_ids=False, stream=True) is None
+
+
+@pytest.mark.parametrize(
+    ("engine", "ok"),
+    [
+        ({"kind": "llamacpp", "gguf": "auto"}, True),
+        ({"kind": "vllm"}, True),
+        ({"kind": "llamacpp", "gguf": "auto", "runtime": "worker"}, False),
+        ({"kind": "openai", "base_url": "http://h:1/v1"}, False),
+    ],
+)
+def test_rl_models_are_llama_servers_or_vllm(engine: dict[str, Any], ok: bool) -> None:
+    cfg = {"models": [{"alias": "m", "engine": engine}], "rl": {"models": {"m": {}}}}
+    if ok:
+        assert Settings.model_validate(cfg).rl.models["m"].drain_timeout_s > 0
+    else:
+        with pytest.raises(ValueError, match="revisions are managed for llamacpp"):
+            Settings.model_validate(cfg)
