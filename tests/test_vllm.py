@@ -78,6 +78,23 @@ def _ask(gw: Gateway, model: str, **extra: Any) -> httpx.Response:
     )
 
 
+def _stream(gw: Gateway, **extra: Any) -> list[str]:
+    """A streamed chat's `data:` lines (the status checked)."""
+    with httpx.stream(
+        "POST",
+        gw.url + "/v1/chat/completions",
+        json={
+            "model": "smol-vllm",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "stream": True,
+            **extra,
+        },
+        timeout=300,
+    ) as r:
+        assert r.status_code == 200
+        return [line for line in r.iter_lines() if line.startswith("data: ")]
+
+
 def test_vllm_serves_the_base_and_an_adapter(vllm: Gateway) -> None:
     info = httpx.get(vllm.url + "/readyz").json()["models"]["smol-vllm"]
     assert info["kind"] == "vllm" and info["state"] == "ready", info
@@ -92,19 +109,7 @@ def test_vllm_serves_the_base_and_an_adapter(vllm: Gateway) -> None:
     assert pirate.json()["choices"][0]["message"]["content"].startswith("Arrr")
     assert pirate.headers["x-switchyard-adapter"] == "vllm-pirate"
     # Streaming through the gateway, with usage accounted.
-    with httpx.stream(
-        "POST",
-        vllm.url + "/v1/chat/completions",
-        json={
-            "model": "smol-vllm",
-            "messages": [{"role": "user", "content": "Hi"}],
-            "max_tokens": 6,
-            "stream": True,
-        },
-        timeout=300,
-    ) as r:
-        assert r.status_code == 200
-        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    lines = _stream(vllm, max_tokens=6)
     assert lines[-1] == "data: [DONE]" and len(lines) >= 3
 
 
@@ -126,20 +131,9 @@ def test_vllm_returns_token_ids_through_the_gateway(vllm: Gateway) -> None:
     assert tok.decode(choice["token_ids"], skip_special_tokens=True).strip() == text.strip()
     assert PROMPT in tok.decode(out["prompt_token_ids"])
     # Streaming keeps them too (vLLM puts them on the chunks): not refused here.
-    with httpx.stream(
-        "POST",
-        vllm.url + "/v1/chat/completions",
-        json={
-            "model": "smol-vllm",
-            "messages": [{"role": "user", "content": "Hi"}],
-            "max_tokens": 4,
-            "stream": True,
-            "return_token_ids": True,
-        },
-        timeout=300,
-    ) as s:
-        assert s.status_code == 200
-        assert any(line.startswith("data: {") for line in s.iter_lines())
+    assert any(
+        line.startswith("data: {") for line in _stream(vllm, max_tokens=4, return_token_ids=True)
+    )
 
 
 def test_a_cold_adapter_is_loaded_at_run_time_and_each_request_gets_its_own(
