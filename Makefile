@@ -9,9 +9,9 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install sysdeps vllm serve test lint fmt bench-overhead clean
+.PHONY: install sysdeps verifier vllm serve test lint fmt bench-overhead clean
 
-install: $(STAMP) sysdeps
+install: $(STAMP) sysdeps verifier
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -37,6 +37,13 @@ $(STAMP): pyproject.toml $(ENGINE_SCRIPTS) | $(VENV)/bin/python
 	$(PIP) install -e '.[dev,ray]'
 	@$(PY) -c 'import llama_cpp; print("engine: llama.cpp", llama_cpp.llama_print_system_info().decode().strip())'
 	touch $(STAMP)
+
+# The semantic cache's cross-encoder (decide/pair_encoder.py): trained on the
+# development sets on CPU (~10 min on 2 cores) and exported once per machine into
+# ~/.cache/switchyard keyed by the data, recipe, weights and versions; a second when
+# already built.
+verifier: $(STAMP)
+	$(PY) -m switchyard cache build-verifier
 
 # System packages: redis-server for shared counters, wrk as the C load generator,
 # PostgreSQL for the shared store (the tests start their own server on a free port).

@@ -351,6 +351,11 @@ class Scripted:
     def __init__(self, port: int) -> None:
         self.url = f"http://127.0.0.1:{port}"
 
+    def content(self, text: str | None) -> None:
+        """Every later reply says `text` (None: the scripted words again)."""
+        r = httpx.put(self.url + "/control/content", json={"content": text})
+        assert r.status_code == 200, r.text
+
     def fault(self, spec: str, count: int = 1) -> None:
         r = httpx.put(self.url + "/control/fault", json={"fault": spec, "count": count})
         assert r.status_code == 200, r.text

@@ -447,6 +447,43 @@ def test_shadow_mode_calls_the_model_and_records_agreement(gw: Gateway, scripted
     assert shadow["evidence"]["answer_similarity"] == pytest.approx(1.0, abs=1e-3)
 
 
+def test_shadow_evidence_of_a_false_hit_raises_the_partitions_threshold(
+    gw: Gateway, scripted: Scripted
+) -> None:
+    scripted.content("Open Settings, choose Security, then Reset password and follow the link.")
+    try:
+        _ask(gw, "How do I reset my password?", model="shadowed")
+        # A rewording the checks let through, whose fresh answer disagrees.
+        scripted.content("Your parcel left our warehouse on Monday and arrives on Thursday.")
+        r = _ask(
+            gw, "How can I reset my password?", model="shadowed", headers={"x-request-id": "sf-1"}
+        )
+        assert r.headers["x-switchyard-cache"] == "shadow-hit"
+        rec = httpx.get(gw.url + "/admin/requests/sf-1", headers=gw.admin).json()
+        shadow = next(d for d in rec["decisions"] if d["stage"] == "cache_shadow")
+        moved = shadow["evidence"]["partition_threshold"]
+        prompt = shadow["evidence"]["prompt_similarity"]
+        assert shadow["evidence"]["answer_similarity"] < 0.8
+        assert moved["change"] == "raised"
+        assert moved["threshold"] == pytest.approx(min(prompt + 0.01, 0.88), abs=1e-3)
+        # The next lookup in that partition uses the raised threshold, and says so.
+        _ask(
+            gw,
+            "How should I reset my password?",
+            model="shadowed",
+            headers={"x-request-id": "sf-2"},
+        )
+        rec = httpx.get(gw.url + "/admin/requests/sf-2", headers=gw.admin).json()
+        cache = next(d for d in rec["decisions"] if d["stage"] == "cache")
+        assert cache["evidence"]["threshold"] == pytest.approx(moved["threshold"], abs=1e-3)
+        assert cache["evidence"]["configured_threshold"] == 0.80
+        stats = httpx.get(gw.url + "/admin/cache/stats", headers=gw.admin).json()
+        assert stats["raised_partitions"] >= 1
+        assert "cross-encoder" in stats["semantic_checks"]
+    finally:
+        scripted.content(None)
+
+
 def test_risk_classes_exact_only_never_serves_a_semantic_hit_and_off_never_caches(
     gw: Gateway, scripted: Scripted
 ) -> None:

@@ -44,8 +44,8 @@ TINY = [
 TINY_SIMS = [0.95, 0.85, 0.60, 0.90, 0.82, 0.40]
 
 
-def stub_verifier(a: str, b: str) -> tuple[bool, str]:
-    return (False, "veto: stub") if "VETO" in b else (True, "ok")
+def stub_verifier(new: str, cached: str) -> tuple[bool, str]:
+    return (False, "veto: stub") if "VETO" in new else (True, "ok")
 
 
 def row(rows: list[dict[str, Any]], threshold: float, verifier: bool) -> dict[str, Any]:

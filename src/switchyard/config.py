@@ -320,16 +320,31 @@ class CacheRisk(_Strict):
     tags: dict[str, RiskPolicy] = {}
 
 
+class ShadowFeedback(_Strict):
+    """A partition's threshold moved by shadow comparisons (decide/shadow_threshold.py)."""
+
+    enabled: bool = True
+    disagree_below: float = Field(0.80, ge=-1, le=1)  # answer similarity of a false hit
+    step: float = Field(0.01, gt=0, le=0.2)
+    max_raise: float = Field(0.08, ge=0, le=1)
+    lower_after: int = Field(20, ge=1)
+
+
 class CacheConfig(_Strict):
     enabled: bool = False
     # enforce: serve hits; shadow: look up and record would-be hits, call the model anyway.
     mode: Literal["enforce", "shadow"] = "enforce"
     semantic: bool = True  # False: exact matches only
-    threshold: float = Field(0.90, ge=-1, le=1)  # cosine similarity
+    # Cosine similarity: a prefilter for the checks below, which decide (README).
+    threshold: float = Field(0.70, ge=-1, le=1)
     verify: bool = True  # a semantic candidate must pass the verifier too
-    # ...and the learned pair model (decide/pair_model.py), trained on the development
-    # set: the two together halve the false hits on the held-out test set (README).
-    verify_model: bool = True
+    # ...and the learned pair model (decide/pair_model.py): off by default, since on the
+    # validation set it costs the cross-encoder's hits without saving false ones (README).
+    verify_model: bool = False
+    # ...and the cross-encoder (decide/pair_encoder.py), built by `make install` from
+    # the development sets. If asked for and not built, semantic hits are off (exact
+    # hits only), never served on the weaker checks alone.
+    verify_encoder: bool = True
     ttl_s: float = Field(3600.0, gt=0)
     max_entries: int = Field(100_000, ge=1)
     max_bytes: int = Field(512 * 1024 * 1024, ge=1024)
@@ -340,6 +355,7 @@ class CacheConfig(_Strict):
     shadow_tenants: list[str] = []  # shadow mode for these tenants even when enforcing
     data_version: str | None = None  # bump to invalidate everything logically
     risk: CacheRisk = CacheRisk()
+    shadow_feedback: ShadowFeedback = ShadowFeedback()
     # With storage.redis_url: entries are stored once in Redis and every gateway
     # process's index learns new and invalidated ones (decide/shared_cache.py).
     shared: bool = True

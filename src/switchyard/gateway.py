@@ -17,7 +17,9 @@ from typing import Any
 from switchyard.config import Price, Settings, store_target
 from switchyard.decide.balance import Balancer
 from switchyard.decide.cache import ResponseCache
+from switchyard.decide.candidate import from_config as candidate_check
 from switchyard.decide.placement import Placer
+from switchyard.decide.shadow_threshold import PartitionThresholds
 from switchyard.decide.stages import (
     Cache,
     CachePlanner,
@@ -106,6 +108,12 @@ def build_pipelines(
     tasks = tasks or MemoryTaskStore(t.max_tasks, t.idle_ttl_s, t.max_tool_calls)
     running = running or Running()
     embed_estimate = embedding_estimate(Price(input=s.embeddings.price, output=0.0))
+    # The checks a semantic candidate must pass (decide/candidate.py), loaded once.
+    check = (
+        candidate_check(s.cache, s.embeddings) if cache is not None and s.cache.semantic else None
+    )
+    if cache is not None:
+        cache.checks = check.describe() if check is not None else "exact hits only"
     generation = Pipeline(
         [
             Authorize(named, {a.name: a for a in s.adapters}),
@@ -114,7 +122,7 @@ def build_pipelines(
             Admit(reserver, estimate),
             Pii(s, masker, cache is not None),
             Embed(s, embedder, cache, planner, router),
-            Cache(s, cache, planner),
+            Cache(s, cache, planner, check),
             Route(s, router, named),
             Tools(s, embedder),
             Select(deployments, balancers, tasks, placers, metrics.placed if metrics else None),
@@ -219,6 +227,8 @@ class Gateway:
             if c.enabled
             else None
         )
+        if self.cache is not None:  # moved by shadow comparisons (decide/shadow_threshold.py)
+            self.cache.thresholds = PartitionThresholds(c.shadow_feedback)
         if self.cache is not None and c.shared and settings.storage.redis_url:
             from switchyard.decide.shared_cache import SharedCache
 

@@ -101,6 +101,7 @@ class CacheState:
     store_keys: Any = None  # CacheKeys when the reply may be stored
     similarity: float | None = None  # of the entry that hit (or would have)
     shadow_entry: Any = None  # the would-be hit in shadow mode
+    shadow_semantic: bool = False  # ...found by similarity (not an exact match)
     collected: list[bytes] | None = None  # streamed data events kept for the store
 
     @property

@@ -584,15 +584,23 @@ class RequestService:
             cached = reply_text(orjson.loads(cs.shadow_entry.body))
             vecs, _ = await embedder.embed([cached, reply_text(masked)])
             agreement = float(vecs[0] @ vecs[1])
+            evidence: dict[str, Any] = {
+                "answer_similarity": round(agreement, 4),
+                "prompt_similarity": cs.similarity,
+            }
+            thresholds = self.cache.thresholds if self.cache is not None else None
+            if cs.shadow_semantic and thresholds is not None and cs.similarity is not None:
+                # Live evidence moves the partition's threshold (decide/shadow_threshold.py).
+                verdict, keys = cs.plan
+                evidence["partition_threshold"] = thresholds.observe(
+                    keys.partition, verdict.threshold, cs.similarity, agreement
+                )
             ctx.record(
                 "cache_shadow",
                 "compared",
                 f"cached vs fresh answer similarity {agreement:.3f}",
                 t,
-                {
-                    "answer_similarity": round(agreement, 4),
-                    "prompt_similarity": cs.similarity,
-                },
+                evidence,
             )
         if cs.store_keys is None or self.cache is None:
             return
@@ -603,10 +611,10 @@ class RequestService:
         entry = self.cache.store(
             cs.store_keys, orjson.dumps(masked), ctx.vector, self.settings.cache.ttl_s
         )
-        evidence: dict[str, Any] = {"partition": cs.store_keys.partition[:12]}
+        stored: dict[str, Any] = {"partition": cs.store_keys.partition[:12]}
         if self.cache.share is not None:  # every gateway process learns it
-            evidence["shared"] = await self.cache.share.put(entry, ctx.vector)
-        ctx.record("cache_store", "stored", "reply stored for later requests", t, evidence)
+            stored["shared"] = await self.cache.share.put(entry, ctx.vector)
+        ctx.record("cache_store", "stored", "reply stored for later requests", t, stored)
 
     # -- idempotency ------------------------------------------------------------------
     async def _claim_idempotency(self, ctx: RequestContext, key: str) -> JsonReply | None:

@@ -33,6 +33,7 @@ import numpy as np
 
 from switchyard.config import EmbeddingsConfig
 from switchyard.decide.cache import CacheKeys, ResponseCache, cache_keys
+from switchyard.decide.candidate import CandidateCheck
 from switchyard.embed import EmbeddingService
 
 QUERIES = [
@@ -107,11 +108,25 @@ async def lookup_latency(
 ) -> list[dict[str, Any]]:
     """One cache decision = embed the query (through the service, as the gateway does)
     + search its partition + verify the best candidate; each part timed, and the whole.
+    The verification is the shipped chain (decide/candidate.py: rules, pair model,
+    cross-encoder), each of its checks timed on every lookup.
     One caller at a time: `path` "inline" is what the default config does then,
     "worker" forces the hop to the batching worker thread."""
     # Imported here: keeps `switchyard --help` light.
-    from switchyard.decide.verify import _parse, verify
+    from switchyard.config import CacheConfig
+    from switchyard.decide.candidate import from_config
+    from switchyard.decide.verify import _parse
 
+    check = from_config(CacheConfig(), svc.cfg)
+    if check.unavailable is not None:
+        raise RuntimeError(check.unavailable)
+    # Every check runs on every lookup, whatever the one before said: the worst case,
+    # a candidate the cheaper checks let through to the cross-encoder.
+    stages = [
+        CandidateCheck(check.rules, None, None),
+        CandidateCheck(False, check.model, None),
+        CandidateCheck(False, None, check.encoder),
+    ]
     callers.worker_only = path == "worker"
     for j in range(5):  # warm-up: first calls allocate
         await svc.embed([QUERIES[j % len(QUERIES)]])
@@ -135,7 +150,8 @@ async def lookup_latency(
             found = cache.nearest(keys, vecs[0])
             t2 = time.perf_counter()
             if found.entry is not None:
-                verify(q, found.entry.keys.query)
+                for stage in stages:
+                    stage(q, found.entry.keys.query, found.similarity or 0.0)
             t3 = time.perf_counter()
             total.append((t3 - t0) * 1000)
             embed_ms.append((t1 - t0) * 1000)

@@ -194,6 +194,7 @@ class ScriptedUpstream:
         self.created = int(time.time())
         self._default_fault = parse_fault(fault) if fault else None
         self.tool_calls: list[dict[str, Any]] = []  # PUT /control/tool_calls
+        self.content: str | None = None  # PUT /control/content: every reply's text
         self.open_streams = 0
         self.aborted = 0  # streams the client closed before their end
         self._runtime_fault: Fault | None = None
@@ -221,6 +222,7 @@ class ScriptedUpstream:
                 Route("/stats", self._stats, methods=["GET", "DELETE"]),
                 Route("/control/fault", self._control, methods=["PUT"]),
                 Route("/control/tool_calls", self._control_tools, methods=["PUT"]),
+                Route("/control/content", self._control_content, methods=["PUT"]),
             ]
         )
 
@@ -388,6 +390,8 @@ class ScriptedUpstream:
         return [b"data: " + orjson.dumps(self._chunk("chat", [c])) + b"\n\n" for c in choices]
 
     def _content(self, n: int) -> str:
+        if self.content is not None:
+            return self.content
         if self.echo and self.last_prompt:
             return f"You said: {self.last_prompt}"
         return "".join(WORDS[i % len(WORDS)] for i in range(n))
@@ -483,6 +487,17 @@ class ScriptedUpstream:
         except (orjson.JSONDecodeError, ValueError) as exc:
             return _error(400, f"control: {exc}")
         return Response(orjson.dumps({"calls": self.tool_calls}), media_type="application/json")
+
+    async def _control_content(self, request: Request) -> Response:
+        """Answer every later request with this text: `{"content": "..."}`; null: as before."""
+        try:
+            content = orjson.loads(await request.body()).get("content")
+        except (orjson.JSONDecodeError, AttributeError) as exc:
+            return _error(400, f"control: {exc}")
+        if content is not None and not isinstance(content, str):
+            return _error(400, "control: content must be a string or null")
+        self.content = content
+        return Response(orjson.dumps({"content": content}), media_type="application/json")
 
     async def _control(self, request: Request) -> Response:
         """Set the fault for later requests: `{"fault": "status:503", "count": 2}`.

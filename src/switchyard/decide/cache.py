@@ -40,6 +40,7 @@ import numpy as np
 import orjson
 
 if TYPE_CHECKING:
+    from switchyard.decide.shadow_threshold import PartitionThresholds
     from switchyard.decide.shared_cache import SharedCache
 
 # Request fields that change the output; part of the partition (and the exact key).
@@ -272,6 +273,10 @@ class ResponseCache:
         self._partitions: dict[str, _Partition] = {}
         # Set by the gateway with storage.redis_url: entries shared by every process.
         self.share: SharedCache | None = None
+        # Set by the gateway: each partition's threshold as shadow evidence moved it,
+        # and what a semantic candidate must pass (decide/candidate.py), in words.
+        self.thresholds: PartitionThresholds | None = None
+        self.checks: str | None = None
 
     def __len__(self) -> int:
         return len(self._exact)
@@ -412,4 +417,6 @@ class ResponseCache:
             "max_entries": self.max_entries,
             "max_bytes": self.max_bytes,
             "shared": self.share.stats() if self.share is not None else {"redis": False},
+            "semantic_checks": self.checks,
+            "raised_partitions": self.thresholds.count() if self.thresholds is not None else 0,
         }

@@ -8,7 +8,9 @@ only when similarity >= threshold and the verifier agrees), and `best_threshold`
 the lowest threshold whose false-hit rate stays under a maximum: the lowest such
 threshold serves the most paraphrases for that risk.
 
-Pairs are JSON lines: {"a": str, "b": str, "same_answer": bool, "category": str?}.
+Pairs are JSON lines: {"a": str, "b": str, "same_answer": bool, "category": str?}: `a`
+the earlier (cached) request, `b` the new one. The checks are called as the gateway
+calls them: (new, cached), so `verifier(b, a)`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ METRICS = ("tp", "fp", "fn", "tn", "precision", "recall", "f1", "false_hit_rate"
 def load_pairs(path: str | Path) -> list[Pair]:
     """Read and check a JSONL file of labelled pairs; a bad line names its number."""
     return read_jsonl(path, {"a": str, "b": str, "same_answer": bool}, "pairs")
+
+
+def load_set(spec: str | Path) -> list[Pair]:
+    """One labelled set: a file, or files joined by '+' (read in order, as one set)."""
+    return [p for path in str(spec).split("+") for p in load_pairs(path)]
 
 
 def parse_thresholds(spec: str) -> list[float]:
@@ -106,7 +113,7 @@ def calibrate(
     labels = [bool(p["same_answer"]) for p in pairs]
     passes = (
         [
-            verifier(p["a"], p["b"])[0] and (model is None or model(p["a"], p["b"], s)[0])
+            verifier(p["b"], p["a"])[0] and (model is None or model(p["b"], p["a"], s)[0])
             for p, s in zip(pairs, similarities, strict=True)
         ]
         if verifier
@@ -206,8 +213,8 @@ def category_report(
         label = "hit" if pair["same_answer"] else "trap"
         value = pair.get(field) or ("paraphrase" if pair["same_answer"] else "trap")
         cat = f"{value}/{label}" if field != "category" else str(value)
-        ok = verifier(pair["a"], pair["b"])[0] and (
-            model is None or model(pair["a"], pair["b"], sim)[0]
+        ok = verifier(pair["b"], pair["a"])[0] and (
+            model is None or model(pair["b"], pair["a"], sim)[0]
         )
         total[cat] += 1
         vetoed[cat] += not ok
@@ -255,7 +262,7 @@ def run_calibration(
     parts: list[str] = []
     dev_choice: float | None = None
     for i, path in enumerate(paths):
-        pairs = load_pairs(path)
+        pairs = load_set(path)
         sims = similarities_for(pairs, embed)
         rows = calibrate(pairs, sims, thresholds, verifier, model)
         positives = sum(bool(p["same_answer"]) for p in pairs)

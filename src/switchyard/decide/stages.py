@@ -17,7 +17,7 @@ from switchyard.config import Settings
 from switchyard.decide.balance import Balancer, affinity_key, prompt_prefix
 from switchyard.decide.cache import CacheKeys, ResponseCache, cache_keys
 from switchyard.decide.cacheability import Cacheability, cacheability
-from switchyard.decide.pair_model import shipped
+from switchyard.decide.candidate import CandidateCheck
 from switchyard.decide.placement import (
     Change,
     Placement,
@@ -29,7 +29,6 @@ from switchyard.decide.placement import (
 from switchyard.decide.risk import RiskClassifier
 from switchyard.decide.select import select_deployment
 from switchyard.decide.tools import shortlist, tool_text
-from switchyard.decide.verify import verify
 from switchyard.embed import EmbeddingService
 from switchyard.engines.pool import BASE, EnginePool
 from switchyard.engines.pool import Residency as EngineResidency
@@ -195,12 +194,16 @@ class Cache(Stage):
     OFF = Verdict("skip", "cache not enabled")
 
     def __init__(
-        self, settings: Settings, cache: ResponseCache | None, planner: CachePlanner
+        self,
+        settings: Settings,
+        cache: ResponseCache | None,
+        planner: CachePlanner,
+        check: CandidateCheck | None,
     ) -> None:
         self._cfg = settings.cache
         self._cache = cache
         self._planner = planner
-        self._model = shipped() if settings.cache.verify_model and cache is not None else None
+        self._check = check  # decide/candidate.py: rules, pair model, cross-encoder
 
     def static(self, view: View) -> Verdict | None:
         return self.OFF if self._cache is None else None
@@ -224,11 +227,16 @@ class Cache(Stage):
             ctx.cache = CacheOutcome.BYPASS
             ctx.record("cache", "bypass", verdict.reason, t, {"partition": keys.partition[:12]})
             return
+        threshold = verdict.threshold
+        if cache.thresholds is not None:
+            threshold = cache.thresholds.threshold(keys.partition, threshold)
         evidence: dict[str, Any] = {
             "partition": keys.partition[:12],
-            "threshold": verdict.threshold,
+            "threshold": threshold,
             "mode": verdict.mode,
         }
+        if threshold != verdict.threshold:  # shadow evidence raised it
+            evidence["configured_threshold"] = verdict.threshold
         if verdict.risk is not None:
             evidence["risk"] = verdict.risk.source
             evidence["risk_policy"] = verdict.risk.policy
@@ -242,14 +250,13 @@ class Cache(Stage):
             if found.entry is not None and found.similarity is not None:
                 sim = found.similarity
                 evidence["best_similarity"] = round(sim, 4)
-                if sim >= verdict.threshold:
+                if sim >= threshold:
+                    check = self._check
                     ok, why = (
-                        verify(keys.query, found.entry.keys.query)
-                        if cfg.verify
+                        check(keys.query, found.entry.keys.query, sim)
+                        if check is not None
                         else (True, "verifier off")
                     )
-                    if ok and self._model is not None:
-                        ok, why = self._model.verify(keys.query, found.entry.keys.query, sim)
                     evidence["verifier"] = why
                     if ok:
                         entry, kind = found.entry, CacheOutcome.HIT_SEMANTIC
@@ -265,6 +272,7 @@ class Cache(Stage):
         state.similarity = sim
         if verdict.mode == "shadow":
             ctx.cache, state.shadow_entry = CacheOutcome.SHADOW_HIT, entry
+            state.shadow_semantic = kind == CacheOutcome.HIT_SEMANTIC
             ctx.record(
                 "cache",
                 f"shadow:{kind}",
