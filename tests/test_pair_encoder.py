@@ -144,3 +144,15 @@ def test_without_the_built_encoder_semantic_hits_are_off_not_weaker(tmp_path: Pa
     )
     assert plain.unavailable is None and plain.encoder is None
     assert plain("How do I reset my password?", "How can I reset my password?", 0.97)[0]
+
+
+def test_the_character_bound_keeps_what_the_model_would_see(chain: CandidateCheck) -> None:
+    """A huge message is cut before it is tokenised (a bound on its cost); what the
+    128 tokens would hold is kept, even behind a long run of whitespace."""
+    encoder = chain.encoder
+    assert encoder is not None
+    question = "How do I export my contacts to a CSV file?"
+    padded = " " * 3000 + question + " tail" * 400_000
+    assert encoder.probability("How do I export contacts?", padded) == encoder.probability(
+        "How do I export contacts?", question + " tail" * 200
+    )

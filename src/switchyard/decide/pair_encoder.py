@@ -57,6 +57,7 @@ SEED = 0
 MAX_FALSE_HIT_RATE = 0.0075  # on the validation set, with every check of the chain
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 ENCODER_THREADS = 1
+MAX_CHARS = 4 * 1024
 
 
 class EncoderMissing(RuntimeError):
@@ -151,7 +152,10 @@ class PairEncoder:
         self.probability("warm up", "the first run allocates")
 
     def probability(self, cached: str, new: str) -> float:
-        enc = self._tok.encode(cached, new)
+        # Both prompts share MAX_TOKENS: what lies past a few thousand characters of
+        # either never reaches the model, so it is not tokenised either (a bound on
+        # the work a huge message costs; ~4 characters a token).
+        enc = self._tok.encode(cached[:MAX_CHARS], new[:MAX_CHARS])
         feeds = {
             "input_ids": np.array([enc.ids], dtype=np.int64),
             "attention_mask": np.array([enc.attention_mask], dtype=np.int64),
