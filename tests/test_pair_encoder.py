@@ -156,3 +156,38 @@ def test_the_character_bound_keeps_what_the_model_would_see(chain: CandidateChec
     assert encoder.probability("How do I export contacts?", padded) == encoder.probability(
         "How do I export contacts?", question + " tail" * 200
     )
+
+
+def test_a_build_trains_exports_chooses_cuts_and_is_then_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole build on a tiny data set, one epoch: train, export, quantise, choose
+    a cut per chain on the validation file, write the manifest; a second build and a
+    recut reuse the model."""
+    d = tmp_path / "data"
+    d.mkdir()
+    same = [("How do I reset my password?", "how can i reset my password")] * 4
+    traps = [("How do I enable 2FA?", "How do I disable 2FA?")] * 4
+    rows = [{"a": a, "b": b, "same_answer": True} for a, b in same]
+    rows += [{"a": a, "b": b, "same_answer": False} for a, b in traps]
+    for name in pair_encoder.TRAINING_SETS:
+        (d / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    val = [
+        {"a": "What is a VPN?", "b": "Explain what a VPN is", "same_answer": True},
+        {"a": "How do I open a port?", "b": "How do I close a port?", "same_answer": False},
+    ]
+    (d / pair_encoder.VALIDATION_SET).write_text("".join(json.dumps(r) + "\n" for r in val))
+    monkeypatch.setattr(pair_encoder, "EPOCHS", 1)
+    out = tmp_path / "cache"
+    path, manifest, built = pair_encoder.build(out, 0.7, data_dir=d)
+    assert built and path.exists() and path.parent == out
+    assert manifest["train_pairs"] == 16 and manifest["validation_pairs"] == 2
+    assert set(manifest["cuts"]) == set(pair_encoder.CHAINS)
+    assert not list(out.glob("*.building")) and not list(out.glob("*fp32*"))
+    encoder = pair_encoder.load(out, "rules", d)
+    assert encoder.cut == manifest["cuts"]["rules"]["cut"]
+    assert 0.0 <= encoder.probability("a", "b") <= 1.0
+    again = pair_encoder.build(out, 0.7, data_dir=d)
+    assert again[2] is False and again[1]["key"] == manifest["key"]
+    recut = pair_encoder.build(out, 0.8, data_dir=d, recut=True)
+    assert recut[2] is False and recut[1]["threshold"] == 0.8

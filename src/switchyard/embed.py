@@ -569,26 +569,39 @@ def _export_fp32(path: str, dest: Path) -> None:
             hidden = self.m(
                 input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
             ).last_hidden_state
-            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-            mean = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+            mean = mean_pooled(hidden, attention_mask)
             return torch.nn.functional.normalize(mean, p=2.0, dim=1)
 
     # A padded example, so the traced graph is the general (masked) one.
     ids = torch.full((2, 8), 1000, dtype=torch.long)
     mask = torch.ones((2, 8), dtype=torch.long)
     mask[1, 5:] = 0
+    export_onnx(Pooled(model), (ids, mask, torch.zeros_like(ids)), dest, "embedding")
+
+
+def mean_pooled(hidden: Any, attention_mask: Any) -> Any:
+    """The mean of the real tokens' states (torch): the pooling of all-MiniLM-L6-v2."""
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+
+
+def export_onnx(module: Any, example: tuple[Any, ...], dest: Path, output: str) -> None:
+    """Trace a torch module taking INPUT_NAMES to ONNX (opset 17), batch and token
+    axes dynamic, its one output named `output`."""
+    import torch
+
     axes = {name: {0: "batch", 1: "tokens"} for name in INPUT_NAMES}
     # The tracer warns about Python-level branches in transformers' masking code that
-    # are constant for this model; the export is checked against torch in the tests.
+    # are constant for this model; the exports are checked against torch in the tests.
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            Pooled(model),
-            (ids, mask, torch.zeros_like(ids)),
+            module,
+            example,
             str(dest),
             input_names=list(INPUT_NAMES),
-            output_names=["embedding"],
-            dynamic_axes={**axes, "embedding": {0: "batch"}},
+            output_names=[output],
+            dynamic_axes={**axes, output: {0: "batch"}},
             opset_version=17,
             dynamo=False,
         )

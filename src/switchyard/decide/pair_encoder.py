@@ -55,7 +55,6 @@ BATCH = 16
 MAX_TOKENS = 128  # both prompts together; longer pairs are cut from the longer side
 SEED = 0
 MAX_FALSE_HIT_RATE = 0.0075  # on the validation set, with every check of the chain
-INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 ENCODER_THREADS = 1
 MAX_CHARS = 4 * 1024
 
@@ -341,6 +340,8 @@ def _train(model_path: str, pairs: Sequence[dict[str, Any]]) -> Any:
     import torch
     from transformers import AutoModel, AutoTokenizer
 
+    from switchyard.embed import mean_pooled
+
     random.seed(SEED)
     torch.manual_seed(SEED)
     tok = AutoTokenizer.from_pretrained(model_path)
@@ -356,9 +357,7 @@ def _train(model_path: str, pairs: Sequence[dict[str, Any]]) -> Any:
             hidden = self.bert(
                 input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
             ).last_hidden_state
-            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-            return self.head(pooled).squeeze(-1)
+            return self.head(mean_pooled(hidden, attention_mask)).squeeze(-1)
 
         def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any) -> Any:
             return torch.sigmoid(self.logits(input_ids, attention_mask, token_type_ids))
@@ -418,24 +417,12 @@ def _batches(examples: list[tuple[str, str, float]], rng: random.Random) -> list
 
 
 def _export(model: Any, dest: Path) -> None:
-    import warnings
-
     import torch
+
+    from switchyard.embed import export_onnx
 
     ids = torch.full((1, 12), 1000, dtype=torch.long)
     mask = torch.ones((1, 12), dtype=torch.long)
     types = torch.zeros_like(ids)
     types[0, 6:] = 1
-    axes = {name: {0: "batch", 1: "tokens"} for name in INPUTS}
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            model,
-            (ids, mask, types),
-            str(dest),
-            input_names=list(INPUTS),
-            output_names=["same_answer"],
-            dynamic_axes={**axes, "same_answer": {0: "batch"}},
-            opset_version=17,
-            dynamo=False,
-        )
+    export_onnx(model, (ids, mask, types), dest, "same_answer")
