@@ -321,7 +321,7 @@ def test_a_cold_adapter_is_loaded_in_place_of_the_least_recently_used_one(
     again = _ask(gw, key, "support-pirate")  # loaded now: promoted, nothing evicted
     d = _residency(gw, again)
     assert d["outcome"] == "promote" and "adapter_evicted" not in d["evidence"], d
-    metrics = httpx.get(gw.url + "/metrics").text
+    metrics = httpx.get(gw.url + "/metrics", headers=gw.admin).text
     assert (
         'switchyard_adapter_events_total{adapter="support-robot",event="load",model="smol"}'
         in metrics

@@ -164,7 +164,7 @@ def test_compact_decision_blocks_are_stored_as_the_full_trace(tmp_path: Path) ->
     assert len(seen) == 3
     conn = connect(str(tmp_path / "hotpath.db"))
     for ctx in seen:
-        # authorize..deployment_limits, then queue (the request's own), then residency
+        # window (the request's own), authorize..deployment_limits, then queue (the request's own), then residency
         # (a remote deployment's skip) and place
         assert [count for _, _, count in ctx.blocks] == [11, 2]
         sent = ledger_entry(ctx, "ok", 1, 1, 0.0, True)
@@ -190,8 +190,8 @@ def test_compact_decision_blocks_are_stored_as_the_full_trace(tmp_path: Path) ->
             for d in stored["decisions"]
         ]
         assert got == want
-        assert [d[0] for d in got][2:16] == [
-            "authorize", "tool_results", "task", "admit", "pii", "embed", "cache", "route",
+        assert [d[0] for d in got][2:17] == [
+            "window", "authorize", "tool_results", "task", "admit", "pii", "embed", "cache", "route",
             "tools", "select", "deployment_limits", "queue", "residency", "place",
         ]  # fmt: skip
     conn.close()

@@ -7,10 +7,10 @@ import asyncio
 from typing import Any
 
 import pytest
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
 from switchyard.api.body import read_body
-from switchyard.errors import PayloadTooLarge
+from switchyard.errors import ClientDisconnected, PayloadTooLarge
 
 
 def _request(*messages: dict[str, Any]) -> Request:
@@ -48,5 +48,5 @@ def test_the_limit_holds_however_the_body_arrives() -> None:
 
 def test_a_client_that_leaves_mid_body_is_a_disconnect() -> None:
     gone = _request(_part(b'{"a"', True), {"type": "http.disconnect"})
-    with pytest.raises(ClientDisconnect):
+    with pytest.raises(ClientDisconnected):
         asyncio.run(read_body(gone, 100))

@@ -67,7 +67,7 @@ def test_rpm_refuses_embeddings_and_every_call_is_recorded_and_traced(gw: Gatewa
         ("admit", "admitted"),
         ("embed", "ok"),
     ]
-    metrics = httpx.get(gw.url + "/metrics").text
+    metrics = httpx.get(gw.url + "/metrics", headers=gw.admin).text
     assert (
         f'switchyard_requests_total{{model="{EMBED}",status="ok",tenant="emb-rpm"}} 2.0' in metrics
     )

@@ -105,7 +105,8 @@ def test_a_cancelled_stream_frees_its_slot(batching: Gateway) -> None:
                 seen += 1
             if seen >= 3:
                 break  # closing the response closes the connection
-    engine = httpx.get(batching.url + "/readyz").json()["models"]["one-slot"]["upstream"]
+    ready = httpx.get(batching.url + "/readyz", headers=batching.admin)  # addresses: admin
+    engine = ready.json()["models"]["one-slot"]["upstream"]
     slots_url = engine.removesuffix("/v1") + "/slots"
     deadline = time.monotonic() + 20
     while True:
@@ -163,7 +164,7 @@ def test_the_third_model_evicts_the_least_recently_used_and_says_so() -> None:
         back = _ask(gw, "m-a")
         assert back["outcome"] == "cold-load"
         assert [e["alias"] for e in back["evidence"]["evicted"]] == ["m-b"]
-        metrics = httpx.get(gw.url + "/metrics").text
+        metrics = httpx.get(gw.url + "/metrics", headers=gw.admin).text
         assert 'switchyard_engine_evictions_total{model="m-a",reason="lru"} 1.0' in metrics
         assert 'switchyard_engine_loads_total{model="m-a"} 2.0' in metrics
     finally:

@@ -53,13 +53,15 @@ def test_openai_upstream_serves_its_alias(two_upstreams: Gateway, second_worker:
     raw = client.chat.completions.with_raw_response.create(
         model="remote-smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
     )
-    assert raw.headers["x-switchyard-upstream"] == f"http://127.0.0.1:{second_worker}/v1"
+    assert raw.headers["x-switchyard-upstream"] == "remote-smol"  # its name, not its URL
+    trace = two_upstreams.trace(raw.headers["x-request-id"])  # the URL is the operator's
+    assert trace["upstream"] == f"http://127.0.0.1:{second_worker}/v1"
     assert raw.headers["x-switchyard-revision"] == "remote-rev-7"
     assert raw.parse().choices[0].message.content is not None
     local = client.chat.completions.with_raw_response.create(
         model="local-smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
     )
-    assert str(second_worker) not in local.headers["x-switchyard-upstream"]
+    assert local.headers["x-switchyard-upstream"] == "local-smol"
     # Streaming goes through the same upstream path.
     chunks = list(
         client.chat.completions.create(
@@ -123,7 +125,10 @@ def test_readyz_503_until_ready_then_kill_and_recover() -> None:
             assert early.headers["retry-after"]
         _wait_ready(gw)
         # A worker that dies under a request: 502 engine_crashed, not retried there.
-        crashed_pid = httpx.get(gw.url + "/readyz").json()["models"]["smol"]["pid"]
+        # pid, upstream and errors are the admin's part of /readyz.
+        crashed_pid = httpx.get(gw.url + "/readyz", headers=gw.admin).json()["models"]["smol"][
+            "pid"
+        ]
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             long = pool.submit(
                 gw.post,
@@ -138,7 +143,7 @@ def test_readyz_503_until_ready_then_kill_and_recover() -> None:
         assert crashed.headers["x-switchyard-attempts"] == "1"
         assert "SIGSEGV" not in crashed.text  # the reason is for the log and the trace
         _wait_ready(gw)
-        info = httpx.get(gw.url + "/readyz").json()["models"]["smol"]
+        info = httpx.get(gw.url + "/readyz", headers=gw.admin).json()["models"]["smol"]
         assert "killed by SIGSEGV while serving" in info["last_error"]
         assert info["state"] == "ready" and info["restarts"] == 1
         pid = info["pid"]
@@ -154,7 +159,8 @@ def test_readyz_503_until_ready_then_kill_and_recover() -> None:
             timeout=30,
         )
         if r.status_code == 200:
-            assert r.headers["x-switchyard-upstream"] != f"llamacpp:{killed_at}", r.headers
+            served = gw.trace(r.headers["x-request-id"])["upstream"]  # the header has no URL
+            assert served != f"llamacpp:{killed_at}", served
         else:
             assert r.status_code in (502, 503), r.text
             assert r.json()["error"]["code"] in (
@@ -164,7 +170,7 @@ def test_readyz_503_until_ready_then_kill_and_recover() -> None:
                 "upstream_error",
             )
         _wait_ready(gw)
-        after = httpx.get(gw.url + "/readyz").json()["models"]["smol"]
+        after = httpx.get(gw.url + "/readyz", headers=gw.admin).json()["models"]["smol"]
         assert after["restarts"] >= 2 and after["pid"] != pid
         ok = gw.post(
             "/v1/chat/completions",
@@ -208,7 +214,8 @@ def test_local_model_answers_a_multi_token_chat_on_a_portable_build(
     assert body["usage"]["prompt_tokens"] > 20
     assert body["usage"]["completion_tokens"] == 24
     assert body["choices"][0]["message"]["content"].strip()
-    info = httpx.get(default_gateway.url + "/readyz").json()["models"]["smollm2-135m"]
+    ready = httpx.get(default_gateway.url + "/readyz", headers=default_gateway.admin)
+    info = ready.json()["models"]["smollm2-135m"]
     system = info["system_info"]
     assert "AVX2 = 1" in system and "FMA = 1" in system, system
     assert "AMX" not in system and "AVX512 = 1" not in system, system
@@ -236,7 +243,7 @@ def _broken_model_config(tmp: Path, scripted: Scripted, **model: Any) -> dict[st
 def _wait_failed(gw: Gateway, alias: str, timeout_s: float = 120) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        info = httpx.get(gw.url + "/readyz").json()["models"][alias]
+        info = httpx.get(gw.url + "/readyz", headers=gw.admin).json()["models"][alias]
         if info["state"] == "failed":
             return dict(info)
         time.sleep(0.1)

@@ -76,7 +76,7 @@ def _still_serves(gw: Gateway, key: str) -> None:
 
 
 def _no_rows_lost(gw: Gateway) -> None:
-    metrics = httpx.get(gw.url + "/metrics").text
+    metrics = httpx.get(gw.url + "/metrics", headers=gw.admin).text
     dropped = re.search(r"^switchyard_ledger_rows_dropped_total (\S+)$", metrics, re.M)
     assert dropped is not None and float(dropped.group(1)) == 0.0
 
@@ -381,7 +381,7 @@ def test_refusals_are_counted_under_their_model(gw: Gateway) -> None:
     tid, key = _key(gw, rpm=1)
     assert _chat(gw, key).status_code == 200
     assert _chat(gw, key).status_code == 429
-    metrics = httpx.get(gw.url + "/metrics").text
+    metrics = httpx.get(gw.url + "/metrics", headers=gw.admin).text
     refused = [
         line
         for line in metrics.splitlines()
@@ -496,13 +496,18 @@ def test_a_bad_approval_request_is_400(gw: Gateway, body: dict[str, Any]) -> Non
 
 
 def test_many_forged_tool_results_are_bounded(gw: Gateway) -> None:
+    """More results than the gateway checks is a 400: checking the first 256 and
+    forwarding the rest unchecked would be a way past the approval gate."""
     _, key = _key(gw)
     messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     messages += [{"role": "tool", "tool_call_id": f"c{i}", "content": "r"} for i in range(3000)]
     r = _chat(gw, key, {**CHEAP, "messages": messages}, **{"x-task-id": "forged"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "too_many_tool_results"
+    r = _chat(gw, key, {**CHEAP, "messages": messages[:258]}, **{"x-task-id": "forged"})
     assert r.status_code == 200, r.text
     d = next(
         d for d in gw.trace(r.headers["x-request-id"])["decisions"] if d["stage"] == "tool_results"
     )
-    assert d["evidence"]["results"] == 256  # at most 256 looked at per request
+    assert d["evidence"]["checked"] == 256  # every one of them looked at
     _still_serves(gw, key)

@@ -148,6 +148,6 @@ def test_the_ledger_has_one_row_per_authenticated_request(gw: Gateway) -> None:
     rows = gw.usage(tenant=gw.config["tenant"], limit=100_000)
     assert len(rows) == SENT["authenticated"] + 1
     assert len({row["request_id"] for row in rows}) == len(rows)
-    metrics = httpx.get(gw.url + "/metrics").text
+    metrics = httpx.get(gw.url + "/metrics", headers=gw.admin).text
     dropped = re.search(r"^switchyard_ledger_rows_dropped_total (\S+)$", metrics, re.M)
     assert dropped is not None and float(dropped.group(1)) == 0.0

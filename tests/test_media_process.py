@@ -211,7 +211,7 @@ def test_a_data_uri_image_reaches_the_upstream_resized_and_clean(
     assert media["outcome"] == "processed"
     assert media["evidence"]["images"][0]["size_out"] == [256, 512]
     assert "base64" not in json.dumps(trace.json())  # no image bytes in the trace
-    metrics = httpx.get(gw.url + "/metrics").text
+    metrics = httpx.get(gw.url + "/metrics", headers=gw.admin).text
     assert 'switchyard_media_stage_seconds_count{stage="decode"}' in metrics
     row = next(u for u in gw.usage() if u["request_id"] == r.headers["x-request-id"])
     assert (row["images"], row["image_pixels_in"], row["image_pixels_out"]) == (
@@ -235,7 +235,7 @@ def test_blocked_urls_and_non_vision_models_are_refused(vision: tuple[Gateway, P
     gw, _ = vision
     r = gw.post("/v1/chat/completions", json=_chat("eyes", "http://169.254.169.254/latest/"))
     assert r.status_code == 400 and r.json()["error"]["code"] == "media_fetch_refused"
-    metrics = httpx.get(gw.url + "/metrics").text
+    metrics = httpx.get(gw.url + "/metrics", headers=gw.admin).text
     assert 'switchyard_media_refusals_total{code="media_fetch_refused"}' in metrics
     r = gw.post("/v1/chat/completions", json=_chat("text", _data_uri(_jpeg_with_exif())))
     assert r.status_code == 400 and "supports_vision" in r.json()["error"]["message"]

@@ -111,6 +111,7 @@ def test_plain_request_trace(gw: Gateway) -> None:
     assert stages == [
         "authenticate",
         "validate",
+        "window",
         "authorize",
         "tool_results",
         "task",
@@ -261,7 +262,7 @@ def test_trace_cli_renders_request_and_task(gw: Gateway) -> None:
 
 
 def _metrics(gw: Gateway) -> dict[str, Any]:
-    text = httpx.get(gw.url + "/metrics").text
+    text = httpx.get(gw.url + "/metrics", headers=gw.admin).text
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
@@ -328,7 +329,7 @@ def test_metrics_parse_and_move(gw: Gateway) -> None:
     assert min(buckets) == 0.001 and max(buckets) == 60.0
     assert "switchyard_breaker_state" in after
     # Bounded labels: no request ids anywhere.
-    text = httpx.get(gw.url + "/metrics").text
+    text = httpx.get(gw.url + "/metrics", headers=gw.admin).text
     assert "obs-plain" not in text and "req_" not in text
 
 

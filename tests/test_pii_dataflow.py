@@ -1,6 +1,7 @@
 """The PII data-flow rule, end to end (README, "Security and data handling").
 
-Every PII type goes through every field that can carry user text (message content,
+Every PII type (and the credential forms of SECRET: `password=...`, a URL's
+`user:password@`) goes through every field that can carry user text (message content,
 content parts, names, tool-call arguments, `user`, a completion prompt and a list of
 prompts), on both endpoints, in `observe_only` and `mask_upstream`, with the cache, the
 idempotency store, traces and the OpenTelemetry file exporter on, and through an
@@ -33,6 +34,8 @@ VALUES = {
         "KR_RRN": "900101-1234567",
         "IP": "192.168.1.10",
         "SECRET": "sk-proj-Zq8vL2mN4xR7tY1uW3eK9pA6sD0fG5hJ",
+        "PASSWORD": "Hunter2Hunter2!",
+        "USERINFO": "svcledger7:s3cretPass",
     },
     "masked": {
         "EMAIL": "kim_minsu@naver.com",
@@ -43,12 +46,23 @@ VALUES = {
         "KR_RRN": "850315-2123456",
         "IP": "10.20.30.40",
         "SECRET": "sk-ant-Hq3wE5rT7yU9iO1pA2sD4fG6hJ8kL0zX",
+        "PASSWORD": "Tr0ub4dor&3x",
+        "USERINFO": "alicebackup3:m4skedPw9",
     },
 }
+# Credentials are secrets by where they stand: after a key, in a URL's userinfo.
+_CONTEXT = {"PASSWORD": "password={}", "USERINFO": "db https://{}@db.internal/app"}
+
+
+def _needles(kind: str, raw: str) -> list[str]:
+    """What must not be stored: a URL's user name and password each (the whole
+    `user:password` is the secret; masking only the password as an e-mail kept the user)."""
+    return raw.split(":") if kind == "USERINFO" else [raw]
 
 
 def _text(values: dict[str, str]) -> str:
-    return "Contact " + ", ".join(f"{k.lower()} {v}" for k, v in values.items()) + "."
+    phrases = (_CONTEXT.get(k, k.lower() + " {}").format(v) for k, v in values.items())
+    return "Contact " + ", ".join(phrases) + "."
 
 
 def _requests(model: str, values: dict[str, str]) -> list[tuple[str, dict[str, Any], str]]:
@@ -169,6 +183,8 @@ def test_no_raw_pii_at_rest_or_upstream_in_mask_mode(world: Any) -> None:
         )
         assert replay.headers.get("x-switchyard-idempotent-replay") == "true"
         assert VALUES[model]["EMAIL"] in replay.text
+        assert VALUES[model]["PASSWORD"] in replay.text  # the placeholders map back
+        assert VALUES[model]["USERINFO"] in replay.text
     # Everything the gateway wrote is on disk once it stops.
     gw.proc.stop()
     leaks = []
@@ -178,13 +194,17 @@ def test_no_raw_pii_at_rest_or_upstream_in_mask_mode(world: Any) -> None:
         data = f.read_bytes()
         for model, values in VALUES.items():
             for kind, raw in values.items():
-                if raw.encode() in data:
+                if any(n.encode() in data for n in _needles(kind, raw)):
                     leaks.append(f"{kind} ({model}) in {f.name}")
     assert not leaks, leaks
     # What the upstream received in mask_upstream: placeholders only.
     received = record.read_bytes()
     assert b"<EMAIL_1>" in received
-    upstream_leaks = [k for k, raw in VALUES["masked"].items() if raw.encode() in received]
+    upstream_leaks = [
+        k
+        for k, raw in VALUES["masked"].items()
+        if any(n.encode() in received for n in _needles(k, raw))
+    ]
     assert not upstream_leaks, upstream_leaks
     assert VALUES["observe"]["EMAIL"].encode() in received  # observe_only: raw, by design
     assert sent > 40

@@ -393,7 +393,7 @@ def test_a_static_stage_run_is_recorded_as_one_block(tmp_path: Any) -> None:
     pending = world.pipeline.decide(ctx)
     assert pending is not None
     asyncio.run(pending)  # type: ignore[arg-type]
-    assert [d[1] for d in ctx.decisions][:4] == ["allowed", "skip", "skip", "admitted"]
+    assert [d[1] for d in ctx.decisions][:5] == ["ok", "allowed", "skip", "skip", "admitted"]
     assert [n for _, _, n in ctx.blocks] == [3, 7, 1]
 
 

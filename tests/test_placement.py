@@ -336,7 +336,7 @@ def test_private_requests_never_reach_the_cloud(two: tuple[Scripted, Scripted]) 
         pii = _ask(gw, gw.key, "mail jane.doe@example.com the report")
         assert pii.status_code == 200, pii.text
         assert pii.headers["x-switchyard-placement"] == "local; reason=privacy"
-        assert pii.headers["x-switchyard-upstream"] == dev.url + "/v1"
+        assert pii.headers["x-switchyard-upstream"] == "assist/dev"
         d = _place(gw, pii)
         assert d["outcome"] == "local" and "PII found (EMAIL)" in d["reason"]
         rows = {
@@ -344,7 +344,7 @@ def test_private_requests_never_reach_the_cloud(two: tuple[Scripted, Scripted]) 
         }  # the trace is stored: so is the row
         assert rows[pii.headers["x-request-id"]]["placement"] == "local; reason=privacy"
         bound = _ask(gw, gw.key, "hi", **{"x-switchyard-data-boundary": "device"})
-        assert bound.headers["x-switchyard-upstream"] == dev.url + "/v1"
+        assert bound.headers["x-switchyard-upstream"] == "assist/dev"
         # The device fails: the private request fails too, and still nothing reached the cloud.
         dev.fault("status:500", count=1000)
         failed = _ask(gw, gw.key, "mail jane.doe@example.com the report")
@@ -359,7 +359,6 @@ def test_private_requests_never_reach_the_cloud(two: tuple[Scripted, Scripted]) 
 
 
 def test_reported_device_state_and_network_move_work(two: tuple[Scripted, Scripted]) -> None:
-    dev, cloud = two
     gw = _gateway(two, degraded_max_tokens=2)
     try:
         tenant = "t-dev"
@@ -371,7 +370,7 @@ def test_reported_device_state_and_network_move_work(two: tuple[Scripted, Script
         assert _place(gw, r)["evidence"]["ignored_headers"] == ["device-state"]
         r = _ask(gw, reporter, **hot)
         assert r.headers["x-switchyard-placement"] == "remote; reason=thermal", r.headers
-        assert r.headers["x-switchyard-upstream"] == cloud.url + "/v1"
+        assert r.headers["x-switchyard-upstream"] == "assist/cloud"
         d = next(
             d
             for d in gw.trace(r.headers["x-request-id"])["decisions"]
@@ -386,9 +385,9 @@ def test_reported_device_state_and_network_move_work(two: tuple[Scripted, Script
         cool = {"x-switchyard-device-state": "temp_c=60, battery=80, charging=true"}
         _ask(gw, reporter, **cool)  # the thermal condition ends (dwell 0)
         r = _ask(gw, reporter, **cool, **{"x-switchyard-network": "rtt_ms=5000, uplink_kbps=10"})
-        assert r.headers["x-switchyard-upstream"] == dev.url + "/v1", _place(gw, r)
+        assert r.headers["x-switchyard-upstream"] == "assist/dev", _place(gw, r)
         assert _place(gw, r)["evidence"]["reason"] in ("network", "deadline")
-        metrics = httpx.get(gw.url + "/metrics").text
+        metrics = httpx.get(gw.url + "/metrics", headers=gw.admin).text
         assert (
             'switchyard_placements_total{mode="remote",model="assist",reason="thermal"}' in metrics
         )

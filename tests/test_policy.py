@@ -146,13 +146,17 @@ def test_rpm_limit_429_with_headers(gw: Gateway) -> None:
 
 def test_tpm_reservation_limits_concurrent_long_requests(gw: Gateway, scripted: Scripted) -> None:
     key = _tenant_key(gw, {"tpm": 1000})
-    body = {**CHEAP, "max_tokens": 400}  # reserves ~400 + prompt; the upstream answers 16
+    body = {**CHEAP, "max_tokens": 300}  # reserves 300 + prompt; the upstream answers 16
     scripted.fault("delay:1500", count=5)
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
         rs = list(pool.map(lambda _: _chat(gw, key, body), range(5)))
     codes = sorted(r.status_code for r in rs)
-    assert codes == [200, 200, 429, 429, 429], codes
+    # Two fit whole; a third fits with its cap shrunk to what the minute has left
+    # (policy/cost.py); then not even a minimal answer fits.
+    assert codes == [200, 200, 200, 429, 429], codes
     assert {r.json()["error"]["code"] for r in rs if r.status_code == 429} == {"rate_limit_tpm"}
+    shrunk = [r.headers.get("x-switchyard-max-tokens", "") for r in rs if r.status_code == 200]
+    assert sum(h.endswith("reason=tpm") for h in shrunk) == 1, shrunk
     # The finished requests were corrected to their real usage (~30 tokens each),
     # which releases the unused reservation: another long request fits at once.
     scripted.fault("delay:0", count=0)
@@ -198,9 +202,12 @@ def test_a_budget_holds_when_prompts_cost_more_than_their_text(
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         rs = list(pool.map(lambda _: _chat(gw, key, body), range(100)))
     scripted.fault("delay:0", count=0)
-    assert sum(r.status_code == 200 for r in rs) == 8
+    # Reservations lean high (policy/cost.py: the body's bytes at 3 a token, where
+    # this upstream bills 4): fewer than 8 may fit at once, never more.
+    ok = sum(r.status_code == 200 for r in rs)
+    assert 1 <= ok <= 8
     spent = sum(r["cost_usd"] for r in gw.usage(tenant=tid, limit=1000))
-    assert spent == pytest.approx(per_request * 8) and spent <= budget
+    assert spent == pytest.approx(per_request * ok) and spent <= budget
 
 
 def test_usage_row_fields(gw: Gateway) -> None:

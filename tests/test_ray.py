@@ -350,7 +350,7 @@ def test_requests_flow_through_gateway_replicas_to_the_engine(cluster: Cluster) 
     r = cluster.chat()
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"]
-    assert r.headers["x-switchyard-upstream"].endswith(f"/engines/{ALIAS}/v1")
+    assert r.headers["x-switchyard-upstream"] == ALIAS  # the deployment's name, no address
     # Streaming is relayed chunk by chunk through both hops.
     with httpx.stream(
         "POST",
@@ -370,6 +370,12 @@ def test_requests_flow_through_gateway_replicas_to_the_engine(cluster: Cluster) 
         timeout=30,
     ).json()["data"]
     assert len(usage) >= 2 and {u["status"] for u in usage} == {"ok"}
+    # /metrics on Serve's one port: the admin key reads it, nobody else does.
+    assert httpx.get(cluster.url + "/metrics", timeout=30).status_code == 401
+    scraped = httpx.get(
+        cluster.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30
+    )
+    assert scraped.status_code == 200 and "switchyard_requests_total" in scraped.text
 
 
 def test_adapters_are_served_by_the_engine_deployment_through_serve_multiplexing(

@@ -495,7 +495,7 @@ def test_activation_is_a_barrier_under_load_and_rejection_and_rollback_hold(
     # And forward again to the robot, so the restart test finds it active.
     r = admin(rl, "POST", "/admin/models/smol/revisions/robot-1/activate")
     assert r.status_code == 200 and r.json()["active"] == "robot-1", r.text
-    metrics = httpx.get(rl.url + "/metrics").text
+    metrics = httpx.get(rl.url + "/metrics", headers=rl.admin).text
     assert 'switchyard_revision_events_total{model="smol",state="rejected"} 1.0' in metrics
 
 

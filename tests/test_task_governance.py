@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -23,7 +24,8 @@ from conftest import Gateway, Scripted, start_gateway, start_scripted
 from switchyard.config import Price
 from switchyard.errors import InvalidRequest
 from switchyard.policy import headers
-from switchyard.policy.admit import cost_usd, estimate_prompt_tokens
+from switchyard.policy.admit import cost_usd
+from switchyard.policy.cost import PromptOverhead, plan
 from switchyard.policy.tasks import MemoryTaskStore, TaskBudget, TaskFirst, ToolCallNote
 
 # -- headers ------------------------------------------------------------------------------
@@ -261,13 +263,24 @@ def test_five_concurrent_steps_against_a_cost_budget_that_fits_three(
     gw: Gateway, upstream: Scripted
 ) -> None:
     body = _body()
-    estimate = cost_usd(Price(**PRICE), estimate_prompt_tokens(body), 100)
+    raw = orjson.dumps(body)
+    price = Price(**PRICE)
+    cost = plan(body, len(raw), "m", None, 512, 1024, PromptOverhead(64))
+    estimate = cost.usd(price)
+    # Room for three, and less than a minimal answer (16 tokens) beside them: a fourth
+    # cannot shrink its cap to fit (policy/cost.py), it is refused.
+    minimal = cost_usd(price, cost.prompt, 16)
+    budget = estimate * 3 + minimal / 2
     task = _task("cost")
     upstream.fault("delay:600", count=5)  # all five are in flight together
-    hdrs = {"x-task-id": task, "x-task-budget": f"cost_usd={estimate * 3.5:.9f}"}
+    hdrs = {
+        "x-task-id": task,
+        "x-task-budget": f"cost_usd={budget:.9f}",
+        "content-type": "application/json",
+    }
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
         replies = list(
-            pool.map(lambda _: gw.post("/v1/chat/completions", json=body, headers=hdrs), range(5))
+            pool.map(lambda _: gw.post("/v1/chat/completions", content=raw, headers=hdrs), range(5))
         )
     codes = sorted(r.status_code for r in replies)
     assert codes == [200, 200, 200, 429, 429], [r.text for r in replies]
@@ -283,7 +296,7 @@ def test_five_concurrent_steps_against_a_cost_budget_that_fits_three(
         time.sleep(0.1)
     assert sorted(r["status"] for r in rows) == ["error", "error", "ok", "ok", "ok"]
     assert sum(1 for r in rows if r["error_code"] == "task_budget_exceeded") == 2
-    assert sum(r["cost_usd"] for r in rows) <= estimate * 3.5
+    assert sum(r["cost_usd"] for r in rows) <= budget
     # The refusal is a decision with what the task had used and had left.
     rid = next(r.headers["x-request-id"] for r in replies if r.status_code == 429)
     d = _stage(_wait_trace(gw, rid), "task")

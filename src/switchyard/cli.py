@@ -244,7 +244,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    from switchyard.policy.cost import window_mismatches
+
     settings = load_settings(args.config)
+    for m in settings.models:
+        for warning in window_mismatches(m):
+            print(f"warning: {warning}")
     print(f"ok: {len(settings.models)} model(s): {', '.join(m.alias for m in settings.models)}")
     return 0
 

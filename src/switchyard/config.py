@@ -35,6 +35,9 @@ class ServerConfig(_Strict):
     # A request's headers must arrive within this of the connection's (or the
     # request's) first byte: 408 and the connection closes.
     header_timeout_s: float = Field(10.0, gt=0)
+    # A request's line and header block as sent (CRLFs included) may hold this many
+    # bytes; one more is answered 431 and the connection closes, keeping none of them.
+    max_header_bytes: int = Field(65_536, ge=1024)
     # Open client connections; one more is answered 503 and closed.
     max_connections: int = Field(2048, ge=1)
     # Nesting of the JSON body (objects and arrays); deeper is 400 before any work.
@@ -82,8 +85,17 @@ class TenantDefaults(_Strict):
 
 
 class PolicyConfig(_Strict):
-    # Tokens reserved for a request that does not set max_tokens (TPM and budget).
+    # The output cap of a request that sets no max_tokens: reserved (TPM, budgets) and
+    # sent upstream, bounded by what the model's context window leaves after the prompt.
     default_max_tokens: int = Field(512, ge=1)
+    # When a scope has less left than a request's cap, the sent cap shrinks to what
+    # fits; below this many tokens (or the client's own cap, if smaller) it is refused.
+    min_output_tokens: int = Field(16, ge=1)
+    # Prompt tokens reserved per image part (images are not counted by their bytes).
+    image_tokens: int = Field(1024, ge=0)
+    # Template tokens a model's prompts are assumed to carry before its first reply
+    # with usage (then learned: policy/cost.PromptOverhead).
+    prompt_overhead_tokens: int = Field(64, ge=0)
     # What a limiter does when Redis cannot be reached.
     on_limiter_failure: Literal["fail_closed", "fail_open"] = "fail_closed"
 
@@ -105,6 +117,17 @@ class OtelConfig(_Strict):
 
 class ObserveConfig(_Strict):
     metrics: bool = True
+    # /metrics names tenants and their spend, so it answers only the admin key
+    # (Authorization: Bearer <admin key>, as the admin API); true serves it to anyone
+    # who reaches the port (a scrape network the operator trusts).
+    metrics_public: bool = False
+    # The `tenant` label of switchyard_requests_total and switchyard_cost_usd_total:
+    # id (the tenant id), hashed (a keyed hash of it: stable, but no one without the key
+    # can tell which tenant it is or test a guessed id), off (no tenant label at all).
+    metrics_tenant_label: Literal["id", "hashed", "off"] = "id"
+    # The secret that keys `hashed` (read from this variable; the admin key when it is
+    # unset). Changing it renames every hashed tenant series.
+    metrics_tenant_key_env: str = "SWITCHYARD_METRICS_TENANT_KEY"
     traces: bool = True  # decision traces in SQLite (no prompt or reply bodies)
     traces_retention_days: float = Field(7.0, gt=0)
     traces_max_rows: int = Field(1_000_000, ge=1)

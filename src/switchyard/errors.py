@@ -116,6 +116,18 @@ class RequestTimeout(SwitchyardError):
         self.headers.setdefault("Connection", "close")
 
 
+class ClientDisconnected(SwitchyardError):
+    """The client closed its connection before its request body had all arrived (or
+    its body was so malformed that the HTTP layer closed it). Nobody is left to
+    answer: the request is recorded as cancelled, not as a gateway error, so a client
+    that hangs up cannot fill the error log or the error rate. 499 is nginx's
+    "client closed request"; no client ever reads it."""
+
+    status = 499
+    type = "invalid_request_error"
+    code = "client_disconnected"
+
+
 class RateLimited(SwitchyardError):
     status = 429
     type = "rate_limit_error"

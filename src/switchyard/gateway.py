@@ -38,7 +38,7 @@ from switchyard.execute.executor import Executor
 from switchyard.media.process import MediaProcessor
 from switchyard.media.stage import Media
 from switchyard.observe.cost import record_busy
-from switchyard.observe.metrics import Metrics
+from switchyard.observe.metrics import Metrics, tenant_key
 from switchyard.observe.otel import build_tracing
 from switchyard.observe.store import MemoryStore, SqliteStore, Store
 from switchyard.observe.traces import enforce_disk, enforce_retention
@@ -46,8 +46,8 @@ from switchyard.observe.weights import REFRESH_S as WEIGHTS_REFRESH_S
 from switchyard.observe.weights import read_weights, write_weights
 from switchyard.pipeline import Pipeline
 from switchyard.policy.admission import DeploymentGate
-from switchyard.policy.admit import PromptOverhead
 from switchyard.policy.auth import Authenticator
+from switchyard.policy.cost import PromptOverhead
 from switchyard.policy.keys import Limits, NotFound
 from switchyard.policy.limits import Limiter, MemoryLimiter
 from switchyard.policy.pii import PiiMasker
@@ -55,12 +55,14 @@ from switchyard.policy.stages import (
     Admit,
     Authorize,
     ConsumeApproval,
+    ConsumedApprovals,
     DeploymentLimits,
     Pii,
     Queue,
     Reserver,
     Task,
     ToolResults,
+    Window,
     generation_estimate,
 )
 from switchyard.policy.tasks import MemoryTaskStore, Running, TaskStore
@@ -95,14 +97,15 @@ def build_pipelines(
     placers: Mapping[str, Placer] | None = None,
     overhead: PromptOverhead | None = None,
     revisions: Mapping[str, Any] | None = None,
+    consumed_approvals: ConsumedApprovals | None = None,
 ) -> Pipelines:
     """The stages, in order (DESIGN.md: the request pipeline). Evidence that is the
     same for every request of a model is built once and shared (recorded evidence
     is never changed afterwards)."""
     models = {m.alias: m for m in s.served_models()}
     named = {m.alias: {"model": m.alias} for m in s.models}
-    overhead = overhead or PromptOverhead()
-    estimate = generation_estimate(models, s.policy.default_max_tokens, overhead)
+    overhead = overhead or PromptOverhead(s.policy.prompt_overhead_tokens)
+    estimate = generation_estimate(models)
     planner = CachePlanner(s, revisions)
     t = s.tasks
     tasks = tasks or MemoryTaskStore(t.max_tasks, t.idle_ttl_s, t.max_tool_calls)
@@ -116,8 +119,13 @@ def build_pipelines(
         cache.checks = check.describe() if check is not None else "exact hits only"
     generation = Pipeline(
         [
+            # First: it reads the body (the size of what is asked), so the static
+            # stages after it fold into one block.
+            Window(s, models, overhead),
             Authorize(named, {a.name: a for a in s.adapters}),
-            ToolResults(ToolPolicy(s.tools), tasks, consume_approval or _no_approvals),
+            ToolResults(
+                ToolPolicy(s.tools), tasks, consume_approval or _no_approvals, consumed_approvals
+            ),
             Task(s, tasks, running, estimate),
             Admit(reserver, estimate),
             Pii(s, masker, cache is not None),
@@ -192,7 +200,9 @@ class Gateway:
         else:
             self.limiter = MemoryLimiter()
         obs = settings.observe
-        self.metrics = Metrics() if obs.metrics else None
+        self.metrics = (
+            Metrics(obs.metrics_tenant_label, tenant_key(settings)) if obs.metrics else None
+        )
         if self.metrics is not None:
             self.registry.pool.on_event = self.metrics.engine_event
             self.registry.pool.on_memory = self.metrics.engine_memory_mb
@@ -236,7 +246,8 @@ class Gateway:
                 self.cache, settings.storage.redis_url, settings.storage.redis_timeout_s
             )
         self.pii = PiiMasker()
-        self.overhead = PromptOverhead()  # learned per model, for the reservations
+        # Learned per model, for the reservations (policy/cost.py).
+        self.overhead = PromptOverhead(settings.policy.prompt_overhead_tokens)
         self.executor.redact = self.pii.mask
         self.router: Any = None  # set once built (start), when routing is enabled
         self.gates = {
@@ -288,6 +299,7 @@ class Gateway:
                 self.placers,
                 self.overhead,
                 self.revisions,
+                consumed_approvals=self.store.consumed_approvals,
             ),
             self.executor,
             self.limiter,

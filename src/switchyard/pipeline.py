@@ -198,7 +198,8 @@ class RequestContext:
     status: Status = Status.PENDING
     error_code: str | None = None
     prompt_estimate: int = 0
-    max_tokens: int = 0
+    max_tokens: int = 0  # the output cap per sequence, as sent upstream
+    cost: Any = None  # policy/cost.Cost: the request's prompt, sequences and cap
     cache: CacheOutcome | None = None  # cache / replay outcome for the ledger
     idempotency_key: str | None = None  # set while this request owns the key
     otel_span: Any = None  # the request's OpenTelemetry span, when tracing is on

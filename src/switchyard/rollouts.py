@@ -29,7 +29,8 @@ from switchyard.engines import rollout
 from switchyard.engines.revisions import Lease, RevisionManager
 from switchyard.errors import InvalidRequest, ModelNotFound, PermissionDenied
 from switchyard.pipeline import RequestContext, Status
-from switchyard.policy.admit import estimate_prompt_tokens, principal_scopes
+from switchyard.policy.admit import principal_scopes
+from switchyard.policy.cost import prompt_tokens
 from switchyard.policy.stages import Reserver
 from switchyard.policy.validate import validate_chat
 
@@ -266,10 +267,14 @@ class RolloutService:
         ctx.alias = plan.alias
         ctx.model = model
         ctx.body = {"model": plan.alias}
+        # The rule chat and completions reserve by (policy/cost.py), per prompt.
+        images = self.settings.policy.image_tokens
         prompt = sum(
-            estimate_prompt_tokens(
-                {"prompt": p.text} if p.text is not None else {"messages": p.messages}
-            )
+            prompt_tokens(
+                {"prompt": p.text} if p.text is not None else {"messages": p.messages},
+                None,
+                images,
+            )[0]
             for p in plan.prompts
         )
         estimate = (prompt * plan.n, plan.max_tokens * plan.n * len(plan.prompts), model.price)

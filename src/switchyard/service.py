@@ -29,7 +29,13 @@ from switchyard.engines.pool import EnginePool
 from switchyard.engines.registry import Deployment
 from switchyard.engines.token_ids import attach as attach_token_ids
 from switchyard.engines.token_ids import refusal as token_ids_refusal
-from switchyard.errors import InvalidRequest, ModelNotFound, SwitchyardError, TaskCancelled
+from switchyard.errors import (
+    ClientDisconnected,
+    InvalidRequest,
+    ModelNotFound,
+    SwitchyardError,
+    TaskCancelled,
+)
 from switchyard.execute.executor import Executor
 from switchyard.execute.idempotency import IdempotencyStore, StoredReply, body_hash
 from switchyard.observe.ledger import Finished, UsageLedger
@@ -44,8 +50,9 @@ from switchyard.pipeline import (
     Timings,
 )
 from switchyard.policy import headers as request_headers
-from switchyard.policy.admit import PromptOverhead, cost_usd, estimate_prompt_tokens
+from switchyard.policy.admit import cost_usd
 from switchyard.policy.auth import ANONYMOUS, Authenticator
+from switchyard.policy.cost import PromptOverhead
 from switchyard.policy.keys import Principal
 from switchyard.policy.limits import Limiter, LimiterUnavailable
 from switchyard.policy.pii import PiiMasker, mask_body
@@ -145,9 +152,10 @@ def _map_call(call: Any, fn: Callable[[str], str]) -> Any:
 
 
 def _deployment_headers(dep: Deployment) -> list[tuple[bytes, bytes]]:
-    """`x-switchyard-model`, `-revision` and `-upstream` of a deployment, encoded once
-    per label (a managed engine's label changes when its worker restarts)."""
-    label = dep.label
+    """`x-switchyard-model`, `-revision` and `-upstream` of a deployment, encoded once.
+    `-upstream` is the deployment's configured name (Deployment.served_by), never its
+    URL: clients learn which deployment answered, not the operator's addresses."""
+    label = dep.served_by
     cached = dep.encoded_headers
     if cached is None or cached[0] != label:
         cached = dep.encoded_headers = (
@@ -188,6 +196,10 @@ def served_raw_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
             h.append((b"x-switchyard-route-score", b"%.4f" % ctx.route_score))
     if ctx.tools_blocked:
         h.append((b"x-switchyard-tools-blocked", b"%d" % ctx.tools_blocked))
+    cost = ctx.cost
+    if cost is not None and cost.reason is not None and ctx.run.attempts:
+        # The output cap the gateway sent, and why: the client's was absent or too big.
+        h.append((b"x-switchyard-max-tokens", b"%d; reason=%s" % (cost.cap, cost.reason.encode())))
     placed = ctx.placement
     if placed is not None:
         h.append((b"x-switchyard-placement", f"{placed.mode}; reason={placed.reason}".encode()))
@@ -260,9 +272,21 @@ def _raise_cancelled(ctx: RequestContext, exc: asyncio.CancelledError) -> NoRetu
 
 
 def mark_failed(ctx: RequestContext, exc: BaseException) -> None:
-    """Mark a request that ended by an exception: its code, or internal_error."""
+    """Mark a request that ended by an exception: its code, or internal_error. A
+    client that hung up mid-body is cancelled, not an error (logged at INFO, no
+    traceback): anyone with a key could otherwise fill the error log and rate."""
+    if isinstance(exc, ClientDisconnected):
+        ctx.status, ctx.error_code = Status.CANCELLED, exc.code
+        log.info("request %s (%s): %s", ctx.input.request_id, ctx.input.endpoint, exc.message)
+        return
     code = exc.code if isinstance(exc, SwitchyardError) else "internal_error"
     ctx.status, ctx.error_code = Status.ERROR, code
+
+
+def client_left(ctx: RequestContext) -> bool:
+    """Whether the request ended because its client went away (mid-body, mid-stream,
+    mid-rollout), not because its task was cancelled."""
+    return ctx.status == Status.CANCELLED and ctx.error_code != TaskCancelled.code
 
 
 def embedding_estimate(price: Price) -> Callable[[RequestContext], tuple[int, int, Price]]:
@@ -855,12 +879,11 @@ class RequestService:
         if usage:
             inp = int(usage.get("prompt_tokens") or 0)
             out = int(usage.get("completion_tokens") or 0)
-            if inp and ctx.alias is not None and ctx.input.endpoint != "embeddings":
-                self.overhead.observe(ctx.alias, ctx.body, inp)  # reservations lean high
+            if inp and ctx.alias is not None and ctx.cost is not None:
+                self.overhead.observe(ctx.alias, ctx.cost.base, inp)  # reservations lean high
         elif ctx.run.attempts and ctx.input.endpoint != "embeddings":
-            # Best effort for a broken stream, the same whether limits applied (and so
-            # estimated the prompt at admission) or not.
-            inp = ctx.prompt_estimate or estimate_prompt_tokens(ctx.body)
+            # Best effort for a broken stream: the prompt as it was estimated.
+            inp = ctx.cost.prompt if ctx.cost is not None else ctx.prompt_estimate
             out = ctx.run.chunks
         else:
             inp = out = 0
@@ -909,6 +932,8 @@ class RequestService:
         )
         if self.metrics is not None:
             self.metrics.observe(ctx, status, inp, out, cost)
+            if client_left(ctx):
+                self.metrics.client_disconnected(ctx.input.endpoint)
         if self.tracing is not None:
             self.tracing.finish(
                 ctx, status, inp, out, time.time_ns() - int((time.perf_counter() - end) * 1e9)

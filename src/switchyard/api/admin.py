@@ -87,24 +87,48 @@ def _text(q: Any, name: str) -> str | None:
     return None if value in (None, "") else str(value)[:256]
 
 
+def require_admin(request: Request, env: str, sessions: Sessions | None = None) -> None:
+    """Pass only a request with the admin key from `env` (Authorization: Bearer), or
+    the console's session (and, for a change, its CSRF token). The one check of the
+    admin API, /metrics and the details of /readyz, so they cannot drift apart."""
+    expected = os.environ.get(env)
+    if not expected:
+        raise PermissionDenied(
+            f"the admin API is disabled: set {env} to enable it", code="admin_disabled"
+        )
+    if (
+        sessions is not None
+        and "authorization" not in request.headers
+        and sessions.check(request)  # the console's session (and CSRF token)
+    ):
+        return
+    given = bearer(request.headers) or ""
+    if not secrets.compare_digest(given.encode(), expected.encode()):
+        raise AuthenticationError("invalid admin key", code="invalid_admin_key")
+
+
+def is_admin(request: Request, env: str, sessions: Sessions | None = None) -> bool:
+    """Whether `require_admin` would pass: for a route that shows everyone something
+    and the admin more (a GET: no CSRF token is involved)."""
+    try:
+        require_admin(request, env, sessions)
+    except (AuthenticationError, PermissionDenied):
+        return False
+    return True
+
+
 def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Route]:
     env = gw.settings.auth.admin_key_env
 
     def guard(request: Request) -> None:
-        expected = os.environ.get(env)
-        if not expected:
-            raise PermissionDenied(
-                f"the admin API is disabled: set {env} to enable it", code="admin_disabled"
-            )
-        if (
-            sessions is not None
-            and "authorization" not in request.headers
-            and sessions.check(request)  # the console's session (and CSRF token)
-        ):
-            return
-        given = bearer(request.headers) or ""
-        if not secrets.compare_digest(given.encode(), expected.encode()):
-            raise AuthenticationError("invalid admin key", code="invalid_admin_key")
+        require_admin(request, env, sessions)
+
+    def with_metrics_label(t: dict[str, Any]) -> dict[str, Any]:
+        """A tenant with its name in /metrics when that is a hashed label: the admin
+        finds its series there, and nobody else can."""
+        if gw.metrics is not None and gw.metrics.tenant_mode == "hashed":
+            t["metrics_label"] = gw.metrics.tenant_label(t["id"])
+        return t
 
     async def body_of(request: Request, allowed: tuple[str, ...]) -> dict[str, Any]:
         body = await read_json(request, 65536)
@@ -121,6 +145,7 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
             data = gw.keys.list_tenants()
             now = time.time()
             for t in data:  # what the budget period has used so far
+                with_metrics_label(t)
                 lim = t["effective_limits"]
                 if lim.get("budget_usd") is not None:
                     since = period_start(lim.get("budget_period") or "month", now)
@@ -136,7 +161,7 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
 
     async def tenant(request: Request) -> Response:
         guard(request)
-        return _json(gw.keys.get_tenant(request.path_params["tenant_id"]))
+        return _json(with_metrics_label(gw.keys.get_tenant(request.path_params["tenant_id"])))
 
     async def keys(request: Request) -> Response:
         guard(request)

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -17,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from switchyard.api.admin import build_admin_routes
+from switchyard.api.admin import build_admin_routes, is_admin, require_admin
 from switchyard.api.console import Sessions, build_console_routes
 from switchyard.api.openai import CTX_KEY, build_routes
 from switchyard.api.openapi import describe
@@ -48,6 +49,23 @@ def error_response(request: Request, exc: SwitchyardError) -> Response:
 
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+
+# What /readyz shows the admin only: where models run (upstream URLs, loopback ports),
+# their processes, and error text (file paths, exception messages, stderr lines).
+# Everyone else sees the states: kind, state, ready, restarts, breaker, revision, ...
+ADMIN_ONLY_READINESS = frozenset(
+    {"upstream", "pid", "stderr_tail", "system_info", "last_error", "reason", "error", "model_file"}
+)
+
+
+def public_readiness(value: Any) -> Any:
+    """`value` (the readiness report, or a part of it) without ADMIN_ONLY_READINESS
+    fields at any depth: deployments and adapters nest the same descriptions."""
+    if isinstance(value, dict):
+        return {k: public_readiness(v) for k, v in value.items() if k not in ADMIN_ONLY_READINESS}
+    if isinstance(value, list):
+        return [public_readiness(v) for v in value]
+    return value
 
 
 class GatewayApp(FastAPI):
@@ -141,10 +159,15 @@ def create_app(settings: Settings, on_ready: Callable[[Gateway], None] | None = 
         """Liveness: the gateway process answers. Says nothing about models."""
         return Response(b'{"status":"ok"}', media_type="application/json")
 
+    admin_env = settings.auth.admin_key_env
+
     @app.get("/readyz")
-    async def readyz() -> Response:
-        """Readiness: every model needed at start can serve."""
+    async def readyz(request: Request) -> Response:
+        """Readiness: every model needed at start can serve. Its states are for anyone
+        (load balancers, probes); where things run and why they failed, for the admin."""
         ready, models = gw.readiness()
+        if not is_admin(request, admin_env, sessions):
+            models = public_readiness(models)
         body = {"status": "ready" if ready else "not_ready", "models": models}
         headers = {} if ready else {"Retry-After": "2"}
         return Response(
@@ -155,7 +178,12 @@ def create_app(settings: Settings, on_ready: Callable[[Gateway], None] | None = 
         )
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        """Prometheus text. It names every tenant (or its hash) and what it spent, so
+        only the admin key reads it, unless observe.metrics_public (Prometheus sends
+        the key with `authorization: {credentials: ...}` in its scrape config)."""
+        if not settings.observe.metrics_public:
+            require_admin(request, admin_env, sessions)
         if gw.metrics is None:
             raise RouteNotFound("metrics are disabled (observe.metrics: false)")
         now = time.monotonic()

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import orjson
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
-from switchyard.errors import InvalidRequest, PayloadTooLarge, RequestTimeout
+from switchyard.errors import (
+    ClientDisconnected,
+    InvalidRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    SwitchyardError,
+)
+
+# Set in the ASGI scope by the HTTP protocol (server.py) when a request's body
+# framing broke while the app read it; the app then sees only `http.disconnect`.
+BAD_FRAMING = "switchyard.bad_framing"
 
 
 def header_map(request: Request) -> dict[str, str]:
@@ -37,7 +48,10 @@ async def read_body(
     """The raw body; 413 past `max_bytes`, checked before reading when the length is
     declared (`declared` is the Content-Length header when the caller has it), else
     counted as it arrives and stopped at the limit; 408 `request_timeout` when it has
-    not all arrived within `timeout_s` (a stalled client must not hold its slot).
+    not all arrived within `timeout_s` (a stalled client must not hold its slot);
+    `ClientDisconnected` when the client hangs up first (uvicorn also reports a body
+    whose chunked framing breaks as a hang-up, after answering it 400 itself): a
+    client's doing, which the caller records as cancelled, never as its own error.
 
     Read straight from the ASGI channel: a body that arrives in one message (nearly
     every request) is taken as it is, with none of the async generator and joins of
@@ -71,8 +85,8 @@ async def read_body(
     try:
         while True:
             message = await receive()
-            if message["type"] != "http.request":  # http.disconnect: the client left
-                raise ClientDisconnect()
+            if message["type"] != "http.request":  # http.disconnect
+                raise _ended(request, total, declared)
             chunk = message.get("body", b"")
             total += len(chunk)
             if total > max_bytes:
@@ -92,6 +106,18 @@ async def read_body(
     finally:
         if watch is not None and task is not None and watch.reading.pop(task, None) is None:
             watch.expired.discard(task)
+
+
+def _ended(request: Request, received: int, declared: str | None) -> SwitchyardError:
+    """What a body that stopped arriving was: a framing error the HTTP layer already
+    answered 400 (server.py marks the scope), else a client that hung up."""
+    if request.scope.get(BAD_FRAMING):
+        return InvalidRequest(
+            "the request body's chunked framing is not valid HTTP/1.1", code="invalid_http"
+        )
+    return ClientDisconnected(
+        f"the client left after {received} of {declared or 'unknown'} body bytes"
+    )
 
 
 class BodyWatch:
@@ -142,9 +168,12 @@ def too_deep(obj: Any, limit: int) -> bool:
 
 
 def parse_json(raw: bytes, max_depth: int = 64) -> Any:
-    """The parsed body; 400 if it is empty, not JSON, or nested deeper than
-    `max_depth` (orjson cannot write back what nests past ~250 levels: such a body
-    would fail later, in the upstream call or the ledger)."""
+    """The parsed body; 400 if it is empty, not JSON, nested deeper than `max_depth`
+    (orjson cannot write back what nests past ~250 levels: such a body would fail
+    later, in the upstream call or the ledger), or if any object in it repeats a key
+    (`duplicate_key`: orjson keeps the last of them, so policy would check one value
+    while an upstream that keeps the first, reading the client's bytes as sent,
+    serves another)."""
     if not raw:
         raise InvalidRequest("the request body is empty; send a JSON object")
     try:
@@ -159,4 +188,101 @@ def parse_json(raw: bytes, max_depth: int = 64) -> Any:
         and too_deep(body, max_depth)
     ):
         raise InvalidRequest(f"the request body is nested deeper than {max_depth} levels")
+    key = repeated_key(raw, body)
+    if key is not None:
+        raise _duplicate_key(key)
     return body
+
+
+# `\u003a` in a JSON string is a colon once decoded (hex digits in either case).
+_ESCAPED_COLONS = (b"\\u003a", b"\\u003A")
+
+
+def repeated_key(raw: bytes, body: Any) -> str | None:
+    """A key that some object of the JSON text `raw` repeats, or None; `body` is
+    orjson's parse of `raw`. Nearly every body is proven free of repeats by
+    `colons_accounted` (a few byte counts, no Python walk); only one it cannot prove
+    so is parsed again by the exact check."""
+    if colons_accounted(raw, body):
+        return None
+    return first_repeated_key(raw)
+
+
+def colons_accounted(raw: bytes, body: Any) -> bool:
+    r"""Whether the colons of `raw` prove that no object in it repeats a key.
+
+    In a JSON text, a `:` byte outside strings separates a member's key from its
+    value; inside a string it is that string's own colon, and a string's colon is
+    either that byte or the escape `\u003a` (hex in either case). orjson writes
+    `body` back with one `:` per member it kept and every colon of the strings it
+    kept as a plain byte, so without repeats
+
+        raw.count(b":") + escaped colons == orjson.dumps(body).count(b":")
+
+    holds exactly. A repeated key makes orjson drop a member (it keeps the last
+    value; the earlier one goes, with every member and colon inside it), so the
+    right side falls short by at least one and equality cannot hold. Counting `\u003a` bytes can only
+    overcount escaped colons (a `\\u003a` is an escaped backslash, then text):
+    that makes equality fail too, never hold falsely, and leaves the body to the
+    exact check. tests/test_duplicate_keys.py checks both directions on generated
+    texts."""
+    escaped = 0
+    if b"\\u003" in raw:  # one scan; nearly every body has no such escape
+        escaped = raw.count(_ESCAPED_COLONS[0]) + raw.count(_ESCAPED_COLONS[1])
+    try:
+        written = orjson.dumps(body)
+    except orjson.JSONEncodeError:  # nests past orjson's writer: not provable here
+        return False
+    return raw.count(b":") + escaped == written.count(b":")
+
+
+class _RepeatedKey(Exception):
+    """Stops the exact check's parse at the first repeated key (never leaves this
+    module: `first_repeated_key` turns it into its answer)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_members(pairs: list[tuple[str, Any]]) -> None:
+    """The stdlib parser's hook for each object it closes: raises on a repeat. The
+    parsed value is not kept, so nothing is built."""
+    if len(pairs) > 1 and len({key for key, _ in pairs}) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _RepeatedKey(key)
+            seen.add(key)
+
+
+def first_repeated_key(raw: bytes) -> str | None:
+    """The exact check: the first key found repeated in one object of `raw` (objects
+    are checked as they close, inner ones first), or None. `raw` is JSON orjson
+    accepted, so the stdlib parser (which accepts more) reads it too; should it not,
+    the body is refused as not JSON rather than passed unchecked."""
+    try:
+        json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_members)
+    except _RepeatedKey as repeat:
+        return repeat.key
+    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError
+        raise InvalidRequest("the request body is not valid JSON") from None
+    return None
+
+
+# How much of a repeated key the refusal quotes: enough to name any real parameter,
+# bounded whatever the client sent.
+_KEY_SHOWN = 64
+
+
+def _duplicate_key(key: str) -> InvalidRequest:
+    """The 400 for a repeated key: names it (its first `_KEY_SHOWN` characters,
+    JSON-escaped to ASCII, so no control or odd character reaches a log or a
+    terminal) and nothing else the client sent."""
+    shown = json.dumps(key[:_KEY_SHOWN])[1:-1]
+    more = "..." if len(key) > _KEY_SHOWN else ""
+    return InvalidRequest(
+        f'the request body repeats the key "{shown}"{more} in one object; send each key once',
+        param=shown,
+        code="duplicate_key",
+    )

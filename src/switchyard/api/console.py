@@ -13,14 +13,28 @@ CSRF. A state-changing admin call made with the cookie must carry `X-CSRF-Token`
 second HMAC of the same session that the page shell embeds; a cross-site page can
 neither read it nor (SameSite=Strict) send the cookie. A call with an Origin header
 from another origin is refused too.
+
+Login throttling. At most LOGIN_FAILURES wrong keys per client address in any
+LOGIN_WINDOW_S; past that the address gets 429 with Retry-After (the seconds until its
+oldest counted failure leaves the window) and its attempts are not checked at all, so a
+guesser learns nothing, not even from a right guess. The address is the socket's peer:
+forwarded headers (X-Forwarded-For, Forwarded) are not trusted, since any client can
+write them; behind a reverse proxy every client therefore shares the proxy's address
+and the limit applies to the proxy as a whole. Other addresses, the operator's among
+them, log in as usual meanwhile; the throttled address itself waits at most one window.
+Each process counts its own (with N workers, N times the limit); every failure is
+logged at WARNING with the address, never the key.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
 import hashlib
 import hmac
 import html
+import logging
+import math
 import os
 import secrets
 import time
@@ -34,9 +48,14 @@ from starlette.routing import Route
 from switchyard.api.body import read_body
 from switchyard.errors import PermissionDenied, RouteNotFound
 
+log = logging.getLogger("switchyard.console")
+
 COOKIE = "sy_console"
 CSRF_HEADER = "x-csrf-token"
 SESSION_S = 8 * 3600
+LOGIN_FAILURES = 10  # wrong admin keys per client address ...
+LOGIN_WINDOW_S = 60.0  # ... in any window this long
+_MAX_LOGIN_ADDRESSES = 10_000  # addresses with failures in the window, kept at most
 _MAX_COOKIE = 256
 _SAFE = ("GET", "HEAD", "OPTIONS")
 PAGES = {
@@ -139,6 +158,69 @@ class Sessions:
         return True
 
 
+class LoginThrottle:
+    """Failed console logins per client address over a sliding window (module doc).
+
+    Memory is bounded: each address keeps at most `limit` failure times, and at most
+    `max_addresses` addresses are kept (expired ones dropped first, then the least
+    recently failing), so a flood from many addresses costs a bounded table."""
+
+    def __init__(
+        self,
+        limit: int = LOGIN_FAILURES,
+        window_s: float = LOGIN_WINDOW_S,
+        max_addresses: int = _MAX_LOGIN_ADDRESSES,
+    ) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self.max_addresses = max_addresses
+        # address -> monotonic times of its failures within the window, oldest first;
+        # insertion order = least recently failing first (moved to the end on failure).
+        self._failures: dict[str, collections.deque[float]] = {}
+
+    def retry_after(self, address: str, now: float) -> int | None:
+        """Whole seconds until `address` may try again, or None if it may now."""
+        times = self._failures.get(address)
+        if times is None:
+            return None
+        while times and times[0] <= now - self.window_s:
+            times.popleft()
+        if not times:
+            del self._failures[address]
+            return None
+        if len(times) < self.limit:
+            return None
+        return max(1, math.ceil(times[0] + self.window_s - now))
+
+    def failed(self, address: str, now: float) -> int:
+        """Count a wrong key from `address`; how many it has in the window now."""
+        times = self._failures.pop(address, None)
+        if times is None:
+            times = collections.deque(maxlen=self.limit)
+            if len(self._failures) >= self.max_addresses:
+                self._make_room(now)
+        times.append(now)
+        self._failures[address] = times  # now the most recently failing
+        return len(times)
+
+    def succeeded(self, address: str) -> None:
+        """The right key: the address starts afresh."""
+        self._failures.pop(address, None)
+
+    def _make_room(self, now: float) -> None:
+        cutoff = now - self.window_s
+        for address in [a for a, t in self._failures.items() if not t or t[-1] <= cutoff]:
+            del self._failures[address]
+        while len(self._failures) >= self.max_addresses:
+            del self._failures[next(iter(self._failures))]
+
+
+def client_address(request: Request) -> str:
+    """The socket peer's address: what login throttling counts by (module doc)."""
+    client = request.client
+    return client.host if client is not None else "unknown"
+
+
 def _own_origin(request: Request) -> str:
     host = request.headers.get("host", "")[:256]
     return f"{request.url.scheme}://{host}"
@@ -208,7 +290,9 @@ async def _form_field(request: Request, name: str) -> str:
     return (form.get(name) or [""])[0]
 
 
-def build_console_routes(sessions: Sessions) -> list[Route]:
+def build_console_routes(sessions: Sessions, throttle: LoginThrottle | None = None) -> list[Route]:
+    logins = throttle if throttle is not None else LoginThrottle()
+
     async def login(request: Request) -> Response:
         if request.method == "GET":
             if sessions.csrf(request) is not None:
@@ -221,8 +305,26 @@ def build_console_routes(sessions: Sessions) -> list[Route]:
                 403,
             )
         given = await _form_field(request, "admin_key")
+        # From here to counting a failure nothing awaits, so concurrent attempts from
+        # one address cannot all pass the check before any of them is counted.
+        address = client_address(request)
+        wait_s = logins.retry_after(address, time.monotonic())
+        if wait_s is not None:  # the key is not checked: a right guess shows nothing
+            message = f"too many wrong admin keys from this address; try again in {wait_s} s"
+            return _html(_page("Log in", _login_form(message)), 429, {"Retry-After": str(wait_s)})
         if not secrets.compare_digest(given.encode(), expected.encode()):
+            count = logins.failed(address, time.monotonic())
+            log.warning(
+                "console login with a wrong admin key from %s (%d in the last %.0f s%s)",
+                address[:64],
+                count,
+                logins.window_s,
+                "; further attempts refused until the window frees"
+                if count >= logins.limit
+                else "",
+            )
             return _html(_page("Log in", _login_form("wrong admin key")), 401)
+        logins.succeeded(address)
         secure = "; Secure" if request.url.scheme == "https" else ""
         cookie = (
             f"{COOKIE}={sessions.issue()}; Path=/; Max-Age={SESSION_S}; HttpOnly; "

@@ -171,7 +171,6 @@ def run(args: argparse.Namespace) -> int:
             if http("PUT", base + "/control/fault", fault)[0] != 200:
                 raise RuntimeError(f"upstream {i} refused its delay fault")
             urls.append(base + "/v1")
-        slow = urls[0]
         engines = _start_llama_servers(work, children) if args.prefix_rounds else []
         port = free_port()
         cfg: dict[str, Any] = {
@@ -221,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
             for s in order[rnd % 3 :] + order[: rnd % 3]:
                 ls, ups = asyncio.run(_load(url, f"via-{s}", args.requests, args.concurrency))
                 lat[s] += ls
-                to_slow[s][0] += sum(1 for u in ups if u == slow)
+                # x-switchyard-upstream names the deployment: d0 is the slow upstream.
+                to_slow[s][0] += sum(1 for u in ups if u == f"via-{s}/d0")
                 to_slow[s][1] += len(ups)
             print(f"  round {rnd + 1}/{args.rounds} done", flush=True)
         ttft: dict[str, list[float]] = {"on": [], "off": []}

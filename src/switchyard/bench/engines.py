@@ -309,7 +309,8 @@ def run(args: argparse.Namespace) -> int:
         wait_ready(gw, ready, 900)
         import httpx
 
-        upstream = httpx.get(base + "/readyz").json()["models"]["bench-smol"]["upstream"]
+        ready_info = httpx.get(base + "/readyz", headers=admin).json()  # addresses: admin's
+        upstream = ready_info["models"]["bench-smol"]["upstream"]
         direct = upstream.removesuffix("/v1")
         print(f"gateway {base}, engine {direct}; {args.rounds} rounds", flush=True)
         result = asyncio.run(_measure(args, base, direct, admin))

@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import re
+import secrets
 import signal
 import socket
 import sqlite3
@@ -39,6 +40,10 @@ CHAT_PATH = "/v1/chat/completions"
 UNIT_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60_000.0, "h": 3_600_000.0}
 # Auth on, and no first-run dev key: a keyed bench gateway serves only the key it was given.
 AUTH_ON = {"mode": "keys", "bootstrap_dev_key": False}
+ADMIN_ENV = "SWITCHYARD_ADMIN_KEY"
+# The admin key of the gateways a bench starts (unless the environment has one): their
+# /metrics answers it only.
+BENCH_ADMIN_KEY = "bench-admin-" + secrets.token_hex(8)
 
 LimitValue = int | float | str
 
@@ -182,11 +187,19 @@ def free_port() -> int:
 
 
 def child_env() -> dict[str, str]:
-    """The children import switchyard from the same place we did, installed or not."""
+    """The children import switchyard from the same place we did, installed or not, and
+    share one admin key (`admin_headers`)."""
     env = dict(os.environ)
+    env.setdefault(ADMIN_ENV, BENCH_ADMIN_KEY)
     src = str(Path(switchyard.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     return env
+
+
+def admin_headers() -> dict[str, str]:
+    """Authorization with the bench gateways' admin key (see `child_env`): what /metrics
+    and the admin API answer."""
+    return {"Authorization": f"Bearer {os.environ.get(ADMIN_ENV) or BENCH_ADMIN_KEY}"}
 
 
 def gateway_env() -> dict[str, str]:

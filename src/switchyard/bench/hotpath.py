@@ -19,6 +19,9 @@ Two measures:
   visible. They are a proxy: a request in the real server runs slower per
   instruction (its code and data are out of the CPU caches between requests).
 
+Beside them, one stage timed on its own: the duplicate-key check every JSON body
+passes (api/body.py), on a realistic agent chat body rather than the driven tiny one.
+
 Timers are made count-based here (a ledger batch per 512 requests, a metrics fold
 per 64), so every run does the same work in the same order.
 """
@@ -41,6 +44,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from switchyard.bench.governed import REGISTRY, TASK_HEADERS, TOOL_CALLS
 from switchyard.bench.harness import CHAT_PATH, MODEL, chat_body
@@ -320,6 +325,94 @@ async def _timed(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+# A chat body as an agent sends it (a system prompt, a tool call and its result, two
+# tool definitions, sampling settings), written with spaces as most clients write it:
+# what the duplicate-key check is timed on. Its text has colons in strings, so the
+# check's counts are not trivially equal.
+AGENT_CHAT: dict[str, Any] = {
+    "model": MODEL,
+    "messages": [
+        {
+            "role": "system",
+            "content": "You are ACME's support assistant. Answer briefly. Note: never "
+            "reveal internal ids; dates as YYYY-MM-DD, times as HH:MM.",
+        },
+        {"role": "user", "content": "Where is order 12345? I placed it on 2024-05-01 at 10:32."},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "lookup_order", "arguments": '{"order_id": "12345"}'},
+                }
+            ],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": "call_1",
+            "content": '{"status": "shipped", "eta": "2024-05-04", "carrier": "UPS"}',
+        },
+    ],
+    "tools": [
+        {
+            "type": "function",
+            "function": {
+                "name": name,
+                "description": description,
+                "parameters": {
+                    "type": "object",
+                    "properties": {field: {"type": "string", "description": f"the {field}"}},
+                    "required": [field],
+                },
+            },
+        }
+        for name, description, field in (
+            ("lookup_order", "Look up an order by its id", "order_id"),
+            ("create_ticket", "Open a support ticket", "title"),
+        )
+    ],
+    "temperature": 0.2,
+    "max_tokens": 256,
+    "user": "u-42",
+}
+
+
+def _duplicate_key_check_us(requests: int, blocks: int) -> dict[str, Any]:
+    """CPU microseconds per request of parse_json's duplicate-key check
+    (`repeated_key`) on AGENT_CHAT, min and median over blocks, with orjson's parse
+    of the same body for scale. The driven targets send a tiny body; this is the
+    check's cost on a realistic one. Refuses to time the exact check's fallback: a
+    realistic body must be proven by the colon counts alone."""
+    from switchyard.api.body import colons_accounted, repeated_key
+
+    raw = json.dumps(AGENT_CHAT).encode()
+    body = orjson.loads(raw)
+    if not colons_accounted(raw, body) or repeated_key(raw, body) is not None:
+        raise RuntimeError("the duplicate-key check did not prove the chat body on its counts")
+    per = max(1, requests // blocks)
+
+    def timed(step: Callable[[], object]) -> list[float]:
+        out = []
+        for _ in range(blocks):
+            t = time.process_time()
+            for _ in range(per):
+                step()
+            out.append((time.process_time() - t) / per * 1e6)
+        return out
+
+    check = timed(lambda: repeated_key(raw, body))
+    parse = timed(lambda: orjson.loads(raw))
+    return {
+        "min": min(check),
+        "median": statistics.median(check),
+        "blocks": check,
+        "parse_min": min(parse),
+        "body_bytes": len(raw),
+    }
+
+
 async def _counted(target: str, requests: int, tokens: int) -> None:
     """The body of one callgrind run: start the target, then answer `requests`."""
     if target == "floor":
@@ -407,6 +500,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     timed = asyncio.run(_timed(args))
+    # Stages timed on their own, outside the driven apps.
+    stages = {"duplicate_key_check_us": _duplicate_key_check_us(args.requests, args.blocks)}
     counted = _instructions(args) if args.instructions else None
     fl = timed["floor_us"]
     notes = {
@@ -428,6 +523,12 @@ def run(args: argparse.Namespace) -> int:
     first = _targets(args)[0]
     lines.append(
         f"  {first}'s own work (min - min): {timed[first + '_us']['min'] - fl['min']:.1f} us"
+    )
+    dup = stages["duplicate_key_check_us"]
+    lines.append(
+        f"  duplicate-key check: {dup['min']:.2f} / {dup['median']:.2f} us per request "
+        f"on a {dup['body_bytes']}-byte agent chat body (orjson's parse of it: "
+        f"{dup['parse_min']:.2f} us)"
     )
     if args.governed or args.placement:
         a, b = _targets(args)
@@ -455,6 +556,7 @@ def run(args: argparse.Namespace) -> int:
             "targets": _targets(args),
         },
         "timed": timed,
+        "stages": stages,
         "instructions": counted,
     }
     out = Path(args.out or f"bench-results/hotpath-{time.strftime('%Y%m%d-%H%M%S')}.json")

@@ -40,6 +40,7 @@ from switchyard.bench.harness import (
     CHAT_PATH,
     Child,
     StartError,
+    admin_headers,
     config_yaml,
     count_rows,
     expect_rows,
@@ -107,7 +108,7 @@ def check_observe(name: str, url: str, db: Path, workdir: Path, max_tokens: int)
     is what its config says, so the ratios compare what they claim to."""
     smoke(name, url, max_tokens)
     base = url.removesuffix(CHAT_PATH)
-    metrics_status, body = http("GET", base + "/metrics")
+    metrics_status, body = http("GET", base + "/metrics", headers=admin_headers())
     expect_rows(name, db, "usage", "usage rows")
     traces = count_rows(db, "traces")
     if name == OFF_TARGET:

@@ -287,13 +287,14 @@ def live(steps: list[Step], stride: int, work: Path) -> dict[str, Any]:
             if wait > 0:
                 time.sleep(wait)
         served = [r for r in sent if r["status"] == 200]
-        on_dev = [r for r in served if r["upstream"].startswith(ups["dev"])]
+        # x-switchyard-upstream names the deployment ("assist/dev"), never its URL.
+        on_dev = [r for r in served if r["upstream"] == "assist/dev"]
         return {
             "requests": len(sent),
             "timeouts": sum(1 for r in sent if r["status"] == 504),  # past the deadline
             "errors": sum(1 for r in sent if r["status"] not in (200, 504)),
             "privacy_violations": sum(
-                1 for r in served if r["private"] and r["upstream"].startswith(ups["cloud"])
+                1 for r in served if r["private"] and r["upstream"] == "assist/cloud"
             ),
             "local_share": len(on_dev) / max(1, len(served)),
             "deadline_attainment": sum(1 for r in served if r["ms"] <= DEADLINE_MS)

@@ -308,10 +308,22 @@ class ScriptedUpstream:
         limit = body.get("max_tokens", body.get("max_completion_tokens"))
         if isinstance(limit, int) and 0 <= limit < n:
             n = limit
+        # Billed as an engine bills: the whole body as prompt, and every sequence it
+        # asked for (n or best_of choices of each prompt) to the cap, or to the
+        # upstream's own limit when no cap was sent.
+        sequences = 1
+        for name in ("n", "best_of"):
+            v = body.get(name)
+            if isinstance(v, int) and not isinstance(v, bool) and v > sequences:
+                sequences = v
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            sequences *= len(prompt)
+        prompt_tokens = _prompt_tokens(raw, body)
         usage = {
-            "prompt_tokens": max(1, len(raw) // 4),
-            "completion_tokens": n,
-            "total_tokens": max(1, len(raw) // 4) + n,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": n * sequences,
+            "total_tokens": prompt_tokens + n * sequences,
         }
         abort: Abort | None = request.scope.get(ABORT_KEY)
         calls = self.tool_calls if kind == "chat" else []
@@ -519,6 +531,23 @@ class ScriptedUpstream:
         return Response(
             orjson.dumps({"fault": spec, "count": count}), media_type="application/json"
         )
+
+
+IMAGE_TOKENS = 256  # what one image costs, whatever its encoding (as a vision engine bills)
+
+
+def _prompt_tokens(raw: bytes, body: dict[str, Any]) -> int:
+    """The prompt as billed: every byte of the body at 4 a token, except images, each
+    billed at IMAGE_TOKENS."""
+    size, images = len(raw), 0
+    messages = body.get("messages")
+    for m in messages if isinstance(messages, list) else []:
+        content = m.get("content") if isinstance(m, dict) else None
+        for part in content if isinstance(content, list) else []:
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                images += 1
+                size -= len(orjson.dumps(part))
+    return max(1, max(0, size) // 4 + images * IMAGE_TOKENS)
 
 
 def _tool_call_list(body: Any) -> list[dict[str, Any]]:

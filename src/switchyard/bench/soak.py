@@ -30,6 +30,7 @@ from switchyard.bench.harness import (
     CHAT_PATH,
     Child,
     Scenario,
+    admin_headers,
     auth_config,
     config_yaml,
     free_port,
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             r = run_wrk(args.wrk, url, script, scenario, args.slice)
             requests += r.requests
             pids = [gateway.proc.pid, *_children(gateway.proc.pid)]
-            _, text = http("GET", f"http://127.0.0.1:{sy_port}/metrics")
+            _, text = http("GET", f"http://127.0.0.1:{sy_port}/metrics", headers=admin_headers())
             ledger = _ledger_metrics(text.decode("utf-8", "replace"))
             on_disk, in_use = _disk(db)
             slices.append(

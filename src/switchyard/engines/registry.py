@@ -154,8 +154,17 @@ class Deployment:
         return self.engine is not None and self.engine.failed
 
     @property
+    def served_by(self) -> str:
+        """What `x-switchyard-upstream` tells the client: the deployment's configured
+        name ("alias", or "alias/deployment" for one of several). Never `label`: an
+        upstream's URL is the operator's address book, not the client's business."""
+        return self.name
+
+    @property
     def label(self) -> str:
-        """What `x-switchyard-upstream` reports: where this request was served."""
+        """Where this request was served (an upstream's URL, a managed engine's kind
+        and loopback address), for the operator's eyes only: traces, the ledger,
+        spans, /readyz with the admin key. Clients get `served_by`."""
         if self.fixed_label is not None:
             return self.fixed_label
         if self.engine is not None:

@@ -52,29 +52,53 @@ class CircuitOpen(EngineNotReady):
 
 
 def upstream_payload(ctx: RequestContext, dep: Deployment) -> bytes:
-    """The client's body with the upstream's model name; streams always ask for usage.
+    """The client's body with the upstream's model name and the output cap the
+    request reserved (policy/cost.py: always sent, so the engine cannot write past
+    it); streams always ask for usage.
 
-    When no stage replaced the body and nothing needs changing, the client's bytes go
-    out as they came (no second serialization of a long agent prompt)."""
+    When no stage replaced the body and nothing needs changing but members to add,
+    the client's bytes go out as they came, the members appended (no second
+    serialization of a long agent prompt)."""
     wire = ctx.wire
+    body_in = ctx.body
     lora = dep.lora
-    native_ids = dep.token_ids == "llamacpp" and ctx.body.get("return_token_ids") is True
+    native_ids = dep.token_ids == "llamacpp" and body_in.get("return_token_ids") is True
+    cost = ctx.cost
+    cap = None
+    if cost is not None and (
+        cost.sends_cap  # the gateway's cap: none was sent, or it shrank
+        # a managed engine reads max_tokens, and the client sent only the newer name
+        or (dep.engine is not None and not isinstance(body_in.get("max_tokens"), int))
+    ):
+        cap = cost.cap
     if (
         wire is not None
-        and wire[0] is ctx.body
+        and wire[0] is body_in
         and lora is None
         and not native_ids
-        and ctx.body.get("model") == dep.upstream_model
+        and body_in.get("model") == dep.upstream_model
+        and (
+            cap is None or ("max_tokens" not in body_in and "max_completion_tokens" not in body_in)
+        )
     ):
-        if not ctx.stream or ctx.include_usage is True:
-            return wire[1]
-        if "stream_options" not in ctx.body:
-            # Ask for usage by appending the member to the client's object: the body
-            # parsed as a JSON object, so its last non-space byte is the closing brace.
-            raw = wire[1].rstrip()
-            return raw[:-1] + b',"stream_options":{"include_usage":true}}'
-    body = llamacpp_body(ctx.body) if native_ids else dict(ctx.body)
+        tail = b"" if cap is None else b',"max_tokens":%d' % cap
+        asks_usage = ctx.stream and ctx.include_usage is not True
+        if not (asks_usage and "stream_options" in body_in):  # else rewritten below
+            if asks_usage:
+                tail += b',"stream_options":{"include_usage":true}'
+            if not tail:
+                return wire[1]
+            # Append to the client's object: the body parsed as a JSON object, so its
+            # last non-space byte is the closing brace; the members appended are not in
+            # it, so no key is duplicated.
+            return wire[1].rstrip()[:-1] + tail + b"}"
+    body = llamacpp_body(body_in) if native_ids else dict(body_in)
     body["model"] = dep.upstream_model
+    if cap is not None:
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = cap
+        if "max_tokens" in body or "max_completion_tokens" not in body or dep.engine is not None:
+            body["max_tokens"] = cap  # a managed engine reads max_tokens
     if lora is not None:
         body["lora"] = lora()
     if ctx.stream:

@@ -99,6 +99,9 @@ CREATE TABLE IF NOT EXISTS approvals (
     used_at REAL,
     used_by TEXT
 );
+-- Whether a call already had an approval (a later turn carries its result again).
+CREATE INDEX IF NOT EXISTS approvals_used ON approvals(tenant_id, call_id)
+    WHERE used_at IS NOT NULL;
 CREATE TABLE IF NOT EXISTS deployment_weights (
     alias TEXT NOT NULL,
     deployment TEXT NOT NULL,

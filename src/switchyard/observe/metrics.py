@@ -1,7 +1,9 @@
 """Prometheus metrics, exposed as text at /metrics.
 
 Label sets are bounded: model aliases, tenants (created by an admin), statuses,
-error classes — never request ids. With several worker processes, set
+error classes — never request ids. The tenant label is the tenant id, a keyed hash of
+it, or absent (`observe.metrics_tenant_label`): ids name customers, and /metrics may
+be read by more people than the tenant list. With several worker processes, set
 PROMETHEUS_MULTIPROC_DIR and each process writes its values there; /metrics then
 aggregates them (prometheus_client's multiprocess mode).
 """
@@ -9,10 +11,12 @@ aggregates them (prometheus_client's multiprocess mode).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import os
 from bisect import bisect_left
-from typing import Any
+from typing import Any, Literal
 
 from prometheus_client import (
     CollectorRegistry,
@@ -23,6 +27,7 @@ from prometheus_client import (
     multiprocess,
 )
 
+from switchyard.config import ConfigError, Settings
 from switchyard.pipeline import RequestContext
 
 log = logging.getLogger("switchyard.metrics")
@@ -56,6 +61,37 @@ REJECTION_CODES = {
     "deadline_exceeded": "deadline",
     "limiter_unavailable": "limiter_unavailable",
 }
+
+
+TenantLabel = Literal["id", "hashed", "off"]
+NO_TENANT = "none"  # the label of a request refused before it had a principal
+_HASH_HEX = 12  # 48 bits: no collision in practice among admin-created tenants
+
+
+def hashed_tenant(key: bytes, tenant_id: str) -> str:
+    """The `hashed` label of a tenant: an HMAC, so that the series stay apart and keep
+    their names across restarts and processes, while a reader without the key can
+    neither map one back to a customer nor confirm a guessed tenant id (a plain hash
+    of a guessable id would do both)."""
+    return "t_" + hmac.new(key, tenant_id.encode(), hashlib.sha256).hexdigest()[:_HASH_HEX]
+
+
+def tenant_key(settings: Settings) -> bytes | None:
+    """The key of the `hashed` tenant label (None for the other modes): from
+    observe.metrics_tenant_key_env, else the admin key. Raises ConfigError at start
+    when neither is set, rather than hashing with a key no other process shares."""
+    obs = settings.observe
+    if obs.metrics_tenant_label != "hashed":
+        return None
+    secret = os.environ.get(obs.metrics_tenant_key_env) or os.environ.get(
+        settings.auth.admin_key_env
+    )
+    if not secret:
+        raise ConfigError(
+            "observe.metrics_tenant_label: 'hashed' needs a key: set "
+            f"{obs.metrics_tenant_key_env} (or the admin key, {settings.auth.admin_key_env})"
+        )
+    return secret.encode()
 
 
 class _Children:
@@ -163,7 +199,7 @@ class _Common:
         "ttft",
     )
 
-    def __init__(self, shape: Shape, model: str, tenant: str) -> None:
+    def __init__(self, shape: Shape, model: str, tenant: tuple[str, ...]) -> None:
         self.shape, self.model, self.tenant = shape, model, tenant
         self.n = self.inp = self.out = 0
         self.cost = 0.0
@@ -186,7 +222,7 @@ class _Common:
         if self.out:
             b.inc(m._tokens, (self.model, "output"), self.out)
         if self.cost:
-            b.inc(m._cost, (self.model, self.tenant), self.cost)
+            b.inc(m._cost, (self.model, *self.tenant), self.cost)
         self.n = self.inp = self.out = 0
         self.cost = 0.0
         self.e2e, self.ttft, self.queue, self.itl = [], [], [], []
@@ -204,7 +240,13 @@ def _first_attempt_success(ctx: RequestContext, status: str) -> bool:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, tenant_label: TenantLabel = "id", tenant_key: bytes | None = None) -> None:
+        if tenant_label == "hashed" and not tenant_key:
+            raise ValueError("the hashed tenant label needs a key")
+        self.tenant_mode: TenantLabel = tenant_label
+        self._tenant_key = tenant_key or b""
+        self._tenant_labels: dict[str, tuple[str, ...]] = {}
+        tenant = [] if tenant_label == "off" else ["tenant"]
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         # In multiprocess mode values live in files; otherwise in our own registry.
         self.registry = CollectorRegistry(auto_describe=True)
@@ -214,7 +256,7 @@ class Metrics:
             return Histogram(name, doc, ["model"], buckets=LATENCY_BUCKETS, registry=reg)
 
         self.requests = Counter(
-            "switchyard_requests", "Finished requests", ["model", "tenant", "status"], registry=reg
+            "switchyard_requests", "Finished requests", ["model", *tenant, "status"], registry=reg
         )
         self.e2e = hist("switchyard_request_duration_seconds", "End-to-end time in the gateway")
         self.ttft = hist("switchyard_ttft_seconds", "Time to the first byte sent to the client")
@@ -247,7 +289,7 @@ class Metrics:
             "switchyard_rejections", "Requests refused by policy", ["kind"], registry=reg
         )
         self.tokens = Counter("switchyard_tokens", "Tokens", ["model", "direction"], registry=reg)
-        self.cost = Counter("switchyard_cost_usd", "Cost in USD", ["model", "tenant"], registry=reg)
+        self.cost = Counter("switchyard_cost_usd", "Cost in USD", ["model", *tenant], registry=reg)
         self.cache = Counter("switchyard_cache", "Cache lookups", ["result"], registry=reg)
         self.routes = Counter(
             "switchyard_route_decisions", "Route decisions", ["route"], registry=reg
@@ -360,6 +402,14 @@ class Metrics:
             registry=reg,
             multiprocess_mode="max",
         )
+        # Requests whose client hung up (mid-body, mid-stream): their own count, so
+        # they neither look like gateway errors nor hide in them.
+        self.client_disconnects = Counter(
+            "switchyard_client_disconnects",
+            "Requests that ended because the client closed its connection, by endpoint",
+            ["endpoint"],
+            registry=reg,
+        )
 
         self._requests = _Children(self.requests)
         self._e2e = _Children(self.e2e)
@@ -383,6 +433,28 @@ class Metrics:
         self._pending: list[tuple[RequestContext, str, int, int, float]] = []
         self._fold_loop: asyncio.AbstractEventLoop | None = None
         self._fold_due = False  # something is waiting for the scheduled fold
+
+    def tenant_labels(self, tenant_id: str) -> tuple[str, ...]:
+        """The tenant's values in the `tenant` label: (id,), (keyed hash,) or () when the
+        label is off. Computed once per tenant (the hash is not free per request)."""
+        got = self._tenant_labels.get(tenant_id)
+        if got is None:
+            if self.tenant_mode == "off":
+                got = ()
+            elif self.tenant_mode == "id" or tenant_id == NO_TENANT:
+                got = (tenant_id,)
+            else:
+                got = (hashed_tenant(self._tenant_key, tenant_id),)
+            if len(self._tenant_labels) >= 65536:  # bounded: tenants are admin-created
+                self._tenant_labels.clear()
+            self._tenant_labels[tenant_id] = got
+        return got
+
+    def tenant_label(self, tenant_id: str) -> str | None:
+        """What /metrics calls this tenant (None: no tenant label), for an admin who
+        must find a hashed tenant's series."""
+        labels = self.tenant_labels(tenant_id)
+        return labels[0] if labels else None
 
     def engine_event(self, event: str, model: str, seconds: float | None) -> None:
         """The pool's load / evict / unload events (EnginePool.on_event)."""
@@ -411,6 +483,11 @@ class Metrics:
     def revision_event(self, rev: Any, state: str) -> None:
         """A revision's state change (engines/revisions.py)."""
         self.revision_events.labels(rev.alias, state).inc()
+
+    def client_disconnected(self, endpoint: str) -> None:
+        """A request whose client left before its end (`endpoint` is the gateway's
+        own name for the route, never client text: the label set stays bounded)."""
+        self.client_disconnects.labels(endpoint).inc()
 
     def engine_memory_mb(self, model: str, mb: float | None) -> None:
         if mb is not None:
@@ -483,7 +560,7 @@ class Metrics:
             model = ctx.alias
         else:
             model = "unknown"  # never label with a client-supplied, unknown name
-        tenant = ctx.principal.tenant_id if ctx.principal is not None else "none"
+        tenant = ctx.principal.tenant_id if ctx.principal is not None else NO_TENANT
         t = ctx.timings
         incs = self.first_attempt_shape(ctx, model, tenant, status) or self.scanned_shape(
             ctx, model, tenant, status
@@ -500,7 +577,7 @@ class Metrics:
         if out:
             b.inc(self._tokens, (model, "output"), out)
         if cost:
-            b.inc(self._cost, (model, tenant), cost)
+            b.inc(self._cost, (model, *self.tenant_labels(tenant)), cost)
         if ctx.run.chunk_gaps:
             itl = (ctx.deployment.alias if ctx.deployment is not None else "unknown",)
             for gap in ctx.run.chunk_gaps:
@@ -512,7 +589,7 @@ class Metrics:
         dep = ctx.deployment
         if dep is None or not _first_attempt_success(ctx, status):
             return None
-        tenant = ctx.principal.tenant_id if ctx.principal is not None else "none"
+        tenant = ctx.principal.tenant_id if ctx.principal is not None else NO_TENANT
         key = (dep.alias, tenant, ctx.route, ctx.cache)
         common = self._common.get(key)
         if common is None:
@@ -521,7 +598,7 @@ class Metrics:
             if len(self._common) >= 4096:  # bounded: aliases x tenants x routes
                 self.fold()
                 self._common.clear()
-            common = self._common[key] = _Common(shape, dep.alias, tenant)
+            common = self._common[key] = _Common(shape, dep.alias, self.tenant_labels(tenant))
         return common
 
     def first_attempt_shape(
@@ -538,7 +615,7 @@ class Metrics:
         shape = self._first_attempt.get(key)
         if shape is None:
             incs = [
-                (self._requests, (model, tenant, status)),
+                (self._requests, (model, *self.tenant_labels(tenant), status)),
                 (self._routes, (route,)),
                 (self._attempts, (model, "ok")),
                 (self._success, (model, "first_attempt")),
@@ -552,7 +629,9 @@ class Metrics:
 
     def scanned_shape(self, ctx: RequestContext, model: str, tenant: str, status: str) -> Shape:
         """Any request's counters, read from its decisions."""
-        incs: list[tuple[_Children, tuple[str, ...]]] = [(self._requests, (model, tenant, status))]
+        incs: list[tuple[_Children, tuple[str, ...]]] = [
+            (self._requests, (model, *self.tenant_labels(tenant), status))
+        ]
         retried = False
         for stage, outcome, _reason, evidence, _t0, _t1 in ctx.decisions:
             if stage == "attempt" and not outcome.startswith("skip"):

@@ -65,6 +65,12 @@ class Store:
         """ApprovalStore.consume, off the event loop where the store has a disk."""
         raise NotImplementedError
 
+    async def consumed_approvals(
+        self, tenant: str, task_id: str | None, call_ids: list[str]
+    ) -> set[str]:
+        """ApprovalStore.consumed, off the event loop where the store has a disk."""
+        raise NotImplementedError
+
     def connection(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
         """A connection for reads and maintenance (admin API, retention)."""
         raise NotImplementedError
@@ -130,6 +136,13 @@ class SqliteStore(Store):
     ) -> tuple[str | None, str | None]:
         return await self._on_io(
             "the approval", self.approvals.consume, token, tenant, task_id, call_id, request_id
+        )
+
+    async def consumed_approvals(
+        self, tenant: str, task_id: str | None, call_ids: list[str]
+    ) -> set[str]:
+        return await self._on_io(
+            "the approvals", self.approvals.consumed, tenant, task_id, call_ids
         )
 
     @contextlib.contextmanager
@@ -248,6 +261,12 @@ class MemoryStore(Store):
     ) -> tuple[str | None, str | None]:
         with self._lock:
             return self.approvals.consume(token, tenant, task_id, call_id, request_id)
+
+    async def consumed_approvals(
+        self, tenant: str, task_id: str | None, call_ids: list[str]
+    ) -> set[str]:
+        with self._lock:
+            return self.approvals.consumed(tenant, task_id, call_ids)
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[sqlite3.Connection]:

@@ -7,7 +7,6 @@ gateway wires them to the limiter and the ledger.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from switchyard.config import ModelConfig, Price
 from switchyard.errors import RateLimited, SwitchyardError
@@ -17,51 +16,6 @@ from switchyard.policy.limits import Period, ScopeLimits, Verdict
 
 class QuotaExceeded(RateLimited):
     code = "insufficient_quota"
-
-
-def _text_len(content: Any) -> int:
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(len(p.get("text", "")) for p in content if isinstance(p, dict))
-    return 0
-
-
-def estimate_prompt_tokens(body: dict[str, Any]) -> int:
-    """A cheap estimate leaning high (≈3 characters per token plus framing) used
-    for reservations; the real count from the upstream replaces it at settle."""
-    if "messages" in body:
-        chars = sum(_text_len(m.get("content")) for m in body["messages"] if isinstance(m, dict))
-        return chars // 3 + 8 * len(body["messages"]) + 8
-    prompt = body.get("prompt")
-    if isinstance(prompt, list):
-        return sum(len(str(p)) for p in prompt) // 3 + 8
-    return len(str(prompt or "")) // 3 + 8
-
-
-class PromptOverhead:
-    """Tokens a model's prompts carry beyond what `estimate_prompt_tokens` counts (its
-    chat template, a default system prompt the template adds), learned from replies:
-    the largest excess an upstream reported per model. Added to every reservation's
-    estimate, so that a budget is not overshot by prompts that cost more than their
-    text. Until a model's first reply with usage, its estimate has no overhead."""
-
-    def __init__(self, cap: int = 4096) -> None:
-        self.tokens: dict[str, int] = {}  # per configured alias
-        self.cap = cap  # an upstream's odd count cannot make every estimate absurd
-
-    def get(self, alias: str) -> int:
-        return self.tokens.get(alias, 0)
-
-    def observe(self, alias: str, body: dict[str, Any], reported: int) -> None:
-        excess = min(reported - estimate_prompt_tokens(body), self.cap)
-        if excess > self.tokens.get(alias, 0):
-            self.tokens[alias] = excess
-
-
-def max_output_tokens(body: dict[str, Any], default: int) -> int:
-    v = body.get("max_completion_tokens") or body.get("max_tokens")
-    return int(v) if isinstance(v, int) and v > 0 else default
 
 
 def cost_usd(price: Price, input_tokens: int, output_tokens: int) -> float:
@@ -128,8 +82,10 @@ def refusal(verdict: Verdict) -> SwitchyardError:
         headers["Retry-After"] = str(max(1, math.ceil(retry)))
     scope = verdict.scope or "?"
     if verdict.limit == "budget":
+        left = verdict.state.get(scope, {}).get("budget_remaining_usd")
+        left_s = f": ${left:.6f} left, less than this request needs" if left is not None else ""
         return QuotaExceeded(
-            f"budget exhausted for {scope}; it resets in {retry:.0f}s", headers=headers
+            f"budget exhausted for {scope}{left_s}; it resets in {retry:.0f}s", headers=headers
         )
     if verdict.limit == "tpm" and not math.isfinite(retry):
         return RateLimited(

@@ -11,7 +11,11 @@ the shape of what they claim to be *and* pass the check that shape implies (Luhn
 mod-97 for IBANs, a real date for Korean resident numbers, valid octets for IPs). A plain
 number (a year, a price, an order number) is left alone; a dotted quad that is a valid IPv4
 address is masked even when it was meant as a version string, since the two cannot be told
-apart.
+apart. Credentials written as `key=value`, `key: value` or `"key": "value"` under a
+credential key (password, secret, token, api_key, ... with any prefix: DB_PASSWORD,
+x-api-key) lose their value but keep their key (`password=<SECRET_1>`); a value after a
+bare word and a colon ("Password: required") must also look like a password. A URL's
+`user:password@` is masked whole.
 
 Placeholders are typed and numbered per type in order of first appearance within one request
 (`<EMAIL_1>`, `<EMAIL_2>`, `<PHONE_1>`); the same raw value always gets the same placeholder
@@ -128,7 +132,8 @@ class _Detector:
     Python's regex engine pays for every start position it tries, so only patterns that
     begin with a literal search the whole text, and only when it holds one of `hints` (a
     cheap `in` test). The others search just the windows that `where` finds with cheaper
-    means (see `_near_numbers`, `_class_seeds`).
+    means (see `_near_numbers`, `_class_seeds`); an `anchored` one is only tried at the
+    start of each window (see `_credential_windows`).
     """
 
     kind: PiiType
@@ -136,6 +141,8 @@ class _Detector:
     check: Check
     hints: tuple[str, ...] = ()
     where: Where | None = None
+    # The pattern is matched only at the start of each window, not searched through it.
+    anchored: bool = False
 
     def windows(self, view: _View) -> list[Span]:
         if self.hints and not any(map(view.text.__contains__, self.hints)):
@@ -305,6 +312,177 @@ def _token(m: re.Match[str]) -> Span | None:
     if not _follows(m, _B64_CHARS) or (after and after in _B64_PAD):
         return None
     return m.span() if _looks_random(m.group(0)) else None
+
+
+# --------------------------------------------------------------------------- credentials
+
+# A URL's userinfo (`postgres://bob:s3cret@db`): searched from the literal "://"; the greedy
+# password part backtracks to the last '@' of the authority, since people paste passwords
+# with a raw '@' in them. Only `user:password` is masked; a lone user name is not a secret.
+_USERINFO = _rx(r"://(?P<ui>[^\s/?#@:\"'<>`]{0,256}:[^\s/?#\"'<>`]{1,256})@")
+_SCHEME_CHARS = frozenset(string.ascii_letters + string.digits + "+.-")
+
+# `key=value`, `key: value`, `"key": "value"` (also `:=`, `=>`, JSON escaped once more)
+# where the key ends in a credential word. The search starts at that word (the windows
+# come from `_credential_windows`); what is glued before it (DB_, x-api-, client_) is
+# walked back in Python. Only the value is masked, so the text still says what it held
+# ("password=<SECRET_1>"). An unquoted value runs to whitespace or a quote; a ';', '&' or
+# ',' ends it only where another `key=` follows (connection strings, query strings).
+_CREDENTIAL = re.compile(
+    r"(?P<word>pass(?:word|wd|phrase)?|pwd|secret(?:[ _-]?key)?|token|auth"
+    r"|(?:api|private|access|signing|encryption)[ _-]?key)"
+    r"(?P<kq>\\?[\"'])?(?P<s1>[ \t]{0,16})(?P<sep>:=|=>|=|:(?!:))(?P<s2>[ \t]{0,16})"
+    # Each value is runs of plain characters (one fast loop each) joined by up to eight
+    # escapes or separators, so a text of nothing but keys stays cheap.
+    r"(?:\\\"(?P<eq>[^\"\\\r\n]{0,256}(?:\\[^\"\r\n][^\"\\\r\n]{0,256}){0,8})(?:\\\"|(?=[\r\n]|\Z))"
+    r"|\"(?P<dq>[^\"\\\r\n]{0,256}(?:\\[^\r\n][^\"\\\r\n]{0,256}){0,8})(?:\"|(?=[\r\n]|\Z))"
+    r"|'(?P<sq>[^'\r\n]{1,256})(?:'|(?=[\r\n]|\Z))"
+    r"|`(?P<bq>[^`\r\n]{1,256})(?:`|(?=[\r\n]|\Z))"
+    r"|(?P<v>[^\s\"'`;&,]{1,256}"
+    r"(?:[;&,](?![ \t]{0,4}[\w.-]{1,64}[ \t]{0,4}[=:])[^\s\"'`;&,]{0,256}){0,8}))",
+    re.ASCII | re.IGNORECASE,
+)
+_QUOTED_VALUES = ("eq", "dq", "sq", "bq")
+# How each credential word begins: the windows start where one occurs.
+_CREDENTIAL_STEMS = (
+    b"pass", b"pwd", b"secret", b"token", b"auth", b"api", b"private", b"access", b"signing",
+    b"encryption",
+)  # fmt: skip
+# Longest word + quotes + spaces + separator + the longest value + the lookahead after it
+# (an anchored match reads only what it matches, so a long window costs nothing).
+_CREDENTIAL_REACH = 2560
+_KEY_CHARS = frozenset(string.ascii_letters + string.digits + "_.-")
+_KEY_PREFIX_MAX = 64
+# Short words glued to a prefix are other words ("bypass", "OLDPWD", "oauth").
+_UNGLUED_WORDS = frozenset({"pass", "pwd", "auth"})
+# What stands where a value goes without being one: types, switches, redactions.
+_NOT_VALUES = frozenset({
+    "true", "false", "null", "none", "nil", "undefined", "yes", "no", "on", "off",
+    "required", "optional", "string", "str", "int", "bool", "boolean", "object", "bytes",
+    "hidden", "redacted", "masked", "removed", "unset", "empty", "na", "n/a", "tbd", "todo",
+    "secret", "password", "passwd", "token",
+})  # fmt: skip
+# References and templates, not values: ${X}, $X, {{ x }}, {x}, %s, %(x)s, <x>, [x], (x),
+# and runs of mask characters (****, xxxx).
+_REFERENCE = _rx(
+    r"\$\{[^}]*\}|\$\([^)]*\)|\$[A-Za-z_]\w*|\{\{.*\}\}|\{[\w.]*\}|%\(\w+\)[sd]|%[sd]"
+    r"|<.*>|\[.*\]|\(.*\)|\*+|[xX]+|[.#?_-]+"
+)
+# Code, not a value: a call or index (`getpass()`, `os.environ[...]`), a dotted name
+# (`args.token`, `settings.SECRET_KEY`).
+_IDENTIFIER = r"[A-Za-z_$][\w$]*"
+_EXPRESSION = _rx(rf"{_IDENTIFIER}(?:\.{_IDENTIFIER})*[(\[].*|{_IDENTIFIER}(?:\.{_IDENTIFIER})+")
+_NAME = _rx(r"[A-Za-z_]+")
+_CLOSERS = {")": "(", "]": "[", "}": "{"}
+
+
+def _userinfo(m: re.Match[str]) -> Span | None:
+    """`user:password` after a scheme (`https://`, `postgres+psycopg://`)."""
+    i = m.start()
+    return m.span("ui") if i and m.string[i - 1] in _SCHEME_CHARS else None
+
+
+def _credential_windows(view: _View) -> list[Span]:
+    """A window from each place a credential word may start (any case), for an anchored
+    match: prose full of "API", "access" and "tokens" then costs one failed match per word
+    instead of a case-insensitive search through every position. A text with no '=' and
+    no ':' holds no credential at all."""
+    if "=" not in view.text and ":" not in view.text:
+        return []
+    lower, n = view.ascii.lower(), len(view.text)
+    starts: list[int] = []
+    for stem in _CREDENTIAL_STEMS:
+        i = lower.find(stem)
+        while i != -1:
+            starts.append(i)
+            i = lower.find(stem, i + len(stem))
+    return [(i, min(n, i + _CREDENTIAL_REACH)) for i in sorted(starts)]
+
+
+def _key_prefix(text: str, start: int, word: str) -> str | None:
+    """What is glued before the credential word (`DB_`, `x-api-`), or None if the word
+    is the tail of another word ("bypass", "OLDPWD"; camelCase `userPass` is a key)."""
+    j, floor = start, max(0, start - _KEY_PREFIX_MAX)
+    while j > floor and text[j - 1] in _KEY_CHARS:
+        j -= 1
+    prefix = text[j:start]
+    if prefix and prefix[-1].isalnum() and word.lower() in _UNGLUED_WORDS:
+        camel = not prefix[-1].isupper() and text[start].isupper()
+        return prefix if camel else None
+    return prefix
+
+
+def _trim(value: str) -> str:
+    """Drop sentence punctuation and unbalanced closing brackets after an unquoted value
+    ("password=abc123." and "f(password=abc123)" both hold "abc123")."""
+    while value:
+        last = value[-1]
+        if last in ".,:;" or (last in _CLOSERS and value.count(last) > value.count(_CLOSERS[last])):
+            value = value[:-1]
+        else:
+            break
+    return value
+
+
+def _looks_like_password(value: str) -> bool:
+    """For a value that may be prose ("Password: required", "Token: 12"): six or more
+    characters mixing at least two of lower, upper (a leading capital does not count),
+    digits and symbols; or six or more digits."""
+    if len(value) < 6 or "://" in value:
+        return False
+    if value.isdigit():
+        return True
+    classes = (
+        any(c.islower() for c in value),
+        any(c.isupper() for c in value[1:]),
+        any(c.isdigit() for c in value),
+        any(not c.isalnum() and c not in "_-." for c in value),
+    )
+    return sum(classes) >= 2
+
+
+def _letters(s: str) -> str:
+    return "".join(c for c in s.lower() if c.isalpha())
+
+
+def _is_value(value: str, word: str, *, quoted: bool, strong: bool) -> bool:
+    """Whether what follows the key is a credential rather than a type, a template, a
+    variable or code: `password=${DB_PASSWORD}`, `token=args.token`, `pwd=/home/bob`."""
+    lowered = value.lower()
+    if len(value) < 4 or lowered in _NOT_VALUES or _REFERENCE.fullmatch(value):
+        return False
+    if not quoted:
+        if _EXPRESSION.fullmatch(value):
+            return False
+        if _NAME.fullmatch(value) and _letters(word) in _letters(value):
+            return False  # a variable passed on: `password=new_password`
+        if word.lower() == "pwd" and value[0] in "/~.":
+            return False  # the shell's working directory
+    return strong or _looks_like_password(value)
+
+
+def _credential(m: re.Match[str]) -> Span | None:
+    """The value of a credential key, if it is one.
+
+    A quoted value, a quoted or compound key (`DB_PASSWORD`, `client_secret`) and a tight
+    `key=value` are data; a bare word and a colon (`Password: ...`) may be prose, so the
+    value must also look like a password.
+    """
+    word = m.group("word")
+    prefix = _key_prefix(m.string, m.start(), word)
+    if prefix is None:
+        return None
+    group = next((g for g in _QUOTED_VALUES if m.group(g) is not None), "v")
+    start = m.start(group)
+    quoted = group != "v"
+    value = m.group(group) if quoted else _trim(m.group(group))
+    tight = m.group("sep") == "=" and not m.group("s1") and not m.group("s2")
+    joined = word.lower().endswith("key") and " " not in word  # apikey, privateKey
+    compound = bool(prefix) or "_" in word or "-" in word or joined
+    strong = quoted or tight or compound or m.group("kq") is not None
+    if not _is_value(value, word, quoted=quoted, strong=strong):
+        return None
+    return (start, start + len(value))
 
 
 # --------------------------------------------------------------------------- e-mail
@@ -564,7 +742,9 @@ def _national_phone(m: re.Match[str]) -> Span | None:
 def _detectors(strict_kr_rrn: bool) -> list[_Detector]:
     """All detectors, strongest first: on overlap the earlier one wins.
 
-    Specific secrets come first (a bearer token may contain anything), the checksummed
+    Specific secrets come first (a bearer token may contain anything), then credentials
+    by their context (a URL's `user:password@` before the e-mail it resembles; a value
+    after `password=` is one secret even if it holds an address), the checksummed
     numbers before the loose phone shapes, and the entropy heuristic last. Each `near`
     predicate is the least a number run needs for that pattern to have a chance.
     """
@@ -579,6 +759,8 @@ def _detectors(strict_kr_rrn: bool) -> list[_Detector]:
         *(d("SECRET", rx, _token_start, hints) for rx, hints in _KEYS.values()),
         d("SECRET", _AWS, _whole, ("AKIA", "ASIA")),
         d("SECRET", _SK, _sk_key, ("sk-",)),
+        d("SECRET", _USERINFO, _userinfo, ("://",)),
+        d("SECRET", _CREDENTIAL, _credential, where=_credential_windows, anchored=True),
         d("EMAIL", _EMAIL_DOMAIN, _email, ("@",)),
         d("IBAN", _IBAN, _iban, where=_IBAN_SEEDS),
         d("CARD", _CARD, _card, where=near(lambda h: h.digits >= 13)),
@@ -653,7 +835,12 @@ class PiiMasker:
         view = _View(text)
         for rank, det in enumerate(self._detectors):
             for a, b in det.windows(view):
-                for m in det.pattern.finditer(text, a, b):
+                if det.anchored:
+                    found = det.pattern.match(text, a, b)
+                    matches: Iterable[re.Match[str]] = () if found is None else (found,)
+                else:
+                    matches = det.pattern.finditer(text, a, b)
+                for m in matches:
                     span = det.check(m)
                     if span is not None and span[0] < span[1]:
                         yield rank, span[0], span[1], det.kind

@@ -341,8 +341,17 @@ class RedisTaskStore:
             await self._call("set_deployment", self._redis.delete(k))
 
     async def tool_call(self, key: TaskKey, call_id: str) -> ToolCallNote | None:
-        raw = await self._call("tool_call", self._redis.hget(self._k(key) + ":calls", call_id))
-        return _note(orjson.loads(raw)) if raw is not None else None
+        """The note with its result count (kept beside it, as `results:<id>`): what
+        the tool_results stage reads to tell a new result from history."""
+        raw, results = await self._call(
+            "tool_call",
+            self._redis.hmget(self._k(key) + ":calls", [call_id, "results:" + call_id]),
+        )
+        if raw is None:
+            return None
+        note = _note(orjson.loads(raw))
+        note.results = int(results or 0)
+        return note
 
     async def describe(self, key: TaskKey, now: float | None = None) -> dict[str, Any] | None:
         k = self._k(key)

@@ -28,16 +28,14 @@ from switchyard.pipeline import PiiState, RequestContext, Stage, Verdict, View
 from switchyard.policy import headers as request_headers
 from switchyard.policy.admission import Admission, DeploymentGate
 from switchyard.policy.admit import (
-    PromptOverhead,
     cost_usd,
     deployment_scope,
-    estimate_prompt_tokens,
-    max_output_tokens,
     principal_scopes,
     rate_headers,
     refusal,
 )
 from switchyard.policy.auth import authorize_model
+from switchyard.policy.cost import Cost, PromptOverhead, effective_window, plan
 from switchyard.policy.limits import (
     Ask,
     Limiter,
@@ -46,6 +44,7 @@ from switchyard.policy.limits import (
     period_key,
     period_start,
 )
+from switchyard.policy.limits import Verdict as LimitVerdict
 from switchyard.policy.pii import MaskingError, PiiMasker, mask_body
 from switchyard.policy.tasks import (
     Running,
@@ -54,13 +53,16 @@ from switchyard.policy.tasks import (
     TaskFirst,
     TaskHold,
     TaskStore,
+    ToolCallNote,
 )
 from switchyard.policy.tool_calls import (
-    APPROVAL_CALL_PREFIX,
+    NeededApproval,
     ToolPolicy,
+    ToolResult,
     approval_tokens,
-    called_tool,
+    approvals_needed,
     new_results,
+    tool_results,
 )
 
 log = logging.getLogger("switchyard")
@@ -138,6 +140,7 @@ class Reserver:
     ) -> None:
         self.limiter = limiter
         self.on_failure = settings.policy.on_limiter_failure
+        self.min_output = settings.policy.min_output_tokens
         self._spent_since = spent_since
         self.counters = counters
         self._seeded: set[tuple[str, str]] = set()
@@ -158,9 +161,26 @@ class Reserver:
             prompt + out,
             cost_usd(price, prompt, out) if price else 0.0,
         )
+        shrunk: dict[str, Any] | None = None
         try:
             await self._seed_budgets(scopes)
             verdict = await self.limiter.reserve(scopes, ask)
+            cost = ctx.cost
+            # Less left than the cap: the cap shrinks to what fits (again if a
+            # concurrent request took some of it meanwhile), down to a minimal answer.
+            for _ in range(3):
+                if verdict.allowed or cost is None or verdict.limit not in ("budget", "tpm"):
+                    break
+                cap = _fit(cost, verdict, price)
+                if cap < minimal_answer(cost, self.min_output):
+                    break
+                if shrunk is None:
+                    shrunk = {"from": cost.cap}
+                shrunk.update({"to": cap, "by": f"{verdict.limit}:{verdict.scope}"})
+                cost.shrink(cap, verdict.limit or "budget")
+                ctx.max_tokens = cost.cap
+                ask = Ask(ask.request_id, cost.tokens, cost.usd(price))
+                verdict = await self.limiter.reserve(scopes, ask)
         except LimiterUnavailable as exc:
             if self.on_failure == "fail_open":
                 self.counters["limiter_fail_open"] += 1
@@ -178,6 +198,8 @@ class Reserver:
             "reserved_usd": ask.cost_usd,
             "scopes": verdict.state,
         }
+        if shrunk is not None:
+            evidence["cap_shrunk"] = shrunk
         if not verdict.allowed:
             ctx.record(
                 stage,
@@ -188,6 +210,10 @@ class Reserver:
             )
             raise refusal(verdict)
         ctx.admission.reservations.append((scopes, ask))
+        if shrunk is not None:
+            reason = f"within every limit once the output cap shrank to {shrunk['to']} tokens"
+            ctx.record(stage, "admitted:cap_shrunk", reason, t, evidence)
+            return
         ctx.record(stage, "admitted", "within every limit", t, evidence)
 
     async def _seed_budgets(self, scopes: list[ScopeLimits]) -> None:
@@ -210,25 +236,84 @@ class Reserver:
             self._seeded.add(mark)
 
 
+def minimal_answer(cost: Cost, min_output: int) -> int:
+    """The smallest cap worth sending: `policy.min_output_tokens`, or the client's own
+    cap when that is smaller."""
+    return min(min_output, cost.asked) if cost.asked is not None else min_output
+
+
+def _fit(cost: Cost, verdict: LimitVerdict, price: Price | None) -> int:
+    """The largest cap that fits what every scope of a refused verdict has left."""
+    tokens = [i["remaining_tokens"] for i in verdict.state.values() if "remaining_tokens" in i]
+    usd = [i["budget_remaining_usd"] for i in verdict.state.values() if "budget_remaining_usd" in i]
+    return cost.fit(min(tokens) if tokens else None, min(usd) if usd else None, price)
+
+
 # A request's (prompt tokens, output tokens, price) for its reservation.
 Estimate = Callable[[RequestContext], tuple[int, int, Price | None]]
 
 
-def generation_estimate(
-    models: Mapping[str, ModelConfig], default_max_tokens: int, overhead: PromptOverhead
-) -> Estimate:
-    """(prompt tokens, output tokens, price) of a chat or completion request; the
-    prompt includes the model's learned overhead (its template)."""
+def generation_estimate(models: Mapping[str, ModelConfig]) -> Estimate:
+    """(prompt tokens, output tokens, price) of a chat or completion request: its cost
+    shape (ctx.cost, set by the window stage) at the model's price."""
 
     def estimate(ctx: RequestContext) -> tuple[int, int, Price | None]:
         model = models.get(ctx.alias or "")
-        return (
-            estimate_prompt_tokens(ctx.body) + overhead.get(ctx.alias or ""),
-            max_output_tokens(ctx.body, default_max_tokens),
-            model.price if model is not None else None,
-        )
+        cost = ctx.cost
+        assert cost is not None  # the window stage runs first
+        return cost.prompt, cost.output, model.price if model is not None else None
 
     return estimate
+
+
+class Window(Stage):
+    """The request's cost shape (policy/cost.py): its prompt, counted high for the
+    reservations and low for this check, its sequences and the output cap it will be
+    sent with. Refused with 400 `context_length_exceeded` only when the prompt's lower
+    bound is past the model's effective context window."""
+
+    name = "window"
+
+    def __init__(
+        self, settings: Settings, models: Mapping[str, ModelConfig], overhead: PromptOverhead
+    ) -> None:
+        self._windows = {a: effective_window(m) for a, m in models.items()}
+        self._default = settings.policy.default_max_tokens
+        self._images = settings.policy.image_tokens
+        self._overhead = overhead
+
+    def work(self, ctx: RequestContext) -> None:
+        t = time.perf_counter()
+        alias = ctx.alias or ""
+        wire = ctx.wire
+        raw_len = len(wire[1]) if wire is not None and wire[0] is ctx.body else None
+        window = self._windows.get(alias)
+        cost = plan(ctx.body, raw_len, alias, window, self._default, self._images, self._overhead)
+        evidence = {
+            "prompt_tokens": cost.prompt,
+            "prompt_lower_bound": cost.lower,
+            "window": window,
+            "sequences": cost.sequences,
+            "cap": cost.cap,
+            "cap_asked": cost.asked,
+        }
+        if window is not None and cost.lower > window:
+            ctx.record(
+                self.name,
+                "reject:context_length_exceeded",
+                f"the prompt has at least {cost.lower} tokens; the window is {window}",
+                t,
+                evidence,
+            )
+            raise InvalidRequest(
+                f"this model's maximum context length is {window} tokens; the prompt has at "
+                f"least {cost.lower} tokens",
+                param="messages" if "messages" in ctx.body else "prompt",
+                code="context_length_exceeded",
+            )
+        ctx.cost = cost
+        ctx.max_tokens = cost.cap
+        ctx.record(self.name, "ok", f"output capped at {cost.cap} tokens per sequence", t, evidence)
 
 
 class _Reserving(Stage):
@@ -396,6 +481,7 @@ class Task(Stage):
     ) -> None:
         self._default = TaskBudget.of(settings.tasks.budget)
         self._fail_open = settings.policy.on_limiter_failure == "fail_open"
+        self._min_output = settings.policy.min_output_tokens
         self._asked: dict[str, TaskBudget] = {}  # x-task-budget values, parsed
         self._store = store
         self._running = running
@@ -446,8 +532,25 @@ class Task(Stage):
         cost = cost_usd(price, prompt, out) if price else 0.0
         now = time.time()
         rid = ctx.input.request_id
+        shrunk: dict[str, Any] | None = None
         try:
             adm = await self._store.admit(key, first, rid, prompt + out, cost, now)
+            shape = ctx.cost
+            # Less left in the task's budget than the cap: the cap shrinks to what fits.
+            for _ in range(3):
+                if adm.refused not in ("tokens", "cost_usd") or shape is None:
+                    break
+                left = adm.remaining()
+                cap = shape.fit(left.get("tokens"), left.get("cost_usd"), price)
+                if cap < minimal_answer(shape, self._min_output):
+                    break
+                if shrunk is None:
+                    shrunk = {"from": shape.cap}
+                shrunk.update({"to": cap, "by": f"task:{adm.refused}"})
+                shape.shrink(cap, "task")
+                ctx.max_tokens = shape.cap
+                cost = shape.usd(price)
+                adm = await self._store.admit(key, first, rid, shape.tokens, cost, now)
         except LimiterUnavailable as exc:
             if self._fail_open:
                 log.warning("task state unavailable, admitting (fail_open): %s", exc)
@@ -463,6 +566,8 @@ class Task(Stage):
             ctx.record(self.name, f"reject:{refused}", _task_refusal_reason(refused), t, evidence)
             raise _task_error(task_id, refused, adm)
         ctx.task = TaskHold(key, rid)
+        if shrunk is not None:
+            evidence["cap_shrunk"] = shrunk
         if adm.deployments:
             ctx.task_deployments = adm.deployments
         self._running.add(key, ctx)
@@ -507,20 +612,35 @@ def _task_error(task_id: str, refused: str, adm: TaskAdmission) -> SwitchyardErr
 ConsumeApproval = Callable[
     [str, str, "str | None", str, str], Awaitable[tuple["str | None", "str | None"]]
 ]
+# ApprovalStore.consumed off the event loop: (tenant, task, call ids) → those approved.
+ConsumedApprovals = Callable[[str, "str | None", list[str]], Awaitable[set[str]]]
+
+
+async def _none_consumed(*_: Any) -> set[str]:
+    """Without an approval store nothing was approved: every result needs one now."""
+    return set()
 
 
 class ToolResults(Stage):
-    """The tool results a chat request brings for the first time (policy/tool_calls):
-    each needs an approval when its tool `requires_approval`; in a task, each is
-    counted, and one whose call already had a result is a duplicate side effect."""
+    """Every tool result a chat request carries (policy/tool_calls): each needs an
+    approval when its call does (an earlier approval of the same call still holds);
+    in a task, those brought for the first time are counted, and one whose call
+    already had a result is a duplicate side effect."""
 
     name = "tool_results"
     NONE = Verdict("skip", "no tool results to check")
 
-    def __init__(self, policy: ToolPolicy, store: TaskStore, consume: ConsumeApproval) -> None:
+    def __init__(
+        self,
+        policy: ToolPolicy,
+        store: TaskStore,
+        consume: ConsumeApproval,
+        consumed: ConsumedApprovals | None = None,
+    ) -> None:
         self._policy = policy
         self._store = store
         self._consume = consume
+        self._consumed = consumed or _none_consumed
 
     def static(self, view: View) -> Verdict | None:
         if view.endpoint != "chat.completions":
@@ -530,63 +650,44 @@ class ToolResults(Stage):
         return None
 
     def work(self, ctx: RequestContext) -> Awaitable[None] | None:
-        ids = new_results(ctx.body)
-        if not ids:
-            ctx.record(self.name, "skip", "no new tool results", time.perf_counter())
-            return None
-        return self._check(ctx, ids[:256])
-
-    async def _check(self, ctx: RequestContext, ids: list[str]) -> None:
         t = time.perf_counter()
-        tenant = ctx.principal.tenant_id
+        try:
+            results = tool_results(ctx.body)
+        except InvalidRequest as exc:
+            ctx.record(self.name, f"reject:{exc.code}", exc.message, t)
+            raise
+        if not results:
+            ctx.record(self.name, "skip", "no tool results", t)
+            return None
+        return self._check(ctx, results, t)
+
+    async def _check(self, ctx: RequestContext, results: list[ToolResult], t: float) -> None:
         task = ctx.input.task_id
-        key = (tenant, task) if task is not None else None
-        need: list[tuple[str, str]] = []
-        for cid in ids:
-            note = await self._store.tool_call(key, cid) if key is not None else None
-            tool = note.tool if note is not None else called_tool(ctx.body, cid)
-            if cid.startswith(APPROVAL_CALL_PREFIX) or (
-                tool is not None and self._policy.requires_approval(tool)
-            ):
-                need.append((cid, tool or "a tool that requires approval"))
-        approved: list[dict[str, Any]] = []
-        if need:
-            try:
-                tokens = approval_tokens(ctx.input.headers.get("x-switchyard-approval"))
-            except InvalidRequest as exc:
-                ctx.record(self.name, "reject:invalid_header", exc.message, t)
-                raise
-            for cid, tool in need:
-                approver, why = None, "no approval was presented"
-                for token in tokens:
-                    approver, why_not = await self._consume(
-                        token, tenant, task, cid, ctx.input.request_id
-                    )
-                    if approver is not None:
-                        tokens.remove(token)
-                        break
-                    why = why_not or why
-                if approver is None:
-                    ctx.record(
-                        self.name,
-                        "reject:approval_required",
-                        f"the result of {cid} ({tool}) needs an approval: {why}",
-                        t,
-                        {"call_id": cid, "tool": tool, "approved": approved},
-                    )
-                    raise ApprovalRequired(
-                        f"the result of the tool call '{cid}' ({tool}) needs an approval "
-                        f"(x-switchyard-approval): {why}",
-                        param="x-switchyard-approval",
-                    )
-                approved.append({"call_id": cid, "tool": tool, "approver": approver})
-        notes = await self._store.note_results(key, ids) if key is not None else {}
+        key = (ctx.principal.tenant_id, task) if task is not None else None
+        notes: dict[str, ToolCallNote] = {}
+        if key is not None:  # the gateway's own record of the task's calls
+            for cid in dict.fromkeys(r.call_id for r in results if r.call_id is not None):
+                note = await self._store.tool_call(key, cid)
+                if note is not None:
+                    notes[cid] = note
+        counts = {cid: n.results for cid, n in notes.items()}  # before this request's
+        needed = approvals_needed(results, self._policy, {c: n.tool for c, n in notes.items()})
+        approved, reused = await self._approve(ctx, needed, t) if needed else ([], [])
+        ids = new_results(results, counts)
+        noted = await self._store.note_results(key, ids) if key is not None and ids else {}
         duplicates = [
             {"call_id": cid, "tool": n.tool, "class": n.tool_class, "results": n.results}
-            for cid, n in notes.items()
+            for cid, n in noted.items()
             if n.results > 1
         ]
-        evidence = {"results": len(ids), "known": len(notes), "approved": approved}
+        evidence: dict[str, Any] = {
+            "results": len(ids),
+            "checked": len(results),
+            "known": len(noted),
+            "approved": approved,
+        }
+        if reused:
+            evidence["approved_before"] = reused
         if duplicates:
             evidence["duplicates"] = duplicates
             ctx.record(
@@ -599,3 +700,48 @@ class ToolResults(Stage):
             )
             return
         ctx.record(self.name, "ok", f"{len(ids)} new tool result(s)", t, evidence)
+
+    async def _approve(
+        self, ctx: RequestContext, needed: list[NeededApproval], t: float
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        """(approvals consumed now, call ids an earlier approval covers), or raise
+        ApprovalRequired for the first result that has neither."""
+        tenant = ctx.principal.tenant_id
+        task = ctx.input.task_id
+        reusable = [n.approval_id for n in needed if n.reusable]
+        before = await self._consumed(tenant, task, reusable) if reusable else set()
+        reused = [n.approval_id for n in needed if n.reusable and n.approval_id in before]
+        pending = [n for n in needed if not (n.reusable and n.approval_id in before)]
+        approved: list[dict[str, Any]] = []
+        if not pending:
+            return approved, reused
+        try:
+            tokens = approval_tokens(ctx.input.headers.get("x-switchyard-approval"))
+        except InvalidRequest as exc:
+            ctx.record(self.name, "reject:invalid_header", exc.message, t)
+            raise
+        for n in pending:
+            approver, why = None, "no approval was presented"
+            for token in tokens:
+                approver, why_not = await self._consume(
+                    token, tenant, task, n.approval_id, ctx.input.request_id
+                )
+                if approver is not None:
+                    tokens.remove(token)
+                    break
+                why = why_not or why
+            if approver is None:
+                ctx.record(
+                    self.name,
+                    "reject:approval_required",
+                    f"the result of {n.approval_id} ({n.tool}) needs an approval: {why}",
+                    t,
+                    {"call_id": n.approval_id, "tool": n.tool, "approved": approved},
+                )
+                raise ApprovalRequired(
+                    f"the result of the tool call '{n.approval_id}' ({n.tool}) needs an "
+                    f"approval (x-switchyard-approval): {why}",
+                    param="x-switchyard-approval",
+                )
+            approved.append({"call_id": n.approval_id, "tool": n.tool, "approver": approver})
+        return approved, reused

@@ -18,14 +18,23 @@ what the model *returns* and what the client sends back:
   can refuse to run it twice. A streamed side-effecting call is held until its
   arguments are complete and then relayed whole (its key needs them). A call to a
   tool that `requires_approval` is keyed the same way, with the prefix `call_sya_`.
-* **Results and approvals** (the `tool_results` stage): the tool results a request
-  brings for the first time (the `tool` messages after its last assistant message) are
-  counted per task; a result for a call whose result was already brought is flagged as
-  a duplicate side effect. A result for a tool that `requires_approval` needs a valid
-  approval for that call (`x-switchyard-approval`), issued by an operator, scoped to
-  tenant, task and call, single-use and expiring (`ApprovalStore`). So does a result
-  for a `call_sya_` id, whatever tool the conversation sent back names for it: outside
-  a task the gateway keeps no note of its calls, and the client writes the history.
+* **Results and approvals** (the `tool_results` stage): every tool result a request
+  carries is checked, wherever it sits in the history and whichever role carries it
+  (`tool`, or a legacy `function` message), at most MAX_TOOL_RESULTS of them (more
+  is a 400, never a partial check). A result needs an approval (`x-switchyard-approval`),
+  issued by an operator, scoped to tenant, task and call, single-use and expiring
+  (`ApprovalStore`), when its id has the prefix `call_sya_` (whatever tool the
+  conversation names for it: outside a task the gateway keeps no note of its calls,
+  and the client writes the history) or when any name given to it (its own `name`,
+  the assistant tool calls with its id, the task's record of the call, the
+  `function_call` a legacy result answers) is a tool that `requires_approval`. A
+  call id needs its approval once: one already consumed for (tenant, call id) covers
+  the later turns that carry the result as history. A legacy function result has no
+  id, so it is matched by name: each one, in every request that carries it, needs
+  its own approval for the call id `function:<name>`. In a task, the results brought
+  for the first time are counted (those after the last assistant message, and any
+  earlier one whose call the task's record shows no result for); a result for a call
+  that already had one is flagged as a duplicate side effect.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -370,37 +380,152 @@ class StreamToolGate:
         }
 
 
-def new_results(body: dict[str, Any]) -> list[str]:
-    """The call ids of the tool results this request brings for the first time: the
-    `tool` messages after its last assistant message (earlier ones are history)."""
+# The most tool results (tool and function messages) a request's history may carry
+# where they are checked: each costs a look-up, and one left unchecked would be a
+# way past the gate, so a longer history is refused (400), never checked in part.
+MAX_TOOL_RESULTS = 256
+# The call id an approval of a legacy `function` result names: such a result has no
+# id of its own, only the function's name.
+FUNCTION_RESULT_PREFIX = "function:"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """One tool result anywhere in a conversation: a `tool` message (its call id) or
+    a legacy `function` message (no id; `call_id` is None)."""
+
+    index: int  # its position in `messages`
+    call_id: str | None
+    # Every tool name the conversation gives it: the message's own `name`, the
+    # assistant tool calls with its id, or (legacy) the `function_call` it answers.
+    names: frozenset[str]
+    trailing: bool  # after the last assistant message: brought by this request
+
+
+@dataclass(frozen=True, slots=True)
+class NeededApproval:
+    """A result the request may forward only with an approval for `approval_id`."""
+
+    approval_id: str  # the call id the approval must name
+    tool: str  # for the reason given to the client and the trace
+    index: int  # the (first) message it was found in
+    # A call id, which names one call: an approval already consumed for it (an
+    # earlier turn of the same conversation) still covers it. A legacy function
+    # result has no such identity, so it never is covered by an earlier approval.
+    reusable: bool
+
+
+def _name(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _called(messages: list[Any]) -> dict[str, set[str]]:
+    """call id → the names every assistant message of the history gives that call."""
+    called: dict[str, set[str]] = {}
+    for m in messages:
+        if isinstance(m, dict) and m.get("role") == "assistant":
+            calls = m.get("tool_calls")
+            for call in calls if isinstance(calls, list) else []:
+                if isinstance(call, dict) and isinstance(call.get("id"), str):
+                    name = _name(_obj(call.get("function")).get("name"))
+                    called.setdefault(call["id"], set()).update([name] if name else [])
+    return called
+
+
+def tool_results(body: dict[str, Any]) -> list[ToolResult]:
+    """Every tool result of the conversation, wherever it sits and whatever role
+    carries it: the client writes the whole history, so a result placed before an
+    assistant turn is as much its word as one at the end. More than
+    MAX_TOOL_RESULTS, a `tool` message without a call id or a `function` message
+    without a name is a 400 (a result that cannot be told apart cannot be checked)."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         return []
-    out: list[str] = []
-    for m in reversed(messages):
-        if not isinstance(m, dict):
+    last = max(
+        (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
+        default=-1,
+    )
+    called = _called(messages)
+    answered: str | None = None  # the function_call of the latest assistant message
+    out: list[ToolResult] = []
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role == "assistant":
+            answered = _name(_obj(m.get("function_call")).get("name"))
+        if role not in ("tool", "function"):
             continue
-        role = m.get("role")
+        if len(out) == MAX_TOOL_RESULTS:
+            raise InvalidRequest(
+                f"at most {MAX_TOOL_RESULTS} tool results (tool and function messages) per request",
+                param="messages",
+                code="too_many_tool_results",
+            )
+        own = _name(m.get("name"))
         if role == "tool":
-            cid = m.get("tool_call_id")
-            if isinstance(cid, str) and cid:
-                out.append(cid)
-        elif role == "assistant":
-            break
-    out.reverse()
+            cid = _name(m.get("tool_call_id"))
+            if cid is None:
+                raise InvalidRequest(
+                    f"'messages[{i}].tool_call_id' must name the tool call it answers",
+                    param=f"messages[{i}].tool_call_id",
+                )
+            names = called.get(cid, set()) | ({own} if own else set())
+            out.append(ToolResult(i, cid, frozenset(names), i > last))
+            continue
+        if own is None:
+            raise InvalidRequest(
+                f"'messages[{i}].name' is required for role 'function'",
+                param=f"messages[{i}].name",
+            )
+        names = {own} | ({answered} if answered else set())
+        out.append(ToolResult(i, None, frozenset(names), i > last))
     return out
 
 
-def called_tool(body: dict[str, Any], call_id: str) -> str | None:
-    """The tool an assistant message of this conversation called as `call_id`."""
-    for m in reversed(body.get("messages") or []):
-        if isinstance(m, dict) and m.get("role") == "assistant":
-            for call in m.get("tool_calls") or []:
-                if isinstance(call, dict) and call.get("id") == call_id:
-                    fn = call.get("function")
-                    name = fn.get("name") if isinstance(fn, dict) else None
-                    return name if isinstance(name, str) else None
-    return None
+def approvals_needed(
+    results: list[ToolResult], policy: ToolPolicy, noted: Mapping[str, str]
+) -> list[NeededApproval]:
+    """The results that need an approval, in message order: a result for a
+    `call_sya_` id, or one that any name the conversation or the task's record
+    (`noted`: call id → the tool the gateway relayed) gives it requires approval.
+    A call id needs one approval however often its result appears; each legacy
+    function result needs its own (see NeededApproval.reusable)."""
+    names: dict[str, set[str]] = {}
+    first: dict[str, int] = {}
+    out: list[NeededApproval] = []
+    for r in results:
+        if r.call_id is None:
+            gated = sorted(n for n in r.names if policy.requires_approval(n))
+            if gated:
+                fn = FUNCTION_RESULT_PREFIX + gated[0]
+                out.append(NeededApproval(fn, gated[0], r.index, False))
+            continue
+        first.setdefault(r.call_id, r.index)
+        names.setdefault(r.call_id, set()).update(r.names)
+    for cid, given in names.items():
+        tool = noted.get(cid)
+        gated = sorted(
+            n for n in given | ({tool} if tool else set()) if policy.requires_approval(n)
+        )
+        if gated or cid.startswith(APPROVAL_CALL_PREFIX):
+            what = gated[0] if gated else tool or "a tool that requires approval"
+            # An id that looks like a function result's never reuses an approval: one
+            # consumed for `function:<name>` covers no later result.
+            reusable = not cid.startswith(FUNCTION_RESULT_PREFIX)
+            out.append(NeededApproval(cid, what, first[cid], reusable))
+    return sorted(out, key=lambda n: n.index)
+
+
+def new_results(results: list[ToolResult], counts: Mapping[str, int]) -> list[str]:
+    """The call ids whose results this request brings for the first time, to count
+    for its task: each after the last assistant message (brought now; one brought
+    again is a duplicate) and each earlier one whose call the task's record knows
+    with no result yet (`counts`: call id → results so far), however the history
+    ordered it. A legacy function result has no id to count."""
+    return [
+        r.call_id
+        for r in results
+        if r.call_id is not None and (r.trailing or counts.get(r.call_id) == 0)
+    ]
 
 
 MAX_APPROVALS_PER_REQUEST = 16
@@ -520,3 +645,24 @@ class ApprovalStore:
             if cur.rowcount != 1:  # another process used it meanwhile
                 return None, "the approval was already used"
         return str(approver), None
+
+    def consumed(self, tenant: str, task_id: str | None, call_ids: Sequence[str]) -> set[str]:
+        """The call ids among `call_ids` for which an approval that `consume` would
+        have taken for this tenant and task was already used: a call approved once
+        stays approved for the later turns of its conversation, which carry its
+        result as history. A task-wide approval (task None) counts in any task, as
+        in `consume`."""
+        ids = list(dict.fromkeys(call_ids))
+        found: set[str] = set()
+        for start in range(0, len(ids), MAX_TOOL_RESULTS):
+            chunk = ids[start : start + MAX_TOOL_RESULTS]
+            marks = ",".join("?" * len(chunk))
+            with self._lock:
+                rows = self.conn.execute(
+                    "SELECT DISTINCT call_id FROM approvals WHERE tenant_id = ?"
+                    " AND used_at IS NOT NULL AND (task_id IS NULL OR task_id = ?)"
+                    f" AND call_id IN ({marks})",
+                    (tenant, task_id, *chunk),
+                ).fetchall()
+            found.update(str(row[0]) for row in rows)
+        return found
