@@ -121,8 +121,10 @@ class Gateway:
 
         return OpenAI(base_url=self.url + "/v1", api_key=key or self.key, max_retries=0, **kw)
 
-    def post(self, path: str, **kw: Any) -> httpx.Response:
-        headers = {**self.auth, **kw.pop("headers", {})}
+    def post(self, path: str, key: str | None = None, **kw: Any) -> httpx.Response:
+        """POST with this gateway's key, or `key` when given."""
+        auth = {"Authorization": f"Bearer {key}"} if key is not None else self.auth
+        headers = {**auth, **kw.pop("headers", {})}
         return httpx.post(self.url + path, headers=headers, timeout=kw.pop("timeout", 60), **kw)
 
     def stream(self, body: dict[str, Any], path: str = "/v1/chat/completions", **kw: Any) -> Any:
@@ -372,6 +374,21 @@ def start_scripted(*extra: str) -> tuple[Proc, Scripted]:
     )
     wait_http(f"http://127.0.0.1:{port}/health", proc)
     return proc, Scripted(port)
+
+
+# $1000 per million output tokens: 10 tokens cost exactly $0.01.
+CHEAP_PRICE = {"input": 0.0, "output": 1000.0}
+
+
+def cheap_config(scripted: Scripted, *more: dict[str, Any], **sections: Any) -> dict[str, Any]:
+    """A gateway config whose model `cheap` is `scripted` at CHEAP_PRICE, then the
+    models `more`; no embedding model; `sections` added at the top level."""
+    cheap = {
+        "alias": "cheap",
+        "engine": {"kind": "openai", "base_url": scripted.url + "/v1"},
+        "price": CHEAP_PRICE,
+    }
+    return {"models": [cheap, *more], "embeddings": {"enabled": False}, **sections}
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from conftest import Gateway, Scripted, start_gateway, start_scripted
+from conftest import Gateway, Scripted, start_gateway
 from switchyard.config import ToolsConfig
 from switchyard.errors import ApprovalRequired, InvalidRequest
 from switchyard.observe.store import MemoryStore
@@ -334,10 +334,8 @@ TIMEOUTS = {"connect_s": 1, "first_byte_s": 10, "total_s": 30}
 
 
 @pytest.fixture(scope="module")
-def upstream() -> Iterator[Scripted]:
-    proc, s = start_scripted()
-    yield s
-    proc.stop()
+def upstream(scripted: Scripted) -> Scripted:
+    return scripted  # conftest's, under the name these tests read it by
 
 
 @pytest.fixture(scope="module")

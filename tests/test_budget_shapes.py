@@ -212,12 +212,7 @@ def test_the_cap_reserved_is_the_cap_sent(gw: Gateway, upstream: Scripted) -> No
     gateway sends the 512 it reserved and says so."""
     key = _new_budget_key(gw, "cap")
     body = {"model": "cheap", "messages": [{"role": "user", "content": "write a long essay"}]}
-    r = httpx.post(
-        gw.url + "/v1/chat/completions",
-        json=body,
-        headers={"Authorization": f"Bearer {key}"},
-        timeout=60,
-    )
+    r = gw.post("/v1/chat/completions", key=key, json=body)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 512
     assert r.json()["choices"][0]["finish_reason"] == "length"

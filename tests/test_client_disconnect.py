@@ -21,7 +21,7 @@ import httpx
 import pytest
 from starlette.requests import Request
 
-from conftest import Gateway, Scripted, start_gateway
+from conftest import Gateway, Scripted, cheap_config, start_gateway
 from switchyard.api.body import BAD_FRAMING, read_body
 from switchyard.errors import ClientDisconnected, InvalidRequest
 
@@ -29,19 +29,9 @@ from switchyard.errors import ClientDisconnected, InvalidRequest
 NOISE = re.compile(r"Traceback|ClientDisconnect\b| ERROR |unhandled error")
 
 
-def _config(scripted: Scripted) -> dict[str, Any]:
-    return {
-        "models": [
-            {"alias": "cheap", "engine": {"kind": "openai", "base_url": scripted.url + "/v1"}}
-        ],
-        # The body is read before the model is looked at: no embedding model needed.
-        "embeddings": {"enabled": False},
-    }
-
-
 @pytest.fixture(scope="module")
 def gw(scripted: Scripted) -> Iterator[Gateway]:
-    g = start_gateway(_config(scripted))
+    g = start_gateway(cheap_config(scripted))
     yield g
     g.proc.stop()
 

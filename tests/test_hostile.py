@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import Gateway, Scripted, start_gateway
+from conftest import Gateway, Scripted, cheap_config, start_gateway
 
 CHEAP = {"model": "cheap", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
 # What no client should ever see: Python's exception names and texts, file paths.
@@ -32,22 +32,12 @@ LEAKS = re.compile(
 
 
 def _config(scripted: Scripted) -> dict[str, Any]:
-    return {
-        "models": [
-            {
-                "alias": "cheap",
-                "engine": {"kind": "openai", "base_url": scripted.url + "/v1"},
-                # $1000 per million output tokens: 10 tokens cost exactly $0.01.
-                "price": {"input": 0.0, "output": 1000.0},
-            },
-            {
-                "alias": "dead",
-                "engine": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1"},
-                "resilience": {"retries": 0},
-            },
-        ],
-        "embeddings": {"enabled": False},
+    dead = {
+        "alias": "dead",
+        "engine": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1"},
+        "resilience": {"retries": 0},
     }
+    return cheap_config(scripted, dead)
 
 
 @pytest.fixture(scope="module")

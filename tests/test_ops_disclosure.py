@@ -9,6 +9,7 @@ names the deployment and never its URL, and console logins are throttled per add
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import re
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import ADMIN_KEY, Gateway, Scripted, start_gateway
+from conftest import ADMIN_KEY, Gateway, Scripted, cheap_config, start_gateway
 from switchyard.api.console import LoginThrottle
 from switchyard.config import ConfigError, parse_settings
 from switchyard.observe.metrics import hashed_tenant, tenant_key
@@ -27,37 +28,31 @@ CHAT = {"model": "cheap", "messages": [{"role": "user", "content": "hi"}], "max_
 
 
 def _config(scripted: Scripted, **observe: Any) -> dict[str, Any]:
-    return {
-        "models": [
-            {
-                "alias": "cheap",
-                "engine": {"kind": "openai", "base_url": scripted.url + "/v1"},
-                "price": {"input": 0.0, "output": 1000.0},
-            },
-            {
-                "alias": "pair",
-                "deployments": [
-                    {"name": name, "engine": {"kind": "openai", "base_url": scripted.url + "/v1"}}
-                    for name in ("east", "west")
-                ],
-            },
+    pair = {
+        "alias": "pair",
+        "deployments": [
+            {"name": name, "engine": {"kind": "openai", "base_url": scripted.url + "/v1"}}
+            for name in ("east", "west")
         ],
-        "embeddings": {"enabled": False},
-        "observe": observe,
     }
+    return cheap_config(scripted, pair, observe=observe)
+
+
+@contextlib.contextmanager
+def _gateway(scripted: Scripted, **observe: Any) -> Iterator[Gateway]:
+    """A gateway of its own for one test (its observe settings, or a fresh throttle)."""
+    g = start_gateway(_config(scripted, **observe))
+    try:
+        yield g
+    finally:
+        g.proc.stop()
 
 
 def _spend(gw: Gateway, tenant: str, model: str = "cheap") -> httpx.Response:
     """One paid request as `tenant` (created here), so /metrics has its series."""
     gw.create_tenant(tenant)
     key = gw.create_key(tenant)["key"]
-    body = {**CHAT, "model": model}
-    r = httpx.post(
-        gw.url + "/v1/chat/completions",
-        json=body,
-        headers={"Authorization": f"Bearer {key}"},
-        timeout=30,
-    )
+    r = gw.post("/v1/chat/completions", key=key, json={**CHAT, "model": model})
     assert r.status_code == 200, r.text
     return r
 
@@ -98,18 +93,14 @@ def test_metrics_answer_the_admin_key_with_tenant_ids_by_default(gw: Gateway) ->
 
 
 def test_metrics_public_serves_everyone(scripted: Scripted) -> None:
-    g = start_gateway(_config(scripted, metrics_public=True))
-    try:
+    with _gateway(scripted, metrics_public=True) as g:
         _spend(g, SECRET_TENANT)
         r = httpx.get(g.url + "/metrics")
         assert r.status_code == 200 and f'tenant="{SECRET_TENANT}"' in r.text
-    finally:
-        g.proc.stop()
 
 
 def test_hashed_tenant_label_hides_the_id_and_the_admin_can_map_it(scripted: Scripted) -> None:
-    g = start_gateway(_config(scripted, metrics_tenant_label="hashed"))
-    try:
+    with _gateway(scripted, metrics_tenant_label="hashed") as g:
         _spend(g, SECRET_TENANT)
         _spend(g, "other-customer")
         text = _metrics(g)
@@ -130,21 +121,16 @@ def test_hashed_tenant_label_hides_the_id_and_the_admin_can_map_it(scripted: Scr
         assert mine["metrics_label"] == label
         other = next(t for t in tenants if t["id"] == "other-customer")
         assert other["metrics_label"] != label
-    finally:
-        g.proc.stop()
 
 
 def test_tenant_label_off_aggregates_every_tenant(scripted: Scripted) -> None:
-    g = start_gateway(_config(scripted, metrics_tenant_label="off"))
-    try:
+    with _gateway(scripted, metrics_tenant_label="off") as g:
         _spend(g, SECRET_TENANT)
         _spend(g, "other-customer")
         text = _metrics(g)
         assert "tenant=" not in text and SECRET_TENANT not in text
         assert re.search(r'^switchyard_requests_total{model="cheap",status="ok"} 2\.0$', text, re.M)
         assert re.search(r'^switchyard_cost_usd_total{model="cheap"} ', text, re.M)
-    finally:
-        g.proc.stop()
 
 
 def test_hashed_label_without_any_key_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -205,8 +191,7 @@ def _login(gw: Gateway, key: str, source: str = "127.0.0.1") -> httpx.Response:
 
 
 def test_the_eleventh_wrong_login_in_a_minute_is_429(scripted: Scripted) -> None:
-    g = start_gateway(_config(scripted))
-    try:
+    with _gateway(scripted) as g:
         codes = [_login(g, f"guess-{i}").status_code for i in range(10)]
         assert codes == [401] * 10
         eleventh = _login(g, "guess-10")
@@ -222,18 +207,13 @@ def test_the_eleventh_wrong_login_in_a_minute_is_429(scripted: Scripted) -> None
         log = g.proc.output()
         assert log.count("WARNING switchyard.console: console login with a wrong admin key") == 10
         assert "from 127.0.0.1" in log and "guess-" not in log
-    finally:
-        g.proc.stop()
 
 
 def test_concurrent_wrong_logins_cannot_pass_the_limit(scripted: Scripted) -> None:
-    g = start_gateway(_config(scripted))
-    try:
+    with _gateway(scripted) as g:
         with concurrent.futures.ThreadPoolExecutor(16) as ex:
             codes = list(ex.map(lambda i: _login(g, f"burst-{i}").status_code, range(40)))
         assert codes.count(401) == 10 and codes.count(429) == 30, codes
-    finally:
-        g.proc.stop()
 
 
 def test_throttle_frees_as_the_window_slides() -> None:
