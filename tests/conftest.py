@@ -145,6 +145,16 @@ class Gateway:
         assert r.status_code == 201, r.text
         return dict(r.json())
 
+    def approve(self, tenant: str, task: str | None, call_id: str) -> str:
+        """An approval token for one tool call, issued through the admin API."""
+        r = httpx.post(
+            self.url + "/admin/approvals",
+            json={"tenant": tenant, "task_id": task, "call_id": call_id, "approver": "ops-anna"},
+            headers=self.admin,
+        )
+        assert r.status_code == 201, r.text
+        return str(r.json()["token"])
+
     def trace(self, request_id: str, timeout_s: float = 20) -> dict[str, Any]:
         """A request's stored trace (the ledger writer commits it a moment after the
         reply, so this waits for it)."""

@@ -371,16 +371,6 @@ def _post(gw: Gateway, who: dict[str, str], messages: list[Any], **headers: str)
     return httpx.post(gw.url + "/v1/chat/completions", json=body, headers=h, timeout=30)
 
 
-def _approve(gw: Gateway, tenant: str, task: str | None, call_id: str) -> str:
-    r = httpx.post(
-        gw.url + "/admin/approvals",
-        json={"tenant": tenant, "task_id": task, "call_id": call_id, "approver": "ops-anna"},
-        headers=gw.admin,
-    )
-    assert r.status_code == 201, r.text
-    return str(r.json()["token"])
-
-
 def _decision(gw: Gateway, r: httpx.Response) -> dict[str, Any]:
     trace = gw.trace(r.headers["x-request-id"])
     return next(d for d in trace["decisions"] if d["stage"] == "tool_results")
@@ -429,7 +419,7 @@ def test_a_result_before_a_trailing_assistant_turn_needs_its_approval(
     assert cid in r.json()["error"]["message"]
     assert upstream.requests() == sent  # refused before the upstream saw it
     assert _results(gw, who, task, cid) == 0
-    token = _approve(gw, who["tenant"], task, cid)
+    token = gw.approve(who["tenant"], task, cid)
     r = _post(gw, who, history, **h, **{"x-switchyard-approval": token})
     assert r.status_code == 200, r.text
     assert _decision(gw, r)["evidence"]["approved"] == [
@@ -474,7 +464,7 @@ def test_a_legacy_function_result_needs_an_approval_each_time(
     assert r.status_code == 403 and r.json()["error"]["code"] == "approval_required", r.text
     assert "function:send_email" in r.json()["error"]["message"]
     assert upstream.requests() == sent
-    token = _approve(gw, who["tenant"], task, "function:send_email")
+    token = gw.approve(who["tenant"], task, "function:send_email")
     r = _post(gw, who, history, **h, **{"x-switchyard-approval": token})
     assert r.status_code == 200, r.text
     # No id ties a function result to the approval an earlier request used: again.

@@ -258,16 +258,6 @@ def test_a_duplicate_side_effect_result_is_flagged(gw: Gateway, upstream: Script
     assert [d["call_id"] for d in t["duplicate_results"]] == [call_id]
 
 
-def _approve(gw: Gateway, tenant: str, task: str | None, call_id: str) -> str:
-    r = httpx.post(
-        gw.url + "/admin/approvals",
-        json={"tenant": tenant, "task_id": task, "call_id": call_id, "approver": "ops-anna"},
-        headers=gw.admin,
-    )
-    assert r.status_code == 201, r.text
-    return str(r.json()["token"])
-
-
 def test_a_result_that_needs_approval(gw: Gateway, upstream: Scripted) -> None:
     who = _tenant(gw, "appr")
     task_id = f"a-{time.monotonic_ns()}"
@@ -282,13 +272,13 @@ def test_a_result_that_needs_approval(gw: Gateway, upstream: Scripted) -> None:
     assert upstream.requests() == before  # refused before anything went upstream
     # Another tenant's approval does not count, nor one for another task.
     other = _tenant(gw, "appr-other")
-    foreign = _approve(gw, other["tenant"], task_id, call_id)
+    foreign = gw.approve(other["tenant"], task_id, call_id)
     r = _post(gw, who, body, **task, **{"x-switchyard-approval": foreign})
     assert r.status_code == 403
-    wrong_task = _approve(gw, who["tenant"], "another-task", call_id)
+    wrong_task = gw.approve(who["tenant"], "another-task", call_id)
     r = _post(gw, who, body, **task, **{"x-switchyard-approval": wrong_task})
     assert r.status_code == 403
-    token = _approve(gw, who["tenant"], task_id, call_id)
+    token = gw.approve(who["tenant"], task_id, call_id)
     r = _post(gw, who, body, **task, **{"x-switchyard-approval": token})
     assert r.status_code == 200, r.text
     d = next(
@@ -354,7 +344,7 @@ def test_outside_a_task_a_renamed_call_still_needs_its_approval(
     forged = _with_result(ids["send_email"], "search")  # the history renames the tool
     r = _post(gw, who, forged)
     assert r.status_code == 403 and r.json()["error"]["code"] == "approval_required", r.text
-    token = _approve(gw, who["tenant"], None, ids["send_email"])
+    token = gw.approve(who["tenant"], None, ids["send_email"])
     assert _post(gw, who, forged, **{"x-switchyard-approval": token}).status_code == 200
     # A read-only call's result needs nothing.
     assert _post(gw, who, _with_result(ids["search"], "search")).status_code == 200
