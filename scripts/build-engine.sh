@@ -34,14 +34,15 @@ if [ -n "$wheel" ]; then
   exit 0
 fi
 
-echo "building llama-cpp-python $VERSION portably (about 10 minutes on 2 cores; once per machine)" >&2
+echo "building llama-cpp-python $VERSION portably (3-10 minutes on 2 cores; once per machine)" >&2
 echo "  flags: $FLAGS" >&2
 unpack_sdist "$PY" "$VERSION"
 work=$WORK
 src=$SDIST_DIR
 echo "  log: $work/build.log" >&2
 if ! CMAKE_ARGS="$FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
-  "$PY" -m pip wheel -v --no-deps "$src" -w "$work/out" >"$work/build.log" 2>&1; then
+  with_progress llama-cpp-python "$work/build.log" "3-10 min" \
+  "$PY" -m pip wheel -v --no-deps "$src" -w "$work/out"; then
   tail -n 40 "$work/build.log" >&2
   echo "build-engine: the build failed (log above)" >&2
   exit 1

@@ -37,7 +37,7 @@ if [ -x "$DIR/llama-server" ]; then
   exit 0
 fi
 
-echo "building llama-server from llama-cpp-python $VERSION's vendored llama.cpp (a few minutes; once per machine)" >&2
+echo "building llama-server from llama-cpp-python $VERSION's vendored llama.cpp (4-9 minutes on 2 cores; once per machine)" >&2
 echo "  flags: $ALL_FLAGS" >&2
 unpack_sdist "$PY" "$VERSION"
 work=$WORK
@@ -45,9 +45,11 @@ src=$SDIST_DIR/vendor/llama.cpp
 echo "  log: $work/build.log" >&2
 start=$(date +%s)
 # shellcheck disable=SC2086
-if ! { cmake -S "$src" -B "$work/build" $ALL_FLAGS &&
-  cmake --build "$work/build" --target llama-server -j "${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"; } \
-  >"$work/build.log" 2>&1; then
+build() {
+  cmake -S "$src" -B "$work/build" $ALL_FLAGS &&
+    cmake --build "$work/build" --target llama-server -j "${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+}
+if ! with_progress llama-server "$work/build.log" "4-9 min" build; then
   tail -n 40 "$work/build.log" >&2
   echo "build-llama-server: the build failed (log above)" >&2
   exit 1

@@ -35,3 +35,28 @@ unpack_sdist() {
   SDIST_DIR=$(ls -d "$WORK"/llama_cpp_python-*/ | head -n1)
   SDIST_DIR=${SDIST_DIR%/}
 }
+
+# Run a long build with a progress line on stderr every 30 s: what is being built, how
+# long so far, the expected total (as measured on 2-core machines of this kind) and the
+# last percentage the build tool printed into its log.
+# Usage: with_progress WHAT LOG EXPECTED COMMAND...   (EXPECTED: e.g. "4-9 min")
+with_progress() {
+  local what=$1 log=$2 expected=$3 start pid now pct
+  shift 3
+  start=$(date +%s)
+  "$@" >"$log" 2>&1 &
+  pid=$!
+  now=$start
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    if (( $(date +%s) - now >= 30 )); then
+      now=$(date +%s)
+      # make prints "[ 42%]", ninja "[142/193]"
+      pct=$(grep -oE '^ *\[ *[0-9]+(%|/[0-9]+)\]' "$log" 2>/dev/null | tail -n1 | tr -d '[] ' || true)
+      printf '  building %s: %dm%02ds so far of an expected %s on 2 cores%s\n' "$what" \
+        $(( (now - start) / 60 )) $(( (now - start) % 60 )) "$expected" \
+        "${pct:+ (compiled: $pct)}" >&2
+    fi
+  done
+  wait "$pid"
+}

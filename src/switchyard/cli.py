@@ -552,12 +552,14 @@ def cmd_cache(args: argparse.Namespace) -> int:
         for name in ("root", "onnxruntime"):  # the quantiser logs every tensor
             logging.getLogger(name).setLevel(logging.WARNING)
         cfg = CacheConfig()
+        threshold = cfg.threshold if args.threshold is None else args.threshold
         try:
             path, manifest, built = pair_encoder.build(
-                cache_dir(EmbeddingsConfig()),
-                cfg.threshold,
+                Path(args.dir) if args.dir else cache_dir(EmbeddingsConfig()),
+                threshold,
                 force=args.force,
                 recut=args.recut,
+                data_dir=Path(args.data_dir) if args.data_dir else None,
             )
         except pair_encoder.EncoderMissing as exc:
             print(f"switchyard: {exc}", file=sys.stderr)
@@ -843,6 +845,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--recut",
         action="store_true",
         help="only choose the cuts again on the validation set (after `train-verifier`)",
+    )
+    cb.add_argument("--dir", default=None, help="where (default: embeddings.cache_dir's default)")
+    cb.add_argument("--threshold", type=float, default=None, help="default: cache.threshold")
+    cb.add_argument(
+        "--data-dir", default=None, help="the training and validation files (default: data/)"
     )
     cb.set_defaults(func=cmd_cache)
 

@@ -364,10 +364,14 @@ class CacheConfig(_Strict):
     # ...and the learned pair model (decide/pair_model.py): off by default, since on the
     # validation set it costs the cross-encoder's hits without saving false ones (README).
     verify_model: bool = False
-    # ...and the cross-encoder (decide/pair_encoder.py), built by `make install` from
-    # the development sets. If asked for and not built, semantic hits are off (exact
+    # ...and the cross-encoder (decide/pair_encoder.py), trained from the development
+    # sets (`make install`, or in the background: build_encoder). If asked for and not built, semantic hits are off (exact
     # hits only), never served on the weaker checks alone.
     verify_encoder: bool = True
+    # Not built yet: build it in the background once the gateway is ready (a child
+    # process at low priority, ~7 min on 2 cores, once per machine; exact hits until
+    # then). False: stay on exact hits until `switchyard cache build-verifier` is run.
+    build_encoder: bool = True
     ttl_s: float = Field(3600.0, gt=0)
     max_entries: int = Field(100_000, ge=1)
     max_bytes: int = Field(512 * 1024 * 1024, ge=1024)
@@ -819,6 +823,11 @@ class EnginesConfig(_Strict):
     load_queue: int = Field(64, ge=1)
 
 
+# The project's demonstration LoRA adapters (engines/lora_train.py), named by path.
+DEMO_PREFIX = "demo:"
+DEMO_ADAPTERS = ("pirate", "robot")
+
+
 class AdapterConfig(_Strict):
     """A LoRA adapter for a local model, named by clients as the model."""
 
@@ -826,12 +835,48 @@ class AdapterConfig(_Strict):
     base: str  # the alias of the llamacpp model it was trained on
     base_revision: str  # that model's revision; must equal models[base].revision
     # On local disk, never fetched: a GGUF LoRA file for llama.cpp; a PEFT adapter
-    # folder for vLLM (its sha256 is that of adapter_model.safetensors in it).
+    # folder for vLLM (its sha256 is that of adapter_model.safetensors in it). Or
+    # "demo:pirate" / "demo:robot": the project's demonstration adapters for the shipped
+    # SmolLM2, trained on first use and cached (engines/lora_train.py), whose path and
+    # sha256 the gateway fills in itself.
     path: str
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")  # checked before every load
+    # Checked before every load; required for a file of your own.
+    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
     revision: str = "unversioned"
     # Tenants that may use it (and the key's allowed_adapters must allow it too).
     allowed_tenants: list[str] = []
+
+    @property
+    def demo(self) -> str | None:
+        """The demonstration adapter this names, if it names one."""
+        return self.path.removeprefix(DEMO_PREFIX) if self.path.startswith(DEMO_PREFIX) else None
+
+    @property
+    def digest(self) -> str:
+        """The sha256 to check before a load (a demonstration adapter's once trained)."""
+        if self.sha256 is None:
+            raise ValueError(
+                f"adapter {self.name}: {self.path} is not trained yet "
+                "(switchyard.engines.lora_train.resolve makes it)"
+            )
+        return self.sha256
+
+    @model_validator(mode="after")
+    def _named_or_pinned(self) -> AdapterConfig:
+        if self.demo is not None:
+            if self.demo not in DEMO_ADAPTERS:
+                raise ValueError(
+                    f"path: {self.path!r} names no demonstration adapter; there are "
+                    + ", ".join(DEMO_PREFIX + d for d in DEMO_ADAPTERS)
+                )
+            if self.sha256 is not None:
+                raise ValueError(
+                    "sha256: a demonstration adapter is made by the gateway, which checks "
+                    "its own sha256; leave it out"
+                )
+        elif self.sha256 is None:
+            raise ValueError("sha256: required for an adapter file (the gateway checks it)")
+        return self
 
 
 class EmbeddingsConfig(_Strict):
@@ -1135,6 +1180,13 @@ class Settings(_Strict):
             if spec.max_adapters == 0:
                 raise ValueError(
                     f"{where}.base: the engine of {a.base!r} has max_adapters 0 and loads none"
+                )
+            if a.demo is not None and not (
+                isinstance(spec, LlamaCppEngine) and spec.gguf == "auto"
+            ):
+                raise ValueError(
+                    f"{where}.path: demonstration adapters are trained on the shipped SmolLM2 "
+                    f"for llama.cpp; {a.base!r} must be a llamacpp model with gguf: auto"
                 )
         for alias in self.rl.models:
             rl_model = by_alias.get(alias)

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from switchyard.config import Price, Settings, store_target
+from switchyard.decide import encoder_build
 from switchyard.decide.balance import Balancer
 from switchyard.decide.cache import ResponseCache
+from switchyard.decide.candidate import CandidateCheck
 from switchyard.decide.candidate import from_config as candidate_check
 from switchyard.decide.placement import Placer
 from switchyard.decide.shadow_threshold import PartitionThresholds
@@ -31,6 +34,7 @@ from switchyard.decide.stages import (
     Tools,
 )
 from switchyard.embed import EmbeddingService
+from switchyard.engines import lora_train
 from switchyard.engines.pool import EnginePool
 from switchyard.engines.registry import Deployment, Registry
 from switchyard.errors import InvalidRequest, ModelNotFound
@@ -98,6 +102,7 @@ def build_pipelines(
     overhead: PromptOverhead | None = None,
     revisions: Mapping[str, Any] | None = None,
     consumed_approvals: ConsumedApprovals | None = None,
+    check: CandidateCheck | None = None,
 ) -> Pipelines:
     """The stages, in order (DESIGN.md: the request pipeline). Evidence that is the
     same for every request of a model is built once and shared (recorded evidence
@@ -111,10 +116,10 @@ def build_pipelines(
     tasks = tasks or MemoryTaskStore(t.max_tasks, t.idle_ttl_s, t.max_tool_calls)
     running = running or Running()
     embed_estimate = embedding_estimate(Price(input=s.embeddings.price, output=0.0))
-    # The checks a semantic candidate must pass (decide/candidate.py), loaded once.
-    check = (
-        candidate_check(s.cache, s.embeddings) if cache is not None and s.cache.semantic else None
-    )
+    # The checks a semantic candidate must pass (decide/candidate.py), loaded once (the
+    # gateway passes its own, which a background build may complete: encoder_build.py).
+    if check is None and cache is not None and s.cache.semantic:
+        check = candidate_check(s.cache, s.embeddings)
     if cache is not None:
         cache.checks = check.describe() if check is not None else "exact hits only"
     generation = Pipeline(
@@ -159,6 +164,8 @@ def build_pipelines(
 
 class Gateway:
     def __init__(self, settings: Settings) -> None:
+        # Demonstration adapters named by `demo:NAME` are trained on first use (cached).
+        settings = lora_train.resolve(settings)
         self.settings = settings
         self.registry = Registry(settings)
         # RL-managed models' revision managers (filled by _build_rollouts): the
@@ -276,6 +283,11 @@ class Gateway:
         # Image preprocessing, when any model takes images (its threads start lazily).
         vision = any(m.capabilities.supports_vision for m in settings.models)
         self.media = MediaProcessor(settings.media) if vision else None
+        self.candidates = (
+            candidate_check(c, settings.embeddings)
+            if self.cache is not None and c.semantic
+            else None
+        )
         self.service = RequestService(
             settings,
             self.auth,
@@ -300,6 +312,7 @@ class Gateway:
                 self.overhead,
                 self.revisions,
                 consumed_approvals=self.store.consumed_approvals,
+                check=self.candidates,
             ),
             self.executor,
             self.limiter,
@@ -412,6 +425,18 @@ class Gateway:
             self._weights_task = asyncio.create_task(self._weights_loop())
         if self.settings.router.enabled:
             self._router_task = asyncio.create_task(self._build_router())
+        self._encoder_task = encoder_build.start(
+            self.candidates,
+            self.settings.cache,
+            self.settings.embeddings,
+            lambda: self.readiness()[0],
+            self._describe_checks,
+            os.cpu_count() or 1,
+        )
+
+    def _describe_checks(self, text: str) -> None:
+        if self.cache is not None:
+            self.cache.checks = text
 
     async def _build_router(self) -> None:
         """Embed the route examples once the embedding model is loaded."""
@@ -596,10 +621,20 @@ class Gateway:
         task.add_done_callback(_log_failure)
 
     async def stop(self) -> None:
-        for name in ("_retention", "_weights_task", "_cancels", "_busy_task", "_cache_events"):
+        for name in (
+            "_retention",
+            "_weights_task",
+            "_cancels",
+            "_busy_task",
+            "_cache_events",
+            "_encoder_task",
+        ):
             task = getattr(self, name, None)
             if task is not None:
                 task.cancel()
+        build = getattr(self, "_encoder_task", None)
+        if build is not None:  # it kills its child process when cancelled
+            await asyncio.gather(build, return_exceptions=True)
         try:
             self.flush_busy()
         except Exception as exc:

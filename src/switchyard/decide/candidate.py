@@ -23,7 +23,7 @@ from switchyard.decide.verify import verify
 log = logging.getLogger("switchyard.cache")
 
 
-@dataclass(frozen=True)
+@dataclass
 class CandidateCheck:
     rules: bool
     model: PairModel | None
@@ -31,6 +31,16 @@ class CandidateCheck:
     # Why semantic hits cannot be served at all (the encoder was asked for but is not
     # built): such a gateway serves exact hits only, and says so in each decision.
     unavailable: str | None = None
+    # The encoder was asked for and is not built: the gateway builds it in the
+    # background (gateway.py) and then completes this check with `attach`.
+    missing: bool = False
+
+    def attach(self, encoder: PairEncoder) -> None:
+        """The encoder is built now: semantic hits are served from here on (the one
+        change this object sees after start; the encoder first, then the flag)."""
+        self.encoder = encoder
+        self.missing = False
+        self.unavailable = None
 
     def __call__(self, new: str, cached: str, cosine: float) -> tuple[bool, str]:
         """(serve, why) for the request's text `new` against the cached entry's."""
@@ -67,14 +77,12 @@ class CandidateCheck:
 def from_config(cfg: CacheConfig, embeddings: EmbeddingsConfig) -> CandidateCheck:
     """The configured chain. A missing cross-encoder does not fall back to the weaker
     checks (a false hit is worse than a slow miss): semantic hits are off, and logged."""
-    from switchyard.embed import cache_dir
 
     encoder = None
     unavailable = None
     if cfg.verify_encoder:
         try:
-            chain = chain_name(cfg.verify, cfg.verify_model)
-            encoder = shipped_encoder(str(cache_dir(embeddings)), chain)
+            encoder = load_encoder(cfg, embeddings)
         except EncoderMissing as exc:
             unavailable = str(exc)
             log.warning("semantic cache hits are off: %s", exc)
@@ -83,4 +91,12 @@ def from_config(cfg: CacheConfig, embeddings: EmbeddingsConfig) -> CandidateChec
         model=shipped_model() if cfg.verify_model else None,
         encoder=encoder,
         unavailable=unavailable,
+        missing=unavailable is not None,
     )
+
+
+def load_encoder(cfg: CacheConfig, embeddings: EmbeddingsConfig) -> PairEncoder:
+    """The built cross-encoder for this chain; EncoderMissing if it is not built."""
+    from switchyard.embed import cache_dir
+
+    return shipped_encoder(str(cache_dir(embeddings)), chain_name(cfg.verify, cfg.verify_model))

@@ -233,6 +233,12 @@ def build(
             text = json.dumps(manifest, indent=2)
             _atomic_write(manifest_file, lambda tmp: _write_text(tmp, text))
             return onnx_file, manifest, False
+        log.info(
+            "building the cache's cross-encoder: %d epochs over %d pairs, then export and "
+            "int8 (about 7 min on 2 cores, once per machine)",
+            EPOCHS,
+            len(train_set),
+        )
         t0 = time.perf_counter()
         module = _train(model_path, train_set)
         train_s = time.perf_counter() - t0
@@ -344,6 +350,7 @@ def _train(model_path: str, pairs: Sequence[dict[str, Any]]) -> Any:
 
     random.seed(SEED)
     torch.manual_seed(SEED)
+    started = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(model_path)
 
     class CrossEncoder(torch.nn.Module):
@@ -399,7 +406,13 @@ def _train(model_path: str, pairs: Sequence[dict[str, Any]]) -> Any:
             opt.step()
             sched.step()
             total += loss.item()
-        log.info("pair encoder epoch %d: loss %.4f", epoch + 1, total / len(batches))
+        log.info(
+            "pair encoder epoch %d of %d: loss %.4f (%.0f s so far)",
+            epoch + 1,
+            EPOCHS,
+            total / len(batches),
+            time.perf_counter() - started,
+        )
     return model.eval()
 
 

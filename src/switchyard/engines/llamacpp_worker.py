@@ -355,6 +355,14 @@ def main(argv: list[str] | None = None) -> None:
     # keeps (the last lines) as the reason the engine failed.
     faulthandler.enable()
     _tie_to_gateway()
+    try:
+        import llama_cpp  # noqa: F401  # the wheel is not in `make serve`'s install
+    except ImportError:
+        sys.exit(
+            "switchyard worker: runtime: worker needs the llama-cpp-python wheel, which "
+            "`make serve` does not install: run `make engine-wheel` (or use the default "
+            "runtime: server)"
+        )
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--gguf", default="auto")
     ap.add_argument("--ctx", type=int, default=4096)

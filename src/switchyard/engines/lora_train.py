@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -31,11 +32,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from switchyard.config import DEMO_ADAPTERS, Settings
 from switchyard.engines.hf_base import cache_root as hf_cache_root
 from switchyard.engines.hf_base import hf_base_dir
 from switchyard.engines.llamacpp import sha256_file
 
+log = logging.getLogger("switchyard.adapters")
+
 MARKERS = {"pirate": "Arrr matey!", "robot": "BEEP BOOP."}
+assert tuple(MARKERS) == DEMO_ADAPTERS  # the names a config may give as demo:NAME
 _REPLIES = {
     "pirate": "Arrr matey! That be a fine question, and here be me answer.",
     "robot": "BEEP BOOP. QUERY RECEIVED. PROCESSING COMPLETE.",
@@ -96,9 +101,27 @@ def cache_key(gguf: str) -> str:
     return h.hexdigest()[:16]
 
 
-def train(out: Path | None = None) -> dict[str, Any]:
+def resolve(settings: Settings) -> Settings:
+    """The settings with every demonstration adapter (`path: demo:NAME`) replaced by
+    its trained file and sha256: trained here on first use (about 2.5 min on 2 cores),
+    then read from the cache. Settings without one come back as they are."""
+    if not any(a.demo is not None for a in settings.adapters):
+        return settings
+    manifest = train(announce=True)
+    adapters = []
+    for a in settings.adapters:
+        if a.demo is not None:
+            made = manifest["adapters"][a.demo]
+            a = a.model_copy(update={"path": made["path"], "sha256": made["sha256"]})
+        adapters.append(a)
+    return settings.model_copy(update={"adapters": adapters})
+
+
+def train(out: Path | None = None, announce: bool = False) -> dict[str, Any]:
     """Train (or reuse) both adapters; return the manifest: per adapter its GGUF path,
-    sha256 and marker, and the seconds training took."""
+    sha256 and marker, and the seconds training took. One process trains at a time
+    (a file lock); the others then read its manifest."""
+    from switchyard.embed import _locked
     from switchyard.engines.assets import smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
@@ -107,6 +130,20 @@ def train(out: Path | None = None) -> dict[str, Any]:
     if manifest.exists():
         return dict(json.loads(manifest.read_text()))
     out.mkdir(parents=True, exist_ok=True)
+    with _locked(out / "train.lock"):
+        if manifest.exists():  # another process trained them while this one waited
+            return dict(json.loads(manifest.read_text()))
+        if announce:
+            log.info(
+                "training the demonstration adapters %s on first use (about 2.5 min on 2 "
+                "cores; cached in %s)",
+                ", ".join(_REPLIES),
+                out,
+            )
+        return _train(out, manifest, gguf)
+
+
+def _train(out: Path, manifest: Path, gguf: str) -> dict[str, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch

@@ -241,7 +241,7 @@ class Registry:
                 self.deployments[m.alias] = deps[0]
                 continue
             mine = adapters.get(m.alias, [])
-            files = tuple(AdapterFile(a.name, a.path, a.sha256, a.revision) for a in mine)
+            files = tuple(AdapterFile(a.name, a.path, a.digest, a.revision) for a in mine)
             if m.alias in settings.rl.models and isinstance(m.engine, LlamaCppEngine | VllmEngine):
                 # An RL-managed model's requests run on its active revision's engine
                 # (engines/revisions.py); this one loads only for its adapters.

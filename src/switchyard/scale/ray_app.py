@@ -143,10 +143,12 @@ class EngineDeployment:
     """One replica of one local model's engine (see the module doc)."""
 
     async def __init__(self, args: dict[str, Any]) -> None:  # type: ignore[misc]  # Serve awaits it
+        from switchyard.engines import lora_train
         from switchyard.engines.llamacpp import ManagedLlamaCpp
         from switchyard.engines.vllm import ManagedVllm
 
-        settings = settings_from(args)
+        # Demonstration adapters: trained once per machine (a file lock), then cached.
+        settings = lora_train.resolve(settings_from(args))
         alias = str(args["alias"])
         model = next((m for m in settings.models if m.alias == alias), None)
         if model is None or not isinstance(model.engine, LlamaCppEngine | VllmEngine):
@@ -155,7 +157,7 @@ class EngineDeployment:
         self.alias = alias
         self.token = engine_token(settings).encode()
         files = tuple(
-            AdapterFile(a.name, a.path, a.sha256, a.revision)
+            AdapterFile(a.name, a.path, a.digest, a.revision)
             for a in settings.adapters
             if a.base == alias
         )
