@@ -180,7 +180,8 @@ def test_the_shipped_adapters_example_names_its_adapters() -> None:
 
 
 # -- the cross-encoder, built in the background ------------------------------------------
-def _tiny_data(d: Path) -> None:
+def tiny_pair_data(d: Path) -> None:
+    """A tiny training and validation set for a whole cross-encoder build."""
     d.mkdir()
     same = [("How do I reset my password?", "how can i reset my password")] * 4
     traps = [("How do I enable 2FA?", "How do I disable 2FA?")] * 4
@@ -200,7 +201,7 @@ def test_a_background_build_turns_semantic_hits_on_when_it_is_done(tmp_path: Pat
     every candidate is vetoed with why, and the description says so; then the check
     is completed in place and decides with the built encoder."""
     data, out = tmp_path / "data", tmp_path / "cache"
-    _tiny_data(data)
+    tiny_pair_data(data)
     check = CandidateCheck(rules=True, model=None, encoder=None, unavailable="x", missing=True)
     seen: list[str] = []
     argv = [*encoder_build.command(out, 0.7), "--data-dir", str(data)]

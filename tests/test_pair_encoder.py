@@ -14,6 +14,7 @@ from switchyard.config import CacheConfig, EmbeddingsConfig
 from switchyard.decide import pair_encoder
 from switchyard.decide.candidate import CandidateCheck, from_config
 from switchyard.embed import minilm_model_path
+from test_first_hour import tiny_pair_data
 
 # (cached request, new request): one answer cannot serve both.
 TRAPS = [
@@ -165,18 +166,7 @@ def test_a_build_trains_exports_chooses_cuts_and_is_then_reused(
     a cut per chain on the validation file, write the manifest; a second build and a
     recut reuse the model."""
     d = tmp_path / "data"
-    d.mkdir()
-    same = [("How do I reset my password?", "how can i reset my password")] * 4
-    traps = [("How do I enable 2FA?", "How do I disable 2FA?")] * 4
-    rows = [{"a": a, "b": b, "same_answer": True} for a, b in same]
-    rows += [{"a": a, "b": b, "same_answer": False} for a, b in traps]
-    for name in pair_encoder.TRAINING_SETS:
-        (d / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    val = [
-        {"a": "What is a VPN?", "b": "Explain what a VPN is", "same_answer": True},
-        {"a": "How do I open a port?", "b": "How do I close a port?", "same_answer": False},
-    ]
-    (d / pair_encoder.VALIDATION_SET).write_text("".join(json.dumps(r) + "\n" for r in val))
+    tiny_pair_data(d)
     monkeypatch.setattr(pair_encoder, "EPOCHS", 1)
     out = tmp_path / "cache"
     path, manifest, built = pair_encoder.build(out, 0.7, data_dir=d)
