@@ -51,7 +51,7 @@ import msgspec
 from switchyard.observe.db import connect
 from switchyard.observe.ledger_writer import BATCH, FLUSH, HEADER, STOP, frame
 from switchyard.observe.pg import is_postgres
-from switchyard.observe.traces import LedgerBatch, LedgerEntry, ledger_entry, template_id
+from switchyard.observe.traces import LedgerEntry, ledger_entry, template_id
 from switchyard.pipeline import RequestContext
 
 log = logging.getLogger("switchyard.ledger")
@@ -141,54 +141,54 @@ def _repaired(entry: LedgerEntry) -> tuple[bytes, list[str]] | None:
         return None
 
 
-def batch_json(
-    batch: list[Finished], templates: dict[str, Any], counts: LedgerCounts | None = None
-) -> tuple[bytes, int]:
-    """The batch as one JSON object: `entries` (one array per request) and `blocks`
-    (the templates of the compact block items those entries hold, by id). Serialised
-    in one call (half the cost per row of one call per row); only when that fails is
-    each row serialised on its own, and a row that cannot be is written with the
-    offending fields replaced by JSON-safe copies (logged, counted as repaired), so
-    it still counts against budgets; one that cannot be built at all is logged and
-    counted as dropped. Returns the payload and its row count."""
-    counts = counts if counts is not None else LedgerCounts()
-    entries = []
-    used: set[str] = set()
-    for f in batch:
-        try:
-            entries.append(f.entry())
-        except Exception:
-            counts.dropped += 1
-            log.exception("ledger row of %s dropped: it could not be built", f.ctx.input.request_id)
-            continue
-        if f.with_trace:
-            used.update(b[0] for b in f.ctx.blocks)
-    blocks = {i: templates[i] for i in used}
+# A settled request ready for the writer: its entry, encoded, and the ids of the
+# block templates it refers to.
+Row = tuple[bytes, tuple[str, ...]]
+
+
+def encoded_row(finished: Finished, counts: LedgerCounts) -> Row | None:
+    """The request's row, encoded when it is settled, so the batch holds bytes, not
+    the request's context (kept for a whole batch, every request's objects would
+    outlive the collector's youngest generation and be scanned again and again).
+    A row that cannot be serialised is written with the offending fields replaced by
+    JSON-safe copies (logged, counted as repaired), so it still counts against
+    budgets; one that cannot be built at all is logged, counted as dropped: None."""
     try:
-        return _ENCODER.encode(LedgerBatch(blocks, entries)), len(entries)
-    except Exception:  # some row cannot be serialised: find it, keep the others
-        pass
-    parts = []
-    for entry in entries:
-        try:
-            parts.append(_ENCODER.encode(entry))
-            continue
-        except Exception:
-            pass
+        entry = finished.entry()
+    except Exception:
+        counts.dropped += 1
+        log.exception(
+            "ledger row of %s dropped: it could not be built", finished.ctx.input.request_id
+        )
+        return None
+    try:
+        data = _ENCODER.encode(entry)
+    except Exception:
         fixed = _repaired(entry)
         if fixed is None:
             counts.dropped += 1
             log.error("ledger row of %s dropped: it could not be serialised", entry.request_id)
-            continue
-        parts.append(fixed[0])
+            return None
+        data = fixed[0]
         counts.repaired += 1
         log.error(
             "ledger row of %s written with fields replaced (not serialisable): %s",
             entry.request_id,
             ", ".join(fixed[1]),
         )
+    used = tuple(b[0] for b in finished.ctx.blocks) if finished.with_trace else ()
+    return data, used
+
+
+def batch_json(rows: list[Row], templates: dict[str, Any]) -> bytes:
+    """The batch as one JSON object: `entries` (one array per request) and `blocks`
+    (the templates of the compact block items those entries hold, by id)."""
+    used: set[str] = set()
+    for _, ids in rows:
+        used.update(ids)
+    blocks = {i: templates[i] for i in used}
     head = b'{"blocks":' + _ENCODER.encode(blocks) + b',"entries":['
-    return head + b",".join(parts) + b"]}", len(parts)
+    return head + b",".join(data for data, _ in rows) + b"]}"
 
 
 def _read(fd: int, n: int) -> bytes | None:
@@ -240,7 +240,7 @@ class UsageLedger(LedgerReads):
         # One lock for the batch, the timer and the frames: the event loop and a
         # caller of flush()/close() in another thread may both be here.
         self._lock = threading.RLock()
-        self._batch: list[Finished] = []
+        self._batch: list[Row] = []
         # Block templates (see traces.compact_decisions) by id, and ids by their JSON form.
         self._templates: dict[str, Any] = {}
         self._timer: asyncio.TimerHandle | None = None
@@ -312,8 +312,11 @@ class UsageLedger(LedgerReads):
     def record(self, finished: Finished) -> None:
         """Queue a settled request; its usage row and (optionally) its trace are
         committed in the same transaction."""
+        row = encoded_row(finished, self._counts)
+        if row is None:
+            return
         with self._lock:
-            self._batch.append(finished)
+            self._batch.append(row)
             full = len(self._batch) >= _MAX_BATCH
             timer_loop = self._timer_loop if self._timer is not None else None
         if full or self.flush_s <= 0:
@@ -336,9 +339,7 @@ class UsageLedger(LedgerReads):
             batch, self._batch = self._batch, []
             self._timer = None
         if batch:
-            payload, rows = batch_json(batch, self._templates, self._counts)
-            if rows:
-                self._enqueue(frame(BATCH, payload), rows)
+            self._enqueue(frame(BATCH, batch_json(batch, self._templates)), len(batch))
 
     def _enqueue(self, data: bytes, rows: int) -> None:
         with self._lock:

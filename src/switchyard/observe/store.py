@@ -32,8 +32,10 @@ from switchyard.observe.ledger import (
     Finished,
     LedgerCounts,
     LedgerReads,
+    Row,
     UsageLedger,
     batch_json,
+    encoded_row,
     spent_since,
 )
 from switchyard.observe.ledger_writer import decode_batch, write_batch
@@ -177,7 +179,7 @@ class MemoryLedger(LedgerReads):
         self.conn = conn
         self._lock = lock
         self.flush_s = flush_s
-        self._batch: list[Finished] = []
+        self._batch: list[Row] = []
         self._templates: dict[str, Any] = {}
         self._counts = LedgerCounts()
         self._timer: asyncio.TimerHandle | None = None
@@ -197,7 +199,10 @@ class MemoryLedger(LedgerReads):
         return bid
 
     def record(self, finished: Finished) -> None:
-        self._batch.append(finished)
+        row = encoded_row(finished, self._counts)
+        if row is None:
+            return
+        self._batch.append(row)
         if len(self._batch) >= 256:
             self.flush()
             return
@@ -216,8 +221,7 @@ class MemoryLedger(LedgerReads):
         batch, self._batch = self._batch, []
         if not batch:
             return
-        payload, _ = batch_json(batch, self._templates, self._counts)
-        decoded = decode_batch(payload)  # as the writer process would receive it
+        decoded = decode_batch(batch_json(batch, self._templates))  # as the writer process would receive it
         if decoded is None:
             return
         with self._lock:

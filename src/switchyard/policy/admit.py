@@ -59,19 +59,23 @@ def _fmt_s(s: float) -> str:
 
 def rate_headers(verdict: Verdict) -> dict[str, str]:
     """OpenAI-style x-ratelimit-* headers from the tightest scope of each kind."""
+    req = tok = None
+    for i in verdict.state.values():
+        if "limit_requests" in i and (
+            req is None or i["remaining_requests"] < req["remaining_requests"]
+        ):
+            req = i
+        if "limit_tokens" in i and (tok is None or i["remaining_tokens"] < tok["remaining_tokens"]):
+            tok = i
     h: dict[str, str] = {}
-    req = [i for i in verdict.state.values() if "limit_requests" in i]
-    if req:
-        tight = min(req, key=lambda i: i["remaining_requests"])
-        h["x-ratelimit-limit-requests"] = str(int(tight["limit_requests"]))
-        h["x-ratelimit-remaining-requests"] = str(int(tight["remaining_requests"]))
-        h["x-ratelimit-reset-requests"] = _fmt_s(tight["reset_requests_s"])
-    tok = [i for i in verdict.state.values() if "limit_tokens" in i]
-    if tok:
-        tight = min(tok, key=lambda i: i["remaining_tokens"])
-        h["x-ratelimit-limit-tokens"] = str(int(tight["limit_tokens"]))
-        h["x-ratelimit-remaining-tokens"] = str(int(tight["remaining_tokens"]))
-        h["x-ratelimit-reset-tokens"] = _fmt_s(tight["reset_tokens_s"])
+    if req is not None:
+        h["x-ratelimit-limit-requests"] = str(int(req["limit_requests"]))
+        h["x-ratelimit-remaining-requests"] = str(int(req["remaining_requests"]))
+        h["x-ratelimit-reset-requests"] = _fmt_s(req["reset_requests_s"])
+    if tok is not None:
+        h["x-ratelimit-limit-tokens"] = str(int(tok["limit_tokens"]))
+        h["x-ratelimit-remaining-tokens"] = str(int(tok["remaining_tokens"]))
+        h["x-ratelimit-reset-tokens"] = _fmt_s(tok["reset_tokens_s"])
     return h
 
 
