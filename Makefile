@@ -9,7 +9,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install serve-deps engine-wheel sysdeps verifier vllm serve test lint fmt bench-overhead clean
+.PHONY: install serve-deps engine-wheel sysdeps verifier vllm serve test lint fmt docs docs-serve bench-overhead clean
 
 # Two installs. `serve-deps` is what `make serve` needs and nothing more: the runtime
 # dependencies, the shipped model and llama-server. `install` is everything the suite
@@ -55,7 +55,7 @@ $(WHEEL_STAMP): $(SERVE_STAMP) scripts/build-engine.sh scripts/engine-flags.sh
 	touch $(WHEEL_STAMP)
 
 $(STAMP): $(SERVE_STAMP) $(WHEEL_STAMP)
-	$(PIP) install -q -e '.[dev,ray,worker]'
+	$(PIP) install -q -e '.[dev,ray,worker,docs]'
 	touch $(STAMP)
 
 # The semantic cache's cross-encoder (decide/pair_encoder.py): trained on the
@@ -99,16 +99,25 @@ test:
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests docs/hooks.py
+	$(VENV)/bin/ruff format --check src tests docs/hooks.py
 	$(VENV)/bin/mypy
 
 fmt: $(STAMP)
-	$(VENV)/bin/ruff format src tests
-	$(VENV)/bin/ruff check --fix src tests
+	$(VENV)/bin/ruff format src tests docs/hooks.py
+	$(VENV)/bin/ruff check --fix src tests docs/hooks.py
+
+# The documentation site (mkdocs.yml): its reference pages are generated from the code
+# as it builds (docs/hooks.py); --strict fails on a broken link. tests/test_docs.py
+# runs the same build, so `make test` does too.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	$(VENV)/bin/mkdocs serve
 
 bench-overhead: install
 	$(VENV)/bin/switchyard bench overhead $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache site

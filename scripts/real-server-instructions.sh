@@ -2,7 +2,7 @@
 # Instructions per request of the real servers under wrk at 32 connections: the bare
 # floor (bench/passthrough_proxy.py --bare) and Switchyard (`switchyard serve`), each run
 # under valgrind's callgrind against the scripted instant upstream. Unlike req/s on a
-# shared 2-core VM, the counts do not drift with the machine (see docs/benchmarking.md,
+# shared 2-core VM, the counts do not drift with the machine (see docs/benchmarks/index.md,
 # "Hot-path mode"). Needs valgrind and wrk; takes ~2 minutes.
 #
 #   scripts/real-server-instructions.sh [SECONDS]       (default 15 s measured per server)

@@ -1,6 +1,6 @@
 """Threshold calibration for the semantic cache.
 
-Exact metrics on a tiny hand-computed set (no model), then the README target on the
+Exact metrics on a tiny hand-computed set (no model), then the documented target on the
 shipped labelled set with the real embedding model: at the lowest threshold whose
 false-hit rate is <= 1%, with the verifier on, recall must be >= 50%.
 """

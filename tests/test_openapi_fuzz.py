@@ -44,6 +44,9 @@ def test_the_description_names_the_model_routes_and_models(fuzzed: Gateway) -> N
         "/v1/models",
         "/v1/tasks/{task_id}",
     } <= set(doc["paths"])
+    # the admin API is described too, behind the admin key
+    assert doc["paths"]["/admin/usage"]["get"]["security"] == [{"admin": []}]
+    assert "/admin/models/{alias}/revisions/{revision}" in doc["paths"]
     chat = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]
     assert chat["application/json"]["schema"]["properties"]["model"] == {"enum": ["chat", "eyes"]}
 

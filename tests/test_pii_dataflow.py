@@ -1,4 +1,4 @@
-"""The PII data-flow rule, end to end (README, "Security and data handling").
+"""The PII data-flow rule, end to end (docs/operations/security.md).
 
 Every PII type (and the credential forms of SECRET: `password=...`, a URL's
 `user:password@`) goes through every field that can carry user text (message content,

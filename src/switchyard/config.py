@@ -363,7 +363,7 @@ class RiskClass(_Strict):
 
 
 def _default_risk_classes() -> dict[str, RiskClass]:
-    """Personal, money, medical and live-data questions: at most exact hits (README)."""
+    """Personal, money, medical and live-data questions: at most exact hits (docs/guides/cache-and-pii.md)."""
     mine = "account balance order orders subscription plan profile password login username"
     mine += " data address email history"
     money = "card payment refund invoice bill charge transaction transfer statement loan"

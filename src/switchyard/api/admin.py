@@ -140,6 +140,7 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
         return body
 
     async def tenants(request: Request) -> Response:
+        """GET: every tenant with its effective limits and what its budget period has used; POST {"id", limits...}: create one."""
         guard(request)
         if request.method == "GET":
             data = gw.keys.list_tenants()
@@ -160,10 +161,12 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
         return _json(gw.keys.create_tenant(tenant_id, **body), 201)
 
     async def tenant(request: Request) -> Response:
+        """One tenant: its limits, effective limits and metrics label."""
         guard(request)
         return _json(with_metrics_label(gw.keys.get_tenant(request.path_params["tenant_id"])))
 
     async def keys(request: Request) -> Response:
+        """GET ?tenant=: the API keys (never their secrets); POST {"tenant_id", ...}: create one (its secret is shown once)."""
         guard(request)
         if request.method == "GET":
             tenant_id = request.query_params.get("tenant")
@@ -175,6 +178,7 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
         return _json(gw.keys.create_key(tenant_id, **body), 201)
 
     async def key(request: Request) -> Response:
+        """GET: one API key; DELETE: revoke it (at once in this process)."""
         guard(request)
         key_id = request.path_params["key_id"]
         if request.method == "DELETE":
@@ -184,6 +188,7 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
         return _json(gw.keys.get_key(key_id))
 
     async def revoke(request: Request) -> Response:
+        """Revoke an API key (at once in this process)."""
         guard(request)
         out = gw.keys.revoke_key(request.path_params["key_id"])
         gw.auth.invalidate()  # takes effect at once in this process
@@ -268,6 +273,7 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
         await gw.service.settled()  # what was answered before this call is visible
 
     async def request_trace(request: Request) -> Response:
+        """One request's decision trace (?tenant= when the id is ambiguous)."""
         guard(request)
         rid = request.path_params["request_id"]
         tenant = request.query_params.get("tenant")
@@ -416,6 +422,7 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
         return _json({"model": b.alias, "weights": b.weights(), "config": b.config_weights()})
 
     async def model_move_checked(request: Request) -> Response:
+        """promote: the canaries take all the traffic; rollback: they take none."""
         if request.path_params["action"] not in ("promote", "rollback"):
             guard(request)
             raise InvalidRequest("use /admin/models/{alias}/promote or /rollback")
@@ -459,22 +466,26 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
         return _json(rev.describe(), 201)
 
     async def revision(request: Request) -> Response:
+        """One revision of an RL-managed model: its state, checks and provenance."""
         guard(request)
         return _json(revisions_of(request).get(request.path_params["revision"]).describe())
 
     async def revision_activate(request: Request) -> Response:
+        """Make a validated revision the one new requests lease."""
         guard(request)
         manager = revisions_of(request)
         rev = await manager.activate(request.path_params["revision"])
         return _json({**manager.describe(), "activated": rev.revision})
 
     async def revision_rollback(request: Request) -> Response:
+        """Go back to the previously active revision."""
         guard(request)
         manager = revisions_of(request)
         rev = await manager.rollback()
         return _json({**manager.describe(), "activated": rev.revision})
 
     async def cache_stats(request: Request) -> Response:
+        """The response cache: entries, hits by kind, the semantic checks and their state."""
         guard(request)
         return _json(gw.cache.stats() if gw.cache is not None else {"enabled": False})
 

@@ -141,7 +141,8 @@ def create_app(settings: Settings, on_ready: Callable[[Gateway], None] | None = 
         r.path: r.endpoint for r in routes if isinstance(r, Route) and r.methods == {"POST"}
     }
     sessions = Sessions(settings.auth.admin_key_env)
-    app.router.routes.extend(build_admin_routes(gw, sessions))
+    admin = build_admin_routes(gw, sessions)
+    app.router.routes.extend(admin)
     app.router.routes.extend(build_console_routes(sessions))
 
     @app.get("/openapi.json", include_in_schema=False)
@@ -150,7 +151,7 @@ def create_app(settings: Settings, on_ready: Callable[[Gateway], None] | None = 
         if app.openapi_schema is None:
             embedding = [settings.embeddings.alias] if gw.embedder is not None else []
             app.openapi_schema = describe(
-                app.openapi(), [m.alias for m in settings.models], embedding
+                app.openapi(), [m.alias for m in settings.models], embedding, admin
             )
         return Response(orjson.dumps(app.openapi_schema), media_type="application/json")
 

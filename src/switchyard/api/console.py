@@ -7,7 +7,7 @@ the key; the key itself never reaches a URL or the browser's storage. The cookie
 signed with the admin key (HMAC-SHA256 over its expiry and a nonce), so every gateway
 process sharing the key accepts it, and changing the key ends every session. Logging
 out ends it in this process (other processes keep it until it expires: stated in the
-README).
+docs/operations/security.md).
 
 CSRF. A state-changing admin call made with the cookie must carry `X-CSRF-Token`, a
 second HMAC of the same session that the page shell embeds; a cross-site page can

@@ -8,6 +8,7 @@ field itself). The rest (health, readiness, metrics, admin) comes from FastAPI.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 _ERROR = {
@@ -231,13 +232,64 @@ def _task_operation(summary: str) -> dict[str, Any]:
     }
 
 
+# `{alias:path}` in a Starlette route is `{alias}` in OpenAPI.
+_PARAM = re.compile(r"\{(\w+)(?::\w+)?\}")
+
+
+def admin_routes(routes: list[Any]) -> dict[str, Any]:
+    """The OpenAPI `paths` of the admin API (api/admin.py's Starlette routes): each
+    method with the first paragraph of its handler's docstring, the admin key as its
+    security, and its path parameters."""
+    paths: dict[str, Any] = {}
+    for route in routes:
+        path = getattr(route, "path", "")
+        if not path.startswith("/admin/"):
+            continue
+        doc = (route.endpoint.__doc__ or "").strip().split("\n\n")[0]
+        summary = " ".join(doc.split())
+        item: dict[str, Any] = {}
+        names = _PARAM.findall(path)
+        if names:
+            item["parameters"] = [
+                {"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+                for n in names
+            ]
+        for method in sorted(route.methods - {"HEAD"}):
+            item[method.lower()] = {
+                "summary": summary,
+                "security": [{"admin": []}],
+                "responses": {
+                    "200": {"description": "the result, as JSON"},
+                    "400": _ERROR,
+                    "401": _ERROR,
+                    "404": _ERROR,
+                },
+            }
+        paths[_PARAM.sub(r"{\1}", path)] = item
+    return paths
+
+
 def describe(
-    generated: dict[str, Any], chat_models: list[str], embedding_models: list[str]
+    generated: dict[str, Any],
+    chat_models: list[str],
+    embedding_models: list[str],
+    admin: list[Any] | None = None,
 ) -> dict[str, Any]:
-    """FastAPI's generated description with the model routes added."""
+    """FastAPI's generated description with the model routes and the admin API added."""
     doc = dict(generated)
-    doc["paths"] = {**model_routes(chat_models, embedding_models), **doc.get("paths", {})}
+    doc["paths"] = {
+        **model_routes(chat_models, embedding_models),
+        **admin_routes(admin or []),
+        **doc.get("paths", {}),
+    }
     components = dict(doc.get("components") or {})
-    components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    components["securitySchemes"] = {
+        "bearer": {"type": "http", "scheme": "bearer"},
+        "admin": {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "the admin key (the variable auth.admin_key_env names)",
+        },
+    }
     doc["components"] = components
     return doc

@@ -2,7 +2,7 @@
 
 Tools disagree on what TTFT, TPOT and ITL mean, so every number here is derived from
 timestamps the record keeps, and the definitions are written once, below and in
-docs/benchmarking.md. All times in a record are seconds on one monotonic clock whose zero
+docs/benchmarks/index.md. All times in a record are seconds on one monotonic clock whose zero
 is the start of the run; reported latencies are milliseconds.
 
 * TTFT: `first_token_s - sent_s`, where `first_token_s` is the arrival of the first

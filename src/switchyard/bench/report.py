@@ -88,7 +88,7 @@ def warnings(point: dict[str, Any]) -> list[str]:
     if lag is not None and lag > LAG_WARN_MS:
         out.append(
             f"p99 send lag {lag:.0f} ms: the harness fell behind its schedule, so the offered "
-            "rate was lower than asked (see the harness ceiling in docs/benchmarking.md)"
+            "rate was lower than asked (see the harness ceiling in docs/benchmarks/index.md)"
         )
     cpu = point["harness"]["cpu_util"]
     if cpu is not None and cpu > CPU_WARN:

@@ -3,7 +3,7 @@
 Works against any endpoint (Switchyard or a model server directly), so the gateway and
 the direct path are measured the same way. One run is one or more load points (a sweep
 over rates or concurrencies), each with its own records and summary; everything lands in
-one JSON result, with plots next to it. See docs/benchmarking.md for the definitions.
+one JSON result, with plots next to it. See docs/benchmarks/index.md for the definitions.
 """
 
 from __future__ import annotations

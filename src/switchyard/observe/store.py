@@ -221,7 +221,9 @@ class MemoryLedger(LedgerReads):
         batch, self._batch = self._batch, []
         if not batch:
             return
-        decoded = decode_batch(batch_json(batch, self._templates))  # as the writer process would receive it
+        decoded = decode_batch(
+            batch_json(batch, self._templates)
+        )  # as the writer process would receive it
         if decoded is None:
             return
         with self._lock:

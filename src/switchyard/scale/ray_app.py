@@ -18,7 +18,7 @@ Why HTTP through Serve's proxy between the two, not a deployment handle: the gat
 keeps one upstream client (timeouts, first-byte deadline, SSE relay, retry classes)
 for every kind of upstream, and Serve's proxy is what counts requests in flight per
 engine replica for autoscaling. The price is one loopback hop per request (measured in
-`switchyard bench ray`, README).
+`switchyard bench ray`, docs/benchmarks/2026-12-02-ray-serve.md).
 
 The args of both builders: {"config": path} (a file every node has) or
 {"settings": {...}} (the Switchyard config inline, as a KubeRay manifest carries it).
