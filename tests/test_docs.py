@@ -92,6 +92,8 @@ def test_every_error_class_is_listed_with_its_status() -> None:
         stack.extend(cls.__subclasses__())
     listed = {c.name for c in reference.error_classes()}
     assert {c.__name__ for c in live} - listed == set()
+    # one place for every error a client may see (the reference's source, too)
+    assert {c.__name__ for c in live if c.__module__ != "switchyard.errors"} == set()
     text = reference.errors()
     for code in ("rate_limit_*", "request_header_fields_too_large", "too_many_connections"):
         assert f"`{code}`" in text, code

@@ -301,3 +301,129 @@ class ApprovalRequired(PermissionDenied):
     """A tool result for a tool that `requires_approval` came without a valid approval."""
 
     code = "approval_required"
+
+
+# -- raised in one part of the gateway, defined here with every other client-visible error --
+
+
+class AssetMissing(SwitchyardError):
+    """A file the gateway needs (a model's weights, the embedding model) is not
+    installed; the message says which and how to install it."""
+
+    code = "asset_missing"
+
+
+class CircuitOpen(EngineNotReady):
+    """The model's circuit breaker is open after repeated failures; retry after
+    `Retry-After`."""
+
+    code = "circuit_open"
+
+
+class Conflict(SwitchyardError):
+    """A tenant that already exists (admin API)."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
+class DeadlineExceeded(SwitchyardError):
+    """The request's deadline (`server.default_deadline_s`, or a shorter
+    `x-request-timeout`) passed while it waited or ran."""
+
+    status = 504
+    type = "timeout_error"
+    code = "deadline_exceeded"
+
+
+class IdempotencyConflict(SwitchyardError):
+    """An `Idempotency-Key` already used by this tenant for a different request body."""
+
+    status = 422
+    type = "invalid_request_error"
+    code = "idempotency_key_reused"
+
+
+class MediaFetchRefused(InvalidRequest):
+    """An image URL the fetch policy refuses (scheme, domain, address, redirects,
+    `media.fetch.enabled` off)."""
+
+    code = "media_fetch_refused"
+
+
+class MediaQueueFull(RateLimited):
+    """The image-processing queue (`media.queue`) is full; retry after `Retry-After`."""
+
+    code = "media_queue_full"
+
+
+class MediaTimeout(InvalidRequest):
+    """An image could not be fetched within `media.fetch.timeout_s`."""
+
+    code = "media_timeout"
+
+
+class MediaTooLarge(InvalidRequest):
+    """An image over `media.fetch.max_bytes` or `media.max_pixels`, or more images than
+    `media.max_images`."""
+
+    code = "media_too_large"
+
+
+class MediaUnsupported(InvalidRequest):
+    """An image that is not a decodable PNG, JPEG, GIF or WebP, or a data: URI that is
+    not base64."""
+
+    code = "media_unsupported"
+
+
+class NoEligibleRoute(PermissionDenied):
+    """Every route is excluded for this request (tenant allow lists, context bands)."""
+
+    code = "no_eligible_route"
+
+    def __init__(self, message: str, evidence: dict[str, Any]) -> None:
+        super().__init__(message, param="model")
+        self.evidence = evidence
+
+
+class NotFound(SwitchyardError):
+    """A tenant, key, request or task the admin API was asked for does not exist."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class PiiFailure(SwitchyardError):
+    """PII masking failed for a request that must be masked: it is refused rather than
+    sent unmasked."""
+
+    status = 500
+    type = "server_error"
+    code = "pii_masking_failed"
+
+
+class QuotaExceeded(RateLimited):
+    """A budget (tenant, key or task) has less left than this request needs, even at a
+    minimal answer; the message names what is left."""
+
+    code = "insufficient_quota"
+
+
+class RevisionConflict(SwitchyardError):
+    """A model revision that is already registered, or a change its state does not
+    allow."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "revision_conflict"
+
+
+class RevisionNotFound(SwitchyardError):
+    """A model revision the RL admin API was asked for does not exist."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "revision_not_found"

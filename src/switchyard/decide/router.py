@@ -27,20 +27,10 @@ from typing import Any
 import numpy as np
 
 from switchyard.config import ConfigError, RouteConfig, RouterConfig
-from switchyard.errors import PermissionDenied
+from switchyard.errors import NoEligibleRoute
 
 Embed = Callable[[list[str]], np.ndarray]
 """Texts in, one unit-normalised float32 row per text out."""
-
-
-class NoEligibleRoute(PermissionDenied):
-    """Every route is excluded for this request (tenant allow lists, context bands)."""
-
-    code = "no_eligible_route"
-
-    def __init__(self, message: str, evidence: dict[str, Any]) -> None:
-        super().__init__(message, param="model")
-        self.evidence = evidence
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,11 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from switchyard.errors import SwitchyardError
-
-
-class AssetMissing(SwitchyardError):
-    code = "asset_missing"
+from switchyard.errors import AssetMissing
 
 
 def _package_dir(package: str, install_hint: str) -> Path:

@@ -45,7 +45,13 @@ from switchyard.engines.llamacpp import AdapterFile, ManagedLlamaCpp
 from switchyard.engines.registry import Deployment
 from switchyard.engines.upstream import OpenAIUpstream
 from switchyard.engines.vllm import ManagedVllm
-from switchyard.errors import EngineNotReady, InvalidRequest, PermissionDenied, SwitchyardError
+from switchyard.errors import (
+    EngineNotReady,
+    InvalidRequest,
+    PermissionDenied,
+    RevisionConflict,
+    RevisionNotFound,
+)
 
 log = logging.getLogger("switchyard")
 
@@ -63,18 +69,6 @@ class RevState(enum.StrEnum):
     DRAINING = "draining"
     RETIRED = "retired"
     REJECTED = "rejected"
-
-
-class RevisionConflict(SwitchyardError):
-    status = 409
-    type = "invalid_request_error"
-    code = "revision_conflict"
-
-
-class RevisionNotFound(SwitchyardError):
-    status = 404
-    type = "invalid_request_error"
-    code = "revision_not_found"
 
 
 def sha256_of(path: str) -> str:

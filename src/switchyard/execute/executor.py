@@ -26,6 +26,7 @@ from switchyard.engines.registry import Deployment, Registry
 from switchyard.engines.token_ids import llamacpp_body
 from switchyard.engines.upstream import UpstreamReply, UpstreamStream
 from switchyard.errors import (
+    CircuitOpen,
     EngineCrashed,
     EngineFailed,
     EngineNotReady,
@@ -45,10 +46,6 @@ _NO_SPAN: tuple[None, dict[str, str]] = (
     None,
     {},
 )  # tracing off: no span, no headers (never changed)
-
-
-class CircuitOpen(EngineNotReady):
-    code = "circuit_open"
 
 
 def upstream_payload(ctx: RequestContext, dep: Deployment) -> bytes:

@@ -22,7 +22,11 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from switchyard.errors import DatabaseUnavailable, SwitchyardError, UpstreamTimeout
+from switchyard.errors import (
+    DatabaseUnavailable,
+    IdempotencyConflict,
+    UpstreamTimeout,
+)
 
 log = logging.getLogger("switchyard")
 
@@ -41,12 +45,6 @@ CREATE TABLE IF NOT EXISTS idempotency (
     PRIMARY KEY (tenant_id, key)
 );
 """
-
-
-class IdempotencyConflict(SwitchyardError):
-    status = 422
-    type = "invalid_request_error"
-    code = "idempotency_key_reused"
 
 
 @dataclass(frozen=True, slots=True)

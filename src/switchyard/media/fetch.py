@@ -30,27 +30,16 @@ import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 
 from switchyard.config import MediaFetchConfig
-from switchyard.errors import InvalidRequest
+from switchyard.errors import (
+    MediaFetchRefused,
+    MediaTimeout,
+    MediaTooLarge,
+    MediaUnsupported,
+)
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 # (family, address) pairs for a host and port, as getaddrinfo gives them.
 Resolve = Callable[[str, int], Awaitable[list[tuple[int, str]]]]
-
-
-class MediaFetchRefused(InvalidRequest):
-    code = "media_fetch_refused"
-
-
-class MediaTooLarge(InvalidRequest):
-    code = "media_too_large"
-
-
-class MediaTimeout(InvalidRequest):
-    code = "media_timeout"
-
-
-class MediaUnsupported(InvalidRequest):
-    code = "media_unsupported"
 
 
 _CGNAT = ipaddress.ip_network("100.64.0.0/10")

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, TypeVar
 from PIL import Image, ImageOps
 
 from switchyard.config import MediaConfig
-from switchyard.errors import InvalidRequest, RateLimited
+from switchyard.errors import InvalidRequest, MediaQueueFull
 from switchyard.media.fetch import (
     MediaFetcher,
     MediaFetchRefused,
@@ -51,10 +51,6 @@ class Settings(NamedTuple):
     max_side: int
     format: str
     quality: int
-
-
-class MediaQueueFull(RateLimited):
-    code = "media_queue_full"
 
 
 @dataclass(slots=True)

@@ -14,13 +14,7 @@ import contextlib
 import time
 from dataclasses import dataclass
 
-from switchyard.errors import RateLimited, SwitchyardError
-
-
-class DeadlineExceeded(SwitchyardError):
-    status = 504
-    type = "timeout_error"
-    code = "deadline_exceeded"
+from switchyard.errors import DeadlineExceeded, RateLimited
 
 
 @dataclass(slots=True)

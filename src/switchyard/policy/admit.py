@@ -9,13 +9,9 @@ from __future__ import annotations
 import math
 
 from switchyard.config import ModelConfig, Price
-from switchyard.errors import RateLimited, SwitchyardError
+from switchyard.errors import QuotaExceeded, RateLimited, SwitchyardError
 from switchyard.policy.keys import Limits, Principal
 from switchyard.policy.limits import Period, ScopeLimits, Verdict
-
-
-class QuotaExceeded(RateLimited):
-    code = "insufficient_quota"
 
 
 def cost_usd(price: Price, input_tokens: int, output_tokens: int) -> float:

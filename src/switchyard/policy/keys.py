@@ -18,24 +18,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from switchyard.errors import InvalidRequest, SwitchyardError
+from switchyard.errors import Conflict, InvalidRequest, NotFound
 from switchyard.policy.tasks import TaskBudget
 
 KEY_PREFIX = "sk-sy-"
 TENANT_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 LIMIT_FIELDS = ("rpm", "tpm", "max_concurrency", "budget_usd", "budget_period")
-
-
-class NotFound(SwitchyardError):
-    status = 404
-    type = "invalid_request_error"
-    code = "not_found"
-
-
-class Conflict(SwitchyardError):
-    status = 409
-    type = "invalid_request_error"
-    code = "conflict"
 
 
 def hash_key(plaintext: str) -> str:

@@ -19,6 +19,7 @@ from switchyard.errors import (
     ApprovalRequired,
     EngineNotReady,
     InvalidRequest,
+    PiiFailure,
     SwitchyardError,
     TaskBudgetExceeded,
     TaskCancelled,
@@ -72,12 +73,6 @@ NO_WAIT = "waited 0.0 ms for a slot"
 
 # What was spent by a scope ("key_id" | "tenant_id", id) since a unix time: the ledger.
 SpentSince = Callable[[str, str, float], Awaitable[float]]
-
-
-class PiiFailure(SwitchyardError):
-    status = 500
-    type = "server_error"
-    code = "pii_masking_failed"
 
 
 class Authorize(Stage):
