@@ -110,10 +110,17 @@ fmt: $(STAMP)
 # The documentation site (mkdocs.yml): its reference pages are generated from the code
 # as it builds (docs/hooks.py); --strict fails on a broken link. tests/test_docs.py
 # runs the same build, so `make test` does too.
-docs: $(STAMP)
+# Only the Python packages: the generator imports the settings, the CLI and the routes,
+# never an engine, so `make docs` does not wait for llama-server's build.
+DOCS_STAMP := $(VENV)/.switchyard-docs
+$(DOCS_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(PIP) install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
 	$(VENV)/bin/mkdocs build --strict
 
-docs-serve: $(STAMP)
+docs-serve: $(DOCS_STAMP)
 	$(VENV)/bin/mkdocs serve
 
 bench-overhead: install
