@@ -5,8 +5,8 @@ with `PAGES[NAME]()`: the configuration from the settings schema (`config.Settin
 each key's type, default and description), the errors from their classes and raise
 sites (read from the source, so nothing is imported that a build does not need), the
 CLI from its argument parser, the routes from the OpenAPI description the gateway
-serves, and the headers from `HEADERS` below, which tests/test_docs.py checks against
-every header name the code reads or writes. Nothing here runs on a request.
+serves, and the headers from `reference_headers.yaml`, which tests/test_docs.py checks
+against every header name the code reads or writes. Nothing here runs on a request.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
@@ -315,235 +316,17 @@ class Header:
     meaning: str
 
 
-HEADERS: tuple[Header, ...] = (
-    Header(
-        "authorization",
-        "request",
-        "`Bearer <key>`: the API key (or the admin key on "
-        "`/admin/*` and `/metrics`). Read before the body.",
-    ),
-    Header(
-        "idempotency-key",
-        "request",
-        "At most 255 characters: a repeat of the same "
-        "request (same tenant, same body) replays the stored reply; non-streaming only.",
-    ),
-    Header(
-        "x-request-id",
-        "both",
-        "Request: the client's own id when "
-        "`x-client-request-id` is absent (1-128 of `A-Z a-z 0-9 . _ : -`). Response: the "
-        "gateway's request id, the key of its usage row and trace.",
-    ),
-    Header(
-        "x-client-request-id",
-        "request",
-        "The client's own id for the request, kept "
-        "in its usage row and trace (1-128 of `A-Z a-z 0-9 . _ : -`).",
-    ),
-    Header(
-        "x-request-timeout",
-        "request",
-        "Seconds (plain decimal, at most 86,400): "
-        "shortens the gateway's deadline (`server.default_deadline_s`) for this request.",
-    ),
-    Header(
-        "x-task-id",
-        "request",
-        "The agent task the request is a step of (1-128 of "
-        "`A-Z a-z 0-9 . _ : -`): task budgets, deadlines, cancel, tool governance.",
-    ),
-    Header(
-        "x-parent-request-id",
-        "request",
-        "Comma-separated request ids (at most 32) this "
-        "step depends on: the task's dependency graph and critical path.",
-    ),
-    Header(
-        "x-task-planned-steps",
-        "request",
-        "How many steps the task plans (1 to 1,000,000): progress in the task report.",
-    ),
-    Header(
-        "x-task-budget",
-        "request",
-        "`calls=10, tokens=50000, cost_usd=0.50, wall_s=120` "
-        "(any subset): the task's own budget, honoured only within `tasks.budget` "
-        "ceilings and for keys allowed to set it.",
-    ),
-    Header(
-        "x-task-deadline",
-        "request",
-        "The task's deadline as an ISO 8601 time or unix seconds; later calls past it are refused.",
-    ),
-    Header(
-        "x-task-timeout",
-        "request",
-        "The task's deadline as seconds from its first call (at most 7 days).",
-    ),
-    Header(
-        "x-session-id",
-        "request",
-        "A session id the balancer may use for affinity (`balance.affinity`).",
-    ),
-    Header(
-        "x-switchyard-approval",
-        "request",
-        "A single-use approval token for a tool "
-        "call that needs approval (`POST /admin/approvals`).",
-    ),
-    Header(
-        "x-switchyard-cache-tags",
-        "request",
-        "Comma-separated tags (at most 32 of 64 "
-        "characters) stored with a cached reply, for `POST /admin/cache/invalidate`.",
-    ),
-    Header(
-        "x-switchyard-data-version",
-        "request",
-        "The version of the data the answer "
-        "depends on: part of the cache key, so a new version never hits old replies.",
-    ),
-    Header(
-        "x-switchyard-locale",
-        "request",
-        "The locale of the request (else "
-        "`accept-language`): part of the semantic cache's partition.",
-    ),
-    Header(
-        "accept-language",
-        "request",
-        "Read for the cache partition's locale when `x-switchyard-locale` is absent.",
-    ),
-    Header(
-        "cache-control",
-        "request",
-        "`no-cache` / `no-store`: bypass the response "
-        "cache for this request (reply not served from, or stored in, the cache).",
-    ),
-    Header(
-        "traceparent",
-        "request",
-        "W3C trace context: the request's OpenTelemetry span joins the caller's trace.",
-    ),
-    Header(
-        "x-switchyard-device-state",
-        "request",
-        "The calling device's state for "
-        "placement (battery, thermal, ...), bounded and validated; honoured only for "
-        "keys allowed to send it.",
-    ),
-    Header(
-        "x-switchyard-network",
-        "request",
-        "The caller's network (round trip, "
-        "bandwidth) for placement; honoured only for keys allowed to send it.",
-    ),
-    Header(
-        "x-switchyard-data-boundary",
-        "request",
-        "Where the request's data may be processed (placement's data boundary).",
-    ),
-    Header(
-        "x-csrf-token",
-        "request",
-        "The console session's CSRF token, required on changes made from the console.",
-    ),
-    Header(
-        "x-ratelimit-limit-requests",
-        "response",
-        "The tightest requests-per-minute limit that applied.",
-    ),
-    Header("x-ratelimit-remaining-requests", "response", "Requests left in that minute."),
-    Header(
-        "x-ratelimit-reset-requests",
-        "response",
-        "Seconds until that window frees a request (`1.250s`).",
-    ),
-    Header(
-        "x-ratelimit-limit-tokens", "response", "The tightest tokens-per-minute limit that applied."
-    ),
-    Header("x-ratelimit-remaining-tokens", "response", "Tokens left in that minute."),
-    Header("x-ratelimit-reset-tokens", "response", "Seconds until that window frees tokens."),
-    Header("retry-after", "response", "On a 429 or 503: seconds to wait before retrying."),
-    Header(
-        "x-switchyard-model",
-        "response",
-        "The model alias that answered (after routing and fallbacks).",
-    ),
-    Header(
-        "x-switchyard-upstream",
-        "response",
-        "The deployment that served the request (its name, never its URL).",
-    ),
-    Header(
-        "x-switchyard-revision",
-        "response",
-        "The model revision that served it (RL serving, canaries).",
-    ),
-    Header(
-        "x-switchyard-attempts",
-        "response",
-        "How many upstream attempts the request took (retries and fallbacks included).",
-    ),
-    Header(
-        "x-switchyard-fallback", "response", "The alias the request fell back from, when it did."
-    ),
-    Header("x-switchyard-cache", "response", "`hit-exact`, `hit-semantic`, `miss` or `bypass`."),
-    Header(
-        "x-switchyard-cache-similarity",
-        "response",
-        "On a semantic hit: the prompt similarity that matched.",
-    ),
-    Header("x-switchyard-route", "response", "The semantic route chosen, when routing is on."),
-    Header("x-switchyard-route-score", "response", "The route's score."),
-    Header(
-        "x-switchyard-placement",
-        "response",
-        "Where placement ran the request (device or cloud) and why.",
-    ),
-    Header(
-        "x-switchyard-max-tokens",
-        "response",
-        "The output cap sent upstream when it "
-        "differs from what the client asked (the default cap, or one shrunk to fit a "
-        "budget or tpm limit).",
-    ),
-    Header(
-        "x-switchyard-tools-blocked",
-        "response",
-        "How many tool calls were removed from the reply by tool governance.",
-    ),
-    Header(
-        "x-switchyard-idempotent-replay",
-        "response",
-        "`true` on a reply replayed for a repeated `Idempotency-Key`.",
-    ),
-    Header("x-switchyard-adapter", "response", "The LoRA adapter that served the request."),
-    Header(
-        "x-switchyard-adapter-revision", "response", "That adapter's revision (its sha256 prefix)."
-    ),
-    Header(
-        "x-switchyard-engine-adapter",
-        "response",
-        "Under Ray Serve: the adapter the engine replica applied.",
-    ),
-    Header(
-        "x-switchyard-gateway-replica",
-        "response",
-        "Under Ray Serve: the gateway replica that answered.",
-    ),
-    Header(
-        "x-switchyard-engine-replica",
-        "response",
-        "Under Ray Serve: the engine replica that served the request.",
-    ),
-    Header(
-        "x-switchyard-request-id",
-        "response",
-        "Under Ray Serve: the request id as the engine deployment saw it.",
-    ),
-)
+def _headers() -> tuple[Header, ...]:
+    """The header table (reference_headers.yaml: direction -> name -> meaning)."""
+    table = yaml.safe_load((SOURCE / "reference_headers.yaml").read_text(encoding="utf-8"))
+    return tuple(
+        Header(name, direction, meaning)
+        for direction in ("request", "both", "response")
+        for name, meaning in table[direction].items()
+    )
+
+
+HEADERS: tuple[Header, ...] = _headers()
 
 
 def headers() -> str:

@@ -219,17 +219,23 @@ def model_routes(chat_models: list[str], embedding_models: list[str]) -> dict[st
     }
 
 
-def _task_operation(summary: str) -> dict[str, Any]:
+def _operation(summary: str, security: str, ok: str) -> dict[str, Any]:
+    """An operation answered with JSON (`ok` describes the 200) or an OpenAI-shaped
+    error, behind the named security scheme."""
     return {
         "summary": summary,
-        "security": [{"bearer": []}],
+        "security": [{security: []}],
         "responses": {
-            "200": {"description": "the task's state, or what the cancel stopped"},
+            "200": {"description": ok},
             "400": _ERROR,
             "401": _ERROR,
             "404": _ERROR,
         },
     }
+
+
+def _task_operation(summary: str) -> dict[str, Any]:
+    return _operation(summary, "bearer", "the task's state, or what the cancel stopped")
 
 
 # `{alias:path}` in a Starlette route is `{alias}` in OpenAPI.
@@ -255,16 +261,7 @@ def admin_routes(routes: list[Any]) -> dict[str, Any]:
                 for n in names
             ]
         for method in sorted(route.methods - {"HEAD"}):
-            item[method.lower()] = {
-                "summary": summary,
-                "security": [{"admin": []}],
-                "responses": {
-                    "200": {"description": "the result, as JSON"},
-                    "400": _ERROR,
-                    "401": _ERROR,
-                    "404": _ERROR,
-                },
-            }
+            item[method.lower()] = _operation(summary, "admin", "the result, as JSON")
         paths[_PARAM.sub(r"{\1}", path)] = item
     return paths
 
