@@ -102,6 +102,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests docs/hooks.py
 	$(VENV)/bin/ruff format --check src tests docs/hooks.py
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 fmt: $(STAMP)
 	$(VENV)/bin/ruff format src tests docs/hooks.py

@@ -572,7 +572,7 @@ def test_a_batched_fold_exposes_what_one_by_one_updates_would() -> None:
         f.ctx.alias, f.ctx.run.chunk_gaps = "m", [d / 2, d / 3]
         f.ctx.timings.ended = f.ctx.timings.received + d
         metrics._pending.append((f.ctx, "ok" if i % 3 else "error", 0, 0, 0.0))
-        requests.labels("unknown", "none", "ok" if i % 3 else "error").inc()
+        requests.labels("unknown", "anonymous", "ok" if i % 3 else "error").inc()
         e2e.labels("unknown").observe(f.ctx.timings.ended - f.ctx.timings.received)
         for gap in f.ctx.run.chunk_gaps:
             itl.labels("unknown").observe(gap)

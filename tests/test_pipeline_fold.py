@@ -230,8 +230,8 @@ def _outcome(world: _World, ctx: RequestContext, error: BaseException | None) ->
         ctx.deployment.alias if ctx.deployment is not None else None,
         ctx.admission.gate is not None,
         [
-            (sorted(s.scope for s in scopes), ask.tokens, ask.cost_usd)
-            for scopes, ask in ctx.admission.reservations
+            (sorted(s.scope for s in scopes), ask.tokens, ask.cost_usd, stage)
+            for scopes, ask, stage in ctx.admission.reservations
         ],
         ctx.prompt_estimate,
         ctx.max_tokens,
@@ -262,9 +262,16 @@ async def _serve(world: _World, ctx: RequestContext, stepwise: bool, ready: bool
     except SwitchyardError as exc:
         error = exc
     out = _outcome(world, ctx, error)
-    if ctx.admission.gate is not None:
-        ctx.admission.gate.release()
-    return out, ctx, error
+    # The way out: the same reply parts whichever way the stages ran, and the unwind
+    # gives back every slot taken (the stages' releases, last first).
+    side = world.pipeline.reply_side(ctx)
+    parts = [type(p).__name__ for p in side.parts] if side is not None else []
+    pending = world.pipeline.unwind(ctx)
+    if pending is not None:
+        await pending
+    held = {a: (g.in_flight, g.queued) for a, g in world.gates.items() if g.in_flight}
+    assert not held, f"slots still held after the unwind: {held}"
+    return (out, parts), ctx, error
 
 
 def _check_rules(

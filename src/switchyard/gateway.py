@@ -38,7 +38,9 @@ from switchyard.engines import lora_train
 from switchyard.engines.pool import EnginePool
 from switchyard.engines.registry import Deployment, Registry
 from switchyard.errors import InvalidRequest, ModelNotFound
+from switchyard.execute.embeddings import Embeddings
 from switchyard.execute.executor import Executor
+from switchyard.execute.idempotent import Idempotent
 from switchyard.media.process import MediaProcessor
 from switchyard.media.stage import Media
 from switchyard.observe.cost import record_busy
@@ -67,11 +69,13 @@ from switchyard.policy.stages import (
     Task,
     ToolResults,
     Window,
+    embedding_estimate,
     generation_estimate,
 )
 from switchyard.policy.tasks import MemoryTaskStore, Running, TaskStore
 from switchyard.policy.tool_calls import ToolPolicy
-from switchyard.service import Pipelines, RequestService, embedding_estimate
+from switchyard.service import Pipelines, RequestService
+from switchyard.settle import Settler
 
 log = logging.getLogger("switchyard")
 BUSY_FLUSH_S = 10.0  # how often engine busy time goes to the store (observe/cost.py)
@@ -103,6 +107,7 @@ def build_pipelines(
     revisions: Mapping[str, Any] | None = None,
     consumed_approvals: ConsumedApprovals | None = None,
     check: CandidateCheck | None = None,
+    on_canary_cut: Callable[[str, Deployment, str], None] | None = None,
 ) -> Pipelines:
     """The stages, in order (DESIGN.md: the request pipeline). Evidence that is the
     same for every request of a model is built once and shared (recorded evidence
@@ -135,10 +140,18 @@ def build_pipelines(
             Admit(reserver, estimate),
             Pii(s, masker, cache is not None),
             Embed(s, embedder, cache, planner, router),
-            Cache(s, cache, planner, check),
+            Cache(s, cache, planner, check, embedder),
             Route(s, router, named),
-            Tools(s, embedder),
-            Select(deployments, balancers, tasks, placers, metrics.placed if metrics else None),
+            Tools(s, embedder, ToolPolicy(s.tools) if s.tools.check_outputs else None),
+            Select(
+                deployments,
+                balancers,
+                tasks,
+                placers,
+                metrics.placed if metrics else None,
+                metrics,
+                on_canary_cut,
+            ),
             *([Media(media, metrics)] if media is not None else []),
             DeploymentLimits(reserver, estimate),
             Queue(gates),
@@ -288,48 +301,41 @@ class Gateway:
             if self.cache is not None and c.semantic
             else None
         )
-        self.service = RequestService(
+        pipelines = build_pipelines(
             settings,
-            self.auth,
-            build_pipelines(
-                settings,
-                self.registry.deployments,
-                Reserver(self.limiter, settings, self.store.spent_since, self.counters),
-                self.gates,
-                self.pii,
-                self.cache,
-                self.embedder,
-                lambda: self.router,  # built after start
-                self.ledger.block_id,
-                self.media,
-                self.metrics,
-                self.registry.pool,
-                self.balancers,
-                self.tasks,
-                self.running,
-                self.store.consume_approval,
-                self.placers,
-                self.overhead,
-                self.revisions,
-                consumed_approvals=self.store.consumed_approvals,
-                check=self.candidates,
-            ),
-            self.executor,
-            self.limiter,
-            self.ledger,
-            self.idempotency,
+            self.registry.deployments,
+            Reserver(self.limiter, settings, self.store.spent_since, self.counters),
+            self.gates,
             self.pii,
             self.cache,
             self.embedder,
+            lambda: self.router,  # built after start
+            self.ledger.block_id,
+            self.media,
             self.metrics,
-            self.tracing,
-            tasks=self.tasks,
-            running=self.running,
-            tools=ToolPolicy(settings.tools) if settings.tools.check_outputs else None,
-            overhead=self.overhead,
+            self.registry.pool,
+            self.balancers,
+            self.tasks,
+            self.running,
+            self.store.consume_approval,
+            self.placers,
+            self.overhead,
+            self.revisions,
+            consumed_approvals=self.store.consumed_approvals,
+            check=self.candidates,
+            on_canary_cut=self._canary_cut,
         )
-        self.service.on_canary_cut = self._canary_cut
-        self.service.rl_aliases = self.revisions
+        self.service = RequestService(
+            settings,
+            self.auth,
+            pipelines,
+            self.executor,
+            Settler(settings, self.ledger, self.metrics, self.tracing, self.overhead),
+            Idempotent(self.idempotency, self.pii, pipelines.generation),
+            Embeddings(settings, self.embedder),
+            self.tracing,
+            rl_aliases=self.revisions,
+        )
         self.rollouts = self._build_rollouts(settings)
         self.started_at = time.time()
 

@@ -1,9 +1,14 @@
 """The request pipeline: one `RequestContext` passed through explicit stages.
 
-Each stage records a `Decision` on the context and may end the request by raising a
-`SwitchyardError` (reject) or by setting `ctx.response` (e.g. a cache hit). Stages
-that are still pass-throughs record that they were skipped, so later capabilities slot
-in without rewiring and the decision trace always has the same shape.
+On the way in each stage records a `Decision` on the context and may end the request
+by raising a `SwitchyardError` (reject) or by setting `ctx.response` (e.g. a cache
+hit). Stages that are still pass-throughs record that they were skipped, so later
+capabilities slot in without rewiring and the decision trace always has the same shape.
+
+On the way out the same stages see the reply (`Stage.reply`: a whole reply, each
+stream event, a cache hit, an idempotent replay — one `ReplyPart` whatever the
+transport) and, on every ending, give back what they took (`Stage.release`), both in
+reverse stage order (`Pipeline.reply_side`, `Pipeline.unwind`).
 """
 
 from __future__ import annotations
@@ -15,9 +20,26 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-if TYPE_CHECKING:
+from switchyard.identity import ANONYMOUS, Principal
+
+if TYPE_CHECKING:  # annotations only: these live in the layers above (pyproject.toml)
+    import numpy as np
+    from opentelemetry.trace import Span
+
     from switchyard.config import ModelConfig
+    from switchyard.decide.balance import Balancer
+    from switchyard.decide.cache import CacheKeys, Entry
+    from switchyard.decide.cacheability import Cacheability
+    from switchyard.decide.placement import Placement
+    from switchyard.engines.llamacpp import ManagedLlamaCpp
     from switchyard.engines.registry import Deployment
+    from switchyard.engines.revisions import Lease
+    from switchyard.errors import InvalidRequest
+    from switchyard.policy.admission import DeploymentGate
+    from switchyard.policy.cost import Cost
+    from switchyard.policy.limits import Ask, ScopeLimits
+    from switchyard.policy.pii import MaskSession
+    from switchyard.policy.tasks import TaskHold, ToolCallNote
 
 
 class RequestIds:
@@ -97,12 +119,11 @@ class CacheOutcome(StrEnum):
 class CacheState:
     """What the embed and cache stages worked out for a request, for the rest of it."""
 
-    plan: Any = None  # (Cacheability, CacheKeys | None), worked out once
-    store_keys: Any = None  # CacheKeys when the reply may be stored
+    plan: tuple[Cacheability, CacheKeys | None] | None = None  # worked out once
+    store_keys: CacheKeys | None = None  # when the reply may be stored
     similarity: float | None = None  # of the entry that hit (or would have)
-    shadow_entry: Any = None  # the would-be hit in shadow mode
+    shadow_entry: Entry | None = None  # the would-be hit in shadow mode
     shadow_semantic: bool = False  # ...found by similarity (not an exact match)
-    collected: list[bytes] | None = None  # streamed data events kept for the store
 
     @property
     def wants_reply(self) -> bool:
@@ -114,7 +135,7 @@ class CacheState:
 class PiiState:
     """What the pii stage leaves for the rest of the request."""
 
-    session: Any  # the mask session: the placeholder mapping is held only here
+    session: MaskSession  # the placeholder mapping is held only here
     masked_body: dict[str, Any]  # what cache keys, embeddings and the router see
     restore: bool  # the upstream saw placeholders: the reply gets the raw values back
     found: dict[str, int] = field(default_factory=dict)  # PII kinds found, and how many
@@ -141,7 +162,7 @@ class RequestInput:
     request_id: str
     endpoint: str  # "chat.completions" | "completions" | "embeddings"
     received_at: float  # unix seconds
-    headers: Any = None  # the client's request headers
+    headers: Mapping[str, str] = field(default_factory=dict)  # the client's request headers
     task_id: str | None = None  # x-task-id
     parent_request_ids: tuple[str, ...] = ()  # x-parent-request-id
     client_request_id: str | None = None  # the client's own id (x-client-request-id)
@@ -153,24 +174,27 @@ class AdmissionState:
     """The admit, deployment-limit and queue stages' state: what this request holds
     until it is settled."""
 
-    reservations: list[tuple[Any, Any]] = field(default_factory=list)  # (scopes, Ask)
+    # (scopes, Ask, the stage that reserved): each stage settles its own on release
+    reservations: list[tuple[list[ScopeLimits], Ask, str]] = field(default_factory=list)
     rate_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* to send
-    gate: Any = None  # the deployment slot held, released at settle
+    gate: DeploymentGate | None = None  # the deployment slot held, released at settle
     queue_ms: float | None = None  # time spent waiting for that slot
     # (engine, adapter name or None) held in the pool (residency), released at settle
-    resident: tuple[Any, str | None] | None = None
+    resident: tuple[ManagedLlamaCpp, str | None] | None = None
     # The lease on an RL-managed model's active revision (engines/revisions.py)
-    lease: Any = None
+    lease: Lease | None = None
     # (balancer, deployment) when select balanced among several: in flight until settle
-    balanced: tuple[Any, Any] | None = None
+    balanced: tuple[Balancer, Deployment] | None = None
     # (balancer, deployment, whether an attempt was made) the request left for another
     # deployment: each settled as a failure
-    left: list[tuple[Any, Any, bool]] = field(default_factory=list)
+    left: list[tuple[Balancer, Deployment, bool]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class ExecutionState:
-    """The executor's account of the upstream calls it made for this request."""
+    """The executor's account of the upstream calls it made for this request, and
+    what the request is charged once settled (`tokens_in`, `tokens_out`, `cost_usd`:
+    the stages' releases settle reservations with them)."""
 
     attempts: int = 0
     fallback_from: str | None = None  # the alias the request was first sent to
@@ -178,6 +202,9 @@ class ExecutionState:
     chunk_gaps: list[float] = field(default_factory=list)  # seconds between streamed writes
     usage: dict[str, Any] | None = None  # the upstream's usage object, once read
     reply_body: bytes | None = None  # a non-streamed reply whose usage is read at settle
+    tokens_in: int = 0
+    tokens_out: int = 0
+    cost_usd: float = 0.0
 
 
 @dataclass(slots=True)
@@ -186,34 +213,34 @@ class RequestContext:
     body: dict[str, Any]  # replaced (never edited in place) by stages that change it
     timings: Timings
     deadline: float  # perf_counter seconds
-    principal: Any = None  # set by authentication (policy layer)
+    principal: Principal = ANONYMOUS  # set by authentication (policy layer)
     alias: str | None = None
     pin: str | None = None  # the revision named as `alias@revision`
     model: ModelConfig | None = None
     deployment: Deployment | None = None
     stream: bool = False  # set by validate, from the body
     include_usage: bool = False
-    response: Any = None  # set by a stage that answers without an upstream call
+    response: Entry | None = None  # a cached reply that answers (the cache stage)
     decisions: list[Decision] = field(default_factory=list)
     status: Status = Status.PENDING
     error_code: str | None = None
     prompt_estimate: int = 0
     max_tokens: int = 0  # the output cap per sequence, as sent upstream
-    cost: Any = None  # policy/cost.Cost: the request's prompt, sequences and cap
+    cost: Cost | None = None  # the request's prompt, sequences and cap
     cache: CacheOutcome | None = None  # cache / replay outcome for the ledger
     idempotency_key: str | None = None  # set while this request owns the key
-    otel_span: Any = None  # the request's OpenTelemetry span, when tracing is on
-    task: Any = None  # the task's hold (policy/tasks.TaskHold) until settle
+    otel_span: Span | None = None  # the request's OpenTelemetry span, when tracing is on
+    task: TaskHold | None = None  # the task's hold until settle
     task_deployments: dict[str, str] | None = None  # the task's deployment per alias
     cancelled: bool = False  # its task was cancelled while it ran
     tools_blocked: int = 0  # tool calls removed from the reply (tools.on_forbidden_call)
-    tool_notes: list[Any] | None = None  # the reply's tool calls, for the task's record
-    vector: Any = None  # embedding of the (masked) last user message, shared by cache & router
+    tool_notes: list[ToolCallNote] | None = None  # the reply's calls, for the task
+    vector: np.ndarray | None = None  # the (masked) last user message's, for cache & router
     cache_state: CacheState | None = None  # set once the cache stages looked at it
     pii: PiiState | None = None  # set by the pii stage when it masked the request
     route: str | None = None
     route_score: float | None = None
-    placement: Any = None  # decide/placement.Placement, for an alias with a placement policy
+    placement: Placement | None = None  # for an alias with a placement policy
     admission: AdmissionState = field(default_factory=AdmissionState)
     run: ExecutionState = field(default_factory=ExecutionState)
     finished: bool = False
@@ -223,7 +250,7 @@ class RequestContext:
     blocks: list[tuple[str, int, int]] = field(default_factory=list)
     media_ms: dict[str, float] | None = None  # the media stage's time per step
     media_shape: tuple[int, int, int, int] | None = None  # images, bytes, pixels in/out
-    header_error: Any = None  # an InvalidRequest for a header, raised once ctx exists
+    header_error: InvalidRequest | None = None  # a bad header's, raised once ctx exists
 
     def record(
         self,
@@ -271,7 +298,7 @@ class View(NamedTuple):
 
     endpoint: str
     alias: str | None
-    principal: Any
+    principal: Principal
     model: ModelConfig | None
     deployment: Deployment | None
     in_task: bool = False
@@ -282,14 +309,109 @@ class View(NamedTuple):
 _VIEW_FIELDS = frozenset({"endpoint", "alias", "principal"})
 
 
+class ReplyPart:
+    """One stage's work on one request's reply, whatever the transport. The parts of a
+    request's stages are chained in reverse stage order (`ReplySide`), so the stage
+    nearest the upstream sees the reply first, as it came:
+
+    - `wants(body)`: whether a whole reply needs this part (a cheap look at the bytes:
+      when no part wants it, the reply is never parsed);
+    - `whole(obj)`: a whole reply (a JSON answer, a cache hit, an idempotent replay),
+      returned changed or as it came;
+    - `event(data)`: one stream event's data, returned as the events to send in its
+      place (None: unchanged);
+    - `end(ok)`: the stream ended (`ok`: complete): the events it held back;
+    - `after(ok)`: once a stream ended, the work that may wait (storing the reply).
+    """
+
+    __slots__ = ()
+
+    def wants(self, body: bytes) -> bool:
+        return True
+
+    async def whole(self, obj: dict[str, Any]) -> dict[str, Any]:
+        return obj
+
+    def event(self, data: bytes) -> list[bytes] | None:
+        return None
+
+    def end(self, ok: bool) -> list[bytes]:
+        return []
+
+    def after(self, ok: bool) -> Awaitable[None] | None:
+        return None
+
+
+class ReplySide:
+    """The reply parts of one request, in the order the reply passes them."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[ReplyPart]) -> None:
+        self.parts = parts
+
+    async def whole(self, obj: dict[str, Any]) -> dict[str, Any]:
+        for part in self.parts:
+            obj = await part.whole(obj)
+        return obj
+
+    def wanted(self, body: bytes) -> ReplySide | None:
+        """The parts that want this whole reply; None when none does."""
+        parts = [p for p in self.parts if p.wants(body)]
+        return ReplySide(parts) if parts else None
+
+    def event(self, data: bytes) -> list[bytes]:
+        return self._through(0, [data])
+
+    def _through(self, start: int, events: list[bytes]) -> list[bytes]:
+        parts = self.parts
+        for i in range(start, len(parts)):
+            part = parts[i]
+            out: list[bytes] = []
+            for data in events:
+                got = part.event(data)
+                if got is None:
+                    out.append(data)
+                else:
+                    out.extend(got)
+            events = out
+        return events
+
+    def end(self, ok: bool) -> list[bytes]:
+        """What the parts held back, each part's through the parts after it."""
+        out: list[bytes] = []
+        for i, part in enumerate(self.parts):
+            held = part.end(ok)
+            if held:
+                out.extend(self._through(i + 1, held))
+        return out
+
+    async def after(self, ok: bool) -> None:
+        for part in self.parts:
+            pending = part.after(ok)
+            if pending is not None:
+                await pending
+
+
 class Stage:
-    """One decision stage. `static` is the one place where the stage says when its
-    verdict does not depend on the request (from settings, principal and deployment
-    state): it returns that `Verdict`, or None when `work` must look at the request.
-    `work` decides for one request: it records its decision (`ctx.record`), may set
-    `ctx.response` to answer, and raises a `SwitchyardError` to refuse; it returns an
-    awaitable only when it has to wait. The pipeline calls `work` only where `static`
-    returned None, so `work` never restates the static rules."""
+    """One stage, with up to four parts (DESIGN.md: the request lifecycle).
+
+    - `static` is the one place where the stage says when its verdict does not depend
+      on the request (from settings, principal and deployment state): it returns that
+      `Verdict`, or None when `work` must look at the request.
+    - `work` decides for one request: it records its decision (`ctx.record`), may set
+      `ctx.response` to answer, and raises a `SwitchyardError` to refuse; it returns
+      an awaitable only when it has to wait. The pipeline calls `work` only where
+      `static` returned None, so `work` never restates the static rules.
+    - `reply` returns this stage's `ReplyPart` for the request's reply, or None when
+      it has nothing to do on the way out (asked for every reply, folded or not).
+    - `release` gives back what the stage took for the request (a reservation, a slot,
+      a lease), on every ending, in reverse stage order, exactly once (the driver
+      unwinds a request once: `ctx.finished`; what was taken stays on the context
+      for its record); it runs
+      without waiting and returns an awaitable only for what must wait (settling a
+      shared counter). It reads the request's charge from `ctx.run`.
+    """
 
     name: str = "stage"
 
@@ -299,6 +421,12 @@ class Stage:
     def work(self, ctx: RequestContext) -> Awaitable[None] | None:
         raise NotImplementedError
 
+    def reply(self, ctx: RequestContext) -> ReplyPart | None:
+        return None
+
+    def release(self, ctx: RequestContext) -> Awaitable[None] | None:
+        return None
+
 
 @dataclass(slots=True)
 class _Segment:
@@ -306,7 +434,7 @@ class _Segment:
     another there (a block, recorded at once) and the stage that ends it (`end`,
     which works on the request; len(stages) when none does)."""
 
-    principal: Any  # kept so its id stays this principal's while the plan is cached
+    principal: Principal  # kept so its id stays this principal's while the plan is cached
     template: list[tuple[str, str, str, dict[str, Any] | None]]
     sets: tuple[tuple[str, Any], ...]
     end: int
@@ -330,6 +458,9 @@ class Pipeline:
         register_block: Callable[[list[Any]], str] | None = None,
     ) -> None:
         self.stages = list(stages)
+        # Only the stages that have a reply or release part are asked, last first.
+        self._replying = [s for s in reversed(self.stages) if type(s).reply is not Stage.reply]
+        self._releasing = [s for s in reversed(self.stages) if type(s).release is not Stage.release]
         self._models = models if models is not None else {}
         self._deployments = deployments if deployments is not None else {}
         self._register = register_block
@@ -338,6 +469,19 @@ class Pipeline:
     @property
     def names(self) -> list[str]:
         return [s.name for s in self.stages]
+
+    def reply_side(self, ctx: RequestContext) -> ReplySide | None:
+        """The request's reply parts, nearest the upstream first; None when no stage
+        has anything to do on its way out."""
+        parts = [p for p in [s.reply(ctx) for s in self._replying] if p is not None]
+        return ReplySide(parts) if parts else None
+
+    def unwind(self, ctx: RequestContext) -> Awaitable[None] | None:
+        """Every stage's release, last stage first: what needs no waiting is given back
+        at once; what must wait is returned as one awaitable (None when nothing does),
+        which settles in the same order."""
+        waiting = [p for p in [s.release(ctx) for s in self._releasing] if p is not None]
+        return _in_order(waiting) if waiting else None
 
     def view(self, ctx: RequestContext) -> View:
         alias = ctx.alias
@@ -445,3 +589,15 @@ class Pipeline:
                     setattr(ctx, name, value)
             if ctx.response is not None:
                 return
+
+
+async def _in_order(pending: list[Awaitable[None]]) -> None:
+    """Await each, in order; one that fails does not keep the others from settling."""
+    error: BaseException | None = None
+    for p in pending:
+        try:
+            await p
+        except Exception as exc:
+            error = error or exc
+    if error is not None:
+        raise error

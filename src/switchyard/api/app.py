@@ -31,7 +31,7 @@ from switchyard.errors import (
 )
 from switchyard.gateway import Gateway
 from switchyard.pipeline import new_request_id
-from switchyard.service import served_headers
+from switchyard.reply import served_headers
 
 log = logging.getLogger("switchyard.api")
 

@@ -14,14 +14,16 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from switchyard.api.body import header_map, parse_json, read_body
-from switchyard.api.sse import RelayResponse, relay, replay
+from switchyard.api.sse import RelayResponse, frame, replay
 from switchyard.errors import InvalidRequest, RouteNotFound
 from switchyard.gateway import Gateway
 from switchyard.policy.headers import ID_PATTERN
 from switchyard.policy.keys import Principal
-from switchyard.service import ReadBody, Reply, StreamReply, mark_failed, served_headers
+from switchyard.reply import Reply, StreamReply, relay, served_headers
+from switchyard.service import ReadBody
+from switchyard.settle import mark_failed
 
-__all__ = ["CTX_KEY", "build_routes", "served_headers", "to_response"]
+__all__ = ["CTX_KEY", "OpenAIRoutes", "build_routes", "served_headers", "to_response"]
 
 CTX_KEY = "switchyard.ctx"  # where a request's context sits in the ASGI scope
 
@@ -64,9 +66,10 @@ def to_response(reply: Reply) -> Response:
     """The HTTP response of the service's reply."""
     if isinstance(reply, StreamReply):
         ctx = reply.ctx
+        source = reply.source
         events = (
-            relay(ctx, reply.source, reply.tools)
-            if reply.source is not None
+            frame(ctx, relay(ctx, source.data(), reply.side, source.close))
+            if source is not None
             else replay(reply.cached or {}, ctx.include_usage)
         )
         return RelayResponse(
@@ -83,53 +86,81 @@ def to_response(reply: Reply) -> Response:
     return response
 
 
-def build_routes(gw: Gateway) -> list[Route]:
-    """Plain Starlette routes: the hot path skips FastAPI's dependency solving. Each
-    maps HTTP to the request service (service.py) and its reply back."""
-    service = gw.service
-    max_body = gw.settings.server.max_body_bytes
-    body_timeout_s = gw.settings.server.body_timeout_s
-    max_depth = gw.settings.server.max_json_depth
+class OpenAIRoutes:
+    """The OpenAI-compatible routes, as plain Starlette endpoints (the hot path skips
+    FastAPI's dependency solving). Each maps HTTP to the request driver (service.py)
+    and its reply back."""
 
-    def reader(request: Request, headers: dict[str, str]) -> ReadBody:
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.service = gw.service
+        server = gw.settings.server
+        self._max_body = server.max_body_bytes
+        self._body_timeout_s = server.body_timeout_s
+        self._max_depth = server.max_json_depth
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/rollouts", self.rollouts, methods=["POST"]),
+            Route("/v1/tasks/{task_id}", self.task, methods=["GET", "DELETE"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+        ]
+
+    def reader(self, request: Request, headers: dict[str, str]) -> ReadBody:
+        """The request's body reader: bounded in size, depth and time."""
+
         async def read(remaining_s: float) -> tuple[Any, bytes]:
             raw = await read_body(
-                request, max_body, headers.get("content-length"), min(body_timeout_s, remaining_s)
+                request,
+                self._max_body,
+                headers.get("content-length"),
+                min(self._body_timeout_s, remaining_s),
             )
-            return parse_json(raw, max_depth), raw
+            return parse_json(raw, self._max_depth), raw
 
         return read
 
-    async def generate(request: Request, endpoint: str) -> Response:
-        received = time.perf_counter()
-        headers = header_map(request)
-        principal = service.authenticate(headers)  # before any costly work
+    async def _principal(self, headers: Any) -> Principal:
+        principal = self.service.authenticate(headers)  # before any costly work
         if not isinstance(principal, Principal):
             principal = await principal
+        return principal
+
+    async def _generate(self, request: Request, endpoint: str) -> Response:
+        received = time.perf_counter()
+        headers = header_map(request)
+        principal = self.service.authenticate(headers)  # before any costly work
+        if not isinstance(principal, Principal):
+            principal = await principal
+        service = self.service
         ctx = service.open(endpoint, headers, received, principal)
         request.scope[CTX_KEY] = ctx  # for the error mapping (app.py)
         if endpoint == "embeddings":
-            return to_response(await service.embeddings(ctx, reader(request, headers)))
-        return to_response(await service.generate(ctx, reader(request, headers)))
+            return to_response(await service.embeddings(ctx, self.reader(request, headers)))
+        return to_response(await service.generate(ctx, self.reader(request, headers)))
 
-    async def chat_completions(request: Request) -> Response:
-        return await generate(request, "chat.completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat.completions")
 
-    async def completions(request: Request) -> Response:
-        return await generate(request, "completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completions")
 
-    async def embeddings(request: Request) -> Response:
-        return await generate(request, "embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        return await self._generate(request, "embeddings")
 
-    async def models(request: Request) -> Response:
-        principal = service.authenticate(request.headers)
-        if not isinstance(principal, Principal):
-            principal = await principal
+    async def models(self, request: Request) -> Response:
+        """The models, adapters and embedding model this key may use."""
+        gw = self.gw
+        principal = await self._principal(request.headers)
+        created = int(gw.started_at)
         data: list[dict[str, Any]] = [
             {
                 "id": m.alias,
                 "object": "model",
-                "created": int(gw.started_at),
+                "created": created,
                 "owned_by": "switchyard",
                 "revision": m.revision,
             }
@@ -145,7 +176,7 @@ def build_routes(gw: Gateway) -> list[Route]:
                     {
                         "id": a.name,
                         "object": "model",
-                        "created": int(gw.started_at),
+                        "created": created,
                         "owned_by": "switchyard",
                         "revision": a.revision,
                         "parent": a.base,
@@ -157,7 +188,7 @@ def build_routes(gw: Gateway) -> list[Route]:
                 {
                     "id": gw.settings.embeddings.alias,
                     "object": "model",
-                    "created": int(gw.started_at),
+                    "created": created,
                     "owned_by": "switchyard",
                 }
             )
@@ -165,37 +196,34 @@ def build_routes(gw: Gateway) -> list[Route]:
             orjson.dumps({"object": "list", "data": data}), media_type="application/json"
         )
 
-    async def task(request: Request) -> Response:
+    async def task(self, request: Request) -> Response:
         """GET: the task's live state; DELETE: cancel it. A key sees and cancels only
         its own tenant's tasks (task ids are the client's, so state is per tenant)."""
-        principal = service.authenticate(header_map(request))
-        if not isinstance(principal, Principal):
-            principal = await principal
+        principal = await self._principal(header_map(request))
         task_id = request.path_params["task_id"]
         if not ID_PATTERN.fullmatch(task_id):
             raise InvalidRequest(
                 "a task id is 1 to 128 characters of A-Z a-z 0-9 . _ : -", param="task_id"
             )
         if request.method == "DELETE":
-            out = await gw.cancel_task(principal.tenant_id, task_id)
+            out = await self.gw.cancel_task(principal.tenant_id, task_id)
         else:
-            out = await gw.describe_task(principal.tenant_id, task_id)
+            out = await self.gw.describe_task(principal.tenant_id, task_id)
         return Response(orjson.dumps(out), media_type="application/json")
 
-    async def rollouts(request: Request) -> Response:
+    async def rollouts(self, request: Request) -> Response:
         """RL rollouts (rollouts.py): NDJSON records as samples finish."""
         received = time.perf_counter()
         headers = header_map(request)
-        principal = service.authenticate(headers)
-        if not isinstance(principal, Principal):
-            principal = await principal
+        principal = await self._principal(headers)
+        gw, service = self.gw, self.service
         ctx = service.open("rollouts", headers, received, principal)
         request.scope[CTX_KEY] = ctx
         try:
             if gw.rollouts is None:
                 raise RouteNotFound("rollouts are off: no model is listed under rl.models")
             service.begin(ctx)
-            body, _ = await reader(request, headers)(ctx.remaining_s())
+            body, _ = await self.reader(request, headers)(ctx.remaining_s())
             plan = await gw.rollouts.admit(ctx, body)
         except BaseException as exc:
             mark_failed(ctx, exc)
@@ -213,11 +241,7 @@ def build_routes(gw: Gateway) -> list[Route]:
             on_close=partial(gw.rollouts.abandon, ctx, plan),
         )
 
-    return [
-        Route("/v1/rollouts", rollouts, methods=["POST"]),
-        Route("/v1/tasks/{task_id}", task, methods=["GET", "DELETE"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/embeddings", embeddings, methods=["POST"]),
-    ]
+
+def build_routes(gw: Gateway) -> list[Route]:
+    """The OpenAI-compatible routes of `gw` (OpenAIRoutes)."""
+    return OpenAIRoutes(gw).routes()

@@ -16,7 +16,7 @@ import orjson
 from switchyard.config import Settings
 from switchyard.decide.balance import Balancer, affinity_key, prompt_prefix
 from switchyard.decide.cache import CacheKeys, ResponseCache, cache_keys
-from switchyard.decide.cacheability import Cacheability, cacheability
+from switchyard.decide.cacheability import Cacheability, assemble, cacheability, storable_reply
 from switchyard.decide.candidate import CandidateCheck
 from switchyard.decide.placement import (
     Change,
@@ -41,8 +41,20 @@ from switchyard.errors import (
     PlacementRefused,
     SwitchyardError,
 )
-from switchyard.pipeline import CacheOutcome, CacheState, RequestContext, Stage, Verdict, View
+from switchyard.pipeline import (
+    CacheOutcome,
+    CacheState,
+    ReplyPart,
+    RequestContext,
+    Stage,
+    Verdict,
+    View,
+)
 from switchyard.policy import headers as request_headers
+from switchyard.policy.pii_reply import at_rest
+from switchyard.policy.tool_calls import ToolGate, ToolGovernor, ToolPolicy
+
+_STORED = (CacheOutcome.HIT_EXACT, CacheOutcome.HIT_SEMANTIC, CacheOutcome.REPLAY)
 
 
 def last_user_text(body: dict[str, Any]) -> str:
@@ -188,7 +200,9 @@ class Embed(Stage):
 
 
 class Cache(Stage):
-    """Exact, then semantic lookup in the request's partition (see decide/cache.py)."""
+    """Exact, then semantic lookup in the request's partition (see decide/cache.py);
+    on the way out, a good reply is stored (masked) and, in shadow mode, compared
+    with the would-be hit (`CacheStore`)."""
 
     name = "cache"
     OFF = Verdict("skip", "cache not enabled")
@@ -199,14 +213,70 @@ class Cache(Stage):
         cache: ResponseCache | None,
         planner: CachePlanner,
         check: CandidateCheck | None,
+        embedder: EmbeddingService | None = None,
     ) -> None:
         self._cfg = settings.cache
         self._cache = cache
         self._planner = planner
         self._check = check  # decide/candidate.py: rules, pair model, cross-encoder
+        self._embedder = embedder  # compares answers in shadow mode
 
     def static(self, view: View) -> Verdict | None:
         return self.OFF if self._cache is None else None
+
+    def reply(self, ctx: RequestContext) -> ReplyPart | None:
+        cs = ctx.cache_state
+        if cs is None or not cs.wants_reply or self._cache is None:
+            return None
+        return CacheStore(self, ctx)
+
+    async def remember(self, ctx: RequestContext, obj: dict[str, Any]) -> None:
+        """Store a good reply (masked) and, in shadow mode, compare it with the would-be hit."""
+        t = time.perf_counter()
+        cs = ctx.cache_state
+        cache = self._cache
+        assert cs is not None and cache is not None  # CacheStore is made only then
+        masked = at_rest(ctx.pii.session if ctx.pii is not None else None, obj)
+        embedder = self._embedder
+        if cs.shadow_entry is not None and embedder is not None and embedder.ready:
+            cached = reply_text(orjson.loads(cs.shadow_entry.body))
+            vecs, _ = await embedder.embed([cached, reply_text(masked)])
+            agreement = float(vecs[0] @ vecs[1])
+            evidence: dict[str, Any] = {
+                "answer_similarity": round(agreement, 4),
+                "prompt_similarity": cs.similarity,
+            }
+            thresholds = cache.thresholds
+            verdict, keys = cs.plan if cs.plan is not None else (None, None)
+            if (
+                cs.shadow_semantic
+                and thresholds is not None
+                and cs.similarity is not None
+                and verdict is not None
+                and keys is not None
+            ):
+                # Live evidence moves the partition's threshold (decide/shadow_threshold.py).
+                evidence["partition_threshold"] = thresholds.observe(
+                    keys.partition, verdict.threshold, cs.similarity, agreement
+                )
+            ctx.record(
+                "cache_shadow",
+                "compared",
+                f"cached vs fresh answer similarity {agreement:.3f}",
+                t,
+                evidence,
+            )
+        if cs.store_keys is None:
+            return
+        why = storable_reply(masked)
+        if why is not None:
+            ctx.record("cache_store", "skip", why, t)
+            return
+        entry = cache.store(cs.store_keys, orjson.dumps(masked), ctx.vector, self._cfg.ttl_s)
+        stored: dict[str, Any] = {"partition": cs.store_keys.partition[:12]}
+        if cache.share is not None:  # every gateway process learns it
+            stored["shared"] = await cache.share.put(entry, ctx.vector)
+        ctx.record("cache_store", "stored", "reply stored for later requests", t, stored)
 
     def work(self, ctx: RequestContext) -> None:
         t = time.perf_counter()
@@ -287,6 +357,35 @@ class Cache(Stage):
         ctx.record("cache", kind, f"served from cache (similarity {sim:.3f})", t, evidence)
 
 
+def reply_text(obj: dict[str, Any]) -> str:
+    c = (obj.get("choices") or [{}])[0]
+    return str((c.get("message") or {}).get("content") or c.get("text") or "")
+
+
+class CacheStore(ReplyPart):
+    """The cache's reply part: a whole reply is remembered as it passes; a stream's
+    events are kept and, once it completed, assembled and remembered."""
+
+    __slots__ = ("_ctx", "_events", "_stage")
+
+    def __init__(self, stage: Cache, ctx: RequestContext) -> None:
+        self._stage = stage
+        self._ctx = ctx
+        self._events: list[bytes] = []
+
+    async def whole(self, obj: dict[str, Any]) -> dict[str, Any]:
+        await self._stage.remember(self._ctx, obj)
+        return obj
+
+    def event(self, data: bytes) -> list[bytes] | None:
+        self._events.append(data)
+        return None
+
+    def after(self, ok: bool) -> Awaitable[None] | None:
+        obj = assemble(self._events) if ok else None
+        return None if obj is None else self._stage.remember(self._ctx, obj)
+
+
 class Route(Stage):
     """Semantic routing of the aliases the router owns (router.routed_aliases)."""
 
@@ -349,9 +448,30 @@ class Tools(Stage):
     name = "tools"
     NONE = Verdict("skip", "no tools, or no tool policy")
 
-    def __init__(self, settings: Settings, embedder: EmbeddingService | None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        embedder: EmbeddingService | None,
+        gate: ToolPolicy | None = None,
+    ) -> None:
         self._cfg = settings.tools
         self._embedder = embedder
+        self._gate = gate  # tools.check_outputs: the tool calls in replies are governed
+
+    def reply(self, ctx: RequestContext) -> ReplyPart | None:
+        """The tool calls of a fresh chat reply, governed (policy/tool_calls.py)."""
+        policy = self._gate
+        if policy is None or ctx.input.endpoint != "chat.completions" or ctx.cache in _STORED:
+            return None
+        governor = ToolGovernor(
+            policy,
+            ctx.principal.tenant_id,
+            ctx.input.task_id,
+            ctx.input.request_id,
+            ctx.input.parent_request_ids,
+            ctx.wire[0] if ctx.wire is not None else ctx.body,
+        )
+        return ToolGate(ctx, governor)
 
     def static(self, view: View) -> Verdict | None:
         c = self._cfg
@@ -391,12 +511,18 @@ class Select(Stage):
         tasks: Any = None,
         placers: Mapping[str, Placer] | None = None,
         on_place: Callable[[str, Placement, list[Change]], None] | None = None,
+        metrics: Any = None,
+        on_canary_cut: Callable[[str, Deployment, str], None] | None = None,
     ) -> None:
         self._deployments = deployments
         self._balancers = balancers or {}
         self._tasks = tasks  # the task store: a task's deployment, for every process
         self._placers = placers or {}  # aliases with a placement policy
         self._on_place = on_place  # metrics
+        self._metrics = metrics  # observe/metrics.Metrics: placement's estimate error
+        # (alias, deployment, why) when the canary guard cut a deployment (the gateway
+        # stores the weight, logs and counts it)
+        self._on_canary_cut = on_canary_cut
 
     def static(self, view: View) -> Verdict | None:
         if view.deployment is None or view.alias is None:
@@ -466,6 +592,50 @@ class Select(Stage):
             # The task's deployment for this alias, for its later steps in any process.
             return self._tasks.set_deployment(hold.key, balancer.alias, dep.name)
         return None
+
+    def release(self, ctx: RequestContext) -> None:
+        """The balanced deployment is no longer in flight: it learns the request's
+        latency, placement its estimate's error and the canary guard the outcome; each
+        deployment the request left for another is settled as a failure."""
+        adm = ctx.admission
+        held = adm.balanced
+        if held is not None:  # kept on the request: its metrics name the deployment
+            balancer, dep = held
+            tm = ctx.timings
+            ttft = tpot = None
+            if tm.upstream_sent is not None and tm.upstream_first_byte is not None:
+                ttft = tm.upstream_first_byte - tm.upstream_sent
+                n = ctx.run.chunks
+                if n > 1:
+                    tpot = ((tm.ended or time.perf_counter()) - tm.upstream_first_byte) / (n - 1)
+            balancer.settled(dep, ttft, tpot)
+            placed = ctx.placement
+            if (
+                placed is not None
+                and placed.estimate_ms is not None
+                and self._metrics is not None
+                and ctx.error_code is None
+            ):  # how far placement's estimate was from what the request took
+                observed = (tm.ended or time.perf_counter()) - tm.received
+                self._metrics.placement_error.labels(balancer.alias, placed.location).observe(
+                    observed - placed.estimate_ms / 1000.0
+                )
+            if balancer.guard is not None:
+                self._guard(ctx, balancer, dep, ctx.error_code is None)
+        for balancer, dep, attempted in adm.left:  # failed over from these
+            balancer.settled(dep, None, None)
+            if attempted and balancer.guard is not None:
+                self._guard(ctx, balancer, dep, False)
+
+    def _guard(self, ctx: RequestContext, balancer: Balancer, dep: Deployment, ok: bool) -> None:
+        """The request's outcome at `dep`, for its alias's canary guard."""
+        t = time.perf_counter()
+        e2e_ms = (t - ctx.timings.received) * 1000.0
+        cut = balancer.guard_check(dep, ok, e2e_ms, time.monotonic())
+        if cut is not None:
+            ctx.record("canary", "cut", cut, t, {"deployment": dep.name, "weight": 0.0})
+            if self._on_canary_cut is not None:
+                self._on_canary_cut(balancer.alias, dep, cut)
 
     def _place(
         self, ctx: RequestContext, balancer: Balancer, placer: Placer, regions: list[str] | None
@@ -570,6 +740,14 @@ class Residency(Stage):
         if dep is None:
             return None  # select refused it
         return self.REMOTE if dep.engine is None else None
+
+    def release(self, ctx: RequestContext) -> None:
+        """The engine (and adapter) may be evicted again; the revision's lease ends."""
+        adm = ctx.admission
+        if adm.resident is not None:
+            EnginePool.release(*adm.resident)
+        if adm.lease is not None:
+            adm.lease.release()
 
     def work(self, ctx: RequestContext) -> Awaitable[None] | None:
         dep = ctx.deployment

@@ -259,8 +259,9 @@ class UpstreamStream:
         self._upstream = upstream
         self.headers: Mapping[str, str] = resp.headers
 
-    async def events(self) -> AsyncGenerator[list[bytes], None]:
-        """Yield the complete SSE events (without the blank line) of each network read.
+    async def data(self) -> AsyncGenerator[list[bytes], None]:
+        """Yield the data of the SSE events of each network read (comments and events
+        without data left out; a multi-line data field joined by newlines).
 
         Events that arrive together are handed over together, so the relay can pass
         them on in one write. Raises a SwitchyardError if the transport fails.
@@ -274,11 +275,15 @@ class UpstreamStream:
                 if b"\n\n" not in buf:
                     continue
                 *complete, buf = buf.split(b"\n\n")
-                yield complete
+                out = [d for d in map(event_data, complete) if d is not None]
+                if out:
+                    yield out
         except BaseException as exc:
             raise self._upstream._translate(exc) from None
         if buf.strip():
-            yield [buf]
+            last = event_data(buf)
+            if last is not None:
+                yield [last]
 
     def close(self, complete: bool = False) -> None:
         """Release a finished stream's connection for reuse; otherwise drop it, so the
@@ -287,6 +292,15 @@ class UpstreamStream:
             self._resp.release()
         else:
             self._resp.close()
+
+
+def event_data(event: bytes) -> bytes | None:
+    """The data of one SSE event (without its blank line); None for comments and
+    events without data."""
+    if event.startswith(b"data:") and b"\n" not in event:
+        return event[5:].strip()
+    parts = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
+    return b"\n".join(parts) if parts else None
 
 
 def dumps(obj: Any) -> bytes:

@@ -201,7 +201,7 @@ class Executor:
                     ctx.record("fallback", f"skip:{alias}", why, t, {"target": alias})
                     continue
                 evidence: dict[str, Any] = {"from": primary.alias, "to": alias}
-                if picked is not None:
+                if picked is not None and balancer is not None:
                     dep, reason, evidence["balance"] = picked
                     ctx.admission.balanced = (balancer, dep)
                     evidence["deployment"] = dep.name

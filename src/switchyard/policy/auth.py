@@ -9,23 +9,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from switchyard.errors import AuthenticationError, PermissionDenied
-from switchyard.policy.keys import Limits, Principal
-
-# Who calls when auth.mode is disabled: no key, no limits of its own.
-ANONYMOUS = Principal(
-    tenant_id="anonymous",
-    key_id="none",
-    key_models=("*",),
-    tenant_models=("*",),
-    key_limits=Limits(),
-    tenant_limits=Limits(),
-    key_adapters=("*",),  # auth disabled: adapters open to every tenant ("*") serve
-    may_pin_revisions=True,
-    may_report_device_state=True,  # auth disabled: local experiments report freely
-)
-
+from switchyard.identity import ANONYMOUS, Principal
 
 MAX_AUTHORIZATION = 512  # our keys are ~50 characters; a longer value is not one
 
@@ -40,6 +27,9 @@ def bearer(headers: Mapping[str, str]) -> str | None:
     return token.strip()
 
 
+Verdict = tuple[tuple[str, str], dict[str, Any]]
+
+
 class Authenticator:
     """`verify(token)` looks a key up in the store (awaitable: the store runs it off
     the event loop); its answer is cached for `cache_s`, so the hot path touches no
@@ -49,6 +39,24 @@ class Authenticator:
         self._verify = verify
         self.cache_s = cache_s
         self._cache: dict[str, tuple[float, Principal | str]] = {}
+        # The authenticate decision's verdict and evidence per (tenant, key, anonymous).
+        self._verdicts: dict[tuple[str, str, bool], Verdict] = {}
+
+    def verdict(self, principal: Principal) -> Verdict:
+        """((outcome, reason), evidence) of the request's authenticate decision."""
+        who = (principal.tenant_id, principal.key_id, principal is ANONYMOUS)
+        verdict = self._verdicts.get(who)
+        if verdict is None:
+            verdict = (
+                ("skip", "auth.mode is disabled")
+                if principal is ANONYMOUS
+                else ("ok", "valid API key"),
+                {"tenant": principal.tenant_id, "key": principal.key_id},
+            )
+            if len(self._verdicts) >= 4096:  # principals are re-read as keys change
+                self._verdicts.clear()
+            self._verdicts[who] = verdict
+        return verdict
 
     def invalidate(self) -> None:
         self._cache.clear()

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
+import time
 from collections.abc import Mapping
+from typing import Any
 
 from switchyard.errors import InvalidRequest
+from switchyard.pipeline import RequestContext, RequestInput, Timings
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 MAX_PARENTS = 32
@@ -228,3 +231,40 @@ def check(headers: Mapping[str, str]) -> InvalidRequest | None:
                 "x-switchyard-cache-tags", f"at most {MAX_TAGS} tags of {MAX_TAG} characters"
             )
     return None
+
+
+def opened(
+    request_id: str,
+    endpoint: str,
+    headers: Mapping[str, str],
+    received: float,
+    deadline: float,
+    principal: Any,
+) -> RequestContext:
+    """A request's context, with the values read from its headers (`read`); a bad one
+    is kept as the context's header_error, refused once its handling starts (so it is
+    settled like any refusal)."""
+    parents: tuple[str, ...]
+    if READ.isdisjoint(headers):  # nearly every request: none of them
+        task, parents, client_id, planned, bad = None, (), None, None, None
+    else:
+        task, parents, client_id, planned, bad = read(headers)
+    # Positional, in field order: a dataclass this wide matches keywords slowly.
+    ctx = RequestContext(
+        RequestInput(
+            request_id,
+            endpoint,
+            time.time() - (time.perf_counter() - received),
+            headers,
+            task,
+            parents,
+            client_id,
+            planned,
+        ),
+        {},
+        Timings(received),
+        deadline,
+        principal,
+    )
+    ctx.header_error = bad
+    return ctx

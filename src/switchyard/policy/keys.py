@@ -7,7 +7,6 @@ the same `KeyStore` methods.
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import json
 import re
@@ -15,11 +14,10 @@ import secrets
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from switchyard.errors import Conflict, InvalidRequest, NotFound
-from switchyard.policy.tasks import TaskBudget
+from switchyard.identity import Limits, Principal, TaskBudget
 
 KEY_PREFIX = "sk-sy-"
 TENANT_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
@@ -28,59 +26,6 @@ LIMIT_FIELDS = ("rpm", "tpm", "max_concurrency", "budget_usd", "budget_period")
 
 def hash_key(plaintext: str) -> str:
     return hashlib.sha256(plaintext.encode()).hexdigest()
-
-
-def model_allowed(patterns: list[str] | tuple[str, ...], alias: str) -> bool:
-    for p in patterns:
-        if p == "*" or p == alias:
-            return True
-        if ("*" in p or "?" in p or "[" in p) and fnmatch.fnmatchcase(alias, p):
-            return True
-    return False
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    rpm: int | None = None
-    tpm: int | None = None
-    max_concurrency: int | None = None
-    budget_usd: float | None = None
-    budget_period: str = "day"
-
-
-@dataclass(frozen=True, slots=True)
-class Principal:
-    """Who is calling: travels with the request into every later stage."""
-
-    tenant_id: str
-    key_id: str
-    key_models: tuple[str, ...]
-    tenant_models: tuple[str, ...]
-    key_limits: Limits
-    tenant_limits: Limits
-    labels: dict[str, Any] = field(default_factory=dict)
-    # Regions (data boundary) this tenant's requests may go to; None = anywhere.
-    regions: tuple[str, ...] | None = None
-    # The key's allowed_adapters (patterns): none unless the key names them.
-    key_adapters: tuple[str, ...] = ()
-    # Whether the key may pin a revision (`model: "alias@revision"`).
-    may_pin_revisions: bool = False
-    # Whether placement honours the key's x-switchyard-device-state / -network headers.
-    may_report_device_state: bool = False
-    # The tenant's and the key's task budget, combined (policy/tasks.TaskBudget).
-    task_budget: Any = None
-
-    def may_use(self, alias: str) -> bool:
-        return model_allowed(self.key_models, alias) and model_allowed(self.tenant_models, alias)
-
-    def adapter_refusal(self, name: str, allowed_tenants: list[str]) -> str | None:
-        """Why this caller may not use the adapter `name`, or None: the adapter must
-        list its tenant (or "*") and the key's allowed_adapters must match it."""
-        if self.tenant_id not in allowed_tenants and "*" not in allowed_tenants:
-            return f"the adapter '{name}' is not available to this tenant"
-        if not model_allowed(self.key_adapters, name):
-            return f"this API key may not use the adapter '{name}' (its allowed_adapters)"
-        return None
 
 
 def _limits(row: sqlite3.Row, defaults: Limits | None = None) -> Limits:

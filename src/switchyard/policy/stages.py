@@ -25,7 +25,15 @@ from switchyard.errors import (
     TaskCancelled,
     TaskDeadlineExceeded,
 )
-from switchyard.pipeline import PiiState, RequestContext, Stage, Verdict, View
+from switchyard.pipeline import (
+    CacheOutcome,
+    PiiState,
+    ReplyPart,
+    RequestContext,
+    Stage,
+    Verdict,
+    View,
+)
 from switchyard.policy import headers as request_headers
 from switchyard.policy.admission import Admission, DeploymentGate
 from switchyard.policy.admit import (
@@ -47,6 +55,7 @@ from switchyard.policy.limits import (
 )
 from switchyard.policy.limits import Verdict as LimitVerdict
 from switchyard.policy.pii import MaskingError, PiiMasker, mask_body
+from switchyard.policy.pii_reply import PiiRestore, request_session
 from switchyard.policy.tasks import (
     Running,
     TaskAdmission,
@@ -100,7 +109,7 @@ class Authorize(Stage):
         if allowed is None:
             # Unknown models are 404 for everyone; no need to reveal key scopes.
             return self.UNKNOWN
-        if not view.principal.may_use(view.alias):
+        if not view.principal.may_use(view.alias or ""):
             return None
         adapter = self._adapters.get(view.alias or "")
         if adapter is not None and view.principal.adapter_refusal(
@@ -204,12 +213,26 @@ class Reserver:
                 evidence,
             )
             raise refusal(verdict)
-        ctx.admission.reservations.append((scopes, ask))
+        ctx.admission.reservations.append((scopes, ask, stage))
         if shrunk is not None:
             reason = f"within every limit once the output cap shrank to {shrunk['to']} tokens"
             ctx.record(stage, "admitted:cap_shrunk", reason, t, evidence)
             return
         ctx.record(stage, "admitted", "within every limit", t, evidence)
+
+    def settle(self, ctx: RequestContext, stage: str) -> Awaitable[None] | None:
+        """Settle what `stage` reserved for the request with what it was charged
+        (`ctx.run`); None when it reserved nothing."""
+        mine = [(s, a) for s, a, by in ctx.admission.reservations if by == stage]
+        return self._settle(ctx, mine) if mine else None
+
+    async def _settle(self, ctx: RequestContext, mine: list[tuple[Any, Ask]]) -> None:
+        run = ctx.run
+        for scopes, ask in mine:
+            try:
+                await self.limiter.settle(scopes, ask, run.tokens_in + run.tokens_out, run.cost_usd)
+            except LimiterUnavailable as exc:
+                log.warning("could not settle %s: %s", ctx.input.request_id, exc)
 
     async def _seed_budgets(self, scopes: list[ScopeLimits]) -> None:
         """Budgets survive restarts: the first time a scope is seen in a period, its
@@ -257,6 +280,21 @@ def generation_estimate(models: Mapping[str, ModelConfig]) -> Estimate:
         cost = ctx.cost
         assert cost is not None  # the window stage runs first
         return cost.prompt, cost.output, model.price if model is not None else None
+
+    return estimate
+
+
+def embedding_estimate(price: Price) -> Estimate:
+    """(input tokens, 0, price) of an embeddings request, leaning high as the chat
+    estimate does: ≈3 characters per token of text, one per token of a token array."""
+
+    def estimate(ctx: RequestContext) -> tuple[int, int, Price | None]:
+        inp = ctx.body.get("input")
+        items = [inp] if isinstance(inp, str) else inp if isinstance(inp, list) else []
+        if items and all(isinstance(x, int) for x in items):  # one token array
+            return len(items), 0, price
+        tokens = sum(len(x) // 3 + 1 if isinstance(x, str) else len(x) for x in items)
+        return tokens, 0, price
 
     return estimate
 
@@ -320,6 +358,12 @@ class _Reserving(Stage):
 
     def _reserve(self, ctx: RequestContext, scopes: list[ScopeLimits]) -> Awaitable[None]:
         return self._reserver.reserve(ctx, scopes, self.name, self._estimate(ctx))
+
+    def release(self, ctx: RequestContext) -> Awaitable[None] | None:
+        """Settle this stage's reservations with what the request used."""
+        if not ctx.admission.reservations:
+            return None
+        return self._reserver.settle(ctx, self.name)
 
 
 class Admit(_Reserving):
@@ -390,6 +434,12 @@ class Queue(Stage):
             raise
         self._admitted(ctx, gate, adm, t)
 
+    def release(self, ctx: RequestContext) -> None:
+        """Give the slot back."""
+        gate = ctx.admission.gate
+        if gate is not None:  # kept on the request: its record names what it held
+            gate.release()
+
     @staticmethod
     def _admitted(ctx: RequestContext, gate: DeploymentGate, adm: Admission, t: float) -> None:
         ctx.admission.gate = gate
@@ -409,7 +459,9 @@ class Queue(Stage):
 
 
 class Pii(Stage):
-    """Mask PII once; the masked text is what cache keys, embeddings and traces see."""
+    """Mask PII once; the masked text is what cache keys, embeddings and traces see.
+    On the way out, restore the request's own values wherever the reply carries
+    placeholders (policy/pii_reply.py)."""
 
     name = "pii"
     NOTHING_STORED = Verdict("skip", "observe_only and no cache or router: no text is stored")
@@ -461,6 +513,17 @@ class Pii(Stage):
         outcome = ("masked" if mode == "mask_upstream" else "observed") if found else "clean"
         ctx.record("pii", outcome, f"{sum(found.values())} PII value(s) found", t, evidence)
 
+    def reply(self, ctx: RequestContext) -> ReplyPart | None:
+        """Restoring, when the reply can carry this request's placeholders: the
+        upstream saw them (mask_upstream), or the reply was stored masked (a cache hit,
+        an idempotent replay)."""
+        pii = ctx.pii
+        if pii is not None:
+            return PiiRestore(pii.session) if pii.restore or ctx.response is not None else None
+        if ctx.cache is CacheOutcome.REPLAY:
+            return PiiRestore(request_session(self._masker, ctx), only_marked=True)
+        return None
+
 
 class Task(Stage):
     """The request's agent task (`x-task-id`): refused once the task is cancelled or
@@ -487,6 +550,27 @@ class Task(Stage):
 
     def work(self, ctx: RequestContext) -> Awaitable[None]:
         return self._admit(ctx)
+
+    def release(self, ctx: RequestContext) -> Awaitable[None] | None:
+        """No longer among the task's calls in flight; the task is charged what the
+        request used (and keeps the reply's tool calls)."""
+        hold = ctx.task
+        if hold is None:
+            return None
+        self._running.remove(hold.key, hold.request_id)
+        return self._settle(ctx, hold)
+
+    async def _settle(self, ctx: RequestContext, hold: TaskHold) -> None:
+        run = ctx.run
+        try:
+            if ctx.tool_notes:
+                await self._store.note_tool_calls(hold.key, ctx.tool_notes)
+            called = run.attempts > 0 or ctx.cache is not None
+            await self._store.settle(
+                hold.key, hold.request_id, run.tokens_in + run.tokens_out, run.cost_usd, called
+            )
+        except Exception as exc:  # shared task state unreachable: logged, not lost
+            log.warning("could not settle task of %s: %s", ctx.input.request_id, exc)
 
     def _first(self, ctx: RequestContext) -> TaskFirst:
         """What this request would set if it were the task's first (its headers are

@@ -32,55 +32,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from switchyard.identity import TaskBudget
+
 # The budget fields, in the order they are checked and reported.
-BUDGET_FIELDS = ("calls", "tokens", "cost_usd", "wall_s")
 
 TaskKey = tuple[str, str]  # (tenant id, task id)
-
-
-@dataclass(frozen=True, slots=True)
-class TaskBudget:
-    """A task's limits; None = unlimited."""
-
-    calls: int | None = None
-    tokens: int | None = None
-    cost_usd: float | None = None
-    wall_s: float | None = None
-
-    @classmethod
-    def of(cls, values: Any) -> TaskBudget:
-        """From a mapping (config, key store, parsed header) or None."""
-        if not values:
-            return cls()
-        get = values.get if isinstance(values, dict) else lambda k: getattr(values, k, None)
-        calls, tokens = get("calls"), get("tokens")
-        cost, wall = get("cost_usd"), get("wall_s")
-        return cls(
-            int(calls) if calls is not None else None,
-            int(tokens) if tokens is not None else None,
-            float(cost) if cost is not None else None,
-            float(wall) if wall is not None else None,
-        )
-
-    def lower(self, other: TaskBudget) -> TaskBudget:
-        """Field by field, the smaller limit of the two (a client may only lower)."""
-
-        def low(a: Any, b: Any) -> Any:
-            return b if a is None else a if b is None else min(a, b)
-
-        return TaskBudget(
-            low(self.calls, other.calls),
-            low(self.tokens, other.tokens),
-            low(self.cost_usd, other.cost_usd),
-            low(self.wall_s, other.wall_s),
-        )
-
-    def as_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in BUDGET_FIELDS if getattr(self, f) is not None}
-
-    @property
-    def empty(self) -> bool:
-        return self.calls is None and self.tokens is None and self.cost_usd is None
 
 
 @dataclass(frozen=True, slots=True)

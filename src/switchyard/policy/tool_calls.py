@@ -53,7 +53,9 @@ import orjson
 from switchyard.config import ToolsConfig
 from switchyard.decide.tools import _denial
 from switchyard.errors import InvalidRequest
+from switchyard.pipeline import ReplyPart, RequestContext
 from switchyard.policy.tasks import ToolCallNote
+from switchyard.reply import reply_object
 
 KEYED_PREFIX = "call_sy_"
 # The id prefix of a call to a tool that requires_approval: its result needs an
@@ -387,6 +389,65 @@ MAX_TOOL_RESULTS = 256
 # The call id an approval of a legacy `function` result names: such a result has no
 # id of its own, only the function's name.
 FUNCTION_RESULT_PREFIX = "function:"
+
+
+def record_tool_calls(ctx: RequestContext, result: ToolOutcome, t: float) -> None:
+    """The tool_calls decision of a reply, and what the task keeps of its calls."""
+    ctx.tools_blocked = result.blocked
+    ctx.tool_notes = result.notes
+    ctx.record("tool_calls", result.outcome, result.reason(), t, {"calls": result.calls})
+
+
+class ToolGate(ReplyPart):
+    """The tools stage's reply part: the tool calls a model proposes are checked
+    against the policy, in a whole reply and in a stream alike (see the module
+    docstring); only replies that mention tool calls are read."""
+
+    __slots__ = ("_ctx", "_gate", "_governor", "_t", "_template")
+
+    def __init__(self, ctx: RequestContext, governor: ToolGovernor) -> None:
+        self._ctx = ctx
+        self._governor = governor
+        self._gate: StreamToolGate | None = None  # made at the first chunk with calls
+        self._t = 0.0
+        self._template: dict[str, Any] | None = None
+
+    def wants(self, body: bytes) -> bool:
+        return b'"tool_calls"' in body
+
+    async def whole(self, obj: dict[str, Any]) -> dict[str, Any]:
+        t = time.perf_counter()
+        governed = self._governor.govern_reply(obj)
+        result = self._governor.result
+        if not result.calls:
+            return obj
+        record_tool_calls(self._ctx, result, t)
+        return governed
+
+    def event(self, data: bytes) -> list[bytes] | None:
+        if b'"tool_calls"' not in data:
+            return None
+        gate = self._gate
+        if gate is None:
+            gate = self._gate = StreamToolGate(self._governor)
+            self._t = time.perf_counter()
+        obj = reply_object(data)
+        if obj is None:
+            return None
+        self._template = obj
+        out = gate.feed(obj)
+        if len(out) == 1 and out[0] is obj:  # relayed as it came
+            return None
+        return [orjson.dumps(o) for o in out]
+
+    def end(self, ok: bool) -> list[bytes]:
+        gate = self._gate
+        if gate is None or not ok:
+            return []
+        held = [orjson.dumps(h) for h in gate.flush(self._template or {})]  # never finished
+        if self._governor.result.calls:
+            record_tool_calls(self._ctx, self._governor.result, self._t)
+        return held
 
 
 @dataclass(frozen=True, slots=True)

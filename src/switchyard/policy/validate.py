@@ -8,9 +8,15 @@ every field it does not know untouched so the upstream sees the client's request
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Container, Mapping
+from typing import TYPE_CHECKING, Any
 
-from switchyard.errors import InvalidRequest
+from switchyard.engines.token_ids import refusal as token_ids_refusal
+from switchyard.errors import InvalidRequest, ModelNotFound
+
+if TYPE_CHECKING:
+    from switchyard.config import ModelConfig
+    from switchyard.pipeline import RequestContext
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -468,3 +474,50 @@ def validate_embeddings(body: Any, max_inputs: int) -> tuple[str, list[str]]:
             "'encoding_format' must be 'float' or 'base64'", param="encoding_format"
         )
     return model, texts
+
+
+def model_refusal(ctx: RequestContext) -> InvalidRequest | None:
+    """What the chosen model (`ctx.model`) cannot do that the request asks for: images,
+    token ids, streaming (its `capabilities`)."""
+    model = ctx.model
+    assert model is not None
+    body = ctx.body
+    if not model.capabilities.supports_vision and ctx.input.endpoint == "chat.completions":
+        part = image_parts(body)
+        if part is not None:
+            return InvalidRequest(
+                f"the model '{model.alias}' does not accept images "
+                "(capabilities.supports_vision is false)",
+                param=part,
+            )
+    if body.get("return_token_ids") is True:
+        why = token_ids_refusal(model, ctx.stream, body.get("n"))
+        if why is not None:
+            return InvalidRequest(f"the model '{model.alias}' {why}", param="return_token_ids")
+    if ctx.stream and not model.capabilities.supports_streaming:
+        return InvalidRequest(f"the model '{ctx.alias}' does not support streaming", param="stream")
+    return None
+
+
+def split_pin(
+    name: str, models: Mapping[str, ModelConfig], rl_aliases: Container[str]
+) -> tuple[str, str | None]:
+    """(the alias, the pinned revision) of `alias@revision`. A pin needs an alias with
+    several deployments (or an RL-managed one); on one with a single deployment only
+    its own revision may be named (a no-op)."""
+    alias, _, pin = name.partition("@")
+    model = models.get(alias)
+    if not pin or model is None:
+        raise ModelNotFound(
+            f"the model '{name[:128]}' does not exist; GET /v1/models lists the "
+            "available ones (a revision is pinned as alias@revision)",
+            param="model",
+        )
+    if model.deployments or alias in rl_aliases:
+        return alias, pin
+    if pin == model.revision:
+        return alias, None
+    raise ModelNotFound(
+        f"the model '{alias}' has no revision '{pin[:64]}' (it is revision {model.revision!r})",
+        param="model",
+    )

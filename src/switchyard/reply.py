@@ -1,0 +1,259 @@
+"""The internal reply model: what the request driver hands the API layer.
+
+A reply is a whole JSON answer (`JsonReply`) or a stream (`StreamReply`); which
+deployment served it, and why, travels as `x-switchyard-*` headers (`served_raw_headers`).
+`relay` drives a stream's lifecycle: each upstream event's data passes the request's
+reply side (pipeline.ReplySide: the tool gate, the cache, PII restore) and comes out
+as the data to send; the wire framing is the protocol's (api/sse.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from switchyard.engines.registry import Deployment
+from switchyard.errors import SwitchyardError, TaskCancelled, UpstreamError
+from switchyard.pipeline import CacheOutcome, ReplySide, RequestContext, Status
+
+
+@dataclass(slots=True)
+class JsonReply:
+    """A JSON answer. `settle` (when set) is called once its bytes are sent: the
+    client does not wait for the ledger, metrics and trace of its own request."""
+
+    body: bytes
+    headers: list[tuple[bytes, bytes]]  # lower-case names, encoded
+    settle: Callable[[], Awaitable[None] | None] | None = None
+    status: int = 200
+
+
+@dataclass(slots=True)
+class StreamReply:
+    """A server-sent event stream: the upstream's (`source`, passed through the
+    request's reply side) or a cached completion replayed (`cached`). `on_close` runs
+    once the stream ends, however it ends."""
+
+    ctx: RequestContext
+    headers: dict[str, str]
+    on_close: Callable[[], Awaitable[None]]
+    source: Any = None  # the executor's UpstreamStream
+    cached: dict[str, Any] | None = None
+    side: ReplySide | None = None
+
+
+Reply = JsonReply | StreamReply
+
+
+def reply_object(body: bytes) -> dict[str, Any] | None:
+    """A JSON reply as an object, or None if it is not one."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+async def through(ctx: RequestContext, side: ReplySide | None, body: bytes) -> bytes:
+    """A whole reply through the request's reply side. Parsed only when a part wants
+    it (then its usage is kept, so settling need not parse it again); otherwise its
+    usage is read when the request is settled, after the bytes are on their way."""
+    side = side.wanted(body) if side is not None else None
+    obj = reply_object(body) if side is not None else None
+    if side is None or obj is None:
+        ctx.run.reply_body = body
+        return body
+    usage = obj.get("usage")
+    ctx.run.usage = usage if isinstance(usage, dict) else None
+    out = await side.whole(obj)
+    return body if out is obj else orjson.dumps(out)
+
+
+def reply_usage(body: bytes) -> dict[str, Any] | None:
+    """The `usage` object of a JSON reply, or None."""
+    obj = reply_object(body)
+    usage = obj.get("usage") if obj is not None else None
+    return usage if isinstance(usage, dict) else None
+
+
+def _deployment_headers(dep: Deployment) -> list[tuple[bytes, bytes]]:
+    """`x-switchyard-model`, `-revision` and `-upstream` of a deployment, encoded once.
+    `-upstream` is the deployment's configured name (Deployment.served_by), never its
+    URL: clients learn which deployment answered, not the operator's addresses."""
+    label = dep.served_by
+    cached = dep.encoded_headers
+    if cached is None or cached[0] != label:
+        cached = dep.encoded_headers = (
+            label,
+            [
+                (b"x-switchyard-model", dep.alias.encode("latin-1")),
+                (b"x-switchyard-revision", dep.model.revision.encode("latin-1")),
+                (b"x-switchyard-upstream", label.encode("latin-1")),
+            ],
+        )
+        if dep.adapter is not None:  # the adapter and its revision, beside the base's
+            cached[1].append((b"x-switchyard-adapter", dep.adapter.name.encode("latin-1")))
+            cached[1].append(
+                (b"x-switchyard-adapter-revision", dep.adapter.revision.encode("latin-1"))
+            )
+    return cached[1]
+
+
+def served_raw_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
+    """What served the request, as response headers (lower-case names, encoded)."""
+    h = [(b"x-request-id", ctx.input.request_id.encode("latin-1"))]
+    if ctx.input.client_request_id is not None:  # validated: ASCII
+        h.append((b"x-client-request-id", ctx.input.client_request_id.encode("latin-1")))
+    if ctx.cache is not None:
+        h.append((b"x-switchyard-cache", ctx.cache.encode("latin-1")))
+        cs = ctx.cache_state
+        sim = cs.similarity if cs is not None else None
+        if sim is not None and ctx.cache != CacheOutcome.HIT_EXACT:
+            h.append((b"x-switchyard-cache-similarity", b"%.4f" % sim))
+    if ctx.admission.rate_headers:
+        h.extend(
+            (k.encode("latin-1"), v.encode("latin-1"))
+            for k, v in ctx.admission.rate_headers.items()
+        )
+    if ctx.route is not None:
+        h.append((b"x-switchyard-route", ctx.route.encode("latin-1")))
+        if ctx.route_score is not None:
+            h.append((b"x-switchyard-route-score", b"%.4f" % ctx.route_score))
+    if ctx.tools_blocked:
+        h.append((b"x-switchyard-tools-blocked", b"%d" % ctx.tools_blocked))
+    cost = ctx.cost
+    if cost is not None and cost.reason is not None and ctx.run.attempts:
+        # The output cap the gateway sent, and why: the client's was absent or too big.
+        h.append((b"x-switchyard-max-tokens", b"%d; reason=%s" % (cost.cap, cost.reason.encode())))
+    placed = ctx.placement
+    if placed is not None:
+        h.append((b"x-switchyard-placement", f"{placed.mode}; reason={placed.reason}".encode()))
+    dep = ctx.deployment
+    if dep is not None:
+        h.extend(_deployment_headers(dep))
+        h.append((b"x-switchyard-attempts", b"%d" % ctx.run.attempts))
+        if ctx.run.fallback_from is not None:
+            h.append(
+                (
+                    b"x-switchyard-fallback",
+                    f"{ctx.run.fallback_from} -> {dep.alias}".encode("latin-1"),
+                )
+            )
+    t = ctx.timings
+    if t.upstream_sent is not None and t.upstream_first_byte is not None:
+        now = time.perf_counter()
+        gw = (t.upstream_sent - t.received) * 1000
+        up = (t.upstream_first_byte - t.upstream_sent) * 1000
+        total = (now - t.received) * 1000
+        timing = b"gateway;dur=%.2f, upstream;dur=%.2f, total;dur=%.2f" % (gw, up, total)
+        if ctx.admission.queue_ms:
+            timing = b"queue;dur=%.2f, " % ctx.admission.queue_ms + timing
+        if ctx.media_ms:
+            media = ", ".join(f"media_{k};dur={v:.2f}" for k, v in ctx.media_ms.items())
+            timing = media.encode("ascii") + b", " + timing
+        h.append((b"server-timing", timing))
+    return h
+
+
+def served_headers(ctx: RequestContext) -> dict[str, str]:
+    """`served_raw_headers` as a dict, for responses built from one."""
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in served_raw_headers(ctx)}
+
+
+def _switchyard_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    return {
+        k.decode("latin-1"): v.decode("latin-1") for k, v in raw if k.startswith(b"x-switchyard")
+    }
+
+
+def switchyard_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The `x-switchyard-*` headers of a reply (what an idempotent replay repeats)."""
+    return {
+        k.decode("latin-1"): v.decode("latin-1") for k, v in raw if k.startswith(b"x-switchyard")
+    }
+
+
+def task_stopped(ctx: RequestContext) -> TaskCancelled:
+    """Take back the cancellation that stopped this stream for its task's cancel."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        task.uncancel()
+    ctx.status = Status.CANCELLED
+    ctx.error_code = TaskCancelled.code
+    ctx.record(
+        "task", "stopped", "the task was cancelled while this call streamed", time.perf_counter()
+    )
+    return TaskCancelled(f"the task '{ctx.input.task_id}' was cancelled while this call streamed")
+
+
+async def relay(
+    ctx: RequestContext, data: AsyncIterator[list[bytes]], side: ReplySide | None, close: Any
+) -> AsyncIterator[list[bytes]]:
+    """A stream's lifecycle: the data of each upstream read's events, through the
+    reply side, as the data to send in one write. The status is OK before the last
+    write (which then carries the end); an upstream that broke off or the task's
+    cancel ends it by raising the SwitchyardError the client is to be told, with the
+    status set. The usage chunk that the gateway asked for on the client's behalf is
+    dropped unless the client asked for it too. `close(complete)` ends the upstream
+    call (a stream that did not finish drops the connection: the engine stops)."""
+    done = False
+    last = 0.0
+    run = ctx.run
+    include_usage = ctx.include_usage
+    ctx.status = Status.STREAMING
+    try:
+        async for batch in data:
+            out: list[bytes] = []
+            for d in batch:
+                if d == b"[DONE]":
+                    done = True
+                    break
+                for piece in side.event(d) if side is not None else (d,):
+                    if b'"usage"' in piece:
+                        obj = orjson.loads(piece)
+                        usage = obj.get("usage")
+                        if usage:
+                            run.usage = usage
+                            if not include_usage and not obj.get("choices"):
+                                continue  # asked for by the gateway, not by the client
+                    out.append(piece)
+            if done:
+                if side is not None:
+                    out.extend(side.end(True))
+                ctx.status = Status.OK  # the end goes out in the same write
+            run.chunks += len(out)
+            if out or done:
+                now = time.perf_counter()
+                if ctx.timings.client_first_byte is None:
+                    ctx.timings.client_first_byte = now
+                else:
+                    run.chunk_gaps.append(now - last)
+                last = now
+                yield out
+            if done:
+                break
+        if not done:
+            raise UpstreamError("the upstream ended the stream before it was complete")
+    except SwitchyardError as exc:
+        ctx.status = Status.INCOMPLETE
+        ctx.error_code = exc.code  # what the client was told, in the ledger too
+        raise
+    except asyncio.CancelledError:
+        if not ctx.cancelled:
+            raise  # the client left, or shutdown
+        # The task was cancelled (DELETE /v1/tasks/{id}): the client is told so, and
+        # the upstream is closed below, so the engine stops generating.
+        raise task_stopped(ctx) from None
+    finally:
+        if ctx.status == Status.STREAMING:
+            ctx.status = Status.CANCELLED  # the client left before the end
+        ctx.timings.ended = time.perf_counter()
+        aclose = getattr(data, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        close(done)

@@ -1,0 +1,202 @@
+"""Settling a request, once, whatever way it ended: what it used and costs, what its
+stages give back (`Pipeline.unwind`, last stage first), then its record — metrics,
+its OpenTelemetry span and its usage row with the decision trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, NoReturn
+
+from switchyard.config import Price, Settings
+from switchyard.errors import ClientDisconnected, SwitchyardError, TaskCancelled
+from switchyard.observe.ledger import Finished, UsageLedger
+from switchyard.observe.metrics import Metrics
+from switchyard.pipeline import CacheOutcome, Pipeline, RequestContext, Status
+from switchyard.policy.admit import cost_usd
+from switchyard.policy.cost import PromptOverhead
+from switchyard.reply import reply_usage
+
+if TYPE_CHECKING:
+    from switchyard.observe.otel import Tracing
+
+log = logging.getLogger("switchyard")
+
+
+def mark_failed(ctx: RequestContext, exc: BaseException) -> None:
+    """Mark a request that ended by an exception: its code, or internal_error. A
+    client that hung up mid-body is cancelled, not an error (logged at INFO, no
+    traceback): anyone with a key could otherwise fill the error log and rate."""
+    if isinstance(exc, ClientDisconnected):
+        ctx.status, ctx.error_code = Status.CANCELLED, exc.code
+        log.info("request %s (%s): %s", ctx.input.request_id, ctx.input.endpoint, exc.message)
+        return
+    code = exc.code if isinstance(exc, SwitchyardError) else "internal_error"
+    ctx.status, ctx.error_code = Status.ERROR, code
+
+
+def raise_cancelled(ctx: RequestContext, exc: asyncio.CancelledError) -> NoReturn:
+    """A cancelled request ends as 409 task_cancelled when its task's cancel stopped it
+    (policy/tasks.Running.stop: recorded, the cancellation taken back); any other
+    cancellation (the client left, shutdown) goes on."""
+    if not ctx.cancelled:
+        mark_failed(ctx, exc)
+        raise exc
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+    ctx.record("task", "stopped", "the task was cancelled while this call ran", time.perf_counter())
+    stopped = TaskCancelled(f"the task '{ctx.input.task_id}' was cancelled while this call ran")
+    mark_failed(ctx, stopped)
+    raise stopped from None
+
+
+def client_left(ctx: RequestContext) -> bool:
+    """Whether the request ended because its client went away (mid-body, mid-stream,
+    mid-rollout), not because its task was cancelled."""
+    return ctx.status == Status.CANCELLED and ctx.error_code != TaskCancelled.code
+
+
+class Settler:
+    """Charges, unwinds and records settled requests."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        ledger: UsageLedger,
+        metrics: Metrics | None,
+        tracing: Tracing | None,
+        overhead: PromptOverhead,
+    ) -> None:
+        s = settings
+        self.ledger = ledger
+        self.metrics = metrics
+        self.tracing = tracing
+        self.overhead = overhead  # prompt tokens beyond the estimate, learnt here
+        # Config values read on every request, as plain attributes (an attribute of a
+        # pydantic model costs ~4x one of a plain object).
+        self._traces = s.observe.traces
+        self._sample_ok = s.observe.traces_sample_ok
+        self._slow_ms = s.observe.traces_slow_ms
+        self._sampler = random.Random()
+        self._embed_price = Price(input=s.embeddings.price, output=0.0)
+        self._embed_alias = s.embeddings.alias
+        self.pending = 0  # answered requests whose settle runs after the response
+
+    def after_response(
+        self,
+        settle_now: Callable[[RequestContext], Awaitable[None] | None],
+        ctx: RequestContext,
+    ) -> Awaitable[None] | None:
+        """`settle_now(ctx)` for a request whose reply has been sent; counted in
+        `pending` until done. None when it was settled without waiting."""
+        try:
+            waiting = settle_now(ctx)
+        except BaseException:
+            self.pending -= 1
+            raise
+        if waiting is None:
+            self.pending -= 1
+            return None
+        return self._settling(waiting)
+
+    async def _settling(self, waiting: Awaitable[None]) -> None:
+        try:
+            await waiting
+        finally:
+            self.pending -= 1
+
+    async def settled(self, timeout_s: float) -> None:
+        """Wait until every answered request has been settled and its row written."""
+        deadline = time.monotonic() + timeout_s
+        while self.pending > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        await self.ledger.flush_async()
+
+    def settle(self, ctx: RequestContext, pipeline: Pipeline) -> Awaitable[None] | None:
+        """Charge the request, unwind `pipeline`'s stages and record it; an awaitable
+        only when a release must wait (a shared counter to settle)."""
+        self._charge(ctx)
+        pending = pipeline.unwind(ctx)
+        if pending is None:
+            self._record(ctx)
+            return None
+        return self._unwound(ctx, pending)
+
+    async def _unwound(self, ctx: RequestContext, pending: Awaitable[None]) -> None:
+        try:
+            await pending
+        finally:
+            self._record(ctx)
+
+    def _charge(self, ctx: RequestContext) -> None:
+        """What the request used (the upstream's usage; a broken stream's estimate)
+        and what that costs, on `ctx.run` for the releases and the record."""
+        run = ctx.run
+        if run.usage is None and run.reply_body is not None:
+            run.usage = reply_usage(run.reply_body)
+        usage = run.usage or {}
+        if usage:
+            inp = int(usage.get("prompt_tokens") or 0)
+            out = int(usage.get("completion_tokens") or 0)
+            if inp and ctx.alias is not None and ctx.cost is not None:
+                self.overhead.observe(ctx.alias, ctx.cost.base, inp)  # reservations lean high
+        elif run.attempts and ctx.input.endpoint != "embeddings":
+            # Best effort for a broken stream: the prompt as it was estimated.
+            inp = ctx.cost.prompt if ctx.cost is not None else ctx.prompt_estimate
+            out = run.chunks
+        else:
+            inp = out = 0
+        if ctx.model is not None:
+            cost = cost_usd(ctx.model.price, inp, out)
+        elif ctx.input.endpoint == "embeddings" and ctx.alias == self._embed_alias:
+            cost = cost_usd(self._embed_price, inp, 0)
+        else:
+            cost = 0.0
+        run.tokens_in, run.tokens_out, run.cost_usd = inp, out, cost
+
+    def _record(self, ctx: RequestContext) -> None:
+        """Metrics, span and ledger row of a settled request."""
+        t = ctx.timings
+        if t.ended is None:
+            t.ended = time.perf_counter()
+        end = t.ended
+        run = ctx.run
+        inp, out, cost = run.tokens_in, run.tokens_out, run.cost_usd
+        # A plain str from here on: metrics labels and the ledger take the value.
+        status = str(
+            ctx.status if ctx.status not in (Status.PENDING, Status.STREAMING) else Status.ERROR
+        )
+        if self.metrics is not None:
+            self.metrics.observe(ctx, status, inp, out, cost)
+            if client_left(ctx):
+                self.metrics.client_disconnected(ctx.input.endpoint)
+        if self.tracing is not None:
+            self.tracing.finish(
+                ctx, status, inp, out, time.time_ns() - int((time.perf_counter() - end) * 1e9)
+            )
+        # Usage row and trace are built per batch, off this request's path.
+        self.ledger.record(Finished(ctx, status, inp, out, cost, self._keep_trace(ctx, status)))
+
+    def _keep_trace(self, ctx: RequestContext, status: str) -> bool:
+        """The trace policy (observe.traces_sample_ok): what explains something is
+        always kept; a plain success only as a sample."""
+        if not self._traces:
+            return False
+        if self._sample_ok >= 1.0:
+            return True
+        t = ctx.timings
+        plain = (
+            status == "ok"
+            and ctx.run.attempts <= 1
+            and ctx.run.fallback_from is None
+            and ctx.cache in (None, CacheOutcome.MISS, CacheOutcome.BYPASS)
+            and ctx.input.task_id is None
+            and t.ended is not None
+            and (t.ended - t.received) * 1000.0 < self._slow_ms
+        )
+        return not plain or self._sampler.random() < self._sample_ok
