@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from switchyard.bench.hotpath import Driver
+from switchyard.pipeline import Decision
 
 
 def test_hotpath_measures_both_apps_and_writes_a_result(tmp_path: Path) -> None:
@@ -140,7 +141,7 @@ def test_first_attempt_metrics_shape_equals_the_one_read_from_decisions(tmp_path
     routed = seen[0]  # as if the router had chosen a route
     routed.route = "reasoning"
     routed.decisions = [
-        (s, "route:reasoning" if s == "route" else o, r, e, t0, t1)
+        Decision(s, "route:reasoning" if s == "route" else o, r, e, t0, t1)
         for s, o, r, e, t0, t1 in routed.decisions
     ]
     fast = metrics.first_attempt_shape(routed, "scripted", "anonymous", "ok")

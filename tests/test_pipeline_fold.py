@@ -266,8 +266,7 @@ async def _serve(world: _World, ctx: RequestContext, stepwise: bool, ready: bool
     # gives back every slot taken (the stages' releases, last first).
     side = world.pipeline.reply_side(ctx)
     parts = [type(p).__name__ for p in side.parts] if side is not None else []
-    pending = world.pipeline.unwind(ctx)
-    if pending is not None:
+    for pending in world.pipeline.unwind(ctx) or []:
         await pending
     held = {a: (g.in_flight, g.queued) for a, g in world.gates.items() if g.in_flight}
     assert not held, f"slots still held after the unwind: {held}"

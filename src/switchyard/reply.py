@@ -59,18 +59,22 @@ def reply_object(body: bytes) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-async def through(ctx: RequestContext, side: ReplySide | None, body: bytes) -> bytes:
-    """A whole reply through the request's reply side. Parsed only when a part wants
-    it (then its usage is kept, so settling need not parse it again); otherwise its
-    usage is read when the request is settled, after the bytes are on their way."""
-    side = side.wanted(body) if side is not None else None
-    obj = reply_object(body) if side is not None else None
+def through(ctx: RequestContext, side: ReplySide | None, body: bytes) -> bytes | Awaitable[bytes]:
+    """A whole reply through the request's reply side: at once (the bytes as they
+    came) when no part wants it — its usage is then read when the request is settled,
+    after the bytes are on their way — else an awaitable of the bytes to send (the
+    reply parsed once, its usage kept so settling need not parse it again)."""
+    obj = reply_object(body) if side is not None and side.wants(body) else None
     if side is None or obj is None:
         ctx.run.reply_body = body
         return body
     usage = obj.get("usage")
     ctx.run.usage = usage if isinstance(usage, dict) else None
-    out = await side.whole(obj)
+    return _whole(side, obj, body)
+
+
+async def _whole(side: ReplySide, obj: dict[str, Any], body: bytes) -> bytes:
+    out = await side.whole(obj, body)
     return body if out is obj else orjson.dumps(out)
 
 

@@ -26,6 +26,7 @@ from switchyard.execute.embeddings import Embeddings
 from switchyard.execute.executor import Executor
 from switchyard.execute.idempotent import Idempotent
 from switchyard.pipeline import (
+    Decision,
     Pipeline,
     RequestContext,
     RequestIds,
@@ -112,7 +113,7 @@ class RequestService:
             )
         (outcome, reason), evidence = self.auth.verdict(principal)
         ctx.decisions.append(
-            ("authenticate", outcome, reason, evidence, received, time.perf_counter())
+            Decision("authenticate", outcome, reason, evidence, received, time.perf_counter())
         )
         self.active += 1
         return ctx
@@ -134,7 +135,9 @@ class RequestService:
         ctx.wire = (body, raw)
         received = ctx.timings.received
         ctx.decisions.append(
-            ("validate", "ok", "request shape is valid", None, received, time.perf_counter())
+            Decision(
+                "validate", "ok", "request shape is valid", None, received, time.perf_counter()
+            )
         )
 
     # -- chat and completions ---------------------------------------------------------
@@ -213,7 +216,8 @@ class RequestService:
             body = await attach_token_ids(
                 body, ctx.input.endpoint, served.upstream, max(0.5, ctx.remaining_s())
             )
-        body = await through(ctx, self.pipelines.generation.reply_side(ctx), body)
+        sent = through(ctx, self.pipelines.generation.reply_side(ctx), body)
+        body = sent if isinstance(sent, bytes) else await sent
         raw_headers = served_raw_headers(ctx)
         if ctx.idempotency_key is not None:
             await self.idempotent.complete(ctx, raw_headers, body)

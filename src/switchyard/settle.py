@@ -121,15 +121,21 @@ class Settler:
         """Charge the request, unwind `pipeline`'s stages and record it; an awaitable
         only when a release must wait (a shared counter to settle)."""
         self._charge(ctx)
-        pending = pipeline.unwind(ctx)
-        if pending is None:
+        waiting = pipeline.unwind(ctx)
+        if waiting is None:
             self._record(ctx)
             return None
-        return self._unwound(ctx, pending)
+        return self._unwound(ctx, waiting)
 
-    async def _unwound(self, ctx: RequestContext, pending: Awaitable[None]) -> None:
+    async def _unwound(self, ctx: RequestContext, waiting: list[Awaitable[None]]) -> None:
+        """The releases that wait, in order; one that fails (shared state unreachable)
+        is logged and does not keep the others, or the record, from happening."""
         try:
-            await pending
+            for pending in waiting:
+                try:
+                    await pending
+                except Exception as exc:
+                    log.warning("could not settle %s: %s", ctx.input.request_id, exc)
         finally:
             self._record(ctx)
 

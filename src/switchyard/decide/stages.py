@@ -52,7 +52,7 @@ from switchyard.pipeline import (
 )
 from switchyard.policy import headers as request_headers
 from switchyard.policy.pii_reply import at_rest
-from switchyard.policy.tool_calls import ToolGate, ToolGovernor, ToolPolicy
+from switchyard.policy.tool_calls import ToolGate, ToolPolicy
 
 _STORED = (CacheOutcome.HIT_EXACT, CacheOutcome.HIT_SEMANTIC, CacheOutcome.REPLAY)
 
@@ -463,15 +463,7 @@ class Tools(Stage):
         policy = self._gate
         if policy is None or ctx.input.endpoint != "chat.completions" or ctx.cache in _STORED:
             return None
-        governor = ToolGovernor(
-            policy,
-            ctx.principal.tenant_id,
-            ctx.input.task_id,
-            ctx.input.request_id,
-            ctx.input.parent_request_ids,
-            ctx.wire[0] if ctx.wire is not None else ctx.body,
-        )
-        return ToolGate(ctx, governor)
+        return ToolGate(ctx, policy)
 
     def static(self, view: View) -> Verdict | None:
         c = self._cfg

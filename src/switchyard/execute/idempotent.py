@@ -55,7 +55,8 @@ class Idempotent:
             "x-request-id": ctx.input.request_id,
             "x-switchyard-idempotent-replay": "true",
         }
-        body = await through(ctx, self._pipeline.reply_side(ctx), stored.body)
+        sent = through(ctx, self._pipeline.reply_side(ctx), stored.body)
+        body = sent if isinstance(sent, bytes) else await sent
         raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         return JsonReply(body, raw, status=stored.status)
 

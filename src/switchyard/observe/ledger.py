@@ -122,6 +122,8 @@ def _plain(value: Any, depth: int = 0) -> Any:
         return {str(_plain(k, depth + 1)): _plain(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_plain(v, depth + 1) for v in value]
+    if isinstance(value, msgspec.Struct):  # a Decision: its stored array
+        return [_plain(v, depth + 1) for v in msgspec.structs.astuple(value)]
     return repr(value)[:200]
 
 

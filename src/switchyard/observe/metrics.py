@@ -633,7 +633,8 @@ class Metrics:
             (self._requests, (model, *self.tenant_labels(tenant), status))
         ]
         retried = False
-        for stage, outcome, _reason, evidence, _t0, _t1 in ctx.decisions:
+        for d in ctx.decisions:
+            stage, outcome, evidence = d.stage, d.outcome, d.evidence
             if stage == "attempt" and not outcome.startswith("skip"):
                 result = "ok" if outcome == "ok" else outcome.split(":", 1)[-1]
                 alias = (evidence or {}).get("alias", model)

@@ -136,7 +136,8 @@ class Tracing:
             return
         parent_ctx = trace.set_span_in_context(span)
         base = ctx.clock_base
-        for stage, outcome, reason, _evidence, t0, t1 in ctx.decisions:
+        for d in ctx.decisions:
+            stage, outcome, reason, t0, t1 = d.stage, d.outcome, d.reason, d.t0, d.t1
             start = int((base + t0) * 1e9)
             s = self.tracer.start_span(
                 f"stage {stage}",

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from switchyard.observe.db import is_sqlite
-from switchyard.pipeline import RequestContext, decision_dict
+from switchyard.pipeline import Decision, RequestContext, decision_dict
 
 
 class LedgerEntry(msgspec.Struct, array_like=True, gc=False):
@@ -98,7 +98,7 @@ def template_id(template: list[tuple[str, str, str, Any]]) -> str:
 
 
 def compact_decisions(
-    decisions: list[Any], blocks: list[tuple[str, int, int]]
+    decisions: list[Decision], blocks: list[tuple[str, int, int]]
 ) -> tuple[list[Any], list[tuple[str, int, float, float]]]:
     """`decisions` without the block runs (bid, start, count), and the runs as
     (bid, start, t0, t1)."""
@@ -110,7 +110,7 @@ def compact_decisions(
     for bid, start, count in blocks:
         first = decisions[start]
         rest.extend(decisions[at:start])
-        refs.append((bid, start, first[4], first[5]))
+        refs.append((bid, start, first.t0, first.t1))
         at = start + count
     rest.extend(decisions[at:])
     return rest, refs

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from switchyard.config import AdapterConfig, ModelConfig, Price, Settings
@@ -223,16 +223,28 @@ class Reserver:
     def settle(self, ctx: RequestContext, stage: str) -> Awaitable[None] | None:
         """Settle what `stage` reserved for the request with what it was charged
         (`ctx.run`); None when it reserved nothing."""
-        mine = [(s, a) for s, a, by in ctx.admission.reservations if by == stage]
-        return self._settle(ctx, mine) if mine else None
-
-    async def _settle(self, ctx: RequestContext, mine: list[tuple[Any, Ask]]) -> None:
         run = ctx.run
-        for scopes, ask in mine:
+        tokens = run.tokens_in + run.tokens_out
+        mine = [
+            self.limiter.settle(scopes, ask, tokens, run.cost_usd)
+            for scopes, ask, by in ctx.admission.reservations
+            if by == stage
+        ]
+        if not mine:
+            return None
+        return mine[0] if len(mine) == 1 else self._all(mine)
+
+    @staticmethod
+    async def _all(mine: Sequence[Awaitable[None]]) -> None:
+        """Each, in order; one that fails keeps none of the others from settling."""
+        error: Exception | None = None
+        for pending in mine:
             try:
-                await self.limiter.settle(scopes, ask, run.tokens_in + run.tokens_out, run.cost_usd)
-            except LimiterUnavailable as exc:
-                log.warning("could not settle %s: %s", ctx.input.request_id, exc)
+                await pending
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
     async def _seed_budgets(self, scopes: list[ScopeLimits]) -> None:
         """Budgets survive restarts: the first time a scope is seen in a period, its

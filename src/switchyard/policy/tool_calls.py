@@ -403,22 +403,38 @@ class ToolGate(ReplyPart):
     against the policy, in a whole reply and in a stream alike (see the module
     docstring); only replies that mention tool calls are read."""
 
-    __slots__ = ("_ctx", "_gate", "_governor", "_t", "_template")
+    __slots__ = ("_ctx", "_gate", "_governor", "_policy", "_t", "_template")
 
-    def __init__(self, ctx: RequestContext, governor: ToolGovernor) -> None:
+    def __init__(self, ctx: RequestContext, policy: ToolPolicy) -> None:
         self._ctx = ctx
-        self._governor = governor
+        self._policy = policy
+        self._governor: ToolGovernor | None = None  # made once a reply mentions calls
         self._gate: StreamToolGate | None = None  # made at the first chunk with calls
         self._t = 0.0
         self._template: dict[str, Any] | None = None
+
+    def _governed(self) -> ToolGovernor:
+        governor = self._governor
+        if governor is None:
+            ctx = self._ctx
+            governor = self._governor = ToolGovernor(
+                self._policy,
+                ctx.principal.tenant_id,
+                ctx.input.task_id,
+                ctx.input.request_id,
+                ctx.input.parent_request_ids,
+                ctx.wire[0] if ctx.wire is not None else ctx.body,
+            )
+        return governor
 
     def wants(self, body: bytes) -> bool:
         return b'"tool_calls"' in body
 
     async def whole(self, obj: dict[str, Any]) -> dict[str, Any]:
         t = time.perf_counter()
-        governed = self._governor.govern_reply(obj)
-        result = self._governor.result
+        governor = self._governed()
+        governed = governor.govern_reply(obj)
+        result = governor.result
         if not result.calls:
             return obj
         record_tool_calls(self._ctx, result, t)
@@ -429,7 +445,7 @@ class ToolGate(ReplyPart):
             return None
         gate = self._gate
         if gate is None:
-            gate = self._gate = StreamToolGate(self._governor)
+            gate = self._gate = StreamToolGate(self._governed())
             self._t = time.perf_counter()
         obj = reply_object(data)
         if obj is None:
@@ -445,8 +461,9 @@ class ToolGate(ReplyPart):
         if gate is None or not ok:
             return []
         held = [orjson.dumps(h) for h in gate.flush(self._template or {})]  # never finished
-        if self._governor.result.calls:
-            record_tool_calls(self._ctx, self._governor.result, self._t)
+        result = self._governed().result
+        if result.calls:
+            record_tool_calls(self._ctx, result, self._t)
         return held
 
 
