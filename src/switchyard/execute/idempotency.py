@@ -27,24 +27,11 @@ from switchyard.errors import (
     IdempotencyConflict,
     UpstreamTimeout,
 )
+from switchyard.observe.db import IDEMPOTENCY_SCHEMA
 
 log = logging.getLogger("switchyard")
 
 T = TypeVar("T")
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS idempotency (
-    tenant_id TEXT NOT NULL,
-    key TEXT NOT NULL,
-    body_hash TEXT NOT NULL,
-    state TEXT NOT NULL,
-    status INTEGER,
-    headers TEXT,
-    body BLOB,
-    created_at REAL NOT NULL,
-    PRIMARY KEY (tenant_id, key)
-);
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +55,7 @@ class IdempotencyStore:
     def __init__(self, conn: sqlite3.Connection, ttl_s: float, io: Executor | None = None) -> None:
         self.conn = conn
         self.ttl_s = ttl_s
-        self.conn.executescript(SCHEMA)
+        self.conn.executescript(IDEMPOTENCY_SCHEMA)
         self._lock = threading.Lock()
         self._io = io
         self._events: dict[tuple[str, str], asyncio.Event] = {}

@@ -14,6 +14,24 @@ from pathlib import Path
 
 from switchyard.observe.pg import is_postgres
 
+# The idempotency store's table (execute/idempotency.py), here with the others: the
+# PostgreSQL schema code reads every table's schema while it holds its advisory lock,
+# so what it imports must stay small.
+IDEMPOTENCY_SCHEMA = """
+CREATE TABLE IF NOT EXISTS idempotency (
+    tenant_id TEXT NOT NULL,
+    key TEXT NOT NULL,
+    body_hash TEXT NOT NULL,
+    state TEXT NOT NULL,
+    status INTEGER,
+    headers TEXT,
+    body BLOB,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (tenant_id, key)
+);
+"""
+
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
     id TEXT PRIMARY KEY,

@@ -259,13 +259,18 @@ def connect(dsn: str) -> PgConnection:
 
 
 def make_schema(conn: PgConnection) -> None:
-    from switchyard.execute.idempotency import SCHEMA as IDEMPOTENCY
-    from switchyard.observe.db import LATE_INDEXES, MIGRATIONS, SCHEMA, USAGE_DAILY
+    from switchyard.observe.db import (
+        IDEMPOTENCY_SCHEMA,
+        LATE_INDEXES,
+        MIGRATIONS,
+        SCHEMA,
+        USAGE_DAILY,
+    )
 
     conn.execute(f"SELECT pg_advisory_lock({_LOCK_ID})", None)
     try:
         conn.executescript(SCHEMA)
-        conn.executescript(IDEMPOTENCY)
+        conn.executescript(IDEMPOTENCY_SCHEMA)
         for table, column, kind in MIGRATIONS:
             conn.executescript(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {kind}")
         conn.executescript(LATE_INDEXES)
