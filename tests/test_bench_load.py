@@ -57,7 +57,10 @@ def test_open_loop_keeps_its_schedule_against_a_slow_server(slow: Scripted) -> N
         assert cur["sent_s"] < prev["end_s"]
     in_flight = max(sum(1 for o in recs if o["sent_s"] <= r["sent_s"] < o["end_s"]) for r in recs)
     assert in_flight >= 4
-    assert min(r["e2e_ms"] for r in recs) >= 300
+    # Each took the server's 300 ms. The client stamps a send once its write returned,
+    # a fraction of a millisecond after the server may have the request (a clean
+    # clone's run measured 299.86 ms): 5 ms of slack, far below any lost delay.
+    assert min(r["e2e_ms"] for r in recs) >= 295
     summary = result["points"][0]["summary"]
     assert summary["send_lag_ms"]["n"] == 30 and summary["warmup_requests"] == 2
     assert result["metadata"]["load"]["arrival"] == "constant"
