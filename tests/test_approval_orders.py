@@ -39,6 +39,7 @@ from switchyard.policy.tool_calls import (
     new_results,
     tool_results,
 )
+from switchyard.request import Generation
 
 REGISTRY = [
     {"name": "send_email", "class": "side_effect", "requires_approval": True},
@@ -123,7 +124,7 @@ def test_every_result_that_needs_an_approval_is_found(
 ) -> None:
     """Whatever the order, roles, interleaved assistant turns or duplicated ids, the
     results the decision asks an approval for are exactly the oracle's."""
-    needed = approvals_needed(tool_results({"messages": messages}), POLICY, noted)
+    needed = approvals_needed(tool_results(messages), POLICY, noted)
     ids, functions = oracle(messages, noted)
     by_role: dict[str, list[Any]] = {"tool": [], "function": []}
     for n in needed:
@@ -152,7 +153,7 @@ def test_what_is_new_is_decided_by_the_tasks_record(
         for i, m in enumerate(messages)
         if m["role"] == "tool" and (i > last or counts.get(m["tool_call_id"]) == 0)
     ]
-    assert new_results(tool_results({"messages": messages}), counts) == want
+    assert new_results(tool_results(messages), counts) == want
 
 
 # -- the real stage over the real stores -------------------------------------------
@@ -163,7 +164,7 @@ def _ctx(messages: list[dict[str, Any]], task: str | None, tokens: list[str]) ->
     now = time.perf_counter()
     ctx = RequestContext(
         RequestInput(f"req_{time.monotonic_ns()}", "chat.completions", time.time(), headers, task),
-        {"model": "m", "messages": messages},
+        Generation(model="m", messages=messages),
         Timings(now),
         now + 30,
     )
@@ -279,14 +280,14 @@ def test_results_beyond_the_bound_are_refused_not_skipped() -> None:
     head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     many = [{"role": "tool", "tool_call_id": f"c{i}", "content": "r"} for i in range(256)]
     last = {"role": "tool", "tool_call_id": "call_sya_z", "content": "r"}
-    assert len(tool_results({"messages": head + many})) == MAX_TOOL_RESULTS
+    assert len(tool_results(head + many)) == MAX_TOOL_RESULTS
     with pytest.raises(InvalidRequest) as exc:
-        tool_results({"messages": [*head, *many, last]})
+        tool_results([*head, *many, last])
     assert exc.value.code == "too_many_tool_results" and exc.value.status == 400
     # A function message counts as a result too.
     fn = {"role": "function", "name": "send_email", "content": "r"}
     with pytest.raises(InvalidRequest):
-        tool_results({"messages": [*head, *many, fn]})
+        tool_results([*head, *many, fn])
 
 
 @pytest.mark.parametrize(
@@ -298,7 +299,7 @@ def test_results_beyond_the_bound_are_refused_not_skipped() -> None:
 )
 def test_a_result_that_cannot_be_told_apart_is_refused(message: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as exc:
-        tool_results({"messages": [{"role": "user", "content": "x"}, message]})
+        tool_results([{"role": "user", "content": "x"}, message])
     assert exc.value.param == param
 
 

@@ -25,6 +25,7 @@ from switchyard.config import ConfigError, Settings, parse_settings
 from switchyard.decide.balance import Balancer, affinity_key, prompt_prefix
 from switchyard.engines.registry import Deployment, Registry
 from switchyard.execute.breaker import CircuitBreaker
+from switchyard.request import Generation
 
 
 def _model(strategy: str, deployments: list[dict[str, Any]], **balance: Any) -> dict[str, Any]:
@@ -168,11 +169,19 @@ def test_latency_prefers_the_faster_probes_and_returns_after_recovery() -> None:
 
 
 def test_affinity_keys_come_from_the_task_then_the_session() -> None:
-    assert affinity_key("t1", {"prompt_cache_key": "k"}, None) == ("task", "t1")
-    assert affinity_key(None, {"prompt_cache_key": "k", "user": "u"}, None) == ("session", "k")
-    assert affinity_key(None, {"user": "u"}, {"x-session-id": "s"}) == ("session", "s")
-    assert affinity_key(None, {"user": "u"}, {}) == ("session", "u")
-    assert affinity_key(None, {"user": 5}, {}) is None
+    assert affinity_key("t1", Generation(model="m", prompt_cache_key="k"), None) == (
+        "task",
+        "t1",
+    )
+    assert affinity_key(None, Generation(model="m", prompt_cache_key="k", user="u"), None) == (
+        "session",
+        "k",
+    )
+    assert affinity_key(None, Generation(model="m", user="u"), {"x-session-id": "s"}) == (
+        "session",
+        "s",
+    )
+    assert affinity_key(None, Generation(model="m", user="u"), {}) == ("session", "u")
 
 
 @pytest.mark.parametrize(
@@ -405,17 +414,21 @@ def _chat(system: str, question: str) -> dict[str, Any]:
     }
 
 
+def _gen(body: dict[str, Any]) -> Generation:
+    return Generation(model="m", **body)
+
+
 def test_the_prompt_prefix_is_the_first_characters_of_a_long_enough_prompt() -> None:
     body = _chat(_LONG, "where is my parcel?")
     whole = "\x00".join(["system", _LONG, "user", "where is my parcel?"])
-    assert prompt_prefix(body, 1024, 4096) == whole
-    assert prompt_prefix(body, 1024, 1024) == whole[:1024]
-    assert prompt_prefix(body, 1024, 100) is None  # 100 chars kept: shorter than the minimum
-    assert prompt_prefix(_chat("short", "hi"), 1024, 4096) is None
+    assert prompt_prefix(_gen(body), 1024, 4096) == whole
+    assert prompt_prefix(_gen(body), 1024, 1024) == whole[:1024]
+    assert prompt_prefix(_gen(body), 1024, 100) is None  # 100 chars kept: shorter than the minimum
+    assert prompt_prefix(_gen(_chat("short", "hi")), 1024, 4096) is None
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": _LONG}]}]}
-    assert prompt_prefix(parts, 1024, 4096) == ("user\x00" + _LONG)[:4096]
-    assert prompt_prefix({"prompt": _LONG}, 1024, 64) is None
-    assert prompt_prefix({"prompt": _LONG}, 10, 64) == _LONG[:64]
+    assert prompt_prefix(_gen(parts), 1024, 4096) == ("user\x00" + _LONG)[:4096]
+    assert prompt_prefix(Generation(model="m", prompt=_LONG), 1024, 64) is None
+    assert prompt_prefix(Generation(model="m", prompt=_LONG), 10, 64) == _LONG[:64]
 
 
 def test_requests_sharing_a_prefix_go_to_one_deployment_and_prefixes_spread() -> None:
@@ -423,7 +436,7 @@ def test_requests_sharing_a_prefix_go_to_one_deployment_and_prefixes_spread() ->
     where: dict[int, set[str]] = collections.defaultdict(set)
     for i in range(300):
         p = i % 12
-        prefix = prompt_prefix(_chat(f"{p} {_LONG}", f"question {i}"), 1024, 1024)
+        prefix = prompt_prefix(_gen(_chat(f"{p} {_LONG}", f"question {i}")), 1024, 1024)
         d, why, ev = _pick(b, prefix=prefix)
         where[p].add(d.name)
         assert why.startswith("prefix affinity") and ev["prefix_affinity"] == "its point"

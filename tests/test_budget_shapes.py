@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from conftest import Gateway, Scripted, start_gateway, start_scripted
 from switchyard.config import Price
 from switchyard.policy.cost import PromptOverhead, plan
+from switchyard.request import Generation, from_object
 
 PRICE = {"input": 100.0, "output": 1000.0}  # USD per million tokens
 BUDGET = 1.0
@@ -298,7 +299,7 @@ def test_the_reservation_covers_what_an_engine_bills(
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
     raw = orjson.dumps(body)
-    cost = plan(body, len(raw), "m", None, 512, 1024, PromptOverhead(0))
+    cost = plan(from_object(Generation, body)[0], len(raw), "m", None, 512, 1024, PromptOverhead(0))
     assert cost.prompt >= len(raw) // 4
     assert cost.output == (max_tokens or 512) * n
     assert cost.lower <= cost.prompt
@@ -306,7 +307,7 @@ def test_the_reservation_covers_what_an_engine_bills(
 
 def test_fit_gives_the_largest_cap_that_fits() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}
-    cost = plan(body, None, "m", None, 512, 0, PromptOverhead(0))
+    cost = plan(from_object(Generation, body)[0], None, "m", None, 512, 0, PromptOverhead(0))
     price = Price(**PRICE)
     usd_left = cost.usd(price) / 2
     cap = cost.fit(None, usd_left, price)

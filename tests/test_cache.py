@@ -17,6 +17,7 @@ from conftest import Gateway, Scripted, start_gateway
 from switchyard.config import CacheConfig
 from switchyard.decide.cache import ResponseCache, _Partition, cache_keys
 from switchyard.decide.cacheability import cacheability, storable_reply
+from switchyard.request import Generation, from_object
 
 MSGS = [
     {"role": "system", "content": "be brief"},
@@ -24,10 +25,16 @@ MSGS = [
 ]
 
 
+def _req(body: dict[str, Any]) -> Generation:
+    """The typed request of a body (its model need not matter here)."""
+    req: Generation = from_object(Generation, {"model": "m", **body})[0]
+    return req
+
+
 def _keys(tenant: str = "a", model: str = "m", revision: str = "r1", **body: Any) -> Any:
     b = {"messages": MSGS, "temperature": 0, **body}
     return cache_keys(
-        b, "chat.completions", f"tenant:{tenant}", tenant, model, revision, None, None
+        _req(b), "chat.completions", f"tenant:{tenant}", tenant, model, revision, None, None
     )
 
 
@@ -114,7 +121,7 @@ def test_semantic_matrix_survives_swap_removal() -> None:
     cache = ResponseCache(100, 10_000_000)
     ks = [
         cache_keys(
-            {"messages": [{"role": "user", "content": f"q{i}"}]},
+            _req({"messages": [{"role": "user", "content": f"q{i}"}]}),
             "chat.completions",
             "t",
             "t",
@@ -137,7 +144,7 @@ def test_semantic_matrix_survives_swap_removal() -> None:
 def _query_keys(text: str) -> Any:
     """Same partition for every text: only the last user message differs."""
     body = {"messages": [{"role": "user", "content": text}], "temperature": 0}
-    return cache_keys(body, "chat.completions", "tenant:a", "a", "m", "r1", None, None)
+    return cache_keys(_req(body), "chat.completions", "tenant:a", "a", "m", "r1", None, None)
 
 
 def _unit(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -228,19 +235,21 @@ def test_large_partition_search_when_the_bound_admits_many(
 def test_cacheability_rules() -> None:
     cfg = CacheConfig(enabled=True, max_temperature=0.7, personalized_tenants=["p"])
     body = {"messages": MSGS, "temperature": 0}
-    assert cacheability(body, "chat.completions", None, "t", "m", cfg).lookup
-    assert not cacheability(body, "chat.completions", "no-store", "t", "m", cfg).store
-    nc = cacheability(body, "chat.completions", "no-cache", "t", "m", cfg)
+    assert cacheability(_req(body), "chat.completions", None, "t", "m", cfg).lookup
+    assert not cacheability(_req(body), "chat.completions", "no-store", "t", "m", cfg).store
+    nc = cacheability(_req(body), "chat.completions", "no-cache", "t", "m", cfg)
     assert not nc.lookup and nc.store
     assert not cacheability(
-        {**body, "temperature": 0.9}, "chat.completions", None, "t", "m", cfg
+        _req({**body, "temperature": 0.9}), "chat.completions", None, "t", "m", cfg
     ).store
-    assert not cacheability(body, "chat.completions", None, "p", "m", cfg).store
-    assert not cacheability({**body, "tools": [{}]}, "chat.completions", None, "t", "m", cfg).store
-    ids = cacheability({**body, "return_token_ids": True}, "completions", None, "t", "m", cfg)
+    assert not cacheability(_req(body), "chat.completions", None, "p", "m", cfg).store
+    assert not cacheability(
+        _req({**body, "tools": [{}]}), "chat.completions", None, "t", "m", cfg
+    ).store
+    ids = cacheability(_req({**body, "return_token_ids": True}), "completions", None, "t", "m", cfg)
     assert not ids.lookup and not ids.store and "token ids" in ids.reason
     assert cacheability(
-        {**body, "return_token_ids": False}, "completions", None, "t", "m", cfg
+        _req({**body, "return_token_ids": False}), "completions", None, "t", "m", cfg
     ).store
     # the same question about another picture is another question
     picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
@@ -251,7 +260,7 @@ def test_cacheability_rules() -> None:
             {"role": "user", "content": [{"type": "text", "text": "what?"}, picture]},
         ],
     }
-    verdict = cacheability(with_image, "chat.completions", None, "t", "m", cfg)
+    verdict = cacheability(_req(with_image), "chat.completions", None, "t", "m", cfg)
     assert not verdict.lookup and not verdict.store and "images" in verdict.reason
     tool_reply = {
         "choices": [{"message": {"tool_calls": [{"id": "1"}]}, "finish_reason": "tool_calls"}]

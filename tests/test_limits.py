@@ -13,6 +13,7 @@ from switchyard.policy.admission import DeadlineExceeded, DeploymentGate
 from switchyard.policy.admit import rate_headers, refusal
 from switchyard.policy.cost import prompt_tokens
 from switchyard.policy.limits import Ask, MemoryLimiter, ScopeLimits, period_start
+from switchyard.request import Generation
 
 T0 = 1_750_000_000.0
 
@@ -134,8 +135,12 @@ def test_rate_headers_pick_tightest_scope() -> None:
 
 
 def test_prompt_estimate_scales_with_text() -> None:
-    short, _ = prompt_tokens({"messages": [{"role": "user", "content": "hi"}]}, None, 0)
-    long, _ = prompt_tokens({"messages": [{"role": "user", "content": "word " * 400}]}, None, 0)
+    short, _ = prompt_tokens(
+        Generation(model="m", messages=[{"role": "user", "content": "hi"}]), None, 0
+    )
+    long, _ = prompt_tokens(
+        Generation(model="m", messages=[{"role": "user", "content": "word " * 400}]), None, 0
+    )
     assert short < 30 < 500 < long
 
 

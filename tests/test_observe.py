@@ -37,6 +37,7 @@ from switchyard.observe.db import connect
 from switchyard.observe.otel import Tracing
 from switchyard.observe.traces import enforce_retention, get_request, insert_args, insert_sql
 from switchyard.pipeline import RequestContext, RequestInput, Timings
+from switchyard.request import NOT_READ, Generation
 
 BODY: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 SPANS = Path(tempfile.mkdtemp(prefix="switchyard-otel-")) / "spans.jsonl"
@@ -342,7 +343,7 @@ def test_spans_nest_and_carry_request_id_in_memory() -> None:
     now = time.perf_counter()
     ctx = RequestContext(
         input=RequestInput("req-otel", "chat.completions", time.time()),
-        body={"max_tokens": 5},
+        request=Generation(model="m", max_tokens=5),
         timings=Timings(received=now),
         deadline=now + 5,
     )
@@ -433,7 +434,7 @@ def test_ledger_batch_keeps_every_value(tmp_path: Path) -> None:
             RequestInput(
                 f"led-{i}", "chat.completions", 1_800_000_000.123456 + i, None, "t" if i else None
             ),
-            {},
+            NOT_READ,
             Timings(now),
             now + 5,
         )
@@ -442,7 +443,7 @@ def test_ledger_batch_keeps_every_value(tmp_path: Path) -> None:
         ctx.record("validate", "ok", 'fine "quoted" ünïcode', now, {"n": i, "x": None})
         ledger.record(Finished(ctx, "ok", 10 + i, 7, 0.000123 * (i + 1), with_trace=i != 2))
     odd = RequestContext(
-        RequestInput("led-np", "chat.completions", 1_800_000_009.0), {}, Timings(now), now + 5
+        RequestInput("led-np", "chat.completions", 1_800_000_009.0), NOT_READ, Timings(now), now + 5
     )
     odd.timings.ended = now
     odd.cache = np.str_("miss")  # type: ignore[assignment]
@@ -471,7 +472,7 @@ def _finished(request_id: str) -> Any:
 
     now = time.perf_counter()
     ctx = RequestContext(
-        RequestInput(request_id, "chat.completions", time.time()), {}, Timings(now), now + 5
+        RequestInput(request_id, "chat.completions", time.time()), NOT_READ, Timings(now), now + 5
     )
     ctx.timings.ended = now
     return Finished(ctx, "ok", 1, 1, 0.0)
@@ -636,7 +637,7 @@ def test_first_attempt_successes_expose_what_request_by_request_folding_would(
     def request(i: int) -> tuple[RequestContext, int, int, float]:
         now = time.perf_counter()
         ctx = RequestContext(
-            RequestInput(f"r{i}", "chat.completions", time.time()), {}, Timings(now), now + 5
+            RequestInput(f"r{i}", "chat.completions", time.time()), NOT_READ, Timings(now), now + 5
         )
         dep = gw.registry.deployments["m1" if i % 3 else "m2"]
         ctx.principal, ctx.deployment, ctx.model, ctx.alias = ANONYMOUS, dep, dep.model, dep.alias
@@ -927,7 +928,10 @@ def test_daily_rollups_sum_the_rows_and_seed_budgets_after_raw_rows_are_gone(
         for i in range(30):
             now = time.perf_counter()
             ctx = RequestContext(
-                RequestInput(f"r-{i}", "chat.completions", time.time()), {}, Timings(now), now + 5
+                RequestInput(f"r-{i}", "chat.completions", time.time()),
+                NOT_READ,
+                Timings(now),
+                now + 5,
             )
             ctx.timings.ended = now
             ctx.alias = "cheap"

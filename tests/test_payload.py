@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 
 import orjson
+from msgspec import structs
 
+from switchyard.api.codecs import ChatCompletions
 from switchyard.config import parse_settings
 from switchyard.engines.registry import Registry
 from switchyard.execute.executor import upstream_payload
@@ -27,14 +29,14 @@ REGISTRY = Registry(SETTINGS)
 
 
 def _ctx(raw: bytes) -> RequestContext:
-    body = orjson.loads(raw)
+    req, exact = ChatCompletions().decode(orjson.loads(raw))
     now = time.perf_counter()
     ctx = RequestContext(
-        RequestInput("r", "chat.completions", time.time()), body, Timings(now), now + 5
+        RequestInput("r", "chat.completions", time.time()), req, Timings(now), now + 5
     )
-    ctx.wire = (body, raw)
-    ctx.stream = bool(body.get("stream"))
-    ctx.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    ctx.wire = (req, raw if exact else None)
+    ctx.stream = req.stream
+    ctx.include_usage = req.include_usage
     return ctx
 
 
@@ -52,7 +54,9 @@ def test_upstream_model_name_is_rewritten() -> None:
 
 def test_a_replaced_body_is_serialised_again() -> None:
     ctx = _ctx(RAW)
-    ctx.body = {**ctx.body, "messages": [{"role": "user", "content": "<EMAIL_1>"}]}
+    ctx.request = structs.replace(
+        ctx.generation, messages=[{"role": "user", "content": "<EMAIL_1>"}]
+    )
     out = orjson.loads(upstream_payload(ctx, REGISTRY.deployments["a"]))
     assert out["messages"][0]["content"] == "<EMAIL_1>"
 
@@ -74,7 +78,8 @@ def test_a_stream_without_stream_options_gets_usage_appended_to_its_bytes() -> N
     assert parsed["messages"] == [{"role": "user", "content": "}"}] and parsed["stream"] is True
     # With stream_options present (include_usage false), the object is rebuilt instead.
     asked_off = (
-        b'{"model":"a","messages":[],"stream":true,"stream_options":{"include_usage":false}}'
+        b'{"model":"a","messages":[{"role":"user","content":"hi"}],"stream":true,'
+        b'"stream_options":{"include_usage":false}}'
     )
     assert orjson.loads(upstream_payload(_ctx(asked_off), REGISTRY.deployments["a"]))[
         "stream_options"

@@ -31,6 +31,7 @@ from switchyard.policy.keys import Limits, Principal
 from switchyard.policy.limits import MemoryLimiter
 from switchyard.policy.pii import PiiMasker
 from switchyard.policy.stages import Reserver
+from switchyard.request import Generation, from_object, to_json
 
 PII_MODES = ["observe_only", "mask_upstream", "block"]
 
@@ -198,7 +199,7 @@ def _ctx(principal: Principal, r: dict[str, Any]) -> RequestContext:
     hdrs = {"x-task-id": task, "x-task-budget": "calls=2"} if task else {}
     ctx = RequestContext(
         RequestInput("req_1", r["endpoint"], time.time(), hdrs, task),
-        body,
+        from_object(Generation, body)[0],
         Timings(now),
         now + 0.05,
     )
@@ -236,8 +237,8 @@ def _outcome(world: _World, ctx: RequestContext, error: BaseException | None) ->
         ctx.prompt_estimate,
         ctx.max_tokens,
         ctx.cache,
-        ctx.body,
-        ctx.pii.masked_body if ctx.pii is not None else None,
+        ctx.request,
+        ctx.pii.masked if ctx.pii is not None else None,
         ctx.pii.restore if ctx.pii is not None else False,
         _normal(dict(ctx.admission.rate_headers))
         if not any("reset" in k for k in ctx.admission.rate_headers)
@@ -278,7 +279,7 @@ def _check_rules(
 ) -> None:
     """What the configuration asks for, checked on the outcome itself (not through any
     stage's static part): a rule a static part forgets fails here."""
-    alias = ctx.body.get("model")
+    alias = ctx.generation.model
     stages = [d[0] for d in ctx.decisions]
     if alias == "nope":  # refused: by selection, or by a limit before it
         assert error is not None
@@ -291,7 +292,7 @@ def _check_rules(
     mode = s.pii.models.get(alias, s.pii.mode)
     has_pii = text in r["text"]
     if "tools" in stages and error is None:
-        names = [t["function"]["name"] for t in ctx.body.get("tools") or []]
+        names = [t["function"]["name"] for t in ctx.generation.tools or []]
         if s.tools.deny:
             assert not set(names) & set(s.tools.deny), names
         if s.tools.allow is not None:
@@ -299,7 +300,7 @@ def _check_rules(
     if "pii" in stages and has_pii and mode == "block":
         assert error is not None and error.code == "pii_detected"
     if mode == "mask_upstream" and "select" in stages:
-        assert text not in str(ctx.body), "mask_upstream sent raw PII upstream"
+        assert text not in to_json(ctx.request).decode(), "mask_upstream sent raw PII upstream"
     verdicts = {d[0]: d[1] for d in ctx.decisions}
     lims = (principal.key_limits, principal.tenant_limits)
     limited = any(

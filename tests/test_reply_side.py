@@ -19,6 +19,7 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from switchyard.api.codecs import ChatCompletions
 from switchyard.config import parse_settings
 from switchyard.engines.upstream import UpstreamReply
 from switchyard.gateway import Gateway
@@ -164,8 +165,9 @@ async def _serve(gw: Gateway, body: dict[str, Any]) -> tuple[str, Any]:
     gw.ledger.record = lambda f: (seen.append(f), record(f))[1]  # type: ignore[method-assign]
     raw = orjson.dumps(body)
 
-    async def read(_remaining: float) -> tuple[Any, bytes]:
-        return orjson.loads(raw), raw
+    async def read(_remaining: float) -> tuple[Any, bytes | None]:
+        req, exact = ChatCompletions().decode(orjson.loads(raw))
+        return req, raw if exact else None
 
     svc = gw.service
     ctx = svc.open("chat.completions", {}, time.perf_counter(), ANONYMOUS)

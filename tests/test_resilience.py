@@ -28,6 +28,7 @@ from switchyard.config import (
 from switchyard.execute.breaker import CircuitBreaker
 from switchyard.execute.compat import incompatibility, request_needs
 from switchyard.execute.retry import RetryBudget, backoff_s
+from switchyard.request import Generation
 
 # -- pure parts -------------------------------------------------------------------------
 
@@ -123,10 +124,12 @@ def test_compatibility_rules() -> None:
         }
     )
     small, tools = s.models
-    with_tools = request_needs({"tools": [{"type": "function"}], "messages": []}, 100, 100)
+    with_tools = request_needs(
+        Generation(model="m", tools=[{"type": "function"}], messages=[]), 100, 100
+    )
     assert "tool" in (incompatibility(with_tools, small, None) or "")
     assert incompatibility(with_tools, tools, None) is None
-    long = request_needs({"messages": []}, 900, 200)
+    long = request_needs(Generation(model="m", messages=[]), 900, 200)
     assert "context window" in (incompatibility(long, small, None) or "")
     assert "region" in (incompatibility(long, tools, ["us"]) or "")
 

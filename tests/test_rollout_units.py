@@ -147,6 +147,7 @@ def test_rollout_records_older_than_retention_go_and_newer_stay(tmp_path: Any) -
 
 def test_which_models_return_token_ids_and_what_a_fallback_is_skipped_for() -> None:
     from switchyard.execute.compat import incompatibility, request_needs
+    from switchyard.request import Generation
 
     cfg = Settings.model_validate(
         {
@@ -169,7 +170,7 @@ def test_which_models_return_token_ids_and_what_a_fallback_is_skipped_for() -> N
     models = {m.alias: m for m in cfg.models}
 
     def why(alias: str, **body: Any) -> str | None:
-        needs = request_needs({"messages": [], **body}, 10, 10)
+        needs = request_needs(Generation(model=alias, messages=[], **body), 10, 10)
         return incompatibility(needs, models[alias], None)
 
     for alias in models:  # without the option nothing is refused for it

@@ -20,8 +20,15 @@ from hypothesis import strategies as st
 from conftest import Gateway, Scripted, start_gateway, start_redis, stop_redis
 from switchyard.decide.cache import CacheKeys, Entry, ResponseCache, cache_keys
 from switchyard.decide.shared_cache import SharedCache, pack, unpack
+from switchyard.request import Generation, from_object
 
 _text = st.text(max_size=40)
+
+
+def _req(body: dict[str, Any]) -> Generation:
+    """The typed request of a body (its model need not matter here)."""
+    req: Generation = from_object(Generation, {"model": "m", **body})[0]
+    return req
 
 
 @settings(max_examples=200, deadline=None)
@@ -74,7 +81,7 @@ def redis_url() -> Iterator[str]:
 
 def _keys(text: str, tenant: str = "t1") -> CacheKeys:
     body = {"messages": [{"role": "user", "content": text}]}
-    return cache_keys(body, "chat.completions", tenant, tenant, "m", "r1", None, None)
+    return cache_keys(_req(body), "chat.completions", tenant, tenant, "m", "r1", None, None)
 
 
 def _vec(seed: int) -> np.ndarray:

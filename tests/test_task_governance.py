@@ -27,6 +27,7 @@ from switchyard.policy import headers
 from switchyard.policy.admit import cost_usd
 from switchyard.policy.cost import PromptOverhead, plan
 from switchyard.policy.tasks import MemoryTaskStore, TaskBudget, TaskFirst, ToolCallNote
+from switchyard.request import Generation, from_object
 
 # -- headers ------------------------------------------------------------------------------
 
@@ -265,7 +266,9 @@ def test_five_concurrent_steps_against_a_cost_budget_that_fits_three(
     body = _body()
     raw = orjson.dumps(body)
     price = Price(**PRICE)
-    cost = plan(body, len(raw), "m", None, 512, 1024, PromptOverhead(64))
+    cost = plan(
+        from_object(Generation, body)[0], len(raw), "m", None, 512, 1024, PromptOverhead(64)
+    )
     estimate = cost.usd(price)
     # Room for three, and less than a minimal answer (16 tokens) beside them: a fourth
     # cannot shrink its cap to fit (policy/cost.py), it is refused.

@@ -27,6 +27,7 @@ from switchyard.policy.tool_calls import (
     new_results,
     tool_results,
 )
+from switchyard.request import Generation
 
 REGISTRY = [
     {"name": "search", "class": "read_only"},
@@ -407,7 +408,7 @@ def test_a_governed_stream_assembles_to_the_governed_reply(
             {"registry": REGISTRY, "deny": ["rm"], "on_forbidden_call": mode}
         )
     )
-    body = {"messages": ASK["messages"]}
+    body = Generation(model="m", messages=ASK["messages"])
     reply = {
         "choices": [
             {
@@ -464,8 +465,8 @@ def test_new_results_are_those_after_the_last_assistant_message_or_unseen() -> N
             {"role": "tool", "tool_call_id": "c", "content": "3"},
         ]
     }
-    results = tool_results(body)
+    results = tool_results(body["messages"])
     assert new_results(results, {}) == ["b", "c"]
     assert new_results(results, {"a": 1, "b": 1}) == ["b", "c"]
     assert new_results(results, {"a": 0}) == ["a", "b", "c"]
-    assert tool_results({"messages": [{"role": "user", "content": "x"}]}) == []
+    assert tool_results([{"role": "user", "content": "x"}]) == []

@@ -25,6 +25,7 @@ from switchyard.pipeline import (
 )
 from switchyard.policy import headers as request_headers
 from switchyard.policy.validate import validate_chat, validate_completion, validate_embeddings
+from switchyard.request import NOT_READ
 
 
 def test_valid_chat_returns_model() -> None:
@@ -184,7 +185,7 @@ def _ctx() -> RequestContext:
     now = time.perf_counter()
     return RequestContext(
         input=RequestInput("r", "chat.completions", time.time()),
-        body={},
+        request=NOT_READ,
         timings=Timings(received=now),
         deadline=now + 5,
     )

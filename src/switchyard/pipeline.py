@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgspec
 
 from switchyard.identity import ANONYMOUS, Principal
+from switchyard.request import Embedding, Generation
 
 if TYPE_CHECKING:  # annotations only: these live in the layers above (pyproject.toml)
     import numpy as np
@@ -153,7 +154,7 @@ class PiiState:
     """What the pii stage leaves for the rest of the request."""
 
     session: MaskSession  # the placeholder mapping is held only here
-    masked_body: dict[str, Any]  # what cache keys, embeddings and the router see
+    masked: Generation  # the request as cache keys, embeddings and the router see it
     restore: bool  # the upstream saw placeholders: the reply gets the raw values back
     found: dict[str, int] = field(default_factory=dict)  # PII kinds found, and how many
 
@@ -227,7 +228,9 @@ class ExecutionState:
 @dataclass(slots=True)
 class RequestContext:
     input: RequestInput
-    body: dict[str, Any]  # replaced (never edited in place) by stages that change it
+    # The request as its protocol's codec decoded it (request.py); replaced, never
+    # changed in place, by a stage that changes it.
+    request: Generation | Embedding
     timings: Timings
     deadline: float  # perf_counter seconds
     principal: Principal = ANONYMOUS  # set by authentication (policy layer)
@@ -235,8 +238,8 @@ class RequestContext:
     pin: str | None = None  # the revision named as `alias@revision`
     model: ModelConfig | None = None
     deployment: Deployment | None = None
-    stream: bool = False  # set by validate, from the body
-    include_usage: bool = False
+    stream: bool = False  # the request's `stream`
+    include_usage: bool = False  # its `stream_options.include_usage`
     response: Entry | None = None  # a cached reply that answers (the cache stage)
     decisions: list[Decision] = field(default_factory=list)
     status: Status = Status.PENDING
@@ -261,7 +264,9 @@ class RequestContext:
     admission: AdmissionState = field(default_factory=AdmissionState)
     run: ExecutionState = field(default_factory=ExecutionState)
     finished: bool = False
-    wire: tuple[dict[str, Any], bytes] | None = None  # (parsed body, the bytes it came from)
+    # (the request as decoded, the bytes it was decoded from when they are exactly it,
+    # else None): while `request` is still that one, those bytes can go upstream.
+    wire: tuple[Generation | Embedding, bytes | None] | None = None
     # (block id, index of its first decision, count) of each folded run of static
     # verdicts (Pipeline): stored compactly in the ledger, expanded on write.
     blocks: list[tuple[str, int, int]] = field(default_factory=list)
@@ -282,9 +287,16 @@ class RequestContext:
             Decision(stage, outcome, reason, evidence, started, time.perf_counter())
         )
 
-    def masked_body(self) -> dict[str, Any]:
-        """The body as the cache, embeddings and the router may see it."""
-        return self.pii.masked_body if self.pii is not None else self.body
+    @property
+    def generation(self) -> Generation:
+        """The request, for the generation pipeline's stages (chat and completions)."""
+        req = self.request
+        assert type(req) is Generation, "a generation stage on an embeddings request"
+        return req
+
+    def masked(self) -> Generation:
+        """The request as the cache, embeddings and the router may see it."""
+        return self.pii.masked if self.pii is not None else self.generation
 
     @property
     def clock_base(self) -> float:

@@ -33,6 +33,7 @@ from switchyard.policy.admit import principal_scopes
 from switchyard.policy.cost import prompt_tokens
 from switchyard.policy.stages import Reserver
 from switchyard.policy.validate import validate_chat
+from switchyard.request import Generation
 
 log = logging.getLogger("switchyard")
 
@@ -266,14 +267,12 @@ class RolloutService:
             )
         ctx.alias = plan.alias
         ctx.model = model
-        ctx.body = {"model": plan.alias}
+        ctx.request = Generation(model=plan.alias)
         # The rule chat and completions reserve by (policy/cost.py), per prompt.
         images = self.settings.policy.image_tokens
         prompt = sum(
             prompt_tokens(
-                {"prompt": p.text} if p.text is not None else {"messages": p.messages},
-                None,
-                images,
+                Generation(model=plan.alias, prompt=p.text, messages=p.messages), None, images
             )[0]
             for p in plan.prompts
         )

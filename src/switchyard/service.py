@@ -2,8 +2,8 @@
 pipeline's stages → execute → the reply side → settle.
 
 `api/` maps HTTP to this and back: it reads the body (size and time limits are the
-HTTP boundary's), hands the parsed JSON over and turns the `Reply` (reply.py) into a
-response. The decisions are the pipeline's stages, and so is what each does on the
+HTTP boundary's), decodes it with its protocol's codec (api/codecs.py) into the typed
+request (request.py) and turns the `Reply` (reply.py) into a response. The decisions are the pipeline's stages, and so is what each does on the
 reply's way out and on release; settling (settle.py) runs exactly once per request,
 whatever way it ended.
 """
@@ -35,12 +35,7 @@ from switchyard.pipeline import (
 from switchyard.policy import headers as request_headers
 from switchyard.policy.auth import ANONYMOUS, Authenticator
 from switchyard.policy.keys import Principal
-from switchyard.policy.validate import (
-    model_refusal,
-    split_pin,
-    validate_chat,
-    validate_completion,
-)
+from switchyard.policy.validate import model_refusal, split_pin
 from switchyard.reply import (
     JsonReply,
     Reply,
@@ -49,13 +44,15 @@ from switchyard.reply import (
     served_raw_headers,
     through,
 )
+from switchyard.request import Embedding, Generation
 from switchyard.settle import Settler, mark_failed, raise_cancelled
 
 if TYPE_CHECKING:
     from switchyard.observe.otel import Tracing
 
-# Reads the request's JSON body within a number of seconds: (parsed, raw bytes).
-ReadBody = Callable[[float], Awaitable[tuple[Any, bytes]]]
+# Reads and decodes the request's body within a number of seconds: (the typed
+# request, the bytes it was decoded from when they are exactly it, else None).
+ReadBody = Callable[[float], Awaitable[tuple[Any, bytes | None]]]
 
 
 @dataclass(slots=True)
@@ -87,7 +84,6 @@ class RequestService:
     def __post_init__(self) -> None:
         s = self.settings
         self._deadline_s = s.server.default_deadline_s  # read per request: a plain attribute
-        self._unknown_fields = s.validation.unknown_fields
         self._models = {m.alias: m for m in s.models}  # for `alias@revision` pins
 
     # -- opening a request ----------------------------------------------------------
@@ -130,9 +126,9 @@ class RequestService:
             ctx.deadline = ctx.timings.received + min(self._deadline_s, asked)
 
     @staticmethod
-    def _validated(ctx: RequestContext, body: Any, raw: bytes) -> None:
-        ctx.body = body
-        ctx.wire = (body, raw)
+    def _validated(ctx: RequestContext, req: Generation | Embedding, raw: bytes | None) -> None:
+        ctx.request = req
+        ctx.wire = (req, raw)
         received = ctx.timings.received
         ctx.decisions.append(
             Decision(
@@ -147,18 +143,14 @@ class RequestService:
         handed_off = False
         try:
             self.begin(ctx)
-            body, raw = await read(ctx.remaining_s())
-            if ctx.input.endpoint == "chat.completions":
-                alias = validate_chat(body, self._unknown_fields)
-            else:
-                alias = validate_completion(body, self._unknown_fields)
+            req, raw = await read(ctx.remaining_s())  # decoded and shape-checked
+            alias = req.model
             if "@" in alias:  # `alias@revision` pins a revision
                 alias, ctx.pin = split_pin(alias, self._models, self.rl_aliases)
             ctx.alias = alias
-            ctx.stream = bool(body.get("stream"))
-            options = body.get("stream_options")  # an object when present (validated)
-            ctx.include_usage = bool(options.get("include_usage")) if options else False
-            self._validated(ctx, body, raw)
+            ctx.stream = req.stream
+            ctx.include_usage = req.include_usage
+            self._validated(ctx, req, raw)
             idem = ctx.input.headers.get("idempotency-key")
             if idem is not None:
                 replayed = await self.idempotent.claim(ctx, idem)
@@ -211,7 +203,7 @@ class RequestService:
         if (
             served is not None
             and served.token_ids == "llamacpp"
-            and ctx.body.get("return_token_ids") is True
+            and ctx.generation.return_token_ids is True
         ):
             body = await attach_token_ids(
                 body, ctx.input.endpoint, served.upstream, max(0.5, ctx.remaining_s())
@@ -249,9 +241,9 @@ class RequestService:
         budget at embeddings.price) → embed → settle, like any request."""
         try:
             self.begin(ctx)
-            body, raw = await read(ctx.remaining_s())
-            texts = self.embeddings_run.validate(ctx, body)
-            self._validated(ctx, body, raw)
+            req, raw = await read(ctx.remaining_s())  # decoded and shape-checked
+            texts = self.embeddings_run.validate(ctx, req)
+            self._validated(ctx, req, raw)
             pending = self.pipelines.embeddings.decide(ctx)
             if pending is not None:
                 await pending

@@ -14,6 +14,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from switchyard.api.body import header_map, parse_json, read_body
+from switchyard.api.codecs import ChatCompletions, Codec, Completions, Embeddings
 from switchyard.api.sse import RelayResponse, frame, replay
 from switchyard.errors import InvalidRequest, RouteNotFound
 from switchyard.gateway import Gateway
@@ -98,6 +99,12 @@ class OpenAIRoutes:
         self._max_body = server.max_body_bytes
         self._body_timeout_s = server.body_timeout_s
         self._max_depth = server.max_json_depth
+        unknown = gw.settings.validation.unknown_fields
+        self._codecs: dict[str, Codec] = {
+            "chat.completions": ChatCompletions(unknown),
+            "completions": Completions(unknown),
+            "embeddings": Embeddings(gw.settings.embeddings.max_inputs),
+        }
 
     def routes(self) -> list[Route]:
         return [
@@ -109,17 +116,23 @@ class OpenAIRoutes:
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
         ]
 
-    def reader(self, request: Request, headers: dict[str, str]) -> ReadBody:
-        """The request's body reader: bounded in size, depth and time."""
+    def reader(self, request: Request, headers: dict[str, str], codec: Codec | None) -> ReadBody:
+        """The request's body reader: bounded in size, depth and time, and decoded by
+        its protocol's codec into the typed request, with the bytes it came from when
+        they are exactly that request (else None); without a codec, the parsed JSON."""
 
-        async def read(remaining_s: float) -> tuple[Any, bytes]:
+        async def read(remaining_s: float) -> tuple[Any, bytes | None]:
             raw = await read_body(
                 request,
                 self._max_body,
                 headers.get("content-length"),
                 min(self._body_timeout_s, remaining_s),
             )
-            return parse_json(raw, self._max_depth), raw
+            parsed = parse_json(raw, self._max_depth)
+            if codec is None:
+                return parsed, raw
+            req, exact = codec.decode(parsed)
+            return req, raw if exact else None
 
         return read
 
@@ -138,9 +151,10 @@ class OpenAIRoutes:
         service = self.service
         ctx = service.open(endpoint, headers, received, principal)
         request.scope[CTX_KEY] = ctx  # for the error mapping (app.py)
+        read = self.reader(request, headers, self._codecs[endpoint])
         if endpoint == "embeddings":
-            return to_response(await service.embeddings(ctx, self.reader(request, headers)))
-        return to_response(await service.generate(ctx, self.reader(request, headers)))
+            return to_response(await service.embeddings(ctx, read))
+        return to_response(await service.generate(ctx, read))
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, "chat.completions")
@@ -223,7 +237,7 @@ class OpenAIRoutes:
             if gw.rollouts is None:
                 raise RouteNotFound("rollouts are off: no model is listed under rl.models")
             service.begin(ctx)
-            body, _ = await self.reader(request, headers)(ctx.remaining_s())
+            body, _ = await self.reader(request, headers, None)(ctx.remaining_s())
             plan = await gw.rollouts.admit(ctx, body)
         except BaseException as exc:
             mark_failed(ctx, exc)

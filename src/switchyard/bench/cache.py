@@ -35,6 +35,7 @@ from switchyard.config import EmbeddingsConfig
 from switchyard.decide.cache import CacheKeys, ResponseCache, cache_keys
 from switchyard.decide.candidate import CandidateCheck
 from switchyard.embed import EmbeddingService
+from switchyard.request import Generation
 
 QUERIES = [
     "How do I reset my password?",
@@ -48,7 +49,7 @@ QUERIES = [
 
 def _keys(text: str) -> CacheKeys:
     """Every benchmark entry and query lives in one partition: the worst case."""
-    body = {"messages": [{"role": "user", "content": text}], "temperature": 0}
+    body = Generation(model="m", messages=[{"role": "user", "content": text}], temperature=0)
     return cache_keys(body, "chat.completions", "tenant:t", "t", "m", "r", None, None)
 
 

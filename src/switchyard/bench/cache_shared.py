@@ -35,12 +35,13 @@ from switchyard.bench.harness import free_port, machine_info
 from switchyard.bench.policy import redis_server_argv
 from switchyard.decide.cache import CacheKeys, ResponseCache, cache_keys
 from switchyard.decide.shared_cache import SharedCache
+from switchyard.request import Generation
 
 DIM = 384
 
 
 def _keys(text: str, tag: str | None = None) -> CacheKeys:
-    body = {"messages": [{"role": "user", "content": text}], "temperature": 0}
+    body = Generation(model="m", messages=[{"role": "user", "content": text}], temperature=0)
     k = cache_keys(body, "chat.completions", "tenant:t", "t", "m", "r", None, None)
     return CacheKeys(k.partition, k.exact, k.query, (tag,) if tag else (), k.tenant, k.model)
 

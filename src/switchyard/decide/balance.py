@@ -40,6 +40,7 @@ from switchyard.config import BalanceConfig, CanaryGuard
 from switchyard.engines.registry import Deployment
 from switchyard.errors import ModelNotFound
 from switchyard.execute.breaker import CircuitBreaker
+from switchyard.request import Generation
 
 _KEY_CHARS = 256  # an affinity key longer than this is kept as its hash
 RING_POINTS = 64  # points per deployment on the prefix hash ring
@@ -443,16 +444,14 @@ def _hash(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
-def prompt_prefix(body: Mapping[str, Any], min_chars: int, max_chars: int) -> str | None:
+def prompt_prefix(req: Generation, min_chars: int, max_chars: int) -> str | None:
     """The first `max_chars` characters of the prompt (roles and texts of the messages
     in order, or a completion's prompt), or None when it is shorter than `min_chars`."""
     parts: list[str] = []
     n = 0
-    messages = body.get("messages")
-    if isinstance(messages, list):
+    messages = req.messages
+    if messages is not None:
         for m in messages:
-            if not isinstance(m, dict):
-                continue
             c = m.get("content")
             if isinstance(c, list):
                 c = "".join(
@@ -466,7 +465,7 @@ def prompt_prefix(body: Mapping[str, Any], min_chars: int, max_chars: int) -> st
             if n >= max_chars:
                 break
     else:
-        prompt = body.get("prompt")
+        prompt = req.prompt
         if isinstance(prompt, str):
             parts.append(prompt[:max_chars])
     text = "\x00".join(parts)[:max_chars]
@@ -485,20 +484,18 @@ def _score(d: Deployment, tokens: int) -> float:
     return (d.live.ttft_s or 0.0) + (d.live.tpot_s or 0.0) * tokens
 
 
-def affinity_key(
-    task_id: str | None, body: Mapping[str, Any], headers: Any
-) -> tuple[str, str] | None:
+def affinity_key(task_id: str | None, req: Generation, headers: Any) -> tuple[str, str] | None:
     """The request's task or session, as ("task" | "session", value), or None."""
     if task_id:
         return ("task", task_id)
-    cache_key = body.get("prompt_cache_key")
+    cache_key = req.prompt_cache_key
     if isinstance(cache_key, str) and cache_key:
         return ("session", cache_key)
     if headers is not None:
         session = headers.get("x-session-id")
         if session:
             return ("session", str(session)[:_KEY_CHARS])
-    user = body.get("user")
+    user = req.user
     if isinstance(user, str) and user:
         return ("session", user)
     return None

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
+from switchyard.request import Generation
+
 if TYPE_CHECKING:
     from switchyard.decide.shadow_threshold import PartitionThresholds
     from switchyard.decide.shared_cache import SharedCache
@@ -86,7 +88,7 @@ class CacheKeys:
 
 
 def cache_keys(
-    body: dict[str, Any],
+    req: Generation,
     endpoint: str,
     scope: str,
     tenant: str,
@@ -99,14 +101,14 @@ def cache_keys(
     """Keys of a (PII-masked) request. The partition covers every input but the last
     user message; the exact key adds that message verbatim."""
     if endpoint == "chat.completions":
-        messages = body.get("messages") or []
+        messages = req.messages or []
         last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
         query = _text(messages[last].get("content")) if last >= 0 else ""
         system = [m for m in messages if m.get("role") in ("system", "developer")]
         earlier = [m for i, m in enumerate(messages) if i != last and m not in system]
         after = messages[last + 1 :] if last >= 0 else []
     else:
-        query = str(body.get("prompt", ""))
+        query = str(req.prompt) if req.prompt is not None else ""
         system, earlier, after = [], [], []
     partition = digest(
         {
@@ -115,10 +117,10 @@ def cache_keys(
             "model": model,
             "revision": revision,
             "system": system,
-            "tools": body.get("tools"),
-            "tool_choice": body.get("tool_choice"),
-            "response_format": body.get("response_format"),
-            "sampling": {k: body.get(k) for k in SAMPLING_FIELDS if body.get(k) is not None},
+            "tools": req.tools,
+            "tool_choice": req.tool_choice,
+            "response_format": req.response_format,
+            "sampling": {k: v for k in SAMPLING_FIELDS if (v := getattr(req, k)) is not None},
             "locale": locale,
             "data_version": data_version,
             "earlier_turns": earlier,

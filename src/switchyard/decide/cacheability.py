@@ -14,6 +14,7 @@ import orjson
 
 from switchyard.config import CacheConfig
 from switchyard.decide.risk import Risk
+from switchyard.request import Generation
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +29,7 @@ class Cacheability:
 
 
 def cacheability(
-    body: dict[str, Any],
+    req: Generation,
     endpoint: str,
     cache_control: str | None,
     tenant: str,
@@ -57,19 +58,18 @@ def cacheability(
         return no("Cache-Control: no-store")
     if tenant in cfg.personalized_tenants:
         return no("tenant is flagged personalized")
-    if (body.get("tools") or body.get("functions")) and not cfg.cache_tool_requests:
+    if (req.tools or req.functions) and not cfg.cache_tool_requests:
         return no("requests offering tools are not cached (side effects)")
-    temperature = body.get("temperature")
-    temperature = 1.0 if temperature is None else float(temperature)
+    temperature = 1.0 if req.temperature is None else float(req.temperature)
     if temperature > cfg.max_temperature:
         return no(f"temperature {temperature} > cache.max_temperature {cfg.max_temperature}")
-    if (body.get("n") or 1) != 1:
+    if (req.n or 1) != 1:
         return no("n > 1 is not cached")
-    if body.get("return_token_ids") is True:
+    if req.return_token_ids is True:
         # Token ids are the one part of a reply the cache's PII masking cannot reach
         # (they decode to the raw text), and a trainer wants this generation's.
         return no("requests for token ids are not cached")
-    if _has_images(body):
+    if _has_images(req.messages):
         # The semantic key sees the text alone, and the answer depends on the image.
         return no("requests with images are not cached")
     if "no-cache" in directives:
@@ -77,9 +77,9 @@ def cacheability(
     return Cacheability(True, True, mode, threshold, "cacheable")
 
 
-def _has_images(body: dict[str, Any]) -> bool:
-    for m in body.get("messages") or ():
-        content = m.get("content") if isinstance(m, dict) else None
+def _has_images(messages: list[dict[str, Any]] | None) -> bool:
+    for m in messages or ():
+        content = m.get("content")
         if isinstance(content, list) and any(
             isinstance(p, dict) and p.get("type") in ("image_url", "input_image") for p in content
         ):

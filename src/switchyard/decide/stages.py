@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 import orjson
+from msgspec import structs
 
 from switchyard.config import Settings
 from switchyard.decide.balance import Balancer, affinity_key, prompt_prefix
@@ -53,12 +54,13 @@ from switchyard.pipeline import (
 from switchyard.policy import headers as request_headers
 from switchyard.policy.pii_reply import at_rest
 from switchyard.policy.tool_calls import ToolGate, ToolPolicy
+from switchyard.request import Generation, to_json
 
 _STORED = (CacheOutcome.HIT_EXACT, CacheOutcome.HIT_SEMANTIC, CacheOutcome.REPLAY)
 
 
-def last_user_text(body: dict[str, Any]) -> str:
-    for m in reversed(body.get("messages") or []):
+def last_user_text(req: Generation) -> str:
+    for m in reversed(req.messages or ()):
         if m.get("role") == "user":
             c = m.get("content")
             if isinstance(c, list):
@@ -90,7 +92,7 @@ class CachePlanner:
         cfg = self.cfg
         tenant = ctx.principal.tenant_id
         verdict = cacheability(
-            ctx.body,
+            ctx.generation,
             ctx.input.endpoint,
             ctx.input.headers.get("cache-control"),
             tenant,
@@ -106,7 +108,7 @@ class CachePlanner:
                 revision = manager.active.revision
             scope = f"key:{ctx.principal.key_id}" if cfg.scope == "key" else f"tenant:{tenant}"
             keys = cache_keys(
-                ctx.masked_body(),
+                ctx.masked(),
                 ctx.input.endpoint,
                 scope,
                 tenant,
@@ -187,7 +189,7 @@ class Embed(Stage):
         return self._embed(ctx, embedder, t)
 
     async def _embed(self, ctx: RequestContext, embedder: EmbeddingService, t: float) -> None:
-        query = last_user_text(ctx.masked_body())
+        query = last_user_text(ctx.masked())
         vecs, _, path = await embedder.embed_traced([query])
         ctx.vector = vecs[0]
         ctx.record(
@@ -430,7 +432,7 @@ class Route(Stage):
                 {"policy_version": rcfg.policy_version, "default": True},
             )
         else:
-            text = last_user_text(ctx.masked_body())
+            text = last_user_text(ctx.masked())
             res = router.route(ctx.vector, text, ctx.prompt_estimate, ctx.principal.tenant_id)
             ctx.alias, ctx.route, ctx.route_score = res.model, res.route, res.score
             ctx.record("route", res.outcome, res.reason, t, res.evidence())
@@ -472,22 +474,24 @@ class Tools(Stage):
         return None
 
     def work(self, ctx: RequestContext) -> Awaitable[None] | None:
-        if not ctx.body.get("tools"):
+        if not ctx.generation.tools:
             ctx.record(self.name, self.NONE.outcome, self.NONE.reason, time.perf_counter())
             return None
         return self._shortlist(ctx)
 
     async def _shortlist(self, ctx: RequestContext) -> None:
         t = time.perf_counter()
-        tools = ctx.body["tools"]
+        req = ctx.generation
+        tools = req.tools
+        assert tools is not None  # work() looked
         tcfg = self._cfg
         vecs = None
         if ctx.vector is not None and self._embedder is not None and tcfg.shortlist_k is not None:
             vecs, _ = await self._embedder.embed([tool_text(x) for x in tools])
         res = shortlist(tools, ctx.vector, vecs, tcfg.shortlist_k, ctx.principal.tenant_id, tcfg)
-        ctx.body = {**ctx.body, "tools": res.tools}
+        ctx.request = structs.replace(req, tools=res.tools)
         if ctx.pii is not None:
-            ctx.pii.masked_body = {**ctx.pii.masked_body, "tools": res.tools}
+            ctx.pii.masked = structs.replace(ctx.pii.masked, tools=res.tools)
         ctx.record("tools", res.outcome, res.reason, t, res.evidence())
 
 
@@ -550,7 +554,7 @@ class Select(Stage):
             boundary = [r for r in (boundary or regions) if r in regions]
         cfg = balancer.cfg
         prefix = (
-            prompt_prefix(ctx.body, cfg.prefix_min_chars, cfg.prefix_chars)
+            prompt_prefix(ctx.generation, cfg.prefix_min_chars, cfg.prefix_chars)
             if cfg.prefix_affinity
             else None
         )
@@ -560,7 +564,7 @@ class Select(Stage):
         placed = self._place(ctx, balancer, placer, boundary) if placer is not None else None
         dep, reason, evidence = balancer.choose(
             tenant=p.tenant_id if p is not None else None,
-            affinity=affinity_key(ctx.input.task_id, ctx.body, ctx.input.headers),
+            affinity=affinity_key(ctx.input.task_id, ctx.generation, ctx.input.headers),
             prefix=prefix,
             pin=ctx.pin,
             regions=boundary,
@@ -673,7 +677,7 @@ class Select(Stage):
                 },
             )
         eligible = balancer.eligible(regions, now)
-        body_bytes = len(orjson.dumps(ctx.body)) if network is not None else 0
+        body_bytes = len(to_json(ctx.request)) if network is not None else 0
         placed = placer.decide(
             device=[d for d in eligible if d.location == "device"],
             cloud=[d for d in eligible if d.location == "cloud"],
@@ -698,8 +702,11 @@ class Select(Stage):
             )
         cap = placed.max_tokens
         if cap is not None and (ctx.max_tokens == 0 or ctx.max_tokens > cap):
-            field = "max_completion_tokens" if "max_completion_tokens" in ctx.body else "max_tokens"
-            ctx.body = {**ctx.body, field: cap}
+            req = ctx.generation
+            if req.max_completion_tokens is not None:
+                ctx.request = structs.replace(req, max_completion_tokens=cap)
+            else:
+                ctx.request = structs.replace(req, max_tokens=cap)
             ctx.max_tokens = cap
             evidence["max_tokens"] = cap
         ctx.placement = placed

@@ -59,12 +59,9 @@ def refusal(model: ModelConfig, stream: bool, n: Any) -> str | None:
     return None
 
 
-def llamacpp_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The request as llama-server is asked for its native result beside the reply."""
-    out = {k: v for k, v in body.items() if k != "return_token_ids"}
-    out["return_tokens"] = True
-    out["verbose"] = True
-    return out
+# What llama-server is asked instead of `return_token_ids`: its native result beside
+# the reply (the prompt's and the output's tokens).
+LLAMACPP_NATIVE = {"return_tokens": True, "verbose": True}
 
 
 async def attach(body: bytes, endpoint: str, upstream: OpenAIUpstream, timeout_s: float) -> bytes:

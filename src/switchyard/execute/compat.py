@@ -11,27 +11,27 @@ from typing import Any
 
 from switchyard.config import ModelConfig
 from switchyard.engines.token_ids import refusal as token_ids_refusal
+from switchyard.request import Generation
 
 
-def request_needs(body: dict[str, Any], prompt_tokens: int, max_tokens: int) -> dict[str, Any]:
-    rf = body.get("response_format")
+def request_needs(req: Generation, prompt_tokens: int, max_tokens: int) -> dict[str, Any]:
+    rf = req.response_format
     vision = any(
-        isinstance(m, dict)
-        and isinstance(m.get("content"), list)
+        isinstance(m.get("content"), list)
         and any(
             isinstance(p, dict) and p.get("type") in ("image_url", "input_image")
             for p in m["content"]
         )
-        for m in body.get("messages") or []
+        for m in req.messages or ()
     )
     return {
         "tokens": prompt_tokens + max_tokens,
-        "tools": bool(body.get("tools") or body.get("functions")),
+        "tools": bool(req.tools or req.functions),
         "json_schema": isinstance(rf, dict) and rf.get("type") in ("json_schema", "json_object"),
-        "streaming": bool(body.get("stream")),
+        "streaming": req.stream,
         "vision": vision,
-        "token_ids": body.get("return_token_ids") is True,
-        "n": body.get("n"),
+        "token_ids": req.return_token_ids is True,
+        "n": req.n,
     }
 
 

@@ -11,7 +11,7 @@ from switchyard.config import EmbeddingsConfig, Settings
 from switchyard.embed import EmbeddingService
 from switchyard.errors import InvalidRequest, ModelNotFound
 from switchyard.pipeline import RequestContext
-from switchyard.policy.validate import validate_embeddings
+from switchyard.request import Embedding
 
 
 class Embeddings:
@@ -22,11 +22,12 @@ class Embeddings:
         self._cfg: EmbeddingsConfig = settings.embeddings
         self._embedder = embedder
 
-    def validate(self, ctx: RequestContext, body: Any) -> list[Any]:
-        """The inputs of a valid request (its alias set on `ctx`); raises the refusal."""
+    def validate(self, ctx: RequestContext, req: Embedding) -> list[str]:
+        """The inputs of a shape-checked request (its alias set on `ctx`) if this
+        gateway serves its model; raises the refusal."""
         cfg = self._cfg
-        model, texts = validate_embeddings(body, cfg.max_inputs)
-        ctx.body = body
+        model, texts = req.model, req.texts
+        ctx.request = req
         embedder = self._embedder
         if embedder is None or model != cfg.alias:
             if self._settings.model(model) is not None:
@@ -35,19 +36,20 @@ class Embeddings:
                 )
             raise ModelNotFound(f"the embedding model '{model}' does not exist", param="model")
         ctx.alias = model
-        dims = body.get("dimensions")
+        dims = req.dimensions
         if dims is not None and embedder.dimensions is not None and dims != embedder.dimensions:
             raise InvalidRequest(
                 f"'dimensions' must be {embedder.dimensions} for {model}", param="dimensions"
             )
         return texts
 
-    async def run(self, ctx: RequestContext, texts: list[Any]) -> dict[str, Any]:
+    async def run(self, ctx: RequestContext, texts: list[str]) -> dict[str, Any]:
         """The reply: one vector per input, as floats or base64 (`encoding_format`)."""
         embedder = self._embedder
         assert embedder is not None  # validate refused the request otherwise
-        body = ctx.body
-        dims = body.get("dimensions")
+        req = ctx.request
+        assert isinstance(req, Embedding)
+        dims = req.dimensions
         t = time.perf_counter()
         ctx.run.attempts = 1
         vecs, counts = await embedder.embed(texts)
@@ -63,7 +65,7 @@ class Embeddings:
             t,
             {"inputs": len(texts), "tokens": tokens, "dimensions": int(vecs.shape[1])},
         )
-        b64 = body.get("encoding_format") == "base64"
+        b64 = req.encoding_format == "base64"
         data = [
             {
                 "object": "embedding",

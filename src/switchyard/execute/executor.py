@@ -18,12 +18,12 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
-import orjson
+from msgspec import structs
 
 from switchyard.config import Settings
 from switchyard.decide.balance import Balancer
 from switchyard.engines.registry import Deployment, Registry
-from switchyard.engines.token_ids import llamacpp_body
+from switchyard.engines.token_ids import LLAMACPP_NATIVE
 from switchyard.engines.upstream import UpstreamReply, UpstreamStream
 from switchyard.errors import (
     CircuitOpen,
@@ -40,6 +40,7 @@ from switchyard.execute.retry import RetryBudget, backoff_s, is_retryable, retry
 from switchyard.execute.shared_breaker import SharedBreakers
 from switchyard.observe.otel import Tracing
 from switchyard.pipeline import RequestContext
+from switchyard.request import to_json
 
 PATHS = {"chat.completions": "/chat/completions", "completions": "/completions"}
 _NO_SPAN: tuple[None, dict[str, str]] = (
@@ -49,60 +50,68 @@ _NO_SPAN: tuple[None, dict[str, str]] = (
 
 
 def upstream_payload(ctx: RequestContext, dep: Deployment) -> bytes:
-    """The client's body with the upstream's model name and the output cap the
-    request reserved (policy/cost.py: always sent, so the engine cannot write past
-    it); streams always ask for usage.
+    """The request as the upstream is sent it: the client's, with the upstream's
+    model name and the output cap the request reserved (policy/cost.py: always sent,
+    so the engine cannot write past it); streams always ask for usage.
 
-    When no stage replaced the body and nothing needs changing but members to add,
-    the client's bytes go out as they came, the members appended (no second
-    serialization of a long agent prompt)."""
+    When no stage replaced the request, its bytes are exactly it, and nothing needs
+    changing but members to add, the client's bytes go out as they came, the members
+    appended (no second serialization of a long agent prompt)."""
     wire = ctx.wire
-    body_in = ctx.body
+    req = ctx.generation
     lora = dep.lora
-    native_ids = dep.token_ids == "llamacpp" and body_in.get("return_token_ids") is True
+    native_ids = dep.token_ids == "llamacpp" and req.return_token_ids is True
     cost = ctx.cost
     cap = None
     if cost is not None and (
         cost.sends_cap  # the gateway's cap: none was sent, or it shrank
         # a managed engine reads max_tokens, and the client sent only the newer name
-        or (dep.engine is not None and not isinstance(body_in.get("max_tokens"), int))
+        or (dep.engine is not None and req.max_tokens is None)
     ):
         cap = cost.cap
     if (
         wire is not None
-        and wire[0] is body_in
+        and wire[0] is req
+        and wire[1] is not None  # every member is in `req` as sent: none was null
         and lora is None
         and not native_ids
-        and body_in.get("model") == dep.upstream_model
-        and (
-            cap is None or ("max_tokens" not in body_in and "max_completion_tokens" not in body_in)
-        )
+        and req.model == dep.upstream_model
+        and (cap is None or (req.max_tokens is None and req.max_completion_tokens is None))
     ):
         tail = b"" if cap is None else b',"max_tokens":%d' % cap
         asks_usage = ctx.stream and ctx.include_usage is not True
-        if not (asks_usage and "stream_options" in body_in):  # else rewritten below
+        if not (asks_usage and req.stream_options is not None):  # else rewritten below
             if asks_usage:
                 tail += b',"stream_options":{"include_usage":true}'
             if not tail:
                 return wire[1]
             # Append to the client's object: the body parsed as a JSON object, so its
             # last non-space byte is the closing brace; the members appended are not in
-            # it, so no key is duplicated.
+            # it (the request is exact: a member it lacks was never sent), so no key
+            # is duplicated.
             return wire[1].rstrip()[:-1] + tail + b"}"
-    body = llamacpp_body(body_in) if native_ids else dict(body_in)
-    body["model"] = dep.upstream_model
+    changes: dict[str, Any] = {"model": dep.upstream_model}
     if cap is not None:
-        if "max_completion_tokens" in body:
-            body["max_completion_tokens"] = cap
-        if "max_tokens" in body or "max_completion_tokens" not in body or dep.engine is not None:
-            body["max_tokens"] = cap  # a managed engine reads max_tokens
-    if lora is not None:
-        body["lora"] = lora()
+        if req.max_completion_tokens is not None:
+            changes["max_completion_tokens"] = cap
+        if (
+            req.max_tokens is not None
+            or req.max_completion_tokens is None
+            or dep.engine is not None
+        ):
+            changes["max_tokens"] = cap  # a managed engine reads max_tokens
     if ctx.stream:
-        opts = dict(body.get("stream_options") or {})
-        opts["include_usage"] = True  # we account usage even when the client does not ask
-        body["stream_options"] = opts
-    return orjson.dumps(body)
+        # we account usage even when the client does not ask
+        changes["stream_options"] = {**(req.stream_options or {}), "include_usage": True}
+    extra = req.extra
+    if lora is not None or native_ids:
+        extra = {**extra}
+        if lora is not None:
+            extra["lora"] = lora()
+        if native_ids:
+            changes["return_token_ids"] = None
+            extra.update(LLAMACPP_NATIVE)
+    return to_json(structs.replace(req, extra=extra, **changes))
 
 
 class Executor:
@@ -180,7 +189,7 @@ class Executor:
                 dep = self.registry.get(alias)
                 assert dep is not None  # config validation guarantees it
                 if needs is None:
-                    needs = request_needs(ctx.body, ctx.prompt_estimate, ctx.max_tokens)
+                    needs = request_needs(ctx.generation, ctx.prompt_estimate, ctx.max_tokens)
                 # Several deployments: their regions are the balancer's to check.
                 why = incompatibility(needs, dep.model, None if balancer else boundary)
                 if why is None and ctx.principal is not None and not ctx.principal.may_use(alias):

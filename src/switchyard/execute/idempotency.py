@@ -22,12 +22,15 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
+
 from switchyard.errors import (
     DatabaseUnavailable,
     IdempotencyConflict,
     UpstreamTimeout,
 )
 from switchyard.observe.db import IDEMPOTENCY_SCHEMA
+from switchyard.request import Request
 
 log = logging.getLogger("switchyard")
 
@@ -41,10 +44,13 @@ class StoredReply:
     body: bytes
 
 
-def body_hash(raw: Any) -> str:
-    return hashlib.sha256(
-        json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
-    ).hexdigest()
+_canonical = msgspec.json.Encoder(order="sorted").encode
+
+
+def body_hash(req: Request) -> str:
+    """What a repeat of the key must match: the request, canonical (sorted keys, a
+    member sent as null the same as one not sent)."""
+    return hashlib.sha256(_canonical(req)).hexdigest()
 
 
 class IdempotencyStore:

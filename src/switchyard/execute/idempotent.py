@@ -42,7 +42,7 @@ class Idempotent:
                 param="Idempotency-Key",
             )
         stored = await self.store.begin(
-            ctx.principal.tenant_id, key, body_hash(ctx.body), ctx.deadline
+            ctx.principal.tenant_id, key, body_hash(ctx.request), ctx.deadline
         )
         if stored is None:
             ctx.idempotency_key = key

@@ -10,6 +10,8 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
+from msgspec import structs
+
 from switchyard.config import ModelConfig
 from switchyard.errors import SwitchyardError, UpstreamTimeout
 from switchyard.media.fetch import MediaTooLarge
@@ -18,11 +20,11 @@ from switchyard.observe.metrics import Metrics
 from switchyard.pipeline import RequestContext, Stage, Verdict, View
 
 
-def image_urls(body: dict[str, Any]) -> list[tuple[int, int, str]]:
-    """(message index, part index, url) of every image part of a chat body."""
+def image_urls(messages: list[dict[str, Any]] | None) -> list[tuple[int, int, str]]:
+    """(message index, part index, url) of every image part of a chat's messages."""
     out = []
-    for i, m in enumerate(body.get("messages") or ()):
-        content = m.get("content") if isinstance(m, dict) else None
+    for i, m in enumerate(messages or ()):
+        content = m.get("content")
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if isinstance(part, dict) and part.get("type") == "image_url":
@@ -48,7 +50,7 @@ class Media(Stage):
         return None if model.capabilities.supports_vision else self.NO_IMAGES
 
     def work(self, ctx: RequestContext) -> Awaitable[None] | None:
-        parts = image_urls(ctx.body)
+        parts = image_urls(ctx.generation.messages)
         if not parts:
             ctx.record(self.name, "skip", "no image parts", time.perf_counter())
             return None
@@ -92,7 +94,9 @@ class Media(Stage):
             for p in done:
                 for step, (_wait, work) in p.timings_ms.items():
                     self._metrics.media_stage.labels(step).observe(work / 1000)
-        messages = list(ctx.body["messages"])
+        req = ctx.generation
+        assert req.messages is not None  # image parts were found in them
+        messages = list(req.messages)
         for (i, j, _), p in zip(parts, done, strict=True):
             message = dict(messages[i])
             content = list(message["content"])
@@ -103,7 +107,7 @@ class Media(Stage):
             content[j] = part
             message["content"] = content
             messages[i] = message
-        ctx.body = {**ctx.body, "messages": messages}
+        ctx.request = structs.replace(req, messages=messages)
         totals = {
             s: round(sum(p.timings_ms.get(s, (0.0, 0.0))[1] for p in done), 3) for s in STAGES
         }

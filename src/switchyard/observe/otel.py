@@ -29,6 +29,7 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from switchyard.pipeline import RequestContext
+from switchyard.request import Generation
 
 OPERATION = {
     "chat.completions": "chat",
@@ -168,8 +169,9 @@ class Tracing:
             attrs["switchyard.tenant"] = ctx.principal.tenant_id
         if ctx.input.task_id:
             attrs["switchyard.task_id"] = ctx.input.task_id
-        if ctx.body.get("max_tokens") is not None:
-            attrs["gen_ai.request.max_tokens"] = ctx.body["max_tokens"]
+        req = ctx.request
+        if isinstance(req, Generation) and req.max_tokens is not None:
+            attrs["gen_ai.request.max_tokens"] = req.max_tokens
         span.set_attributes(attrs)
         if status not in ("ok",):
             span.set_status(Status(StatusCode.ERROR, ctx.error_code or status))

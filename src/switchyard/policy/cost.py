@@ -14,13 +14,13 @@ apply them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from switchyard.config import LlamaCppEngine, ModelConfig, Price, VllmEngine
+from switchyard.request import Generation, to_json
 
 # Content parts that are images: counted at `policy.image_tokens` each, not by bytes.
 IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
@@ -114,25 +114,10 @@ def window_mismatches(model: ModelConfig) -> list[str]:
     return out
 
 
-def asked_cap(body: Mapping[str, Any]) -> int | None:
-    """The output cap the client sent: the larger of max_tokens and
-    max_completion_tokens when both are there (an engine honours one of them)."""
-    caps = [
-        v
-        for v in (body.get("max_tokens"), body.get("max_completion_tokens"))
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0
-    ]
-    return max(caps) if caps else None
-
-
-def sequences(body: Mapping[str, Any]) -> int:
+def sequences(req: Generation) -> int:
     """How many outputs the request can make: max(n, best_of) choices of each prompt."""
-    choices = 1
-    for name in ("n", "best_of"):
-        v = body.get(name)
-        if isinstance(v, int) and not isinstance(v, bool) and v > choices:
-            choices = v
-    prompt = body.get("prompt")
+    choices = max(req.n or 1, req.best_of or 1)
+    prompt = req.prompt
     prompts = 1
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompts = len(prompt)  # a list of strings or of token arrays
@@ -158,9 +143,7 @@ def _text_chars(content: Any) -> tuple[int, int, int]:
     return text, payload, images
 
 
-def prompt_tokens(
-    body: Mapping[str, Any], raw_len: int | None, image_tokens: int
-) -> tuple[int, int]:
+def prompt_tokens(req: Generation, raw_len: int | None, image_tokens: int) -> tuple[int, int]:
     """(high estimate, lower bound) of the prompt tokens of a chat or completion body.
 
     High: every byte the engine is sent counts (messages with their names, tool calls
@@ -169,10 +152,10 @@ def prompt_tokens(
     each. `raw_len` is the length of the body as the client sent it (else it is
     serialized). Low: the characters of the message texts and prompts at 4 a token
     (token arrays count exactly), for the context-window check only."""
-    total = raw_len if raw_len is not None else len(orjson.dumps(body))
+    total = raw_len if raw_len is not None else len(to_json(req))
     lower = payload = images = 0
-    messages = body.get("messages")
-    if isinstance(messages, list):
+    messages = req.messages
+    if messages is not None:
         for m in messages:
             if isinstance(m, dict):
                 t, p, i = _text_chars(m.get("content"))
@@ -181,7 +164,7 @@ def prompt_tokens(
                 images += i
         lower //= 4
     else:
-        prompt = body.get("prompt")
+        prompt = req.prompt
         if isinstance(prompt, str):
             lower = len(prompt) // 4
         elif isinstance(prompt, list):
@@ -230,7 +213,7 @@ class PromptOverhead:
 
 
 def plan(
-    body: Mapping[str, Any],
+    req: Generation,
     raw_len: int | None,
     alias: str,
     window: int | None,
@@ -241,13 +224,13 @@ def plan(
     """The request's cost shape: its prompt, its sequences and its cap. The cap is the
     client's, or `default_cap`; either is bounded by what the window leaves after the
     prompt's lower bound."""
-    base, lower = prompt_tokens(body, raw_len, image_tokens)
-    asked = asked_cap(body)
+    base, lower = prompt_tokens(req, raw_len, image_tokens)
+    asked = req.output_cap
     cap = asked if asked is not None else default_cap
     reason = None if asked is not None else "default"
     if window is not None and cap > window - lower:
         cap = max(1, window - lower)
         reason = "window"
     return Cost(
-        base, base + overhead.get(alias, base), lower, sequences(body), cap, asked, window, reason
+        base, base + overhead.get(alias, base), lower, sequences(req), cap, asked, window, reason
     )

@@ -17,6 +17,7 @@ from typing import Any
 
 from switchyard.errors import InvalidRequest
 from switchyard.pipeline import RequestContext, RequestInput, Timings
+from switchyard.request import NOT_READ
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 MAX_PARENTS = 32
@@ -261,7 +262,7 @@ def opened(
             client_id,
             planned,
         ),
-        {},
+        NOT_READ,
         Timings(received),
         deadline,
         principal,

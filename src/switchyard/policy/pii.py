@@ -47,6 +47,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, TypeVar, get_args
 
+import msgspec
+
+from switchyard.request import Generation
+
 __all__ = [
     "MODES",
     "PII_TYPES",
@@ -1069,18 +1073,17 @@ def contains_pii(text: str) -> bool:
     return _DEFAULT.contains_pii(text)
 
 
-def mask_body(session: MaskSession, body: Mapping[str, Any]) -> dict[str, Any]:
-    """A request body with every field that can carry user text masked: chat
-    `messages` (content and content-part text, names, tool-call arguments),
-    completion `prompt` (a text or a list of texts) and `user`."""
-    masked = dict(body)
-    if "messages" in masked:
-        masked["messages"] = session.mask_messages(body["messages"])
-    prompt = masked.get("prompt")
+def mask_request(session: MaskSession, req: Generation) -> Generation:
+    """The request with every field that can carry user text masked: chat `messages`
+    (content and content-part text, names, tool-call arguments), completion `prompt`
+    (a text or a list of texts) and `user`."""
+    messages, prompt, user = req.messages, req.prompt, req.user
+    if messages is not None:
+        messages = session.mask_messages(messages)
     if isinstance(prompt, str):
-        masked["prompt"] = session.mask(prompt)
+        prompt = session.mask(prompt)
     elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-        masked["prompt"] = [session.mask(p) for p in prompt]
-    if isinstance(masked.get("user"), str):
-        masked["user"] = session.mask(masked["user"]).replace("<", "").replace(">", "")
-    return masked
+        prompt = [session.mask(p) for p in prompt]
+    if user is not None:
+        user = session.mask(user).replace("<", "").replace(">", "")
+    return msgspec.structs.replace(req, messages=messages, prompt=prompt, user=user)

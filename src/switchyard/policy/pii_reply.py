@@ -16,8 +16,9 @@ from typing import Any
 import orjson
 
 from switchyard.pipeline import ReplyPart, RequestContext
-from switchyard.policy.pii import MaskSession, PiiMasker, StreamRestorer, mask_body
+from switchyard.policy.pii import MaskSession, PiiMasker, StreamRestorer, mask_request
 from switchyard.reply import reply_object
+from switchyard.request import Generation
 
 
 def map_texts(obj: dict[str, Any], fn: Callable[[str], str]) -> dict[str, Any]:
@@ -55,7 +56,9 @@ def request_session(masker: PiiMasker, ctx: RequestContext) -> MaskSession:
     if ctx.pii is not None:
         return ctx.pii.session
     session = masker.session()
-    mask_body(session, ctx.wire[0] if ctx.wire is not None else ctx.body)
+    sent = ctx.wire[0] if ctx.wire is not None else ctx.request
+    assert isinstance(sent, Generation)
+    mask_request(session, sent)
     return session
 
 

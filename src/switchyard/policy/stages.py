@@ -54,7 +54,7 @@ from switchyard.policy.limits import (
     period_start,
 )
 from switchyard.policy.limits import Verdict as LimitVerdict
-from switchyard.policy.pii import MaskingError, PiiMasker, mask_body
+from switchyard.policy.pii import MaskingError, PiiMasker, mask_request
 from switchyard.policy.pii_reply import PiiRestore, request_session
 from switchyard.policy.tasks import (
     Running,
@@ -74,6 +74,7 @@ from switchyard.policy.tool_calls import (
     new_results,
     tool_results,
 )
+from switchyard.request import Embedding
 
 log = logging.getLogger("switchyard")
 
@@ -298,14 +299,12 @@ def generation_estimate(models: Mapping[str, ModelConfig]) -> Estimate:
 
 def embedding_estimate(price: Price) -> Estimate:
     """(input tokens, 0, price) of an embeddings request, leaning high as the chat
-    estimate does: ≈3 characters per token of text, one per token of a token array."""
+    estimate does: ≈3 characters per token of text (its codec takes texts only)."""
 
     def estimate(ctx: RequestContext) -> tuple[int, int, Price | None]:
-        inp = ctx.body.get("input")
-        items = [inp] if isinstance(inp, str) else inp if isinstance(inp, list) else []
-        if items and all(isinstance(x, int) for x in items):  # one token array
-            return len(items), 0, price
-        tokens = sum(len(x) // 3 + 1 if isinstance(x, str) else len(x) for x in items)
+        req = ctx.request
+        assert isinstance(req, Embedding)
+        tokens = sum(len(x) // 3 + 1 for x in req.texts)
         return tokens, 0, price
 
     return estimate
@@ -331,9 +330,11 @@ class Window(Stage):
         t = time.perf_counter()
         alias = ctx.alias or ""
         wire = ctx.wire
-        raw_len = len(wire[1]) if wire is not None and wire[0] is ctx.body else None
+        req = ctx.generation
+        raw = wire[1] if wire is not None and wire[0] is req else None
+        raw_len = len(raw) if raw is not None else None
         window = self._windows.get(alias)
-        cost = plan(ctx.body, raw_len, alias, window, self._default, self._images, self._overhead)
+        cost = plan(req, raw_len, alias, window, self._default, self._images, self._overhead)
         evidence = {
             "prompt_tokens": cost.prompt,
             "prompt_lower_bound": cost.lower,
@@ -353,7 +354,7 @@ class Window(Stage):
             raise InvalidRequest(
                 f"this model's maximum context length is {window} tokens; the prompt has at "
                 f"least {cost.lower} tokens",
-                param="messages" if "messages" in ctx.body else "prompt",
+                param="messages" if req.messages is not None else "prompt",
                 code="context_length_exceeded",
             )
         ctx.cost = cost
@@ -503,7 +504,7 @@ class Pii(Stage):
         mode = self._modes.get(ctx.alias or "", self._mode)
         session = self._masker.session()
         try:
-            masked = mask_body(session, ctx.body)
+            masked = mask_request(session, ctx.generation)
         except MaskingError as exc:
             ctx.record("pii", "reject:masking_failed", f"masking failed: {type(exc).__name__}", t)
             raise PiiFailure("PII masking failed; the request was refused (fail closed)") from None
@@ -521,7 +522,7 @@ class Pii(Stage):
         restore = bool(found) and mode == "mask_upstream"
         ctx.pii = PiiState(session, masked, restore, found)
         if restore:
-            ctx.body = masked  # the upstream sees placeholders; the reply is restored
+            ctx.request = masked  # the upstream sees placeholders; the reply is restored
         outcome = ("masked" if mode == "mask_upstream" else "observed") if found else "clean"
         ctx.record("pii", outcome, f"{sum(found.values())} PII value(s) found", t, evidence)
 
@@ -743,7 +744,7 @@ class ToolResults(Stage):
     def work(self, ctx: RequestContext) -> Awaitable[None] | None:
         t = time.perf_counter()
         try:
-            results = tool_results(ctx.body)
+            results = tool_results(ctx.generation.messages)
         except InvalidRequest as exc:
             ctx.record(self.name, f"reject:{exc.code}", exc.message, t)
             raise

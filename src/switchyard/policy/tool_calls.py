@@ -56,6 +56,7 @@ from switchyard.errors import InvalidRequest
 from switchyard.pipeline import ReplyPart, RequestContext
 from switchyard.policy.tasks import ToolCallNote
 from switchyard.reply import reply_object
+from switchyard.request import Generation
 
 KEYED_PREFIX = "call_sy_"
 # The id prefix of a call to a tool that requires_approval: its result needs an
@@ -112,10 +113,10 @@ def canonical_arguments(arguments: Any) -> bytes:
     return orjson.dumps(arguments, option=orjson.OPT_SORT_KEYS)
 
 
-def lineage(parents: tuple[str, ...], body: dict[str, Any]) -> bytes:
+def lineage(parents: tuple[str, ...], req: Generation) -> bytes:
     """What identifies a generation step: its parents and the conversation it was
     asked with (the same for a retry or a replay of the step)."""
-    convo = body.get("messages", body.get("prompt"))
+    convo = req.messages if req.messages is not None else req.prompt
     digest = hashlib.blake2b(
         orjson.dumps(convo, option=orjson.OPT_SORT_KEYS), digest_size=16
     ).digest()
@@ -167,20 +168,20 @@ class ToolGovernor:
         task: str | None,
         request_id: str,
         parents: tuple[str, ...],
-        body: dict[str, Any],
+        request: Generation,
     ) -> None:
         self.policy = policy
         self.tenant = tenant
         self.task = task
         self.request_id = request_id
         self._parents = parents
-        self._body = body
+        self._request = request
         self._step: bytes | None = None
         self.result = ToolOutcome()
 
     def _key(self, name: str, arguments: Any) -> str:
         if self._step is None:
-            self._step = lineage(self._parents, self._body)
+            self._step = lineage(self._parents, self._request)
         return idempotency_key(self.tenant, self.task, self._step, name, arguments)
 
     def check(self, call_id: Any, name: Any) -> tuple[bool, str]:
@@ -417,13 +418,15 @@ class ToolGate(ReplyPart):
         governor = self._governor
         if governor is None:
             ctx = self._ctx
+            sent = ctx.wire[0] if ctx.wire is not None else ctx.request
+            assert isinstance(sent, Generation)
             governor = self._governor = ToolGovernor(
                 self._policy,
                 ctx.principal.tenant_id,
                 ctx.input.task_id,
                 ctx.input.request_id,
                 ctx.input.parent_request_ids,
-                ctx.wire[0] if ctx.wire is not None else ctx.body,
+                sent,
             )
         return governor
 
@@ -510,14 +513,13 @@ def _called(messages: list[Any]) -> dict[str, set[str]]:
     return called
 
 
-def tool_results(body: dict[str, Any]) -> list[ToolResult]:
+def tool_results(messages: list[dict[str, Any]] | None) -> list[ToolResult]:
     """Every tool result of the conversation, wherever it sits and whatever role
     carries it: the client writes the whole history, so a result placed before an
     assistant turn is as much its word as one at the end. More than
     MAX_TOOL_RESULTS, a `tool` message without a call id or a `function` message
     without a name is a 400 (a result that cannot be told apart cannot be checked)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list):
+    if messages is None:
         return []
     last = max(
         (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),

@@ -339,9 +339,9 @@ def _tools(tools: Any) -> None:
             )
 
 
-def image_parts(body: dict[str, Any]) -> str | None:
-    """The first image part of a chat request (its param path), or None."""
-    for i, m in enumerate(body.get("messages") or ()):
+def image_parts(messages: list[dict[str, Any]] | None) -> str | None:
+    """The first image part of a chat request's messages (its param path), or None."""
+    for i, m in enumerate(messages or ()):
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
             for j, part in enumerate(content):
@@ -481,17 +481,17 @@ def model_refusal(ctx: RequestContext) -> InvalidRequest | None:
     token ids, streaming (its `capabilities`)."""
     model = ctx.model
     assert model is not None
-    body = ctx.body
+    req = ctx.generation
     if not model.capabilities.supports_vision and ctx.input.endpoint == "chat.completions":
-        part = image_parts(body)
+        part = image_parts(req.messages)
         if part is not None:
             return InvalidRequest(
                 f"the model '{model.alias}' does not accept images "
                 "(capabilities.supports_vision is false)",
                 param=part,
             )
-    if body.get("return_token_ids") is True:
-        why = token_ids_refusal(model, ctx.stream, body.get("n"))
+    if req.return_token_ids is True:
+        why = token_ids_refusal(model, ctx.stream, req.n)
         if why is not None:
             return InvalidRequest(f"the model '{model.alias}' {why}", param="return_token_ids")
     if ctx.stream and not model.capabilities.supports_streaming:

@@ -1,0 +1,66 @@
+"""Protocol codecs: each wire protocol's request decoded once into the internal model
+(request.py), which every stage reads, whatever protocol the request came in.
+
+A codec is the only code that knows a protocol's request shape: it checks a parsed
+JSON body against that shape (policy/validate.py holds the named checks and their
+error messages) and returns the typed request. The internal reply is the chat
+completions reply (and its stream events); today's three protocols are the OpenAI
+ones, whose replies go out as the engines wrote them through the reply side. A new
+protocol is a codec plus its tests: it decodes into `Generation` and turns the reply
+(JSON or events) into its own shape at the HTTP boundary, touching no stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from switchyard.policy.validate import validate_chat, validate_completion, validate_embeddings
+from switchyard.request import Embedding, Generation, Request, from_object
+
+
+class Codec(Protocol):
+    """Decodes one protocol's requests: (the typed request, whether it is exactly the
+    body as sent, so that the client's bytes may stand for it); raises the
+    protocol-shaped 400 on a bad one."""
+
+    def decode(self, body: Any) -> tuple[Request, bool]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ChatCompletions:
+    """`POST /v1/chat/completions`."""
+
+    unknown_fields: str = "pass"  # validation.unknown_fields
+    endpoint: str = "chat.completions"
+
+    def decode(self, body: Any) -> tuple[Generation, bool]:
+        validate_chat(body, self.unknown_fields)
+        decoded: tuple[Generation, bool] = from_object(Generation, body)
+        return decoded
+
+
+@dataclass(frozen=True, slots=True)
+class Completions:
+    """`POST /v1/completions`."""
+
+    unknown_fields: str = "pass"
+    endpoint: str = "completions"
+
+    def decode(self, body: Any) -> tuple[Generation, bool]:
+        validate_completion(body, self.unknown_fields)
+        decoded: tuple[Generation, bool] = from_object(Generation, body)
+        return decoded
+
+
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    """`POST /v1/embeddings`."""
+
+    max_inputs: int  # embeddings.max_inputs
+    endpoint: str = "embeddings"
+
+    def decode(self, body: Any) -> tuple[Embedding, bool]:
+        validate_embeddings(body, self.max_inputs)
+        decoded: tuple[Embedding, bool] = from_object(Embedding, body)
+        return decoded

@@ -1,0 +1,137 @@
+"""The internal request model: what each wire protocol's codec (api/codecs.py) decodes
+a request into, what every stage reads, and what goes upstream.
+
+Typed fields are the ones a stage reads; every other field the client sent is kept in
+`extra`, in the order it came, and forwarded exactly as sent (engines take `top_k`,
+`return_token_ids`, `logit_bias`, …; `validation.unknown_fields: reject` refuses
+fields the gateway does not know before a request gets here). A request is never
+changed in place: a stage that changes it replaces `ctx.request` with
+`msgspec.structs.replace(...)`, so `ctx.wire` (the request decoded from the client's
+bytes, and those bytes) still tells whether what goes upstream is what was sent.
+
+At the bottom of the layering: it imports nothing of Switchyard.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class Generation(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A chat completion (`messages`) or a completion (`prompt`) request. Its fields
+    hold what the client sent, shape-checked by the codec; None (or False) is not
+    sent (a field sent as null counts as not sent)."""
+
+    model: str
+    messages: list[dict[str, Any]] | None = None  # chat: as sent, shape-checked
+    prompt: str | list[Any] | None = None  # completions: a text, texts or token ids
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int | None = None
+    best_of: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repeat_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | int | None = None  # chat: a boolean; completions: 0-5
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    functions: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    return_token_ids: bool | None = None  # vLLM's option (engines/token_ids.py)
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    # Every other field, as sent: forwarded, never read by a stage.
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream's client asked for a final usage event."""
+        so = self.stream_options
+        return bool(so.get("include_usage")) if so else False
+
+    @property
+    def output_cap(self) -> int | None:
+        """The output cap the client sent: the larger of max_tokens and
+        max_completion_tokens when both are there (an engine honours one of them)."""
+        a, b = self.max_tokens, self.max_completion_tokens
+        if a is None:
+            return b
+        return a if b is None or a >= b else b
+
+
+class Embedding(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """An embeddings request; `texts` is `input` as a list."""
+
+    model: str
+    input: str | list[str]
+    encoding_format: str | None = None
+    dimensions: int | None = None
+    user: str | None = None
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    @property
+    def texts(self) -> list[str]:
+        inp = self.input
+        return [inp] if isinstance(inp, str) else inp
+
+
+Request = Generation | Embedding
+
+# A context's request until its body is decoded (a refusal before that is settled
+# with it); shared, so never changed (requests are replaced, not edited).
+NOT_READ = Generation(model="")
+
+GENERATION_FIELDS = frozenset(Generation.__struct_fields__) - {"extra"}
+EMBEDDING_FIELDS = frozenset(Embedding.__struct_fields__) - {"extra"}
+_FIELDS = {Generation: GENERATION_FIELDS, Embedding: EMBEDDING_FIELDS}
+
+
+def from_object(kind: type[Generation] | type[Embedding], body: dict[str, Any]) -> tuple[Any, bool]:
+    """(the typed request of a shape-checked JSON object, whether it holds every member
+    of the object as sent). The fields a stage reads are set from it (one sent as null
+    is left unset: then the request is not exact, and the client's bytes, which still
+    name it, may not go upstream with members appended); every other member is kept
+    in `extra` as it came."""
+    fields = _FIELDS[kind]
+    known: dict[str, Any] = {}
+    extra: dict[str, Any] | None = None
+    exact = True
+    for k, v in body.items():
+        if k in fields:
+            if v is not None:
+                known[k] = v
+            else:
+                exact = False
+        elif extra is None:
+            extra = {k: v}
+        else:
+            extra[k] = v
+    if extra is not None:
+        known["extra"] = extra
+    return kind(**known), exact
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def to_json(req: Request) -> bytes:
+    """The request as one JSON object: its typed fields, then `extra`'s members (no
+    key repeats: `extra` holds only names that are not fields)."""
+    extra = req.extra
+    if not extra:
+        return _encode(req)
+    head = _encode(msgspec.structs.replace(req, extra={}))
+    tail = _encode(extra)
+    return head[:-1] + b"," + tail[1:] if len(head) > 2 else tail
