@@ -59,7 +59,9 @@ _KNOWN = {
 }
 # Names no stage reads: kept in `extra`, forwarded as sent.
 _UNKNOWN = st.dictionaries(
-    st.sampled_from(["top_x", "vendor_opt", "metadata_extra", "x-y", "répondre"]), _json, max_size=3
+    st.sampled_from(["top_x", "vendor_opt", "extra", "x-y", "répondre", "__init__"]),
+    _json,
+    max_size=3,
 )
 
 
