@@ -196,6 +196,26 @@ def test_the_codecs_keep_the_error_messages_and_params() -> None:
     assert (emb.texts, emb.dimensions) == (["one"], 384)
 
 
+@settings(max_examples=200, deadline=None)
+@given(_json, _json, _json)
+def test_a_member_the_protocol_does_not_check_is_never_typed(
+    messages: Any, tools: Any, prompt: Any
+) -> None:
+    """A completion's `messages`/`tools`/`functions` and a chat's `prompt` are not
+    checked by their protocol: whatever their shape, no stage reads them (they would
+    reach code that assumes the checked shape), and they go upstream as sent."""
+    body = {"model": "a", "prompt": "p", "messages": messages, "tools": tools, "functions": 1}
+    req, exact = Completions().decode(body)
+    assert (req.messages, req.tools, req.functions, exact) == (None, None, None, True)
+    assert orjson.loads(to_json(req)) == body
+    chat = {"model": "a", "messages": [{"role": "user", "content": "x"}], "prompt": prompt}
+    creq, _ = ChatCompletions().decode(chat)
+    assert creq.prompt is None and orjson.loads(to_json(creq)) == chat
+    # A stage that sets the typed field: the typed value goes out, once.
+    typed = structs.replace(creq, prompt="set")
+    assert _no_repeats(to_json(typed))["prompt"] == "set"
+
+
 def test_an_unknown_field_is_forwarded_where_a_stage_changed_the_request() -> None:
     req, _ = from_object(
         Generation,

@@ -98,13 +98,20 @@ EMBEDDING_FIELDS = frozenset(Embedding.__struct_fields__) - {"extra"}
 _FIELDS = {Generation: GENERATION_FIELDS, Embedding: EMBEDDING_FIELDS}
 
 
-def from_object(kind: type[Generation] | type[Embedding], body: dict[str, Any]) -> tuple[Any, bool]:
+def from_object(
+    kind: type[Generation] | type[Embedding],
+    body: dict[str, Any],
+    fields: frozenset[str] | None = None,
+) -> tuple[Any, bool]:
     """(the typed request of a shape-checked JSON object, whether it holds every member
     of the object as sent). The fields a stage reads are set from it (one sent as null
     is left unset: then the request is not exact, and the client's bytes, which still
     name it, may not go upstream with members appended); every other member is kept
-    in `extra` as it came."""
-    fields = _FIELDS[kind]
+    in `extra` as it came. `fields` narrows the typed ones to those the protocol has
+    checked (a member another protocol types stays in `extra`, never read, when this
+    one does not check it)."""
+    if fields is None:
+        fields = _FIELDS[kind]
     known: dict[str, Any] = {}
     extra: dict[str, Any] | None = None
     exact = True
@@ -127,11 +134,17 @@ _encode = msgspec.json.Encoder().encode
 
 
 def to_json(req: Request) -> bytes:
-    """The request as one JSON object: its typed fields, then `extra`'s members (no
-    key repeats: `extra` holds only names that are not fields)."""
+    """The request as one JSON object: its typed fields, then `extra`'s members. No key
+    repeats: a member of `extra` named like a typed field (one its protocol does not
+    check, `prompt` on a chat body) goes out only while that field is unset."""
     extra = req.extra
     if not extra:
         return _encode(req)
+    shared = extra.keys() & _FIELDS[type(req)]
+    if shared:
+        extra = {k: v for k, v in extra.items() if k not in shared or getattr(req, k) is None}
     head = _encode(msgspec.structs.replace(req, extra={}))
     tail = _encode(extra)
+    if len(tail) <= 2:
+        return head
     return head[:-1] + b"," + tail[1:] if len(head) > 2 else tail

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from switchyard.policy.validate import validate_chat, validate_completion, validate_embeddings
-from switchyard.request import Embedding, Generation, Request, from_object
+from switchyard.request import GENERATION_FIELDS, Embedding, Generation, Request, from_object
+
+# The typed fields each protocol checks: a chat body's `prompt` and a completion
+# body's `messages`, `tools` and `functions` are not checked by theirs, so they stay
+# in `extra` (forwarded as sent, read by no stage).
+CHAT_TYPED = GENERATION_FIELDS - {"prompt"}
+COMPLETION_TYPED = GENERATION_FIELDS - {"messages", "tools", "functions"}
 
 
 class Codec(Protocol):
@@ -36,7 +42,7 @@ class ChatCompletions:
 
     def decode(self, body: Any) -> tuple[Generation, bool]:
         validate_chat(body, self.unknown_fields)
-        decoded: tuple[Generation, bool] = from_object(Generation, body)
+        decoded: tuple[Generation, bool] = from_object(Generation, body, CHAT_TYPED)
         return decoded
 
 
@@ -49,7 +55,7 @@ class Completions:
 
     def decode(self, body: Any) -> tuple[Generation, bool]:
         validate_completion(body, self.unknown_fields)
-        decoded: tuple[Generation, bool] = from_object(Generation, body)
+        decoded: tuple[Generation, bool] = from_object(Generation, body, COMPLETION_TYPED)
         return decoded
 
 
