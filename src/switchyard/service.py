@@ -3,9 +3,9 @@ pipeline's stages → execute → the reply side → settle.
 
 `api/` maps HTTP to this and back: it reads the body (size and time limits are the
 HTTP boundary's), decodes it with its protocol's codec (api/codecs.py) into the typed
-request (request.py) and turns the `Reply` (reply.py) into a response. The decisions are the pipeline's stages, and so is what each does on the
-reply's way out and on release; settling (settle.py) runs exactly once per request,
-whatever way it ended.
+request (request.py) and turns the `Reply` (reply.py) into a response. The decisions
+are the pipeline's stages, and so is what each does on the reply's way out and on
+release; settling (settle.py) runs exactly once per request, whatever way it ended.
 """
 
 from __future__ import annotations
