@@ -276,7 +276,16 @@ def _two_adapter_gateway(
     tenant t-one that may use them."""
     gw = start_gateway(
         {
-            "models": [local_model("smol", parallel=4, ctx=512, **engine)],
+            # One long attempt rather than two short ones: a request that arrives
+            # during a swap waits for the engine's restart (on a cold 2-core machine,
+            # once, longer than the default 25 s to the first byte).
+            "models": [
+                {
+                    **local_model("smol", parallel=4, ctx=512, **engine),
+                    "timeouts": {"first_byte_s": 55},
+                    "resilience": {"retries": 0},
+                }
+            ],
             "adapters": _two_adapters(manifest),
             "engines": engines or {},
             "embeddings": {"enabled": False},
