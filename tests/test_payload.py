@@ -7,7 +7,7 @@ import time
 import orjson
 from msgspec import structs
 
-from switchyard.api.codecs import ChatCompletions
+from switchyard.api.codecs import chat_completions
 from switchyard.config import parse_settings
 from switchyard.engines.registry import Registry
 from switchyard.execute.executor import upstream_payload
@@ -29,7 +29,7 @@ REGISTRY = Registry(SETTINGS)
 
 
 def _ctx(raw: bytes) -> RequestContext:
-    req, exact = ChatCompletions().decode(orjson.loads(raw))
+    req, exact = chat_completions().decode(orjson.loads(raw))
     now = time.perf_counter()
     ctx = RequestContext(
         RequestInput("r", "chat.completions", time.time()), req, Timings(now), now + 5

@@ -19,7 +19,7 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from switchyard.api.codecs import ChatCompletions
+from switchyard.api.codecs import chat_completions
 from switchyard.config import parse_settings
 from switchyard.engines.upstream import UpstreamReply
 from switchyard.gateway import Gateway
@@ -166,7 +166,7 @@ async def _serve(gw: Gateway, body: dict[str, Any]) -> tuple[str, Any]:
     raw = orjson.dumps(body)
 
     async def read(_remaining: float) -> tuple[Any, bytes | None]:
-        req, exact = ChatCompletions().decode(orjson.loads(raw))
+        req, exact = chat_completions().decode(orjson.loads(raw))
         return req, raw if exact else None
 
     svc = gw.service

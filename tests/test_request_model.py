@@ -16,28 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from msgspec import structs
 
-from switchyard.api.codecs import ChatCompletions, Completions, Embeddings
-from switchyard.config import parse_settings
-from switchyard.engines.registry import Registry
+from switchyard.api.codecs import Embeddings, chat_completions, completions
 from switchyard.execute.executor import upstream_payload
 from switchyard.execute.idempotency import body_hash
 from switchyard.pipeline import RequestContext, RequestInput, Timings
 from switchyard.policy.cost import PromptOverhead, plan
 from switchyard.request import GENERATION_FIELDS, Generation, from_object, to_json
-
-SETTINGS = parse_settings(
-    {
-        "models": [
-            {"alias": "a", "engine": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1"}},
-            {
-                "alias": "b",
-                "engine": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "up-b"},
-            },
-        ],
-        "embeddings": {"enabled": False},
-    }
-)
-REGISTRY = Registry(SETTINGS)
+from test_payload import REGISTRY  # deployments a (same name upstream) and b (up-b)
 
 _text = st.text(max_size=12)
 _json = st.recursive(
@@ -106,7 +91,7 @@ def _no_repeats(raw: bytes) -> dict[str, Any]:
 @settings(max_examples=300, deadline=None)
 @given(chat_bodies())
 def test_decoding_keeps_every_member_as_sent(body: dict[str, Any]) -> None:
-    req, exact = ChatCompletions().decode(body)
+    req, exact = chat_completions().decode(body)
     assert orjson.loads(to_json(req)) == _sent(body)
     # Exact: every member is in the request as sent, so the bytes may stand for it.
     assert exact == all(v is not None for k, v in body.items() if k in GENERATION_FIELDS)
@@ -115,7 +100,7 @@ def test_decoding_keeps_every_member_as_sent(body: dict[str, Any]) -> None:
 
 
 def _ctx(body: dict[str, Any], raw: bytes) -> RequestContext:
-    req, exact = ChatCompletions().decode(orjson.loads(raw))
+    req, exact = chat_completions().decode(orjson.loads(raw))
     now = time.perf_counter()
     ctx = RequestContext(
         RequestInput("r", "chat.completions", time.time()), req, Timings(now), now + 5
@@ -163,9 +148,9 @@ def test_an_idempotency_key_matches_the_same_request_only(
 ) -> None:
     """The body hash is the request's meaning: member order and a null member do not
     change it; anything else does."""
-    ra, _ = ChatCompletions().decode(a)
-    rb, _ = ChatCompletions().decode(b)
-    reordered, _ = ChatCompletions().decode(dict(reversed(list(a.items()))))
+    ra, _ = chat_completions().decode(a)
+    rb, _ = chat_completions().decode(b)
+    reordered, _ = chat_completions().decode(dict(reversed(list(a.items()))))
     assert body_hash(ra) == body_hash(reordered)
     assert (body_hash(ra) == body_hash(rb)) == (_sent(a) == _sent(b))
 
@@ -173,11 +158,11 @@ def test_an_idempotency_key_matches_the_same_request_only(
 def test_the_codecs_keep_the_error_messages_and_params() -> None:
     """The schema's named checks (policy/validate.py) answer as before."""
     cases = [
-        (ChatCompletions(), {"model": "a"}, "messages", "missing_required_parameter"),
-        (ChatCompletions(), {"model": "a", "messages": [{"role": "x"}]}, "messages[0].role", None),
-        (Completions(), {"model": "a", "prompt": "p", "temperature": 3}, "temperature", None),
+        (chat_completions(), {"model": "a"}, "messages", "missing_required_parameter"),
+        (chat_completions(), {"model": "a", "messages": [{"role": "x"}]}, "messages[0].role", None),
+        (completions(), {"model": "a", "prompt": "p", "temperature": 3}, "temperature", None),
         (Embeddings(4), {"model": "e", "input": ["x"] * 5}, "input", None),
-        (ChatCompletions("reject"), {"model": "a", "messages": [], "zz": 1}, "messages", None),
+        (chat_completions("reject"), {"model": "a", "messages": [], "zz": 1}, "messages", None),
     ]
     from switchyard.errors import InvalidRequest
 
@@ -190,7 +175,7 @@ def test_the_codecs_keep_the_error_messages_and_params() -> None:
                 assert exc.code == code
         else:
             raise AssertionError(f"{body} was accepted")
-    req, exact = Completions().decode({"model": "a", "prompt": ["x", "y"], "logprobs": 2})
+    req, exact = completions().decode({"model": "a", "prompt": ["x", "y"], "logprobs": 2})
     assert (req.prompt, req.logprobs, exact) == (["x", "y"], 2, True)
     emb, _ = Embeddings(4).decode({"model": "e", "input": "one", "dimensions": 384})
     assert (emb.texts, emb.dimensions) == (["one"], 384)
@@ -205,11 +190,11 @@ def test_a_member_the_protocol_does_not_check_is_never_typed(
     checked by their protocol: whatever their shape, no stage reads them (they would
     reach code that assumes the checked shape), and they go upstream as sent."""
     body = {"model": "a", "prompt": "p", "messages": messages, "tools": tools, "functions": 1}
-    req, exact = Completions().decode(body)
+    req, exact = completions().decode(body)
     assert (req.messages, req.tools, req.functions, exact) == (None, None, None, True)
     assert orjson.loads(to_json(req)) == body
     chat = {"model": "a", "messages": [{"role": "user", "content": "x"}], "prompt": prompt}
-    creq, _ = ChatCompletions().decode(chat)
+    creq, _ = chat_completions().decode(chat)
     assert creq.prompt is None and orjson.loads(to_json(creq)) == chat
     # A stage that sets the typed field: the typed value goes out, once.
     typed = structs.replace(creq, prompt="set")

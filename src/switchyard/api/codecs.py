@@ -12,6 +12,7 @@ protocol is a codec plus its tests: it decodes into `Generation` and turns the r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,29 +35,28 @@ class Codec(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class ChatCompletions:
-    """`POST /v1/chat/completions`."""
+class GenerationCodec:
+    """A protocol whose requests decode into `Generation`: its named checks, the
+    typed fields they cover, and `validation.unknown_fields`."""
 
-    unknown_fields: str = "pass"  # validation.unknown_fields
-    endpoint: str = "chat.completions"
-
-    def decode(self, body: Any) -> tuple[Generation, bool]:
-        validate_chat(body, self.unknown_fields)
-        decoded: tuple[Generation, bool] = from_object(Generation, body, CHAT_TYPED)
-        return decoded
-
-
-@dataclass(frozen=True, slots=True)
-class Completions:
-    """`POST /v1/completions`."""
-
+    check: Callable[[Any, str], str]  # raises the 400; returns the model name
+    typed: frozenset[str]
     unknown_fields: str = "pass"
-    endpoint: str = "completions"
 
     def decode(self, body: Any) -> tuple[Generation, bool]:
-        validate_completion(body, self.unknown_fields)
-        decoded: tuple[Generation, bool] = from_object(Generation, body, COMPLETION_TYPED)
+        self.check(body, self.unknown_fields)
+        decoded: tuple[Generation, bool] = from_object(Generation, body, self.typed)
         return decoded
+
+
+def chat_completions(unknown_fields: str = "pass") -> GenerationCodec:
+    """`POST /v1/chat/completions`."""
+    return GenerationCodec(validate_chat, CHAT_TYPED, unknown_fields)
+
+
+def completions(unknown_fields: str = "pass") -> GenerationCodec:
+    """`POST /v1/completions`."""
+    return GenerationCodec(validate_completion, COMPLETION_TYPED, unknown_fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +64,6 @@ class Embeddings:
     """`POST /v1/embeddings`."""
 
     max_inputs: int  # embeddings.max_inputs
-    endpoint: str = "embeddings"
 
     def decode(self, body: Any) -> tuple[Embedding, bool]:
         validate_embeddings(body, self.max_inputs)

@@ -14,7 +14,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from switchyard.api.body import header_map, parse_json, read_body
-from switchyard.api.codecs import ChatCompletions, Codec, Completions, Embeddings
+from switchyard.api.codecs import Codec, Embeddings, chat_completions, completions
 from switchyard.api.sse import RelayResponse, frame, replay
 from switchyard.errors import InvalidRequest, RouteNotFound
 from switchyard.gateway import Gateway
@@ -101,8 +101,8 @@ class OpenAIRoutes:
         self._max_depth = server.max_json_depth
         unknown = gw.settings.validation.unknown_fields
         self._codecs: dict[str, Codec] = {
-            "chat.completions": ChatCompletions(unknown),
-            "completions": Completions(unknown),
+            "chat.completions": chat_completions(unknown),
+            "completions": completions(unknown),
             "embeddings": Embeddings(gw.settings.embeddings.max_inputs),
         }
 
