@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -100,11 +99,15 @@ def _first_model(config: dict[str, Any]) -> str:
 
 
 @pytest.mark.parametrize("upstreams", CONFIGS, ids=lambda p: p.name, indirect=True)
-def test_each_example_starts_as_shipped_and_answers(upstreams: None, request: Any) -> None:
+def test_each_example_starts_as_shipped_and_answers(
+    upstreams: None, request: Any, tmp_path: Path
+) -> None:
     path: Path = request.node.callspec.params["upstreams"]
     config = yaml.safe_load(path.read_text())
     port = free_port()
-    db = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"example-{port}.db")
+    # A database of this run's own: one keyed by the port alone outlived its run, and
+    # a later run given the same port found the example's tenant already there (409).
+    db = str(tmp_path / "example.db")
     proc = Proc(
         [sys.executable, "-m", "switchyard", "serve", "--config", str(path), "--port", str(port)],
         "example",
