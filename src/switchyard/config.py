@@ -657,12 +657,11 @@ class VllmEngine(ManagedEngine):
     turns; true on a GPU build."""
 
 
-class OpenAIEngine(_Strict):
-    """Any OpenAI-compatible server: vLLM, llama.cpp server, a hosted provider."""
+class UpstreamEngine(_Strict):
+    """What every external upstream has, whatever protocol it speaks: an address, a key
+    read from the environment, the upstream's own model name and a connection pool.
+    Nothing is started or supervised; no adapters, no RL revisions."""
 
-    kind: Literal["openai"]
-    """`openai`: an OpenAI-compatible server (vLLM, llama.cpp server, a hosted provider) that
-    Switchyard calls but does not manage."""
     base_url: str
     """The server's API base URL, http:// or https:// (e.g. http://127.0.0.1:8001/v1); a trailing /
     is dropped."""
@@ -695,7 +694,29 @@ class OpenAIEngine(_Strict):
         return os.environ.get(self.api_key_env) if self.api_key_env else None
 
 
-Engine = Annotated[LlamaCppEngine | VllmEngine | OpenAIEngine, Field(discriminator="kind")]
+class OpenAIEngine(UpstreamEngine):
+    """Any OpenAI-compatible server: vLLM, llama.cpp server, a hosted provider."""
+
+    kind: Literal["openai"]
+    """`openai`: an OpenAI-compatible server (vLLM, llama.cpp server, a hosted provider) that
+    Switchyard calls but does not manage."""
+
+
+class AnthropicEngine(UpstreamEngine):
+    """A server that speaks Anthropic's Messages API (`POST {base_url}/messages`): chat
+    requests are translated onto it and its replies, streams and errors back
+    (engines/anthropic.py). Chat completions only."""
+
+    kind: Literal["anthropic"]
+    """`anthropic`: a Messages-API server (e.g. base_url https://host/v1) that Switchyard calls but
+    does not manage; the key goes in `x-api-key`."""
+    anthropic_version: str = Field("2023-06-01", min_length=1, max_length=64)
+    """The `anthropic-version` header sent with every request."""
+
+
+Engine = Annotated[
+    LlamaCppEngine | VllmEngine | OpenAIEngine | AnthropicEngine, Field(discriminator="kind")
+]
 
 
 class Capabilities(_Strict):
@@ -850,7 +871,7 @@ class DeploymentConfig(_Strict):
     def where(self) -> str:
         if self.location is not None:
             return self.location
-        return "cloud" if isinstance(self.engine, OpenAIEngine) else "device"
+        return "cloud" if isinstance(self.engine, UpstreamEngine) else "device"
 
 
 class Hysteresis(_Strict):
@@ -961,8 +982,9 @@ class ModelConfig(_Strict):
     """Free-text revision of the model's weights, reported in `x-switchyard-revision` and part of
     cache partitions; adapters' `base_revision` must equal it."""
     engine: Engine
-    """What serves the model, chosen by `kind`: `llamacpp` or `vllm` (a managed local engine) or
-    `openai` (an OpenAI-compatible server). With `deployments` it defaults to the first one's."""
+    """What serves the model, chosen by `kind`: `llamacpp` or `vllm` (a managed local engine),
+    `openai` (an OpenAI-compatible server) or `anthropic` (a Messages-API server). With
+    `deployments` it defaults to the first one's."""
     deployments: list[DeploymentConfig] = []
     """Several deployments of this alias, balanced by `balance`; `engine` is then the first
     one's."""
@@ -1012,6 +1034,29 @@ class ModelConfig(_Strict):
             ):
                 data = {**data, "engine": deps[0]["engine"]}
         return data
+
+    @model_validator(mode="after")
+    def _anthropic_capabilities(self) -> ModelConfig:
+        """What an `anthropic` upstream cannot be said to do: the translation has no
+        `response_format` and no token ids, so a fallback check that trusted such a
+        capability would send it requests it must refuse."""
+        if any(isinstance(e, AnthropicEngine) for e in self.engines()):
+            cap = self.capabilities
+            for name, on in (
+                ("supports_json_schema", cap.supports_json_schema),
+                ("supports_token_ids", cap.supports_token_ids),
+            ):
+                if on:
+                    raise ValueError(
+                        f"capabilities.{name}: an anthropic engine cannot honour it (the "
+                        "Messages API translation has no response_format or token ids); "
+                        "leave it false"
+                    )
+        return self
+
+    def engines(self) -> list[Engine]:
+        """The model's engine and each deployment's."""
+        return [self.engine, *(d.engine for d in self.deployments)]
 
     @model_validator(mode="after")
     def _deployment_names(self) -> ModelConfig:
@@ -1595,7 +1640,7 @@ def _loc(loc: tuple[int | str, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("llamacpp", "openai") and out.endswith("engine"):
+        elif part in ("llamacpp", "openai", "anthropic") and out.endswith("engine"):
             continue  # discriminator tag pydantic adds; not a key the user wrote
         else:
             out += f".{part}" if out else str(part)

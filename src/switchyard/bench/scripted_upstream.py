@@ -17,6 +17,8 @@ run time with `PUT /control/fault`), comma-separated, e.g. `delay:100,status:503
                     a non-streaming reply is cut in half under its full Content-Length)
 - `close`           close the connection without any response
 - `slow:<ms>`       stream: wait this long before each event (a long generation)
+- `stream-error:<code>` Messages streams only: half the events, then an `error`
+                    event of that status's type (elsewhere it changes nothing)
 
 Tool calls: `PUT /control/tool_calls` with `{"calls": [{"name", "arguments"}, ...]}`
 makes every later chat reply call those tools (`finish_reason: "tool_calls"`; streamed
@@ -24,7 +26,15 @@ as OpenAI does: the id and name first, then the arguments in pieces); `{"calls":
 goes back to text. `GET /stats` also says how many streams are open now
 (`open_streams`) and how many were closed by the client before their end (`aborted`).
 
-Faults apply to the two generation routes only, so `/health`, `/stats` and `/v1/models`
+Anthropic's Messages API: `POST /v1/messages` answers in its wire format (a `message`, or
+its SSE events with `stream: true`; text, or `tool_use` blocks for the tool calls above;
+the faults above with error bodies in its shape, `status:529` its overloaded error) after
+checking the request as the provider would (bench/scripted_messages.py).
+`--anthropic-key KEY` makes it require `x-api-key: KEY`. `GET /control/last` shows the
+last Messages request: its body and its `x-api-key`, `authorization` and
+`anthropic-version` headers.
+
+Faults apply to the generation routes only, so `/health`, `/stats` and `/v1/models`
 stay usable for readiness polling and counting. `GET /stats` says how many generation
 requests arrived (faulted ones included: that is what a retry test counts);
 `DELETE /stats` resets the count.
@@ -49,13 +59,17 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route, Router
 from starlette.types import Receive, Scope, Send
 
+from switchyard.bench import scripted_messages
+
 FAULT_HEADER = b"x-scripted-fault"
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+MESSAGES_PATH = "/v1/messages"
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", MESSAGES_PATH})
 HANG_S = 3600.0
 WORDS = ("Hello", " from", " the", " scripted", " upstream", ".")
 DONE = b"data: [DONE]\n\n"
 ABORT_KEY = "switchyard.scripted.abort"
 SLOW_KEY = "switchyard.scripted.slow"
+STREAM_ERROR_KEY = "switchyard.scripted.stream_error"
 
 Abort = Callable[[], Awaitable[None]]
 
@@ -65,7 +79,8 @@ class Fault:
     """A parsed fault: an optional delay, then at most one action."""
 
     delay_s: float = 0.0
-    action: str | None = None  # "status", "echo", "hang", "drop-mid-stream", "close"
+    # "status", "echo", "hang", "drop-mid-stream", "close", "stream-error"
+    action: str | None = None
     status: int = 0
     slow_s: float = 0.0  # between streamed events
     retry_after: str | None = None  # sent with a status answer
@@ -102,6 +117,10 @@ def parse_fault(spec: str) -> Fault:
             if not arg.isdigit():
                 raise ValueError(f"fault {part!r}: busy needs whole seconds")
             action, status, retry_after = "status", 503, arg
+        elif name == "stream-error" and arg:
+            if not arg.isdigit() or not 400 <= int(arg) <= 599:
+                raise ValueError(f"fault {part!r}: stream-error needs an HTTP error code 400-599")
+            action, status = "stream-error", int(arg)
         elif name == "echo" and arg:  # an error whose message quotes the request
             if not arg.isdigit() or not 400 <= int(arg) <= 599:
                 raise ValueError(f"fault {part!r}: echo needs an HTTP error code 400-599")
@@ -111,7 +130,7 @@ def parse_fault(spec: str) -> Fault:
         else:
             raise ValueError(
                 f"unknown fault {part!r}; use status:<code>, busy:<s>, echo:<code>, "
-                "delay:<ms>, slow:<ms>, hang, drop-mid-stream or close"
+                "stream-error:<code>, delay:<ms>, slow:<ms>, hang, drop-mid-stream or close"
             )
     return Fault(delay_s, action, status, slow_s, retry_after)
 
@@ -181,6 +200,7 @@ class ScriptedUpstream:
         fault: str | None = None,
         record: str | None = None,
         echo: bool = False,
+        anthropic_key: str | None = None,
     ) -> None:
         if tokens < 1:
             raise ValueError("tokens must be at least 1")
@@ -188,6 +208,8 @@ class ScriptedUpstream:
         self.record = record  # append every generation body received to this file
         self.echo = echo  # answer with the request's last message (a reply that quotes it)
         self.model_name = model_name
+        self.anthropic_key = anthropic_key  # the x-api-key /v1/messages requires, if set
+        self.last_request: dict[str, Any] | None = None  # GET /control/last
         self.requests = 0
         self.last_traceparent: str | None = None
         self.last_prompt: str | None = None
@@ -217,6 +239,8 @@ class ScriptedUpstream:
             routes=[
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
+                Route(MESSAGES_PATH, self._messages, methods=["POST"]),
+                Route("/control/last", self._last, methods=["GET"]),
                 Route("/v1/models", self._list_models, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/stats", self._stats, methods=["GET", "DELETE"]),
@@ -234,10 +258,11 @@ class ScriptedUpstream:
         for name, value in scope["headers"]:
             if name == b"traceparent":  # lets tests check trace propagation
                 self.last_traceparent = value.decode("latin-1")
+        errors = scripted_messages.error_body if scope["path"] == MESSAGES_PATH else error_body
         try:
             fault = self._fault_for(scope)
         except ValueError as exc:
-            await _send_json(send, 400, error_body(400, f"x-scripted-fault: {exc}"), [])
+            await _send_json(send, 400, errors(400, f"x-scripted-fault: {exc}"), [])
             return
         if self.record is not None or (fault is not None and fault.action == "echo"):
             raw = await _read_all(receive)
@@ -250,13 +275,13 @@ class ScriptedUpstream:
                 await asyncio.sleep(fault.delay_s)
             if fault.action == "echo":
                 message = "scripted fault: cannot process " + raw.decode("utf-8", "replace")
-                await _send_json(send, fault.status, error_body(fault.status, message), [])
+                await _send_json(send, fault.status, errors(fault.status, message), [])
                 return
             if fault.action == "status":
                 extra = [(b"retry-after", b"1")] if fault.status == 429 else []
                 if fault.retry_after is not None:
                     extra = [(b"retry-after", fault.retry_after.encode())]
-                body = error_body(fault.status, f"scripted fault: HTTP {fault.status}")
+                body = errors(fault.status, f"scripted fault: HTTP {fault.status}")
                 await _send_json(send, fault.status, body, extra)
                 return
             if fault.action == "hang":
@@ -267,6 +292,8 @@ class ScriptedUpstream:
                 return
             if fault.action == "drop-mid-stream":
                 scope = {**scope, ABORT_KEY: lambda: _abort(send, receive)}
+            if fault.action == "stream-error":
+                scope = {**scope, STREAM_ERROR_KEY: fault.status}
             if fault.slow_s:
                 scope = {**scope, SLOW_KEY: fault.slow_s}
         await self._router(scope, receive, send)
@@ -469,6 +496,77 @@ class ScriptedUpstream:
     def _usage_event(self, kind: str, usage: dict[str, int]) -> bytes:
         return b"data: " + orjson.dumps({**self._chunk(kind, []), "usage": usage}) + b"\n\n"
 
+    # --- Anthropic's Messages API ------------------------------------------------------
+
+    async def _messages(self, request: Request) -> Response:
+        """`POST /v1/messages`: the provider's checks (key, version, body), then the
+        scripted words, or tool_use blocks for the scripted tool calls."""
+        headers = request.headers
+        raw = await request.body()
+        try:
+            body: Any = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            body = None
+        self.last_request = {
+            "body": body,
+            "headers": {
+                name: headers.get(name)
+                for name in ("x-api-key", "authorization", "anthropic-version")
+            },
+        }
+        if self.anthropic_key is not None and headers.get("x-api-key") != self.anthropic_key:
+            return _messages_error(401, "invalid x-api-key")
+        if not headers.get("anthropic-version"):
+            return _messages_error(400, "anthropic-version: header is required")
+        why = scripted_messages.check_request(body)
+        if why is not None:
+            return _messages_error(400, why)
+        self.last_prompt = scripted_messages.last_text(body["messages"])
+        n = min(self.tokens, body["max_tokens"])
+        calls = self.tool_calls
+        if calls:
+            pieces: list[str] = []
+            stop_reason = "tool_use"
+        else:
+            text = self._content(n)
+            if self.content is None and not self.echo:
+                pieces = [WORDS[i % len(WORDS)] for i in range(n)]
+            else:
+                pieces = [text[: len(text) // 2], text[len(text) // 2 :]]
+            stop_reason = "max_tokens" if n < self.tokens else "end_turn"
+        usage = {"input_tokens": max(1, len(raw) // 4), "output_tokens": n}
+        model = body["model"]
+        if not body.get("stream"):
+            reply = scripted_messages.message(model, pieces, calls, stop_reason, usage)
+            payload = orjson.dumps(reply)
+            abort: Abort | None = request.scope.get(ABORT_KEY)
+            if abort is not None:
+                return StreamingResponse(
+                    _cut(payload, abort),
+                    media_type="application/json",
+                    headers={"content-length": str(len(payload))},
+                )
+            return Response(payload, media_type="application/json")
+        events = scripted_messages.stream_events(model, pieces, calls, stop_reason, usage)
+        failing = request.scope.get(STREAM_ERROR_KEY)
+        if failing is not None:
+            half = events[: len(events) // 2]
+            events = [*half, scripted_messages.error_event(failing, "scripted stream error")]
+        return StreamingResponse(
+            self._stream(
+                events[:-1],
+                len(events) - 1,
+                events[-1],
+                request.scope.get(ABORT_KEY),
+                request.scope.get(SLOW_KEY, 0.0),
+            ),
+            media_type="text/event-stream",
+        )
+
+    async def _last(self, request: Request) -> Response:
+        """The last Messages request: its body and the headers that carry its key."""
+        return Response(orjson.dumps(self.last_request), media_type="application/json")
+
     # --- plumbing ---------------------------------------------------------------------
 
     async def _list_models(self, request: Request) -> Response:
@@ -568,6 +666,11 @@ def _tool_call_list(body: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _messages_error(status: int, message: str) -> Response:
+    body = scripted_messages.error_body(status, message)
+    return Response(body, status_code=status, media_type="application/json")
+
+
 def _error(status: int, message: str) -> Response:
     return Response(error_body(status, message), status_code=status, media_type="application/json")
 
@@ -614,6 +717,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--record", default=None, help="append each generation body to this file")
     ap.add_argument("--echo", action="store_true", help="answer with the last message")
     ap.add_argument(
+        "--anthropic-key", default=None, help="the x-api-key that /v1/messages requires"
+    )
+    ap.add_argument(
         "--tool-calls",
         default=None,
         help='comma-separated tool names every chat reply calls (arguments {"q": "x"})',
@@ -626,6 +732,7 @@ def main(argv: list[str] | None = None) -> int:
             fault=args.fault,
             record=args.record,
             echo=args.echo,
+            anthropic_key=args.anthropic_key,
         )
     except ValueError as exc:
         ap.error(str(exc))

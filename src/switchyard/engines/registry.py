@@ -15,13 +15,15 @@ from typing import Any
 
 from switchyard.config import (
     AdapterConfig,
+    AnthropicEngine,
     DeploymentConfig,
     LlamaCppEngine,
     ModelConfig,
-    OpenAIEngine,
     Settings,
+    UpstreamEngine,
     VllmEngine,
 )
+from switchyard.engines.anthropic import AnthropicUpstream
 from switchyard.engines.llamacpp import AdapterFile, ManagedLlamaCpp
 from switchyard.engines.pool import EnginePool
 from switchyard.engines.token_ids import Support
@@ -105,7 +107,7 @@ class Deployment:
             else ("device" if self.engine is not None else "cloud")
         )
         spec = self.model.engine
-        model = spec.model if isinstance(spec, OpenAIEngine) else None
+        model = spec.model if isinstance(spec, UpstreamEngine) else None
         self.upstream_model = model or self.model.alias
         if self.engine is not None and self.adapter is None:
             self.upstream_model = self.engine.alias  # the name its server serves
@@ -199,7 +201,8 @@ class Deployment:
         if self.engine is not None:
             out = self.engine.describe()
         else:
-            out = {"kind": "openai", "state": "external", "ready": True, "upstream": self.label}
+            kind = self.model.engine.kind
+            out = {"kind": kind, "state": "external", "ready": True, "upstream": self.label}
         out["revision"] = self.model.revision
         out["required"] = self.model.required
         if self.replica is not None:
@@ -294,5 +297,9 @@ def _deployment(
         upstream = OpenAIUpstream(f"{engine.kind}:{name}", _engine_url(engine), max_connections=64)
         return Deployment(m, upstream, engine, replica=replica)
     url = spec.base_url
-    upstream = OpenAIUpstream(url, _fixed_url(url), spec.api_key(), spec.max_connections)
-    return Deployment(m, upstream, fixed_label=url, replica=replica)
+    external = (
+        AnthropicUpstream(url, url, spec.api_key(), spec.anthropic_version, spec.max_connections)
+        if isinstance(spec, AnthropicEngine)
+        else OpenAIUpstream(url, _fixed_url(url), spec.api_key(), spec.max_connections)
+    )
+    return Deployment(m, external, fixed_label=url, replica=replica)

@@ -1,7 +1,8 @@
 """One pooled async HTTP client per OpenAI-compatible upstream.
 
 Managed local engines speak the same API over loopback, so the gateway has a single
-upstream code path. Transport failures are translated here, once, into the error
+upstream code path; an Anthropic-protocol upstream (engines/anthropic.py) is this client
+with a translation on each side. Transport failures are translated here, once, into the error
 hierarchy: unreachable → 502, timeout → 504, broken reply → 502.
 """
 
@@ -37,7 +38,10 @@ class UpstreamReply:
 
 
 def _upstream_error(status: int, body: bytes, name: str, headers: Any = None) -> SwitchyardError:
-    """Map a non-2xx upstream reply onto our error hierarchy."""
+    """Map a non-2xx upstream reply onto our error hierarchy: one mapping for both
+    protocols. OpenAI's body `{"error": {"message", "param"}}` and Anthropic's
+    `{"type": "error", "error": {"type", "message"}}` both carry the message under
+    `error`; Anthropic's 529 (`overloaded_error`) is a 503 by another number."""
     message = f"upstream {name} answered HTTP {status}"
     param = None
     try:
@@ -74,7 +78,12 @@ def _upstream_error(status: int, body: bytes, name: str, headers: Any = None) ->
     elif status in (408, 504):
         err = UpstreamTimeout(f"upstream {name} timed out", detail=detail)
         err.retry_class = "504"
-    elif status == 503 and retry_after and retry_after.strip().isdigit() and len(retry_after) <= 6:
+    elif (
+        status in (503, 529)
+        and retry_after
+        and retry_after.strip().isdigit()
+        and len(retry_after) <= 6
+    ):
         err = UpstreamOverloaded(
             f"upstream {name} is at capacity; retry after {retry_after.strip()} s",
             headers={"Retry-After": retry_after.strip()},
@@ -83,7 +92,8 @@ def _upstream_error(status: int, body: bytes, name: str, headers: Any = None) ->
         err.retry_class = "503"
     else:
         err = UpstreamError(f"upstream {name} failed with HTTP {status}", detail=detail)
-        err.retry_class = str(status) if status in (500, 502, 503) else "500"
+        cls = 503 if status == 529 else status
+        err.retry_class = str(cls) if cls in (500, 502, 503) else "500"
     if retry_after:
         with contextlib.suppress(ValueError):
             err.retry_after_s = max(0.0, float(retry_after))
@@ -99,11 +109,16 @@ class OpenAIUpstream:
         base_url: Callable[[], str],
         api_key: str | None = None,
         max_connections: int = 256,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
+        """`headers` go with every request in place of `Authorization: Bearer
+        <api_key>` (another protocol's way to send its key)."""
         self.name = name
         self._base_url = base_url
         self._headers = {"Content-Type": "application/json"}
-        if api_key:
+        if headers is not None:
+            self._headers.update(headers)
+        elif api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
@@ -205,6 +220,20 @@ class OpenAIUpstream:
         extra_headers: dict[str, str] | None = None,
     ) -> UpstreamStream:
         """POST and return once the status line arrived; the caller reads the events."""
+        return UpstreamStream(
+            await self._open(path, payload, timeouts, remaining_s, extra_headers), self
+        )
+
+    async def _open(
+        self,
+        path: str,
+        payload: bytes,
+        timeouts: Timeouts,
+        remaining_s: float | None,
+        extra_headers: dict[str, str] | None,
+    ) -> aiohttp.ClientResponse:
+        """POST a streaming request: its response once a 2xx status line arrived;
+        raises on transport failure or non-2xx."""
         url = self.base_url + path
         try:
             resp = await self._client().post(
@@ -223,7 +252,7 @@ class OpenAIUpstream:
                 raise self._translate(exc) from None
             resp.release()
             raise _upstream_error(resp.status, body, self.name, resp.headers)
-        return UpstreamStream(resp, self)
+        return resp
 
     def _translate(self, exc: BaseException) -> BaseException:
         if isinstance(exc, asyncio.CancelledError):
