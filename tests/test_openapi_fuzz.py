@@ -1,7 +1,8 @@
 """The served routes fuzzed from their OpenAPI description (`schemathesis`): whatever
 a client sends within or outside the described shapes, no server error, every error
-in the OpenAI shape, and the gateway keeps serving. Against the scripted instant
-upstream, with a capped number of examples per route."""
+in its protocol's shape (OpenAI's, or Anthropic's on /v1/messages), and the gateway
+keeps serving. Against the scripted instant upstream, with a capped number of examples
+per route."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ def test_the_description_names_the_model_routes_and_models(fuzzed: Gateway) -> N
         "/v1/embeddings",
         "/v1/models",
         "/v1/tasks/{task_id}",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
     } <= set(doc["paths"])
     # the admin API is described too, behind the admin key
     assert doc["paths"]["/admin/usage"]["get"]["security"] == [{"admin": []}]
@@ -56,7 +59,10 @@ def _check(fuzzed: Gateway, case: Any, seen: Counter[tuple[str, int]]) -> None:
     seen[(f"{case.method} {case.path}", response.status_code)] += 1
     assert response.status_code < 500, (case.path, response.status_code, response.text[:500])
     if response.status_code >= 400:
-        error = response.json()["error"]
+        body = response.json()
+        error = body["error"]
+        if case.path.startswith("/v1/messages"):  # Anthropic's error shape there
+            assert body["type"] == "error" and "param" not in error, body
         assert isinstance(error["message"], str) and isinstance(error["type"], str)
         assert "Traceback" not in response.text and 'File "' not in response.text
 
@@ -64,7 +70,8 @@ def _check(fuzzed: Gateway, case: Any, seen: Counter[tuple[str, int]]) -> None:
 def test_model_routes_never_answer_a_server_error(fuzzed: Gateway) -> None:
     described = schemathesis.openapi.from_url(fuzzed.url + "/openapi.json")
     operations = [r.ok() for r in described.include(path_regex="^/v1/").get_all_operations()]
-    assert len(operations) == 6  # chat, completions, embeddings, models, task get/delete
+    # chat, completions, embeddings, models, task get/delete, messages, count_tokens
+    assert len(operations) == 8
     seen: Counter[tuple[str, int]] = Counter()
     for operation in operations:
 
@@ -80,8 +87,14 @@ def test_model_routes_never_answer_a_server_error(fuzzed: Gateway) -> None:
     # the generated requests reached the model, not only the validator
     assert 200 in by_route["POST /v1/chat/completions"], by_route
     assert 200 in by_route["POST /v1/embeddings"], by_route
-    # every authenticated model request has its usage row, embeddings included
-    posted = sum(n for (route, _), n in seen.items() if route.startswith("POST"))
+    assert 200 in by_route["POST /v1/messages"], by_route
+    # every authenticated model request has its usage row, embeddings and messages
+    # included (counting tokens generates nothing: no row)
+    posted = sum(
+        n
+        for (route, _), n in seen.items()
+        if route.startswith("POST") and not route.endswith("count_tokens")
+    )
     tenant = httpx.get(fuzzed.url + "/v1/models", headers=fuzzed.auth).status_code
     assert tenant == 200
     rows = httpx.get(

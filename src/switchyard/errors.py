@@ -1,8 +1,9 @@
-"""One error hierarchy, mapped once to the OpenAI error body and an HTTP status.
+"""One error hierarchy, mapped once to each protocol's error body and an HTTP status.
 
 Callers raise the class that names what went wrong; the API boundary turns any
-`SwitchyardError` into `{"error": {"message", "type", "param", "code"}}` with the
-class's status. Anything else becomes a 500 with a generic message: no stack trace
+`SwitchyardError` into its protocol's body with the class's status: OpenAI's
+`{"error": {"message", "type", "param", "code"}}` (`body`), or on the Anthropic
+Messages routes `{"type": "error", "error": {"type", "message"}}` (`anthropic_body`). Anything else becomes a 500 with a generic message: no stack trace
 ever reaches a client.
 """
 
@@ -42,6 +43,7 @@ class SwitchyardError(Exception):
         self.headers: dict[str, str] = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
+        """The OpenAI error body (every OpenAI route, the admin API)."""
         return {
             "error": {
                 "message": self.message,
@@ -50,6 +52,32 @@ class SwitchyardError(Exception):
                 "code": self.code,
             }
         }
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """The Anthropic error body (`/v1/messages`): its `type` from the status, as
+        the Messages API types errors (ANTHROPIC_TYPES); our `code` beside it."""
+        kind = ANTHROPIC_TYPES.get(self.status) or (
+            "api_error" if self.status >= 500 else "invalid_request_error"
+        )
+        return {
+            "type": "error",
+            "error": {"type": kind, "message": self.message, "code": self.code},
+        }
+
+
+# The Anthropic error type of each status the gateway answers (others: invalid_request_error
+# below 500, api_error from 500).
+ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
 
 
 class InvalidRequest(SwitchyardError):

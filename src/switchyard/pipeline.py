@@ -185,6 +185,15 @@ class RequestInput:
     parent_request_ids: tuple[str, ...] = ()  # x-parent-request-id
     client_request_id: str | None = None  # the client's own id (x-client-request-id)
     planned_steps: int | None = None  # x-task-planned-steps, for task accounting
+    # The endpoint as the client called it when its protocol's codec decodes into
+    # another's request ("messages" -> "chat.completions"); None = `endpoint`. The
+    # ledger, traces and metrics name this one; the stages read `endpoint`.
+    api: str | None = None
+
+    @property
+    def called(self) -> str:
+        """The endpoint the client called (what the ledger and traces record)."""
+        return self.api or self.endpoint
 
 
 @dataclass(slots=True)

@@ -87,21 +87,36 @@ class RequestService:
         self._models = {m.alias: m for m in s.models}  # for `alias@revision` pins
 
     # -- opening a request ----------------------------------------------------------
-    def authenticate(self, headers: Mapping[str, str]) -> Principal | Awaitable[Principal]:
+    def authenticate(
+        self, headers: Mapping[str, str], x_api_key: bool = False
+    ) -> Principal | Awaitable[Principal]:
         """The caller, before any costly work: at once when its key is cached, else an
-        awaitable (the key store is read off the event loop)."""
+        awaitable (the key store is read off the event loop). `x_api_key`: the
+        protocol also takes the key as `x-api-key` (Anthropic's)."""
         if self.settings.auth.mode == "disabled":
             return ANONYMOUS
-        return self.auth.authenticate(headers)
+        return self.auth.authenticate(headers, x_api_key)
 
     def open(
-        self, endpoint: str, headers: Mapping[str, str], received: float, principal: Principal
+        self,
+        endpoint: str,
+        headers: Mapping[str, str],
+        received: float,
+        principal: Principal,
+        api: str | None = None,
     ) -> RequestContext:
         """The request's context, once its caller is known. Every header read here is
         bounded here; a bad one is kept as the request's header_error and refused
-        once its handling starts (so it is settled like any refusal)."""
+        once its handling starts (so it is settled like any refusal). `api`: the
+        endpoint as called, when its protocol decodes into `endpoint`'s request."""
         ctx = request_headers.opened(
-            self.request_ids(), endpoint, headers, received, received + self._deadline_s, principal
+            self.request_ids(),
+            endpoint,
+            headers,
+            received,
+            received + self._deadline_s,
+            principal,
+            api,
         )
         if self.tracing is not None:
             self.tracing.start_request(

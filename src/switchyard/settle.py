@@ -33,7 +33,7 @@ def mark_failed(ctx: RequestContext, exc: BaseException) -> None:
     traceback): anyone with a key could otherwise fill the error log and rate."""
     if isinstance(exc, ClientDisconnected):
         ctx.status, ctx.error_code = Status.CANCELLED, exc.code
-        log.info("request %s (%s): %s", ctx.input.request_id, ctx.input.endpoint, exc.message)
+        log.info("request %s (%s): %s", ctx.input.request_id, ctx.input.called, exc.message)
         return
     code = exc.code if isinstance(exc, SwitchyardError) else "internal_error"
     ctx.status, ctx.error_code = Status.ERROR, code
@@ -180,7 +180,7 @@ class Settler:
         if self.metrics is not None:
             self.metrics.observe(ctx, status, inp, out, cost)
             if client_left(ctx):
-                self.metrics.client_disconnected(ctx.input.endpoint)
+                self.metrics.client_disconnected(ctx.input.called)
         if self.tracing is not None:
             self.tracing.finish(
                 ctx, status, inp, out, time.time_ns() - int((time.perf_counter() - end) * 1e9)

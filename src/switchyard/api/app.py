@@ -19,8 +19,10 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from switchyard.api.admin import build_admin_routes, is_admin, require_admin
+from switchyard.api.anthropic import PREFIX as MESSAGES_PREFIX
+from switchyard.api.anthropic import AnthropicRoutes
 from switchyard.api.console import Sessions, build_console_routes
-from switchyard.api.openai import CTX_KEY, build_routes
+from switchyard.api.openai import CTX_KEY, OpenAIRoutes
 from switchyard.api.openapi import describe
 from switchyard.config import Settings
 from switchyard.errors import (
@@ -37,11 +39,14 @@ log = logging.getLogger("switchyard.api")
 
 
 def error_response(request: Request, exc: SwitchyardError) -> Response:
+    """The error in its protocol's shape: Anthropic's on the Messages routes, else
+    OpenAI's (the admin API's too)."""
     ctx = request.scope.get(CTX_KEY)
     headers = served_headers(ctx) if ctx is not None else {"x-request-id": new_request_id()}
     headers.update(exc.headers)
+    anthropic = request.scope["path"].startswith(MESSAGES_PREFIX)
     return Response(
-        orjson.dumps(exc.body()),
+        orjson.dumps(exc.anthropic_body() if anthropic else exc.body()),
         status_code=exc.status,
         media_type="application/json",
         headers=headers,
@@ -135,7 +140,9 @@ def create_app(settings: Settings, on_ready: Callable[[Gateway], None] | None = 
         title="Switchyard", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.gateway = gw
-    routes = build_routes(gw)
+    # The model routes: OpenAI's, and Anthropic's Messages (sharing their body reader).
+    openai_routes = OpenAIRoutes(gw)
+    routes = openai_routes.routes() + AnthropicRoutes(openai_routes).routes()
     app.router.routes.extend(routes)  # still routed there: other methods get 405
     app.fast = {
         r.path: r.endpoint for r in routes if isinstance(r, Route) and r.methods == {"POST"}

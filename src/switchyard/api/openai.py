@@ -119,7 +119,8 @@ class OpenAIRoutes:
     def reader(self, request: Request, headers: dict[str, str], codec: Codec | None) -> ReadBody:
         """The request's body reader: bounded in size, depth and time, and decoded by
         its protocol's codec into the typed request, with the bytes it came from when
-        they are exactly that request (else None); without a codec, the parsed JSON."""
+        they are exactly that request (else None); without a codec, the parsed JSON.
+        Every protocol's routes read bodies with this one."""
 
         async def read(remaining_s: float) -> tuple[Any, bytes | None]:
             raw = await read_body(

@@ -153,7 +153,130 @@ _EMBEDDINGS = {
 }
 
 
-def _post(summary: str, schema: dict[str, Any]) -> dict[str, Any]:
+# The Anthropic Messages API (api/anthropic.py): its request shape as api/messages_codec.py
+# checks it, and its own error body.
+_ANTHROPIC_ERROR = {
+    "description": "an Anthropic-shaped error",
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "required": ["type", "error"],
+                "properties": {
+                    "type": {"const": "error"},
+                    "error": {
+                        "type": "object",
+                        "required": ["type", "message"],
+                        "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+                    },
+                },
+            }
+        }
+    },
+}
+_BLOCK = {
+    "anyOf": [
+        {
+            "type": "object",
+            "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+        },
+        {
+            "type": "object",
+            "required": ["type", "source"],
+            "properties": {
+                "type": {"const": "image"},
+                "source": {
+                    "type": "object",
+                    "properties": {
+                        "type": {"enum": ["base64", "url"]},
+                        "media_type": {
+                            "enum": ["image/jpeg", "image/png", "image/gif", "image/webp"]
+                        },
+                        "data": {"type": "string"},
+                        "url": {"type": "string"},
+                    },
+                },
+            },
+        },
+        {
+            "type": "object",
+            "required": ["type", "id", "name", "input"],
+            "properties": {
+                "type": {"const": "tool_use"},
+                "id": {"type": "string"},
+                "name": {"type": "string"},
+                "input": {"type": "object"},
+            },
+        },
+        {
+            "type": "object",
+            "required": ["type", "tool_use_id"],
+            "properties": {
+                "type": {"const": "tool_result"},
+                "tool_use_id": {"type": "string"},
+                "content": {"type": "string"},
+                "is_error": {"type": "boolean"},
+            },
+        },
+    ]
+}
+_MESSAGES_COUNT: dict[str, Any] = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": {
+        "model": {"type": "string"},
+        "system": {"type": "string"},
+        "messages": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {
+                    "role": {"enum": ["user", "assistant"]},
+                    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _BLOCK}]},
+                },
+            },
+        },
+        "tools": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "input_schema"],
+                "properties": {
+                    "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                    "description": {"type": "string"},
+                    "input_schema": {"type": "object"},
+                },
+            },
+        },
+        "tool_choice": {
+            "type": "object",
+            "properties": {
+                "type": {"enum": ["auto", "any", "tool", "none"]},
+                "name": {"type": "string"},
+            },
+        },
+        "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}},
+    },
+}
+_MESSAGES = {
+    **_MESSAGES_COUNT,
+    "required": ["model", "messages", "max_tokens"],
+    "properties": {
+        **_MESSAGES_COUNT["properties"],
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "stream": {"type": "boolean"},
+        "stop_sequences": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": 0},
+    },
+}
+
+
+def _post(summary: str, schema: dict[str, Any], error: dict[str, Any] = _ERROR) -> dict[str, Any]:
     return {
         "post": {
             "summary": summary,
@@ -164,20 +287,13 @@ def _post(summary: str, schema: dict[str, Any]) -> dict[str, Any]:
             },
             "responses": {
                 "200": {"description": "the model's answer (JSON, or SSE when streamed)"},
-                "400": _ERROR,
-                "401": _ERROR,
-                "403": _ERROR,
-                "404": _ERROR,
-                "408": _ERROR,
-                "413": _ERROR,
-                "422": _ERROR,
-                "429": _ERROR,
-                "502": _ERROR,
-                "503": _ERROR,
-                "504": _ERROR,
+                **{str(status): error for status in _ERROR_STATUSES},
             },
         }
     }
+
+
+_ERROR_STATUSES = (400, 401, 403, 404, 408, 413, 422, 429, 502, 503, 504)
 
 
 def _with_models(schema: dict[str, Any], models: list[str]) -> dict[str, Any]:
@@ -189,12 +305,22 @@ def _with_models(schema: dict[str, Any], models: list[str]) -> dict[str, Any]:
 
 
 def model_routes(chat_models: list[str], embedding_models: list[str]) -> dict[str, Any]:
-    """The OpenAPI `paths` of the OpenAI-compatible routes, naming the models this
-    gateway serves (a key may still be allowed only some of them)."""
+    """The OpenAPI `paths` of the model routes (OpenAI's and Anthropic's Messages),
+    naming the models this gateway serves (a key may still be allowed only some of them)."""
     return {
         "/v1/chat/completions": _post("chat completion", _with_models(_CHAT, chat_models)),
         "/v1/completions": _post("text completion", _with_models(_COMPLETION, chat_models)),
         "/v1/embeddings": _post("embeddings", _with_models(_EMBEDDINGS, embedding_models)),
+        "/v1/messages": _post(
+            "Anthropic Messages: create a message",
+            _with_models(_MESSAGES, chat_models),
+            _ANTHROPIC_ERROR,
+        ),
+        "/v1/messages/count_tokens": _post(
+            "Anthropic Messages: count a request's input tokens (the gateway's estimate)",
+            _with_models(_MESSAGES_COUNT, chat_models),
+            _ANTHROPIC_ERROR,
+        ),
         "/v1/models": {
             "get": {
                 "summary": "the models this key may use",

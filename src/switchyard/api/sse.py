@@ -61,11 +61,13 @@ class RelayResponse(StreamingResponse):
         headers: dict[str, str],
         on_close: Callable[[], Awaitable[None]],
         ctx: RequestContext | None = None,
+        error_event: Callable[[SwitchyardError], bytes] = error_event,
     ) -> None:
         super().__init__(content, media_type=media_type, headers=headers)
         self._relay = content
         self._on_close = on_close
         self._ctx = ctx
+        self._error_event = error_event  # the protocol's own error event
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # One watcher task on plain asyncio (an anyio task group per stream cost more
@@ -99,7 +101,7 @@ class RelayResponse(StreamingResponse):
                     await send(
                         {
                             "type": "http.response.body",
-                            "body": error_event(stopped),
+                            "body": self._error_event(stopped),
                             "more_body": False,
                         }
                     )

@@ -62,12 +62,14 @@ DESCRIPTION = (
 
 @dataclass(frozen=True, slots=True)
 class RealisticTarget:
-    """The started gateway: its chat URL, the wrk scripts carrying its key, its SQLite file."""
+    """The started gateway: its chat URL, the wrk scripts carrying its key, its SQLite
+    file, and the key (other endpoints of the same gateway are measured with it)."""
 
     name: str
     url: str
     scripts: dict[bool, Path]
     db: Path
+    key: str
 
 
 def prepare(workdir: Path, upstream_port: int, timeout_s: float) -> KeyedGateway:
@@ -111,7 +113,7 @@ def start_realistic_target(
     wait_ready(child, partial(readyz, gw.port), args.startup_timeout)
     check_realistic(gw, args.tokens)
     return RealisticTarget(
-        gw.name, gw.url, write_scripts(workdir, gw.name, gw.key, args.tokens), gw.db
+        gw.name, gw.url, write_scripts(workdir, gw.name, gw.key, args.tokens), gw.db, gw.key
     )
 
 

@@ -92,7 +92,7 @@ class Tracing:
             extract({"traceparent": headers["traceparent"]}) if headers.get("traceparent") else None
         )
         span = self.tracer.start_span(
-            f"{OPERATION.get(ctx.input.endpoint, ctx.input.endpoint)}",
+            f"{OPERATION.get(ctx.input.endpoint, ctx.input.called)}",
             context=parent,
             kind=SpanKind.SERVER,
             start_time=start_ns,
@@ -153,7 +153,7 @@ class Tracing:
             )
             s.end(end_time=start + int((t1 - t0) * 1e9))
         attrs: dict[str, Any] = {
-            "gen_ai.operation.name": OPERATION.get(ctx.input.endpoint, ctx.input.endpoint),
+            "gen_ai.operation.name": OPERATION.get(ctx.input.endpoint, ctx.input.called),
             "gen_ai.system": "openai",
             "gen_ai.request.model": ctx.alias or "",
             "gen_ai.usage.input_tokens": inp,

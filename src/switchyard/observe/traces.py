@@ -154,7 +154,7 @@ def ledger_entry(
         ctx.input.parent_request_ids,
         p.tenant_id if p is not None else None,
         p.key_id if p is not None else None,
-        ctx.input.endpoint,
+        ctx.input.called,
         dep.alias if dep is not None else ctx.alias,
         ctx.alias,
         model.revision if model is not None else None,

@@ -27,6 +27,14 @@ def bearer(headers: Mapping[str, str]) -> str | None:
     return token.strip()
 
 
+def api_key_header(headers: Mapping[str, str]) -> str | None:
+    """The key of an `x-api-key` header (the Anthropic protocol's), bounded as a bearer's."""
+    value = headers.get("x-api-key")
+    if not value or len(value) > MAX_AUTHORIZATION or not value.strip():
+        return None
+    return value.strip()
+
+
 Verdict = tuple[tuple[str, str], dict[str, Any]]
 
 
@@ -61,13 +69,21 @@ class Authenticator:
     def invalidate(self) -> None:
         self._cache.clear()
 
-    def authenticate(self, headers: Mapping[str, str]) -> Principal | Awaitable[Principal]:
+    def authenticate(
+        self, headers: Mapping[str, str], x_api_key: bool = False
+    ) -> Principal | Awaitable[Principal]:
         """The caller's principal when its key is cached, else an awaitable of it;
-        raises (or the awaitable raises) 401 for a missing or refused key."""
+        raises (or the awaitable raises) 401 for a missing or refused key.
+        `x_api_key`: the key may also come as `x-api-key` (the Anthropic protocol)."""
         token = bearer(headers)
+        if token is None and x_api_key:
+            token = api_key_header(headers)
         if token is None:
             raise AuthenticationError(
-                "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                "missing API key: send 'x-api-key: <key>' or 'Authorization: Bearer <key>'"
+                if x_api_key
+                else "missing API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
             )
         hit = self._cache.get(token)
         if hit is not None and hit[0] > time.monotonic():

@@ -241,6 +241,7 @@ def opened(
     received: float,
     deadline: float,
     principal: Any,
+    api: str | None = None,
 ) -> RequestContext:
     """A request's context, with the values read from its headers (`read`); a bad one
     is kept as the context's header_error, refused once its handling starts (so it is
@@ -261,6 +262,7 @@ def opened(
             parents,
             client_id,
             planned,
+            api,
         ),
         NOT_READ,
         Timings(received),

@@ -1,0 +1,129 @@
+"""The Anthropic Messages routes: `POST /v1/messages` and `/v1/messages/count_tokens`.
+
+A Messages request is decoded by its codec (api/messages_codec.py) into the internal
+request and runs through the same driver as a chat completion (service.generate:
+keys, limits and budgets, PII, cache, routing, selection, placement, retries and
+fallbacks, idempotency, task and tool governance, traces, usage rows under the
+endpoint `messages`); its reply is turned into the Messages shape here
+(api/messages_reply.py), and its errors into Anthropic's error body (api/app.py).
+The key comes as `x-api-key` or `Authorization: Bearer`; `anthropic-version` and
+`anthropic-beta` are accepted and not needed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from switchyard.api.body import header_map
+from switchyard.api.messages_codec import MessagesCodec, to_chat
+from switchyard.api.messages_reply import MessageEvents, error_event, frame, replay, to_message
+from switchyard.api.openai import CTX_KEY, OpenAIRoutes, SettleAfterResponse
+from switchyard.api.sse import RelayResponse
+from switchyard.errors import ModelNotFound, PermissionDenied
+from switchyard.pipeline import RequestContext
+from switchyard.policy.cost import prompt_tokens
+from switchyard.policy.keys import Principal
+from switchyard.reply import Reply, StreamReply, relay
+from switchyard.request import Generation
+
+PREFIX = "/v1/messages"  # the routes whose errors take Anthropic's shape (api/app.py)
+
+
+def served_model(ctx: RequestContext) -> str:
+    """The model a Messages reply names: the alias that answered (after routing and
+    fallbacks), else the one asked for."""
+    dep = ctx.deployment
+    return dep.alias if dep is not None else (ctx.alias or ctx.generation.model)
+
+
+def to_messages_response(reply: Reply, ctx: RequestContext) -> Response:
+    """The driver's reply (a chat completion, or its stream) in the Messages shape."""
+    model = served_model(ctx)
+    if isinstance(reply, StreamReply):
+        cost = ctx.cost
+        events = MessageEvents(model, cost.prompt if cost is not None else 0)
+        source = reply.source
+        content = (
+            frame(ctx, relay(ctx, source.data(), reply.side, source.close), events)
+            if source is not None
+            else replay(reply.cached or {}, events)
+        )
+        return RelayResponse(
+            content,
+            media_type="text/event-stream",
+            headers=reply.headers,
+            on_close=reply.on_close,
+            ctx=ctx,
+            error_event=error_event,
+        )
+    chat = orjson.loads(reply.body)
+    body = orjson.dumps(to_message(chat if isinstance(chat, dict) else {}, model))
+    if reply.settle is not None:
+        return SettleAfterResponse(body, reply.headers, reply.settle)
+    response = Response(body, status_code=reply.status, media_type="application/json")
+    response.raw_headers.extend(reply.headers)
+    return response
+
+
+class AnthropicRoutes:
+    """The Messages routes, beside the OpenAI ones (whose body reader they share)."""
+
+    def __init__(self, openai: OpenAIRoutes) -> None:
+        self.openai = openai
+        self.service = openai.service
+        self.gw = openai.gw
+        self.codec = MessagesCodec()
+
+    def routes(self) -> list[Route]:
+        return [
+            Route(PREFIX, self.messages, methods=["POST"]),
+            Route(PREFIX + "/count_tokens", self.count_tokens, methods=["POST"]),
+        ]
+
+    async def _principal(self, headers: dict[str, str]) -> Principal:
+        principal = self.service.authenticate(headers, x_api_key=True)  # before costly work
+        if not isinstance(principal, Principal):
+            principal = await principal
+        return principal
+
+    async def messages(self, request: Request) -> Response:
+        """Create a message (Anthropic Messages API), streamed or not."""
+        received = time.perf_counter()
+        headers = header_map(request)
+        principal = await self._principal(headers)
+        service = self.service
+        ctx = service.open("chat.completions", headers, received, principal, api="messages")
+        request.scope[CTX_KEY] = ctx  # for the error mapping (app.py)
+        reply = await service.generate(ctx, self.openai.reader(request, headers, self.codec))
+        return to_messages_response(reply, ctx)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Count a Messages request's input tokens: the gateway's own estimate, the one
+        its token limits reserve (an upper bound of what the engine will count)."""
+        headers = header_map(request)
+        principal = await self._principal(headers)
+        parsed, _ = await self.openai.reader(request, headers, None)(
+            self.gw.settings.server.body_timeout_s
+        )
+        chat = to_chat(parsed, count_only=True)
+        alias = chat["model"].partition("@")[0]
+        known = {m.alias for m in self.gw.settings.models} | {
+            a.name for a in self.gw.settings.adapters
+        }
+        if alias not in known:
+            raise ModelNotFound(f"the model '{alias[:128]}' does not exist", param="model")
+        if not principal.may_use(alias):
+            raise PermissionDenied(
+                f"this key may not use the model '{alias}'", param="model", code="model_not_allowed"
+            )
+        req: Any = Generation(
+            model=chat["model"], messages=chat["messages"], tools=chat.get("tools")
+        )
+        high, _ = prompt_tokens(req, None, self.gw.settings.policy.image_tokens)
+        return Response(orjson.dumps({"input_tokens": high}), media_type="application/json")

@@ -1,0 +1,415 @@
+"""The Anthropic Messages protocol's request codec: `POST /v1/messages` (and its
+`count_tokens`) decoded once into the internal request model (`Generation`, chat
+messages), so every stage runs on it as it does on a chat completion.
+
+The shape checks name the offending member (`messages[2].content[0].source`) and
+refuse what the gateway cannot honour — an unsupported field or block type gets a 400
+naming it, never a silent drop. Translation:
+
+| Messages | chat completions |
+|---|---|
+| `system` (a string or text blocks) | a first `system` message |
+| `text` and `image` blocks (base64 or URL) | text and `image_url` parts |
+| an assistant turn's `tool_use` blocks | its `tool_calls` (`input` as JSON arguments) |
+| a user turn's `tool_result` blocks | `tool` messages (before the turn's other content) |
+| `tools` (custom), `tool_choice` auto/any/tool/none | function `tools`, auto/required/{function}/none |
+| `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k` | the same caps and sampling |
+| `metadata.user_id` | `user` |
+| `stream` | `stream` with `include_usage` (the stream's last event carries usage) |
+
+`cache_control` on blocks and tools is a prompt-caching hint: accepted and not
+forwarded (engines reuse a prompt's prefix on their own). `thinking` is accepted only
+as `{"type": "disabled"}`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import orjson
+
+from switchyard.api.codecs import CHAT_TYPED
+from switchyard.errors import InvalidRequest
+from switchyard.policy.validate import validate_chat
+from switchyard.request import Generation, from_object
+
+# The top-level members the gateway honours; any other is refused by name.
+FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "max_tokens",
+        "system",
+        "metadata",
+        "stop_sequences",
+        "stream",
+        "temperature",
+        "top_p",
+        "top_k",
+        "tools",
+        "tool_choice",
+        "thinking",
+    }
+)
+COUNT_FIELDS = FIELDS - {"max_tokens", "stream", "stop_sequences", "temperature", "top_p", "top_k"}
+IMAGE_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_\-]{1,64}")
+_ID = re.compile(r"[A-Za-z0-9_\-]{1,128}")
+MAX_STOP_SEQUENCES = 4  # the internal (chat) model's bound
+MAX_STOP_CHARS = 1000
+MAX_USER_ID = 256
+INT32_MAX = 2**31 - 1
+
+
+def _bad(message: str, param: str) -> InvalidRequest:
+    return InvalidRequest(message, param=param)
+
+
+def _number(body: dict[str, Any], name: str, low: float, high: float, integer: bool) -> None:
+    v = body.get(name)
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
+        raise _bad(f"'{name}' must be {'an integer' if integer else 'a number'}", name)
+    if not low <= v <= high:
+        raise _bad(f"'{name}' must be between {low} and {high}", name)
+
+
+def _text(v: Any, where: str) -> str:
+    if not isinstance(v, str):
+        raise _bad(f"'{where}' must be a string", where)
+    return v
+
+
+def _no_extras(block: dict[str, Any], allowed: frozenset[str], where: str) -> None:
+    for k in block:
+        if k not in allowed and k != "cache_control":
+            raise _bad(f"'{where}.{k[:64]}' is not supported", f"{where}.{k[:64]}")
+
+
+_TEXT_KEYS = frozenset({"type", "text", "citations"})
+_IMAGE_KEYS = frozenset({"type", "source"})
+_TOOL_USE_KEYS = frozenset({"type", "id", "name", "input"})
+_TOOL_RESULT_KEYS = frozenset({"type", "tool_use_id", "content", "is_error"})
+
+
+def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
+    _no_extras(block, _IMAGE_KEYS, where)
+    src = block.get("source")
+    kind = src.get("type") if isinstance(src, dict) else None
+    if kind == "base64":
+        assert isinstance(src, dict)
+        media = src.get("media_type")
+        data = src.get("data")
+        if media not in IMAGE_TYPES:
+            raise _bad(
+                f"'{where}.source.media_type' must be one of {sorted(IMAGE_TYPES)}",
+                f"{where}.source.media_type",
+            )
+        if not isinstance(data, str) or not data:
+            raise _bad(f"'{where}.source.data' must be a base64 string", f"{where}.source.data")
+        url = f"data:{media};base64,{data}"
+    elif kind == "url":
+        assert isinstance(src, dict)
+        link = src.get("url")
+        if not isinstance(link, str) or not link.startswith(("http://", "https://")):
+            raise _bad(f"'{where}.source.url' must be an http(s) URL", f"{where}.source.url")
+        url = link
+    else:
+        raise _bad(
+            f"'{where}.source' must be an object of type 'base64' or 'url'", f"{where}.source"
+        )
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _text_block(block: dict[str, Any], where: str) -> dict[str, Any]:
+    _no_extras(block, _TEXT_KEYS, where)
+    return {"type": "text", "text": _text(block.get("text"), f"{where}.text")}
+
+
+def _block_type(block: Any, where: str) -> str:
+    kind = block.get("type") if isinstance(block, dict) else None
+    if not isinstance(kind, str):
+        raise _bad(f"'{where}' must be a content block object with a 'type'", where)
+    return kind
+
+
+def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
+    _no_extras(block, _TOOL_RESULT_KEYS, where)
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str) or not _ID.fullmatch(call_id):
+        raise _bad(f"'{where}.tool_use_id' must be a tool_use id", f"{where}.tool_use_id")
+    content = block.get("content", "")
+    if isinstance(content, list):
+        texts = []
+        for k, part in enumerate(content):
+            pw = f"{where}.content[{k}]"
+            if _block_type(part, pw) != "text":
+                raise _bad(f"'{pw}': a tool_result holds text blocks only here", pw)
+            texts.append(_text_block(part, pw)["text"])
+        content = "\n".join(texts)
+    elif not isinstance(content, str):
+        raise _bad(f"'{where}.content' must be a string or text blocks", f"{where}.content")
+    is_error = block.get("is_error")
+    if is_error is not None and not isinstance(is_error, bool):
+        raise _bad(f"'{where}.is_error' must be a boolean", f"{where}.is_error")
+    if is_error:
+        content = "[tool error] " + content
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
+def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
+    _no_extras(block, _TOOL_USE_KEYS, where)
+    call_id, name, args = block.get("id"), block.get("name"), block.get("input")
+    if not isinstance(call_id, str) or not _ID.fullmatch(call_id):
+        raise _bad(f"'{where}.id' must be 1-128 of A-Z a-z 0-9 _ -", f"{where}.id")
+    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+        raise _bad(f"'{where}.name' must be 1-64 of A-Z a-z 0-9 _ -", f"{where}.name")
+    if not isinstance(args, dict):
+        raise _bad(f"'{where}.input' must be an object", f"{where}.input")
+    try:
+        arguments = orjson.dumps(args).decode()
+    except TypeError:  # not from a parsed body (orjson reads big integers as floats)
+        raise _bad(f"'{where}.input' is not JSON that can be sent on", f"{where}.input") from None
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def _content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Chat content: one text as a string, else the parts."""
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        return str(parts[0]["text"])
+    return parts
+
+
+def _turn(i: int, m: Any) -> list[dict[str, Any]]:
+    """One Messages turn as chat messages."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise _bad(f"'{where}' must be an object", where)
+    for k in m:
+        if k not in ("role", "content"):
+            raise _bad(f"'{where}.{k[:64]}' is not supported", f"{where}.{k[:64]}")
+    role = m.get("role")
+    if role not in ("user", "assistant"):
+        raise _bad(f"'{where}.role' must be 'user' or 'assistant'", f"{where}.role")
+    content = m.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list) or not content:
+        raise _bad(
+            f"'{where}.content' must be a string or a non-empty array of blocks",
+            f"{where}.content",
+        )
+    parts: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        bw = f"{where}.content[{j}]"
+        kind = _block_type(block, bw)
+        if kind == "text":
+            parts.append(_text_block(block, bw))
+        elif kind == "image" and role == "user":
+            parts.append(_image(block, bw))
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_tool_use(block, bw))
+        elif kind == "tool_result" and role == "user":
+            results.append(_tool_result(block, bw))
+        else:
+            raise _bad(f"'{bw}': block type {kind[:40]!r} is not supported in a {role} turn", bw)
+    out = results
+    if role == "assistant":
+        msg: dict[str, Any] = {"role": "assistant", "content": _content(parts) if parts else None}
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    elif parts:
+        out.append({"role": "user", "content": _content(parts)})
+    return out
+
+
+def _system(system: Any) -> str:
+    if isinstance(system, str):
+        return system
+    if not isinstance(system, list):
+        raise _bad("'system' must be a string or an array of text blocks", "system")
+    texts = []
+    for k, block in enumerate(system):
+        where = f"system[{k}]"
+        if _block_type(block, where) != "text":
+            raise _bad(f"'{where}' must be a text block", where)
+        texts.append(_text_block(block, where)["text"])
+    return "\n\n".join(texts)
+
+
+_TOOL_KEYS = frozenset({"name", "description", "input_schema", "type"})
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    if not isinstance(tools, list):
+        raise _bad("'tools' must be an array", "tools")
+    out = []
+    for k, tool in enumerate(tools):
+        where = f"tools[{k}]"
+        if not isinstance(tool, dict):
+            raise _bad(f"'{where}' must be an object", where)
+        if tool.get("type", "custom") != "custom":
+            raise _bad(
+                f"'{where}.type': only custom tools (name, description, input_schema) are "
+                "supported",
+                f"{where}.type",
+            )
+        _no_extras(tool, _TOOL_KEYS, where)
+        name, schema = tool.get("name"), tool.get("input_schema")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise _bad(f"'{where}.name' must be 1-64 of A-Z a-z 0-9 _ -", f"{where}.name")
+        if not isinstance(schema, dict):
+            raise _bad(
+                f"'{where}.input_schema' must be a JSON Schema object", f"{where}.input_schema"
+            )
+        fn: dict[str, Any] = {"name": name, "parameters": schema}
+        desc = tool.get("description")
+        if desc is not None:
+            fn["description"] = _text(desc, f"{where}.description")
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(choice: Any, out: dict[str, Any]) -> None:
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind not in ("auto", "any", "tool", "none"):
+        raise _bad("'tool_choice' must be an object of type auto, any, tool or none", "tool_choice")
+    assert isinstance(choice, dict)
+    for k in choice:
+        if k not in ("type", "name", "disable_parallel_tool_use"):
+            raise _bad(f"'tool_choice.{k[:64]}' is not supported", f"tool_choice.{k[:64]}")
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise _bad("'tool_choice.name' must name a tool", "tool_choice.name")
+        out["tool_choice"] = {"type": "function", "function": {"name": name}}
+    else:
+        out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
+    parallel = choice.get("disable_parallel_tool_use")
+    if parallel is not None:
+        if not isinstance(parallel, bool):
+            raise _bad(
+                "'tool_choice.disable_parallel_tool_use' must be a boolean",
+                "tool_choice.disable_parallel_tool_use",
+            )
+        if kind != "none":
+            out["parallel_tool_calls"] = not parallel
+
+
+def _metadata(meta: Any) -> str | None:
+    if not isinstance(meta, dict):
+        raise _bad("'metadata' must be an object", "metadata")
+    for k in meta:
+        if k != "user_id":
+            raise _bad(f"'metadata.{k[:64]}' is not supported", f"metadata.{k[:64]}")
+    user = meta.get("user_id")
+    if user is None:
+        return None
+    if not isinstance(user, str) or len(user) > MAX_USER_ID:
+        raise _bad(
+            f"'metadata.user_id' must be a string of at most {MAX_USER_ID}", "metadata.user_id"
+        )
+    return user
+
+
+def _stop(stop: Any) -> list[str]:
+    if (
+        not isinstance(stop, list)
+        or len(stop) > MAX_STOP_SEQUENCES
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)
+    ):
+        raise _bad(
+            f"'stop_sequences' must be at most {MAX_STOP_SEQUENCES} non-empty strings",
+            "stop_sequences",
+        )
+    return stop
+
+
+def to_chat(body: Any, count_only: bool = False) -> dict[str, Any]:
+    """A Messages request (parsed JSON) as the chat completions body it means; raises
+    the 400 naming what is wrong or unsupported. `count_only`: a `count_tokens` body
+    (no `max_tokens`, no sampling)."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    allowed = COUNT_FIELDS if count_only else FIELDS
+    for name in body:
+        if name not in allowed:
+            raise _bad(
+                f"'{str(name)[:64]}' is not supported by this gateway's Messages API", name[:64]
+            )
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest(
+            "'model' is required: a non-empty string",
+            param="model",
+            code="missing_required_parameter",
+        )
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' is required: a non-empty array", "messages")
+    chat: list[dict[str, Any]] = []
+    system = body.get("system")
+    if system is not None:
+        chat.append({"role": "system", "content": _system(system)})
+    for i, m in enumerate(messages):
+        chat.extend(_turn(i, m))
+    out: dict[str, Any] = {"model": model, "messages": chat}
+    if not count_only:
+        cap = body.get("max_tokens")
+        if cap is None:
+            raise InvalidRequest(
+                "'max_tokens' is required", param="max_tokens", code="missing_required_parameter"
+            )
+        _number(body, "max_tokens", 1, INT32_MAX, integer=True)
+        out["max_tokens"] = cap
+        _number(body, "temperature", 0, 1, integer=False)
+        _number(body, "top_p", 0, 1, integer=False)
+        _number(body, "top_k", 0, INT32_MAX, integer=True)
+        for name in ("temperature", "top_p", "top_k"):
+            if body.get(name) is not None:
+                out[name] = body[name]
+        if body.get("stop_sequences") is not None:
+            out["stop"] = _stop(body["stop_sequences"])
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise _bad("'stream' must be a boolean", "stream")
+        if stream:
+            out["stream"] = True
+            out["stream_options"] = {"include_usage": True}
+    if body.get("tools") is not None:
+        out["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        _tool_choice(body["tool_choice"], out)
+    if body.get("metadata") is not None:
+        user = _metadata(body["metadata"])
+        if user is not None:
+            out["user"] = user
+    thinking = body.get("thinking")
+    if thinking is not None and thinking != {"type": "disabled"}:
+        raise _bad(
+            "'thinking' is not supported by this gateway's models: omit it or send "
+            '{"type": "disabled"}',
+            "thinking",
+        )
+    return out
+
+
+class MessagesCodec:
+    """`POST /v1/messages`: the Messages body checked and decoded into `Generation`.
+    Never exact: the client's bytes are Anthropic's shape, so the chat body goes
+    upstream written from the typed request."""
+
+    def decode(self, body: Any) -> tuple[Generation, bool]:
+        chat = to_chat(body)
+        validate_chat(chat)  # the internal model's own invariants (always holds: tested)
+        req: Generation = from_object(Generation, chat, CHAT_TYPED)[0]
+        return req, False

@@ -1,0 +1,294 @@
+"""The Anthropic Messages protocol's replies: the internal reply (a chat completion,
+or its stream's chunks, after the request's reply side) turned into a `message`, or
+into the Messages event stream, at the HTTP boundary.
+
+The reply side (tool gate, cache, PII restore) has already run on the chat shape, so a
+tool call the gate removed never becomes a `tool_use` block, and a cache hit stored
+from a chat request is served here in the Messages shape (and the other way round):
+no reply is ever stored or served in the wrong protocol's shape.
+
+Stream events, as the Messages API sends them: `message_start`, `ping`, then per
+content block `content_block_start`, `content_block_delta` (`text_delta` or
+`input_json_delta`) and `content_block_stop`, then `message_delta` (stop reason,
+usage) and `message_stop`; a stream that breaks ends with an `error` event instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from switchyard.errors import SwitchyardError
+from switchyard.pipeline import RequestContext, Status
+
+# chat `finish_reason` -> Messages `stop_reason`
+STOP_REASONS = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "function_call": "tool_use",
+    "content_filter": "refusal",
+}
+
+
+def message_id(chat_id: Any) -> str:
+    """A `msg_` id from the chat reply's id (same characters, Anthropic's prefix)."""
+    raw = chat_id if isinstance(chat_id, str) else ""
+    tail = raw.removeprefix("chatcmpl-")[:96]
+    return "msg_" + ("".join(c for c in tail if c.isalnum() or c in "_-") or "0")
+
+
+def _input(arguments: Any) -> dict[str, Any]:
+    """A tool call's arguments (a JSON string) as a `tool_use` block's `input`."""
+    if isinstance(arguments, str):
+        try:
+            value = orjson.loads(arguments or "{}")
+        except orjson.JSONDecodeError:
+            return {"_arguments": arguments}  # what the model wrote, not valid JSON
+        if isinstance(value, dict):
+            return value
+        return {"_arguments": value}
+    return arguments if isinstance(arguments, dict) else {}
+
+
+def usage_of(usage: Any) -> dict[str, int]:
+    u = usage if isinstance(usage, dict) else {}
+    return {
+        "input_tokens": int(u.get("prompt_tokens") or 0),
+        "output_tokens": int(u.get("completion_tokens") or 0),
+    }
+
+
+def to_message(chat: dict[str, Any], model: str) -> dict[str, Any]:
+    """A chat completion as a Messages `message` (the first choice: Messages has one)."""
+    choices = chat.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else {}
+    msg = choice.get("message") if isinstance(choice, dict) else None
+    msg = msg if isinstance(msg, dict) else {}
+    text = msg.get("content")
+    if not isinstance(text, str):
+        text = choice.get("text") if isinstance(choice.get("text"), str) else ""
+    content: list[dict[str, Any]] = []
+    listed = msg.get("tool_calls")
+    calls: list[Any] = listed if isinstance(listed, list) else []
+    if text or not calls:
+        content.append({"type": "text", "text": text})
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": str(call.get("id") or ""),
+                    "name": str(fn.get("name") or ""),
+                    "input": _input(fn.get("arguments")),
+                }
+            )
+    finish = choice.get("finish_reason") if isinstance(choice, dict) else None
+    return {
+        "id": message_id(chat.get("id")),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": STOP_REASONS.get(finish, "end_turn") if finish else "end_turn",
+        "stop_sequence": None,
+        "usage": usage_of(chat.get("usage")),
+    }
+
+
+def event(kind: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def error_event(exc: SwitchyardError) -> bytes:
+    return event("error", exc.anthropic_body())
+
+
+class MessageEvents:
+    """Chat completion chunks in, Messages events out: one stream's state (the open
+    content block, tool calls by their chat index, stop reason, usage)."""
+
+    def __init__(self, model: str, input_tokens: int) -> None:
+        self.model = model
+        self.input_tokens = input_tokens  # the estimate, until the usage chunk says
+        self.started = False
+        self.open: int | None = None  # the open block's index
+        self.open_kind: str | None = None
+        self.blocks = 0
+        self.calls: dict[int, int] = {}  # chat tool call index -> block index
+        self.stop_reason: str | None = None
+        self.usage: dict[str, int] | None = None
+
+    def start(self, chat_id: Any) -> list[bytes]:
+        self.started = True
+        message: dict[str, Any] = {
+            "id": message_id(chat_id),
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
+        }
+        return [
+            event("message_start", {"type": "message_start", "message": message}),
+            event("ping", {"type": "ping"}),
+        ]
+
+    def _close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        index, self.open, self.open_kind = self.open, None, None
+        return [event("content_block_stop", {"type": "content_block_stop", "index": index})]
+
+    def _open(self, block: dict[str, Any]) -> list[bytes]:
+        out = self._close()
+        self.open, self.open_kind = self.blocks, block["type"]
+        self.blocks += 1
+        out.append(
+            event(
+                "content_block_start",
+                {"type": "content_block_start", "index": self.open, "content_block": block},
+            )
+        )
+        return out
+
+    def _delta(self, index: int, delta: dict[str, Any]) -> bytes:
+        return event(
+            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+        )
+
+    def chunk(self, obj: dict[str, Any]) -> list[bytes]:
+        """The events of one chat completion chunk."""
+        out = [] if self.started else self.start(obj.get("id"))
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage_of(usage)
+        choices = obj.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            return out
+        choice: dict[str, Any] = choices[0]
+        got = choice.get("delta")
+        delta: dict[str, Any] = got if isinstance(got, dict) else {}
+        text = delta.get("content")
+        if isinstance(text, str) and text:
+            if self.open_kind != "text":
+                out.extend(self._open({"type": "text", "text": ""}))
+            assert self.open is not None
+            out.append(self._delta(self.open, {"type": "text_delta", "text": text}))
+        calls = delta.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            if not isinstance(call, dict):
+                continue
+            i = call.get("index", 0)
+            named = call.get("function")
+            fn: dict[str, Any] = named if isinstance(named, dict) else {}
+            if i not in self.calls:
+                out.extend(
+                    self._open(
+                        {
+                            "type": "tool_use",
+                            "id": str(call.get("id") or ""),
+                            "name": str(fn.get("name") or ""),
+                            "input": {},
+                        }
+                    )
+                )
+                self.calls[i] = self.blocks - 1
+            piece = fn.get("arguments")
+            if isinstance(piece, str) and piece:
+                out.append(
+                    self._delta(self.calls[i], {"type": "input_json_delta", "partial_json": piece})
+                )
+        finish = choice.get("finish_reason")
+        if finish:
+            self.stop_reason = STOP_REASONS.get(finish, "end_turn")
+        return out
+
+    def end(self) -> list[bytes]:
+        """The events that close a complete stream."""
+        out = [] if self.started else self.start(None)
+        if self.blocks == 0:  # a message always has a block, if only an empty text
+            out.extend(self._open({"type": "text", "text": ""}))
+        out.extend(self._close())
+        usage = self.usage or {"input_tokens": self.input_tokens, "output_tokens": 0}
+        out.append(
+            event(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": self.stop_reason or "end_turn", "stop_sequence": None},
+                    "usage": usage,
+                },
+            )
+        )
+        out.append(event("message_stop", {"type": "message_stop"}))
+        return out
+
+
+async def frame(
+    ctx: RequestContext, data: AsyncIterator[list[bytes]], events: MessageEvents
+) -> AsyncIterator[bytes]:
+    """The relay's chat chunks (reply.relay: after the reply side) as Messages events,
+    one write per batch; the closing events with the last batch once the stream
+    completed, an `error` event in their place when it did not."""
+    try:
+        async for batch in data:
+            out: list[bytes] = []
+            for d in batch:
+                obj = orjson.loads(d)
+                if isinstance(obj, dict):
+                    out.extend(events.chunk(obj))
+            if ctx.status is Status.OK:
+                out.extend(events.end())
+            if out:
+                yield b"".join(out)
+    except SwitchyardError as exc:
+        head = b"" if events.started else b"".join(events.start(None))
+        yield head + error_event(exc)
+    finally:
+        aclose = getattr(data, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def cached_chunks(chat: dict[str, Any]) -> list[dict[str, Any]]:
+    """A whole chat completion (a cache hit) as the chunks a stream of it carries, so
+    a replay goes through the same MessageEvents as a live stream."""
+    message = to_message(chat, "")
+    out: list[dict[str, Any]] = []
+    calls = 0
+    for block in message["content"]:
+        if block["type"] == "text" and block["text"]:
+            out.append({"choices": [{"index": 0, "delta": {"content": block["text"]}}]})
+        elif block["type"] == "tool_use":
+            call = {
+                "index": calls,
+                "id": block["id"],
+                "type": "function",
+                "function": {
+                    "name": block["name"],
+                    "arguments": orjson.dumps(block["input"]).decode(),
+                },
+            }
+            calls += 1
+            out.append({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]})
+    choices = chat.get("choices")
+    first = choices[0] if isinstance(choices, list) and choices else {}
+    finish = first.get("finish_reason") if isinstance(first, dict) else None
+    out.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish or "stop"}]})
+    out.append({"choices": [], "usage": chat.get("usage")})
+    return out
+
+
+async def replay(chat: dict[str, Any], events: MessageEvents) -> AsyncIterator[bytes]:
+    """A cached chat completion as the Messages event stream."""
+    out = events.start(chat.get("id"))
+    for c in cached_chunks(chat):
+        out.extend(events.chunk(c))
+    out.extend(events.end())
+    yield b"".join(out)
