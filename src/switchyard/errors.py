@@ -56,12 +56,13 @@ class SwitchyardError(Exception):
     def anthropic_body(self) -> dict[str, Any]:
         """The Anthropic error body (`/v1/messages`): its `type` from the status, as
         the Messages API types errors (ANTHROPIC_TYPES); our `code` beside it."""
-        kind = ANTHROPIC_TYPES.get(self.status) or (
-            "api_error" if self.status >= 500 else "invalid_request_error"
-        )
         return {
             "type": "error",
-            "error": {"type": kind, "message": self.message, "code": self.code},
+            "error": {
+                "type": anthropic_type(self.status),
+                "message": self.message,
+                "code": self.code,
+            },
         }
 
 
@@ -78,6 +79,13 @@ ANTHROPIC_TYPES = {
     504: "timeout_error",
     529: "overloaded_error",
 }
+
+
+def anthropic_type(status: int) -> str:
+    """The Anthropic error type of an HTTP status."""
+    return ANTHROPIC_TYPES.get(status) or (
+        "api_error" if status >= 500 else "invalid_request_error"
+    )
 
 
 class InvalidRequest(SwitchyardError):

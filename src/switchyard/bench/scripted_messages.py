@@ -16,6 +16,8 @@ from typing import Any
 
 import orjson
 
+from switchyard.errors import anthropic_type
+
 # Top-level request fields of the Messages API (anthropic-version 2023-06-01); any other
 # is refused, as the provider refuses extra inputs.
 REQUEST_FIELDS = frozenset(
@@ -39,21 +41,7 @@ REQUEST_FIELDS = frozenset(
 _USER_BLOCKS = frozenset({"text", "image", "tool_result", "document"})
 _ASSISTANT_BLOCKS = frozenset({"text", "tool_use", "thinking", "redacted_thinking"})
 
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    402: "billing_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    504: "timeout_error",
-    529: "overloaded_error",
-}
-
-
-def error_type(status: int) -> str:
-    return ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+error_type = anthropic_type  # the Messages API types errors by status (errors.py)
 
 
 def error_body(status: int, message: str) -> bytes:
