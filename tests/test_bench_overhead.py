@@ -242,3 +242,41 @@ def test_the_governed_scenario_reports_on_vs_off_beside_the_floor_verdict() -> N
     text = render(summary, argparse.Namespace(duration=1, rounds=1))
     assert "governance on (sy-governed) vs off (sy-gov-off):" in text
     assert "added p50 1.200 vs 0.800 ms (1.50x), req/s 0.80x" in text
+
+
+def test_the_protocols_scenario_compares_each_protocol_with_the_chat_request() -> None:
+    """`--scenario realistic protocols`: sy-messages and sy-responses run on the realistic
+    gateway; each one's added p50 is judged against sy-realistic's (<= 1.2x)."""
+    from switchyard.bench import protocols
+    from switchyard.cli import build_parser
+
+    argv = ["bench", "overhead", "--scenario", "realistic", "protocols", "governed"]
+    names = target_names(build_parser().parse_args(argv))
+    assert names == (
+        "direct",
+        "floor",
+        "sy-realistic",
+        "sy-messages",
+        "sy-responses",
+        "sy-gov-off",
+        "sy-governed",
+    )
+    targets = ("direct", "floor", "sy-realistic", "sy-messages", "sy-responses")
+    runs = _runs(
+        {
+            (1, "direct"): (6000, 0.2),
+            (1, "floor"): (1200, 0.6),
+            (1, "sy-realistic"): (1000, 1.2),
+            (1, "sy-messages"): (950, 1.3),  # +1.1 ms against chat's +1.0: 1.10
+            (1, "sy-responses"): (900, 1.5),  # +1.3 ms: 1.30, a miss
+        }
+    )
+    summary = summarize(runs, targets)
+    got = {r["target"]: r for r in protocols.ratios(summary) if r["scenario"] == "non-stream c=1"}
+    assert got["sy-messages"]["ratio"] == pytest.approx(1.1)
+    assert got["sy-messages"]["verdict"] == "PASS"
+    assert got["sy-responses"]["ratio"] == pytest.approx(1.3)
+    assert got["sy-responses"]["verdict"] == "MISS"
+    text = render(summary, argparse.Namespace(duration=1, rounds=1))
+    assert "Protocols vs chat (added p50 target/sy-realistic <= 1.2):" in text
+    assert "sy-responses  chat +1.000 ms, this +1.300 ms, ratio 1.30  [MISS]" in text

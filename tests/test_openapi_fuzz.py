@@ -46,6 +46,8 @@ def test_the_description_names_the_model_routes_and_models(fuzzed: Gateway) -> N
         "/v1/tasks/{task_id}",
         "/v1/messages",
         "/v1/messages/count_tokens",
+        "/v1/responses",
+        "/v1/responses/{response_id}",
     } <= set(doc["paths"])
     # the admin API is described too, behind the admin key
     assert doc["paths"]["/admin/usage"]["get"]["security"] == [{"admin": []}]
@@ -70,8 +72,9 @@ def _check(fuzzed: Gateway, case: Any, seen: Counter[tuple[str, int]]) -> None:
 def test_model_routes_never_answer_a_server_error(fuzzed: Gateway) -> None:
     described = schemathesis.openapi.from_url(fuzzed.url + "/openapi.json")
     operations = [r.ok() for r in described.include(path_regex="^/v1/").get_all_operations()]
-    # chat, completions, embeddings, models, task get/delete, messages, count_tokens
-    assert len(operations) == 8
+    # chat, completions, embeddings, models, task get/delete, messages, count_tokens,
+    # responses create/get/delete/cancel/input_items
+    assert len(operations) == 13
     seen: Counter[tuple[str, int]] = Counter()
     for operation in operations:
 
@@ -88,12 +91,13 @@ def test_model_routes_never_answer_a_server_error(fuzzed: Gateway) -> None:
     assert 200 in by_route["POST /v1/chat/completions"], by_route
     assert 200 in by_route["POST /v1/embeddings"], by_route
     assert 200 in by_route["POST /v1/messages"], by_route
-    # every authenticated model request has its usage row, embeddings and messages
-    # included (counting tokens generates nothing: no row)
+    assert 200 in by_route["POST /v1/responses"], by_route
+    # every authenticated model request has its usage row, embeddings, messages and
+    # responses included (counting tokens and cancelling generate nothing: no row)
     posted = sum(
         n
         for (route, _), n in seen.items()
-        if route.startswith("POST") and not route.endswith("count_tokens")
+        if route.startswith("POST") and not route.endswith(("count_tokens", "cancel"))
     )
     tenant = httpx.get(fuzzed.url + "/v1/models", headers=fuzzed.auth).status_code
     assert tenant == 200

@@ -176,14 +176,14 @@ class ObserveConfig(_Strict):
     everything."""
     max_disk_mb: float = Field(2048.0, gt=0)
     """MiB of data in the database past which the oldest traces, then the oldest rollout records,
-    then the oldest raw usage rows are deleted (the daily rollups stay); checked every
+    then the oldest stored responses, then the oldest raw usage rows are deleted (the daily rollups stay); checked every
     `retention_interval_s`."""
     traces_slow_ms: float = Field(1000.0, ge=0)
     """Milliseconds past which a successful request counts as slow and always keeps its trace (see
     `traces_sample_ok`)."""
     retention_interval_s: float = Field(300.0, gt=0)
     """Seconds between retention passes (`traces_retention_days`, `traces_max_rows`, `max_disk_mb`,
-    `rl.retention_days`)."""
+    `rl.retention_days`, `responses.retention_days`)."""
     ledger_flush_ms: float = Field(20.0, ge=0, le=1000)
     """Group-commit window of the usage ledger, in milliseconds: the most a crash can lose of
     finished requests' rows. 0 commits every row as soon as the writer is free."""
@@ -532,6 +532,22 @@ class IdempotencyConfig(_Strict):
     ttl_s: float = Field(86400.0, gt=0)
     """Seconds a stored reply answers repeats of the same `Idempotency-Key` (same tenant, key and
     body)."""
+
+
+class ResponsesConfig(_Strict):
+    """Stored responses of the Responses API (`/v1/responses`): tenant data, sealed at rest."""
+
+    encryption_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Environment variable that holds the key sealing stored responses (AES-256-GCM): 32 bytes in
+    base64. Null = a key the gateway makes on first start, `responses.key` (mode 0600) beside the
+    SQLite file. Gateways on several machines sharing PostgreSQL must all be given the same key
+    here; a variable named but unset, or not a 32-byte key, stops the start."""
+    retention_days: float = Field(30.0, gt=0)
+    """Days a stored response is kept (and may be retrieved or continued); older ones are deleted.
+    Under `observe.max_disk_mb` they are deleted after traces and before usage rows."""
+    max_background_per_tenant: int = Field(16, ge=1)
+    """Background responses (`background: true`) a tenant may have queued or running at once, over
+    every gateway sharing the store; one more is refused with 429."""
 
 
 class ModelLimits(_Strict):
@@ -1439,6 +1455,8 @@ class Settings(_Strict):
     """Admission: output caps, token estimates, limiters without Redis."""
     idempotency: IdempotencyConfig = IdempotencyConfig()
     """Replies stored for requests with an `Idempotency-Key`."""
+    responses: ResponsesConfig = ResponsesConfig()
+    """Stored responses of the Responses API: their key, retention and background cap."""
     observe: ObserveConfig = ObserveConfig()
     """Metrics, decision traces, retention and OpenTelemetry."""
     router: RouterConfig = RouterConfig()

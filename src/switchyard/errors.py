@@ -432,6 +432,16 @@ class NotFound(SwitchyardError):
     code = "not_found"
 
 
+class StoredResponseUnreadable(SwitchyardError):
+    """A stored response (`/v1/responses`) that does not open with this gateway's key:
+    sealed with another key (gateways sharing PostgreSQL without the same
+    `responses.encryption_key_env`), or altered at rest."""
+
+    status = 500
+    type = "server_error"
+    code = "stored_response_unreadable"
+
+
 class PiiFailure(SwitchyardError):
     """PII masking failed for a request that must be masked: it is refused rather than
     sent unmasked."""

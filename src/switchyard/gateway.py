@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sqlite3
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -46,6 +47,7 @@ from switchyard.media.stage import Media
 from switchyard.observe.cost import record_busy
 from switchyard.observe.metrics import Metrics, tenant_key
 from switchyard.observe.otel import build_tracing
+from switchyard.observe.responses import Sealer, enforce_response_retention, instance_name
 from switchyard.observe.store import MemoryStore, SqliteStore, Store
 from switchyard.observe.traces import enforce_disk, enforce_retention
 from switchyard.observe.weights import REFRESH_S as WEIGHTS_REFRESH_S
@@ -195,8 +197,20 @@ class Gateway:
         d = settings.tenants_defaults
         defaults = Limits(d.rpm, d.tpm, d.max_concurrency, d.budget.usd, d.budget.period)
         flush_s = settings.observe.ledger_flush_ms / 1000
+        # Stored responses (observe/responses.py): sealed with the configured key or the
+        # home's key file (a bad one stops the start here), owned by host:port.
+        sealer = Sealer.from_settings(settings)
+        owner = instance_name(settings.server.port)
+        kept_days = settings.responses.retention_days
         self.store: Store = (
-            MemoryStore(defaults, settings.idempotency.ttl_s, flush_s)
+            MemoryStore(
+                defaults,
+                settings.idempotency.ttl_s,
+                flush_s,
+                sealer=sealer,
+                owner=owner,
+                response_retention_days=kept_days,
+            )
             if settings.storage.backend == "memory"
             else SqliteStore(
                 self.store_target,
@@ -204,9 +218,13 @@ class Gateway:
                 settings.idempotency.ttl_s,
                 flush_s,
                 int(settings.observe.max_disk_mb * 1024 * 1024),
+                sealer=sealer,
+                owner=owner,
+                response_retention_days=kept_days,
             )
         )
         self.keys = self.store.keys
+        self.responses = self.store.responses
         self.ledger = self.store.ledger
         self.idempotency = self.store.idempotency
         self.auth = Authenticator(self.store.verify_key, settings.auth.key_cache_s)
@@ -415,6 +433,10 @@ class Gateway:
             self.keys.create_tenant("dev")
             self.dev_key = self.keys.create_key("dev", name="first-run development key")["key"]
         self.registry.start()
+        try:  # what this instance had in flight when it stopped: failed, saying why
+            self.responses.fail_orphans()
+        except sqlite3.Error as exc:  # the database is down: they stay as they were
+            log.error("could not mark the responses in flight at the last stop: %s", exc)
         if self.revisions:
             self._revisions_task = asyncio.create_task(self._boot_revisions())
         listen = getattr(self.tasks, "listen", None)
@@ -473,9 +495,9 @@ class Gateway:
                 else:
                     n = await loop.run_in_executor(None, self.enforce_retention)
                 if n:
-                    log.info("trace retention removed %d records", n)
+                    log.info("retention removed %d records (traces, rollouts, stored responses)", n)
             except Exception as exc:  # retention must never take the gateway down
-                log.warning("trace retention failed: %s", exc)
+                log.warning("retention failed: %s", exc)
             if self.embedder is not None:
                 await loop.run_in_executor(None, self.embedder.mark_in_use)
             await asyncio.sleep(obs.retention_interval_s)
@@ -520,6 +542,7 @@ class Gateway:
                 from switchyard.observe.rollouts import enforce_rollout_retention
 
                 n += enforce_rollout_retention(conn, self.settings.rl.retention_days, now)
+            n += enforce_response_retention(conn, self.settings.responses.retention_days, now)
             if self.settings.storage.backend == "memory":
                 return n
             return n + enforce_disk(conn, int(obs.max_disk_mb * 1024 * 1024))

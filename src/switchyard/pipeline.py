@@ -261,6 +261,9 @@ class RequestContext:
     otel_span: Span | None = None  # the request's OpenTelemetry span, when tracing is on
     task: TaskHold | None = None  # the task's hold until settle
     task_deployments: dict[str, str] | None = None  # the task's deployment per alias
+    # A Responses continuation: (the previous response's id, the deployment that served
+    # it); select keeps it there while that deployment is eligible (affinity "response")
+    previous: tuple[str, str | None] | None = None
     cancelled: bool = False  # its task was cancelled while it ran
     tools_blocked: int = 0  # tool calls removed from the reply (tools.on_forbidden_call)
     tool_notes: list[ToolCallNote] | None = None  # the reply's calls, for the task

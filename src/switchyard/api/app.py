@@ -24,6 +24,7 @@ from switchyard.api.anthropic import AnthropicRoutes
 from switchyard.api.console import Sessions, build_console_routes
 from switchyard.api.openai import CTX_KEY, OpenAIRoutes
 from switchyard.api.openapi import describe
+from switchyard.api.responses import ResponsesRoutes
 from switchyard.config import Settings
 from switchyard.errors import (
     InternalError,
@@ -140,9 +141,14 @@ def create_app(settings: Settings, on_ready: Callable[[Gateway], None] | None = 
         title="Switchyard", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.gateway = gw
-    # The model routes: OpenAI's, and Anthropic's Messages (sharing their body reader).
+    # The model routes: OpenAI's (chat, completions, embeddings, Responses) and
+    # Anthropic's Messages, sharing one body reader.
     openai_routes = OpenAIRoutes(gw)
-    routes = openai_routes.routes() + AnthropicRoutes(openai_routes).routes()
+    routes = (
+        openai_routes.routes()
+        + ResponsesRoutes(openai_routes).routes()
+        + AnthropicRoutes(openai_routes).routes()
+    )
     app.router.routes.extend(routes)  # still routed there: other methods get 405
     app.fast = {
         r.path: r.endpoint for r in routes if isinstance(r, Route) and r.methods == {"POST"}

@@ -276,6 +276,93 @@ _MESSAGES = {
 }
 
 
+# The OpenAI Responses API (api/responses.py), as api/responses_codec.py checks it.
+_INPUT_ITEM = {
+    "anyOf": [
+        {
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {
+                "type": {"const": "message"},
+                "role": {"enum": ["user", "assistant", "system", "developer"]},
+                "content": {
+                    "anyOf": [
+                        {"type": "string"},
+                        {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "properties": {
+                                    "type": {"enum": ["input_text", "input_image", "output_text"]},
+                                    "text": {"type": "string"},
+                                    "image_url": {"type": "string"},
+                                },
+                            },
+                        },
+                    ]
+                },
+            },
+        },
+        {
+            "type": "object",
+            "required": ["type", "call_id", "name", "arguments"],
+            "properties": {
+                "type": {"const": "function_call"},
+                "call_id": {"type": "string"},
+                "name": {"type": "string"},
+                "arguments": {"type": "string"},
+            },
+        },
+        {
+            "type": "object",
+            "required": ["type", "call_id", "output"],
+            "properties": {
+                "type": {"const": "function_call_output"},
+                "call_id": {"type": "string"},
+                "output": {"type": "string"},
+            },
+        },
+    ]
+}
+_RESPONSES = {
+    "type": "object",
+    "required": ["model", "input"],
+    "properties": {
+        "model": {"type": "string"},
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": _INPUT_ITEM}]},
+        "instructions": {"type": "string"},
+        "tools": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["type", "name"],
+                "properties": {
+                    "type": {"const": "function"},
+                    "name": {"type": "string"},
+                    "parameters": {"type": "object"},
+                },
+            },
+        },
+        "tool_choice": {"anyOf": [{"enum": ["auto", "none", "required"]}, {"type": "object"}]},
+        "text": {"type": "object"},
+        "max_output_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+        "store": {"type": "boolean"},
+        "stream": {"type": "boolean"},
+        "background": {"type": "boolean"},
+        "previous_response_id": {"type": "string"},
+    },
+}
+_RESPONSE_ID = {
+    "name": "response_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "pattern": "^resp_[0-9a-f]{16,64}$"},
+}
+
+
 def _post(summary: str, schema: dict[str, Any], error: dict[str, Any] = _ERROR) -> dict[str, Any]:
     return {
         "post": {
@@ -311,6 +398,23 @@ def model_routes(chat_models: list[str], embedding_models: list[str]) -> dict[st
         "/v1/chat/completions": _post("chat completion", _with_models(_CHAT, chat_models)),
         "/v1/completions": _post("text completion", _with_models(_COMPLETION, chat_models)),
         "/v1/embeddings": _post("embeddings", _with_models(_EMBEDDINGS, embedding_models)),
+        "/v1/responses": _post(
+            "OpenAI Responses: create a response (stored, continued, streamed, background)",
+            _with_models(_RESPONSES, chat_models),
+        ),
+        "/v1/responses/{response_id}": {
+            "parameters": [_RESPONSE_ID],
+            "get": _operation("a stored response of the key's tenant", "bearer", "the response"),
+            "delete": _operation("delete a stored response", "bearer", "the deletion"),
+        },
+        "/v1/responses/{response_id}/cancel": {
+            "parameters": [_RESPONSE_ID],
+            "post": _operation("cancel a background response", "bearer", "the response"),
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "parameters": [_RESPONSE_ID],
+            "get": _operation("the input items of a stored response", "bearer", "a list of items"),
+        },
         "/v1/messages": _post(
             "Anthropic Messages: create a message",
             _with_models(_MESSAGES, chat_models),

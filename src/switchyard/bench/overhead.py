@@ -40,7 +40,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from switchyard.bench import governed, messages, observe, policy, realistic
+from switchyard.bench import governed, observe, policy, protocols, realistic
 from switchyard.bench.harness import (
     CHAT_PATH,
     MODEL,
@@ -69,11 +69,11 @@ CORE = "switchyard"
 SCENARIOS = {
     "core": CORE,
     "realistic": realistic.TARGET,
+    "protocols": protocols.RESPONSES,  # and protocols.MESSAGES: started with realistic's
     "governed": governed.TARGET,
-    "messages": messages.TARGET,
 }
 DEFAULT_SCENARIOS = ("core", "realistic")
-CHECKED_TARGETS = tuple(SCENARIOS.values())
+CHECKED_TARGETS = (*SCENARIOS.values(), protocols.MESSAGES)
 FLOORS = {
     "fastapi": "passthrough proxy (FastAPI + aiohttp)",
     "bare": "passthrough proxy (uvicorn + Starlette request/response from the ASGI call, "
@@ -97,7 +97,12 @@ def target_names(args: argparse.Namespace) -> tuple[str, ...]:
     """Every target a run with these arguments measures, in the order it starts them."""
     names = ["direct", "floor"]
     for s in scenarios_of(args):
-        names += [governed.BASELINE, governed.TARGET] if s == "governed" else [SCENARIOS[s]]
+        if s == "governed":
+            names += [governed.BASELINE, governed.TARGET]
+        elif s == "protocols":
+            names += protocols.TARGETS
+        else:
+            names.append(SCENARIOS[s])
     if getattr(args, "policy", False):
         names += policy.POLICY_TARGETS
     if getattr(args, "observe", False):
@@ -404,7 +409,7 @@ def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
             lines.extend(observe.lines(s))
         lines.append("")
     lines.extend(governed.lines(summary))
-    lines.extend(messages.lines(summary))
+    lines.extend(protocols.lines(summary))
     return "\n".join(lines)
 
 
@@ -436,9 +441,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(sy-realistic: a key with rpm 1e6 under a tenant with rpm 1e6, tpm 1e9, "
         "max_concurrency 1000 and a $1e6 daily budget, traces on) and governed "
         "(sy-governed vs sy-gov-off: task budgets and tool-call checks on vs off, the "
-        "upstream answering with tool calls for every target) and messages (sy-messages: "
-        "the realistic gateway on the Anthropic /v1/messages endpoint, compared with "
-        "sy-realistic's chat request; needs realistic); --policy and --observe need core",
+        "upstream answering with tool calls for every target) and protocols (sy-messages "
+        "and sy-responses: the realistic gateway on /v1/messages and /v1/responses, "
+        "compared with sy-realistic's chat request; needs realistic); --policy and "
+        "--observe need core",
     )
     parser.add_argument("--out", default=None, help="JSON result path")
     parser.add_argument(
@@ -481,10 +487,10 @@ def _start(
         rt = realistic.start_realistic_target(workdir, urls, args, children)
         urls[rt.name] = rt.url
         scripts[rt.name] = rt.scripts
-        if "messages" in scenarios:  # the same gateway and key, on /v1/messages
-            mt = messages.start_messages_target(workdir, rt.url, rt.key, args.tokens)
-            urls[mt.name] = mt.url
-            scripts[mt.name] = mt.scripts
+        if "protocols" in scenarios:  # the same gateway and key, on the other protocols
+            for pt in protocols.start_protocol_targets(workdir, rt.url, rt.key, args.tokens):
+                urls[pt.name] = pt.url
+                scripts[pt.name] = pt.scripts
     if "governed" in scenarios:
         for gt in governed.start_governed_targets(workdir, urls, args, children):
             urls[gt.name] = gt.url
@@ -553,8 +559,8 @@ def _check_tools(args: argparse.Namespace) -> str | None:
         return f"bench overhead needs wrk ({args.wrk!r} not found)"
     if args.policy and shutil.which(args.redis_server) is None:
         return f"bench overhead --policy needs redis-server ({args.redis_server!r} not found)"
-    if "messages" in scenarios_of(args) and "realistic" not in scenarios_of(args):
-        return "--scenario messages compares with the realistic target: add --scenario realistic"
+    if "protocols" in scenarios_of(args) and "realistic" not in scenarios_of(args):
+        return "--scenario protocols compares with the realistic target: add --scenario realistic"
     if (args.policy or args.observe) and "core" not in scenarios_of(args):
         return "--policy and --observe compare with the core switchyard target: add --scenario core"
     return None
@@ -605,8 +611,8 @@ def run(args: argparse.Namespace) -> int:
         observe.record(result, spans)
     if governed.TARGET in urls:
         governed.record(result, summary)
-    if messages.TARGET in urls:
-        messages.record(result, summary)
+    if protocols.RESPONSES in urls:
+        protocols.record(result, summary)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"results: {out}")

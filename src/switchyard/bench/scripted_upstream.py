@@ -21,7 +21,8 @@ run time with `PUT /control/fault`), comma-separated, e.g. `delay:100,status:503
                     event of that status's type (elsewhere it changes nothing)
 
 Tool calls: `PUT /control/tool_calls` with `{"calls": [{"name", "arguments"}, ...]}`
-makes every later chat reply call those tools (`finish_reason: "tool_calls"`; streamed
+makes every later chat reply call those tools (with `"until_result": true`, only until
+the conversation ends with a tool result: an agent's step) (`finish_reason: "tool_calls"`; streamed
 as OpenAI does: the id and name first, then the arguments in pieces); `{"calls": []}`
 goes back to text. `GET /stats` also says how many streams are open now
 (`open_streams`) and how many were closed by the client before their end (`aborted`).
@@ -31,8 +32,8 @@ its SSE events with `stream: true`; text, or `tool_use` blocks for the tool call
 the faults above with error bodies in its shape, `status:529` its overloaded error) after
 checking the request as the provider would (bench/scripted_messages.py).
 `--anthropic-key KEY` makes it require `x-api-key: KEY`. `GET /control/last` shows the
-last Messages request: its body and its `x-api-key`, `authorization` and
-`anthropic-version` headers.
+last generation request's body (a Messages request's with its `x-api-key`,
+`authorization` and `anthropic-version` headers).
 
 Faults apply to the generation routes only, so `/health`, `/stats` and `/v1/models`
 stay usable for readiness polling and counting. `GET /stats` says how many generation
@@ -216,6 +217,7 @@ class ScriptedUpstream:
         self.created = int(time.time())
         self._default_fault = parse_fault(fault) if fault else None
         self.tool_calls: list[dict[str, Any]] = []  # PUT /control/tool_calls
+        self.calls_until_result = False
         self.content: str | None = None  # PUT /control/content: every reply's text
         self.open_streams = 0
         self.aborted = 0  # streams the client closed before their end
@@ -327,8 +329,11 @@ class ScriptedUpstream:
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         messages = body.get("messages")
+        self.last_request = {"body": body}  # GET /control/last
+        answered = False  # the conversation ends with a tool result
         if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
             self.last_prompt = str(messages[-1].get("content"))  # what the upstream saw
+            answered = messages[-1].get("role") == "tool"
         elif "prompt" in body:
             self.last_prompt = str(body["prompt"])
         n = self.tokens
@@ -354,6 +359,8 @@ class ScriptedUpstream:
         }
         abort: Abort | None = request.scope.get(ABORT_KEY)
         calls = self.tool_calls if kind == "chat" else []
+        if answered and self.calls_until_result:
+            calls = []
         if body.get("stream"):
             options = body.get("stream_options")
             with_usage = isinstance(options, dict) and bool(options.get("include_usage"))
@@ -593,9 +600,13 @@ class ScriptedUpstream:
 
     async def _control_tools(self, request: Request) -> Response:
         try:
-            self.tool_calls = _tool_call_list(orjson.loads(await request.body()))
+            body = orjson.loads(await request.body())
+            self.tool_calls = _tool_call_list(body)
         except (orjson.JSONDecodeError, ValueError) as exc:
             return _error(400, f"control: {exc}")
+        # "until_result": an agent's step: call the tools, then answer in text once the
+        # conversation ends with a tool result.
+        self.calls_until_result = bool(body.get("until_result"))
         return Response(orjson.dumps({"calls": self.tool_calls}), media_type="application/json")
 
     async def _control_content(self, request: Request) -> Response:

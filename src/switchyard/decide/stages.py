@@ -560,11 +560,14 @@ class Select(Stage):
         )
         hold = ctx.task
         remembered = ctx.task_deployments.get(balancer.alias) if ctx.task_deployments else None
+        affinity = affinity_key(ctx.input.task_id, ctx.generation, ctx.input.headers)
+        if ctx.previous is not None:  # a Responses continuation: where its state is warm
+            affinity, remembered = ("response", ctx.previous[0]), ctx.previous[1]
         placer = self._placers.get(balancer.alias)
         placed = self._place(ctx, balancer, placer, boundary) if placer is not None else None
         dep, reason, evidence = balancer.choose(
             tenant=p.tenant_id if p is not None else None,
-            affinity=affinity_key(ctx.input.task_id, ctx.generation, ctx.input.headers),
+            affinity=affinity,
             prefix=prefix,
             pin=ctx.pin,
             regions=boundary,

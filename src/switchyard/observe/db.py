@@ -31,6 +31,33 @@ CREATE TABLE IF NOT EXISTS idempotency (
 );
 """
 
+# Stored responses of the Responses API (observe/responses.py): tenant data. Everything
+# the store filters on is plain text; `body` (the response, its input items and the
+# conversation) is sealed with AES-GCM, so nothing readable of it sits on disk.
+# Partial indexes keep the two in-flight queries (a tenant's running background
+# responses, this instance's orphans at start) off the tenant's whole history.
+RESPONSES_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    tenant_id TEXT NOT NULL,
+    id TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    status TEXT NOT NULL,
+    model TEXT NOT NULL,
+    deployment TEXT,
+    previous_response_id TEXT,
+    background INTEGER NOT NULL DEFAULT 0,
+    owner TEXT,
+    body BLOB NOT NULL,
+    PRIMARY KEY (tenant_id, id)
+);
+CREATE INDEX IF NOT EXISTS responses_time ON responses(created_at);
+CREATE INDEX IF NOT EXISTS responses_background ON responses(tenant_id)
+    WHERE background = 1 AND status IN ('queued', 'in_progress');
+CREATE INDEX IF NOT EXISTS responses_in_flight ON responses(owner)
+    WHERE status IN ('queued', 'in_progress');
+"""
+
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
@@ -162,6 +189,9 @@ CREATE TABLE IF NOT EXISTS rollouts (
 );
 CREATE INDEX IF NOT EXISTS rollouts_time ON rollouts(created_at);
 """
+# Every connection has it: retention and the byte budget (observe/traces.py) delete from it
+# in whichever process runs them.
+SCHEMA += RESPONSES_SCHEMA
 
 # Columns added after a table first shipped: (table, column, type). `connect` adds
 # each to a file made before it, then the indexes that use them.

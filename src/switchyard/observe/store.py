@@ -1,5 +1,5 @@
-"""The store: keys and tenants, idempotency, budgets (spend so far), the usage ledger
-and traces, behind one interface.
+"""The store: keys and tenants, idempotency, budgets (spend so far), the usage ledger,
+traces and stored responses, behind one interface.
 
 What the request path needs of it — a key lookup on an authentication-cache miss, an
 idempotency claim or completion, the spend that seeds a budget — is awaitable and runs
@@ -39,6 +39,7 @@ from switchyard.observe.ledger import (
     spent_since,
 )
 from switchyard.observe.ledger_writer import decode_batch, write_batch
+from switchyard.observe.responses import ResponseStore, Sealer, instance_name
 from switchyard.observe.traces import template_id
 from switchyard.policy.keys import KeyStore, Limits, Principal
 from switchyard.policy.tool_calls import ApprovalStore
@@ -53,6 +54,7 @@ class Store:
     keys: KeyStore
     approvals: ApprovalStore
     idempotency: IdempotencyStore
+    responses: ResponseStore
     ledger: Any  # UsageLedger or MemoryLedger: record, flush_async, block_id, rows, close
 
     async def verify_key(self, plaintext: str) -> Principal | str:
@@ -92,7 +94,13 @@ class SqliteStore(Store):
         idempotency_ttl_s: float,
         flush_s: float,
         max_disk_bytes: int = 0,
+        *,
+        sealer: Sealer | None = None,
+        owner: str | None = None,
+        response_retention_days: float = 30.0,
     ):
+        """`sealer` seals stored responses (None: a key this process alone holds, so
+        nothing it stores outlives it); `owner` names this gateway instance."""
         from switchyard.observe.db import connect
 
         self.path = path
@@ -103,6 +111,13 @@ class SqliteStore(Store):
         self.keys = KeyStore(connect(path), defaults)
         self.approvals = ApprovalStore(connect(path))
         self.idempotency = IdempotencyStore(connect(path), idempotency_ttl_s, self._io)
+        self.responses = ResponseStore(
+            connect(path),
+            sealer or Sealer.ephemeral(),
+            owner or instance_name(0),
+            self._io,
+            retention_days=response_retention_days,
+        )
         self.ledger = UsageLedger(path, flush_s, max_disk_bytes)
 
     def _io_keys(self) -> KeyStore:
@@ -158,6 +173,7 @@ class SqliteStore(Store):
     def close(self) -> None:
         self.ledger.close()
         self._io.shutdown(wait=True)
+        self.responses.conn.close()
 
 
 def memory_connection() -> sqlite3.Connection:
@@ -247,12 +263,27 @@ class MemoryStore(Store):
     """Everything in one in-memory SQLite database, in this process (see the module
     docstring). Its calls never wait for a disk, so they run in the caller."""
 
-    def __init__(self, defaults: Limits, idempotency_ttl_s: float, flush_s: float = 0.02):
+    def __init__(
+        self,
+        defaults: Limits,
+        idempotency_ttl_s: float,
+        flush_s: float = 0.02,
+        *,
+        sealer: Sealer | None = None,
+        owner: str | None = None,
+        response_retention_days: float = 30.0,
+    ):
         self.conn = memory_connection()
         self._lock = threading.RLock()
         self.keys = KeyStore(self.conn, defaults)
         self.approvals = ApprovalStore(self.conn)
         self.idempotency = IdempotencyStore(self.conn, idempotency_ttl_s)
+        self.responses = ResponseStore(
+            self.conn,
+            sealer or Sealer.ephemeral(),
+            owner or instance_name(0),
+            retention_days=response_retention_days,
+        )
         self.ledger = MemoryLedger(self.conn, self._lock, flush_s)
 
     async def verify_key(self, plaintext: str) -> Principal | str:

@@ -392,18 +392,21 @@ def bytes_in_use(conn: sqlite3.Connection) -> int:
 
 # What the byte budget deletes, in this order, oldest first: (table, its time column,
 # its key). Traces explain requests; rollout records are training data a trainer has
-# usually exported (and has in its stream); raw usage rows go last, rollups never.
+# usually exported (and has in its stream); stored responses are conversations a client
+# may still continue (observe/responses.py); raw usage rows go last, rollups never.
 BUDGETED = (
     ("traces", "received_at", "request_id"),
     ("rollouts", "created_at", "sample_id"),
+    ("responses", "created_at", "id"),
     ("usage", "received_at", "request_id"),
 )
 
 
 def enforce_disk(conn: sqlite3.Connection, max_bytes: int, chunk: int = 2000) -> int:
     """Keep the file's data under `max_bytes` (observe.max_disk_mb): past it, delete the
-    oldest traces, then the oldest stored rollout records, then the oldest raw usage
-    rows, until 90 % of it is in use; the daily rollups (the bill) are never deleted. Freed pages go back to the disk where the
+    oldest traces, then the oldest stored rollout records, then the oldest stored
+    responses, then the oldest raw usage rows, until 90 % of it is in use; the daily
+    rollups (the bill) are never deleted. Freed pages go back to the disk where the
     file allows it (auto_vacuum=INCREMENTAL, every file made since), else they are
     reused by new rows, so the file stays flat. Returns the rows deleted."""
     if not is_sqlite(conn):
@@ -450,8 +453,8 @@ def row_bytes(
 
 def _enforce_rows_budget(conn: Any, max_bytes: int, chunk: int) -> int:
     """The byte budget on PostgreSQL: the rows' own bytes (count x mean row size) of
-    traces, rollout records and raw usage rows; past `max_bytes`, the oldest of each,
-    in that order, are deleted down to 90 % of it. Rollups are never deleted."""
+    traces, rollout records, stored responses and raw usage rows; past `max_bytes`, the
+    oldest of each, in that order, are deleted down to 90 % of it. Rollups are never deleted."""
     sizes = {t: row_bytes(conn, t, at=at) for t, at, _ in BUDGETED}
     total = sum(n * mean for n, mean in sizes.values())
     if total <= max_bytes:

@@ -1,0 +1,444 @@
+"""The OpenAI Responses routes: `POST /v1/responses`, `GET` and `DELETE
+/v1/responses/{id}`, `POST /v1/responses/{id}/cancel`, `GET
+/v1/responses/{id}/input_items`.
+
+A Responses request is checked by its codec (api/responses_codec.py), continued from
+the stored response it names (`previous_response_id`: that response's conversation,
+decrypted, goes first, and selection keeps it on the deployment that served that turn
+while it is eligible), decoded into the internal chat request and run through the same
+driver as a chat completion — keys, limits, budgets, PII, cache, routing, selection,
+placement, retries, fallbacks, idempotency keys, tool governance, traces and usage rows
+under the endpoint `responses`. The reply becomes a response object or the Responses
+event stream (api/responses_reply.py) and, unless `store` is false, is stored for the
+tenant, encrypted (observe/responses.py).
+
+Background responses (`background: true`) answer `queued` at once and run in this
+process; `GET` polls them, `cancel` stops the upstream call. A tenant runs at most
+`responses.max_background_per_tenant` at once (429 beyond).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from switchyard.api.body import header_map
+from switchyard.api.codecs import CHAT_TYPED
+from switchyard.api.openai import CTX_KEY, OpenAIRoutes, SettleAfterResponse
+from switchyard.api.responses_codec import RESPONSE_ID, ResponsesRequest, check, to_chat
+from switchyard.api.responses_reply import (
+    ResponseEvents,
+    Shell,
+    chat_message,
+    frame,
+    replay_chunks,
+    to_response,
+)
+from switchyard.api.sse import RelayResponse
+from switchyard.errors import (
+    InvalidRequest,
+    NotFound,
+    RateLimited,
+    StoredResponseUnreadable,
+    SwitchyardError,
+)
+from switchyard.observe.responses import (
+    ResponseStore,
+    SealError,
+    StoredResponse,
+    new_response_id,
+)
+from switchyard.pipeline import RequestContext
+from switchyard.policy.keys import Principal
+from switchyard.policy.validate import validate_chat
+from switchyard.reply import JsonReply, StreamReply, relay
+from switchyard.request import Generation, from_object
+from switchyard.service import ReadBody
+from switchyard.settle import mark_failed
+
+log = logging.getLogger("switchyard.api")
+DONE = ("completed", "failed", "incomplete", "cancelled")
+
+
+def _not_found(rid: str) -> NotFound:
+    return NotFound(f"no response with id '{rid[:80]}'", param="response_id", code="not_found")
+
+
+class ResponsesRoutes:
+    """The Responses routes, beside the OpenAI chat routes (whose reader they share)."""
+
+    def __init__(self, openai: OpenAIRoutes) -> None:
+        self.openai = openai
+        self.service = openai.service
+        self.gw = openai.gw
+        self.store: ResponseStore = openai.gw.responses
+        self.cap = openai.gw.settings.responses.max_background_per_tenant
+        self.running: dict[str, asyncio.Task[None]] = {}  # background responses here
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/responses", self.create, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.retrieve, methods=["GET", "DELETE"]),
+            Route("/v1/responses/{response_id}/cancel", self.cancel, methods=["POST"]),
+            Route("/v1/responses/{response_id}/input_items", self.input_items, methods=["GET"]),
+        ]
+
+    async def _principal(self, headers: dict[str, str]) -> Principal:
+        principal = self.service.authenticate(headers)  # before any costly work
+        if not isinstance(principal, Principal):
+            principal = await principal
+        return principal
+
+    async def _fetch(self, tenant_id: str, rid: str) -> StoredResponse | None:
+        """A stored response of the tenant; one that does not open is the operator's
+        problem (logged), told to the client in a stable message."""
+        try:
+            return await self.store.get(tenant_id, rid)
+        except SealError as exc:
+            log.error("%s", exc)
+            raise StoredResponseUnreadable(
+                f"the stored response '{rid}' cannot be read with this gateway's key; "
+                "see the gateway log"
+            ) from None
+
+    # -- create -------------------------------------------------------------------------
+    async def _decode(
+        self, request: Request, headers: dict[str, str], ctx: RequestContext
+    ) -> tuple[ResponsesRequest, Generation, list[dict[str, Any]]]:
+        """The body read (bounded as every model route's), checked, continued from the
+        response it names, and decoded: (the Responses request, the chat request, the
+        conversation it ends with, before this turn's output)."""
+        parsed, _ = await self.openai.reader(request, headers, None)(ctx.remaining_s())
+        req = check(parsed)
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            prev = await self._fetch(ctx.principal.tenant_id, req.previous_response_id)
+            if prev is None:
+                raise NotFound(
+                    f"no stored response '{req.previous_response_id}' to continue",
+                    param="previous_response_id",
+                )
+            if prev.status not in ("completed", "incomplete"):
+                raise InvalidRequest(
+                    f"the response '{prev.id}' is {prev.status}: only a finished response "
+                    "can be continued",
+                    param="previous_response_id",
+                )
+            history = list(prev.body.get("conversation") or [])
+            ctx.previous = (prev.id, prev.deployment)
+        chat = to_chat(req, history)
+        validate_chat(chat)  # the internal model's own invariants
+        gen: Generation = from_object(Generation, chat, CHAT_TYPED)[0]
+        return req, gen, history + req.messages
+
+    async def create(self, request: Request) -> Response:
+        """Create a model response (OpenAI Responses API): stored, continued, streamed
+        or in the background."""
+        received = time.perf_counter()
+        headers = header_map(request)
+        principal = await self._principal(headers)
+        service = self.service
+        ctx = service.open("chat.completions", headers, received, principal, api="responses")
+        request.scope[CTX_KEY] = ctx  # for the error mapping (app.py)
+        try:
+            service.begin(ctx)
+            req, gen, conversation = await self._decode(request, headers, ctx)
+            shell = Shell(new_response_id(), req, req.model)
+            if req.background:
+                return await self._background(ctx, req, gen, conversation, shell)
+        except BaseException as exc:
+            mark_failed(ctx, exc)
+            await service.settle(ctx)
+            raise
+
+        async def decoded(_: float) -> tuple[Generation, None]:
+            return gen, None
+
+        reply = await service.generate(ctx, decoded)
+        if isinstance(reply, StreamReply):
+            return self._stream(reply, ctx, req, conversation, shell)
+        return await self._whole(reply, ctx, req, conversation, shell)
+
+    def _stored(
+        self,
+        ctx: RequestContext,
+        req: ResponsesRequest,
+        shell: Shell,
+        obj: dict[str, Any],
+        conversation: list[dict[str, Any]],
+    ) -> StoredResponse:
+        dep = ctx.deployment
+        return StoredResponse(
+            id=shell.rid,
+            tenant_id=ctx.principal.tenant_id,
+            created_at=shell.created_at,
+            status=obj["status"],
+            model=req.model,
+            deployment=dep.name if dep is not None else None,
+            previous_response_id=req.previous_response_id,
+            background=req.background,
+            owner=self.store.owner if req.background else None,
+            body={"response": obj, "input_items": req.items, "conversation": conversation},
+        )
+
+    async def _whole(
+        self,
+        reply: JsonReply,
+        ctx: RequestContext,
+        req: ResponsesRequest,
+        conversation: list[dict[str, Any]],
+        shell: Shell,
+    ) -> Response:
+        try:
+            chat = orjson.loads(reply.body)
+            chat = chat if isinstance(chat, dict) else {}
+            shell.model = _served(ctx, req)
+            obj = to_response(chat, shell)
+            if req.store:
+                turn = [*conversation, chat_message(chat)]
+                await self.store.create(self._stored(ctx, req, shell, obj, turn))
+        except BaseException:
+            if reply.settle is not None:  # answered upstream: it is still settled
+                pending = reply.settle()
+                if pending is not None:
+                    await pending
+            raise
+        body = orjson.dumps(obj)
+        if reply.settle is not None:
+            return SettleAfterResponse(body, reply.headers, reply.settle)
+        response = Response(body, status_code=reply.status, media_type="application/json")
+        response.raw_headers.extend(reply.headers)
+        return response
+
+    def _stream(
+        self,
+        reply: StreamReply,
+        ctx: RequestContext,
+        req: ResponsesRequest,
+        conversation: list[dict[str, Any]],
+        shell: Shell,
+    ) -> Response:
+        shell.model = _served(ctx, req)
+        events = ResponseEvents(shell)
+
+        async def ended(ev: ResponseEvents) -> None:
+            if not req.store or ev.final is None:
+                return
+            msg: dict[str, Any] = {"role": "assistant", "content": None}
+            text = "".join(i["content"][0]["text"] for i in ev.output if i["type"] == "message")
+            calls = [
+                {
+                    "id": i["call_id"],
+                    "type": "function",
+                    "function": {"name": i["name"], "arguments": i["arguments"]},
+                }
+                for i in ev.output
+                if i["type"] == "function_call"
+            ]
+            msg["content"] = text
+            if calls:
+                msg["tool_calls"] = calls
+            turn = [*conversation, msg]
+            with contextlib.suppress(SwitchyardError):  # the client already has its answer
+                await self.store.create(self._stored(ctx, req, shell, ev.final, turn))
+
+        source = reply.source
+        if source is not None:
+            content = frame(ctx, relay(ctx, source.data(), reply.side, source.close), events, ended)
+        else:
+            content = _replayed(reply.cached or {}, events, ended)
+        return RelayResponse(
+            content,
+            media_type="text/event-stream",
+            headers=reply.headers,
+            on_close=reply.on_close,
+            ctx=ctx,
+        )
+
+    # -- background ---------------------------------------------------------------------
+    async def _background(
+        self,
+        ctx: RequestContext,
+        req: ResponsesRequest,
+        gen: Generation,
+        conversation: list[dict[str, Any]],
+        shell: Shell,
+    ) -> Response:
+        tenant = ctx.principal.tenant_id
+        if await self.store.active_background(tenant) >= self.cap:
+            raise RateLimited(
+                f"this tenant already runs {self.cap} background responses "
+                "(responses.max_background_per_tenant); retry when one has finished",
+                code="background_limit",
+                headers={"Retry-After": "1"},
+            )
+        queued = shell.object("queued", [])
+        stored = self._stored(ctx, req, shell, queued, conversation)
+        await self.store.create(stored)
+        task = asyncio.create_task(self._run(ctx, req, gen, conversation, shell, stored))
+        self.running[shell.rid] = task
+        task.add_done_callback(lambda _: self.running.pop(shell.rid, None))
+        return Response(
+            orjson.dumps(queued),
+            media_type="application/json",
+            headers={"x-request-id": ctx.input.request_id},
+        )
+
+    async def _run(
+        self,
+        ctx: RequestContext,
+        req: ResponsesRequest,
+        gen: Generation,
+        conversation: list[dict[str, Any]],
+        shell: Shell,
+        stored: StoredResponse,
+    ) -> None:
+        """A background response, from queued to its end, its state in the store."""
+
+        async def decoded(_: float) -> tuple[Generation, None]:
+            return gen, None
+
+        read: ReadBody = decoded
+        try:
+            stored.status = "in_progress"
+            stored.body["response"] = shell.object("in_progress", [])
+            await self.store.update(stored)
+            reply = await self.service.generate(ctx, read)
+            assert isinstance(reply, JsonReply)
+            if reply.settle is not None:
+                pending = reply.settle()
+                if pending is not None:
+                    await pending
+            chat = orjson.loads(reply.body)
+            chat = chat if isinstance(chat, dict) else {}
+            shell.model = _served(ctx, req)
+            obj = to_response(chat, shell)
+            now = await self.store.get(stored.tenant_id, stored.id)
+            if now is None or now.status == "cancelled":
+                return  # cancelled or deleted meanwhile (by another process): left so
+            stored.status = obj["status"]
+            stored.deployment = ctx.deployment.name if ctx.deployment is not None else None
+            stored.body = {
+                "response": obj,
+                "input_items": req.items,
+                "conversation": [*conversation, chat_message(chat)],
+            }
+            await self.store.update(stored)
+        except asyncio.CancelledError:
+            stored.status = "cancelled"
+            stored.body["response"] = shell.object("cancelled", [])
+            with contextlib.suppress(Exception):
+                await self.store.update(stored)
+        except Exception as exc:
+            err = exc if isinstance(exc, SwitchyardError) else None
+            if err is None:
+                log.exception("background response %s failed", stored.id)
+            error = {
+                "code": err.code if err is not None else "server_error",
+                "message": err.message if err is not None else "internal error",
+            }
+            stored.status = "failed"
+            stored.body["response"] = shell.object("failed", [], error=error)
+            with contextlib.suppress(Exception):
+                await self.store.update(stored)
+
+    # -- reading, deleting, cancelling ------------------------------------------------------
+    async def _get(self, request: Request) -> tuple[Principal, StoredResponse]:
+        principal = await self._principal(header_map(request))
+        rid = request.path_params["response_id"]
+        if not RESPONSE_ID.fullmatch(rid):
+            raise _not_found(rid)
+        stored = await self._fetch(principal.tenant_id, rid)
+        if stored is None:
+            raise _not_found(rid)
+        return principal, stored
+
+    async def retrieve(self, request: Request) -> Response:
+        """GET: a stored response of the key's tenant (poll a background one here);
+        DELETE: delete it (a background one still running is cancelled first)."""
+        _, stored = await self._get(request)
+        if request.method == "DELETE":
+            task = self.running.get(stored.id)
+            if task is not None:
+                task.cancel()
+            await self.store.delete(stored.tenant_id, stored.id)
+            out = {"id": stored.id, "object": "response.deleted", "deleted": True}
+            return Response(orjson.dumps(out), media_type="application/json")
+        return Response(orjson.dumps(stored.body["response"]), media_type="application/json")
+
+    async def cancel(self, request: Request) -> Response:
+        """Cancel a background response: its upstream call stops; it ends `cancelled`."""
+        _, stored = await self._get(request)
+        if not stored.background:
+            raise InvalidRequest("only a background response can be cancelled", param="response_id")
+        if stored.status not in DONE:
+            task = self.running.get(stored.id)
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await asyncio.wait_for(asyncio.shield(task), 5)
+            now = await self._fetch(stored.tenant_id, stored.id)
+            stored = now if now is not None else stored
+            if stored.status not in DONE:  # run by another process: marked, it stops there
+                stored.status = "cancelled"
+                obj = dict(stored.body.get("response") or {})
+                obj["status"] = "cancelled"
+                stored.body["response"] = obj
+                await self.store.update(stored)
+        return Response(orjson.dumps(stored.body["response"]), media_type="application/json")
+
+    async def input_items(self, request: Request) -> Response:
+        """The input items of a stored response (`limit` 1-100, `order` asc|desc,
+        `after` an item id)."""
+        _, stored = await self._get(request)
+        q = request.query_params
+        try:
+            limit = int(q.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise InvalidRequest("'limit' must be an integer from 1 to 100", param="limit")
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise InvalidRequest("'order' must be asc or desc", param="order")
+        items = list(stored.body.get("input_items") or [])
+        if order == "desc":
+            items.reverse()
+        after = q.get("after")
+        if after is not None:
+            ids = [i.get("id") for i in items]
+            if after not in ids:
+                raise InvalidRequest("'after' names no item of this response", param="after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        out = {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+        return Response(orjson.dumps(out), media_type="application/json")
+
+
+def _served(ctx: RequestContext, req: ResponsesRequest) -> str:
+    dep = ctx.deployment
+    return dep.alias if dep is not None else (ctx.alias or req.model)
+
+
+async def _replayed(chat: dict[str, Any], events: ResponseEvents, ended: Any) -> Any:
+    """A cache hit as the Responses event stream."""
+    out = events.start()
+    for c in replay_chunks(chat):
+        out.extend(events.chunk(c))
+    out.extend(events.end())
+    await ended(events)
+    yield b"".join(out)

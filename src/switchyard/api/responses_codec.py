@@ -1,0 +1,443 @@
+"""The OpenAI Responses protocol's request codec: `POST /v1/responses` checked and
+decoded into the internal request (`Generation`, chat messages), so every stage runs on
+it as on a chat completion.
+
+`check(body)` checks the Responses shape (a 400 naming any field, item or part the
+gateway cannot honour, never a silent drop) and returns a `ResponsesRequest`: the
+input as items (each with an id, as `GET /v1/responses/{id}/input_items` lists them)
+and what the response object repeats. `to_chat` writes the chat body it means, after
+the conversation of the response it continues (`previous_response_id`):
+
+| Responses | chat completions |
+|---|---|
+| `instructions` | a first `system` message (not carried into a continuation, as OpenAI does) |
+| `input`: a string, or `message` items (`input_text`, `input_image` by URL, `output_text` of earlier assistant turns) | messages with text and `image_url` parts |
+| `function_call` items | an assistant message's `tool_calls` |
+| `function_call_output` items | `tool` messages |
+| `tools` (function), `tool_choice` | function `tools`, `tool_choice` |
+| `text.format` (`text`, `json_object`, `json_schema`) | `response_format` |
+| `max_output_tokens`, `temperature`, `top_p`, `parallel_tool_calls`, `user`, `prompt_cache_key` | the same |
+| `stream` | `stream` with `include_usage` |
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from switchyard.errors import InvalidRequest
+
+# Top-level members the gateway honours; any other is refused by name.
+FIELDS = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "tools",
+        "tool_choice",
+        "text",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "metadata",
+        "store",
+        "previous_response_id",
+        "stream",
+        "background",
+        "parallel_tool_calls",
+        "user",
+        "prompt_cache_key",
+        "include",  # accepted empty (the Agents SDK always sends it)
+        "truncation",  # accepted as "disabled" (the default)
+    }
+)
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
+RESPONSE_ID = re.compile(r"resp_[0-9a-f]{16,64}")
+INT32_MAX = 2**31 - 1
+
+
+def _bad(message: str, param: str) -> InvalidRequest:
+    return InvalidRequest(message, param=param[:160])
+
+
+def new_item_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+@dataclass(slots=True)
+class ResponsesRequest:
+    """A checked Responses request: the chat request it means, less the conversation it
+    continues (`to_chat` adds that), and what the response object repeats."""
+
+    model: str
+    items: list[dict[str, Any]]  # the input as items, each with an id
+    messages: list[dict[str, Any]]  # those items as chat messages
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    background: bool = False
+    stream: bool = False
+    echo: dict[str, Any] = field(default_factory=dict)  # what the response object repeats
+    chat: dict[str, Any] = field(default_factory=dict)  # the chat fields besides messages
+
+
+def _text(v: Any, where: str) -> str:
+    if not isinstance(v, str):
+        raise _bad(f"'{where}' must be a string", where)
+    return v
+
+
+def _no_extras(obj: dict[str, Any], allowed: frozenset[str], where: str) -> None:
+    for k in obj:
+        if k not in allowed:
+            raise _bad(f"'{where}.{k[:64]}' is not supported", f"{where}.{k[:64]}")
+
+
+_PART_KEYS = frozenset({"type", "text", "annotations", "logprobs", "image_url", "detail"})
+
+
+def _part(part: Any, role: str, where: str) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if not isinstance(kind, str):
+        raise _bad(f"'{where}' must be a content part with a 'type'", where)
+    assert isinstance(part, dict)
+    _no_extras(part, _PART_KEYS, where)
+    if kind == "input_text" or (kind in ("output_text", "refusal") and role == "assistant"):
+        key = "refusal" if kind == "refusal" else "text"
+        return {"type": "text", "text": _text(part.get(key), f"{where}.{key}")}
+    if kind == "input_image" and role != "assistant":
+        url = part.get("image_url")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://", "data:image/")):
+            raise _bad(
+                f"'{where}.image_url' must be an http(s) or data:image URL (file_id is not "
+                "supported)",
+                f"{where}.image_url",
+            )
+        image: dict[str, Any] = {"url": url}
+        detail = part.get("detail")
+        if detail is not None:
+            if detail not in ("auto", "low", "high"):
+                raise _bad(f"'{where}.detail' must be auto, low or high", f"{where}.detail")
+            image["detail"] = detail
+        return {"type": "image_url", "image_url": image}
+    raise _bad(f"'{where}': content part type {kind[:40]!r} is not supported here", where)
+
+
+def _content(content: Any, role: str, where: str) -> str | list[dict[str, Any]]:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise _bad(f"'{where}' must be a string or a non-empty array of parts", where)
+    parts = [_part(p, role, f"{where}[{j}]") for j, p in enumerate(content)]
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts) if role == "assistant" else parts
+    return parts
+
+
+_MESSAGE_KEYS = frozenset({"type", "role", "content", "id", "status", "phase"})
+_CALL_KEYS = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
+_OUTPUT_KEYS = frozenset({"type", "call_id", "output", "id", "status"})
+
+
+def _item(i: int, item: Any, out: list[dict[str, Any]]) -> dict[str, Any]:
+    """Append one input item's chat message(s) to `out`; return the item as stored."""
+    where = f"input[{i}]"
+    if not isinstance(item, dict):
+        raise _bad(f"'{where}' must be an object", where)
+    kind = item.get("type", "message")
+    if kind == "message":
+        _no_extras(item, _MESSAGE_KEYS, where)
+        role = item.get("role")
+        if role not in ("user", "assistant", "system", "developer"):
+            raise _bad(
+                f"'{where}.role' must be user, assistant, system or developer", f"{where}.role"
+            )
+        content = _content(item.get("content"), str(role), f"{where}.content")
+        out.append({"role": role, "content": content})
+        stored = {"type": "message", "role": role, "content": _as_parts(item["content"], role)}
+        return {"id": _given_id(item) or new_item_id("msg"), **stored}
+    if kind == "function_call":
+        _no_extras(item, _CALL_KEYS, where)
+        call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments")
+        if not isinstance(call_id, str) or not _ID.fullmatch(call_id):
+            raise _bad(f"'{where}.call_id' must be a call id", f"{where}.call_id")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise _bad(f"'{where}.name' must be 1-64 of A-Z a-z 0-9 _ - .", f"{where}.name")
+        if not isinstance(args, str):
+            raise _bad(f"'{where}.arguments' must be a JSON string", f"{where}.arguments")
+        call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+        last = out[-1] if out else None
+        if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+            last["tool_calls"].append(call)  # parallel calls: one assistant turn
+        elif (
+            last is not None
+            and last["role"] == "assistant"
+            and isinstance(last.get("content"), str)
+        ):
+            last["tool_calls"] = [call]
+        else:
+            out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        stored = {"type": "function_call", "call_id": call_id, "name": name, "arguments": args}
+        return {"id": _given_id(item) or new_item_id("fc"), **stored}
+    if kind == "function_call_output":
+        _no_extras(item, _OUTPUT_KEYS, where)
+        call_id, output = item.get("call_id"), item.get("output")
+        if not isinstance(call_id, str) or not _ID.fullmatch(call_id):
+            raise _bad(f"'{where}.call_id' must be a call id", f"{where}.call_id")
+        if isinstance(output, list):
+            texts = [_part(p, "user", f"{where}.output[{j}]") for j, p in enumerate(output)]
+            if any(t["type"] != "text" for t in texts):
+                raise _bad(f"'{where}.output' holds text parts only here", f"{where}.output")
+            output = "".join(t["text"] for t in texts)
+        elif not isinstance(output, str):
+            raise _bad(f"'{where}.output' must be a string", f"{where}.output")
+        out.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        stored = {"type": "function_call_output", "call_id": call_id, "output": output}
+        return {"id": _given_id(item) or new_item_id("fco"), **stored}
+    raise _bad(f"'{where}': item type {str(kind)[:40]!r} is not supported", f"{where}.type")
+
+
+def _as_parts(content: Any, role: str) -> list[Any]:
+    """A message item's content as the parts an input item lists (a string is one
+    text part: `output_text` for the assistant, else `input_text`)."""
+    if isinstance(content, str):
+        kind = "output_text" if role == "assistant" else "input_text"
+        part: dict[str, Any] = {"type": kind, "text": content}
+        if role == "assistant":
+            part["annotations"] = []
+        return [part]
+    return list(content)
+
+
+def _given_id(item: dict[str, Any]) -> str | None:
+    got = item.get("id")
+    return got if isinstance(got, str) and _ID.fullmatch(got) else None
+
+
+_TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    if not isinstance(tools, list):
+        raise _bad("'tools' must be an array", "tools")
+    out = []
+    for k, tool in enumerate(tools):
+        where = f"tools[{k}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise _bad(f"'{where}': only function tools are supported", f"{where}.type")
+        _no_extras(tool, _TOOL_KEYS, where)
+        name = tool.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise _bad(f"'{where}.name' must be 1-64 of A-Z a-z 0-9 _ - .", f"{where}.name")
+        fn: dict[str, Any] = {"name": name}
+        params = tool.get("parameters")
+        if params is not None:
+            if not isinstance(params, dict):
+                raise _bad(f"'{where}.parameters' must be a JSON Schema", f"{where}.parameters")
+            fn["parameters"] = params
+        if tool.get("description") is not None:
+            fn["description"] = _text(tool["description"], f"{where}.description")
+        if tool.get("strict") is not None:
+            if not isinstance(tool["strict"], bool):
+                raise _bad(f"'{where}.strict' must be a boolean", f"{where}.strict")
+            fn["strict"] = tool["strict"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = choice.get("name")
+        if isinstance(name, str) and _NAME.fullmatch(name) and set(choice) <= {"type", "name"}:
+            return {"type": "function", "function": {"name": name}}
+    raise _bad(
+        "'tool_choice' must be 'auto', 'none', 'required' or {\"type\": \"function\", "
+        '"name": ...}',
+        "tool_choice",
+    )
+
+
+def _text_format(text: Any) -> dict[str, Any] | None:
+    if not isinstance(text, dict):
+        raise _bad("'text' must be an object", "text")
+    _no_extras(text, frozenset({"format"}), "text")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        assert isinstance(fmt, dict)
+        _no_extras(
+            fmt, frozenset({"type", "name", "schema", "strict", "description"}), "text.format"
+        )
+        name, schema = fmt.get("name"), fmt.get("schema")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise _bad("'text.format.name' must be 1-64 of A-Z a-z 0-9 _ - .", "text.format.name")
+        if not isinstance(schema, dict):
+            raise _bad("'text.format.schema' must be a JSON Schema object", "text.format.schema")
+        spec: dict[str, Any] = {"name": name, "schema": schema}
+        if isinstance(fmt.get("strict"), bool):
+            spec["strict"] = fmt["strict"]
+        return {"type": "json_schema", "json_schema": spec}
+    raise _bad("'text.format.type' must be text, json_object or json_schema", "text.format.type")
+
+
+def _number(body: dict[str, Any], name: str, low: float, high: float, integer: bool) -> None:
+    v = body.get(name)
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
+        raise _bad(f"'{name}' must be {'an integer' if integer else 'a number'}", name)
+    if not low <= v <= high:
+        raise _bad(f"'{name}' must be between {low} and {high}", name)
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(f"'{name}' must be a boolean", name)
+    return v
+
+
+def _metadata(meta: Any) -> dict[str, str]:
+    if not isinstance(meta, dict) or len(meta) > 16:
+        raise _bad("'metadata' must be an object of at most 16 pairs", "metadata")
+    for k, v in meta.items():
+        if len(k) > 64 or not isinstance(v, str) or len(v) > 512:
+            raise _bad(
+                "'metadata' keys are at most 64 characters, values strings of at most 512",
+                "metadata",
+            )
+    return meta
+
+
+def check(body: Any) -> ResponsesRequest:
+    """A Responses request (parsed JSON) checked; raises the 400 naming what is wrong
+    or not supported."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    for name in body:
+        if name not in FIELDS:
+            raise _bad(f"'{name[:64]}' is not supported by this gateway's Responses API", name)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest(
+            "'model' is required: a non-empty string",
+            param="model",
+            code="missing_required_parameter",
+        )
+    raw = body.get("input")
+    messages: list[dict[str, Any]] = []
+    if isinstance(raw, str):
+        messages.append({"role": "user", "content": raw})
+        items = [
+            {
+                "id": new_item_id("msg"),
+                "type": "message",
+                "role": "user",
+                "content": _as_parts(raw, "user"),
+            }
+        ]
+    elif isinstance(raw, list) and raw:
+        items = [_item(i, item, messages) for i, item in enumerate(raw)]
+    else:
+        raise InvalidRequest(
+            "'input' is required: a string or a non-empty array of items",
+            param="input",
+            code="missing_required_parameter",
+        )
+    instructions = body.get("instructions")
+    if instructions is not None:
+        _text(instructions, "instructions")
+    prev = body.get("previous_response_id")
+    if prev is not None and (not isinstance(prev, str) or not RESPONSE_ID.fullmatch(prev)):
+        raise _bad(
+            "'previous_response_id' must be a response id (resp_...)", "previous_response_id"
+        )
+    _number(body, "max_output_tokens", 1, INT32_MAX, integer=True)
+    _number(body, "temperature", 0, 2, integer=False)
+    _number(body, "top_p", 0, 1, integer=False)
+    include = body.get("include")
+    if include is not None and include != []:
+        raise _bad("'include' is not supported (send it empty or leave it out)", "include")
+    truncation = body.get("truncation")
+    if truncation is not None and truncation != "disabled":
+        raise _bad("'truncation' must be 'disabled' here (no automatic truncation)", "truncation")
+    chat: dict[str, Any] = {}
+    echo: dict[str, Any] = {"tools": body.get("tools") or [], "tool_choice": "auto"}
+    if body.get("tools") is not None:
+        chat["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        echo["tool_choice"] = body["tool_choice"]
+    if body.get("text") is not None:
+        fmt = _text_format(body["text"])
+        if fmt is not None:
+            chat["response_format"] = fmt
+        echo["text"] = body["text"]
+    for src, dst in (
+        ("max_output_tokens", "max_tokens"),
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+    ):
+        if body.get(src) is not None:
+            chat[dst] = body[src]
+            echo[src] = body[src]
+    parallel = _flag(body, "parallel_tool_calls", True)
+    if body.get("parallel_tool_calls") is not None:
+        chat["parallel_tool_calls"] = parallel
+    echo["parallel_tool_calls"] = parallel
+    for name in ("user", "prompt_cache_key"):
+        v = body.get(name)
+        if v is not None:
+            if not isinstance(v, str) or len(v) > 512:
+                raise _bad(f"'{name}' must be a string of at most 512 characters", name)
+            chat[name] = v
+    if body.get("metadata") is not None:
+        echo["metadata"] = _metadata(body["metadata"])
+    stream = _flag(body, "stream", False)
+    background = _flag(body, "background", False)
+    store = _flag(body, "store", True)
+    if background and not store:
+        raise _bad("a background response must be stored ('store' true)", "background")
+    if background and stream:
+        raise _bad(
+            "'background' with 'stream' is not supported: poll GET /v1/responses/{id}", "background"
+        )
+    if stream:
+        chat["stream"] = True
+        chat["stream_options"] = {"include_usage": True}
+    return ResponsesRequest(
+        model=model,
+        items=items,
+        messages=messages,
+        instructions=instructions,
+        previous_response_id=prev,
+        store=store,
+        background=background,
+        stream=stream,
+        echo=echo,
+        chat=chat,
+    )
+
+
+def to_chat(req: ResponsesRequest, history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The chat completions body the request means: its instructions, the conversation
+    it continues (chat messages, as stored with that response), then its own input."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions is not None:
+        messages.append({"role": "system", "content": req.instructions})
+    messages.extend(history or ())
+    messages.extend(req.messages)
+    return {"model": req.model, "messages": messages, **req.chat}

@@ -1,0 +1,392 @@
+"""The OpenAI Responses protocol's replies: the internal reply (a chat completion, or
+its stream's chunks, after the request's reply side) as a `response` object and as the
+Responses event stream, at the HTTP boundary.
+
+The reply side (tool gate, cache, PII restore) has run on the chat shape, so a tool
+call the gate removed never becomes a `function_call` item, and a cache hit is served
+in the shape of the protocol that asked. Stream events carry `sequence_number`s:
+`response.created`, `response.in_progress`, then per output item
+`response.output_item.added`, for a message `response.content_part.added`,
+`response.output_text.delta`…, `response.output_text.done`, `response.content_part.done`,
+for a function call `response.function_call_arguments.delta`…,
+`response.function_call_arguments.done`, then `response.output_item.done`; last
+`response.completed`, or on a broken stream `error` and `response.failed`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from switchyard.api.responses_codec import ResponsesRequest, new_item_id
+from switchyard.errors import SwitchyardError
+from switchyard.pipeline import RequestContext, Status
+
+
+@dataclass(slots=True)
+class Shell:
+    """What every state of one response object repeats: its id, request and model."""
+
+    rid: str
+    req: ResponsesRequest
+    model: str
+    created_at: float = field(default_factory=time.time)
+
+    def object(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        usage: dict[str, Any] | None = None,
+        error: dict[str, Any] | None = None,
+        incomplete: str | None = None,
+    ) -> dict[str, Any]:
+        """The response object in this state."""
+        req, echo = self.req, self.req.echo
+        done = status in ("completed", "failed", "incomplete", "cancelled")
+        return {
+            "id": self.rid,
+            "object": "response",
+            "created_at": int(self.created_at),
+            "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "background": req.background,
+            "error": error,
+            "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": req.instructions,
+            "max_output_tokens": echo.get("max_output_tokens"),
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": echo.get("parallel_tool_calls", True),
+            "previous_response_id": req.previous_response_id,
+            "store": req.store,
+            "temperature": echo.get("temperature"),
+            "top_p": echo.get("top_p"),
+            "text": echo.get("text") or {"format": {"type": "text"}},
+            "tool_choice": echo.get("tool_choice", "auto"),
+            "tools": echo.get("tools") or [],
+            "truncation": "disabled",
+            "metadata": echo.get("metadata") or {},
+            "usage": usage if done else None,
+        }
+
+
+def usage_of(chat_usage: Any) -> dict[str, Any] | None:
+    if not isinstance(chat_usage, dict):
+        return None
+    inp = int(chat_usage.get("prompt_tokens") or 0)
+    out = int(chat_usage.get("completion_tokens") or 0)
+    details = chat_usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+    return {
+        "input_tokens": inp,
+        "input_tokens_details": {"cached_tokens": int(cached or 0), "cache_write_tokens": 0},
+        "output_tokens": out,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": inp + out,
+    }
+
+
+def message_item(
+    text: str, status: str = "completed", item_id: str | None = None
+) -> dict[str, Any]:
+    return {
+        "id": item_id or new_item_id("msg"),
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
+
+
+def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "id": new_item_id("fc"),
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def chat_message(chat: dict[str, Any]) -> dict[str, Any]:
+    """The assistant message of a chat completion (its first choice), as a chat message
+    the conversation continues from."""
+    choices = chat.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else {}
+    msg = choice.get("message") if isinstance(choice, dict) else None
+    msg = msg if isinstance(msg, dict) else {}
+    out: dict[str, Any] = {"role": "assistant", "content": msg.get("content")}
+    if isinstance(msg.get("tool_calls"), list) and msg["tool_calls"]:
+        out["tool_calls"] = msg["tool_calls"]
+    return out
+
+
+def _finish(chat: dict[str, Any]) -> str | None:
+    choices = chat.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else {}
+    got = choice.get("finish_reason") if isinstance(choice, dict) else None
+    return got if isinstance(got, str) else None
+
+
+def to_response(chat: dict[str, Any], shell: Shell) -> dict[str, Any]:
+    """A whole chat completion as the completed (or incomplete) response object."""
+    msg = chat_message(chat)
+    output: list[dict[str, Any]] = []
+    text = msg.get("content")
+    calls = msg.get("tool_calls") or []
+    if (isinstance(text, str) and text) or not calls:
+        output.append(message_item(text if isinstance(text, str) else ""))
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            args = fn.get("arguments")
+            output.append(
+                call_item(
+                    str(call.get("id") or ""),
+                    str(fn.get("name") or ""),
+                    args if isinstance(args, str) else orjson.dumps(args).decode(),
+                )
+            )
+    incomplete = "max_output_tokens" if _finish(chat) == "length" else None
+    status = "incomplete" if incomplete else "completed"
+    return shell.object(status, output, usage_of(chat.get("usage")), incomplete=incomplete)
+
+
+def _sse(data: dict[str, Any]) -> bytes:
+    return b"event: " + str(data["type"]).encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+class ResponseEvents:
+    """Chat completion chunks in, Responses events out, for one stream: the output
+    items so far (the open one last), the finish reason and usage, and the sequence."""
+
+    def __init__(self, shell: Shell) -> None:
+        self.shell = shell
+        self.seq = 0
+        self.started = False
+        self.output: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the output item being streamed
+        self.calls: dict[int, dict[str, Any]] = {}  # chat tool call index -> item
+        self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.final: dict[str, Any] | None = None  # the response object once it ended
+
+    def _event(self, data: dict[str, Any]) -> bytes:
+        data["sequence_number"] = self.seq
+        self.seq += 1
+        return _sse(data)
+
+    def start(self) -> list[bytes]:
+        self.started = True
+        snapshot = self.shell.object("in_progress", [])
+        return [
+            self._event({"type": "response.created", "response": snapshot}),
+            self._event({"type": "response.in_progress", "response": snapshot}),
+        ]
+
+    def _close(self) -> list[bytes]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index = self.output.index(item)
+        out = []
+        item["status"] = "completed"
+        if item["type"] == "message":
+            part = item["content"][0]
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            out.append(
+                self._event(
+                    {
+                        "type": "response.output_text.done",
+                        **where,
+                        "text": part["text"],
+                        "logprobs": [],
+                    }
+                )
+            )
+            out.append(self._event({"type": "response.content_part.done", **where, "part": part}))
+        else:
+            out.append(
+                self._event(
+                    {
+                        "type": "response.function_call_arguments.done",
+                        "item_id": item["id"],
+                        "output_index": index,
+                        "arguments": item["arguments"],
+                    }
+                )
+            )
+        out.append(
+            self._event({"type": "response.output_item.done", "output_index": index, "item": item})
+        )
+        return out
+
+    def _add(self, item: dict[str, Any]) -> list[bytes]:
+        out = self._close()
+        self.output.append(item)
+        self.open = item
+        index = len(self.output) - 1
+        shown = {**item, "content": []} if item["type"] == "message" else item
+        out.append(
+            self._event(
+                {"type": "response.output_item.added", "output_index": index, "item": shown}
+            )
+        )
+        if item["type"] == "message":
+            out.append(
+                self._event(
+                    {
+                        "type": "response.content_part.added",
+                        "item_id": item["id"],
+                        "output_index": index,
+                        "content_index": 0,
+                        "part": {
+                            "type": "output_text",
+                            "text": "",
+                            "annotations": [],
+                            "logprobs": [],
+                        },
+                    }
+                )
+            )
+        return out
+
+    def chunk(self, obj: dict[str, Any]) -> list[bytes]:
+        """The events of one chat completion chunk."""
+        out = [] if self.started else self.start()
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+        choices = obj.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            return out
+        choice: dict[str, Any] = choices[0]
+        got = choice.get("delta")
+        delta: dict[str, Any] = got if isinstance(got, dict) else {}
+        text = delta.get("content")
+        if isinstance(text, str) and text:
+            if self.open is None or self.open["type"] != "message":
+                out.extend(self._add(message_item("", "in_progress")))
+            assert self.open is not None
+            self.open["content"][0]["text"] += text
+            out.append(
+                self._event(
+                    {
+                        "type": "response.output_text.delta",
+                        "item_id": self.open["id"],
+                        "output_index": len(self.output) - 1,
+                        "content_index": 0,
+                        "delta": text,
+                        "logprobs": [],
+                    }
+                )
+            )
+        calls = delta.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            if not isinstance(call, dict):
+                continue
+            i = call.get("index", 0)
+            named = call.get("function")
+            fn: dict[str, Any] = named if isinstance(named, dict) else {}
+            item = self.calls.get(i)
+            if item is None:
+                item = call_item(
+                    str(call.get("id") or ""), str(fn.get("name") or ""), "", "in_progress"
+                )
+                self.calls[i] = item
+                out.extend(self._add(item))
+            piece = fn.get("arguments")
+            if isinstance(piece, str) and piece:
+                item["arguments"] += piece
+                out.append(
+                    self._event(
+                        {
+                            "type": "response.function_call_arguments.delta",
+                            "item_id": item["id"],
+                            "output_index": self.output.index(item),
+                            "delta": piece,
+                        }
+                    )
+                )
+        if choice.get("finish_reason"):
+            self.finish = choice["finish_reason"]
+        return out
+
+    def end(self) -> list[bytes]:
+        """The events that close a complete stream (the final object kept in `final`)."""
+        out = [] if self.started else self.start()
+        if not self.output:
+            out.extend(self._add(message_item("", "in_progress")))
+        out.extend(self._close())
+        incomplete = "max_output_tokens" if self.finish == "length" else None
+        status = "incomplete" if incomplete else "completed"
+        self.final = self.shell.object(
+            status, self.output, usage_of(self.usage), incomplete=incomplete
+        )
+        kind = "response.incomplete" if incomplete else "response.completed"
+        out.append(self._event({"type": kind, "response": self.final}))
+        return out
+
+    def failed(self, exc: SwitchyardError) -> list[bytes]:
+        """The events that end a broken stream: `error`, then `response.failed`."""
+        out = [] if self.started else self.start()
+        error = {"code": exc.code, "message": exc.message}
+        self.final = self.shell.object("failed", self.output, usage_of(self.usage), error=error)
+        out.append(
+            self._event(
+                {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param}
+            )
+        )
+        out.append(self._event({"type": "response.failed", "response": self.final}))
+        return out
+
+
+async def frame(
+    ctx: RequestContext,
+    data: AsyncIterator[list[bytes]],
+    events: ResponseEvents,
+    ended: Callable[[ResponseEvents], Awaitable[None]],
+) -> AsyncIterator[bytes]:
+    """The relay's chat chunks (reply.relay, after the reply side) as Responses events,
+    one write per batch; `ended(events)` once the response completed or failed (it
+    stores the response), before the last write goes out."""
+    try:
+        async for batch in data:
+            out: list[bytes] = []
+            for d in batch:
+                obj = orjson.loads(d)
+                if isinstance(obj, dict):
+                    out.extend(events.chunk(obj))
+            if ctx.status is Status.OK:
+                out.extend(events.end())
+                await ended(events)
+            if out:
+                yield b"".join(out)
+    except SwitchyardError as exc:
+        tail = events.failed(exc)
+        await ended(events)
+        yield b"".join(tail)
+    finally:
+        aclose = getattr(data, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def replay_chunks(chat: dict[str, Any]) -> list[dict[str, Any]]:
+    """A whole chat completion (a cache hit) as the chunks a stream of it carries, so a
+    replay goes through the same ResponseEvents as a live stream."""
+    msg = chat_message(chat)
+    out: list[dict[str, Any]] = []
+    text = msg.get("content")
+    if isinstance(text, str) and text:
+        out.append({"choices": [{"index": 0, "delta": {"content": text}}]})
+    for k, call in enumerate(msg.get("tool_calls") or []):
+        out.append({"choices": [{"index": 0, "delta": {"tool_calls": [{**call, "index": k}]}}]})
+    out.append({"choices": [{"index": 0, "delta": {}, "finish_reason": _finish(chat) or "stop"}]})
+    out.append({"choices": [], "usage": chat.get("usage")})
+    return out

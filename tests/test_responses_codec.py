@@ -1,0 +1,253 @@
+"""The Responses codec and reply translation (api/responses_codec.py,
+api/responses_reply.py), without sockets: requests decode into the internal model with
+the checks naming what is not supported; a reply streamed and the same reply whole are
+one response object, as the official `openai` SDK assembles it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from openai.types.responses import Response
+
+from switchyard.api.responses_codec import check, to_chat
+from switchyard.api.responses_reply import ResponseEvents, Shell, replay_chunks, to_response
+from switchyard.errors import InvalidRequest, UpstreamError
+from switchyard.policy.validate import validate_chat
+
+try:  # the HTTP package the SDK is built on (newer releases: httpx2)
+    import httpx2 as sdk_http
+except ImportError:
+    import httpx as sdk_http  # type: ignore[no-redef]
+
+
+def _param(body: dict[str, Any]) -> str | None:
+    with pytest.raises(InvalidRequest) as info:
+        check(body)
+    return info.value.param
+
+
+def test_items_decode_into_one_chat_conversation() -> None:
+    req = check(
+        {
+            "model": "m",
+            "instructions": "Be brief.",
+            "input": [
+                {"role": "user", "content": "Weather in Oslo?"},
+                {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "time", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "rain"},
+                {"type": "function_call_output", "call_id": "c2", "output": "noon"},
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "and this?"},
+                        {"type": "input_image", "image_url": "https://img.test/a.png"},
+                    ],
+                },
+            ],
+            "tools": [{"type": "function", "name": "weather", "parameters": {"type": "object"}}],
+            "tool_choice": {"type": "function", "name": "weather"},
+            "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}},
+            "max_output_tokens": 50,
+            "include": [],
+            "truncation": "disabled",
+            "stream": True,
+        }
+    )
+    chat = to_chat(req, [{"role": "user", "content": "earlier"}])
+    validate_chat(chat)
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "earlier"},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": "{}"},
+                },
+                {"id": "c2", "type": "function", "function": {"name": "time", "arguments": "{}"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+        {"role": "tool", "tool_call_id": "c2", "content": "noon"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "and this?"},
+                {"type": "image_url", "image_url": {"url": "https://img.test/a.png"}},
+            ],
+        },
+    ]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "weather"}}
+    assert chat["response_format"]["type"] == "json_schema" and chat["max_tokens"] == 50
+    assert chat["stream_options"] == {"include_usage": True}
+    assert [i["type"] for i in req.items] == [
+        "message",
+        "function_call",
+        "function_call",
+        "function_call_output",
+        "function_call_output",
+        "message",
+    ]
+    assert len({i["id"] for i in req.items}) == 6 and req.store and not req.background
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "x"}, "model"),
+        ({"model": "m"}, "input"),
+        ({"model": "m", "input": []}, "input"),
+        ({"model": "m", "input": "x", "reasoning": {"effort": "low"}}, "reasoning"),
+        ({"model": "m", "input": "x", "conversation": "c"}, "conversation"),
+        ({"model": "m", "input": "x", "include": ["file_search_call.results"]}, "include"),
+        ({"model": "m", "input": "x", "truncation": "auto"}, "truncation"),
+        ({"model": "m", "input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        ({"model": "m", "input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+        (
+            {"model": "m", "input": [{"role": "user", "content": [{"type": "input_file"}]}]},
+            "input[0].content[0]",
+        ),
+        (
+            {
+                "model": "m",
+                "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}],
+            },
+            "input[0].content[0].file_id",
+        ),
+        ({"model": "m", "input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"model": "m", "input": "x", "previous_response_id": "nope"}, "previous_response_id"),
+        ({"model": "m", "input": "x", "background": True, "store": False}, "background"),
+        ({"model": "m", "input": "x", "background": True, "stream": True}, "background"),
+        ({"model": "m", "input": "x", "temperature": 3}, "temperature"),
+        ({"model": "m", "input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
+        ({"model": "m", "input": "x", "z" * 100_000: 1}, "z" * 64),
+    ],
+)
+def test_what_is_not_supported_is_refused_by_name(body: dict[str, Any], param: str) -> None:
+    got = _param(body)
+    assert got is not None and got.startswith(param[:160]), got
+
+
+# -- whole and streamed: one response ---------------------------------------------------
+_name = st.from_regex(r"[A-Za-z0-9_\-]{1,12}", fullmatch=True)
+_args = st.dictionaries(
+    _name, st.one_of(st.integers(-(2**31), 2**31), st.text(max_size=8)), max_size=3
+)
+_calls = st.lists(st.tuples(_name, _name, _args), max_size=3, unique_by=lambda c: c[0])
+
+
+def _chat(text: str, calls: list[tuple[str, str, dict[str, Any]]], finish: str) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [
+            {"id": i, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+            for i, n, a in calls
+        ]
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13},
+    }
+
+
+def _assemble(stream: bytes) -> Response:
+    """The response the official SDK assembles from our event stream."""
+
+    def answer(request: Any) -> Any:
+        return sdk_http.Response(200, content=stream, headers={"content-type": "text/event-stream"})
+
+    client = openai.OpenAI(
+        api_key="k",
+        base_url="http://sdk.test/v1",
+        http_client=sdk_http.Client(transport=sdk_http.MockTransport(answer)),
+    )
+    with client.responses.stream(model="m", input="x") as s:
+        for _ in s:
+            pass
+        return s.get_final_response()
+
+
+def _shape(r: Response) -> list[Any]:
+    out: list[Any] = []
+    for item in r.output:
+        if item.type == "message":
+            out.append(
+                ("message", "".join(c.text for c in item.content if c.type == "output_text"))
+            )
+        elif item.type == "function_call":
+            out.append(("call", item.call_id, item.name, json.loads(item.arguments)))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.text(max_size=60),
+    _calls,
+    st.sampled_from(["stop", "length", "tool_calls"]),
+    st.integers(1, 30),
+)
+def test_a_streamed_reply_assembles_into_the_whole_reply(
+    text: str, calls: list[tuple[str, str, dict[str, Any]]], finish: str, piece: int
+) -> None:
+    chat = _chat(text, calls, finish)
+    shell = Shell("resp_" + "0" * 32, check({"model": "m", "input": "x"}), "m")
+    whole = Response.model_validate(to_response(chat, shell))
+    chunks: list[dict[str, Any]] = []
+    for i in range(0, len(text), piece):
+        chunks.append({"choices": [{"index": 0, "delta": {"content": text[i : i + piece]}}]})
+    for k, (cid, name, args) in enumerate(calls):
+        head = {
+            "index": k,
+            "id": cid,
+            "type": "function",
+            "function": {"name": name, "arguments": ""},
+        }
+        chunks.append({"choices": [{"index": 0, "delta": {"tool_calls": [head]}}]})
+        encoded = json.dumps(args)
+        for i in range(0, len(encoded), piece):
+            part = {"index": k, "function": {"arguments": encoded[i : i + piece]}}
+            chunks.append({"choices": [{"index": 0, "delta": {"tool_calls": [part]}}]})
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+    chunks.append({"choices": [], "usage": chat["usage"]})
+    events = ResponseEvents(shell)
+    out = b"".join(b"".join(events.chunk(c)) for c in chunks) + b"".join(events.end())
+    seqs = [
+        json.loads(e.split(b"\ndata: ", 1)[1])["sequence_number"] for e in out.split(b"\n\n") if e
+    ]
+    assert seqs == list(range(len(seqs)))
+    if finish != "length":  # the SDK's stream helper ends on response.completed
+        streamed = _assemble(out)
+        assert _shape(streamed) == _shape(whole)
+        assert streamed.usage is not None and streamed.usage.output_tokens == 4
+        assert streamed.id == whole.id and streamed.status == whole.status == "completed"
+    assert events.final is not None and [i["type"] for i in events.final["output"]] == [
+        i.type for i in whole.output
+    ]
+    replay = ResponseEvents(Shell(shell.rid, shell.req, "m"))
+    for c in replay_chunks(chat):
+        replay.chunk(c)
+    replay.end()
+    assert replay.final is not None
+    assert _shape(Response.model_validate(replay.final)) == _shape(whole)
+
+
+def test_a_broken_stream_ends_failed_with_an_error_event() -> None:
+    events = ResponseEvents(Shell("resp_" + "1" * 32, check({"model": "m", "input": "x"}), "m"))
+    events.chunk({"choices": [{"index": 0, "delta": {"content": "half"}}]})
+    tail = b"".join(events.failed(UpstreamError("the upstream ended the stream early")))
+    kinds = [json.loads(e.split(b"\ndata: ", 1)[1])["type"] for e in tail.split(b"\n\n") if e]
+    assert kinds == ["error", "response.failed"]
+    assert events.final is not None and events.final["status"] == "failed"
+    assert events.final["error"]["code"] == "upstream_error"
