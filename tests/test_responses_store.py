@@ -368,10 +368,8 @@ def test_nothing_readable_of_a_conversation_is_on_disk(tmp_path: Path) -> None:
 
 
 def _fill_responses(store: ResponseStore, n: int, first_at: float = 1_800_000_000.0) -> None:
-    store.conn.execute("BEGIN")
-    for i in range(n):
+    for i in range(n):  # each create is its own transaction (the store's group commit)
         run(store.create(_response("t", created_at=first_at + i, text="x" * 1400)))
-    store.conn.execute("COMMIT")
 
 
 def test_the_byte_budget_deletes_responses_after_traces_and_before_usage(tmp_path: Path) -> None:
@@ -449,8 +447,8 @@ def test_the_store_on_postgresql_is_shared_by_two_gateways(postgres: Postgres) -
 
     async def go() -> tuple[StoredResponse, StoredResponse]:
         r = _response("t", status="in_progress", background=True, owner=a.owner, text=marker)
-        await a.create(r)
-        assert await b.get("t", r.id) == r  # the other gateway continues from it
+        await a.create(r)  # written behind: the other gateway waits for its commit
+        assert await b.get("t", r.id, settle_s=5.0) == r  # and continues from it
         assert await b.get("u", r.id) is None
         assert await b.active_background("t") == 1
         r.status, r.owner = "completed", None
@@ -463,6 +461,7 @@ def test_the_store_on_postgresql_is_shared_by_two_gateways(postgres: Postgres) -
         old = _response("t", created_at=time.time() - 3 * DAY)
         for x in (mine, theirs, old):
             await a.create(x)
+        await a.drain()
         assert await a.get("t", old.id) is None
         return mine, theirs
 
@@ -520,3 +519,28 @@ def test_postgresql_down_is_store_unavailable_then_recovers(postgres: Postgres) 
         postgres.start()
     assert run(store.get("t", r.id)) == r  # reconnected
     store.conn.close()
+
+
+def test_creates_are_written_behind_in_shared_commits(
+    tmp_path: Path, io: ThreadPoolExecutor
+) -> None:
+    """Write-behind with group commit: a created response is readable here at once;
+    responses created together are committed in fewer transactions than there are of
+    them; once drained every one is in the database, as another connection sees it."""
+    store = _sqlite_store(tmp_path, io)
+    begins: list[str] = []
+    store.conn.set_trace_callback(
+        lambda sql: begins.append(sql) if sql.startswith("BEGIN") else None
+    )
+    made = [_response("t") for _ in range(64)]
+    other = connect(str(tmp_path / "home" / "gw.db"))
+
+    async def go() -> None:
+        await asyncio.gather(*(store.create(r) for r in made))
+        assert (await store.get("t", made[0].id)) == made[0]  # before its commit too
+        await store.drain()
+
+    run(go())
+    ids = {row[0] for row in other.execute("SELECT id FROM responses WHERE tenant_id = 't'")}
+    assert ids == {r.id for r in made}
+    assert 1 <= len(begins) < len(made)

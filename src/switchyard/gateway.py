@@ -683,6 +683,7 @@ class Gateway:
         if self.cache is not None and self.cache.share is not None:
             await self.cache.share.close()
         await self.tasks.close()
+        await self.responses.drain()  # stored responses written behind their replies
         self.store.close()
         if self.media is not None:
             self.media.close()

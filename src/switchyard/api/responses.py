@@ -33,7 +33,13 @@ from starlette.routing import Route
 from switchyard.api.body import header_map
 from switchyard.api.codecs import CHAT_TYPED
 from switchyard.api.openai import CTX_KEY, OpenAIRoutes, SettleAfterResponse
-from switchyard.api.responses_codec import RESPONSE_ID, ResponsesRequest, check, to_chat
+from switchyard.api.responses_codec import (
+    RESPONSE_ID,
+    IdPool,
+    ResponsesRequest,
+    check,
+    to_chat,
+)
 from switchyard.api.responses_reply import (
     ResponseEvents,
     Shell,
@@ -54,7 +60,6 @@ from switchyard.observe.responses import (
     ResponseStore,
     SealError,
     StoredResponse,
-    new_response_id,
 )
 from switchyard.pipeline import RequestContext
 from switchyard.policy.keys import Principal
@@ -66,6 +71,9 @@ from switchyard.settle import mark_failed
 
 log = logging.getLogger("switchyard.api")
 DONE = ("completed", "failed", "incomplete", "cancelled")
+# How long an id not found is looked for again: another gateway on the database commits
+# a response within milliseconds of its reply (observe/responses.py, written behind).
+SETTLE_S = 0.25
 
 
 def _not_found(rid: str) -> NotFound:
@@ -82,6 +90,7 @@ class ResponsesRoutes:
         self.store: ResponseStore = openai.gw.responses
         self.cap = openai.gw.settings.responses.max_background_per_tenant
         self.running: dict[str, asyncio.Task[None]] = {}  # background responses here
+        self.ids = IdPool()  # response and item ids
 
     def routes(self) -> list[Route]:
         return [
@@ -98,10 +107,11 @@ class ResponsesRoutes:
         return principal
 
     async def _fetch(self, tenant_id: str, rid: str) -> StoredResponse | None:
-        """A stored response of the tenant; one that does not open is the operator's
-        problem (logged), told to the client in a stable message."""
+        """A stored response of the tenant (one another gateway just wrote is waited for
+        briefly: SETTLE_S); one that does not open is the operator's problem (logged),
+        told to the client in a stable message."""
         try:
-            return await self.store.get(tenant_id, rid)
+            return await self.store.get(tenant_id, rid, SETTLE_S)
         except SealError as exc:
             log.error("%s", exc)
             raise StoredResponseUnreadable(
@@ -117,7 +127,7 @@ class ResponsesRoutes:
         response it names, and decoded: (the Responses request, the chat request, the
         conversation it ends with, before this turn's output)."""
         parsed, _ = await self.openai.reader(request, headers, None)(ctx.remaining_s())
-        req = check(parsed)
+        req = check(parsed, self.ids)
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             prev = await self._fetch(ctx.principal.tenant_id, req.previous_response_id)
@@ -151,7 +161,7 @@ class ResponsesRoutes:
         try:
             service.begin(ctx)
             req, gen, conversation = await self._decode(request, headers, ctx)
-            shell = Shell(new_response_id(), req, req.model)
+            shell = Shell(self.ids("resp"), req, req.model, ids=self.ids)
             if req.background:
                 return await self._background(ctx, req, gen, conversation, shell)
         except BaseException as exc:
@@ -283,6 +293,7 @@ class ResponsesRoutes:
         queued = shell.object("queued", [])
         stored = self._stored(ctx, req, shell, queued, conversation)
         await self.store.create(stored)
+        await self.store.drain()  # committed: every gateway counts it and answers its GET
         task = asyncio.create_task(self._run(ctx, req, gen, conversation, shell, stored))
         self.running[shell.rid] = task
         task.add_done_callback(lambda _: self.running.pop(shell.rid, None))

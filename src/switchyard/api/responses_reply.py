@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from switchyard.api.responses_codec import ResponsesRequest, new_item_id
+from switchyard.api.responses_codec import Ids, ResponsesRequest, new_item_id
 from switchyard.errors import SwitchyardError
 from switchyard.pipeline import RequestContext, Status
 
@@ -35,6 +35,7 @@ class Shell:
     req: ResponsesRequest
     model: str
     created_at: float = field(default_factory=time.time)
+    ids: Ids = new_item_id  # makes its output items' ids
 
     def object(
         self,
@@ -90,11 +91,9 @@ def usage_of(chat_usage: Any) -> dict[str, Any] | None:
     }
 
 
-def message_item(
-    text: str, status: str = "completed", item_id: str | None = None
-) -> dict[str, Any]:
+def message_item(text: str, item_id: str, status: str = "completed") -> dict[str, Any]:
     return {
-        "id": item_id or new_item_id("msg"),
+        "id": item_id,
         "type": "message",
         "role": "assistant",
         "status": status,
@@ -102,9 +101,11 @@ def message_item(
     }
 
 
-def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+def call_item(
+    call_id: str, name: str, arguments: str, item_id: str, status: str = "completed"
+) -> dict[str, Any]:
     return {
-        "id": new_item_id("fc"),
+        "id": item_id,
         "type": "function_call",
         "call_id": call_id,
         "name": name,
@@ -140,7 +141,7 @@ def to_response(chat: dict[str, Any], shell: Shell) -> dict[str, Any]:
     text = msg.get("content")
     calls = msg.get("tool_calls") or []
     if (isinstance(text, str) and text) or not calls:
-        output.append(message_item(text if isinstance(text, str) else ""))
+        output.append(message_item(text if isinstance(text, str) else "", shell.ids("msg")))
     for call in calls:
         fn = call.get("function") if isinstance(call, dict) else None
         if isinstance(fn, dict):
@@ -150,6 +151,7 @@ def to_response(chat: dict[str, Any], shell: Shell) -> dict[str, Any]:
                     str(call.get("id") or ""),
                     str(fn.get("name") or ""),
                     args if isinstance(args, str) else orjson.dumps(args).decode(),
+                    shell.ids("fc"),
                 )
             )
     incomplete = "max_output_tokens" if _finish(chat) == "length" else None
@@ -271,7 +273,7 @@ class ResponseEvents:
         text = delta.get("content")
         if isinstance(text, str) and text:
             if self.open is None or self.open["type"] != "message":
-                out.extend(self._add(message_item("", "in_progress")))
+                out.extend(self._add(message_item("", self.shell.ids("msg"), "in_progress")))
             assert self.open is not None
             self.open["content"][0]["text"] += text
             out.append(
@@ -321,7 +323,7 @@ class ResponseEvents:
         """The events that close a complete stream (the final object kept in `final`)."""
         out = [] if self.started else self.start()
         if not self.output:
-            out.extend(self._add(message_item("", "in_progress")))
+            out.extend(self._add(message_item("", self.shell.ids("msg"), "in_progress")))
         out.extend(self._close())
         incomplete = "max_output_tokens" if self.finish == "length" else None
         status = "incomplete" if incomplete else "completed"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import logging
 import os
 import secrets
@@ -55,6 +56,9 @@ T = TypeVar("T")
 IN_FLIGHT = ("queued", "in_progress")
 KEY_FILE = "responses.key"
 ORPHAN_REASON = "the gateway restarted while this response was in progress"
+_MAX_BATCH = 512  # responses per commit
+FLUSH_S = 0.01  # how long a commit waits for more responses to take (as the ledger's)
+OUTAGE_S = 30.0  # how long queued responses wait for a database that is down
 _VERSION = b"\x01"  # a sealed blob: version, 12-byte nonce, ciphertext with its 16-byte tag
 _NONCE = 12
 
@@ -271,6 +275,11 @@ class ResponseStore:
         self.conn.executescript(RESPONSES_SCHEMA)
         self._lock = threading.Lock()
         self._io = io
+        # Written behind the reply (see `create`): queued, and readable here at once,
+        # until the commit that takes them lands.
+        self._pending: list[StoredResponse] = []
+        self._unwritten: dict[tuple[str, str], StoredResponse] = {}
+        self._committer: asyncio.Task[None] | None = None
 
     async def _run(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         try:
@@ -282,17 +291,79 @@ class ResponseStore:
             raise DatabaseUnavailable(f"the gateway's database is unavailable ({what})") from None
 
     async def create(self, r: StoredResponse) -> None:
-        await self._run("storing a response", self._create, r)
+        """Store a new response. With a disk it is written behind the reply: queued at
+        once (readable here at once: `get` sees it), and committed with whatever else
+        is queued within FLUSH_S, in one transaction (group commit: one take of the
+        database's write lock, which the ledger writer shares, and one hop to the I/O
+        thread, for many responses); other gateways on the database see it then (their
+        `get` waits a moment for an id it does not find yet). What a crash
+        leaves uncommitted is lost, as the ledger's last batch is; `drain` (the
+        gateway's stop) writes it all. Without a disk (memory) it is written at once."""
+        if self._io is None:
+            self._create_many([r])
+            return
+        self._unwritten[(r.tenant_id, r.id)] = r
+        self._pending.append(r)
+        if self._committer is None:
+            self._committer = asyncio.get_running_loop().create_task(self._commit_pending())
 
-    async def get(self, tenant_id: str, rid: str) -> StoredResponse | None:
-        """None: no such id for this tenant (another tenant's included) or past retention."""
-        return await self._run("a stored response", self._get, tenant_id, rid, time.time())
+    async def _commit_pending(self) -> None:
+        """Commit what is queued, batch after batch, until nothing is; a database that
+        is down is retried (the responses stay readable here) for OUTAGE_S, then what
+        could not be written is dropped, and logged."""
+        failing_since: float | None = None
+        try:
+            await asyncio.sleep(FLUSH_S)  # let a batch gather: one commit for many
+            while self._pending:
+                batch = self._pending[:_MAX_BATCH]
+                try:
+                    await self._run("storing responses", self._create_many, batch)
+                except DatabaseUnavailable:
+                    now = time.monotonic()
+                    failing_since = failing_since or now
+                    if now - failing_since < OUTAGE_S:
+                        await asyncio.sleep(0.5)
+                        continue
+                    log.error("dropped %d stored responses: the database is down", len(batch))
+                except Exception:
+                    log.exception("dropped %d stored responses that did not write", len(batch))
+                failing_since = None
+                del self._pending[: len(batch)]
+                for r in batch:
+                    self._unwritten.pop((r.tenant_id, r.id), None)
+        finally:
+            self._committer = None
+
+    async def drain(self, timeout_s: float = 10.0) -> None:
+        """Wait until every queued response is committed (or `timeout_s` passed)."""
+        task = self._committer
+        if task is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), timeout_s)
+
+    async def get(self, tenant_id: str, rid: str, settle_s: float = 0.0) -> StoredResponse | None:
+        """None: no such id for this tenant (another tenant's included) or past retention.
+        One written here and not yet committed is found at once; `settle_s`: an id not
+        found is looked for again for that long (another gateway's recent response)."""
+        queued = self._unwritten.get((tenant_id, rid))
+        if queued is not None:
+            return queued
+        deadline = time.monotonic() + settle_s
+        while True:
+            got = await self._run("a stored response", self._get, tenant_id, rid, time.time())
+            if got is not None or time.monotonic() >= deadline:
+                return got
+            await asyncio.sleep(0.02)
 
     async def update(self, r: StoredResponse) -> None:
         """Its status, deployment, owner and body (sealed again), as of now."""
+        if (r.tenant_id, r.id) in self._unwritten:
+            await self.drain()  # its insert first
         await self._run("updating a stored response", self._update, r)
 
     async def delete(self, tenant_id: str, rid: str) -> bool:
+        if (tenant_id, rid) in self._unwritten:
+            await self.drain()  # its insert first
         return await self._run("deleting a stored response", self._delete, tenant_id, rid)
 
     async def active_background(self, tenant_id: str) -> int:
@@ -300,17 +371,31 @@ class ResponseStore:
         sharing the database (what `responses.max_background_per_tenant` caps)."""
         return await self._run("the background responses", self._active, tenant_id)
 
-    def _create(self, r: StoredResponse) -> None:
-        blob = self.sealer.seal(r.tenant_id, r.id, r.body)
-        with self._lock:
-            self.conn.execute(
-                f"INSERT INTO responses ({_COLUMNS}, updated_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    *(r.tenant_id, r.id, r.created_at, r.status, r.model, r.deployment),
-                    *(r.previous_response_id, int(r.background), r.owner, blob, time.time()),
-                ),
+    def _create_many(self, responses: list[StoredResponse]) -> None:
+        """Insert the responses in one transaction: all of them, or none."""
+        now = time.time()
+        rows = [
+            (
+                *(r.tenant_id, r.id, r.created_at, r.status, r.model, r.deployment),
+                *(r.previous_response_id, int(r.background), r.owner),
+                self.sealer.seal(r.tenant_id, r.id, r.body),
+                now,
             )
+            for r in responses
+        ]
+        with self._lock:
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                self.conn.executemany(
+                    f"INSERT INTO responses ({_COLUMNS}, updated_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    rows,
+                )
+                self.conn.execute("COMMIT")
+            except BaseException:
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                raise
 
     def _get(self, tenant_id: str, rid: str, now: float) -> StoredResponse | None:
         with self._lock:
