@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 from openai.types.responses import Response
 
 from switchyard.api.responses_codec import check, to_chat
-from switchyard.api.responses_reply import ResponseEvents, Shell, replay_chunks, to_response
+from switchyard.api.responses_reply import ResponseEvents, Shell, to_response
 from switchyard.errors import InvalidRequest, UpstreamError
 from switchyard.policy.validate import validate_chat
+from switchyard.reply import stream_chunks
 
 try:  # the HTTP package the SDK is built on (newer releases: httpx2)
     import httpx2 as sdk_http
@@ -235,8 +236,14 @@ def test_a_streamed_reply_assembles_into_the_whole_reply(
     assert events.final is not None and [i["type"] for i in events.final["output"]] == [
         i.type for i in whole.output
     ]
+    # Every output item: its own id, of its type's prefix, and completed once it ended.
+    for out in (events.final["output"], [i.model_dump() for i in whole.output]):
+        prefixes = [i["id"].split("_", 1)[0] for i in out]
+        assert prefixes == ["msg" if i["type"] == "message" else "fc" for i in out]
+        assert len({i["id"] for i in out}) == len(out)
+        assert {i["status"] for i in out} == {"completed"}
     replay = ResponseEvents(Shell(shell.rid, shell.req, "m"))
-    for c in replay_chunks(chat):
+    for c in stream_chunks(chat):
         replay.chunk(c)
     replay.end()
     assert replay.final is not None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -76,6 +76,84 @@ def through(ctx: RequestContext, side: ReplySide | None, body: bytes) -> bytes |
 async def _whole(side: ReplySide, obj: dict[str, Any], body: bytes) -> bytes:
     out = await side.whole(obj, body)
     return body if out is obj else orjson.dumps(out)
+
+
+@dataclass(slots=True)
+class ChunkParts:
+    """What one chat completion chunk carries, read once (for the protocols that turn
+    chunks into their own events): its usage, text, tool-call pieces and finish."""
+
+    usage: dict[str, Any] | None = None
+    text: str = ""
+    calls: list[ToolCallPiece] = field(default_factory=list)
+    finish: str | None = None
+
+
+@dataclass(slots=True)
+class ToolCallPiece:
+    """A piece of one streamed tool call: its id and name come with its first piece."""
+
+    index: Any
+    call_id: str
+    name: str
+    arguments: str
+
+
+def chunk_parts(obj: dict[str, Any]) -> ChunkParts:
+    """The parts of a chat completion chunk (its first choice: the gateway's streams
+    carry one), whatever is missing or malformed left empty."""
+    usage = obj.get("usage")
+    parts = ChunkParts(usage if isinstance(usage, dict) else None)
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return parts
+    choice: dict[str, Any] = choices[0]
+    got = choice.get("delta")
+    delta: dict[str, Any] = got if isinstance(got, dict) else {}
+    text = delta.get("content")
+    if isinstance(text, str):
+        parts.text = text
+    calls = delta.get("tool_calls")
+    for call in calls if isinstance(calls, list) else ():
+        if isinstance(call, dict):
+            named = call.get("function")
+            fn: dict[str, Any] = named if isinstance(named, dict) else {}
+            piece = fn.get("arguments")
+            parts.calls.append(
+                ToolCallPiece(
+                    call.get("index", 0),
+                    str(call.get("id") or ""),
+                    str(fn.get("name") or ""),
+                    piece if isinstance(piece, str) else "",
+                )
+            )
+    finish = choice.get("finish_reason")
+    parts.finish = finish if isinstance(finish, str) and finish else None
+    return parts
+
+
+def stream_chunks(chat: dict[str, Any]) -> list[dict[str, Any]]:
+    """A whole chat completion (a cache hit, replayed as a stream) as the chunks a
+    stream of it carries: its text, each tool call, the finish reason, the usage. The
+    protocols that translate stream chunks (Messages, Responses) replay a hit through
+    the same translation as a live stream."""
+    choices = chat.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else {}
+    choice = choice if isinstance(choice, dict) else {}
+    msg = choice.get("message")
+    msg = msg if isinstance(msg, dict) else {}
+    out: list[dict[str, Any]] = []
+    text = msg.get("content")
+    if isinstance(text, str) and text:
+        out.append({"choices": [{"index": 0, "delta": {"content": text}}]})
+    calls = msg.get("tool_calls")
+    for k, call in enumerate(calls if isinstance(calls, list) else ()):
+        if isinstance(call, dict):
+            out.append({"choices": [{"index": 0, "delta": {"tool_calls": [{**call, "index": k}]}}]})
+    finish = choice.get("finish_reason")
+    out.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish or "stop"}]})
+    out.append({"choices": [], "usage": chat.get("usage")})
+    return out
 
 
 def reply_usage(body: bytes) -> dict[str, Any] | None:

@@ -22,14 +22,14 @@ from starlette.routing import Route
 
 from switchyard.api.body import header_map
 from switchyard.api.messages_codec import MessagesCodec, to_chat
-from switchyard.api.messages_reply import MessageEvents, error_event, frame, replay, to_message
+from switchyard.api.messages_reply import MessageEvents, error_event, to_message
 from switchyard.api.openai import CTX_KEY, OpenAIRoutes, SettleAfterResponse
-from switchyard.api.sse import RelayResponse
+from switchyard.api.sse import RelayResponse, replayed, translated
 from switchyard.errors import ModelNotFound, PermissionDenied
 from switchyard.pipeline import RequestContext
 from switchyard.policy.cost import prompt_tokens
 from switchyard.policy.keys import Principal
-from switchyard.reply import Reply, StreamReply, relay
+from switchyard.reply import Reply, StreamReply, relay, stream_chunks
 from switchyard.request import Generation
 
 PREFIX = "/v1/messages"  # the routes whose errors take Anthropic's shape (api/app.py)
@@ -50,9 +50,9 @@ def to_messages_response(reply: Reply, ctx: RequestContext) -> Response:
         events = MessageEvents(model, cost.prompt if cost is not None else 0)
         source = reply.source
         content = (
-            frame(ctx, relay(ctx, source.data(), reply.side, source.close), events)
+            translated(ctx, relay(ctx, source.data(), reply.side, source.close), events)
             if source is not None
-            else replay(reply.cached or {}, events)
+            else replayed(stream_chunks(reply.cached or {}), events)
         )
         return RelayResponse(
             content,

@@ -29,6 +29,7 @@ from typing import Any
 
 import orjson
 
+from switchyard.api.checks import bad, no_extras, number, string
 from switchyard.api.codecs import CHAT_TYPED
 from switchyard.errors import InvalidRequest
 from switchyard.policy.validate import validate_chat
@@ -62,30 +63,11 @@ MAX_USER_ID = 256
 INT32_MAX = 2**31 - 1
 
 
-def _bad(message: str, param: str) -> InvalidRequest:
-    return InvalidRequest(message, param=param)
+CACHE_HINT = frozenset({"cache_control"})  # a prompt-caching hint: accepted, not forwarded
 
 
-def _number(body: dict[str, Any], name: str, low: float, high: float, integer: bool) -> None:
-    v = body.get(name)
-    if v is None:
-        return
-    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
-        raise _bad(f"'{name}' must be {'an integer' if integer else 'a number'}", name)
-    if not low <= v <= high:
-        raise _bad(f"'{name}' must be between {low} and {high}", name)
-
-
-def _text(v: Any, where: str) -> str:
-    if not isinstance(v, str):
-        raise _bad(f"'{where}' must be a string", where)
-    return v
-
-
-def _no_extras(block: dict[str, Any], allowed: frozenset[str], where: str) -> None:
-    for k in block:
-        if k not in allowed and k != "cache_control":
-            raise _bad(f"'{where}.{k[:64]}' is not supported", f"{where}.{k[:64]}")
+def _no_extras_cc(block: dict[str, Any], allowed: frozenset[str], where: str) -> None:
+    no_extras(block, allowed, where, CACHE_HINT)
 
 
 _TEXT_KEYS = frozenset({"type", "text", "citations"})
@@ -95,7 +77,7 @@ _TOOL_RESULT_KEYS = frozenset({"type", "tool_use_id", "content", "is_error"})
 
 
 def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
-    _no_extras(block, _IMAGE_KEYS, where)
+    _no_extras_cc(block, _IMAGE_KEYS, where)
     src = block.get("source")
     kind = src.get("type") if isinstance(src, dict) else None
     if kind == "base64":
@@ -103,75 +85,75 @@ def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
         media = src.get("media_type")
         data = src.get("data")
         if media not in IMAGE_TYPES:
-            raise _bad(
+            raise bad(
                 f"'{where}.source.media_type' must be one of {sorted(IMAGE_TYPES)}",
                 f"{where}.source.media_type",
             )
         if not isinstance(data, str) or not data:
-            raise _bad(f"'{where}.source.data' must be a base64 string", f"{where}.source.data")
+            raise bad(f"'{where}.source.data' must be a base64 string", f"{where}.source.data")
         url = f"data:{media};base64,{data}"
     elif kind == "url":
         assert isinstance(src, dict)
         link = src.get("url")
         if not isinstance(link, str) or not link.startswith(("http://", "https://")):
-            raise _bad(f"'{where}.source.url' must be an http(s) URL", f"{where}.source.url")
+            raise bad(f"'{where}.source.url' must be an http(s) URL", f"{where}.source.url")
         url = link
     else:
-        raise _bad(
+        raise bad(
             f"'{where}.source' must be an object of type 'base64' or 'url'", f"{where}.source"
         )
     return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _text_block(block: dict[str, Any], where: str) -> dict[str, Any]:
-    _no_extras(block, _TEXT_KEYS, where)
-    return {"type": "text", "text": _text(block.get("text"), f"{where}.text")}
+    _no_extras_cc(block, _TEXT_KEYS, where)
+    return {"type": "text", "text": string(block.get("text"), f"{where}.text")}
 
 
 def _block_type(block: Any, where: str) -> str:
     kind = block.get("type") if isinstance(block, dict) else None
     if not isinstance(kind, str):
-        raise _bad(f"'{where}' must be a content block object with a 'type'", where)
+        raise bad(f"'{where}' must be a content block object with a 'type'", where)
     return kind
 
 
 def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
-    _no_extras(block, _TOOL_RESULT_KEYS, where)
+    _no_extras_cc(block, _TOOL_RESULT_KEYS, where)
     call_id = block.get("tool_use_id")
     if not isinstance(call_id, str) or not _ID.fullmatch(call_id):
-        raise _bad(f"'{where}.tool_use_id' must be a tool_use id", f"{where}.tool_use_id")
+        raise bad(f"'{where}.tool_use_id' must be a tool_use id", f"{where}.tool_use_id")
     content = block.get("content", "")
     if isinstance(content, list):
         texts = []
         for k, part in enumerate(content):
             pw = f"{where}.content[{k}]"
             if _block_type(part, pw) != "text":
-                raise _bad(f"'{pw}': a tool_result holds text blocks only here", pw)
+                raise bad(f"'{pw}': a tool_result holds text blocks only here", pw)
             texts.append(_text_block(part, pw)["text"])
         content = "\n".join(texts)
     elif not isinstance(content, str):
-        raise _bad(f"'{where}.content' must be a string or text blocks", f"{where}.content")
+        raise bad(f"'{where}.content' must be a string or text blocks", f"{where}.content")
     is_error = block.get("is_error")
     if is_error is not None and not isinstance(is_error, bool):
-        raise _bad(f"'{where}.is_error' must be a boolean", f"{where}.is_error")
+        raise bad(f"'{where}.is_error' must be a boolean", f"{where}.is_error")
     if is_error:
         content = "[tool error] " + content
     return {"role": "tool", "tool_call_id": call_id, "content": content}
 
 
 def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
-    _no_extras(block, _TOOL_USE_KEYS, where)
+    _no_extras_cc(block, _TOOL_USE_KEYS, where)
     call_id, name, args = block.get("id"), block.get("name"), block.get("input")
     if not isinstance(call_id, str) or not _ID.fullmatch(call_id):
-        raise _bad(f"'{where}.id' must be 1-128 of A-Z a-z 0-9 _ -", f"{where}.id")
+        raise bad(f"'{where}.id' must be 1-128 of A-Z a-z 0-9 _ -", f"{where}.id")
     if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
-        raise _bad(f"'{where}.name' must be 1-64 of A-Z a-z 0-9 _ -", f"{where}.name")
+        raise bad(f"'{where}.name' must be 1-64 of A-Z a-z 0-9 _ -", f"{where}.name")
     if not isinstance(args, dict):
-        raise _bad(f"'{where}.input' must be an object", f"{where}.input")
+        raise bad(f"'{where}.input' must be an object", f"{where}.input")
     try:
         arguments = orjson.dumps(args).decode()
     except TypeError:  # not from a parsed body (orjson reads big integers as floats)
-        raise _bad(f"'{where}.input' is not JSON that can be sent on", f"{where}.input") from None
+        raise bad(f"'{where}.input' is not JSON that can be sent on", f"{where}.input") from None
     return {
         "id": call_id,
         "type": "function",
@@ -190,18 +172,18 @@ def _turn(i: int, m: Any) -> list[dict[str, Any]]:
     """One Messages turn as chat messages."""
     where = f"messages[{i}]"
     if not isinstance(m, dict):
-        raise _bad(f"'{where}' must be an object", where)
+        raise bad(f"'{where}' must be an object", where)
     for k in m:
         if k not in ("role", "content"):
-            raise _bad(f"'{where}.{k[:64]}' is not supported", f"{where}.{k[:64]}")
+            raise bad(f"'{where}.{k[:64]}' is not supported", f"{where}.{k[:64]}")
     role = m.get("role")
     if role not in ("user", "assistant"):
-        raise _bad(f"'{where}.role' must be 'user' or 'assistant'", f"{where}.role")
+        raise bad(f"'{where}.role' must be 'user' or 'assistant'", f"{where}.role")
     content = m.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list) or not content:
-        raise _bad(
+        raise bad(
             f"'{where}.content' must be a string or a non-empty array of blocks",
             f"{where}.content",
         )
@@ -220,7 +202,7 @@ def _turn(i: int, m: Any) -> list[dict[str, Any]]:
         elif kind == "tool_result" and role == "user":
             results.append(_tool_result(block, bw))
         else:
-            raise _bad(f"'{bw}': block type {kind[:40]!r} is not supported in a {role} turn", bw)
+            raise bad(f"'{bw}': block type {kind[:40]!r} is not supported in a {role} turn", bw)
     out = results
     if role == "assistant":
         msg: dict[str, Any] = {"role": "assistant", "content": _content(parts) if parts else None}
@@ -236,12 +218,12 @@ def _system(system: Any) -> str:
     if isinstance(system, str):
         return system
     if not isinstance(system, list):
-        raise _bad("'system' must be a string or an array of text blocks", "system")
+        raise bad("'system' must be a string or an array of text blocks", "system")
     texts = []
     for k, block in enumerate(system):
         where = f"system[{k}]"
         if _block_type(block, where) != "text":
-            raise _bad(f"'{where}' must be a text block", where)
+            raise bad(f"'{where}' must be a text block", where)
         texts.append(_text_block(block, where)["text"])
     return "\n\n".join(texts)
 
@@ -251,30 +233,30 @@ _TOOL_KEYS = frozenset({"name", "description", "input_schema", "type"})
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
     if not isinstance(tools, list):
-        raise _bad("'tools' must be an array", "tools")
+        raise bad("'tools' must be an array", "tools")
     out = []
     for k, tool in enumerate(tools):
         where = f"tools[{k}]"
         if not isinstance(tool, dict):
-            raise _bad(f"'{where}' must be an object", where)
+            raise bad(f"'{where}' must be an object", where)
         if tool.get("type", "custom") != "custom":
-            raise _bad(
+            raise bad(
                 f"'{where}.type': only custom tools (name, description, input_schema) are "
                 "supported",
                 f"{where}.type",
             )
-        _no_extras(tool, _TOOL_KEYS, where)
+        _no_extras_cc(tool, _TOOL_KEYS, where)
         name, schema = tool.get("name"), tool.get("input_schema")
         if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
-            raise _bad(f"'{where}.name' must be 1-64 of A-Z a-z 0-9 _ -", f"{where}.name")
+            raise bad(f"'{where}.name' must be 1-64 of A-Z a-z 0-9 _ -", f"{where}.name")
         if not isinstance(schema, dict):
-            raise _bad(
+            raise bad(
                 f"'{where}.input_schema' must be a JSON Schema object", f"{where}.input_schema"
             )
         fn: dict[str, Any] = {"name": name, "parameters": schema}
         desc = tool.get("description")
         if desc is not None:
-            fn["description"] = _text(desc, f"{where}.description")
+            fn["description"] = string(desc, f"{where}.description")
         out.append({"type": "function", "function": fn})
     return out
 
@@ -282,22 +264,22 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
 def _tool_choice(choice: Any, out: dict[str, Any]) -> None:
     kind = choice.get("type") if isinstance(choice, dict) else None
     if kind not in ("auto", "any", "tool", "none"):
-        raise _bad("'tool_choice' must be an object of type auto, any, tool or none", "tool_choice")
+        raise bad("'tool_choice' must be an object of type auto, any, tool or none", "tool_choice")
     assert isinstance(choice, dict)
     for k in choice:
         if k not in ("type", "name", "disable_parallel_tool_use"):
-            raise _bad(f"'tool_choice.{k[:64]}' is not supported", f"tool_choice.{k[:64]}")
+            raise bad(f"'tool_choice.{k[:64]}' is not supported", f"tool_choice.{k[:64]}")
     if kind == "tool":
         name = choice.get("name")
         if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
-            raise _bad("'tool_choice.name' must name a tool", "tool_choice.name")
+            raise bad("'tool_choice.name' must name a tool", "tool_choice.name")
         out["tool_choice"] = {"type": "function", "function": {"name": name}}
     else:
         out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
     parallel = choice.get("disable_parallel_tool_use")
     if parallel is not None:
         if not isinstance(parallel, bool):
-            raise _bad(
+            raise bad(
                 "'tool_choice.disable_parallel_tool_use' must be a boolean",
                 "tool_choice.disable_parallel_tool_use",
             )
@@ -307,15 +289,15 @@ def _tool_choice(choice: Any, out: dict[str, Any]) -> None:
 
 def _metadata(meta: Any) -> str | None:
     if not isinstance(meta, dict):
-        raise _bad("'metadata' must be an object", "metadata")
+        raise bad("'metadata' must be an object", "metadata")
     for k in meta:
         if k != "user_id":
-            raise _bad(f"'metadata.{k[:64]}' is not supported", f"metadata.{k[:64]}")
+            raise bad(f"'metadata.{k[:64]}' is not supported", f"metadata.{k[:64]}")
     user = meta.get("user_id")
     if user is None:
         return None
     if not isinstance(user, str) or len(user) > MAX_USER_ID:
-        raise _bad(
+        raise bad(
             f"'metadata.user_id' must be a string of at most {MAX_USER_ID}", "metadata.user_id"
         )
     return user
@@ -327,7 +309,7 @@ def _stop(stop: Any) -> list[str]:
         or len(stop) > MAX_STOP_SEQUENCES
         or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)
     ):
-        raise _bad(
+        raise bad(
             f"'stop_sequences' must be at most {MAX_STOP_SEQUENCES} non-empty strings",
             "stop_sequences",
         )
@@ -343,7 +325,7 @@ def to_chat(body: Any, count_only: bool = False) -> dict[str, Any]:
     allowed = COUNT_FIELDS if count_only else FIELDS
     for name in body:
         if name not in allowed:
-            raise _bad(
+            raise bad(
                 f"'{str(name)[:64]}' is not supported by this gateway's Messages API", name[:64]
             )
     model = body.get("model")
@@ -355,7 +337,7 @@ def to_chat(body: Any, count_only: bool = False) -> dict[str, Any]:
         )
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' is required: a non-empty array", "messages")
+        raise bad("'messages' is required: a non-empty array", "messages")
     chat: list[dict[str, Any]] = []
     system = body.get("system")
     if system is not None:
@@ -369,11 +351,11 @@ def to_chat(body: Any, count_only: bool = False) -> dict[str, Any]:
             raise InvalidRequest(
                 "'max_tokens' is required", param="max_tokens", code="missing_required_parameter"
             )
-        _number(body, "max_tokens", 1, INT32_MAX, integer=True)
+        number(body, "max_tokens", 1, INT32_MAX, integer=True)
         out["max_tokens"] = cap
-        _number(body, "temperature", 0, 1, integer=False)
-        _number(body, "top_p", 0, 1, integer=False)
-        _number(body, "top_k", 0, INT32_MAX, integer=True)
+        number(body, "temperature", 0, 1, integer=False)
+        number(body, "top_p", 0, 1, integer=False)
+        number(body, "top_k", 0, INT32_MAX, integer=True)
         for name in ("temperature", "top_p", "top_k"):
             if body.get(name) is not None:
                 out[name] = body[name]
@@ -381,7 +363,7 @@ def to_chat(body: Any, count_only: bool = False) -> dict[str, Any]:
             out["stop"] = _stop(body["stop_sequences"])
         stream = body.get("stream")
         if stream is not None and not isinstance(stream, bool):
-            raise _bad("'stream' must be a boolean", "stream")
+            raise bad("'stream' must be a boolean", "stream")
         if stream:
             out["stream"] = True
             out["stream_options"] = {"include_usage": True}
@@ -395,7 +377,7 @@ def to_chat(body: Any, count_only: bool = False) -> dict[str, Any]:
             out["user"] = user
     thinking = body.get("thinking")
     if thinking is not None and thinking != {"type": "disabled"}:
-        raise _bad(
+        raise bad(
             "'thinking' is not supported by this gateway's models: omit it or send "
             '{"type": "disabled"}',
             "thinking",

@@ -15,13 +15,12 @@ usage) and `message_stop`; a stream that breaks ends with an `error` event inste
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 
 from switchyard.errors import SwitchyardError
-from switchyard.pipeline import RequestContext, Status
+from switchyard.reply import chunk_parts
 
 # chat `finish_reason` -> Messages `stop_reason`
 STOP_REASONS = {
@@ -165,49 +164,32 @@ class MessageEvents:
     def chunk(self, obj: dict[str, Any]) -> list[bytes]:
         """The events of one chat completion chunk."""
         out = [] if self.started else self.start(obj.get("id"))
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            self.usage = usage_of(usage)
-        choices = obj.get("choices")
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            return out
-        choice: dict[str, Any] = choices[0]
-        got = choice.get("delta")
-        delta: dict[str, Any] = got if isinstance(got, dict) else {}
-        text = delta.get("content")
-        if isinstance(text, str) and text:
+        parts = chunk_parts(obj)
+        if parts.usage is not None:
+            self.usage = usage_of(parts.usage)
+        if parts.text:
             if self.open_kind != "text":
                 out.extend(self._open({"type": "text", "text": ""}))
             assert self.open is not None
-            out.append(self._delta(self.open, {"type": "text_delta", "text": text}))
-        calls = delta.get("tool_calls")
-        for call in calls if isinstance(calls, list) else ():
-            if not isinstance(call, dict):
-                continue
-            i = call.get("index", 0)
-            named = call.get("function")
-            fn: dict[str, Any] = named if isinstance(named, dict) else {}
-            if i not in self.calls:
-                out.extend(
-                    self._open(
-                        {
-                            "type": "tool_use",
-                            "id": str(call.get("id") or ""),
-                            "name": str(fn.get("name") or ""),
-                            "input": {},
-                        }
-                    )
-                )
-                self.calls[i] = self.blocks - 1
-            piece = fn.get("arguments")
-            if isinstance(piece, str) and piece:
-                out.append(
-                    self._delta(self.calls[i], {"type": "input_json_delta", "partial_json": piece})
-                )
-        finish = choice.get("finish_reason")
-        if finish:
-            self.stop_reason = STOP_REASONS.get(finish, "end_turn")
+            out.append(self._delta(self.open, {"type": "text_delta", "text": parts.text}))
+        for call in parts.calls:
+            if call.index not in self.calls:
+                block = {"type": "tool_use", "id": call.call_id, "name": call.name, "input": {}}
+                out.extend(self._open(block))
+                self.calls[call.index] = self.blocks - 1
+            if call.arguments:
+                delta = {"type": "input_json_delta", "partial_json": call.arguments}
+                out.append(self._delta(self.calls[call.index], delta))
+        if parts.finish is not None:
+            self.stop_reason = STOP_REASONS.get(parts.finish, "end_turn")
         return out
+
+    def failed(self, exc: SwitchyardError) -> list[bytes]:
+        """A broken stream's end: an `error` event in place of the closing ones."""
+        return [*([] if self.started else self.start(None)), error_event(exc)]
+
+    async def ended(self) -> None:
+        """Nothing to do once a Messages stream ended (api/sse.py's Translator)."""
 
     def end(self) -> list[bytes]:
         """The events that close a complete stream."""
@@ -228,67 +210,3 @@ class MessageEvents:
         )
         out.append(event("message_stop", {"type": "message_stop"}))
         return out
-
-
-async def frame(
-    ctx: RequestContext, data: AsyncIterator[list[bytes]], events: MessageEvents
-) -> AsyncIterator[bytes]:
-    """The relay's chat chunks (reply.relay: after the reply side) as Messages events,
-    one write per batch; the closing events with the last batch once the stream
-    completed, an `error` event in their place when it did not."""
-    try:
-        async for batch in data:
-            out: list[bytes] = []
-            for d in batch:
-                obj = orjson.loads(d)
-                if isinstance(obj, dict):
-                    out.extend(events.chunk(obj))
-            if ctx.status is Status.OK:
-                out.extend(events.end())
-            if out:
-                yield b"".join(out)
-    except SwitchyardError as exc:
-        head = b"" if events.started else b"".join(events.start(None))
-        yield head + error_event(exc)
-    finally:
-        aclose = getattr(data, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-
-def cached_chunks(chat: dict[str, Any]) -> list[dict[str, Any]]:
-    """A whole chat completion (a cache hit) as the chunks a stream of it carries, so
-    a replay goes through the same MessageEvents as a live stream."""
-    message = to_message(chat, "")
-    out: list[dict[str, Any]] = []
-    calls = 0
-    for block in message["content"]:
-        if block["type"] == "text" and block["text"]:
-            out.append({"choices": [{"index": 0, "delta": {"content": block["text"]}}]})
-        elif block["type"] == "tool_use":
-            call = {
-                "index": calls,
-                "id": block["id"],
-                "type": "function",
-                "function": {
-                    "name": block["name"],
-                    "arguments": orjson.dumps(block["input"]).decode(),
-                },
-            }
-            calls += 1
-            out.append({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]})
-    choices = chat.get("choices")
-    first = choices[0] if isinstance(choices, list) and choices else {}
-    finish = first.get("finish_reason") if isinstance(first, dict) else None
-    out.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish or "stop"}]})
-    out.append({"choices": [], "usage": chat.get("usage")})
-    return out
-
-
-async def replay(chat: dict[str, Any], events: MessageEvents) -> AsyncIterator[bytes]:
-    """A cached chat completion as the Messages event stream."""
-    out = events.start(chat.get("id"))
-    for c in cached_chunks(chat):
-        out.extend(events.chunk(c))
-    out.extend(events.end())
-    yield b"".join(out)

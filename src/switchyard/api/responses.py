@@ -44,11 +44,9 @@ from switchyard.api.responses_reply import (
     ResponseEvents,
     Shell,
     chat_message,
-    frame,
-    replay_chunks,
     to_response,
 )
-from switchyard.api.sse import RelayResponse
+from switchyard.api.sse import RelayResponse, replayed, translated
 from switchyard.errors import (
     InvalidRequest,
     NotFound,
@@ -64,7 +62,7 @@ from switchyard.observe.responses import (
 from switchyard.pipeline import RequestContext
 from switchyard.policy.keys import Principal
 from switchyard.policy.validate import validate_chat
-from switchyard.reply import JsonReply, StreamReply, relay
+from switchyard.reply import JsonReply, StreamReply, relay, stream_chunks
 from switchyard.request import Generation, from_object
 from switchyard.service import ReadBody
 from switchyard.settle import mark_failed
@@ -237,7 +235,6 @@ class ResponsesRoutes:
         shell: Shell,
     ) -> Response:
         shell.model = _served(ctx, req)
-        events = ResponseEvents(shell)
 
         async def ended(ev: ResponseEvents) -> None:
             if not req.store or ev.final is None:
@@ -260,11 +257,12 @@ class ResponsesRoutes:
             with contextlib.suppress(SwitchyardError):  # the client already has its answer
                 await self.store.create(self._stored(ctx, req, shell, ev.final, turn))
 
+        events = ResponseEvents(shell, ended)
         source = reply.source
         if source is not None:
-            content = frame(ctx, relay(ctx, source.data(), reply.side, source.close), events, ended)
+            content = translated(ctx, relay(ctx, source.data(), reply.side, source.close), events)
         else:
-            content = _replayed(reply.cached or {}, events, ended)
+            content = replayed(stream_chunks(reply.cached or {}), events)
         return RelayResponse(
             content,
             media_type="text/event-stream",
@@ -443,13 +441,3 @@ class ResponsesRoutes:
 def _served(ctx: RequestContext, req: ResponsesRequest) -> str:
     dep = ctx.deployment
     return dep.alias if dep is not None else (ctx.alias or req.model)
-
-
-async def _replayed(chat: dict[str, Any], events: ResponseEvents, ended: Any) -> Any:
-    """A cache hit as the Responses event stream."""
-    out = events.start()
-    for c in replay_chunks(chat):
-        out.extend(events.chunk(c))
-    out.extend(events.end())
-    await ended(events)
-    yield b"".join(out)

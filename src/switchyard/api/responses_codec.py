@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from switchyard.api.checks import bad, flag, no_extras, number, string
 from switchyard.errors import InvalidRequest
 
 # Top-level members the gateway honours; any other is refused by name.
@@ -59,10 +60,6 @@ _ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{16,64}")
 INT32_MAX = 2**31 - 1
 Ids = Callable[[str], str]  # prefix -> a new unguessable id
-
-
-def _bad(message: str, param: str) -> InvalidRequest:
-    return InvalidRequest(message, param=param[:160])
 
 
 def new_item_id(prefix: str) -> str:
@@ -106,34 +103,22 @@ class ResponsesRequest:
     chat: dict[str, Any] = field(default_factory=dict)  # the chat fields besides messages
 
 
-def _text(v: Any, where: str) -> str:
-    if not isinstance(v, str):
-        raise _bad(f"'{where}' must be a string", where)
-    return v
-
-
-def _no_extras(obj: dict[str, Any], allowed: frozenset[str], where: str) -> None:
-    for k in obj:
-        if k not in allowed:
-            raise _bad(f"'{where}.{k[:64]}' is not supported", f"{where}.{k[:64]}")
-
-
 _PART_KEYS = frozenset({"type", "text", "annotations", "logprobs", "image_url", "detail"})
 
 
 def _part(part: Any, role: str, where: str) -> dict[str, Any]:
     kind = part.get("type") if isinstance(part, dict) else None
     if not isinstance(kind, str):
-        raise _bad(f"'{where}' must be a content part with a 'type'", where)
+        raise bad(f"'{where}' must be a content part with a 'type'", where)
     assert isinstance(part, dict)
-    _no_extras(part, _PART_KEYS, where)
+    no_extras(part, _PART_KEYS, where)
     if kind == "input_text" or (kind in ("output_text", "refusal") and role == "assistant"):
         key = "refusal" if kind == "refusal" else "text"
-        return {"type": "text", "text": _text(part.get(key), f"{where}.{key}")}
+        return {"type": "text", "text": string(part.get(key), f"{where}.{key}")}
     if kind == "input_image" and role != "assistant":
         url = part.get("image_url")
         if not isinstance(url, str) or not url.startswith(("http://", "https://", "data:image/")):
-            raise _bad(
+            raise bad(
                 f"'{where}.image_url' must be an http(s) or data:image URL (file_id is not "
                 "supported)",
                 f"{where}.image_url",
@@ -142,17 +127,17 @@ def _part(part: Any, role: str, where: str) -> dict[str, Any]:
         detail = part.get("detail")
         if detail is not None:
             if detail not in ("auto", "low", "high"):
-                raise _bad(f"'{where}.detail' must be auto, low or high", f"{where}.detail")
+                raise bad(f"'{where}.detail' must be auto, low or high", f"{where}.detail")
             image["detail"] = detail
         return {"type": "image_url", "image_url": image}
-    raise _bad(f"'{where}': content part type {kind[:40]!r} is not supported here", where)
+    raise bad(f"'{where}': content part type {kind[:40]!r} is not supported here", where)
 
 
 def _content(content: Any, role: str, where: str) -> str | list[dict[str, Any]]:
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:
-        raise _bad(f"'{where}' must be a string or a non-empty array of parts", where)
+        raise bad(f"'{where}' must be a string or a non-empty array of parts", where)
     parts = [_part(p, role, f"{where}[{j}]") for j, p in enumerate(content)]
     if all(p["type"] == "text" for p in parts):
         return "".join(p["text"] for p in parts) if role == "assistant" else parts
@@ -168,13 +153,13 @@ def _item(i: int, item: Any, out: list[dict[str, Any]], ids: Ids) -> dict[str, A
     """Append one input item's chat message(s) to `out`; return the item as stored."""
     where = f"input[{i}]"
     if not isinstance(item, dict):
-        raise _bad(f"'{where}' must be an object", where)
+        raise bad(f"'{where}' must be an object", where)
     kind = item.get("type", "message")
     if kind == "message":
-        _no_extras(item, _MESSAGE_KEYS, where)
+        no_extras(item, _MESSAGE_KEYS, where)
         role = item.get("role")
         if role not in ("user", "assistant", "system", "developer"):
-            raise _bad(
+            raise bad(
                 f"'{where}.role' must be user, assistant, system or developer", f"{where}.role"
             )
         content = _content(item.get("content"), str(role), f"{where}.content")
@@ -182,14 +167,14 @@ def _item(i: int, item: Any, out: list[dict[str, Any]], ids: Ids) -> dict[str, A
         stored = {"type": "message", "role": role, "content": _as_parts(item["content"], role)}
         return {"id": _given_id(item) or ids("msg"), **stored}
     if kind == "function_call":
-        _no_extras(item, _CALL_KEYS, where)
+        no_extras(item, _CALL_KEYS, where)
         call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments")
         if not isinstance(call_id, str) or not _ID.fullmatch(call_id):
-            raise _bad(f"'{where}.call_id' must be a call id", f"{where}.call_id")
+            raise bad(f"'{where}.call_id' must be a call id", f"{where}.call_id")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise _bad(f"'{where}.name' must be 1-64 of A-Z a-z 0-9 _ - .", f"{where}.name")
+            raise bad(f"'{where}.name' must be 1-64 of A-Z a-z 0-9 _ - .", f"{where}.name")
         if not isinstance(args, str):
-            raise _bad(f"'{where}.arguments' must be a JSON string", f"{where}.arguments")
+            raise bad(f"'{where}.arguments' must be a JSON string", f"{where}.arguments")
         call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
         last = out[-1] if out else None
         if last is not None and last["role"] == "assistant" and "tool_calls" in last:
@@ -205,21 +190,21 @@ def _item(i: int, item: Any, out: list[dict[str, Any]], ids: Ids) -> dict[str, A
         stored = {"type": "function_call", "call_id": call_id, "name": name, "arguments": args}
         return {"id": _given_id(item) or ids("fc"), **stored}
     if kind == "function_call_output":
-        _no_extras(item, _OUTPUT_KEYS, where)
+        no_extras(item, _OUTPUT_KEYS, where)
         call_id, output = item.get("call_id"), item.get("output")
         if not isinstance(call_id, str) or not _ID.fullmatch(call_id):
-            raise _bad(f"'{where}.call_id' must be a call id", f"{where}.call_id")
+            raise bad(f"'{where}.call_id' must be a call id", f"{where}.call_id")
         if isinstance(output, list):
             texts = [_part(p, "user", f"{where}.output[{j}]") for j, p in enumerate(output)]
             if any(t["type"] != "text" for t in texts):
-                raise _bad(f"'{where}.output' holds text parts only here", f"{where}.output")
+                raise bad(f"'{where}.output' holds text parts only here", f"{where}.output")
             output = "".join(t["text"] for t in texts)
         elif not isinstance(output, str):
-            raise _bad(f"'{where}.output' must be a string", f"{where}.output")
+            raise bad(f"'{where}.output' must be a string", f"{where}.output")
         out.append({"role": "tool", "tool_call_id": call_id, "content": output})
         stored = {"type": "function_call_output", "call_id": call_id, "output": output}
         return {"id": _given_id(item) or ids("fco"), **stored}
-    raise _bad(f"'{where}': item type {str(kind)[:40]!r} is not supported", f"{where}.type")
+    raise bad(f"'{where}': item type {str(kind)[:40]!r} is not supported", f"{where}.type")
 
 
 def _as_parts(content: Any, role: str) -> list[Any]:
@@ -244,27 +229,27 @@ _TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
     if not isinstance(tools, list):
-        raise _bad("'tools' must be an array", "tools")
+        raise bad("'tools' must be an array", "tools")
     out = []
     for k, tool in enumerate(tools):
         where = f"tools[{k}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise _bad(f"'{where}': only function tools are supported", f"{where}.type")
-        _no_extras(tool, _TOOL_KEYS, where)
+            raise bad(f"'{where}': only function tools are supported", f"{where}.type")
+        no_extras(tool, _TOOL_KEYS, where)
         name = tool.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise _bad(f"'{where}.name' must be 1-64 of A-Z a-z 0-9 _ - .", f"{where}.name")
+            raise bad(f"'{where}.name' must be 1-64 of A-Z a-z 0-9 _ - .", f"{where}.name")
         fn: dict[str, Any] = {"name": name}
         params = tool.get("parameters")
         if params is not None:
             if not isinstance(params, dict):
-                raise _bad(f"'{where}.parameters' must be a JSON Schema", f"{where}.parameters")
+                raise bad(f"'{where}.parameters' must be a JSON Schema", f"{where}.parameters")
             fn["parameters"] = params
         if tool.get("description") is not None:
-            fn["description"] = _text(tool["description"], f"{where}.description")
+            fn["description"] = string(tool["description"], f"{where}.description")
         if tool.get("strict") is not None:
             if not isinstance(tool["strict"], bool):
-                raise _bad(f"'{where}.strict' must be a boolean", f"{where}.strict")
+                raise bad(f"'{where}.strict' must be a boolean", f"{where}.strict")
             fn["strict"] = tool["strict"]
         out.append({"type": "function", "function": fn})
     return out
@@ -277,18 +262,18 @@ def _tool_choice(choice: Any) -> Any:
         name = choice.get("name")
         if isinstance(name, str) and _NAME.fullmatch(name) and set(choice) <= {"type", "name"}:
             return {"type": "function", "function": {"name": name}}
-    raise _bad(
+    raise bad(
         "'tool_choice' must be 'auto', 'none', 'required' or {\"type\": \"function\", "
         '"name": ...}',
         "tool_choice",
     )
 
 
-def _text_format(text: Any) -> dict[str, Any] | None:
-    if not isinstance(text, dict):
-        raise _bad("'text' must be an object", "text")
-    _no_extras(text, frozenset({"format"}), "text")
-    fmt = text.get("format")
+def _text_format(config: Any) -> dict[str, Any] | None:
+    if not isinstance(config, dict):
+        raise bad("'text' must be an object", "text")
+    no_extras(config, frozenset({"format"}), "text")
+    fmt = config.get("format")
     if fmt is None:
         return None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
@@ -298,46 +283,27 @@ def _text_format(text: Any) -> dict[str, Any] | None:
         return {"type": "json_object"}
     if kind == "json_schema":
         assert isinstance(fmt, dict)
-        _no_extras(
+        no_extras(
             fmt, frozenset({"type", "name", "schema", "strict", "description"}), "text.format"
         )
         name, schema = fmt.get("name"), fmt.get("schema")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise _bad("'text.format.name' must be 1-64 of A-Z a-z 0-9 _ - .", "text.format.name")
+            raise bad("'text.format.name' must be 1-64 of A-Z a-z 0-9 _ - .", "text.format.name")
         if not isinstance(schema, dict):
-            raise _bad("'text.format.schema' must be a JSON Schema object", "text.format.schema")
+            raise bad("'text.format.schema' must be a JSON Schema object", "text.format.schema")
         spec: dict[str, Any] = {"name": name, "schema": schema}
         if isinstance(fmt.get("strict"), bool):
             spec["strict"] = fmt["strict"]
         return {"type": "json_schema", "json_schema": spec}
-    raise _bad("'text.format.type' must be text, json_object or json_schema", "text.format.type")
-
-
-def _number(body: dict[str, Any], name: str, low: float, high: float, integer: bool) -> None:
-    v = body.get(name)
-    if v is None:
-        return
-    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
-        raise _bad(f"'{name}' must be {'an integer' if integer else 'a number'}", name)
-    if not low <= v <= high:
-        raise _bad(f"'{name}' must be between {low} and {high}", name)
-
-
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise _bad(f"'{name}' must be a boolean", name)
-    return v
+    raise bad("'text.format.type' must be text, json_object or json_schema", "text.format.type")
 
 
 def _metadata(meta: Any) -> dict[str, str]:
     if not isinstance(meta, dict) or len(meta) > 16:
-        raise _bad("'metadata' must be an object of at most 16 pairs", "metadata")
+        raise bad("'metadata' must be an object of at most 16 pairs", "metadata")
     for k, v in meta.items():
         if len(k) > 64 or not isinstance(v, str) or len(v) > 512:
-            raise _bad(
+            raise bad(
                 "'metadata' keys are at most 64 characters, values strings of at most 512",
                 "metadata",
             )
@@ -351,7 +317,7 @@ def check(body: Any, ids: Ids = new_item_id) -> ResponsesRequest:
         raise InvalidRequest("the request body must be a JSON object")
     for name in body:
         if name not in FIELDS:
-            raise _bad(f"'{name[:64]}' is not supported by this gateway's Responses API", name)
+            raise bad(f"'{name[:64]}' is not supported by this gateway's Responses API", name)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest(
@@ -381,21 +347,19 @@ def check(body: Any, ids: Ids = new_item_id) -> ResponsesRequest:
         )
     instructions = body.get("instructions")
     if instructions is not None:
-        _text(instructions, "instructions")
+        string(instructions, "instructions")
     prev = body.get("previous_response_id")
     if prev is not None and (not isinstance(prev, str) or not RESPONSE_ID.fullmatch(prev)):
-        raise _bad(
-            "'previous_response_id' must be a response id (resp_...)", "previous_response_id"
-        )
-    _number(body, "max_output_tokens", 1, INT32_MAX, integer=True)
-    _number(body, "temperature", 0, 2, integer=False)
-    _number(body, "top_p", 0, 1, integer=False)
+        raise bad("'previous_response_id' must be a response id (resp_...)", "previous_response_id")
+    number(body, "max_output_tokens", 1, INT32_MAX, integer=True)
+    number(body, "temperature", 0, 2, integer=False)
+    number(body, "top_p", 0, 1, integer=False)
     include = body.get("include")
     if include is not None and include != []:
-        raise _bad("'include' is not supported (send it empty or leave it out)", "include")
+        raise bad("'include' is not supported (send it empty or leave it out)", "include")
     truncation = body.get("truncation")
     if truncation is not None and truncation != "disabled":
-        raise _bad("'truncation' must be 'disabled' here (no automatic truncation)", "truncation")
+        raise bad("'truncation' must be 'disabled' here (no automatic truncation)", "truncation")
     chat: dict[str, Any] = {}
     echo: dict[str, Any] = {"tools": body.get("tools") or [], "tool_choice": "auto"}
     if body.get("tools") is not None:
@@ -416,7 +380,7 @@ def check(body: Any, ids: Ids = new_item_id) -> ResponsesRequest:
         if body.get(src) is not None:
             chat[dst] = body[src]
             echo[src] = body[src]
-    parallel = _flag(body, "parallel_tool_calls", True)
+    parallel = flag(body, "parallel_tool_calls", True)
     if body.get("parallel_tool_calls") is not None:
         chat["parallel_tool_calls"] = parallel
     echo["parallel_tool_calls"] = parallel
@@ -424,17 +388,17 @@ def check(body: Any, ids: Ids = new_item_id) -> ResponsesRequest:
         v = body.get(name)
         if v is not None:
             if not isinstance(v, str) or len(v) > 512:
-                raise _bad(f"'{name}' must be a string of at most 512 characters", name)
+                raise bad(f"'{name}' must be a string of at most 512 characters", name)
             chat[name] = v
     if body.get("metadata") is not None:
         echo["metadata"] = _metadata(body["metadata"])
-    stream = _flag(body, "stream", False)
-    background = _flag(body, "background", False)
-    store = _flag(body, "store", True)
+    stream = flag(body, "stream", False)
+    background = flag(body, "background", False)
+    store = flag(body, "store", True)
     if background and not store:
-        raise _bad("a background response must be stored ('store' true)", "background")
+        raise bad("a background response must be stored ('store' true)", "background")
     if background and stream:
-        raise _bad(
+        raise bad(
             "'background' with 'stream' is not supported: poll GET /v1/responses/{id}", "background"
         )
     if stream:

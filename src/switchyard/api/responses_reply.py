@@ -16,7 +16,7 @@ for a function call `response.function_call_arguments.delta`…,
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ import orjson
 
 from switchyard.api.responses_codec import Ids, ResponsesRequest, new_item_id
 from switchyard.errors import SwitchyardError
-from switchyard.pipeline import RequestContext, Status
+from switchyard.reply import chunk_parts
 
 
 @dataclass(slots=True)
@@ -167,8 +167,11 @@ class ResponseEvents:
     """Chat completion chunks in, Responses events out, for one stream: the output
     items so far (the open one last), the finish reason and usage, and the sequence."""
 
-    def __init__(self, shell: Shell) -> None:
+    def __init__(
+        self, shell: Shell, on_end: Callable[[ResponseEvents], Awaitable[None]] | None = None
+    ) -> None:
         self.shell = shell
+        self.on_end = on_end  # once it ended (the route stores the response)
         self.seq = 0
         self.started = False
         self.output: list[dict[str, Any]] = []
@@ -261,21 +264,14 @@ class ResponseEvents:
     def chunk(self, obj: dict[str, Any]) -> list[bytes]:
         """The events of one chat completion chunk."""
         out = [] if self.started else self.start()
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            self.usage = usage
-        choices = obj.get("choices")
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            return out
-        choice: dict[str, Any] = choices[0]
-        got = choice.get("delta")
-        delta: dict[str, Any] = got if isinstance(got, dict) else {}
-        text = delta.get("content")
-        if isinstance(text, str) and text:
+        parts = chunk_parts(obj)
+        if parts.usage is not None:
+            self.usage = parts.usage
+        if parts.text:
             if self.open is None or self.open["type"] != "message":
                 out.extend(self._add(message_item("", self.shell.ids("msg"), "in_progress")))
             assert self.open is not None
-            self.open["content"][0]["text"] += text
+            self.open["content"][0]["text"] += parts.text
             out.append(
                 self._event(
                     {
@@ -283,40 +279,31 @@ class ResponseEvents:
                         "item_id": self.open["id"],
                         "output_index": len(self.output) - 1,
                         "content_index": 0,
-                        "delta": text,
+                        "delta": parts.text,
                         "logprobs": [],
                     }
                 )
             )
-        calls = delta.get("tool_calls")
-        for call in calls if isinstance(calls, list) else ():
-            if not isinstance(call, dict):
-                continue
-            i = call.get("index", 0)
-            named = call.get("function")
-            fn: dict[str, Any] = named if isinstance(named, dict) else {}
-            item = self.calls.get(i)
+        for call in parts.calls:
+            item = self.calls.get(call.index)
             if item is None:
-                item = call_item(
-                    str(call.get("id") or ""), str(fn.get("name") or ""), "", "in_progress"
-                )
-                self.calls[i] = item
+                item = call_item(call.call_id, call.name, "", self.shell.ids("fc"), "in_progress")
+                self.calls[call.index] = item
                 out.extend(self._add(item))
-            piece = fn.get("arguments")
-            if isinstance(piece, str) and piece:
-                item["arguments"] += piece
+            if call.arguments:
+                item["arguments"] += call.arguments
                 out.append(
                     self._event(
                         {
                             "type": "response.function_call_arguments.delta",
                             "item_id": item["id"],
                             "output_index": self.output.index(item),
-                            "delta": piece,
+                            "delta": call.arguments,
                         }
                     )
                 )
-        if choice.get("finish_reason"):
-            self.finish = choice["finish_reason"]
+        if parts.finish is not None:
+            self.finish = parts.finish
         return out
 
     def end(self) -> list[bytes]:
@@ -334,6 +321,10 @@ class ResponseEvents:
         out.append(self._event({"type": kind, "response": self.final}))
         return out
 
+    async def ended(self) -> None:
+        if self.on_end is not None:
+            await self.on_end(self)
+
     def failed(self, exc: SwitchyardError) -> list[bytes]:
         """The events that end a broken stream: `error`, then `response.failed`."""
         out = [] if self.started else self.start()
@@ -346,49 +337,3 @@ class ResponseEvents:
         )
         out.append(self._event({"type": "response.failed", "response": self.final}))
         return out
-
-
-async def frame(
-    ctx: RequestContext,
-    data: AsyncIterator[list[bytes]],
-    events: ResponseEvents,
-    ended: Callable[[ResponseEvents], Awaitable[None]],
-) -> AsyncIterator[bytes]:
-    """The relay's chat chunks (reply.relay, after the reply side) as Responses events,
-    one write per batch; `ended(events)` once the response completed or failed (it
-    stores the response), before the last write goes out."""
-    try:
-        async for batch in data:
-            out: list[bytes] = []
-            for d in batch:
-                obj = orjson.loads(d)
-                if isinstance(obj, dict):
-                    out.extend(events.chunk(obj))
-            if ctx.status is Status.OK:
-                out.extend(events.end())
-                await ended(events)
-            if out:
-                yield b"".join(out)
-    except SwitchyardError as exc:
-        tail = events.failed(exc)
-        await ended(events)
-        yield b"".join(tail)
-    finally:
-        aclose = getattr(data, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-
-def replay_chunks(chat: dict[str, Any]) -> list[dict[str, Any]]:
-    """A whole chat completion (a cache hit) as the chunks a stream of it carries, so a
-    replay goes through the same ResponseEvents as a live stream."""
-    msg = chat_message(chat)
-    out: list[dict[str, Any]] = []
-    text = msg.get("content")
-    if isinstance(text, str) and text:
-        out.append({"choices": [{"index": 0, "delta": {"content": text}}]})
-    for k, call in enumerate(msg.get("tool_calls") or []):
-        out.append({"choices": [{"index": 0, "delta": {"tool_calls": [{**call, "index": k}]}}]})
-    out.append({"choices": [{"index": 0, "delta": {}, "finish_reason": _finish(chat) or "stop"}]})
-    out.append({"choices": [], "usage": chat.get("usage")})
-    return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from starlette.responses import StreamingResponse
@@ -118,6 +118,63 @@ class RelayResponse(StreamingResponse):
             if aclose is not None:
                 await aclose()
             await self._on_close()
+
+
+class Translator(Protocol):
+    """A protocol's stream events made from chat completion chunks (Messages,
+    Responses): one state machine per stream."""
+
+    def chunk(self, obj: dict[str, Any]) -> list[bytes]: ...
+
+    def end(self) -> list[bytes]:
+        """The events that close a complete stream."""
+        ...
+
+    def failed(self, exc: SwitchyardError) -> list[bytes]:
+        """The events that end a broken stream (its error, in the protocol's shape)."""
+        ...
+
+    async def ended(self) -> None:
+        """Run once the stream ended, complete or not, before its last write."""
+        ...
+
+
+async def translated(
+    ctx: RequestContext, data: AsyncIterator[list[bytes]], events: Translator
+) -> AsyncIterator[bytes]:
+    """The relay's chat chunks (reply.relay, after the reply side) as the protocol's
+    events, one write per batch: the closing events with the last batch once the stream
+    completed, the protocol's error events in their place when it did not."""
+    try:
+        async for batch in data:
+            out: list[bytes] = []
+            for d in batch:
+                obj = orjson.loads(d)
+                if isinstance(obj, dict):
+                    out.extend(events.chunk(obj))
+            if ctx.status is Status.OK:
+                out.extend(events.end())
+                await events.ended()
+            if out:
+                yield b"".join(out)
+    except SwitchyardError as exc:
+        tail = events.failed(exc)
+        await events.ended()
+        yield b"".join(tail)
+    finally:
+        aclose = getattr(data, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def replayed(chunks: list[dict[str, Any]], events: Translator) -> AsyncIterator[bytes]:
+    """A cached reply's chunks (reply.stream_chunks) as the protocol's events."""
+    out: list[bytes] = []
+    for c in chunks:
+        out.extend(events.chunk(c))
+    out.extend(events.end())
+    await events.ended()
+    yield b"".join(out)
 
 
 def replay(obj: dict[str, Any], include_usage: bool, chunk_chars: int = 24) -> AsyncIterator[bytes]:
