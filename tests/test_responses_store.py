@@ -10,6 +10,7 @@ import os
 import secrets
 import socket
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -544,3 +545,30 @@ def test_creates_are_written_behind_in_shared_commits(
     ids = {row[0] for row in other.execute("SELECT id FROM responses WHERE tenant_id = 't'")}
     assert ids == {r.id for r in made}
     assert 1 <= len(begins) < len(made)
+
+
+def test_a_store_that_falls_behind_refuses_rather_than_buffering_without_end(
+    tmp_path: Path,
+) -> None:
+    """While the database does not take writes (here: its I/O thread is held), at most
+    `max_queued` responses wait in memory; the next create is a 503, and the queued ones
+    are written once it moves again."""
+    held = threading.Event()
+    io = ThreadPoolExecutor(1)
+    io.submit(held.wait)  # the store's only I/O thread is busy until released
+    store = _sqlite_store(tmp_path, io, max_queued=3)
+    made = [_response("t") for _ in range(3)]
+
+    async def go() -> None:
+        for r in made:
+            await store.create(r)
+        with pytest.raises(DatabaseUnavailable):
+            await store.create(_response("t"))
+        held.set()
+        await store.drain()
+
+    run(go())
+    other = connect(str(tmp_path / "home" / "gw.db"))
+    ids = {row[0] for row in other.execute("SELECT id FROM responses")}
+    assert ids == {r.id for r in made}
+    io.shutdown()

@@ -58,6 +58,7 @@ KEY_FILE = "responses.key"
 ORPHAN_REASON = "the gateway restarted while this response was in progress"
 _MAX_BATCH = 512  # responses per commit
 FLUSH_S = 0.01  # how long a commit waits for more responses to take (as the ledger's)
+MAX_QUEUED = 10_000  # responses waiting for their commit; one more is refused (503)
 OUTAGE_S = 30.0  # how long queued responses wait for a database that is down
 _VERSION = b"\x01"  # a sealed blob: version, 12-byte nonce, ciphertext with its 16-byte tag
 _NONCE = 12
@@ -267,6 +268,7 @@ class ResponseStore:
         io: Executor | None = None,
         *,
         retention_days: float = 30.0,
+        max_queued: int = MAX_QUEUED,
     ) -> None:
         self.conn = conn
         self.sealer = sealer
@@ -280,6 +282,7 @@ class ResponseStore:
         self._pending: list[StoredResponse] = []
         self._unwritten: dict[tuple[str, str], StoredResponse] = {}
         self._committer: asyncio.Task[None] | None = None
+        self._max_queued = max_queued
 
     async def _run(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         try:
@@ -302,6 +305,11 @@ class ResponseStore:
         if self._io is None:
             self._create_many([r])
             return
+        if len(self._pending) >= self._max_queued:  # the database is down or far behind
+            raise DatabaseUnavailable(
+                f"the gateway's database is not keeping up: {len(self._pending)} stored "
+                "responses are waiting to be written"
+            )
         self._unwritten[(r.tenant_id, r.id)] = r
         self._pending.append(r)
         if self._committer is None:
