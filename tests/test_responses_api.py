@@ -176,6 +176,31 @@ def test_background_poll_cancel_and_the_cap(gw: Gateway, ups: tuple[Scripted, Sc
     for s in slow:
         assert c.responses.cancel(s.id).status == "cancelled"
         assert c.responses.retrieve(s.id).status == "cancelled"
+    # Requests racing in together do not all pass the cap.
+    up.fault("hang", count=8)
+
+    async def race() -> list[httpx.Response]:
+        auth = {"Authorization": f"Bearer {c.api_key}"}
+        async with httpx.AsyncClient(base_url=gw.url, headers=auth, timeout=30) as http:
+            await asyncio.gather(*(http.get("/v1/models") for _ in range(8)))  # 8 connections
+            return list(
+                await asyncio.gather(
+                    *(
+                        http.post(
+                            "/v1/responses",
+                            json={"model": "m", "input": f"race {i}", "background": True},
+                        )
+                        for i in range(8)
+                    )
+                )
+            )
+
+    sent = asyncio.run(race())
+    accepted = [r.json()["id"] for r in sent if r.status_code == 200]
+    assert len(accepted) <= 2 and {r.status_code for r in sent} <= {200, 429}
+    for rid in accepted:
+        assert c.responses.cancel(rid).status == "cancelled"
+    up.fault("delay:0", count=0)
 
 
 def test_tool_calls_are_governed(gw: Gateway, ups: tuple[Scripted, Scripted]) -> None:

@@ -89,6 +89,9 @@ class ResponsesRoutes:
         self.cap = openai.gw.settings.responses.max_background_per_tenant
         self.running: dict[str, asyncio.Task[None]] = {}  # background responses here
         self.ids = IdPool()  # response and item ids
+        # Background responses of each tenant between the cap's check and their commit:
+        # counted with the stored ones, so requests racing in together cannot all pass.
+        self.starting: dict[str, int] = {}
 
     def routes(self) -> list[Route]:
         return [
@@ -281,17 +284,26 @@ class ResponsesRoutes:
         shell: Shell,
     ) -> Response:
         tenant = ctx.principal.tenant_id
-        if await self.store.active_background(tenant) >= self.cap:
-            raise RateLimited(
-                f"this tenant already runs {self.cap} background responses "
-                "(responses.max_background_per_tenant); retry when one has finished",
-                code="background_limit",
-                headers={"Retry-After": "1"},
-            )
-        queued = shell.object("queued", [])
-        stored = self._stored(ctx, req, shell, queued, conversation)
-        await self.store.create(stored)
-        await self.store.drain()  # committed: every gateway counts it and answers its GET
+        starting = self.starting.get(tenant, 0)
+        self.starting[tenant] = starting + 1  # before the first await: no race here
+        try:
+            if await self.store.active_background(tenant) + starting >= self.cap:
+                raise RateLimited(
+                    f"this tenant already runs {self.cap} background responses "
+                    "(responses.max_background_per_tenant); retry when one has finished",
+                    code="background_limit",
+                    headers={"Retry-After": "1"},
+                )
+            queued = shell.object("queued", [])
+            stored = self._stored(ctx, req, shell, queued, conversation)
+            await self.store.create(stored)
+            await self.store.drain()  # committed: every gateway counts it, answers its GET
+        finally:
+            left = self.starting[tenant] - 1
+            if left:
+                self.starting[tenant] = left
+            else:
+                del self.starting[tenant]
         task = asyncio.create_task(self._run(ctx, req, gen, conversation, shell, stored))
         self.running[shell.rid] = task
         task.add_done_callback(lambda _: self.running.pop(shell.rid, None))
