@@ -118,6 +118,21 @@ def test_create_stream_retrieve_continue_and_delete(
     ephemeral = c.responses.create(model="m", input="x", store=False)
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(ephemeral.id)
+    # Input items page: limit, order, after.
+    three = c.responses.create(
+        model="m",
+        input=[
+            {"role": "user", "content": "one"},
+            {"role": "assistant", "content": "two"},
+            {"role": "user", "content": "three"},
+        ],
+    )
+    page = c.responses.input_items.list(three.id, limit=2, order="asc")
+    assert [i.content[0].text for i in page.data] == ["one", "two"] and page.has_more
+    rest = c.responses.input_items.list(three.id, limit=2, order="asc", after=page.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == ["three"] and not rest.has_more
+    newest = c.responses.input_items.list(three.id, limit=1)  # desc by default
+    assert [i.content[0].text for i in newest.data] == ["three"]
     # The usage row names the endpoint.
     rows = gw.usage(limit=50)
     assert any(r["endpoint"] == "responses" for r in rows)
