@@ -191,6 +191,11 @@ def test_background_poll_cancel_and_the_cap(gw: Gateway, ups: tuple[Scripted, Sc
     for s in slow:
         assert c.responses.cancel(s.id).status == "cancelled"
         assert c.responses.retrieve(s.id).status == "cancelled"
+    # Their requests are settled as the client's cancel, not as the gateway's error.
+    deadline = time.monotonic() + 10
+    while len([r for r in gw.usage(limit=500) if r["status"] == "cancelled"]) < 2:
+        assert time.monotonic() < deadline, [r["status"] for r in gw.usage(limit=500)]
+        time.sleep(0.2)
     # Requests racing in together do not all pass the cap.
     up.fault("hang", count=8)
 
@@ -340,3 +345,43 @@ def test_restart_continues_and_fails_what_was_in_flight(
     for f in home.rglob("*"):
         if f.is_file():
             assert marker.encode() not in f.read_bytes(), f
+
+
+def test_two_gateways_on_one_database_share_responses_and_cancels(
+    ups: tuple[Scripted, Scripted], tmp_path: Path
+) -> None:
+    """Two gateway processes on one database (and so one key file): a response made
+    through one is continued and read through the other, and a background response
+    running on one is cancelled through the other, which stops it there (its request
+    is settled as cancelled)."""
+    up = ups[1]
+    db = str(tmp_path / "shared" / "switchyard.db")
+    cfg = _config(up, up)
+    a = start_gateway(cfg, db=db)
+    try:
+        b = start_gateway(cfg, db=db)
+        try:
+            b.key = a.key
+            ca, cb = a.openai(), b.openai()
+            _calls(up)
+            first = ca.responses.create(model="m", input="remember the number 7")
+            nxt = cb.responses.create(model="m", input="which?", previous_response_id=first.id)
+            assert nxt.status == "completed"
+            assert _last(up)["messages"][0]["content"] == "remember the number 7"
+            assert cb.responses.retrieve(first.id).id == first.id
+            up.fault("hang", count=1)
+            job = ca.responses.create(model="m", input="forever", background=True)
+            time.sleep(0.5)
+            assert cb.responses.cancel(job.id).status == "cancelled"
+            deadline = time.monotonic() + 15
+            while True:  # a's run notices, stops its upstream call, settles the request
+                rows = [r for r in a.usage(limit=100) if r["status"] == "cancelled"]
+                if rows or time.monotonic() > deadline:
+                    break
+                time.sleep(0.25)
+            assert rows, [(r["endpoint"], r["status"]) for r in a.usage(limit=100)]  # stopped
+            assert ca.responses.retrieve(job.id).status == "cancelled"
+        finally:
+            b.proc.stop()
+    finally:
+        a.proc.stop()

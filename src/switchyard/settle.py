@@ -39,12 +39,20 @@ def mark_failed(ctx: RequestContext, exc: BaseException) -> None:
     ctx.status, ctx.error_code = Status.ERROR, code
 
 
+# The message of a cancellation the client asked for (a background response's cancel):
+# the request is recorded as cancelled, not as the gateway's error.
+CLIENT_CANCEL = "cancelled by its client"
+
+
 def raise_cancelled(ctx: RequestContext, exc: asyncio.CancelledError) -> NoReturn:
     """A cancelled request ends as 409 task_cancelled when its task's cancel stopped it
     (policy/tasks.Running.stop: recorded, the cancellation taken back); any other
-    cancellation (the client left, shutdown) goes on."""
+    cancellation (the client left or cancelled it, shutdown) goes on."""
     if not ctx.cancelled:
-        mark_failed(ctx, exc)
+        if exc.args and exc.args[0] == CLIENT_CANCEL:
+            ctx.status, ctx.error_code = Status.CANCELLED, "cancelled"
+        else:
+            mark_failed(ctx, exc)
         raise exc
     task = asyncio.current_task()
     if task is not None:

@@ -65,13 +65,15 @@ from switchyard.policy.validate import validate_chat
 from switchyard.reply import JsonReply, StreamReply, relay, stream_chunks
 from switchyard.request import Generation, from_object
 from switchyard.service import ReadBody
-from switchyard.settle import mark_failed
+from switchyard.settle import CLIENT_CANCEL, mark_failed
 
 log = logging.getLogger("switchyard.api")
 DONE = ("completed", "failed", "incomplete", "cancelled")
 # How long an id not found is looked for again: another gateway on the database commits
 # a response within milliseconds of its reply (observe/responses.py, written behind).
 SETTLE_S = 0.25
+# How often a background response looks whether another gateway cancelled it.
+CANCEL_POLL_S = 1.0
 
 
 def _not_found(rid: str) -> NotFound:
@@ -332,7 +334,9 @@ class ResponsesRoutes:
             stored.status = "in_progress"
             stored.body["response"] = shell.object("in_progress", [])
             await self.store.update(stored)
-            reply = await self.service.generate(ctx, read)
+            reply = await self._cancellable(self.service.generate(ctx, read), stored)
+            if reply is None:
+                return  # cancelled or deleted through another gateway: left so
             assert isinstance(reply, JsonReply)
             if reply.settle is not None:
                 pending = reply.settle()
@@ -370,6 +374,29 @@ class ResponsesRoutes:
             stored.body["response"] = shell.object("failed", [], error=error)
             with contextlib.suppress(Exception):
                 await self.store.update(stored)
+
+    async def _cancellable(self, work: Any, stored: StoredResponse) -> Any:
+        """`work`'s result, or None once another gateway on the store cancelled or
+        deleted the response (looked for every CANCEL_POLL_S): the work is cancelled
+        then, so its upstream call stops wherever the cancel was asked."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=CANCEL_POLL_S)
+                if done:
+                    return task.result()
+                now = await self.store.get(stored.tenant_id, stored.id)
+                if now is None or now.status == "cancelled":
+                    break
+        except BaseException:
+            task.cancel(CLIENT_CANCEL)  # this gateway's cancel (or its stop)
+            with contextlib.suppress(BaseException):
+                await task
+            raise
+        task.cancel(CLIENT_CANCEL)
+        with contextlib.suppress(BaseException):
+            await task
+        return None
 
     # -- reading, deleting, cancelling ------------------------------------------------------
     async def _get(self, request: Request) -> tuple[Principal, StoredResponse]:
