@@ -385,3 +385,32 @@ def test_two_gateways_on_one_database_share_responses_and_cancels(
             b.proc.stop()
     finally:
         a.proc.stop()
+
+
+def test_a_background_response_is_admitted_before_anything_is_stored(gw: Gateway) -> None:
+    """Background requests pass every check a foreground one does — rate limits, the
+    key's models, the model's existence — before they are stored or answered; a refused
+    one leaves no row (and so no client text) in the database."""
+    import sqlite3
+
+    tenant = f"bg-rpm-{time.monotonic_ns()}"
+    gw.create_tenant(tenant, rpm=1)
+    c = gw.openai(gw.create_key(tenant)["key"])
+    ok = c.responses.create(model="m", input="first", background=True)
+    assert ok.status in ("queued", "in_progress", "completed")
+    with pytest.raises(openai.RateLimitError):
+        c.responses.create(model="m", input="second", background=True)
+    narrow = f"bg-narrow-{time.monotonic_ns()}"
+    gw.create_tenant(narrow)
+    n = gw.openai(gw.create_key(narrow, allowed_models=["pair"])["key"])
+    with pytest.raises(openai.PermissionDeniedError):
+        n.responses.create(model="m", input="not mine", background=True)
+    secret = "SSN 123-45-6789 " + "x" * 100_000
+    with pytest.raises(openai.NotFoundError) as missing:
+        n.responses.create(model=secret, input="x", background=True)
+    assert len(str(missing.value)) < 2000  # the name is not echoed whole
+    with sqlite3.connect(gw.db) as db:
+        rows = db.execute(
+            "SELECT tenant_id, model FROM responses WHERE tenant_id IN (?, ?)", (tenant, narrow)
+        ).fetchall()
+    assert rows == [(tenant, "m")]

@@ -43,6 +43,7 @@ def test_items_decode_into_one_chat_conversation() -> None:
                 {"type": "function_call", "call_id": "c2", "name": "time", "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "c1", "output": "rain"},
                 {"type": "function_call_output", "call_id": "c2", "output": "noon"},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "no photos"}]},
                 {
                     "type": "message",
                     "role": "user",
@@ -81,6 +82,7 @@ def test_items_decode_into_one_chat_conversation() -> None:
         },
         {"role": "tool", "tool_call_id": "c1", "content": "rain"},
         {"role": "tool", "tool_call_id": "c2", "content": "noon"},
+        {"role": "assistant", "content": "no photos"},
         {
             "role": "user",
             "content": [
@@ -99,8 +101,9 @@ def test_items_decode_into_one_chat_conversation() -> None:
         "function_call_output",
         "function_call_output",
         "message",
+        "message",
     ]
-    assert len({i["id"] for i in req.items}) == 6 and req.store and not req.background
+    assert len({i["id"] for i in req.items}) == 7 and req.store and not req.background
 
 
 @pytest.mark.parametrize(

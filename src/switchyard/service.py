@@ -152,9 +152,16 @@ class RequestService:
         )
 
     # -- chat and completions ---------------------------------------------------------
-    async def generate(self, ctx: RequestContext, read: ReadBody) -> Reply:
+    async def generate(
+        self,
+        ctx: RequestContext,
+        read: ReadBody,
+        admitted: Callable[[], Awaitable[None]] | None = None,
+    ) -> Reply:
         """Settled exactly once: here on a refusal or error, after the reply once it
-        is handed over."""
+        is handed over. `admitted` is awaited once every check has passed, before the
+        upstream call or the cache hit's reply (a background response is stored then:
+        a refused one never is)."""
         handed_off = False
         try:
             self.begin(ctx)
@@ -174,6 +181,12 @@ class RequestService:
             pending = self.pipelines.generation.decide(ctx)
             if pending is not None:
                 await pending
+            if ctx.response is None:
+                refused = model_refusal(ctx)
+                if refused is not None:
+                    raise refused
+            if admitted is not None:
+                await admitted()
             if ctx.response is not None:  # a cache hit
                 reply = await self._cached(ctx, ctx.response)
                 handed_off = isinstance(reply, StreamReply)
@@ -193,9 +206,6 @@ class RequestService:
                 await self.settle(ctx)
 
     async def _execute(self, ctx: RequestContext) -> Reply:
-        refused = model_refusal(ctx)
-        if refused is not None:
-            raise refused
         if ctx.stream:
             stream = await self.executor.execute_stream(ctx)
             side = self.pipelines.generation.reply_side(ctx)

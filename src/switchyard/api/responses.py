@@ -48,6 +48,7 @@ from switchyard.api.responses_reply import (
 )
 from switchyard.api.sse import RelayResponse, replayed, translated
 from switchyard.errors import (
+    InternalError,
     InvalidRequest,
     NotFound,
     RateLimited,
@@ -194,7 +195,7 @@ class ResponsesRoutes:
             tenant_id=ctx.principal.tenant_id,
             created_at=shell.created_at,
             status=obj["status"],
-            model=req.model,
+            model=ctx.alias or req.model,  # the alias routing resolved: checked, bounded
             deployment=dep.name if dep is not None else None,
             previous_response_id=req.previous_response_id,
             background=req.background,
@@ -285,6 +286,10 @@ class ResponsesRoutes:
         conversation: list[dict[str, Any]],
         shell: Shell,
     ) -> Response:
+        """Run the response in the background once it is admitted: every check a
+        foreground request passes (key, model, limits, budget, task) comes first, and
+        answers as it would there; only an admitted response is stored and answered
+        `in_progress` at once."""
         tenant = ctx.principal.tenant_id
         starting = self.starting.get(tenant, 0)
         self.starting[tenant] = starting + 1  # before the first await: no race here
@@ -296,21 +301,24 @@ class ResponsesRoutes:
                     code="background_limit",
                     headers={"Retry-After": "1"},
                 )
-            queued = shell.object("queued", [])
-            stored = self._stored(ctx, req, shell, queued, conversation)
-            await self.store.create(stored)
-            await self.store.drain()  # committed: every gateway counts it, answers its GET
+            admitted: asyncio.Future[StoredResponse] = asyncio.get_running_loop().create_future()
+            task = asyncio.create_task(self._run(ctx, req, gen, conversation, shell, admitted))
+            waiting: set[asyncio.Future[Any]] = {task, admitted}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         finally:
             left = self.starting[tenant] - 1
             if left:
                 self.starting[tenant] = left
             else:
                 del self.starting[tenant]
-        task = asyncio.create_task(self._run(ctx, req, gen, conversation, shell, stored))
+        if not admitted.done():  # refused (settled by the driver): answered as it was
+            task.result()
+            raise InternalError("the background response ended before it was admitted")
         self.running[shell.rid] = task
         task.add_done_callback(lambda _: self.running.pop(shell.rid, None))
+        stored = admitted.result()
         return Response(
-            orjson.dumps(queued),
+            orjson.dumps(stored.body["response"]),
             media_type="application/json",
             headers={"x-request-id": ctx.input.request_id},
         )
@@ -322,19 +330,31 @@ class ResponsesRoutes:
         gen: Generation,
         conversation: list[dict[str, Any]],
         shell: Shell,
-        stored: StoredResponse,
+        admitted: asyncio.Future[StoredResponse],
     ) -> None:
-        """A background response, from queued to its end, its state in the store."""
+        """A background response: admitted (stored, `in_progress`, and the client
+        answered), then run to its end, its state in the store. A refusal before it
+        was admitted is raised to the route, which answers it; nothing is stored."""
+        holder: list[StoredResponse] = []
 
         async def decoded(_: float) -> tuple[Generation, None]:
             return gen, None
 
+        async def on_admitted() -> None:
+            stored = self._stored(ctx, req, shell, shell.object("in_progress", []), conversation)
+            await self.store.create(stored)
+            await self.store.drain()  # committed: every gateway counts it, answers its GET
+            holder.append(stored)
+            admitted.set_result(stored)
+
         read: ReadBody = decoded
         try:
-            stored.status = "in_progress"
-            stored.body["response"] = shell.object("in_progress", [])
-            await self.store.update(stored)
-            reply = await self._cancellable(self.service.generate(ctx, read), stored)
+            reply = await self._cancellable(
+                self.service.generate(ctx, read, on_admitted), lambda: holder
+            )
+            if not holder:  # answered without admission (an idempotent replay)
+                await on_admitted()
+            stored = holder[0]
             if reply is None:
                 return  # cancelled or deleted through another gateway: left so
             assert isinstance(reply, JsonReply)
@@ -358,11 +378,17 @@ class ResponsesRoutes:
             }
             await self.store.update(stored)
         except asyncio.CancelledError:
+            if not holder:
+                raise
+            stored = holder[0]
             stored.status = "cancelled"
             stored.body["response"] = shell.object("cancelled", [])
             with contextlib.suppress(Exception):
                 await self.store.update(stored)
         except Exception as exc:
+            if not holder:
+                raise  # refused before it was admitted: the route answers it
+            stored = holder[0]
             err = exc if isinstance(exc, SwitchyardError) else None
             if err is None:
                 log.exception("background response %s failed", stored.id)
@@ -375,17 +401,21 @@ class ResponsesRoutes:
             with contextlib.suppress(Exception):
                 await self.store.update(stored)
 
-    async def _cancellable(self, work: Any, stored: StoredResponse) -> Any:
+    async def _cancellable(self, work: Any, stored: Any) -> Any:
         """`work`'s result, or None once another gateway on the store cancelled or
-        deleted the response (looked for every CANCEL_POLL_S): the work is cancelled
-        then, so its upstream call stops wherever the cancel was asked."""
+        deleted the response (looked for every CANCEL_POLL_S once it is stored:
+        `stored()` lists it): the work is cancelled then, so its upstream call stops
+        wherever the cancel was asked."""
         task = asyncio.ensure_future(work)
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=CANCEL_POLL_S)
                 if done:
                     return task.result()
-                now = await self.store.get(stored.tenant_id, stored.id)
+                held = stored()
+                if not held:
+                    continue
+                now = await self.store.get(held[0].tenant_id, held[0].id)
                 if now is None or now.status == "cancelled":
                     break
         except BaseException:

@@ -103,7 +103,9 @@ class ResponsesRequest:
     chat: dict[str, Any] = field(default_factory=dict)  # the chat fields besides messages
 
 
-_PART_KEYS = frozenset({"type", "text", "annotations", "logprobs", "image_url", "detail"})
+_PART_KEYS = frozenset(
+    {"type", "text", "refusal", "annotations", "logprobs", "image_url", "detail"}
+)
 
 
 def _part(part: Any, role: str, where: str) -> dict[str, Any]:

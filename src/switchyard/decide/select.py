@@ -27,7 +27,7 @@ def select_deployment(alias: str, deployments: Mapping[str, Deployment]) -> Sele
     dep = deployments.get(alias)
     if dep is None:
         raise ModelNotFound(
-            f"the model '{alias}' does not exist; GET /v1/models lists the available ones",
+            f"the model '{alias[:128]}' does not exist; GET /v1/models lists the available ones",
             param="model",
         )
     evidence = {
