@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
+from chat_replies import chat_reply, live_chunks
 from switchyard.api.messages_codec import MessagesCodec, to_chat
 from switchyard.api.messages_reply import MessageEvents, to_message
 from switchyard.api.sse import replayed
@@ -270,19 +271,7 @@ _calls = st.lists(st.tuples(_name, _name, _args), max_size=3, unique_by=lambda c
 _finish = st.sampled_from(["stop", "length", "tool_calls"])
 
 
-def _chat(text: str, calls: list[tuple[str, str, dict[str, Any]]], finish: str) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if calls:
-        message["tool_calls"] = [
-            {"id": i, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
-            for i, n, a in calls
-        ]
-    return {
-        "id": "chatcmpl-abc",
-        "object": "chat.completion",
-        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-        "usage": {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18},
-    }
+USAGE = {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}
 
 
 def _assemble(stream: bytes) -> Message:
@@ -320,52 +309,9 @@ def _blocks(message: Message) -> list[dict[str, Any]]:
 def test_a_streamed_reply_assembles_into_the_whole_reply(
     text: str, calls: list[tuple[str, str, dict[str, Any]]], finish: str, piece: int
 ) -> None:
-    chat = _chat(text, calls, finish)
+    chat = chat_reply(text, calls, finish, USAGE)
     whole = Message.model_validate(to_message(chat, "m"))
-    # The live stream's chunks, in pieces of `piece` characters, as an upstream sends them.
-    chunks: list[dict[str, Any]] = [
-        {"id": "chatcmpl-abc", "choices": [{"index": 0, "delta": {"role": "assistant"}}]}
-    ]
-    for i in range(0, len(text), piece):
-        chunks.append({"choices": [{"index": 0, "delta": {"content": text[i : i + piece]}}]})
-    for k, (cid, name, args) in enumerate(calls):
-        chunks.append(
-            {
-                "choices": [
-                    {
-                        "index": 0,
-                        "delta": {
-                            "tool_calls": [
-                                {
-                                    "index": k,
-                                    "id": cid,
-                                    "type": "function",
-                                    "function": {"name": name, "arguments": ""},
-                                }
-                            ]
-                        },
-                    }
-                ]
-            }
-        )
-        encoded = json.dumps(args)
-        for i in range(0, len(encoded), piece):
-            chunks.append(
-                {
-                    "choices": [
-                        {
-                            "index": 0,
-                            "delta": {
-                                "tool_calls": [
-                                    {"index": k, "function": {"arguments": encoded[i : i + piece]}}
-                                ]
-                            },
-                        }
-                    ]
-                }
-            )
-    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
-    chunks.append({"choices": [], "usage": chat["usage"]})
+    chunks = live_chunks(text, calls, finish, USAGE, piece)  # as an upstream streams it
     events = MessageEvents("m", 3)
     out = b"".join(b"".join(events.chunk(c)) for c in chunks) + b"".join(events.end())
     streamed = _assemble(out)

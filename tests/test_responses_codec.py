@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.types.responses import Response
 
+from chat_replies import chat_reply, live_chunks
 from switchyard.api.responses_codec import check, to_chat
 from switchyard.api.responses_reply import ResponseEvents, Shell, to_response
 from switchyard.errors import InvalidRequest, UpstreamError
@@ -151,19 +152,7 @@ _args = st.dictionaries(
 _calls = st.lists(st.tuples(_name, _name, _args), max_size=3, unique_by=lambda c: c[0])
 
 
-def _chat(text: str, calls: list[tuple[str, str, dict[str, Any]]], finish: str) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if calls:
-        message["tool_calls"] = [
-            {"id": i, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
-            for i, n, a in calls
-        ]
-    return {
-        "id": "chatcmpl-1",
-        "object": "chat.completion",
-        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-        "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13},
-    }
+USAGE = {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}
 
 
 def _assemble(stream: bytes) -> Response:
@@ -205,26 +194,10 @@ def _shape(r: Response) -> list[Any]:
 def test_a_streamed_reply_assembles_into_the_whole_reply(
     text: str, calls: list[tuple[str, str, dict[str, Any]]], finish: str, piece: int
 ) -> None:
-    chat = _chat(text, calls, finish)
+    chat = chat_reply(text, calls, finish, USAGE)
     shell = Shell("resp_" + "0" * 32, check({"model": "m", "input": "x"}), "m")
     whole = Response.model_validate(to_response(chat, shell))
-    chunks: list[dict[str, Any]] = []
-    for i in range(0, len(text), piece):
-        chunks.append({"choices": [{"index": 0, "delta": {"content": text[i : i + piece]}}]})
-    for k, (cid, name, args) in enumerate(calls):
-        head = {
-            "index": k,
-            "id": cid,
-            "type": "function",
-            "function": {"name": name, "arguments": ""},
-        }
-        chunks.append({"choices": [{"index": 0, "delta": {"tool_calls": [head]}}]})
-        encoded = json.dumps(args)
-        for i in range(0, len(encoded), piece):
-            part = {"index": k, "function": {"arguments": encoded[i : i + piece]}}
-            chunks.append({"choices": [{"index": 0, "delta": {"tool_calls": [part]}}]})
-    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
-    chunks.append({"choices": [], "usage": chat["usage"]})
+    chunks = live_chunks(text, calls, finish, USAGE, piece)  # as an upstream streams it
     events = ResponseEvents(shell)
     out = b"".join(b"".join(events.chunk(c)) for c in chunks) + b"".join(events.end())
     seqs = [

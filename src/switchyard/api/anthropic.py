@@ -23,8 +23,8 @@ from starlette.routing import Route
 from switchyard.api.body import header_map
 from switchyard.api.messages_codec import MessagesCodec, to_chat
 from switchyard.api.messages_reply import MessageEvents, error_event, to_message
-from switchyard.api.openai import CTX_KEY, OpenAIRoutes, SettleAfterResponse
-from switchyard.api.sse import RelayResponse, replayed, translated
+from switchyard.api.openai import CTX_KEY, OpenAIRoutes, json_response, stream_response
+from switchyard.api.sse import replayed, translated
 from switchyard.errors import ModelNotFound, PermissionDenied
 from switchyard.pipeline import RequestContext
 from switchyard.policy.cost import prompt_tokens
@@ -54,21 +54,11 @@ def to_messages_response(reply: Reply, ctx: RequestContext) -> Response:
             if source is not None
             else replayed(stream_chunks(reply.cached or {}), events)
         )
-        return RelayResponse(
-            content,
-            media_type="text/event-stream",
-            headers=reply.headers,
-            on_close=reply.on_close,
-            ctx=ctx,
-            error_event=error_event,
-        )
+        return stream_response(reply, content, error_event)
     chat = orjson.loads(reply.body)
-    body = orjson.dumps(to_message(chat if isinstance(chat, dict) else {}, model))
-    if reply.settle is not None:
-        return SettleAfterResponse(body, reply.headers, reply.settle)
-    response = Response(body, status_code=reply.status, media_type="application/json")
-    response.raw_headers.extend(reply.headers)
-    return response
+    return json_response(
+        reply, orjson.dumps(to_message(chat if isinstance(chat, dict) else {}, model))
+    )
 
 
 class AnthropicRoutes:

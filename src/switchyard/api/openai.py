@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -16,11 +16,12 @@ from starlette.types import Receive, Scope, Send
 from switchyard.api.body import header_map, parse_json, read_body
 from switchyard.api.codecs import Codec, Embeddings, chat_completions, completions
 from switchyard.api.sse import RelayResponse, frame, replay
-from switchyard.errors import InvalidRequest, RouteNotFound
+from switchyard.api.sse import error_event as sse_error_event
+from switchyard.errors import InvalidRequest, RouteNotFound, SwitchyardError
 from switchyard.gateway import Gateway
 from switchyard.policy.headers import ID_PATTERN
 from switchyard.policy.keys import Principal
-from switchyard.reply import Reply, StreamReply, relay, served_headers
+from switchyard.reply import JsonReply, Reply, StreamReply, relay, served_headers
 from switchyard.service import ReadBody
 from switchyard.settle import mark_failed
 
@@ -63,6 +64,33 @@ class SettleAfterResponse(Response):
                 await pending
 
 
+def stream_response(
+    reply: StreamReply,
+    content: AsyncIterator[bytes],
+    error_event: Callable[[SwitchyardError], bytes] = sse_error_event,
+) -> Response:
+    """A stream reply's HTTP response, `content` being its events in the protocol's
+    framing (and `error_event` its error event): every protocol's streams alike."""
+    return RelayResponse(
+        content,
+        media_type="text/event-stream",
+        headers=reply.headers,
+        on_close=reply.on_close,
+        ctx=reply.ctx,
+        error_event=error_event,
+    )
+
+
+def json_response(reply: JsonReply, body: bytes) -> Response:
+    """A whole reply's HTTP response with `body` (the reply's own bytes, or the
+    protocol's translation of them), settled once sent."""
+    if reply.settle is not None:
+        return SettleAfterResponse(body, reply.headers, reply.settle)
+    response = Response(body, status_code=reply.status, media_type="application/json")
+    response.raw_headers.extend(reply.headers)
+    return response
+
+
 def to_response(reply: Reply) -> Response:
     """The HTTP response of the service's reply."""
     if isinstance(reply, StreamReply):
@@ -73,18 +101,8 @@ def to_response(reply: Reply) -> Response:
             if source is not None
             else replay(reply.cached or {}, ctx.include_usage)
         )
-        return RelayResponse(
-            events,
-            media_type="text/event-stream",
-            headers=reply.headers,
-            on_close=reply.on_close,
-            ctx=ctx,
-        )
-    if reply.settle is not None:
-        return SettleAfterResponse(reply.body, reply.headers, reply.settle)
-    response = Response(reply.body, status_code=reply.status, media_type="application/json")
-    response.raw_headers.extend(reply.headers)
-    return response
+        return stream_response(reply, events)
+    return json_response(reply, reply.body)
 
 
 class OpenAIRoutes:

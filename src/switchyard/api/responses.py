@@ -32,7 +32,7 @@ from starlette.routing import Route
 
 from switchyard.api.body import header_map
 from switchyard.api.codecs import CHAT_TYPED
-from switchyard.api.openai import CTX_KEY, OpenAIRoutes, SettleAfterResponse
+from switchyard.api.openai import CTX_KEY, OpenAIRoutes, json_response, stream_response
 from switchyard.api.responses_codec import (
     RESPONSE_ID,
     IdPool,
@@ -46,7 +46,7 @@ from switchyard.api.responses_reply import (
     chat_message,
     to_response,
 )
-from switchyard.api.sse import RelayResponse, replayed, translated
+from switchyard.api.sse import replayed, translated
 from switchyard.errors import (
     InternalError,
     InvalidRequest,
@@ -225,12 +225,7 @@ class ResponsesRoutes:
                 if pending is not None:
                     await pending
             raise
-        body = orjson.dumps(obj)
-        if reply.settle is not None:
-            return SettleAfterResponse(body, reply.headers, reply.settle)
-        response = Response(body, status_code=reply.status, media_type="application/json")
-        response.raw_headers.extend(reply.headers)
-        return response
+        return json_response(reply, orjson.dumps(obj))
 
     def _stream(
         self,
@@ -269,13 +264,7 @@ class ResponsesRoutes:
             content = translated(ctx, relay(ctx, source.data(), reply.side, source.close), events)
         else:
             content = replayed(stream_chunks(reply.cached or {}), events)
-        return RelayResponse(
-            content,
-            media_type="text/event-stream",
-            headers=reply.headers,
-            on_close=reply.on_close,
-            ctx=ctx,
-        )
+        return stream_response(reply, content)
 
     # -- background ---------------------------------------------------------------------
     async def _background(

@@ -385,14 +385,7 @@ class ScriptedUpstream:
                 ],
             }
             reply["choices"][0]["finish_reason"] = "tool_calls"
-        payload = orjson.dumps(reply)
-        if abort is not None:
-            return StreamingResponse(
-                _cut(payload, abort),
-                media_type="application/json",
-                headers={"content-length": str(len(payload))},
-            )
-        return Response(payload, media_type="application/json")
+        return _whole(orjson.dumps(reply), abort)
 
     async def _stream(
         self, events: list[bytes], n: int, tail: bytes, abort: Abort | None, slow_s: float = 0.0
@@ -545,15 +538,7 @@ class ScriptedUpstream:
         model = body["model"]
         if not body.get("stream"):
             reply = scripted_messages.message(model, pieces, calls, stop_reason, usage)
-            payload = orjson.dumps(reply)
-            abort: Abort | None = request.scope.get(ABORT_KEY)
-            if abort is not None:
-                return StreamingResponse(
-                    _cut(payload, abort),
-                    media_type="application/json",
-                    headers={"content-length": str(len(payload))},
-                )
-            return Response(payload, media_type="application/json")
+            return _whole(orjson.dumps(reply), request.scope.get(ABORT_KEY))
         events = scripted_messages.stream_events(model, pieces, calls, stop_reason, usage)
         failing = request.scope.get(STREAM_ERROR_KEY)
         if failing is not None:
@@ -675,6 +660,18 @@ def _tool_call_list(body: Any) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _whole(payload: bytes, abort: Abort | None) -> Response:
+    """A whole JSON reply; cut in half under its full Content-Length with
+    `drop-mid-stream` (`abort` set)."""
+    if abort is not None:
+        return StreamingResponse(
+            _cut(payload, abort),
+            media_type="application/json",
+            headers={"content-length": str(len(payload))},
+        )
+    return Response(payload, media_type="application/json")
 
 
 def _messages_error(status: int, message: str) -> Response:
