@@ -16,7 +16,14 @@ from openai.types.responses import Response
 
 from chat_replies import chat_reply, live_chunks
 from switchyard.api.responses_codec import check, to_chat
-from switchyard.api.responses_reply import ResponseEvents, Shell, to_response
+from switchyard.api.responses_reply import (
+    ResponseEvents,
+    Shell,
+    _sse,
+    delta_event,
+    text_delta_head,
+    to_response,
+)
 from switchyard.errors import InvalidRequest, UpstreamError
 from switchyard.policy.validate import validate_chat
 from switchyard.reply import stream_chunks
@@ -234,3 +241,29 @@ def test_a_broken_stream_ends_failed_with_an_error_event() -> None:
     assert kinds == ["error", "response.failed"]
     assert events.final is not None and events.final["status"] == "failed"
     assert events.final["error"]["code"] == "upstream_error"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.text(max_size=40),
+    st.text(alphabet="abcdef0123456789_", min_size=1, max_size=40),
+    st.integers(0, 1000),
+    st.integers(0, 2**40),
+)
+def test_a_text_delta_event_is_the_bytes_of_its_object(
+    text: str, item_id: str, index: int, seq: int
+) -> None:
+    """The stream's per-token event, put together from constant pieces, is byte for byte
+    the SSE event of its object (what every other event is made from)."""
+    fast = delta_event(text_delta_head(item_id, index), text, seq)
+    event = {
+        "type": "response.output_text.delta",
+        "item_id": item_id,
+        "output_index": index,
+        "content_index": 0,
+        "delta": text,
+        "logprobs": [],
+        "sequence_number": seq,
+    }
+    assert fast == _sse(event)
+    assert json.loads(fast.split(b"\ndata: ", 1)[1]) == event

@@ -8,9 +8,9 @@ import asyncio
 import base64
 import os
 import secrets
+import signal
 import socket
 import stat
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +27,7 @@ from switchyard.config import ConfigError, Settings, parse_settings
 from switchyard.errors import DatabaseUnavailable
 from switchyard.gateway import Gateway
 from switchyard.observe.db import connect
+from switchyard.observe.ledger import UsageLedger
 from switchyard.observe.responses import (
     KEY_FILE,
     ORPHAN_REASON,
@@ -522,18 +523,25 @@ def test_postgresql_down_is_store_unavailable_then_recovers(postgres: Postgres) 
     store.conn.close()
 
 
-def test_creates_are_written_behind_in_shared_commits(
+def _with_writer(
+    tmp_path: Path, io: ThreadPoolExecutor, **kw: Any
+) -> tuple[ResponseStore, UsageLedger]:
+    key = Sealer.from_settings(_settings(tmp_path)).key  # the writer seals with it
+    ledger = UsageLedger(str(tmp_path / "home" / "gw.db"), flush_s=0.02, seal_key=key)
+    return _sqlite_store(tmp_path, io, writer=ledger, **kw), ledger
+
+
+def test_creates_go_with_the_ledgers_batches_to_its_writer_process(
     tmp_path: Path, io: ThreadPoolExecutor
 ) -> None:
-    """Write-behind with group commit: a created response is readable here at once;
-    responses created together are committed in fewer transactions than there are of
-    them; once drained every one is in the database, as another connection sees it."""
-    store = _sqlite_store(tmp_path, io)
-    begins: list[str] = []
-    store.conn.set_trace_callback(
-        lambda sql: begins.append(sql) if sql.startswith("BEGIN") else None
-    )
-    made = [_response("t") for _ in range(64)]
+    """Write-behind through the ledger's writer process: a created response is readable
+    here at once, and this process runs no insert of its own; once drained every one is
+    in the database, sealed, as another connection sees it; from then on it is read
+    from the database (another gateway's update shows here)."""
+    store, ledger = _with_writer(tmp_path, io)
+    statements: list[str] = []
+    store.conn.set_trace_callback(statements.append)
+    made = [_response("t", text="writer-marker") for _ in range(64)]
     other = connect(str(tmp_path / "home" / "gw.db"))
 
     async def go() -> None:
@@ -541,34 +549,68 @@ def test_creates_are_written_behind_in_shared_commits(
         assert (await store.get("t", made[0].id)) == made[0]  # before its commit too
         await store.drain()
 
-    run(go())
-    ids = {row[0] for row in other.execute("SELECT id FROM responses WHERE tenant_id = 't'")}
-    assert ids == {r.id for r in made}
-    assert 1 <= len(begins) < len(made)
+    try:
+        run(go())
+        rows = other.execute("SELECT id, body FROM responses WHERE tenant_id = 't'").fetchall()
+        assert {row[0] for row in rows} == {r.id for r in made}
+        assert not any(b"writer-marker" in bytes(row[1]) for row in rows)
+        assert not [s for s in statements if "INSERT" in s.upper()]
+        other.execute("UPDATE responses SET status = 'cancelled' WHERE id = ?", (made[1].id,))
+        got = run(store.get("t", made[1].id))
+        assert got is not None and got.status == "cancelled"
+    finally:
+        ledger.close()
 
 
 def test_a_store_that_falls_behind_refuses_rather_than_buffering_without_end(
-    tmp_path: Path,
+    tmp_path: Path, io: ThreadPoolExecutor
 ) -> None:
-    """While the database does not take writes (here: its I/O thread is held), at most
-    `max_queued` responses wait in memory; the next create is a 503, and the queued ones
-    are written once it moves again."""
-    held = threading.Event()
-    io = ThreadPoolExecutor(1)
-    io.submit(held.wait)  # the store's only I/O thread is busy until released
-    store = _sqlite_store(tmp_path, io, max_queued=3)
+    """While the writer takes nothing (its process stopped), at most `max_queued`
+    responses wait in memory; the next create is a 503, and the queued ones are written
+    once it moves again."""
+    store, ledger = _with_writer(tmp_path, io, max_queued=3)
     made = [_response("t") for _ in range(3)]
+    proc = ledger._proc
+    assert proc is not None
+    os.kill(proc.pid, signal.SIGSTOP)
 
     async def go() -> None:
         for r in made:
             await store.create(r)
+        await asyncio.sleep(0.1)  # their batch is sent, not committed
         with pytest.raises(DatabaseUnavailable):
             await store.create(_response("t"))
-        held.set()
+        os.kill(proc.pid, signal.SIGCONT)
         await store.drain()
 
-    run(go())
+    try:
+        run(go())
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        ledger.close()
     other = connect(str(tmp_path / "home" / "gw.db"))
     ids = {row[0] for row in other.execute("SELECT id FROM responses")}
     assert ids == {r.id for r in made}
-    io.shutdown()
+
+
+def test_a_writer_without_the_key_writes_nothing_of_a_response(
+    tmp_path: Path, io: ThreadPoolExecutor
+) -> None:
+    """The writer seals new responses with the key its gateway sends it when it starts;
+    one that got none drops them (logged) rather than write anything unsealed."""
+    ledger = UsageLedger(str(tmp_path / "home" / "gw.db"), flush_s=0.02)  # no seal_key
+    store = _sqlite_store(tmp_path, io, writer=ledger)
+    r = _response("t", text="unsealed-marker")
+
+    async def go() -> None:
+        await store.create(r)
+        await store.drain()
+
+    try:
+        run(go())
+    finally:
+        ledger.close()
+    db = (tmp_path / "home" / "gw.db").read_bytes()
+    assert b"unsealed-marker" not in db
+    other = connect(str(tmp_path / "home" / "gw.db"))
+    assert other.execute("SELECT COUNT(*) FROM responses").fetchone()[0] == 0

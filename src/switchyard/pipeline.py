@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
+from switchyard.entropy import RandomPool
 from switchyard.identity import ANONYMOUS, Principal
 from switchyard.request import Embedding, Generation
 
@@ -51,22 +52,15 @@ class RequestIds:
     CSPRNG. Nobody can predict the next id or derive one from another; and since ids
     grow with time, the ledger's primary-key index takes each one at its right edge
     (random keys scattered every insert over the whole B-tree: measurably more work
-    for the ledger writer at load). The random bits are read 256 ids at a time, one
-    `os.urandom` call per 256 requests. The client's own id is kept beside it
+    for the ledger writer at load). The random bits come from a pool (entropy.py: one
+    `getrandom` per few hundred requests). The client's own id is kept beside it
     (`client_request_id`), never in its place: the gateway's id is the ledger's key."""
 
-    _BATCH = 256
-
     def __init__(self) -> None:
-        self._pool = b""
-        self._at = 0
+        self._random = RandomPool()
 
     def __call__(self) -> str:
-        at = self._at
-        if at >= len(self._pool):
-            self._pool, at = secrets.token_bytes(10 * self._BATCH), 0
-        self._at = at + 10
-        return f"req_{int(time.time() * 1000):012x}{self._pool[at : at + 10].hex()}"
+        return f"req_{int(time.time() * 1000):012x}{self._random.take(10).hex()}"
 
 
 def new_request_id() -> str:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -85,7 +85,7 @@ class ChunkParts:
 
     usage: dict[str, Any] | None = None
     text: str = ""
-    calls: list[ToolCallPiece] = field(default_factory=list)
+    calls: Sequence[ToolCallPiece] = ()  # a list when the chunk has any
     finish: str | None = None
 
 
@@ -114,19 +114,22 @@ def chunk_parts(obj: dict[str, Any]) -> ChunkParts:
     if isinstance(text, str):
         parts.text = text
     calls = delta.get("tool_calls")
-    for call in calls if isinstance(calls, list) else ():
-        if isinstance(call, dict):
-            named = call.get("function")
-            fn: dict[str, Any] = named if isinstance(named, dict) else {}
-            piece = fn.get("arguments")
-            parts.calls.append(
-                ToolCallPiece(
-                    call.get("index", 0),
-                    str(call.get("id") or ""),
-                    str(fn.get("name") or ""),
-                    piece if isinstance(piece, str) else "",
+    if isinstance(calls, list) and calls:
+        pieces = []
+        for call in calls:
+            if isinstance(call, dict):
+                named = call.get("function")
+                fn: dict[str, Any] = named if isinstance(named, dict) else {}
+                piece = fn.get("arguments")
+                pieces.append(
+                    ToolCallPiece(
+                        call.get("index", 0),
+                        str(call.get("id") or ""),
+                        str(fn.get("name") or ""),
+                        piece if isinstance(piece, str) else "",
+                    )
                 )
-            )
+        parts.calls = pieces
     finish = choice.get("finish_reason")
     parts.finish = finish if isinstance(finish, str) and finish else None
     return parts

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from switchyard.api.checks import bad, flag, no_extras, number, string
+from switchyard.entropy import RandomPool
 from switchyard.errors import InvalidRequest
 
 # Top-level members the gateway honours; any other is refused by name.
@@ -68,22 +69,14 @@ def new_item_id(prefix: str) -> str:
 
 
 class IdPool:
-    """Unguessable ids, `prefix_` and 128 bits from the OS's CSPRNG, read 256 ids at a
-    time (one `os.urandom` per 256 ids, as pipeline.RequestIds: a request makes three,
-    and on this kind of machine each getrandom call costs ~15 us)."""
-
-    _BATCH = 256
+    """Unguessable ids, `prefix_` and 128 bits from the OS's CSPRNG, drawn from a pool
+    (entropy.py: a request makes three, and each `getrandom` call costs ~15 us)."""
 
     def __init__(self) -> None:
-        self._pool = b""
-        self._at = 0
+        self._random = RandomPool()
 
     def __call__(self, prefix: str) -> str:
-        at = self._at
-        if at >= len(self._pool):
-            self._pool, at = secrets.token_bytes(16 * self._BATCH), 0
-        self._at = at + 16
-        return f"{prefix}_{self._pool[at : at + 16].hex()}"
+        return f"{prefix}_{self._random.take(16).hex()}"
 
 
 @dataclass(slots=True)

@@ -49,9 +49,9 @@ from typing import Any, TypeVar
 import msgspec
 
 from switchyard.observe.db import connect
-from switchyard.observe.ledger_writer import BATCH, FLUSH, HEADER, STOP, frame
+from switchyard.observe.ledger_writer import BATCH, FLUSH, HEADER, KEY, STOP, frame
 from switchyard.observe.pg import is_postgres
-from switchyard.observe.traces import LedgerEntry, ledger_entry, template_id
+from switchyard.observe.traces import LedgerEntry, StoredRow, ledger_entry, template_id
 from switchyard.pipeline import RequestContext
 
 log = logging.getLogger("switchyard.ledger")
@@ -182,15 +182,21 @@ def encoded_row(finished: Finished, counts: LedgerCounts) -> Row | None:
     return data, used
 
 
-def batch_json(rows: list[Row], templates: dict[str, Any]) -> bytes:
-    """The batch as one JSON object: `entries` (one array per request) and `blocks`
-    (the templates of the compact block items those entries hold, by id)."""
+def batch_json(
+    rows: list[Row], templates: dict[str, Any], responses: list[bytes] | None = None
+) -> bytes:
+    """The batch as one JSON object: `entries` (one array per request), `blocks`
+    (the templates of the compact block items those entries hold, by id) and, when
+    there are any, `responses` (stored responses, each an encoded `StoredRow`)."""
     used: set[str] = set()
     for _, ids in rows:
         used.update(ids)
     blocks = {i: templates[i] for i in used}
     head = b'{"blocks":' + _ENCODER.encode(blocks) + b',"entries":['
-    return head + b",".join(data for data, _ in rows) + b"]}"
+    body = head + b",".join(data for data, _ in rows)
+    if responses:
+        body += b'],"responses":[' + b",".join(responses)
+    return body + b"]}"
 
 
 def _read(fd: int, n: int) -> bytes | None:
@@ -232,10 +238,18 @@ class LedgerReads:
 
 
 class UsageLedger(LedgerReads):
-    def __init__(self, sqlite_path: str, flush_s: float = 0.02, max_disk_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        sqlite_path: str,
+        flush_s: float = 0.02,
+        max_disk_bytes: int = 0,
+        seal_key: bytes | None = None,
+    ) -> None:
         """`max_disk_bytes` (observe.max_disk_mb): the writer keeps the file under it
-        as it writes; 0 = no byte budget."""
+        as it writes; 0 = no byte budget. `seal_key`: the key the writer seals stored
+        responses with (`store_response`), given to each writer down its pipe."""
         self.path = sqlite_path
+        self._seal_key = seal_key
         self.flush_s = flush_s
         self.max_disk_bytes = max_disk_bytes
         connect(sqlite_path).close()  # the schema exists before anyone reads
@@ -243,6 +257,9 @@ class UsageLedger(LedgerReads):
         # caller of flush()/close() in another thread may both be here.
         self._lock = threading.RLock()
         self._batch: list[Row] = []
+        self._responses: list[bytes] = []  # stored responses for this batch (StoredRow)
+        self._batch_flush = 0  # the flush number answered once they are committed
+        self._sent = 0  # the last such flush number sent
         # Block templates (see traces.compact_decisions) by id, and ids by their JSON form.
         self._templates: dict[str, Any] = {}
         self._timer: asyncio.TimerHandle | None = None
@@ -298,6 +315,8 @@ class UsageLedger(LedgerReads):
         fd = proc.stdin.fileno()
         with contextlib.suppress(OSError):  # Linux: room for bursts while it commits
             fcntl.fcntl(fd, 1031, _PIPE_BYTES)  # F_SETPIPE_SZ
+        if self._seal_key is not None:  # its first frame, whole (an empty pipe takes it)
+            os.write(fd, frame(KEY, self._seal_key))
         os.set_blocking(fd, False)
         return proc
 
@@ -321,6 +340,38 @@ class UsageLedger(LedgerReads):
             self._batch.append(row)
             full = len(self._batch) >= _MAX_BATCH
             timer_loop = self._timer_loop if self._timer is not None else None
+        self._gathered(full, timer_loop)
+
+    def store_response(self, row: StoredRow) -> int:
+        """Queue a stored response (observe/responses.py, sealed) with the batch being
+        gathered: the writer inserts it in that batch's transaction. Returns the flush
+        number the writer answers once it is committed (`committed`)."""
+        data = _ENCODER.encode(row)
+        with self._lock:
+            self._responses.append(data)
+            if not self._batch_flush:
+                self._seq += 1
+                self._batch_flush = self._seq
+            seq = self._batch_flush
+            full = len(self._responses) >= _MAX_BATCH
+            timer_loop = self._timer_loop if self._timer is not None else None
+        self._gathered(full, timer_loop)
+        return seq
+
+    def committed(self, seq: int) -> bool:
+        """Whether everything up to flush number `seq` is committed (the writer's
+        answers waiting are read, without blocking, once that flush was sent)."""
+        if self._acked < seq <= self._sent:
+            self._take_acks()
+        return self._acked >= seq
+
+    def behind(self) -> bool:
+        """The writer is so far behind that rows are about to be dropped."""
+        return self._queued > _MAX_QUEUED_BYTES // 2
+
+    def _gathered(self, full: bool, timer_loop: asyncio.AbstractEventLoop | None) -> None:
+        """Send the batch if it is full, else see that its timer is set (`timer_loop`:
+        the loop of the timer already set, if one is)."""
         if full or self.flush_s <= 0:
             self._send_batch()
             return
@@ -337,11 +388,17 @@ class UsageLedger(LedgerReads):
     def _send_batch(self) -> None:
         """Serialise the queued rows into one frame and write it. A timer firing for a
         batch that was already sent finds nothing to do."""
-        with self._lock:
+        with self._lock:  # held while queued: flush numbers go out in order
             batch, self._batch = self._batch, []
+            responses, self._responses = self._responses, []
+            seq, self._batch_flush = self._batch_flush, 0
             self._timer = None
-        if batch:
-            self._enqueue(frame(BATCH, batch_json(batch, self._templates)), len(batch))
+            if batch or responses:
+                data = frame(BATCH, batch_json(batch, self._templates, responses))
+                self._enqueue(data, len(batch) + len(responses))
+            if seq:
+                self._enqueue(frame(FLUSH, _SEQ.pack(seq)), 0)
+                self._sent = seq
 
     def _enqueue(self, data: bytes, rows: int) -> None:
         with self._lock:
@@ -461,7 +518,8 @@ class UsageLedger(LedgerReads):
         with self._lock:
             self._seq += 1
             seq = self._seq
-        self._enqueue(frame(FLUSH, _SEQ.pack(seq)), 0)
+            self._enqueue(frame(FLUSH, _SEQ.pack(seq)), 0)
+            self._sent = seq
         return seq
 
     def _take_acks(self) -> None:

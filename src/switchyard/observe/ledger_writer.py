@@ -11,9 +11,12 @@ Frames on stdin: one kind byte, a 4-byte big-endian length, the payload.
 - `B`: a `traces.LedgerBatch` as JSON: `entries`, one `LedgerEntry` (a flat array) per
   request, each made into its usage row and, unless its decisions are null, its trace
   record, all committed in one transaction; `blocks`, the templates of the folded runs
-  of decisions those entries refer to (`traces.expand_decisions`).
+  of decisions those entries refer to (`traces.expand_decisions`); `responses`, the
+  stored responses (sealed) made meanwhile, inserted in the same transaction.
 - `F`: an 8-byte sequence number: answered on stdout (the same frame) once everything
   before it is committed.
+- `K`: the 32-byte key stored responses are sealed with (observe/sealing.py), the
+  first frame of a writer whose gateway stores responses.
 - `S` (or end of input): commit what came before, then exit.
 
     python -m switchyard.observe.ledger_writer PATH [MAX_BYTES]
@@ -38,9 +41,11 @@ from typing import Any, BinaryIO
 import msgspec
 
 from switchyard.observe.db import connect, is_sqlite
+from switchyard.observe.sealing import Sealer
 from switchyard.observe.traces import (
     LedgerBatch,
     LedgerEntry,
+    StoredRow,
     enforce_disk,
     insert_args,
     trace_from_entry,
@@ -49,7 +54,7 @@ from switchyard.observe.traces import (
 log = logging.getLogger("switchyard.ledger")
 
 HEADER = struct.Struct(">cI")
-BATCH, FLUSH, STOP = b"B", b"F", b"S"
+BATCH, FLUSH, STOP, KEY = b"B", b"F", b"S", b"K"
 
 USAGE_COLUMNS = (
     "request_id",
@@ -99,6 +104,13 @@ def _insert(table: str, columns: tuple[str, ...]) -> str:
 INSERT_USAGE = _insert("usage", USAGE_COLUMNS)
 INSERT_TRACES = _insert("traces", TRACE_COLUMNS)
 INSERT_TEMPLATES = "INSERT OR IGNORE INTO trace_templates (id, template) VALUES (?, ?)"
+# A response id is 128 random bits: a second insert of one is a frame sent again to a
+# restarted writer, never another response, so it is ignored.
+INSERT_RESPONSES = (
+    "INSERT OR IGNORE INTO responses (tenant_id, id, created_at, status, model, deployment,"
+    " previous_response_id, background, owner, body, updated_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
 _TEMPLATE = msgspec.json.Encoder(enc_hook=str)
 ADD_DAILY = (
     "INSERT INTO usage_daily (day, tenant_id, key_id, model, requests, errors, input_tokens,"
@@ -196,14 +208,35 @@ def _sqlite_safe(row: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(str(v) if isinstance(v, int) and not -(2**63) <= v < 2**63 else v for v in row)
 
 
-def write_batch(conn: sqlite3.Connection, batch: LedgerBatch) -> bool:
-    """Commit one batch: every usage row and trace, or (after retries) none of them."""
+def _sealed(batch: LedgerBatch, sealer: Sealer | None) -> list[tuple[Any, ...]]:
+    """The batch's stored responses as `responses` rows, their bodies sealed. Without
+    a key (none came down the pipe) none is written: nothing unsealed reaches the disk."""
+    if not batch.responses:
+        return []
+    if sealer is None:
+        log.error("%d stored responses dropped: no key to seal them", len(batch.responses))
+        return []
+    return [
+        (
+            *(r.tenant_id, r.id, r.created_at, r.status, r.model, r.deployment),
+            *(r.previous_response_id, r.background, r.owner),
+            sealer.seal_json(r.tenant_id, r.id, bytes(r.body)),
+            r.updated_at,
+        )
+        for r in batch.responses
+    ]
+
+
+def write_batch(conn: sqlite3.Connection, batch: LedgerBatch, sealer: Sealer | None = None) -> bool:
+    """Commit one batch: every usage row, trace and stored response (sealed with
+    `sealer`), or (after retries) none of them."""
     try:
         entries = batch.entries
         rows = [usage_row(e) for e in entries]
         daily = daily_rollups(entries)
         traces = [insert_args(trace_from_entry(e)) for e in entries if e.decisions is not None]
         templates = [(bid, _TEMPLATE.encode(t).decode()) for bid, t in batch.blocks.items()]
+        responses = _sealed(batch, sealer)
     except Exception:  # a malformed batch must not end the writer
         log.exception("dropped a malformed batch of %d entries", len(batch.entries))
         return False
@@ -218,6 +251,8 @@ def write_batch(conn: sqlite3.Connection, batch: LedgerBatch) -> bool:
                 if traces:
                     conn.executemany(INSERT_TEMPLATES, templates)
                     conn.executemany(INSERT_TRACES, traces)
+                if responses:
+                    conn.executemany(INSERT_RESPONSES, responses)
             except OverflowError:  # a value SQLite cannot bind: keep the rows, as text
                 # (PostgreSQL: held at BIGINT's bounds, observe/pg.py)
                 safe = getattr(conn, "safe_row", _sqlite_safe)
@@ -229,6 +264,8 @@ def write_batch(conn: sqlite3.Connection, batch: LedgerBatch) -> bool:
                 if traces:
                     conn.executemany(INSERT_TEMPLATES, templates)
                     conn.executemany(INSERT_TRACES, [safe(r) for r in traces])
+                if responses:
+                    conn.executemany(INSERT_RESPONSES, responses)
             conn.execute("COMMIT")
             return True
         except (sqlite3.Error, OverflowError) as exc:
@@ -243,12 +280,22 @@ def write_batch(conn: sqlite3.Connection, batch: LedgerBatch) -> bool:
             if attempt >= 3 and not waiting:
                 break
             time.sleep(min(1.0, 0.05 * attempt))
-    log.error("dropped %d usage rows after repeated write failures", len(rows))
+    log.error(
+        "dropped %d usage rows and %d stored responses after repeated write failures",
+        len(rows),
+        len(responses),
+    )
     return False
+
+
+class _Responses(msgspec.Struct):
+    responses: list[msgspec.Raw] = []
 
 
 _BATCH = msgspec.json.Decoder(LedgerBatch)
 _LOOSE = msgspec.json.Decoder()
+_RESPONSES = msgspec.json.Decoder(_Responses)  # each one alone, when the batch failed
+_ROW = msgspec.json.Decoder(StoredRow)
 
 
 def decode_batch(payload: bytes) -> LedgerBatch | None:
@@ -270,7 +317,18 @@ def decode_batch(payload: bytes) -> LedgerBatch | None:
                 entries.append(msgspec.convert(e, LedgerEntry))
             except msgspec.ValidationError as exc:
                 log.error("ledger row %r dropped: %s", e[0] if e else None, exc)
-        return LedgerBatch(blocks, entries)
+        responses = []
+        try:
+            raws = _RESPONSES.decode(payload).responses
+        except msgspec.ValidationError as exc:
+            log.error("the stored responses of a batch were dropped: %s", exc)
+            raws = []
+        for r in raws:
+            try:
+                responses.append(_ROW.decode(r))
+            except msgspec.ValidationError as exc:
+                log.error("a stored response was dropped: %s", exc)
+        return LedgerBatch(blocks, entries, responses)
     except (msgspec.ValidationError, KeyError, TypeError):
         log.exception("unreadable ledger batch (%d bytes) dropped", len(payload))
         return None
@@ -289,6 +347,7 @@ def serve(path: str, source: BinaryIO, acks: BinaryIO, max_bytes: int = 0) -> No
     second of load instead of growing until the gateway's next retention pass."""
     conn = connect(path)
     sqlite = is_sqlite(conn)
+    sealer: Sealer | None = None
     checked = 0.0
     try:
         while True:
@@ -299,7 +358,7 @@ def serve(path: str, source: BinaryIO, acks: BinaryIO, max_bytes: int = 0) -> No
             if kind == BATCH:
                 batch = decode_batch(payload)
                 if batch is not None:
-                    write_batch(conn, batch)
+                    write_batch(conn, batch, sealer)
                 now = time.monotonic()
                 # PostgreSQL's budget counts rows (COUNT(*)): the gateways' retention
                 # pass checks it, every observe.retention_interval_s.
@@ -309,6 +368,8 @@ def serve(path: str, source: BinaryIO, acks: BinaryIO, max_bytes: int = 0) -> No
                         enforce_disk(conn, max_bytes)
                     except sqlite3.Error as exc:  # the next check tries again
                         log.warning("byte budget not enforced: %s", exc)
+            elif kind == KEY:
+                sealer = Sealer(payload)
             elif kind == FLUSH:
                 acks.write(frame(FLUSH, payload))
                 acks.flush()

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import contextlib
 import logging
 import os
 import secrets
@@ -35,20 +34,25 @@ import sqlite3
 import stat
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import orjson
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from switchyard.config import ConfigError, Settings, store_target
 from switchyard.errors import DatabaseUnavailable
+from switchyard.observe import sealing
 from switchyard.observe.db import RESPONSES_SCHEMA
+from switchyard.observe.ledger import UsageLedger
+from switchyard.observe.ledger_writer import INSERT_RESPONSES
 from switchyard.observe.pg import is_postgres
+from switchyard.observe.sealing import SealError
+from switchyard.observe.traces import StoredRow
 
 log = logging.getLogger("switchyard")
 T = TypeVar("T")
@@ -56,12 +60,7 @@ T = TypeVar("T")
 IN_FLIGHT = ("queued", "in_progress")
 KEY_FILE = "responses.key"
 ORPHAN_REASON = "the gateway restarted while this response was in progress"
-_MAX_BATCH = 512  # responses per commit
-FLUSH_S = 0.01  # how long a commit waits for more responses to take (as the ledger's)
 MAX_QUEUED = 10_000  # responses waiting for their commit; one more is refused (503)
-OUTAGE_S = 30.0  # how long queued responses wait for a database that is down
-_VERSION = b"\x01"  # a sealed blob: version, 12-byte nonce, ciphertext with its 16-byte tag
-_NONCE = 12
 
 
 @dataclass(slots=True)
@@ -95,11 +94,6 @@ def instance_name(port: int) -> str:
     """This gateway instance as an owner of background responses: host and port, the
     same after a restart, distinct for gateways on one host."""
     return f"{socket.gethostname()}:{port}"
-
-
-class SealError(Exception):
-    """A stored body that does not open: sealed with another key, for another tenant or
-    id, or altered."""
 
 
 def _decode_key(text: str) -> bytes | None:
@@ -173,14 +167,9 @@ def _key_file(home: Path) -> bytes:
     return _read_key_file(path)
 
 
-class Sealer:
-    """AES-256-GCM over a body's JSON, a fresh random 96-bit nonce per seal, the tenant
-    and id as associated data: a blob opens only under its own (tenant, id)."""
-
-    def __init__(self, key: bytes) -> None:
-        if len(key) != 32:
-            raise ValueError("the key of stored responses is 32 bytes (AES-256)")
-        self._aead = AESGCM(key)
+class Sealer(sealing.Sealer):
+    """The sealer of stored responses (observe/sealing.py) with its key from the
+    gateway's settings."""
 
     @classmethod
     def ephemeral(cls) -> Sealer:
@@ -219,33 +208,6 @@ class Sealer:
             )
         return cls(_key_file(home))
 
-    @staticmethod
-    def _aad(tenant_id: str, rid: str) -> bytes:
-        return f"{tenant_id}\0{rid}".encode()
-
-    def seal(self, tenant_id: str, rid: str, obj: dict[str, Any]) -> bytes:
-        nonce = secrets.token_bytes(_NONCE)
-        data = orjson.dumps(obj)
-        return _VERSION + nonce + self._aead.encrypt(nonce, data, self._aad(tenant_id, rid))
-
-    def open(self, tenant_id: str, rid: str, blob: bytes) -> dict[str, Any]:
-        blob = bytes(blob)
-        if len(blob) < 1 + _NONCE + 16 or blob[:1] != _VERSION:
-            raise SealError(f"stored response {rid}: not a sealed body")
-        nonce, sealed = blob[1 : 1 + _NONCE], blob[1 + _NONCE :]
-        try:
-            data = self._aead.decrypt(nonce, sealed, self._aad(tenant_id, rid))
-        except InvalidTag:
-            raise SealError(
-                f"stored response {rid} does not open with this gateway's key: sealed with "
-                "another key (responses.encryption_key_env, responses.key), for another "
-                "tenant or id, or altered"
-            ) from None
-        obj = orjson.loads(data)
-        if not isinstance(obj, dict):
-            raise SealError(f"stored response {rid}: the body is not an object")
-        return obj
-
 
 _COLUMNS = (
     "tenant_id, id, created_at, status, model, deployment, previous_response_id,"
@@ -254,11 +216,16 @@ _COLUMNS = (
 
 
 class ResponseStore:
-    """Stored responses in the gateway's database (SQLite or PostgreSQL). `io` runs the
-    SQL and the sealing: an executor (the store's I/O thread, so a slow disk or a large
-    conversation delays only the Responses requests, never the event loop) or None to
-    run them in the caller (an in-memory database). A database that cannot be reached
-    is `DatabaseUnavailable` (503), never a guess."""
+    """Stored responses in the gateway's database (SQLite or PostgreSQL).
+
+    New responses go to `writer`, the usage ledger's writer process, sealed: inserted in
+    the transaction of the batch of usage rows they came with, so storing a response
+    costs the gateway process no commit, no lock and no thread (see `create`). Without a
+    writer (an in-memory database, a tool) they are inserted at once. Reads, updates
+    and deletes run their SQL on `io` (the store's I/O thread, so a slow disk or a large
+    conversation delays only the Responses requests, never the event loop) or, with
+    None, in the caller. A database that cannot be reached is `DatabaseUnavailable`
+    (503), never a guess."""
 
     def __init__(
         self,
@@ -267,6 +234,7 @@ class ResponseStore:
         owner: str,
         io: Executor | None = None,
         *,
+        writer: UsageLedger | None = None,
         retention_days: float = 30.0,
         max_queued: int = MAX_QUEUED,
     ) -> None:
@@ -277,11 +245,11 @@ class ResponseStore:
         self.conn.executescript(RESPONSES_SCHEMA)
         self._lock = threading.Lock()
         self._io = io
-        # Written behind the reply (see `create`): queued, and readable here at once,
-        # until the commit that takes them lands.
-        self._pending: list[StoredResponse] = []
+        self._writer = writer
+        # Handed to the writer and not yet committed, readable here meanwhile; with the
+        # writer's flush number that answers once they are, oldest first.
         self._unwritten: dict[tuple[str, str], StoredResponse] = {}
-        self._committer: asyncio.Task[None] | None = None
+        self._waiting: deque[tuple[int, tuple[str, str]]] = deque()
         self._max_queued = max_queued
 
     async def _run(self, what: str, fn: Callable[..., T], *args: Any) -> T:
@@ -294,60 +262,45 @@ class ResponseStore:
             raise DatabaseUnavailable(f"the gateway's database is unavailable ({what})") from None
 
     async def create(self, r: StoredResponse) -> None:
-        """Store a new response. With a disk it is written behind the reply: queued at
-        once (readable here at once: `get` sees it), and committed with whatever else
-        is queued within FLUSH_S, in one transaction (group commit: one take of the
-        database's write lock, which the ledger writer shares, and one hop to the I/O
-        thread, for many responses); other gateways on the database see it then (their
-        `get` waits a moment for an id it does not find yet). What a crash
-        leaves uncommitted is lost, as the ledger's last batch is; `drain` (the
-        gateway's stop) writes it all. Without a disk (memory) it is written at once."""
-        if self._io is None:
-            self._create_many([r])
+        """Store a new response. With a writer it is written behind the reply: sealed
+        here, handed to the ledger's writer process with the batch being gathered, and
+        readable in this process at once (`get` sees it) until that batch is committed;
+        other gateways on the database see it then (their `get` waits a moment for an
+        id it does not find yet). What a crash leaves uncommitted is lost, as the
+        ledger's last batch is; the gateway's stop writes it all. A writer that falls
+        `max_queued` responses behind refuses more (503) rather than holding them
+        without end. Without a writer it is inserted at once."""
+        writer = self._writer
+        if writer is None:
+            await self._run("storing a response", self._create_many, [r])
             return
-        if len(self._pending) >= self._max_queued:  # the database is down or far behind
+        self._prune()
+        if len(self._unwritten) >= self._max_queued or writer.behind():
             raise DatabaseUnavailable(
-                f"the gateway's database is not keeping up: {len(self._pending)} stored "
+                f"the gateway's database is not keeping up: {len(self._unwritten)} stored "
                 "responses are waiting to be written"
             )
-        self._unwritten[(r.tenant_id, r.id)] = r
-        self._pending.append(r)
-        if self._committer is None:
-            self._committer = asyncio.get_running_loop().create_task(self._commit_pending())
+        key = (r.tenant_id, r.id)
+        body = msgspec.Raw(orjson.dumps(r.body))  # the writer seals it
+        seq = writer.store_response(self._row(r, body, time.time()))
+        self._unwritten[key] = r
+        self._waiting.append((seq, key))
 
-    async def _commit_pending(self) -> None:
-        """Commit what is queued, batch after batch, until nothing is; a database that
-        is down is retried (the responses stay readable here) for OUTAGE_S, then what
-        could not be written is dropped, and logged."""
-        failing_since: float | None = None
-        try:
-            await asyncio.sleep(FLUSH_S)  # let a batch gather: one commit for many
-            while self._pending:
-                batch = self._pending[:_MAX_BATCH]
-                try:
-                    await self._run("storing responses", self._create_many, batch)
-                except DatabaseUnavailable:
-                    now = time.monotonic()
-                    failing_since = failing_since or now
-                    if now - failing_since < OUTAGE_S:
-                        await asyncio.sleep(0.5)
-                        continue
-                    log.error("dropped %d stored responses: the database is down", len(batch))
-                except Exception:
-                    log.exception("dropped %d stored responses that did not write", len(batch))
-                failing_since = None
-                del self._pending[: len(batch)]
-                for r in batch:
-                    self._unwritten.pop((r.tenant_id, r.id), None)
-        finally:
-            self._committer = None
+    def _prune(self) -> None:
+        """Forget the responses the writer has committed (they are read from the
+        database from now on, where another gateway's update shows)."""
+        waiting, writer = self._waiting, self._writer
+        if not waiting or writer is None or not writer.committed(waiting[0][0]):
+            return
+        while waiting and writer.committed(waiting[0][0]):
+            self._unwritten.pop(waiting.popleft()[1], None)
 
     async def drain(self, timeout_s: float = 10.0) -> None:
-        """Wait until every queued response is committed (or `timeout_s` passed)."""
-        task = self._committer
-        if task is not None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        """Wait until every response handed to the writer is committed (or `timeout_s`
+        passed)."""
+        if self._writer is not None and self._waiting:
+            await self._writer.flush_async(timeout_s)
+            self._prune()
 
     async def get(self, tenant_id: str, rid: str, settle_s: float = 0.0) -> StoredResponse | None:
         """None: no such id for this tenant (another tenant's included) or past retention.
@@ -379,26 +332,25 @@ class ResponseStore:
         sharing the database (what `responses.max_background_per_tenant` caps)."""
         return await self._run("the background responses", self._active, tenant_id)
 
+    @staticmethod
+    def _row(r: StoredResponse, body: Any, now: float) -> StoredRow:
+        return StoredRow(
+            *(r.tenant_id, r.id, r.created_at, r.status, r.model, r.deployment),
+            *(r.previous_response_id, int(r.background), r.owner, body, now),
+        )
+
     def _create_many(self, responses: list[StoredResponse]) -> None:
         """Insert the responses in one transaction: all of them, or none."""
         now = time.time()
+        seal = self.sealer.seal
         rows = [
-            (
-                *(r.tenant_id, r.id, r.created_at, r.status, r.model, r.deployment),
-                *(r.previous_response_id, int(r.background), r.owner),
-                self.sealer.seal(r.tenant_id, r.id, r.body),
-                now,
-            )
+            msgspec.structs.astuple(self._row(r, seal(r.tenant_id, r.id, r.body), now))
             for r in responses
         ]
         with self._lock:
             self.conn.execute("BEGIN IMMEDIATE")
             try:
-                self.conn.executemany(
-                    f"INSERT INTO responses ({_COLUMNS}, updated_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    rows,
-                )
+                self.conn.executemany(INSERT_RESPONSES, rows)
                 self.conn.execute("COMMIT")
             except BaseException:
                 if self.conn.in_transaction:

@@ -111,14 +111,16 @@ class SqliteStore(Store):
         self.keys = KeyStore(connect(path), defaults)
         self.approvals = ApprovalStore(connect(path))
         self.idempotency = IdempotencyStore(connect(path), idempotency_ttl_s, self._io)
+        sealer = sealer or Sealer.ephemeral()
+        self.ledger = UsageLedger(path, flush_s, max_disk_bytes, seal_key=sealer.key)
         self.responses = ResponseStore(
             connect(path),
-            sealer or Sealer.ephemeral(),
+            sealer,
             owner or instance_name(0),
             self._io,
+            writer=self.ledger,  # new responses go with the usage rows' batches
             retention_days=response_retention_days,
         )
-        self.ledger = UsageLedger(path, flush_s, max_disk_bytes)
 
     def _io_keys(self) -> KeyStore:
         """The I/O thread's own key store (its own connection, used by it alone)."""

@@ -75,11 +75,33 @@ class LedgerEntry(msgspec.Struct, array_like=True, gc=False):
 ENTRY_FIELDS = LedgerEntry.__struct_fields__
 
 
+class StoredRow(msgspec.Struct, array_like=True, gc=False):
+    """A new stored response of the Responses API (observe/responses.py), as the writer
+    inserts it into `responses` in the same transaction as the batch's usage rows. Its
+    body travels as JSON down the pipe and is sealed by the writer (observe/sealing.py:
+    the key comes down the same pipe when the writer starts), so nothing readable of it
+    reaches the disk and the gateway's event loop spends no time encrypting."""
+
+    tenant_id: str
+    id: str
+    created_at: float
+    status: str
+    model: str
+    deployment: str | None
+    previous_response_id: str | None
+    background: int
+    owner: str | None
+    body: msgspec.Raw  # the body's JSON
+    updated_at: float
+
+
 class LedgerBatch(msgspec.Struct):
-    """One batch down the writer's pipe: the entries and the block templates they use."""
+    """One batch down the writer's pipe: the entries and the block templates they use,
+    and the stored responses made meanwhile."""
 
     blocks: dict[str, list[tuple[str, str, str, Any]]]  # the templates, by id
     entries: list[LedgerEntry]
+    responses: list[StoredRow] = []
 
 
 # A run of static verdicts that the pipeline recorded as one block (pipeline.Pipeline)
