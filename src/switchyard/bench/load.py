@@ -131,6 +131,7 @@ class Client:
                 if resp.status != 200:
                     raw = await resp.read()
                     rec.error, rec.error_detail = f"http_{resp.status}", _message(raw)
+                    rec.error_code = _code(raw)
                 else:
                     await self._read_stream(resp, rec)
         except TimeoutError:
@@ -195,6 +196,15 @@ def _content(obj: dict[str, Any], chat: bool) -> str:
         else:
             out += choice.get("text") or ""
     return out
+
+
+def _code(raw: bytes) -> str | None:
+    """The error body's `code` (OpenAI's shape), or None."""
+    try:
+        code = orjson.loads(raw)["error"]["code"]
+    except Exception:
+        return None
+    return str(code) if code is not None else None
 
 
 def _message(raw: bytes) -> str:

@@ -44,6 +44,7 @@ class RequestRecord:
     ok: bool = False
     error: str | None = None  # a kind: http_503, timeout, connect, disconnect, ...
     error_detail: str | None = None
+    error_code: str | None = None  # the error body's `code`, when it has one
     status: int | None = None
     warmup: bool = False
     max_tokens: int | None = None

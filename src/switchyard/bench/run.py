@@ -43,8 +43,10 @@ def _numbers(kind: type[float] | type[int]) -> Callable[[str], list[Any]]:
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("target")
-    t.add_argument("--endpoint", required=True, help="base URL, e.g. http://127.0.0.1:8000")
-    t.add_argument("--model", required=True)
+    t.add_argument(
+        "--endpoint", default=None, help="base URL, e.g. http://127.0.0.1:8000 (required)"
+    )
+    t.add_argument("--model", default=None, help="(required)")
     t.add_argument(
         "--api-key", default=None, help="default: $SWITCHYARD_API_KEY, else $OPENAI_API_KEY"
     )
@@ -72,6 +74,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompts", help="JSONL: {prompt|messages, max_tokens?} per line")
     src.add_argument("--sharegpt", help="ShareGPT-format JSON")
     src.add_argument("--agent-tasks", help="YAML/JSON task graphs (steps, depends_on)")
+    w.add_argument(
+        "--schedulers",
+        default=None,
+        metavar="fcfs,task_aware",
+        help="with --agent-tasks FILE holding a 'scheduling:' section: start the scripted "
+        "upstream and a gateway per scheduler and send each the same arrivals "
+        "(bench/scheduling.py; --endpoint and --model are not used; --duration overrides "
+        "the file's measured seconds per point)",
+    )
     w.add_argument("--input-len", type=int, default=128, help="synthetic prompt tokens")
     w.add_argument("--output-len", type=int, default=64, help="max_tokens (files: default)")
     w.add_argument("--len-dist", choices=("fixed", "uniform", "normal"), default="fixed")
@@ -334,8 +345,40 @@ def write_result(result: dict[str, Any], out_dir: Path, plots: bool) -> list[Pat
     return files
 
 
+def run_schedulers(args: argparse.Namespace, console: Console) -> int:
+    from switchyard.bench import scheduling
+    from switchyard.bench.harness import StartError
+
+    if not args.agent_tasks:
+        console.print("[red]bench run:[/] --schedulers needs --agent-tasks FILE")
+        return 2
+    say = None if args.quiet else (lambda line: console.print(line))
+    try:
+        result = scheduling.run_schedulers(args.agent_tasks, args.schedulers, args.duration, say)
+    except (ValueError, OSError, KeyError, StartError) as exc:
+        console.print(f"[red]bench run:[/] {exc}")
+        return 2
+    result["label"] = args.label
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    out_dir = Path(args.out or f"bench-results/{stamp}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "result.json"
+    path.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    table = "\n".join(scheduling.table(result))
+    (out_dir / "table.md").write_text(table + "\n")
+    if not args.quiet:
+        print(table)
+    console.print(f"wrote {path}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
+    if args.schedulers:
+        return run_schedulers(args, console)
+    if not args.endpoint or not args.model:
+        console.print("[red]bench run:[/] --endpoint and --model are required")
+        return 2
     try:
         result = asyncio.run(run_all(args, console))
     except (ValueError, OSError) as exc:

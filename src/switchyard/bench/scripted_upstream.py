@@ -27,6 +27,13 @@ as OpenAI does: the id and name first, then the arguments in pieces); `{"calls":
 goes back to text. `GET /stats` also says how many streams are open now
 (`open_streams`) and how many were closed by the client before their end (`aborted`).
 
+Capacity (`--concurrency N --service-ms B --token-ms T`): at most N generation requests are
+served at once, each holding its slot for B + T x (its output tokens) ms before it answers;
+more wait in arrival order. A deployment of known capacity (N / mean service time), for
+the scheduling benchmark (bench/scheduling.py). A prompt that contains `[[tokens:K]]` is
+answered with K tokens (at most its max_tokens), so a workload sets each call's output
+length below the cap it sends, as real generations end before their cap.
+
 Anthropic's Messages API: `POST /v1/messages` answers in its wire format (a `message`, or
 its SSE events with `stream: true`; text, or `tool_use` blocks for the tool calls above;
 the faults above with error bodies in its shape, `status:529` its overloaded error) after
@@ -48,6 +55,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -69,6 +77,7 @@ HANG_S = 3600.0
 WORDS = ("Hello", " from", " the", " scripted", " upstream", ".")
 DONE = b"data: [DONE]\n\n"
 ABORT_KEY = "switchyard.scripted.abort"
+LENGTH = re.compile(r"\[\[tokens:(\d{1,5})\]\]")
 SLOW_KEY = "switchyard.scripted.slow"
 STREAM_ERROR_KEY = "switchyard.scripted.stream_error"
 
@@ -202,9 +211,21 @@ class ScriptedUpstream:
         record: str | None = None,
         echo: bool = False,
         anthropic_key: str | None = None,
+        concurrency: int | None = None,
+        service_ms: float = 0.0,
+        token_ms: float = 0.0,
     ) -> None:
         if tokens < 1:
             raise ValueError("tokens must be at least 1")
+        if concurrency is not None and concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if service_ms < 0 or token_ms < 0:
+            raise ValueError("service and token times must not be negative")
+        self.concurrency = concurrency
+        self.service_ms = service_ms
+        self.token_ms = token_ms
+        self._slots: asyncio.Semaphore | None = None  # made on first use (its loop)
+        self.busy = 0  # requests holding a capacity slot now
         self.tokens = tokens
         self.record = record  # append every generation body received to this file
         self.echo = echo  # answer with the request's last message (a reply that quotes it)
@@ -337,6 +358,9 @@ class ScriptedUpstream:
         elif "prompt" in body:
             self.last_prompt = str(body["prompt"])
         n = self.tokens
+        asked = LENGTH.search(self.last_prompt or "") if self.concurrency else None
+        if asked is not None:
+            n = max(1, int(asked.group(1)))
         limit = body.get("max_tokens", body.get("max_completion_tokens"))
         if isinstance(limit, int) and 0 <= limit < n:
             n = limit
@@ -357,6 +381,8 @@ class ScriptedUpstream:
             "completion_tokens": n * sequences,
             "total_tokens": prompt_tokens + n * sequences,
         }
+        if self.concurrency is not None:
+            await self._serve(n * sequences)
         abort: Abort | None = request.scope.get(ABORT_KEY)
         calls = self.tool_calls if kind == "chat" else []
         if answered and self.calls_until_result:
@@ -386,6 +412,18 @@ class ScriptedUpstream:
             }
             reply["choices"][0]["finish_reason"] = "tool_calls"
         return _whole(orjson.dumps(reply), abort)
+
+    async def _serve(self, tokens: int) -> None:
+        """Hold one of `concurrency` slots for the service time of `tokens` tokens."""
+        if self._slots is None:
+            assert self.concurrency is not None
+            self._slots = asyncio.Semaphore(self.concurrency)
+        async with self._slots:
+            self.busy += 1
+            try:
+                await asyncio.sleep((self.service_ms + self.token_ms * tokens) / 1000)
+            finally:
+                self.busy -= 1
 
     async def _stream(
         self, events: list[bytes], n: int, tail: bytes, abort: Abort | None, slow_s: float = 0.0
@@ -732,6 +770,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help='comma-separated tool names every chat reply calls (arguments {"q": "x"})',
     )
+    ap.add_argument(
+        "--concurrency", type=int, default=None, help="requests served at once (capacity)"
+    )
+    ap.add_argument("--service-ms", type=float, default=0.0, help="per request, with a capacity")
+    ap.add_argument("--token-ms", type=float, default=0.0, help="per output token, likewise")
     args = ap.parse_args(argv)
     try:
         app = ScriptedUpstream(
@@ -741,6 +784,9 @@ def main(argv: list[str] | None = None) -> int:
             record=args.record,
             echo=args.echo,
             anthropic_key=args.anthropic_key,
+            concurrency=args.concurrency,
+            service_ms=args.service_ms,
+            token_ms=args.token_ms,
         )
     except ValueError as exc:
         ap.error(str(exc))

@@ -1,0 +1,398 @@
+"""`switchyard bench run --agent-tasks FILE --schedulers fcfs,task_aware`: one overload
+workload against each gateway scheduler, the same arrivals for each.
+
+The file's `scheduling:` section fixes everything (examples/bench/scheduling.yaml): the
+scripted upstream's capacity (concurrency, service time per request and per output
+token), the gateway's queue, the loads as multiples of that capacity, the task deadline
+and the share of interactive single calls. The run starts one scripted upstream and one
+gateway per scheduler (child processes; `scheduling.policy` is the only difference in
+their configs) and, per load, sends the same seeded Poisson arrivals to each in turn:
+
+* tasks: the file's task graph (a step starts when its parents are done), every step
+  with `x-task-timeout` = the deadline; a task is good when every step succeeded and its
+  E2E (first send to last end) is within the deadline;
+* interactive calls: single requests with their own `x-request-timeout`.
+
+Capacity is known: slot-seconds per second = the upstream's concurrency; a task costs
+the sum of its steps' service times, an interactive call its own; load L offers L times
+the capacity. Per point it reports task goodput (good tasks per minute of arrivals),
+task E2E p50/p95, interactive p95, refusals by (status, code) and wasted work (tokens
+of the steps of tasks that were not good).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from switchyard.bench import agent, load, tokens
+from switchyard.bench.harness import (
+    MODEL,
+    Child,
+    config_yaml,
+    free_port,
+    http,
+    readyz,
+    sigterm_as_exit,
+    spawn,
+    start_gateway,
+    stop_all,
+    wait_for,
+    wait_ready,
+)
+from switchyard.bench.metrics import RequestRecord, percentile
+from switchyard.bench.workloads import RequestSpec
+
+SCHEDULERS = ("fcfs", "task_aware")
+LENGTH = re.compile(r"\[\[tokens:(\d{1,5})\]\]")
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """The `scheduling:` section of the file, and its task graph."""
+
+    graph: agent.TaskGraph
+    seed: int
+    concurrency: int
+    service_ms: float
+    token_ms: float
+    max_concurrency: int
+    queue: int
+    resilience: dict[str, Any]
+    loads: tuple[float, ...]
+    warmup_s: float
+    duration_s: float
+    max_tokens: int
+    deadline_s: float
+    interactive_per_task: float
+    interactive_tokens: int
+    interactive_timeout_s: float
+    interactive_slo_ms: float
+
+    def service_s(self, tokens: int) -> float:
+        return (self.service_ms + self.token_ms * tokens) / 1000
+
+    @property
+    def task_work_s(self) -> float:
+        """Slot-seconds one task holds: the sum of its steps' service times."""
+        return sum(self.service_s(step_tokens(s)) for s in self.graph.steps)
+
+    @property
+    def interactive_work_s(self) -> float:
+        return self.service_s(self.interactive_tokens)
+
+    def task_rate(self, load: float) -> float:
+        """Tasks per second offering `load` times the capacity (interactive included)."""
+        per_task = self.task_work_s + self.interactive_per_task * self.interactive_work_s
+        return load * self.concurrency / per_task
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "scheduling",
+            "task": {
+                "name": self.graph.name,
+                "steps": {s.id: step_tokens(s) for s in self.graph.steps},
+                "edges": {s.id: list(s.depends_on) for s in self.graph.steps if s.depends_on},
+                "deadline_s": self.deadline_s,
+                "work_s": round(self.task_work_s, 3),
+            },
+            "upstream": {
+                "concurrency": self.concurrency,
+                "service_ms": self.service_ms,
+                "token_ms": self.token_ms,
+            },
+            "gateway": {
+                "max_concurrency": self.max_concurrency,
+                "queue": self.queue,
+                "resilience": self.resilience,
+            },
+            "interactive": {
+                "per_task": self.interactive_per_task,
+                "tokens": self.interactive_tokens,
+                "timeout_s": self.interactive_timeout_s,
+                "slo_ms": self.interactive_slo_ms,
+                "work_s": round(self.interactive_work_s, 3),
+            },
+            "loads": list(self.loads),
+            "task_rates_per_s": {str(x): round(self.task_rate(x), 4) for x in self.loads},
+            "seed": self.seed,
+            "warmup_s": self.warmup_s,
+            "duration_s": self.duration_s,
+            "max_tokens": self.max_tokens,
+        }
+
+
+def step_tokens(step: agent.Step) -> int:
+    m = LENGTH.search(step.prompt)
+    if m is None:
+        raise ValueError(f"step {step.id!r}: its prompt needs [[tokens:K]] (its output length)")
+    return int(m.group(1))
+
+
+def load_workload(path: str, duration_s: float | None = None) -> Workload:
+    data = yaml.safe_load(Path(path).read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("scheduling"), dict):
+        raise ValueError(f"{path}: --schedulers needs a 'scheduling:' section (see examples/bench)")
+    s = data["scheduling"]
+    graphs = agent.parse_graphs(data, Path(path).stem)
+    if len(graphs) != 1:
+        raise ValueError(f"{path}: --schedulers takes one task graph")
+    up, gw, task, inter = s["upstream"], s["gateway"], s["task"], s["interactive"]
+    w = Workload(
+        graph=graphs[0],
+        seed=int(s.get("seed", 0)),
+        concurrency=int(up["concurrency"]),
+        service_ms=float(up["service_ms"]),
+        token_ms=float(up["token_ms"]),
+        max_concurrency=int(gw["max_concurrency"]),
+        queue=int(gw["queue"]),
+        resilience=dict(gw.get("resilience") or {}),
+        loads=tuple(float(x) for x in s["loads"]),
+        warmup_s=float(s.get("warmup_s", 0.0)),
+        duration_s=float(duration_s if duration_s is not None else s["duration_s"]),
+        max_tokens=int(s["max_tokens"]),
+        deadline_s=float(task["deadline_s"]),
+        interactive_per_task=float(inter["per_task"]),
+        interactive_tokens=int(inter["tokens"]),
+        interactive_timeout_s=float(inter["timeout_s"]),
+        interactive_slo_ms=float(inter["slo_ms"]),
+    )
+    for st in w.graph.steps:
+        step_tokens(st)
+    timeout = {"x-task-timeout": f"{w.deadline_s:g}"}
+    steps = tuple(
+        replace(st, max_tokens=w.max_tokens, headers=st.headers | timeout) for st in w.graph.steps
+    )
+    return replace(w, graph=agent.TaskGraph(w.graph.name, steps))
+
+
+def schedule(w: Workload, load_x: float) -> list[tuple[float, str]]:
+    """(send time s, "task" | "interactive"), sorted: seeded, so every scheduler gets the
+    same arrivals at a load."""
+    rng = random.Random(f"{w.seed}:{load_x}")
+    end = w.warmup_s + w.duration_s
+    out: list[tuple[float, str]] = []
+    for kind, rate in (
+        ("task", w.task_rate(load_x)),
+        ("interactive", w.task_rate(load_x) * w.interactive_per_task),
+    ):
+        t = rng.expovariate(rate) if rate > 0 else end
+        while t < end:
+            out.append((t, kind))
+            t += rng.expovariate(rate)
+    out.sort()
+    return out
+
+
+async def run_point(
+    url: str, w: Workload, arrivals: list[tuple[float, str]]
+) -> tuple[list[agent.TaskRecord], list[RequestRecord]]:
+    """Send the arrivals open-loop; every job runs to its end."""
+    clock = load.Clock()
+    target = load.Target(endpoint=url, model=MODEL, timeout_s=60.0, sampling={"temperature": 0})
+    tag = uuid.uuid4().hex[:8]
+    counter = iter(range(sys.maxsize))
+    tasks: list[agent.TaskRecord] = []
+    singles: list[RequestRecord] = []
+    prompt = f"[[tokens:{w.interactive_tokens}]] A quick question from a user."
+    inter_headers = {"x-request-timeout": f"{w.interactive_timeout_s:g}"}
+
+    async def job(client: load.Client, i: int, t: float, kind: str) -> None:
+        warm = t < w.warmup_s
+        if kind == "task":
+            task = agent.TaskRecord(
+                f"bench-{tag}-{i}", w.graph.name, i, warm, t, len(w.graph.steps)
+            )
+            tasks.append(task)
+            await agent.run_task(client, w.graph, task, lambda: next(counter))
+        else:
+            rec = RequestRecord(
+                next(counter), f"bench-{uuid.uuid4().hex[:16]}", 0.0, t, warmup=warm
+            )
+            singles.append(rec)
+            spec = RequestSpec([{"role": "user", "content": prompt}], w.max_tokens)
+            await client.send(spec, rec, inter_headers)
+
+    async with load.Client(target, clock) as client:
+        running = []
+        for i, (t, kind) in enumerate(arrivals):
+            delay = t - clock.now()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            running.append(asyncio.ensure_future(job(client, i, t, kind)))
+        await asyncio.gather(*running)
+    records = [r for t in tasks for r in t.records.values()] + singles
+    tokens.fill_missing(records)
+    return tasks, singles
+
+
+def _refusal(r: RequestRecord) -> str:
+    return f"{r.status}:{r.error_code}" if r.status is not None else str(r.error)
+
+
+def summarize(
+    w: Workload, tasks: list[agent.TaskRecord], singles: list[RequestRecord]
+) -> dict[str, Any]:
+    measured = [t for t in tasks if not t.warmup]
+    deadline_ms = w.deadline_s * 1000
+    good = [t for t in measured if t.ok and (t.e2e_ms or 0.0) <= deadline_ms]
+    done = [t.e2e_ms for t in measured if t.ok and t.e2e_ms is not None]
+    refusals: dict[str, int] = {}
+    wasted = 0
+    good_ids = {t.task_id for t in good}
+    for t in measured:
+        for r in t.records.values():
+            if not r.ok:
+                refusals[_refusal(r)] = refusals.get(_refusal(r), 0) + 1
+            elif t.task_id not in good_ids:
+                wasted += (r.input_tokens or 0) + (r.output_tokens or 0)
+    inter = [r for r in singles if not r.warmup]
+    inter_ok = [r.e2e_ms for r in inter if r.ok and r.e2e_ms is not None]
+    inter_refused: dict[str, int] = {}
+    for r in inter:
+        if not r.ok:
+            inter_refused[_refusal(r)] = inter_refused.get(_refusal(r), 0) + 1
+    minutes = w.duration_s / 60
+    return {
+        "tasks": len(measured),
+        "tasks_good": len(good),
+        "tasks_completed": len(done),
+        "task_goodput_per_min": len(good) / minutes,
+        "task_e2e_p50_ms": percentile(done, 50) if done else None,
+        "task_e2e_p95_ms": percentile(done, 95) if done else None,
+        "steps_sent": sum(len(t.records) for t in measured),
+        "step_refusals": dict(sorted(refusals.items())),
+        "wasted_tokens": wasted,
+        "interactive": len(inter),
+        "interactive_ok": len(inter_ok),
+        "interactive_p50_ms": percentile(inter_ok, 50) if inter_ok else None,
+        "interactive_p95_ms": percentile(inter_ok, 95) if inter_ok else None,
+        "interactive_refusals": dict(sorted(inter_refused.items())),
+    }
+
+
+def _gateway_config(w: Workload, policy: str, gw_port: int, up_port: int, db: Path) -> str:
+    cfg: dict[str, Any] = yaml.safe_load(config_yaml(gw_port, up_port, db))
+    cfg["models"][0]["limits"] = {"max_concurrency": w.max_concurrency, "queue": w.queue}
+    if w.resilience:
+        cfg["models"][0]["resilience"] = w.resilience
+    cfg["scheduling"] = {"policy": policy}
+    return yaml.safe_dump(cfg, sort_keys=False)
+
+
+def _upstream_ready(port: int) -> bool:
+    try:
+        return http("GET", f"http://127.0.0.1:{port}/health")[0] == 200
+    except OSError:
+        return False
+
+
+def start_targets(
+    w: Workload, schedulers: list[str], workdir: Path, children: list[Child]
+) -> dict[str, str]:
+    """A scripted upstream and a gateway per scheduler; their URLs by scheduler."""
+    urls = {}
+    for name in schedulers:
+        up_port, gw_port = free_port(), free_port()
+        argv = [
+            sys.executable, "-m", "switchyard.bench.scripted_upstream",
+            "--port", str(up_port), "--tokens", "4096",
+            "--concurrency", str(w.concurrency),
+            "--service-ms", f"{w.service_ms:g}", "--token-ms", f"{w.token_ms:g}",
+        ]  # fmt: skip
+        up = spawn(f"upstream-{name}", argv, workdir)
+        children.append(up)
+        wait_ready(up, partial(_upstream_ready, up_port), 30)
+        config = workdir / f"gateway-{name}.yaml"
+        config.write_text(_gateway_config(w, name, gw_port, up_port, workdir / f"{name}.db"))
+        gw = start_gateway(f"gateway-{name}", config, gw_port, workdir)
+        children.append(gw)
+        wait_ready(gw, partial(readyz, gw_port), 60)
+        urls[name] = f"http://127.0.0.1:{gw_port}"
+    return urls
+
+
+def parse_schedulers(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in SCHEDULERS]
+    if not names or bad:
+        raise ValueError(
+            f"--schedulers {text!r}: a comma-separated list of {', '.join(SCHEDULERS)}"
+        )
+    return names
+
+
+async def _run_all(w: Workload, urls: dict[str, str], progress: Any = None) -> list[dict[str, Any]]:
+    points = []
+    for x in w.loads:
+        arrivals = schedule(w, x)
+        for name, url in urls.items():
+            if progress is not None:
+                progress(f"load {x:g}x, {name}: {len(arrivals)} arrivals")
+            tasks, singles = await run_point(url, w, arrivals)
+            points.append(
+                {
+                    "load": x,
+                    "scheduler": name,
+                    "task_rate_per_s": w.task_rate(x),
+                    "arrivals": len(arrivals),
+                    "summary": summarize(w, tasks, singles),
+                    "tasks": [t.to_json() for t in tasks],
+                    "interactive": [r.to_json() for r in singles],
+                }
+            )
+            await asyncio.sleep(1.0)  # the gateway settles the point's last requests
+    return points
+
+
+def run_schedulers(
+    path: str, schedulers: str, duration_s: float | None = None, progress: Any = None
+) -> dict[str, Any]:
+    """Start the targets, run every load against every scheduler, stop them."""
+    w = load_workload(path, duration_s)
+    names = parse_schedulers(schedulers)
+    children: list[Child] = []
+    with tempfile.TemporaryDirectory(prefix="sy-sched-") as tmp, sigterm_as_exit():
+        workdir = Path(tmp)
+        try:
+            urls = start_targets(w, names, workdir, children)
+            points = asyncio.run(_run_all(w, urls, progress))
+        finally:
+            stop_all(children)
+            wait_for(lambda: all(c.proc.poll() is not None for c in children), 10)
+    return {"workload": {"path": path, **w.describe()}, "schedulers": names, "points": points}
+
+
+def table(result: dict[str, Any]) -> list[str]:
+    """The side-by-side summary, as Markdown table rows."""
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0f}"
+
+    head = (
+        "| load | scheduler | tasks | good | goodput/min | task p50 ms | task p95 ms | "
+        "interactive p95 ms (ok/sent) | refusals (steps; interactive) | wasted tokens |"
+    )
+    out = [head, "|" + "---|" * 10]
+    for p in result["points"]:
+        s = p["summary"]
+        refused = ", ".join(f"{k} {v}" for k, v in s["step_refusals"].items()) or "none"
+        inter = ", ".join(f"{k} {v}" for k, v in s["interactive_refusals"].items()) or "none"
+        out.append(
+            f"| {p['load']:g}x | {p['scheduler']} | {s['tasks']} | {s['tasks_good']} | "
+            f"{s['task_goodput_per_min']:.1f} | {ms(s['task_e2e_p50_ms'])} | "
+            f"{ms(s['task_e2e_p95_ms'])} | {ms(s['interactive_p95_ms'])} "
+            f"({s['interactive_ok']}/{s['interactive']}) | {refused}; {inter} | "
+            f"{s['wasted_tokens']} |"
+        )
+    return out
