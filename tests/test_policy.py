@@ -310,6 +310,48 @@ def test_cli_keys_work_with_a_running_gateway(gw: Gateway) -> None:
     assert missing.returncode == 1 and "does not exist" in missing.stderr
 
 
+def test_limits_and_class_change_through_the_admin_api_and_the_cli(gw: Gateway) -> None:
+    """PATCH changes what it names, at once (the next request is held to it); a field
+    an update cannot change is refused by name; the CLI's update writes the same rows."""
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    tid = "t" + str(time.monotonic_ns())[-9:]
+    gw.create_tenant(tid, rpm=1000)
+    made = gw.create_key(tid)
+    assert _chat(gw, made["key"]).status_code == 200
+    url = f"{gw.url}/admin/tenants/{tid}"
+    r = httpx.patch(url, json={"rpm": 1, "priority": "batch"}, headers=admin, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.json()["limits"]["rpm"] == 1 and r.json()["priority"] == "batch"
+    codes = [_chat(gw, made["key"]).status_code for _ in range(3)]
+    assert 429 in codes  # rpm 1 holds at once: the key cache was cleared
+    bad = httpx.patch(url, json={"allowed_models": ["x"]}, headers=admin, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_models"
+    key_url = f"{gw.url}/admin/keys/{made['id']}"
+    r = httpx.patch(key_url, json={"priority": "interactive"}, headers=admin, timeout=10)
+    assert r.status_code == 200 and r.json()["priority"] == "interactive"
+    assert httpx.patch(url, json={"rpm": 5}, timeout=10).status_code == 401  # admin only
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "switchyard",
+            "tenants",
+            "update",
+            tid,
+            "--priority",
+            "interactive",
+            "--db",
+            gw.db,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    shown = httpx.get(url, headers=admin, timeout=10).json()
+    assert shown["priority"] == "interactive" and shown["limits"]["rpm"] == 1
+
+
 def test_first_run_creates_and_prints_a_dev_key(scripted: Scripted) -> None:
     g = start_gateway({"models": _models(scripted), "embeddings": {"enabled": False}})
     try:

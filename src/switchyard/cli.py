@@ -277,6 +277,7 @@ def _limit_values(args: argparse.Namespace) -> dict[str, Any]:
         "budget_period",
         "name",
         "expires_in_s",
+        "priority",
     ):
         v = getattr(args, name, None)
         if v is not None:
@@ -350,12 +351,16 @@ def cmd_admin(args: argparse.Namespace) -> int:
         if args.command == "tenants":
             if action == "create":
                 out: Any = store.create_tenant(args.id, **_limit_values(args))
+            elif action == "update":
+                out = store.update_tenant(args.id, **_limit_values(args))
             elif action == "list":
                 out = store.list_tenants()
             else:
                 out = store.get_tenant(args.id)
         elif action == "create":
             out = store.create_key(args.tenant, **_limit_values(args))
+        elif action == "update":
+            out = store.update_key(args.id, **_limit_values(args))
         elif action == "list":
             out = store.list_keys(args.tenant)
         elif action == "revoke":
@@ -647,6 +652,25 @@ def _add_limit_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_priority_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--priority",
+        choices=["interactive", "standard", "batch"],
+        help="scheduling class under overload (default: standard; a key's only lowers its "
+        "tenant's)",
+    )
+
+
+def _add_update_options(p: argparse.ArgumentParser) -> None:
+    """What `tenants update` and `keys update` change (KeyStore.UPDATABLE)."""
+    p.add_argument("--rpm", type=int)
+    p.add_argument("--tpm", type=int)
+    p.add_argument("--max-concurrency", type=int)
+    p.add_argument("--budget-usd", type=float)
+    p.add_argument("--budget-period", choices=["day", "month"])
+    _add_priority_option(p)
+
+
 def _add_store_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="config whose storage.sqlite_path to use")
     p.add_argument("--db", help="SQLite file (overrides the config)")
@@ -687,10 +711,18 @@ def build_parser() -> argparse.ArgumentParser:
     tc = tsub.add_parser("create")
     tc.add_argument("id")
     _add_limit_options(tc)
+    _add_priority_option(tc)
+    tu = tsub.add_parser(
+        "update",
+        help="change a tenant's limits or priority (a gateway applies it within "
+        "auth.key_cache_s; at once through the admin API)",
+    )
+    tu.add_argument("id")
+    _add_update_options(tu)
     tl = tsub.add_parser("list")
     ts = tsub.add_parser("show")
     ts.add_argument("id")
-    for p in (tc, tl, ts):
+    for p in (tc, tu, tl, ts):
         _add_store_options(p)
         p.set_defaults(func=cmd_admin)
 
@@ -726,13 +758,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kc.add_argument("--expires-in-s", type=float)
     _add_limit_options(kc)
+    _add_priority_option(kc)
+    ku = ksub.add_parser("update", help="change a key's limits or priority")
+    ku.add_argument("id")
+    _add_update_options(ku)
     kl = ksub.add_parser("list")
     kl.add_argument("--tenant")
     kr = ksub.add_parser("revoke")
     kr.add_argument("id")
     ks = ksub.add_parser("show")
     ks.add_argument("id")
-    for p in (kc, kl, kr, ks):
+    for p in (kc, ku, kl, kr, ks):
         _add_store_options(p)
         p.set_defaults(func=cmd_admin)
 

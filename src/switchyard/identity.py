@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 BUDGET_FIELDS = ("calls", "tokens", "cost_usd", "wall_s")
+# Scheduling classes, highest first: a principal's class is its index here (what the
+# deployment gates order waiters by, policy/admission.py's Priority).
+PRIORITY_NAMES = ("interactive", "standard", "batch")
+STANDARD = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +99,9 @@ class Principal:
     may_report_device_state: bool = False
     # The tenant's and the key's task budget, combined .
     task_budget: TaskBudget | None = None
+    # The scheduling class (index in PRIORITY_NAMES): the lower of the tenant's and the
+    # key's; a request may lower its own (x-switchyard-priority), never raise it.
+    priority: int = STANDARD
 
     def may_use(self, alias: str) -> bool:
         return model_allowed(self.key_models, alias) and model_allowed(self.tenant_models, alias)

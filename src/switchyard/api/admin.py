@@ -34,7 +34,7 @@ from switchyard.observe.ledger import live_summary, task_rows
 from switchyard.observe.tasks import analyze_task
 from switchyard.observe.traces import AmbiguousRequestId, get_request, get_task, list_requests
 from switchyard.policy.auth import bearer
-from switchyard.policy.keys import NotFound
+from switchyard.policy.keys import UPDATABLE, NotFound
 from switchyard.policy.limits import period_start
 
 log = logging.getLogger("switchyard")
@@ -48,6 +48,7 @@ _TENANT_FIELDS = (
     "allowed_models",
     "labels",
     "task_budget",
+    "priority",
 )
 _KEY_FIELDS = (
     *_TENANT_FIELDS,
@@ -161,9 +162,16 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
         return _json(gw.keys.create_tenant(tenant_id, **body), 201)
 
     async def tenant(request: Request) -> Response:
-        """One tenant: its limits, effective limits and metrics label."""
+        """GET: one tenant, its limits, effective limits and metrics label; PATCH {limits,
+        priority}: change those given (at once in this process)."""
         guard(request)
-        return _json(with_metrics_label(gw.keys.get_tenant(request.path_params["tenant_id"])))
+        tenant_id = request.path_params["tenant_id"]
+        if request.method == "PATCH":
+            body = await body_of(request, UPDATABLE)
+            out = gw.keys.update_tenant(tenant_id, **body)
+            gw.auth.invalidate()
+            return _json(with_metrics_label(out))
+        return _json(with_metrics_label(gw.keys.get_tenant(tenant_id)))
 
     async def keys(request: Request) -> Response:
         """GET ?tenant=: the API keys (never their secrets); POST {"tenant_id", ...}: create one (its secret is shown once)."""
@@ -178,9 +186,15 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
         return _json(gw.keys.create_key(tenant_id, **body), 201)
 
     async def key(request: Request) -> Response:
-        """GET: one API key; DELETE: revoke it (at once in this process)."""
+        """GET: one API key; PATCH {limits, priority}: change those given; DELETE: revoke
+        it (both at once in this process)."""
         guard(request)
         key_id = request.path_params["key_id"]
+        if request.method == "PATCH":
+            body = await body_of(request, UPDATABLE)
+            out = gw.keys.update_key(key_id, **body)
+            gw.auth.invalidate()
+            return _json(out)
         if request.method == "DELETE":
             out = gw.keys.revoke_key(key_id)
             gw.auth.invalidate()
@@ -511,9 +525,9 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
         Route("/admin/tasks/{task_id}", task_trace, methods=["GET", "DELETE"]),
         Route("/admin/approvals", approvals, methods=["POST"]),
         Route("/admin/tenants", tenants, methods=["GET", "POST"]),
-        Route("/admin/tenants/{tenant_id}", tenant, methods=["GET"]),
+        Route("/admin/tenants/{tenant_id}", tenant, methods=["GET", "PATCH"]),
         Route("/admin/keys", keys, methods=["GET", "POST"]),
-        Route("/admin/keys/{key_id}", key, methods=["GET", "DELETE"]),
+        Route("/admin/keys/{key_id}", key, methods=["GET", "PATCH", "DELETE"]),
         Route("/admin/keys/{key_id}/revoke", revoke, methods=["POST"]),
         Route("/admin/usage", usage, methods=["GET"]),
     ]

@@ -67,7 +67,8 @@ CREATE TABLE IF NOT EXISTS tenants (
     budget_usd REAL, budget_period TEXT,
     allowed_models TEXT NOT NULL DEFAULT '["*"]',
     labels TEXT NOT NULL DEFAULT '{}',
-    task_budget TEXT
+    task_budget TEXT,
+    priority TEXT
 );
 CREATE TABLE IF NOT EXISTS api_keys (
     id TEXT PRIMARY KEY,
@@ -85,7 +86,8 @@ CREATE TABLE IF NOT EXISTS api_keys (
     rpm INTEGER, tpm INTEGER, max_concurrency INTEGER,
     budget_usd REAL, budget_period TEXT,
     labels TEXT NOT NULL DEFAULT '{}',
-    task_budget TEXT
+    task_budget TEXT,
+    priority TEXT
 );
 CREATE INDEX IF NOT EXISTS api_keys_tenant ON api_keys(tenant_id);
 CREATE TABLE IF NOT EXISTS usage (
@@ -209,6 +211,8 @@ MIGRATIONS = (
     ("tenants", "task_budget", "TEXT"),
     ("usage", "placement", "TEXT"),
     ("api_keys", "task_budget", "TEXT"),
+    ("tenants", "priority", "TEXT"),
+    ("api_keys", "priority", "TEXT"),
 )
 # Partial: only requests that carry a client id pay for an index entry (a full index
 # cost the writer two more B-tree inserts for every request).

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from switchyard.errors import Conflict, InvalidRequest, NotFound
-from switchyard.identity import Limits, Principal, TaskBudget
+from switchyard.identity import PRIORITY_NAMES, STANDARD, Limits, Principal, TaskBudget
 
 KEY_PREFIX = "sk-sy-"
 TENANT_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
@@ -78,6 +78,24 @@ def _check_task_budget(v: Any) -> str | None:
     return json.dumps(v, sort_keys=True) if v else None
 
 
+def _check_priority(v: Any) -> str | None:
+    """A tenant's or key's scheduling class: interactive, standard or batch (None: a
+    tenant's is standard, a key's its tenant's)."""
+    if v is not None and v not in PRIORITY_NAMES:
+        raise InvalidRequest(
+            "'priority' must be one of interactive, standard, batch", param="priority"
+        )
+    return v
+
+
+def _rank(name: str | None) -> int:
+    return PRIORITY_NAMES.index(name) if name in PRIORITY_NAMES else STANDARD
+
+
+# What `update_tenant` and `update_key` may change.
+UPDATABLE = (*LIMIT_FIELDS, "priority")
+
+
 def _task_budget(raw: str | None) -> TaskBudget | None:
     return TaskBudget.of(json.loads(raw)) if raw else None
 
@@ -104,12 +122,13 @@ class KeyStore:
         models = _patterns(values.get("allowed_models"), "allowed_models")
         labels = values.get("labels") or {}
         task_budget = _check_task_budget(values.get("task_budget"))
+        priority = _check_priority(values.get("priority"))
         with self._lock:
             try:
                 self.conn.execute(
                     "INSERT INTO tenants (id, created_at, rpm, tpm, max_concurrency, budget_usd,"
-                    " budget_period, allowed_models, labels, task_budget)"
-                    " VALUES (?,?,?,?,?,?,?,?,?,?)",
+                    " budget_period, allowed_models, labels, task_budget, priority)"
+                    " VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                     (
                         tenant_id,
                         time.time(),
@@ -121,11 +140,38 @@ class KeyStore:
                         json.dumps(models),
                         json.dumps(labels),
                         task_budget,
+                        priority,
                     ),
                 )
             except sqlite3.IntegrityError:
                 raise Conflict(f"tenant '{tenant_id}' already exists") from None
         return self.get_tenant(tenant_id)
+
+    def update_tenant(self, tenant_id: str, **values: Any) -> dict[str, Any]:
+        """Change a tenant's limits or priority: only the fields given (a None clears a
+        limit back to the default, and a priority back to standard). A gateway applies
+        it when it next reads the tenant's keys (its key cache, auth.cache_ttl_s)."""
+        self.get_tenant(tenant_id)
+        self._update("tenants", tenant_id, values)
+        return self.get_tenant(tenant_id)
+
+    def _update(self, table: str, ident: str, values: dict[str, Any]) -> None:
+        unknown = sorted(set(values) - set(UPDATABLE))
+        if unknown:
+            raise InvalidRequest(
+                f"'{unknown[0]}' cannot be changed here (only {', '.join(UPDATABLE)})",
+                param=unknown[0],
+            )
+        if not values:
+            raise InvalidRequest(f"nothing to change: give one of {', '.join(UPDATABLE)}")
+        checked = _check_limits(values)
+        checked["priority"] = _check_priority(values.get("priority"))
+        names = [k for k in UPDATABLE if k in values]  # a fixed list: no name from the caller
+        with self._lock:
+            self.conn.execute(
+                f"UPDATE {table} SET {', '.join(f'{k} = ?' for k in names)} WHERE id = ?",
+                (*(checked[k] for k in names), ident),
+            )
 
     def get_tenant(self, tenant_id: str) -> dict[str, Any]:
         row = self.conn.execute("SELECT * FROM tenants WHERE id = ?", (tenant_id,)).fetchone()
@@ -147,6 +193,7 @@ class KeyStore:
             "limits": {k: row[k] for k in LIMIT_FIELDS},
             "effective_limits": {k: getattr(eff, k) for k in LIMIT_FIELDS},
             "task_budget": json.loads(row["task_budget"]) if row["task_budget"] else None,
+            "priority": row["priority"] or PRIORITY_NAMES[STANDARD],
         }
 
     # -- keys -----------------------------------------------------------------
@@ -170,14 +217,15 @@ class KeyStore:
             if not isinstance(flag, bool):
                 raise InvalidRequest(f"'{name}' must be true or false", param=name)
         task_budget = _check_task_budget(values.get("task_budget"))
+        priority = _check_priority(values.get("priority"))
         plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
         key_id = "key_" + secrets.token_hex(6)
         with self._lock:
             self.conn.execute(
                 "INSERT INTO api_keys (id, tenant_id, hash, prefix, name, created_at, expires_at,"
                 " allowed_models, allowed_adapters, may_pin_revisions, may_report_device_state,"
-                " rpm, tpm, max_concurrency, budget_usd, budget_period, labels, task_budget)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " rpm, tpm, max_concurrency, budget_usd, budget_period, labels, task_budget,"
+                " priority) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     key_id,
                     tenant_id,
@@ -197,6 +245,7 @@ class KeyStore:
                     lim["budget_period"],
                     json.dumps(values.get("labels") or {}),
                     task_budget,
+                    priority,
                 ),
             )
         out = self.get_key(key_id)
@@ -217,6 +266,13 @@ class KeyStore:
         else:
             rows = self.conn.execute("SELECT * FROM api_keys ORDER BY created_at").fetchall()
         return [self._key_dict(r) for r in rows]
+
+    def update_key(self, key_id: str, **values: Any) -> dict[str, Any]:
+        """Change a key's limits or priority (see `update_tenant`); a key's priority
+        only lowers its tenant's."""
+        self.get_key(key_id)
+        self._update("api_keys", key_id, values)
+        return self.get_key(key_id)
 
     def revoke_key(self, key_id: str) -> dict[str, Any]:
         with self._lock:
@@ -245,6 +301,7 @@ class KeyStore:
             "limits": {k: row[k] for k in LIMIT_FIELDS},
             "labels": json.loads(row["labels"]),
             "task_budget": json.loads(row["task_budget"]) if row["task_budget"] else None,
+            "priority": row["priority"],  # None: its tenant's
         }
 
     # -- verification ------------------------------------------------------------
@@ -255,7 +312,8 @@ class KeyStore:
             "SELECT k.*, t.rpm AS t_rpm, t.tpm AS t_tpm, t.max_concurrency AS t_conc,"
             " t.budget_usd AS t_budget, t.budget_period AS t_period,"
             " t.allowed_models AS t_models, t.labels AS t_labels,"
-            " t.task_budget AS t_task_budget FROM api_keys k JOIN tenants t ON t.id = k.tenant_id"
+            " t.task_budget AS t_task_budget, t.priority AS t_priority"
+            " FROM api_keys k JOIN tenants t ON t.id = k.tenant_id"
             " WHERE k.hash = ?",
             (hash_key(plaintext),),
         ).fetchone()
@@ -294,6 +352,8 @@ class KeyStore:
             tenant_limits=tenant_limits,
             labels=json.loads(row["labels"]),
             task_budget=task_budget,
+            # The lower class of the two (a larger index): a key never raises its tenant's.
+            priority=max(_rank(row["t_priority"]), _rank(row["priority"])),
         )
 
     def count_tenants(self) -> int:
