@@ -101,38 +101,45 @@ class ToolCallPiece:
 
 def chunk_parts(obj: dict[str, Any]) -> ChunkParts:
     """The parts of a chat completion chunk (its first choice: the gateway's streams
-    carry one), whatever is missing or malformed left empty."""
+    carry one), whatever is missing or malformed left empty. (Run for every chunk of
+    every translated stream: exact type checks, one object built.)"""
     usage = obj.get("usage")
-    parts = ChunkParts(usage if isinstance(usage, dict) else None)
+    if type(usage) is not dict:
+        usage = None
     choices = obj.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return parts
+    if type(choices) is not list or not choices or type(choices[0]) is not dict:
+        return ChunkParts(usage)
     choice: dict[str, Any] = choices[0]
-    got = choice.get("delta")
-    delta: dict[str, Any] = got if isinstance(got, dict) else {}
-    text = delta.get("content")
-    if isinstance(text, str):
-        parts.text = text
-    calls = delta.get("tool_calls")
-    if isinstance(calls, list) and calls:
-        pieces = []
-        for call in calls:
-            if isinstance(call, dict):
-                named = call.get("function")
-                fn: dict[str, Any] = named if isinstance(named, dict) else {}
-                piece = fn.get("arguments")
-                pieces.append(
-                    ToolCallPiece(
-                        call.get("index", 0),
-                        str(call.get("id") or ""),
-                        str(fn.get("name") or ""),
-                        piece if isinstance(piece, str) else "",
-                    )
-                )
-        parts.calls = pieces
+    delta = choice.get("delta")
+    text: Any = ""
+    pieces: Sequence[ToolCallPiece] = ()
+    if type(delta) is dict:
+        text = delta.get("content")
+        if type(text) is not str:
+            text = ""
+        calls = delta.get("tool_calls")
+        if type(calls) is list and calls:
+            pieces = _pieces(calls)
     finish = choice.get("finish_reason")
-    parts.finish = finish if isinstance(finish, str) and finish else None
-    return parts
+    return ChunkParts(usage, text, pieces, finish if type(finish) is str and finish else None)
+
+
+def _pieces(calls: list[Any]) -> list[ToolCallPiece]:
+    out = []
+    for call in calls:
+        if isinstance(call, dict):
+            named = call.get("function")
+            fn: dict[str, Any] = named if isinstance(named, dict) else {}
+            piece = fn.get("arguments")
+            out.append(
+                ToolCallPiece(
+                    call.get("index", 0),
+                    str(call.get("id") or ""),
+                    str(fn.get("name") or ""),
+                    piece if isinstance(piece, str) else "",
+                )
+            )
+    return out
 
 
 def stream_chunks(chat: dict[str, Any]) -> list[dict[str, Any]]:
