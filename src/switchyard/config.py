@@ -716,6 +716,10 @@ class OpenAIEngine(UpstreamEngine):
     kind: Literal["openai"]
     """`openai`: an OpenAI-compatible server (vLLM, llama.cpp server, a hosted provider) that
     Switchyard calls but does not manage."""
+    load_metrics: Literal["none", "vllm", "llamacpp"] = "none"
+    """What the server is, for reading its own load from its /metrics (beside base_url's /v1) every
+    `engines.state_interval_s`: `vllm` or `llamacpp` (llama-server with --metrics --slots); `none`
+    = not read."""
 
 
 class AnthropicEngine(UpstreamEngine):
@@ -1143,6 +1147,13 @@ class EnginesConfig(_Strict):
     thrash."""
     load_queue: int = Field(64, ge=1)
     """Requests waiting for one model's load; more are refused with 503 `model_loading`."""
+    state_interval_s: float = Field(1.0, ge=0, le=60)
+    """Seconds between reads of every engine's own load (llama-server's /metrics and /slots, vLLM's
+    /metrics: requests running and waiting, KV-cache usage, prefix-cache hits), which the balancer
+    weighs beside its own counts (engines/load.py); 0 = never read."""
+    state_stale_s: float = Field(3.0, gt=0, le=600)
+    """Seconds after which an engine's last reading is no longer used (the balancer falls back to
+    its own counts)."""
 
 
 # The project's demonstration LoRA adapters (engines/lora_train.py), named by path.

@@ -380,13 +380,20 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
         return _json(out)
 
     async def engines(request: Request) -> Response:
-        """The residency pool and every managed engine (state, memory, adapters)."""
+        """The residency pool, every managed engine (state, memory, adapters) and what
+        each engine last said of its own load (engines.state_interval_s), by deployment."""
         guard(request)
         reg = gw.registry
+        now = time.monotonic()
         return _json(
             {
                 "pool": reg.pool.describe(),
                 "engines": {e.alias: e.describe() for e in reg.managed()},
+                "load": {
+                    d.name: d.live.engine.describe(now)
+                    for d in reg.every()
+                    if d.live.engine is not None
+                },
             }
         )
 

@@ -241,6 +241,9 @@ class ScriptedUpstream:
         self.calls_until_result = False
         self.content: str | None = None  # PUT /control/content: every reply's text
         self.open_streams = 0
+        # What /metrics reports (vLLM's format), as another client's load would show:
+        # requests running and waiting, KV-cache usage; set with PUT /control/load.
+        self.load: dict[str, float] = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0}
         self.aborted = 0  # streams the client closed before their end
         self._runtime_fault: Fault | None = None
         self._runtime_left: int | None = None  # None: every request until changed
@@ -270,6 +273,8 @@ class ScriptedUpstream:
                 Route("/control/fault", self._control, methods=["PUT"]),
                 Route("/control/tool_calls", self._control_tools, methods=["PUT"]),
                 Route("/control/content", self._control_content, methods=["PUT"]),
+                Route("/control/load", self._control_load, methods=["PUT"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
             ]
         )
 
@@ -631,6 +636,34 @@ class ScriptedUpstream:
         # conversation ends with a tool result.
         self.calls_until_result = bool(body.get("until_result"))
         return Response(orjson.dumps({"calls": self.tool_calls}), media_type="application/json")
+
+    async def _control_load(self, request: Request) -> Response:
+        """What /metrics reports from now on: `{"running": n, "waiting": n,
+        "kv_cache_usage": 0-1}` (any of them)."""
+        try:
+            body = orjson.loads(await request.body())
+            for name, value in body.items():
+                if name not in self.load or not isinstance(value, int | float):
+                    raise ValueError(f"{name!r}: a number, one of {sorted(self.load)}")
+                self.load[name] = value
+        except (orjson.JSONDecodeError, AttributeError, ValueError) as exc:
+            return _error(400, f"control: {exc}")
+        return Response(orjson.dumps(self.load), media_type="application/json")
+
+    async def _metrics(self, request: Request) -> Response:
+        """The load figures in vLLM's Prometheus format (engines/load.py reads them)."""
+        labels = f'{{engine="0",model_name="{self.model_name}"}}'
+        lines = []
+        for name, kind, value in (
+            ("num_requests_running", "gauge", self.load["running"]),
+            ("num_requests_waiting", "gauge", self.load["waiting"]),
+            ("kv_cache_usage_perc", "gauge", self.load["kv_cache_usage"]),
+            ("prefix_cache_queries", "counter", self.requests),
+            ("prefix_cache_hits", "counter", 0),
+        ):
+            suffix = "_total" if kind == "counter" else ""
+            lines += [f"# TYPE vllm:{name} {kind}", f"vllm:{name}{suffix}{labels} {float(value)}"]
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def _control_content(self, request: Request) -> Response:
         """Answer every later request with this text: `{"content": "..."}`; null: as before."""

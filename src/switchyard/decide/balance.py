@@ -112,6 +112,9 @@ class Balancer:
                 "weight": live.weight,
                 "breaker": breaker.state if breaker is not None else None,
             }
+            engine = live.engine_now(now)
+            if engine is not None:  # what the engine itself says (all its clients)
+                state["engine"] = engine.evidence()
             states[d.name] = state
             why = self._ineligible(d, 1.0 if pin else live.weight, cap, breaker, regions, now)
             if why is None and location is not None and d.location != location:
@@ -321,7 +324,8 @@ class Balancer:
             if len(seen) == len(self.deployments):
                 break
         # every eligible one is at the bound: the least loaded
-        d = min(eligible, key=lambda x: x.live.in_flight)
+        now = time.monotonic()
+        d = min(eligible, key=lambda x: _load(x, now))
         return d, "every deployment at the load bound: the least loaded"
 
     def _pick(self, eligible: list[Deployment], tokens: int, now: float) -> tuple[Deployment, str]:
@@ -333,21 +337,26 @@ class Balancer:
         if strategy == "least_outstanding":
             a = self._weighted(eligible)
             b = self._weighted([d for d in eligible if d is not a])
-            if b.live.in_flight < a.live.in_flight:
-                a, b = b, a
+            load_a, load_b = _load(a, now), _load(b, now)
+            if load_b < load_a:
+                a, b, load_a, load_b = b, a, load_b, load_a
             return a, (
-                f"fewer in flight of two random choices ({a.name}: {a.live.in_flight}, "
-                f"{b.name}: {b.live.in_flight})"
+                f"fewer in flight of two random choices ({a.name}: {load_a}, "
+                f"{b.name}: {load_b}; an engine's own running and waiting count when it "
+                "reports more)"
             )
         stale = [d for d in eligible if now - d.live.last_sample > self.cfg.stale_s]
         if stale:
             d = min(stale, key=lambda x: x.live.last_sample)
             return d, "latency: not measured recently, probed first"
-        ranked = sorted(eligible, key=lambda x: _score(x, tokens))
+        ranked = sorted(eligible, key=lambda x: _score(x, tokens, now))
         if self.rng.random() < self.cfg.probe:
             return self.rng.choice(ranked[1:]), "latency: the probe share (a random other)"
         best = ranked[0]
-        return best, f"latency: lowest expected time ({_score(best, tokens) * 1000:.0f} ms)"
+        return best, (
+            f"latency: lowest expected time ({_score(best, tokens, now) * 1000:.0f} ms, "
+            "its engine's waiting requests counted)"
+        )
 
     def _weighted(self, eligible: list[Deployment]) -> Deployment:
         """One of `eligible`, at random by weight."""
@@ -480,8 +489,23 @@ def _weight(d: Deployment) -> float:
     return d.replica.weight if d.replica is not None else 1.0
 
 
-def _score(d: Deployment, tokens: int) -> float:
-    return (d.live.ttft_s or 0.0) + (d.live.tpot_s or 0.0) * tokens
+def _load(d: Deployment, now: float) -> int:
+    """Requests on `d`'s engine: this gateway's in flight, or what the engine itself
+    reports running and waiting (other clients' included) when that is more and fresh."""
+    engine = d.live.engine_now(now)
+    own = d.live.in_flight
+    return own if engine is None else max(own, engine.queued)
+
+
+def _score(d: Deployment, tokens: int, now: float) -> float:
+    """Expected seconds for `tokens` on `d`: its time to first token and per-token time
+    (EWMAs), stretched by the requests its engine says wait for a place in its batch
+    (each of the running ones frees one)."""
+    expected = (d.live.ttft_s or 0.0) + (d.live.tpot_s or 0.0) * tokens
+    engine = d.live.engine_now(now)
+    if engine is not None and engine.waiting:
+        expected *= 1 + engine.waiting / max(engine.running or 0, 1)
+    return expected
 
 
 def affinity_key(task_id: str | None, req: Generation, headers: Any) -> tuple[str, str] | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,12 +20,14 @@ from switchyard.config import (
     DeploymentConfig,
     LlamaCppEngine,
     ModelConfig,
+    OpenAIEngine,
     Settings,
     UpstreamEngine,
     VllmEngine,
 )
 from switchyard.engines.anthropic import AnthropicUpstream
 from switchyard.engines.llamacpp import AdapterFile, ManagedLlamaCpp
+from switchyard.engines.load import EngineLoad, LoadWatch
 from switchyard.engines.pool import EnginePool
 from switchyard.engines.token_ids import Support
 from switchyard.engines.token_ids import support as token_ids_support
@@ -53,15 +56,26 @@ class Live:
     outcomes: collections.deque[tuple[float, bool, float]] = field(
         default_factory=collections.deque
     )
+    # Its engine's own reading (engines/load.py), shared by the deployments on one
+    # engine; None when the engine is not read.
+    engine: EngineLoad | None = None
+
+    def engine_now(self, now: float) -> EngineLoad | None:
+        """The engine's reading when it is fresh, else None (the gateway's own counts)."""
+        load = self.engine
+        return load if load is not None and load.fresh(now) else None
 
     def describe(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "in_flight": self.in_flight,
             "selected": self.selected,
             "ewma_ttft_ms": self.ttft_ms,
             "ewma_tpot_ms": self.tpot_ms,
             "weight": self.weight,
         }
+        if self.engine is not None:
+            out["engine_load"] = self.engine.describe(time.monotonic())
+        return out
 
 
 @dataclass(slots=True)
@@ -258,6 +272,28 @@ class Registry:
                 self.deployments[a.name] = Deployment(am, dep.upstream, dep.engine, adapter=a)
 
         self.pool = EnginePool({e.alias: e for e in self.managed()}, settings.engines)
+        self.load_watch = LoadWatch(self._loads(settings), settings.engines.state_interval_s)
+
+    def _loads(self, settings: Settings) -> list[EngineLoad]:
+        """One reading per engine (deployments on one engine share its upstream client),
+        attached to each deployment's live state; none when reading is off."""
+        if settings.engines.state_interval_s <= 0:
+            return []
+        loads: dict[int, EngineLoad] = {}
+        for d in self.every():
+            kind = _load_kind(d)
+            if kind is None:
+                continue
+            load = loads.get(id(d.upstream))
+            if load is None:
+                engine = d.engine
+                load = loads[id(d.upstream)] = EngineLoad(
+                    kind, _root(d.upstream), settings.engines.state_stale_s
+                )
+                if engine is not None:
+                    load.up = _ready(engine)
+            d.live.engine = load
+        return list(loads.values())
 
     def every(self) -> list[Deployment]:
         """Every deployment: each alias's, and each of an alias with several."""
@@ -274,11 +310,38 @@ class Registry:
 
     def start(self) -> None:
         self.pool.start()
+        self.load_watch.start()
 
     async def stop(self) -> None:
+        await self.load_watch.stop()
         await self.pool.stop()
         await asyncio.gather(*(e.stop() for e in self.managed()), return_exceptions=True)
         await asyncio.gather(*(d.upstream.close() for d in self.every()), return_exceptions=True)
+
+
+def _load_kind(d: Deployment) -> str | None:
+    """What `d`'s engine is, for reading its load (engines/load.py), or None."""
+    if d.engine is not None:
+        return d.engine.kind
+    spec = d.model.engine
+    if isinstance(spec, OpenAIEngine) and spec.load_metrics != "none":
+        return spec.load_metrics
+    return None
+
+
+def _ready(engine: ManagedLlamaCpp) -> Callable[[], bool]:
+    return lambda: bool(engine.ready)
+
+
+def _root(upstream: OpenAIUpstream) -> Callable[[], str]:
+    """The server's root URL now (its API base without /v1): a managed engine's moves
+    when it restarts."""
+
+    def root() -> str:
+        base = upstream.base_url
+        return base[:-3] if base.endswith("/v1") else base
+
+    return root
 
 
 def _deployment(
