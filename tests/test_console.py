@@ -422,6 +422,12 @@ def test_live_page_refreshes_without_reloading(browser: WebDriver, gw: Gateway) 
     assert "fast" in browser.find_element(By.ID, "live-breakers").text
     engines = browser.find_element(By.ID, "live-engines").text
     assert "smollm2-135m" in engines and "ready" in engines
+
+    def engine_read(d: WebDriver) -> bool:  # the resident engine's own load, read lately
+        text = d.find_element(By.ID, "live-engine-load").text
+        return "smollm2-135m" in text and "llamacpp" in text and "s ago" in text
+
+    _until(browser, engine_read)
     _shot(browser, "live")
 
 

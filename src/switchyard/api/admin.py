@@ -268,6 +268,9 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
             }
             for e in reg.managed()
         }
+        out["engine_load"] = {  # what each engine last said of its own load
+            d.name: d.live.engine.describe(now) for d in reg.every() if d.live.engine is not None
+        }
         out["cache"] = gw.cache.stats() if gw.cache is not None else {"enabled": False}
         return _json(out)
 

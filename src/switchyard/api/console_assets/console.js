@@ -284,7 +284,15 @@ async function livePage() {
         { title: "In flight", num: true, get: (r) => num(r[1].in_flight) },
         { title: "Memory", num: true, get: (r) => (r[1].memory_mb == null ? "—" : `${num(r[1].memory_mb)} MB`) },
         { title: "Adapters", get: (r) => Object.entries(r[1].adapters).map(([n, s]) => `${n}: ${s}`).join(", ") }],
-      Object.entries(d.engines), "live-engines"));
+      Object.entries(d.engines), "live-engines"),
+      h("h2", {}, "What the engines report of their own load"),
+      table([{ title: "Deployment", get: (r) => r[0] }, { title: "Kind", get: (r) => r[1].kind },
+        { title: "Running", num: true, get: (r) => num(r[1].running) },
+        { title: "Waiting", num: true, get: (r) => num(r[1].waiting) },
+        { title: "KV cache", num: true, get: (r) => (r[1].kv_cache_usage == null ? "—" : pct(r[1].kv_cache_usage)) },
+        { title: "Slots", num: true, get: (r) => num(r[1].slots) },
+        { title: "Read", get: (r) => (r[1].fresh ? `${num(r[1].age_s, 1)} s ago` : (r[1].error || "stale")) }],
+      Object.entries(d.engine_load), "live-engine-load"));
     stamp.textContent = `updated ${new Date().toISOString().slice(11, 19)} UTC; refreshes every 2 s`;
   }
   await tick();
