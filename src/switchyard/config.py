@@ -337,6 +337,26 @@ class TasksConfig(_Strict):
     """Tool calls remembered per task (side-effect keys, results seen)."""
 
 
+class SchedulingConfig(_Strict):
+    """How each model's queue (`models[].limits`) orders and refuses its waiters."""
+
+    policy: Literal["task_aware", "fcfs"] = "task_aware"
+    """`task_aware`: waiters by priority class, then later steps of admitted tasks before new
+    tasks' first steps, then effective deadline (the request's or its task's, the earlier); a
+    waiter that can no longer finish in time is refused at once (504 `deadline_unreachable`), and
+    while the model is saturated a new task that would not finish in time behind the work already
+    admitted is refused (503 `overloaded`). `fcfs`: first come, first served, refused only when
+    the queue is full or the deadline passes."""
+    aging_s: float = Field(2.0, gt=0)
+    """No starvation: each `aging_s` seconds a waiter has waited raises its class by one
+    (batch to standard to interactive), so a lower class waits at most two of these behind
+    higher ones before it competes with them by deadline."""
+    admit_headroom: float = Field(0.8, gt=0, le=1)
+    """A new task is admitted into a saturated model only when its predicted end (the
+    admitted work ahead of it over the concurrency, plus its planned steps' service time)
+    falls within this share of the time its deadline leaves."""
+
+
 class CacheOverride(_Strict):
     mode: Literal["enforce", "shadow", "off"] | None = None
     """This model's cache mode: `enforce`, `shadow` or `off` (no lookup, no store); null =
@@ -1482,6 +1502,8 @@ class Settings(_Strict):
     """Tool shortlisting, tool permissions and checks of the tool calls models return."""
     tasks: TasksConfig = TasksConfig()
     """Agent tasks (`x-task-id`) as a unit of policy: budgets and state bounds."""
+    scheduling: SchedulingConfig = SchedulingConfig()
+    """Model queues: task- and deadline-aware (the default) or first come, first served."""
     models: list[ModelConfig] = Field(min_length=1)
     """The models clients may name (at least one)."""
     engines: EnginesConfig = EnginesConfig()

@@ -373,6 +373,41 @@ class DeadlineExceeded(SwitchyardError):
     code = "deadline_exceeded"
 
 
+class DeadlineUnreachable(DeadlineExceeded):
+    """The request could no longer finish before its deadline (the deadline minus the
+    model's current service-time estimate has passed): refused at once, never sent upstream
+    (`scheduling.policy: task_aware`)."""
+
+    code = "deadline_unreachable"
+
+    def __init__(self, message: str, *, evidence: dict[str, Any] | None = None, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.evidence = evidence  # for the queue's decision record, never the client
+
+
+class Overloaded(SwitchyardError):
+    """The model is saturated and this request opens a new task: the queue had room, but the
+    new task would take capacity that the tasks already admitted need to meet their deadlines
+    (`scheduling.policy: task_aware`). Distinct from 429 `queue_full`; Retry-After says when the
+    admitted work should have drained."""
+
+    status = 503
+    type = "server_error"
+    code = "overloaded"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after_s: int = 1,
+        evidence: dict[str, Any] | None = None,
+        **kw: Any,
+    ) -> None:
+        super().__init__(message, **kw)
+        self.headers.setdefault("Retry-After", str(max(1, retry_after_s)))
+        self.evidence = evidence  # for the queue's decision record, never the client
+
+
 class IdempotencyConflict(SwitchyardError):
     """An `Idempotency-Key` already used by this tenant for a different request body."""
 

@@ -289,7 +289,14 @@ class Gateway:
         self.executor.redact = self.pii.mask
         self.router: Any = None  # set once built (start), when routing is enabled
         self.gates = {
-            m.alias: DeploymentGate(m.alias, m.limits.max_concurrency, m.limits.queue)
+            m.alias: DeploymentGate(
+                m.alias,
+                m.limits.max_concurrency,
+                m.limits.queue,
+                settings.scheduling.policy,
+                settings.scheduling.aging_s,
+                settings.scheduling.admit_headroom,
+            )
             for m in settings.models
         }
         for a in settings.adapters:  # an adapter runs in its base's slots

@@ -83,6 +83,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "(bench/scheduling.py; --endpoint and --model are not used; --duration overrides "
         "the file's measured seconds per point)",
     )
+    w.add_argument(
+        "--interactive-priority",
+        choices=("interactive", "standard", "batch"),
+        default=None,
+        help="with --schedulers: auth on, the tasks with a standard key and the "
+        "interactive calls with a key of this class (default: auth off, all standard)",
+    )
     w.add_argument("--input-len", type=int, default=128, help="synthetic prompt tokens")
     w.add_argument("--output-len", type=int, default=64, help="max_tokens (files: default)")
     w.add_argument("--len-dist", choices=("fixed", "uniform", "normal"), default="fixed")
@@ -354,7 +361,9 @@ def run_schedulers(args: argparse.Namespace, console: Console) -> int:
         return 2
     say = None if args.quiet else (lambda line: console.print(line))
     try:
-        result = scheduling.run_schedulers(args.agent_tasks, args.schedulers, args.duration, say)
+        result = scheduling.run_schedulers(
+            args.agent_tasks, args.schedulers, args.duration, say, args.interactive_priority
+        )
     except (ValueError, OSError, KeyError, StartError) as exc:
         console.print(f"[red]bench run:[/] {exc}")
         return 2
@@ -366,6 +375,8 @@ def run_schedulers(args: argparse.Namespace, console: Console) -> int:
     path.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     table = "\n".join(scheduling.table(result))
     (out_dir / "table.md").write_text(table + "\n")
+    if not args.no_plots:
+        console.print(f"wrote {scheduling.plot(result, out_dir / 'scheduling.png')}")
     if not args.quiet:
         print(table)
     console.print(f"wrote {path}")

@@ -39,6 +39,7 @@ from switchyard.bench import agent, load, tokens
 from switchyard.bench.harness import (
     MODEL,
     Child,
+    auth_config,
     config_yaml,
     free_port,
     http,
@@ -47,6 +48,7 @@ from switchyard.bench.harness import (
     spawn,
     start_gateway,
     stop_all,
+    switchyard_cli,
     wait_for,
     wait_ready,
 )
@@ -78,6 +80,9 @@ class Workload:
     interactive_tokens: int
     interactive_timeout_s: float
     interactive_slo_ms: float
+    # Not in the file: `--interactive-priority` runs the gateways with auth on, the tasks
+    # with a standard key and the interactive calls with a key of this class.
+    interactive_priority: str | None = None
 
     def service_s(self, tokens: int) -> float:
         return (self.service_ms + self.token_ms * tokens) / 1000
@@ -122,6 +127,7 @@ class Workload:
                 "timeout_s": self.interactive_timeout_s,
                 "slo_ms": self.interactive_slo_ms,
                 "work_s": round(self.interactive_work_s, 3),
+                "priority": self.interactive_priority,
             },
             "loads": list(self.loads),
             "task_rates_per_s": {str(x): round(self.task_rate(x), 4) for x in self.loads},
@@ -139,7 +145,9 @@ def step_tokens(step: agent.Step) -> int:
     return int(m.group(1))
 
 
-def load_workload(path: str, duration_s: float | None = None) -> Workload:
+def load_workload(
+    path: str, duration_s: float | None = None, interactive_priority: str | None = None
+) -> Workload:
     data = yaml.safe_load(Path(path).read_text())
     if not isinstance(data, dict) or not isinstance(data.get("scheduling"), dict):
         raise ValueError(f"{path}: --schedulers needs a 'scheduling:' section (see examples/bench)")
@@ -166,6 +174,7 @@ def load_workload(path: str, duration_s: float | None = None) -> Workload:
         interactive_tokens=int(inter["tokens"]),
         interactive_timeout_s=float(inter["timeout_s"]),
         interactive_slo_ms=float(inter["slo_ms"]),
+        interactive_priority=interactive_priority,
     )
     for st in w.graph.steps:
         step_tokens(st)
@@ -195,17 +204,25 @@ def schedule(w: Workload, load_x: float) -> list[tuple[float, str]]:
 
 
 async def run_point(
-    url: str, w: Workload, arrivals: list[tuple[float, str]]
+    target_: Target, w: Workload, arrivals: list[tuple[float, str]]
 ) -> tuple[list[agent.TaskRecord], list[RequestRecord]]:
     """Send the arrivals open-loop; every job runs to its end."""
     clock = load.Clock()
-    target = load.Target(endpoint=url, model=MODEL, timeout_s=60.0, sampling={"temperature": 0})
+    target = load.Target(
+        endpoint=target_.url,
+        model=MODEL,
+        api_key=target_.task_key,
+        timeout_s=60.0,
+        sampling={"temperature": 0},
+    )
     tag = uuid.uuid4().hex[:8]
     counter = iter(range(sys.maxsize))
     tasks: list[agent.TaskRecord] = []
     singles: list[RequestRecord] = []
     prompt = f"[[tokens:{w.interactive_tokens}]] A quick question from a user."
     inter_headers = {"x-request-timeout": f"{w.interactive_timeout_s:g}"}
+    if target_.interactive_key is not None:
+        inter_headers["authorization"] = f"Bearer {target_.interactive_key}"
 
     async def job(client: load.Client, i: int, t: float, kind: str) -> None:
         warm = t < w.warmup_s
@@ -281,8 +298,21 @@ def summarize(
     }
 
 
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A started gateway, and the keys of the tasks and the interactive calls (None: auth
+    off)."""
+
+    url: str
+    task_key: str | None = None
+    interactive_key: str | None = None
+
+
 def _gateway_config(w: Workload, policy: str, gw_port: int, up_port: int, db: Path) -> str:
-    cfg: dict[str, Any] = yaml.safe_load(config_yaml(gw_port, up_port, db))
+    base = config_yaml(gw_port, up_port, db)
+    if w.interactive_priority is not None:
+        base = auth_config(base, db)
+    cfg: dict[str, Any] = yaml.safe_load(base)
     cfg["models"][0]["limits"] = {"max_concurrency": w.max_concurrency, "queue": w.queue}
     if w.resilience:
         cfg["models"][0]["resilience"] = w.resilience
@@ -297,10 +327,27 @@ def _upstream_ready(port: int) -> bool:
         return False
 
 
+def _keys(w: Workload, db: Path) -> tuple[str | None, str | None]:
+    """With `interactive_priority`: a tenant of that class, a standard key for the tasks
+    and a key of that class for the interactive calls (a key only lowers its tenant's)."""
+    if w.interactive_priority is None:
+        return None, None
+    cls = w.interactive_priority
+    where = ["--db", str(db)]
+    switchyard_cli(["tenants", "create", "bench", "--priority", cls, *where], 60)
+    keys = []
+    for priority in ("standard", cls):
+        made = switchyard_cli(
+            ["keys", "create", "--tenant", "bench", "--priority", priority, *where], 60
+        )
+        keys.append(str(made["key"]))
+    return keys[0], keys[1]
+
+
 def start_targets(
     w: Workload, schedulers: list[str], workdir: Path, children: list[Child]
-) -> dict[str, str]:
-    """A scripted upstream and a gateway per scheduler; their URLs by scheduler."""
+) -> dict[str, Target]:
+    """A scripted upstream and a gateway per scheduler, by scheduler."""
     urls = {}
     for name in schedulers:
         up_port, gw_port = free_port(), free_port()
@@ -314,11 +361,13 @@ def start_targets(
         children.append(up)
         wait_ready(up, partial(_upstream_ready, up_port), 30)
         config = workdir / f"gateway-{name}.yaml"
-        config.write_text(_gateway_config(w, name, gw_port, up_port, workdir / f"{name}.db"))
+        db = workdir / f"{name}.db"
+        task_key, interactive_key = _keys(w, db)
+        config.write_text(_gateway_config(w, name, gw_port, up_port, db))
         gw = start_gateway(f"gateway-{name}", config, gw_port, workdir)
         children.append(gw)
         wait_ready(gw, partial(readyz, gw_port), 60)
-        urls[name] = f"http://127.0.0.1:{gw_port}"
+        urls[name] = Target(f"http://127.0.0.1:{gw_port}", task_key, interactive_key)
     return urls
 
 
@@ -332,7 +381,9 @@ def parse_schedulers(text: str) -> list[str]:
     return names
 
 
-async def _run_all(w: Workload, urls: dict[str, str], progress: Any = None) -> list[dict[str, Any]]:
+async def _run_all(
+    w: Workload, urls: dict[str, Target], progress: Any = None
+) -> list[dict[str, Any]]:
     points = []
     for x in w.loads:
         arrivals = schedule(w, x)
@@ -356,10 +407,14 @@ async def _run_all(w: Workload, urls: dict[str, str], progress: Any = None) -> l
 
 
 def run_schedulers(
-    path: str, schedulers: str, duration_s: float | None = None, progress: Any = None
+    path: str,
+    schedulers: str,
+    duration_s: float | None = None,
+    progress: Any = None,
+    interactive_priority: str | None = None,
 ) -> dict[str, Any]:
     """Start the targets, run every load against every scheduler, stop them."""
-    w = load_workload(path, duration_s)
+    w = load_workload(path, duration_s, interactive_priority)
     names = parse_schedulers(schedulers)
     children: list[Child] = []
     with tempfile.TemporaryDirectory(prefix="sy-sched-") as tmp, sigterm_as_exit():
@@ -396,3 +451,35 @@ def table(result: dict[str, Any]) -> list[str]:
             f"{s['wasted_tokens']} |"
         )
     return out
+
+
+def plot(result: dict[str, Any], path: Path) -> Path:
+    """Task goodput, task E2E p95 and interactive p95 per load, one line per scheduler."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (
+        ("task_goodput_per_min", "task goodput (tasks within deadline / min)"),
+        ("task_e2e_p95_ms", "task E2E p95 (ms), completed tasks"),
+        ("interactive_p95_ms", "interactive p95 (ms), answered calls"),
+    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.5))
+    for ax, (metric, title) in zip(axes, panels, strict=True):
+        for name in result["schedulers"]:
+            pts = [p for p in result["points"] if p["scheduler"] == name]
+            ys = [p["summary"][metric] for p in pts]
+            ax.plot([p["load"] for p in pts], [float("nan") if y is None else y for y in ys],
+                    marker="o", label=name)  # fmt: skip
+        if metric == "task_e2e_p95_ms":
+            ax.axhline(result["workload"]["task"]["deadline_s"] * 1000, ls="--", c="grey")
+        if metric == "interactive_p95_ms":
+            ax.axhline(result["workload"]["interactive"]["slo_ms"], ls="--", c="grey")
+        ax.set_xlabel("offered load (x capacity)")
+        ax.set_title(title, fontsize=10)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

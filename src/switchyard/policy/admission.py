@@ -1,20 +1,165 @@
-"""Admission control per deployment: a concurrency cap with a bounded wait queue.
+"""Admission control per deployment: a concurrency cap with a bounded wait queue, ordered
+by the scheduling policy (`scheduling.policy`).
 
-A deep queue looks like success until deadlines pass, so the queue is bounded: when
-it is full a request is refused at once (429 + Retry-After) instead of waiting
-forever, and a request whose deadline passes while queued is answered 504 and never
-sent upstream. Waiters are served first in, first out.
+A deep queue looks like success until deadlines pass, so the queue is bounded: when it
+is full a request is refused at once (429 `queue_full` + Retry-After) instead of waiting
+forever, and a request whose deadline passes while queued is answered 504 and never sent
+upstream.
+
+`fcfs`: waiters are served first in, first out; nothing else.
+
+`task_aware` (the default) serves the waiter with the smallest key
+
+    (class after aging, is a new task's first step, effective deadline, arrival)
+
+* class: interactive < standard < batch (`Priority`, the request's own, a parameter of
+  the gate). No starvation: each `aging_s` a waiter has waited lifts it one class, so a
+  batch waiter competes with interactive ones after two of them, and from there on by
+  deadline; and every waiter has a deadline, by which it is served or refused.
+* later steps of admitted tasks (and single calls) before the first steps of new tasks,
+  so admitted tasks keep the capacity they need to finish;
+* earliest effective deadline first (the request's, already cut to its task's).
+
+and refuses what cannot succeed, before anything is sent:
+
+* a waiter that can no longer finish in time (now + its service-time estimate past its
+  deadline) is refused with 504 `deadline_unreachable`: at the queue, when handed a slot,
+  and by a timer at its deadline minus the estimate;
+* while the model is saturated, a new task's first step is refused with 503
+  `overloaded` (+ Retry-After) when the task would not end within `admit_headroom` of
+  its time left: the work ahead of it (the queued waiters' and the remaining planned
+  steps of the admitted tasks) over the concurrency, plus its own planned steps;
+* when the queue is full, a later step (or single call) takes the place of the
+  lowest-ranked queued first step of a new task, which gets 503 `overloaded`.
+
+The service-time estimate is learned per model (`ServiceModel`): slot seconds as a
+linear function of the output tokens (weighted least squares, recent requests weigh
+more), and the expected output tokens per model and per task step (the call's number
+in a task with that many planned steps). It never uses the `max_tokens` cap, which is
+a worst case. Until a model has `MIN_SAMPLES` answers there is no estimate, and no
+refusal rests on one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
+import math
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Literal
 
-from switchyard.errors import DeadlineExceeded, RateLimited
+from switchyard.errors import DeadlineExceeded, DeadlineUnreachable, Overloaded, RateLimited
+
+Policy = Literal["task_aware", "fcfs"]
+StepKey = tuple[int, int]  # (planned steps, this call's number in the task)
+
+
+class Priority(IntEnum):
+    """Priority classes, highest first."""
+
+    INTERACTIVE = 0
+    STANDARD = 1
+    BATCH = 2
+
+
+PRIORITIES = {p.name.lower(): p for p in Priority}
+
+
+@dataclass(frozen=True, slots=True)
+class SlotAsk:
+    """What the gate knows of a request: its class and its place in its task."""
+
+    priority: Priority = Priority.STANDARD
+    task: Hashable | None = None  # the task's key, when the request is one of a task's
+    step: int | None = None  # its number among the task's calls (1: the first)
+    planned: int | None = None  # the task's planned steps (x-task-planned-steps)
+
+    @property
+    def new_task(self) -> bool:
+        """The first call of a task of more than one step: a new task to admit."""
+        return self.task is not None and self.step == 1 and self.planned != 1
+
+    @property
+    def step_key(self) -> StepKey | None:
+        if self.step is None or self.planned is None:
+            return None
+        return (self.planned, self.step)
+
+
+STANDARD = SlotAsk()
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    service_s: float
+    tokens: float
+    source: str  # "step" | "model": where the expected output length came from
+
+    def evidence(self) -> dict[str, Any]:
+        return {
+            "service_s": round(self.service_s, 4),
+            "tokens": round(self.tokens, 1),
+            "tokens_from": self.source,
+        }
+
+
+class ServiceModel:
+    """Slot seconds as a + b x output tokens, and the expected output tokens, learned
+    from the answers of one model (exponentially weighted: `ALPHA` per answer)."""
+
+    ALPHA = 0.05
+    MIN_SAMPLES = 5
+    MAX_STEPS = 4096
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self._sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # weight, x, xx, y, xy
+        self.tokens: float | None = None
+        self.steps: dict[StepKey, float] = {}
+
+    def observe(self, held_s: float, tokens: int, step: StepKey | None = None) -> None:
+        keep = 1.0 - self.ALPHA
+        x, y = float(tokens), max(0.0, held_s)
+        s = self._sums
+        for i, v in enumerate((1.0, x, x * x, y, x * y)):
+            s[i] = s[i] * keep + v
+        self.samples += 1
+        self.tokens = x if self.tokens is None else self.tokens * keep + x * self.ALPHA
+        if step is not None:
+            old = self.steps.get(step)
+            if old is None and len(self.steps) >= self.MAX_STEPS:
+                self.steps.clear()
+            self.steps[step] = x if old is None else old * keep + x * self.ALPHA
+
+    def service_s(self, tokens: float) -> float | None:
+        """Predicted slot seconds for an answer of `tokens` tokens; None until learned."""
+        if self.samples < self.MIN_SAMPLES:
+            return None
+        w, sx, sxx, sy, sxy = self._sums
+        mx, my = sx / w, sy / w
+        var = sxx / w - mx * mx
+        if var <= 1e-9 * max(1.0, mx * mx):  # one length seen: its mean time
+            return my
+        b = (sxy / w - mx * my) / var
+        return max(0.0, my + b * (tokens - mx))
+
+    def estimate(self, ask: SlotAsk) -> Estimate | None:
+        key = ask.step_key
+        tokens, source = (self.steps.get(key), "step") if key is not None else (None, "")
+        if tokens is None:
+            tokens, source = self.tokens, "model"
+        if tokens is None:
+            return None
+        s = self.service_s(tokens)
+        return None if s is None else Estimate(s, tokens, source)
+
+    def step_s(self, planned: int, step: int) -> float | None:
+        """The estimate for call `step` of a task of `planned` steps."""
+        tokens = self.steps.get((planned, step), self.tokens)
+        return None if tokens is None else self.service_s(tokens)
 
 
 @dataclass(slots=True)
@@ -22,66 +167,298 @@ class Admission:
     waited_s: float
     in_flight: int
     queued: int
+    evidence: dict[str, Any] | None = None  # task_aware: class, position, estimate, task
+
+
+@dataclass(slots=True)
+class _Waiter:
+    fut: asyncio.Future[None]
+    ask: SlotAsk
+    deadline: float
+    seq: int
+    since: float
+    estimate: Estimate | None
+
+
+@dataclass(slots=True)
+class _Progress:
+    """A task the gate has admitted: its planned steps and the highest call seen."""
+
+    planned: int
+    seen: int
+    deadline: float
 
 
 class DeploymentGate:
-    def __init__(self, name: str, max_concurrency: int | None, queue: int) -> None:
+    MAX_TASKS = 10_000
+
+    def __init__(
+        self,
+        name: str,
+        max_concurrency: int | None,
+        queue: int,
+        policy: Policy = "task_aware",
+        aging_s: float = 2.0,
+        admit_headroom: float = 0.8,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.name = name
         self.max_concurrency = max_concurrency
         self.queue_size = queue
+        self.policy = policy
+        self.aging_s = aging_s
+        self.admit_headroom = admit_headroom
+        self.clock = clock
         self.in_flight = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.model = ServiceModel()
+        self._waiters: list[_Waiter] = []
+        self._seq = 0
+        self._tasks: dict[Hashable, _Progress] = {}
 
     @property
     def queued(self) -> int:
         return len(self._waiters)
 
-    def try_acquire(self) -> Admission | None:
+    @property
+    def task_aware(self) -> bool:
+        return self.policy == "task_aware"
+
+    def try_acquire(self, ask: SlotAsk = STANDARD, deadline: float = math.inf) -> Admission | None:
         """Take a free slot without waiting; None when the caller would have to queue."""
         if self.max_concurrency is None or (
             self.in_flight < self.max_concurrency and not self._waiters
         ):
             self.in_flight += 1
+            if self.task_aware and ask.task is not None:
+                self._note(ask, deadline)
             return Admission(0.0, self.in_flight, len(self._waiters))
         return None
 
-    async def acquire(self, deadline: float) -> Admission:
+    async def acquire(self, deadline: float, ask: SlotAsk = STANDARD) -> Admission:
         """Take a slot, waiting in the queue until `deadline` (perf_counter seconds)."""
-        start = time.perf_counter()
-        free = self.try_acquire()
+        start = self.clock()
+        free = self.try_acquire(ask, deadline)
         if free is not None:
             return free
-        if len(self._waiters) >= self.queue_size:
+        est = self.model.estimate(ask) if self.task_aware else None
+        evidence: dict[str, Any] | None = None
+        if self.task_aware:
+            evidence = self._evidence(ask, deadline, est, start)
+            self._refuse_unreachable(ask, deadline, est, start, evidence)
+            if ask.new_task:
+                self._admit_task(ask, deadline, est, start, evidence)
+        if len(self._waiters) >= self.queue_size and not self._make_room(ask, deadline, start):
             raise RateLimited(
                 f"model '{self.name}' is at capacity ({self.in_flight} running, "
                 f"{len(self._waiters)} queued); retry shortly",
                 code="queue_full",
                 headers={"Retry-After": "1"},
             )
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        self._seq += 1
+        w = _Waiter(
+            asyncio.get_running_loop().create_future(), ask, deadline, self._seq, start, est
+        )
+        if evidence is not None:
+            evidence["position"] = self._position(w, start)
+            if ask.task is not None:
+                self._note(ask, deadline)
+        self._waiters.append(w)
+        limit = deadline - (est.service_s if est is not None else 0.0)
         try:
-            await asyncio.wait_for(fut, max(0.0, deadline - time.perf_counter()))
+            await asyncio.wait_for(w.fut, max(0.0, limit - self.clock()))
         except TimeoutError:
+            waited = self.clock() - start
+            if est is not None:
+                raise self._unreachable(w, waited, evidence) from None
             raise DeadlineExceeded(
-                f"the request deadline passed after {time.perf_counter() - start:.2f}s "
+                f"the request deadline passed after {waited:.2f}s "
                 f"in the queue for '{self.name}'; it was not sent upstream"
             ) from None
         except asyncio.CancelledError:
             # Cancelled after being handed a slot: give it to the next waiter.
-            if fut.done() and not fut.cancelled():
+            if w.fut.done() and not w.fut.cancelled() and w.fut.exception() is None:
                 self.release()
             raise
         finally:
             with contextlib.suppress(ValueError):
-                self._waiters.remove(fut)
-        return Admission(time.perf_counter() - start, self.in_flight, len(self._waiters))
+                self._waiters.remove(w)
+        waited = self.clock() - start
+        if evidence is not None:
+            evidence["waited_s"] = round(waited, 4)
+        return Admission(waited, self.in_flight, len(self._waiters), evidence)
 
-    def release(self) -> None:
-        # Hand the slot straight to the oldest live waiter (in_flight stays the same).
+    def release(
+        self, held_s: float | None = None, tokens: int | None = None, ask: SlotAsk = STANDARD
+    ) -> None:
+        """Give a slot back; with how long it was held and the answer's output tokens,
+        the service model learns from it. The slot goes straight to the next waiter
+        (in_flight stays the same) that can still finish in time."""
+        if held_s is not None and tokens is not None:
+            self.model.observe(held_s, tokens, ask.step_key)
+        now = self.clock()
         while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
+            w = self._next(now)
+            self._waiters.remove(w)
+            if w.fut.done():
+                continue
+            if (
+                self.task_aware
+                and w.estimate is not None
+                and now + w.estimate.service_s > w.deadline
+            ):
+                w.fut.set_exception(self._unreachable(w, now - w.since, None))
+                continue
+            w.fut.set_result(None)
+            return
         self.in_flight = max(0, self.in_flight - 1)
+
+    # --- task_aware -------------------------------------------------------------------
+
+    def _key(self, w: _Waiter, now: float) -> tuple[int, int, float, int]:
+        lifted = int((now - w.since) / self.aging_s)
+        return (max(0, int(w.ask.priority) - lifted), int(w.ask.new_task), w.deadline, w.seq)
+
+    def _next(self, now: float) -> _Waiter:
+        if not self.task_aware:
+            return self._waiters[0]
+        return min(self._waiters, key=lambda w: self._key(w, now))
+
+    def _position(self, new: _Waiter, now: float) -> int:
+        """How many queued waiters rank ahead of `new` now."""
+        key = self._key(new, now)
+        return sum(1 for w in self._waiters if self._key(w, now) < key)
+
+    def _evidence(
+        self, ask: SlotAsk, deadline: float, est: Estimate | None, now: float
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "policy": self.policy,
+            "class": ask.priority.name.lower(),
+            "deadline_in_s": round(deadline - now, 4),
+            "estimate": est.evidence() if est is not None else None,
+        }
+        if ask.task is not None:
+            out["task"] = {"step": ask.step, "planned": ask.planned, "new": ask.new_task}
+        return out
+
+    def _refuse_unreachable(
+        self,
+        ask: SlotAsk,
+        deadline: float,
+        est: Estimate | None,
+        now: float,
+        evidence: dict[str, Any],
+    ) -> None:
+        if est is not None and now + est.service_s > deadline:
+            raise DeadlineUnreachable(
+                f"the request cannot finish before its deadline: {deadline - now:.2f}s left, "
+                f"'{self.name}' takes about {est.service_s:.2f}s; it was not sent upstream",
+                evidence=evidence,
+            )
+
+    def _unreachable(
+        self, w: _Waiter, waited: float, evidence: dict[str, Any] | None
+    ) -> DeadlineUnreachable:
+        assert w.estimate is not None
+        self._forget(w.ask)
+        ev = dict(evidence or {}) | {"waited_s": round(waited, 4)}
+        return DeadlineUnreachable(
+            f"the request could no longer finish before its deadline after {waited:.2f}s in the "
+            f"queue for '{self.name}' (about {w.estimate.service_s:.2f}s of service left to "
+            "run); it was not sent upstream",
+            evidence=ev,
+        )
+
+    def _backlog_s(self, now: float) -> float | None:
+        """Slot seconds of the work ahead of a new task: every queued waiter's estimate
+        and the remaining planned steps of the admitted tasks not yet queued."""
+        total = 0.0
+        for w in self._waiters:
+            if w.estimate is None:
+                return None
+            total += w.estimate.service_s
+        for key, p in list(self._tasks.items()):
+            if p.deadline <= now or p.seen >= p.planned:
+                del self._tasks[key]
+                continue
+            for step in range(p.seen + 1, min(p.planned, p.seen + 64) + 1):
+                s = self.model.step_s(p.planned, step)
+                if s is None:
+                    return None
+                total += s
+        return total
+
+    def _admit_task(
+        self,
+        ask: SlotAsk,
+        deadline: float,
+        est: Estimate | None,
+        now: float,
+        evidence: dict[str, Any],
+    ) -> None:
+        """While saturated, refuse a new task that would not end in time behind the work
+        already admitted (503 overloaded)."""
+        if est is None or not self.max_concurrency:
+            return
+        backlog = self._backlog_s(now)
+        planned = max(1, min(ask.planned or 1, 64))
+        own = [self.model.step_s(planned, k) for k in range(1, planned + 1)]
+        if backlog is None or any(s is None for s in own):
+            return
+        wait = backlog / self.max_concurrency
+        path = sum(s for s in own if s is not None)
+        left = deadline - now
+        evidence["admission"] = {
+            "backlog_s": round(backlog, 3),
+            "wait_s": round(wait, 3),
+            "task_work_s": round(path, 3),
+            "time_left_s": round(left, 3),
+            "headroom": self.admit_headroom,
+        }
+        if wait + path > self.admit_headroom * left:
+            raise Overloaded(
+                f"model '{self.name}' is saturated: a new task would wait about {wait:.1f}s behind "
+                f"the tasks already admitted and need about {path:.1f}s more, past "
+                f"{self.admit_headroom:.0%} of its {left:.1f}s; retry later",
+                retry_after_s=math.ceil(wait),
+                evidence=evidence,
+            )
+
+    def _make_room(self, ask: SlotAsk, deadline: float, now: float) -> bool:
+        """A full queue: a step of an admitted task (or a single call) takes the place of
+        the lowest-ranked first step of a new task, refused 503 overloaded."""
+        if not self.task_aware or ask.new_task:
+            return False
+        firsts = [w for w in self._waiters if w.ask.new_task and not w.fut.done()]
+        if not firsts:
+            return False
+        victim = max(firsts, key=lambda w: self._key(w, now))
+        self._waiters.remove(victim)
+        self._forget(victim.ask)
+        victim.fut.set_exception(
+            Overloaded(
+                f"model '{self.name}' is saturated: the queue's place of this new task went to "
+                "a step of a task already admitted; retry later",
+                evidence={"policy": self.policy, "displaced_after_s": round(now - victim.since, 4)},
+            )
+        )
+        return True
+
+    def _forget(self, ask: SlotAsk) -> None:
+        """A new task refused at its first step is not admitted after all."""
+        if ask.new_task:
+            self._tasks.pop(ask.task, None)
+
+    def _note(self, ask: SlotAsk, deadline: float) -> None:
+        """Count the task as admitted, with the highest of its calls seen."""
+        if ask.task is None or ask.step is None:
+            return
+        p = self._tasks.get(ask.task)
+        if p is None:
+            if ask.planned is None or ask.planned <= 1:
+                return
+            if len(self._tasks) >= self.MAX_TASKS:
+                self._tasks.clear()
+            p = self._tasks[ask.task] = _Progress(ask.planned, 0, deadline)
+        p.seen = max(p.seen, ask.step)
+        p.deadline = min(p.deadline, deadline)

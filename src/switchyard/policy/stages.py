@@ -31,11 +31,19 @@ from switchyard.pipeline import (
     ReplyPart,
     RequestContext,
     Stage,
+    Status,
     Verdict,
     View,
 )
 from switchyard.policy import headers as request_headers
-from switchyard.policy.admission import Admission, DeploymentGate
+from switchyard.policy.admission import (
+    PRIORITIES,
+    STANDARD,
+    Admission,
+    DeploymentGate,
+    Priority,
+    SlotAsk,
+)
 from switchyard.policy.admit import (
     cost_usd,
     deployment_scope,
@@ -419,55 +427,103 @@ class DeploymentLimits(_Reserving):
 
 
 class Queue(Stage):
-    """A slot at the deployment's gate (models[].limits.max_concurrency and queue).
-    Most requests find a free slot: that path decides without a coroutine."""
+    """A slot at the deployment's gate (models[].limits.max_concurrency and queue), in
+    the order `scheduling.policy` sets (policy/admission.py). Most requests find a free
+    slot: that path decides without a coroutine. The request's class is its principal's
+    (the lower of its tenant's and its key's), or lower when `x-switchyard-priority` asks
+    for it (a request never raises its own)."""
 
     name = "queue"
+    CLASSES = tuple(Priority)
 
     def __init__(self, gates: Mapping[str, DeploymentGate]) -> None:
         self._gates = gates
+        # request id -> (when its slot was granted, its ask): what the gate learns from
+        self._held: dict[str, tuple[float, SlotAsk]] = {}
+
+    def _ask(self, ctx: RequestContext) -> SlotAsk:
+        raw = ctx.input.headers.get("x-switchyard-priority")
+        given = ctx.principal.priority
+        priority = self.CLASSES[given] if 0 <= given < len(self.CLASSES) else Priority.STANDARD
+        if raw is not None:
+            asked = PRIORITIES.get(raw.strip().lower())
+            if asked is None:
+                raise InvalidRequest(
+                    "header x-switchyard-priority: one of interactive, standard, batch",
+                    param="x-switchyard-priority",
+                    code="invalid_header",
+                )
+            priority = max(priority, asked)  # lower only: a larger value is a lower class
+        hold = ctx.task
+        if hold is None:
+            return STANDARD if priority is Priority.STANDARD else SlotAsk(priority)
+        return SlotAsk(priority, hold.key, hold.call, hold.planned)
 
     def work(self, ctx: RequestContext) -> Awaitable[None] | None:
         assert ctx.model is not None
         t = time.perf_counter()
         gate = self._gates[ctx.model.alias]
-        adm = gate.try_acquire()
+        try:
+            ask = self._ask(ctx)
+        except InvalidRequest as exc:
+            ctx.record("queue", "reject:invalid_header", exc.message, t)
+            raise
+        adm = gate.try_acquire(ask, ctx.deadline)
         if adm is None:
-            return self._wait_for_slot(ctx, gate, t)
-        self._admitted(ctx, gate, adm, t)
+            return self._wait_for_slot(ctx, gate, ask, t)
+        self._admitted(ctx, gate, adm, ask, t)
         return None
 
-    async def _wait_for_slot(self, ctx: RequestContext, gate: DeploymentGate, t: float) -> None:
+    async def _wait_for_slot(
+        self, ctx: RequestContext, gate: DeploymentGate, ask: SlotAsk, t: float
+    ) -> None:
         try:
-            adm = await gate.acquire(ctx.deadline)
+            adm = await gate.acquire(ctx.deadline, ask)
         except Exception as exc:
-            ctx.record(
-                "queue", "reject", str(exc), t, {"in_flight": gate.in_flight, "queued": gate.queued}
-            )
+            evidence = {"in_flight": gate.in_flight, "queued": gate.queued}
+            more = getattr(exc, "evidence", None)
+            if isinstance(more, dict):
+                evidence |= more
+            code = exc.code if isinstance(exc, SwitchyardError) else "error"
+            ctx.record("queue", f"reject:{code}", str(exc), t, evidence)
             raise
-        self._admitted(ctx, gate, adm, t)
+        self._admitted(ctx, gate, adm, ask, t)
 
     def release(self, ctx: RequestContext) -> None:
-        """Give the slot back."""
+        """Give the slot back; the gate learns the service time of an answered request."""
         gate = ctx.admission.gate
-        if gate is not None:  # kept on the request: its record names what it held
+        if gate is None:  # kept on the request: its record names what it held
+            return
+        held = self._held.pop(ctx.input.request_id, None)
+        run = ctx.run
+        if held is not None and ctx.status == Status.OK and run.attempts > 0:
+            gate.release(time.perf_counter() - held[0], run.tokens_out, held[1])
+        else:
             gate.release()
 
-    @staticmethod
-    def _admitted(ctx: RequestContext, gate: DeploymentGate, adm: Admission, t: float) -> None:
+    def _admitted(
+        self, ctx: RequestContext, gate: DeploymentGate, adm: Admission, ask: SlotAsk, t: float
+    ) -> None:
         ctx.admission.gate = gate
         ctx.admission.queue_ms = adm.waited_s * 1000
+        if gate.max_concurrency is not None:  # a model that can queue learns its service
+            self._held[ctx.input.request_id] = (time.perf_counter(), ask)
         waited = adm.waited_s != 0
+        evidence: dict[str, Any] = {
+            "in_flight": adm.in_flight,
+            "queued": adm.queued,
+            "max_concurrency": gate.max_concurrency,
+        }
+        if adm.evidence is not None:
+            evidence |= adm.evidence
+        elif gate.task_aware:
+            evidence["class"] = ask.priority.name.lower()
         ctx.record(
             "queue",
             "waited" if waited else "admitted",
             f"waited {adm.waited_s * 1000:.1f} ms for a slot" if waited else NO_WAIT,
             t,
-            {
-                "in_flight": adm.in_flight,
-                "queued": adm.queued,
-                "max_concurrency": gate.max_concurrency,
-            },
+            evidence,
         )
 
 
@@ -657,7 +713,7 @@ class Task(Stage):
         if refused is not None:
             ctx.record(self.name, f"reject:{refused}", _task_refusal_reason(refused), t, evidence)
             raise _task_error(task_id, refused, adm)
-        ctx.task = TaskHold(key, rid)
+        ctx.task = TaskHold(key, rid, int(adm.used["calls"]), ctx.input.planned_steps)
         if shrunk is not None:
             evidence["cap_shrunk"] = shrunk
         if adm.deployments:

@@ -346,6 +346,8 @@ class TaskHold:
 
     key: TaskKey
     request_id: str
+    call: int = 0  # its number among the task's calls (1: the task's first), at admission
+    planned: int | None = None  # the task's planned steps (x-task-planned-steps)
 
 
 class Running:
