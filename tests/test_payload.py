@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 
 import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from msgspec import structs
 
 from switchyard.api.codecs import chat_completions
@@ -84,3 +86,46 @@ def test_a_stream_without_stream_options_gets_usage_appended_to_its_bytes() -> N
     assert orjson.loads(upstream_payload(_ctx(asked_off), REGISTRY.deployments["a"]))[
         "stream_options"
     ] == {"include_usage": True}
+
+
+PRIORITY_REGISTRY = Registry(
+    parse_settings(
+        {
+            "models": [
+                {
+                    "alias": "v",
+                    "engine": {"kind": "vllm", "scheduling_policy": "priority", "lazy": True},
+                },
+                {"alias": "f", "engine": {"kind": "vllm", "lazy": True}},
+            ],
+            "embeddings": {"enabled": False},
+        }
+    )
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.sampled_from([0, 1, 2]),
+    st.one_of(st.none(), st.integers(-(2**31), 2**31), st.text(max_size=5)),
+    st.booleans(),
+)
+def test_a_priority_engine_gets_the_gateways_class_never_the_clients(
+    cls: int, own: object, stream: bool
+) -> None:
+    """vLLM's priority policy: the request's class as the queue took it, in place of any
+    `priority` the client sent (it would otherwise jump the engine's queue); an engine
+    without the policy gets the body as the client sent it."""
+    body: dict[str, object] = {"model": "v", "messages": [{"role": "user", "content": "hi"}]}
+    if own is not None:
+        body["priority"] = own
+    if stream:
+        body["stream"] = True
+    raw = orjson.dumps(body)
+    ctx = _ctx(raw)
+    ctx.admission.priority = cls
+    sent = upstream_payload(ctx, PRIORITY_REGISTRY.deployments["v"])
+    assert orjson.loads(sent)["priority"] == cls and sent.count(b'"priority"') == 1
+    assert upstream_payload(_ctx(raw), PRIORITY_REGISTRY.deployments["f"]).count(b'"priority"') == (
+        own is not None
+    )

@@ -38,6 +38,7 @@ def vllm() -> Iterator[Gateway]:
                         "max_model_len": 1024,
                         "max_num_seqs": 4,
                         "max_adapters": 1,
+                        "scheduling_policy": "priority",
                     },
                 }
             ],
@@ -169,6 +170,36 @@ def test_a_cold_adapter_is_loaded_at_run_time_and_each_request_gets_its_own(
             assert "base_apart" in d["evidence"], d
         else:
             assert text.startswith("Arrr" if model == "vllm-pirate" else "BEEP"), (model, text)
+
+
+def test_vllm_schedules_by_the_requests_class_and_reports_its_load(vllm: Gateway) -> None:
+    """vLLM runs its priority policy: each class is accepted (vLLM refuses a `priority`
+    field when the policy is off, and requires one when it is on), a client's own value is
+    replaced by the gateway's; the gateway reads vLLM's own /metrics."""
+    for cls in ("interactive", "standard", "batch"):
+        r = httpx.post(
+            vllm.url + "/v1/chat/completions",
+            json={
+                "model": "smol-vllm",
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 4,
+                "priority": -1000,
+            },
+            headers={"x-switchyard-priority": cls},
+            timeout=300,
+        )
+        assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 10
+    while True:
+        load = httpx.get(vllm.url + "/admin/engines", headers=vllm.admin, timeout=10).json()[
+            "load"
+        ]["smol-vllm"]
+        idle = load["running"] == 0 and load["waiting"] == 0  # its gauges lag its replies
+        if (load["fresh"] and idle) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert load["kind"] == "vllm" and load["fresh"] and idle, load
+    assert 0.0 <= load["kv_cache_usage"] <= 1.0
 
 
 def test_stopping_the_gateway_stops_vllm(vllm: Gateway) -> None:

@@ -687,6 +687,10 @@ class VllmEngine(ManagedEngine):
     one counts as a failed start."""
     extra_args: list[str] = []
     """Arguments appended to the vLLM server's command line."""
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """vLLM's --scheduling-policy. `priority`: each request carries its scheduling class as vLLM's
+    `priority` field (0 interactive, 1 standard, 2 batch; a client's own value is replaced), so
+    the engine's own queue serves classes in the gateway's order too."""
     base_beside_adapters: bool = False
     """Decode base requests in one batch with adapter requests. vLLM's CPU LoRA ops apply the last
     slot's adapter to a base request in a mixed batch, so by default base and adapter requests take

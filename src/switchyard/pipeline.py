@@ -200,6 +200,7 @@ class AdmissionState:
     rate_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* to send
     gate: DeploymentGate | None = None  # the deployment slot held, released at settle
     queue_ms: float | None = None  # time spent waiting for that slot
+    priority: int = 1  # its scheduling class (identity.PRIORITY_NAMES), as the queue took it
     # (engine, adapter name or None) held in the pool (residency), released at settle
     resident: tuple[ManagedLlamaCpp, str | None] | None = None
     # The lease on an RL-managed model's active revision (engines/revisions.py)

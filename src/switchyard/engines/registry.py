@@ -104,6 +104,8 @@ class Deployment:
     headers: dict[str, str] | None = field(init=False)
     # How its engine gives `return_token_ids` (engines/token_ids.py), or None.
     token_ids: Support | None = field(init=False)
+    # Its engine schedules by the request's `priority` field (vLLM's priority policy).
+    sends_priority: bool = field(init=False)
 
     # "alias" for an alias's only deployment, "alias/name" for one of several: the
     # key of its breaker and retry budget.
@@ -145,6 +147,9 @@ class Deployment:
         )
         self.min_attempt_s = self.model.resilience.min_attempt_s
         self.token_ids = token_ids_support(self.model)
+        self.sends_priority = (
+            vllm and isinstance(spec, VllmEngine) and spec.scheduling_policy == "priority"
+        )
 
     @property
     def ready(self) -> bool:

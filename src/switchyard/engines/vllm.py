@@ -95,6 +95,8 @@ class ManagedVllm(ManagedLlamaCpp):
         ]
         if spec.enforce_eager:
             cmd.append("--enforce-eager")
+        if spec.scheduling_policy != "fcfs":
+            cmd += ["--scheduling-policy", spec.scheduling_policy]
         if self.adapters:
             # --max-loras: adapters in one batch (the active cap); --max-cpu-loras: the
             # ones kept loaded. Loaded ones beyond those at start come at run time.

@@ -69,16 +69,20 @@ def upstream_payload(ctx: RequestContext, dep: Deployment) -> bytes:
         or (dep.engine is not None and req.max_tokens is None)
     ):
         cap = cost.cap
+    priority = dep.sends_priority
     if (
         wire is not None
         and wire[0] is req
         and wire[1] is not None  # every member is in `req` as sent: none was null
         and lora is None
         and not native_ids
+        and not (priority and "priority" in req.extra)  # the client's is replaced below
         and req.model == dep.upstream_model
         and (cap is None or (req.max_tokens is None and req.max_completion_tokens is None))
     ):
         tail = b"" if cap is None else b',"max_tokens":%d' % cap
+        if priority:  # vLLM's priority policy: the gateway's class, never the client's
+            tail += b',"priority":%d' % ctx.admission.priority
         asks_usage = ctx.stream and ctx.include_usage is not True
         if not (asks_usage and req.stream_options is not None):  # else rewritten below
             if asks_usage:
@@ -104,8 +108,10 @@ def upstream_payload(ctx: RequestContext, dep: Deployment) -> bytes:
         # we account usage even when the client does not ask
         changes["stream_options"] = {**(req.stream_options or {}), "include_usage": True}
     extra = req.extra
-    if lora is not None or native_ids:
+    if lora is not None or native_ids or priority:
         extra = {**extra}
+        if priority:
+            extra["priority"] = ctx.admission.priority
         if lora is not None:
             extra["lora"] = lora()
         if native_ids:

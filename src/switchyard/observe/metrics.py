@@ -59,6 +59,8 @@ REJECTION_CODES = {
     "insufficient_quota": "budget",
     "queue_full": "queue_full",
     "deadline_exceeded": "deadline",
+    "deadline_unreachable": "deadline_unreachable",  # scheduling.policy: task_aware
+    "overloaded": "overloaded",
     "limiter_unavailable": "limiter_unavailable",
 }
 

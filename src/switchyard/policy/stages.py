@@ -506,6 +506,7 @@ class Queue(Stage):
     ) -> None:
         ctx.admission.gate = gate
         ctx.admission.queue_ms = adm.waited_s * 1000
+        ctx.admission.priority = ask.priority
         if gate.max_concurrency is not None:  # a model that can queue learns its service
             self._held[ctx.input.request_id] = (time.perf_counter(), ask)
         waited = adm.waited_s != 0
