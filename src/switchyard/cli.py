@@ -968,6 +968,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_rollouts_bench(
         bsub.add_parser("rollouts", help="RL rollouts: tok/s at n = 1, 4, 8; revision swap times")
     )
+    from switchyard.bench.tools import add_arguments as add_tools_bench
+
+    add_tools_bench(bsub.add_parser("tools", help="MCP tools/call through /mcp vs direct"))
     return ap
 
 

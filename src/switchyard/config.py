@@ -307,6 +307,65 @@ class ToolsConfig(_Strict):
         return self
 
 
+MCP_SERVER_NAME = r"^[A-Za-z0-9][A-Za-z0-9-]{0,31}$"
+
+
+class McpServerConfig(_Strict):
+    """One MCP tool server behind `/mcp`: remote (`url`, Streamable HTTP) or local
+    (`command`, stdio, started and supervised by the gateway)."""
+
+    name: str = Field(pattern=MCP_SERVER_NAME)
+    """Its tools are named `<name>__<tool>` to clients, the registry and allow lists; letters,
+    digits and `-` (no `_`, which would make names ambiguous), at most 32."""
+    url: str | None = Field(None, pattern=r"^https?://", max_length=2048)
+    """A Streamable HTTP MCP endpoint (`http://host:port/mcp`)."""
+    command: list[str] | None = Field(None, min_length=1)
+    """A stdio MCP server to start: the program and its arguments."""
+    env: dict[str, str] = {}
+    """Environment of a `command` server: variable to the name of a gateway environment
+    variable holding its value (`{API_TOKEN: CRM_TOKEN}`); values never appear in the config,
+    to clients or in logs."""
+    headers_env: dict[str, str] = {}
+    """Headers sent to a `url` server: header name to the name of a gateway environment
+    variable holding its value (`{Authorization: CRM_AUTH}`)."""
+    timeout_s: float = Field(30.0, gt=0, le=3600)
+    """Seconds one tool call may take (capped by the task's and the request's deadline); past
+    it a side-effecting call is recorded in doubt."""
+    max_concurrency: int = Field(8, ge=1, le=1024)
+    """Calls in flight to this server at once; more wait, up to their deadline."""
+    restart_backoff_s: float = Field(0.5, gt=0, le=60)
+    """First wait before reconnecting to (or restarting) a server that failed; doubles to 30 s."""
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServerConfig:
+        if (self.url is None) == (self.command is None):
+            raise ValueError(f"mcp.servers[{self.name!r}]: give exactly one of url or command")
+        return self
+
+    def credentials(self, names: dict[str, str]) -> dict[str, str]:
+        """The values of the environment variables `names` refers to (missing ones left out)."""
+        return {k: os.environ[v] for k, v in names.items() if v in os.environ}
+
+
+class McpConfig(_Strict):
+    """The MCP tool gateway (`/mcp`): the tool servers behind it and how calls are governed."""
+
+    servers: list[McpServerConfig] = []
+    """Tool servers aggregated at `/mcp`; none = no `/mcp` endpoint."""
+    require_call_id: bool = False
+    """Refuse a side-effecting call that carries no call id (`_meta.call_id` or
+    `x-switchyard-call-id`) and matches no call the task recorded."""
+    wait_s: float = Field(30.0, gt=0, le=3600)
+    """Longest a repeat of a call in flight waits for the first one's result."""
+
+    @model_validator(mode="after")
+    def _unique_servers(self) -> McpConfig:
+        names = [s.name for s in self.servers]
+        if len(set(names)) != len(names):
+            raise ValueError("mcp.servers: server names must be unique")
+        return self
+
+
 class TaskBudgetConfig(_Strict):
     """A task's limits over its whole life (None = unlimited)."""
 
@@ -1506,6 +1565,8 @@ class Settings(_Strict):
     """Tool shortlisting, tool permissions and checks of the tool calls models return."""
     tasks: TasksConfig = TasksConfig()
     """Agent tasks (`x-task-id`) as a unit of policy: budgets and state bounds."""
+    mcp: McpConfig = McpConfig()
+    """The MCP tool gateway (`/mcp`): tool servers, and at-most-once side effects."""
     scheduling: SchedulingConfig = SchedulingConfig()
     """Model queues: task- and deadline-aware (the default) or first come, first served."""
     models: list[ModelConfig] = Field(min_length=1)

@@ -53,6 +53,15 @@ class SwitchyardError(Exception):
             }
         }
 
+    def jsonrpc_error(self) -> dict[str, Any]:
+        """The JSON-RPC error object (`/mcp`): its code from the status (JSONRPC_CODES),
+        our type and code in `data`."""
+        return {
+            "code": jsonrpc_code(self.status),
+            "message": self.message,
+            "data": {"type": self.type, "code": self.code, "status": self.status},
+        }
+
     def anthropic_body(self) -> dict[str, Any]:
         """The Anthropic error body (`/v1/messages`): its `type` from the status, as
         the Messages API types errors (ANTHROPIC_TYPES); our `code` beside it."""
@@ -79,6 +88,26 @@ ANTHROPIC_TYPES = {
     504: "timeout_error",
     529: "overloaded_error",
 }
+
+
+# The JSON-RPC error code of each status on `/mcp`: the protocol's own where one fits
+# (invalid params, invalid request, internal error), else one of the range JSON-RPC
+# leaves to servers (-32000 to -32099).
+JSONRPC_CODES = {
+    400: -32602,
+    401: -32040,
+    403: -32043,
+    404: -32602,
+    409: -32049,
+    413: -32600,
+    429: -32029,
+    503: -32053,
+    504: -32054,
+}
+
+
+def jsonrpc_code(status: int) -> int:
+    return JSONRPC_CODES.get(status) or (-32603 if status >= 500 else -32600)
 
 
 def anthropic_type(status: int) -> str:
@@ -508,3 +537,21 @@ class RevisionNotFound(SwitchyardError):
     status = 404
     type = "invalid_request_error"
     code = "revision_not_found"
+
+
+class ToolCallInDoubt(SwitchyardError):
+    """A side-effecting tool call whose outcome is unknown (it timed out or lost its
+    connection after it was sent): never run again automatically."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "tool_call_in_doubt"
+
+
+class ToolServerUnavailable(SwitchyardError):
+    """An MCP tool server is not connected, or all its call slots stayed busy: the call
+    was not sent."""
+
+    status = 503
+    type = "server_error"
+    code = "tool_server_unavailable"

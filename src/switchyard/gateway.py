@@ -362,7 +362,28 @@ class Gateway:
             rl_aliases=self.revisions,
         )
         self.rollouts = self._build_rollouts(settings)
+        self.mcp = self._build_mcp(settings)
         self.started_at = time.time()
+
+    def _build_mcp(self, settings: Settings) -> Any:
+        """The MCP tool gateway (mcp.servers): the servers and the governed tool calls."""
+        if not settings.mcp.servers:
+            return None
+        from switchyard.engines.mcp_servers import McpServers
+        from switchyard.mcp_service import McpToolService
+
+        return McpToolService(
+            settings,
+            McpServers(settings.mcp.servers),
+            self.store.tool_calls,
+            self.store.consume_approval,
+            self.tasks,
+            self.running,
+            self.ledger,
+            self.pii.mask,
+            self.metrics,
+            self.tracing,
+        )
 
     def _build_rollouts(self, settings: Settings) -> Any:
         """RL serving (rl.models): a revision manager per model, and the rollout service."""
@@ -440,6 +461,8 @@ class Gateway:
             self.keys.create_tenant("dev")
             self.dev_key = self.keys.create_key("dev", name="first-run development key")["key"]
         self.registry.start()
+        if self.mcp is not None:
+            self.mcp.servers.start()
         try:  # what this instance had in flight when it stopped: failed, saying why
             self.responses.fail_orphans()
         except sqlite3.Error as exc:  # the database is down: they stay as they were
@@ -550,6 +573,10 @@ class Gateway:
 
                 n += enforce_rollout_retention(conn, self.settings.rl.retention_days, now)
             n += enforce_response_retention(conn, self.settings.responses.retention_days, now)
+            if self.mcp is not None:  # finished tool calls' records, with their results
+                n += self.mcp.records.forget_before(
+                    conn, (now or time.time()) - obs.traces_retention_days * 86400
+                )
             if self.settings.storage.backend == "memory":
                 return n
             return n + enforce_disk(conn, int(obs.max_disk_mb * 1024 * 1024))
@@ -676,6 +703,8 @@ class Gateway:
         except Exception as exc:
             log.warning("could not record engine busy time: %s", exc)
         await self.registry.stop()
+        if self.mcp is not None:
+            await self.mcp.servers.stop()
         boot = getattr(self, "_revisions_task", None)
         if boot is not None:
             boot.cancel()
@@ -739,6 +768,9 @@ class Gateway:
         if self.embedder is not None:
             models[self.settings.embeddings.alias] = self.embedder.describe()
             ready = ready and self.embedder.ready
+        if self.mcp is not None:  # reported; a tool server down fails only its own calls
+            for name, server in self.mcp.servers.describe().items():
+                models[f"mcp:{name}"] = server
         if self.settings.router.enabled:
             models["router"] = {
                 "ready": self.router is not None,

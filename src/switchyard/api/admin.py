@@ -358,6 +358,29 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
         )
         return _json(out, 201)
 
+    async def tool_calls(request: Request) -> Response:
+        """GET ?tenant=: the MCP tool calls in doubt (mcp_service.py), for an operator
+        to resolve; POST {"tenant", "call_id", "ran"}: resolve one (ran: repeats are
+        refused as done; not ran: the record is dropped and a repeat runs it)."""
+        guard(request)
+        records = gw.store.tool_calls
+        if request.method == "GET":
+            return _json(
+                {"object": "list", "data": records.in_doubt(_text(request.query_params, "tenant"))}
+            )
+        body = await body_of(request, ("tenant", "call_id", "ran"))
+        tenant, call_id, ran = body.get("tenant"), body.get("call_id"), body.get("ran")
+        if not isinstance(tenant, str) or not isinstance(call_id, str) or not isinstance(ran, bool):
+            raise InvalidRequest(
+                "'tenant' and 'call_id' (strings) and 'ran' (boolean) are required"
+            )
+        if not records.resolve(tenant[:64], call_id[:128], ran):
+            raise NotFound(f"no tool call '{call_id[:128]}' in doubt for this tenant")
+        log.warning("tool call %s of tenant %s resolved: ran=%s", call_id[:128], tenant[:64], ran)
+        return _json(
+            {"object": "tool_call.resolved", "tenant": tenant, "call_id": call_id, "ran": ran}
+        )
+
     async def cache_invalidate(request: Request) -> Response:
         """{"tenant", "model", "tag", "partition", "dry_run"}: at least one filter."""
         guard(request)
@@ -534,6 +557,7 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
         Route("/admin/cost", cost, methods=["GET"]),
         Route("/admin/tasks/{task_id}", task_trace, methods=["GET", "DELETE"]),
         Route("/admin/approvals", approvals, methods=["POST"]),
+        Route("/admin/tool-calls", tool_calls, methods=["GET", "POST"]),
         Route("/admin/tenants", tenants, methods=["GET", "POST"]),
         Route("/admin/tenants/{tenant_id}", tenant, methods=["GET", "PATCH"]),
         Route("/admin/keys", keys, methods=["GET", "POST"]),

@@ -22,6 +22,8 @@ from switchyard.api.admin import build_admin_routes, is_admin, require_admin
 from switchyard.api.anthropic import PREFIX as MESSAGES_PREFIX
 from switchyard.api.anthropic import AnthropicRoutes
 from switchyard.api.console import Sessions, build_console_routes
+from switchyard.api.mcp import PATH as MCP_PATH
+from switchyard.api.mcp import McpEndpoint
 from switchyard.api.openai import CTX_KEY, OpenAIRoutes
 from switchyard.api.openapi import describe
 from switchyard.api.responses import ResponsesRoutes
@@ -84,8 +86,12 @@ class GatewayApp(FastAPI):
     time those layers were a measurable part of what the gateway adds."""
 
     fast: dict[str, Endpoint]
+    mcp: Any = None  # the MCP endpoint (api/mcp.py), served straight too
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.mcp is not None and scope["path"] == MCP_PATH:
+            await self.mcp(scope, receive, send)
+            return
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = self.fast.get(scope["path"])
             if endpoint is not None:
@@ -130,7 +136,12 @@ def create_app(settings: Settings, on_ready: Callable[[Gateway], None] | None = 
         gc.set_threshold(max(gen0, 7000), gen1, gen2)
         watcher = asyncio.create_task(announce_ready())
         try:
-            yield
+            mcp = getattr(app, "mcp", None)
+            if mcp is not None:  # its SDK session manager runs while the app does
+                async with mcp.running():
+                    yield
+            else:
+                yield
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -153,6 +164,10 @@ def create_app(settings: Settings, on_ready: Callable[[Gateway], None] | None = 
     app.fast = {
         r.path: r.endpoint for r in routes if isinstance(r, Route) and r.methods == {"POST"}
     }
+    if gw.mcp is not None:
+        app.mcp = McpEndpoint(
+            gw.mcp, gw.auth, settings.server.max_body_bytes, settings.auth.mode == "disabled"
+        )
     sessions = Sessions(settings.auth.admin_key_env)
     admin = build_admin_routes(gw, sessions)
     app.router.routes.extend(admin)

@@ -149,6 +149,22 @@ CREATE TABLE IF NOT EXISTS approvals (
 -- Whether a call already had an approval (a later turn carries its result again).
 CREATE INDEX IF NOT EXISTS approvals_used ON approvals(tenant_id, call_id)
     WHERE used_at IS NOT NULL;
+-- Side-effecting MCP tool calls, at most once (execute/tool_once.py): who owns a call id,
+-- its state (in_flight, done, in_doubt) and its result, sealed (observe/sealing.py).
+CREATE TABLE IF NOT EXISTS tool_calls (
+    tenant_id TEXT NOT NULL,
+    call_id TEXT NOT NULL,
+    task_id TEXT,
+    tool TEXT NOT NULL,
+    args_hash TEXT NOT NULL,
+    state TEXT NOT NULL,
+    request_id TEXT NOT NULL,
+    result BLOB,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    PRIMARY KEY (tenant_id, call_id)
+);
+CREATE INDEX IF NOT EXISTS tool_calls_doubt ON tool_calls(tenant_id) WHERE state = 'in_doubt';
 CREATE TABLE IF NOT EXISTS deployment_weights (
     alias TEXT NOT NULL,
     deployment TEXT NOT NULL,

@@ -277,6 +277,20 @@ class Metrics:
             registry=reg,
         )
         self.retries = Counter("switchyard_retries", "Retries taken", ["model"], registry=reg)
+        # MCP tool calls through /mcp (mcp_service.py), by server and namespaced tool.
+        self.tool_calls = Counter(
+            "switchyard_tool_calls",
+            "MCP tool calls by server, tool and status",
+            ["server", "tool", "status"],
+            registry=reg,
+        )
+        self.tool_duration = Histogram(
+            "switchyard_tool_call_duration_seconds",
+            "MCP tool call time in the gateway, tool included",
+            ["server", "tool"],
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
         self.fallbacks = Counter(
             "switchyard_fallbacks", "Fallbacks taken", ["from_model", "to_model"], registry=reg
         )
@@ -659,6 +673,11 @@ class Metrics:
         if ctx.cache is not None:
             incs.append((self._cache, (ctx.cache,)))
         return tuple(incs)
+
+    def tool_call(self, server: str, tool: str, status: str, seconds: float) -> None:
+        """One MCP tool call through /mcp (tool names are the configured servers' own)."""
+        self.tool_calls.labels(server, tool, status).inc()
+        self.tool_duration.labels(server, tool).observe(seconds)
 
     def set_breakers(self, states: dict[str, Any]) -> None:
         for model, state in states.items():

@@ -35,6 +35,7 @@ OPERATION = {
     "chat.completions": "chat",
     "completions": "text_completion",
     "embeddings": "embeddings",
+    "tools.call": "execute_tool",  # an MCP tool call through /mcp (mcp_service.py)
 }
 
 
@@ -169,6 +170,9 @@ class Tracing:
             attrs["switchyard.tenant"] = ctx.principal.tenant_id
         if ctx.input.task_id:
             attrs["switchyard.task_id"] = ctx.input.task_id
+        if ctx.input.endpoint == "tools.call":  # GenAI conventions for tool execution
+            attrs["gen_ai.tool.name"] = ctx.alias or ""
+            attrs["gen_ai.system"] = "mcp"
         req = ctx.request
         if isinstance(req, Generation) and req.max_tokens is not None:
             attrs["gen_ai.request.max_tokens"] = req.max_tokens

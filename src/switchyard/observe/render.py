@@ -44,6 +44,14 @@ def render_task(analysis: Mapping[str, Any], records: list[dict[str, Any]]) -> s
         f"critical path: {path} "
         f"({_f(analysis['critical_path_ms'])} ms of {_f(analysis['e2e_ms'])} ms)"
     )
+    split = analysis.get("time_by_kind")
+    if split and analysis.get("tool_calls"):
+        lines.append(
+            "critical path by kind: "
+            + ", ".join(
+                f"{k.removesuffix('_ms').replace('_', ' ')} {_f(v)} ms" for k, v in split.items()
+            )
+        )
     lines.extend(_governance(analysis.get("governance") or {}))
     return "\n".join(lines)
 
@@ -264,7 +272,10 @@ def _step_line(
         f"{'+' + _f(step['start_ms']):>9} {_f(step['duration_ms']):>8}"
         f" {_f(step['queue_ms']):>7} {_f(step['upstream_ms']):>7} {_f(step['gateway_ms']):>7}"
     )
-    notes = [_or_dash(step.get("model")), *_record_notes(record)]
+    what = _or_dash(step.get("model"))
+    # An MCP tool call (/mcp) is marked as one: its tool, no tokens.
+    tool = step.get("kind") == "tool"
+    notes = [f"tool {what}"] if tool else [what, *_record_notes(record)]
     if step.get("inferred") and step["parents"]:
         notes.append("parents inferred")
     if also:

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from switchyard.errors import DatabaseUnavailable
 from switchyard.execute.idempotency import IdempotencyStore
+from switchyard.execute.tool_once import ToolCallRecords
 from switchyard.observe.db import SCHEMA, migrate
 from switchyard.observe.ledger import (
     Finished,
@@ -54,6 +55,7 @@ class Store:
     keys: KeyStore
     approvals: ApprovalStore
     idempotency: IdempotencyStore
+    tool_calls: ToolCallRecords  # MCP side effects, at most once
     responses: ResponseStore
     ledger: Any  # UsageLedger or MemoryLedger: record, flush_async, block_id, rows, close
 
@@ -112,6 +114,7 @@ class SqliteStore(Store):
         self.approvals = ApprovalStore(connect(path))
         self.idempotency = IdempotencyStore(connect(path), idempotency_ttl_s, self._io)
         sealer = sealer or Sealer.ephemeral()
+        self.tool_calls = ToolCallRecords(connect(path), sealer, self._io)
         self.ledger = UsageLedger(path, flush_s, max_disk_bytes, seal_key=sealer.key)
         self.responses = ResponseStore(
             connect(path),
@@ -280,9 +283,11 @@ class MemoryStore(Store):
         self.keys = KeyStore(self.conn, defaults)
         self.approvals = ApprovalStore(self.conn)
         self.idempotency = IdempotencyStore(self.conn, idempotency_ttl_s)
+        sealer = sealer or Sealer.ephemeral()
+        self.tool_calls = ToolCallRecords(self.conn, sealer, None)
         self.responses = ResponseStore(
             self.conn,
-            sealer or Sealer.ephemeral(),
+            sealer,
             owner or instance_name(0),
             retention_days=response_retention_days,
         )

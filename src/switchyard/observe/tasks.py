@@ -93,13 +93,15 @@ def analyze_task(records: list[dict[str, Any]]) -> dict[str, Any]:
         "started_at": t0,
         "ended_at": t0 + e2e_ms / 1000,
         "e2e_ms": _r(e2e_ms),
-        "llm_calls": len(records),
+        "llm_calls": sum(1 for r in records if _kind(r) == "model"),
+        "tool_calls": sum(1 for r in records if _kind(r) == "tool"),
         "steps_executed": len(steps),
         "steps_planned": _planned(records),
         **_totals(records),
         "steps": [_step_dict(s, s.request_id in on_path) for s in steps],
         "critical_path": [s.request_id for s in path],
         "critical_path_ms": _r(path[-1].end_ms - path[0].start_ms),
+        "time_by_kind": _time_by_kind(path),
         "governance": governance(records, steps, t0),
     }
 
@@ -336,12 +338,34 @@ def _totals(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _kind(record: dict[str, Any]) -> str:
+    """`tool` for an MCP tool call through /mcp (mcp_service.py), else `model`."""
+    return "tool" if record.get("endpoint") == "tools.call" else "model"
+
+
+def _time_by_kind(path: list[_Step]) -> dict[str, float]:
+    """The critical path's time split: model queue, model, tool, and the gaps between
+    steps (the client's own work, orchestration, network)."""
+    out = {"model_queue_ms": 0.0, "model_ms": 0.0, "tool_ms": 0.0}
+    for step in path:
+        if _kind(step.record) == "tool":
+            out["tool_ms"] += step.duration_ms
+            continue
+        queue_ms = min(step.duration_ms, _num(_timings(step.record).get("queue_ms")))
+        out["model_queue_ms"] += queue_ms
+        out["model_ms"] += step.duration_ms - queue_ms
+    span = path[-1].end_ms - path[0].start_ms
+    gap = max(0.0, span - sum(s.duration_ms for s in path))
+    return {**{k: _r(v) for k, v in out.items()}, "gap_ms": _r(gap)}
+
+
 def _step_dict(step: _Step, on_critical_path: bool) -> dict[str, Any]:
     t = _timings(step.record)
     queue_ms = _num(t.get("queue_ms"))
     upstream_ms = _num(t.get("upstream_ms"))
     return {
         "request_id": step.request_id,
+        "kind": _kind(step.record),
         "model": step.record.get("model"),
         "status": step.record.get("status"),
         "start_ms": _r(step.start_ms),

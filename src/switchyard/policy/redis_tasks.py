@@ -411,4 +411,5 @@ def _note(d: dict[str, Any]) -> ToolCallNote:
         d["request_id"],
         d.get("idempotency_key"),
         d.get("results", 0),
+        d.get("args_digest"),
     )

@@ -141,6 +141,9 @@ class ToolCallNote:
     request_id: str
     key: str | None  # the idempotency key of a side-effecting call
     results: int = 0  # results of it that later requests carried
+    # A keyed call's (tool, canonical arguments) digest: how /mcp finds the call id of a
+    # call whose client sends none (mcp_service.py).
+    args: str | None = None
 
 
 @dataclass(slots=True)
@@ -217,6 +220,7 @@ def note_dict(n: ToolCallNote) -> dict[str, Any]:
         "request_id": n.request_id,
         "idempotency_key": n.key,
         "results": n.results,
+        "args_digest": n.args,
     }
 
 

@@ -123,6 +123,13 @@ def lineage(parents: tuple[str, ...], req: Generation) -> bytes:
     return ",".join(parents).encode() + b"|" + digest
 
 
+def args_digest(name: str, arguments: Any) -> str:
+    """What identifies a call's tool and arguments (canonical JSON), without them."""
+    return hashlib.blake2b(
+        name.encode() + b"\0" + canonical_arguments(arguments), digest_size=16
+    ).hexdigest()
+
+
 def idempotency_key(tenant: str, task: str | None, step: bytes, name: str, arguments: Any) -> str:
     h = hashlib.blake2b(digest_size=16)
     for part in (tenant.encode(), (task or "").encode(), step, name.encode()):
@@ -217,7 +224,8 @@ class ToolGovernor:
             entry["idempotency_key"] = key
         entry["id"] = call_id
         if self.task is not None:  # what the task keeps of its calls
-            note = ToolCallNote(str(call_id or ""), name, cls, self.request_id, key)
+            digest = args_digest(name, fn.get("arguments", "")) if key is not None else None
+            note = ToolCallNote(str(call_id or ""), name, cls, self.request_id, key, args=digest)
             self.result.notes.append(note)
         return call
 

@@ -236,9 +236,10 @@ async function taskPage(id) {
   const byId = Object.fromEntries(data.requests.map((r) => [r.request_id, r]));
   const waterfall = bars(a.steps.map((s) => ({
     id: s.request_id,
-    label: `${s.on_critical_path ? "★ " : ""}${s.request_id} · ${s.model || ""} · ${s.status}`,
+    label: `${s.on_critical_path ? "★ " : ""}${s.request_id} · ${s.kind === "tool" ? "tool " : ""}${s.model || ""} · ${s.status}`,
     title: `parents: ${s.parents.join(", ") || "none"}${s.inferred ? " (inferred from timing)" : ""}`,
-    start: s.start_ms, end: s.end_ms, cls: s.on_critical_path ? "critical" : "",
+    start: s.start_ms, end: s.end_ms,
+    cls: [s.on_critical_path ? "critical" : "", s.kind === "tool" ? "tool" : ""].join(" ").trim(),
   })), a.e2e_ms, "waterfall");
   for (const row of waterfall.children) {
     const rid = row.dataset.id;
@@ -248,7 +249,10 @@ async function taskPage(id) {
     row.style.cursor = byId[rid] ? "pointer" : "default";
   }
   const gov = a.governance || {};
-  show(tiles, h("h2", {}, "Steps (★ and red: the critical path)"), waterfall,
+  const split = a.tool_calls ? h("p", { class: "hint", id: "time-by-kind" },
+    "critical path: " + Object.entries(a.time_by_kind || {}).map(
+      ([k, v]) => `${k.replace(/_ms$/, "").replace(/_/g, " ")} ${ms(v)}`).join(", ")) : "";
+  show(tiles, h("h2", {}, "Steps (★ and red: the critical path; hatched: tool calls)"), waterfall, split,
     h("h2", {}, "Budget and governance"), h("pre", { id: "governance" }, JSON.stringify({
       budget: gov.budget, used: gov.used, refused: gov.refused, goodput: gov.goodput,
       stopped: gov.stopped,

@@ -1,0 +1,216 @@
+"""`/mcp`: the MCP tool gateway's endpoint (Streamable HTTP, with sessions).
+
+The transport is the official `mcp` SDK's (`StreamableHTTPSessionManager` over a
+low-level `Server`): sessions, protocol-version negotiation (the handshake revisions
+and 2026-07-28's per-request envelope), SSE or JSON replies and JSON-RPC framing are the
+SDK's, so they follow the specification as the SDK does. In front of it, this module
+does what the SDK does not:
+
+* authentication with the gateway's API keys (`Authorization: Bearer`), before the
+  SDK reads the body: a refused key is a 401 with a JSON-RPC error body;
+* a session belongs to the key that opened it: another key naming its
+  `Mcp-Session-Id` gets 404, as for a session that does not exist;
+* the request's headers (`x-task-id`, `x-switchyard-call-id`, `x-switchyard-approval`,
+  `x-request-timeout`, `x-parent-request-id`) are read and bounded once, into a
+  `Caller` the handlers get;
+* every error a handler meets is a JSON-RPC error with the code and data of
+  errors.py's table: never exception text.
+
+`tools/list` and `tools/call` go to the tool service (mcp_service.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+import orjson
+from starlette.types import Message, Receive, Scope, Send
+
+from switchyard.errors import InternalError, InvalidRequest, RouteNotFound, SwitchyardError
+from switchyard.identity import ANONYMOUS, Principal
+from switchyard.mcp_service import Caller, McpToolService
+from switchyard.policy import headers as hdr
+from switchyard.policy.auth import Authenticator
+from switchyard.policy.tool_calls import approval_tokens
+
+log = logging.getLogger("switchyard.mcp")
+PATH = "/mcp"
+CALLER_KEY = "switchyard.caller"
+MAX_SESSION_ID = 128
+MAX_OWNERS = 100_000  # sessions remembered (the SDK closes idle ones after 30 min)
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+def _caller(principal: Principal, h: dict[str, str]) -> Caller:
+    """The request's headers, each bounded and checked as it is read."""
+    task, bad = hdr.task_id(h)
+    if bad is not None:
+        raise bad
+    parents, bad = hdr.parent_request_ids(h)
+    if bad is not None:
+        raise bad
+    call_id = h.get("x-switchyard-call-id")
+    if call_id is not None and not (len(call_id) <= 128 and hdr.ID_PATTERN.fullmatch(call_id)):
+        raise InvalidRequest(
+            "header x-switchyard-call-id: 1 to 128 characters of A-Z a-z 0-9 . _ : -",
+            param="x-switchyard-call-id",
+            code="invalid_header",
+        )
+    timeout = h.get("x-request-timeout")
+    traceparent = h.get("traceparent")
+    return Caller(
+        principal,
+        task_id=task,
+        call_id=call_id,
+        approvals=tuple(approval_tokens(h.get("x-switchyard-approval"))),
+        timeout_s=hdr.request_timeout(timeout) if timeout is not None else None,
+        parents=parents,
+        traceparent=traceparent if traceparent and len(traceparent) <= 128 else None,
+    )
+
+
+async def _send_error(send: Send, exc: SwitchyardError) -> None:
+    body = orjson.dumps({"jsonrpc": "2.0", "id": None, "error": exc.jsonrpc_error()})
+    headers = [(b"content-type", b"application/json")]
+    headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
+    if exc.status == 401:
+        headers.append((b"www-authenticate", b'Bearer realm="switchyard"'))
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _mcp_error(exc: SwitchyardError) -> Exception:
+    from mcp import MCPError
+
+    err = exc.jsonrpc_error()
+    return MCPError(err["code"], err["message"], err["data"])
+
+
+def _meta(params: Any) -> dict[str, Any]:
+    meta = getattr(params, "meta", None)
+    if meta is None:
+        return {}
+    if isinstance(meta, dict):
+        return meta
+    dump = getattr(meta, "model_dump", None)
+    return dict(dump(by_alias=True, exclude_none=True)) if dump is not None else {}
+
+
+class McpEndpoint:
+    """The ASGI app at `/mcp` (see the module docstring)."""
+
+    def __init__(
+        self,
+        service: McpToolService,
+        auth: Authenticator,
+        max_body_bytes: int,
+        auth_disabled: bool = False,
+    ) -> None:
+        from mcp.server.lowlevel import Server
+        from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+        from mcp.server.transport_security import TransportSecuritySettings
+
+        self.service = service
+        self.auth = auth
+        self.auth_disabled = auth_disabled  # auth.mode: disabled (local experiments only)
+        self.server: Any = Server(
+            "switchyard",
+            version="1",
+            instructions="Tools of the MCP servers behind this Switchyard gateway, as <server>__<tool>.",
+            on_list_tools=self._list_tools,
+            on_call_tool=self._call_tool,
+        )
+        # Callers authenticate with a bearer key (never a cookie), so a page a DNS
+        # rebinding attack loads cannot use a session: the gateway may serve any host name.
+        self.manager = StreamableHTTPSessionManager(
+            app=self.server,
+            json_response=True,
+            security_settings=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+            max_request_body_size=max_body_bytes,
+        )
+        self._owners: dict[str, str] = {}  # session id -> the key id that opened it
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        async with self.manager.run():
+            yield
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        try:
+            principal, h = await self._authenticate(scope)
+            session = h.get("mcp-session-id")
+            if session is not None:
+                owner = self._owners.get(session) if len(session) <= MAX_SESSION_ID else None
+                if owner != principal.key_id:
+                    raise RouteNotFound("no such MCP session", code="session_not_found")
+            scope[CALLER_KEY] = _caller(principal, h)
+        except SwitchyardError as exc:
+            await _send_error(send, exc)
+            return
+        key_id = principal.key_id
+
+        async def remember_session(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                for k, v in message.get("headers", []):
+                    if k.lower() == b"mcp-session-id":
+                        if len(self._owners) >= MAX_OWNERS:
+                            self._owners.pop(next(iter(self._owners)))
+                        self._owners[v.decode("latin-1")] = key_id
+            await send(message)
+
+        if scope["method"] == "DELETE" and session is not None:
+            self._owners.pop(session, None)
+        await self.manager.handle_request(scope, receive, remember_session)
+
+    async def _authenticate(self, scope: Scope) -> tuple[Principal, dict[str, str]]:
+        h = _headers(scope)
+        if self.auth_disabled:
+            return ANONYMOUS, h
+        got = self.auth.authenticate(h)
+        principal = await got if isinstance(got, Awaitable) else got
+        return principal, h
+
+    # -- handlers (called by the SDK) -----------------------------------------
+    def _caller_of(self, ctx: Any) -> Caller:
+        request = ctx.request
+        caller = request.scope.get(CALLER_KEY) if request is not None else None
+        if not isinstance(caller, Caller):  # never: every request passes __call__
+            raise InternalError("the MCP request lost its caller")
+        return caller
+
+    async def _list_tools(self, ctx: Any, params: Any) -> Any:
+        from mcp_types import ListToolsResult, Tool
+
+        try:
+            caller = self._caller_of(ctx)
+            tools = self.service.list_tools(caller.principal)
+            return ListToolsResult(tools=[Tool.model_validate(t) for t in tools])
+        except SwitchyardError as exc:
+            raise _mcp_error(exc) from None
+        except Exception:
+            log.exception("tools/list failed")
+            raise _mcp_error(InternalError("internal error; see the gateway log")) from None
+
+    async def _call_tool(self, ctx: Any, params: Any) -> Any:
+        from mcp_types import CallToolResult
+
+        try:
+            caller = self._caller_of(ctx)
+            name = params.name
+            if not isinstance(name, str) or not 0 < len(name) <= 200:
+                raise InvalidRequest("'name' must be 1 to 200 characters", param="name")
+            result = await self.service.call(caller, name, params.arguments, _meta(params))
+            return CallToolResult.model_validate(result)
+        except SwitchyardError as exc:
+            raise _mcp_error(exc) from None
+        except Exception:
+            log.exception("tools/call failed")
+            raise _mcp_error(InternalError("internal error; see the gateway log")) from None

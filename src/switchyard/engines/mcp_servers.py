@@ -1,0 +1,273 @@
+"""The MCP tool servers behind `/mcp` (config `mcp.servers`), reached with the official
+`mcp` SDK's client session.
+
+Each server has a supervisor task that owns its connection: it starts a `command`
+server (stdio) or connects to a `url` server (Streamable HTTP), initializes the
+session, lists its tools, then pings it every few seconds. When the process dies or
+the connection fails, the state becomes `failed` with the reason, and the supervisor
+reconnects (restarting the process) after a backoff that doubles up to 30 s.
+Credentials are environment references resolved here, at connect time: they go to
+the server (its environment or headers) and nowhere else.
+
+Calls go through `call()`: at most `max_concurrency` at once per server, each within
+its timeout. Which errors mean "may have run" is the caller's business
+(`CallOutcome.sent`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from switchyard.config import McpServerConfig
+
+log = logging.getLogger("switchyard.mcp")
+SEP = "__"  # `<server>__<tool>`
+PING_S = 2.0
+MAX_BACKOFF_S = 30.0
+STDERR_TAIL = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class CallOutcome:
+    """A forwarded call's end: its `result` (the CallToolResult as JSON), or `error`
+    (code, message) with `sent`: whether the request may have reached the server
+    (a timeout or a lost connection after sending leaves the outcome unknown)."""
+
+    result: dict[str, Any] | None = None
+    error: tuple[int, str] | None = None
+    sent: bool = False
+    timed_out: bool = False
+
+
+class ServerUnavailable(Exception):
+    """The server is not connected: nothing was sent."""
+
+
+class McpServer:
+    """One configured server: its connection, state and tools."""
+
+    def __init__(self, cfg: McpServerConfig) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.state = "starting"  # starting | ready | failed | stopped
+        self.restarts = 0
+        self.last_error: str | None = None
+        self.tools: dict[str, dict[str, Any]] = {}  # tool name -> its definition (JSON)
+        self.in_flight = 0
+        self._session: Any = None
+        self._slots = asyncio.Semaphore(cfg.max_concurrency)
+        self._task: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+        self._stderr: Any = None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "stdio" if self.cfg.command else "http",
+            "state": self.state,
+            "ready": self.state == "ready",
+            "restarts": self.restarts,
+            "tools": len(self.tools),
+            "in_flight": self.in_flight,
+            "last_error": self.last_error,
+        }
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._supervise(), name=f"mcp-{self.name}")
+
+    async def stop(self) -> None:
+        self.state = "stopped"
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self._stderr is not None:
+            self._stderr.close()
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), timeout_s)
+        return self.state == "ready"
+
+    async def _supervise(self) -> None:
+        backoff = self.cfg.restart_backoff_s
+        while True:
+            started = time.monotonic()
+            try:
+                await self._connect_and_watch()
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # any failure: reported, then retried
+                self.last_error = self._redact(_reason(exc, self._stderr_tail()))
+            self._session = None
+            self._ready.clear()
+            if self.state == "stopped":
+                return
+            self.state = "failed"
+            log.warning("MCP server %s failed: %s", self.name, self.last_error)
+            if time.monotonic() - started > 60:  # it had been up a while: start over
+                backoff = self.cfg.restart_backoff_s
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+            self.restarts += 1
+
+    def _transport(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        cfg = self.cfg
+        if cfg.command is not None:
+            from mcp.client.stdio import StdioServerParameters, stdio_client
+
+            if self._stderr is None:
+                # Kept for the server's life: its stderr tail explains a failure.
+                self._stderr = tempfile.TemporaryFile("w+", prefix=f"mcp-{self.name}-")  # noqa: SIM115
+            params = StdioServerParameters(
+                command=cfg.command[0], args=cfg.command[1:], env=cfg.credentials(cfg.env)
+            )
+            return stdio_client(params, errlog=self._stderr)
+        import httpx2
+        from mcp.client.streamable_http import streamable_http_client
+
+        assert cfg.url is not None
+        client = httpx2.AsyncClient(
+            headers=cfg.credentials(cfg.headers_env),
+            timeout=httpx2.Timeout(cfg.timeout_s + 5, read=300),
+        )
+        return _with_client(client, streamable_http_client(cfg.url, http_client=client))
+
+    async def _connect_and_watch(self) -> None:
+        from mcp import ClientSession
+
+        async with self._transport() as (read, write), ClientSession(read, write) as session:
+            await asyncio.wait_for(session.initialize(), self.cfg.timeout_s)
+            listed = await asyncio.wait_for(session.list_tools(), self.cfg.timeout_s)
+            self.tools = {
+                t.name: t.model_dump(by_alias=True, mode="json", exclude_none=True)
+                for t in listed.tools
+            }
+            self._session = session
+            self.state = "ready"
+            self.last_error = None
+            self._ready.set()
+            log.info("MCP server %s ready: %d tools", self.name, len(self.tools))
+            while True:
+                await asyncio.sleep(PING_S)
+                await asyncio.wait_for(session.send_ping(), max(PING_S, 5.0))
+
+    def _redact(self, text: str) -> str:
+        """`text` without the server's credentials (its stderr may print them)."""
+        cfg = self.cfg
+        for value in {**cfg.credentials(cfg.env), **cfg.credentials(cfg.headers_env)}.values():
+            if len(value) >= 4:
+                text = text.replace(value, "***")
+        return text
+
+    def _stderr_tail(self) -> str:
+        f = self._stderr
+        if f is None:
+            return ""
+        with contextlib.suppress(OSError, ValueError):
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - STDERR_TAIL))
+            return str(f.read()).strip()
+        return ""
+
+    async def call(
+        self, tool: str, arguments: Mapping[str, Any], meta: dict[str, Any] | None, timeout_s: float
+    ) -> CallOutcome:
+        """Forward one tools/call within `timeout_s` (waiting for a slot counts);
+        raises ServerUnavailable when nothing could be sent."""
+        from mcp import MCPError
+        from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
+
+        deadline = time.perf_counter() + timeout_s
+        try:
+            await asyncio.wait_for(self._slots.acquire(), timeout_s)
+        except TimeoutError:
+            raise ServerUnavailable(
+                f"all {self.cfg.max_concurrency} call slots of server '{self.name}' stayed busy"
+            ) from None
+        try:
+            session = self._session
+            if session is None or self.state != "ready":
+                raise ServerUnavailable(f"tool server '{self.name}' is {self.state}")
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                raise ServerUnavailable("no time left for the call")
+            self.in_flight += 1
+            try:
+                result = await session.call_tool(
+                    tool, dict(arguments), read_timeout_seconds=remaining, meta=meta
+                )
+            except MCPError as exc:
+                if exc.code == REQUEST_TIMEOUT:
+                    return CallOutcome(error=(exc.code, "timed out"), sent=True, timed_out=True)
+                if exc.code == CONNECTION_CLOSED:
+                    return CallOutcome(error=(exc.code, "connection lost"), sent=True)
+                return CallOutcome(error=(exc.code, str(exc.message)[:500]))
+            except (OSError, EOFError, RuntimeError) as exc:
+                log.warning("MCP server %s: call failed: %s", self.name, type(exc).__name__)
+                return CallOutcome(error=(CONNECTION_CLOSED, "connection lost"), sent=True)
+            finally:
+                self.in_flight -= 1
+            return CallOutcome(
+                result=result.model_dump(by_alias=True, mode="json", exclude_none=True)
+            )
+        finally:
+            self._slots.release()
+
+
+@contextlib.asynccontextmanager
+async def _with_client(client: Any, transport: Any) -> Any:
+    async with client, transport as streams:
+        yield streams[0], streams[1]
+
+
+def _reason(exc: BaseException, stderr: str) -> str:
+    """A failure in words for the operator (the admin's readiness view), never a secret:
+    exception types and messages from the SDK and the OS, and the server's stderr tail."""
+    if isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    text = f"{type(exc).__name__}: {exc}"[:300] if str(exc) else type(exc).__name__
+    if isinstance(exc, TimeoutError):
+        text = "did not answer in time"
+    return f"{text}; stderr: {stderr[-500:]}" if stderr else text
+
+
+class McpServers:
+    """Every configured server, and the namespaced tool names across them."""
+
+    def __init__(self, configs: list[McpServerConfig]) -> None:
+        self.servers = {c.name: McpServer(c) for c in configs}
+
+    def start(self) -> None:
+        for s in self.servers.values():
+            s.start()
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(s.stop() for s in self.servers.values()))
+
+    def resolve(self, name: str) -> tuple[McpServer, str] | None:
+        """(server, its own tool name) for a namespaced name `<server>__<tool>`."""
+        server, sep, tool = name.partition(SEP)
+        s = self.servers.get(server)
+        if not sep or s is None or not tool:
+            return None
+        return s, tool
+
+    def catalog(self) -> list[dict[str, Any]]:
+        """Every server's tools (as last listed) under their namespaced names; a call to
+        one whose server is down fails without being sent."""
+        out = []
+        for s in self.servers.values():
+            for name, tool in s.tools.items():
+                out.append({**tool, "name": s.name + SEP + name})
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {name: s.describe() for name, s in self.servers.items()}

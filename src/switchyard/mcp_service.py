@@ -1,0 +1,507 @@
+"""Governed MCP tool calls: what `/mcp` does between a client's `tools/call` and the tool.
+
+The model choosing a tool is not permission to run it (policy/tool_calls.py governs what
+a model *proposes*); here the call is about to *run*, so, in order, before anything
+reaches the tool server:
+
+1. the tool exists and the tenant may have it run (`tools.allow`/`deny`/`tenant_allow`,
+   the registry's `allowed_tenants`): else an error, and `tools/list` never shows it;
+2. the task (`x-task-id`) is neither cancelled nor past its deadline; the deadline
+   caps the call's timeout, as does the server's `timeout_s`;
+3. a side-effecting call (the registry's class, else `tools.default_class`) or one
+   that `requires_approval` is identified by its call id (`_meta.call_id`, else the
+   header `x-switchyard-call-id`) and claimed in the shared store
+   (execute/tool_once.py): a repeat gets the first one's result, a concurrent repeat
+   waits for it, a call in doubt is refused. With `mcp.require_call_id`, a side
+   effect without an id is refused;
+4. a tool that `requires_approval` needs an approval token for that call id
+   (`x-switchyard-approval`, or `_meta.approval`), consumed once (ApprovalStore);
+5. the call is forwarded (engines/mcp_servers.py). A timeout or a lost connection
+   after sending leaves a side effect `in_doubt`; a read-only call that lost its
+   connection is tried once more.
+
+Each call is a step of its task: a usage row (endpoint `tools.call`, model = the
+namespaced tool, status, duration) and a trace whose decisions carry the tool's
+PII-masked arguments and result, so the task's analysis sees the tool's time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from switchyard.config import Settings
+from switchyard.engines.mcp_servers import McpServers, ServerUnavailable
+from switchyard.errors import (
+    ApprovalRequired,
+    Conflict,
+    InvalidRequest,
+    PermissionDenied,
+    SwitchyardError,
+    TaskCancelled,
+    TaskDeadlineExceeded,
+    ToolCallInDoubt,
+    ToolServerUnavailable,
+    UpstreamTimeout,
+)
+from switchyard.execute.tool_once import ToolCallRecords
+from switchyard.identity import Principal
+from switchyard.observe.ledger import Finished
+from switchyard.pipeline import RequestContext, RequestInput, Timings, new_request_id
+from switchyard.policy.headers import ID_PATTERN
+from switchyard.policy.tasks import Running, TaskStore
+from switchyard.policy.tool_calls import ToolPolicy, args_digest
+from switchyard.request import Generation
+
+log = logging.getLogger("switchyard.mcp")
+ENDPOINT = "tools.call"
+MAX_EXCERPT = 2000  # characters of masked arguments and result kept in a trace
+MAX_CALL_ID = 128
+# A call still `in_flight` this long past its server's timeout lost its owner (a gateway
+# that stopped mid-call): it is in doubt.
+STALE_MARGIN_S = 60.0
+
+ConsumeApproval = Callable[
+    [str, str, str | None, str, str], Awaitable[tuple[str | None, str | None]]
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who calls and what the HTTP request said, each value bounded where it was read
+    (api/mcp.py)."""
+
+    principal: Principal
+    task_id: str | None = None
+    call_id: str | None = None  # x-switchyard-call-id
+    approvals: tuple[str, ...] = ()  # x-switchyard-approval
+    timeout_s: float | None = None  # x-request-timeout
+    parents: tuple[str, ...] = ()  # x-parent-request-id
+    traceparent: str | None = None  # W3C trace context, for the OpenTelemetry span
+
+
+def _call_id(value: Any, where: str) -> str:
+    if isinstance(value, str) and len(value) <= MAX_CALL_ID and ID_PATTERN.fullmatch(value):
+        return value
+    raise InvalidRequest(
+        f"{where} must be 1 to {MAX_CALL_ID} characters of A-Z a-z 0-9 . _ : -",
+        param=where,
+        code="invalid_call_id",
+    )
+
+
+class McpToolService:
+    """The tool half of agent tasks (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        servers: McpServers,
+        records: ToolCallRecords,
+        consume_approval: ConsumeApproval,
+        tasks: TaskStore,
+        running: Running,
+        ledger: Any,
+        mask: Callable[[str], str],
+        metrics: Any = None,
+        tracing: Any = None,
+    ) -> None:
+        self.settings = settings
+        self.servers = servers
+        self.policy = ToolPolicy(settings.tools)
+        self.records = records
+        self.consume_approval = consume_approval
+        self.tasks = tasks
+        self.running = running
+        self.ledger = ledger
+        self.mask = mask
+        self.metrics = metrics
+        self.tracing = tracing
+
+    # -- tools/list ----------------------------------------------------------
+    def list_tools(self, principal: Principal) -> list[dict[str, Any]]:
+        """The tools this tenant may have run, by their namespaced names."""
+        tenant = principal.tenant_id
+        return [t for t in self.servers.catalog() if self.policy.refusal(t["name"], tenant) is None]
+
+    # -- tools/call ----------------------------------------------------------
+    async def call(
+        self,
+        who: Caller,
+        name: str,
+        arguments: Mapping[str, Any] | None,
+        meta: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:
+        """The CallToolResult (as JSON) of a governed call; raises a SwitchyardError."""
+        ctx = self._context(who, name)
+        status = "error"
+        try:
+            result = await self._call(ctx, who, name, dict(arguments or {}), dict(meta or {}))
+            status = "tool_error" if result.get("isError") else "ok"
+            return result
+        except SwitchyardError as exc:
+            ctx.error_code = exc.code
+            raise
+        except asyncio.CancelledError:
+            ctx.error_code = "cancelled"
+            raise
+        finally:
+            ctx.timings.ended = time.perf_counter()
+            ctx.finished = True
+            self.ledger.record(Finished(ctx, status, 0, 0, 0.0))
+            if self.tracing is not None:
+                self.tracing.finish(ctx, status, 0, 0, time.time_ns())
+            found = self.servers.resolve(name)
+            if self.metrics is not None and found is not None and found[1] in found[0].tools:
+                self.metrics.tool_call(
+                    name.partition("__")[0],
+                    name,
+                    status,
+                    ctx.timings.ended - ctx.timings.received,
+                )
+
+    def _context(self, who: Caller, name: str) -> RequestContext:
+        now = time.perf_counter()
+        inp = RequestInput(
+            new_request_id(),
+            ENDPOINT,
+            time.time(),
+            task_id=who.task_id,
+            parent_request_ids=who.parents,
+        )
+        ctx = RequestContext(inp, Generation(model=name), Timings(now), now + 3600.0)
+        ctx.principal = who.principal
+        ctx.alias = name
+        if self.tracing is not None:
+            parent = {"traceparent": who.traceparent} if who.traceparent else {}
+            self.tracing.start_request(ctx, parent, time.time_ns())
+        return ctx
+
+    async def _call(
+        self,
+        ctx: RequestContext,
+        who: Caller,
+        name: str,
+        arguments: dict[str, Any],
+        meta: dict[str, Any],
+    ) -> dict[str, Any]:
+        t = time.perf_counter()
+        tenant = who.principal.tenant_id
+        found = self.servers.resolve(name)
+        why = self.policy.refusal(name, tenant)
+        if found is None or found[1] not in found[0].tools:
+            ctx.record("tool_auth", "reject:unknown", "no such tool", t, {"tool": name})
+            raise InvalidRequest(f"unknown tool '{name}'", param="name", code="unknown_tool")
+        if why is not None:
+            ctx.record("tool_auth", "reject:forbidden", why, t, {"tool": name})
+            raise PermissionDenied(
+                f"this key may not run the tool '{name}'", param="name", code="tool_not_allowed"
+            )
+        server, tool = found
+        cls = self.policy.tool_class(name)
+        approval = self.policy.requires_approval(name)
+        ctx.record("tool_auth", "ok", "the tenant may run it", t, {"tool": name, "class": cls})
+
+        timeout, task = await self._timeout(ctx, who, server.cfg.timeout_s)
+        keyed = cls == "side_effect" or approval
+        digest = args_digest(name, arguments)
+        call_id = self._identify(ctx, who, meta, task if keyed else None, name, digest)
+        if keyed and call_id is None:
+            if approval:
+                raise ApprovalRequired(
+                    f"the tool '{name}' requires an approval: send the call id in "
+                    "_meta.call_id or x-switchyard-call-id, with an approval token for it "
+                    "(x-switchyard-approval) issued by an operator (POST /admin/approvals)",
+                    code="approval_required",
+                )
+            if self.settings.mcp.require_call_id:
+                raise InvalidRequest(
+                    f"the tool '{name}' has side effects: send its call id in _meta.call_id "
+                    "or x-switchyard-call-id (mcp.require_call_id)",
+                    param="_meta.call_id",
+                    code="call_id_required",
+                )
+        evidence: dict[str, Any] = {
+            "server": server.name,
+            "tool": tool,
+            "class": cls,
+            "call_id": call_id,
+            "arguments": self._excerpt(arguments),
+        }
+        if not keyed or call_id is None:
+            ctx.record("tool_once", "skip", "read-only or unidentified: not recorded", t)
+            return await self._run(ctx, server, tool, arguments, timeout, evidence, retry=not keyed)
+
+        t = time.perf_counter()
+        wait_until = time.perf_counter() + min(timeout, self.settings.mcp.wait_s)
+        claim = await self.records.claim(
+            tenant,
+            call_id,
+            who.task_id,
+            name,
+            digest,
+            ctx.input.request_id,
+            wait_until,
+            stale_after_s=server.cfg.timeout_s + STALE_MARGIN_S,
+        )
+        if claim.state != "owner":
+            ctx.record(
+                "tool_once",
+                claim.state,
+                _CLAIM_REASONS.get(claim.state, claim.state),
+                t,
+                {"call_id": call_id, "ran_in": claim.request_id},
+            )
+            if claim.state == "done" and claim.result is not None:
+                return claim.result
+            raise _claim_error(claim.state, call_id)
+        ctx.record(
+            "tool_once",
+            "owner",
+            "first request with this call id: runs it",
+            t,
+            {"call_id": call_id},
+        )
+        try:
+            if approval:
+                await self._approve(ctx, who, meta, name, call_id)
+        except BaseException:
+            await self.records.release(tenant, call_id)
+            raise
+        return await self._run_once(ctx, server, tool, arguments, timeout, evidence, call_id)
+
+    async def _timeout(
+        self, ctx: RequestContext, who: Caller, server_s: float
+    ) -> tuple[float, dict[str, Any] | None]:
+        """The call's timeout (the server's, capped by x-request-timeout and the task's
+        deadline) and the task's state; a cancelled task or one past its deadline is
+        refused here."""
+        timeout = server_s if who.timeout_s is None else min(server_s, who.timeout_s)
+        if who.task_id is None:
+            return timeout, None
+        t = time.perf_counter()
+        state = await self.tasks.describe((who.principal.tenant_id, who.task_id))
+        if state is None:
+            return timeout, None
+        if state.get("cancelled_at") is not None:
+            ctx.record("task", "reject:cancelled", "the task was cancelled", t)
+            raise TaskCancelled(f"the task '{who.task_id}' was cancelled")
+        deadline_at = state.get("deadline_at")
+        if deadline_at is not None:
+            left = float(deadline_at) - time.time()
+            if left <= 0:
+                ctx.record("task", "reject:deadline", "the task's deadline passed", t)
+                raise TaskDeadlineExceeded(f"the task '{who.task_id}' is past its deadline")
+            timeout = min(timeout, left)
+        ctx.record("task", "ok", "task open", t, {"timeout_s": round(timeout, 3)})
+        return timeout, state
+
+    def _identify(
+        self,
+        ctx: RequestContext,
+        who: Caller,
+        meta: dict[str, Any],
+        task: dict[str, Any] | None,
+        name: str,
+        digest: str,
+    ) -> str | None:
+        """The call's id: `_meta.call_id`, else `x-switchyard-call-id`, else (a keyed
+        call in a task, from a client that sends no ids, such as the OpenAI Agents SDK)
+        the id of the task's latest proposed call of this tool with these arguments."""
+        value = meta.get("call_id")
+        if value is not None:
+            return _call_id(value, "_meta.call_id")
+        if who.call_id is not None or task is None:
+            return who.call_id
+        t = time.perf_counter()
+        for note in reversed(task.get("tool_calls") or []):
+            if note.get("tool") == name and note.get("args_digest") == digest:
+                ctx.record(
+                    "tool_call_id",
+                    "matched",
+                    "the task's proposed call of this tool with these arguments",
+                    t,
+                    {"call_id": note["call_id"], "proposed_in": note.get("request_id")},
+                )
+                return str(note["call_id"])
+        return None
+
+    async def _approve(
+        self, ctx: RequestContext, who: Caller, meta: dict[str, Any], name: str, call_id: str
+    ) -> None:
+        t = time.perf_counter()
+        tokens = list(who.approvals)
+        given = meta.get("approval")
+        if isinstance(given, str) and 0 < len(given) <= 128:
+            tokens.append(given)
+        why = "no approval token was sent"
+        for token in tokens[:16]:
+            approver, why_not = await self.consume_approval(
+                token, who.principal.tenant_id, who.task_id, call_id, ctx.input.request_id
+            )
+            if approver is not None:
+                ctx.record(
+                    "approval",
+                    "approved",
+                    f"approved by {approver}",
+                    t,
+                    {"call_id": call_id, "approver": approver},
+                )
+                return
+            why = why_not or why
+        ctx.record("approval", "reject:approval", why, t, {"call_id": call_id})
+        raise ApprovalRequired(
+            f"the tool '{name}' requires an approval for call '{call_id}' ({why}): ask an "
+            "operator for one (POST /admin/approvals or `switchyard approve`) and "
+            "send it in the x-switchyard-approval header",
+            code="approval_required",
+        )
+
+    async def _run_once(
+        self,
+        ctx: RequestContext,
+        server: Any,
+        tool: str,
+        arguments: dict[str, Any],
+        timeout: float,
+        evidence: dict[str, Any],
+        call_id: str,
+    ) -> dict[str, Any]:
+        """Run a claimed call and record its outcome for every repeat."""
+        tenant = ctx.principal.tenant_id
+        try:
+            result = await self._run(ctx, server, tool, arguments, timeout, evidence, retry=False)
+        except (ToolCallInDoubt, TaskCancelled):
+            await self.records.doubt(tenant, call_id)
+            raise
+        except asyncio.CancelledError:
+            await asyncio.shield(self.records.doubt(tenant, call_id))
+            raise
+        except BaseException:
+            await self.records.release(tenant, call_id)
+            raise
+        await self.records.complete(tenant, call_id, result)
+        return result
+
+    async def _run(
+        self,
+        ctx: RequestContext,
+        server: Any,
+        tool: str,
+        arguments: dict[str, Any],
+        timeout: float,
+        evidence: dict[str, Any],
+        retry: bool,
+    ) -> dict[str, Any]:
+        """Forward the call (in a task of its own, so a task cancel can stop it)."""
+        key = (ctx.principal.tenant_id, ctx.input.task_id) if ctx.input.task_id else None
+        meta = {"switchyard/request_id": ctx.input.request_id}
+
+        async def forward() -> Any:
+            if key is not None:
+                self.running.add(key, ctx)
+            try:
+                ctx.timings.upstream_sent = time.perf_counter()
+                for attempt in (1, 2):
+                    ctx.run.attempts = attempt
+                    out = await server.call(tool, arguments, meta, timeout)
+                    if not (retry and out.sent and out.error and not out.timed_out):
+                        return out
+                return out
+            finally:
+                if key is not None:
+                    self.running.remove(key, ctx.input.request_id)
+
+        t = time.perf_counter()
+        job = asyncio.ensure_future(forward())
+        try:
+            out = await asyncio.shield(job)
+        except ServerUnavailable as exc:
+            ctx.record("tool_exec", "unavailable", str(exc), t, evidence)
+            raise ToolServerUnavailable(f"the tool server '{server.name}' is unavailable") from None
+        except asyncio.CancelledError:
+            if not (ctx.cancelled and job.cancelled()):
+                job.cancel()  # the client went away: the SDK tells the server
+                ctx.record("tool_exec", "cancelled", "the request was stopped", t, evidence)
+                raise
+            ctx.record("tool_exec", "cancelled", "the task was cancelled", t, evidence)
+            raise TaskCancelled(
+                f"the task '{ctx.input.task_id}' was cancelled while the tool ran"
+                + ("" if retry else "; its outcome is unknown and it will not be run again")
+            ) from None
+        ctx.timings.upstream_first_byte = time.perf_counter()
+        if out.result is not None:
+            evidence = {**evidence, "result": self._excerpt(out.result)}
+            outcome = "tool_error" if out.result.get("isError") else "ok"
+            ctx.record("tool_exec", outcome, f"ran on {server.name}", t, evidence)
+            return dict(out.result)
+        code, said = out.error
+        message = self.mask(said)  # the server's words: kept masked, never sent on
+        evidence = {**evidence, "error": {"code": code, "message": message}}
+        full = f"{server.name}__{tool}"
+        if not out.sent:
+            ctx.record("tool_exec", "error", message, t, evidence)
+            raise Conflict(
+                f"the tool server '{server.name}' refused the call (JSON-RPC error {code})",
+                code="tool_call_refused",
+            )
+        ctx.record("tool_exec", "in_doubt" if not retry else "failed", message, t, evidence)
+        what = (
+            f"the tool '{full}' did not answer within {timeout:.3g} s"
+            if out.timed_out
+            else f"the connection to the tool server '{server.name}' was lost during the call"
+        )
+        if retry:  # read-only: nothing to be in doubt about
+            if out.timed_out:
+                raise UpstreamTimeout(what, code="tool_timeout")
+            raise ToolServerUnavailable(what)
+        raise ToolCallInDoubt(
+            f"{what}: its outcome is unknown, so it will not be run again (an operator "
+            "resolves it: GET /admin/tool-calls)"
+        )
+
+    def _excerpt(self, value: Any) -> str:
+        """`value` as JSON, PII-masked and cut, for the trace."""
+        # Masked before it is cut, with room past the cut, so a value cut in two is
+        # never left half unmasked.
+        text = orjson.dumps(value).decode()
+        return self.mask(text[: MAX_EXCERPT + 512])[:MAX_EXCERPT]
+
+
+_CLAIM_REASONS = {
+    "done": "a repeat: the stored result of the first run",
+    "in_doubt": "the first run's outcome is unknown: not run again",
+    "resolved_ran": "an operator recorded that the first run happened",
+    "conflict": "the call id was used for another tool or other arguments",
+    "in_flight": "the first run is still in flight",
+}
+
+
+def _claim_error(state: str, call_id: str) -> SwitchyardError:
+    if state == "conflict":
+        return Conflict(
+            f"the call id '{call_id}' was already used for another tool or other arguments",
+            param="_meta.call_id",
+            code="call_id_conflict",
+        )
+    if state == "in_flight":
+        return Conflict(
+            f"the call '{call_id}' is still running; repeat it later to get its result",
+            code="tool_call_in_flight",
+        )
+    if state == "resolved_ran":
+        return Conflict(
+            f"the call '{call_id}' ran once already (an operator's resolution); it has no "
+            "stored result and will not run again",
+            code="tool_call_done",
+        )
+    return ToolCallInDoubt(
+        f"the outcome of the call '{call_id}' is unknown (it timed out or lost its connection): "
+        "it will not be run again until an operator resolves it"
+    )

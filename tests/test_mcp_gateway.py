@@ -1,0 +1,539 @@
+"""The MCP tool gateway (`/mcp`) end to end: real MCP servers written with the official
+SDK (tests/mcp_tool_server.py: one over stdio that the gateway starts, one over
+Streamable HTTP that the test starts), the SDK's own client session talking to a real
+gateway process over sockets. What a tool server's log shows is what actually ran."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import httpx2
+import pytest
+from mcp import ClientSession, MCPError
+from mcp.client.streamable_http import streamable_http_client
+
+from conftest import Gateway, Proc, Scripted, cheap_config, free_port, start_gateway
+
+SERVER = str(Path(__file__).with_name("mcp_tool_server.py"))
+NARROW = "narrow-" + os.urandom(3).hex()
+FULL = "full-" + os.urandom(3).hex()
+SECRET = "s3cret-token"
+REGISTRY = [
+    {"name": "crm__lookup", "class": "read_only"},
+    {"name": "web__lookup", "class": "read_only"},
+    {"name": "crm__send_email", "class": "side_effect"},
+    {"name": "crm__pay", "class": "side_effect", "requires_approval": True},
+    {"name": "web__hang", "class": "side_effect"},
+    {"name": "crm__whoami", "class": "read_only"},
+    {"name": "crm__crash", "class": "read_only"},
+]
+
+
+class Tools:
+    """The two tool servers' logs: one JSON line per run of a tool."""
+
+    def __init__(self) -> None:
+        d = tempfile.mkdtemp(prefix="mcp-tools-")
+        self.stdio_log = os.path.join(d, "stdio.log")
+        self.http_log = os.path.join(d, "http.log")
+        self.spans = os.path.join(d, "spans.jsonl")  # the gateway's OpenTelemetry spans
+        for p in (self.stdio_log, self.http_log):
+            Path(p).touch()
+
+    @staticmethod
+    def runs(path: str, tool: str, **args: Any) -> int:
+        lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x]
+        return sum(
+            1
+            for x in lines
+            if x["tool"] == tool and all(x["args"].get(k) == v for k, v in args.items())
+        )
+
+
+@pytest.fixture(scope="module")
+def tools() -> Tools:
+    return Tools()
+
+
+@pytest.fixture(scope="module")
+def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
+    port = free_port()
+    http_server = Proc([sys.executable, SERVER, "http", tools.http_log, str(port)], "mcp-http")
+    try:
+        wait_for_port(port, http_server)
+        config = cheap_config(
+            scripted,
+            mcp={
+                "servers": [
+                    {
+                        "name": "crm",
+                        "command": [sys.executable, SERVER, "stdio", tools.stdio_log],
+                        "env": {"CRM_TOKEN": "SY_TEST_CRM_TOKEN"},
+                    },
+                    {"name": "web", "url": f"http://127.0.0.1:{port}/mcp", "timeout_s": 1.5},
+                ]
+            },
+            observe={"otel": {"exporter": "file", "path": tools.spans}},
+            tools={
+                "registry": REGISTRY,
+                "deny": ["web__whoami"],
+                "tenant_allow": {NARROW: ["crm__lookup", "web__lookup"]},
+            },
+        )
+        g = start_gateway(config, env={"SY_TEST_CRM_TOKEN": SECRET})
+        try:
+            g.create_tenant(NARROW)
+            g.narrow_key = g.create_key(NARROW)["key"]  # type: ignore[attr-defined]
+            g.create_tenant(FULL)
+            g.key = g.create_key(FULL)["key"]
+            g.tenant = FULL  # type: ignore[attr-defined]
+            wait_tools_ready(g)
+            yield g
+        finally:
+            g.proc.stop()
+    finally:
+        http_server.stop()
+
+
+def wait_for_port(port: int, proc: Proc) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/mcp", timeout=1)
+            return
+        except httpx.HTTPError:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(proc.output()) from None
+            time.sleep(0.1)
+    raise RuntimeError("the MCP server did not start:\n" + proc.output())
+
+
+def wait_tools_ready(g: Gateway, names: tuple[str, ...] = ("crm", "web")) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        models = httpx.get(g.url + "/readyz", headers=g.admin).json()["models"]
+        if all(models.get(f"mcp:{n}", {}).get("ready") for n in names):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"tool servers not ready: {models}\n{g.proc.output()[-3000:]}")
+
+
+@asynccontextmanager
+async def session(g: Gateway, key: str | None = None, **headers: str) -> AsyncIterator[Any]:
+    auth = {"Authorization": f"Bearer {key or g.key}"}
+    async with (
+        httpx2.AsyncClient(headers={**auth, **headers}, timeout=60) as http,
+        streamable_http_client(g.url + "/mcp", http_client=http) as (read, write),
+        ClientSession(read, write) as s,
+    ):
+        await s.initialize()
+        yield s
+
+
+def text(result: Any) -> str:
+    return str(result.content[0].text)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+# -- catalog and authorization ---------------------------------------------------
+
+
+def test_catalog_is_namespaced_and_filtered_per_tenant(gw: Gateway) -> None:
+    async def names(key: str) -> set[str]:
+        async with session(gw, key) as s:
+            return {t.name for t in (await s.list_tools()).tools}
+
+    full = run(names(gw.key))
+    assert {"crm__lookup", "crm__send_email", "crm__pay", "web__lookup", "web__hang"} <= full
+    assert "web__whoami" not in full  # tools.deny
+    assert run(names(gw.narrow_key)) == {"crm__lookup", "web__lookup"}  # type: ignore[attr-defined]
+
+
+def test_a_forbidden_tool_is_refused_before_it_runs(gw: Gateway, tools: Tools) -> None:
+    async def go() -> MCPError:
+        async with session(gw, gw.narrow_key) as s:  # type: ignore[attr-defined]
+            with pytest.raises(MCPError) as err:
+                await s.call_tool("crm__send_email", {"to": "forbidden@x", "body": "hi"})
+            return err.value
+
+    err = run(go())
+    assert err.code == -32043
+    assert err.data["code"] == "tool_not_allowed"
+    assert Tools.runs(tools.stdio_log, "send_email", to="forbidden@x") == 0
+
+
+def test_unauthenticated_and_foreign_sessions_are_refused(gw: Gateway) -> None:
+    r = httpx.post(gw.url + "/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "ping"})
+    assert r.status_code == 401
+    assert r.json()["error"]["data"]["code"] == "invalid_api_key"
+    assert "Traceback" not in r.text
+
+    # A header is checked where it is read, before the SDK sees the request.
+    r = httpx.post(
+        gw.url + "/mcp",
+        json={"jsonrpc": "2.0", "id": 1, "method": "ping"},
+        headers={**gw.auth, "x-task-id": "not a task id!", "accept": "application/json"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == -32602, r.text
+    assert r.json()["error"]["data"]["code"] == "invalid_header"
+    # A made-up session id is not found, whatever key sends it.
+    r = httpx.post(
+        gw.url + "/mcp",
+        json={"jsonrpc": "2.0", "id": 1, "method": "ping"},
+        headers={**gw.auth, "mcp-session-id": "x" * 40, "accept": "application/json"},
+    )
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == -32602
+
+
+def test_tools_on_both_transports_run_and_credentials_reach_only_the_server(
+    gw: Gateway, tools: Tools
+) -> None:
+    async def go() -> tuple[str, str, str]:
+        async with session(gw) as s:
+            a = await s.call_tool("crm__lookup", {"q": "stdio"})
+            b = await s.call_tool("web__lookup", {"q": "http"})
+            c = await s.call_tool("crm__whoami", {})
+            return text(a), text(b), text(c)
+
+    assert run(go()) == ("found: stdio", "found: http", "token ok")
+    assert Tools.runs(tools.http_log, "lookup", q="http") == 1
+    assert SECRET not in gw.proc.output()
+    ready = httpx.get(gw.url + "/readyz", headers=gw.admin).text
+    assert SECRET not in ready
+
+
+# -- approvals -------------------------------------------------------------------
+
+
+def test_an_approval_required_tool_runs_only_with_a_token(gw: Gateway, tools: Tools) -> None:
+    call_id = "call_sya_" + os.urandom(6).hex()
+    amount = int.from_bytes(os.urandom(3), "big")
+
+    async def refused() -> MCPError:
+        async with session(gw) as s:
+            with pytest.raises(MCPError) as err:
+                await s.call_tool("crm__pay", {"amount": amount}, meta={"call_id": call_id})
+            return err.value
+
+    err = run(refused())
+    assert err.data["code"] == "approval_required"
+    assert "x-switchyard-approval" in err.message
+    assert Tools.runs(tools.stdio_log, "pay", amount=amount) == 0
+
+    token = gw.approve(gw.tenant, None, call_id)  # type: ignore[attr-defined]
+
+    async def approved() -> list[str]:
+        async with session(gw, **{"x-switchyard-approval": token}) as s:
+            first = await s.call_tool("crm__pay", {"amount": amount}, meta={"call_id": call_id})
+        async with session(gw) as s:  # a repeat: the stored result, no new token needed
+            again = await s.call_tool("crm__pay", {"amount": amount}, meta={"call_id": call_id})
+        return [text(first), text(again)]
+
+    assert run(approved()) == [f"paid {amount}"] * 2
+    assert Tools.runs(tools.stdio_log, "pay", amount=amount) == 1
+
+
+# -- at most once ---------------------------------------------------------------
+
+
+def test_one_call_id_sent_three_times_at_once_runs_once(gw: Gateway, tools: Tools) -> None:
+    call_id = "call_sy_" + os.urandom(6).hex()
+    to = f"{call_id}@example.com"
+
+    async def one() -> str:
+        async with session(gw, **{"x-switchyard-call-id": call_id}) as s:
+            r = await s.call_tool("crm__send_email", {"to": to, "body": "hello"})
+            return text(r)
+
+    async def three() -> list[str]:
+        return list(await asyncio.gather(one(), one(), one()))
+
+    assert run(three()) == [f"sent to {to}"] * 3
+    assert Tools.runs(tools.stdio_log, "send_email", to=to) == 1
+
+    async def other_args() -> MCPError:
+        async with session(gw, **{"x-switchyard-call-id": call_id}) as s:
+            with pytest.raises(MCPError) as err:
+                await s.call_tool("crm__send_email", {"to": "else@x", "body": "hello"})
+            return err.value
+
+    assert run(other_args()).data["code"] == "call_id_conflict"
+
+
+def test_a_call_that_times_out_is_in_doubt_and_never_rerun(gw: Gateway, tools: Tools) -> None:
+    call_id = "call_sy_" + os.urandom(6).hex()
+    seconds = 3 + int.from_bytes(os.urandom(2), "big") / 1e6
+
+    async def call() -> MCPError:
+        async with session(gw) as s:
+            with pytest.raises(MCPError) as err:
+                await s.call_tool("web__hang", {"seconds": seconds}, meta={"call_id": call_id})
+            return err.value
+
+    first = run(call())
+    assert first.data["code"] == "tool_call_in_doubt"
+    assert "will not be run again" in first.message
+    again = run(call())
+    assert again.data["code"] == "tool_call_in_doubt"
+    assert Tools.runs(tools.http_log, "hang", seconds=seconds) == 1
+    # The operator sees it, without its arguments, and says it ran.
+    listed = httpx.get(gw.url + "/admin/tool-calls", headers=gw.admin).json()["data"]
+    mine = [c for c in listed if c["call_id"] == call_id]
+    assert mine and mine[0]["tool"] == "web__hang" and "args" not in json.dumps(mine[0])
+    r = httpx.post(
+        gw.url + "/admin/tool-calls",
+        json={"tenant": gw.tenant, "call_id": call_id, "ran": True},  # type: ignore[attr-defined]
+        headers=gw.admin,
+    )
+    assert r.status_code == 200, r.text
+    assert run(call()).data["code"] == "tool_call_done"
+    assert Tools.runs(tools.http_log, "hang", seconds=seconds) == 1
+
+
+# -- task trace and usage ---------------------------------------------------------
+
+
+def test_a_tool_call_is_a_step_of_its_task_with_masked_arguments(gw: Gateway, tools: Tools) -> None:
+    task = "task-" + os.urandom(4).hex()
+
+    async def go() -> None:
+        async with session(gw, **{"x-task-id": task}) as s:
+            await s.call_tool("crm__lookup", {"q": "mail jane.doe@example.com please"})
+
+    run(go())
+    deadline = time.monotonic() + 20
+    rows: list[dict[str, Any]] = []
+    while time.monotonic() < deadline and not rows:
+        rows = [r for r in gw.usage(task=task) if r.get("endpoint") == "tools.call"]
+        time.sleep(0.2)
+    assert rows, gw.usage(task=task)
+    row = rows[0]
+    assert row["model"] == "crm__lookup" and row["status"] == "ok"
+    assert row["duration_ms"] > 0
+    trace = gw.trace(row["request_id"])
+    stages = {d["stage"]: d for d in trace["decisions"]}
+    assert stages["tool_auth"]["outcome"] == "ok"
+    assert stages["tool_exec"]["outcome"] == "ok"
+    stored = json.dumps(trace)
+    assert "jane.doe@example.com" not in stored
+    assert "found: mail" in stored  # the (masked) result is there
+    # Its OpenTelemetry span, named by the GenAI conventions for tool execution.
+    deadline = time.monotonic() + 10
+    spans: list[dict[str, Any]] = []
+    while time.monotonic() < deadline and not spans:
+        lines = Path(tools.spans).read_text().splitlines() if Path(tools.spans).exists() else []
+        spans = [
+            s
+            for s in map(json.loads, lines)
+            if s["attributes"].get("switchyard.request_id") == row["request_id"]
+            and s["name"] == "execute_tool"
+        ]
+        time.sleep(0.2)
+    assert spans and spans[0]["attributes"]["gen_ai.tool.name"] == "crm__lookup"
+    assert spans[0]["attributes"]["switchyard.task_id"] == task
+    r = httpx.get(f"{gw.url}/admin/tasks/{task}", headers=gw.admin)
+    assert r.status_code == 200, r.text
+    analysis = r.json()["task"]
+    assert analysis["steps"][0]["kind"] == "tool"
+    assert analysis["time_by_kind"]["tool_ms"] > 0
+
+
+# -- cancel and supervision --------------------------------------------------------
+
+
+def test_a_task_cancel_stops_its_running_tool_and_refuses_later_calls(
+    gw: Gateway, tools: Tools
+) -> None:
+    task = "cancel-" + os.urandom(4).hex()
+    call_id = "call_sy_" + os.urandom(6).hex()
+    seconds = 1.2 + int.from_bytes(os.urandom(2), "big") / 1e6
+    # The task opens with a model call, as an agent's does.
+    chat = gw.openai().chat.completions.create(
+        model="cheap",
+        messages=[{"role": "user", "content": "plan"}],
+        extra_headers={"x-task-id": task},
+    )
+    assert chat.choices
+
+    async def go() -> tuple[MCPError, MCPError]:
+        async with session(gw, **{"x-task-id": task}) as s:
+            call = asyncio.create_task(
+                s.call_tool("web__hang", {"seconds": seconds}, meta={"call_id": call_id})
+            )
+            while Tools.runs(tools.http_log, "hang", seconds=seconds) == 0:
+                await asyncio.sleep(0.02)
+            async with httpx.AsyncClient() as http:
+                r = await http.delete(f"{gw.url}/v1/tasks/{task}", headers=gw.auth)
+                assert r.status_code == 200, r.text
+            with pytest.raises(MCPError) as stopped:
+                await call
+            with pytest.raises(MCPError) as later:
+                await s.call_tool("crm__lookup", {"q": "after cancel"})
+            return stopped.value, later.value
+
+    stopped, later = run(go())
+    assert stopped.data["code"] == "task_cancelled"
+    assert "outcome is unknown" in stopped.message
+    assert later.data["code"] == "task_cancelled"
+    assert Tools.runs(tools.stdio_log, "lookup", q="after cancel") == 0
+    # The tool server was told (MCP cancellation) and stopped the tool.
+    deadline = time.monotonic() + 5
+    while Tools.runs(tools.http_log, "hang_cancelled", seconds=seconds) == 0:
+        assert time.monotonic() < deadline, "the tool server never heard of the cancel"
+        time.sleep(0.05)
+
+
+def test_a_stdio_server_that_dies_is_restarted_and_reported(gw: Gateway, tools: Tools) -> None:
+    def crm() -> dict[str, Any]:
+        return dict(httpx.get(gw.url + "/readyz", headers=gw.admin).json()["models"]["mcp:crm"])
+
+    before = crm()["restarts"]
+
+    async def crash() -> None:
+        async with session(gw) as s:
+            with pytest.raises(MCPError):
+                await s.call_tool("crm__crash", {})
+
+    run(crash())
+    deadline = time.monotonic() + 30
+    seen_down = False
+    while time.monotonic() < deadline:
+        state = crm()
+        seen_down = seen_down or state["state"] == "failed"
+        if state["ready"] and state["restarts"] > before:
+            break
+        time.sleep(0.1)
+    assert state["ready"] and state["restarts"] == before + 1, state
+    public = httpx.get(gw.url + "/readyz").json()["models"]["mcp:crm"]
+    assert "last_error" not in public  # the reason is for the admin only
+    # The server printed its credential as it died: neither the log nor the admin's
+    # view of the failure repeats it.
+    assert "fatal: token=***" in gw.proc.output()
+    assert SECRET not in gw.proc.output()
+
+    async def lookup() -> str:
+        async with session(gw) as s:
+            return text(await s.call_tool("crm__lookup", {"q": "back"}))
+
+    assert run(lookup()) == "found: back"
+
+
+# -- the OpenAI Agents SDK, end to end ---------------------------------------------
+
+
+def test_an_agents_sdk_agent_runs_its_side_effect_once_and_the_trace_names_the_tool(
+    gw: Gateway, scripted: Scripted, tools: Tools
+) -> None:
+    """Model calls go to the chat endpoint (the scripted upstream proposes the tool
+    call), tool calls to /mcp; the SDK sends no call ids, so the gateway matches the
+    call to the task's proposed one, and a retried step gets the stored result."""
+    import openai
+    from agents import Agent, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
+    from agents.mcp import MCPServerStreamableHttp
+
+    set_tracing_disabled(True)
+    task = "agent-" + os.urandom(4).hex()
+    to = f"{task}@example.com"
+    calls = {"calls": [{"name": "crm__send_email", "arguments": {"to": to, "body": "hi"}}]}
+    r = httpx.put(scripted.url + "/control/tool_calls", json={**calls, "until_result": True})
+    assert r.status_code == 200
+    headers = {"Authorization": f"Bearer {gw.key}", "x-task-id": task}
+
+    async def agent_run() -> str:
+        client = openai.AsyncOpenAI(
+            base_url=gw.url + "/v1",
+            api_key=gw.key,
+            max_retries=0,
+            default_headers={"x-task-id": task},
+        )
+        async with MCPServerStreamableHttp(
+            params={"url": gw.url + "/mcp", "headers": headers}, name="switchyard"
+        ) as server:
+            agent = Agent(
+                name="mailer",
+                instructions="Send the email with the tool.",
+                model=OpenAIChatCompletionsModel(model="cheap", openai_client=client),
+                mcp_servers=[server],
+            )
+            result = await Runner.run(agent, f"email {to}")
+            return str(result.final_output)
+
+    async def retried_step() -> str:  # the same call again, no id, as a retry sends it
+        async with session(gw, **{"x-task-id": task}) as s:
+            return text(await s.call_tool("crm__send_email", {"to": to, "body": "hi"}))
+
+    try:
+        assert run(agent_run())
+    finally:
+        httpx.put(scripted.url + "/control/tool_calls", json={"calls": []})
+    assert run(retried_step()) == f"sent to {to}"
+    assert Tools.runs(tools.stdio_log, "send_email", to=to) == 1
+
+    deadline = time.monotonic() + 20
+    while True:
+        r = httpx.get(f"{gw.url}/admin/tasks/{task}", headers=gw.admin)
+        report = r.json().get("task", {}) if r.status_code == 200 else {}
+        if report.get("tool_calls") == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert report["llm_calls"] >= 2 and report["tool_calls"] == 2, report
+    path = [s for s in report["steps"] if s["on_critical_path"]]
+    slowest = max(path, key=lambda s: s["duration_ms"])
+    assert slowest["kind"] == "tool" and slowest["model"] == "crm__send_email"
+    assert report["time_by_kind"]["tool_ms"] >= 400  # the tool takes 0.5 s
+    requests = {q["request_id"]: q for q in r.json()["requests"]}
+    matched = [
+        d
+        for s in report["steps"]
+        if s["kind"] == "tool"
+        for d in requests[s["request_id"]]["decisions"]
+        if d["stage"] == "tool_call_id"
+    ]
+    assert matched and matched[0]["evidence"]["call_id"].startswith("call_sy_")
+    shown = subprocess.run(
+        [sys.executable, "-m", "switchyard", "trace", "show", task],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SWITCHYARD_SQLITE_PATH": gw.db},
+    )
+    assert "tool crm__send_email" in shown.stdout, shown.stdout + shown.stderr
+    assert "critical path by kind:" in shown.stdout
+
+
+def test_a_tool_that_hangs_is_cut_at_the_task_deadline(gw: Gateway, tools: Tools) -> None:
+    task = "deadline-" + os.urandom(4).hex()
+    seconds = 20 + int.from_bytes(os.urandom(2), "big") / 1e6
+    gw.openai().chat.completions.create(
+        model="cheap",
+        messages=[{"role": "user", "content": "plan"}],
+        extra_headers={"x-task-id": task, "x-task-timeout": "2"},
+    )
+
+    async def go() -> tuple[MCPError, float]:
+        async with session(gw, **{"x-task-id": task}) as s:
+            t = time.monotonic()
+            with pytest.raises(MCPError) as err:  # crm's own timeout is 30 s
+                await s.call_tool(
+                    "crm__hang", {"seconds": seconds}, meta={"call_id": "call_sy_" + task}
+                )
+            return err.value, time.monotonic() - t
+
+    err, took = run(go())
+    assert err.data["code"] == "tool_call_in_doubt" and took < 5, (err, took)
+    assert Tools.runs(tools.stdio_log, "hang", seconds=seconds) == 1

@@ -1,0 +1,205 @@
+"""The MCP gateway's parts without servers: the at-most-once record (on a real SQLite
+file, two stores standing for two gateway processes), the config's rules, the JSON-RPC
+error shape and the task analysis's tool time."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from switchyard.config import McpConfig, McpServerConfig
+from switchyard.errors import PermissionDenied, ToolCallInDoubt, jsonrpc_code
+from switchyard.execute.tool_once import ToolCallRecords
+from switchyard.observe.db import connect
+from switchyard.observe.sealing import Sealer
+from switchyard.observe.tasks import analyze_task
+from switchyard.policy.tool_calls import args_digest
+
+SEALER = Sealer(secrets.token_bytes(32))
+
+
+def records(path: Path) -> ToolCallRecords:
+    return ToolCallRecords(connect(str(path)), SEALER, None)
+
+
+def soon(s: float = 2.0) -> float:
+    return time.perf_counter() + s
+
+
+def test_a_claimed_call_gives_its_sealed_result_to_every_repeat(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    a, b = records(db), records(db)  # two processes' stores on one file
+    digest = args_digest("crm__send", {"to": "x@y.z"})
+
+    async def go() -> None:
+        first = await a.claim("t", "call_sy_1", "task", "crm__send", digest, "req1", soon())
+        assert first.state == "owner"
+        # Another process, while it runs: it waits, then gets the result.
+        waiting = asyncio.create_task(
+            b.claim("t", "call_sy_1", "task", "crm__send", digest, "req2", soon())
+        )
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        await a.complete("t", "call_sy_1", {"content": [{"type": "text", "text": "sent"}]})
+        got = await waiting
+        assert got.state == "done" and got.result == {"content": [{"type": "text", "text": "sent"}]}
+        assert got.request_id == "req1"
+
+    asyncio.run(go())
+    raw = sqlite3.connect(db).execute("SELECT result FROM tool_calls").fetchone()[0]
+    assert b"sent" not in bytes(raw)  # sealed at rest
+
+
+def test_in_doubt_stays_in_doubt_until_an_operator_resolves_it(tmp_path: Path) -> None:
+    r = records(tmp_path / "s.db")
+    d = args_digest("web__pay", {"n": 1})
+
+    async def claim() -> str:
+        return (await r.claim("t", "c1", None, "web__pay", d, "rq", soon(0.2))).state
+
+    async def go() -> None:
+        assert await claim() == "owner"
+        await r.doubt("t", "c1")
+        assert await claim() == "in_doubt"
+        assert [c["call_id"] for c in r.in_doubt("t")] == ["c1"]
+        assert r.in_doubt("other") == []
+        assert r.resolve("t", "c1", ran=False)
+        assert await claim() == "owner"  # released: a repeat runs it
+        await r.doubt("t", "c1")
+        assert r.resolve("t", "c1", ran=True)
+        assert await claim() == "resolved_ran"
+        assert not r.resolve("t", "c1", ran=True)  # no longer in doubt
+
+    asyncio.run(go())
+
+
+def test_a_released_call_runs_again_and_another_use_of_its_id_conflicts(tmp_path: Path) -> None:
+    r = records(tmp_path / "s.db")
+    d1, d2 = args_digest("x__t", {"a": 1}), args_digest("x__t", {"a": 2})
+    assert args_digest("x__t", '{"a": 1}') == d1  # a JSON string is the same arguments
+
+    async def go() -> None:
+        assert (await r.claim("t", "c", None, "x__t", d1, "r1", soon())).state == "owner"
+        assert (await r.claim("t", "c", None, "x__t", d2, "r2", soon(0.1))).state == "conflict"
+        assert (await r.claim("u", "c", None, "x__t", d2, "r3", soon(0.1))).state == "owner"
+        await r.release("t", "c")
+        assert (await r.claim("t", "c", None, "x__t", d2, "r4", soon())).state == "owner"
+
+    asyncio.run(go())
+
+
+def test_a_repeat_gives_up_at_its_deadline_while_the_first_still_runs(tmp_path: Path) -> None:
+    r = records(tmp_path / "s.db")
+
+    async def go() -> None:
+        assert (await r.claim("t", "c", None, "x__t", "d", "r1", soon())).state == "owner"
+        t = time.perf_counter()
+        got = await r.claim("t", "c", None, "x__t", "d", "r2", soon(0.3))
+        assert got.state == "in_flight" and 0.25 < time.perf_counter() - t < 2
+
+    asyncio.run(go())
+
+
+def test_the_config_names_servers_one_way_and_each_needs_one_transport() -> None:
+    McpServerConfig(name="crm", command=["python", "-m", "x"])
+    McpServerConfig(name="web-2", url="http://127.0.0.1:9/mcp")
+    for bad in (
+        {"name": "crm_x", "url": "http://h/mcp"},  # `_` would make names ambiguous
+        {"name": "crm"},
+        {"name": "crm", "url": "http://h/mcp", "command": ["x"]},
+        {"name": "crm", "url": "file:///etc/passwd"},
+    ):
+        with pytest.raises(ValidationError):
+            McpServerConfig.model_validate(bad)
+    with pytest.raises(ValidationError, match="unique"):
+        McpConfig.model_validate({"servers": [{"name": "a", "url": "http://h"}] * 2})
+
+
+def test_credentials_come_from_the_environment_only_by_reference() -> None:
+    os.environ["SY_UNIT_TOKEN"] = "v4lue"
+    try:
+        cfg = McpServerConfig(
+            name="crm", command=["x"], env={"TOKEN": "SY_UNIT_TOKEN", "GONE": "SY_UNIT_MISSING"}
+        )
+        assert cfg.credentials(cfg.env) == {"TOKEN": "v4lue"}
+        assert "v4lue" not in cfg.model_dump_json()
+    finally:
+        del os.environ["SY_UNIT_TOKEN"]
+
+
+def test_errors_are_json_rpc_errors_with_our_type_and_code() -> None:
+    err = PermissionDenied("no", code="tool_not_allowed").jsonrpc_error()
+    assert err == {
+        "code": -32043,
+        "message": "no",
+        "data": {"type": "permission_error", "code": "tool_not_allowed", "status": 403},
+    }
+    assert ToolCallInDoubt("x").jsonrpc_error()["code"] == -32049
+    assert jsonrpc_code(500) == -32603 and jsonrpc_code(418) == -32600
+
+
+def test_the_task_analysis_splits_the_critical_path_into_model_tool_and_gaps() -> None:
+    def rec(rid: str, endpoint: str, at: float, ms: float, queue: float = 0.0) -> dict:
+        return {
+            "request_id": rid,
+            "task_id": "t",
+            "endpoint": endpoint,
+            "model": "crm__send" if endpoint == "tools.call" else "m",
+            "status": "ok",
+            "received_at": 1000.0 + at,
+            "timings": {"duration_ms": ms, "queue_ms": queue},
+        }
+
+    a = analyze_task(
+        [
+            rec("a", "chat.completions", 0.0, 100, queue=20),
+            rec("b", "tools.call", 0.15, 300),
+            rec("c", "chat.completions", 0.5, 100),
+        ]
+    )
+    assert a["llm_calls"] == 2 and a["tool_calls"] == 1
+    assert [s["kind"] for s in a["steps"]] == ["model", "tool", "model"]
+    assert a["time_by_kind"] == {
+        "model_queue_ms": 20.0,
+        "model_ms": 180.0,
+        "tool_ms": 300.0,
+        "gap_ms": 100.0,
+    }
+
+
+def test_a_call_whose_owner_stopped_mid_call_becomes_in_doubt(tmp_path: Path) -> None:
+    r = records(tmp_path / "s.db")
+
+    async def go() -> None:
+        assert (await r.claim("t", "c", None, "x__t", "d", "r1", soon())).state == "owner"
+        # (the owning gateway stops here, its row left in flight)
+        got = await r.claim("t", "c", None, "x__t", "d", "r2", soon(0.1), stale_after_s=60)
+        assert got.state == "in_flight"
+        r.conn.execute("UPDATE tool_calls SET updated_at = updated_at - 61")
+        got = await r.claim("t", "c", None, "x__t", "d", "r3", soon(0.1), stale_after_s=60)
+        assert got.state == "in_doubt" and got.request_id == "r1"
+
+    asyncio.run(go())
+
+
+def test_retention_forgets_finished_calls_but_never_those_in_doubt(tmp_path: Path) -> None:
+    r = records(tmp_path / "s.db")
+
+    async def go() -> None:
+        for cid in ("done", "doubt", "running"):
+            assert (await r.claim("t", cid, None, "x__t", "d", "r", soon())).state == "owner"
+        await r.complete("t", "done", {"content": []})
+        await r.doubt("t", "doubt")
+
+    asyncio.run(go())
+    assert ToolCallRecords.forget_before(r.conn, time.time() - 60) == 0  # all recent
+    assert ToolCallRecords.forget_before(r.conn, time.time() + 60) == 1
+    left = {row[0] for row in r.conn.execute("SELECT call_id FROM tool_calls")}
+    assert left == {"doubt", "running"}
