@@ -25,11 +25,10 @@ from typing import Any, TypeVar
 import msgspec
 
 from switchyard.errors import (
-    DatabaseUnavailable,
     IdempotencyConflict,
     UpstreamTimeout,
 )
-from switchyard.observe.db import IDEMPOTENCY_SCHEMA
+from switchyard.observe.db import IDEMPOTENCY_SCHEMA, on_io
 from switchyard.request import Request
 
 log = logging.getLogger("switchyard")
@@ -67,15 +66,7 @@ class IdempotencyStore:
         self._events: dict[tuple[str, str], asyncio.Event] = {}
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        try:
-            if self._io is None:
-                return fn(*args)
-            return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
-        except sqlite3.OperationalError as exc:  # PostgreSQL down: refused, not guessed
-            log.error("store unavailable for an Idempotency-Key: %s", exc)
-            raise DatabaseUnavailable(
-                "the gateway's database is unavailable (the Idempotency-Key's claim)"
-            ) from None
+        return await on_io(self._io, "the Idempotency-Key's claim", fn, *args)
 
     def _claim(self, tenant: str, key: str, digest: str) -> StoredReply | str:
         """'owner' if we now own the key, 'wait' if another request does, or the reply."""

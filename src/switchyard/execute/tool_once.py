@@ -27,7 +27,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from switchyard.errors import DatabaseUnavailable
+from switchyard.observe.db import on_io
 
 log = logging.getLogger("switchyard")
 T = TypeVar("T")
@@ -67,15 +67,7 @@ class ToolCallRecords:
         self._events: dict[tuple[str, str], asyncio.Event] = {}
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        try:
-            if self._io is None:
-                return fn(*args)
-            return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
-        except sqlite3.OperationalError as exc:
-            log.error("store unavailable for a tool call's record: %s", exc)
-            raise DatabaseUnavailable(
-                "the gateway's database is unavailable (the tool call's record)"
-            ) from None
+        return await on_io(self._io, "the tool call's record", fn, *args)
 
     def _claim(
         self,

@@ -7,11 +7,17 @@ SQLite itself (busy timeout instead of failing).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
 import sqlite3
+from collections.abc import Callable
+from concurrent.futures import Executor
 from pathlib import Path
+from typing import Any, TypeVar
 
+from switchyard.errors import DatabaseUnavailable
 from switchyard.observe.pg import is_postgres
 
 # The idempotency store's table (execute/idempotency.py), here with the others: the
@@ -341,3 +347,20 @@ def connect(path: str) -> sqlite3.Connection:
     conn.executescript(SCHEMA)
     migrate(conn)
     return conn
+
+
+T = TypeVar("T")
+
+
+async def on_io(io: Executor | None, what: str, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a store's I/O thread (`io`: a slow disk or a lock wait delays only
+    its caller, never the event loop), or in the caller without one (an in-memory
+    database). A database that cannot be reached (PostgreSQL down) is 503
+    `DatabaseUnavailable` naming `what`, logged: refused, never guessed."""
+    try:
+        if io is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(io, fn, *args)
+    except sqlite3.OperationalError as exc:
+        logging.getLogger("switchyard").error("store unavailable for %s: %s", what, exc)
+        raise DatabaseUnavailable(f"the gateway's database is unavailable ({what})") from None

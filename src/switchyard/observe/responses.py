@@ -47,7 +47,7 @@ import orjson
 from switchyard.config import ConfigError, Settings, store_target
 from switchyard.errors import DatabaseUnavailable
 from switchyard.observe import sealing
-from switchyard.observe.db import RESPONSES_SCHEMA
+from switchyard.observe.db import RESPONSES_SCHEMA, on_io
 from switchyard.observe.ledger import UsageLedger
 from switchyard.observe.ledger_writer import INSERT_RESPONSES
 from switchyard.observe.pg import is_postgres
@@ -253,13 +253,7 @@ class ResponseStore:
         self._max_queued = max_queued
 
     async def _run(self, what: str, fn: Callable[..., T], *args: Any) -> T:
-        try:
-            if self._io is None:
-                return fn(*args)
-            return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
-        except sqlite3.OperationalError as exc:  # PostgreSQL down: refused, not guessed
-            log.error("store unavailable for %s: %s", what, exc)
-            raise DatabaseUnavailable(f"the gateway's database is unavailable ({what})") from None
+        return await on_io(self._io, what, fn, *args)
 
     async def create(self, r: StoredResponse) -> None:
         """Store a new response. With a writer it is written behind the reply: sealed
