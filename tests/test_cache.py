@@ -345,6 +345,27 @@ def test_exact_then_semantic_hit_and_negation_veto(gw: Gateway, scripted: Script
     assert scripted.requests() == n + 1
 
 
+def test_the_same_question_misspelt_is_served_below_the_threshold(
+    gw: Gateway, scripted: Scripted
+) -> None:
+    """A typo can drop the cosine far below the threshold ("contintents" puts this
+    repeat near 0.35): the same words once misspellings are respelt are put to the
+    checks anyway, which pass them; a different question at that cosine is not."""
+    first = _ask(gw, "How many continents are there on Earth?")
+    assert first.headers["x-switchyard-cache"] == "miss"
+    n = scripted.requests()
+    typo = _ask(gw, "how many contintents are there on earth", headers={"x-request-id": "typo-1"})
+    assert typo.headers["x-switchyard-cache"] == "hit-semantic"
+    assert float(typo.headers["x-switchyard-cache-similarity"]) < 0.80
+    rec = httpx.get(gw.url + "/admin/requests/typo-1", headers=gw.admin).json()
+    cache = next(d for d in rec["decisions"] if d["stage"] == "cache")
+    assert cache["evidence"]["same_question"] is True
+    assert cache["evidence"]["verifier"].endswith("(the same words once respelt)")
+    assert scripted.requests() == n
+    other = _ask(gw, "How many oceans are there on Earth?")
+    assert other.headers["x-switchyard-cache"] == "miss"
+
+
 def test_a_lone_request_embeds_inline_and_concurrent_ones_use_the_worker(
     gw: Gateway, scripted: Scripted
 ) -> None:

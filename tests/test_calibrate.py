@@ -34,12 +34,12 @@ PAIRS_FILE = Path(__file__).resolve().parents[1] / "data" / "cache_pairs.jsonl"
 # Six pairs: three should hit, three should not. The stub verifier vetoes p2 (a
 # paraphrase: a false veto) and p4 (a trap).
 TINY = [
-    {"a": "p1", "b": "p1'", "same_answer": True},
-    {"a": "p2", "b": "p2' VETO", "same_answer": True},
-    {"a": "p3", "b": "p3'", "same_answer": True},
-    {"a": "n4", "b": "n4' VETO", "same_answer": False},
-    {"a": "n5", "b": "n5'", "same_answer": False},
-    {"a": "n6", "b": "n6'", "same_answer": False},
+    {"a": "p1", "b": "p1 b", "same_answer": True},
+    {"a": "p2", "b": "p2 b VETO", "same_answer": True},
+    {"a": "p3", "b": "p3 b", "same_answer": True},
+    {"a": "n4", "b": "n4 b VETO", "same_answer": False},
+    {"a": "n5", "b": "n5 b", "same_answer": False},
+    {"a": "n6", "b": "n6 b", "same_answer": False},
 ]
 TINY_SIMS = [0.95, 0.85, 0.60, 0.90, 0.82, 0.40]
 
@@ -215,3 +215,45 @@ def test_readme_target_on_the_shipped_set(
 def test_calibration_embeds_with_a_named_runtime() -> None:
     with pytest.raises(ValueError, match="runtime"):
         minilm_embed(runtime="tensorflow")
+
+
+def test_the_category_report_gives_recall_for_hits_and_the_share_kept_out_for_traps() -> None:
+    pairs = [
+        {"a": "x", "b": "y1", "same_answer": True, "category": "typo"},
+        {"a": "x", "b": "y2", "same_answer": True, "category": "typo"},
+        {"a": "x", "b": "y3", "same_answer": True, "category": "typo"},
+        {"a": "x", "b": "z1", "same_answer": False, "category": "negation"},
+        {"a": "x", "b": "z2", "same_answer": False, "category": "negation"},
+    ]
+    sims = [0.9, 0.85, 0.5, 0.9, 0.95]
+    text = category_report(pairs, sims, 0.8, lambda new, cached: (new not in ("z1", "y2"), ""))
+    lines = {line.split()[0]: line.split() for line in text.splitlines()[1:]}
+    # typo: y1 served, y2 vetoed, y3 below the threshold: recall 1/3.
+    assert lines["typo"] == ["typo", "3", "33.3%", "1", "hit", "33.3%"]
+    # negation: z1 vetoed, z2 served: half kept out.
+    assert lines["negation"] == ["negation", "2", "50.0%", "1", "trap", "50.0%"]
+
+
+def test_below_the_threshold_the_same_question_misspelt_is_put_to_the_checks() -> None:
+    """As the cache stage does: a typo can drop the cosine far below the threshold
+    ("contintents": 0.35), so the same words once respelt are admitted anyway; the
+    checks still decide, and without them the cosine alone does."""
+    pairs = [
+        {
+            "a": "How many continents are there?",
+            "b": "how many contintents are there",
+            "same_answer": True,
+        },
+        {
+            "a": "How many continents are there?",
+            "b": "How many oceans are there?",
+            "same_answer": False,
+        },
+    ]
+    rows = calibrate(pairs, [0.35, 0.5], [0.7], stub_verifier)
+    assert (row(rows, 0.7, True)["tp"], row(rows, 0.7, True)["fp"]) == (1, 0)
+    assert row(rows, 0.7, False)["tp"] == 0
+    vetoing = calibrate(pairs, [0.35, 0.5], [0.7], lambda new, cached: (False, "veto"))
+    assert row(vetoing, 0.7, True)["tp"] == 0
+    report = category_report(pairs, [0.35, 0.5], 0.7, stub_verifier)
+    assert " 1  hit " in report

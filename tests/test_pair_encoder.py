@@ -5,6 +5,7 @@ what keys a build, and what a gateway does when the model is not built."""
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from switchyard.config import CacheConfig, EmbeddingsConfig
 from switchyard.decide import pair_encoder
 from switchyard.decide.candidate import CandidateCheck, from_config
+from switchyard.decide.verify import respell
 from switchyard.embed import minilm_model_path
 from test_first_hour import tiny_pair_data
 
@@ -62,6 +64,53 @@ def test_the_cross_encoder_passes_rewordings(chain: CandidateCheck, cached: str,
     assert ok, why
 
 
+# (cached request, new request): the same question misspelt; the rules and the
+# cross-encoder read the misspelt words as the other prompt writes them.
+MISSPELT = [
+    (
+        "How do I change the email address on my account?",
+        "how do i chnage the email adress on my acount",
+    ),
+    ("Does the night bus run on Saturdays?", "Does the night bus run on Saturdys?"),
+    ("Can I get a vegetarian meal on the flight?", "can i get a vegetrian meal on the flight"),
+    ("What colour should I paint a small room?", "What color should I paint a small room?"),
+]
+# ...and traps with misspellings in them: still traps, for the cross-encoder alone too.
+MISSPELT_TRAPS = [
+    ("How do I enable two-factor authentication?", "How do I disable two-factor authentcation?"),
+    ("Is the pool open on Saturdays?", "Is the pool open on Sundys?"),
+    ("Can I bring my bycicle on the train?", "Why can't I bring my bicycle on the train?"),
+]
+
+
+@pytest.mark.parametrize(("cached", "new"), MISSPELT)
+def test_a_misspelt_repeat_is_served_without_a_forward_pass(
+    chain: CandidateCheck, cached: str, new: str
+) -> None:
+    assert chain.encoder is not None
+    assert chain.encoder.score(cached, new) == 1.0
+    ok, why = chain(new, cached, 0.9)
+    assert ok and why.endswith("(the same words once respelt)"), why
+
+
+@pytest.mark.parametrize(("cached", "new"), MISSPELT_TRAPS)
+def test_misspellings_do_not_hide_a_trap_from_the_cross_encoder(
+    chain: CandidateCheck, cached: str, new: str
+) -> None:
+    assert chain.encoder is not None
+    ok, why = chain.encoder.verify(cached, new, 0.95)
+    assert not ok, why
+    assert not chain(new, cached, 0.95)[0]
+
+
+def test_the_score_is_the_models_probability_on_the_respelt_pair(chain: CandidateCheck) -> None:
+    encoder = chain.encoder
+    assert encoder is not None
+    cached, new = "How do I export my contacts to Excel?", "How can I exprot my contacts to a CSV?"
+    assert encoder.score(cached, new) == encoder.probability(*respell(cached, new))
+    assert respell(cached, new)[1] == "How can I export my contacts to a CSV?"
+
+
 def test_the_manifest_records_the_validation_that_chose_the_cuts(chain: CandidateCheck) -> None:
     assert chain.encoder is not None
     m = chain.encoder.manifest
@@ -94,12 +143,12 @@ def test_the_cut_is_the_lowest_within_the_limit_above_the_threshold() -> None:
 def _data(tmp_path: Path) -> Path:
     d = tmp_path / "data"
     d.mkdir()
-    for name in (*pair_encoder.TRAINING_SETS, pair_encoder.VALIDATION_SET, pair_encoder.HELD_OUT):
+    for name in (*pair_encoder.TRAINING_SETS, pair_encoder.VALIDATION_SET, *pair_encoder.HELD_OUT):
         shutil.copy(pair_encoder.DATA_DIR / name, d / name)
     return d
 
 
-def test_the_build_key_follows_the_data_including_the_held_out_file(tmp_path: Path) -> None:
+def test_the_build_key_follows_the_data_including_the_held_out_files(tmp_path: Path) -> None:
     d = _data(tmp_path)
     files = pair_encoder.training_files(d)
     path = minilm_model_path()
@@ -109,8 +158,11 @@ def test_the_build_key_follows_the_data_including_the_held_out_file(tmp_path: Pa
         f.write(json.dumps({"a": "x", "b": "y", "same_answer": False}) + "\n")
     changed = pair_encoder.build_key(path, files)
     assert changed != key
-    (d / pair_encoder.HELD_OUT).write_text("")
-    assert pair_encoder.build_key(path, files) != changed
+    (d / pair_encoder.HELD_OUT[0]).write_text("")
+    again = pair_encoder.build_key(path, files)
+    assert again != changed
+    (d / pair_encoder.HELD_OUT[1]).write_text("")
+    assert pair_encoder.build_key(path, files) != again
 
 
 def test_pairs_sharing_a_text_with_the_held_out_set_are_not_trained_on(tmp_path: Path) -> None:
@@ -124,12 +176,13 @@ def test_pairs_sharing_a_text_with_the_held_out_set_are_not_trained_on(tmp_path:
     write(pair_encoder.TRAINING_SETS[0], ("How do I reset my password?", "Reset steps?"))
     write(pair_encoder.TRAINING_SETS[1], ("What is a VPN?", "Explain VPNs"), ("Hi", "explain  DNS"))
     write(pair_encoder.VALIDATION_SET, ("What's DNS?", "Explain DNS"), ("x", "what is a vpn?"))
-    write(pair_encoder.HELD_OUT, ("how do I   reset my PASSWORD?", "other"), ("x", "y"))
+    write(pair_encoder.HELD_OUT[0], ("how do I   reset my PASSWORD?", "other"), ("x", "y"))
+    write(pair_encoder.HELD_OUT[1], ("What is a VPN?", "z"))
     train, validation, dropped = pair_encoder.development_pairs(pair_encoder.training_files(d))
-    # The held-out texts leave both; the validation texts leave training.
+    # Both held-out sets' texts leave both; the validation texts leave training.
     assert [p["a"] for p in validation] == ["What's DNS?"]
-    assert [p["a"] for p in train] == ["What is a VPN?"]
-    assert dropped == 3
+    assert [p["a"] for p in train] == []
+    assert dropped == 4
 
 
 def test_without_the_built_encoder_semantic_hits_are_off_not_weaker(tmp_path: Path) -> None:
@@ -181,3 +234,57 @@ def test_a_build_trains_exports_chooses_cuts_and_is_then_reused(
     assert again[2] is False and again[1]["key"] == manifest["key"]
     recut = pair_encoder.build(out, 0.8, data_dir=d, recut=True)
     assert recut[2] is False and recut[1]["threshold"] == 0.8
+
+
+def test_an_epoch_is_every_pair_both_ways_and_variants_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pairs = [
+        {"a": "How do I reset my password?", "b": "Reset my password, how?", "same_answer": True},
+        {"a": "How do I enable 2FA?", "b": "How do I disable 2FA?", "same_answer": False},
+    ] * 20
+    both_ways = [(p["a"], p["b"], float(p["same_answer"])) for p in pairs]
+    both_ways += [(b, a, y) for a, b, y in both_ways]
+    assert pair_encoder._epoch_examples(pairs, random.Random(0)) == both_ways
+    # With variants asked for (the recipe's constants, part of the build key), the
+    # writers' pairs come first, then generated ones, each labelled as its pair.
+    monkeypatch.setattr(pair_encoder, "VARIANT_SHARE", 0.5)
+    monkeypatch.setattr(pair_encoder, "NEAR_REPEAT_SHARE", 0.1)
+    examples = pair_encoder._epoch_examples(pairs, random.Random(0))
+    assert examples[: len(both_ways)] == both_ways and len(examples) > len(both_ways)
+    for a, b, y in examples[len(both_ways) :]:
+        if "able 2FA" in a + b and a.rstrip("?") != b.rstrip("?"):
+            assert y == (("enable" in a) == ("enable" in b)), (a, b, y)
+
+
+def test_the_held_out_sets_share_no_text_with_training_or_validation() -> None:
+    """The second test set (#52): another writer, 14 domains of its own, balanced, each
+    kind of the issue present; no text of either test set in what the cross-encoder
+    is trained or validated on, so the build drops nothing for them but by design."""
+    from switchyard.decide.calibrate import load_pairs
+
+    second = load_pairs(pair_encoder.DATA_DIR / pair_encoder.HELD_OUT[1])
+    kinds = {p["category"] for p in second}
+    assert {"typo", "paraphrase", "negation", "entity", "number", "date", "scope"} <= kinds
+    assert sum(p["same_answer"] for p in second) * 2 == len(second) >= 200
+    assert all(p["same_answer"] == (p["category"] in ("typo", "paraphrase")) for p in second)
+    assert len({p["domain"] for p in second}) >= 12
+    norm = pair_encoder._texts
+    developed = norm(
+        [
+            p
+            for name in (*pair_encoder.TRAINING_SETS, pair_encoder.VALIDATION_SET)
+            for p in load_pairs(pair_encoder.DATA_DIR / name)
+        ]
+    )
+    assert not norm(second) & developed
+    domains = {
+        p["domain"]
+        for name in (
+            *pair_encoder.TRAINING_SETS[1:],
+            pair_encoder.VALIDATION_SET,
+            pair_encoder.HELD_OUT[0],
+        )
+        for p in load_pairs(pair_encoder.DATA_DIR / name)
+    }
+    assert not {p["domain"] for p in second} & domains

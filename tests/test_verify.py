@@ -8,13 +8,26 @@ a model call the cache could have saved.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+import random
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
-from switchyard.decide.verify import verify
+from switchyard.decide.pair_augment import _PROTECTED, slip, typo
+from switchyard.decide.verify import (
+    _NEGATIONS,
+    _SPELT,
+    _dictionary,
+    _known,
+    parse,
+    respell,
+    same_words,
+    verify,
+)
 
 PAIRS_FILE = Path(__file__).resolve().parents[1] / "data" / "cache_pairs.jsonl"
 TRAP_CATEGORIES = {
@@ -203,3 +216,154 @@ def test_paraphrase_examples_pass(a: str, b: str) -> None:
 def test_odd_inputs_do_not_raise(text: str) -> None:
     assert verify(text, text) == (True, "ok")
     assert isinstance(verify(text, "How do I reset my password?")[1], str)
+
+
+# -- misspellings ------------------------------------------------------------------------
+# A word one prompt misspells is read as the other prompt's word before the checks run;
+# numbers, negations, names and two words both spelt right are never taken for each other.
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        (
+            "How do I change the email address on my account?",
+            "How do I chnage the email adress on my acount?",
+        ),
+        ("Does the night bus run on Saturdays?", "Does the night bus run on Saturdys?"),
+        ("Is the clinic open in February?", "is the clinic open in Febuary"),
+        ("Can I get a vegetarian meal on the flight?", "Can I get a vegetrian meal on the flight?"),
+        ("How do I request a repeat prescription?", "How do I reqest a repeat perscription?"),
+        ("What colour should I paint a small room?", "What color should I paint a small room?"),
+        ("How far is it in kilometres?", "How far is it in kilometers?"),
+        ("What tyre pressure for a road bike?", "What tire pressure for a road bike?"),
+        ("I don't know how to start. What's first?", "I dont know how to start. Whats first?"),
+        ("Is it ok to run it twice?", "Is it okay to run it twice?"),
+        ("How do I sort a list in Python?", "how do i sort a list in pyhton"),
+        ("What is Schrödinger's cat?", "what is schrodingers cat"),
+        ("How does photosynthesis work?", "how does photosythesis work"),
+    ],
+)
+def test_typo_only_near_repeats_pass(a: str, b: str) -> None:
+    assert verify(a, b) == (True, "ok")
+    assert verify(b, a) == (True, "ok")
+    assert same_words(*respell(a, b))
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "reason"),
+    [
+        # A misspelling one slip from two months is read as neither.
+        ("Is the pool open in June?", "Is the pool open in Jule?", "veto: date june != -"),
+        # Two names, both spelt right: a swap, however close.
+        (
+            "What is the capital of Austria?",
+            "What is the capital of Australia?",
+            "veto: entity austria != australia",
+        ),
+        # Negations and numbers are compared as written.
+        (
+            "Have you ever been charged twice?",
+            "Have you never been charged twice?",
+            "veto: negation",
+        ),
+        (
+            "Why does my toddler eat vegetables?",
+            "Why doesnt my toddler eat vegetables?",
+            "veto: negation",
+        ),
+        ("Is fifteen minutes enough?", "Is fiften minutes enough?", "veto: number 15 != -"),
+        # A typo elsewhere does not hide the trap.
+        (
+            "How do I enable the acount lock?",
+            "How do I disable the account lock?",
+            "veto: antonym enable != disable",
+        ),
+    ],
+)
+def test_misspellings_do_not_hide_a_trap(a: str, b: str, reason: str) -> None:
+    assert verify(a, b) == (False, reason)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("Which foods contain nitrate?", "Which foods contain nitrite?"),  # a vowel: a word
+        ("Explain microeconomics", "Explain macroeconomics"),  # neither in the dictionary
+        ("How do I fill in the form?", "How do I fill in the from?"),  # two words
+        ("Is MySQL faster here?", "Is MSSQL faster here?"),  # a known name
+        ("Ask Maria about it", "Ask Marie about it"),  # names are compared as written
+    ],
+)
+def test_what_is_not_a_misspelling_is_left_as_written(a: str, b: str) -> None:
+    assert respell(a, b) == (a, b)
+
+
+def _pairs(*names: str) -> list[tuple[str, str]]:
+    data = Path(__file__).resolve().parents[1] / "data"
+    return [
+        (p["a"], p["b"])
+        for name in names
+        for line in (data / name).read_text().splitlines()
+        if line.strip()
+        for p in [json.loads(line)]
+    ]
+
+
+PAIRS = _pairs("cache_pairs.jsonl", "cache_pairs_dev2.jsonl")
+
+
+def _slip_a_shared_word(a: str, b: str, rng: random.Random) -> str | None:
+    """b with one slip in a word both prompts write once each, spelt right, that the
+    rules do not compare; None when there is none, or the slip makes a word."""
+    dictionary = _dictionary() or frozenset()
+    count_a = Counter(w.lower() for w in _SPELT.findall(a))
+    found = [
+        m
+        for m in _SPELT.finditer(b)
+        if m.group(0).islower()
+        and len(m.group(0)) >= 5
+        and count_a[m.group(0)] == 1
+        and sum(w == m.group(0) for w in _SPELT.findall(b)) == 1
+        and m.group(0) in dictionary
+        and m.group(0) not in _PROTECTED
+    ]
+    if not found:
+        return None
+    m = rng.choice(found)
+    slipped = slip(m.group(0), rng)
+    if slipped in dictionary or slipped.lower() in {w.lower() for w in _SPELT.findall(a + " " + b)}:
+        return None
+    return b[: m.start()] + slipped + b[m.end() :]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(PAIRS), st.integers(0, 2**32))
+def test_a_slip_in_a_shared_word_changes_no_verdict(pair: tuple[str, str], seed: int) -> None:
+    """Equivalence: a misspelt copy of a word the other prompt writes gets the verdict
+    the correct spelling gets, whatever else the pair has in common or not."""
+    a, b = pair
+    slipped = _slip_a_shared_word(a, b, random.Random(seed))
+    assume(slipped is not None)
+    assert slipped is not None
+    assert verify(a, slipped) == verify(a, b), (a, b, slipped)
+    assert verify(slipped, a)[0] == verify(a, slipped)[0]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(PAIRS), st.integers(0, 2**32))
+def test_respelling_never_changes_numbers_negations_or_names(
+    pair: tuple[str, str], seed: int
+) -> None:
+    """Whatever is respelt (here on pairs with generated typos on both sides), the
+    numbers and negations each prompt holds stay as they were, and so does every
+    name spelt right: a misspelling may only become one."""
+    rng = random.Random(seed)
+    a, b = typo(pair[0], rng), typo(pair[1], rng)
+    dictionary = _dictionary() or frozenset()
+    for before, after in zip((a, b), respell(a, b), strict=True):
+        p, q = parse(before), parse(after)
+        assert p.facts.numbers == q.facts.numbers
+        assert sum(t in _NEGATIONS for t in p.tokens) == sum(t in _NEGATIONS for t in q.tokens)
+        assert set(_known(p)) <= set(_known(q))
+        assert {n for n in p.caps if n in dictionary} <= set(q.caps)

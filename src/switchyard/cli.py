@@ -850,10 +850,14 @@ def build_parser() -> argparse.ArgumentParser:
     cc.add_argument(
         "--pairs",
         nargs="+",
-        default=["data/cache_pairs_val.jsonl", "data/cache_pairs_test.jsonl"],
+        default=[
+            "data/cache_pairs_val.jsonl",
+            "data/cache_pairs_test.jsonl",
+            "data/cache_pairs_test2.jsonl",
+        ],
         help="labelled pairs files (A+B: files read as one set): the first tunes, the "
         "rest are held out and only reported (default: the validation set, which the "
-        "cross-encoder was not trained on, and the test set)",
+        "cross-encoder was not trained on, and the two test sets)",
     )
     cc.add_argument("--thresholds", default="0.50:0.99:0.01", help="start:stop:step")
     cc.add_argument("--max-false-hit-rate", type=float, default=0.01)

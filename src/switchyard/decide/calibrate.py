@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from switchyard.decide.labeled import read_jsonl
+from switchyard.decide.verify import same_question
 
 Pair = dict[str, Any]
 Row = dict[str, Any]
@@ -119,12 +120,16 @@ def calibrate(
         if verifier
         else None
     )
+    # As the cache stage admits candidates: at or above the threshold, or below it
+    # when they are the same question misspelt (decide/verify.py's same_question).
+    same = [same_question(p["b"], p["a"]) for p in pairs] if verifier else [False] * len(pairs)
     rows: list[Row] = []
     for t in thresholds:
         above = [s >= t for s in similarities]
         rows.append({"threshold": t, "verifier": False, **metrics(labels, above)})
         if passes is not None:
-            served = [x and ok for x, ok in zip(above, passes, strict=True)]
+            admitted = [x or q for x, q in zip(above, same, strict=True)]
+            served = [x and ok for x, ok in zip(admitted, passes, strict=True)]
             rows.append({"threshold": t, "verifier": True, **metrics(labels, served)})
     return rows
 
@@ -202,7 +207,8 @@ def category_report(
     model: ModelVerifier | None = None,
 ) -> str:
     """Per category (or another field of the pairs, e.g. domain): how often the
-    verifier vetoes, and what is served at `threshold`, split by label.
+    verifier vetoes, what is served at `threshold`, and the share that matters: of
+    pairs that should hit, the share served (recall); of traps, the share kept out.
 
     Tells an operator which kind of trap still gets through, or which paraphrases the
     verifier refuses, rather than one aggregate number."""
@@ -210,23 +216,37 @@ def category_report(
     served: Counter[str] = Counter()
     total: Counter[str] = Counter()
     for pair, sim in zip(pairs, similarities, strict=True):
-        label = "hit" if pair["same_answer"] else "trap"
-        value = pair.get(field) or ("paraphrase" if pair["same_answer"] else "trap")
-        cat = f"{value}/{label}" if field != "category" else str(value)
+        cat = _category(pair, field)
         ok = verifier(pair["b"], pair["a"])[0] and (
             model is None or model(pair["b"], pair["a"], sim)[0]
         )
         total[cat] += 1
         vetoed[cat] += not ok
-        served[cat] += ok and threshold is not None and sim >= threshold
+        admitted = threshold is not None and (
+            sim >= threshold or same_question(pair["b"], pair["a"])
+        )
+        served[cat] += ok and admitted
     at = "-" if threshold is None else f"{threshold:.3f}"
     width = max([12, *(len(c) for c in total)])
-    lines = [f"{field:{width}s} pairs  vetoed  served@{at}"]
-    lines += [
-        f"{cat:{width}s} {total[cat]:5d}  {vetoed[cat] / total[cat]:6.1%}  {served[cat]:5d}"
-        for cat in sorted(total)
-    ]
+    lines = [f"{field:{width}s} pairs  vetoed  served@{at}  kind  recall/kept out"]
+    for cat in sorted(total):
+        hits = [p for p in pairs if _category(p, field) == cat]
+        should_hit = all(p["same_answer"] for p in hits)
+        share = served[cat] / total[cat]
+        kind, figure = ("hit", share) if should_hit else ("trap", 1 - share)
+        if not should_hit and any(p["same_answer"] for p in hits):
+            kind, figure = "mixed", share
+        lines.append(
+            f"{cat:{width}s} {total[cat]:5d}  {vetoed[cat] / total[cat]:6.1%}  "
+            f"{served[cat]:{len(at) + 7}d}  {kind:5s} {figure:6.1%}"
+        )
     return "\n".join(lines)
+
+
+def _category(pair: Pair, field: str) -> str:
+    label = "hit" if pair["same_answer"] else "trap"
+    value = pair.get(field) or ("paraphrase" if pair["same_answer"] else "trap")
+    return f"{value}/{label}" if field != "category" else str(value)
 
 
 def _at(rows: Sequence[Row], threshold: float | None, what: str) -> str:
@@ -280,7 +300,9 @@ def run_calibration(
             parts.append(_at(rows, dev_choice, "at the development set's threshold"))
         if default_threshold is not None:
             parts.append(_at(rows, default_threshold, "at the shipped default threshold"))
-        at = chosen if i == 0 else (dev_choice if default_threshold is None else default_threshold)
+        # Per category at the shipped default where there is one (what is served),
+        # else at the development set's choice.
+        at = default_threshold if default_threshold is not None else dev_choice
         parts.append(category_report(pairs, sims, at, verifier, model=model))
         if any("domain" in p for p in pairs):
             parts.append(category_report(pairs, sims, at, verifier, "domain", model))

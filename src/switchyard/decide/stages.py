@@ -30,6 +30,7 @@ from switchyard.decide.placement import (
 from switchyard.decide.risk import RiskClassifier
 from switchyard.decide.select import select_deployment
 from switchyard.decide.tools import shortlist, tool_text
+from switchyard.decide.verify import same_question
 from switchyard.embed import EmbeddingService
 from switchyard.engines.pool import BASE, EnginePool
 from switchyard.engines.pool import Residency as EngineResidency
@@ -322,7 +323,12 @@ class Cache(Stage):
             if found.entry is not None and found.similarity is not None:
                 sim = found.similarity
                 evidence["best_similarity"] = round(sim, 4)
-                if sim >= threshold:
+                # Below the threshold, the request's own question misspelt is still put
+                # to the checks: a typo can drop the cosine to 0.35 (decide/verify.py).
+                admitted = sim >= threshold
+                if not admitted and same_question(keys.query, found.entry.keys.query):
+                    admitted = evidence["same_question"] = True
+                if admitted:
                     check = self._check
                     ok, why = (
                         check(keys.query, found.entry.keys.query, sim)

@@ -17,6 +17,7 @@ word lists and regular expressions, and memoises the parse of each prompt.
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -341,6 +342,15 @@ _CONTRACTIONS = [
         (r"\bshan't\b", "shall not"),
         (r"\bain't\b", "is not"),
         (r"n't\b", " not"),
+        # Written without the apostrophe, a negation is still one.
+        (
+            r"\b(do|does|did|is|are|was|were|have|has|had|could|would|should|must|need)nt\b",
+            r"\1 not",
+        ),
+        (r"\bcant\b", "can not"),
+        (r"\bwont\b", "will not"),
+        (r"\bshant\b", "shall not"),
+        (r"\baint\b", "is not"),
         (r"'re\b", " are"),
         (r"'m\b", " am"),
         (r"'ve\b", " have"),
@@ -524,7 +534,7 @@ def _owned_elsewhere(word: str) -> bool:
 
 def _normalise(text: str) -> str:
     text = text.lower()
-    if "'" in text or "cannot" in text:
+    if "'" in text or "cannot" in text or "nt" in text:
         for pattern, repl in _CONTRACTIONS:
             text = pattern.sub(repl, text)
     for pattern, repl in _PHRASES:
@@ -940,9 +950,332 @@ _CHECKS: tuple[tuple[str, _Check], ...] = (
 )
 
 
+# ---------------------------------------------------------------------------------
+# Misspellings. Before anything is compared, a word one prompt misspells is read as
+# the word the other prompt writes ("acount" / "account", "Saturdys" / "Saturdays",
+# "colour" / "color"), so a typo looks neither like another entity, date or word nor
+# like a missing one. Numbers, negations and names are never respelt, and two words
+# that are both spelt right are never taken for each other ("June" / "July",
+# "form" / "from"): only a word the dictionary does not know can be a misspelling.
+# ---------------------------------------------------------------------------------
+
+_SPELT = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)*")
+# Informal and regional spellings that both look right, or lie too far apart.
+_SPELLINGS = {
+    "ok": "okay",
+    "thru": "through",
+    "pls": "please",
+    "plz": "please",
+    "u": "you",
+    "ur": "your",
+    "tho": "though",
+    "nite": "night",
+    "cuz": "because",
+    "coz": "because",
+    "tyre": "tire",
+    "tyres": "tires",
+    "grey": "gray",
+    "kerb": "curb",
+    "aluminium": "aluminum",
+    "programme": "program",
+    "programmes": "programs",
+    "mum": "mom",
+    "pyjamas": "pajamas",
+    "jewellery": "jewelry",
+    "aeroplane": "airplane",
+    "aeroplanes": "airplanes",
+    "plough": "plow",
+    "sceptical": "skeptical",
+    "manoeuvre": "maneuver",
+    "doughnut": "donut",
+    "practise": "practice",
+    "practised": "practiced",
+    "practising": "practicing",
+    "storey": "story",
+    "storeys": "stories",
+    "draught": "draft",
+    "enquiry": "inquiry",
+    "enquire": "inquire",
+}
+# British endings, written the American way: "colour" / "color", "organise" /
+# "organize", "centre" / "center", "travelled" / "traveled", "licence" / "license".
+_REGIONAL = [
+    (re.compile(p), r)
+    for p, r in (
+        (r"(?<=[a-z]{2})our(s|ed|ing|ite|ites|able|ful)?$", r"or\1"),
+        (r"(?<=[a-z]{2})is(e|es|ed|ing|ation|ations)$", r"iz\1"),
+        (r"(?<=[a-z]{2})ys(e|es|ed|ing)$", r"yz\1"),
+        (r"(?<=[a-z]{2})tre(s)?$", r"ter\1"),
+        (r"(?<=[a-z]{3}[aeiou])ll(ed|ing|er|ers)$", r"l\1"),
+        (r"(?<=[a-z]{2})ogue(s)?$", r"og\1"),
+        (r"(?<=[a-z]{2})ence(s)?$", r"ense\1"),
+    )
+]
+_NUMBERS_WRITTEN = frozenset(_NUMBER_WORDS) | frozenset(_MULTIPLIERS)
+# Words whose spelling is a fact: a misspelt word may be read as one of them only
+# where it is the one such word it can be ("Satrday", not "Jule": June or July?).
+_DATE_WORDS = frozenset(_WEEKDAYS) | frozenset(_MONTHS) | _RELATIVE_DAYS
+_LISTED = (
+    _DATE_WORDS
+    | frozenset(_RELATIVE_WHEN)
+    | _RELATIVE_SPANS
+    | frozenset(_UNITS)
+    | frozenset(_COMPARISONS)
+    | frozenset(_ANTONYMS)
+    | frozenset(_OWNER)
+    | frozenset(_QUANTITY)
+    | _ASKS
+)
+# Never respelt nor respelt into: numbers and negations are compared as written.
+_STRICT = _NEGATIONS | _NUMBERS_WRITTEN
+# Never respelt; a misspelling may be read as one, where it is the only one it can be.
+_NAMED = _KNOWN_ENTITIES | frozenset(_ENTITY_ALIASES)
+_NEVER_RESPELT = _STRICT | _NAMED
+
+
+@lru_cache(maxsize=1)
+def _dictionary() -> frozenset[str] | None:
+    """Words spelt right: the embedding model's vocabulary (its installed wheel's
+    vocab.txt, ~22k whole words) and the built-in lists. None when the vocabulary
+    cannot be read: then no word counts as misspelt (tables and endings still apply)."""
+    try:
+        from pathlib import Path
+
+        from switchyard.engines.assets import minilm_model_path
+
+        vocab = (Path(minilm_model_path()) / "vocab.txt").read_text(encoding="utf-8")
+    except Exception:  # the wheel missing or unreadable: respell nothing by distance
+        return None
+    words = {w for w in vocab.split() if w.isalpha() and w.islower()}
+    return frozenset(words | _LISTED | _NEVER_RESPELT | _STOP | set(_SPELLINGS))
+
+
+_KEYS = {
+    pair[0]: frozenset(pair[2:])
+    for pair in [
+        "q:wa",
+        "w:qeas",
+        "e:wrsd",
+        "r:etdf",
+        "t:ryfg",
+        "y:tugh",
+        "u:yihj",
+        "i:uojk",
+        "o:ipkl",
+        "p:ol",
+        "a:qwsz",
+        "s:awedxz",
+        "d:serfcx",
+        "f:drtgvc",
+        "g:ftyhbv",
+        "h:gyujnb",
+        "j:huikmn",
+        "k:jiolm",
+        "l:kop",
+        "z:asx",
+        "x:zsdc",
+        "c:xdfv",
+        "v:cfgb",
+        "b:vghn",
+        "n:bhjm",
+        "m:njk",
+    ]
+}
+
+
+def _one_typo(x: str, y: str) -> bool:
+    """Whether one slip of the fingers turns one into the other: a letter dropped or
+    doubled (or any one added), two neighbours swapped, or a key's neighbour struck.
+    Not a vowel for another: "nitrite" / "nitrate" and "micro" / "macro" are words."""
+    if len(x) == len(y):
+        diffs = [i for i, (p, q) in enumerate(zip(x, y, strict=True)) if p != q]
+        if len(diffs) == 1:
+            return y[diffs[0]] in _KEYS.get(x[diffs[0]], frozenset())
+        i = diffs[0] if len(diffs) == 2 else -1
+        return i >= 0 and diffs[1] == i + 1 and x[i] == y[i + 1] and x[i + 1] == y[i]
+    long, short = (x, y) if len(x) > len(y) else (y, x)
+    if len(long) != len(short) + 1:
+        return False
+    i = next((i for i, (p, q) in enumerate(zip(long, short, strict=False)) if p != q), len(short))
+    return long[i + 1 :] == short[i:]
+
+
+def _regional(word: str) -> str:
+    word = _SPELLINGS.get(word, word)
+    for pattern, repl in _REGIONAL:
+        word = pattern.sub(repl, word)
+    return word
+
+
+def _meaning(word: str) -> str:
+    """What a listed word stands for: "saturdays" and "saturday" are one day."""
+    return (
+        _WEEKDAYS.get(word)
+        or _MONTHS.get(word)
+        or _UNITS.get(word)
+        or _ENTITY_ALIASES.get(word)
+        or word
+    )
+
+
+@lru_cache(maxsize=4096)
+def _listed_near(word: str) -> frozenset[str]:
+    """What the listed words within a misspelling of `word` stand for."""
+    return frozenset(
+        _meaning(w)
+        for w in _LISTED | _NAMED
+        if len(w) >= 4 and w[0] == word[0] and _one_typo(word, w)
+    )
+
+
+def _fold(word: str) -> str:
+    """Without apostrophes and accents: "don't" / "dont", "Schrödinger" / "Schrodinger"."""
+    return "".join(
+        c for c in unicodedata.normalize("NFKD", word) if not unicodedata.combining(c)
+    ).replace("'", "")
+
+
+def _misspelling(x: str, y: str, names: frozenset[str]) -> int | None:
+    """How far `x` and `y` are as two spellings of one word (0: a variant, 1: a
+    typo), or None when they are two words. A word spelt right (in the dictionary, a
+    known name, a capitalised name) is never taken for another; a word the dictionary
+    does not know, one slip from it, is read as it."""
+    if x in _STRICT or y in _STRICT:
+        return None  # numbers and negations are compared as written
+    named = x in names or y in names
+    if not named and (
+        _fold(x) == _fold(y)
+        or _SPELLINGS.get(x) == y
+        or _SPELLINGS.get(y) == x
+        or (len(x) >= 5 and len(y) >= 5 and _regional(x) == _regional(y))
+    ):
+        return 0
+    dictionary = _dictionary()
+    if dictionary is None or min(len(x), len(y)) < 3 or x[0] != y[0]:
+        return None  # short words and first letters: too many real words one slip apart
+    if min(len(x), len(y)) == 3 and len(x) == len(y) and sorted(x) != sorted(y):
+        return None  # three letters: a letter dropped ("frm") or swapped ("yuo") only
+    if not (x.isalpha() and y.isalpha()) or (x in dictionary and y in dictionary):
+        return None  # two words ("form" / "from")
+    if x not in dictionary and y not in dictionary:
+        # Two the dictionary does not know ("photosythesis" / "photosynthesis",
+        # "Fibonacci" / "fibonaci"): one slip apart and long, and not two names
+        # ("Kasia" / "Kasja").
+        two_names = x in names and y in names
+        return 1 if not two_names and min(len(x), len(y)) >= 6 and _one_typo(x, y) else None
+    wrong, right = (y, x) if x in dictionary else (x, y)
+    if not _one_typo(wrong, right):
+        return None
+    if (right in _LISTED or right in _NAMED) and _listed_near(wrong) != {_meaning(right)}:
+        return None  # "Jule": June or July? Read as neither
+    return 1
+
+
+def respell(a: str, b: str) -> tuple[str, str]:
+    """(a, b), each word one of them misspells written as the other writes it (the
+    misspelt side takes the word spelt right). Closest pairs first, each word in one
+    pair at most, ties in alphabetical order: the result does not depend on which
+    prompt is which (so it is worked out, and memoised, once for both orders)."""
+    if a <= b:
+        return _respell(a, b)
+    b2, a2 = _respell(b, a)
+    return a2, b2
+
+
+def _candidates(only_a: set[str], only_b: set[str]) -> set[tuple[str, str]]:
+    """The pairs worth asking `_misspelling` about: the same first letter (accents
+    aside), or a listed spelling of each other ("u" / "you"). Long prompts that share
+    little would otherwise cost every word against every word."""
+    by_initial: dict[str, list[str]] = {}
+    for y in only_b:
+        by_initial.setdefault(_fold(y)[:1], []).append(y)
+    out = {(x, y) for x in only_a for y in by_initial.get(_fold(x)[:1], ())}
+    out |= {(x, _SPELLINGS[x]) for x in only_a if _SPELLINGS.get(x) in only_b}
+    out |= {(_SPELLINGS[y], y) for y in only_b if _SPELLINGS.get(y) in only_a}
+    return out
+
+
+@lru_cache(maxsize=8192)
+def _respell(a: str, b: str) -> tuple[str, str]:
+    wa = {w.lower() for w in _SPELT.findall(a)}
+    wb = {w.lower() for w in _SPELT.findall(b)}
+    only_a, only_b = wa - wb, wb - wa
+    if not only_a or not only_b:
+        return a, b
+    names = frozenset(_parse(a).caps) | frozenset(_parse(b).caps)
+    near = sorted(
+        (d, min(x, y), max(x, y), x)
+        for x, y in _candidates(only_a, only_b)
+        if (d := _misspelling(x, y, names)) is not None
+    )
+    if not near:
+        return a, b
+    fix_a: dict[str, str] = {}
+    fix_b: dict[str, str] = {}
+    used: set[str] = set()
+    dictionary = _dictionary() or frozenset()
+    for _, low, high, x in near:
+        if low in used or high in used:
+            continue
+        used |= {low, high}
+        y = high if x == low else low
+        if (x in dictionary and y not in dictionary) or (x in names and y not in names):
+            fix_b[y] = x  # the side spelt right, or the name, is kept
+        else:
+            fix_a[x] = y
+    return _rewrite(a, fix_a), _rewrite(b, fix_b)
+
+
+def _rewrite(text: str, fixes: dict[str, str]) -> str:
+    if not fixes:
+        return text
+    pattern = re.compile(
+        r"(?<![\w'])(?:" + "|".join(re.escape(w) for w in fixes) + r")(?![\w'])", re.IGNORECASE
+    )
+
+    def spell(m: re.Match[str]) -> str:
+        word = fixes[m.group(0).lower()]
+        return word[:1].upper() + word[1:] if m.group(0)[:1].isupper() else word
+
+    return pattern.sub(spell, text)
+
+
+_SURFACE = re.compile(r"\w+|[^\w\s]")
+_SENTENCE_MARKS = frozenset(".,!?;:\u00bf\u00a1")  # and Spanish "¿" / "¡"
+_JOINED = re.compile(r"(?<=\w)-(?=\w)")  # "Wi-Fi" / "wifi", "e-mail" / "email"
+
+
+@lru_cache(maxsize=8192)
+def _surface(text: str) -> tuple[str, ...]:
+    text = _JOINED.sub("", text.translate(_SMART).lower().replace("'", "").replace('"', ""))
+    return tuple(t for t in _SURFACE.findall(text) if t not in _SENTENCE_MARKS)
+
+
+def same_words(a: str, b: str) -> bool:
+    """The same words and symbols in the same order, whatever the case, the sentence
+    punctuation and the apostrophes: one question written twice."""
+    return _surface(a) == _surface(b)
+
+
+def same_question(a: str, b: str) -> bool:
+    """One question written twice: the same words once misspellings are respelt (case,
+    sentence punctuation and apostrophes aside). A candidate like this is put to the
+    checks whatever its cosine, which cannot see through a typo ("contintents" puts a
+    repeat at 0.35). Cheap when it is not: word by word first, respelling only then."""
+    sa, sb = _surface(a), _surface(b)
+    if len(sa) != len(sb):
+        return False
+    differ = [(x, y) for x, y in zip(sa, sb, strict=True) if x != y]
+    if not differ:
+        return True
+    if any(not x.isalpha() or not y.isalpha() or x[0] != y[0] for x, y in differ):
+        return False  # a number, a symbol, a first letter: not a slip of the fingers
+    return same_words(*respell(a, b))
+
+
 def verify(a: str, b: str) -> Verdict:
     """(True, "ok") when no salient difference is found, else (False, "veto: <why>")."""
-    pa, pb = _parse(a), _parse(b)
+    pa, pb = (_parse(t) for t in respell(a, b))
     for name, check in _CHECKS:
         detail = check(pa, pb)
         if detail is not None:
