@@ -188,7 +188,10 @@ class ResponsesRoutes:
         shell: Shell,
         obj: dict[str, Any],
         conversation: list[dict[str, Any]],
+        encoded: bytes | None = None,
     ) -> StoredResponse:
+        """`encoded`: the response object as the client got it, kept as those bytes
+        (serialised once for the reply and the store)."""
         dep = ctx.deployment
         return StoredResponse(
             id=shell.rid,
@@ -200,7 +203,11 @@ class ResponsesRoutes:
             previous_response_id=req.previous_response_id,
             background=req.background,
             owner=self.store.owner if req.background else None,
-            body={"response": obj, "input_items": req.items, "conversation": conversation},
+            body={
+                "response": obj if encoded is None else orjson.Fragment(encoded),
+                "input_items": req.items,
+                "conversation": conversation,
+            },
         )
 
     async def _whole(
@@ -216,16 +223,17 @@ class ResponsesRoutes:
             chat = chat if isinstance(chat, dict) else {}
             shell.model = _served(ctx, req)
             obj = to_response(chat, shell)
+            encoded = orjson.dumps(obj)
             if req.store:
                 turn = [*conversation, chat_message(chat)]
-                await self.store.create(self._stored(ctx, req, shell, obj, turn))
+                await self.store.create(self._stored(ctx, req, shell, obj, turn, encoded))
         except BaseException:
             if reply.settle is not None:  # answered upstream: it is still settled
                 pending = reply.settle()
                 if pending is not None:
                     await pending
             raise
-        return json_response(reply, orjson.dumps(obj))
+        return json_response(reply, encoded)
 
     def _stream(
         self,
@@ -256,7 +264,8 @@ class ResponsesRoutes:
                 msg["tool_calls"] = calls
             turn = [*conversation, msg]
             with contextlib.suppress(SwitchyardError):  # the client already has its answer
-                await self.store.create(self._stored(ctx, req, shell, ev.final, turn))
+                stored = self._stored(ctx, req, shell, ev.final, turn, ev.final_json)
+                await self.store.create(stored)
 
         events = ResponseEvents(shell, ended)
         source = reply.source

@@ -203,6 +203,7 @@ class ResponseEvents:
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
         self.final: dict[str, Any] | None = None  # the response object once it ended
+        self.final_json: bytes | None = None  # and as its event carried it
         self._delta_head = b""  # text_delta_head of the open message item
 
     def _event(self, data: dict[str, Any]) -> bytes:
@@ -333,7 +334,8 @@ class ResponseEvents:
             status, self.output, usage_of(self.usage), incomplete=incomplete
         )
         kind = "response.incomplete" if incomplete else "response.completed"
-        out.append(self._event({"type": kind, "response": self.final}))
+        self.final_json = orjson.dumps(self.final)  # once: the event and the store
+        out.append(self._event({"type": kind, "response": orjson.Fragment(self.final_json)}))
         return out
 
     async def ended(self) -> None:
