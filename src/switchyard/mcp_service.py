@@ -63,6 +63,9 @@ log = logging.getLogger("switchyard.mcp")
 ENDPOINT = "tools.call"
 MAX_EXCERPT = 2000  # characters of masked arguments and result kept in a trace
 MAX_CALL_ID = 128
+# What the ledger and the trace name a call of a tool that does not exist: the client's
+# name for it is free text (it may carry anything, PII included) and is not kept.
+UNKNOWN_TOOL = "(unknown tool)"
 # A call still `in_flight` this long past its server's timeout lost its owner (a gateway
 # that stopped mid-call): it is in doubt.
 STALE_MARGIN_S = 60.0
@@ -139,7 +142,9 @@ class McpToolService:
         meta: Mapping[str, Any] | None,
     ) -> dict[str, Any]:
         """The CallToolResult (as JSON) of a governed call; raises a SwitchyardError."""
-        ctx = self._context(who, name)
+        found = self.servers.resolve(name)
+        known = found is not None and found[1] in found[0].tools
+        ctx = self._context(who, name if known else UNKNOWN_TOOL)
         status = "error"
         try:
             result = await self._call(ctx, who, name, dict(arguments or {}), dict(meta or {}))
@@ -157,8 +162,7 @@ class McpToolService:
             self.ledger.record(Finished(ctx, status, 0, 0, 0.0))
             if self.tracing is not None:
                 self.tracing.finish(ctx, status, 0, 0, time.time_ns())
-            found = self.servers.resolve(name)
-            if self.metrics is not None and found is not None and found[1] in found[0].tools:
+            if self.metrics is not None and known:
                 self.metrics.tool_call(
                     name.partition("__")[0],
                     name,
@@ -196,7 +200,7 @@ class McpToolService:
         found = self.servers.resolve(name)
         why = self.policy.refusal(name, tenant)
         if found is None or found[1] not in found[0].tools:
-            ctx.record("tool_auth", "reject:unknown", "no such tool", t, {"tool": name})
+            ctx.record("tool_auth", "reject:unknown", "no such tool", t)
             raise InvalidRequest(f"unknown tool '{name}'", param="name", code="unknown_tool")
         if why is not None:
             ctx.record("tool_auth", "reject:forbidden", why, t, {"tool": name})
@@ -383,8 +387,11 @@ class McpToolService:
         except asyncio.CancelledError:
             await asyncio.shield(self.records.doubt(tenant, call_id))
             raise
-        except BaseException:
+        except (ToolServerUnavailable, Conflict):  # refused before it was sent
             await self.records.release(tenant, call_id)
+            raise
+        except BaseException:  # anything else: it may have run, so never again
+            await asyncio.shield(self.records.doubt(tenant, call_id))
             raise
         await self.records.complete(tenant, call_id, result)
         return result

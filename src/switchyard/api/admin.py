@@ -370,13 +370,20 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
             )
         body = await body_of(request, ("tenant", "call_id", "ran"))
         tenant, call_id, ran = body.get("tenant"), body.get("call_id"), body.get("ran")
-        if not isinstance(tenant, str) or not isinstance(call_id, str) or not isinstance(ran, bool):
+        if (
+            not isinstance(tenant, str)
+            or not isinstance(call_id, str)
+            or not isinstance(ran, bool)
+            or not 0 < len(tenant) <= 64  # refused, never cut: a cut id names another call
+            or not 0 < len(call_id) <= 128
+        ):
             raise InvalidRequest(
-                "'tenant' and 'call_id' (strings) and 'ran' (boolean) are required"
+                "'tenant' (1 to 64 characters), 'call_id' (1 to 128) and 'ran' (boolean) "
+                "are required"
             )
-        if not records.resolve(tenant[:64], call_id[:128], ran):
-            raise NotFound(f"no tool call '{call_id[:128]}' in doubt for this tenant")
-        log.warning("tool call %s of tenant %s resolved: ran=%s", call_id[:128], tenant[:64], ran)
+        if not records.resolve(tenant, call_id, ran):
+            raise NotFound(f"no tool call '{call_id}' in doubt for this tenant")
+        log.warning("tool call %s of tenant %s resolved: ran=%s", call_id, tenant, ran)
         return _json(
             {"object": "tool_call.resolved", "tenant": tenant, "call_id": call_id, "ran": ran}
         )

@@ -29,7 +29,14 @@ from typing import Any
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
-from switchyard.errors import InternalError, InvalidRequest, RouteNotFound, SwitchyardError
+from switchyard.errors import (
+    InternalError,
+    InvalidRequest,
+    PayloadTooLarge,
+    RateLimited,
+    RouteNotFound,
+    SwitchyardError,
+)
 from switchyard.identity import ANONYMOUS, Principal
 from switchyard.mcp_service import Caller, McpToolService
 from switchyard.policy import headers as hdr
@@ -41,10 +48,18 @@ PATH = "/mcp"
 CALLER_KEY = "switchyard.caller"
 MAX_SESSION_ID = 128
 MAX_OWNERS = 100_000  # sessions remembered (the SDK closes idle ones after 30 min)
+# Sessions one key may hold open: the SDK's limit (10 000) is for all keys together, so
+# one key alone must not fill it and leave every other tenant refused.
+MAX_SESSIONS_PER_KEY = 100
 
 
 def _headers(scope: Scope) -> dict[str, str]:
-    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    """The request's headers, a repeated one by its first value: the value the SDK reads
+    (Starlette's `Headers.get`), so the session checked here is the one it serves."""
+    out: dict[str, str] = {}
+    for k, v in scope["headers"]:
+        out.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
+    return out
 
 
 def _caller(principal: Principal, h: dict[str, str]) -> Caller:
@@ -83,6 +98,38 @@ async def _send_error(send: Send, exc: SwitchyardError) -> None:
         headers.append((b"www-authenticate", b'Bearer realm="switchyard"'))
     await send({"type": "http.response.start", "status": exc.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+# The SDK's words for a body it could not read carry the parser's or pydantic's own
+# exception text (and echo the input): the client gets a plain sentence instead.
+_SDK_REFUSALS = {
+    "Parse error:": "Parse error: the request body is not valid JSON",
+    "Validation error:": "Invalid request: the body is not a JSON-RPC 2.0 request, "
+    "notification or response",
+}
+
+
+def _without_exception_text(status: int, body: bytes) -> bytes:
+    """The SDK's 400 JSON-RPC error body, its message reworded when it carries exception
+    text (see _SDK_REFUSALS); its 413 and plain-text 400s as JSON-RPC errors."""
+    if status == 413:
+        exc: SwitchyardError = PayloadTooLarge(
+            "the request body is larger than the gateway accepts"
+        )
+        return orjson.dumps({"jsonrpc": "2.0", "id": None, "error": exc.jsonrpc_error()})
+    try:
+        got = orjson.loads(body)
+        message = got["error"]["message"]
+    except (orjson.JSONDecodeError, TypeError, KeyError):
+        exc = InvalidRequest(body.decode("utf-8", "replace")[:200] or "bad request")
+        return orjson.dumps({"jsonrpc": "2.0", "id": None, "error": exc.jsonrpc_error()})
+    if not isinstance(message, str):
+        return body
+    for prefix, plain in _SDK_REFUSALS.items():
+        if message.startswith(prefix):
+            got["error"]["message"] = plain
+            return orjson.dumps(got)
+    return body
 
 
 def _mcp_error(exc: SwitchyardError) -> Exception:
@@ -135,6 +182,8 @@ class McpEndpoint:
             max_request_body_size=max_body_bytes,
         )
         self._owners: dict[str, str] = {}  # session id -> the key id that opened it
+        self._held: dict[str, set[str]] = {}  # key id -> the sessions it opened
+        self._opening: dict[str, int] = {}  # key id -> its requests that may open one now
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -152,23 +201,87 @@ class McpEndpoint:
                 if owner != principal.key_id:
                     raise RouteNotFound("no such MCP session", code="session_not_found")
             scope[CALLER_KEY] = _caller(principal, h)
+            opening = session is None and scope["method"] == "POST"  # may open a session
+            if opening:
+                self._check_room(principal.key_id)
         except SwitchyardError as exc:
             await _send_error(send, exc)
             return
         key_id = principal.key_id
+        refused: Message | None = None  # the SDK's 400 or 413, held to reword its body
 
         async def remember_session(message: Message) -> None:
+            nonlocal refused
             if message["type"] == "http.response.start":
-                for k, v in message.get("headers", []):
+                # A refusal names the session it opened and closed at once: not kept,
+                # so refusals cannot push the owners of open sessions out.
+                kept = message["status"] < 400
+                for k, v in message.get("headers", []) if kept else ():
                     if k.lower() == b"mcp-session-id":
                         if len(self._owners) >= MAX_OWNERS:
-                            self._owners.pop(next(iter(self._owners)))
-                        self._owners[v.decode("latin-1")] = key_id
+                            self._forget(next(iter(self._owners)))
+                        sid = v.decode("latin-1")
+                        self._owners[sid] = key_id
+                        self._held.setdefault(key_id, set()).add(sid)
+                if message["status"] in (400, 413):
+                    refused = message
+                    return
+            elif refused is not None and message["type"] == "http.response.body":
+                start, refused = refused, None
+                if not message.get("more_body"):
+                    body = _without_exception_text(start["status"], message.get("body", b""))
+                    headers = [
+                        (k, v)
+                        for k, v in start["headers"]
+                        if k.lower() not in (b"content-length", b"content-type")
+                    ]
+                    headers.append((b"content-type", b"application/json"))
+                    headers.append((b"content-length", str(len(body)).encode()))
+                    await send({**start, "headers": headers})
+                    await send({**message, "body": body})
+                    return
+                await send(start)
             await send(message)
 
         if scope["method"] == "DELETE" and session is not None:
-            self._owners.pop(session, None)
-        await self.manager.handle_request(scope, receive, remember_session)
+            self._forget(session)
+        if not opening:
+            await self.manager.handle_request(scope, receive, remember_session)
+            return
+        self._opening[key_id] = self._opening.get(key_id, 0) + 1
+        try:
+            await self.manager.handle_request(scope, receive, remember_session)
+        finally:
+            left = self._opening.pop(key_id) - 1
+            if left:
+                self._opening[key_id] = left
+
+    def _forget(self, session: str) -> None:
+        key_id = self._owners.pop(session, None)
+        if key_id is None:
+            return
+        held = self._held.get(key_id, set())
+        held.discard(session)
+        if not held:
+            self._held.pop(key_id, None)
+
+    def _check_room(self, key_id: str) -> None:
+        """Refuse a new session to a key that holds MAX_SESSIONS_PER_KEY open ones (the
+        SDK's sessions: those it closed when idle no longer count)."""
+        held = self._held.get(key_id, set())
+        opening = self._opening.get(key_id, 0)
+        if len(held) + opening < MAX_SESSIONS_PER_KEY:
+            return
+        live = getattr(self.manager, "_server_instances", None)
+        if live is not None:
+            for sid in [s for s in held if s not in live]:
+                self._forget(sid)
+        if len(self._held.get(key_id, ())) + opening >= MAX_SESSIONS_PER_KEY:
+            raise RateLimited(
+                f"this key holds {MAX_SESSIONS_PER_KEY} open MCP sessions: end one "
+                "(DELETE /mcp with its Mcp-Session-Id) before opening another",
+                code="too_many_sessions",
+            )
 
     async def _authenticate(self, scope: Scope) -> tuple[Principal, dict[str, str]]:
         h = _headers(scope)

@@ -32,6 +32,10 @@ from prometheus_client.parser import text_string_to_metric_families
 log = logging.getLogger("switchyard.engines")
 
 MAX_BYTES = 1 << 20  # a metrics page larger than this is not read
+# Lines of the figures read (every engine core's, every model's): a page with more is not
+# parsed, so a hostile page costs the event loop a bounded time however it is written.
+MAX_SERIES = 2000
+MAX_COUNT = 1_000_000  # requests running or waiting: more is no engine's real figure
 
 # The figures each kind reports, by metric name (a counter's without its `_total`): running, waiting, KV-cache usage (0-1), prefix-cache
 # (hits, queries) or (cached prompt tokens, prompt tokens).
@@ -102,8 +106,12 @@ def parse_metrics(kind: str, text: str) -> dict[str, Any]:
     """The figures of a Prometheus text page (vLLM's or llama-server's): summed over
     the page's series (vLLM labels each by model and engine)."""
     names = KINDS[kind]
+    wanted = tuple(n for v in names.values() for n in ((v,) if isinstance(v, str) else v))
+    lines = [line for line in text.splitlines() if line.startswith(wanted)]
+    if len(lines) > MAX_SERIES:
+        raise ValueError(f"more than {MAX_SERIES} series of the figures read")
     sums: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
         for sample in family.samples:  # by the sample's own name: a counter's less _total
             name = sample.name
             if name.endswith(("_created", "_bucket", "_count", "_sum")):
@@ -113,11 +121,13 @@ def parse_metrics(kind: str, text: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for field in ("running", "waiting"):
         value = sums.get(str(names[field]))
-        out[field] = int(value) if value is not None else None
+        # a figure no engine reports (negative, NaN, infinite, huge) is not used
+        out[field] = int(value) if value is not None and 0 <= value <= MAX_COUNT else None
     kv = next((sums[n] for n in names["kv"] if n in sums), None)
     out["kv_usage"] = min(1.0, max(0.0, kv)) if kv is not None else None
     hits, queries = (sums.get(n) for n in names["hits"])
-    out["prefix_hit_rate"] = hits / queries if hits is not None and queries else None
+    rate = hits / queries if hits is not None and queries else None
+    out["prefix_hit_rate"] = rate if rate is not None and 0 <= rate <= 1 else None
     return out
 
 
@@ -182,10 +192,14 @@ class LoadWatch:
 
     async def _get(self, url: str) -> bytes:
         assert self._session is not None
-        async with self._session.get(url) as resp:
+        # Never followed elsewhere: an upstream's redirect must not make the gateway fetch
+        # another address (an internal one) on its behalf.
+        async with self._session.get(url, allow_redirects=False) as resp:
             if resp.status != 200:
                 raise ValueError(f"HTTP {resp.status}")
-            body = await resp.content.read(MAX_BYTES + 1)
-            if len(body) > MAX_BYTES:
-                raise ValueError(f"more than {MAX_BYTES} bytes")
-            return body
+            body = bytearray()  # read(n) returns what has arrived: read to the end
+            async for chunk in resp.content.iter_any():
+                body += chunk
+                if len(body) > MAX_BYTES:
+                    raise ValueError(f"more than {MAX_BYTES} bytes")
+            return bytes(body)

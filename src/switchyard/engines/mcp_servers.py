@@ -183,7 +183,7 @@ class McpServer:
         """Forward one tools/call within `timeout_s` (waiting for a slot counts);
         raises ServerUnavailable when nothing could be sent."""
         from mcp import MCPError
-        from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
+        from mcp_types import CONNECTION_CLOSED, INTERNAL_ERROR, REQUEST_TIMEOUT
 
         deadline = time.perf_counter() + timeout_s
         try:
@@ -213,6 +213,9 @@ class McpServer:
             except (OSError, EOFError, RuntimeError) as exc:
                 log.warning("MCP server %s: call failed: %s", self.name, type(exc).__name__)
                 return CallOutcome(error=(CONNECTION_CLOSED, "connection lost"), sent=True)
+            except ValueError:  # pydantic's ValidationError: it ran, and answered nonsense
+                log.warning("MCP server %s: a malformed result of %s", self.name, tool)
+                return CallOutcome(error=(INTERNAL_ERROR, "malformed result"), sent=True)
             finally:
                 self.in_flight -= 1
             return CallOutcome(

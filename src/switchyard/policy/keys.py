@@ -41,12 +41,17 @@ def _limits(row: sqlite3.Row, defaults: Limits | None = None) -> Limits:
     )
 
 
+MAX_LIMIT = 10**12  # rpm, tpm, max_concurrency
+
+
 def _check_limits(values: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k in ("rpm", "tpm", "max_concurrency"):
         v = values.get(k)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise InvalidRequest(f"'{k}' must be a positive integer", param=k)
+        if v is not None and (
+            not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_LIMIT
+        ):  # bounded: SQLite stores at most a signed 64-bit integer
+            raise InvalidRequest(f"'{k}' must be an integer from 1 to {MAX_LIMIT}", param=k)
         out[k] = v
     b = values.get("budget_usd")
     if b is not None and (not isinstance(b, int | float) or isinstance(b, bool) or b < 0):
@@ -147,7 +152,7 @@ class KeyStore:
                 raise Conflict(f"tenant '{tenant_id}' already exists") from None
         return self.get_tenant(tenant_id)
 
-    def update_tenant(self, tenant_id: str, **values: Any) -> dict[str, Any]:
+    def update_tenant(self, tenant_id: str, /, **values: Any) -> dict[str, Any]:
         """Change a tenant's limits or priority: only the fields given (a None clears a
         limit back to the default, and a priority back to standard). A gateway applies
         it when it next reads the tenant's keys (its key cache, auth.cache_ttl_s)."""
@@ -267,7 +272,7 @@ class KeyStore:
             rows = self.conn.execute("SELECT * FROM api_keys ORDER BY created_at").fetchall()
         return [self._key_dict(r) for r in rows]
 
-    def update_key(self, key_id: str, **values: Any) -> dict[str, Any]:
+    def update_key(self, key_id: str, /, **values: Any) -> dict[str, Any]:
         """Change a key's limits or priority (see `update_tenant`); a key's priority
         only lowers its tenant's."""
         self.get_key(key_id)
