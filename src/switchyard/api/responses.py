@@ -132,6 +132,8 @@ class ResponsesRoutes:
         conversation it ends with, before this turn's output)."""
         parsed, _ = await self.openai.reader(request, headers, None)(ctx.remaining_s())
         req = check(parsed, self.ids)
+        if req.store:  # before any model call: a store that cannot take it refuses now
+            self.store.check_room()
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             prev = await self._fetch(ctx.principal.tenant_id, req.previous_response_id)

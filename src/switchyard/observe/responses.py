@@ -268,17 +268,26 @@ class ResponseStore:
         if writer is None:
             await self._run("storing a response", self._create_many, [r])
             return
+        self.check_room()
+        key = (r.tenant_id, r.id)
+        body = msgspec.Raw(orjson.dumps(r.body))  # the writer seals it
+        seq = writer.store_response(self._row(r, body, time.time()))
+        self._unwritten[key] = r
+        self._waiting.append((seq, key))
+
+    def check_room(self) -> None:
+        """Refuse (503) while the writer is too far behind to take one more response:
+        asked before a response that will be stored is generated, so a refusal costs no
+        model call, and again when it is stored."""
+        writer = self._writer
+        if writer is None:
+            return
         self._prune()
         if len(self._unwritten) >= self._max_queued or writer.behind():
             raise DatabaseUnavailable(
                 f"the gateway's database is not keeping up: {len(self._unwritten)} stored "
                 "responses are waiting to be written"
             )
-        key = (r.tenant_id, r.id)
-        body = msgspec.Raw(orjson.dumps(r.body))  # the writer seals it
-        seq = writer.store_response(self._row(r, body, time.time()))
-        self._unwritten[key] = r
-        self._waiting.append((seq, key))
 
     def _prune(self) -> None:
         """Forget the responses the writer has committed (they are read from the
