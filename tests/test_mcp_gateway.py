@@ -537,3 +537,25 @@ def test_a_tool_that_hangs_is_cut_at_the_task_deadline(gw: Gateway, tools: Tools
     err, took = run(go())
     assert err.data["code"] == "tool_call_in_doubt" and took < 5, (err, took)
     assert Tools.runs(tools.stdio_log, "hang", seconds=seconds) == 1
+
+
+def test_tool_calls_are_held_to_the_keys_and_tenants_limits(gw: Gateway, tools: Tools) -> None:
+    """Each tools/call reserves as one request against the key's and tenant's limits
+    (rpm here) before it reaches the tool: the call over the limit never runs."""
+    tenant = "rpm-" + os.urandom(3).hex()
+    gw.create_tenant(tenant, rpm=2)
+    key = gw.create_key(tenant)["key"]
+    marker = "limited-" + os.urandom(3).hex()
+
+    async def go() -> MCPError:
+        async with session(gw, key) as s:
+            for i in range(2):
+                await s.call_tool("crm__lookup", {"q": f"{marker}-{i}"})
+            with pytest.raises(MCPError) as err:
+                await s.call_tool("crm__lookup", {"q": f"{marker}-2"})
+            return err.value
+
+    err = run(go())
+    assert err.code == -32029 and err.data["code"] == "rate_limit_rpm"
+    assert Tools.runs(tools.stdio_log, "lookup", q=f"{marker}-2") == 0
+    assert Tools.runs(tools.stdio_log, "lookup", q=f"{marker}-0") == 1

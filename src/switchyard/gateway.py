@@ -383,6 +383,7 @@ class Gateway:
             self.pii.mask,
             self.metrics,
             self.tracing,
+            Reserver(self.limiter, settings, self.store.spent_since, self.counters),
         )
 
     def _build_rollouts(self, settings: Settings) -> Any:

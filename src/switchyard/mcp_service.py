@@ -54,7 +54,9 @@ from switchyard.execute.tool_once import ToolCallRecords
 from switchyard.identity import Principal
 from switchyard.observe.ledger import Finished
 from switchyard.pipeline import RequestContext, RequestInput, Timings, new_request_id
+from switchyard.policy.admit import principal_scopes
 from switchyard.policy.headers import ID_PATTERN
+from switchyard.policy.stages import Reserver
 from switchyard.policy.tasks import Running, TaskStore
 from switchyard.policy.tool_calls import ToolPolicy, args_digest
 from switchyard.request import Generation
@@ -114,8 +116,12 @@ class McpToolService:
         mask: Callable[[str], str],
         metrics: Any = None,
         tracing: Any = None,
+        reserver: Reserver | None = None,
     ) -> None:
+        """`reserver`: the key's and tenant's limits (rpm, concurrency, budget), each
+        call reserving as one request (no tokens, no cost), as a model call does."""
         self.settings = settings
+        self.reserver = reserver
         self.servers = servers
         self.policy = ToolPolicy(settings.tools)
         self.records = records
@@ -146,7 +152,11 @@ class McpToolService:
         known = found is not None and found[1] in found[0].tools
         ctx = self._context(who, name if known else UNKNOWN_TOOL)
         status = "error"
+        reserver = self.reserver
         try:
+            scopes = principal_scopes(who.principal) if reserver is not None else []
+            if reserver is not None and scopes:  # before anything reaches the tool
+                await reserver.reserve(ctx, scopes, "admit", (0, 0, None))
             result = await self._call(ctx, who, name, dict(arguments or {}), dict(meta or {}))
             status = "tool_error" if result.get("isError") else "ok"
             return result
@@ -157,6 +167,10 @@ class McpToolService:
             ctx.error_code = "cancelled"
             raise
         finally:
+            if reserver is not None:
+                pending = reserver.settle(ctx, "admit")
+                if pending is not None:
+                    await asyncio.shield(pending)
             ctx.timings.ended = time.perf_counter()
             ctx.finished = True
             self.ledger.record(Finished(ctx, status, 0, 0, 0.0))
