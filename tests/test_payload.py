@@ -97,6 +97,14 @@ PRIORITY_REGISTRY = Registry(
                     "engine": {"kind": "vllm", "scheduling_policy": "priority", "lazy": True},
                 },
                 {"alias": "f", "engine": {"kind": "vllm", "lazy": True}},
+                {
+                    "alias": "x",  # an external vLLM running its priority scheduler
+                    "engine": {
+                        "kind": "openai",
+                        "base_url": "http://127.0.0.1:9/v1",
+                        "scheduling_policy": "priority",
+                    },
+                },
             ],
             "embeddings": {"enabled": False},
         }
@@ -121,11 +129,15 @@ def test_a_priority_engine_gets_the_gateways_class_never_the_clients(
         body["priority"] = own
     if stream:
         body["stream"] = True
+    for alias in ("v", "x"):
+        body["model"] = alias
+        raw = orjson.dumps(body)
+        ctx = _ctx(raw)
+        ctx.admission.priority = cls
+        sent = upstream_payload(ctx, PRIORITY_REGISTRY.deployments[alias])
+        assert orjson.loads(sent)["priority"] == cls and sent.count(b'"priority"') == 1
+    body["model"] = "f"
     raw = orjson.dumps(body)
-    ctx = _ctx(raw)
-    ctx.admission.priority = cls
-    sent = upstream_payload(ctx, PRIORITY_REGISTRY.deployments["v"])
-    assert orjson.loads(sent)["priority"] == cls and sent.count(b'"priority"') == 1
     assert upstream_payload(_ctx(raw), PRIORITY_REGISTRY.deployments["f"]).count(b'"priority"') == (
         own is not None
     )

@@ -799,6 +799,10 @@ class OpenAIEngine(UpstreamEngine):
     kind: Literal["openai"]
     """`openai`: an OpenAI-compatible server (vLLM, llama.cpp server, a hosted provider) that
     Switchyard calls but does not manage."""
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """`priority` when the server is a vLLM started with `--scheduling-policy priority`: each
+    request carries its scheduling class as vLLM's `priority` field (0 interactive, 1 standard,
+    2 batch), a client's own value replaced, so no client can jump the engine's queue."""
     load_metrics: Literal["none", "vllm", "llamacpp"] = "none"
     """What the server is, for reading its own load from its /metrics (beside base_url's /v1) every
     `engines.state_interval_s`: `vllm` or `llamacpp` (llama-server with --metrics --slots); `none`

@@ -147,8 +147,10 @@ class Deployment:
         )
         self.min_attempt_s = self.model.resilience.min_attempt_s
         self.token_ids = token_ids_support(self.model)
+        # vLLM's priority scheduler, managed or external: the request's class is sent
+        priority_spec = isinstance(spec, VllmEngine | OpenAIEngine)
         self.sends_priority = (
-            vllm and isinstance(spec, VllmEngine) and spec.scheduling_policy == "priority"
+            priority_spec and getattr(spec, "scheduling_policy", "fcfs") == "priority"
         )
 
     @property
