@@ -408,6 +408,16 @@ def scripted() -> Iterator[Scripted]:
     proc.stop()
 
 
+@pytest.fixture(scope="module")
+def two() -> Iterator[tuple[Scripted, Scripted]]:
+    """Two scripted upstreams for a module's gateways (two deployments of one alias)."""
+    pa, a = start_scripted()
+    pb, b = start_scripted()
+    yield a, b
+    pa.stop()
+    pb.stop()
+
+
 @pytest.fixture(scope="session")
 def embed() -> Any:
     """all-MiniLM-L6-v2 from the installed wheel, loaded once for the whole run:

@@ -11,7 +11,6 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -19,7 +18,7 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.conftest import Gateway, Scripted, start_gateway, start_scripted
+from tests.conftest import Gateway, Scripted, start_gateway
 
 from switchyard.config import ConfigError, Settings, parse_settings
 from switchyard.decide.balance import Balancer, affinity_key, prompt_prefix
@@ -207,15 +206,6 @@ def test_bad_deployment_configs_name_the_key(model: dict[str, Any], needle: str)
 
 
 # -- through the gateway ---------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def two() -> Iterator[tuple[Scripted, Scripted]]:
-    pa, a = start_scripted()
-    pb, b = start_scripted()
-    yield a, b
-    pa.stop()
-    pb.stop()
 
 
 def _gateway(two: tuple[Scripted, Scripted], strategy: str, **balance: Any) -> Gateway:

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import Proc, Scripted, free_port, start_gateway, start_scripted, wait_http
+from conftest import Proc, Scripted, free_port, start_gateway, wait_http
 from switchyard.config import LlamaCppEngine
 from switchyard.engines.assets import smollm2_gguf_path
 from switchyard.engines.llamacpp import llama_server_binary
@@ -131,15 +131,6 @@ def test_an_engine_that_stops_answering_keeps_an_error_and_goes_stale() -> None:
 
 
 # -- the balancer of a real gateway, over two upstreams reporting their load --------------
-
-
-@pytest.fixture(scope="module")
-def two() -> Iterator[tuple[Scripted, Scripted]]:
-    pa, a = start_scripted()
-    pb, b = start_scripted()
-    yield a, b
-    pa.stop()
-    pb.stop()
 
 
 def _gateway(a: Scripted, b: Scripted, strategy: str) -> Any:

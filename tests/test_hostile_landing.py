@@ -84,7 +84,7 @@ def _open_session(g: Gateway, key: str) -> str:
     sid = r.headers["mcp-session-id"]
     r = httpx.post(
         g.url + "/mcp",
-        headers={**auth, **ACCEPT, "mcp-session-id": sid, "mcp-protocol-version": VERSION},
+        headers=_in_session(key, sid),
         json={"jsonrpc": "2.0", "method": "notifications/initialized"},
         timeout=30,
     )
@@ -92,15 +92,20 @@ def _open_session(g: Gateway, key: str) -> str:
     return sid
 
 
+def _in_session(key: str, sid: str) -> dict[str, str]:
+    """The headers of a JSON-RPC request in the MCP session `sid`, with `key`."""
+    return {
+        "authorization": f"Bearer {key}",
+        **ACCEPT,
+        "mcp-session-id": sid,
+        "mcp-protocol-version": VERSION,
+    }
+
+
 def _ping(g: Gateway, key: str, sid: str) -> httpx.Response:
     return httpx.post(
         g.url + "/mcp",
-        headers={
-            "authorization": f"Bearer {key}",
-            **ACCEPT,
-            "mcp-session-id": sid,
-            "mcp-protocol-version": VERSION,
-        },
+        headers=_in_session(key, sid),
         json={"jsonrpc": "2.0", "id": 9, "method": "ping"},
         timeout=30,
     )
@@ -366,12 +371,7 @@ def test_a_malformed_jsonrpc_body_gets_no_exception_text(gw: Gateway, body: byte
     r = httpx.post(
         gw.url + "/mcp",
         content=body,
-        headers={
-            "authorization": f"Bearer {gw.key}",
-            **ACCEPT,
-            "mcp-session-id": sid,
-            "mcp-protocol-version": VERSION,
-        },
+        headers=_in_session(gw.key, sid),
         timeout=30,
     )
     assert r.status_code == 400, r.text
@@ -384,12 +384,7 @@ def test_a_malformed_jsonrpc_body_gets_no_exception_text(gw: Gateway, body: byte
 def test_an_oversized_jsonrpc_body_is_a_jsonrpc_413(gw: Gateway) -> None:
     sid = _open_session(gw, gw.key)
     big = b'{"jsonrpc": "2.0", "id": 1, "method": "ping", "params": {"x": "' + b"a" * 9_000_000
-    headers = {
-        "authorization": f"Bearer {gw.key}",
-        **ACCEPT,
-        "mcp-session-id": sid,
-        "mcp-protocol-version": VERSION,
-    }
+    headers = _in_session(gw.key, sid)
     for content in (big + b'"}}', iter([big, b'"}}'])):  # declared, and streamed (chunked)
         r = httpx.post(gw.url + "/mcp", content=content, headers=headers, timeout=60)
         assert r.status_code == 413, r.text
@@ -404,12 +399,7 @@ def test_the_name_of_an_unknown_tool_is_not_kept_at_rest(gw: Gateway) -> None:
     secret = "john.doe." + os.urandom(4).hex() + "@example.com"
     r = httpx.post(
         gw.url + "/mcp",
-        headers={
-            "authorization": f"Bearer {gw.key}",
-            **ACCEPT,
-            "mcp-session-id": sid,
-            "mcp-protocol-version": VERSION,
-        },
+        headers=_in_session(gw.key, sid),
         json={
             "jsonrpc": "2.0",
             "id": 2,
@@ -435,12 +425,7 @@ def test_an_operator_resolves_only_the_call_named(gw: Gateway) -> None:
     sid = _open_session(gw, gw.key)
     r = httpx.post(
         gw.url + "/mcp",
-        headers={
-            "authorization": f"Bearer {gw.key}",
-            **ACCEPT,
-            "mcp-session-id": sid,
-            "mcp-protocol-version": VERSION,
-        },
+        headers=_in_session(gw.key, sid),
         json={
             "jsonrpc": "2.0",
             "id": 3,
@@ -535,12 +520,7 @@ def test_a_side_effect_whose_result_is_malformed_is_never_run_twice(scripted: Sc
             "method": "tools/call",
             "params": {"name": "bank__pay", "arguments": {"amount": 5}, "_meta": {"call_id": "p1"}},
         }
-        headers = {
-            "authorization": f"Bearer {g.key}",
-            **ACCEPT,
-            "mcp-session-id": sid,
-            "mcp-protocol-version": VERSION,
-        }
+        headers = _in_session(g.key, sid)
         codes = []
         for _ in range(2):  # the client repeats a call that failed
             r = httpx.post(g.url + "/mcp", headers=headers, json=call, timeout=30)

@@ -5,7 +5,6 @@ scripted upstreams, one labelled as on the device and one in the cloud."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -13,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import Gateway, Scripted, start_gateway, start_scripted
+from conftest import Gateway, Scripted, start_gateway
 from switchyard.config import ConfigError, PlacementConfig, Settings, parse_settings
 from switchyard.decide.placement import (
     DeviceState,
@@ -265,15 +264,6 @@ def test_device_and_network_headers_are_bounded_and_validated() -> None:
 
 
 # -- through the gateway ---------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def two() -> Iterator[tuple[Scripted, Scripted]]:
-    pd, dev = start_scripted()
-    pc, cloud = start_scripted()
-    yield dev, cloud
-    pd.stop()
-    pc.stop()
 
 
 def _gateway(two: tuple[Scripted, Scripted], **placement: Any) -> Gateway:

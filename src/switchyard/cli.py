@@ -638,12 +638,17 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_limit_options(p: argparse.ArgumentParser) -> None:
+def _add_limits(p: argparse.ArgumentParser) -> None:
+    """The limits `create` sets and `update` changes (KeyStore.UPDATABLE's)."""
     p.add_argument("--rpm", type=int)
     p.add_argument("--tpm", type=int)
     p.add_argument("--max-concurrency", type=int)
     p.add_argument("--budget-usd", type=float)
     p.add_argument("--budget-period", choices=["day", "month"])
+
+
+def _add_limit_options(p: argparse.ArgumentParser) -> None:
+    _add_limits(p)
     p.add_argument("--models", help="comma-separated aliases or wildcards (default: all)")
     p.add_argument(
         "--task-budget",
@@ -663,11 +668,7 @@ def _add_priority_option(p: argparse.ArgumentParser) -> None:
 
 def _add_update_options(p: argparse.ArgumentParser) -> None:
     """What `tenants update` and `keys update` change (KeyStore.UPDATABLE)."""
-    p.add_argument("--rpm", type=int)
-    p.add_argument("--tpm", type=int)
-    p.add_argument("--max-concurrency", type=int)
-    p.add_argument("--budget-usd", type=float)
-    p.add_argument("--budget-period", choices=["day", "month"])
+    _add_limits(p)
     _add_priority_option(p)
 
 

@@ -101,6 +101,19 @@ def _call_id(value: Any, where: str) -> str:
     )
 
 
+@dataclass(slots=True)
+class Forward:
+    """A governed call ready to go to its tool server: its request, the server and the
+    tool's own name there, its arguments, timeout and the evidence its decisions show."""
+
+    ctx: RequestContext
+    server: Any
+    tool: str
+    arguments: dict[str, Any]
+    timeout: float
+    evidence: dict[str, Any]
+
+
 class McpToolService:
     """The tool half of agent tasks (see the module docstring)."""
 
@@ -252,9 +265,10 @@ class McpToolService:
             "call_id": call_id,
             "arguments": self._excerpt(arguments),
         }
+        call = Forward(ctx, server, tool, arguments, timeout, evidence)
         if not keyed or call_id is None:
             ctx.record("tool_once", "skip", "read-only or unidentified: not recorded", t)
-            return await self._run(ctx, server, tool, arguments, timeout, evidence, retry=not keyed)
+            return await self._run(call, retry=not keyed)
 
         t = time.perf_counter()
         wait_until = time.perf_counter() + min(timeout, self.settings.mcp.wait_s)
@@ -292,7 +306,7 @@ class McpToolService:
         except BaseException:
             await self.records.release(tenant, call_id)
             raise
-        return await self._run_once(ctx, server, tool, arguments, timeout, evidence, call_id)
+        return await self._run_once(call, call_id)
 
     async def _timeout(
         self, ctx: RequestContext, who: Caller, server_s: float
@@ -381,20 +395,11 @@ class McpToolService:
             code="approval_required",
         )
 
-    async def _run_once(
-        self,
-        ctx: RequestContext,
-        server: Any,
-        tool: str,
-        arguments: dict[str, Any],
-        timeout: float,
-        evidence: dict[str, Any],
-        call_id: str,
-    ) -> dict[str, Any]:
+    async def _run_once(self, call: Forward, call_id: str) -> dict[str, Any]:
         """Run a claimed call and record its outcome for every repeat."""
-        tenant = ctx.principal.tenant_id
+        tenant = call.ctx.principal.tenant_id
         try:
-            result = await self._run(ctx, server, tool, arguments, timeout, evidence, retry=False)
+            result = await self._run(call, retry=False)
         except (ToolCallInDoubt, TaskCancelled):
             await self.records.doubt(tenant, call_id)
             raise
@@ -410,17 +415,10 @@ class McpToolService:
         await self.records.complete(tenant, call_id, result)
         return result
 
-    async def _run(
-        self,
-        ctx: RequestContext,
-        server: Any,
-        tool: str,
-        arguments: dict[str, Any],
-        timeout: float,
-        evidence: dict[str, Any],
-        retry: bool,
-    ) -> dict[str, Any]:
+    async def _run(self, call: Forward, retry: bool) -> dict[str, Any]:
         """Forward the call (in a task of its own, so a task cancel can stop it)."""
+        ctx, server, tool, arguments = call.ctx, call.server, call.tool, call.arguments
+        timeout, evidence = call.timeout, call.evidence
         key = (ctx.principal.tenant_id, ctx.input.task_id) if ctx.input.task_id else None
         meta = {"switchyard/request_id": ctx.input.request_id}
 

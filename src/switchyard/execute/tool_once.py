@@ -73,12 +73,11 @@ class ToolCallRecords:
         self,
         tenant: str,
         call_id: str,
-        task: str | None,
-        tool: str,
-        digest: str,
-        request_id: str,
+        call: tuple[str | None, str, str, str],
         stale_after_s: float,
     ) -> Claim:
+        """`claim`'s one look at the table; `call`: (task, tool, digest, request id)."""
+        task, tool, digest, request_id = call
         now = time.time()
         with self._lock:
             row = self.conn.execute(
@@ -130,9 +129,8 @@ class ToolCallRecords:
         perf_counter seconds) while another request runs it. A call in flight for longer
         than `stale_after_s` lost its owner (a gateway stopped mid-call): in doubt."""
         while True:
-            got = await self._run(
-                self._claim, tenant, call_id, task, tool, digest, request_id, stale_after_s
-            )
+            call = (task, tool, digest, request_id)
+            got = await self._run(self._claim, tenant, call_id, call, stale_after_s)
             if got.state == "owner":
                 self._events[(tenant, call_id)] = asyncio.Event()
                 return got
