@@ -4,12 +4,17 @@ scripted upstream's capacity model it relies on."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from switchyard.bench import agent, scheduling
+from switchyard.bench.harness import stop_all
 from switchyard.bench.metrics import RequestRecord
 from switchyard.bench.scripted_upstream import ScriptedUpstream
 
@@ -88,3 +93,40 @@ def test_scripted_upstream_serves_at_most_its_concurrency_and_the_asked_length()
         return busy, arrived, sized.json()["usage"]["completion_tokens"]
 
     assert asyncio.run(probe()) == (2, 4, 3)
+
+
+LLAMA = WORKLOAD.with_name("scheduling-llama.yaml")
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.floats(0.0, 5.0),
+    st.floats(0.0, 0.1),
+    st.lists(st.integers(1, 4000), min_size=2, max_size=40).filter(lambda xs: len(set(xs)) > 1),
+)
+def test_fit_line_recovers_the_line_it_was_given(a: float, b: float, xs: list[int]) -> None:
+    got = scheduling.fit_line([(x, a + b * x) for x in xs])
+    assert got == pytest.approx((a, b), rel=1e-6, abs=1e-9)
+
+
+def test_the_llama_workload_measures_its_engine_before_it_runs(tmp_path: Path) -> None:
+    w = scheduling.load_workload(str(LLAMA))
+    assert w.real and w.concurrency == 4 and w.deadline_s == 0.0  # not known before measuring
+    small = replace(w, concurrency=2)
+    children: list[Any] = []
+    try:
+        port = scheduling.start_engine(small, tmp_path, children)
+        m = asyncio.run(scheduling.calibrate(small, f"http://127.0.0.1:{port}", seconds=3.0))
+    finally:
+        stop_all(children)
+    assert m.service_ms > 0 and m.token_ms > 0  # longer answers took longer
+    assert m.deadline_s == pytest.approx(4.7 * m.critical_path_s())
+    assert m.critical_path_s() == pytest.approx(m.service_s(32) + m.service_s(16) + m.service_s(64))
+    assert m.interactive_slo_ms == pytest.approx(5 * m.interactive_work_s * 1000)
+    assert m.interactive_timeout_s == pytest.approx(10 * m.interactive_work_s)
+    for s in m.graph.steps:  # each step asks for its own length, with the measured deadline
+        assert s.max_tokens == scheduling.step_tokens(s)
+        assert float(s.headers["x-task-timeout"]) == pytest.approx(m.deadline_s, abs=1e-3)
+    assert m.calibration is not None and m.calibration["requests"] >= 2
+    # ignore_eos: the engine generated the lengths asked for (16 to 64 tokens a request)
+    assert 16 <= m.calibration["mean_tokens"] <= 64

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import Gateway, Scripted, start_gateway
+from conftest import Gateway, Scripted, start_gateway, start_scripted
 from switchyard.errors import DeadlineUnreachable, Overloaded, RateLimited, SwitchyardError
 from switchyard.policy.admission import STANDARD, DeploymentGate, Priority, ServiceModel, SlotAsk
 
@@ -272,6 +272,95 @@ def test_a_full_queue_gives_a_new_tasks_place_to_an_admitted_tasks_step() -> Non
     assert run(probe("fcfs")) == ["later queue_full", "first queued"]
 
 
+HOLD = SlotAsk(Priority.STANDARD, ("t", "hold"), 2, None)  # holds a slot, plans nothing
+
+
+def second_task_verdict(prepare: Any = None) -> tuple[str, dict[str, Any]]:
+    """Two slots held, task A (5 steps of 1 s, 20 s left) queued: what becomes of task B
+    (5 steps, 10 s left) after `prepare(gate, clock)`, and the admission's evidence.
+    With both slots for tasks B waits 5 s of A's work / 2 slots + 5 s of its own = 7.5 s,
+    within 80 % of its 10 s; with one slot, 10 s, past it."""
+
+    async def probe() -> tuple[str, dict[str, Any]]:
+        clock = Clock()
+        g = trained(DeploymentGate("m", 2, 16, "task_aware", 2.0, 0.8, clock))
+        if prepare is not None:
+            prepare(g, clock)
+        assert g.try_acquire(HOLD) is not None and g.try_acquire(HOLD) is not None
+        a = asyncio.create_task(g.acquire(clock.t + 20.0, task("A", 1)))
+        b = asyncio.create_task(g.acquire(clock.t + 10.0, task("B", 1)))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        verdict, evidence = "queued", {}
+        if b.done():
+            exc = b.exception()
+            assert isinstance(exc, Overloaded) and exc.evidence is not None
+            verdict, evidence = exc.code, exc.evidence["admission"]
+        for job in (a, b):
+            job.cancel()
+        await asyncio.gather(a, b, return_exceptions=True)
+        return verdict, evidence
+
+    return run(probe())
+
+
+def singles(n: int, priority: Priority = Priority.STANDARD) -> Any:
+    """`n` single calls arrive at once (each served at once and answered in 1 s)."""
+    ask = STANDARD if priority is Priority.STANDARD else SlotAsk(priority)
+
+    def prepare(g: DeploymentGate, clock: Clock) -> None:
+        for _ in range(n):
+            assert g.try_acquire(ask) is not None
+            g.release(1.0, 100, ask)
+
+    return prepare
+
+
+def test_single_calls_keep_arriving_so_a_new_task_counts_the_slots_they_take() -> None:
+    assert second_task_verdict()[0] == "queued"
+    # 30 single calls in the 30 s window: one a second, 1 s each: one slot is theirs.
+    verdict, evidence = second_task_verdict(singles(30))
+    assert verdict == "overloaded"
+    assert evidence["capacity"] == {"slots": 1.0, "single_calls": 1.0, "other_clients": 0}
+    assert evidence["wait_s"] == 5.0
+    # Batch calls rank below a standard task: they take nothing from it.
+    assert second_task_verdict(singles(30, Priority.BATCH))[0] == "queued"
+    assert second_task_verdict(singles(30, Priority.INTERACTIVE))[0] == "overloaded"
+
+
+def test_the_single_calls_rate_decays_with_time() -> None:
+    def then_quiet(g: DeploymentGate, clock: Clock) -> None:
+        singles(30)(g, clock)
+        clock.t = 2 * DeploymentGate.SINGLES_WINDOW_S  # e^-2 of a slot left: 1.86 slots
+
+    assert second_task_verdict(then_quiet)[0] == "queued"
+
+
+def test_other_clients_requests_at_the_engines_take_capacity() -> None:
+    def busy(g: DeploymentGate, clock: Clock) -> None:
+        g.others = lambda: 1
+
+    verdict, evidence = second_task_verdict(busy)
+    assert verdict == "overloaded"
+    assert evidence["capacity"]["other_clients"] == 1 and evidence["capacity"]["slots"] == 1.0
+
+    def absurd(g: DeploymentGate, clock: Clock) -> None:
+        g.others = lambda: 10**12  # never below one slot, never an error
+
+    verdict, evidence = second_task_verdict(absurd)
+    assert verdict == "overloaded" and evidence["capacity"]["slots"] == 1.0
+
+
+def test_a_single_calls_expected_length_is_learned_apart_from_tasks_steps() -> None:
+    m = ServiceModel()
+    for _ in range(ServiceModel.MIN_SAMPLES):
+        m.observe(0.2, 10, STANDARD.step_key)
+        m.observe(2.0, 500, (5, 5))
+    single = m.estimate(SlotAsk(Priority.INTERACTIVE))
+    assert single is not None and single.source == "step"
+    assert single.service_s == pytest.approx(0.2)
+
+
 # -- through the gateway ------------------------------------------------------------------
 
 
@@ -355,3 +444,51 @@ def test_the_class_is_the_tenants_lowered_by_the_header(gw: Gateway, scripted: S
         ]
         classes.append(queue[-1]["evidence"]["class"])
     assert classes == ["interactive", "batch"]
+
+
+def test_the_engines_report_of_other_clients_reaches_task_admission() -> None:
+    """A gateway reading its upstream's /metrics: requests beyond its own are another
+    client's, and the admission of a new task counts them (trace evidence)."""
+    proc, s = start_scripted()
+    model = {
+        "alias": "busy",
+        "engine": {"kind": "openai", "base_url": s.url + "/v1", "load_metrics": "vllm"},
+        "limits": {"max_concurrency": 2, "queue": 4},
+    }
+    g = start_gateway(
+        {
+            "models": [model],
+            "engines": {"state_interval_s": 0.1, "state_stale_s": 2.0},
+            "embeddings": {"enabled": False},
+        }
+    )
+    try:
+
+        def chat(**headers: str) -> httpx.Response:
+            body = {"model": "busy", "messages": [{"role": "user", "content": "hi"}]}
+            return httpx.post(
+                g.url + "/v1/chat/completions", json=body, headers={**g.auth, **headers}, timeout=30
+            )
+
+        for _ in range(ServiceModel.MIN_SAMPLES + 1):  # learn the service time
+            assert chat().status_code == 200
+        r = httpx.put(s.url + "/control/load", json={"running": 5, "waiting": 0}, timeout=5)
+        assert r.status_code == 200
+        s.fault("delay:1500", count=2)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(chat) for _ in range(2)]  # both slots, 1.5 s each
+            time.sleep(0.6)  # held, and the engine read since
+            step = chat(
+                **{"x-task-id": "t-busy", "x-task-planned-steps": "3", "x-task-timeout": "30"}
+            )
+            assert all(h.result().status_code == 200 for h in held)
+        assert step.status_code == 200, step.text
+        queue = [
+            d for d in _decisions(g.trace(step.headers["x-request-id"])) if d["stage"] == "queue"
+        ]
+        capacity = queue[-1]["evidence"]["admission"]["capacity"]
+        assert capacity["other_clients"] == 3  # 5 at the engine, 2 of them ours
+        assert capacity["slots"] == 1.0
+    finally:
+        g.proc.stop()
+        proc.stop()

@@ -37,7 +37,7 @@ from switchyard.decide.stages import (
 from switchyard.embed import EmbeddingService
 from switchyard.engines import lora_train
 from switchyard.engines.pool import EnginePool
-from switchyard.engines.registry import Deployment, Registry
+from switchyard.engines.registry import Deployment, Registry, others_at
 from switchyard.errors import InvalidRequest, ModelNotFound
 from switchyard.execute.embeddings import Embeddings
 from switchyard.execute.executor import Executor
@@ -299,6 +299,9 @@ class Gateway:
             )
             for m in settings.models
         }
+        for alias, gate in self.gates.items():  # other clients' load on its engines
+            deps = self.registry.replicas.get(alias) or [self.registry.deployments[alias]]
+            gate.others = others_at(deps, _in_flight(gate))
         for a in settings.adapters:  # an adapter runs in its base's slots
             self.gates[a.name] = self.gates[a.base]
         self.counters: dict[str, int] = {"limiter_fail_open": 0, "limiter_fail_closed": 0}
@@ -807,3 +810,8 @@ def _log_failure(fut: Any) -> None:
     exc = fut.exception()
     if exc is not None:
         log.error("storing a deployment weight failed: %s", exc)
+
+
+def _in_flight(gate: DeploymentGate) -> Callable[[], int]:
+    """The requests holding `gate`'s slots now."""
+    return lambda: gate.in_flight

@@ -15,7 +15,17 @@ their configs) and, per load, sends the same seeded Poisson arrivals to each in 
 
 Capacity is known: slot-seconds per second = the upstream's concurrency; a task costs
 the sum of its steps' service times, an interactive call its own; load L offers L times
-the capacity. Per point it reports task goodput (good tasks per minute of arrivals),
+the capacity.
+
+`upstream: {kind: llama-server, parallel: P}` runs the same comparison against a real
+llama-server (the embedded model's, one engine for both gateways, read by them through
+its `/metrics`): its capacity is its P slots and the model's speed on this machine, so
+the run first measures it (`calibrate`: P closed-loop clients sending the workload's own
+requests straight to the engine, a + b x tokens fitted to their times) and states the
+deadline, the interactive timeout and the SLO as multiples (`deadline_x`, `timeout_x`,
+`slo_x`) of the loaded critical path and service time. A step's `[[tokens:K]]` is then
+its `max_tokens`, with `ignore_eos`, so that it generates K tokens as the script would;
+the gateways' estimates still learn lengths from answers, never from the cap. Per point it reports task goodput (good tasks per minute of arrivals),
 task E2E p50/p95, interactive p95, refusals by (status, code) and wasted work (tokens
 of the steps of tasks that were not good).
 """
@@ -27,12 +37,14 @@ import random
 import re
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import yaml
 
 from switchyard.bench import agent, load, tokens
@@ -83,6 +95,28 @@ class Workload:
     # Not in the file: `--interactive-priority` runs the gateways with auth on, the tasks
     # with a standard key and the interactive calls with a key of this class.
     interactive_priority: str | None = None
+    # `upstream.kind: llama-server`: its slots, threads and context, and the times as
+    # multiples of what `calibrate` measures (service_ms, token_ms and the absolute times
+    # above are set from the measurement).
+    upstream_kind: str = "scripted"
+    threads: int = 2
+    ctx: int = 4096
+    deadline_x: float | None = None
+    timeout_x: float | None = None
+    slo_x: float | None = None
+    calibration: dict[str, Any] | None = None
+
+    @property
+    def real(self) -> bool:
+        return self.upstream_kind == "llama-server"
+
+    def critical_path_s(self) -> float:
+        """Service seconds along the task graph's longest chain of dependent steps."""
+        done: dict[str, float] = {}
+        for st in self.graph.steps:  # parents first
+            start = max((done[p] for p in st.depends_on), default=0.0)
+            done[st.id] = start + self.service_s(step_tokens(st))
+        return max(done.values(), default=0.0)
 
     def service_s(self, tokens: int) -> float:
         return (self.service_ms + self.token_ms * tokens) / 1000
@@ -108,13 +142,16 @@ class Workload:
                 "name": self.graph.name,
                 "steps": {s.id: step_tokens(s) for s in self.graph.steps},
                 "edges": {s.id: list(s.depends_on) for s in self.graph.steps if s.depends_on},
-                "deadline_s": self.deadline_s,
+                "deadline_s": round(self.deadline_s, 3),
+                "critical_path_s": round(self.critical_path_s(), 3),
                 "work_s": round(self.task_work_s, 3),
             },
             "upstream": {
+                "kind": self.upstream_kind,
                 "concurrency": self.concurrency,
-                "service_ms": self.service_ms,
-                "token_ms": self.token_ms,
+                "service_ms": round(self.service_ms, 3),
+                "token_ms": round(self.token_ms, 4),
+                "calibration": self.calibration,
             },
             "gateway": {
                 "max_concurrency": self.max_concurrency,
@@ -124,8 +161,8 @@ class Workload:
             "interactive": {
                 "per_task": self.interactive_per_task,
                 "tokens": self.interactive_tokens,
-                "timeout_s": self.interactive_timeout_s,
-                "slo_ms": self.interactive_slo_ms,
+                "timeout_s": round(self.interactive_timeout_s, 3),
+                "slo_ms": round(self.interactive_slo_ms, 1),
                 "work_s": round(self.interactive_work_s, 3),
                 "priority": self.interactive_priority,
             },
@@ -156,12 +193,16 @@ def load_workload(
     if len(graphs) != 1:
         raise ValueError(f"{path}: --schedulers takes one task graph")
     up, gw, task, inter = s["upstream"], s["gateway"], s["task"], s["interactive"]
+    kind = str(up.get("kind", "scripted"))
+    if kind not in ("scripted", "llama-server"):
+        raise ValueError(f"{path}: upstream.kind is scripted or llama-server, not {kind!r}")
+    real = kind == "llama-server"
     w = Workload(
         graph=graphs[0],
         seed=int(s.get("seed", 0)),
-        concurrency=int(up["concurrency"]),
-        service_ms=float(up["service_ms"]),
-        token_ms=float(up["token_ms"]),
+        concurrency=int(up["parallel"] if real else up["concurrency"]),
+        service_ms=0.0 if real else float(up["service_ms"]),
+        token_ms=0.0 if real else float(up["token_ms"]),
         max_concurrency=int(gw["max_concurrency"]),
         queue=int(gw["queue"]),
         resilience=dict(gw.get("resilience") or {}),
@@ -169,20 +210,107 @@ def load_workload(
         warmup_s=float(s.get("warmup_s", 0.0)),
         duration_s=float(duration_s if duration_s is not None else s["duration_s"]),
         max_tokens=int(s["max_tokens"]),
-        deadline_s=float(task["deadline_s"]),
+        deadline_s=0.0 if real else float(task["deadline_s"]),
         interactive_per_task=float(inter["per_task"]),
         interactive_tokens=int(inter["tokens"]),
-        interactive_timeout_s=float(inter["timeout_s"]),
-        interactive_slo_ms=float(inter["slo_ms"]),
+        interactive_timeout_s=0.0 if real else float(inter["timeout_s"]),
+        interactive_slo_ms=0.0 if real else float(inter["slo_ms"]),
         interactive_priority=interactive_priority,
+        upstream_kind=kind,
+        threads=int(up.get("threads", 2)),
+        ctx=int(up.get("ctx", 4096)),
+        deadline_x=float(task["deadline_x"]) if real else None,
+        timeout_x=float(inter["timeout_x"]) if real else None,
+        slo_x=float(inter["slo_x"]) if real else None,
     )
     for st in w.graph.steps:
         step_tokens(st)
-    timeout = {"x-task-timeout": f"{w.deadline_s:g}"}
+    return w if w.real else with_times(w)
+
+
+def with_times(w: Workload) -> Workload:
+    """The steps with their task deadline and their `max_tokens`: the cap for the
+    scripted upstream, the step's own length (with `ignore_eos`) for a real engine."""
+    timeout = {"x-task-timeout": f"{w.deadline_s:.3f}".rstrip("0").rstrip(".")}
     steps = tuple(
-        replace(st, max_tokens=w.max_tokens, headers=st.headers | timeout) for st in w.graph.steps
+        replace(
+            st,
+            max_tokens=step_tokens(st) if w.real else w.max_tokens,
+            headers=st.headers | timeout,
+        )
+        for st in w.graph.steps
     )
     return replace(w, graph=agent.TaskGraph(w.graph.name, steps))
+
+
+CALIBRATE_S = 20.0  # closed-loop seconds per calibration
+
+
+async def calibrate(w: Workload, engine_url: str, seconds: float = CALIBRATE_S) -> Workload:
+    """Measure a real engine's service time at full load: `concurrency` clients send the
+    workload's requests (every step's and the interactive call's, in turn, parents'
+    outputs stood in by words of their length) straight to the engine for `seconds`;
+    slot seconds = a + b x tokens, least squares. The deadline, interactive timeout and
+    SLO are then the workload's multiples of the critical path and the call's time."""
+    lengths = {st.id: step_tokens(st) for st in w.graph.steps}
+    prompts = [
+        (agent.fill(st.prompt, {k: "word " * n for k, n in lengths.items()}), lengths[st.id])
+        for st in w.graph.steps
+    ] + [(f"[[tokens:{w.interactive_tokens}]] A quick question.", w.interactive_tokens)]
+    samples: list[tuple[int, float]] = []
+    end = time.monotonic() + seconds
+
+    async def client(session: aiohttp.ClientSession, offset: int) -> None:
+        i = offset
+        while time.monotonic() < end:
+            prompt, n = prompts[i % len(prompts)]
+            i += 1
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": n,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
+            t = time.perf_counter()
+            async with session.post(engine_url + "/v1/chat/completions", json=body) as r:
+                data = await r.json()
+            if r.status != 200:
+                raise RuntimeError(f"calibration: the engine answered {r.status}: {data}")
+            samples.append((int(data["usage"]["completion_tokens"]), time.perf_counter() - t))
+
+    timeout = aiohttp.ClientTimeout(total=max(60.0, seconds * 3))
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(client(session, k) for k in range(w.concurrency)))
+    a, b = fit_line(samples)
+    measured = replace(w, service_ms=a * 1000, token_ms=b * 1000)
+    assert w.deadline_x is not None and w.timeout_x is not None and w.slo_x is not None
+    measured = replace(
+        measured,
+        deadline_s=w.deadline_x * measured.critical_path_s(),
+        interactive_timeout_s=w.timeout_x * measured.interactive_work_s,
+        interactive_slo_ms=w.slo_x * measured.interactive_work_s * 1000,
+        calibration={
+            "seconds": seconds,
+            "requests": len(samples),
+            "mean_tokens": round(sum(n for n, _ in samples) / max(1, len(samples)), 1),
+        },
+    )
+    return with_times(measured)
+
+
+def fit_line(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """(a, b) of y = a + b x by least squares; one length seen: (its mean, 0)."""
+    if not samples:
+        raise RuntimeError("calibration: no request was answered")
+    n = len(samples)
+    mx = sum(x for x, _ in samples) / n
+    my = sum(y for _, y in samples) / n
+    var = sum((x - mx) ** 2 for x, _ in samples)
+    if var == 0:
+        return my, 0.0
+    b = sum((x - mx) * (y - my) for x, y in samples) / var
+    return max(0.0, my - b * mx), max(0.0, b)
 
 
 def schedule(w: Workload, load_x: float) -> list[tuple[float, str]]:
@@ -213,7 +341,7 @@ async def run_point(
         model=MODEL,
         api_key=target_.task_key,
         timeout_s=60.0,
-        sampling={"temperature": 0},
+        sampling={"temperature": 0, "ignore_eos": True} if w.real else {"temperature": 0},
     )
     tag = uuid.uuid4().hex[:8]
     counter = iter(range(sys.maxsize))
@@ -237,7 +365,8 @@ async def run_point(
                 next(counter), f"bench-{uuid.uuid4().hex[:16]}", 0.0, t, warmup=warm
             )
             singles.append(rec)
-            spec = RequestSpec([{"role": "user", "content": prompt}], w.max_tokens)
+            cap = w.interactive_tokens if w.real else w.max_tokens
+            spec = RequestSpec([{"role": "user", "content": prompt}], cap)
             await client.send(spec, rec, inter_headers)
 
     async with load.Client(target, clock) as client:
@@ -306,6 +435,7 @@ class Target:
     url: str
     task_key: str | None = None
     interactive_key: str | None = None
+    engine_port: int | None = None  # the llama-server behind it, when real
 
 
 def _gateway_config(w: Workload, policy: str, gw_port: int, up_port: int, db: Path) -> str:
@@ -313,6 +443,9 @@ def _gateway_config(w: Workload, policy: str, gw_port: int, up_port: int, db: Pa
     if w.interactive_priority is not None:
         base = auth_config(base, db)
     cfg: dict[str, Any] = yaml.safe_load(base)
+    if w.real:  # the engine's own load too, as a gateway in front of llama-server reads it
+        cfg["models"][0]["engine"]["load_metrics"] = "llamacpp"
+        cfg["models"][0]["revision"] = "smollm2"
     cfg["models"][0]["limits"] = {"max_concurrency": w.max_concurrency, "queue": w.queue}
     if w.resilience:
         cfg["models"][0]["resilience"] = w.resilience
@@ -344,22 +477,46 @@ def _keys(w: Workload, db: Path) -> tuple[str | None, str | None]:
     return keys[0], keys[1]
 
 
+def start_engine(w: Workload, workdir: Path, children: list[Child]) -> int:
+    """A llama-server with the embedded model, its slots and metrics on; its port."""
+    from switchyard.config import LlamaCppEngine
+    from switchyard.engines.assets import smollm2_gguf_path
+    from switchyard.engines.llamacpp import llama_server_binary
+
+    port = free_port()
+    argv = [
+        llama_server_binary(LlamaCppEngine(kind="llamacpp")), "-m", smollm2_gguf_path(),
+        "--host", "127.0.0.1", "--port", str(port), "--metrics", "--slots",
+        "-np", str(w.concurrency), "-c", str(w.ctx), "-t", str(w.threads),
+    ]  # fmt: skip
+    engine = spawn("llama-server", argv, workdir)
+    children.append(engine)
+    wait_ready(engine, partial(_upstream_ready, port), 180)
+    return port
+
+
 def start_targets(
     w: Workload, schedulers: list[str], workdir: Path, children: list[Child]
 ) -> dict[str, Target]:
-    """A scripted upstream and a gateway per scheduler, by scheduler."""
+    """A gateway per scheduler, each with its own scripted upstream, or all in front of
+    one llama-server (`w.real`), by scheduler."""
     urls = {}
+    engine_port = start_engine(w, workdir, children) if w.real else None
     for name in schedulers:
-        up_port, gw_port = free_port(), free_port()
-        argv = [
-            sys.executable, "-m", "switchyard.bench.scripted_upstream",
-            "--port", str(up_port), "--tokens", "4096",
-            "--concurrency", str(w.concurrency),
-            "--service-ms", f"{w.service_ms:g}", "--token-ms", f"{w.token_ms:g}",
-        ]  # fmt: skip
-        up = spawn(f"upstream-{name}", argv, workdir)
-        children.append(up)
-        wait_ready(up, partial(_upstream_ready, up_port), 30)
+        gw_port = free_port()
+        if engine_port is not None:
+            up_port = engine_port
+        else:
+            up_port = free_port()
+            argv = [
+                sys.executable, "-m", "switchyard.bench.scripted_upstream",
+                "--port", str(up_port), "--tokens", "4096",
+                "--concurrency", str(w.concurrency),
+                "--service-ms", f"{w.service_ms:g}", "--token-ms", f"{w.token_ms:g}",
+            ]  # fmt: skip
+            up = spawn(f"upstream-{name}", argv, workdir)
+            children.append(up)
+            wait_ready(up, partial(_upstream_ready, up_port), 30)
         config = workdir / f"gateway-{name}.yaml"
         db = workdir / f"{name}.db"
         task_key, interactive_key = _keys(w, db)
@@ -367,7 +524,9 @@ def start_targets(
         gw = start_gateway(f"gateway-{name}", config, gw_port, workdir)
         children.append(gw)
         wait_ready(gw, partial(readyz, gw_port), 60)
-        urls[name] = Target(f"http://127.0.0.1:{gw_port}", task_key, interactive_key)
+        urls[name] = Target(
+            f"http://127.0.0.1:{gw_port}", task_key, interactive_key, up_port if w.real else None
+        )
     return urls
 
 
@@ -421,6 +580,16 @@ def run_schedulers(
         workdir = Path(tmp)
         try:
             urls = start_targets(w, names, workdir, children)
+            port = next(iter(urls.values())).engine_port
+            if port is not None:
+                if progress is not None:
+                    progress(f"measuring the engine's capacity ({CALIBRATE_S:g} s)")
+                w = asyncio.run(calibrate(w, f"http://127.0.0.1:{port}"))
+                if progress is not None:
+                    progress(
+                        f"service {w.service_ms:.0f} ms + {w.token_ms:.1f} ms/token per slot; "
+                        f"deadline {w.deadline_s:.1f} s, interactive SLO {w.interactive_slo_ms:.0f} ms"
+                    )
             points = asyncio.run(_run_all(w, urls, progress))
         finally:
             stop_all(children)

@@ -235,6 +235,25 @@ class Deployment:
         return out
 
 
+def others_at(deps: list[Deployment], own: Callable[[], int]) -> Callable[[], int]:
+    """Other clients' requests at the engines of one alias's deployments: what the engines
+    report running and waiting beyond `own()` (this gateway's requests holding the
+    alias's slots). 0 while any of them is unread or stale: only a fresh picture of every
+    engine says that capacity is taken."""
+
+    def others() -> int:
+        now = time.monotonic()
+        loads: dict[int, EngineLoad] = {}
+        for d in deps:
+            load = d.live.engine_now(now)
+            if load is None:
+                return 0
+            loads[id(load)] = load
+        return max(0, sum(e.queued for e in loads.values()) - own())
+
+    return others
+
+
 def _engine_url(engine: ManagedLlamaCpp) -> Callable[[], str]:
     """A restarted worker listens on a new port; the client follows it."""
     return lambda: engine.base_url

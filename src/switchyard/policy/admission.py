@@ -28,15 +28,21 @@ and refuses what cannot succeed, before anything is sent:
 * while the model is saturated, a new task's first step is refused with 503
   `overloaded` (+ Retry-After) when the task would not end within `admit_headroom` of
   its time left: the work ahead of it (the queued waiters' and the remaining planned
-  steps of the admitted tasks) over the concurrency, plus its own planned steps;
+  steps of the admitted tasks) over the capacity left to tasks, plus its own planned
+  steps. The capacity left to tasks is the concurrency less what the work the gate
+  does not plan for takes: single calls of the task's class or higher keep arriving
+  (their arrival rate, decayed over `SINGLES_WINDOW_S`, times their service time: the
+  slots they hold on average), and other clients of the same engines hold slots too
+  (the engines' own running and waiting counts, when fresh, beyond this gate's own
+  requests; engines/load.py);
 * when the queue is full, a later step (or single call) takes the place of the
   lowest-ranked queued first step of a new task, which gets 503 `overloaded`.
 
 The service-time estimate is learned per model (`ServiceModel`): slot seconds as a
 linear function of the output tokens (weighted least squares, recent requests weigh
 more), and the expected output tokens per model and per task step (the call's number
-in a task with that many planned steps). It never uses the `max_tokens` cap, which is
-a worst case. Until a model has `MIN_SAMPLES` answers there is no estimate, and no
+in a task with that many planned steps; a single call is step 1 of 1). It never uses
+the `max_tokens` cap, which is a worst case. Until a model has `MIN_SAMPLES` answers there is no estimate, and no
 refusal rests on one.
 """
 
@@ -54,6 +60,7 @@ from typing import Any, Literal
 from switchyard.errors import DeadlineExceeded, DeadlineUnreachable, Overloaded, RateLimited
 
 Policy = Literal["task_aware", "fcfs"]
+MAX_OTHERS = 1_000_000  # other clients' requests: more is no engine's real figure
 StepKey = tuple[int, int]  # (planned steps, this call's number in the task)
 
 
@@ -83,13 +90,21 @@ class SlotAsk:
         return self.task is not None and self.step == 1 and self.planned != 1
 
     @property
+    def single(self) -> bool:
+        """A call that is not one of several steps: no task, or a task of one step."""
+        return self.task is None or self.planned == 1
+
+    @property
     def step_key(self) -> StepKey | None:
+        if self.task is None:
+            return SINGLE_STEP
         if self.step is None or self.planned is None:
             return None
         return (self.planned, self.step)
 
 
 STANDARD = SlotAsk()
+SINGLE_STEP: StepKey = (1, 1)  # a single call's expected length is learned as a task's of one step
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +206,7 @@ class _Progress:
 
 class DeploymentGate:
     MAX_TASKS = 10_000
+    SINGLES_WINDOW_S = 30.0  # single calls' arrival rate: arrivals decayed over this
 
     def __init__(
         self,
@@ -214,6 +230,12 @@ class DeploymentGate:
         self._waiters: list[_Waiter] = []
         self._seq = 0
         self._tasks: dict[Hashable, _Progress] = {}
+        # Other clients' requests at this model's engines, beyond this gate's own (set by
+        # the gateway from the engines' readings; None or 0 when not known).
+        self.others: Callable[[], int] | None = None
+        # Single calls' arrivals per class, decayed over SINGLES_WINDOW_S, as of _singles_at.
+        self._singles = [0.0] * len(Priority)
+        self._singles_at = clock()
 
     @property
     def queued(self) -> int:
@@ -225,6 +247,8 @@ class DeploymentGate:
 
     def try_acquire(self, ask: SlotAsk = STANDARD, deadline: float = math.inf) -> Admission | None:
         """Take a free slot without waiting; None when the caller would have to queue."""
+        if ask.single and self.task_aware and self.max_concurrency:
+            self._arrived(ask.priority)
         if self.max_concurrency is None or (
             self.in_flight < self.max_concurrency and not self._waiters
         ):
@@ -405,11 +429,17 @@ class DeploymentGate:
         own = [self.model.step_s(planned, k) for k in range(1, planned + 1)]
         if backlog is None or any(s is None for s in own):
             return
-        wait = backlog / self.max_concurrency
+        slots, singles, others = self._capacity(ask.priority, now)
+        wait = backlog / slots
         path = sum(s for s in own if s is not None)
         left = deadline - now
         evidence["admission"] = {
             "backlog_s": round(backlog, 3),
+            "capacity": {
+                "slots": round(slots, 3),
+                "single_calls": round(singles, 3),
+                "other_clients": others,
+            },
             "wait_s": round(wait, 3),
             "task_work_s": round(path, 3),
             "time_left_s": round(left, 3),
@@ -423,6 +453,33 @@ class DeploymentGate:
                 retry_after_s=math.ceil(wait),
                 evidence=evidence,
             )
+
+    def _arrived(self, priority: Priority) -> None:
+        now = self.clock()
+        self._decay(now)
+        self._singles[priority] += 1.0
+
+    def _decay(self, now: float) -> None:
+        dt = now - self._singles_at
+        if dt > 0:
+            keep = math.exp(-dt / self.SINGLES_WINDOW_S)
+            self._singles = [n * keep for n in self._singles]
+            self._singles_at = now
+
+    def _capacity(self, priority: Priority, now: float) -> tuple[float, float, int]:
+        """The slots a new task of class `priority` can count on: the concurrency less
+        the slots single calls of its class or higher hold on average (their arrival
+        rate times their service time) and those other clients' requests hold at the
+        engines. At least one: the estimate is only made while the model is saturated."""
+        assert self.max_concurrency
+        self._decay(now)
+        rate = sum(self._singles[: priority + 1]) / self.SINGLES_WINDOW_S
+        single_s = self.model.step_s(*SINGLE_STEP) or 0.0
+        singles = rate * single_s
+        others = 0
+        if self.others is not None:
+            others = max(0, min(int(self.others()), MAX_OTHERS))
+        return max(1.0, self.max_concurrency - singles - others), singles, others
 
     def _make_room(self, ask: SlotAsk, deadline: float, now: float) -> bool:
         """A full queue: a step of an admitted task (or a single call) takes the place of
