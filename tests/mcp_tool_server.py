@@ -1,7 +1,9 @@
 """A real MCP tool server for the /mcp tests, written with the official SDK (`MCPServer`).
 
 `python tests/mcp_tool_server.py stdio LOG` or `... http LOG PORT`. Every run of a tool
-appends one line to LOG (`tool args`), so a test can count what actually ran.
+appends one line to LOG (`tool args`), so a test can count what actually ran. Over
+HTTP, a `tools/call` of `explode` is answered with an HTTP 500 before the tool runs,
+as a failing server (or the proxy in front of it) answers.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 from mcp.server.mcpserver import MCPServer
 
@@ -66,6 +69,55 @@ def crash() -> str:
 
 
 @server.tool()
+def big(n: int, to: str = "") -> str:
+    """Answer with `n` characters (a side effect too: it runs, then answers big)."""
+    _ran("big", n=n, to=to)
+    return "x" * n
+
+
+@server.tool()
+def explode() -> str:
+    """Never runs over HTTP (see the module docstring)."""
+    _ran("explode")
+    return "boom"
+
+
+def failing_on_explode(app: Any) -> Any:
+    """`app`, except that a tools/call of `explode` gets an HTTP 500."""
+
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await app(scope, receive, send)
+            return
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        try:
+            call = json.loads(body)
+        except ValueError:
+            call = None
+        if isinstance(call, dict) and (call.get("params") or {}).get("name") == "explode":
+            await send({"type": "http.response.start", "status": 500, "headers": []})
+            await send({"type": "http.response.body", "body": b"internal error"})
+            return
+        sent = False
+
+        async def replay() -> Any:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await app(scope, replay, send)
+
+    return wrapped
+
+
+@server.tool()
 def whoami() -> str:
     """Whether the credential the gateway injects arrived (never its value)."""
     _ran("whoami")
@@ -76,4 +128,9 @@ if __name__ == "__main__":
     if sys.argv[1] == "stdio":
         server.run("stdio")
     else:
-        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[3]), json_response=True)
+        import uvicorn
+
+        app = server.streamable_http_app(json_response=True)
+        uvicorn.run(
+            failing_on_explode(app), host="127.0.0.1", port=int(sys.argv[3]), log_level="warning"
+        )

@@ -37,7 +37,13 @@ REGISTRY = [
     {"name": "web__hang", "class": "side_effect"},
     {"name": "crm__whoami", "class": "read_only"},
     {"name": "crm__crash", "class": "read_only"},
+    {"name": "crm__big", "class": "side_effect"},
+    {"name": "web__big", "class": "read_only"},
+    {"name": "flaky__explode", "class": "read_only"},
+    {"name": "flaky__lookup", "class": "read_only"},
 ]
+PRICE = 0.02  # USD per call of web__lookup (mcp.servers[].tool_prices)
+MAX_RESULT = 4096  # mcp.max_result_bytes
 
 
 class Tools:
@@ -81,8 +87,21 @@ def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
                         "command": [sys.executable, SERVER, "stdio", tools.stdio_log],
                         "env": {"CRM_TOKEN": "SY_TEST_CRM_TOKEN"},
                     },
-                    {"name": "web", "url": f"http://127.0.0.1:{port}/mcp", "timeout_s": 1.5},
-                ]
+                    {
+                        "name": "web",
+                        "url": f"http://127.0.0.1:{port}/mcp",
+                        "timeout_s": 1.5,
+                        "tool_prices": {"lookup": PRICE},
+                    },
+                    # The same server again, under a breaker that opens after two
+                    # failures (its own: web's stays closed).
+                    {
+                        "name": "flaky",
+                        "url": f"http://127.0.0.1:{port}/mcp",
+                        "breaker": {"failures": 2, "cooldown_s": 1.5},
+                    },
+                ],
+                "max_result_bytes": MAX_RESULT,
             },
             observe={"otel": {"exporter": "file", "path": tools.spans}},
             tools={
@@ -119,7 +138,7 @@ def wait_for_port(port: int, proc: Proc) -> None:
     raise RuntimeError("the MCP server did not start:\n" + proc.output())
 
 
-def wait_tools_ready(g: Gateway, names: tuple[str, ...] = ("crm", "web")) -> None:
+def wait_tools_ready(g: Gateway, names: tuple[str, ...] = ("crm", "web", "flaky")) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         models = httpx.get(g.url + "/readyz", headers=g.admin).json()["models"]
@@ -190,6 +209,18 @@ def test_unauthenticated_and_foreign_sessions_are_refused(gw: Gateway) -> None:
     )
     assert r.status_code == 400 and r.json()["error"]["code"] == -32602, r.text
     assert r.json()["error"]["data"]["code"] == "invalid_header"
+    for name, value in (
+        ("x-task-budget", "tool_calls=0"),
+        ("x-task-budget", "tool_calls=1," * 100),
+        ("x-task-timeout", "soon"),
+    ):
+        r = httpx.post(
+            gw.url + "/mcp",
+            json={"jsonrpc": "2.0", "id": 1, "method": "ping"},
+            headers={**gw.auth, "x-task-id": "t1", name: value, "accept": "application/json"},
+        )
+        assert r.status_code == 400 and r.json()["error"]["data"]["code"] == "invalid_header"
+        assert name in r.json()["error"]["message"] and "Traceback" not in r.text
     # A made-up session id is not found, whatever key sends it.
     r = httpx.post(
         gw.url + "/mcp",
@@ -559,3 +590,250 @@ def test_tool_calls_are_held_to_the_keys_and_tenants_limits(gw: Gateway, tools: 
     assert err.code == -32029 and err.data["code"] == "rate_limit_rpm"
     assert Tools.runs(tools.stdio_log, "lookup", q=f"{marker}-2") == 0
     assert Tools.runs(tools.stdio_log, "lookup", q=f"{marker}-0") == 1
+
+
+# -- task budgets: tool calls and tool prices ------------------------------------------
+
+
+def test_a_tasks_tool_call_budget_refuses_the_call_over_it_before_it_runs(
+    gw: Gateway, tools: Tools
+) -> None:
+    """The task's first step is a tool call, so its x-task-budget sets the task's rules.
+    A call refused after admission (no approval) gives its tool call back; the call over
+    the budget is refused naming `tool_calls` and never runs; model calls keep their own
+    count (`calls`)."""
+    task = "tools-" + os.urandom(4).hex()
+    marker = "budget-" + os.urandom(3).hex()
+    h = {"x-task-id": task, "x-task-budget": "tool_calls=2, calls=5"}
+
+    async def go() -> tuple[MCPError, MCPError]:
+        async with session(gw, **h) as s:
+            with pytest.raises(MCPError) as unapproved:
+                await s.call_tool("crm__pay", {"amount": 1}, meta={"call_id": "call_sya_" + task})
+            for i in range(2):
+                assert text(await s.call_tool("crm__lookup", {"q": f"{marker}-{i}"}))
+            with pytest.raises(MCPError) as over:
+                await s.call_tool("crm__lookup", {"q": f"{marker}-2"})
+            return unapproved.value, over.value
+
+    unapproved, over = run(go())
+    assert unapproved.data["code"] == "approval_required"
+    assert over.code == -32029 and over.data["code"] == "task_budget_exceeded"
+    assert "tool_calls budget of 2" in over.message
+    assert Tools.runs(tools.stdio_log, "lookup", q=f"{marker}-2") == 0
+    assert Tools.runs(tools.stdio_log, "lookup", q=f"{marker}-1") == 1
+    # Model calls are counted apart: the task still takes one.
+    chat = gw.post(
+        "/v1/chat/completions",
+        json={"model": "cheap", "messages": [{"role": "user", "content": "hi"}]},
+        headers={"x-task-id": task},
+    )
+    assert chat.status_code == 200, chat.text
+    rows = wait_rows(gw, task, 4)
+    refused = [r for r in rows if r.get("error_code") == "task_budget_exceeded"]
+    assert len(refused) == 1
+    trace = gw.trace(refused[0]["request_id"])
+    decision = next(d for d in trace["decisions"] if d["stage"] == "task")
+    assert decision["outcome"] == "reject:tool_calls"
+    assert decision["evidence"]["used"]["tool_calls"] == 2
+
+
+def test_a_tools_price_counts_toward_the_tasks_cost_and_its_usage_row(
+    gw: Gateway, tools: Tools
+) -> None:
+    task = "priced-" + os.urandom(4).hex()
+    marker = "price-" + os.urandom(3).hex()
+    budget = PRICE * 2.5  # room for two calls' prices, not three
+
+    async def go() -> MCPError:
+        async with session(gw, **{"x-task-id": task, "x-task-budget": f"cost_usd={budget}"}) as s:
+            for i in range(2):
+                assert text(await s.call_tool("web__lookup", {"q": f"{marker}-{i}"}))
+            with pytest.raises(MCPError) as err:
+                await s.call_tool("web__lookup", {"q": f"{marker}-2"})
+            # An unpriced tool still fits.
+            assert text(await s.call_tool("crm__lookup", {"q": marker})) == f"found: {marker}"
+            return err.value
+
+    err = run(go())
+    assert err.data["code"] == "task_budget_exceeded" and "cost_usd budget" in err.message
+    assert Tools.runs(tools.http_log, "lookup", q=f"{marker}-2") == 0
+    rows = wait_rows(gw, task, 4)
+    costs = sorted((r["model"], r["status"], r["cost_usd"]) for r in rows)
+    assert costs == [
+        ("crm__lookup", "ok", 0.0),
+        ("web__lookup", "error", 0.0),
+        ("web__lookup", "ok", PRICE),
+        ("web__lookup", "ok", PRICE),
+    ]
+
+
+def wait_rows(gw: Gateway, task: str, n: int) -> list[dict[str, Any]]:
+    """The task's usage rows, once the ledger writer has `n` of them."""
+    deadline = time.monotonic() + 20
+    while True:
+        rows = gw.usage(task=task)
+        if len(rows) >= n or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.1)
+
+
+# -- breakers ------------------------------------------------------------------------
+
+
+def test_a_failing_tool_server_is_cut_off_by_its_breaker_then_probed(
+    gw: Gateway, tools: Tools
+) -> None:
+    """flaky (the HTTP tool server under a breaker that opens after two failures)
+    answers explode with an HTTP 500: a read-only call is tried twice, so one call opens
+    the breaker; while open, calls fail at once without reaching the server (a side
+    effect's id stays free); after the cool-down one probe goes through: a failing probe
+    opens it again, a good one closes it. web, the same server under its own breaker, is
+    never affected."""
+    marker = "breaker-" + os.urandom(3).hex()
+    call_id = "call_sy_" + os.urandom(6).hex()
+    email = {"to": call_id + "@example.com", "body": "hi"}
+
+    def breaker() -> dict[str, Any]:
+        models = httpx.get(gw.url + "/readyz", headers=gw.admin).json()["models"]
+        assert models["mcp:web"]["breaker"]["state"] == "closed"
+        return dict(models["mcp:flaky"]["breaker"])
+
+    async def call(s: Any, tool: str, args: dict[str, Any], **meta: str) -> MCPError | str:
+        try:
+            return text(await s.call_tool(tool, args, meta=meta or None))
+        except MCPError as exc:
+            return exc
+
+    def refused(got: MCPError | str, code: str) -> bool:
+        return isinstance(got, MCPError) and got.data["code"] == code
+
+    async def go() -> None:
+        async with session(gw) as s:
+            assert refused(await call(s, "flaky__explode", {}), "tool_server_error")
+            assert breaker()["state"] == "open"
+            cut = await call(s, "flaky__lookup", {"q": f"{marker}-open"})
+            assert refused(cut, "tool_circuit_open")
+            assert isinstance(cut, MCPError) and cut.code == -32053
+            assert "not sent" in cut.message
+            got = await call(s, "flaky__send_email", email, call_id=call_id)
+            assert refused(got, "tool_circuit_open")
+            assert await call(s, "web__lookup", {"q": marker}) == f"found: {marker}"
+            await asyncio.sleep(1.6)  # the cool-down: a probe that fails opens it again
+            assert refused(await call(s, "flaky__explode", {}), "tool_server_error")
+            again = await call(s, "flaky__lookup", {"q": f"{marker}-reopened"})
+            assert refused(again, "tool_circuit_open")
+            await asyncio.sleep(1.6)
+            # The probe: the side effect the open breaker refused runs now, once.
+            got = await call(s, "flaky__send_email", email, call_id=call_id)
+            assert got == f"sent to {email['to']}"
+            assert breaker()["state"] == "closed"
+            probe = await call(s, "flaky__lookup", {"q": f"{marker}-closed"})
+            assert probe == f"found: {marker}-closed"
+
+    run(go())
+    assert Tools.runs(tools.http_log, "lookup", q=f"{marker}-open") == 0
+    assert Tools.runs(tools.http_log, "lookup", q=f"{marker}-reopened") == 0
+    assert Tools.runs(tools.http_log, "lookup", q=f"{marker}-closed") == 1
+    assert Tools.runs(tools.http_log, "send_email", to=email["to"]) == 1
+    assert Tools.runs(tools.http_log, "explode") == 0  # the 500 came before the tool
+    state = httpx.get(gw.url + "/readyz").json()["models"]["mcp:flaky"]["breaker"]
+    assert state["opens"] >= 2  # the public view shows the breaker too
+
+
+# -- result size ---------------------------------------------------------------------
+
+
+def test_a_result_over_the_cap_is_neither_passed_on_nor_stored(gw: Gateway, tools: Tools) -> None:
+    call_id = "call_sy_" + os.urandom(6).hex()
+    to = call_id + "@example.com"
+    big = MAX_RESULT + 100
+
+    async def go() -> tuple[str, MCPError, MCPError, MCPError]:
+        async with session(gw) as s:
+            small = text(await s.call_tool("web__big", {"n": 100}))
+            with pytest.raises(MCPError) as read_only:
+                await s.call_tool("web__big", {"n": big})
+            with pytest.raises(MCPError) as side:
+                await s.call_tool("crm__big", {"n": big, "to": to}, meta={"call_id": call_id})
+            with pytest.raises(MCPError) as repeat:
+                await s.call_tool("crm__big", {"n": big, "to": to}, meta={"call_id": call_id})
+            return small, read_only.value, side.value, repeat.value
+
+    small, read_only, side, repeat = run(go())
+    assert small == "x" * 100
+    assert read_only.data["code"] == "tool_result_too_large"
+    assert "mcp.max_result_bytes: 4096" in read_only.message
+    assert side.data["code"] == "tool_result_too_large" and "will not be run again" in side.message
+    assert repeat.data["code"] == "tool_result_too_large" and "ran once already" in repeat.message
+    assert Tools.runs(tools.stdio_log, "big", n=big, to=to) == 1
+    # Done, not in doubt: nothing for an operator to resolve.
+    listed = httpx.get(gw.url + "/admin/tool-calls", headers=gw.admin).json()["data"]
+    assert call_id not in {c["call_id"] for c in listed}
+    rows = [r for r in gw.usage() if r.get("error_code") == "tool_result_too_large"]
+    assert len(rows) >= 2
+    trace = gw.trace(rows[-1]["request_id"])
+    stored = json.dumps(trace)
+    assert "x" * 200 not in stored  # the result was not kept, not even in the trace
+    exec_ = next(d for d in trace["decisions"] if d["stage"] == "tool_exec")
+    assert exec_["outcome"] == "too_large" and exec_["evidence"]["result_bytes"] > MAX_RESULT
+
+
+# -- tenants never share call records ------------------------------------------------
+
+
+def test_two_tenants_using_one_call_id_never_see_each_others_calls(
+    gw: Gateway, tools: Tools
+) -> None:
+    """Call ids are the clients': tenant B sending tenant A's id gets neither A's stored
+    result nor A's refusal (in doubt, conflict): its call is its own. The operator's
+    listing and resolution are per tenant too."""
+    other = "other-" + os.urandom(3).hex()
+    gw.create_tenant(other)
+    other_key = gw.create_key(other)["key"]
+    done_id = "call_sy_" + os.urandom(6).hex()
+    doubt_id = "call_sy_" + os.urandom(6).hex()
+    to = done_id + "@example.com"
+    seconds = 2.5 + int.from_bytes(os.urandom(2), "big") / 1e6
+
+    async def send(key: str) -> str:
+        async with session(gw, key) as s:
+            r = await s.call_tool(
+                "crm__send_email", {"to": to, "body": "hi"}, meta={"call_id": done_id}
+            )
+            return text(r)
+
+    async def hang(key: str, secs: float) -> MCPError | str:
+        async with session(gw, key) as s:
+            try:
+                r = await s.call_tool("web__hang", {"seconds": secs}, meta={"call_id": doubt_id})
+                return text(r)
+            except MCPError as exc:
+                return exc
+
+    assert run(send(gw.key)) == f"sent to {to}"
+    assert run(send(other_key)) == f"sent to {to}"  # its own run, not A's stored result
+    assert Tools.runs(tools.stdio_log, "send_email", to=to) == 2
+    assert run(send(gw.key)) == f"sent to {to}"  # A's repeat: A's stored result
+    assert Tools.runs(tools.stdio_log, "send_email", to=to) == 2
+
+    a = run(hang(gw.key, seconds))
+    assert isinstance(a, MCPError) and a.data["code"] == "tool_call_in_doubt"
+    # B, same id, other arguments: neither A's doubt nor a conflict with A's arguments.
+    assert run(hang(other_key, 0.05)) == "woke up"
+
+    def listed(tenant: str | None = None) -> list[dict[str, Any]]:
+        params = {"tenant": tenant} if tenant else {}
+        r = httpx.get(gw.url + "/admin/tool-calls", params=params, headers=gw.admin)
+        return list(r.json()["data"])
+
+    assert doubt_id not in {c["call_id"] for c in listed(other)}
+    mine = [c for c in listed(gw.tenant) if c["call_id"] == doubt_id]  # type: ignore[attr-defined]
+    assert len(mine) == 1 and "result" not in mine[0]
+
+    def resolve(tenant: str) -> int:
+        body = {"tenant": tenant, "call_id": doubt_id, "ran": False}
+        return httpx.post(gw.url + "/admin/tool-calls", json=body, headers=gw.admin).status_code
+
+    assert resolve(other) == 404  # B's record of that id is done, not in doubt
+    assert resolve(gw.tenant) == 200  # type: ignore[attr-defined]

@@ -203,3 +203,83 @@ def test_retention_forgets_finished_calls_but_never_those_in_doubt(tmp_path: Pat
     assert ToolCallRecords.forget_before(r.conn, time.time() + 60) == 1
     left = {row[0] for row in r.conn.execute("SELECT call_id FROM tool_calls")}
     assert left == {"doubt", "running"}
+
+
+def test_a_call_whose_result_was_too_large_is_done_never_in_doubt(tmp_path: Path) -> None:
+    r = records(tmp_path / "s.db")
+
+    async def go() -> None:
+        assert (await r.claim("t", "c", None, "x__t", "d", "r1", soon())).state == "owner"
+        await r.complete_too_large("t", "c")
+        got = await r.claim("t", "c", None, "x__t", "d", "r2", soon(0.1))
+        assert got.state == "too_large" and got.result is None and got.request_id == "r1"
+        assert r.in_doubt("t") == []  # nothing for an operator to resolve
+        assert not r.resolve("t", "c", ran=False)  # and no way to have it run again
+
+    asyncio.run(go())
+    assert ToolCallRecords.forget_before(r.conn, time.time() + 60) == 1  # retention, as done
+
+
+def test_one_call_id_of_two_tenants_is_two_calls(tmp_path: Path) -> None:
+    """A call record is keyed by (tenant, call id), and its result is sealed to its
+    tenant: another tenant's claim of the same id owns a call of its own, and even a
+    result copied into its row would not open."""
+    from switchyard.observe.sealing import SealError
+
+    db = tmp_path / "s.db"
+    a, b = records(db), records(db)
+    d = args_digest("crm__send", {"to": "x@y.z"})
+
+    async def go() -> None:
+        assert (await a.claim("acme", "call_sy_1", "t", "crm__send", d, "r1", soon())).state == (
+            "owner"
+        )
+        await a.complete("acme", "call_sy_1", {"content": [{"type": "text", "text": "acme's"}]})
+        got = await b.claim("zeta", "call_sy_1", "t", "crm__send", d, "r2", soon(0.1))
+        assert got.state == "owner" and got.result is None
+        await b.doubt("zeta", "call_sy_1")
+        again = await a.claim("acme", "call_sy_1", "t", "crm__send", d, "r3", soon(0.1))
+        assert again.state == "done" and again.result is not None  # zeta's doubt: not acme's
+        assert [c["tenant_id"] for c in a.in_doubt("zeta")] == ["zeta"]
+        assert a.in_doubt("acme") == []
+        assert not a.resolve("acme", "call_sy_1", ran=True)  # acme's is done, not in doubt
+
+    asyncio.run(go())
+    conn = sqlite3.connect(db)
+    blob = conn.execute("SELECT result FROM tool_calls WHERE tenant_id = 'acme'").fetchone()[0]
+    with pytest.raises(SealError):
+        SEALER.open("zeta", "tool-call:call_sy_1", bytes(blob))
+
+
+def test_the_config_bounds_result_sizes_prices_and_takes_a_breaker() -> None:
+    from switchyard.config import TaskBudgetConfig
+
+    assert McpConfig().max_result_bytes == 1_048_576
+    for bad in (0, 1023, 64 * 1_048_576 + 1):
+        with pytest.raises(ValidationError):
+            McpConfig(max_result_bytes=bad)
+    cfg = McpServerConfig(
+        name="crm",
+        url="http://h/mcp",
+        tool_prices={"send_sms": 0.0075},
+        breaker={"failures": 2, "cooldown_s": 5},  # type: ignore[arg-type]
+    )
+    assert cfg.breaker.failures == 2 and cfg.tool_prices == {"send_sms": 0.0075}
+    assert McpServerConfig(name="crm", url="http://h/mcp").breaker.failures == 5
+    for prices in ({"send_sms": -0.01}, {"send_sms": 1001.0}, {"": 1.0}, {"x" * 129: 1.0}):
+        with pytest.raises(ValidationError, match="tool_prices"):
+            McpServerConfig(name="crm", url="http://h/mcp", tool_prices=prices)
+    assert TaskBudgetConfig(tool_calls=3).tool_calls == 3
+    with pytest.raises(ValidationError):
+        TaskBudgetConfig(tool_calls=0)
+
+
+def test_what_counts_against_a_tool_servers_breaker() -> None:
+    from switchyard.engines.mcp_servers import CallOutcome
+
+    assert not CallOutcome(result={"content": []}).failed
+    assert not CallOutcome(result={"content": [], "isError": True}).failed  # the tool's own
+    assert not CallOutcome(error=(-32602, "bad params")).failed  # the caller's mistake
+    assert CallOutcome(error=(-32001, "timed out"), sent=True, timed_out=True).failed
+    assert CallOutcome(error=(-32000, "connection lost"), sent=True).failed
+    assert CallOutcome(error=(-32603, "5xx"), sent=True, server_error=True).failed

@@ -33,11 +33,14 @@ from switchyard.request import Generation, from_object
 
 
 def test_task_budget_header_any_subset() -> None:
-    assert headers.task_budget("calls=10, tokens=50000, cost_usd=0.50, wall_s=120") == {
+    assert headers.task_budget(
+        "calls=10, tokens=50000, cost_usd=0.50, wall_s=120, tool_calls=4"
+    ) == {
         "calls": 10,
         "tokens": 50000,
         "cost_usd": 0.5,
         "wall_s": 120.0,
+        "tool_calls": 4,
     }
     assert headers.task_budget("cost_usd=2") == {"cost_usd": 2.0}
 
@@ -50,6 +53,9 @@ def test_task_budget_header_any_subset() -> None:
         "calls=",
         "calls=1.5",
         "calls=0",
+        "tool_calls=0",
+        "tool_calls=2.5",
+        "tool_calls=" + "9" * 14,
         "calls=-1",
         "calls=1, calls=2",
         "money=3",
@@ -87,13 +93,14 @@ budgets = st.builds(
     tokens=st.none() | st.integers(1, 10**6),
     cost_usd=st.none() | st.floats(0.001, 100),
     wall_s=st.none() | st.floats(0.1, 1000),
+    tool_calls=st.none() | st.integers(1, 50),
 )
 
 
 @given(budgets, budgets)
 def test_a_client_can_only_lower_a_budget(default: TaskBudget, asked: TaskBudget) -> None:
     got = default.lower(asked)
-    for name in ("calls", "tokens", "cost_usd", "wall_s"):
+    for name in ("calls", "tokens", "cost_usd", "wall_s", "tool_calls"):
         d, a, g = getattr(default, name), getattr(asked, name), getattr(got, name)
         if d is not None:
             assert g is not None and g <= d  # never raised above the default
@@ -197,6 +204,39 @@ def test_a_call_refused_after_admission_gives_its_call_back() -> None:
         assert (await store.admit(("t", "k"), first, "r2", 10, 0, 0.0)).allowed
         await store.settle(("t", "k"), "r2", 0, 0.0)  # a real call keeps its count
         assert (await store.admit(("t", "k"), first, "r3", 10, 0, 0.0)).refused == "calls"
+
+    _run(go())
+
+
+def test_tool_calls_are_their_own_budget_and_their_price_counts_as_cost() -> None:
+    """`calls` counts model calls, `tool_calls` the tools/call requests through /mcp;
+    both draw on one `cost_usd`. A tool call refused after admission gives its tool call
+    back, never a model call."""
+
+    async def go() -> None:
+        store = MemoryTaskStore()
+        first = TaskFirst(TaskBudget(calls=1, tool_calls=2, cost_usd=0.1))
+        k = ("t", "k")
+        assert (await store.admit(k, first, "m1", 10, 0.01, 0.0)).allowed
+        assert (await store.admit(k, first, "m2", 10, 0.01, 0.0)).refused == "calls"
+        a = await store.admit(k, first, "t1", 0, 0.05, 0.0, tool=True)
+        assert a.allowed and a.used["tool_calls"] == 1 and a.used["calls"] == 1
+        assert a.remaining() == pytest.approx({"calls": 0, "tool_calls": 1, "cost_usd": 0.04})
+        # The price does not fit what is left of cost_usd: refused on cost, not count.
+        assert (await store.admit(k, first, "t2", 0, 0.05, 0.0, tool=True)).refused == "cost_usd"
+        await store.settle(k, "t1", 0, 0.0, called=False)  # never sent: all given back
+        state = await store.describe(k, 0.0)
+        assert state is not None
+        assert state["used"] == {"calls": 1, "tokens": 10, "cost_usd": 0.01, "tool_calls": 0}
+        assert (await store.admit(k, first, "t3", 0, 0.01, 0.0, tool=True)).allowed
+        assert (await store.admit(k, first, "t4", 0, 0.01, 0.0, tool=True)).allowed
+        out = await store.admit(k, first, "t5", 0, 0.0, 0.0, tool=True)
+        assert out.refused == "tool_calls" and out.remaining()["tool_calls"] == 0
+        assert (await store.describe(k, 0.0))["refused"] == {  # type: ignore[index]
+            "calls": 1,
+            "cost_usd": 1,
+            "tool_calls": 1,
+        }
 
     _run(go())
 
@@ -492,6 +532,13 @@ steps = st.lists(
             st.sampled_from([0, 300, 400, 500]),  # tokens: sums land on the budget's edge
             st.sampled_from([0.0, 0.03, 0.04]),
         ),
+        # A tool call through /mcp: one of tool_calls, no tokens, its price as cost.
+        st.tuples(
+            st.just("tool"),
+            st.sampled_from(["a", "b", "c"]),
+            st.just(0),
+            st.sampled_from([0.0, 0.02, 0.05]),
+        ),
         st.tuples(
             st.just("settle"),
             st.integers(0, 30),
@@ -527,7 +574,9 @@ def test_the_redis_store_answers_as_the_memory_store(redis_url: str) -> None:
 
     from switchyard.policy.redis_tasks import RedisTaskStore
 
-    first = TaskFirst(TaskBudget(calls=4, tokens=1000, cost_usd=0.1, wall_s=6), timeout_s=5)
+    first = TaskFirst(
+        TaskBudget(calls=4, tokens=1000, cost_usd=0.1, wall_s=6, tool_calls=2), timeout_s=5
+    )
 
     @hsettings(max_examples=150, deadline=None)
     @given(steps)
@@ -546,13 +595,15 @@ def test_the_redis_store_answers_as_the_memory_store(redis_url: str) -> None:
             now, admitted = 1000.0, []
             try:
                 for step in seq:
-                    if step[0] == "admit":
+                    if step[0] in ("admit", "tool"):
                         key = ("t", step[1])
                         rid = f"r{len(admitted)}"
-                        a = await mem.admit(key, first, rid, step[2], step[3], now)
-                        b = await red.admit(key, first, rid, step[2], step[3], now)
+                        tool = step[0] == "tool"
+                        a = await mem.admit(key, first, rid, step[2], step[3], now, tool)
+                        b = await red.admit(key, first, rid, step[2], step[3], now, tool)
                         assert (a.allowed, a.refused) == (b.allowed, b.refused)
                         assert a.used == pytest.approx(b.used)
+                        assert a.budget == b.budget
                         assert (a.deadline_at, a.deadline_by) == (b.deadline_at, b.deadline_by)
                         if a.allowed:
                             admitted.append((key, rid))
@@ -578,6 +629,7 @@ def test_the_redis_store_answers_as_the_memory_store(redis_url: str) -> None:
                     assert (a3 is None) == (b3 is None)
                     if a3 is not None and b3 is not None:
                         assert a3["used"] == pytest.approx(b3["used"])
+                        assert a3["budget"] == b3["budget"]
                         assert a3["refused"] == b3["refused"]
                         assert a3["cancelled_at"] == b3["cancelled_at"]
                         ids = sorted(c["call_id"] for c in a3["tool_calls"])

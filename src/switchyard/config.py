@@ -335,11 +335,31 @@ class McpServerConfig(_Strict):
     """Calls in flight to this server at once; more wait, up to their deadline."""
     restart_backoff_s: float = Field(0.5, gt=0, le=60)
     """First wait before reconnecting to (or restarting) a server that failed; doubles to 30 s."""
+    breaker: BreakerConfig = Field(default_factory=lambda: BreakerConfig())
+    """The server's circuit breaker: calls that time out, lose their connection or meet a
+    server error (HTTP 5xx, JSON-RPC internal error) count as failures; while it is open, calls
+    to the server's tools fail at once (`tool_circuit_open`) without being sent, and after
+    `cooldown_s` one probe call goes through."""
+    tool_prices: dict[str, float] = Field({}, max_length=1000)
+    """USD per call of each of this server's tools, by the server's own tool name
+    (`{send_sms: 0.0075}`): reserved against the task's `cost_usd` budget before the call is
+    sent, charged when it is sent, and recorded on the call's usage row. Tools not listed cost
+    nothing."""
 
     @model_validator(mode="after")
     def _one_transport(self) -> McpServerConfig:
         if (self.url is None) == (self.command is None):
             raise ValueError(f"mcp.servers[{self.name!r}]: give exactly one of url or command")
+        for tool, price in self.tool_prices.items():
+            if not 0 < len(tool) <= 128:
+                raise ValueError(
+                    f"mcp.servers[{self.name!r}].tool_prices: tool names are 1 to 128 characters"
+                )
+            if not 0 <= price <= 1000:
+                raise ValueError(
+                    f"mcp.servers[{self.name!r}].tool_prices[{tool!r}]: a price per call "
+                    "from 0 to 1000 USD"
+                )
         return self
 
     def credentials(self, names: dict[str, str]) -> dict[str, str]:
@@ -357,6 +377,10 @@ class McpConfig(_Strict):
     `x-switchyard-call-id`) and matches no call the task recorded."""
     wait_s: float = Field(30.0, gt=0, le=3600)
     """Longest a repeat of a call in flight waits for the first one's result."""
+    max_result_bytes: int = Field(1_048_576, ge=1024, le=64 * 1_048_576)
+    """Largest tool result (its CallToolResult as JSON) passed to the client and stored; a larger
+    one is neither: the client gets `tool_result_too_large`, and a side-effecting call is recorded
+    as done without a result (it ran: repeats are refused, never re-run)."""
 
     @model_validator(mode="after")
     def _unique_servers(self) -> McpConfig:
@@ -371,6 +395,8 @@ class TaskBudgetConfig(_Strict):
 
     calls: int | None = Field(None, ge=1)
     """Model calls admitted over the task's life; null = unlimited."""
+    tool_calls: int | None = Field(None, ge=1)
+    """Tool calls (`tools/call` through `/mcp`) admitted over the task's life; null = unlimited."""
     tokens: int | None = Field(None, ge=1)
     """Input plus output tokens over the task's life; null = unlimited."""
     cost_usd: float | None = Field(None, gt=0)

@@ -8,7 +8,7 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
 
-BUDGET_FIELDS = ("calls", "tokens", "cost_usd", "wall_s")
+BUDGET_FIELDS = ("calls", "tokens", "cost_usd", "wall_s", "tool_calls")
 # Scheduling classes, highest first: a principal's class is its index here (what the
 # deployment gates order waiters by, policy/admission.py's Priority).
 PRIORITY_NAMES = ("interactive", "standard", "batch")
@@ -17,12 +17,15 @@ STANDARD = 1
 
 @dataclass(frozen=True, slots=True)
 class TaskBudget:
-    """A task's limits; None = unlimited."""
+    """A task's limits; None = unlimited. `calls` counts model calls, `tool_calls` the
+    tools/call requests through `/mcp` (mcp_service.py); `cost_usd` both (a tool's
+    price per call, `mcp.servers[].tool_prices`)."""
 
     calls: int | None = None
     tokens: int | None = None
     cost_usd: float | None = None
     wall_s: float | None = None
+    tool_calls: int | None = None
 
     @classmethod
     def of(cls, values: Any) -> TaskBudget:
@@ -32,11 +35,13 @@ class TaskBudget:
         get = values.get if isinstance(values, dict) else lambda k: getattr(values, k, None)
         calls, tokens = get("calls"), get("tokens")
         cost, wall = get("cost_usd"), get("wall_s")
+        tool_calls = get("tool_calls")
         return cls(
             int(calls) if calls is not None else None,
             int(tokens) if tokens is not None else None,
             float(cost) if cost is not None else None,
             float(wall) if wall is not None else None,
+            int(tool_calls) if tool_calls is not None else None,
         )
 
     def lower(self, other: TaskBudget) -> TaskBudget:
@@ -50,6 +55,7 @@ class TaskBudget:
             low(self.tokens, other.tokens),
             low(self.cost_usd, other.cost_usd),
             low(self.wall_s, other.wall_s),
+            low(self.tool_calls, other.tool_calls),
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -57,7 +63,12 @@ class TaskBudget:
 
     @property
     def empty(self) -> bool:
-        return self.calls is None and self.tokens is None and self.cost_usd is None
+        return (
+            self.calls is None
+            and self.tokens is None
+            and self.cost_usd is None
+            and self.tool_calls is None
+        )
 
 
 def model_allowed(patterns: list[str] | tuple[str, ...], alias: str) -> bool:

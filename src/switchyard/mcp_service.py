@@ -6,8 +6,15 @@ reaches the tool server:
 
 1. the tool exists and the tenant may have it run (`tools.allow`/`deny`/`tenant_allow`,
    the registry's `allowed_tenants`): else an error, and `tools/list` never shows it;
-2. the task (`x-task-id`) is neither cancelled nor past its deadline; the deadline
-   caps the call's timeout, as does the server's `timeout_s`;
+2. the task (`x-task-id`) admits it: neither cancelled nor past its deadline, and one
+   of its `tool_calls` and the tool's price (`mcp.servers[].tool_prices`, against
+   `cost_usd`) are reserved, or the call is refused naming the budget that ran out. A
+   tool call may be a task's first step (its `x-task-budget`, `x-task-timeout` and
+   `x-task-deadline` then set the task's rules, as a model call's do). The deadline
+   caps the call's timeout, as does the server's `timeout_s`. When the call ends, a
+   call that was never sent gives its reservation back; one that was sent is charged
+   its price; a repeat answered with the stored result counts as a tool call, at no
+   price;
 3. a side-effecting call (the registry's class, else `tools.default_class`) or one
    that `requires_approval` is identified by its call id (`_meta.call_id`, else the
    header `x-switchyard-call-id`) and claimed in the shared store
@@ -16,12 +23,19 @@ reaches the tool server:
    effect without an id is refused;
 4. a tool that `requires_approval` needs an approval token for that call id
    (`x-switchyard-approval`, or `_meta.approval`), consumed once (ApprovalStore);
-5. the call is forwarded (engines/mcp_servers.py). A timeout or a lost connection
-   after sending leaves a side effect `in_doubt`; a read-only call that lost its
-   connection is tried once more.
+5. the server's circuit breaker (execute/breaker.py, config `mcp.servers[].breaker`)
+   lets it through: while it is open after repeated failures (timeouts, lost
+   connections, server errors), calls fail at once, unsent (`tool_circuit_open`);
+   after the cool-down one probe goes through;
+6. the call is forwarded (engines/mcp_servers.py). A timeout, a lost connection or a
+   server error after sending leaves a side effect `in_doubt`; a read-only call that
+   lost its connection or met a server error is tried once more;
+7. a result larger than `mcp.max_result_bytes` is neither passed on nor stored: the
+   client gets `tool_result_too_large`, and a recorded side effect is `too_large` —
+   it ran, so it is done (never in doubt, never re-run), with no result for repeats.
 
 Each call is a step of its task: a usage row (endpoint `tools.call`, model = the
-namespaced tool, status, duration) and a trace whose decisions carry the tool's
+namespaced tool, status, duration, the tool's price when it was sent) and a trace whose decisions carry the tool's
 PII-masked arguments and result, so the task's analysis sees the tool's time.
 """
 
@@ -37,27 +51,30 @@ from typing import Any
 import orjson
 
 from switchyard.config import Settings
-from switchyard.engines.mcp_servers import McpServers, ServerUnavailable
+from switchyard.engines.mcp_servers import CallOutcome, McpServers, ServerUnavailable
 from switchyard.errors import (
     ApprovalRequired,
     Conflict,
+    EngineNotReady,
     InvalidRequest,
     PermissionDenied,
     SwitchyardError,
     TaskCancelled,
-    TaskDeadlineExceeded,
     ToolCallInDoubt,
     ToolServerUnavailable,
+    UpstreamError,
     UpstreamTimeout,
 )
+from switchyard.execute.breaker import CircuitBreaker
 from switchyard.execute.tool_once import ToolCallRecords
-from switchyard.identity import Principal
+from switchyard.identity import Principal, TaskBudget
 from switchyard.observe.ledger import Finished
 from switchyard.pipeline import RequestContext, RequestInput, Timings, new_request_id
 from switchyard.policy.admit import principal_scopes
 from switchyard.policy.headers import ID_PATTERN
-from switchyard.policy.stages import Reserver
-from switchyard.policy.tasks import Running, TaskStore
+from switchyard.policy.limits import LimiterUnavailable
+from switchyard.policy.stages import Reserver, task_error, task_refusal_reason
+from switchyard.policy.tasks import Running, TaskFirst, TaskKey, TaskStore
 from switchyard.policy.tool_calls import ToolPolicy, args_digest
 from switchyard.request import Generation
 
@@ -71,6 +88,7 @@ UNKNOWN_TOOL = "(unknown tool)"
 # A call still `in_flight` this long past its server's timeout lost its owner (a gateway
 # that stopped mid-call): it is in doubt.
 STALE_MARGIN_S = 60.0
+TOO_LARGE = "tool_result_too_large"
 
 ConsumeApproval = Callable[
     [str, str, str | None, str, str], Awaitable[tuple[str | None, str | None]]
@@ -89,6 +107,11 @@ class Caller:
     timeout_s: float | None = None  # x-request-timeout
     parents: tuple[str, ...] = ()  # x-parent-request-id
     traceparent: str | None = None  # W3C trace context, for the OpenTelemetry span
+    # What this call sets if it is its task's first step: x-task-budget (may only lower
+    # the tenant's and key's), x-task-timeout, x-task-deadline (unix seconds).
+    task_budget: TaskBudget | None = None
+    task_timeout_s: float | None = None
+    task_deadline_at: float | None = None
 
 
 def _call_id(value: Any, where: str) -> str:
@@ -102,9 +125,26 @@ def _call_id(value: Any, where: str) -> str:
 
 
 @dataclass(slots=True)
+class Spend:
+    """What one tool call holds against its task until it ends: the task's key once
+    admitted, the tool's price, and whether the call reached the server (its price is
+    charged) or was answered (it counts as one of the task's tool calls)."""
+
+    task: TaskKey | None = None
+    price: float = 0.0
+    sent: bool = False
+    answered: bool = False
+
+    @property
+    def cost(self) -> float:
+        return self.price if self.sent else 0.0
+
+
+@dataclass(slots=True)
 class Forward:
     """A governed call ready to go to its tool server: its request, the server and the
-    tool's own name there, its arguments, timeout and the evidence its decisions show."""
+    tool's own name there, its arguments, timeout and the evidence its decisions show;
+    `recorded`: a side effect claimed in the shared store (never run again)."""
 
     ctx: RequestContext
     server: Any
@@ -112,6 +152,8 @@ class Forward:
     arguments: dict[str, Any]
     timeout: float
     evidence: dict[str, Any]
+    spend: Spend
+    recorded: bool = False
 
 
 class McpToolService:
@@ -145,6 +187,9 @@ class McpToolService:
         self.mask = mask
         self.metrics = metrics
         self.tracing = tracing
+        self._default_budget = TaskBudget.of(settings.tasks.budget)
+        for server in servers.servers.values():  # shown by the server's describe()
+            server.breaker = CircuitBreaker(server.name, server.cfg.breaker)
 
     # -- tools/list ----------------------------------------------------------
     def list_tools(self, principal: Principal) -> list[dict[str, Any]]:
@@ -166,11 +211,14 @@ class McpToolService:
         ctx = self._context(who, name if known else UNKNOWN_TOOL)
         status = "error"
         reserver = self.reserver
+        spend = Spend()
         try:
             scopes = principal_scopes(who.principal) if reserver is not None else []
             if reserver is not None and scopes:  # before anything reaches the tool
                 await reserver.reserve(ctx, scopes, "admit", (0, 0, None))
-            result = await self._call(ctx, who, name, dict(arguments or {}), dict(meta or {}))
+            args, extra = dict(arguments or {}), dict(meta or {})
+            result = await self._call(ctx, who, name, args, extra, spend)
+            spend.answered = True
             status = "tool_error" if result.get("isError") else "ok"
             return result
         except SwitchyardError as exc:
@@ -184,9 +232,12 @@ class McpToolService:
                 pending = reserver.settle(ctx, "admit")
                 if pending is not None:
                     await asyncio.shield(pending)
+            if spend.task is not None:
+                await asyncio.shield(self._settle_task(ctx, spend))
+            ctx.run.cost_usd = spend.cost
             ctx.timings.ended = time.perf_counter()
             ctx.finished = True
-            self.ledger.record(Finished(ctx, status, 0, 0, 0.0))
+            self.ledger.record(Finished(ctx, status, 0, 0, spend.cost))
             if self.tracing is not None:
                 self.tracing.finish(ctx, status, 0, 0, time.time_ns())
             if self.metrics is not None and known:
@@ -221,6 +272,7 @@ class McpToolService:
         name: str,
         arguments: dict[str, Any],
         meta: dict[str, Any],
+        spend: Spend,
     ) -> dict[str, Any]:
         t = time.perf_counter()
         tenant = who.principal.tenant_id
@@ -239,10 +291,14 @@ class McpToolService:
         approval = self.policy.requires_approval(name)
         ctx.record("tool_auth", "ok", "the tenant may run it", t, {"tool": name, "class": cls})
 
-        timeout, task = await self._timeout(ctx, who, server.cfg.timeout_s)
+        open_for = server.breaker.refusal(time.monotonic())
+        if open_for is not None:  # before the budget, a claim or an approval is spent
+            raise _circuit_open(ctx, server, open_for, t, {"server": server.name, "tool": tool})
+        spend.price = float(server.cfg.tool_prices.get(tool, 0.0))
+        timeout = await self._admit_task(ctx, who, spend, server.cfg.timeout_s)
         keyed = cls == "side_effect" or approval
         digest = args_digest(name, arguments)
-        call_id = self._identify(ctx, who, meta, task if keyed else None, name, digest)
+        call_id = await self._identify(ctx, who, meta, keyed, name, digest)
         if keyed and call_id is None:
             if approval:
                 raise ApprovalRequired(
@@ -265,7 +321,9 @@ class McpToolService:
             "call_id": call_id,
             "arguments": self._excerpt(arguments),
         }
-        call = Forward(ctx, server, tool, arguments, timeout, evidence)
+        if spend.price:
+            evidence["price_usd"] = spend.price
+        call = Forward(ctx, server, tool, arguments, timeout, evidence, spend)
         if not keyed or call_id is None:
             ctx.record("tool_once", "skip", "read-only or unidentified: not recorded", t)
             return await self._run(call, retry=not keyed)
@@ -291,6 +349,7 @@ class McpToolService:
                 {"call_id": call_id, "ran_in": claim.request_id},
             )
             if claim.state == "done" and claim.result is not None:
+                spend.answered = True
                 return claim.result
             raise _claim_error(claim.state, call_id)
         ctx.record(
@@ -308,38 +367,65 @@ class McpToolService:
             raise
         return await self._run_once(call, call_id)
 
-    async def _timeout(
-        self, ctx: RequestContext, who: Caller, server_s: float
-    ) -> tuple[float, dict[str, Any] | None]:
-        """The call's timeout (the server's, capped by x-request-timeout and the task's
-        deadline) and the task's state; a cancelled task or one past its deadline is
-        refused here."""
+    async def _admit_task(
+        self, ctx: RequestContext, who: Caller, spend: Spend, server_s: float
+    ) -> float:
+        """The call's timeout: the server's, capped by x-request-timeout and the task's
+        deadline. In a task, the call is admitted first (one of its `tool_calls` and the
+        tool's price reserved) or refused: cancelled, past its deadline, or the budget
+        that ran out named."""
         timeout = server_s if who.timeout_s is None else min(server_s, who.timeout_s)
         if who.task_id is None:
-            return timeout, None
+            return timeout
         t = time.perf_counter()
-        state = await self.tasks.describe((who.principal.tenant_id, who.task_id))
-        if state is None:
-            return timeout, None
-        if state.get("cancelled_at") is not None:
-            ctx.record("task", "reject:cancelled", "the task was cancelled", t)
-            raise TaskCancelled(f"the task '{who.task_id}' was cancelled")
-        deadline_at = state.get("deadline_at")
-        if deadline_at is not None:
-            left = float(deadline_at) - time.time()
-            if left <= 0:
-                ctx.record("task", "reject:deadline", "the task's deadline passed", t)
-                raise TaskDeadlineExceeded(f"the task '{who.task_id}' is past its deadline")
-            timeout = min(timeout, left)
-        ctx.record("task", "ok", "task open", t, {"timeout_s": round(timeout, 3)})
-        return timeout, state
+        p = who.principal
+        budget = self._default_budget
+        if p.task_budget is not None:
+            budget = budget.lower(p.task_budget)
+        if who.task_budget is not None:
+            budget = budget.lower(who.task_budget)
+        first = TaskFirst(budget, who.task_timeout_s, who.task_deadline_at)
+        key = (p.tenant_id, who.task_id)
+        now = time.time()
+        rid = ctx.input.request_id
+        try:
+            adm = await self.tasks.admit(key, first, rid, 0, spend.price, now, tool=True)
+        except LimiterUnavailable:
+            if self.settings.policy.on_limiter_failure == "fail_open":
+                log.warning("task state unavailable, admitting a tool call (fail_open)")
+                ctx.record("task", "admit:fail_open", "task state unavailable", t)
+                return timeout
+            ctx.record("task", "reject:unavailable", "task state unavailable", t)
+            raise EngineNotReady(
+                "task state unavailable; refusing (fail_closed)", code="task_state_unavailable"
+            ) from None
+        evidence = adm.evidence(now)
+        if adm.refused is not None:
+            reason = task_refusal_reason(adm.refused)
+            ctx.record("task", f"reject:{adm.refused}", reason, t, evidence)
+            raise task_error(who.task_id, adm.refused, adm)
+        spend.task = key
+        if adm.deadline_at is not None:
+            timeout = min(timeout, adm.deadline_at - now)
+        evidence["timeout_s"] = round(timeout, 3)
+        ctx.record("task", "admitted", "within the task's budget and deadline", t, evidence)
+        return timeout
 
-    def _identify(
+    async def _settle_task(self, ctx: RequestContext, spend: Spend) -> None:
+        """The task keeps the call (and its price, when it was sent), or has it back."""
+        assert spend.task is not None
+        called = spend.sent or spend.answered
+        try:
+            await self.tasks.settle(spend.task, ctx.input.request_id, 0, spend.cost, called)
+        except LimiterUnavailable:
+            log.warning("could not settle the task of tool call %s", ctx.input.request_id)
+
+    async def _identify(
         self,
         ctx: RequestContext,
         who: Caller,
         meta: dict[str, Any],
-        task: dict[str, Any] | None,
+        keyed: bool,
         name: str,
         digest: str,
     ) -> str | None:
@@ -349,10 +435,14 @@ class McpToolService:
         value = meta.get("call_id")
         if value is not None:
             return _call_id(value, "_meta.call_id")
-        if who.call_id is not None or task is None:
+        if who.call_id is not None or not keyed or who.task_id is None:
             return who.call_id
         t = time.perf_counter()
-        for note in reversed(task.get("tool_calls") or []):
+        try:
+            task = await self.tasks.describe((who.principal.tenant_id, who.task_id))
+        except LimiterUnavailable:
+            task = None
+        for note in reversed((task or {}).get("tool_calls") or []):
             if note.get("tool") == name and note.get("args_digest") == digest:
                 ctx.record(
                     "tool_call_id",
@@ -398,8 +488,15 @@ class McpToolService:
     async def _run_once(self, call: Forward, call_id: str) -> dict[str, Any]:
         """Run a claimed call and record its outcome for every repeat."""
         tenant = call.ctx.principal.tenant_id
+        call.recorded = True
         try:
             result = await self._run(call, retry=False)
+        except UpstreamError as exc:
+            if exc.code == TOO_LARGE:  # it ran: done, its result not kept
+                await asyncio.shield(self.records.complete_too_large(tenant, call_id))
+            else:  # it may have run
+                await asyncio.shield(self.records.doubt(tenant, call_id))
+            raise
         except (ToolCallInDoubt, TaskCancelled):
             await self.records.doubt(tenant, call_id)
             raise
@@ -416,28 +513,49 @@ class McpToolService:
         return result
 
     async def _run(self, call: Forward, retry: bool) -> dict[str, Any]:
-        """Forward the call (in a task of its own, so a task cancel can stop it)."""
+        """Forward the call (in a task of its own, so a task cancel can stop it), if
+        the server's breaker lets it through; a read-only call that lost its connection
+        or met a server error is tried once more (if the breaker still allows)."""
         ctx, server, tool, arguments = call.ctx, call.server, call.tool, call.arguments
-        timeout, evidence = call.timeout, call.evidence
+        timeout, evidence, spend = call.timeout, call.evidence, call.spend
         key = (ctx.principal.tenant_id, ctx.input.task_id) if ctx.input.task_id else None
         meta = {"switchyard/request_id": ctx.input.request_id}
+        breaker: CircuitBreaker = server.breaker
+        t = time.perf_counter()
+        ok, why = breaker.allow(time.monotonic())
+        if not ok:
+            raise _circuit_open(ctx, server, why, t, evidence)
 
-        async def forward() -> Any:
+        async def attempt() -> CallOutcome:
+            try:
+                out = await server.call(tool, arguments, meta, timeout)
+            except ServerUnavailable:
+                breaker.release_probe()
+                raise
+            except BaseException:  # stopped mid-call: it may have been sent
+                spend.sent = True
+                breaker.release_probe()
+                raise
+            spend.sent = spend.sent or out.sent or out.result is not None
+            breaker.record(not out.failed, time.monotonic())
+            return out
+
+        async def forward() -> CallOutcome:
             if key is not None:
                 self.running.add(key, ctx)
             try:
                 ctx.timings.upstream_sent = time.perf_counter()
-                for attempt in (1, 2):
-                    ctx.run.attempts = attempt
-                    out = await server.call(tool, arguments, meta, timeout)
-                    if not (retry and out.sent and out.error and not out.timed_out):
-                        return out
+                ctx.run.attempts = 1
+                out = await attempt()
+                again = retry and out.sent and out.error is not None and not out.timed_out
+                if again and breaker.allow(time.monotonic())[0]:
+                    ctx.run.attempts = 2
+                    out = await attempt()
                 return out
             finally:
                 if key is not None:
                     self.running.remove(key, ctx.input.request_id)
 
-        t = time.perf_counter()
         job = asyncio.ensure_future(forward())
         try:
             out = await asyncio.shield(job)
@@ -455,15 +573,12 @@ class McpToolService:
                 + ("" if retry else "; its outcome is unknown and it will not be run again")
             ) from None
         ctx.timings.upstream_first_byte = time.perf_counter()
+        full = f"{server.name}__{tool}"
         if out.result is not None:
-            evidence = {**evidence, "result": self._excerpt(out.result)}
-            outcome = "tool_error" if out.result.get("isError") else "ok"
-            ctx.record("tool_exec", outcome, f"ran on {server.name}", t, evidence)
-            return dict(out.result)
-        code, said = out.error
+            return self._result(call, out.result, full, t)
+        code, said = out.error or (0, "")
         message = self.mask(said)  # the server's words: kept masked, never sent on
         evidence = {**evidence, "error": {"code": code, "message": message}}
-        full = f"{server.name}__{tool}"
         if not out.sent:
             ctx.record("tool_exec", "error", message, t, evidence)
             raise Conflict(
@@ -471,19 +586,53 @@ class McpToolService:
                 code="tool_call_refused",
             )
         ctx.record("tool_exec", "in_doubt" if not retry else "failed", message, t, evidence)
-        what = (
-            f"the tool '{full}' did not answer within {timeout:.3g} s"
-            if out.timed_out
-            else f"the connection to the tool server '{server.name}' was lost during the call"
-        )
+        if out.timed_out:
+            what = f"the tool '{full}' did not answer within {timeout:.3g} s"
+        elif out.server_error:
+            what = f"the tool server '{server.name}' failed with a server error during the call"
+        else:
+            what = f"the connection to the tool server '{server.name}' was lost during the call"
         if retry:  # read-only: nothing to be in doubt about
             if out.timed_out:
                 raise UpstreamTimeout(what, code="tool_timeout")
+            if out.server_error:
+                raise UpstreamError(what, code="tool_server_error")
             raise ToolServerUnavailable(what)
         raise ToolCallInDoubt(
             f"{what}: its outcome is unknown, so it will not be run again (an operator "
             "resolves it: GET /admin/tool-calls)"
         )
+
+    def _result(self, call: Forward, result: dict[str, Any], full: str, t: float) -> dict[str, Any]:
+        """The tool's result for the client, or, past `mcp.max_result_bytes`, an error
+        (the result neither passed on nor stored; the trace keeps its size)."""
+        ctx, evidence = call.ctx, call.evidence
+        text = orjson.dumps(result)
+        limit = self.settings.mcp.max_result_bytes
+        if len(text) > limit:
+            evidence = {**evidence, "result_bytes": len(text), "max_result_bytes": limit}
+            ctx.record(
+                "tool_exec",
+                "too_large",
+                f"ran on {call.server.name}; its result is over mcp.max_result_bytes",
+                t,
+                evidence,
+            )
+            raise UpstreamError(
+                f"the tool '{full}' answered with a result of {len(text)} bytes, more than "
+                f"this gateway passes on (mcp.max_result_bytes: {limit})"
+                + (
+                    "; the call ran, its result was not kept, and it will not be run again"
+                    if call.recorded
+                    else ""
+                ),
+                code=TOO_LARGE,
+            )
+        excerpt = self.mask(text[: MAX_EXCERPT + 512].decode("utf-8", "replace"))[:MAX_EXCERPT]
+        evidence = {**evidence, "result": excerpt}
+        outcome = "tool_error" if result.get("isError") else "ok"
+        ctx.record("tool_exec", outcome, f"ran on {call.server.name}", t, evidence)
+        return dict(result)
 
     def _excerpt(self, value: Any) -> str:
         """`value` as JSON, PII-masked and cut, for the trace."""
@@ -493,10 +642,27 @@ class McpToolService:
         return self.mask(text[: MAX_EXCERPT + 512])[:MAX_EXCERPT]
 
 
+def _circuit_open(
+    ctx: RequestContext, server: Any, why: str, t: float, evidence: dict[str, Any]
+) -> SwitchyardError:
+    """The refusal of a call to a server whose breaker is open (recorded in the trace
+    with the breaker's state): nothing was sent."""
+    state = server.breaker.describe(time.monotonic())
+    ctx.record("tool_exec", "reject:circuit_open", why, t, {**evidence, "breaker": state})
+    wait = max(1, round(state["retry_after_s"]))
+    return ToolServerUnavailable(
+        f"the tool server '{server.name}' keeps failing, so its circuit breaker is open: "
+        f"the call was not sent; retry in about {wait} s",
+        code="tool_circuit_open",
+        headers={"Retry-After": str(wait)},
+    )
+
+
 _CLAIM_REASONS = {
     "done": "a repeat: the stored result of the first run",
     "in_doubt": "the first run's outcome is unknown: not run again",
     "resolved_ran": "an operator recorded that the first run happened",
+    "too_large": "the first run's result was too large to keep: not run again",
     "conflict": "the call id was used for another tool or other arguments",
     "in_flight": "the first run is still in flight",
 }
@@ -513,6 +679,13 @@ def _claim_error(state: str, call_id: str) -> SwitchyardError:
         return Conflict(
             f"the call '{call_id}' is still running; repeat it later to get its result",
             code="tool_call_in_flight",
+        )
+    if state == "too_large":
+        return UpstreamError(
+            f"the call '{call_id}' ran once already and its result was larger than this "
+            "gateway passes on (mcp.max_result_bytes), so it was not kept; it will not run "
+            "again",
+            code=TOO_LARGE,
         )
     if state == "resolved_ran":
         return Conflict(

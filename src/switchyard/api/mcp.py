@@ -11,8 +11,9 @@ does what the SDK does not:
 * a session belongs to the key that opened it: another key naming its
   `Mcp-Session-Id` gets 404, as for a session that does not exist;
 * the request's headers (`x-task-id`, `x-switchyard-call-id`, `x-switchyard-approval`,
-  `x-request-timeout`, `x-parent-request-id`) are read and bounded once, into a
-  `Caller` the handlers get;
+  `x-request-timeout`, `x-parent-request-id`, and `x-task-budget`, `x-task-timeout`,
+  `x-task-deadline` for a task whose first step is a tool call) are read and bounded
+  once, into a `Caller` the handlers get;
 * every error a handler meets is a JSON-RPC error with the code and data of
   errors.py's table: never exception text.
 
@@ -37,7 +38,7 @@ from switchyard.errors import (
     RouteNotFound,
     SwitchyardError,
 )
-from switchyard.identity import ANONYMOUS, Principal
+from switchyard.identity import ANONYMOUS, Principal, TaskBudget
 from switchyard.mcp_service import Caller, McpToolService
 from switchyard.policy import headers as hdr
 from switchyard.policy.auth import Authenticator
@@ -79,6 +80,11 @@ def _caller(principal: Principal, h: dict[str, str]) -> Caller:
         )
     timeout = h.get("x-request-timeout")
     traceparent = h.get("traceparent")
+    budget, task_timeout, deadline = (
+        h.get("x-task-budget"),
+        h.get("x-task-timeout"),
+        h.get("x-task-deadline"),
+    )
     return Caller(
         principal,
         task_id=task,
@@ -87,6 +93,9 @@ def _caller(principal: Principal, h: dict[str, str]) -> Caller:
         timeout_s=hdr.request_timeout(timeout) if timeout is not None else None,
         parents=parents,
         traceparent=traceparent if traceparent and len(traceparent) <= 128 else None,
+        task_budget=TaskBudget.of(hdr.task_budget(budget)) if budget is not None else None,
+        task_timeout_s=hdr.task_timeout(task_timeout) if task_timeout is not None else None,
+        task_deadline_at=hdr.task_deadline(deadline) if deadline is not None else None,
     )
 
 

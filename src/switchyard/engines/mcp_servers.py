@@ -11,7 +11,8 @@ the server (its environment or headers) and nowhere else.
 
 Calls go through `call()`: at most `max_concurrency` at once per server, each within
 its timeout. Which errors mean "may have run" is the caller's business
-(`CallOutcome.sent`).
+(`CallOutcome.sent`), as is the server's circuit breaker (mcp_service.py sets
+`breaker`; its state is part of `describe()`, so `/readyz` shows it).
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ class CallOutcome:
     error: tuple[int, str] | None = None
     sent: bool = False
     timed_out: bool = False
+    # The server failed with an error of its own (an HTTP 5xx, a JSON-RPC internal
+    # error): the request reached it, so it may have run.
+    server_error: bool = False
+
+    @property
+    def failed(self) -> bool:
+        """Counts against the server's breaker: a timeout, a lost connection, a server
+        error or a malformed result. A result (even one with `isError`, the tool's own
+        failure) and a refusal of the request (invalid params) show a working server."""
+        return self.result is None and (self.sent or self.server_error)
 
 
 class ServerUnavailable(Exception):
@@ -61,6 +72,9 @@ class McpServer:
         self.last_error: str | None = None
         self.tools: dict[str, dict[str, Any]] = {}  # tool name -> its definition (JSON)
         self.in_flight = 0
+        # The server's circuit breaker (execute/breaker.py's CircuitBreaker), set by the
+        # tool service, which opens and closes it; shown here.
+        self.breaker: Any = None
         self._session: Any = None
         self._slots = asyncio.Semaphore(cfg.max_concurrency)
         self._task: asyncio.Task[None] | None = None
@@ -68,7 +82,7 @@ class McpServer:
         self._stderr: Any = None
 
     def describe(self) -> dict[str, Any]:
-        return {
+        out = {
             "kind": "stdio" if self.cfg.command else "http",
             "state": self.state,
             "ready": self.state == "ready",
@@ -77,6 +91,9 @@ class McpServer:
             "in_flight": self.in_flight,
             "last_error": self.last_error,
         }
+        if self.breaker is not None:
+            out["breaker"] = self.breaker.describe(time.monotonic())
+        return out
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._supervise(), name=f"mcp-{self.name}")
@@ -209,13 +226,19 @@ class McpServer:
                     return CallOutcome(error=(exc.code, "timed out"), sent=True, timed_out=True)
                 if exc.code == CONNECTION_CLOSED:
                     return CallOutcome(error=(exc.code, "connection lost"), sent=True)
+                if exc.code == INTERNAL_ERROR:  # an HTTP 5xx, or the server's own failure
+                    return CallOutcome(
+                        error=(exc.code, str(exc.message)[:500]), sent=True, server_error=True
+                    )
                 return CallOutcome(error=(exc.code, str(exc.message)[:500]))
             except (OSError, EOFError, RuntimeError) as exc:
                 log.warning("MCP server %s: call failed: %s", self.name, type(exc).__name__)
                 return CallOutcome(error=(CONNECTION_CLOSED, "connection lost"), sent=True)
             except ValueError:  # pydantic's ValidationError: it ran, and answered nonsense
                 log.warning("MCP server %s: a malformed result of %s", self.name, tool)
-                return CallOutcome(error=(INTERNAL_ERROR, "malformed result"), sent=True)
+                return CallOutcome(
+                    error=(INTERNAL_ERROR, "malformed result"), sent=True, server_error=True
+                )
             finally:
                 self.in_flight -= 1
             return CallOutcome(

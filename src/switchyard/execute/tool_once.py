@@ -8,6 +8,9 @@ processes); it then records the outcome:
   result sits on disk): every repeat of the id gets that result without a new run;
 * `in_doubt` when the outcome is unknown (a timeout or a lost connection after the
   call was sent): a repeat is refused, never re-run; an operator resolves it;
+* `too_large` when it ran and answered with a result larger than
+  `mcp.max_result_bytes`: the side effect happened (so it is not in doubt), but the
+  result is neither stored nor given to anyone; a repeat is refused, never re-run;
 * released (the row deleted) when the call certainly did not run (refused before it
   was sent, the server answered with a protocol error): a repeat runs it.
 
@@ -43,8 +46,9 @@ class Sealer(Protocol):
 @dataclass(frozen=True, slots=True)
 class Claim:
     """What a claim found: `owner` (run it, then record the outcome), `done` (its
-    `result`), `in_doubt`, `conflict` (the id was used for another tool or other
-    arguments) or `in_flight` (the wait ran out while another request runs it)."""
+    `result`), `too_large` (it ran; its result was too large to keep), `in_doubt`,
+    `resolved_ran`, `conflict` (the id was used for another tool or other arguments) or
+    `in_flight` (the wait ran out while another request runs it)."""
 
     state: str
     result: dict[str, Any] | None = None
@@ -171,6 +175,14 @@ class ToolCallRecords:
         finally:
             self._wake(tenant, call_id)
 
+    async def complete_too_large(self, tenant: str, call_id: str) -> None:
+        """The call ran, and its result was larger than the gateway keeps: done, with
+        no result for a repeat (which is refused, never re-run)."""
+        try:
+            await self._run(self._finish, tenant, call_id, "too_large", None)
+        finally:
+            self._wake(tenant, call_id)
+
     async def doubt(self, tenant: str, call_id: str) -> None:
         """The call may have run: never run again automatically."""
         try:
@@ -192,11 +204,12 @@ class ToolCallRecords:
 
     @staticmethod
     def forget_before(conn: sqlite3.Connection, cutoff: float) -> int:
-        """Retention: drop the records of calls that finished (done, or resolved by an
-        operator) before `cutoff` (unix seconds); a repeat after that runs anew. Calls in
-        doubt stay until an operator resolves them."""
+        """Retention: drop the records of calls that finished (done, too large, or
+        resolved by an operator) before `cutoff` (unix seconds); a repeat after that runs
+        anew. Calls in doubt stay until an operator resolves them."""
         cur = conn.execute(
-            "DELETE FROM tool_calls WHERE state IN ('done', 'resolved_ran') AND updated_at < ?",
+            "DELETE FROM tool_calls WHERE state IN ('done', 'too_large', 'resolved_ran')"
+            " AND updated_at < ?",
             (cutoff,),
         )
         return max(0, int(cur.rowcount or 0))

@@ -131,7 +131,7 @@ def idempotency_key(value: str) -> str:
 
 MAX_TASK_TIMEOUT_S = 7 * 86400.0
 MAX_TASK_BUDGET_HEADER = 256
-_TASK_BUDGET_INTS = {"calls": 10**9, "tokens": 10**12}
+_TASK_BUDGET_INTS = {"calls": 10**9, "tokens": 10**12, "tool_calls": 10**9}
 _TASK_BUDGET_SECONDS = {"cost_usd": 10**9, "wall_s": MAX_TASK_TIMEOUT_S}
 _DECIMAL = re.compile(r"[0-9]{1,9}(\.[0-9]{1,9})?")
 # RFC 3339: a date, T, a time, an offset (Z or ±hh:mm); fractions of a second allowed.
@@ -142,9 +142,10 @@ _RFC3339 = re.compile(
 
 
 def task_budget(value: str) -> dict[str, float]:
-    """`x-task-budget: calls=10, tokens=50000, cost_usd=0.50, wall_s=120` (any subset,
-    each at most once) as {name: value}; raises InvalidRequest naming the header."""
-    why = "name=value pairs of calls, tokens (integers), cost_usd, wall_s (numbers > 0)"
+    """`x-task-budget: calls=10, tokens=50000, cost_usd=0.50, wall_s=120, tool_calls=5`
+    (any subset, each at most once) as {name: value}; raises InvalidRequest naming the
+    header."""
+    why = "name=value pairs of calls, tokens, tool_calls (integers), cost_usd, wall_s (numbers > 0)"
     if len(value) > MAX_TASK_BUDGET_HEADER or not _TEXT.fullmatch(value):
         raise _bad("x-task-budget", why)
     out: dict[str, float] = {}

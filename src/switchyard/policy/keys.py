@@ -64,15 +64,24 @@ def _check_limits(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-TASK_BUDGET_FIELDS = {"calls": int, "tokens": int, "cost_usd": float, "wall_s": float}
+TASK_BUDGET_FIELDS = {
+    "calls": int,
+    "tokens": int,
+    "cost_usd": float,
+    "wall_s": float,
+    "tool_calls": int,
+}
 
 
 def _check_task_budget(v: Any) -> str | None:
-    """A tenant's or key's `task_budget` ({calls, tokens, cost_usd, wall_s}, each
-    optional and > 0) as the JSON stored, or None."""
+    """A tenant's or key's `task_budget` ({calls, tokens, cost_usd, wall_s, tool_calls},
+    each optional and > 0) as the JSON stored, or None."""
     if v is None:
         return None
-    why = "'task_budget' must be an object of calls, tokens (integers), cost_usd, wall_s (> 0)"
+    why = (
+        "'task_budget' must be an object of calls, tokens, tool_calls (integers), "
+        "cost_usd, wall_s (> 0)"
+    )
     if not isinstance(v, dict) or not set(v) <= set(TASK_BUDGET_FIELDS):
         raise InvalidRequest(why, param="task_budget")
     for name, value in v.items():

@@ -3,14 +3,16 @@
 Admission and settlement are one Lua script each, so check-then-reserve happens
 atomically on the Redis server: two processes admitting the last call a budget
 allows cannot both win. The rule the script applies is `policy.tasks.check`, in the
-same order (cancelled, deadline, calls, tokens, cost); tests/test_task_governance.py
+same order (cancelled, deadline, calls or tool calls, tokens, cost);
+tests/test_task_governance.py
 runs both stores over generated sequences of calls and compares every answer.
 
 Per task (tenant, task id) the keys are, all expiring `tasks.idle_ttl_s` after the
 task's last call:
 
     {prefix}task:{tenant}:{task}          hash: budget, deadline, use, refusals, cancel
-    {prefix}task:{tenant}:{task}:held     hash: request id → "tokens cost" reserved
+    {prefix}task:{tenant}:{task}:held     hash: request id → "tokens cost kind" reserved
+                                          (kind 1: a tool call, 0: a model call)
     {prefix}task:{tenant}:{task}:calls    hash: tool-call id → its note (JSON)
     {prefix}task:{tenant}:{task}:order    list: the noted call ids, oldest first
 
@@ -50,7 +52,8 @@ from switchyard.policy.tasks import (
 log = logging.getLogger("switchyard")
 
 # KEYS: state, held, index. ARGV: now, ttl, calls, tokens, cost, wall, deadline_at,
-# deadline_by ('' = none), request id, tokens asked, cost asked, max tasks.
+# deadline_by ('' = none), request id, tokens asked, cost asked, max tasks, tool calls,
+# whether this is a tool call ('1') or a model call ('0').
 _ADMIT = """
 local k, held, index = KEYS[1], KEYS[2], KEYS[3]
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -65,20 +68,24 @@ end
 if redis.call('EXISTS', k) == 0 then
   redis.call('HSET', k, 'started_at', ARGV[1], 'b_calls', ARGV[3], 'b_tokens', ARGV[4],
     'b_cost', ARGV[5], 'b_wall', ARGV[6], 'deadline_at', ARGV[7], 'deadline_by', ARGV[8],
-    'u_calls', 0, 'u_tokens', 0, 'u_cost', 0)
+    'b_tools', ARGV[13], 'u_calls', 0, 'u_tokens', 0, 'u_cost', 0, 'u_tools', 0)
 end
 local rid, tokens, cost = ARGV[9], tonumber(ARGV[10]), tonumber(ARGV[11])
+local tool = ARGV[14] == '1'
 local s = redis.call('HMGET', k, 'b_calls', 'b_tokens', 'b_cost', 'deadline_at',
-  'deadline_by', 'u_calls', 'u_tokens', 'u_cost', 'cancelled_at')
+  'deadline_by', 'u_calls', 'u_tokens', 'u_cost', 'cancelled_at', 'b_tools', 'u_tools')
 local b_calls, b_tokens, b_cost = tonumber(s[1]), tonumber(s[2]), tonumber(s[3])
 local deadline_at, deadline_by = tonumber(s[4]), s[5]
 local u_calls, u_tokens, u_cost = tonumber(s[6]), tonumber(s[7]), tonumber(s[8])
+local b_tools, u_tools = tonumber(s[10]), tonumber(s[11]) or 0
 local refused = ''
 if s[9] then
   refused = 'cancelled'
 elseif deadline_at and now >= deadline_at then
   if deadline_by == 'wall_s' then refused = 'wall_s' else refused = 'deadline' end
-elseif b_calls and u_calls + 1 > b_calls then
+elseif tool and b_tools and u_tools + 1 > b_tools then
+  refused = 'tool_calls'
+elseif (not tool) and b_calls and u_calls + 1 > b_calls then
   refused = 'calls'
 elseif b_tokens and u_tokens + tokens > b_tokens then
   refused = 'tokens'
@@ -86,16 +93,22 @@ elseif b_cost and u_cost + cost > b_cost + 1e-12 then
   refused = 'cost_usd'
 end
 if refused == '' then
-  u_calls = redis.call('HINCRBY', k, 'u_calls', 1)
+  local kind = 0
+  if tool then
+    u_tools = redis.call('HINCRBY', k, 'u_tools', 1)
+    kind = 1
+  else
+    u_calls = redis.call('HINCRBY', k, 'u_calls', 1)
+  end
   u_tokens = redis.call('HINCRBYFLOAT', k, 'u_tokens', tokens)
   u_cost = redis.call('HINCRBYFLOAT', k, 'u_cost', cost)
-  redis.call('HSET', held, rid, string.format('%.17g %.17g', tokens, cost))
+  redis.call('HSET', held, rid, string.format('%.17g %.17g %d', tokens, cost, kind))
 else
   redis.call('HINCRBY', k, 'r_' .. refused, 1)
 end
 redis.call('EXPIRE', k, ttl)
 redis.call('EXPIRE', held, ttl)
-return {refused, tostring(u_calls), tostring(u_tokens), tostring(u_cost)}
+return {refused, tostring(u_calls), tostring(u_tokens), tostring(u_cost), tostring(u_tools)}
 """
 
 # KEYS: state, held. ARGV: request id, tokens used, cost used, called (1/0).
@@ -104,16 +117,19 @@ local k, held = KEYS[1], KEYS[2]
 local h = redis.call('HGET', held, ARGV[1])
 if not h or redis.call('EXISTS', k) == 0 then return 0 end
 redis.call('HDEL', held, ARGV[1])
-local sp = string.find(h, ' ')
-local r_tokens, r_cost = tonumber(string.sub(h, 1, sp - 1)), tonumber(string.sub(h, sp + 1))
+local parts = {}
+for part in string.gmatch(h, '%S+') do table.insert(parts, part) end
+local r_tokens, r_cost = tonumber(parts[1]), tonumber(parts[2])
 local function lower(field, by)
-  local v = tonumber(redis.call('HGET', k, field)) + by
+  local v = (tonumber(redis.call('HGET', k, field)) or 0) + by
   if v < 0 then v = 0 end
   redis.call('HSET', k, field, string.format('%.17g', v))
 end
 lower('u_tokens', tonumber(ARGV[2]) - r_tokens)
 lower('u_cost', tonumber(ARGV[3]) - r_cost)
-if ARGV[4] == '0' then lower('u_calls', -1) end
+if ARGV[4] == '0' then
+  if parts[3] == '1' then lower('u_tools', -1) else lower('u_calls', -1) end
+end
 return 1
 """
 
@@ -213,7 +229,14 @@ class RedisTaskStore:
         return await shared_call("task state", what, coro)
 
     async def admit(
-        self, key: TaskKey, first: TaskFirst, rid: str, tokens: int, cost: float, now: float
+        self,
+        key: TaskKey,
+        first: TaskFirst,
+        rid: str,
+        tokens: int,
+        cost: float,
+        now: float,
+        tool: bool = False,
     ) -> TaskAdmission:
         k = self._k(key)
         deadline_at, by = first_deadline(first, now)
@@ -235,17 +258,19 @@ class RedisTaskStore:
                     tokens,
                     repr(float(cost)),
                     self.max_tasks,
+                    _opt(b.tool_calls),
+                    "1" if tool else "0",
                 ],
             ),
         )
         refused = _str(out[0]) or None
         fields = await self._call("admit", self._redis.hgetall(k))
         f = {_str(a): b for a, b in fields.items()}
-        bc, bt, bu, bw, started, d_at, d_by, cancelled = (
+        bc, bt, bu, bw, btools, started, d_at, d_by, cancelled = (
             f.get(n)
             for n in (
-                "b_calls", "b_tokens", "b_cost", "b_wall", "started_at", "deadline_at",
-                "deadline_by", "cancelled_at",
+                "b_calls", "b_tokens", "b_cost", "b_wall", "b_tools", "started_at",
+                "deadline_at", "deadline_by", "cancelled_at",
             )
         )  # fmt: skip
         budget = TaskBudget(
@@ -253,12 +278,18 @@ class RedisTaskStore:
             int(_num(bt)) if _num(bt) is not None else None,  # type: ignore[arg-type]
             _num(bu),
             _num(bw),
+            int(_num(btools)) if _num(btools) is not None else None,  # type: ignore[arg-type]
         )
         return TaskAdmission(
             refused is None,
             refused,
             budget.as_dict(),
-            {"calls": float(out[1]), "tokens": float(out[2]), "cost_usd": float(out[3])},
+            {
+                "calls": float(out[1]),
+                "tokens": float(out[2]),
+                "cost_usd": float(out[3]),
+                "tool_calls": float(out[4]),
+            },
             _num(started) or now,
             _num(d_at),
             _str(d_by) or None if d_by is not None else None,
@@ -377,6 +408,7 @@ class RedisTaskStore:
                     ("tokens", "b_tokens"),
                     ("cost_usd", "b_cost"),
                     ("wall_s", "b_wall"),
+                    ("tool_calls", "b_tools"),
                 )
                 if _num(s.get(src)) is not None
             }
@@ -389,6 +421,7 @@ class RedisTaskStore:
                 "calls": float(s["u_calls"]),
                 "tokens": float(s["u_tokens"]),
                 "cost_usd": round(float(s["u_cost"]), 9),
+                "tool_calls": float(s.get("u_tools") or 0),
             },
             "started_at": float(s["started_at"]),
             "deadline_at": _num(s.get("deadline_at")),

@@ -712,8 +712,8 @@ class Task(Stage):
         evidence = adm.evidence(now)
         refused = adm.refused
         if refused is not None:
-            ctx.record(self.name, f"reject:{refused}", _task_refusal_reason(refused), t, evidence)
-            raise _task_error(task_id, refused, adm)
+            ctx.record(self.name, f"reject:{refused}", task_refusal_reason(refused), t, evidence)
+            raise task_error(task_id, refused, adm)
         ctx.task = TaskHold(key, rid, int(adm.used["calls"]), ctx.input.planned_steps)
         if shrunk is not None:
             evidence["cap_shrunk"] = shrunk
@@ -728,7 +728,8 @@ class Task(Stage):
         ctx.record(self.name, "admitted", "within the task's budget and deadline", t, evidence)
 
 
-def _task_refusal_reason(refused: str) -> str:
+def task_refusal_reason(refused: str) -> str:
+    """A task's refusal in a decision's words (model and tool calls alike)."""
     if refused == "cancelled":
         return "the task was cancelled"
     if refused == "deadline":
@@ -736,7 +737,8 @@ def _task_refusal_reason(refused: str) -> str:
     return f"the task's {refused} budget is spent"
 
 
-def _task_error(task_id: str, refused: str, adm: TaskAdmission) -> SwitchyardError:
+def task_error(task_id: str, refused: str, adm: TaskAdmission) -> SwitchyardError:
+    """The client's error for a task's refusal (model and tool calls alike)."""
     if refused == "cancelled":
         return TaskCancelled(f"the task '{task_id}' was cancelled; it takes no more calls")
     if refused == "deadline":

@@ -6,7 +6,8 @@ can never drain, read or cancel it. Its state is set by its first request and ke
 until `tasks.idle_ttl_s` after its last one (at most `tasks.max_tasks` states; the
 least recently active go first):
 
-* the budget: calls, tokens, cost and wall time over the task's whole life. The
+* the budget: model calls, tool calls (`tools/call` through `/mcp`), tokens, cost and
+  wall time over the task's whole life. The
   tenant's default (config `tasks.budget`, the tenant's and the key's `task_budget`)
   may be lowered by the first request's `x-task-budget`, never raised;
 * the deadline: the earliest of `x-task-deadline`, the first request plus
@@ -17,6 +18,8 @@ least recently active go first):
 Calls, tokens and cost are reserved at admission, as the per-request budget is: a
 call is admitted only if its estimate fits what is left, so concurrent steps of one
 task cannot overshoot together; at settle the estimate is replaced by what was used.
+A tool call (`admit(..., tool=True)`, mcp_service.py) reserves one of `tool_calls`
+instead of `calls`, no tokens, and its tool's price against `cost_usd`.
 
 `MemoryTaskStore` holds the state for one gateway process; `RedisTaskStore`
 (policy/redis_tasks.py) shares it between processes. The calls in flight are always
@@ -56,7 +59,7 @@ class TaskAdmission:
     # When refused: "cancelled", "deadline", or the budget field that ran out.
     refused: str | None
     budget: dict[str, Any]
-    used: dict[str, float]  # calls, tokens, cost_usd (reservations included)
+    used: dict[str, float]  # calls, tokens, cost_usd, tool_calls (reservations included)
     started_at: float
     deadline_at: float | None
     deadline_by: str | None  # what set the deadline: wall_s, x-task-timeout, x-task-deadline
@@ -68,7 +71,7 @@ class TaskAdmission:
     def remaining(self) -> dict[str, float]:
         budget, used = self.budget, self.used
         out: dict[str, float] = {}
-        for f in ("calls", "tokens", "cost_usd"):
+        for f in ("calls", "tokens", "cost_usd", "tool_calls"):
             limit = budget.get(f)
             if limit is not None:
                 out[f] = max(0.0, round(float(limit) - used.get(f, 0.0), 9))
@@ -82,6 +85,7 @@ class TaskAdmission:
                 "calls": used["calls"],
                 "tokens": used["tokens"],
                 "cost_usd": round(used["cost_usd"], 9),
+                "tool_calls": used.get("tool_calls", 0.0),
             },
             "remaining": self.remaining(),
             "age_s": round(now - self.started_at, 3),
@@ -117,12 +121,17 @@ def check(
     deadline_at: float | None,
     deadline_by: str | None,
     now: float,
+    tool: bool = False,
 ) -> str | None:
     """Why one more call of (tokens, cost) is refused, or None: the deadline first,
-    then each budget in BUDGET_FIELDS order. The same rule in both stores."""
+    then the calls of its kind (`calls`, or `tool_calls` for a tool call), tokens and
+    cost. The same rule in both stores."""
     if deadline_at is not None and now >= deadline_at:
         return "wall_s" if deadline_by == "wall_s" else "deadline"
-    if budget.calls is not None and used["calls"] + 1 > budget.calls:
+    if tool:
+        if budget.tool_calls is not None and used["tool_calls"] + 1 > budget.tool_calls:
+            return "tool_calls"
+    elif budget.calls is not None and used["calls"] + 1 > budget.calls:
         return "calls"
     if budget.tokens is not None and used["tokens"] + tokens > budget.tokens:
         return "tokens"
@@ -154,9 +163,10 @@ class _State:
     deadline_by: str | None
     last_at: float
     used: dict[str, float] = field(
-        default_factory=lambda: {"calls": 0.0, "tokens": 0.0, "cost_usd": 0.0}
+        default_factory=lambda: {"calls": 0.0, "tokens": 0.0, "cost_usd": 0.0, "tool_calls": 0.0}
     )
-    held: dict[str, tuple[int, float]] = field(default_factory=dict)  # rid → reserved
+    # rid → what it reserved: tokens, cost, and whether it is a tool call
+    held: dict[str, tuple[int, float, bool]] = field(default_factory=dict)
     refused: dict[str, int] = field(default_factory=dict)  # by budget/cause
     cancelled_at: float | None = None
     tool_calls: OrderedDict[str, ToolCallNote] = field(default_factory=OrderedDict)
@@ -166,8 +176,18 @@ class _State:
 
 class TaskStore(Protocol):
     async def admit(
-        self, key: TaskKey, first: TaskFirst, rid: str, tokens: int, cost: float, now: float
-    ) -> TaskAdmission: ...
+        self,
+        key: TaskKey,
+        first: TaskFirst,
+        rid: str,
+        tokens: int,
+        cost: float,
+        now: float,
+        tool: bool = False,
+    ) -> TaskAdmission:
+        """Reserve one call (a model call, or with `tool` a tool call) of `tokens` and
+        `cost`, or refuse it."""
+        ...
 
     async def settle(
         self, key: TaskKey, rid: str, tokens: int, cost: float, called: bool = True
@@ -249,7 +269,14 @@ class MemoryTaskStore:
         return st
 
     async def admit(
-        self, key: TaskKey, first: TaskFirst, rid: str, tokens: int, cost: float, now: float
+        self,
+        key: TaskKey,
+        first: TaskFirst,
+        rid: str,
+        tokens: int,
+        cost: float,
+        now: float,
+        tool: bool = False,
     ) -> TaskAdmission:
         st = self._get(key, now)
         if st is None:
@@ -261,13 +288,13 @@ class MemoryTaskStore:
         refused = (
             "cancelled"
             if st.cancelled_at is not None
-            else check(st.budget, st.used, tokens, cost, st.deadline_at, st.deadline_by, now)
+            else check(st.budget, st.used, tokens, cost, st.deadline_at, st.deadline_by, now, tool)
         )
         if refused is None:
-            st.used["calls"] += 1
+            st.used["tool_calls" if tool else "calls"] += 1
             st.used["tokens"] += tokens
             st.used["cost_usd"] += cost
-            st.held[rid] = (tokens, cost)
+            st.held[rid] = (tokens, cost, tool)
         else:
             st.refused[refused] = st.refused.get(refused, 0) + 1
         if st.budget_dict is None:
@@ -292,7 +319,8 @@ class MemoryTaskStore:
         if st is None or held is None:
             return
         if not called:
-            st.used["calls"] = max(0.0, st.used["calls"] - 1)
+            kind = "tool_calls" if held[2] else "calls"
+            st.used[kind] = max(0.0, st.used[kind] - 1)
         st.used["tokens"] = max(0.0, st.used["tokens"] - held[0] + tokens)
         st.used["cost_usd"] = max(0.0, st.used["cost_usd"] - held[1] + cost)
 
