@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import re
+import resource
 import secrets
 import signal
 import socket
@@ -24,7 +25,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -174,6 +175,49 @@ def run_wrk(wrk: str, url: str, script: Path, scenario: Scenario, duration_s: in
     if done.returncode != 0:
         raise RuntimeError(f"wrk exited {done.returncode}: {done.stderr.strip()}")
     return parse_wrk(done.stdout)
+
+
+# --- CPU ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CpuSample:
+    """CPU seconds (user + system) used so far: per process tree root, and by this
+    process's waited-for children (the load generator, run to its end)."""
+
+    trees: dict[int, float]
+    waited: float
+
+
+def cpu_sample(roots: Iterable[int]) -> CpuSample:
+    """What each root process and its descendants have used, read from /proc: every
+    live process of the tree, plus what its members' reaped children used."""
+    ticks = float(os.sysconf("SC_CLK_TCK"))
+    table: dict[int, tuple[int, int]] = {}  # pid -> (parent, ticks used incl. reaped)
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry.name}/stat").read_bytes()
+        except OSError:  # gone between the listing and the read
+            continue
+        fields = raw[raw.rindex(b")") + 2 :].split()  # after the command name
+        used = sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+        table[int(entry.name)] = (int(fields[1]), used)
+    kids: dict[int, list[int]] = {}
+    for pid, (parent, _) in table.items():
+        kids.setdefault(parent, []).append(pid)
+    trees: dict[int, float] = {}
+    for root in roots:
+        total, stack = 0, [root]
+        while stack:
+            pid = stack.pop()
+            if pid in table:
+                total += table[pid][1]
+                stack.extend(kids.get(pid, ()))
+        trees[root] = total / ticks
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return CpuSample(trees, usage.ru_utime + usage.ru_stime)
 
 
 # --- processes ------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -45,10 +46,12 @@ from switchyard.bench.harness import (
     CHAT_PATH,
     MODEL,
     Child,
+    CpuSample,
     Scenario,
     StartError,
     chat_body,
     config_yaml,
+    cpu_sample,
     free_port,
     http,
     machine_info,
@@ -196,13 +199,23 @@ def rotated(items: tuple[str, ...], k: int) -> list[str]:
 
 
 def measure(
-    args: argparse.Namespace, urls: dict[str, str], scripts: dict[str, dict[bool, Path]]
+    args: argparse.Namespace,
+    urls: dict[str, str],
+    scripts: dict[str, dict[bool, Path]],
+    pids: dict[str, int] | None = None,
 ) -> list[dict[str, Any]]:
     """Warm every target up, then run every scenario on every target, round by round.
 
     The targets are the keys of `urls`, in order; `scripts[target][stream]` is the wrk
-    script for that target (targets that need a key get their own).
+    script for that target (targets that need a key get their own). `pids`: each
+    target's root process (and "upstream": the scripted upstream every target calls);
+    each run then records the CPU its tree used per request (read from /proc: the
+    gateway's workers, ledger writer and engines all count), the upstream's, and the
+    load generator's share of the machine's CPU.
     """
+    pids = pids or {}
+    roots = sorted(set(pids.values()))
+    cores = os.cpu_count() or 1
     targets = tuple(urls)
     width = max(10, *(len(t) for t in targets))
     for target in targets:
@@ -215,7 +228,9 @@ def measure(
         for i, sc in enumerate(scenarios):
             for target in rotated(targets, rnd + i):
                 script = scripts[target][sc.stream]
+                before = cpu_sample(roots)
                 res = run_wrk(args.wrk, urls[target], script, sc, args.duration)
+                after = cpu_sample(roots)
                 runs.append(
                     {
                         "round": rnd + 1,
@@ -225,6 +240,7 @@ def measure(
                         "threads": sc.threads,
                         "target": target,
                         **asdict(res),
+                        **_cpu(before, after, pids, target, res.requests, args.duration, cores),
                     }
                 )
                 errors = res.non_2xx + res.socket_errors
@@ -236,6 +252,43 @@ def measure(
                     flush=True,
                 )
     return runs
+
+
+def _cpu(
+    before: CpuSample,
+    after: CpuSample,
+    pids: dict[str, int],
+    target: str,
+    requests: int,
+    duration_s: float,
+    cores: int,
+) -> dict[str, float | None]:
+    """One run's CPU per request: the target's process tree, the upstream's (for direct,
+    that is the target), and the load generator's share of the machine's CPU time."""
+
+    def per_request(pid: int | None) -> float | None:
+        if pid is None or requests <= 0:
+            return None
+        return (after.trees[pid] - before.trees[pid]) * 1e6 / requests
+
+    return {
+        "cpu_us_per_req": per_request(pids.get(target)),
+        "upstream_cpu_us_per_req": per_request(pids.get("upstream")),
+        "loader_cpu_share": round((after.waited - before.waited) / (duration_s * cores), 4),
+    }
+
+
+def target_pids(children: list[Child], urls: dict[str, str]) -> dict[str, int]:
+    """Each target's root process: the child started under its name (direct: the
+    upstream; the protocol targets: the realistic gateway they share), and "upstream"."""
+    by_name = {c.name: c.proc.pid for c in children}
+    out = {"upstream": by_name["upstream"], "direct": by_name["upstream"]}
+    for target in urls:
+        if target in by_name:
+            out[target] = by_name[target]
+        elif target in (protocols.RESPONSES, protocols.MESSAGES) and realistic.TARGET in by_name:
+            out[target] = by_name[realistic.TARGET]
+    return out
 
 
 def summarize(
@@ -251,13 +304,17 @@ def summarize(
     scenarios = [Scenario(s, c) for s in (False, True) for c in CONCURRENCIES]
     checked = [t for t in targets if t in CHECKED_TARGETS]
     for sc in scenarios:
-        med: dict[str, dict[str, float]] = {}
+        med: dict[str, dict[str, Any]] = {}
         for target in targets:
             mine = [r for r in runs if r["scenario"] == sc.name and r["target"] == target]
             med[target] = {
                 key: statistics.median(r[key] for r in mine) for key in ("rps", "p50_ms", "p99_ms")
             }
             med[target]["errors"] = sum(r["non_2xx"] + r["socket_errors"] for r in mine)
+            cpu = [r["cpu_us_per_req"] for r in mine if r.get("cpu_us_per_req") is not None]
+            med[target]["cpu_us_per_req"] = statistics.median(cpu) if cpu else None
+            share = [r["loader_cpu_share"] for r in mine if r.get("loader_cpu_share") is not None]
+            med[target]["loader_cpu_share"] = statistics.median(share) if share else None
         floor_added = med["floor"]["p50_ms"] - med["direct"]["p50_ms"]
         if sc.connections == 1:
             check = f"added p50 ratio <= {LATENCY_RATIO_MAX}"
@@ -295,6 +352,8 @@ def _judge(
     added = med[target]["p50_ms"] - med["direct"]["p50_ms"]
     lat_ratio = added / floor_added if floor_added > 0 else None
     rps_ratio = med[target]["rps"] / med["floor"]["rps"] if med["floor"]["rps"] > 0 else None
+    mine, floor_cpu = med[target].get("cpu_us_per_req"), med["floor"].get("cpu_us_per_req")
+    cpu_ratio = mine / floor_cpu if mine is not None and floor_cpu else None
     if sc.connections == 1:
         ok = lat_ratio is not None and lat_ratio <= LATENCY_RATIO_MAX
     else:
@@ -303,6 +362,7 @@ def _judge(
         "added_p50_ms": added,
         "added_p50_ratio": lat_ratio,
         "rps_ratio": rps_ratio,
+        "cpu_ratio": cpu_ratio,
         "per_round": _per_round(runs, sc.name, target),
         "verdict": "PASS" if ok else "MISS",
     }
@@ -372,7 +432,8 @@ def _check_lines(s: dict[str, Any]) -> list[str]:
     for target, c in s.get("checks", {}).items():
         lines.append(
             f"{'':<16}added p50 {target}/floor {_num(c['added_p50_ratio'], '.2f')}, "
-            f"req/s {target}/floor {_num(c['rps_ratio'], '.2f')}  "
+            f"req/s {target}/floor {_num(c['rps_ratio'], '.2f')}, "
+            f"CPU/req {target}/floor {_num(c.get('cpu_ratio'), '.2f')}  "
             f"[{s['check']}: {c['verdict']}]"
         )
         pr = c["per_round"]
@@ -391,16 +452,20 @@ def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"Switchyard overhead: wrk, {args.duration} s per run, {args.rounds} round(s), "
         "medians across rounds",
         "",
-        f"{'scenario':<16}{'target':<{tw}}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'+p50 ms':>10}",
+        f"{'scenario':<16}{'target':<{tw}}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}"
+        f"{'+p50 ms':>10}{'CPU us/req':>12}{'wrk CPU':>9}",
     ]
     for s in summary:
         for i, target in enumerate(targets):
             t = s["targets"][target]
             added = _added_p50(s, target)
             errors = f"  errors: {int(t['errors'])}" if t["errors"] else ""
+            share = t.get("loader_cpu_share")
             lines.append(
                 f"{s['scenario'] if i == 0 else '':<16}{target:<{tw}}{t['rps']:>10.1f}"
-                f"{t['p50_ms']:>10.3f}{t['p99_ms']:>10.3f}{_num(added, '.3f'):>10}{errors}"
+                f"{t['p50_ms']:>10.3f}{t['p99_ms']:>10.3f}{_num(added, '.3f'):>10}"
+                f"{_num(t.get('cpu_us_per_req'), '.0f'):>12}"
+                f"{_num(None if share is None else share * 100, '.0f'):>8}%{errors}"
             )
         lines.extend(_check_lines(s))
         if "policy" in s:
@@ -584,7 +649,7 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             print("targets ready; measuring", file=sys.stderr, flush=True)
             try:
-                runs = measure(args, urls, scripts)
+                runs = measure(args, urls, scripts, target_pids(children, urls))
             except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
                 print(f"switchyard: bench overhead: a wrk run failed: {exc}", file=sys.stderr)
                 return 1
