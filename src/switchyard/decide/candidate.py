@@ -19,6 +19,7 @@ from switchyard.decide.pair_encoder import shipped as shipped_encoder
 from switchyard.decide.pair_model import PairModel
 from switchyard.decide.pair_model import shipped as shipped_model
 from switchyard.decide.verify import verify
+from switchyard.decide.verify import warm as warm_word_lists
 
 log = logging.getLogger("switchyard.cache")
 
@@ -80,6 +81,8 @@ def from_config(cfg: CacheConfig, embeddings: EmbeddingsConfig) -> CandidateChec
 
     encoder = None
     unavailable = None
+    if cfg.verify:  # the rules' word lists, built before the first request needs them
+        warm_word_lists()
     if cfg.verify_encoder:
         try:
             encoder = load_encoder(cfg, embeddings)

