@@ -300,7 +300,9 @@ async def calibrate(w: Workload, engine_url: str, seconds: float = CALIBRATE_S) 
 
 
 def fit_line(samples: list[tuple[int, float]]) -> tuple[float, float]:
-    """(a, b) of y = a + b x by least squares; one length seen: (its mean, 0)."""
+    """(a, b) of y = a + b x by least squares, both at least 0: a negative intercept
+    (noise on a busy machine) refits the line through the origin, a negative slope
+    (longer answers no slower) is the mean time; one length seen: (its mean, 0)."""
     if not samples:
         raise RuntimeError("calibration: no request was answered")
     n = len(samples)
@@ -310,7 +312,12 @@ def fit_line(samples: list[tuple[int, float]]) -> tuple[float, float]:
     if var == 0:
         return my, 0.0
     b = sum((x - mx) * (y - my) for x, y in samples) / var
-    return max(0.0, my - b * mx), max(0.0, b)
+    if b <= 0:
+        return my, 0.0
+    a = my - b * mx
+    if a < 0:
+        return 0.0, sum(x * y for x, y in samples) / sum(x * x for x, _ in samples)
+    return a, b
 
 
 def schedule(w: Workload, load_x: float) -> list[tuple[float, str]]:

@@ -28,11 +28,14 @@ and refuses what cannot succeed, before anything is sent:
 * while the model is saturated, a new task's first step is refused with 503
   `overloaded` (+ Retry-After) when the task would not end within `admit_headroom` of
   its time left: the work ahead of it (the queued waiters' and the remaining planned
-  steps of the admitted tasks) over the capacity left to tasks, plus its own planned
+  steps of the admitted tasks, those of its class or higher, and those of a lower class
+  due no later than it) over the capacity left to tasks, plus its own planned
   steps. The capacity left to tasks is the concurrency less what the work the gate
   does not plan for takes: single calls of the task's class or higher keep arriving
-  (their arrival rate, decayed over `SINGLES_WINDOW_S`, times their service time: the
-  slots they hold on average), and other clients of the same engines hold slots too
+  (the rate at which they are given slots, decayed over `SINGLES_WINDOW_S`, times their
+  service time: the slots they hold on average; a call counts once, when it gets its
+  slot, so one that waits is not counted twice and one the gate refuses, which holds
+  no slot, not at all), and other clients of the same engines hold slots too
   (the engines' own running and waiting counts, when fresh, beyond this gate's own
   requests; engines/load.py);
 * when the queue is full, a later step (or single call) takes the place of the
@@ -197,16 +200,18 @@ class _Waiter:
 
 @dataclass(slots=True)
 class _Progress:
-    """A task the gate has admitted: its planned steps and the highest call seen."""
+    """A task the gate has admitted: its planned steps, the highest call seen, and its
+    class (the highest its calls asked for)."""
 
     planned: int
     seen: int
     deadline: float
+    priority: Priority = Priority.STANDARD
 
 
 class DeploymentGate:
     MAX_TASKS = 10_000
-    SINGLES_WINDOW_S = 30.0  # single calls' arrival rate: arrivals decayed over this
+    SINGLES_WINDOW_S = 30.0  # single calls' rate: the slots given them, decayed over this
 
     def __init__(
         self,
@@ -233,7 +238,8 @@ class DeploymentGate:
         # Other clients' requests at this model's engines, beyond this gate's own (set by
         # the gateway from the engines' readings; None or 0 when not known).
         self.others: Callable[[], int] | None = None
-        # Single calls' arrivals per class, decayed over SINGLES_WINDOW_S, as of _singles_at.
+        # Single calls given a slot, per class, decayed over SINGLES_WINDOW_S, as of
+        # _singles_at (their rate: `_granted`).
         self._singles = [0.0] * len(Priority)
         self._singles_at = clock()
 
@@ -247,14 +253,13 @@ class DeploymentGate:
 
     def try_acquire(self, ask: SlotAsk = STANDARD, deadline: float = math.inf) -> Admission | None:
         """Take a free slot without waiting; None when the caller would have to queue."""
-        if ask.single and self.task_aware and self.max_concurrency:
-            self._arrived(ask.priority)
         if self.max_concurrency is None or (
             self.in_flight < self.max_concurrency and not self._waiters
         ):
             self.in_flight += 1
             if self.task_aware and ask.task is not None:
                 self._note(ask, deadline)
+            self._granted(ask)
             return Admission(0.0, self.in_flight, len(self._waiters))
         return None
 
@@ -307,6 +312,7 @@ class DeploymentGate:
             with contextlib.suppress(ValueError):
                 self._waiters.remove(w)
         waited = self.clock() - start
+        self._granted(ask)
         if evidence is not None:
             evidence["waited_s"] = round(waited, 4)
         return Admission(waited, self.in_flight, len(self._waiters), evidence)
@@ -393,23 +399,49 @@ class DeploymentGate:
             evidence=ev,
         )
 
-    def _backlog_s(self, now: float) -> float | None:
-        """Slot seconds of the work ahead of a new task: every queued waiter's estimate
-        and the remaining planned steps of the admitted tasks not yet queued."""
+    def _backlog_s(self, now: float, priority: Priority, deadline: float) -> float | None:
+        """Slot seconds of the work ahead of a new task of class `priority` due at
+        `deadline`: the estimates of the queued waiters and the remaining planned steps
+        of the admitted tasks not yet queued that rank ahead of it. Work of its class or
+        higher does; lower-class work only when due no later than it (such work rises a
+        class each `aging_s` and then competes by deadline, so work due later never runs
+        before the task's steps): a batch client declaring long tasks cannot have an
+        interactive task refused. Linear in the admitted tasks: the steps of a task not
+        learned apart all take the model's estimate, so a task's remaining steps cost
+        one multiplication, not one estimate each."""
+
+        def ahead(cls: int, due: float) -> bool:
+            return cls <= priority or due <= deadline
+
         total = 0.0
         for w in self._waiters:
+            if not ahead(self._key(w, now)[0], w.deadline):
+                continue
             if w.estimate is None:
                 return None
             total += w.estimate.service_s
+        if not self._tasks:
+            return total
+        tokens = self.model.tokens  # a step not learned apart: the model's estimate
+        base = self.model.service_s(tokens) if tokens is not None else None
+        learned: dict[int, list[tuple[int, float]]] = {}  # planned -> (step, its estimate)
+        for (planned, step), step_tokens in self.model.steps.items():
+            s = self.model.service_s(step_tokens)
+            if s is None:
+                return None
+            learned.setdefault(planned, []).append((step, s))
         for key, p in list(self._tasks.items()):
             if p.deadline <= now or p.seen >= p.planned:
                 del self._tasks[key]
                 continue
-            for step in range(p.seen + 1, min(p.planned, p.seen + 64) + 1):
-                s = self.model.step_s(p.planned, step)
-                if s is None:
-                    return None
-                total += s
+            if not ahead(p.priority, p.deadline):
+                continue
+            first, last = p.seen + 1, min(p.planned, p.seen + 64)
+            known = [s for step, s in learned.get(p.planned, ()) if first <= step <= last]
+            rest = last - first + 1 - len(known)
+            if rest and base is None:
+                return None
+            total += sum(known) + rest * (base or 0.0)
         return total
 
     def _admit_task(
@@ -424,7 +456,7 @@ class DeploymentGate:
         already admitted (503 overloaded)."""
         if est is None or not self.max_concurrency:
             return
-        backlog = self._backlog_s(now)
+        backlog = self._backlog_s(now, ask.priority, deadline)
         planned = max(1, min(ask.planned or 1, 64))
         own = [self.model.step_s(planned, k) for k in range(1, planned + 1)]
         if backlog is None or any(s is None for s in own):
@@ -454,10 +486,16 @@ class DeploymentGate:
                 evidence=evidence,
             )
 
-    def _arrived(self, priority: Priority) -> None:
+    def _granted(self, ask: SlotAsk) -> None:
+        """A single call got its slot: one more in its class's decayed count. Counted
+        here, not on arrival: a call that waits passes try_acquire twice, and one the
+        gate refuses (queue full, deadline unreachable) holds no slot, so a flood of
+        refused calls cannot shrink the capacity left to everyone's tasks."""
+        if not (ask.single and self.task_aware and self.max_concurrency):
+            return
         now = self.clock()
         self._decay(now)
-        self._singles[priority] += 1.0
+        self._singles[ask.priority] += 1.0
 
     def _decay(self, now: float) -> None:
         dt = now - self._singles_at
@@ -468,9 +506,10 @@ class DeploymentGate:
 
     def _capacity(self, priority: Priority, now: float) -> tuple[float, float, int]:
         """The slots a new task of class `priority` can count on: the concurrency less
-        the slots single calls of its class or higher hold on average (their arrival
-        rate times their service time) and those other clients' requests hold at the
-        engines. At least one: the estimate is only made while the model is saturated."""
+        the slots single calls of its class or higher hold on average (the rate they
+        are given slots times their service time) and those other clients' requests
+        hold at the engines. At least one: the estimate is only made while the model is
+        saturated."""
         assert self.max_concurrency
         self._decay(now)
         rate = sum(self._singles[: priority + 1]) / self.SINGLES_WINDOW_S
@@ -516,6 +555,7 @@ class DeploymentGate:
                 return
             if len(self._tasks) >= self.MAX_TASKS:
                 self._tasks.clear()
-            p = self._tasks[ask.task] = _Progress(ask.planned, 0, deadline)
+            p = self._tasks[ask.task] = _Progress(ask.planned, 0, deadline, ask.priority)
         p.seen = max(p.seen, ask.step)
         p.deadline = min(p.deadline, deadline)
+        p.priority = min(p.priority, ask.priority)
