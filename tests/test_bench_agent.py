@@ -6,11 +6,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from conftest import Scripted
+from conftest import Gateway, Proc, Scripted, cheap_config, free_port, start_gateway, wait_http
 from switchyard.bench import agent, load
 from switchyard.bench.metrics import Slo
 from switchyard.bench.run import add_run_arguments, run_all
@@ -120,3 +124,95 @@ def test_bad_task_file_is_rejected(tmp_path: Path, bad: str) -> None:
     f.write_text(bad)
     with pytest.raises(ValueError, match="not one of its ancestors"):
         agent.load_graphs(str(f))
+
+
+# -- tool steps: a real gateway, the bench's echo MCP server (official SDK), sockets ------
+
+TOOLS_EXAMPLE = EXAMPLE.with_name("agent-tools.yaml")
+
+
+@pytest.fixture(scope="module")
+def tools_gateway(scripted: Scripted) -> Iterator[Gateway]:
+    port = free_port()
+    echo = Proc(
+        [sys.executable, "-m", "switchyard.bench.mcp_echo_server", "--port", str(port)],
+        "mcp-echo",
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/mcp", echo, status=400)  # a GET with no session
+        config = cheap_config(
+            scripted,
+            mcp={"servers": [{"name": "bench", "url": f"http://127.0.0.1:{port}/mcp"}]},
+            tools={
+                "registry": [
+                    {"name": "bench__echo", "class": "read_only"},
+                    {"name": "bench__pause", "class": "read_only"},
+                    {"name": "bench__record", "class": "side_effect"},
+                ]
+            },
+        )
+        gw = start_gateway(config)
+        try:
+            deadline = time.monotonic() + 60
+            while (
+                not httpx.get(gw.url + "/readyz", headers=gw.admin)
+                .json()["models"]
+                .get("mcp:bench", {})
+                .get("ready")
+            ):
+                assert time.monotonic() < deadline, gw.proc.output()[-3000:]
+                time.sleep(0.2)
+            yield gw
+        finally:
+            gw.proc.stop()
+    finally:
+        echo.stop()
+
+
+def test_tool_steps_run_through_the_gateway_and_the_task_time_splits(
+    tools_gateway: Gateway,
+) -> None:
+    gw = tools_gateway
+    p = argparse.ArgumentParser()
+    add_run_arguments(p)
+    args = p.parse_args(
+        ["--endpoint", gw.url, "--model", "cheap", "--api-key", str(gw.key),
+         "--agent-tasks", str(TOOLS_EXAMPLE), "--concurrency", "2", "--num-requests", "4"]
+    )  # fmt: skip
+    result = asyncio.run(asyncio.wait_for(run_all(args), 90))
+    point = result["points"][0]
+    t = point["tasks_summary"]
+    # The example's two graphs alternate: 5 steps (3 of them tools), then 2 (1 tool).
+    assert t["completed"] == 4 and t["failed"] == 0, point["tasks"]
+    assert t["steps_planned"] == t["steps_executed"] == 5 + 2 + 5 + 2
+    assert t["tool_calls"]["n"] == 3 + 1 + 3 + 1 and t["tool_calls"]["failed"] == 0
+    assert point["summary"]["requests"] == 2 + 1 + 2 + 1  # model calls only
+    assert abs(sum(t["time_share"].values()) - 1) < 1e-6
+    assert result["metadata"]["workload"]["tasks"][0]["tool_steps"] == ["weather", "news", "log"]
+    for task in point["tasks"]:
+        # The split adds up to the task's E2E, and the path's tools are on it.
+        split = task["model_ms"] + task["tool_ms"] + task["gap_ms"]
+        assert abs(split - task["e2e_ms"]) < 0.01, task
+        assert task["model_ms"] > 0 and task["tool_ms"] > 0 and task["gap_ms"] >= 0
+        tools = task["tool_steps"]
+        assert all(x["ok"] and x["request_id"].startswith("req_") for x in tools.values())
+        if task["name"] == "plan-lookup-answer":
+            # The 40 ms lookup, not the echo, is on the critical path.
+            assert task["critical_path"] == ["plan", "weather", "answer", "log"]
+            assert task["tool_ms"] >= 40
+        else:
+            assert task["critical_path"] == ["fetch", "reply"] and task["tool_ms"] >= 20
+    # The gateway's own view of one task: model and tool steps on one trace, the tool
+    # step a parent of the model step that quoted it.
+    task = next(x for x in point["tasks"] if x["name"] == "tool-first")
+    deadline = time.monotonic() + 20
+    while True:
+        r = httpx.get(f"{gw.url}/admin/tasks/{task['task_id']}", headers=gw.admin)
+        analysis = r.json().get("task") if r.status_code == 200 else None
+        if (analysis and analysis["steps_executed"] == 2) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert analysis is not None, r.text
+    kinds = {s["request_id"]: s["kind"] for s in analysis["steps"]}
+    assert kinds[task["steps"]["fetch"]] == "tool" and kinds[task["steps"]["reply"]] == "model"
+    assert analysis["time_by_kind"]["tool_ms"] > 0

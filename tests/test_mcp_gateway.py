@@ -429,6 +429,123 @@ def test_a_task_cancel_stops_its_running_tool_and_refuses_later_calls(
         time.sleep(0.05)
 
 
+def test_a_client_that_cancels_its_call_stops_the_tool_and_leaves_it_in_doubt(
+    gw: Gateway, tools: Tools
+) -> None:
+    """The SDK client's `notifications/cancelled` reaches a call the gateway serves on
+    its own hot path, and from there the tool server (MCP cancellation)."""
+    call_id = "call_sy_" + os.urandom(6).hex()
+    seconds = 1.4 + int.from_bytes(os.urandom(2), "big") / 1e6
+
+    async def go() -> MCPError:
+        async with session(gw) as s:
+            call = asyncio.create_task(
+                s.call_tool("web__hang", {"seconds": seconds}, meta={"call_id": call_id})
+            )
+            while Tools.runs(tools.http_log, "hang", seconds=seconds) == 0:
+                await asyncio.sleep(0.02)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            with pytest.raises(MCPError) as again:
+                await s.call_tool("web__hang", {"seconds": seconds}, meta={"call_id": call_id})
+            return again.value
+
+    again = run(go())
+    assert again.data["code"] == "tool_call_in_doubt"
+    deadline = time.monotonic() + 5
+    while Tools.runs(tools.http_log, "hang_cancelled", seconds=seconds) == 0:
+        assert time.monotonic() < deadline, "the tool server never heard of the cancel"
+        time.sleep(0.05)
+    assert Tools.runs(tools.http_log, "hang", seconds=seconds) == 1
+
+
+def raw_session(gw: Gateway, http: httpx.Client) -> dict[str, str]:
+    """Open an MCP session with plain HTTP; the headers of its later requests."""
+    headers = {**gw.auth, "accept": "application/json, text/event-stream"}
+    init = {
+        "jsonrpc": "2.0",
+        "id": 0,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "1"},
+        },
+    }
+    r = http.post(gw.url + "/mcp", json=init, headers=headers)
+    assert r.status_code == 200, r.text
+    headers |= {"mcp-session-id": r.headers["mcp-session-id"], "mcp-protocol-version": "2025-11-25"}
+    note = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    assert http.post(gw.url + "/mcp", json=note, headers=headers).status_code == 202
+    return headers
+
+
+def test_hostile_bodies_on_an_open_session_get_json_rpc_errors_without_exception_text(
+    gw: Gateway, tools: Tools
+) -> None:
+    def call(rid: object, **params: object) -> dict[str, object]:
+        return {"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": params}
+
+    with httpx.Client(timeout=30) as http:
+        h = raw_session(gw, http)
+
+        def post(body: object = None, content: bytes | None = None) -> httpx.Response:
+            if content is None:
+                content = json.dumps(body).encode()
+            r = http.post(
+                gw.url + "/mcp", content=content, headers={**h, "content-type": "application/json"}
+            )
+            assert "Traceback" not in r.text and "pydantic" not in r.text.lower(), r.text
+            return r
+
+        # The hot path: a well-formed call, its id echoed, its request id in `_meta`.
+        r = post(call("a-1", name="crm__lookup", arguments={"q": "raw"}))
+        assert r.status_code == 200 and r.headers["mcp-session-id"] == h["mcp-session-id"]
+        got = r.json()
+        assert got["id"] == "a-1" and got["result"]["content"][0]["text"] == "found: raw"
+        assert got["result"]["_meta"]["switchyard/request_id"].startswith("req_")
+        # Refusals are JSON-RPC errors with our code in `data`.
+        r = post(call(7, name="crm__nope", arguments={}))
+        assert r.json()["id"] == 7 and r.json()["error"]["data"]["code"] == "unknown_tool"
+        r = post(call(8, name="x" * 201, arguments={}))
+        assert r.json()["id"] == 8 and r.json()["error"]["code"] == -32602
+        # Malformed: not JSON, a batch, wrong types, an oversized or odd id, a member
+        # too many. Each is answered (by the SDK's rules, reworded), none runs a tool.
+        r = post(content=b'{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {')
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == "Parse error: the request body is not valid JSON"
+        for body in (
+            [call(1, name="crm__lookup", arguments={"q": "batch"})],
+            call({"an": "object"}, name="crm__lookup", arguments={"q": "odd id"}),
+            call(1, name="crm__lookup", arguments=["not", "an", "object"]),
+            call(1, name=["crm__lookup"], arguments={"q": "list name"}),
+            {**call(1, name="crm__lookup", arguments={"q": "extra"}), "extra": True},
+            call(2**60, name="crm__lookup", arguments={"q": "big id"}),
+            call("i" * 5000, name="crm__lookup", arguments={"q": "long id"}),
+        ):
+            r = post(body)
+            assert r.status_code in (200, 202, 400), r.text  # 202: the SDK's, for an odd id
+            reply = r.json() if r.content else {"result": None}
+            assert isinstance(reply, dict) and ("error" in reply or "result" in reply), reply
+            if r.status_code == 200 and "error" in reply:
+                assert reply["error"]["code"] == -32602
+        for q in ("batch", "odd id", "list name"):
+            assert Tools.runs(tools.stdio_log, "lookup", q=q) == 0
+        # Past server.max_body_bytes: 413, before anything is parsed.
+        r = post(
+            content=b'{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "'
+            + b"x" * 8_000_100
+            + b'"}}'
+        )
+        assert r.status_code == 413 and r.json()["error"]["data"]["code"] == "request_too_large"
+        # The session still works, and ends.
+        r = post(call(9, name="crm__lookup", arguments={"q": "still"}))
+        assert r.json()["result"]["content"][0]["text"] == "found: still"
+        assert http.delete(gw.url + "/mcp", headers=h).status_code == 200
+        assert post(call(10, name="crm__lookup", arguments={"q": "gone"})).status_code == 404
+
+
 def test_a_stdio_server_that_dies_is_restarted_and_reported(gw: Gateway, tools: Tools) -> None:
     def crm() -> dict[str, Any]:
         return dict(httpx.get(gw.url + "/readyz", headers=gw.admin).json()["models"]["mcp:crm"])

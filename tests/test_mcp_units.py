@@ -10,7 +10,9 @@ import secrets
 import sqlite3
 import time
 from pathlib import Path
+from typing import Any
 
+import orjson
 import pytest
 from pydantic import ValidationError
 
@@ -283,3 +285,130 @@ def test_what_counts_against_a_tool_servers_breaker() -> None:
     assert CallOutcome(error=(-32001, "timed out"), sent=True, timed_out=True).failed
     assert CallOutcome(error=(-32000, "connection lost"), sent=True).failed
     assert CallOutcome(error=(-32603, "5xx"), sent=True, server_error=True).failed
+
+
+# -- /mcp's hot path: which requests it takes, and what it answers --------------------
+
+
+class _Service:
+    """Stands for the tool service: answers, refuses, fails or waits as the name says."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any, Any]] = []
+
+    async def call(self, who: Any, name: str, arguments: Any, meta: Any) -> dict[str, Any]:
+        self.calls.append((name, arguments, meta))
+        if name == "refused":
+            raise PermissionDenied("no", code="tool_not_allowed")
+        if name == "broken":
+            raise RuntimeError("secret internals")
+        if name == "slow":
+            await asyncio.sleep(30)
+        return {"content": [{"type": "text", "text": f"ran {name}"}]}
+
+
+def _endpoint() -> tuple[Any, _Service, Any]:
+    from types import SimpleNamespace
+
+    from switchyard.api.mcp import McpEndpoint
+    from switchyard.identity import ANONYMOUS
+    from switchyard.mcp_service import Caller
+
+    service = _Service()
+    endpoint = McpEndpoint(service, auth=None, max_body_bytes=10_000)  # type: ignore[arg-type]
+    transport = SimpleNamespace(
+        idle_scope=None, _idle_timeout=None, _requests_in_flight=0, is_terminated=False
+    )
+    caller = Caller(ANONYMOUS)
+
+    async def serve(body: object) -> tuple[bool, int | None, Any]:
+        sent: list[Any] = []  # this request's own messages
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        raw = body if isinstance(body, bytes) else orjson.dumps(body)
+        took = await endpoint._serve_fast(send, raw, "s1", transport, caller)
+        if not took:
+            return False, None, None
+        status = sent[0]["status"]
+        payload = sent[1]["body"]
+        return True, status, orjson.loads(payload) if payload else None
+
+    return endpoint, service, serve
+
+
+def _call(rid: object, **params: object) -> dict[str, object]:
+    return {"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": params}
+
+
+def test_the_hot_path_takes_only_a_well_formed_tools_call() -> None:
+    async def go() -> None:
+        _, service, serve = _endpoint()
+        took, status, reply = await serve(_call(1, name="a__b", arguments={"x": 1}))
+        assert took and status == 200
+        assert reply == {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "result": {"content": [{"type": "text", "text": "ran a__b"}]},
+        }
+        took, _, reply = await serve(_call("s-1", name="a__b", _meta={"call_id": "call_sy_1"}))
+        assert took and reply["id"] == "s-1" and service.calls[-1][2] == {"call_id": "call_sy_1"}
+        # Everything else is the SDK's to answer, as it always was.
+        for body in (
+            b"{not json",
+            [_call(1, name="a__b")],
+            {**_call(1, name="a__b"), "jsonrpc": "1.0"},
+            {**_call(1, name="a__b"), "extra": 1},
+            _call(True, name="a__b"),
+            _call(1.5, name="a__b"),
+            _call(2**53, name="a__b"),
+            _call("", name="a__b"),
+            _call("i" * 129, name="a__b"),
+            _call({"id": 1}, name="a__b"),
+            _call(None, name="a__b"),
+            {"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+            {"jsonrpc": "2.0", "id": 1, "method": "tools/call"},
+            {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": [1]},
+            _call(1, name=5),
+            _call(1, name="a__b", arguments=[1]),
+            _call(1, name="a__b", _meta="x"),
+            {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1}},
+        ):
+            before = len(service.calls)
+            assert (await serve(body))[0] is False, body
+            assert len(service.calls) == before
+
+    asyncio.run(go())
+
+
+def test_the_hot_path_answers_refusals_and_failures_as_json_rpc_errors() -> None:
+    async def go() -> None:
+        _, _, serve = _endpoint()
+        _, status, reply = await serve(_call(3, name="refused"))
+        assert status == 200 and reply["id"] == 3
+        assert reply["error"]["code"] == jsonrpc_code(403)
+        assert reply["error"]["data"]["code"] == "tool_not_allowed"
+        _, _, reply = await serve(_call(4, name="broken"))
+        assert reply["error"]["data"]["code"] == "internal_error"
+        assert "secret internals" not in orjson.dumps(reply).decode()
+        _, _, reply = await serve(_call(5, name="x" * 201))
+        assert reply["error"]["code"] == jsonrpc_code(400)
+
+    asyncio.run(go())
+
+
+def test_a_cancel_notification_stops_a_hot_path_call() -> None:
+    async def go() -> None:
+        endpoint, _, serve = _endpoint()
+        job = asyncio.ensure_future(serve(_call(9, name="slow")))
+        await asyncio.sleep(0.05)
+        assert ("s1", 9) in endpoint._calls
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 9}}
+        took, status, _ = await serve(cancel)
+        assert took and status == 202
+        _, status, reply = await asyncio.wait_for(job, 5)
+        assert status == 200 and reply["error"]["code"] == -32800 and reply["id"] == 9
+        assert not endpoint._calls
+
+    asyncio.run(go())

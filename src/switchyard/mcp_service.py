@@ -34,7 +34,8 @@ reaches the tool server:
    client gets `tool_result_too_large`, and a recorded side effect is `too_large` —
    it ran, so it is done (never in doubt, never re-run), with no result for repeats.
 
-Each call is a step of its task: a usage row (endpoint `tools.call`, model = the
+Each call is a step of its task (its result's `_meta` names its request id,
+`switchyard/request_id`, for the client's next step to name as a parent): a usage row (endpoint `tools.call`, model = the
 namespaced tool, status, duration, the tool's price when it was sent) and a trace whose decisions carry the tool's
 PII-masked arguments and result, so the task's analysis sees the tool's time.
 """
@@ -89,6 +90,8 @@ UNKNOWN_TOOL = "(unknown tool)"
 # that stopped mid-call): it is in doubt.
 STALE_MARGIN_S = 60.0
 TOO_LARGE = "tool_result_too_large"
+REPLY_ROOM = 64 * 1024  # bytes of a tool server's reply beyond mcp.max_result_bytes
+REQUEST_ID = "switchyard/request_id"  # in a result's `_meta` (and the call's, to the server)
 
 ConsumeApproval = Callable[
     [str, str, str | None, str, str], Awaitable[tuple[str | None, str | None]]
@@ -190,6 +193,9 @@ class McpToolService:
         self._default_budget = TaskBudget.of(settings.tasks.budget)
         for server in servers.servers.values():  # shown by the server's describe()
             server.breaker = CircuitBreaker(server.name, server.cfg.breaker)
+            # A reply is read up to the result limit and room for its JSON-RPC envelope;
+            # past that the result would be refused anyway (engines/mcp_forward.py).
+            server.max_reply_bytes = settings.mcp.max_result_bytes + REPLY_ROOM
 
     # -- tools/list ----------------------------------------------------------
     def list_tools(self, principal: Principal) -> list[dict[str, Any]]:
@@ -220,7 +226,7 @@ class McpToolService:
             result = await self._call(ctx, who, name, args, extra, spend)
             spend.answered = True
             status = "tool_error" if result.get("isError") else "ok"
-            return result
+            return _with_request_id(result, ctx.input.request_id)
         except SwitchyardError as exc:
             ctx.error_code = exc.code
             raise
@@ -519,7 +525,7 @@ class McpToolService:
         ctx, server, tool, arguments = call.ctx, call.server, call.tool, call.arguments
         timeout, evidence, spend = call.timeout, call.evidence, call.spend
         key = (ctx.principal.tenant_id, ctx.input.task_id) if ctx.input.task_id else None
-        meta = {"switchyard/request_id": ctx.input.request_id}
+        meta = {REQUEST_ID: ctx.input.request_id}
         breaker: CircuitBreaker = server.breaker
         t = time.perf_counter()
         ok, why = breaker.allow(time.monotonic())
@@ -576,6 +582,8 @@ class McpToolService:
         full = f"{server.name}__{tool}"
         if out.result is not None:
             return self._result(call, out.result, full, t)
+        if out.too_large:
+            raise self._too_large(call, full, t, None)
         code, said = out.error or (0, "")
         message = self.mask(said)  # the server's words: kept masked, never sent on
         evidence = {**evidence, "error": {"code": code, "message": message}}
@@ -608,31 +616,36 @@ class McpToolService:
         (the result neither passed on nor stored; the trace keeps its size)."""
         ctx, evidence = call.ctx, call.evidence
         text = orjson.dumps(result)
-        limit = self.settings.mcp.max_result_bytes
-        if len(text) > limit:
-            evidence = {**evidence, "result_bytes": len(text), "max_result_bytes": limit}
-            ctx.record(
-                "tool_exec",
-                "too_large",
-                f"ran on {call.server.name}; its result is over mcp.max_result_bytes",
-                t,
-                evidence,
-            )
-            raise UpstreamError(
-                f"the tool '{full}' answered with a result of {len(text)} bytes, more than "
-                f"this gateway passes on (mcp.max_result_bytes: {limit})"
-                + (
-                    "; the call ran, its result was not kept, and it will not be run again"
-                    if call.recorded
-                    else ""
-                ),
-                code=TOO_LARGE,
-            )
+        if len(text) > self.settings.mcp.max_result_bytes:
+            raise self._too_large(call, full, t, len(text))
         excerpt = self.mask(text[: MAX_EXCERPT + 512].decode("utf-8", "replace"))[:MAX_EXCERPT]
         evidence = {**evidence, "result": excerpt}
         outcome = "tool_error" if result.get("isError") else "ok"
         ctx.record("tool_exec", outcome, f"ran on {call.server.name}", t, evidence)
         return dict(result)
+
+    def _too_large(self, call: Forward, full: str, t: float, size: int | None) -> UpstreamError:
+        """The refusal of a result over `mcp.max_result_bytes` (`size`: its bytes; None:
+        more than the gateway reads of a reply), recorded in the trace: it ran."""
+        limit = self.settings.mcp.max_result_bytes
+        got = f"{size} bytes" if size is not None else "more bytes than it reads"
+        call.ctx.record(
+            "tool_exec",
+            "too_large",
+            f"ran on {call.server.name}; its result is over mcp.max_result_bytes",
+            t,
+            {**call.evidence, "result_bytes": size, "max_result_bytes": limit},
+        )
+        return UpstreamError(
+            f"the tool '{full}' answered with a result of {got}, more than this gateway "
+            f"passes on (mcp.max_result_bytes: {limit})"
+            + (
+                "; the call ran, its result was not kept, and it will not be run again"
+                if call.recorded
+                else ""
+            ),
+            code=TOO_LARGE,
+        )
 
     def _excerpt(self, value: Any) -> str:
         """`value` as JSON, PII-masked and cut, for the trace."""
@@ -640,6 +653,14 @@ class McpToolService:
         # never left half unmasked.
         text = orjson.dumps(value).decode()
         return self.mask(text[: MAX_EXCERPT + 512])[:MAX_EXCERPT]
+
+
+def _with_request_id(result: dict[str, Any], request_id: str) -> dict[str, Any]:
+    """The result as the client gets it: its `_meta` names this call's request id
+    (`switchyard/request_id`), the id its trace and usage row have and a later step's
+    `x-parent-request-id` names. The stored result of a side effect stays without it."""
+    meta = result.get("_meta")
+    return {**result, "_meta": {**(meta if isinstance(meta, dict) else {}), REQUEST_ID: request_id}}
 
 
 def _circuit_open(

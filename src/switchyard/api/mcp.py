@@ -18,13 +18,41 @@ does what the SDK does not:
   errors.py's table: never exception text.
 
 `tools/list` and `tools/call` go to the tool service (mcp_service.py).
+
+**The hot call is served here, not by the SDK.** A `tools/call` on an open session
+(its `Mcp-Session-Id` owned by the caller, a handshake protocol version, a JSON body) is
+answered in this request's own task: parse the body, validate the params with the SDK's
+own model (`CallToolRequestParams`), call the tool service, write the JSON-RPC reply.
+Through the SDK the same call crosses memory streams into the session's dispatcher, a
+handler task and back, which cost more per call than the governance itself (measured:
+docs/benchmarks/2026-12-05-mcp-tools.md). The framing written by hand is one JSON-RPC
+response object, `{"jsonrpc", "id", "result" | "error"}`; what is read is bounded:
+
+* the body, at `server.max_body_bytes` (413 with a JSON-RPC error, as the SDK's);
+* only a request whose every field is as the specification has it takes this path: a
+  `jsonrpc` of "2.0", an `id` that is an integer within ±2^53 or a string of at most
+  MAX_ID characters, `method` "tools/call", `params` an object the SDK's model accepts,
+  and no other member. Anything else (malformed JSON, a batch, another method, a
+  notification, a wrong type, an oversized id) goes to the SDK unchanged, which answers
+  it as before, errors reworded without exception text;
+* `notifications/cancelled` for a call this path serves cancels it (the SDK's answer to
+  a cancelled request, `REQUEST_CANCELLED`, goes back on the call's POST); for any other
+  request it goes to the SDK, whose request it is;
+* the session stays the SDK's: it is opened, negotiated, listed, closed and expired by
+  the SDK, and a call here holds it open while it runs, as the SDK's own requests do.
+
+The SDK's transport internals this path reads (the session table, a transport's idle
+bookkeeping) are checked once per request; where they are missing (another SDK
+release), every request takes the SDK's path.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable
+import math
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any
 
 import orjson
@@ -52,6 +80,11 @@ MAX_OWNERS = 100_000  # sessions remembered (the SDK closes idle ones after 30 m
 # Sessions one key may hold open: the SDK's limit (10 000) is for all keys together, so
 # one key alone must not fill it and leave every other tenant refused.
 MAX_SESSIONS_PER_KEY = 100
+MAX_ID = 128  # characters of a string JSON-RPC id the fast path takes (else: the SDK's)
+MAX_INT_ID = 2**53  # an integer id beyond ±this goes to the SDK
+REQUEST_CANCELLED = -32800  # the SDK's answer on a cancelled request's own stream (2025 era)
+FAST_MEMBERS = frozenset({"jsonrpc", "id", "method", "params"})
+JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
 def _headers(scope: Scope) -> dict[str, str]:
@@ -158,6 +191,94 @@ def _meta(params: Any) -> dict[str, Any]:
     return dict(dump(by_alias=True, exclude_none=True)) if dump is not None else {}
 
 
+def _plain_id(value: Any) -> bool:
+    """A JSON-RPC id the fast path echoes: an integer within ±2^53 (no bool) or a
+    string of 1 to MAX_ID characters."""
+    if type(value) is int:
+        return -MAX_INT_ID < value < MAX_INT_ID
+    return type(value) is str and 0 < len(value) <= MAX_ID
+
+
+def _accepts_json(accept: str) -> bool:
+    """The Accept header admits a JSON reply (as the SDK reads it: wildcards count)."""
+    for part in accept.split(","):
+        media = part.split(";", 1)[0].strip().lower()
+        if media in ("application/json", "application/*", "*/*"):
+            return True
+    return False
+
+
+def _fast_headers(h: dict[str, str], versions: tuple[str, ...]) -> bool:
+    """A POST the fast path may read: a JSON body, a JSON reply accepted, and a
+    handshake-era protocol version (or none), which the SDK's legacy transport serves."""
+    ctype = h.get("content-type", "").split(";", 1)[0].strip().lower()
+    version = h.get("mcp-protocol-version")
+    return (
+        ctype == "application/json"
+        and _accepts_json(h.get("accept", ""))
+        and (version is None or version in versions)
+    )
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | bool:
+    """The request body; True past `limit` bytes, False when the client went away."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return False
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return True
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands the already-read body over once, then the connection's."""
+    sent = False
+
+    async def again() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again
+
+
+async def _send_json(send: Send, status: int, body: bytes, session: str | None) -> None:
+    headers = list(JSON_HEADERS)
+    if session is not None:
+        headers.append((b"mcp-session-id", session.encode("latin-1")))
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+@contextlib.contextmanager
+def _holding(transport: Any) -> Iterator[None]:
+    """Hold an SDK session open while a fast call runs, as its transport does for its
+    own requests (the idle countdown waits until no request is in flight)."""
+    idle = transport.idle_scope
+    timeout = transport._idle_timeout
+    if idle is None or timeout is None:
+        yield
+        return
+    transport._requests_in_flight += 1
+    idle.deadline = math.inf
+    try:
+        yield
+    finally:
+        transport._requests_in_flight -= 1
+        if not transport._requests_in_flight:
+            idle.deadline = asyncio.get_running_loop().time() + timeout
+
+
 class McpEndpoint:
     """The ASGI app at `/mcp` (see the module docstring)."""
 
@@ -193,6 +314,12 @@ class McpEndpoint:
         self._owners: dict[str, str] = {}  # session id -> the key id that opened it
         self._held: dict[str, set[str]] = {}  # key id -> the sessions it opened
         self._opening: dict[str, int] = {}  # key id -> its requests that may open one now
+        self.max_body_bytes = max_body_bytes
+        from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
+
+        self._versions: tuple[str, ...] = tuple(HANDSHAKE_PROTOCOL_VERSIONS)
+        # The fast path's calls in flight: (session, JSON-RPC id) -> the call's task.
+        self._calls: dict[tuple[str, Any], asyncio.Task[Any]] = {}
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -254,6 +381,23 @@ class McpEndpoint:
 
         if scope["method"] == "DELETE" and session is not None:
             self._forget(session)
+            for key in [k for k in self._calls if k[0] == session]:
+                self._calls[key].cancel()  # the session ends: its calls with it
+        if session is not None and scope["method"] == "POST":
+            transport = self._live(session)
+            if transport is not None and _fast_headers(h, self._versions):
+                body = await _read_body(receive, self.max_body_bytes)
+                if body is False:  # the client went away: no one to answer
+                    return
+                if body is True:
+                    too_large = PayloadTooLarge(
+                        "the request body is larger than the gateway accepts"
+                    )
+                    await _send_error(send, too_large)
+                    return
+                if await self._serve_fast(send, body, session, transport, scope[CALLER_KEY]):
+                    return
+                receive = _replay(body, receive)
         if not opening:
             await self.manager.handle_request(scope, receive, remember_session)
             return
@@ -264,6 +408,95 @@ class McpEndpoint:
             left = self._opening.pop(key_id) - 1
             if left:
                 self._opening[key_id] = left
+
+    def _live(self, session: str) -> Any:
+        """The SDK's transport of an open session the fast path may serve, else None."""
+        live = getattr(self.manager, "_server_instances", None)
+        transport = live.get(session) if isinstance(live, dict) else None
+        if transport is None or transport.is_terminated:
+            return None
+        if not all(
+            hasattr(transport, a)
+            for a in (
+                "idle_scope",
+                "_idle_timeout",
+                "_requests_in_flight",
+                "is_json_response_enabled",
+            )
+        ):
+            return None
+        idle = transport.idle_scope
+        if idle is not None and idle.cancel_called:  # expiring: the SDK answers
+            return None
+        return transport
+
+    async def _serve_fast(
+        self, send: Send, body: bytes, session: str, transport: Any, caller: Caller
+    ) -> bool:
+        """Serve a well-formed `tools/call` (or the cancel of one served here) and say
+        True; False leaves the request to the SDK (see the module docstring)."""
+        from mcp_types import CallToolRequestParams
+        from pydantic import ValidationError
+
+        try:
+            message = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return False
+        if not isinstance(message, dict) or message.keys() - FAST_MEMBERS:
+            return False
+        if message.get("jsonrpc") != "2.0":
+            return False
+        method = message.get("method")
+        if method == "notifications/cancelled" and "id" not in message:
+            params = message.get("params")
+            target = params.get("requestId") if isinstance(params, dict) else None
+            job = self._calls.get((session, target)) if _plain_id(target) else None
+            if job is None:
+                return False  # not a call served here: the SDK's to cancel
+            job.cancel()
+            await _send_json(send, 202, b"", session)
+            return True
+        rid = message.get("id")
+        if method != "tools/call" or not _plain_id(rid) or (session, rid) in self._calls:
+            return False
+        raw = message.get("params")
+        if not isinstance(raw, dict):
+            return False
+        try:
+            params = CallToolRequestParams.model_validate(raw)
+        except ValidationError:
+            return False  # the SDK answers INVALID_PARAMS, as for any client
+        key = (session, rid)
+        job = asyncio.ensure_future(self._call(caller, params))
+        self._calls[key] = job
+        try:
+            with _holding(transport):
+                reply: dict[str, Any] = {"jsonrpc": "2.0", "id": rid, "result": await job}
+        except SwitchyardError as exc:
+            reply = {"jsonrpc": "2.0", "id": rid, "error": exc.jsonrpc_error()}
+        except asyncio.CancelledError:
+            if not job.cancelled():  # this request itself is being stopped
+                raise
+            error = {"code": REQUEST_CANCELLED, "message": "Request cancelled"}
+            reply = {"jsonrpc": "2.0", "id": rid, "error": error}
+        finally:
+            self._calls.pop(key, None)
+        await _send_json(send, 200, orjson.dumps(reply), session)
+        return True
+
+    async def _call(self, caller: Caller, params: Any) -> dict[str, Any]:
+        """A governed call's result (as JSON); a SwitchyardError for a refusal or a
+        failure, never exception text."""
+        name = params.name
+        if not isinstance(name, str) or not 0 < len(name) <= 200:
+            raise InvalidRequest("'name' must be 1 to 200 characters", param="name")
+        try:
+            return await self.service.call(caller, name, params.arguments, _meta(params))
+        except SwitchyardError:
+            raise
+        except Exception:
+            log.exception("tools/call failed")
+            raise InternalError("internal error; see the gateway log") from None
 
     def _forget(self, session: str) -> None:
         key_id = self._owners.pop(session, None)
@@ -325,11 +558,7 @@ class McpEndpoint:
         from mcp_types import CallToolResult
 
         try:
-            caller = self._caller_of(ctx)
-            name = params.name
-            if not isinstance(name, str) or not 0 < len(name) <= 200:
-                raise InvalidRequest("'name' must be 1 to 200 characters", param="name")
-            result = await self.service.call(caller, name, params.arguments, _meta(params))
+            result = await self._call(self._caller_of(ctx), params)
             return CallToolResult.model_validate(result)
         except SwitchyardError as exc:
             raise _mcp_error(exc) from None

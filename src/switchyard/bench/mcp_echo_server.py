@@ -8,6 +8,7 @@ can, so what the benchmark measures is the path to it.
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 from mcp.server.mcpserver import MCPServer
 
@@ -27,6 +28,14 @@ def record(text: str) -> str:
     global _recorded
     _recorded += 1
     return f"{_recorded}: {text}"
+
+
+@server.tool()
+async def pause(ms: int, text: str = "") -> str:
+    """Answer after `ms` milliseconds (at most 10 s): a tool of known duration, for the
+    agent-task benchmark's tool steps (read-only)."""
+    await asyncio.sleep(min(max(ms, 0), 10_000) / 1000)
+    return text or f"paused {ms} ms"
 
 
 def main() -> None:

@@ -75,6 +75,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--sharegpt", help="ShareGPT-format JSON")
     src.add_argument("--agent-tasks", help="YAML/JSON task graphs (steps, depends_on)")
     w.add_argument(
+        "--mcp-url",
+        default=None,
+        help="with --agent-tasks: where tool steps go as MCP tools/call (default: "
+        "ENDPOINT/mcp, the gateway's MCP endpoint)",
+    )
+    w.add_argument(
         "--schedulers",
         default=None,
         metavar="fcfs,task_aware",
@@ -182,6 +188,7 @@ def _describe(
                 {
                     "name": g.name,
                     "steps": [s.id for s in g.steps],
+                    "tool_steps": [s.id for s in g.steps if s.tool is not None],
                     "edges": sum(len(s.depends_on) for s in g.steps),
                 }
                 for g in work
@@ -216,7 +223,7 @@ async def run_point(
                 f"bench-{tag}-{i}", graph.name, i, warm, scheduled, len(graph.steps)
             )
             tasks.append(task)
-            await agent.run_task(client, graph, task, lambda: next(counter))
+            await agent.run_task(client, graph, task, lambda: next(counter), mcp)
             records.extend(task.records.values())
         else:
             spec = pregen[i] if i < len(pregen) else work.next()
@@ -230,6 +237,10 @@ async def run_point(
 
     cpu0, wall0 = time.process_time(), time.perf_counter()
     async with load.Client(target, clock) as client:
+        mcp = None
+        if isinstance(work, list) and any(s.tool for g in work for s in g.steps):
+            url = args.mcp_url or target.endpoint.rstrip("/") + "/mcp"
+            mcp = agent.McpSession(client, url)
         if point.mode == "open":
             schedule = load.arrivals(
                 point.value, _arrival(args), args.burstiness, args.seed, args.ramp_up

@@ -6,6 +6,8 @@ replies) is called two ways in interleaved rounds, with the order rotated, so dr
 the machine hits both alike:
 
 - `direct`: the server's own `/mcp`;
+- `floor`: a proxy that only forwards (bench/mcp_floor_proxy.py, the same server stack
+  and HTTP client as the gateway), the hop every Python proxy pays;
 - `switchyard`: Switchyard's `/mcp` in front of it, governed: an API key under a tenant,
   the tool registry, per-call authorization, a usage row and a trace per call (PII-masked
   arguments and result), and, for the side-effecting tool, its at-most-once record in
@@ -14,8 +16,14 @@ the machine hits both alike:
 Each client holds its own MCP session (the 2025-11-25 handshake, then one POST per call,
 keep-alive), `-c` of them at once, each calling as fast as answers come (closed loop).
 Reported per target, tool and concurrency: p50 and p99 of the call's latency as the
-client saw it, calls per second, and Switchyard's added p50 and p99 over direct. Medians
+client saw it, calls per second, and Switchyard's added p50 and p99 over direct (and the
+floor's, so what is the hop and what the gateway's own can be told apart). Medians
 across rounds. Target: added p50 at most 1 ms at concurrency 1 (the read-only tool).
+
+Latency on a shared machine is noisy, so each row also has the CPU time per call of the
+processes on the path (user + system, from the OS, children included): the gateway's
+(`gateway_cpu_ms`, switchyard rows) and the tool server's (`tool_cpu_ms`). CPU time does
+not wait for a busy core, so it compares runs on a loaded machine where latency cannot.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import yaml
 
 from switchyard.bench.harness import (
@@ -88,6 +97,11 @@ class McpClient:
         note = {"jsonrpc": "2.0", "method": "notifications/initialized"}
         await self.http.post(self.url, content=json.dumps(note), headers=self.headers)
 
+    async def close(self) -> None:
+        """End the session (a key may hold only so many open on the gateway)."""
+        if "mcp-session-id" in self.headers:
+            await self.http.delete(self.url, headers=self.headers)
+
     async def _post(self, method: str, params: dict[str, Any]) -> httpx.Response:
         self.n += 1
         body = {"jsonrpc": "2.0", "id": self.n, "method": method, "params": params}
@@ -124,6 +138,7 @@ async def measure(url: str, key: str | None, tool: str, calls: int, c: int) -> d
         t = time.perf_counter()
         await asyncio.gather(*(worker(cl, calls // c) for cl in clients))
         wall = time.perf_counter() - t
+        await asyncio.gather(*(cl.close() for cl in clients))
     samples.sort()
     return {
         "n": len(samples),
@@ -131,6 +146,25 @@ async def measure(url: str, key: str | None, tool: str, calls: int, c: int) -> d
         "p99_ms": 1000 * samples[min(len(samples) - 1, int(len(samples) * 0.99))],
         "calls_per_s": len(samples) / wall,
     }
+
+
+def cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of a process and its children (0 without a pid)."""
+    if pid is None:
+        return 0.0
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
 
 
 def _wait(pred: Any, timeout_s: float, what: str) -> None:
@@ -161,7 +195,15 @@ def main(args: argparse.Namespace) -> int:
             )
         )
         direct = f"http://127.0.0.1:{tool_port}/mcp"
+        tool_pid = children[0].proc.pid
         _wait(lambda: httpx.get(direct, timeout=1) is not None, 30, "the MCP server")
+        floor_port = free_port()
+        floor_argv = [sys.executable, "-m", "switchyard.bench.mcp_floor_proxy"]
+        floor_argv += ["--port", str(floor_port), "--upstream", direct]
+        children.append(spawn("mcp-floor", floor_argv, workdir))
+        floor = f"http://127.0.0.1:{floor_port}/mcp"
+        floor_pid = children[-1].proc.pid
+        _wait(lambda: httpx.get(floor, timeout=1) is not None, 30, "the floor proxy")
         gw = prepare_keyed_gateway(
             "sy-tools", workdir, free_port(), "bench-tools", {}, args.startup_timeout
         )
@@ -177,6 +219,7 @@ def main(args: argparse.Namespace) -> int:
         }
         gw.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
         children.append(start_gateway(gw.name, gw.config, gw.port, workdir))
+        gateway_pid = children[-1].proc.pid
         base = f"http://127.0.0.1:{gw.port}"
 
         def tools_ready() -> bool:
@@ -184,15 +227,26 @@ def main(args: argparse.Namespace) -> int:
             return bool(r.json()["models"].get("mcp:bench", {}).get("ready"))
 
         _wait(tools_ready, args.startup_timeout, "switchyard's tool server")
-        targets = {"direct": (direct, None, ""), "switchyard": (base + "/mcp", gw.key, "bench__")}
+        targets = {
+            "direct": (direct, None, ""),
+            "floor": (floor, None, ""),
+            "switchyard": (base + "/mcp", gw.key, "bench__"),
+        }
         runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
         order = list(targets)
         for r in range(args.rounds):
-            for name in order[r % 2 :] + order[: r % 2]:
+            for name in order[r % 3 :] + order[: r % 3]:
                 url, key, prefix = targets[name]
                 for cls, tool in TOOLS.items():
                     for c in args.concurrency:
+                        gw0 = {"switchyard": cpu_s(gateway_pid), "floor": cpu_s(floor_pid)}
+                        tool0 = cpu_s(tool_pid)
                         got = asyncio.run(measure(url, key, prefix + tool, args.calls, c))
+                        n = max(1, got["n"])
+                        got["tool_cpu_ms"] = 1000 * (cpu_s(tool_pid) - tool0) / n
+                        if name != "direct":
+                            pid = gateway_pid if name == "switchyard" else floor_pid
+                            got["gateway_cpu_ms"] = 1000 * (cpu_s(pid) - gw0[name]) / n
                         runs.setdefault((name, cls, c), []).append(got)
         result = report(runs, args)
     except StartError as exc:
@@ -220,20 +274,23 @@ def report(runs: dict[tuple[str, str, int], list[dict[str, Any]]], args: Any) ->
                 "n": sum(g["n"] for g in got),
                 **{
                     k: round(statistics.median(g[k] for g in got), 3)
-                    for k in ("p50_ms", "p99_ms", "calls_per_s")
+                    for k in ("p50_ms", "p99_ms", "calls_per_s", "tool_cpu_ms", "gateway_cpu_ms")
+                    if all(k in g for g in got)
                 },
             }
         )
     by = {(r["target"], r["tool_class"], r["concurrency"]): r for r in rows}
     added = [
         {
+            "target": target,
             "tool_class": cls,
             "concurrency": c,
-            "added_p50_ms": round(by[("switchyard", cls, c)]["p50_ms"] - d["p50_ms"], 3),
-            "added_p99_ms": round(by[("switchyard", cls, c)]["p99_ms"] - d["p99_ms"], 3),
+            "added_p50_ms": round(by[(target, cls, c)]["p50_ms"] - d["p50_ms"], 3),
+            "added_p99_ms": round(by[(target, cls, c)]["p99_ms"] - d["p99_ms"], 3),
         }
+        for target in ("switchyard", "floor")
         for (t, cls, c), d in by.items()
-        if t == "direct" and ("switchyard", cls, c) in by
+        if t == "direct" and (target, cls, c) in by
     ]
     return {
         "bench": "tools",
@@ -242,22 +299,27 @@ def report(runs: dict[tuple[str, str, int], list[dict[str, Any]]], args: Any) ->
         "rounds": args.rounds,
         "rows": rows,
         "added": added,
-        "target_added_p50_ms": 1.0,
+        "target_added_p50_ms": 1.0,  # switchyard over direct
         "machine": machine_info("wrk"),
     }
 
 
 def render(result: dict[str, Any]) -> str:
-    lines = ["target      class        c   p50 ms   p99 ms   calls/s"]
+    lines = [
+        "target      class        c   p50 ms   p99 ms   calls/s  tool cpu ms/call  hop cpu ms/call"
+    ]
     for r in result["rows"]:
+        gw_cpu = r.get("gateway_cpu_ms")
         lines.append(
             f"{r['target']:<11} {r['tool_class']:<11} {r['concurrency']:>3} "
-            f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['calls_per_s']:>9.1f}"
+            f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['calls_per_s']:>9.1f} "
+            f"{r.get('tool_cpu_ms', 0.0):>17.3f} "
+            + (f"{gw_cpu:>15.3f}" if gw_cpu is not None else f"{'-':>15}")
         )
-    lines.append("added by switchyard (p50 / p99 ms):")
+    lines.append("added over direct (p50 / p99 ms):")
     for a in result["added"]:
         lines.append(
-            f"  {a['tool_class']:<11} c={a['concurrency']:<3} "
+            f"  {a.get('target', 'switchyard'):<11} {a['tool_class']:<11} c={a['concurrency']:<3} "
             f"{a['added_p50_ms']:+.3f} / {a['added_p99_ms']:+.3f}"
         )
     return "\n".join(lines)

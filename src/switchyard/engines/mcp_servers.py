@@ -1,5 +1,7 @@
 """The MCP tool servers behind `/mcp` (config `mcp.servers`), reached with the official
-`mcp` SDK's client session.
+`mcp` SDK's client session; a Streamable HTTP server's `tools/call`s then go over the
+gateway's own kept-alive connection on that session (engines/mcp_forward.py: the SDK's
+per-call machinery cost more than the call's governance).
 
 Each server has a supervisor task that owns its connection: it starts a `command`
 server (stdio) or connects to a `url` server (Streamable HTTP), initializes the
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from switchyard.config import McpServerConfig
+from switchyard.engines.mcp_forward import ConnectFailed, HttpForwarder, SessionLost
 
 log = logging.getLogger("switchyard.mcp")
 SEP = "__"  # `<server>__<tool>`
@@ -48,13 +51,16 @@ class CallOutcome:
     # The server failed with an error of its own (an HTTP 5xx, a JSON-RPC internal
     # error): the request reached it, so it may have run.
     server_error: bool = False
+    # It ran, and its reply was larger than the gateway reads (`max_result_bytes`).
+    too_large: bool = False
 
     @property
     def failed(self) -> bool:
         """Counts against the server's breaker: a timeout, a lost connection, a server
         error or a malformed result. A result (even one with `isError`, the tool's own
-        failure) and a refusal of the request (invalid params) show a working server."""
-        return self.result is None and (self.sent or self.server_error)
+        failure, or one too large to pass on) and a refusal of the request (invalid
+        params) show a working server."""
+        return self.result is None and not self.too_large and (self.sent or self.server_error)
 
 
 class ServerUnavailable(Exception):
@@ -76,6 +82,13 @@ class McpServer:
         # tool service, which opens and closes it; shown here.
         self.breaker: Any = None
         self._session: Any = None
+        # A Streamable HTTP server's tools/call path (engines/mcp_forward.py), on the
+        # session the SDK opened; None for stdio servers and until it is ready.
+        self._forward: HttpForwarder | None = None
+        self._session_id: str | None = None  # as the server named it to the SDK
+        # Reply bytes read from a tool server per call (the tool service sets it from
+        # mcp.max_result_bytes, with room for the JSON-RPC envelope).
+        self.max_reply_bytes = 16 * 1024 * 1024
         self._slots = asyncio.Semaphore(cfg.max_concurrency)
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
@@ -150,9 +163,17 @@ class McpServer:
         from mcp.client.streamable_http import streamable_http_client
 
         assert cfg.url is not None
+        self._session_id = None
+
+        async def note_session(response: Any) -> None:
+            sid = response.headers.get("mcp-session-id")
+            if sid is not None and len(sid) <= 256:
+                self._session_id = sid
+
         client = httpx2.AsyncClient(
             headers=cfg.credentials(cfg.headers_env),
             timeout=httpx2.Timeout(cfg.timeout_s + 5, read=300),
+            event_hooks={"response": [note_session]},
         )
         return _with_client(client, streamable_http_client(cfg.url, http_client=client))
 
@@ -160,20 +181,38 @@ class McpServer:
         from mcp import ClientSession
 
         async with self._transport() as (read, write), ClientSession(read, write) as session:
-            await asyncio.wait_for(session.initialize(), self.cfg.timeout_s)
+            init = await asyncio.wait_for(session.initialize(), self.cfg.timeout_s)
             listed = await asyncio.wait_for(session.list_tools(), self.cfg.timeout_s)
             self.tools = {
                 t.name: t.model_dump(by_alias=True, mode="json", exclude_none=True)
                 for t in listed.tools
             }
-            self._session = session
-            self.state = "ready"
-            self.last_error = None
-            self._ready.set()
-            log.info("MCP server %s ready: %d tools", self.name, len(self.tools))
-            while True:
-                await asyncio.sleep(PING_S)
-                await asyncio.wait_for(session.send_ping(), max(PING_S, 5.0))
+            cfg = self.cfg
+            forward = None
+            if cfg.url is not None:
+                forward = HttpForwarder(
+                    cfg.url,
+                    cfg.credentials(cfg.headers_env),
+                    self._session_id,
+                    str(init.protocol_version),
+                    self.max_reply_bytes,
+                )
+            try:
+                self._forward = forward
+                self._session = session
+                self.state = "ready"
+                self.last_error = None
+                self._ready.set()
+                log.info("MCP server %s ready: %d tools", self.name, len(self.tools))
+                while True:
+                    await asyncio.sleep(PING_S)
+                    if forward is not None and forward.lost:
+                        raise RuntimeError("the server no longer knows the session")
+                    await asyncio.wait_for(session.send_ping(), max(PING_S, 5.0))
+            finally:
+                self._forward = None
+                if forward is not None:
+                    await asyncio.shield(forward.close())
 
     def _redact(self, text: str) -> str:
         """`text` without the server's credentials (its stderr may print them)."""
@@ -204,7 +243,10 @@ class McpServer:
 
         deadline = time.perf_counter() + timeout_s
         try:
-            await asyncio.wait_for(self._slots.acquire(), timeout_s)
+            if self._slots.locked():  # wait for a slot, within the timeout
+                await asyncio.wait_for(self._slots.acquire(), timeout_s)
+            else:  # a free slot: taken at once, without wait_for's task
+                await self._slots.acquire()
         except TimeoutError:
             raise ServerUnavailable(
                 f"all {self.cfg.max_concurrency} call slots of server '{self.name}' stayed busy"
@@ -217,6 +259,12 @@ class McpServer:
             if remaining <= 0:
                 raise ServerUnavailable("no time left for the call")
             self.in_flight += 1
+            forward = self._forward
+            if forward is not None:
+                try:
+                    return await self._call_http(forward, tool, arguments, meta, remaining)
+                finally:
+                    self.in_flight -= 1
             try:
                 result = await session.call_tool(
                     tool, dict(arguments), read_timeout_seconds=remaining, meta=meta
@@ -246,6 +294,31 @@ class McpServer:
             )
         finally:
             self._slots.release()
+
+    async def _call_http(
+        self,
+        forward: HttpForwarder,
+        tool: str,
+        arguments: Mapping[str, Any],
+        meta: dict[str, Any] | None,
+        timeout_s: float,
+    ) -> CallOutcome:
+        try:
+            result, error, how = await forward.call(tool, dict(arguments), meta, timeout_s)
+        except (SessionLost, ConnectFailed) as exc:
+            raise ServerUnavailable(f"tool server '{self.name}': {exc}") from None
+        if result is not None:
+            return CallOutcome(result=result)
+        assert error is not None
+        if how == "refused":
+            return CallOutcome(error=error)
+        return CallOutcome(
+            error=error,
+            sent=True,
+            timed_out=how == "timeout",
+            server_error=how in ("server_error", "malformed"),
+            too_large=how == "too_large",
+        )
 
 
 @contextlib.asynccontextmanager
