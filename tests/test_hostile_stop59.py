@@ -740,11 +740,6 @@ def test_through_redis_two_gateways_never_pass_a_tasks_tool_budget(
 # -- /mcp: findings in files under rewrite (mcp_service.py, engines/mcp_servers.py) --------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mcp_service.py: a timeout the client chose (x-request-timeout, the task's "
-    "deadline) counts against the shared server's breaker",
-)
 def test_a_clients_own_short_timeout_does_not_open_the_breaker_for_everyone(
     gw: Gateway, logs: Logs
 ) -> None:
@@ -763,11 +758,6 @@ def test_a_clients_own_short_timeout_does_not_open_the_breaker_for_everyone(
     assert Logs.runs(logs.shared, "lookup", q=marker) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mcp_service.py: a read-only priced tool is sent again after a server error "
-    "with one price reserved and charged",
-)
 def test_a_priced_call_is_sent_no_more_often_than_the_task_paid_for(gw: Gateway) -> None:
     """A task with $1.00 left calls a $1.00 read-only tool whose server answers HTTP 500
     (it may have run: the gateway itself says a server error leaves a call in doubt).
@@ -790,11 +780,6 @@ def test_a_priced_call_is_sent_no_more_often_than_the_task_paid_for(gw: Gateway)
     assert sent * 1.0 <= charged + 1e-9, (sent, charged)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mcp_service.py: a tools/call reserves $0 against the key's and tenant's "
-    "budget_usd and settles before the price is set, so tool prices never count there",
-)
 def test_a_tenants_usd_budget_counts_its_tool_prices(gw: Gateway, logs: Logs) -> None:
     """A tenant with $0.03 a day calls a $0.02 tool four times, outside any task: its
     budget pays for one call. (The usage rows carry each price, so a restarted gateway,

@@ -218,10 +218,14 @@ class McpToolService:
         status = "error"
         reserver = self.reserver
         spend = Spend()
+        # The tool's price counts against the key's and tenant's budget_usd as against
+        # the task's: reserved before anything reaches the tool, settled with what was
+        # charged (the price if the call was sent, else nothing).
+        price = float(found[0].cfg.tool_prices.get(found[1], 0.0)) if known and found else 0.0
         try:
             scopes = principal_scopes(who.principal) if reserver is not None else []
             if reserver is not None and scopes:  # before anything reaches the tool
-                await reserver.reserve(ctx, scopes, "admit", (0, 0, None))
+                await reserver.reserve(ctx, scopes, "admit", (0, 0, None), fixed_usd=price)
             args, extra = dict(arguments or {}), dict(meta or {})
             result = await self._call(ctx, who, name, args, extra, spend)
             spend.answered = True
@@ -234,13 +238,13 @@ class McpToolService:
             ctx.error_code = "cancelled"
             raise
         finally:
+            ctx.run.cost_usd = spend.cost  # what the limits below settle with
             if reserver is not None:
                 pending = reserver.settle(ctx, "admit")
                 if pending is not None:
                     await asyncio.shield(pending)
             if spend.task is not None:
                 await asyncio.shield(self._settle_task(ctx, spend))
-            ctx.run.cost_usd = spend.cost
             ctx.timings.ended = time.perf_counter()
             ctx.finished = True
             self.ledger.record(Finished(ctx, status, 0, 0, spend.cost))
@@ -531,8 +535,14 @@ class McpToolService:
         ok, why = breaker.allow(time.monotonic())
         if not ok:
             raise _circuit_open(ctx, server, why, t, evidence)
+        # A timeout the caller set shorter than the server's own (x-request-timeout, the
+        # task's deadline) says nothing of the server: it does not count against the
+        # breaker every tenant shares.
+        own_deadline = timeout < server.cfg.timeout_s
+        attempted = [False]
 
         async def attempt() -> CallOutcome:
+            attempted[0] = True
             try:
                 out = await server.call(tool, arguments, meta, timeout)
             except ServerUnavailable:
@@ -543,7 +553,10 @@ class McpToolService:
                 breaker.release_probe()
                 raise
             spend.sent = spend.sent or out.sent or out.result is not None
-            breaker.record(not out.failed, time.monotonic())
+            if out.timed_out and own_deadline:
+                breaker.release_probe()
+            else:
+                breaker.record(not out.failed, time.monotonic())
             return out
 
         async def forward() -> CallOutcome:
@@ -554,7 +567,8 @@ class McpToolService:
                 ctx.run.attempts = 1
                 out = await attempt()
                 again = retry and out.sent and out.error is not None and not out.timed_out
-                if again and breaker.allow(time.monotonic())[0]:
+                # A priced call is sent at most once on its one price.
+                if again and not spend.price and breaker.allow(time.monotonic())[0]:
                     ctx.run.attempts = 2
                     out = await attempt()
                 return out
@@ -563,6 +577,8 @@ class McpToolService:
                     self.running.remove(key, ctx.input.request_id)
 
         job = asyncio.ensure_future(forward())
+        # Cancelled before its first attempt: the probe slot allow() took is freed.
+        job.add_done_callback(lambda _: None if attempted[0] else breaker.release_probe())
         try:
             out = await asyncio.shield(job)
         except ServerUnavailable as exc:

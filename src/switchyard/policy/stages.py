@@ -164,15 +164,20 @@ class Reserver:
         scopes: list[ScopeLimits],
         stage: str,
         estimate: tuple[int, int, Price | None],
+        fixed_usd: float | None = None,
     ) -> None:
+        """Reserve `estimate` (prompt tokens, output cap, the model's price), or, with
+        `fixed_usd`, that many dollars (a price per call: a tool's)."""
         t = time.perf_counter()
         prompt, out, price = estimate
         ctx.prompt_estimate = prompt
         ctx.max_tokens = out
+        if fixed_usd is None:
+            fixed_usd = cost_usd(price, prompt, out) if price else 0.0
         ask = Ask(
             f"{ctx.input.request_id}#{stage}",  # one reservation per request and stage
             prompt + out,
-            cost_usd(price, prompt, out) if price else 0.0,
+            fixed_usd,
         )
         shrunk: dict[str, Any] | None = None
         try:
