@@ -20,12 +20,11 @@ import httpx
 import pytest
 
 from conftest import Gateway, Scripted, cheap_config, start_gateway, start_scripted
+from mcp_http import ACCEPT, VERSION, in_session, open_session
 from switchyard.api.mcp import MAX_SESSIONS_PER_KEY
 from switchyard.engines.load import MAX_BYTES, EngineLoad, LoadWatch
 
 SERVER = str(Path(__file__).with_name("mcp_tool_server.py"))
-ACCEPT = {"accept": "application/json, text/event-stream", "content-type": "application/json"}
-VERSION = "2025-06-18"
 
 
 @pytest.fixture(scope="module")
@@ -63,49 +62,10 @@ def gw(scripted: Scripted) -> Iterator[Gateway]:
         g.proc.stop()
 
 
-def _open_session(g: Gateway, key: str) -> str:
-    auth = {"authorization": f"Bearer {key}"}
-    r = httpx.post(
-        g.url + "/mcp",
-        headers={**auth, **ACCEPT},
-        json={
-            "jsonrpc": "2.0",
-            "id": 1,
-            "method": "initialize",
-            "params": {
-                "protocolVersion": VERSION,
-                "capabilities": {},
-                "clientInfo": {"name": "hostile", "version": "1"},
-            },
-        },
-        timeout=30,
-    )
-    assert r.status_code == 200, r.text
-    sid = r.headers["mcp-session-id"]
-    r = httpx.post(
-        g.url + "/mcp",
-        headers=_in_session(key, sid),
-        json={"jsonrpc": "2.0", "method": "notifications/initialized"},
-        timeout=30,
-    )
-    assert r.status_code == 202, r.text
-    return sid
-
-
-def _in_session(key: str, sid: str) -> dict[str, str]:
-    """The headers of a JSON-RPC request in the MCP session `sid`, with `key`."""
-    return {
-        "authorization": f"Bearer {key}",
-        **ACCEPT,
-        "mcp-session-id": sid,
-        "mcp-protocol-version": VERSION,
-    }
-
-
 def _ping(g: Gateway, key: str, sid: str) -> httpx.Response:
     return httpx.post(
         g.url + "/mcp",
-        headers=_in_session(key, sid),
+        headers=in_session(key, sid),
         json={"jsonrpc": "2.0", "id": 9, "method": "ping"},
         timeout=30,
     )
@@ -119,8 +79,8 @@ def test_a_repeated_session_header_does_not_reach_another_keys_session(gw: Gatew
     gw.create_tenant("hostile-b")
     key_a = gw.create_key("hostile-a")["key"]
     key_b = gw.create_key("hostile-b")["key"]
-    victim = _open_session(gw, key_a)
-    own = _open_session(gw, key_b)
+    victim = open_session(gw, key_a)
+    own = open_session(gw, key_b)
     # B names A's session first and its own second: whichever of the two the gateway
     # checks, the SDK behind it must act on that same one.
     headers = [
@@ -345,13 +305,13 @@ def test_one_key_cannot_take_every_mcp_session(gw: Gateway) -> None:
 
     codes, sids = asyncio.run(hoard())
     assert codes.count(200) == MAX_SESSIONS_PER_KEY and codes.count(429) == 150 - codes.count(200)
-    sid = _open_session(gw, other)  # another tenant is not affected
+    sid = open_session(gw, other)  # another tenant is not affected
     assert _ping(gw, other, sid).status_code == 200
     # Ending a session makes room for one more.
     headers = {"authorization": f"Bearer {hoarder}", "mcp-protocol-version": VERSION}
     r = httpx.request("DELETE", gw.url + "/mcp", headers={**headers, "mcp-session-id": sids[0]})
     assert r.status_code == 200, r.text
-    assert _open_session(gw, hoarder)
+    assert open_session(gw, hoarder)
 
 
 @pytest.mark.parametrize(
@@ -367,11 +327,11 @@ def test_one_key_cannot_take_every_mcp_session(gw: Gateway) -> None:
     ],
 )
 def test_a_malformed_jsonrpc_body_gets_no_exception_text(gw: Gateway, body: bytes) -> None:
-    sid = _open_session(gw, gw.key)
+    sid = open_session(gw, gw.key)
     r = httpx.post(
         gw.url + "/mcp",
         content=body,
-        headers=_in_session(gw.key, sid),
+        headers=in_session(gw.key, sid),
         timeout=30,
     )
     assert r.status_code == 400, r.text
@@ -382,9 +342,9 @@ def test_a_malformed_jsonrpc_body_gets_no_exception_text(gw: Gateway, body: byte
 
 
 def test_an_oversized_jsonrpc_body_is_a_jsonrpc_413(gw: Gateway) -> None:
-    sid = _open_session(gw, gw.key)
+    sid = open_session(gw, gw.key)
     big = b'{"jsonrpc": "2.0", "id": 1, "method": "ping", "params": {"x": "' + b"a" * 9_000_000
-    headers = _in_session(gw.key, sid)
+    headers = in_session(gw.key, sid)
     for content in (big + b'"}}', iter([big, b'"}}'])):  # declared, and streamed (chunked)
         r = httpx.post(gw.url + "/mcp", content=content, headers=headers, timeout=60)
         assert r.status_code == 413, r.text
@@ -395,11 +355,11 @@ def test_an_oversized_jsonrpc_body_is_a_jsonrpc_413(gw: Gateway) -> None:
 def test_the_name_of_an_unknown_tool_is_not_kept_at_rest(gw: Gateway) -> None:
     """A tool name is the client's free text until it names a tool: one carrying PII is
     refused, and the ledger and traces keep no copy of it."""
-    sid = _open_session(gw, gw.key)
+    sid = open_session(gw, gw.key)
     secret = "john.doe." + os.urandom(4).hex() + "@example.com"
     r = httpx.post(
         gw.url + "/mcp",
-        headers=_in_session(gw.key, sid),
+        headers=in_session(gw.key, sid),
         json={
             "jsonrpc": "2.0",
             "id": 2,
@@ -422,10 +382,10 @@ def test_an_operator_resolves_only_the_call_named(gw: Gateway) -> None:
     """Resolving a call in doubt as not run lets a repeat run it again: an over-long call
     id must not resolve the call whose id is its first 128 characters."""
     call_id = "c" * 127 + os.urandom(1).hex()[0]
-    sid = _open_session(gw, gw.key)
+    sid = open_session(gw, gw.key)
     r = httpx.post(
         gw.url + "/mcp",
-        headers=_in_session(gw.key, sid),
+        headers=in_session(gw.key, sid),
         json={
             "jsonrpc": "2.0",
             "id": 3,
@@ -513,14 +473,14 @@ def test_a_side_effect_whose_result_is_malformed_is_never_run_twice(scripted: Sc
             if models.get("mcp:bank", {}).get("ready"):
                 break
             time.sleep(0.2)
-        sid = _open_session(g, g.key)
+        sid = open_session(g, g.key)
         call = {
             "jsonrpc": "2.0",
             "id": 5,
             "method": "tools/call",
             "params": {"name": "bank__pay", "arguments": {"amount": 5}, "_meta": {"call_id": "p1"}},
         }
-        headers = _in_session(g.key, sid)
+        headers = in_session(g.key, sid)
         codes = []
         for _ in range(2):  # the client repeats a call that failed
             r = httpx.post(g.url + "/mcp", headers=headers, json=call, timeout=30)
@@ -536,7 +496,7 @@ def test_a_side_effect_whose_result_is_malformed_is_never_run_twice(scripted: Sc
 
 
 def test_a_wrong_content_type_gets_a_jsonrpc_error(gw: Gateway) -> None:
-    sid = _open_session(gw, gw.key)
+    sid = open_session(gw, gw.key)
     r = httpx.post(
         gw.url + "/mcp",
         content=b'{"jsonrpc": "2.0", "id": 1, "method": "ping"}',

@@ -32,13 +32,12 @@ from conftest import (
     start_scripted,
     stop_redis,
 )
+from mcp_http import in_session, open_session, tool_runs
 from switchyard.engines.load import parse_metrics
 from switchyard.errors import Overloaded, RateLimited
 from switchyard.policy.admission import STANDARD, DeploymentGate, Priority, ServiceModel, SlotAsk
 
 SERVER = str(Path(__file__).with_name("mcp_tool_server.py"))
-ACCEPT = {"accept": "application/json, text/event-stream", "content-type": "application/json"}
-VERSION = "2025-06-18"
 PRICE = 0.02  # USD per call of crm__lookup
 MAX_RESULT = 4096
 
@@ -379,14 +378,7 @@ class Logs:
         for p in (self.crm, self.shared):
             Path(p).touch()
 
-    @staticmethod
-    def runs(path: str, tool: str, **args: Any) -> int:
-        lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x]
-        return sum(
-            1
-            for x in lines
-            if x["tool"] == tool and all(x["args"].get(k) == v for k, v in args.items())
-        )
+    runs = staticmethod(tool_runs)
 
 
 def _mcp_config(scripted: Scripted, logs: Logs, paid_port: int, **more: Any) -> dict[str, Any]:
@@ -464,45 +456,6 @@ def gw(scripted: Scripted, logs: Logs, paid: int) -> Iterator[Gateway]:
         g.proc.stop()
 
 
-def _open_session(g: Gateway, key: str) -> str:
-    auth = {"authorization": f"Bearer {key}"}
-    r = httpx.post(
-        g.url + "/mcp",
-        headers={**auth, **ACCEPT},
-        json={
-            "jsonrpc": "2.0",
-            "id": 1,
-            "method": "initialize",
-            "params": {
-                "protocolVersion": VERSION,
-                "capabilities": {},
-                "clientInfo": {"name": "hostile", "version": "1"},
-            },
-        },
-        timeout=30,
-    )
-    assert r.status_code == 200, r.text
-    sid = r.headers["mcp-session-id"]
-    r = httpx.post(
-        g.url + "/mcp",
-        headers=_in_session(key, sid),
-        json={"jsonrpc": "2.0", "method": "notifications/initialized"},
-        timeout=30,
-    )
-    assert r.status_code == 202, r.text
-    return sid
-
-
-def _in_session(key: str, sid: str, **more: str) -> dict[str, str]:
-    return {
-        "authorization": f"Bearer {key}",
-        **ACCEPT,
-        "mcp-session-id": sid,
-        "mcp-protocol-version": VERSION,
-        **more,
-    }
-
-
 def _call(
     g: Gateway, key: str, sid: str, tool: str, args: dict[str, Any], **headers: str
 ) -> httpx.Response:
@@ -513,7 +466,7 @@ def _call(
         "params": {"name": tool, "arguments": args},
     }
     return httpx.post(
-        g.url + "/mcp", headers=_in_session(key, sid, **headers), json=body, timeout=60
+        g.url + "/mcp", headers=in_session(key, sid, **headers), json=body, timeout=60
     )
 
 
@@ -543,7 +496,7 @@ def _race(
     g: Gateway, key: str, calls: list[tuple[str, dict[str, Any]]], **headers: str
 ) -> list[str]:
     """`calls` at once, each in its own session (opened first)."""
-    sids = [_open_session(g, key) for _ in calls]
+    sids = [open_session(g, key) for _ in calls]
     with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
         jobs = [
             pool.submit(_call, g, key, sid, tool, args, **headers)
@@ -577,7 +530,7 @@ def _race(
 def test_a_hostile_task_header_on_mcp_is_a_jsonrpc_400_naming_it(
     gw: Gateway, header: str, value: str
 ) -> None:
-    sid = _open_session(gw, gw.key)
+    sid = open_session(gw, gw.key)
     r = _call(gw, gw.key, sid, "crm__lookup", {"q": "h"}, **{"x-task-id": "h1", header: value})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
@@ -623,7 +576,7 @@ def test_tool_calls_and_model_calls_of_one_task_racing_the_last_cent(
     task = "mixed-" + os.urandom(4).hex()
     marker = "mixed-" + os.urandom(3).hex()
     h = {"x-task-id": task, "x-task-budget": "cost_usd=0.035"}
-    sids = [_open_session(gw, key) for _ in range(3)]
+    sids = [open_session(gw, key) for _ in range(3)]
 
     def chat() -> int:
         body = {
@@ -660,7 +613,7 @@ def test_another_tenants_task_id_is_its_own_task(gw: Gateway) -> None:
     key_a, key_b = _tenant(gw, "ta"), _tenant(gw, "tb")
     task = "same-" + os.urandom(4).hex()
     h = {"x-task-id": task, "x-task-budget": "tool_calls=1"}
-    sid_a, sid_b = _open_session(gw, key_a), _open_session(gw, key_b)
+    sid_a, sid_b = open_session(gw, key_a), open_session(gw, key_b)
     assert _code(_call(gw, key_a, sid_a, "crm__lookup", {"q": "a"}, **h)) == "ok"
     assert _code(_call(gw, key_a, sid_a, "crm__lookup", {"q": "a"}, **h)) == "task_budget_exceeded"
     assert _code(_call(gw, key_b, sid_b, "crm__lookup", {"q": "b"}, **h)) == "ok"
@@ -690,7 +643,7 @@ def test_through_redis_two_gateways_never_pass_a_tasks_tool_budget(
 
         def race(task: str, budget: str, marker: str) -> list[str]:
             h = {"x-task-id": task, "x-task-budget": budget}
-            sids = [(g, _open_session(g, a.key)) for g in (a, b) * 5]
+            sids = [(g, open_session(g, a.key)) for g in (a, b) * 5]
             with concurrent.futures.ThreadPoolExecutor(10) as pool:
                 jobs = [
                     pool.submit(_call, g, a.key, sid, "crm__lookup", {"q": f"{marker}-{i}"}, **h)
@@ -715,7 +668,7 @@ def test_through_redis_two_gateways_never_pass_a_tasks_tool_budget(
         task = "redis-mixed-" + os.urandom(4).hex()
         marker = "redis-mixed-" + os.urandom(3).hex()
         h = {"x-task-id": task, "x-task-budget": "cost_usd=0.035"}
-        sids = [_open_session(a, a.key) for _ in range(3)]
+        sids = [open_session(a, a.key) for _ in range(3)]
         chat = {"model": "cheap", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             tools = [
@@ -746,7 +699,7 @@ def test_a_clients_own_short_timeout_does_not_open_the_breaker_for_everyone(
     """Tenant A asks for 50 ms on a tool that takes a second, twice: its own calls time
     out, as it asked. The server is healthy; tenant B's call to it must still run."""
     key_a, key_b = _tenant(gw, "short"), _tenant(gw, "victim")
-    sid_a, sid_b = _open_session(gw, key_a), _open_session(gw, key_b)
+    sid_a, sid_b = open_session(gw, key_a), open_session(gw, key_b)
     for _ in range(2):
         r = _call(
             gw, key_a, sid_a, "shared__hang", {"seconds": 1.0}, **{"x-request-timeout": "0.05"}
@@ -764,7 +717,7 @@ def test_a_priced_call_is_sent_no_more_often_than_the_task_paid_for(gw: Gateway)
     The gateway may send it once; a second send is a second $1.00 the task never had."""
     key = _tenant(gw, "paid")
     task = "paid-" + os.urandom(4).hex()
-    sid = _open_session(gw, key)
+    sid = open_session(gw, key)
     before = len(_PaidSearch.calls)
     r = _call(
         gw,
@@ -788,7 +741,7 @@ def test_a_tenants_usd_budget_counts_its_tool_prices(gw: Gateway, logs: Logs) ->
     tenant = "usd-" + os.urandom(3).hex()
     gw.create_tenant(tenant, budget_usd=0.03, budget_period="day")
     key = str(gw.create_key(tenant)["key"])
-    sid = _open_session(gw, key)
+    sid = open_session(gw, key)
     marker = "usd-" + os.urandom(3).hex()
     codes = [_code(_call(gw, key, sid, "crm__lookup", {"q": f"{marker}-{i}"})) for i in range(4)]
     ran = sum(Logs.runs(logs.crm, "lookup", q=f"{marker}-{i}") for i in range(4))
@@ -818,7 +771,7 @@ def test_a_result_far_over_the_cap_breaks_nothing_for_other_tenants(gw: Gateway)
     pid = gw.proc.popen.pid
     before = _peak_rss_kib(pid)
     key_b = _tenant(gw, "bystander")
-    sid, sid_b = _open_session(gw, gw.key), _open_session(gw, key_b)
+    sid, sid_b = open_session(gw, gw.key), open_session(gw, key_b)
     r = _call(gw, gw.key, sid, "crm__big", {"n": n})
     grown_mb = (_peak_rss_kib(pid) - before) / 1024
     got = _code(r)

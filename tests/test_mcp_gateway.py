@@ -24,6 +24,7 @@ from mcp import ClientSession, MCPError
 from mcp.client.streamable_http import streamable_http_client
 
 from conftest import Gateway, Proc, Scripted, cheap_config, free_port, start_gateway
+from mcp_http import tool_runs
 
 SERVER = str(Path(__file__).with_name("mcp_tool_server.py"))
 NARROW = "narrow-" + os.urandom(3).hex()
@@ -57,14 +58,7 @@ class Tools:
         for p in (self.stdio_log, self.http_log):
             Path(p).touch()
 
-    @staticmethod
-    def runs(path: str, tool: str, **args: Any) -> int:
-        lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x]
-        return sum(
-            1
-            for x in lines
-            if x["tool"] == tool and all(x["args"].get(k) == v for k, v in args.items())
-        )
+    runs = staticmethod(tool_runs)
 
 
 @pytest.fixture(scope="module")
