@@ -74,6 +74,56 @@ def test_hotpath_modes_measure_their_pair_of_targets(
     assert set(json.loads(out.read_text())["timed"]) == {*targets, "floor_us"}
 
 
+def test_hotpath_protocols_drives_each_protocol_streamed_and_not(tmp_path: Path) -> None:
+    """--protocols: chat, Responses (stored) and Messages, each streamed and not, every
+    reply checked for its protocol's ending; each one's ratio to chat of its kind."""
+    out = tmp_path / "hotpath.json"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "switchyard.bench.hotpath", "--protocols"),
+            *("--requests", "300", "--blocks", "2", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    for ratio in (
+        "responses / realistic (min):",
+        "responses-stream / chat-stream (min):",
+        "messages / realistic (min):",
+        "messages-stream / chat-stream (min):",
+    ):
+        assert ratio in done.stdout
+    timed = json.loads(out.read_text())["timed"]
+    assert set(timed) == {
+        *(f"{t}_us" for t in ("realistic", "chat-stream", "responses", "responses-stream")),
+        *("messages_us", "messages-stream_us", "floor_us"),
+    }
+
+
+def test_the_stream_driver_finds_the_ending_in_any_write_of_a_reply() -> None:
+    """A streamed reply's ending comes in its last write: the check is per reply, and
+    a stream that stops short of it is refused."""
+
+    async def streamed(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert (await receive())["type"] == "http.request"
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        if scope["path"] == "/whole":
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    driver = Driver(b"{}", "/whole")
+    driver.expect = b"data: [DONE]"
+    asyncio.run(driver.drive(streamed, 2))
+    driver.check()
+    short = Driver(b"{}", "/short")
+    short.expect = b"data: [DONE]"
+    asyncio.run(short.drive(streamed, 2))
+    with pytest.raises(RuntimeError, match="2 replies lacked"):
+        short.check()
+
+
 def test_the_governed_driver_refuses_replies_without_the_idempotency_key() -> None:
     """The governed mode checks that each reply's side-effecting call got its key."""
 

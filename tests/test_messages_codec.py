@@ -22,7 +22,7 @@ from switchyard.api.messages_reply import MessageEvents, to_message
 from switchyard.api.sse import replayed
 from switchyard.errors import InvalidRequest, UpstreamError
 from switchyard.policy.validate import validate_chat
-from switchyard.reply import stream_chunks
+from switchyard.reply import read_chunk, stream_chunks
 
 try:  # the HTTP package the SDK is built on (newer releases: httpx2)
     import httpx2 as sdk_http
@@ -313,7 +313,11 @@ def test_a_streamed_reply_assembles_into_the_whole_reply(
     whole = Message.model_validate(to_message(chat, "m"))
     chunks = live_chunks(text, calls, finish, USAGE, piece)  # as an upstream streams it
     events = MessageEvents("m", 3)
-    out = b"".join(b"".join(events.chunk(c)) for c in chunks) + b"".join(events.end())
+    written: list[bytes] = []
+    for c in chunks:
+        events.chunk(read_chunk(json.dumps(c).encode()), written)  # as the relay reads it
+    events.end(written)
+    out = b"".join(written)
     streamed = _assemble(out)
     assert _blocks(streamed) == _blocks(whole)
     assert streamed.stop_reason == whole.stop_reason

@@ -5,16 +5,22 @@ one response object, as the official `openai` SDK assembles it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
+from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import openai
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.types.responses import Response
 
 from chat_replies import chat_reply, live_chunks
+from switchyard.api.codecs import CHAT_TYPED
 from switchyard.api.responses_codec import check, to_chat
 from switchyard.api.responses_reply import (
     ResponseEvents,
@@ -24,9 +30,18 @@ from switchyard.api.responses_reply import (
     text_delta_head,
     to_response,
 )
+from switchyard.api.sse import translated
 from switchyard.errors import InvalidRequest, UpstreamError
+from switchyard.pipeline import Status
 from switchyard.policy.validate import validate_chat
-from switchyard.reply import stream_chunks
+from switchyard.reply import (
+    ChatChunk,
+    read_chunk,
+    reply_usage,
+    stream_chunks,
+    translated_reply,
+)
+from switchyard.request import Generation, from_object, to_json
 
 try:  # the HTTP package the SDK is built on (newer releases: httpx2)
     import httpx2 as sdk_http
@@ -206,7 +221,11 @@ def test_a_streamed_reply_assembles_into_the_whole_reply(
     whole = Response.model_validate(to_response(chat, shell))
     chunks = live_chunks(text, calls, finish, USAGE, piece)  # as an upstream streams it
     events = ResponseEvents(shell)
-    out = b"".join(b"".join(events.chunk(c)) for c in chunks) + b"".join(events.end())
+    written: list[bytes] = []
+    for c in chunks:
+        events.chunk(read_chunk(json.dumps(c).encode()), written)  # as the relay reads it
+    events.end(written)
+    out = b"".join(written)
     seqs = [
         json.loads(e.split(b"\ndata: ", 1)[1])["sequence_number"] for e in out.split(b"\n\n") if e
     ]
@@ -226,21 +245,25 @@ def test_a_streamed_reply_assembles_into_the_whole_reply(
         assert len({i["id"] for i in out}) == len(out)
         assert {i["status"] for i in out} == {"completed"}
     replay = ResponseEvents(Shell(shell.rid, shell.req, "m"))
+    ignored: list[bytes] = []
     for c in stream_chunks(chat):
-        replay.chunk(c)
-    replay.end()
+        replay.chunk(c, ignored)
+    replay.end(ignored)
     assert replay.final is not None
     assert _shape(Response.model_validate(replay.final)) == _shape(whole)
 
 
 def test_a_broken_stream_ends_failed_with_an_error_event() -> None:
     events = ResponseEvents(Shell("resp_" + "1" * 32, check({"model": "m", "input": "x"}), "m"))
-    events.chunk({"choices": [{"index": 0, "delta": {"content": "half"}}]})
-    tail = b"".join(events.failed(UpstreamError("the upstream ended the stream early")))
+    events.chunk(ChatChunk(choices=[{"index": 0, "delta": {"content": "half"}}]), [])
+    written: list[bytes] = []
+    events.failed(UpstreamError("the upstream ended the stream early"), written)
+    tail = b"".join(written)
     kinds = [json.loads(e.split(b"\ndata: ", 1)[1])["type"] for e in tail.split(b"\n\n") if e]
     assert kinds == ["error", "response.failed"]
     assert events.final is not None and events.final["status"] == "failed"
     assert events.final["error"]["code"] == "upstream_error"
+    assert events.final["output"][0]["content"][0]["text"] == "half"  # what was streamed
 
 
 @settings(max_examples=300, deadline=None)
@@ -267,3 +290,132 @@ def test_a_text_delta_event_is_the_bytes_of_its_object(
     }
     assert fast == _sse(event)
     assert json.loads(fast.split(b"\ndata: ", 1)[1]) == event
+
+
+# -- the decoded request's bytes, the reply's usage -------------------------------------
+_text = st.text(max_size=30)
+_part = st.one_of(
+    st.builds(lambda t: {"type": "input_text", "text": t}, _text),
+    st.builds(
+        lambda u: {"type": "input_image", "image_url": f"https://img.test/{u}.png"},
+        st.from_regex(r"[a-z0-9]{1,8}", fullmatch=True),
+    ),
+)
+_item = st.one_of(
+    st.builds(lambda t: {"role": "user", "content": t}, _text),
+    st.builds(
+        lambda parts: {"type": "message", "role": "user", "content": parts},
+        st.lists(_part, min_size=1, max_size=3),
+    ),
+    st.builds(lambda t: {"role": "assistant", "content": t}, _text),
+    st.builds(
+        lambda c, n, a: {"type": "function_call", "call_id": c, "name": n, "arguments": a},
+        _name,
+        _name,
+        st.just('{"q": 1}'),
+    ),
+    st.builds(
+        lambda c, o: {"type": "function_call_output", "call_id": c, "output": o}, _name, _text
+    ),
+)
+_optional = {
+    "instructions": _text,
+    "max_output_tokens": st.integers(1, 2**31 - 1),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0, 1),
+    "stream": st.booleans(),
+    "store": st.booleans(),
+    "parallel_tool_calls": st.booleans(),
+    "user": _text,
+    "metadata": st.dictionaries(_name, _text, max_size=3),
+    "tools": st.lists(
+        st.builds(
+            lambda n: {"type": "function", "name": n, "parameters": {"type": "object"}}, _name
+        ),
+        max_size=2,
+    ),
+    "tool_choice": st.sampled_from(["auto", "none", "required"]),
+    "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}]),
+}
+_bodies = st.fixed_dictionaries(
+    {"model": st.just("m"), "input": st.one_of(_text, st.lists(_item, min_size=1, max_size=4))},
+    optional=_optional,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_bodies, st.lists(st.builds(lambda t: {"role": "user", "content": t}, _text), max_size=2))
+def test_the_chat_bytes_a_responses_request_sends_are_exactly_its_decoded_request(
+    body: dict[str, Any], history: list[dict[str, Any]]
+) -> None:
+    """The route hands the stages and the upstream call the chat body's bytes beside
+    the decoded request, as the chat route hands the client's (service.py's
+    `ctx.wire`): they must say exactly what the request says, member for member, so
+    the upstream gets the same request whichever way it is written."""
+    try:
+        req = check(body)
+    except InvalidRequest:
+        return  # e.g. an assistant message's image: refused, nothing sent
+    chat = to_chat(req, history)
+    validate_chat(chat)
+    gen, exact = from_object(Generation, chat, CHAT_TYPED)
+    assert exact  # every member set: the bytes may stand for it
+    raw = orjson.dumps(chat)
+    assert msgspec.json.decode(raw) == msgspec.json.decode(to_json(gen))
+
+
+def test_a_translated_reply_keeps_the_usage_settling_would_read() -> None:
+    """Parsed once: the usage of the bytes settling would read is kept when the
+    protocol parses them; other bytes (a reply the reply side rewrote, a cache hit)
+    leave it alone."""
+    body = orjson.dumps(chat_reply("hi", [], "stop", USAGE))
+    run = SimpleNamespace(usage=None, reply_body=body)
+    ctx: Any = SimpleNamespace(run=run)
+    assert translated_reply(ctx, body)["usage"] == USAGE
+    assert run.usage == reply_usage(body) == USAGE
+    other = SimpleNamespace(usage=None, reply_body=None)
+    assert translated_reply(SimpleNamespace(run=other), body)["choices"]  # type: ignore[arg-type]
+    assert other.usage is None  # not the bytes settling reads: left to it
+    kept = {"prompt_tokens": 1}
+    rewritten = SimpleNamespace(usage=kept, reply_body=body)
+    translated_reply(SimpleNamespace(run=rewritten), body)  # type: ignore[arg-type]
+    assert rewritten.usage is kept
+    assert translated_reply(ctx, b"[1, 2]") == {}
+
+
+def _timeless(events: bytes) -> bytes:
+    """Events without the second a response completed at (two runs may straddle one)."""
+    return re.sub(rb'"completed_at":\d+', b'"completed_at":0', events)
+
+
+def test_a_translated_stream_reads_each_chunk_once_and_skips_what_is_not_one() -> None:
+    """The relay's data, read as chunks (reply.read_chunk: only the members the
+    translation uses); JSON that is not an object is no chunk and adds no event, the
+    same chunks as objects give the same events."""
+    chunks = live_chunks("hello there", [], "stop", USAGE, 3)
+    req = check({"model": "m", "input": "x"})
+
+    def shell() -> Shell:  # the same ids and times, so two streams can be compared
+        return Shell("resp_" + "2" * 32, req, "m", created_at=1.0, ids=lambda p: f"{p}_1")
+
+    data = [json.dumps(c).encode() for c in chunks]
+
+    def events_of(batch: list[bytes]) -> bytes:
+        async def source() -> Any:
+            yield batch
+
+        async def run() -> bytes:
+            ctx: Any = SimpleNamespace(status=Status.OK)
+            events = ResponseEvents(shell())
+            return b"".join([b async for b in translated(ctx, source(), events)])
+
+        return _timeless(asyncio.run(run()))
+
+    plain = events_of(data)
+    assert events_of([b"[1]", *data[:2], b'"text"', b"null", *data[2:]]) == plain
+    written: list[bytes] = []
+    events = ResponseEvents(shell())
+    for c in chunks:
+        events.chunk(ChatChunk(c.get("id"), c.get("choices"), c.get("usage")), written)
+    events.end(written)
+    assert _timeless(b"".join(written)) == plain

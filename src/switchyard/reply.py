@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import orjson
 
 from switchyard.engines.registry import Deployment
@@ -59,6 +60,21 @@ def reply_object(body: bytes) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
+def translated_reply(ctx: RequestContext, body: bytes) -> dict[str, Any]:
+    """A whole chat reply that a protocol turns into its own shape, parsed ({} when it
+    is not an object; raises on bytes that are not JSON). When they are the bytes
+    whose usage settling would read (`through` passed them on as they came), their
+    usage is kept now, so the reply is parsed once, not twice."""
+    obj = orjson.loads(body)
+    if not isinstance(obj, dict):
+        return {}
+    run = ctx.run
+    if run.usage is None and run.reply_body is body:
+        usage = obj.get("usage")
+        run.usage = usage if isinstance(usage, dict) else None
+    return obj
+
+
 def through(ctx: RequestContext, side: ReplySide | None, body: bytes) -> bytes | Awaitable[bytes]:
     """A whole reply through the request's reply side: at once (the bytes as they
     came) when no part wants it — its usage is then read when the request is settled,
@@ -79,17 +95,6 @@ async def _whole(side: ReplySide, obj: dict[str, Any], body: bytes) -> bytes:
 
 
 @dataclass(slots=True)
-class ChunkParts:
-    """What one chat completion chunk carries, read once (for the protocols that turn
-    chunks into their own events): its usage, text, tool-call pieces and finish."""
-
-    usage: dict[str, Any] | None = None
-    text: str = ""
-    calls: Sequence[ToolCallPiece] = ()  # a list when the chunk has any
-    finish: str | None = None
-
-
-@dataclass(slots=True)
 class ToolCallPiece:
     """A piece of one streamed tool call: its id and name come with its first piece."""
 
@@ -99,16 +104,41 @@ class ToolCallPiece:
     arguments: str
 
 
-def chunk_parts(obj: dict[str, Any]) -> ChunkParts:
-    """The parts of a chat completion chunk (its first choice: the gateway's streams
-    carry one), whatever is missing or malformed left empty. (Run for every chunk of
-    every translated stream: exact type checks, one object built.)"""
-    usage = obj.get("usage")
+class ChatChunk(msgspec.Struct):
+    """A chat completion chunk as the protocols that turn chunks into their own events
+    read it: the members they use; decoding its bytes (`read_chunk`) skips the others
+    (object, created, model, ...) unread, which is cheaper than building them."""
+
+    id: Any = None
+    choices: Any = None
+    usage: Any = None
+
+
+# A chunk's bytes as a ChatChunk: msgspec.DecodeError if they are not JSON,
+# msgspec.ValidationError (a DecodeError) if they are JSON but not an object.
+read_chunk = msgspec.json.Decoder(ChatChunk).decode
+
+
+# What one chat completion chunk carries, read once (for the protocols that turn
+# chunks into their own events): (its usage, its text, its tool-call pieces, its
+# finish reason). A plain tuple, unpacked where it is read: the translation runs it
+# for every chunk of every stream, and a tuple is made and taken apart with no
+# Python call (a dataclass's __init__ cost more than reading the chunk did).
+ChunkParts = tuple[dict[str, Any] | None, str, Sequence[ToolCallPiece], str | None]
+NO_PARTS: ChunkParts = (None, "", (), None)
+
+
+def chunk_parts(chunk: ChatChunk) -> ChunkParts:
+    """(usage, text, tool-call pieces, finish) of a chat completion chunk (its first
+    choice: the gateway's streams carry one), whatever is missing or malformed left
+    empty (None, "", (), None). Run for every chunk of every translated stream: exact
+    type checks, nothing built but the tuple (and the pieces of a chunk with calls)."""
+    usage = chunk.usage
     if type(usage) is not dict:
         usage = None
-    choices = obj.get("choices")
+    choices = chunk.choices
     if type(choices) is not list or not choices or type(choices[0]) is not dict:
-        return ChunkParts(usage)
+        return NO_PARTS if usage is None else (usage, "", (), None)
     choice: dict[str, Any] = choices[0]
     delta = choice.get("delta")
     text: Any = ""
@@ -121,7 +151,7 @@ def chunk_parts(obj: dict[str, Any]) -> ChunkParts:
         if type(calls) is list and calls:
             pieces = _pieces(calls)
     finish = choice.get("finish_reason")
-    return ChunkParts(usage, text, pieces, finish if type(finish) is str and finish else None)
+    return usage, text, pieces, finish if type(finish) is str and finish else None
 
 
 def _pieces(calls: list[Any]) -> list[ToolCallPiece]:
@@ -142,7 +172,7 @@ def _pieces(calls: list[Any]) -> list[ToolCallPiece]:
     return out
 
 
-def stream_chunks(chat: dict[str, Any]) -> list[dict[str, Any]]:
+def stream_chunks(chat: dict[str, Any]) -> list[ChatChunk]:
     """A whole chat completion (a cache hit, replayed as a stream) as the chunks a
     stream of it carries: its text, each tool call, the finish reason, the usage. The
     protocols that translate stream chunks (Messages, Responses) replay a hit through
@@ -152,17 +182,18 @@ def stream_chunks(chat: dict[str, Any]) -> list[dict[str, Any]]:
     choice = choice if isinstance(choice, dict) else {}
     msg = choice.get("message")
     msg = msg if isinstance(msg, dict) else {}
-    out: list[dict[str, Any]] = []
+    out: list[ChatChunk] = []
     text = msg.get("content")
     if isinstance(text, str) and text:
-        out.append({"choices": [{"index": 0, "delta": {"content": text}}]})
+        out.append(ChatChunk(choices=[{"index": 0, "delta": {"content": text}}]))
     calls = msg.get("tool_calls")
     for k, call in enumerate(calls if isinstance(calls, list) else ()):
         if isinstance(call, dict):
-            out.append({"choices": [{"index": 0, "delta": {"tool_calls": [{**call, "index": k}]}}]})
+            delta = {"tool_calls": [{**call, "index": k}]}
+            out.append(ChatChunk(choices=[{"index": 0, "delta": delta}]))
     finish = choice.get("finish_reason")
-    out.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish or "stop"}]})
-    out.append({"choices": [], "usage": chat.get("usage")})
+    out.append(ChatChunk(choices=[{"index": 0, "delta": {}, "finish_reason": finish or "stop"}]))
+    out.append(ChatChunk(choices=[], usage=chat.get("usage")))
     return out
 
 

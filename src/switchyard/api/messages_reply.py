@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from switchyard.errors import SwitchyardError
-from switchyard.reply import chunk_parts
+from switchyard.reply import ChatChunk, chunk_parts
 
 # chat `finish_reason` -> Messages `stop_reason`
 STOP_REASONS = {
@@ -108,7 +108,8 @@ def error_event(exc: SwitchyardError) -> bytes:
 
 class MessageEvents:
     """Chat completion chunks in, Messages events out: one stream's state (the open
-    content block, tool calls by their chat index, stop reason, usage)."""
+    content block, tool calls by their chat index, stop reason, usage). Each step
+    appends its events to the caller's list (api/sse.py's Translator)."""
 
     def __init__(self, model: str, input_tokens: int) -> None:
         self.model = model
@@ -121,7 +122,7 @@ class MessageEvents:
         self.stop_reason: str | None = None
         self.usage: dict[str, int] | None = None
 
-    def start(self, chat_id: Any) -> list[bytes]:
+    def start(self, chat_id: Any, out: list[bytes]) -> None:
         self.started = True
         message: dict[str, Any] = {
             "id": message_id(chat_id),
@@ -133,19 +134,17 @@ class MessageEvents:
             "stop_sequence": None,
             "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
         }
-        return [
-            event("message_start", {"type": "message_start", "message": message}),
-            event("ping", {"type": "ping"}),
-        ]
+        out.append(event("message_start", {"type": "message_start", "message": message}))
+        out.append(event("ping", {"type": "ping"}))
 
-    def _close(self) -> list[bytes]:
+    def _close(self, out: list[bytes]) -> None:
         if self.open is None:
-            return []
+            return
         index, self.open, self.open_kind = self.open, None, None
-        return [event("content_block_stop", {"type": "content_block_stop", "index": index})]
+        out.append(event("content_block_stop", {"type": "content_block_stop", "index": index}))
 
-    def _open(self, block: dict[str, Any]) -> list[bytes]:
-        out = self._close()
+    def _open(self, block: dict[str, Any], out: list[bytes]) -> None:
+        self._close(out)
         self.open, self.open_kind = self.blocks, block["type"]
         self.blocks += 1
         out.append(
@@ -154,49 +153,51 @@ class MessageEvents:
                 {"type": "content_block_start", "index": self.open, "content_block": block},
             )
         )
-        return out
 
     def _delta(self, index: int, delta: dict[str, Any]) -> bytes:
         return event(
             "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
         )
 
-    def chunk(self, obj: dict[str, Any]) -> list[bytes]:
+    def chunk(self, chunk: ChatChunk, out: list[bytes]) -> None:
         """The events of one chat completion chunk."""
-        out = [] if self.started else self.start(obj.get("id"))
-        parts = chunk_parts(obj)
-        if parts.usage is not None:
-            self.usage = usage_of(parts.usage)
-        if parts.text:
+        if not self.started:
+            self.start(chunk.id, out)
+        usage, text, calls, finish = chunk_parts(chunk)
+        if usage is not None:
+            self.usage = usage_of(usage)
+        if text:
             if self.open_kind != "text":
-                out.extend(self._open({"type": "text", "text": ""}))
+                self._open({"type": "text", "text": ""}, out)
             assert self.open is not None
-            out.append(self._delta(self.open, {"type": "text_delta", "text": parts.text}))
-        for call in parts.calls:
+            out.append(self._delta(self.open, {"type": "text_delta", "text": text}))
+        for call in calls:
             if call.index not in self.calls:
                 block = {"type": "tool_use", "id": call.call_id, "name": call.name, "input": {}}
-                out.extend(self._open(block))
+                self._open(block, out)
                 self.calls[call.index] = self.blocks - 1
             if call.arguments:
                 delta = {"type": "input_json_delta", "partial_json": call.arguments}
                 out.append(self._delta(self.calls[call.index], delta))
-        if parts.finish is not None:
-            self.stop_reason = STOP_REASONS.get(parts.finish, "end_turn")
-        return out
+        if finish is not None:
+            self.stop_reason = STOP_REASONS.get(finish, "end_turn")
 
-    def failed(self, exc: SwitchyardError) -> list[bytes]:
+    def failed(self, exc: SwitchyardError, out: list[bytes]) -> None:
         """A broken stream's end: an `error` event in place of the closing ones."""
-        return [*([] if self.started else self.start(None)), error_event(exc)]
+        if not self.started:
+            self.start(None, out)
+        out.append(error_event(exc))
 
     async def ended(self) -> None:
         """Nothing to do once a Messages stream ended (api/sse.py's Translator)."""
 
-    def end(self) -> list[bytes]:
+    def end(self, out: list[bytes]) -> None:
         """The events that close a complete stream."""
-        out = [] if self.started else self.start(None)
+        if not self.started:
+            self.start(None, out)
         if self.blocks == 0:  # a message always has a block, if only an empty text
-            out.extend(self._open({"type": "text", "text": ""}))
-        out.extend(self._close())
+            self._open({"type": "text", "text": ""}, out)
+        self._close(out)
         usage = self.usage or {"input_tokens": self.input_tokens, "output_tokens": 0}
         out.append(
             event(
@@ -209,4 +210,3 @@ class MessageEvents:
             )
         )
         out.append(event("message_stop", {"type": "message_stop"}))
-        return out

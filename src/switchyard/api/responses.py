@@ -63,7 +63,7 @@ from switchyard.observe.responses import (
 from switchyard.pipeline import RequestContext
 from switchyard.policy.keys import Principal
 from switchyard.policy.validate import validate_chat
-from switchyard.reply import JsonReply, StreamReply, relay, stream_chunks
+from switchyard.reply import JsonReply, StreamReply, relay, stream_chunks, translated_reply
 from switchyard.request import Generation, from_object
 from switchyard.service import ReadBody
 from switchyard.settle import CLIENT_CANCEL, mark_failed
@@ -75,6 +75,8 @@ DONE = ("completed", "failed", "incomplete", "cancelled")
 SETTLE_S = 0.25
 # How often a background response looks whether another gateway cancelled it.
 CANCEL_POLL_S = 1.0
+# The decoded chat request and the chat body's bytes (None: not exactly it).
+Wire = tuple[Generation, bytes | None]
 
 
 def _not_found(rid: str) -> NotFound:
@@ -126,10 +128,13 @@ class ResponsesRoutes:
     # -- create -------------------------------------------------------------------------
     async def _decode(
         self, request: Request, headers: dict[str, str], ctx: RequestContext
-    ) -> tuple[ResponsesRequest, Generation, list[dict[str, Any]]]:
+    ) -> tuple[ResponsesRequest, Wire, list[dict[str, Any]]]:
         """The body read (bounded as every model route's), checked, continued from the
-        response it names, and decoded: (the Responses request, the chat request, the
-        conversation it ends with, before this turn's output)."""
+        response it names, and decoded: (the Responses request, the chat request with
+        the chat body's bytes, the conversation it ends with, before this turn's
+        output). The bytes stand for the chat request as a client's own bytes do on
+        the chat route (service.py's `ctx.wire`): the stages and the upstream call use
+        them as they are, rather than serialising the request again (twice)."""
         parsed, _ = await self.openai.reader(request, headers, None)(ctx.remaining_s())
         req = check(parsed, self.ids)
         if req.store:  # before any model call: a store that cannot take it refuses now
@@ -152,8 +157,9 @@ class ResponsesRoutes:
             ctx.previous = (prev.id, prev.deployment)
         chat = to_chat(req, history)
         validate_chat(chat)  # the internal model's own invariants
-        gen: Generation = from_object(Generation, chat, CHAT_TYPED)[0]
-        return req, gen, history + req.messages
+        gen: Generation
+        gen, exact = from_object(Generation, chat, CHAT_TYPED)
+        return req, (gen, orjson.dumps(chat) if exact else None), history + req.messages
 
     async def create(self, request: Request) -> Response:
         """Create a model response (OpenAI Responses API): stored, continued, streamed
@@ -166,17 +172,17 @@ class ResponsesRoutes:
         request.scope[CTX_KEY] = ctx  # for the error mapping (app.py)
         try:
             service.begin(ctx)
-            req, gen, conversation = await self._decode(request, headers, ctx)
+            req, wire, conversation = await self._decode(request, headers, ctx)
             shell = Shell(self.ids("resp"), req, req.model, ids=self.ids)
             if req.background:
-                return await self._background(ctx, req, gen, conversation, shell)
+                return await self._background(ctx, req, wire, conversation, shell)
         except BaseException as exc:
             mark_failed(ctx, exc)
             await service.settle(ctx)
             raise
 
-        async def decoded(_: float) -> tuple[Generation, None]:
-            return gen, None
+        async def decoded(_: float) -> Wire:
+            return wire
 
         reply = await service.generate(ctx, decoded)
         if isinstance(reply, StreamReply):
@@ -221,13 +227,13 @@ class ResponsesRoutes:
         shell: Shell,
     ) -> Response:
         try:
-            chat = orjson.loads(reply.body)
-            chat = chat if isinstance(chat, dict) else {}
+            chat = translated_reply(ctx, reply.body)
             shell.model = _served(ctx, req)
-            obj = to_response(chat, shell)
+            msg = chat_message(chat)
+            obj = to_response(chat, shell, msg)
             encoded = orjson.dumps(obj)
             if req.store:
-                turn = [*conversation, chat_message(chat)]
+                turn = [*conversation, msg]
                 await self.store.create(self._stored(ctx, req, shell, obj, turn, encoded))
         except BaseException:
             if reply.settle is not None:  # answered upstream: it is still settled
@@ -282,7 +288,7 @@ class ResponsesRoutes:
         self,
         ctx: RequestContext,
         req: ResponsesRequest,
-        gen: Generation,
+        wire: Wire,
         conversation: list[dict[str, Any]],
         shell: Shell,
     ) -> Response:
@@ -302,7 +308,7 @@ class ResponsesRoutes:
                     headers={"Retry-After": "1"},
                 )
             admitted: asyncio.Future[StoredResponse] = asyncio.get_running_loop().create_future()
-            task = asyncio.create_task(self._run(ctx, req, gen, conversation, shell, admitted))
+            task = asyncio.create_task(self._run(ctx, req, wire, conversation, shell, admitted))
             waiting: set[asyncio.Future[Any]] = {task, admitted}
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -327,7 +333,7 @@ class ResponsesRoutes:
         self,
         ctx: RequestContext,
         req: ResponsesRequest,
-        gen: Generation,
+        wire: Wire,
         conversation: list[dict[str, Any]],
         shell: Shell,
         admitted: asyncio.Future[StoredResponse],
@@ -337,8 +343,8 @@ class ResponsesRoutes:
         was admitted is raised to the route, which answers it; nothing is stored."""
         holder: list[StoredResponse] = []
 
-        async def decoded(_: float) -> tuple[Generation, None]:
-            return gen, None
+        async def decoded(_: float) -> Wire:
+            return wire
 
         async def on_admitted() -> None:
             stored = self._stored(ctx, req, shell, shell.object("in_progress", []), conversation)

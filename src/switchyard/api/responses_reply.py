@@ -24,7 +24,7 @@ import orjson
 
 from switchyard.api.responses_codec import Ids, ResponsesRequest, new_item_id
 from switchyard.errors import SwitchyardError
-from switchyard.reply import chunk_parts
+from switchyard.reply import ChatChunk, chunk_parts
 
 
 @dataclass(slots=True)
@@ -134,9 +134,13 @@ def _finish(chat: dict[str, Any]) -> str | None:
     return got if isinstance(got, str) else None
 
 
-def to_response(chat: dict[str, Any], shell: Shell) -> dict[str, Any]:
-    """A whole chat completion as the completed (or incomplete) response object."""
-    msg = chat_message(chat)
+def to_response(
+    chat: dict[str, Any], shell: Shell, msg: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A whole chat completion as the completed (or incomplete) response object
+    (`msg`: its `chat_message`, when the caller has it already)."""
+    if msg is None:
+        msg = chat_message(chat)
     output: list[dict[str, Any]] = []
     text = msg.get("content")
     calls = msg.get("tool_calls") or []
@@ -188,7 +192,8 @@ def delta_event(head: bytes, text: str, seq: int) -> bytes:
 
 class ResponseEvents:
     """Chat completion chunks in, Responses events out, for one stream: the output
-    items so far (the open one last), the finish reason and usage, and the sequence."""
+    items so far (the open one last), the finish reason and usage, and the sequence.
+    Each step appends its events to the caller's list (api/sse.py's Translator)."""
 
     def __init__(
         self, shell: Shell, on_end: Callable[[ResponseEvents], Awaitable[None]] | None = None
@@ -205,26 +210,33 @@ class ResponseEvents:
         self.final: dict[str, Any] | None = None  # the response object once it ended
         self.final_json: bytes | None = None  # and as its event carried it
         self._delta_head = b""  # text_delta_head of the open message item
+        # The open message item's text so far, in its deltas (joined into the item
+        # when it closes, or when a broken stream shows it); None: no message open.
+        self._text: list[str] | None = None
 
     def _event(self, data: dict[str, Any]) -> bytes:
         data["sequence_number"] = self.seq
         self.seq += 1
         return _sse(data)
 
-    def start(self) -> list[bytes]:
+    def start(self, out: list[bytes]) -> None:
         self.started = True
         snapshot = orjson.Fragment(orjson.dumps(self.shell.object("in_progress", [])))
-        return [
-            self._event({"type": "response.created", "response": snapshot}),
-            self._event({"type": "response.in_progress", "response": snapshot}),
-        ]
+        out.append(self._event({"type": "response.created", "response": snapshot}))
+        out.append(self._event({"type": "response.in_progress", "response": snapshot}))
 
-    def _close(self) -> list[bytes]:
-        item, self.open = self.open, None
+    def _text_so_far(self) -> None:
+        """The open message item's text as its deltas have told it."""
+        if self._text is not None and self.open is not None:
+            self.open["content"][0]["text"] = "".join(self._text)
+
+    def _close(self, out: list[bytes]) -> None:
+        item = self.open
         if item is None:
-            return []
+            return
+        self._text_so_far()
+        self.open, self._text = None, None
         index = self.output.index(item)
-        out = []
         item["status"] = "completed"
         if item["type"] == "message":
             part = item["content"][0]
@@ -254,10 +266,9 @@ class ResponseEvents:
         out.append(
             self._event({"type": "response.output_item.done", "output_index": index, "item": item})
         )
-        return out
 
-    def _add(self, item: dict[str, Any]) -> list[bytes]:
-        out = self._close()
+    def _add(self, item: dict[str, Any], out: list[bytes]) -> None:
+        self._close(out)
         self.output.append(item)
         self.open = item
         index = len(self.output) - 1
@@ -268,6 +279,7 @@ class ResponseEvents:
             )
         )
         if item["type"] == "message":
+            self._text = []
             self._delta_head = text_delta_head(item["id"], index)
             out.append(
                 self._event(
@@ -285,27 +297,29 @@ class ResponseEvents:
                     }
                 )
             )
-        return out
 
-    def chunk(self, obj: dict[str, Any]) -> list[bytes]:
+    def chunk(self, chunk: ChatChunk, out: list[bytes]) -> None:
         """The events of one chat completion chunk."""
-        out = [] if self.started else self.start()
-        parts = chunk_parts(obj)
-        if parts.usage is not None:
-            self.usage = parts.usage
-        if parts.text:
-            if self.open is None or self.open["type"] != "message":
-                out.extend(self._add(message_item("", self.shell.ids("msg"), "in_progress")))
-            assert self.open is not None
-            self.open["content"][0]["text"] += parts.text
-            out.append(delta_event(self._delta_head, parts.text, self.seq))
+        if not self.started:
+            self.start(out)
+        usage, text, calls, finish = chunk_parts(chunk)
+        if usage is not None:
+            self.usage = usage
+        if text:
+            pieces = self._text
+            if pieces is None:  # no message item open: one opens
+                self._add(message_item("", self.shell.ids("msg"), "in_progress"), out)
+                pieces = self._text
+                assert pieces is not None
+            pieces.append(text)
+            out.append(delta_event(self._delta_head, text, self.seq))
             self.seq += 1
-        for call in parts.calls:
+        for call in calls:
             item = self.calls.get(call.index)
             if item is None:
                 item = call_item(call.call_id, call.name, "", self.shell.ids("fc"), "in_progress")
                 self.calls[call.index] = item
-                out.extend(self._add(item))
+                self._add(item, out)
             if call.arguments:
                 item["arguments"] += call.arguments
                 out.append(
@@ -318,16 +332,16 @@ class ResponseEvents:
                         }
                     )
                 )
-        if parts.finish is not None:
-            self.finish = parts.finish
-        return out
+        if finish is not None:
+            self.finish = finish
 
-    def end(self) -> list[bytes]:
+    def end(self, out: list[bytes]) -> None:
         """The events that close a complete stream (the final object kept in `final`)."""
-        out = [] if self.started else self.start()
+        if not self.started:
+            self.start(out)
         if not self.output:
-            out.extend(self._add(message_item("", self.shell.ids("msg"), "in_progress")))
-        out.extend(self._close())
+            self._add(message_item("", self.shell.ids("msg"), "in_progress"), out)
+        self._close(out)
         incomplete = "max_output_tokens" if self.finish == "length" else None
         status = "incomplete" if incomplete else "completed"
         self.final = self.shell.object(
@@ -336,15 +350,16 @@ class ResponseEvents:
         kind = "response.incomplete" if incomplete else "response.completed"
         self.final_json = orjson.dumps(self.final)  # once: the event and the store
         out.append(self._event({"type": kind, "response": orjson.Fragment(self.final_json)}))
-        return out
 
     async def ended(self) -> None:
         if self.on_end is not None:
             await self.on_end(self)
 
-    def failed(self, exc: SwitchyardError) -> list[bytes]:
+    def failed(self, exc: SwitchyardError, out: list[bytes]) -> None:
         """The events that end a broken stream: `error`, then `response.failed`."""
-        out = [] if self.started else self.start()
+        if not self.started:
+            self.start(out)
+        self._text_so_far()
         error = {"code": exc.code, "message": exc.message}
         self.final = self.shell.object("failed", self.output, usage_of(self.usage), error=error)
         out.append(
@@ -353,4 +368,3 @@ class ResponseEvents:
             )
         )
         out.append(self._event({"type": "response.failed", "response": self.final}))
-        return out

@@ -14,13 +14,14 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
+import msgspec
 import orjson
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from switchyard.errors import SwitchyardError
 from switchyard.pipeline import RequestContext, Status
-from switchyard.reply import task_stopped
+from switchyard.reply import ChatChunk, read_chunk, task_stopped
 
 DONE = b"data: [DONE]\n\n"
 
@@ -122,15 +123,18 @@ class RelayResponse(StreamingResponse):
 
 class Translator(Protocol):
     """A protocol's stream events made from chat completion chunks (Messages,
-    Responses): one state machine per stream."""
+    Responses): one state machine per stream, appending its events to the list of the
+    write they go out in."""
 
-    def chunk(self, obj: dict[str, Any]) -> list[bytes]: ...
+    def chunk(self, chunk: ChatChunk, out: list[bytes]) -> None:
+        """The events of one chat completion chunk."""
+        ...
 
-    def end(self) -> list[bytes]:
+    def end(self, out: list[bytes]) -> None:
         """The events that close a complete stream."""
         ...
 
-    def failed(self, exc: SwitchyardError) -> list[bytes]:
+    def failed(self, exc: SwitchyardError, out: list[bytes]) -> None:
         """The events that end a broken stream (its error, in the protocol's shape)."""
         ...
 
@@ -145,20 +149,24 @@ async def translated(
     """The relay's chat chunks (reply.relay, after the reply side) as the protocol's
     events, one write per batch: the closing events with the last batch once the stream
     completed, the protocol's error events in their place when it did not."""
+    chunk, read = events.chunk, read_chunk
     try:
         async for batch in data:
             out: list[bytes] = []
             for d in batch:
-                obj = orjson.loads(d)
-                if isinstance(obj, dict):
-                    out.extend(events.chunk(obj))
+                try:
+                    c = read(d)
+                except msgspec.ValidationError:
+                    continue  # JSON, but not an object: not a chunk
+                chunk(c, out)
             if ctx.status is Status.OK:
-                out.extend(events.end())
+                events.end(out)
                 await events.ended()
             if out:
                 yield b"".join(out)
     except SwitchyardError as exc:
-        tail = events.failed(exc)
+        tail: list[bytes] = []
+        events.failed(exc, tail)
         await events.ended()
         yield b"".join(tail)
     finally:
@@ -167,12 +175,12 @@ async def translated(
             await aclose()
 
 
-async def replayed(chunks: list[dict[str, Any]], events: Translator) -> AsyncIterator[bytes]:
+async def replayed(chunks: list[ChatChunk], events: Translator) -> AsyncIterator[bytes]:
     """A cached reply's chunks (reply.stream_chunks) as the protocol's events."""
     out: list[bytes] = []
     for c in chunks:
-        out.extend(events.chunk(c))
-    out.extend(events.end())
+        events.chunk(c, out)
+    events.end(out)
     await events.ended()
     yield b"".join(out)
 

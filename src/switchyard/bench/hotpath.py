@@ -19,6 +19,14 @@ Two measures:
   visible. They are a proxy: a request in the real server runs slower per
   instruction (its code and data are out of the CPU caches between requests).
 
+With `--protocols`, the same request on each client protocol, streamed and not, on
+the realistic key: chat completions (`realistic`, `chat-stream`), the Responses API
+stored as its default (`responses`, `responses-stream`) and Anthropic Messages
+(`messages`, `messages-stream`), with bench/protocols.py's bodies; the upstream answers
+a stream as the scripted upstream does (a chunk per token, each its own read, then the
+finish, the usage and `[DONE]`). What each protocol costs beyond chat is its ratio to
+the chat target of its kind, in instructions.
+
 Beside them, one stage timed on its own: the duplicate-key check every JSON body
 passes (api/body.py), on a realistic agent chat body rather than the driven tiny one.
 
@@ -49,7 +57,9 @@ import orjson
 
 from switchyard.bench.governed import REGISTRY, TASK_HEADERS, TOOL_CALLS
 from switchyard.bench.harness import CHAT_PATH, MODEL, chat_body
+from switchyard.bench.protocols import messages_body, responses_body
 from switchyard.bench.realistic import KEY_LIMITS, TENANT, TENANT_LIMITS
+from switchyard.bench.scripted_upstream import WORDS
 from switchyard.engines.upstream import UpstreamReply
 
 METRICS_FOLD_EVERY = 64
@@ -57,7 +67,7 @@ METRICS_FOLD_EVERY = 64
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
 
-def _reply(tokens: int) -> bytes:
+def _reply(tokens: int, finish: str = "length") -> bytes:
     content = " ".join(["tok"] * tokens)
     body = {
         "id": "chatcmpl-hotpath",
@@ -68,7 +78,7 @@ def _reply(tokens: int) -> bytes:
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": content},
-                "finish_reason": "length",
+                "finish_reason": finish,
             }
         ],
         "usage": {"prompt_tokens": 9, "completion_tokens": tokens, "total_tokens": 9 + tokens},
@@ -95,22 +105,74 @@ def _tool_reply(tokens: int) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+def _stream_reads(tokens: int) -> list[list[bytes]]:
+    """A streamed reply as the gateway's upstream client hands it over (the data of
+    each network read's events): a chunk per token as the scripted upstream sends
+    them, each its own read, the finish chunk, then the usage chunk and `[DONE]`
+    together (bench overhead's upstream writes those two at once)."""
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return orjson.dumps(
+            {
+                "id": "chatcmpl-hotpath",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": MODEL,
+                "choices": choices,
+                **extra,
+            }
+        )
+
+    reads = []
+    for i in range(tokens):
+        word = WORDS[i % len(WORDS)]
+        delta = {"role": "assistant", "content": word} if i == 0 else {"content": word}
+        reads.append(
+            [chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])]
+        )
+    reads.append([chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}])])
+    usage = {"prompt_tokens": 9, "completion_tokens": tokens, "total_tokens": 9 + tokens}
+    reads.append([chunk([], usage=usage), b"[DONE]"])
+    return reads
+
+
+class _InstantStream:
+    """An upstream stream whose reads are all there at once (engines/upstream.py's
+    UpstreamStream, less the socket)."""
+
+    headers = {"content-type": "text/event-stream"}
+
+    def __init__(self, reads: list[list[bytes]]) -> None:
+        self._reads = reads
+
+    async def data(self) -> Any:
+        for read in self._reads:
+            yield read
+
+    def close(self, complete: bool = False) -> None:
+        pass
+
+
 class Driver:
     """Calls an ASGI app as uvicorn would for one keep-alive client, and checks that
     every request was answered 200 (a broken path must not look fast)."""
 
-    def __init__(self, body: bytes) -> None:
+    def __init__(self, body: bytes, path: str = CHAT_PATH) -> None:
         self.body = body
+        self.path = path
         self.headers = [
             (b"host", b"127.0.0.1:8000"),
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
         ]
         self.statuses: dict[int, int] = {}
-        # When set, every reply body must contain it (the governed mode: the
-        # side-effecting call's idempotency key), so a path that skips the work fails.
+        # When set, every reply must contain it in one of its body writes (the governed
+        # mode: the side-effecting call's idempotency key; a stream: its last event),
+        # so a path that skips the work fails.
         self.expect: bytes | None = None
         self.missing = 0
+        self._seen = False
+        self._received = False
         self.on_each: Callable[[int], None] | None = None
         # As uvicorn's request cycle, which `receive` is a method of: the whole body
         # has arrived (api/body.py reads it without a watch then).
@@ -126,28 +188,34 @@ class Driver:
             "scheme": "http",
             "method": "POST",
             "root_path": "",
-            "path": CHAT_PATH,
-            "raw_path": CHAT_PATH.encode(),
+            "path": self.path,
+            "raw_path": self.path.encode(),
             "query_string": b"",
             "headers": self.headers,
             "state": {},
         }
 
     async def receive(self) -> dict[str, Any]:
+        if self._received:  # as uvicorn: nothing more until the client leaves
+            await asyncio.get_running_loop().create_future()
+        self._received = True
         return {"type": "http.request", "body": self.body, "more_body": False}
 
     async def send(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
             status = int(message["status"])
             self.statuses[status] = self.statuses.get(status, 0) + 1
-        elif self.expect is not None and message.get("body") and self.expect not in message["body"]:
-            self.missing += 1
+        elif self.expect is not None and self.expect in message.get("body", b""):
+            self._seen = True
 
     async def drive(self, app: App, n: int) -> None:
         for i in range(n):
             if self.on_each is not None:
                 self.on_each(i)
+            self._seen = self._received = False
             await app(self.scope(), self.receive, self.send)
+            if self.expect is not None and not self._seen:
+                self.missing += 1
             await asyncio.sleep(0)  # let the loop run what the request scheduled
 
     def check(self) -> None:
@@ -164,11 +232,13 @@ async def _switchyard_app(
     realistic: bool = False,
     tools: dict[str, Any] | None = None,
     model: dict[str, Any] | None = None,
+    stream_tokens: int = 16,
 ) -> tuple[App, Any]:
     """Switchyard with auth off, or (`realistic`) with auth on and a key under the
     realistic scenario's limits (bench/realistic.py); its key is `gw.bench_key`.
     `tools` is its `tools` config (the governed mode's); `model` adds to the model's
-    config (the placement mode's deployments)."""
+    config (the placement mode's deployments). A streamed request is answered with
+    `stream_tokens` tokens (`_stream_reads`)."""
     from switchyard.api.app import create_app
     from switchyard.config import parse_settings
 
@@ -199,8 +269,13 @@ async def _switchyard_app(
     async def instant(*_args: Any, **_kwargs: Any) -> UpstreamReply:
         return UpstreamReply(200, reply, {"content-type": "application/json"})
 
+    async def instant_stream(*_args: Any, **_kwargs: Any) -> _InstantStream:
+        return _InstantStream(reads)
+
+    reads = _stream_reads(stream_tokens)
     for dep in gw.registry.every():
         dep.upstream.post = instant
+        dep.upstream.stream = instant_stream
     # Count-based batching, so every run does the same work in the same order.
     gw.ledger.flush_s = 1e9
     if gw.metrics is not None:
@@ -263,7 +338,26 @@ TARGETS: dict[str, tuple[bool, dict[str, Any] | None, dict[str, str], bool]] = {
     "governed": (True, {"registry": REGISTRY}, TASK_HEADERS, True),
     "balanced": (True, None, {}, False),
     "placed": (True, None, {}, False),
+    "chat-stream": (True, None, {}, False),
+    "responses": (True, None, {}, False),
+    "responses-stream": (True, None, {}, False),
+    "messages": (True, None, {}, False),
+    "messages-stream": (True, None, {}, False),
 }
+# The protocols mode: the request of bench/protocols.py on each endpoint, streamed or
+# not: (path, body, stream, what the reply must contain). `realistic` is its chat
+# target without a stream.
+PROTOCOLS: dict[str, tuple[str, Callable[[bool, int], bytes], bool, bytes | None]] = {
+    "realistic": (CHAT_PATH, chat_body, False, None),
+    "chat-stream": (CHAT_PATH, chat_body, True, b"data: [DONE]"),
+    "responses": ("/v1/responses", responses_body, False, b'"status":"completed"'),
+    "responses-stream": ("/v1/responses", responses_body, True, b"event: response.completed"),
+    "messages": ("/v1/messages", messages_body, False, b'"type":"message"'),
+    "messages-stream": ("/v1/messages", messages_body, True, b"event: message_stop"),
+}
+PROTOCOL_TARGETS = list(PROTOCOLS)
+# Each protocol target's chat target of the same kind (streamed or not).
+CHAT_OF = {t: "chat-stream" if spec[2] else "realistic" for t, spec in PROTOCOLS.items()}
 # The placement mode: the realistic key on an alias of two deployments, balanced
 # (least outstanding) without and with a placement policy between them.
 _TWO = [
@@ -284,14 +378,24 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-async def _started(target: str, workdir: Path, tokens: int) -> tuple[App, Any, Driver]:
-    """The target's app and a driver for it (its key and headers set)."""
+async def _started(
+    target: str, workdir: Path, tokens: int, protocols: bool = False
+) -> tuple[App, Any, Driver]:
+    """The target's app and a driver for it (its key and headers set). `protocols`:
+    the protocols mode's request (its upstream finishes with `stop`, as bench
+    overhead's does, so a Responses reply is `completed`)."""
     realistic, tools, headers, calls = TARGETS[target]
-    reply = _tool_reply(tokens) if calls else _reply(tokens)
-    app, gw = await _switchyard_app(workdir, reply, realistic, tools, MODELS.get(target))
-    driver = Driver(chat_body(False, tokens))
+    protocols = protocols or (target in PROTOCOLS and target != "realistic")
+    reply = _tool_reply(tokens) if calls else _reply(tokens, "stop" if protocols else "length")
+    app, gw = await _switchyard_app(workdir, reply, realistic, tools, MODELS.get(target), tokens)
+    path, body, stream, expect = PROTOCOLS[target] if protocols else PROTOCOLS["realistic"]
+    driver = Driver(body(stream, tokens), path)
+    driver.expect = expect
     if gw.bench_key is not None:
-        driver.headers.append((b"authorization", f"Bearer {gw.bench_key}".encode()))
+        if path == "/v1/messages":
+            headers = {**headers, "x-api-key": gw.bench_key, "anthropic-version": "2023-06-01"}
+        else:
+            driver.headers.append((b"authorization", f"Bearer {gw.bench_key}".encode()))
     driver.headers += [(k.encode(), v.encode()) for k, v in headers.items()]
     driver.on_each = _folds(gw)
     if target == "governed":
@@ -301,7 +405,7 @@ async def _started(target: str, workdir: Path, tokens: int) -> tuple[App, Any, D
 
 async def _switchyard_us(args: argparse.Namespace, target: str) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
-        app, gw, driver = await _started(target, Path(tmp), args.tokens)
+        app, gw, driver = await _started(target, Path(tmp), args.tokens, args.protocols)
         try:
             return await _measure(app, driver, args.requests, args.blocks)
         finally:
@@ -309,6 +413,8 @@ async def _switchyard_us(args: argparse.Namespace, target: str) -> list[float]:
 
 
 def _targets(args: argparse.Namespace) -> list[str]:
+    if args.protocols:
+        return PROTOCOL_TARGETS
     if args.placement:
         return ["balanced", "placed"]
     return ["gov-off", "governed"] if args.governed else ["switchyard", "realistic"]
@@ -413,14 +519,14 @@ def _duplicate_key_check_us(requests: int, blocks: int) -> dict[str, Any]:
     }
 
 
-async def _counted(target: str, requests: int, tokens: int) -> None:
+async def _counted(target: str, requests: int, tokens: int, protocols: bool = False) -> None:
     """The body of one callgrind run: start the target, then answer `requests`."""
     if target == "floor":
         driver = Driver(chat_body(False, tokens))
         await driver.drive(_floor_app(_reply(tokens)), requests)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            app, gw, driver = await _started(target, Path(tmp), tokens)
+            app, gw, driver = await _started(target, Path(tmp), tokens, protocols)
             try:
                 await driver.drive(app, requests)
             finally:
@@ -428,7 +534,9 @@ async def _counted(target: str, requests: int, tokens: int) -> None:
     driver.check()
 
 
-def _callgrind_total(valgrind: str, target: str, requests: int, tokens: int, tmp: Path) -> int:
+def _callgrind_total(
+    valgrind: str, target: str, requests: int, tokens: int, tmp: Path, protocols: bool = False
+) -> int:
     out = tmp / f"cg-{target}-{requests}.out"
     cmd = [
         valgrind,
@@ -443,8 +551,16 @@ def _callgrind_total(valgrind: str, target: str, requests: int, tokens: int, tmp
         str(requests),
         "--tokens",
         str(tokens),
+        *(["--protocols"] if protocols else []),
     ]
-    env = {**os.environ, "PYTHONHASHSEED": "0"}  # same dict layouts in every run
+    env = {
+        **os.environ,
+        "PYTHONHASHSEED": "0",  # same dict layouts in every run
+        # One BLAS thread: an idle OpenBLAS worker (numpy is imported) spins for a
+        # while after each use, adding ±20k instructions a request at random.
+        "OPENBLAS_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"callgrind run failed ({done.returncode}):\n{done.stderr[-2000:]}")
@@ -463,8 +579,8 @@ def _instructions(args: argparse.Namespace) -> dict[str, Any] | None:
     out: dict[str, Any] = {"requests": [n, 2 * n]}
     with tempfile.TemporaryDirectory() as tmp:
         for target in (*_targets(args), "floor"):
-            low = _callgrind_total(valgrind, target, n, args.tokens, Path(tmp))
-            high = _callgrind_total(valgrind, target, 2 * n, args.tokens, Path(tmp))
+            low = _callgrind_total(valgrind, target, n, args.tokens, Path(tmp), args.protocols)
+            high = _callgrind_total(valgrind, target, 2 * n, args.tokens, Path(tmp), args.protocols)
             out[target] = round((high - low) / n)
     return out
 
@@ -494,6 +610,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="measure placement instead: the realistic key on two deployments of one alias, "
         "balanced without (balanced) and with a placement policy (placed)",
     )
+    parser.add_argument(
+        "--protocols",
+        action="store_true",
+        help="measure the client protocols instead: the realistic key's request as chat "
+        "completions, Responses (stored) and Messages, each streamed and not; each one's "
+        "ratio to the chat target of its kind",
+    )
     parser.add_argument("--out", default=None, help="result file (default bench-results/...)")
     parser.set_defaults(func=run)
 
@@ -511,6 +634,11 @@ def run(args: argparse.Namespace) -> int:
         "governed": "(realistic key, tool-call reply, tool registry, task budget)",
         "balanced": "(realistic key, two deployments, least outstanding)",
         "placed": "(the same with a placement policy: device state, estimates)",
+        "chat-stream": "(realistic key, chat completions, streamed)",
+        "responses": "(realistic key, /v1/responses, stored)",
+        "responses-stream": "(realistic key, /v1/responses, stored, streamed)",
+        "messages": "(realistic key, /v1/messages)",
+        "messages-stream": "(realistic key, /v1/messages, streamed)",
     }
     lines = [
         f"hot path, {args.requests} requests per app, in one process, no network "
@@ -518,8 +646,8 @@ def run(args: argparse.Namespace) -> int:
     ]
     for target in _targets(args):
         t = timed[f"{target}_us"]
-        lines.append(f"  {target:<11} {t['min']:8.1f} / {t['median']:8.1f}   {notes[target]}")
-    lines.append(f"  {'floor':<11} {fl['min']:8.1f} / {fl['median']:8.1f}")
+        lines.append(f"  {target:<16} {t['min']:8.1f} / {t['median']:8.1f}   {notes[target]}")
+    lines.append(f"  {'floor':<16} {fl['min']:8.1f} / {fl['median']:8.1f}")
     first = _targets(args)[0]
     lines.append(
         f"  {first}'s own work (min - min): {timed[first + '_us']['min'] - fl['min']:.1f} us"
@@ -534,9 +662,21 @@ def run(args: argparse.Namespace) -> int:
         a, b = _targets(args)
         on, off = timed[f"{b}_us"]["min"], timed[f"{a}_us"]["min"]
         lines.append(f"  {b} / {a} (min): {on / off:.2f}x")
+    if args.protocols:
+        for target in PROTOCOL_TARGETS:
+            base = CHAT_OF[target]
+            if target != base:
+                on, off = timed[f"{target}_us"]["min"], timed[f"{base}_us"]["min"]
+                lines.append(f"  {target} / {base} (min): {on / off:.2f}x")
     if counted is not None:
         parts = [f"{t} {counted[t]:,}" for t in (*_targets(args), "floor")]
         lines.append("  instructions per request: " + ", ".join(parts))
+        if args.protocols:
+            for target in PROTOCOL_TARGETS:
+                base = CHAT_OF[target]
+                if target != base:
+                    ratio = counted[target] / counted[base]
+                    lines.append(f"  {target} / {base} (instructions): {ratio:.3f}x")
         if args.governed or args.placement:
             a, b = _targets(args)
             lines.append(f"  {b} / {a} (instructions): {counted[b] / counted[a]:.3f}x")
@@ -572,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count-run", choices=(*TARGETS, "floor"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.count_run:
-        asyncio.run(_counted(args.count_run, args.requests, args.tokens))
+        asyncio.run(_counted(args.count_run, args.requests, args.tokens, args.protocols))
         return 0
     return run(args)
 
