@@ -31,7 +31,7 @@ from switchyard.api.responses_reply import (
     to_response,
 )
 from switchyard.api.sse import translated
-from switchyard.errors import InvalidRequest, UpstreamError
+from switchyard.errors import InvalidRequest, TaskCancelled, UpstreamError
 from switchyard.pipeline import Status
 from switchyard.policy.validate import validate_chat
 from switchyard.reply import (
@@ -264,6 +264,25 @@ def test_a_broken_stream_ends_failed_with_an_error_event() -> None:
     assert events.final is not None and events.final["status"] == "failed"
     assert events.final["error"]["code"] == "upstream_error"
     assert events.final["output"][0]["content"][0]["text"] == "half"  # what was streamed
+
+
+def test_a_stream_stopped_between_events_ends_in_the_responses_shape() -> None:
+    """A task cancel landing while a write is under way ends the stream with the
+    protocol's own events, numbered on from the stream's, not chat's error event."""
+    events = ResponseEvents(Shell("resp_" + "2" * 32, check({"model": "m", "input": "x"}), "m"))
+    sent: list[bytes] = []
+    events.chunk(ChatChunk(choices=[{"index": 0, "delta": {"content": "so far"}}]), sent)
+    tail = events.error_event(TaskCancelled("the task 't' was cancelled"))
+    parsed = [json.loads(e.split(b"\ndata: ", 1)[1]) for e in tail.split(b"\n\n") if e]
+    assert [p["type"] for p in parsed] == ["error", "response.failed"]
+    assert parsed[0]["code"] == "task_cancelled"
+    last = max(
+        json.loads(e.split(b"\ndata: ", 1)[1])["sequence_number"]
+        for e in b"".join(sent).split(b"\n\n")
+        if e
+    )
+    assert [p["sequence_number"] for p in parsed] == [last + 1, last + 2]
+    assert parsed[1]["response"]["output"][0]["content"][0]["text"] == "so far"
 
 
 @settings(max_examples=300, deadline=None)

@@ -281,7 +281,7 @@ class ResponsesRoutes:
             content = translated(ctx, relay(ctx, source.data(), reply.side, source.close), events)
         else:
             content = replayed(stream_chunks(reply.cached or {}), events)
-        return stream_response(reply, content)
+        return stream_response(reply, content, events.error_event)
 
     # -- background ---------------------------------------------------------------------
     async def _background(

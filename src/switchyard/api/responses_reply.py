@@ -355,6 +355,14 @@ class ResponseEvents:
         if self.on_end is not None:
             await self.on_end(self)
 
+    def error_event(self, exc: SwitchyardError) -> bytes:
+        """The stream's end when it is stopped between events (a task cancel landing
+        while a write is under way, api/sse.py): `error` and `response.failed` in
+        this stream's sequence, as for a broken upstream."""
+        out: list[bytes] = []
+        self.failed(exc, out)
+        return b"".join(out)
+
     def failed(self, exc: SwitchyardError, out: list[bytes]) -> None:
         """The events that end a broken stream: `error`, then `response.failed`."""
         if not self.started:
