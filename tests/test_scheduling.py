@@ -361,6 +361,18 @@ def test_a_single_calls_expected_length_is_learned_apart_from_tasks_steps() -> N
     assert single.service_s == pytest.approx(0.2)
 
 
+def test_a_flood_of_new_tasks_gives_up_the_least_recently_seen_record_only() -> None:
+    g = gate()
+    g.MAX_TASKS = 3  # type: ignore[misc]
+    g.max_concurrency = None  # every call takes a slot at once: only the records matter
+    for name in ("A", "B", "C"):
+        assert g.try_acquire(task(name, 1), 100.0) is not None
+    assert g.try_acquire(task("A", 2), 100.0) is not None  # A seen again: now the newest
+    assert g.try_acquire(task("D", 1), 100.0) is not None  # full: B, the oldest, goes
+    assert [k[1] for k in g._tasks] == ["C", "A", "D"]
+    assert g._tasks[("tenant", "A")].seen == 2  # A's progress kept
+
+
 # -- through the gateway ------------------------------------------------------------------
 
 

@@ -546,16 +546,19 @@ class DeploymentGate:
             self._tasks.pop(ask.task, None)
 
     def _note(self, ask: SlotAsk, deadline: float) -> None:
-        """Count the task as admitted, with the highest of its calls seen."""
+        """Count the task as admitted, with the highest of its calls seen. At most
+        MAX_TASKS are kept, the least recently seen given up first: a flood of new
+        task ids costs the oldest records one at a time, never every tenant's at once."""
         if ask.task is None or ask.step is None:
             return
-        p = self._tasks.get(ask.task)
+        p = self._tasks.pop(ask.task, None)
         if p is None:
             if ask.planned is None or ask.planned <= 1:
                 return
             if len(self._tasks) >= self.MAX_TASKS:
-                self._tasks.clear()
-            p = self._tasks[ask.task] = _Progress(ask.planned, 0, deadline, ask.priority)
+                del self._tasks[next(iter(self._tasks))]
+            p = _Progress(ask.planned, 0, deadline, ask.priority)
+        self._tasks[ask.task] = p  # the most recently seen last
         p.seen = max(p.seen, ask.step)
         p.deadline = min(p.deadline, deadline)
         p.priority = min(p.priority, ask.priority)
