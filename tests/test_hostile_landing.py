@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from conftest import Gateway, Scripted, cheap_config, start_gateway, start_scripted
-from mcp_http import ACCEPT, VERSION, in_session, open_session
+from mcp_http import ACCEPT, VERSION, ScriptedToolServer, in_session, initialize, open_session
 from switchyard.api.mcp import MAX_SESSIONS_PER_KEY
 from switchyard.engines.load import MAX_BYTES, EngineLoad, LoadWatch
 
@@ -277,16 +277,7 @@ def test_one_key_cannot_take_every_mcp_session(gw: Gateway) -> None:
     gw.create_tenant("hostile-other")
     hoarder = gw.create_key("hostile-hoarder")["key"]
     other = gw.create_key("hostile-other")["key"]
-    init = {
-        "jsonrpc": "2.0",
-        "id": 1,
-        "method": "initialize",
-        "params": {
-            "protocolVersion": VERSION,
-            "capabilities": {},
-            "clientInfo": {"name": "hoarder", "version": "1"},
-        },
-    }
+    init = initialize("hoarder")
 
     async def hoard() -> tuple[list[int], list[str]]:
         async with httpx.AsyncClient(
@@ -411,49 +402,22 @@ def test_an_operator_resolves_only_the_call_named(gw: Gateway) -> None:
     assert any(c["call_id"] == call_id for c in calls), "the call in doubt was resolved"
 
 
-class _MalformedTools(http.server.BaseHTTPRequestHandler):
+class _MalformedTools(ScriptedToolServer):
     """An MCP server over Streamable HTTP (JSON replies) whose `pay` tool runs (it is
     logged) and then answers with a result that is not a CallToolResult."""
 
     runs: list[dict[str, Any]] = []
+    name = "malformed"
+    tools = [
+        {
+            "name": "pay",
+            "inputSchema": {"type": "object", "properties": {"amount": {"type": "integer"}}},
+        }
+    ]
 
-    def do_POST(self) -> None:
-        msg = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        if "id" not in msg:  # a notification
-            self.send_response(202)
-            self.end_headers()
-            return
-        method = msg["method"]
-        if method == "initialize":
-            result: Any = {
-                "protocolVersion": msg["params"]["protocolVersion"],
-                "capabilities": {"tools": {}},
-                "serverInfo": {"name": "malformed", "version": "1"},
-            }
-        elif method == "tools/list":
-            schema = {"type": "object", "properties": {"amount": {"type": "integer"}}}
-            result = {"tools": [{"name": "pay", "inputSchema": schema}]}
-        elif method == "tools/call":
-            self.runs.append(msg["params"]["arguments"])
-            result = {"content": "paid, but not a list of content blocks", "isError": 7}
-        else:
-            result = {}
-        body = json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": result}).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self) -> None:
-        self.send_response(405)
-        self.send_header("content-length", "0")
-        self.end_headers()
-
-    do_DELETE = do_GET
-
-    def log_message(self, *args: Any) -> None:
-        pass
+    def call(self, msg: dict[str, Any]) -> Any:
+        self.runs.append(msg["params"]["arguments"])
+        return {"content": "paid, but not a list of content blocks", "isError": 7}
 
 
 def test_a_side_effect_whose_result_is_malformed_is_never_run_twice(scripted: Scripted) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import http.server
-import json
 import math
 import os
 import sys
@@ -32,7 +31,7 @@ from conftest import (
     start_scripted,
     stop_redis,
 )
-from mcp_http import in_session, open_session, tool_runs
+from mcp_http import ScriptedToolServer, in_session, open_session, tool_runs
 from switchyard.engines.load import parse_metrics
 from switchyard.errors import Overloaded, RateLimited
 from switchyard.policy.admission import STANDARD, DeploymentGate, Priority, ServiceModel, SlotAsk
@@ -318,56 +317,24 @@ def test_through_a_gateway_a_batch_tenants_long_task_does_not_refuse_interactive
 # -- /mcp: a gateway with tool servers ------------------------------------------------------
 
 
-class _PaidSearch(http.server.BaseHTTPRequestHandler):
+class _PaidSearch(ScriptedToolServer):
     """An MCP server over Streamable HTTP (JSON replies) whose one tool, `search`, is
     priced: each tools/call it receives is counted (what the operator is billed for)
     and answered with an HTTP 500, as an overloaded paid API behind a proxy answers."""
 
     calls: list[dict[str, Any]] = []
+    name = "paid"
+    tools = [
+        {
+            "name": "search",
+            "inputSchema": {"type": "object", "properties": {"q": {"type": "string"}}},
+        }
+    ]
 
-    def do_POST(self) -> None:
-        msg = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        if "id" not in msg:  # a notification
-            self.send_response(202)
-            self.send_header("content-length", "0")
-            self.end_headers()
-            return
-        method = msg["method"]
-        if method == "tools/call":
-            self.calls.append(msg["params"].get("arguments") or {})
-            body = b"internal error"
-            self.send_response(500)
-            self.send_header("content-type", "text/plain")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-            return
-        result: Any = {}
-        if method == "initialize":
-            result = {
-                "protocolVersion": msg["params"]["protocolVersion"],
-                "capabilities": {"tools": {}},
-                "serverInfo": {"name": "paid", "version": "1"},
-            }
-        elif method == "tools/list":
-            schema = {"type": "object", "properties": {"q": {"type": "string"}}}
-            result = {"tools": [{"name": "search", "inputSchema": schema}]}
-        body = json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": result}).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self) -> None:
-        self.send_response(405)
-        self.send_header("content-length", "0")
-        self.end_headers()
-
-    do_DELETE = do_GET
-
-    def log_message(self, *args: Any) -> None:
-        pass
+    def call(self, msg: dict[str, Any]) -> Any:
+        self.calls.append(msg["params"].get("arguments") or {})
+        self.reply(500, "text/plain", b"internal error")
+        return None
 
 
 class Logs:
