@@ -136,7 +136,7 @@ def configuration() -> str:
 
     out = [
         "Every key of the YAML configuration, generated from the settings schema "
-        "(`src/switchyard/config.py`). `[]` marks the items of a list, `{name}` the "
+        "(`src/switchyard/config/`). `[]` marks the items of a list, `{name}` the "
         "values of a map; a key's parent must be present for it to apply. Unknown "
         "keys are refused by `switchyard check-config` and at start.",
         "",

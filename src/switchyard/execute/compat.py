@@ -1,8 +1,8 @@
 """Fallback compatibility: can this model honour this request?
 
 Checked for every target at request time (and the impossible cases at config load,
-in `config.py`). An incompatible fallback changes the failure rather than fixing it,
-so it is skipped with the reason recorded.
+in `config/checks.py` and `config/models.py`). An incompatible fallback changes the
+failure rather than fixing it, so it is skipped with the reason recorded.
 """
 
 from __future__ import annotations
