@@ -368,7 +368,7 @@ def cli() -> str:
 
     out = [
         "Every command of `switchyard`, generated from its argument parser "
-        "(`src/switchyard/cli.py`). `switchyard COMMAND --help` prints the same.",
+        "(`src/switchyard/cli/`). `switchyard COMMAND --help` prints the same.",
         "",
     ]
     for path, parser, help_ in _commands(build_parser(), "switchyard"):

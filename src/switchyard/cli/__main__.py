@@ -1,0 +1,5 @@
+"""`python -m switchyard.cli`, the same as `python -m switchyard`."""
+
+from switchyard.cli import main
+
+raise SystemExit(main())
