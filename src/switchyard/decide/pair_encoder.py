@@ -46,7 +46,8 @@ log = logging.getLogger("switchyard.pair_encoder")
 Pair = dict[str, Any]
 
 # Bump when training, the data split or the export changes: the key changes with it
-# (with variants on, their generator's source, decide/pair_augment.py, is hashed too).
+# (with variants on, their generator's source, decide/pair_augment.py, and the word
+# lists it reads, decide/verify_lexicon.toml, are hashed too).
 RECIPE = "pair-encoder-2"
 DATA_DIR = Path(__file__).resolve().parents[3] / "data"
 # The development sets it trains on; the validation set (another author's) chooses
@@ -100,7 +101,9 @@ def build_key(model_path: str, files: Sequence[Path]) -> str:
     params = (RECIPE, EPOCHS, LEARNING_RATE, BATCH, MAX_TOKENS, SEED, MAX_FALSE_HIT_RATE)
     h.update(repr((*params, VARIANT_SHARE, NEAR_REPEAT_SHARE)).encode())
     if VARIANT_SHARE or NEAR_REPEAT_SHARE:  # what makes the variants shapes the model
-        h.update(Path(pair_augment.__file__).read_bytes())
+        here = Path(pair_augment.__file__)
+        h.update(here.read_bytes())
+        h.update(here.with_name("verify_lexicon.toml").read_bytes())  # the words it reads
     h.update(export_key(model_path).encode())  # weights, torch, onnx, onnxruntime
     h.update(version("transformers").encode())
     for f in [*files, *(files[0].with_name(name) for name in HELD_OUT)]:
