@@ -33,7 +33,7 @@ class CandidateCheck:
     # built): such a gateway serves exact hits only, and says so in each decision.
     unavailable: str | None = None
     # The encoder was asked for and is not built: the gateway builds it in the
-    # background (gateway.py) and then completes this check with `attach`.
+    # background (gateway/) and then completes this check with `attach`.
     missing: bool = False
 
     def attach(self, encoder: PairEncoder) -> None:

@@ -1,0 +1,156 @@
+"""Wiring: the components of one gateway and the stage sequences over them.
+
+This is the one place where components meet (no module-level state elsewhere): it
+builds them, orders the stages (policy/stages.py, decide/stages.py) into pipelines
+and hands both to the request service (service.py), which runs every request. The
+rest is the control plane: starting and stopping engines, readiness, retention.
+
+`Gateway.__init__` is the composition root. Each capability is built by a small
+factory beside it, taking settings and what it depends on:
+
+    pipelines.py      the stage pipelines (build_pipelines)
+    storage.py        the store and the rate limiter
+    deployments.py    balancers, placers and gates over the registry's deployments
+    semantic.py       the embedding service, the response cache, its candidate
+                      checks, the router
+    tasks.py          the agent task store and the MCP tool gateway
+    rollouts.py       RL serving: revision managers and the rollout service
+    observability.py  metrics and tracing
+    control.py        the control plane (start, stop, readiness, retention, weights,
+                      task cancels): the class Gateway builds on
+"""
+
+from __future__ import annotations
+
+import time
+
+from switchyard.config import Settings, store_target
+from switchyard.engines import lora_train
+from switchyard.engines.registry import Registry
+from switchyard.execute.embeddings import Embeddings
+from switchyard.execute.executor import Executor
+from switchyard.execute.idempotent import Idempotent
+from switchyard.gateway.control import BUSY_FLUSH_S, ControlPlane
+from switchyard.gateway.deployments import build_balancers, build_gates, build_placers
+from switchyard.gateway.observability import build_metrics, build_tracing
+from switchyard.gateway.pipelines import build_pipelines
+from switchyard.gateway.rollouts import build_revisions, build_rollouts
+from switchyard.gateway.semantic import build_cache, build_candidates, build_embedder
+from switchyard.gateway.storage import build_limiter, build_store
+from switchyard.gateway.tasks import build_mcp, build_tasks
+from switchyard.media.process import MediaProcessor
+from switchyard.policy.auth import Authenticator
+from switchyard.policy.cost import PromptOverhead
+from switchyard.policy.pii import PiiMasker
+from switchyard.policy.stages import Reserver
+from switchyard.policy.tasks import Running
+from switchyard.service import RequestService
+from switchyard.settle import Settler
+
+__all__ = ["BUSY_FLUSH_S", "Gateway", "build_pipelines"]
+
+
+class Gateway(ControlPlane):
+    """One gateway: its components, the request service over them, and the control
+    plane (control.py) that starts, stops and reports on them."""
+
+    def __init__(self, settings: Settings) -> None:
+        # Demonstration adapters named by `demo:NAME` are trained on first use (cached).
+        settings = lora_train.resolve(settings)
+        self.settings = settings
+        self.registry = Registry(settings)
+        self._busy_flushed = {}  # engine -> busy seconds stored
+        self.models = {m.alias: m for m in settings.served_models()}
+        # The embedder waits for quiet through the service built below (late bound).
+        self.embedder = build_embedder(settings, idle=lambda: self.service.active <= 1)
+        self.store_target = store_target(settings)
+        self.store = build_store(settings, self.store_target)
+        self.keys = self.store.keys
+        self.responses = self.store.responses
+        self.ledger = self.store.ledger
+        self.idempotency = self.store.idempotency
+        self.auth = Authenticator(self.store.verify_key, settings.auth.key_cache_s)
+        self.limiter = build_limiter(settings)
+        self.metrics = build_metrics(settings, self.registry.pool)
+        self.tracing = build_tracing(settings)
+        self.executor = Executor(settings, self.registry, self.tracing)
+        self.balancers = build_balancers(self.registry, self.executor)
+        self.placers = build_placers(settings, self.balancers)
+        if self.metrics is not None:
+            self.metrics.watch_deployments(
+                [d for b in self.balancers.values() for d in b.deployments]
+            )
+        self.cache = build_cache(settings, self.embedder)
+        self.pii = PiiMasker()
+        # Learned per model, for the reservations (policy/cost.py).
+        self.overhead = PromptOverhead(settings.policy.prompt_overhead_tokens)
+        # Executor takes no masker at construction (execute/executor.py): it masks PII in
+        # an upstream's error text before it is recorded.
+        self.executor.redact = self.pii.mask
+        self.router = None  # set once built (start), when routing is enabled
+        self.gates = build_gates(settings, self.registry)
+        self.counters: dict[str, int] = {"limiter_fail_open": 0, "limiter_fail_closed": 0}
+        self.dev_key = None
+        self.tasks = build_tasks(settings)
+        self.running = Running()  # the tasks' calls in flight here
+        # Image preprocessing, when any model takes images (its threads start lazily).
+        vision = any(m.capabilities.supports_vision for m in settings.models)
+        self.media = MediaProcessor(settings.media) if vision else None
+        self.candidates = build_candidates(settings, self.cache)
+        # RL-managed models' revision managers: the pipeline sends their chat and
+        # completions to the active revision.
+        self.revisions = build_revisions(settings, self.metrics, self._persist_revision)
+        pipelines = build_pipelines(
+            settings,
+            self.registry.deployments,
+            Reserver(self.limiter, settings, self.store.spent_since, self.counters),
+            self.gates,
+            self.pii,
+            self.cache,
+            self.embedder,
+            lambda: self.router,  # built after start
+            register_block=self.ledger.block_id,
+            media=self.media,
+            metrics=self.metrics,
+            pool=self.registry.pool,
+            balancers=self.balancers,
+            tasks=self.tasks,
+            running=self.running,
+            consume_approval=self.store.consume_approval,
+            placers=self.placers,
+            overhead=self.overhead,
+            revisions=self.revisions,
+            consumed_approvals=self.store.consumed_approvals,
+            check=self.candidates,
+            on_canary_cut=self._canary_cut,
+        )
+        self.service = RequestService(
+            settings,
+            self.auth,
+            pipelines,
+            self.executor,
+            Settler(settings, self.ledger, self.metrics, self.tracing, self.overhead),
+            Idempotent(self.idempotency, self.pii, pipelines.generation),
+            Embeddings(settings, self.embedder),
+            self.tracing,
+            rl_aliases=self.revisions,
+        )
+        self.rollouts = build_rollouts(
+            settings,
+            self.service,
+            Reserver(self.limiter, settings, self.store.spent_since, self.counters),
+            self.revisions,
+            self._store_rollouts if settings.rl.store else None,
+            self.pii,
+        )
+        self.mcp = build_mcp(
+            settings,
+            self.store,
+            self.tasks,
+            self.running,
+            self.pii,
+            self.metrics,
+            self.tracing,
+            Reserver(self.limiter, settings, self.store.spent_since, self.counters),
+        )
+        self.started_at = time.time()

@@ -1,0 +1,68 @@
+"""Deployments: how requests are spread over the registry's engines and upstreams.
+
+The registry (engines/registry.py) and the executor (execute/executor.py) are built by
+their own constructors; here are what sits between them and the stages: a balancer per
+alias with several deployments, a placer per alias placed at the edge or in the cloud,
+and a gate (concurrency, queue) per model, which its adapters share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from switchyard.config import Settings
+from switchyard.decide.balance import Balancer
+from switchyard.decide.placement import Placer
+from switchyard.engines.registry import Registry, others_at
+from switchyard.execute.executor import Executor
+from switchyard.policy.admission import DeploymentGate
+
+
+def build_balancers(registry: Registry, executor: Executor) -> dict[str, Balancer]:
+    """An alias with several deployments picks one per request (decide/balance.py)."""
+    balancers = {
+        alias: Balancer(alias, deps, deps[0].model.balance, executor.breakers)
+        for alias, deps in registry.replicas.items()
+    }
+    # A true cycle: the balancers read the executor's breakers (which the executor
+    # builds), and the executor's fallbacks and failover balance too.
+    executor.balancers = balancers
+    return balancers
+
+
+def build_placers(settings: Settings, balancers: dict[str, Balancer]) -> dict[str, Placer]:
+    """Edge or cloud per request among an alias's deployments (decide/placement.py)."""
+    return {
+        m.alias: Placer(m.alias, m.placement)
+        for m in settings.models
+        if m.placement is not None and m.alias in balancers
+    }
+
+
+def build_gates(settings: Settings, registry: Registry) -> dict[str, DeploymentGate]:
+    """Each model's concurrency gate and queue (policy/admission.py), by alias; an
+    adapter's alias names its base's gate."""
+    gates = {
+        m.alias: DeploymentGate(
+            m.alias,
+            m.limits.max_concurrency,
+            m.limits.queue,
+            settings.scheduling.policy,
+            settings.scheduling.aging_s,
+            settings.scheduling.admit_headroom,
+        )
+        for m in settings.models
+    }
+    # A true cycle: what a gate counts as other clients' load excludes its own
+    # requests, which only the built gate can tell.
+    for alias, gate in gates.items():  # other clients' load on its engines
+        deps = registry.replicas.get(alias) or [registry.deployments[alias]]
+        gate.others = others_at(deps, _in_flight(gate))
+    for a in settings.adapters:  # an adapter runs in its base's slots
+        gates[a.name] = gates[a.base]
+    return gates
+
+
+def _in_flight(gate: DeploymentGate) -> Callable[[], int]:
+    """The requests holding `gate`'s slots now."""
+    return lambda: gate.in_flight

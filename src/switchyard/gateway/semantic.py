@@ -1,0 +1,84 @@
+"""The semantic side: the embedding service, the response cache, the checks a
+semantic cache candidate must pass, and the router built over the embeddings.
+
+Each is optional (embeddings.enabled, cache.enabled, cache.semantic, router.enabled);
+a factory returns None where its capability is off. The router is built after start,
+once the embedding model has loaded (`build_router`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from switchyard.config import Settings
+from switchyard.decide.cache import ResponseCache
+from switchyard.decide.candidate import CandidateCheck
+from switchyard.decide.candidate import from_config as candidate_check
+from switchyard.decide.shadow_threshold import PartitionThresholds
+from switchyard.embed import EmbeddingService
+
+log = logging.getLogger("switchyard")
+
+
+def build_embedder(settings: Settings, idle: Callable[[], bool]) -> EmbeddingService | None:
+    """The one embedding service (embed.py); `idle`: whether the gateway is quiet enough
+    for its background work."""
+    return EmbeddingService(settings.embeddings, idle=idle) if settings.embeddings.enabled else None
+
+
+def build_cache(settings: Settings, embedder: EmbeddingService | None) -> ResponseCache | None:
+    """The response cache (decide/cache.py), shared through Redis when cache.shared and
+    storage.redis_url are set."""
+    c = settings.cache
+    cache = (
+        ResponseCache(c.max_entries, c.max_bytes, dimensions=_dimensions(embedder))
+        if c.enabled
+        else None
+    )
+    # ResponseCache takes neither at construction (decide/cache.py), so both are set on
+    # the built cache; the shared cache also wraps the cache it shares (a true cycle).
+    if cache is not None:  # moved by shadow comparisons (decide/shadow_threshold.py)
+        cache.thresholds = PartitionThresholds(c.shadow_feedback)
+    if cache is not None and c.shared and settings.storage.redis_url:
+        from switchyard.decide.shared_cache import SharedCache
+
+        cache.share = SharedCache(
+            cache, settings.storage.redis_url, settings.storage.redis_timeout_s
+        )
+    return cache
+
+
+def _dimensions(embedder: EmbeddingService | None) -> Callable[[], int | None]:
+    """The embedder's vector size once its model has loaded (None before, or without one)."""
+    return lambda: embedder.dimensions if embedder is not None else None
+
+
+def build_candidates(settings: Settings, cache: ResponseCache | None) -> CandidateCheck | None:
+    """The checks a semantic candidate must pass (decide/candidate.py), when the cache
+    is on and semantic; a background build may complete them (decide/encoder_build.py)."""
+    c = settings.cache
+    return candidate_check(c, settings.embeddings) if cache is not None and c.semantic else None
+
+
+async def build_router(settings: Settings, embedder: EmbeddingService | None) -> Any:
+    """Embed the route examples once the embedding model is loaded; None (the default
+    route for every request) when there is no embedding model to embed them with."""
+    from switchyard.decide.router import Router
+
+    if embedder is None:
+        log.error("router.enabled needs embeddings.enabled; routing uses the default route")
+        return None
+    while embedder.state == "loading":
+        await asyncio.sleep(0.1)
+    if not embedder.ready:
+        log.error("router disabled: the embedding model failed to load")
+        return None
+    loop = asyncio.get_running_loop()
+    router = await loop.run_in_executor(
+        None, lambda: Router(settings.router, lambda texts: embedder.encode(texts)[0])
+    )
+    log.info("router ready: %d routes", len(settings.router.routes))
+    return router
