@@ -9,6 +9,10 @@ one. A worker that dies (or never answers) before it is ready `max_crash_restart
 times in a row is `failed`: it is not restarted, and its reason (the exit signal by
 name, the last lines of its stderr) is in /readyz, in the log and in the 503
 `engine_failed` its requests get.
+
+The process itself (command line, spawn, stderr pump, warm-up, termination) is
+engines/llamacpp_process.py's, and the lifecycle states and adapter files are
+engines/llamacpp_state.py's; their public names are re-exported here.
 """
 
 from __future__ import annotations
@@ -16,129 +20,43 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import enum
-import hashlib
 import logging
 import os
-import shutil
-import signal
-import socket
-import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import aiohttp
-import orjson
-
-from switchyard.config import LlamaCppEngine, ManagedEngine
+from switchyard.config import ManagedEngine
 from switchyard.engines.assets import smollm2_gguf_path
+from switchyard.engines.llamacpp_process import (
+    STDERR_LINES,
+    WARMUP_MESSAGES,
+    EngineProcess,
+    describe_exit,
+    llama_server_binary,
+    rss_mb,
+)
+from switchyard.engines.llamacpp_state import AdapterFile, EngineState, sha256_file
+
+__all__ = [
+    "STDERR_LINES",
+    "WARMUP_MESSAGES",
+    "AdapterFile",
+    "EngineProcess",
+    "EngineState",
+    "ManagedLlamaCpp",
+    "describe_exit",
+    "llama_server_binary",
+    "rss_mb",
+    "sha256_file",
+]
 
 log = logging.getLogger("switchyard.engine")
 
-# The warm-up: a system prompt and a question of the length agents send (about 60
-# prompt tokens with the chat template), generating `warmup_tokens` tokens. A one-token
-# prompt can pass where every real prompt crashes (issue #16: AMX on some Xeons).
-WARMUP_MESSAGES = [
-    {
-        "role": "system",
-        "content": "You are a concise assistant for a platform team. Answer in one short "
-        "sentence, and say so plainly when you do not know.",
-    },
-    {
-        "role": "user",
-        "content": "Our gateway sends requests to a local model and to a hosted one. In "
-        "one sentence, why would we check that the local model can answer before we "
-        "send it traffic?",
-    },
-]
-STDERR_LINES = 20  # kept per worker; the last ones explain a crash
-_LINE_CHARS = 400
 
-
-def describe_exit(code: int | None) -> str:
-    """A worker's exit status in words: 'was killed by SIGSEGV', 'exited with code 1'."""
-    if code is None:
-        return "is still running"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}"
-    return f"exited with code {code}"
-
-
-def llama_server_binary(spec: LlamaCppEngine) -> str:
-    """The llama-server to run: the configured path, else the one make installed next
-    to this Python (scripts/build-llama-server.sh), else one on PATH."""
-    if spec.binary != "auto":
-        return spec.binary
-    beside = Path(sys.executable).parent / "llama-server"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("llama-server")
-    if found:
-        return found
-    raise FileNotFoundError(
-        "llama-server is not installed (make builds it with scripts/build-llama-server.sh); "
-        "or set the model's engine.runtime to 'worker'"
-    )
-
-
-def sha256_file(path: str | os.PathLike[str]) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-@dataclass(frozen=True, slots=True)
-class AdapterFile:
-    """An adapter an engine loads at start: its id in the server is its position."""
-
-    name: str
-    path: str
-    sha256: str
-    revision: str
-
-
-def rss_mb(pid: int) -> float | None:
-    """A process's resident memory in MiB (Linux), or None."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmRSS:"):
-                    return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _info_line(line: str) -> bool:
-    """A llama-server log line below warning level ("0.05.015 I srv ...") or the
-    continuation of one."""
-    if line.startswith(("\t", " ")):
-        return True
-    parts = line.split(" ", 2)
-    return len(parts) > 1 and parts[1] in ("I", "D", "T")
-
-
-class EngineState(enum.StrEnum):
-    COLD = "cold"  # not loaded; the pool loads it on demand
-    STARTING = "starting"  # process being spawned
-    LOADING = "loading"  # process alive, model not yet answering
-    READY = "ready"
-    RESTARTING = "restarting"  # died; waiting out the backoff
-    STOPPED = "stopped"
-    FAILED = "failed"  # cannot start: file missing, or crashed max_crash_restarts times
-
-
-class ManagedLlamaCpp:
+class ManagedLlamaCpp(EngineProcess):
     """The supervisor of one managed engine process. llama.cpp's server (or worker) is
-    this class; other engines (engines/vllm.py) override the hooks marked below."""
+    this class; other engines (engines/vllm.py) override the hooks marked below and
+    in its base, EngineProcess (engines/llamacpp_process.py), which runs the process."""
 
     kind = "llamacpp"
     # What the kernel sends the server when the gateway dies without stopping it.
@@ -214,14 +132,6 @@ class ManagedLlamaCpp:
         return self.busy_s + (time.monotonic() if now is None else now) - self.busy_since
 
     @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1" if self.port else "http://127.0.0.1:0/v1"
-
-    @property
-    def live(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
-
-    @property
     def ready(self) -> bool:
         return self.state is EngineState.READY and self.live
 
@@ -246,11 +156,6 @@ class ManagedLlamaCpp:
         return self.memory_mb
 
     # -- hooks (per engine kind) ------------------------------------------------
-    @property
-    def llama(self) -> LlamaCppEngine:
-        assert isinstance(self.spec, LlamaCppEngine)
-        return self.spec
-
     def runtime_info(self) -> dict[str, Any]:
         spec = self.llama
         return {
@@ -268,9 +173,6 @@ class ManagedLlamaCpp:
             raise FileNotFoundError(f"the model file cannot be used: GGUF file not found: {gguf}")
         return gguf, llama_server_binary(spec) if spec.runtime == "server" else ""
 
-    def command(self, model: str, binary: str, port: int, loras: list[AdapterFile]) -> list[str]:
-        return self.server_command(binary, model, port, [a.path for a in loras])
-
     def adapter_digest_path(self, a: AdapterFile) -> str:
         """The file whose sha256 the registry holds for this adapter."""
         return a.path
@@ -286,31 +188,6 @@ class ManagedLlamaCpp:
             return None
         tokens = spec.ctx * (spec.parallel if spec.runtime == "server" else 1)
         return estimate_gguf_mb(path, tokens)
-
-    def info_line(self, line: str) -> bool:
-        """A log line below warning level, kept out of the gateway's log once ready."""
-        return self.spec_runtime() == "server" and _info_line(line)
-
-    def spec_runtime(self) -> str:
-        return self.llama.runtime
-
-    async def after_health(self, session: aiohttp.ClientSession) -> bool:
-        """Once the server answers /health, before the warm-up: llama-server's adapters
-        start at scale 0 globally (a request that names none must get the base)."""
-        if not self.adapter_ids:
-            return True
-        zero = [{"id": i, "scale": 0.0} for i in self.adapter_ids.values()]
-        try:
-            async with session.post(
-                self.base_url.removesuffix("/v1") + "/lora-adapters", json=zero
-            ) as r:
-                if r.status != 200:
-                    self.last_error = f"setting the adapters' scales answered {r.status}"
-                    return False
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            self.last_error = f"setting the adapters' scales failed ({type(exc).__name__})"
-            return False
-        return True
 
     def adapter_file(self, name: str) -> AdapterFile | None:
         return next((a for a in self.adapters if a.name == name), None)
@@ -337,10 +214,6 @@ class ManagedLlamaCpp:
             {"id": i, "scale": 1.0 if i == ident else 0.0}
             for i in sorted(self.adapter_ids.values())
         ]
-
-    def env(self) -> dict[str, str] | None:
-        """The engine process's environment (None: the gateway's own)."""
-        return None
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -435,19 +308,6 @@ class ManagedLlamaCpp:
         if self.state is not EngineState.FAILED:
             self.state = EngineState.STOPPED
         self._ready_event.clear()
-
-    async def _terminate(self) -> None:
-        proc = self.proc
-        if proc is None or proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), 10)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
 
     def _fail(self, reason: str) -> None:
         self.state = EngineState.FAILED
@@ -549,220 +409,3 @@ class ManagedLlamaCpp:
                 f"the registry says {a.sha256[:16]}..."
             )
         return None
-
-    def server_command(self, binary: str, gguf: str, port: int, loras: list[str]) -> list[str]:
-        """llama-server with `parallel` slots of `ctx` tokens each (continuous batching
-        is its default), its /metrics and /slots on, and the adapters loaded unapplied:
-        each request names the one it uses."""
-        spec = self.llama
-        cmd = [
-            binary,
-            "--model",
-            gguf,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--alias",
-            self.alias,
-            "--ctx-size",
-            str(spec.ctx * spec.parallel),
-            "--parallel",
-            str(spec.parallel),
-            "--threads",
-            str(spec.threads),
-            "--threads-batch",
-            str(spec.threads),
-            "--metrics",
-            "--slots",
-            "--no-webui",
-            "--verbosity",
-            "4",
-        ]
-        if not spec.extra_buffer_types:
-            cmd.append("--no-repack")
-        for path in loras:
-            cmd += ["--lora", path]
-        if loras:
-            cmd.append("--lora-init-without-apply")
-        return cmd
-
-    def worker_command(self, gguf: str, fd: int) -> list[str]:
-        spec = self.llama
-        cmd = [
-            sys.executable,
-            "-m",
-            "switchyard.engines.llamacpp_worker",
-            "--gguf",
-            gguf,
-            "--ctx",
-            str(spec.ctx),
-            "--threads",
-            str(spec.threads),
-            "--fd",
-            str(fd),
-        ]
-        if spec.chat_format:
-            cmd += ["--chat-format", spec.chat_format]
-        if spec.extra_buffer_types:
-            cmd.append("--extra-buffer-types")
-        return cmd
-
-    async def _spawn(self, model: str, binary: str, loras: list[AdapterFile]) -> None:
-        self.state = EngineState.STARTING
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.stderr_tail.clear()
-        self.system_info = None
-        self.adapter_ids = {}
-        try:
-            if binary:
-                # llama-server binds its own port: the one just picked, freed for it
-                # (another process taking it in between fails this start, which is
-                # retried on a new port like any failed start).
-                sock.close()
-                cmd = self.command(model, binary, self.port, loras)
-                # If the gateway dies without stopping it, the kernel signals the
-                # server (Linux's parent-death signal, set by util-linux's setpriv
-                # before it execs the server), so no orphan keeps a model in memory.
-                setpriv = shutil.which("setpriv")
-                if setpriv is not None:
-                    cmd = [setpriv, "--pdeathsig", self.parent_death_signal, "--", *cmd]
-                self.proc = await asyncio.create_subprocess_exec(
-                    *cmd,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stderr=asyncio.subprocess.PIPE,
-                    stdout=asyncio.subprocess.DEVNULL,
-                    env=self.env(),
-                )
-                self.adapter_ids = {a.name: i for i, a in enumerate(loras)}
-                now = time.monotonic()
-                self.adapter_loaded_at = {a.name: now for a in loras}
-            else:
-                sock.listen(128)
-                fd = sock.fileno()
-                self.proc = await asyncio.create_subprocess_exec(
-                    *self.worker_command(model, fd), pass_fds=(fd,), stderr=asyncio.subprocess.PIPE
-                )
-        finally:
-            sock.close()  # the worker holds its own copy
-        self.generation += 1
-        assert self.proc.stderr is not None
-        self._pump = asyncio.create_task(self._pump_stderr(self.proc.stderr))
-        self.state = EngineState.LOADING
-
-    async def _pump_stderr(self, stream: asyncio.StreamReader) -> None:
-        """Pass the engine's stderr through to ours, keeping the last lines. llama-server
-        runs at verbosity 4, the level at which it states its instruction sets; once it
-        is ready only its warnings and errors are passed on (its per-request info
-        lines are kept in the tail, which explains a crash)."""
-        prefix = f"[engine {self.alias}] "
-        while True:
-            try:
-                raw = await stream.readline()
-            except ValueError:  # a line over the reader's limit: take what is there
-                raw = await stream.read(65536)
-            if not raw:
-                return
-            line = raw.decode("utf-8", "replace").rstrip()
-            if not line:
-                continue
-            at = line.find("system_info:")
-            if at >= 0:  # llama-server's account of its instruction sets, at start
-                self.system_info = line[at + len("system_info:") :].strip()[:_LINE_CHARS]
-            self.stderr_tail.append(line[:_LINE_CHARS])
-            if self.state is EngineState.READY and self.info_line(line):
-                continue
-            with contextlib.suppress(Exception):
-                sys.stderr.write(prefix + line + "\n")
-                sys.stderr.flush()
-
-    async def _drain_stderr(self) -> None:
-        """After the worker exited: wait (briefly) for its last stderr lines."""
-        pump, self._pump = self._pump, None
-        if pump is None:
-            return
-        try:
-            await asyncio.wait_for(pump, 2)
-        except (TimeoutError, asyncio.CancelledError):
-            pump.cancel()
-
-    def _died(self, phase: str) -> bool:
-        if self.live:
-            return False
-        assert self.proc is not None
-        self.last_error = f"worker {describe_exit(self.proc.returncode)} while {phase}"
-        return True
-
-    async def _await_ready(self) -> bool:
-        """Wait until the worker's server answers, then send the warm-up: a chat prompt
-        of realistic length that must generate `warmup_tokens` tokens. False (with the
-        reason in last_error) if the worker dies, fails the warm-up or runs out of time."""
-        deadline = time.perf_counter() + self.spec.startup_timeout_s
-        warmup = {
-            "model": self.alias,
-            "messages": WARMUP_MESSAGES,
-            "max_tokens": self.spec.warmup_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-        }
-        timeout = aiohttp.ClientTimeout(total=30, sock_connect=1)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            health: dict[str, Any] | None = None
-            while health is None:  # loading: the server listens once the model loaded
-                if self._stopping or self._died("loading the model"):
-                    return False
-                if time.perf_counter() >= deadline:
-                    self.last_error = (
-                        f"the model did not load within {self.spec.startup_timeout_s}s"
-                    )
-                    return False
-                try:
-                    async with session.get(self.base_url.removesuffix("/v1") + "/health") as r:
-                        if r.status == 200:  # vLLM answers with an empty body
-                            raw = await r.read()
-                            try:
-                                parsed = orjson.loads(raw) if raw.strip() else {}
-                            except ValueError:
-                                parsed = {}
-                            health = parsed if isinstance(parsed, dict) else {}
-                except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
-                    pass
-                if health is None:
-                    await asyncio.sleep(0.2)
-            if health.get("system_info"):  # the worker says it here; the server on stderr
-                self.system_info = str(health["system_info"])
-            if not await self.after_health(session):
-                return False
-            remaining = max(1.0, deadline - time.perf_counter())
-            try:
-                async with session.post(
-                    self.base_url + "/chat/completions",
-                    json=warmup,
-                    timeout=aiohttp.ClientTimeout(total=remaining, sock_connect=1),
-                ) as r:
-                    raw = await r.read()
-                    status = r.status
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                # Give the exit a moment to be seen: a crash breaks the connection first.
-                if self.proc is not None:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(asyncio.shield(self.proc.wait()), 1)
-                if not self._died("warming up (a multi-token chat prompt)"):
-                    self.last_error = f"the warm-up request failed ({type(exc).__name__})"
-                return False
-            if status != 200:
-                self.last_error = f"the warm-up request answered HTTP {status}"
-                return False
-            try:
-                usage = orjson.loads(raw)["usage"]
-                generated = int(usage["completion_tokens"])
-            except (ValueError, KeyError, TypeError):
-                self.last_error = "the warm-up reply was not a chat completion"
-                return False
-            if generated < 2:
-                self.last_error = f"the warm-up generated {generated} token(s), not several"
-                return False
-            return True

@@ -19,6 +19,8 @@ and restarting with the new set). A request that cannot be served at once waits 
 its engine's queue, in arrival order, until its deadline (then 503 `adapter_busy`).
 Where base requests must not share a batch with adapter requests (vLLM on CPU), the
 base is one more member of that queue and takes turns with the adapters.
+
+What a model costs in memory, measured or estimated, is engines/pool_memory.py's.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,58 +35,22 @@ from typing import Any
 
 from switchyard.config import EnginesConfig
 from switchyard.engines.llamacpp import AdapterFile, EngineState, ManagedLlamaCpp
+from switchyard.engines.pool_memory import estimate_gguf_mb, estimate_mb, kv_bytes_per_token
 from switchyard.errors import AdapterBusy, EngineFailed, EngineNotReady, ModelLoading
+
+__all__ = [
+    "BASE",
+    "EnginePool",
+    "Residency",
+    "estimate_gguf_mb",
+    "estimate_mb",
+    "kv_bytes_per_token",
+]
 
 log = logging.getLogger("switchyard.engine")
 
-# A model's memory before its first load: its file, its KV cache (bytes per token
-# from the GGUF's shape, or this when the file does not say) and the server's own.
-_KV_BYTES_PER_TOKEN = 48 * 1024
-_OVERHEAD_MB = 64.0
 # The cold start a model never loaded before is expected to take.
 _FIRST_LOAD_S = 10.0
-
-
-def estimate_mb(engine: ManagedLlamaCpp) -> float:
-    """The engine's memory: measured once it ran, else estimated by its kind."""
-    if engine.memory_mb is not None:
-        return engine.memory_mb
-    guess = engine.estimated_mb()
-    return guess if guess is not None else _OVERHEAD_MB
-
-
-def estimate_gguf_mb(path: str, tokens: int) -> float | None:
-    """A GGUF model's file, its KV cache for `tokens` and the server's own memory."""
-    try:
-        file_mb = os.path.getsize(path) / (1 << 20)
-    except OSError:
-        return None
-    kv = kv_bytes_per_token(path) or _KV_BYTES_PER_TOKEN
-    return file_mb + tokens * kv / (1 << 20) + _OVERHEAD_MB
-
-
-def kv_bytes_per_token(path: str) -> int | None:
-    """K and V in f16 for every layer, from the GGUF's metadata (None if unreadable)."""
-    try:
-        from gguf import GGUFReader  # the llama.cpp project's reader
-
-        reader = GGUFReader(path)
-        arch = _field(reader, "general.architecture")
-        layers = _field(reader, f"{arch}.block_count")
-        heads = _field(reader, f"{arch}.attention.head_count")
-        kv_heads = _field(reader, f"{arch}.attention.head_count_kv") or heads
-        width = _field(reader, f"{arch}.embedding_length")
-        return int(2 * layers * kv_heads * (width // heads) * 2)
-    except Exception:
-        return None
-
-
-def _field(reader: Any, key: str) -> Any:
-    f = reader.fields[key]
-    value = f.parts[f.data[0]]
-    if f.types and f.types[0].name == "STRING":
-        return bytes(value).decode()
-    return int(value[0])
 
 
 @dataclass(slots=True)

@@ -22,6 +22,9 @@ Without a running event loop (the CLI, tests) rows wait for `flush()`, `close()`
 full batch or interpreter exit. On the loop, readers that must see every answered
 request (admin reads) await `flush_async()`, which never blocks the loop: a writer
 held up by an SQLite lock delays only them.
+
+The parts beside it: encoding a settled request's row (ledger_rows.py) and the reads
+(ledger_reads.py). Their names used elsewhere are imported from here.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import atexit
 import contextlib
 import fcntl
 import logging
-import math
 import os
 import select
 import sqlite3
@@ -42,161 +44,27 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, TypeVar
-
-import msgspec
+from collections.abc import Iterator
+from typing import Any
 
 from switchyard.observe.db import connect
+from switchyard.observe.ledger_reads import LedgerReads
+from switchyard.observe.ledger_reads import live_summary as live_summary
+from switchyard.observe.ledger_reads import spent_since as spent_since
+from switchyard.observe.ledger_reads import task_rows as task_rows
+from switchyard.observe.ledger_reads import usage_rows as usage_rows
+from switchyard.observe.ledger_rows import _ENCODER, Finished, LedgerCounts, Row, encoded_row
+from switchyard.observe.ledger_rows import batch_json as batch_json
 from switchyard.observe.ledger_writer import BATCH, FLUSH, HEADER, KEY, STOP, frame
 from switchyard.observe.pg import is_postgres
-from switchyard.observe.traces import LedgerEntry, StoredRow, ledger_entry, template_id
-from switchyard.pipeline import RequestContext
+from switchyard.observe.traces import StoredRow, template_id
 
 log = logging.getLogger("switchyard.ledger")
-T = TypeVar("T")
 
 _MAX_BATCH = 512  # rows per frame
 _MAX_QUEUED_BYTES = 64 << 20  # batches waiting for a stalled writer (~30k traced rows)
 _PIPE_BYTES = 1 << 20
 _SEQ = struct.Struct(">Q")
-
-
-@dataclass(slots=True)
-class Finished:
-    """A settled request as handed to the ledger."""
-
-    ctx: RequestContext
-    status: str
-    input_tokens: int
-    output_tokens: int
-    cost_usd: float
-    with_trace: bool = True
-
-    def entry(self) -> LedgerEntry:
-        """What the writer needs (traces.LedgerEntry): the writer derives the usage
-        row and, when traced, the trace record from it."""
-        return ledger_entry(
-            self.ctx,
-            self.status,
-            self.input_tokens,
-            self.output_tokens,
-            self.cost_usd,
-            self.with_trace,
-        )
-
-
-def _json_safe(value: Any) -> Any:
-    """What the encoder writes for a type JSON has no form for: a numpy value as its
-    list or number, anything else as its str."""
-    tolist = getattr(value, "tolist", None)
-    return tolist() if callable(tolist) else str(value)
-
-
-_ENCODER = msgspec.json.Encoder(enc_hook=_json_safe)
-
-
-class LedgerCounts:
-    """Rows the ledger repaired or lost (exported as Prometheus counters)."""
-
-    __slots__ = ("dropped", "repaired")
-
-    def __init__(self) -> None:
-        self.dropped = 0
-        self.repaired = 0
-
-
-def _plain(value: Any, depth: int = 0) -> Any:
-    """A JSON-safe copy of `value`: integers beyond 64 bits become strings, text is
-    made valid UTF-8, nesting past 64 levels and unknown types become their repr."""
-    if value is None or isinstance(value, bool | float):
-        return value
-    if isinstance(value, int):
-        return value if -(2**63) <= value < 2**64 else str(value)
-    if isinstance(value, str):
-        return value.encode("utf-8", "replace").decode("utf-8")
-    if depth >= 64:
-        return "<nested too deep>"
-    if isinstance(value, dict):
-        return {str(_plain(k, depth + 1)): _plain(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v, depth + 1) for v in value]
-    if isinstance(value, msgspec.Struct):  # a Decision: its stored array
-        return [_plain(v, depth + 1) for v in msgspec.structs.astuple(value)]
-    return repr(value)[:200]
-
-
-def _repaired(entry: LedgerEntry) -> tuple[bytes, list[str]] | None:
-    """The entry encoded with each field that cannot be replaced by a JSON-safe copy
-    (`_plain`), and the names of the fields replaced; None if even that fails."""
-    changes: dict[str, Any] = {}
-    for name in entry.__struct_fields__:
-        value = getattr(entry, name)
-        try:
-            _ENCODER.encode(value)
-        except Exception:
-            changes[name] = _plain(value)
-    try:
-        return _ENCODER.encode(msgspec.structs.replace(entry, **changes)), sorted(changes)
-    except Exception:
-        return None
-
-
-# A settled request ready for the writer: its entry, encoded, and the ids of the
-# block templates it refers to.
-Row = tuple[bytes, tuple[str, ...]]
-
-
-def encoded_row(finished: Finished, counts: LedgerCounts) -> Row | None:
-    """The request's row, encoded when it is settled, so the batch holds bytes, not
-    the request's context (kept for a whole batch, every request's objects would
-    outlive the collector's youngest generation and be scanned again and again).
-    A row that cannot be serialised is written with the offending fields replaced by
-    JSON-safe copies (logged, counted as repaired), so it still counts against
-    budgets; one that cannot be built at all is logged, counted as dropped: None."""
-    try:
-        entry = finished.entry()
-    except Exception:
-        counts.dropped += 1
-        log.exception(
-            "ledger row of %s dropped: it could not be built", finished.ctx.input.request_id
-        )
-        return None
-    try:
-        data = _ENCODER.encode(entry)
-    except Exception:
-        fixed = _repaired(entry)
-        if fixed is None:
-            counts.dropped += 1
-            log.error("ledger row of %s dropped: it could not be serialised", entry.request_id)
-            return None
-        data = fixed[0]
-        counts.repaired += 1
-        log.error(
-            "ledger row of %s written with fields replaced (not serialisable): %s",
-            entry.request_id,
-            ", ".join(fixed[1]),
-        )
-    used = tuple(b[0] for b in finished.ctx.blocks) if finished.with_trace else ()
-    return data, used
-
-
-def batch_json(
-    rows: list[Row], templates: dict[str, Any], responses: list[bytes] | None = None
-) -> bytes:
-    """The batch as one JSON object: `entries` (one array per request), `blocks`
-    (the templates of the compact block items those entries hold, by id) and, when
-    there are any, `responses` (stored responses, each an encoded `StoredRow`)."""
-    used: set[str] = set()
-    for _, ids in rows:
-        used.update(ids)
-    blocks = {i: templates[i] for i in used}
-    head = b'{"blocks":' + _ENCODER.encode(blocks) + b',"entries":['
-    body = head + b",".join(data for data, _ in rows)
-    if responses:
-        body += b'],"responses":[' + b",".join(responses)
-    return body + b"]}"
 
 
 def _read(fd: int, n: int) -> bytes | None:
@@ -207,34 +75,6 @@ def _read(fd: int, n: int) -> bytes | None:
             return None
         data += chunk
     return data
-
-
-class LedgerReads:
-    """The reads every ledger offers, over the connection its `reading()` lends."""
-
-    def reading(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
-        raise NotImplementedError
-
-    def spent_since(self, column: str, value: str, since: float) -> float:
-        """What a tenant or key spent since `since` (see `spent_since`)."""
-        with self.reading() as conn:
-            return spent_since(conn, column, value, since)
-
-    def rows(
-        self,
-        tenant_id: str | None = None,
-        key_id: str | None = None,
-        task_id: str | None = None,
-        limit: int = 100,
-        **filters: Any,
-    ) -> list[dict[str, Any]]:
-        with self.reading() as conn:
-            return usage_rows(conn, tenant_id, key_id, task_id, limit, **filters)
-
-    def read(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(conn, *args)` on a reading connection (the admin API's other reads)."""
-        with self.reading() as conn:
-            return fn(conn, *args)
 
 
 class UsageLedger(LedgerReads):
@@ -620,126 +460,3 @@ class UsageLedger(LedgerReads):
             yield conn
         finally:
             conn.close()
-
-
-def spent_since(conn: sqlite3.Connection, column: str, value: str, since: float) -> float:
-    """What a tenant or key spent since `since`. From the daily rollups (the bill,
-    which retention never removes) when `since` is a UTC midnight, as budget
-    periods start; else from the raw rows."""
-    if column not in ("tenant_id", "key_id"):
-        raise ValueError(column)
-    if since % 86400 == 0:
-        day = time.strftime("%Y-%m-%d", time.gmtime(since))
-        row = conn.execute(
-            f"SELECT COALESCE(SUM(cost_usd), 0) FROM usage_daily WHERE {column} = ? AND day >= ?",
-            (value, day),
-        ).fetchone()
-    else:
-        row = conn.execute(
-            f"SELECT COALESCE(SUM(cost_usd), 0) FROM usage WHERE {column} = ? AND received_at >= ?",
-            (value, since),
-        ).fetchone()
-    return float(row[0])
-
-
-def usage_rows(
-    conn: sqlite3.Connection,
-    tenant_id: str | None = None,
-    key_id: str | None = None,
-    task_id: str | None = None,
-    limit: int = 100,
-    model: str | None = None,
-    status: str | None = None,
-    since: float | None = None,
-    before: float | None = None,
-) -> list[dict[str, Any]]:
-    """Ledger rows, newest first, filtered by tenant, key, task, model and status, at or
-    after `since` and strictly before `before` (the next page: the last row's
-    received_at)."""
-    where: list[str] = []
-    args: list[Any] = []
-    for column, value in (
-        ("tenant_id", tenant_id),
-        ("key_id", key_id),
-        ("task_id", task_id),
-        ("model", model),
-        ("status", status),
-    ):
-        if value is not None:
-            where.append(f"{column} = ?")
-            args.append(value)
-    if since is not None:
-        where.append("received_at >= ?")
-        args.append(since)
-    if before is not None:
-        where.append("received_at < ?")
-        args.append(before)
-    sql = "SELECT * FROM usage"
-    if where:
-        sql += " WHERE " + " AND ".join(where)
-    sql += " ORDER BY received_at DESC LIMIT ?"
-    return [dict(r) for r in conn.execute(sql, (*args, limit)).fetchall()]
-
-
-def task_rows(
-    conn: sqlite3.Connection,
-    tenant_id: str | None = None,
-    limit: int = 100,
-    before: float | None = None,
-) -> list[dict[str, Any]]:
-    """Tasks (requests sharing a task id, per tenant), most recently active first."""
-    where: list[str] = ["task_id IS NOT NULL"]
-    args: list[Any] = []
-    if tenant_id is not None:
-        where.append("tenant_id = ?")
-        args.append(tenant_id)
-    sql = (
-        "SELECT task_id, tenant_id, COUNT(*) AS requests, MIN(received_at) AS started_at,"
-        " MAX(received_at) AS last_at, SUM(input_tokens + output_tokens) AS tokens,"
-        " SUM(cost_usd) AS cost_usd, SUM(CASE WHEN status = 'ok' THEN 0 ELSE 1 END) AS errors"
-        " FROM usage WHERE " + " AND ".join(where) + " GROUP BY task_id, tenant_id"
-    )
-    if before is not None:
-        sql += " HAVING MAX(received_at) < ?"
-        args.append(before)
-    sql += " ORDER BY last_at DESC LIMIT ?"
-    return [dict(r) for r in conn.execute(sql, (*args, limit)).fetchall()]
-
-
-def _percentiles(values: list[float]) -> dict[str, float | None]:
-    """Nearest-rank p50/p95/p99 (None without values)."""
-    xs = sorted(values)
-    out: dict[str, float | None] = {}
-    for name, q in (("p50", 0.50), ("p95", 0.95), ("p99", 0.99)):
-        out[name] = round(xs[max(0, math.ceil(q * len(xs)) - 1)], 3) if xs else None
-    return out
-
-
-def live_summary(conn: sqlite3.Connection, since: float, now: float) -> dict[str, Any]:
-    """What the console's live page shows of the ledger: rate, latency and TTFT
-    percentiles, errors by code and the cache hit rate, over [since, now)."""
-    rows = conn.execute(
-        "SELECT status, error_code, cache, ttft_ms, duration_ms FROM usage"
-        " WHERE received_at >= ? AND received_at < ?",
-        (since, now),
-    ).fetchall()
-    errors: dict[str, int] = {}
-    hits = looked = 0
-    for status, code, cache, _, _ in rows:
-        if status != "ok":
-            errors[code or status] = errors.get(code or status, 0) + 1
-        if cache in ("hit-exact", "hit-semantic", "miss", "shadow-hit"):
-            looked += 1
-            hits += cache in ("hit-exact", "hit-semantic")
-    window = max(now - since, 1e-9)
-    return {
-        "window_s": round(window, 3),
-        "requests": len(rows),
-        "requests_per_s": round(len(rows) / window, 4),
-        "latency_ms": _percentiles([r[4] for r in rows if r[4] is not None]),
-        "ttft_ms": _percentiles([r[3] for r in rows if r[3] is not None]),
-        "errors": dict(sorted(errors.items())),
-        "error_rate": round(sum(errors.values()) / len(rows), 4) if rows else None,
-        "cache_lookups": looked,
-        "cache_hit_rate": round(hits / looked, 4) if looked else None,
-    }

@@ -6,17 +6,18 @@ it, or absent (`observe.metrics_tenant_label`): ids name customers, and /metrics
 be read by more people than the tenant list. With several worker processes, set
 PROMETHEUS_MULTIPROC_DIR and each process writes its values there; /metrics then
 aggregates them (prometheus_client's multiprocess mode).
+
+The parts beside it: the tenant label (metrics_tenant.py), the batching of updates
+between folds (metrics_batch.py) and the deployments' scrape-time gauges
+(metrics_live.py). Their names used elsewhere are imported from here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import os
-from bisect import bisect_left
-from typing import Any, Literal
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -27,7 +28,11 @@ from prometheus_client import (
     multiprocess,
 )
 
-from switchyard.config import ConfigError, Settings
+from switchyard.observe.metrics_batch import Shape, _Batch, _Children, _Common
+from switchyard.observe.metrics_batch import observe_many as observe_many
+from switchyard.observe.metrics_live import _LiveCollector
+from switchyard.observe.metrics_tenant import NO_TENANT, TenantLabel, hashed_tenant
+from switchyard.observe.metrics_tenant import tenant_key as tenant_key
 from switchyard.pipeline import RequestContext
 
 log = logging.getLogger("switchyard.metrics")
@@ -63,171 +68,6 @@ REJECTION_CODES = {
     "overloaded": "overloaded",
     "limiter_unavailable": "limiter_unavailable",
 }
-
-
-TenantLabel = Literal["id", "hashed", "off"]
-NO_TENANT = "none"  # the label of a request refused before it had a principal
-_HASH_HEX = 12  # 48 bits: no collision in practice among admin-created tenants
-
-
-def hashed_tenant(key: bytes, tenant_id: str) -> str:
-    """The `hashed` label of a tenant: an HMAC, so that the series stay apart and keep
-    their names across restarts and processes, while a reader without the key can
-    neither map one back to a customer nor confirm a guessed tenant id (a plain hash
-    of a guessable id would do both)."""
-    return "t_" + hmac.new(key, tenant_id.encode(), hashlib.sha256).hexdigest()[:_HASH_HEX]
-
-
-def tenant_key(settings: Settings) -> bytes | None:
-    """The key of the `hashed` tenant label (None for the other modes): from
-    observe.metrics_tenant_key_env, else the admin key. Raises ConfigError at start
-    when neither is set, rather than hashing with a key no other process shares."""
-    obs = settings.observe
-    if obs.metrics_tenant_label != "hashed":
-        return None
-    secret = os.environ.get(obs.metrics_tenant_key_env) or os.environ.get(
-        settings.auth.admin_key_env
-    )
-    if not secret:
-        raise ConfigError(
-            "observe.metrics_tenant_label: 'hashed' needs a key: set "
-            f"{obs.metrics_tenant_key_env} (or the admin key, {settings.auth.admin_key_env})"
-        )
-    return secret.encode()
-
-
-class _Children:
-    """A metric's label children, kept once created: `labels()` validates and locks on
-    every call, and label sets here are bounded, so the lookup is a dict hit."""
-
-    __slots__ = ("_kids", "_metric")
-
-    def __init__(self, metric: Any) -> None:
-        self._metric = metric
-        self._kids: dict[tuple[str, ...], Any] = {}
-
-    def __call__(self, *labels: str) -> Any:
-        kid = self._kids.get(labels)
-        if kid is None:
-            kid = self._kids[labels] = self._metric.labels(*labels)
-        return kid
-
-
-def observe_many(child: Any, values: list[float]) -> None:
-    """`child.observe(v)` for each value, as one update per touched bucket and one for
-    the sum: prometheus_client takes a lock per bucket and per sum on every observe.
-    Falls back to observing one by one if the histogram's layout is not the one this
-    was written against (prometheus_client 0.2x)."""
-    bounds = getattr(child, "_upper_bounds", None)
-    buckets = getattr(child, "_buckets", None)
-    total = getattr(child, "_sum", None)
-    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
-        for v in values:
-            child.observe(v)
-        return
-    counts = [0] * len(bounds)
-    summed = 0.0
-    for v in values:
-        if v != v:  # NaN: observe() counts it in no bucket
-            continue
-        counts[bisect_left(bounds, v)] += 1  # the first bound >= v, as observe() picks
-        summed += v
-    total.inc(summed)
-    for i, n in enumerate(counts):
-        if n:
-            buckets[i].inc(n)
-
-
-Shape = tuple[tuple["_Children", tuple[str, ...]], ...]  # a request's counter increments
-
-
-class _Batch:
-    """One fold's updates, summed per label child before any reaches prometheus_client:
-    a fold holds every request that finished in the last `fold_s`, and most of them
-    share their labels. Counter increments are grouped by request shape: requests
-    whose counters move alike (same labels, same attempts) share one tuple of
-    increments, counted once per shape and applied once per fold."""
-
-    __slots__ = ("counts", "shapes", "values")
-
-    def __init__(self) -> None:
-        self.counts: dict[tuple[_Children, tuple[str, ...]], float] = {}
-        self.shapes: dict[Shape, int] = {}
-        self.values: dict[tuple[_Children, tuple[str, ...]], list[float]] = {}
-
-    def inc(self, kids: _Children, labels: tuple[str, ...], n: float = 1.0) -> None:
-        key = (kids, labels)
-        self.counts[key] = self.counts.get(key, 0.0) + n
-
-    def shape(self, incs: Shape) -> None:
-        """Count one request whose counters each go up by one: `incs` lists them."""
-        self.shapes[incs] = self.shapes.get(incs, 0) + 1
-
-    def observe(self, kids: _Children, labels: tuple[str, ...], v: float) -> None:
-        key = (kids, labels)
-        got = self.values.get(key)
-        if got is None:
-            self.values[key] = [v]
-        else:
-            got.append(v)
-
-    def apply(self) -> None:
-        counts = self.counts
-        for incs, n in self.shapes.items():
-            for key in incs:
-                counts[key] = counts.get(key, 0.0) + n
-        for (kids, labels), total in counts.items():
-            kids(*labels).inc(total)
-        for (kids, labels), values in self.values.items():
-            observe_many(kids(*labels), values)
-
-
-class _Common:
-    """What the requests of one first-attempt shape (same model, tenant, route and
-    cache result) added since the last fold: observed by appending to lists, with no
-    per-request tuple, key or lookup beyond the shape's own."""
-
-    __slots__ = (
-        "cost",
-        "e2e",
-        "inp",
-        "itl",
-        "model",
-        "n",
-        "out",
-        "queue",
-        "shape",
-        "tenant",
-        "ttft",
-    )
-
-    def __init__(self, shape: Shape, model: str, tenant: tuple[str, ...]) -> None:
-        self.shape, self.model, self.tenant = shape, model, tenant
-        self.n = self.inp = self.out = 0
-        self.cost = 0.0
-        self.e2e: list[float] = []
-        self.ttft: list[float] = []
-        self.queue: list[float] = []
-        self.itl: list[float] = []
-
-    def fold_into(self, b: _Batch, m: Metrics) -> None:
-        """Add to the batch what a request-by-request `_observe` would have."""
-        model, n = (self.model,), self.n
-        b.shapes[self.shape] = b.shapes.get(self.shape, 0) + n
-        for kids, values in ((m._e2e, self.e2e), (m._ttft, self.ttft), (m._queue, self.queue)):
-            if values:
-                b.values.setdefault((kids, model), []).extend(values)
-        if self.itl:
-            b.values.setdefault((m._itl, model), []).extend(self.itl)
-        if self.inp:
-            b.inc(m._tokens, (self.model, "input"), self.inp)
-        if self.out:
-            b.inc(m._tokens, (self.model, "output"), self.out)
-        if self.cost:
-            b.inc(m._cost, (self.model, *self.tenant), self.cost)
-        self.n = self.inp = self.out = 0
-        self.cost = 0.0
-        self.e2e, self.ttft, self.queue, self.itl = [], [], [], []
 
 
 def _first_attempt_success(ctx: RequestContext, status: str) -> bool:
@@ -700,48 +540,3 @@ class Metrics:
             multiprocess.MultiProcessCollector(registry)
             return bytes(generate_latest(registry))
         return bytes(generate_latest(self.registry))
-
-
-class _LiveCollector:
-    """switchyard_deployment_in_flight and _ewma_ttft_seconds / _ewma_tpot_seconds."""
-
-    def __init__(self, deployments: list[Any]) -> None:
-        self._deps = deployments
-
-    def describe(self) -> list[Any]:
-        return []
-
-    def collect(self) -> Any:
-        from prometheus_client.core import GaugeMetricFamily
-
-        labels = ["model", "deployment"]
-        flight = GaugeMetricFamily(
-            "switchyard_deployment_in_flight", "Requests in flight per deployment", labels=labels
-        )
-        ttft = GaugeMetricFamily(
-            "switchyard_deployment_ewma_ttft_seconds",
-            "EWMA of time to first token per deployment",
-            labels=labels,
-        )
-        tpot = GaugeMetricFamily(
-            "switchyard_deployment_ewma_tpot_seconds",
-            "EWMA of time per output token per deployment",
-            labels=labels,
-        )
-        weight = GaugeMetricFamily(
-            "switchyard_deployment_weight",
-            "Each deployment's weight now (a canary's share)",
-            labels=labels,
-        )
-        for d in self._deps:
-            key = [d.alias, d.name]
-            flight.add_metric(key, d.live.in_flight)
-            weight.add_metric(key, d.live.weight)
-            if d.live.ttft_s is not None:
-                ttft.add_metric(key, d.live.ttft_s)
-            if d.live.tpot_s is not None:
-                tpot.add_metric(key, d.live.tpot_s)
-        yield flight
-        yield weight
-        yield ttft
-        yield tpot
