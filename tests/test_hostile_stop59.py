@@ -722,12 +722,6 @@ def _peak_rss_kib(pid: int) -> int:
     raise AssertionError("no VmHWM")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engines/mcp_servers.py: a stdio server's reply is read whole by the SDK (its "
-    "line reader, quadratic) before mcp.max_result_bytes is checked: a 24 MB result breaks "
-    "the connection every tenant's calls share",
-)
 def test_a_result_far_over_the_cap_breaks_nothing_for_other_tenants(gw: Gateway) -> None:
     """A client asks a read-only stdio tool for 24 MB where the gateway keeps 4 KiB
     (the tool is the operator's; the size is the client's argument). The call must be

@@ -7,7 +7,10 @@ Each server has a supervisor task that owns its connection: it starts a `command
 server (stdio) or connects to a `url` server (Streamable HTTP), initializes the
 session, lists its tools, then pings it every few seconds. When the process dies or
 the connection fails, the state becomes `failed` with the reason, and the supervisor
-reconnects (restarting the process) after a backoff that doubles up to 30 s.
+reconnects (restarting the process) after a backoff that doubles up to 30 s. A stdio
+server's replies are read within `max_reply_bytes` a line (engines/mcp_stdio.py): a
+longer one is discarded as it arrives and its call ends `too_large`, while the
+connection lives on.
 Credentials are environment references resolved here, at connect time: they go to
 the server (its environment or headers) and nowhere else.
 
@@ -86,8 +89,9 @@ class McpServer:
         # session the SDK opened; None for stdio servers and until it is ready.
         self._forward: HttpForwarder | None = None
         self._session_id: str | None = None  # as the server named it to the SDK
-        # Reply bytes read from a tool server per call (the tool service sets it from
-        # mcp.max_result_bytes, with room for the JSON-RPC envelope).
+        # Reply bytes read from a tool server per call, over HTTP and over stdio (a
+        # longer message line is discarded as it is read: engines/mcp_stdio.py); the tool
+        # service sets it from mcp.max_result_bytes, with room for the JSON-RPC envelope.
         self.max_reply_bytes = 16 * 1024 * 1024
         self._slots = asyncio.Semaphore(cfg.max_concurrency)
         self._task: asyncio.Task[None] | None = None
@@ -150,7 +154,9 @@ class McpServer:
     def _transport(self) -> contextlib.AbstractAsyncContextManager[Any]:
         cfg = self.cfg
         if cfg.command is not None:
-            from mcp.client.stdio import StdioServerParameters, stdio_client
+            from mcp.client.stdio import StdioServerParameters
+
+            from switchyard.engines.mcp_stdio import bounded_stdio_client
 
             if self._stderr is None:
                 # Kept for the server's life: its stderr tail explains a failure.
@@ -158,7 +164,7 @@ class McpServer:
             params = StdioServerParameters(
                 command=cfg.command[0], args=cfg.command[1:], env=cfg.credentials(cfg.env)
             )
-            return stdio_client(params, errlog=self._stderr)
+            return bounded_stdio_client(params, self._stderr, self.max_reply_bytes)
         import httpx2
         from mcp.client.streamable_http import streamable_http_client
 
@@ -241,6 +247,8 @@ class McpServer:
         from mcp import MCPError
         from mcp_types import CONNECTION_CLOSED, INTERNAL_ERROR, REQUEST_TIMEOUT
 
+        from switchyard.engines.mcp_stdio import OversizedReply
+
         deadline = time.perf_counter() + timeout_s
         try:
             if self._slots.locked():  # wait for a slot, within the timeout
@@ -270,6 +278,10 @@ class McpServer:
                     tool, dict(arguments), read_timeout_seconds=remaining, meta=meta
                 )
             except MCPError as exc:
+                if isinstance(exc.data, OversizedReply):  # it ran; its reply was not read
+                    return CallOutcome(
+                        error=(exc.code, "result too large"), sent=True, too_large=True
+                    )
                 if exc.code == REQUEST_TIMEOUT:
                     return CallOutcome(error=(exc.code, "timed out"), sent=True, timed_out=True)
                 if exc.code == CONNECTION_CLOSED:
