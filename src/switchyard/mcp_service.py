@@ -51,6 +51,7 @@ from typing import Any
 
 import orjson
 
+from switchyard import outcomes
 from switchyard.config import Settings
 from switchyard.engines.mcp_servers import CallOutcome, McpServers, ServerUnavailable
 from switchyard.errors import (
@@ -289,17 +290,23 @@ class McpToolService:
         found = self.servers.resolve(name)
         why = self.policy.refusal(name, tenant)
         if found is None or found[1] not in found[0].tools:
-            ctx.record("tool_auth", "reject:unknown", "no such tool", t)
+            ctx.record("tool_auth", outcomes.ToolAuth.REJECT_UNKNOWN, "no such tool", t)
             raise InvalidRequest(f"unknown tool '{name}'", param="name", code="unknown_tool")
         if why is not None:
-            ctx.record("tool_auth", "reject:forbidden", why, t, {"tool": name})
+            ctx.record("tool_auth", outcomes.ToolAuth.REJECT_FORBIDDEN, why, t, {"tool": name})
             raise PermissionDenied(
                 f"this key may not run the tool '{name}'", param="name", code="tool_not_allowed"
             )
         server, tool = found
         cls = self.policy.tool_class(name)
         approval = self.policy.requires_approval(name)
-        ctx.record("tool_auth", "ok", "the tenant may run it", t, {"tool": name, "class": cls})
+        ctx.record(
+            "tool_auth",
+            outcomes.ToolAuth.OK,
+            "the tenant may run it",
+            t,
+            {"tool": name, "class": cls},
+        )
 
         open_for = server.breaker.refusal(time.monotonic())
         if open_for is not None:  # before the budget, a claim or an approval is spent
@@ -335,7 +342,9 @@ class McpToolService:
             evidence["price_usd"] = spend.price
         call = Forward(ctx, server, tool, arguments, timeout, evidence, spend)
         if not keyed or call_id is None:
-            ctx.record("tool_once", "skip", "read-only or unidentified: not recorded", t)
+            ctx.record(
+                "tool_once", outcomes.ToolOnce.SKIP, "read-only or unidentified: not recorded", t
+            )
             return await self._run(call, retry=not keyed)
 
         t = time.perf_counter()
@@ -353,7 +362,7 @@ class McpToolService:
         if claim.state != "owner":
             ctx.record(
                 "tool_once",
-                claim.state,
+                outcomes.ToolOnce(claim.state),
                 _CLAIM_REASONS.get(claim.state, claim.state),
                 t,
                 {"call_id": call_id, "ran_in": claim.request_id},
@@ -364,7 +373,7 @@ class McpToolService:
             raise _claim_error(claim.state, call_id)
         ctx.record(
             "tool_once",
-            "owner",
+            outcomes.ToolOnce.OWNER,
             "first request with this call id: runs it",
             t,
             {"call_id": call_id},
@@ -403,22 +412,24 @@ class McpToolService:
         except LimiterUnavailable:
             if self.settings.policy.on_limiter_failure == "fail_open":
                 log.warning("task state unavailable, admitting a tool call (fail_open)")
-                ctx.record("task", "admit:fail_open", "task state unavailable", t)
+                ctx.record("task", outcomes.Task.FAIL_OPEN, "task state unavailable", t)
                 return timeout
-            ctx.record("task", "reject:unavailable", "task state unavailable", t)
+            ctx.record("task", outcomes.Task.REJECT_UNAVAILABLE, "task state unavailable", t)
             raise EngineNotReady(
                 "task state unavailable; refusing (fail_closed)", code="task_state_unavailable"
             ) from None
         evidence = adm.evidence(now)
         if adm.refused is not None:
             reason = task_refusal_reason(adm.refused)
-            ctx.record("task", f"reject:{adm.refused}", reason, t, evidence)
+            ctx.record("task", outcomes.reject(adm.refused), reason, t, evidence)
             raise task_error(who.task_id, adm.refused, adm)
         spend.task = key
         if adm.deadline_at is not None:
             timeout = min(timeout, adm.deadline_at - now)
         evidence["timeout_s"] = round(timeout, 3)
-        ctx.record("task", "admitted", "within the task's budget and deadline", t, evidence)
+        ctx.record(
+            "task", outcomes.Task.ADMITTED, "within the task's budget and deadline", t, evidence
+        )
         return timeout
 
     async def _settle_task(self, ctx: RequestContext, spend: Spend) -> None:
@@ -456,7 +467,7 @@ class McpToolService:
             if note.get("tool") == name and note.get("args_digest") == digest:
                 ctx.record(
                     "tool_call_id",
-                    "matched",
+                    outcomes.ToolCallId.MATCHED,
                     "the task's proposed call of this tool with these arguments",
                     t,
                     {"call_id": note["call_id"], "proposed_in": note.get("request_id")},
@@ -480,14 +491,14 @@ class McpToolService:
             if approver is not None:
                 ctx.record(
                     "approval",
-                    "approved",
+                    outcomes.Approval.APPROVED,
                     f"approved by {approver}",
                     t,
                     {"call_id": call_id, "approver": approver},
                 )
                 return
             why = why_not or why
-        ctx.record("approval", "reject:approval", why, t, {"call_id": call_id})
+        ctx.record("approval", outcomes.Approval.REJECT_APPROVAL, why, t, {"call_id": call_id})
         raise ApprovalRequired(
             f"the tool '{name}' requires an approval for call '{call_id}' ({why}): ask an "
             "operator for one (POST /admin/approvals or `switchyard approve`) and "
@@ -582,14 +593,18 @@ class McpToolService:
         try:
             out = await asyncio.shield(job)
         except ServerUnavailable as exc:
-            ctx.record("tool_exec", "unavailable", str(exc), t, evidence)
+            ctx.record("tool_exec", outcomes.ToolExec.UNAVAILABLE, str(exc), t, evidence)
             raise ToolServerUnavailable(f"the tool server '{server.name}' is unavailable") from None
         except asyncio.CancelledError:
             if not (ctx.cancelled and job.cancelled()):
                 job.cancel()  # the client went away: the SDK tells the server
-                ctx.record("tool_exec", "cancelled", "the request was stopped", t, evidence)
+                ctx.record(
+                    "tool_exec", outcomes.ToolExec.CANCELLED, "the request was stopped", t, evidence
+                )
                 raise
-            ctx.record("tool_exec", "cancelled", "the task was cancelled", t, evidence)
+            ctx.record(
+                "tool_exec", outcomes.ToolExec.CANCELLED, "the task was cancelled", t, evidence
+            )
             raise TaskCancelled(
                 f"the task '{ctx.input.task_id}' was cancelled while the tool ran"
                 + ("" if retry else "; its outcome is unknown and it will not be run again")
@@ -604,12 +619,18 @@ class McpToolService:
         message = self.mask(said)  # the server's words: kept masked, never sent on
         evidence = {**evidence, "error": {"code": code, "message": message}}
         if not out.sent:
-            ctx.record("tool_exec", "error", message, t, evidence)
+            ctx.record("tool_exec", outcomes.ToolExec.ERROR, message, t, evidence)
             raise Conflict(
                 f"the tool server '{server.name}' refused the call (JSON-RPC error {code})",
                 code="tool_call_refused",
             )
-        ctx.record("tool_exec", "in_doubt" if not retry else "failed", message, t, evidence)
+        ctx.record(
+            "tool_exec",
+            outcomes.ToolExec.FAILED if retry else outcomes.ToolExec.IN_DOUBT,
+            message,
+            t,
+            evidence,
+        )
         if out.timed_out:
             what = f"the tool '{full}' did not answer within {timeout:.3g} s"
         elif out.server_error:
@@ -636,7 +657,7 @@ class McpToolService:
             raise self._too_large(call, full, t, len(text))
         excerpt = self.mask(text[: MAX_EXCERPT + 512].decode("utf-8", "replace"))[:MAX_EXCERPT]
         evidence = {**evidence, "result": excerpt}
-        outcome = "tool_error" if result.get("isError") else "ok"
+        outcome = outcomes.ToolExec.TOOL_ERROR if result.get("isError") else outcomes.ToolExec.OK
         ctx.record("tool_exec", outcome, f"ran on {call.server.name}", t, evidence)
         return dict(result)
 
@@ -647,7 +668,7 @@ class McpToolService:
         got = f"{size} bytes" if size is not None else "more bytes than it reads"
         call.ctx.record(
             "tool_exec",
-            "too_large",
+            outcomes.ToolExec.TOO_LARGE,
             f"ran on {call.server.name}; its result is over mcp.max_result_bytes",
             t,
             {**call.evidence, "result_bytes": size, "max_result_bytes": limit},
@@ -685,7 +706,9 @@ def _circuit_open(
     """The refusal of a call to a server whose breaker is open (recorded in the trace
     with the breaker's state): nothing was sent."""
     state = server.breaker.describe(time.monotonic())
-    ctx.record("tool_exec", "reject:circuit_open", why, t, {**evidence, "breaker": state})
+    ctx.record(
+        "tool_exec", outcomes.ToolExec.REJECT_CIRCUIT_OPEN, why, t, {**evidence, "breaker": state}
+    )
     wait = max(1, round(state["retry_after_s"]))
     return ToolServerUnavailable(
         f"the tool server '{server.name}' keeps failing, so its circuit breaker is open: "

@@ -24,6 +24,7 @@ import msgspec
 
 from switchyard.entropy import RandomPool
 from switchyard.identity import ANONYMOUS, Principal
+from switchyard.outcomes import Outcome
 from switchyard.request import Embedding, Generation
 
 if TYPE_CHECKING:  # annotations only: these live in the layers above (pyproject.toml)
@@ -77,7 +78,9 @@ class Decision(msgspec.Struct, array_like=True, gc=False):
     collector (`gc=False`: it holds no reference back to anything that holds it)."""
 
     stage: str
-    outcome: str  # e.g. "hit", "miss", "route:reasoning", "reject:rpm"
+    # Recorded as an `outcomes.Outcome` (its stage's enum member, or a tagged one such
+    # as "route:reasoning", "reject:rpm"); the same plain string once read back.
+    outcome: str
     reason: str  # human readable
     evidence: dict[str, Any] | None  # scores, candidates, thresholds; shared, never changed
     t0: float
@@ -284,7 +287,7 @@ class RequestContext:
     def record(
         self,
         stage: str,
-        outcome: str,
+        outcome: Outcome,
         reason: str,
         started: float,
         evidence: dict[str, Any] | None = None,
@@ -323,7 +326,7 @@ class Verdict:
     arrives: its outcome, reason and evidence (shared by the requests that record it,
     so never changed afterwards) and the context fields it sets (`sets`)."""
 
-    outcome: str
+    outcome: Outcome
     reason: str
     evidence: dict[str, Any] | None = None
     sets: tuple[tuple[str, Any], ...] = ()

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import orjson
 
+from switchyard import outcomes
 from switchyard.engines.registry import Deployment
 from switchyard.errors import SwitchyardError, TaskCancelled, UpstreamError
 from switchyard.pipeline import CacheOutcome, ReplySide, RequestContext, Status
@@ -309,7 +310,10 @@ def task_stopped(ctx: RequestContext) -> TaskCancelled:
     ctx.status = Status.CANCELLED
     ctx.error_code = TaskCancelled.code
     ctx.record(
-        "task", "stopped", "the task was cancelled while this call streamed", time.perf_counter()
+        "task",
+        outcomes.Task.STOPPED,
+        "the task was cancelled while this call streamed",
+        time.perf_counter(),
     )
     return TaskCancelled(f"the task '{ctx.input.task_id}' was cancelled while this call streamed")
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import orjson
 
+from switchyard import outcomes
 from switchyard.config import Settings, VllmEngine
 from switchyard.engines import rollout
 from switchyard.engines.revisions import Lease, RevisionManager
@@ -254,7 +255,7 @@ class RolloutService:
         """Validate, authorize, admit and lease; raises the refusal (the caller settles)."""
         t = time.perf_counter()
         plan = validate_rollout(body, self.settings)
-        ctx.record("validate", "ok", "rollout request shape is valid", t)
+        ctx.record("validate", outcomes.Validate.OK, "rollout request shape is valid", t)
         manager = self.managers.get(plan.alias)
         model = self._models.get(plan.alias)
         if manager is None or model is None or not ctx.principal.may_use(plan.alias):
@@ -287,7 +288,7 @@ class RolloutService:
         ctx.model = model.model_copy(update={"revision": rev.revision})
         ctx.record(
             "revision",
-            f"lease:{rev.revision}",
+            outcomes.tagged(outcomes.Kind.LEASE, rev.revision),
             "the active revision at admission serves every sample (the barrier)",
             t,
             {"revision": rev.revision, "kind": rev.kind, "in_flight": rev.in_flight},

@@ -12,6 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, NoReturn
 
+from switchyard import outcomes
 from switchyard.config import Price, Settings
 from switchyard.errors import ClientDisconnected, SwitchyardError, TaskCancelled
 from switchyard.observe.ledger import Finished, UsageLedger
@@ -57,7 +58,12 @@ def raise_cancelled(ctx: RequestContext, exc: asyncio.CancelledError) -> NoRetur
     task = asyncio.current_task()
     if task is not None:
         task.uncancel()
-    ctx.record("task", "stopped", "the task was cancelled while this call ran", time.perf_counter())
+    ctx.record(
+        "task",
+        outcomes.Task.STOPPED,
+        "the task was cancelled while this call ran",
+        time.perf_counter(),
+    )
     stopped = TaskCancelled(f"the task '{ctx.input.task_id}' was cancelled while this call ran")
     mark_failed(ctx, stopped)
     raise stopped from None

@@ -50,6 +50,7 @@ from typing import Any
 from switchyard.config import Hysteresis, PlacementConfig
 from switchyard.engines.registry import Deployment
 from switchyard.errors import InvalidRequest
+from switchyard.outcomes import Place
 
 MAX_HEADER = 256
 _FIELD = re.compile(r"^\s*([a-z_]{1,16})\s*=\s*([0-9A-Za-z.+-]{1,16})\s*$")
@@ -209,7 +210,7 @@ class _Condition:
 
 @dataclass(slots=True)
 class Placement:
-    mode: str  # local | remote | degraded
+    mode: Place  # LOCAL | REMOTE | DEGRADED | REFUSED (the place decision's outcome)
     location: str  # device | cloud
     # privacy | available | probe | thermal | battery | memory | quality | deadline |
     # network | cost
@@ -317,18 +318,18 @@ class Placer:
                     only = None  # not eligible now: the others, with the token cap
                 alias_only = f"{self.alias}/{only}" if only is not None else None
                 return Placement(
-                    "degraded", "device", reason, why, ev, alias_only, cfg.degraded_max_tokens,
+                    Place.DEGRADED, "device", reason, why, ev, alias_only, cfg.degraded_max_tokens,
                     stay, est_dev,
                 )  # fmt: skip
-            return Placement("local", "device", reason, why, ev, stay=stay, estimate_ms=est_dev)
+            return Placement(Place.LOCAL, "device", reason, why, ev, stay=stay, estimate_ms=est_dev)
 
         def remote(reason: str, why: str) -> Placement:
-            return Placement("remote", "cloud", reason, why, ev, estimate_ms=est_cloud)
+            return Placement(Place.REMOTE, "cloud", reason, why, ev, estimate_ms=est_cloud)
 
         if private is not None:
             ev["private"] = private
             if not device:
-                return Placement("refused", "device", "privacy", private, ev, stay=True)
+                return Placement(Place.REFUSED, "device", "privacy", private, ev, stay=True)
             if stressed:
                 return local(
                     "privacy",

@@ -28,6 +28,7 @@ import numpy as np
 
 from switchyard.config import ConfigError, RouteConfig, RouterConfig
 from switchyard.errors import NoEligibleRoute
+from switchyard.outcomes import Kind, Tagged, tagged
 
 Embed = Callable[[list[str]], np.ndarray]
 """Texts in, one unit-normalised float32 row per text out."""
@@ -59,9 +60,9 @@ class RouteResult:
     default_route: str | None = None
 
     @property
-    def outcome(self) -> str:
+    def outcome(self) -> Tagged:
         """The Decision outcome, e.g. `route:reasoning`."""
-        return f"route:{self.route}"
+        return tagged(Kind.ROUTE, self.route)
 
     def evidence(self) -> dict[str, Any]:
         """JSON-able evidence for the trace (plain floats, rounded to 4 places)."""

@@ -13,12 +13,13 @@ from typing import Any
 
 from switchyard.engines.registry import Deployment
 from switchyard.errors import ModelNotFound
+from switchyard.outcomes import Kind, Tagged, tagged
 
 
 @dataclass(frozen=True, slots=True)
 class Selection:
     deployment: Deployment
-    outcome: str
+    outcome: Tagged  # deployment:<alias>
     reason: str
     evidence: dict[str, Any]
 
@@ -38,4 +39,4 @@ def select_deployment(alias: str, deployments: Mapping[str, Deployment]) -> Sele
         "fallbacks": list(dep.model.fallbacks),
     }
     # Readiness is the executor's call: an unready model may still fall back.
-    return Selection(dep, f"deployment:{alias}", "only deployment of the alias", evidence)
+    return Selection(dep, tagged(Kind.DEPLOYMENT, alias), "only deployment of the alias", evidence)

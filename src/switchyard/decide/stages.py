@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 from msgspec import structs
 
+from switchyard import outcomes
 from switchyard.config import Settings
 from switchyard.decide.balance import Balancer, affinity_key, prompt_prefix
 from switchyard.decide.cache import CacheKeys, ResponseCache, cache_keys
@@ -58,6 +59,7 @@ from switchyard.policy.tool_calls import ToolGate, ToolPolicy
 from switchyard.request import Generation, to_json
 
 _STORED = (CacheOutcome.HIT_EXACT, CacheOutcome.HIT_SEMANTIC, CacheOutcome.REPLAY)
+_MISS = outcomes.Cache.MISS  # bound once: read through its class per request costs more
 
 
 def last_user_text(req: Generation) -> str:
@@ -138,7 +140,7 @@ class Embed(Stage):
     """Embed the last user message once; the cache and the router share the vector."""
 
     name = "embed"
-    UNWANTED = Verdict("skip", "no semantic cache or router for this request")
+    UNWANTED = Verdict(outcomes.Embed.SKIP, "no semantic cache or router for this request")
 
     def __init__(
         self,
@@ -167,7 +169,7 @@ class Embed(Stage):
             return None
         embedder = self._embedder
         if embedder is None or not embedder.ready:
-            ctx.record(self.name, "skip", "embedding model not ready", t)
+            ctx.record(self.name, outcomes.Embed.SKIP, "embedding model not ready", t)
             return None
         if self._cache is not None:
             verdict, keys = self._planner.plan(ctx)
@@ -179,13 +181,15 @@ class Embed(Stage):
             ):
                 # The cache stage will answer with this entry (alive for at least another
                 # second, so it cannot expire in between); nothing needs the vector.
-                ctx.record(self.name, "skip", "an exact cache entry answers this request", t)
+                ctx.record(
+                    self.name, outcomes.Embed.SKIP, "an exact cache entry answers this request", t
+                )
                 return None
             if not self._routing and (keys is None or not verdict.semantic):
                 why = "no semantic lookup for this request"
                 if verdict.risk is not None:
                     why += f" (risk {verdict.risk.source}: {verdict.risk.policy})"
-                ctx.record(self.name, "skip", why, t)
+                ctx.record(self.name, outcomes.Embed.SKIP, why, t)
                 return None
         return self._embed(ctx, embedder, t)
 
@@ -195,7 +199,7 @@ class Embed(Stage):
         ctx.vector = vecs[0]
         ctx.record(
             self.name,
-            "ok",
+            outcomes.Embed.OK,
             "embedded the last user message",
             t,
             {"chars": len(query), "path": path},
@@ -208,7 +212,7 @@ class Cache(Stage):
     with the would-be hit (`CacheStore`)."""
 
     name = "cache"
-    OFF = Verdict("skip", "cache not enabled")
+    OFF = Verdict(outcomes.Cache.SKIP, "cache not enabled")
 
     def __init__(
         self,
@@ -264,7 +268,7 @@ class Cache(Stage):
                 )
             ctx.record(
                 "cache_shadow",
-                "compared",
+                outcomes.CacheShadow.COMPARED,
                 f"cached vs fresh answer similarity {agreement:.3f}",
                 t,
                 evidence,
@@ -273,13 +277,15 @@ class Cache(Stage):
             return
         why = storable_reply(masked)
         if why is not None:
-            ctx.record("cache_store", "skip", why, t)
+            ctx.record("cache_store", outcomes.CacheStore.SKIP, why, t)
             return
         entry = cache.store(cs.store_keys, orjson.dumps(masked), ctx.vector, self._cfg.ttl_s)
         stored: dict[str, Any] = {"partition": cs.store_keys.partition[:12]}
         if cache.share is not None:  # every gateway process learns it
             stored["shared"] = await cache.share.put(entry, ctx.vector)
-        ctx.record("cache_store", "stored", "reply stored for later requests", t, stored)
+        ctx.record(
+            "cache_store", outcomes.CacheStore.STORED, "reply stored for later requests", t, stored
+        )
 
     def work(self, ctx: RequestContext) -> None:
         t = time.perf_counter()
@@ -293,12 +299,18 @@ class Cache(Stage):
             ctx.cache = CacheOutcome.BYPASS
             risk = verdict.risk
             ev = None if risk is None else {"risk": risk.source, "risk_policy": risk.policy}
-            ctx.record("cache", "bypass", verdict.reason, t, ev)
+            ctx.record("cache", outcomes.Cache.BYPASS, verdict.reason, t, ev)
             return
         state.store_keys = keys if verdict.store else None
         if not verdict.lookup:
             ctx.cache = CacheOutcome.BYPASS
-            ctx.record("cache", "bypass", verdict.reason, t, {"partition": keys.partition[:12]})
+            ctx.record(
+                "cache",
+                outcomes.Cache.BYPASS,
+                verdict.reason,
+                t,
+                {"partition": keys.partition[:12]},
+            )
             return
         threshold = verdict.threshold
         if cache.thresholds is not None:
@@ -340,12 +352,12 @@ class Cache(Stage):
                         entry, kind = found.entry, CacheOutcome.HIT_SEMANTIC
                         cache.touch(entry)
                     else:
-                        ctx.record("cache", "miss:veto", why, t, evidence)
+                        ctx.record("cache", outcomes.Cache.MISS_VETO, why, t, evidence)
                         ctx.cache = CacheOutcome.MISS
                         return
         if entry is None:
             ctx.cache = CacheOutcome.MISS
-            ctx.record("cache", "miss", "no entry in the partition passed", t, evidence)
+            ctx.record("cache", _MISS, "no entry in the partition passed", t, evidence)
             return
         state.similarity = sim
         if verdict.mode == "shadow":
@@ -353,7 +365,9 @@ class Cache(Stage):
             state.shadow_semantic = kind == CacheOutcome.HIT_SEMANTIC
             ctx.record(
                 "cache",
-                f"shadow:{kind}",
+                outcomes.Cache.SHADOW_HIT_SEMANTIC
+                if state.shadow_semantic
+                else outcomes.Cache.SHADOW_HIT_EXACT,
                 "would have served a cached reply; calling the model",
                 t,
                 evidence,
@@ -362,7 +376,12 @@ class Cache(Stage):
         ctx.cache = kind
         state.store_keys = None  # nothing new to store
         ctx.response = entry
-        ctx.record("cache", kind, f"served from cache (similarity {sim:.3f})", t, evidence)
+        served = (
+            outcomes.Cache.HIT_SEMANTIC
+            if kind is CacheOutcome.HIT_SEMANTIC
+            else outcomes.Cache.HIT_EXACT
+        )
+        ctx.record("cache", served, f"served from cache (similarity {sim:.3f})", t, evidence)
 
 
 def reply_text(obj: dict[str, Any]) -> str:
@@ -405,7 +424,8 @@ class Route(Stage):
         self._cfg = settings.router
         self._router = router
         self._explicit = {
-            a: Verdict("explicit", "the client named the model", e) for a, e in named.items()
+            a: Verdict(outcomes.Route.EXPLICIT, "the client named the model", e)
+            for a, e in named.items()
         }
 
     def static(self, view: View) -> Verdict | None:
@@ -415,7 +435,9 @@ class Route(Stage):
         return (
             explicit
             if explicit is not None
-            else Verdict("explicit", "the client named the model", {"model": view.alias})
+            else Verdict(
+                outcomes.Route.EXPLICIT, "the client named the model", {"model": view.alias}
+            )
         )
 
     def work(self, ctx: RequestContext) -> None:
@@ -432,7 +454,7 @@ class Route(Stage):
             ctx.alias, ctx.route, ctx.route_score = route.model, route.name, None
             ctx.record(
                 "route",
-                f"route:{route.name}",
+                outcomes.tagged(outcomes.Kind.ROUTE, route.name),
                 "router not ready: default route",
                 t,
                 {"policy_version": rcfg.policy_version, "default": True},
@@ -454,7 +476,7 @@ class Tools(Stage):
     """Remove tools the tenant may not use, then shortlist the rest by similarity."""
 
     name = "tools"
-    NONE = Verdict("skip", "no tools, or no tool policy")
+    NONE = Verdict(outcomes.Tools.SKIP, "no tools, or no tool policy")
 
     def __init__(
         self,
@@ -552,7 +574,7 @@ class Select(Stage):
         p = ctx.principal
         if ctx.pin is not None and p is not None and not p.may_pin_revisions:
             why = "this API key may not pin a revision (its may_pin_revisions is off)"
-            ctx.record(self.name, "reject", why, t, {"pin": ctx.pin})
+            ctx.record(self.name, outcomes.Select.REJECT, why, t, {"pin": ctx.pin})
             raise PermissionDenied(why, code="revision_pin_not_allowed", param="model")
         boundary = balancer.deployments[0].model.data_boundary
         regions = p.regions if p is not None else None
@@ -585,14 +607,16 @@ class Select(Stage):
         if placed is not None and placed.stay and dep.location != "device":
             balancer.settled(dep, None, None)  # never sent: the data may not leave
             why = f"{placed.why}, and no device deployment is eligible now"
-            ctx.record(self.name, "reject:placement", why, t, evidence)
+            ctx.record(self.name, outcomes.Select.REJECT_PLACEMENT, why, t, evidence)
             raise PlacementRefused(f"the request may not leave the device: {why}")
         ctx.admission.balanced = (balancer, dep)
         ctx.deployment = dep
         ctx.model = dep.model
         evidence["upstream"] = dep.label
         evidence["revision"] = dep.model.revision
-        ctx.record(self.name, f"deployment:{dep.name}", reason, t, evidence)
+        ctx.record(
+            self.name, outcomes.tagged(outcomes.Kind.DEPLOYMENT, dep.name), reason, t, evidence
+        )
         if hold is not None and self._tasks is not None and dep.name != remembered:
             # The task's deployment for this alias, for its later steps in any process.
             return self._tasks.set_deployment(hold.key, balancer.alias, dep.name)
@@ -638,7 +662,9 @@ class Select(Stage):
         e2e_ms = (t - ctx.timings.received) * 1000.0
         cut = balancer.guard_check(dep, ok, e2e_ms, time.monotonic())
         if cut is not None:
-            ctx.record("canary", "cut", cut, t, {"deployment": dep.name, "weight": 0.0})
+            ctx.record(
+                "canary", outcomes.Canary.CUT, cut, t, {"deployment": dep.name, "weight": 0.0}
+            )
             if self._on_canary_cut is not None:
                 self._on_canary_cut(balancer.alias, dep, cut)
 
@@ -677,7 +703,9 @@ class Select(Stage):
             word = "entered" if c.active else "ended"
             ctx.record(
                 "place",
-                f"{'enter' if c.active else 'exit'}:{c.condition}",
+                outcomes.tagged(
+                    outcomes.Kind.ENTER if c.active else outcomes.Kind.EXIT, c.condition
+                ),
                 f"the device's {c.condition} condition {word}",
                 t,
                 {
@@ -703,8 +731,8 @@ class Select(Stage):
         evidence = {**placed.evidence, "reason": placed.reason}
         if ignored:
             evidence["ignored_headers"] = ignored  # this key may not report device state
-        if placed.mode == "refused":
-            ctx.record("place", "reject:privacy", placed.why, t, evidence)
+        if placed.mode == outcomes.Place.REFUSED:
+            ctx.record("place", outcomes.Place.REJECT_PRIVACY, placed.why, t, evidence)
             raise PlacementRefused(
                 f"the request may not leave the device ({placed.why}) and no device "
                 "deployment can serve it now"
@@ -735,7 +763,7 @@ class Residency(Stage):
     evicts an engine a request is using."""
 
     name = "residency"
-    REMOTE = Verdict("skip", "the deployment is not a local engine")
+    REMOTE = Verdict(outcomes.Residency.SKIP, "the deployment is not a local engine")
 
     def __init__(self, pool: EnginePool, revisions: Mapping[str, Any] | None = None) -> None:
         self._pool = pool
@@ -780,7 +808,7 @@ class Residency(Stage):
         try:
             lease = manager.lease()
         except SwitchyardError as exc:
-            ctx.record(self.name, "reject", exc.message, t, {"active": None})
+            ctx.record(self.name, outcomes.Residency.REJECT, exc.message, t, {"active": None})
             raise
         rev = lease.rev
         if ctx.pin is not None and ctx.pin != rev.revision:
@@ -789,7 +817,13 @@ class Residency(Stage):
                 f"the model '{manager.alias}' is RL-managed and answers with its active "
                 f"revision only: '{rev.revision}', not '{ctx.pin[:64]}'"
             )
-            ctx.record(self.name, "reject", why, t, {"pin": ctx.pin, "active": rev.revision})
+            ctx.record(
+                self.name,
+                outcomes.Residency.REJECT,
+                why,
+                t,
+                {"pin": ctx.pin, "active": rev.revision},
+            )
             raise ModelNotFound(why, param="model")
         ctx.admission.lease = lease
         dep = manager.deployment(rev)
@@ -797,7 +831,7 @@ class Residency(Stage):
         ctx.model = dep.model
         ctx.record(
             self.name,
-            f"revision:{rev.revision}",
+            outcomes.tagged(outcomes.Kind.REVISION, rev.revision),
             f"RL-managed model: served by its active revision {rev.revision} ({rev.kind}), "
             "held until the request ends (an activation lets it finish there)",
             t,
@@ -814,7 +848,13 @@ class Residency(Stage):
         try:
             r = await self._pool.acquire(dep.engine, ctx.remaining_s())
         except SwitchyardError as exc:
-            ctx.record(self.name, "reject", exc.message, t, {"state": dep.engine.state.value})
+            ctx.record(
+                self.name,
+                outcomes.Residency.REJECT,
+                exc.message,
+                t,
+                {"state": dep.engine.state.value},
+            )
             raise
         pending = self._held(ctx, dep, r, t)
         if pending is not None:
@@ -850,10 +890,12 @@ class Residency(Stage):
             got = await self._pool.adapter(engine, name, ctx.remaining_s())
         except SwitchyardError as exc:
             if adapter is None:
-                ctx.record(self.name, "reject", exc.message, t, r.evidence)
+                ctx.record(self.name, outcomes.Residency.REJECT, exc.message, t, r.evidence)
                 raise
             ev = {**r.evidence, "adapter": name, "adapter_state": engine.adapter_state(name)}
-            ctx.record(self.name, "reject", f"adapter {name}: {exc.message}", t, ev)
+            ctx.record(
+                self.name, outcomes.Residency.REJECT, f"adapter {name}: {exc.message}", t, ev
+            )
             raise
         self._record(ctx, dep, r, got, t)
 
@@ -868,7 +910,8 @@ class Residency(Stage):
         """The adapter is active for this request (the pool counted it in use)."""
         engine, adapter = dep.engine, dep.adapter
         assert engine is not None
-        outcome, reason, evidence = r.outcome, r.reason, {**r.evidence, **got}
+        outcome: outcomes.Residency = r.outcome
+        reason, evidence = r.reason, {**r.evidence, **got}
         if adapter is None:  # a base request kept apart from adapter requests
             ctx.admission.resident = (engine, BASE)
             reason = (
@@ -882,13 +925,14 @@ class Residency(Stage):
         ctx.admission.resident = (engine, adapter.name)
         action = evidence.get("adapter_action")
         if action == "loaded":
-            outcome = "adapter-load"
+            outcome = outcomes.Residency.ADAPTER_LOAD
             reason = f"{reason}; the adapter was cold: loaded ({evidence['adapter_load']})"
             evicted = evidence.get("adapter_evicted") or []
             if evicted:
                 reason += f", evicting {evicted[0]['adapter']} ({evicted[0]['reason']})"
         elif action == "promoted":
-            outcome = "promote" if outcome == "hot" else outcome
+            if outcome is outcomes.Residency.HOT:
+                outcome = outcomes.Residency.PROMOTE
             reason = f"{reason}; the adapter was warm: promoted to active"
         else:
             reason = f"{reason}; the adapter is active: joined the requests using it"
@@ -914,7 +958,7 @@ class Place(Stage):
         dep = view.deployment
         if dep is None:
             return None
-        where = "local" if dep.engine is not None else "remote"
+        where = outcomes.Place.LOCAL if dep.engine is not None else outcomes.Place.REMOTE
         return Verdict(where, f"the deployment runs {where}ly", {"region": dep.model.region})
 
     def work(self, ctx: RequestContext) -> None:
@@ -924,7 +968,11 @@ class Place(Stage):
         dep = ctx.deployment
         assert dep is not None, f"place without a deployment for {ctx.alias!r}"
         t = time.perf_counter()
-        where = "local" if dep.engine is not None else "remote"
+        local = dep.engine is not None
         ctx.record(
-            self.name, where, f"the deployment runs {where}ly", t, {"region": dep.model.region}
+            self.name,
+            outcomes.Place.LOCAL if local else outcomes.Place.REMOTE,
+            "the deployment runs locally" if local else "the deployment runs remotely",
+            t,
+            {"region": dep.model.region},
         )

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from switchyard.config import ToolsConfig
+from switchyard.outcomes import Kind, Tagged, tagged
 
 Embed = Callable[[list[str]], np.ndarray]
 
@@ -73,8 +74,9 @@ class ShortlistResult:
     required: list[str] = field(default_factory=list)
 
     @property
-    def outcome(self) -> str:
-        return f"tools:{len(self.kept)}/{len(self.kept) + len(self.dropped) + len(self.removed)}"
+    def outcome(self) -> Tagged:
+        offered = len(self.kept) + len(self.dropped) + len(self.removed)
+        return tagged(Kind.TOOLS, f"{len(self.kept)}/{offered}")
 
     def evidence(self) -> dict[str, Any]:
         return {

@@ -37,6 +37,7 @@ from switchyard.config import EnginesConfig
 from switchyard.engines.llamacpp import AdapterFile, EngineState, ManagedLlamaCpp
 from switchyard.engines.pool_memory import estimate_gguf_mb, estimate_mb, kv_bytes_per_token
 from switchyard.errors import AdapterBusy, EngineFailed, EngineNotReady, ModelLoading
+from switchyard.outcomes import Residency as Outcome
 
 __all__ = [
     "BASE",
@@ -48,6 +49,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("switchyard.engine")
+_HOT = Outcome.HOT  # bound once: every request to a loaded engine records it
 
 # The cold start a model never loaded before is expected to take.
 _FIRST_LOAD_S = 10.0
@@ -57,7 +59,7 @@ _FIRST_LOAD_S = 10.0
 class Residency:
     """One request's residency decision."""
 
-    outcome: str  # "hot" | "cold-load"
+    outcome: Outcome  # HOT | COLD_LOAD
     reason: str
     evidence: dict[str, Any] = field(default_factory=dict)
 
@@ -204,7 +206,7 @@ class EnginePool:
         if not e.ready or e.draining is not None:
             return None
         self.hold(e)
-        return Residency("hot", "the model is loaded", {"memory_mb": _r(estimate_mb(e))})
+        return Residency(_HOT, "the model is loaded", {"memory_mb": _r(estimate_mb(e))})
 
     async def acquire(self, e: ManagedLlamaCpp, remaining_s: float) -> Residency:
         """Make `e` serve this request: at once when loaded, else after one load (made
@@ -286,7 +288,7 @@ class EnginePool:
         why = "loaded on demand" if started_here else "waited for its load in progress"
         if evicted:
             why += f", evicting {', '.join(v['alias'] for v in evicted)}"
-        return Residency("cold-load", why, evidence)
+        return Residency(Outcome.COLD_LOAD, why, evidence)
 
     # -- a request's adapter ------------------------------------------------------
     def adapter_now(self, e: ManagedLlamaCpp, name: str) -> dict[str, Any] | None:

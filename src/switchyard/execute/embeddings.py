@@ -7,6 +7,7 @@ import base64
 import time
 from typing import Any
 
+from switchyard import outcomes
 from switchyard.config import EmbeddingsConfig, Settings
 from switchyard.embed import EmbeddingService
 from switchyard.errors import InvalidRequest, ModelNotFound
@@ -60,7 +61,7 @@ class Embeddings:
         tokens = sum(counts)
         ctx.record(
             "embed",
-            "ok",
+            outcomes.Embed.OK,
             f"embedded {len(texts)} input(s)",
             t,
             {"inputs": len(texts), "tokens": tokens, "dimensions": int(vecs.shape[1])},

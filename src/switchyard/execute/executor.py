@@ -20,6 +20,7 @@ from typing import Any
 
 from msgspec import structs
 
+from switchyard import outcomes
 from switchyard.config import Settings
 from switchyard.decide.balance import Balancer
 from switchyard.engines.registry import Deployment, Registry
@@ -43,6 +44,7 @@ from switchyard.pipeline import RequestContext
 from switchyard.request import to_json
 
 PATHS = {"chat.completions": "/chat/completions", "completions": "/completions"}
+_ATTEMPT_OK = outcomes.Attempt.OK  # bound once: every served request records it
 _NO_SPAN: tuple[None, dict[str, str]] = (
     None,
     {},
@@ -213,7 +215,13 @@ class Executor:
                             "open, full, weight 0 or outside the allowed regions)"
                         )
                 if why is not None:
-                    ctx.record("fallback", f"skip:{alias}", why, t, {"target": alias})
+                    ctx.record(
+                        "fallback",
+                        outcomes.tagged(outcomes.Kind.SKIP, alias),
+                        why,
+                        t,
+                        {"target": alias},
+                    )
                     continue
                 evidence: dict[str, Any] = {"from": primary.alias, "to": alias}
                 if picked is not None and balancer is not None:
@@ -222,7 +230,11 @@ class Executor:
                     evidence["deployment"] = dep.name
                     evidence["reason"] = reason
                 ctx.record(
-                    "fallback", f"try:{alias}", f"{chain[idx - 1]} failed: {last}", t, evidence
+                    "fallback",
+                    outcomes.tagged(outcomes.Kind.TRY, alias),
+                    f"{chain[idx - 1]} failed: {last}",
+                    t,
+                    evidence,
                 )
             assert dep is not None
             # Another deployment of the alias when this one fails (balance.failover).
@@ -261,7 +273,7 @@ class Executor:
                 if picked is None:
                     ctx.record(
                         "failover",
-                        f"none:{alias}",
+                        outcomes.tagged(outcomes.Kind.NONE, alias),
                         f"{dep.name} failed and no other deployment of {alias} is eligible",
                         t,
                         {"tried": sorted(tried)},
@@ -273,7 +285,11 @@ class Executor:
                 ctx.admission.balanced = (balancer, dep)
                 evidence["from"] = failed
                 ctx.record(
-                    "failover", f"try:{dep.name}", f"{failed} failed: {last}; {reason}", t, evidence
+                    "failover",
+                    outcomes.tagged(outcomes.Kind.TRY, dep.name),
+                    f"{failed} failed: {last}; {reason}",
+                    t,
+                    evidence,
                 )
         assert last is not None
         raise last
@@ -294,20 +310,22 @@ class Executor:
         name = dep.name
         if check_region and boundary is not None and dep.model.region not in boundary:
             why = f"region {dep.model.region!r} is outside the allowed {boundary}"
-            ctx.record("attempt", f"skip:{name}", why, t)
+            ctx.record("attempt", outcomes.tagged(outcomes.Kind.SKIP, name), why, t)
             return False, EngineNotReady(
                 f"the model '{dep.alias}' may not serve this tenant: {why}"
             )
         if dep.failed:
             assert dep.engine is not None
             why = dep.engine.reason or "it crashed at every start"
-            ctx.record("attempt", f"skip:{name}", f"engine failed: {why}", t)
+            ctx.record(
+                "attempt", outcomes.tagged(outcomes.Kind.SKIP, name), f"engine failed: {why}", t
+            )
             return False, EngineFailed(
                 f"the model '{dep.alias}' failed to start and is not served: {why}"
             )
         if not dep.ready:
             state = dep.describe().get("state")
-            ctx.record("attempt", f"skip:{name}", f"engine {state}", t)
+            ctx.record("attempt", outcomes.tagged(outcomes.Kind.SKIP, name), f"engine {state}", t)
             return False, EngineNotReady(
                 f"the model '{dep.alias}' is not ready yet (engine state: {state}); retry shortly"
             )
@@ -363,7 +381,7 @@ class Executor:
             if not ok:
                 ctx.record(
                     "attempt",
-                    f"breaker_open:{dep.name}",
+                    outcomes.tagged(outcomes.Kind.BREAKER_OPEN, dep.name),
                     why,
                     t,
                     breaker.describe(time.monotonic()),
@@ -377,7 +395,7 @@ class Executor:
                 breaker.release_probe()
                 ctx.record(
                     "attempt",
-                    "skip:deadline",
+                    outcomes.Attempt.SKIP_DEADLINE,
                     f"{remaining:.3f}s left is too little to start an attempt",
                     t,
                 )
@@ -410,7 +428,7 @@ class Executor:
                     await self._record(breaker, cls is None)
                 ctx.record(
                     "attempt",
-                    f"error:{cls or exc.code}",
+                    outcomes.tagged(outcomes.Kind.ERROR, cls or exc.code),
                     self.redact(exc.detail or exc.message)[:1000],
                     t,
                     {
@@ -430,7 +448,7 @@ class Executor:
                     # crash it again, so it is not retried there.
                     ctx.record(
                         "attempt",
-                        "engine_crashed",
+                        outcomes.Attempt.ENGINE_CRASHED,
                         f"the worker of {dep.alias} died during this attempt; "
                         "not retried on the same engine",
                         time.perf_counter(),
@@ -447,7 +465,7 @@ class Executor:
                 if wait + cfg.min_attempt_s > ctx.remaining_s() - reserve:
                     ctx.record(
                         "retry",
-                        "skip:deadline",
+                        outcomes.Retry.SKIP_DEADLINE,
                         f"a {wait:.3f}s backoff would pass the deadline",
                         time.perf_counter(),
                     )
@@ -455,7 +473,7 @@ class Executor:
                 if not budget.try_spend(time.monotonic()):
                     ctx.record(
                         "retry",
-                        "denied:budget",
+                        outcomes.Retry.DENIED_BUDGET,
                         "retry budget of the deployment is spent",
                         time.perf_counter(),
                         {"allowance": budget.allowance(time.monotonic())},
@@ -463,7 +481,7 @@ class Executor:
                     raise
                 ctx.record(
                     "retry",
-                    "backoff",
+                    outcomes.Retry.BACKOFF,
                     f"waiting {wait * 1000:.0f} ms before retry {retries + 1}",
                     time.perf_counter(),
                     {"wait_s": round(wait, 4), "retry_after_s": exc.retry_after_s},
@@ -485,7 +503,7 @@ class Executor:
             ctx.timings.upstream_first_byte = time.perf_counter()
             ctx.record(
                 "attempt",
-                "ok",
+                _ATTEMPT_OK,
                 f"served by {dep.label}",
                 t,
                 {"upstream": dep.label, "alias": dep.alias, "attempt": ctx.run.attempts},

@@ -13,6 +13,7 @@ import time
 
 import orjson
 
+from switchyard import outcomes
 from switchyard.errors import InvalidRequest
 from switchyard.execute.idempotency import IdempotencyStore, StoredReply, body_hash
 from switchyard.pipeline import CacheOutcome, Pipeline, RequestContext, Status
@@ -46,10 +47,17 @@ class Idempotent:
         )
         if stored is None:
             ctx.idempotency_key = key
-            ctx.record("idempotency", "owner", "first request with this key runs", t)
+            ctx.record(
+                "idempotency", outcomes.Idempotency.OWNER, "first request with this key runs", t
+            )
             return None
         ctx.status, ctx.cache = Status.OK, CacheOutcome.REPLAY
-        ctx.record("idempotency", "replay", "returning the stored reply; no upstream call", t)
+        ctx.record(
+            "idempotency",
+            outcomes.Idempotency.REPLAY,
+            "returning the stored reply; no upstream call",
+            t,
+        )
         headers = {
             **stored.headers,
             "x-request-id": ctx.input.request_id,

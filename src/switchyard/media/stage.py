@@ -12,6 +12,7 @@ from typing import Any
 
 from msgspec import structs
 
+from switchyard import outcomes
 from switchyard.config import ModelConfig
 from switchyard.errors import SwitchyardError, UpstreamTimeout
 from switchyard.media.fetch import MediaTooLarge
@@ -37,7 +38,7 @@ def image_urls(messages: list[dict[str, Any]] | None) -> list[tuple[int, int, st
 
 class Media(Stage):
     name = "media"
-    NO_IMAGES = Verdict("skip", "the model takes no images")
+    NO_IMAGES = Verdict(outcomes.Media.SKIP, "the model takes no images")
 
     def __init__(self, processor: MediaProcessor, metrics: Metrics | None = None) -> None:
         self._processor = processor
@@ -52,11 +53,16 @@ class Media(Stage):
     def work(self, ctx: RequestContext) -> Awaitable[None] | None:
         parts = image_urls(ctx.generation.messages)
         if not parts:
-            ctx.record(self.name, "skip", "no image parts", time.perf_counter())
+            ctx.record(self.name, outcomes.Media.SKIP, "no image parts", time.perf_counter())
             return None
         most = self._processor.cfg.max_images
         if len(parts) > most:  # before any fetch or decode
-            ctx.record(self.name, "reject:media_too_large", "too many images", time.perf_counter())
+            ctx.record(
+                self.name,
+                outcomes.Media.REJECT_TOO_LARGE,
+                "too many images",
+                time.perf_counter(),
+            )
             raise MediaTooLarge(
                 f"at most {most} images per request (media.max_images)", param="messages"
             )
@@ -88,7 +94,7 @@ class Media(Stage):
         except SwitchyardError as exc:
             if self._metrics is not None:
                 self._metrics.media_refusals.labels(exc.code).inc()
-            ctx.record(self.name, f"reject:{exc.code}", exc.message, t, {"images": len(parts)})
+            ctx.record(self.name, outcomes.reject(exc.code), exc.message, t, {"images": len(parts)})
             raise
         if self._metrics is not None:
             for p in done:
@@ -121,7 +127,7 @@ class Media(Stage):
         )
         ctx.record(
             self.name,
-            "processed",
+            outcomes.Media.PROCESSED,
             f"{len(done)} image(s) fetched, resized and re-encoded",
             t,
             {

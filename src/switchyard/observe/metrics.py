@@ -33,6 +33,7 @@ from switchyard.observe.metrics_batch import observe_many as observe_many
 from switchyard.observe.metrics_live import _LiveCollector
 from switchyard.observe.metrics_tenant import NO_TENANT, TenantLabel, hashed_tenant
 from switchyard.observe.metrics_tenant import tenant_key as tenant_key
+from switchyard.outcomes import Kind, Retry, parse
 from switchyard.pipeline import RequestContext
 
 log = logging.getLogger("switchyard.metrics")
@@ -491,15 +492,18 @@ class Metrics:
         retried = False
         for d in ctx.decisions:
             stage, outcome, evidence = d.stage, d.outcome, d.evidence
-            if stage == "attempt" and not outcome.startswith("skip"):
-                result = "ok" if outcome == "ok" else outcome.split(":", 1)[-1]
-                alias = (evidence or {}).get("alias", model)
-                incs.append((self._attempts, (str(alias), result)))
-            elif stage == "retry" and outcome == "backoff":
+            if stage == "attempt":
+                result, detail = parse(outcome)  # "ok", "engine_crashed", "error:<class>"
+                if result != Kind.SKIP:
+                    alias = (evidence or {}).get("alias", model)
+                    incs.append(
+                        (self._attempts, (str(alias), str(result) if detail is None else detail))
+                    )
+            elif stage == "retry" and outcome == Retry.BACKOFF:
                 retried = True
                 incs.append((self._retries, (model,)))
             elif stage == "route":
-                incs.append((self._routes, (outcome,)))
+                incs.append((self._routes, (str(outcome),)))  # the value, not the enum
         if ctx.run.fallback_from is not None:
             incs.append((self._fallbacks, (ctx.run.fallback_from, model)))
         if status == "ok" and ctx.run.attempts:

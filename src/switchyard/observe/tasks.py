@@ -35,6 +35,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from switchyard.outcomes import Task, refusal
+
 # `received_at` is wall-clock and `duration_ms` is measured on a monotonic clock, both
 # rounded; a step that seems to start a hair before its predecessor ends still waited on it.
 TOLERANCE_MS = 1.0
@@ -144,12 +146,12 @@ def governance(records: list[dict[str, Any]], steps: list[_Step], t0: float) -> 
                 budget, used = ev["budget"], ev.get("used") or {}
             if ev.get("deadline_at") is not None:
                 deadline_at = float(ev["deadline_at"])
-            if outcome.startswith("reject:"):
-                cause = outcome.partition(":")[2]
+            cause = refusal(outcome)
+            if cause is not None:
                 refused[cause] += 1
                 if cause == "cancelled":
                     cancel_marks.append(float(ev.get("cancelled_at") or d.get("started_at") or 0))
-            elif outcome == "stopped":
+            elif outcome == Task.STOPPED:
                 stopped.append(rid)
                 cancel_marks.append(float(d.get("started_at") or 0))
         for d in _decisions(r, "tool_calls"):
@@ -167,13 +169,16 @@ def governance(records: list[dict[str, Any]], steps: list[_Step], t0: float) -> 
             "refused": sum(
                 1
                 for r in arrived
-                if any(d.get("outcome") == "reject:cancelled" for d in _decisions(r, "task"))
+                if any(
+                    refusal(str(d.get("outcome") or "")) == "cancelled"
+                    for d in _decisions(r, "task")
+                )
             ),
             "ran": [
                 str(r["request_id"])
                 for r in arrived
                 if not any(
-                    str(d.get("outcome", "")).startswith("reject:") for d in _decisions(r, "task")
+                    refusal(str(d.get("outcome") or "")) is not None for d in _decisions(r, "task")
                 )
             ],
             "ended_after": [

@@ -13,6 +13,7 @@ from typing import Any
 
 from switchyard.errors import AuthenticationError, PermissionDenied
 from switchyard.identity import ANONYMOUS, Principal
+from switchyard.outcomes import Authenticate
 
 MAX_AUTHORIZATION = 512  # our keys are ~50 characters; a longer value is not one
 
@@ -35,7 +36,7 @@ def api_key_header(headers: Mapping[str, str]) -> str | None:
     return value.strip()
 
 
-Verdict = tuple[tuple[str, str], dict[str, Any]]
+Verdict = tuple[tuple[Authenticate, str], dict[str, Any]]
 
 
 class Authenticator:
@@ -56,9 +57,9 @@ class Authenticator:
         verdict = self._verdicts.get(who)
         if verdict is None:
             verdict = (
-                ("skip", "auth.mode is disabled")
+                (Authenticate.SKIP, "auth.mode is disabled")
                 if principal is ANONYMOUS
-                else ("ok", "valid API key"),
+                else (Authenticate.OK, "valid API key"),
                 {"tenant": principal.tenant_id, "key": principal.key_id},
             )
             if len(self._verdicts) >= 4096:  # principals are re-read as keys change

@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from switchyard import outcomes
 from switchyard.config import AdapterConfig, ModelConfig, Price, Settings
 from switchyard.errors import (
     AdapterNotAllowed,
@@ -86,8 +87,13 @@ from switchyard.request import Embedding
 
 log = logging.getLogger("switchyard")
 
-NO_LIMITS = Verdict("skip", "no limits apply")
+NO_LIMITS = Verdict(outcomes.Admit.SKIP, "no limits apply")
 NO_WAIT = "waited 0.0 ms for a slot"
+# The outcomes every admitted request records, bound once: reading an enum member
+# through its class costs a metaclass lookup each time, on the request's path.
+_ADMITTED = outcomes.Admit.ADMITTED
+_WINDOW_OK = outcomes.Window.OK
+_QUEUE_ADMITTED = outcomes.Queue.ADMITTED
 
 # What was spent by a scope ("key_id" | "tenant_id", id) since a unix time: the ledger.
 SpentSince = Callable[[str, str, float], Awaitable[float]]
@@ -98,7 +104,7 @@ class Authorize(Stage):
     the evidence recorded for each (built once, shared by every request)."""
 
     name = "authorize"
-    UNKNOWN = Verdict("skip", "unknown model; selection will refuse it")
+    UNKNOWN = Verdict(outcomes.Authorize.SKIP, "unknown model; selection will refuse it")
 
     def __init__(
         self,
@@ -110,7 +116,8 @@ class Authorize(Stage):
         for name, a in self._adapters.items():
             self._named[name] = {"model": name, "adapter": name, "base": a.base}
         self._allowed = {
-            a: Verdict("allowed", "the key may use this model", e) for a, e in self._named.items()
+            a: Verdict(outcomes.Authorize.ALLOWED, "the key may use this model", e)
+            for a, e in self._named.items()
         }
 
     def static(self, view: View) -> Verdict | None:
@@ -136,7 +143,13 @@ class Authorize(Stage):
             why = ctx.principal.adapter_refusal(adapter.name, adapter.allowed_tenants)
             if why is not None:
                 raise AdapterNotAllowed(why, param="model")
-        ctx.record(self.name, "allowed", "the key may use this model", t, self._named[ctx.alias])
+        ctx.record(
+            self.name,
+            outcomes.Authorize.ALLOWED,
+            "the key may use this model",
+            t,
+            self._named[ctx.alias],
+        )
 
 
 class Reserver:
@@ -203,10 +216,15 @@ class Reserver:
             if self.on_failure == "fail_open":
                 self.counters["limiter_fail_open"] += 1
                 log.warning("limiter unavailable, admitting (fail_open): %s", exc)
-                ctx.record(stage, "admit:fail_open", f"limiter unavailable: {exc}", t)
+                ctx.record(stage, outcomes.Admit.FAIL_OPEN, f"limiter unavailable: {exc}", t)
                 return
             self.counters["limiter_fail_closed"] += 1
-            ctx.record(stage, "reject:limiter_unavailable", f"limiter unavailable: {exc}", t)
+            ctx.record(
+                stage,
+                outcomes.Admit.REJECT_LIMITER_UNAVAILABLE,
+                f"limiter unavailable: {exc}",
+                t,
+            )
             raise EngineNotReady(
                 "rate limiter unavailable; refusing (fail_closed)", code="limiter_unavailable"
             ) from None
@@ -221,7 +239,7 @@ class Reserver:
         if not verdict.allowed:
             ctx.record(
                 stage,
-                f"reject:{verdict.limit}",
+                outcomes.reject(str(verdict.limit)),
                 f"{verdict.limit} limit of {verdict.scope}",
                 t,
                 evidence,
@@ -230,9 +248,9 @@ class Reserver:
         ctx.admission.reservations.append((scopes, ask, stage))
         if shrunk is not None:
             reason = f"within every limit once the output cap shrank to {shrunk['to']} tokens"
-            ctx.record(stage, "admitted:cap_shrunk", reason, t, evidence)
+            ctx.record(stage, outcomes.Admit.ADMITTED_CAP_SHRUNK, reason, t, evidence)
             return
-        ctx.record(stage, "admitted", "within every limit", t, evidence)
+        ctx.record(stage, _ADMITTED, "within every limit", t, evidence)
 
     def settle(self, ctx: RequestContext, stage: str) -> Awaitable[None] | None:
         """Settle what `stage` reserved for the request with what it was charged
@@ -359,7 +377,7 @@ class Window(Stage):
         if window is not None and cost.lower > window:
             ctx.record(
                 self.name,
-                "reject:context_length_exceeded",
+                outcomes.Window.REJECT_CONTEXT_LENGTH,
                 f"the prompt has at least {cost.lower} tokens; the window is {window}",
                 t,
                 evidence,
@@ -372,7 +390,9 @@ class Window(Stage):
             )
         ctx.cost = cost
         ctx.max_tokens = cost.cap
-        ctx.record(self.name, "ok", f"output capped at {cost.cap} tokens per sequence", t, evidence)
+        ctx.record(
+            self.name, _WINDOW_OK, f"output capped at {cost.cap} tokens per sequence", t, evidence
+        )
 
 
 class _Reserving(Stage):
@@ -471,7 +491,7 @@ class Queue(Stage):
         try:
             ask = self._ask(ctx)
         except InvalidRequest as exc:
-            ctx.record("queue", "reject:invalid_header", exc.message, t)
+            ctx.record("queue", outcomes.Queue.REJECT_INVALID_HEADER, exc.message, t)
             raise
         adm = gate.try_acquire(ask, ctx.deadline)
         if adm is None:
@@ -490,7 +510,7 @@ class Queue(Stage):
             if isinstance(more, dict):
                 evidence |= more
             code = exc.code if isinstance(exc, SwitchyardError) else "error"
-            ctx.record("queue", f"reject:{code}", str(exc), t, evidence)
+            ctx.record("queue", outcomes.reject(code), str(exc), t, evidence)
             raise
         self._admitted(ctx, gate, adm, ask, t)
 
@@ -526,7 +546,7 @@ class Queue(Stage):
             evidence["class"] = ask.priority.name.lower()
         ctx.record(
             "queue",
-            "waited" if waited else "admitted",
+            outcomes.Queue.WAITED if waited else _QUEUE_ADMITTED,
             f"waited {adm.waited_s * 1000:.1f} ms for a slot" if waited else NO_WAIT,
             t,
             evidence,
@@ -539,7 +559,9 @@ class Pii(Stage):
     placeholders (policy/pii_reply.py)."""
 
     name = "pii"
-    NOTHING_STORED = Verdict("skip", "observe_only and no cache or router: no text is stored")
+    NOTHING_STORED = Verdict(
+        outcomes.Pii.SKIP, "observe_only and no cache or router: no text is stored"
+    )
 
     def __init__(self, settings: Settings, masker: PiiMasker, cache_on: bool) -> None:
         self._mode = settings.pii.mode
@@ -568,13 +590,22 @@ class Pii(Stage):
         try:
             masked = mask_request(session, ctx.generation)
         except MaskingError as exc:
-            ctx.record("pii", "reject:masking_failed", f"masking failed: {type(exc).__name__}", t)
+            ctx.record(
+                "pii",
+                outcomes.Pii.REJECT_MASKING_FAILED,
+                f"masking failed: {type(exc).__name__}",
+                t,
+            )
             raise PiiFailure("PII masking failed; the request was refused (fail closed)") from None
         found = dict(session.found)
         evidence = {"mode": mode, "found": found}
         if found and mode == "block":
             ctx.record(
-                "pii", "reject:pii_detected", f"request contains {sorted(found)}", t, evidence
+                "pii",
+                outcomes.Pii.REJECT_PII_DETECTED,
+                f"request contains {sorted(found)}",
+                t,
+                evidence,
             )
             raise InvalidRequest(
                 f"the request contains personal data ({', '.join(sorted(found))}) and this "
@@ -585,7 +616,11 @@ class Pii(Stage):
         ctx.pii = PiiState(session, masked, restore, found)
         if restore:
             ctx.request = masked  # the upstream sees placeholders; the reply is restored
-        outcome = ("masked" if mode == "mask_upstream" else "observed") if found else "clean"
+        outcome = (
+            (outcomes.Pii.MASKED if mode == "mask_upstream" else outcomes.Pii.OBSERVED)
+            if found
+            else outcomes.Pii.CLEAN
+        )
         ctx.record("pii", outcome, f"{sum(found.values())} PII value(s) found", t, evidence)
 
     def reply(self, ctx: RequestContext) -> ReplyPart | None:
@@ -607,7 +642,7 @@ class Task(Stage):
     counted among the task's calls in flight (so a cancel can stop it)."""
 
     name = "task"
-    NO_TASK = Verdict("skip", "no x-task-id")
+    NO_TASK = Verdict(outcomes.Task.SKIP, "no x-task-id")
 
     def __init__(
         self, settings: Settings, store: TaskStore, running: Running, estimate: Estimate
@@ -679,7 +714,7 @@ class Task(Stage):
         try:
             first = self._first(ctx)
         except InvalidRequest as exc:
-            ctx.record(self.name, "reject:invalid_header", exc.message, t)
+            ctx.record(self.name, outcomes.Task.REJECT_INVALID_HEADER, exc.message, t)
             raise
         key = (ctx.principal.tenant_id, task_id)
         prompt, out, price = self._estimate(ctx)
@@ -708,16 +743,20 @@ class Task(Stage):
         except LimiterUnavailable as exc:
             if self._fail_open:
                 log.warning("task state unavailable, admitting (fail_open): %s", exc)
-                ctx.record(self.name, "admit:fail_open", f"task state unavailable: {exc}", t)
+                ctx.record(self.name, outcomes.Task.FAIL_OPEN, f"task state unavailable: {exc}", t)
                 return
-            ctx.record(self.name, "reject:unavailable", f"task state unavailable: {exc}", t)
+            ctx.record(
+                self.name, outcomes.Task.REJECT_UNAVAILABLE, f"task state unavailable: {exc}", t
+            )
             raise EngineNotReady(
                 "task state unavailable; refusing (fail_closed)", code="task_state_unavailable"
             ) from None
         evidence = adm.evidence(now)
         refused = adm.refused
         if refused is not None:
-            ctx.record(self.name, f"reject:{refused}", task_refusal_reason(refused), t, evidence)
+            ctx.record(
+                self.name, outcomes.reject(refused), task_refusal_reason(refused), t, evidence
+            )
             raise task_error(task_id, refused, adm)
         ctx.task = TaskHold(key, rid, int(adm.used["calls"]), ctx.input.planned_steps)
         if shrunk is not None:
@@ -730,7 +769,9 @@ class Task(Stage):
             if cut < ctx.deadline:
                 ctx.deadline = cut
                 evidence["deadline_cut"] = True
-        ctx.record(self.name, "admitted", "within the task's budget and deadline", t, evidence)
+        ctx.record(
+            self.name, outcomes.Task.ADMITTED, "within the task's budget and deadline", t, evidence
+        )
 
 
 def task_refusal_reason(refused: str) -> str:
@@ -784,7 +825,7 @@ class ToolResults(Stage):
     already had a result is a duplicate side effect."""
 
     name = "tool_results"
-    NONE = Verdict("skip", "no tool results to check")
+    NONE = Verdict(outcomes.ToolResults.SKIP, "no tool results to check")
 
     def __init__(
         self,
@@ -810,10 +851,10 @@ class ToolResults(Stage):
         try:
             results = tool_results(ctx.generation.messages)
         except InvalidRequest as exc:
-            ctx.record(self.name, f"reject:{exc.code}", exc.message, t)
+            ctx.record(self.name, outcomes.reject(exc.code), exc.message, t)
             raise
         if not results:
-            ctx.record(self.name, "skip", "no tool results", t)
+            ctx.record(self.name, outcomes.ToolResults.SKIP, "no tool results", t)
             return None
         return self._check(ctx, results, t)
 
@@ -848,14 +889,16 @@ class ToolResults(Stage):
             evidence["duplicates"] = duplicates
             ctx.record(
                 self.name,
-                f"duplicate:{len(duplicates)}",
+                outcomes.tagged(outcomes.Kind.DUPLICATE, len(duplicates)),
                 f"{len(duplicates)} tool result(s) for calls that already had one: "
                 "a side effect may have run twice",
                 t,
                 evidence,
             )
             return
-        ctx.record(self.name, "ok", f"{len(ids)} new tool result(s)", t, evidence)
+        ctx.record(
+            self.name, outcomes.ToolResults.OK, f"{len(ids)} new tool result(s)", t, evidence
+        )
 
     async def _approve(
         self, ctx: RequestContext, needed: list[NeededApproval], t: float
@@ -874,7 +917,7 @@ class ToolResults(Stage):
         try:
             tokens = approval_tokens(ctx.input.headers.get("x-switchyard-approval"))
         except InvalidRequest as exc:
-            ctx.record(self.name, "reject:invalid_header", exc.message, t)
+            ctx.record(self.name, outcomes.ToolResults.REJECT_INVALID_HEADER, exc.message, t)
             raise
         for n in pending:
             approver, why = None, "no approval was presented"
@@ -889,7 +932,7 @@ class ToolResults(Stage):
             if approver is None:
                 ctx.record(
                     self.name,
-                    "reject:approval_required",
+                    outcomes.ToolResults.REJECT_APPROVAL_REQUIRED,
                     f"the result of {n.approval_id} ({n.tool}) needs an approval: {why}",
                     t,
                     {"call_id": n.approval_id, "tool": n.tool, "approved": approved},

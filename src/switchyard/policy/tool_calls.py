@@ -53,6 +53,7 @@ import orjson
 from switchyard.config import ToolsConfig
 from switchyard.decide.tools import _denial
 from switchyard.errors import InvalidRequest
+from switchyard.outcomes import Kind, Tagged, ToolCalls, tagged
 from switchyard.pipeline import ReplyPart, RequestContext
 from switchyard.policy.tasks import ToolCallNote
 from switchyard.reply import reply_object
@@ -149,12 +150,12 @@ class ToolOutcome:
     flagged: int = 0
 
     @property
-    def outcome(self) -> str:
+    def outcome(self) -> Tagged | ToolCalls:
         if self.blocked:
-            return f"blocked:{self.blocked}"
+            return tagged(Kind.BLOCKED, self.blocked)
         if self.flagged:
-            return f"flagged:{self.flagged}"
-        return "ok"
+            return tagged(Kind.FLAGGED, self.flagged)
+        return ToolCalls.OK
 
     def reason(self) -> str:
         n = len(self.calls)
