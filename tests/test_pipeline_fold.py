@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hypothesis import example, given, settings
@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 
 from switchyard.config import Settings, parse_settings
 from switchyard.decide.cache import ResponseCache
+from switchyard.engines.llamacpp import EngineState
+from switchyard.engines.pool import EnginePool
 from switchyard.engines.registry import Registry
 from switchyard.errors import SwitchyardError
 from switchyard.gateway import build_pipelines
@@ -38,7 +40,9 @@ PII_MODES = ["observe_only", "mask_upstream", "block"]
 
 @dataclass
 class _EngineState:
-    """A managed engine's state as the deployment sees it (generated input)."""
+    """A managed engine's state as the deployment and the engine pool see it
+    (generated input). Not ready means loading (neither cold nor failed): the pool's
+    residency stage refuses it within the request's deadline, starting nothing."""
 
     ready: bool
     base_url: str
@@ -46,6 +50,17 @@ class _EngineState:
     cold: bool = False
     kind: str = "llamacpp"
     adapters: tuple[Any, ...] = ()
+    # What the engine pool reads and counts (engines/pool.py).
+    alias: str = "engine"
+    draining: Any = None
+    in_flight: int = 0
+    last_used: float = 0.0
+    busy_since: float | None = None
+    busy_s: float = 0.0
+    memory_mb: float | None = 300.0
+    cold_start_s: float | None = None
+    isolate_base: bool = False
+    state: EngineState = EngineState.STARTING
 
 
 limits = st.builds(
@@ -140,12 +155,17 @@ def _settings(c: dict[str, Any], tmp: str) -> Settings:
 class _World:
     """One set of components (limiter, gates, cache, registry) and its pipeline."""
 
-    def __init__(self, s: Settings, engines: dict[str, _EngineState | None]) -> None:
+    def __init__(
+        self, s: Settings, engines: dict[str, _EngineState | None], residency: bool = False
+    ) -> None:
         self.registry = Registry(s)
+        # The engine pool's residency stage: it holds a local engine for the request
+        # (released on the unwind) or refuses one still loading.
+        self.pool = EnginePool({}, s.engines) if residency else None
         for alias, state in engines.items():
             if state is not None:
                 dep = self.registry.deployments[alias]
-                dep.engine = state  # type: ignore[assignment]
+                dep.engine = replace(state)  # type: ignore[assignment]  # its own copy
                 dep.fixed_label = None
         self.limiter = MemoryLimiter()
         self.gates = {
@@ -176,6 +196,7 @@ class _World:
             MediaProcessor(s.media)
             if any(m.capabilities.supports_vision for m in s.models)
             else None,
+            pool=self.pool,
         ).generation
 
 
@@ -245,7 +266,17 @@ def _outcome(world: _World, ctx: RequestContext, error: BaseException | None) ->
         else sorted(ctx.admission.rate_headers),
         ctx.response is not None,
         {a: (g.in_flight, g.queued) for a, g in world.gates.items()},
+        _held_engines(world),
     )
+
+
+def _held_engines(world: _World) -> dict[str, int]:
+    """The local engines a request holds (the residency stage's `hold`)."""
+    return {
+        a: dep.engine.in_flight
+        for a, dep in world.registry.deployments.items()
+        if dep.engine is not None and dep.engine.in_flight
+    }
 
 
 async def _serve(world: _World, ctx: RequestContext, stepwise: bool, ready: bool) -> Any:
@@ -271,6 +302,7 @@ async def _serve(world: _World, ctx: RequestContext, stepwise: bool, ready: bool
         await pending
     held = {a: (g.in_flight, g.queued) for a, g in world.gates.items() if g.in_flight}
     assert not held, f"slots still held after the unwind: {held}"
+    assert not _held_engines(world), "an engine still held after the unwind"
     return (out, parts), ctx, error
 
 
@@ -355,7 +387,7 @@ def test_folded_run_equals_stage_by_stage_run(
     tmp_path_factory: Any, config: dict[str, Any], principal: Principal, engines: Any, reqs: Any
 ) -> None:
     s = _settings(config, str(tmp_path_factory.getbasetemp()))
-    folded, stepwise = _World(s, engines), _World(s, engines)
+    folded, stepwise = _World(s, engines, True), _World(s, engines, True)
 
     async def run() -> None:
         for r in reqs:

@@ -21,12 +21,12 @@ import orjson
 
 from switchyard.config import Settings
 from switchyard.decide.cache import Entry
-from switchyard.engines.token_ids import attach as attach_token_ids
+from switchyard.engines.token_ids import attached
 from switchyard.execute.embeddings import Embeddings
 from switchyard.execute.executor import Executor
 from switchyard.execute.idempotent import Idempotent
+from switchyard.outcomes import Validate
 from switchyard.pipeline import (
-    Decision,
     Pipeline,
     RequestContext,
     RequestIds,
@@ -49,6 +49,8 @@ from switchyard.settle import Settler, mark_failed, raise_cancelled
 
 if TYPE_CHECKING:
     from switchyard.observe.otel import Tracing
+
+VALIDATED = Validate.OK  # read once: an enum member read through its class costs more
 
 # Reads and decodes the request's body within a number of seconds: (the typed
 # request, the bytes it was decoded from when they are exactly it, else None).
@@ -123,33 +125,19 @@ class RequestService:
                 ctx, headers, time.time_ns() - int((time.perf_counter() - received) * 1e9)
             )
         (outcome, reason), evidence = self.auth.verdict(principal)
-        ctx.decisions.append(
-            Decision("authenticate", outcome, reason, evidence, received, time.perf_counter())
-        )
+        ctx.record("authenticate", outcome, reason, received, evidence)
         self.active += 1
         return ctx
 
     def begin(self, ctx: RequestContext) -> None:
-        """What every request checks first: its headers, then its own deadline
-        (`x-request-timeout`, which can only shorten the gateway's)."""
-        if ctx.header_error is not None:
-            raise ctx.header_error
-        headers = ctx.input.headers
-        timeout = headers.get("x-request-timeout") if headers is not None else None
-        if timeout is not None:
-            asked = request_headers.request_timeout(timeout)
-            ctx.deadline = ctx.timings.received + min(self._deadline_s, asked)
+        """Its headers' and its own deadline's checks (policy/headers.py)."""
+        request_headers.begin(ctx, self._deadline_s)
 
     @staticmethod
     def _validated(ctx: RequestContext, req: Generation | Embedding, raw: bytes | None) -> None:
         ctx.request = req
         ctx.wire = (req, raw)
-        received = ctx.timings.received
-        ctx.decisions.append(
-            Decision(
-                "validate", "ok", "request shape is valid", None, received, time.perf_counter()
-            )
-        )
+        ctx.record("validate", VALIDATED, "request shape is valid", ctx.timings.received)
 
     # -- chat and completions ---------------------------------------------------------
     async def generate(
@@ -223,16 +211,13 @@ class RequestService:
         reply = await self.executor.execute(ctx)
         ctx.status = Status.OK
         ctx.timings.ended = time.perf_counter()
-        body = reply.body
-        served = ctx.deployment
-        if (
-            served is not None
-            and served.token_ids == "llamacpp"
-            and ctx.generation.return_token_ids is True
-        ):
-            body = await attach_token_ids(
-                body, ctx.input.endpoint, served.upstream, max(0.5, ctx.remaining_s())
-            )
+        body = await attached(
+            reply.body,
+            ctx.deployment,
+            ctx.generation.return_token_ids,
+            ctx.input.endpoint,
+            ctx.remaining_s(),
+        )
         sent = through(ctx, self.pipelines.generation.reply_side(ctx), body)
         body = sent if isinstance(sent, bytes) else await sent
         raw_headers = served_raw_headers(ctx)

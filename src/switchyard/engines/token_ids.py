@@ -22,12 +22,15 @@ must equal the reply's `usage.prompt_tokens`, else `prompt_token_ids` is null.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
 from switchyard.config import LlamaCppEngine, ModelConfig, OpenAIEngine, VllmEngine
 from switchyard.engines.upstream import OpenAIUpstream
+
+if TYPE_CHECKING:
+    from switchyard.engines.registry import Deployment
 
 Support = Literal["native", "llamacpp"]
 
@@ -62,6 +65,16 @@ def refusal(model: ModelConfig, stream: bool, n: Any) -> str | None:
 # What llama-server is asked instead of `return_token_ids`: its native result beside
 # the reply (the prompt's and the output's tokens).
 LLAMACPP_NATIVE = {"return_tokens": True, "verbose": True}
+
+
+async def attached(
+    body: bytes, served: Deployment | None, asked: Any, endpoint: str, timeout_s: float
+) -> bytes:
+    """`body` as the client gets it: with the token ids moved in when it `asked` for
+    them and `served` is a llama-server (vLLM's reply already has them)."""
+    if served is None or served.token_ids != "llamacpp" or asked is not True:
+        return body
+    return await attach(body, endpoint, served.upstream, max(0.5, timeout_s))
 
 
 async def attach(body: bytes, endpoint: str, upstream: OpenAIUpstream, timeout_s: float) -> bytes:

@@ -272,3 +272,14 @@ def opened(
     )
     ctx.header_error = bad
     return ctx
+
+
+def begin(ctx: RequestContext, most_s: float) -> None:
+    """What every request checks first: its headers, then its own deadline
+    (`x-request-timeout`, which can only shorten the gateway's `most_s`)."""
+    if ctx.header_error is not None:
+        raise ctx.header_error
+    headers = ctx.input.headers
+    timeout = headers.get("x-request-timeout") if headers is not None else None
+    if timeout is not None:
+        ctx.deadline = ctx.timings.received + min(most_s, request_timeout(timeout))
