@@ -80,6 +80,9 @@ def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
                         "name": "crm",
                         "command": [sys.executable, SERVER, "stdio", tools.stdio_log],
                         "env": {"CRM_TOKEN": "SY_TEST_CRM_TOKEN"},
+                        # Down for at least this long after it dies: long enough for a
+                        # call to be sent while it is down (the restart test).
+                        "restart_backoff_s": 2.0,
                     },
                     {
                         "name": "web",
@@ -551,16 +554,35 @@ def test_a_stdio_server_that_dies_is_restarted_and_reported(gw: Gateway, tools: 
             with pytest.raises(MCPError):
                 await s.call_tool("crm__crash", {})
 
+    # An approved call sent while the server is down is refused before its approval
+    # is spent: the same token runs it once the server is back.
+    call_id = "call_sya_" + os.urandom(6).hex()
+    amount = int.from_bytes(os.urandom(3), "big")
+    token = gw.approve(gw.tenant, None, call_id)  # type: ignore[attr-defined]
+
+    async def pay() -> str:
+        async with session(gw, **{"x-switchyard-approval": token}) as s:
+            try:
+                r = await s.call_tool("crm__pay", {"amount": amount}, meta={"call_id": call_id})
+            except MCPError as exc:
+                return str(exc.data["code"])
+            return text(r)
+
     run(crash())
     deadline = time.monotonic() + 30
-    seen_down = False
+    refused = None
     while time.monotonic() < deadline:
         state = crm()
-        seen_down = seen_down or state["state"] == "failed"
+        if state["state"] == "failed" and refused is None:
+            refused = run(pay())
         if state["ready"] and state["restarts"] > before:
             break
         time.sleep(0.1)
     assert state["ready"] and state["restarts"] == before + 1, state
+    assert refused == "tool_server_unavailable", refused
+    assert Tools.runs(tools.stdio_log, "pay", amount=amount) == 0
+    assert run(pay()) == f"paid {amount}"  # the approval was not spent on the refusal
+    assert Tools.runs(tools.stdio_log, "pay", amount=amount) == 1
     public = httpx.get(gw.url + "/readyz").json()["models"]["mcp:crm"]
     assert "last_error" not in public  # the reason is for the admin only
     # The server printed its credential as it died: neither the log nor the admin's

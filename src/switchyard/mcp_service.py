@@ -311,6 +311,10 @@ class McpToolService:
         open_for = server.breaker.refusal(time.monotonic())
         if open_for is not None:  # before the budget, a claim or an approval is spent
             raise _circuit_open(ctx, server, open_for, t, {"server": server.name, "tool": tool})
+        if server.state != "ready":  # nor on a call that could not be sent
+            why = f"the tool server '{server.name}' is {server.state}"
+            ctx.record("tool_exec", outcomes.ToolExec.UNAVAILABLE, why, t, {"server": server.name})
+            raise ToolServerUnavailable(f"the tool server '{server.name}' is unavailable")
         spend.price = float(server.cfg.tool_prices.get(tool, 0.0))
         timeout = await self._admit_task(ctx, who, spend, server.cfg.timeout_s)
         keyed = cls == "side_effect" or approval
