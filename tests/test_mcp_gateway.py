@@ -88,7 +88,9 @@ def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
                         "name": "web",
                         "url": f"http://127.0.0.1:{port}/mcp",
                         "timeout_s": 1.5,
-                        "tool_prices": {"lookup": PRICE},
+                        # "lokup": a typo: a price for a tool the server does not
+                        # list is never charged, so the gateway says so.
+                        "tool_prices": {"lookup": PRICE, "lokup": 1.0},
                     },
                     # The same server again, under a breaker that opens after two
                     # failures (its own: web's stays closed).
@@ -799,6 +801,16 @@ def test_a_tools_price_counts_toward_the_tasks_cost_and_its_usage_row(
         ("web__lookup", "ok", PRICE),
         ("web__lookup", "ok", PRICE),
     ]
+    # The mistyped price names a tool web does not list: the admin is told, the public
+    # readiness report does not show configuration.
+    admin = httpx.get(gw.url + "/readyz", headers=gw.admin).json()["models"]
+    assert admin["mcp:web"]["unknown_prices"] == ["lokup"]
+    assert "unknown_prices" not in admin["mcp:crm"]
+    public = httpx.get(gw.url + "/readyz").json()["models"]["mcp:web"]
+    assert "unknown_prices" not in public
+    assert "tool_prices names tools it does not list, which are never charged: lokup" in (
+        gw.proc.output()
+    )
 
 
 def wait_rows(gw: Gateway, task: str, n: int) -> list[dict[str, Any]]:

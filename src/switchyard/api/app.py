@@ -62,7 +62,17 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 # their processes, and error text (file paths, exception messages, stderr lines).
 # Everyone else sees the states: kind, state, ready, restarts, breaker, revision, ...
 ADMIN_ONLY_READINESS = frozenset(
-    {"upstream", "pid", "stderr_tail", "system_info", "last_error", "reason", "error", "model_file"}
+    {
+        "upstream",
+        "pid",
+        "stderr_tail",
+        "system_info",
+        "last_error",
+        "reason",
+        "error",
+        "model_file",
+        "unknown_prices",  # configuration detail: tool names priced but not listed
+    }
 )
 
 

@@ -99,7 +99,7 @@ class McpServer:
         self._stderr: Any = None
 
     def describe(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "kind": "stdio" if self.cfg.command else "http",
             "state": self.state,
             "ready": self.state == "ready",
@@ -110,7 +110,17 @@ class McpServer:
         }
         if self.breaker is not None:
             out["breaker"] = self.breaker.describe(time.monotonic())
+        unpriced = self.unknown_prices()
+        if unpriced:
+            out["unknown_prices"] = unpriced
         return out
+
+    def unknown_prices(self) -> list[str]:
+        """The tools `tool_prices` names that the server does not list (once it has
+        listed its tools): their prices are never charged."""
+        if not self.tools:
+            return []
+        return sorted(t for t in self.cfg.tool_prices if t not in self.tools)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._supervise(), name=f"mcp-{self.name}")
@@ -210,6 +220,14 @@ class McpServer:
                 self.last_error = None
                 self._ready.set()
                 log.info("MCP server %s ready: %d tools", self.name, len(self.tools))
+                unpriced = self.unknown_prices()
+                if unpriced:  # a price for a tool the server does not have: a typo?
+                    log.warning(
+                        "MCP server %s: tool_prices names tools it does not list, which "
+                        "are never charged: %s",
+                        self.name,
+                        ", ".join(unpriced),
+                    )
                 while True:
                     await asyncio.sleep(PING_S)
                     if forward is not None and forward.lost:
