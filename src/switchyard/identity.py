@@ -1,6 +1,6 @@
 """Who calls: the principal a request carries into every stage, its limits and its
 task budget. At the bottom of the layering (it imports nothing of Switchyard), so the
-request context (pipeline.py) and every stage can name these types."""
+request context (pipeline_context.py) and every stage can name these types."""
 
 from __future__ import annotations
 
