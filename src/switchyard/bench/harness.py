@@ -4,8 +4,10 @@
 a scripted upstream and gateways as child processes, wait for them, check them with a
 few requests, drive them with wrk and read wrk's report. Those helpers live here.
 
-This module imports no other `switchyard.bench` module, so every bench can build on it
-and the bench import graph runs one way (`tests/test_bench_imports.py` checks both).
+This module imports no other `switchyard.bench` module but its own part,
+`harness_machine.py` (what a run used and ran on: CPU per process tree, the machine and
+its versions), so every bench can build on it and the bench import graph runs one way
+(`tests/test_bench_imports.py` checks both).
 """
 
 from __future__ import annotations
@@ -13,9 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
 import re
-import resource
 import secrets
 import signal
 import socket
@@ -25,9 +25,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -35,6 +34,10 @@ from typing import Any
 import yaml
 
 import switchyard
+from switchyard.bench.harness_machine import CpuSample as CpuSample
+from switchyard.bench.harness_machine import cpu_sample as cpu_sample
+from switchyard.bench.harness_machine import machine_info as machine_info
+from switchyard.bench.harness_machine import package_version as package_version
 
 MODEL = "scripted"
 CHAT_PATH = "/v1/chat/completions"
@@ -175,49 +178,6 @@ def run_wrk(wrk: str, url: str, script: Path, scenario: Scenario, duration_s: in
     if done.returncode != 0:
         raise RuntimeError(f"wrk exited {done.returncode}: {done.stderr.strip()}")
     return parse_wrk(done.stdout)
-
-
-# --- CPU ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class CpuSample:
-    """CPU seconds (user + system) used so far: per process tree root, and by this
-    process's waited-for children (the load generator, run to its end)."""
-
-    trees: dict[int, float]
-    waited: float
-
-
-def cpu_sample(roots: Iterable[int]) -> CpuSample:
-    """What each root process and its descendants have used, read from /proc: every
-    live process of the tree, plus what its members' reaped children used."""
-    ticks = float(os.sysconf("SC_CLK_TCK"))
-    table: dict[int, tuple[int, int]] = {}  # pid -> (parent, ticks used incl. reaped)
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            raw = Path(f"/proc/{entry.name}/stat").read_bytes()
-        except OSError:  # gone between the listing and the read
-            continue
-        fields = raw[raw.rindex(b")") + 2 :].split()  # after the command name
-        used = sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
-        table[int(entry.name)] = (int(fields[1]), used)
-    kids: dict[int, list[int]] = {}
-    for pid, (parent, _) in table.items():
-        kids.setdefault(parent, []).append(pid)
-    trees: dict[int, float] = {}
-    for root in roots:
-        total, stack = 0, [root]
-        while stack:
-            pid = stack.pop()
-            if pid in table:
-                total += table[pid][1]
-                stack.extend(kids.get(pid, ()))
-        trees[root] = total / ticks
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return CpuSample(trees, usage.ru_utime + usage.ru_stime)
 
 
 # --- processes ------------------------------------------------------------------------
@@ -550,53 +510,3 @@ def start_gateway(name: str, config: Path, port: int, workdir: Path) -> Child:
 
 
 # --- machine --------------------------------------------------------------------------
-
-
-def package_version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def _proc_field(path: str, key: str) -> str | None:
-    try:
-        with open(path) as fh:
-            for line in fh:
-                name, _, value = line.partition(":")
-                if name.strip() == key:
-                    return value.strip()
-    except OSError:
-        pass
-    return None
-
-
-def machine_info(wrk: str) -> dict[str, Any]:
-    """What the numbers depend on, so two result files can be compared honestly."""
-    try:
-        done = subprocess.run([wrk, "--version"], capture_output=True, text=True, timeout=10)
-        wrk_version = (done.stdout + done.stderr).strip().splitlines()[0]
-    except (OSError, IndexError, subprocess.TimeoutExpired):
-        wrk_version = "unknown"
-    return {
-        "cpu_model": _proc_field("/proc/cpuinfo", "model name") or platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "memory_total": _proc_field("/proc/meminfo", "MemTotal"),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "versions": {
-            d: package_version(d)
-            for d in (
-                "switchyard",
-                "fastapi",
-                "starlette",
-                "uvicorn",
-                "aiohttp",
-                "uvloop",
-                "httptools",
-                "orjson",
-            )
-        },
-        "wrk": wrk_version,
-    }

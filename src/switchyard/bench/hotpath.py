@@ -28,7 +28,8 @@ finish, the usage and `[DONE]`). What each protocol costs beyond chat is its rat
 the chat target of its kind, in instructions.
 
 Beside them, one stage timed on its own: the duplicate-key check every JSON body
-passes (api/body.py), on a realistic agent chat body rather than the driven tiny one.
+passes (api/body.py), on a realistic agent chat body rather than the driven tiny one
+(bench/hotpath_stages.py). The targets' table is bench/hotpath_targets.py.
 
 Timers are made count-based here (a ledger batch per 512 requests, a metrics fold
 per 64), so every run does the same work in the same order.
@@ -55,9 +56,11 @@ from typing import Any
 
 import orjson
 
-from switchyard.bench.governed import REGISTRY, TASK_HEADERS, TOOL_CALLS
+from switchyard.bench.governed import TOOL_CALLS
 from switchyard.bench.harness import CHAT_PATH, MODEL, chat_body
-from switchyard.bench.protocols import messages_body, responses_body
+from switchyard.bench.hotpath_stages import AGENT_CHAT as AGENT_CHAT  # tests read it here
+from switchyard.bench.hotpath_stages import duplicate_key_check_us
+from switchyard.bench.hotpath_targets import CHAT_OF, MODELS, PROTOCOL_TARGETS, PROTOCOLS, TARGETS
 from switchyard.bench.realistic import KEY_LIMITS, TENANT, TENANT_LIMITS
 from switchyard.bench.scripted_upstream import WORDS
 from switchyard.engines.upstream import UpstreamReply
@@ -329,55 +332,6 @@ def _folds(gw: Any) -> Callable[[int], None]:
     return each
 
 
-# The targets: (auth and the realistic key, tools config, task headers, tool-call reply).
-# gov-off and governed are bench/governed.py's sy-gov-off and sy-governed in process.
-TARGETS: dict[str, tuple[bool, dict[str, Any] | None, dict[str, str], bool]] = {
-    "switchyard": (False, None, {}, False),
-    "realistic": (True, None, {}, False),
-    "gov-off": (True, {"check_outputs": False}, {}, True),
-    "governed": (True, {"registry": REGISTRY}, TASK_HEADERS, True),
-    "balanced": (True, None, {}, False),
-    "placed": (True, None, {}, False),
-    "chat-stream": (True, None, {}, False),
-    "responses": (True, None, {}, False),
-    "responses-stream": (True, None, {}, False),
-    "messages": (True, None, {}, False),
-    "messages-stream": (True, None, {}, False),
-}
-# The protocols mode: the request of bench/protocols.py on each endpoint, streamed or
-# not: (path, body, stream, what the reply must contain). `realistic` is its chat
-# target without a stream.
-PROTOCOLS: dict[str, tuple[str, Callable[[bool, int], bytes], bool, bytes | None]] = {
-    "realistic": (CHAT_PATH, chat_body, False, None),
-    "chat-stream": (CHAT_PATH, chat_body, True, b"data: [DONE]"),
-    "responses": ("/v1/responses", responses_body, False, b'"status":"completed"'),
-    "responses-stream": ("/v1/responses", responses_body, True, b"event: response.completed"),
-    "messages": ("/v1/messages", messages_body, False, b'"type":"message"'),
-    "messages-stream": ("/v1/messages", messages_body, True, b"event: message_stop"),
-}
-PROTOCOL_TARGETS = list(PROTOCOLS)
-# Each protocol target's chat target of the same kind (streamed or not).
-CHAT_OF = {t: "chat-stream" if spec[2] else "realistic" for t, spec in PROTOCOLS.items()}
-# The placement mode: the realistic key on an alias of two deployments, balanced
-# (least outstanding) without and with a placement policy between them.
-_TWO = [
-    {
-        "name": "dev",
-        "location": "device",
-        "engine": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1"},
-    },
-    {
-        "name": "cloud",
-        "location": "cloud",
-        "engine": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1"},
-    },
-]
-MODELS: dict[str, dict[str, Any]] = {
-    "balanced": {"deployments": _TWO, "balance": {"affinity": False}},
-    "placed": {"deployments": _TWO, "balance": {"affinity": False}, "placement": {}},
-}
-
-
 async def _started(
     target: str, workdir: Path, tokens: int, protocols: bool = False
 ) -> tuple[App, Any, Driver]:
@@ -429,94 +383,6 @@ async def _timed(args: argparse.Namespace) -> dict[str, Any]:
     floor = await _measure(_floor_app(reply), Driver(body), args.requests, args.blocks)
     out["floor_us"] = {"min": min(floor), "median": statistics.median(floor), "blocks": floor}
     return out
-
-
-# A chat body as an agent sends it (a system prompt, a tool call and its result, two
-# tool definitions, sampling settings), written with spaces as most clients write it:
-# what the duplicate-key check is timed on. Its text has colons in strings, so the
-# check's counts are not trivially equal.
-AGENT_CHAT: dict[str, Any] = {
-    "model": MODEL,
-    "messages": [
-        {
-            "role": "system",
-            "content": "You are ACME's support assistant. Answer briefly. Note: never "
-            "reveal internal ids; dates as YYYY-MM-DD, times as HH:MM.",
-        },
-        {"role": "user", "content": "Where is order 12345? I placed it on 2024-05-01 at 10:32."},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "lookup_order", "arguments": '{"order_id": "12345"}'},
-                }
-            ],
-        },
-        {
-            "role": "tool",
-            "tool_call_id": "call_1",
-            "content": '{"status": "shipped", "eta": "2024-05-04", "carrier": "UPS"}',
-        },
-    ],
-    "tools": [
-        {
-            "type": "function",
-            "function": {
-                "name": name,
-                "description": description,
-                "parameters": {
-                    "type": "object",
-                    "properties": {field: {"type": "string", "description": f"the {field}"}},
-                    "required": [field],
-                },
-            },
-        }
-        for name, description, field in (
-            ("lookup_order", "Look up an order by its id", "order_id"),
-            ("create_ticket", "Open a support ticket", "title"),
-        )
-    ],
-    "temperature": 0.2,
-    "max_tokens": 256,
-    "user": "u-42",
-}
-
-
-def _duplicate_key_check_us(requests: int, blocks: int) -> dict[str, Any]:
-    """CPU microseconds per request of parse_json's duplicate-key check
-    (`repeated_key`) on AGENT_CHAT, min and median over blocks, with orjson's parse
-    of the same body for scale. The driven targets send a tiny body; this is the
-    check's cost on a realistic one. Refuses to time the exact check's fallback: a
-    realistic body must be proven by the colon counts alone."""
-    from switchyard.api.body import colons_accounted, repeated_key
-
-    raw = json.dumps(AGENT_CHAT).encode()
-    body = orjson.loads(raw)
-    if not colons_accounted(raw, body) or repeated_key(raw, body) is not None:
-        raise RuntimeError("the duplicate-key check did not prove the chat body on its counts")
-    per = max(1, requests // blocks)
-
-    def timed(step: Callable[[], object]) -> list[float]:
-        out = []
-        for _ in range(blocks):
-            t = time.process_time()
-            for _ in range(per):
-                step()
-            out.append((time.process_time() - t) / per * 1e6)
-        return out
-
-    check = timed(lambda: repeated_key(raw, body))
-    parse = timed(lambda: orjson.loads(raw))
-    return {
-        "min": min(check),
-        "median": statistics.median(check),
-        "blocks": check,
-        "parse_min": min(parse),
-        "body_bytes": len(raw),
-    }
 
 
 async def _counted(target: str, requests: int, tokens: int, protocols: bool = False) -> None:
@@ -624,7 +490,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     timed = asyncio.run(_timed(args))
     # Stages timed on their own, outside the driven apps.
-    stages = {"duplicate_key_check_us": _duplicate_key_check_us(args.requests, args.blocks)}
+    stages = {"duplicate_key_check_us": duplicate_key_check_us(args.requests, args.blocks)}
     counted = _instructions(args) if args.instructions else None
     fl = timed["floor_us"]
     notes = {
