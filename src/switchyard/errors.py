@@ -5,6 +5,101 @@ Callers raise the class that names what went wrong; the API boundary turns any
 `{"error": {"message", "type", "param", "code"}}` (`body`), or on the Anthropic
 Messages routes `{"type": "error", "error": {"type", "message"}}` (`anthropic_body`). Anything else becomes a 500 with a generic message: no stack trace
 ever reaches a client.
+
+Every error a client can see is a class below, with its status and code; a raise site
+names the class and never passes its own code string (tests/test_error_tree.py checks
+this tree against the classes, and the raise sites). `UpstreamStatusError` answers with
+the upstream's own 4xx status.
+
+    SwitchyardError               500  internal_error
+      InvalidRequest              400  invalid_request
+        CallIdRequired            400  call_id_required
+        ChecksumMismatch          400  checksum_mismatch
+        ContextLengthExceeded     400  context_length_exceeded
+        DuplicateJsonKey          400  duplicate_key
+        InvalidCallId             400  invalid_call_id
+        InvalidHeader             400  invalid_header
+        InvalidHttpFraming        400  invalid_http
+        MediaFetchRefused         400  media_fetch_refused
+        MediaTimeout              400  media_timeout
+        MediaTooLarge             400  media_too_large
+        MediaUnsupported          400  media_unsupported
+        MissingRequiredParameter  400  missing_required_parameter
+        PiiDetected               400  pii_detected
+        TooManyToolResults        400  too_many_tool_results
+        UnknownTool               400  unknown_tool
+      AuthenticationError         401  invalid_api_key
+        InvalidAdminKey           401  invalid_admin_key
+      PermissionDenied            403  model_not_allowed
+        AdapterNotAllowed         403  adapter_not_allowed
+        AdminDisabled             403  admin_disabled
+        ApprovalRequired          403  approval_required
+        CsrfFailed                403  csrf_failed
+        ModelNotAllowed           403  model_not_allowed
+        NoEligibleRoute           403  no_eligible_route
+        PathNotAllowed            403  path_not_allowed
+        RevisionPinNotAllowed     403  revision_pin_not_allowed
+        ToolNotAllowed            403  tool_not_allowed
+        WeightsLoadingDisabled    403  weights_loading_disabled
+      ModelNotFound               404  model_not_found
+      NotFound                    404  not_found
+      RevisionNotFound            404  revision_not_found
+      RouteNotFound               404  not_found
+        SessionNotFound           404  session_not_found
+      MethodNotAllowed            405  method_not_allowed
+      RequestTimeout              408  request_timeout
+      Conflict                    409  conflict
+        CallIdConflict            409  call_id_conflict
+        ToolCallDone              409  tool_call_done
+        ToolCallInFlight          409  tool_call_in_flight
+        ToolCallRefused           409  tool_call_refused
+      RevisionConflict            409  revision_conflict
+      TaskCancelled               409  task_cancelled
+      ToolCallInDoubt             409  tool_call_in_doubt
+      PayloadTooLarge             413  request_too_large
+      UnsupportedMediaType        415  unsupported_media_type
+      IdempotencyConflict         422  idempotency_key_reused
+      RateLimited                 429  rate_limit_exceeded
+        BackgroundLimitReached    429  background_limit
+        MediaQueueFull            429  media_queue_full
+        QueueFull                 429  queue_full
+        QuotaExceeded             429  insufficient_quota
+        TaskBudgetExceeded        429  task_budget_exceeded
+        TokensExceedLimit         429  tokens_exceed_limit
+        TooManySessions           429  too_many_sessions
+        UpstreamRateLimited       429  upstream_rate_limited
+      UpstreamStatusError         4xx  upstream_rejected
+      ClientDisconnected          499  client_disconnected
+      AssetMissing                500  asset_missing
+      InternalError               500  internal_error
+      PiiFailure                  500  pii_masking_failed
+      StoredResponseUnreadable    500  stored_response_unreadable
+      UpstreamError               502  upstream_error
+        EngineCrashed             502  engine_crashed
+        ToolServerError           502  tool_server_error
+        UpstreamUnreachable       502  upstream_unreachable
+        UpstreamOverloaded        503  upstream_overloaded
+      DatabaseUnavailable         503  store_unavailable
+      EngineNotReady              503  engine_not_ready
+        AdapterBusy               503  adapter_busy
+        CircuitOpen               503  circuit_open
+        EngineFailed              503  engine_failed
+        LimiterDown               503  limiter_unavailable
+        ModelLoading              503  model_loading
+        NoActiveRevision          503  no_active_revision
+        RouterNotReady            503  router_not_ready
+        TaskStateUnavailable      503  task_state_unavailable
+      Overloaded                  503  overloaded
+      PlacementRefused            503  placement_refused
+      SharedStateUnavailable      503  shared_state_unavailable
+      ToolServerUnavailable       503  tool_server_unavailable
+        ToolCircuitOpen           503  tool_circuit_open
+      DeadlineExceeded            504  deadline_exceeded
+        DeadlineUnreachable       504  deadline_unreachable
+      TaskDeadlineExceeded        504  task_deadline_exceeded
+      UpstreamTimeout             504  upstream_timeout
+        MediaDeadlineExceeded     504  deadline_exceeded
+        ToolTimeout               504  tool_timeout
 """
 
 from __future__ import annotations
@@ -555,3 +650,228 @@ class ToolServerUnavailable(SwitchyardError):
     status = 503
     type = "server_error"
     code = "tool_server_unavailable"
+
+
+# -- one class per refusal that keeps its base's status and type, and names its own code --
+
+
+class MissingRequiredParameter(InvalidRequest):
+    """A required body field (`model`, `messages`, `prompt`, `input`, `max_tokens`) is absent."""
+
+    code = "missing_required_parameter"
+
+
+class InvalidHeader(InvalidRequest):
+    """A request header the gateway reads has a value it does not accept (`param` names it)."""
+
+    code = "invalid_header"
+
+
+class DuplicateJsonKey(InvalidRequest):
+    """The JSON request body repeats a key within one object."""
+
+    code = "duplicate_key"
+
+
+class InvalidHttpFraming(InvalidRequest):
+    """The request body's chunked framing is not valid HTTP/1.1."""
+
+    code = "invalid_http"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt alone is longer than the model's context window."""
+
+    code = "context_length_exceeded"
+
+
+class PiiDetected(InvalidRequest):
+    """The request holds personal data and the model's PII policy refuses it."""
+
+    code = "pii_detected"
+
+
+class TooManyToolResults(InvalidRequest):
+    """A request carries more tool results (tool and function messages) than allowed."""
+
+    code = "too_many_tool_results"
+
+
+class ChecksumMismatch(InvalidRequest):
+    """Weights registered with a `sha256` that the file does not match (RL admin API)."""
+
+    code = "checksum_mismatch"
+
+
+class InvalidCallId(InvalidRequest):
+    """A tool call id (`_meta.call_id`) that is not 1 to 128 of A-Z a-z 0-9 . _ : -."""
+
+    code = "invalid_call_id"
+
+
+class CallIdRequired(InvalidRequest):
+    """A side-effecting tool called without a call id while `mcp.require_call_id` is on."""
+
+    code = "call_id_required"
+
+
+class UnknownTool(InvalidRequest):
+    """An MCP `tools/call` for a tool that no configured tool server offers."""
+
+    code = "unknown_tool"
+
+
+class InvalidAdminKey(AuthenticationError):
+    """An admin API call whose bearer token is not the admin key."""
+
+    code = "invalid_admin_key"
+
+
+class ModelNotAllowed(PermissionDenied):
+    """The API key may not use the model it asked for (or the one the router chose)."""
+
+    code = "model_not_allowed"
+
+
+class AdminDisabled(PermissionDenied):
+    """The admin API is off: the environment variable holding its key is not set."""
+
+    code = "admin_disabled"
+
+
+class CsrfFailed(PermissionDenied):
+    """A console change from another origin, or without the session's CSRF token."""
+
+    code = "csrf_failed"
+
+
+class RevisionPinNotAllowed(PermissionDenied):
+    """A model revision pin from a key whose `may_pin_revisions` is off."""
+
+    code = "revision_pin_not_allowed"
+
+
+class WeightsLoadingDisabled(PermissionDenied):
+    """Weights registered at run time while `rl.weights_dirs` is empty (RL admin API)."""
+
+    code = "weights_loading_disabled"
+
+
+class PathNotAllowed(PermissionDenied):
+    """A weights path outside every folder of `rl.weights_dirs` (RL admin API)."""
+
+    code = "path_not_allowed"
+
+
+class ToolNotAllowed(PermissionDenied):
+    """The API key may not run the MCP tool it called."""
+
+    code = "tool_not_allowed"
+
+
+class SessionNotFound(RouteNotFound):
+    """An `Mcp-Session-Id` this key does not hold (unknown, ended, or another key's)."""
+
+    code = "session_not_found"
+
+
+class QueueFull(RateLimited):
+    """The model's admission queue is full; retry after `Retry-After`."""
+
+    code = "queue_full"
+
+
+class TokensExceedLimit(RateLimited):
+    """The request alone needs more tokens than the whole tokens-per-minute limit."""
+
+    code = "tokens_exceed_limit"
+
+
+class UpstreamRateLimited(RateLimited):
+    """The upstream answered 429; its `Retry-After` is passed on."""
+
+    code = "upstream_rate_limited"
+
+
+class TooManySessions(RateLimited):
+    """The key already holds as many open MCP sessions as one key may."""
+
+    code = "too_many_sessions"
+
+
+class BackgroundLimitReached(RateLimited):
+    """The tenant already runs `responses.max_background_per_tenant` background responses."""
+
+    code = "background_limit"
+
+
+class LimiterDown(EngineNotReady):
+    """The rate limiter's state cannot be reached and limits fail closed."""
+
+    code = "limiter_unavailable"
+
+
+class TaskStateUnavailable(EngineNotReady):
+    """The task state cannot be reached and task limits fail closed."""
+
+    code = "task_state_unavailable"
+
+
+class RouterNotReady(EngineNotReady):
+    """The router has not loaded yet and no `routing.default_route` is set."""
+
+    code = "router_not_ready"
+
+
+class NoActiveRevision(EngineNotReady):
+    """The RL model has no active revision whose engine is ready to serve."""
+
+    code = "no_active_revision"
+
+
+class ToolServerError(UpstreamError):
+    """A read-only MCP tool call failed on its tool server's side."""
+
+    code = "tool_server_error"
+
+
+class ToolTimeout(UpstreamTimeout):
+    """A read-only MCP tool call got no answer from its tool server in time."""
+
+    code = "tool_timeout"
+
+
+class MediaDeadlineExceeded(UpstreamTimeout):
+    """The request's deadline passed while its images were fetched or processed."""
+
+    code = "deadline_exceeded"
+
+
+class ToolCircuitOpen(ToolServerUnavailable):
+    """The tool server's circuit breaker is open after repeated failures: the call was not sent."""
+
+    code = "tool_circuit_open"
+
+
+class CallIdConflict(Conflict):
+    """A tool call id already used for another tool or other arguments."""
+
+    code = "call_id_conflict"
+
+
+class ToolCallInFlight(Conflict):
+    """A repeated tool call id whose first call is still running."""
+
+    code = "tool_call_in_flight"
+
+
+class ToolCallDone(Conflict):
+    """A repeated tool call id that an operator resolved as run, with no stored result."""
+
+    code = "tool_call_done"
+
+
+class ToolCallRefused(Conflict):
+    """The tool server refused a side-effecting call (a JSON-RPC error) before running it."""
+
+    code = "tool_call_refused"

@@ -56,16 +56,24 @@ from switchyard.config import Settings
 from switchyard.engines.mcp_servers import CallOutcome, McpServers, ServerUnavailable
 from switchyard.errors import (
     ApprovalRequired,
+    CallIdConflict,
+    CallIdRequired,
     Conflict,
-    EngineNotReady,
-    InvalidRequest,
-    PermissionDenied,
+    InvalidCallId,
     SwitchyardError,
     TaskCancelled,
+    TaskStateUnavailable,
+    ToolCallDone,
     ToolCallInDoubt,
+    ToolCallInFlight,
+    ToolCallRefused,
+    ToolCircuitOpen,
+    ToolNotAllowed,
+    ToolServerError,
     ToolServerUnavailable,
+    ToolTimeout,
+    UnknownTool,
     UpstreamError,
-    UpstreamTimeout,
 )
 from switchyard.execute.breaker import CircuitBreaker
 from switchyard.execute.tool_once import ToolCallRecords
@@ -121,10 +129,8 @@ class Caller:
 def _call_id(value: Any, where: str) -> str:
     if isinstance(value, str) and len(value) <= MAX_CALL_ID and ID_PATTERN.fullmatch(value):
         return value
-    raise InvalidRequest(
-        f"{where} must be 1 to {MAX_CALL_ID} characters of A-Z a-z 0-9 . _ : -",
-        param=where,
-        code="invalid_call_id",
+    raise InvalidCallId(
+        f"{where} must be 1 to {MAX_CALL_ID} characters of A-Z a-z 0-9 . _ : -", param=where
     )
 
 
@@ -291,12 +297,10 @@ class McpToolService:
         why = self.policy.refusal(name, tenant)
         if found is None or found[1] not in found[0].tools:
             ctx.record("tool_auth", outcomes.ToolAuth.REJECT_UNKNOWN, "no such tool", t)
-            raise InvalidRequest(f"unknown tool '{name}'", param="name", code="unknown_tool")
+            raise UnknownTool(f"unknown tool '{name}'", param="name")
         if why is not None:
             ctx.record("tool_auth", outcomes.ToolAuth.REJECT_FORBIDDEN, why, t, {"tool": name})
-            raise PermissionDenied(
-                f"this key may not run the tool '{name}'", param="name", code="tool_not_allowed"
-            )
+            raise ToolNotAllowed(f"this key may not run the tool '{name}'", param="name")
         server, tool = found
         cls = self.policy.tool_class(name)
         approval = self.policy.requires_approval(name)
@@ -325,15 +329,13 @@ class McpToolService:
                 raise ApprovalRequired(
                     f"the tool '{name}' requires an approval: send the call id in "
                     "_meta.call_id or x-switchyard-call-id, with an approval token for it "
-                    "(x-switchyard-approval) issued by an operator (POST /admin/approvals)",
-                    code="approval_required",
+                    "(x-switchyard-approval) issued by an operator (POST /admin/approvals)"
                 )
             if self.settings.mcp.require_call_id:
-                raise InvalidRequest(
+                raise CallIdRequired(
                     f"the tool '{name}' has side effects: send its call id in _meta.call_id "
                     "or x-switchyard-call-id (mcp.require_call_id)",
                     param="_meta.call_id",
-                    code="call_id_required",
                 )
         evidence: dict[str, Any] = {
             "server": server.name,
@@ -419,9 +421,7 @@ class McpToolService:
                 ctx.record("task", outcomes.Task.FAIL_OPEN, "task state unavailable", t)
                 return timeout
             ctx.record("task", outcomes.Task.REJECT_UNAVAILABLE, "task state unavailable", t)
-            raise EngineNotReady(
-                "task state unavailable; refusing (fail_closed)", code="task_state_unavailable"
-            ) from None
+            raise TaskStateUnavailable("task state unavailable; refusing (fail_closed)") from None
         evidence = adm.evidence(now)
         if adm.refused is not None:
             reason = task_refusal_reason(adm.refused)
@@ -506,8 +506,7 @@ class McpToolService:
         raise ApprovalRequired(
             f"the tool '{name}' requires an approval for call '{call_id}' ({why}): ask an "
             "operator for one (POST /admin/approvals or `switchyard approve`) and "
-            "send it in the x-switchyard-approval header",
-            code="approval_required",
+            "send it in the x-switchyard-approval header"
         )
 
     async def _run_once(self, call: Forward, call_id: str) -> dict[str, Any]:
@@ -624,9 +623,8 @@ class McpToolService:
         evidence = {**evidence, "error": {"code": code, "message": message}}
         if not out.sent:
             ctx.record("tool_exec", outcomes.ToolExec.ERROR, message, t, evidence)
-            raise Conflict(
-                f"the tool server '{server.name}' refused the call (JSON-RPC error {code})",
-                code="tool_call_refused",
+            raise ToolCallRefused(
+                f"the tool server '{server.name}' refused the call (JSON-RPC error {code})"
             )
         ctx.record(
             "tool_exec",
@@ -643,9 +641,9 @@ class McpToolService:
             what = f"the connection to the tool server '{server.name}' was lost during the call"
         if retry:  # read-only: nothing to be in doubt about
             if out.timed_out:
-                raise UpstreamTimeout(what, code="tool_timeout")
+                raise ToolTimeout(what)
             if out.server_error:
-                raise UpstreamError(what, code="tool_server_error")
+                raise ToolServerError(what)
             raise ToolServerUnavailable(what)
         raise ToolCallInDoubt(
             f"{what}: its outcome is unknown, so it will not be run again (an operator "
@@ -714,10 +712,9 @@ def _circuit_open(
         "tool_exec", outcomes.ToolExec.REJECT_CIRCUIT_OPEN, why, t, {**evidence, "breaker": state}
     )
     wait = max(1, round(state["retry_after_s"]))
-    return ToolServerUnavailable(
+    return ToolCircuitOpen(
         f"the tool server '{server.name}' keeps failing, so its circuit breaker is open: "
         f"the call was not sent; retry in about {wait} s",
-        code="tool_circuit_open",
         headers={"Retry-After": str(wait)},
     )
 
@@ -734,15 +731,13 @@ _CLAIM_REASONS = {
 
 def _claim_error(state: str, call_id: str) -> SwitchyardError:
     if state == "conflict":
-        return Conflict(
+        return CallIdConflict(
             f"the call id '{call_id}' was already used for another tool or other arguments",
             param="_meta.call_id",
-            code="call_id_conflict",
         )
     if state == "in_flight":
-        return Conflict(
-            f"the call '{call_id}' is still running; repeat it later to get its result",
-            code="tool_call_in_flight",
+        return ToolCallInFlight(
+            f"the call '{call_id}' is still running; repeat it later to get its result"
         )
     if state == "too_large":
         return UpstreamError(
@@ -752,10 +747,9 @@ def _claim_error(state: str, call_id: str) -> SwitchyardError:
             code=TOO_LARGE,
         )
     if state == "resolved_ran":
-        return Conflict(
+        return ToolCallDone(
             f"the call '{call_id}' ran once already (an operator's resolution); it has no "
-            "stored result and will not run again",
-            code="tool_call_done",
+            "stored result and will not run again"
         )
     return ToolCallInDoubt(
         f"the outcome of the call '{call_id}' is unknown (it timed out or lost its connection): "

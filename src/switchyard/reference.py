@@ -280,9 +280,9 @@ def errors() -> str:
         "Every error a client can receive is a JSON body "
         '`{"error": {"message", "type", "param", "code"}}` with the status below; '
         "`message` is stable text with no exception details, `param` names the field or "
-        "header at fault. Generated from the error classes (`src/switchyard/errors.py` "
-        "and their subclasses elsewhere) and from the raise sites that pass their own "
-        "`code` (`*` stands for a part filled in at run time).",
+        "header at fault. Generated from the error classes in `src/switchyard/errors.py` "
+        "and from the raise sites that build a code at run time (`*` stands for the "
+        "part filled in then).",
         "",
         "| status | type | code | class | meaning / where |",
         "|---|---|---|---|---|",

@@ -28,7 +28,7 @@ from switchyard import outcomes
 from switchyard.config import Settings, VllmEngine
 from switchyard.engines import rollout
 from switchyard.engines.revisions import Lease, RevisionManager
-from switchyard.errors import InvalidRequest, ModelNotFound, PermissionDenied
+from switchyard.errors import InvalidRequest, ModelNotAllowed, ModelNotFound
 from switchyard.pipeline import RequestContext, Status
 from switchyard.policy.admit import principal_scopes
 from switchyard.policy.cost import prompt_tokens
@@ -260,7 +260,7 @@ class RolloutService:
         model = self._models.get(plan.alias)
         if manager is None or model is None or not ctx.principal.may_use(plan.alias):
             if model is not None and not ctx.principal.may_use(plan.alias):
-                raise PermissionDenied(
+                raise ModelNotAllowed(
                     f"this key may not use the model '{plan.alias}'", param="model"
                 )
             raise ModelNotFound(

@@ -22,7 +22,9 @@ from starlette.routing import Route
 from switchyard.api.body import read_json
 from switchyard.api.console import Sessions
 from switchyard.errors import (
+    AdminDisabled,
     AuthenticationError,
+    InvalidAdminKey,
     InvalidRequest,
     ModelNotFound,
     PermissionDenied,
@@ -94,9 +96,7 @@ def require_admin(request: Request, env: str, sessions: Sessions | None = None) 
     admin API, /metrics and the details of /readyz, so they cannot drift apart."""
     expected = os.environ.get(env)
     if not expected:
-        raise PermissionDenied(
-            f"the admin API is disabled: set {env} to enable it", code="admin_disabled"
-        )
+        raise AdminDisabled(f"the admin API is disabled: set {env} to enable it")
     if (
         sessions is not None
         and "authorization" not in request.headers
@@ -105,7 +105,7 @@ def require_admin(request: Request, env: str, sessions: Sessions | None = None) 
         return
     given = bearer(request.headers) or ""
     if not secrets.compare_digest(given.encode(), expected.encode()):
-        raise AuthenticationError("invalid admin key", code="invalid_admin_key")
+        raise InvalidAdminKey("invalid admin key")
 
 
 def is_admin(request: Request, env: str, sessions: Sessions | None = None) -> bool:

@@ -25,7 +25,7 @@ from switchyard.api.messages_codec import MessagesCodec, to_chat
 from switchyard.api.messages_reply import MessageEvents, error_event, to_message
 from switchyard.api.openai import CTX_KEY, OpenAIRoutes, json_response, stream_response
 from switchyard.api.sse import replayed, translated
-from switchyard.errors import ModelNotFound, PermissionDenied
+from switchyard.errors import ModelNotAllowed, ModelNotFound
 from switchyard.pipeline import RequestContext
 from switchyard.policy.cost import prompt_tokens
 from switchyard.policy.keys import Principal
@@ -109,9 +109,7 @@ class AnthropicRoutes:
         if alias not in known:
             raise ModelNotFound(f"the model '{alias[:128]}' does not exist", param="model")
         if not principal.may_use(alias):
-            raise PermissionDenied(
-                f"this key may not use the model '{alias}'", param="model", code="model_not_allowed"
-            )
+            raise ModelNotAllowed(f"this key may not use the model '{alias}'", param="model")
         req: Any = Generation(
             model=chat["model"], messages=chat["messages"], tools=chat.get("tools")
         )

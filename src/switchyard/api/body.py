@@ -11,6 +11,8 @@ from starlette.requests import Request
 
 from switchyard.errors import (
     ClientDisconnected,
+    DuplicateJsonKey,
+    InvalidHttpFraming,
     InvalidRequest,
     PayloadTooLarge,
     RequestTimeout,
@@ -112,9 +114,7 @@ def _ended(request: Request, received: int, declared: str | None) -> SwitchyardE
     """What a body that stopped arriving was: a framing error the HTTP layer already
     answered 400 (server.py marks the scope), else a client that hung up."""
     if request.scope.get(BAD_FRAMING):
-        return InvalidRequest(
-            "the request body's chunked framing is not valid HTTP/1.1", code="invalid_http"
-        )
+        return InvalidHttpFraming("the request body's chunked framing is not valid HTTP/1.1")
     return ClientDisconnected(
         f"the client left after {received} of {declared or 'unknown'} body bytes"
     )
@@ -281,8 +281,7 @@ def _duplicate_key(key: str) -> InvalidRequest:
     terminal) and nothing else the client sent."""
     shown = json.dumps(key[:_KEY_SHOWN])[1:-1]
     more = "..." if len(key) > _KEY_SHOWN else ""
-    return InvalidRequest(
+    return DuplicateJsonKey(
         f'the request body repeats the key "{shown}"{more} in one object; send each key once',
         param=shown,
-        code="duplicate_key",
     )

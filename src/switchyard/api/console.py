@@ -46,7 +46,7 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
 from switchyard.api.body import read_body
-from switchyard.errors import PermissionDenied, RouteNotFound
+from switchyard.errors import CsrfFailed, RouteNotFound
 
 log = logging.getLogger("switchyard.console")
 
@@ -148,13 +148,10 @@ class Sessions:
             return True
         origin = request.headers.get("origin")
         if origin is not None and origin != _own_origin(request):
-            raise PermissionDenied("cross-origin console request refused", code="csrf_failed")
+            raise CsrfFailed("cross-origin console request refused")
         given = request.headers.get(CSRF_HEADER, "")[:128]
         if not given or not hmac.compare_digest(given.encode(), token.encode()):
-            raise PermissionDenied(
-                "missing or wrong CSRF token (X-CSRF-Token) for a console change",
-                code="csrf_failed",
-            )
+            raise CsrfFailed("missing or wrong CSRF token (X-CSRF-Token) for a console change")
         return True
 
 
@@ -337,7 +334,7 @@ def build_console_routes(sessions: Sessions, throttle: LoginThrottle | None = No
         given = await _form_field(request, "csrf")
         if token is not None:
             if not hmac.compare_digest(given.encode(), token.encode()):
-                raise PermissionDenied("missing or wrong CSRF token", code="csrf_failed")
+                raise CsrfFailed("missing or wrong CSRF token")
             sessions.end(request)
         gone = f"{COOKIE}=; Path=/; Max-Age=0; HttpOnly; SameSite=Strict"
         return _redirect("/console/login", {"Set-Cookie": gone})

@@ -60,11 +60,12 @@ from starlette.types import Message, Receive, Scope, Send
 
 from switchyard.errors import (
     InternalError,
+    InvalidHeader,
     InvalidRequest,
     PayloadTooLarge,
-    RateLimited,
-    RouteNotFound,
+    SessionNotFound,
     SwitchyardError,
+    TooManySessions,
 )
 from switchyard.identity import ANONYMOUS, Principal, TaskBudget
 from switchyard.mcp_service import Caller, McpToolService
@@ -106,10 +107,9 @@ def _caller(principal: Principal, h: dict[str, str]) -> Caller:
         raise bad
     call_id = h.get("x-switchyard-call-id")
     if call_id is not None and not (len(call_id) <= 128 and hdr.ID_PATTERN.fullmatch(call_id)):
-        raise InvalidRequest(
+        raise InvalidHeader(
             "header x-switchyard-call-id: 1 to 128 characters of A-Z a-z 0-9 . _ : -",
             param="x-switchyard-call-id",
-            code="invalid_header",
         )
     timeout = h.get("x-request-timeout")
     traceparent = h.get("traceparent")
@@ -335,7 +335,7 @@ class McpEndpoint:
             if session is not None:
                 owner = self._owners.get(session) if len(session) <= MAX_SESSION_ID else None
                 if owner != principal.key_id:
-                    raise RouteNotFound("no such MCP session", code="session_not_found")
+                    raise SessionNotFound("no such MCP session")
             scope[CALLER_KEY] = _caller(principal, h)
             opening = session is None and scope["method"] == "POST"  # may open a session
             if opening:
@@ -519,10 +519,9 @@ class McpEndpoint:
             for sid in [s for s in held if s not in live]:
                 self._forget(sid)
         if len(self._held.get(key_id, ())) + opening >= MAX_SESSIONS_PER_KEY:
-            raise RateLimited(
+            raise TooManySessions(
                 f"this key holds {MAX_SESSIONS_PER_KEY} open MCP sessions: end one "
-                "(DELETE /mcp with its Mcp-Session-Id) before opening another",
-                code="too_many_sessions",
+                "(DELETE /mcp with its Mcp-Session-Id) before opening another"
             )
 
     async def _authenticate(self, scope: Scope) -> tuple[Principal, dict[str, str]]:

@@ -31,7 +31,7 @@ import orjson
 
 from switchyard.api.checks import bad, no_extras, number, string
 from switchyard.api.codecs import CHAT_TYPED
-from switchyard.errors import InvalidRequest
+from switchyard.errors import InvalidRequest, MissingRequiredParameter
 from switchyard.policy.validate import validate_chat
 from switchyard.request import Generation, from_object
 
@@ -330,11 +330,7 @@ def to_chat(body: Any, count_only: bool = False) -> dict[str, Any]:
             )
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise InvalidRequest(
-            "'model' is required: a non-empty string",
-            param="model",
-            code="missing_required_parameter",
-        )
+        raise MissingRequiredParameter("'model' is required: a non-empty string", param="model")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' is required: a non-empty array", "messages")
@@ -348,9 +344,7 @@ def to_chat(body: Any, count_only: bool = False) -> dict[str, Any]:
     if not count_only:
         cap = body.get("max_tokens")
         if cap is None:
-            raise InvalidRequest(
-                "'max_tokens' is required", param="max_tokens", code="missing_required_parameter"
-            )
+            raise MissingRequiredParameter("'max_tokens' is required", param="max_tokens")
         number(body, "max_tokens", 1, INT32_MAX, integer=True)
         out["max_tokens"] = cap
         number(body, "temperature", 0, 1, integer=False)

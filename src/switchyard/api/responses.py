@@ -48,10 +48,10 @@ from switchyard.api.responses_reply import (
 )
 from switchyard.api.sse import replayed, translated
 from switchyard.errors import (
+    BackgroundLimitReached,
     InternalError,
     InvalidRequest,
     NotFound,
-    RateLimited,
     StoredResponseUnreadable,
     SwitchyardError,
 )
@@ -80,7 +80,7 @@ Wire = tuple[Generation, bytes | None]
 
 
 def _not_found(rid: str) -> NotFound:
-    return NotFound(f"no response with id '{rid[:80]}'", param="response_id", code="not_found")
+    return NotFound(f"no response with id '{rid[:80]}'", param="response_id")
 
 
 class ResponsesRoutes:
@@ -301,10 +301,9 @@ class ResponsesRoutes:
         self.starting[tenant] = starting + 1  # before the first await: no race here
         try:
             if await self.store.active_background(tenant) + starting >= self.cap:
-                raise RateLimited(
+                raise BackgroundLimitReached(
                     f"this tenant already runs {self.cap} background responses "
                     "(responses.max_background_per_tenant); retry when one has finished",
-                    code="background_limit",
                     headers={"Retry-After": "1"},
                 )
             admitted: asyncio.Future[StoredResponse] = asyncio.get_running_loop().create_future()

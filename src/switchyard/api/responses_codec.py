@@ -30,7 +30,7 @@ from typing import Any
 
 from switchyard.api.checks import bad, flag, no_extras, number, string
 from switchyard.entropy import RandomPool
-from switchyard.errors import InvalidRequest
+from switchyard.errors import InvalidRequest, MissingRequiredParameter
 
 # Top-level members the gateway honours; any other is refused by name.
 FIELDS = frozenset(
@@ -315,11 +315,7 @@ def check(body: Any, ids: Ids = new_item_id) -> ResponsesRequest:
             raise bad(f"'{name[:64]}' is not supported by this gateway's Responses API", name)
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise InvalidRequest(
-            "'model' is required: a non-empty string",
-            param="model",
-            code="missing_required_parameter",
-        )
+        raise MissingRequiredParameter("'model' is required: a non-empty string", param="model")
     raw = body.get("input")
     messages: list[dict[str, Any]] = []
     if isinstance(raw, str):
@@ -335,10 +331,8 @@ def check(body: Any, ids: Ids = new_item_id) -> ResponsesRequest:
     elif isinstance(raw, list) and raw:
         items = [_item(i, item, messages, ids) for i, item in enumerate(raw)]
     else:
-        raise InvalidRequest(
-            "'input' is required: a string or a non-empty array of items",
-            param="input",
-            code="missing_required_parameter",
+        raise MissingRequiredParameter(
+            "'input' is required: a string or a non-empty array of items", param="input"
         )
     instructions = body.get("instructions")
     if instructions is not None:

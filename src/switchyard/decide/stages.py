@@ -37,11 +37,12 @@ from switchyard.engines.pool import BASE, EnginePool
 from switchyard.engines.pool import Residency as EngineResidency
 from switchyard.engines.registry import Deployment
 from switchyard.errors import (
-    EngineNotReady,
     InvalidRequest,
+    ModelNotAllowed,
     ModelNotFound,
-    PermissionDenied,
     PlacementRefused,
+    RevisionPinNotAllowed,
+    RouterNotReady,
     SwitchyardError,
 )
 from switchyard.pipeline import (
@@ -447,9 +448,7 @@ class Route(Stage):
         router = self._router()
         if router is None or ctx.vector is None:
             if rcfg.default_route is None:
-                raise EngineNotReady(
-                    "the router is not ready yet; retry shortly", code="router_not_ready"
-                )
+                raise RouterNotReady("the router is not ready yet; retry shortly")
             route = next(r for r in rcfg.routes if r.name == rcfg.default_route)
             ctx.alias, ctx.route, ctx.route_score = route.model, route.name, None
             ctx.record(
@@ -465,10 +464,9 @@ class Route(Stage):
             ctx.alias, ctx.route, ctx.route_score = res.model, res.route, res.score
             ctx.record("route", res.outcome, res.reason, t, res.evidence())
         if not ctx.principal.may_use(ctx.alias):
-            raise PermissionDenied(
+            raise ModelNotAllowed(
                 f"the router chose '{ctx.alias}' for '{requested}', which this key may not use",
                 param="model",
-                code="model_not_allowed",
             )
 
 
@@ -575,7 +573,7 @@ class Select(Stage):
         if ctx.pin is not None and p is not None and not p.may_pin_revisions:
             why = "this API key may not pin a revision (its may_pin_revisions is off)"
             ctx.record(self.name, outcomes.Select.REJECT, why, t, {"pin": ctx.pin})
-            raise PermissionDenied(why, code="revision_pin_not_allowed", param="model")
+            raise RevisionPinNotAllowed(why, param="model")
         boundary = balancer.deployments[0].model.data_boundary
         regions = p.regions if p is not None else None
         if regions is not None:

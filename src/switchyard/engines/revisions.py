@@ -46,11 +46,13 @@ from switchyard.engines.registry import Deployment
 from switchyard.engines.upstream import OpenAIUpstream
 from switchyard.engines.vllm import ManagedVllm
 from switchyard.errors import (
-    EngineNotReady,
+    ChecksumMismatch,
     InvalidRequest,
-    PermissionDenied,
+    NoActiveRevision,
+    PathNotAllowed,
     RevisionConflict,
     RevisionNotFound,
+    WeightsLoadingDisabled,
 )
 
 log = logging.getLogger("switchyard")
@@ -247,9 +249,8 @@ class RevisionManager:
         """A hold on the active revision (the barrier's side of a rollout)."""
         rev = self.active
         if rev is None or rev.engine is None or not rev.engine.ready:
-            raise EngineNotReady(
+            raise NoActiveRevision(
                 f"the model '{self.alias}' has no active revision ready to serve",
-                code="no_active_revision",
                 headers={"Retry-After": "2"},
             )
         rev.in_flight += 1
@@ -289,9 +290,8 @@ class RevisionManager:
     def check_path(self, path: Any) -> str:
         """The real path of a file under rl.weights_dirs, or a refusal."""
         if not self.settings.weights_dirs:
-            raise PermissionDenied(
-                "loading weights at run time is off: rl.weights_dirs is empty",
-                code="weights_loading_disabled",
+            raise WeightsLoadingDisabled(
+                "loading weights at run time is off: rl.weights_dirs is empty"
             )
         if not isinstance(path, str) or not path or len(path) > 4096 or "\0" in path:
             raise InvalidRequest("'path' must be a file path", param="path")
@@ -301,11 +301,7 @@ class RevisionManager:
             if os.path.commonpath([root, real]) == root and real != root:
                 break
         else:
-            raise PermissionDenied(
-                "the file is not under any of rl.weights_dirs",
-                code="path_not_allowed",
-                param="path",
-            )
+            raise PathNotAllowed("the file is not under any of rl.weights_dirs", param="path")
         if self.vllm:  # a PEFT adapter folder
             if not os.path.isfile(os.path.join(real, ADAPTER_FILE)):
                 raise InvalidRequest(
@@ -363,11 +359,7 @@ class RevisionManager:
         weights = os.path.join(real, ADAPTER_FILE) if self.vllm else real
         actual = await asyncio.to_thread(sha256_of, weights)
         if actual != digest:
-            raise InvalidRequest(
-                "the file's sha256 does not match 'sha256'",
-                param="sha256",
-                code="checksum_mismatch",
-            )
+            raise ChecksumMismatch("the file's sha256 does not match 'sha256'", param="sha256")
         if rev_id in self.revisions:  # registered meanwhile
             raise RevisionConflict(
                 f"the revision '{rev_id}' is already registered", param="revision"

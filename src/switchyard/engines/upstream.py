@@ -20,10 +20,10 @@ import orjson
 
 from switchyard.config import Timeouts
 from switchyard.errors import (
-    RateLimited,
     SwitchyardError,
     UpstreamError,
     UpstreamOverloaded,
+    UpstreamRateLimited,
     UpstreamStatusError,
     UpstreamTimeout,
     UpstreamUnreachable,
@@ -61,9 +61,8 @@ def _upstream_error(status: int, body: bytes, name: str, headers: Any = None) ->
     # internals, so the client gets a stable message.
     detail = message[:1000]
     if status == 429:
-        err = RateLimited(
+        err = UpstreamRateLimited(
             f"upstream {name} is rate limiting",
-            code="upstream_rate_limited",
             headers={"Retry-After": retry_after} if retry_after else None,
             detail=detail,
         )

@@ -14,7 +14,7 @@ from msgspec import structs
 
 from switchyard import outcomes
 from switchyard.config import ModelConfig
-from switchyard.errors import SwitchyardError, UpstreamTimeout
+from switchyard.errors import MediaDeadlineExceeded, SwitchyardError
 from switchyard.media.fetch import MediaTooLarge
 from switchyard.media.process import STAGES, MediaProcessor, Processed, Settings
 from switchyard.observe.metrics import Metrics
@@ -87,9 +87,8 @@ class Media(Stage):
                         *(self._processor.process(url, tenant, want) for _, _, url in parts)
                     )
             except TimeoutError:
-                raise UpstreamTimeout(
-                    "the request's deadline passed while its images were processed",
-                    code="deadline_exceeded",
+                raise MediaDeadlineExceeded(
+                    "the request's deadline passed while its images were processed"
                 ) from None
         except SwitchyardError as exc:
             if self._metrics is not None:

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Literal
 
-from switchyard.errors import DeadlineExceeded, DeadlineUnreachable, Overloaded, RateLimited
+from switchyard.errors import DeadlineExceeded, DeadlineUnreachable, Overloaded, QueueFull
 
 Policy = Literal["task_aware", "fcfs"]
 MAX_OTHERS = 1_000_000  # other clients' requests: more is no engine's real figure
@@ -277,10 +277,9 @@ class DeploymentGate:
             if ask.new_task:
                 self._admit_task(ask, deadline, est, start, evidence)
         if len(self._waiters) >= self.queue_size and not self._make_room(ask, deadline, start):
-            raise RateLimited(
+            raise QueueFull(
                 f"model '{self.name}' is at capacity ({self.in_flight} running, "
                 f"{len(self._waiters)} queued); retry shortly",
-                code="queue_full",
                 headers={"Retry-After": "1"},
             )
         self._seq += 1

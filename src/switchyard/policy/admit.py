@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from switchyard.config import ModelConfig, Price
-from switchyard.errors import QuotaExceeded, RateLimited, SwitchyardError
+from switchyard.errors import QuotaExceeded, RateLimited, SwitchyardError, TokensExceedLimit
 from switchyard.policy.keys import Limits, Principal
 from switchyard.policy.limits import Period, ScopeLimits, Verdict
 
@@ -88,10 +88,9 @@ def refusal(verdict: Verdict) -> SwitchyardError:
             f"budget exhausted for {scope}{left_s}; it resets in {retry:.0f}s", headers=headers
         )
     if verdict.limit == "tpm" and not math.isfinite(retry):
-        return RateLimited(
+        return TokensExceedLimit(
             f"the request needs more tokens than the tokens-per-minute limit of {scope}; "
             "lower max_tokens",
-            code="tokens_exceed_limit",
             headers=headers,
         )
     what = {

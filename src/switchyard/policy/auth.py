@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from switchyard.errors import AuthenticationError, PermissionDenied
+from switchyard.errors import AuthenticationError, ModelNotAllowed
 from switchyard.identity import ANONYMOUS, Principal
 from switchyard.outcomes import Authenticate
 
@@ -83,8 +83,7 @@ class Authenticator:
             raise AuthenticationError(
                 "missing API key: send 'x-api-key: <key>' or 'Authorization: Bearer <key>'"
                 if x_api_key
-                else "missing API key: send 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
+                else "missing API key: send 'Authorization: Bearer <key>'"
             )
         hit = self._cache.get(token)
         if hit is not None and hit[0] > time.monotonic():
@@ -101,12 +100,10 @@ class Authenticator:
 
 def _accepted(result: Principal | str) -> Principal:
     if isinstance(result, str):
-        raise AuthenticationError(result, code="invalid_api_key")
+        raise AuthenticationError(result)
     return result
 
 
 def authorize_model(principal: Principal, alias: str) -> None:
     if not principal.may_use(alias):
-        raise PermissionDenied(
-            f"this key may not use the model '{alias}'", param="model", code="model_not_allowed"
-        )
+        raise ModelNotAllowed(f"this key may not use the model '{alias}'", param="model")

@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from switchyard.errors import InvalidRequest
+from switchyard.errors import InvalidHeader, InvalidRequest
 from switchyard.pipeline import RequestContext, RequestInput, Timings
 from switchyard.request import NOT_READ
 
@@ -57,7 +57,7 @@ READ = frozenset(
 
 
 def _bad(name: str, why: str) -> InvalidRequest:
-    return InvalidRequest(f"header {name}: {why}", param=name, code="invalid_header")
+    return InvalidHeader(f"header {name}: {why}", param=name)
 
 
 def client_request_id(headers: Mapping[str, str]) -> tuple[str | None, InvalidRequest | None]:

@@ -18,13 +18,17 @@ from switchyard.config import AdapterConfig, ModelConfig, Price, Settings
 from switchyard.errors import (
     AdapterNotAllowed,
     ApprovalRequired,
-    EngineNotReady,
+    ContextLengthExceeded,
+    InvalidHeader,
     InvalidRequest,
+    LimiterDown,
+    PiiDetected,
     PiiFailure,
     SwitchyardError,
     TaskBudgetExceeded,
     TaskCancelled,
     TaskDeadlineExceeded,
+    TaskStateUnavailable,
 )
 from switchyard.pipeline import (
     CacheOutcome,
@@ -225,9 +229,7 @@ class Reserver:
                 f"limiter unavailable: {exc}",
                 t,
             )
-            raise EngineNotReady(
-                "rate limiter unavailable; refusing (fail_closed)", code="limiter_unavailable"
-            ) from None
+            raise LimiterDown("rate limiter unavailable; refusing (fail_closed)") from None
         ctx.admission.rate_headers.update(rate_headers(verdict))
         evidence: dict[str, Any] = {
             "reserved_tokens": ask.tokens,
@@ -382,11 +384,10 @@ class Window(Stage):
                 t,
                 evidence,
             )
-            raise InvalidRequest(
+            raise ContextLengthExceeded(
                 f"this model's maximum context length is {window} tokens; the prompt has at "
                 f"least {cost.lower} tokens",
                 param="messages" if req.messages is not None else "prompt",
-                code="context_length_exceeded",
             )
         ctx.cost = cost
         ctx.max_tokens = cost.cap
@@ -473,10 +474,9 @@ class Queue(Stage):
         if raw is not None:
             asked = PRIORITIES.get(raw.strip().lower())
             if asked is None:
-                raise InvalidRequest(
+                raise InvalidHeader(
                     "header x-switchyard-priority: one of interactive, standard, batch",
                     param="x-switchyard-priority",
-                    code="invalid_header",
                 )
             priority = max(priority, asked)  # lower only: a larger value is a lower class
         hold = ctx.task
@@ -607,10 +607,9 @@ class Pii(Stage):
                 t,
                 evidence,
             )
-            raise InvalidRequest(
+            raise PiiDetected(
                 f"the request contains personal data ({', '.join(sorted(found))}) and this "
-                "model does not accept it",
-                code="pii_detected",
+                "model does not accept it"
             )
         restore = bool(found) and mode == "mask_upstream"
         ctx.pii = PiiState(session, masked, restore, found)
@@ -748,9 +747,7 @@ class Task(Stage):
             ctx.record(
                 self.name, outcomes.Task.REJECT_UNAVAILABLE, f"task state unavailable: {exc}", t
             )
-            raise EngineNotReady(
-                "task state unavailable; refusing (fail_closed)", code="task_state_unavailable"
-            ) from None
+            raise TaskStateUnavailable("task state unavailable; refusing (fail_closed)") from None
         evidence = adm.evidence(now)
         refused = adm.refused
         if refused is not None:

@@ -52,7 +52,7 @@ import orjson
 
 from switchyard.config import ToolsConfig
 from switchyard.decide.tools import _denial
-from switchyard.errors import InvalidRequest
+from switchyard.errors import InvalidHeader, InvalidRequest, TooManyToolResults
 from switchyard.outcomes import Kind, Tagged, ToolCalls, tagged
 from switchyard.pipeline import ReplyPart, RequestContext
 from switchyard.policy.tasks import ToolCallNote
@@ -544,10 +544,9 @@ def tool_results(messages: list[dict[str, Any]] | None) -> list[ToolResult]:
         if role not in ("tool", "function"):
             continue
         if len(out) == MAX_TOOL_RESULTS:
-            raise InvalidRequest(
+            raise TooManyToolResults(
                 f"at most {MAX_TOOL_RESULTS} tool results (tool and function messages) per request",
                 param="messages",
-                code="too_many_tool_results",
             )
         own = _name(m.get("name"))
         if role == "tool":
@@ -628,10 +627,9 @@ def approval_tokens(value: str | None) -> list[str]:
 
     parts = [p.strip() for p in value.split(",") if p.strip()]
     if len(value) > 130 * MAX_APPROVALS_PER_REQUEST or len(parts) > MAX_APPROVALS_PER_REQUEST:
-        raise InvalidRequest(
+        raise InvalidHeader(
             f"header x-switchyard-approval: at most {MAX_APPROVALS_PER_REQUEST} tokens",
             param="x-switchyard-approval",
-            code="invalid_header",
         )
     return [approval_token(p) for p in parts]
 

@@ -12,7 +12,7 @@ from collections.abc import Container, Mapping
 from typing import TYPE_CHECKING, Any
 
 from switchyard.engines.token_ids import refusal as token_ids_refusal
-from switchyard.errors import InvalidRequest, ModelNotFound
+from switchyard.errors import InvalidRequest, MissingRequiredParameter, ModelNotFound
 
 if TYPE_CHECKING:
     from switchyard.config import ModelConfig
@@ -30,9 +30,7 @@ def _require_object(body: Any) -> dict[str, Any]:
 def _model(body: dict[str, Any]) -> str:
     model = body.get("model")
     if model is None:
-        raise InvalidRequest(
-            "you must provide a model parameter", param="model", code="missing_required_parameter"
-        )
+        raise MissingRequiredParameter("you must provide a model parameter", param="model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' must be a non-empty string", param="model")
     return model
@@ -356,11 +354,7 @@ def validate_chat(body: Any, unknown_fields: str = "pass") -> str:
     model = _model(body)
     messages = body.get("messages")
     if messages is None:
-        raise InvalidRequest(
-            "you must provide a 'messages' parameter",
-            param="messages",
-            code="missing_required_parameter",
-        )
+        raise MissingRequiredParameter("you must provide a 'messages' parameter", param="messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array", param="messages")
     for i, m in enumerate(messages):
@@ -420,11 +414,7 @@ def validate_completion(body: Any, unknown_fields: str = "pass") -> str:
     model = _model(body)
     prompt = body.get("prompt")
     if prompt is None:
-        raise InvalidRequest(
-            "you must provide a 'prompt' parameter",
-            param="prompt",
-            code="missing_required_parameter",
-        )
+        raise MissingRequiredParameter("you must provide a 'prompt' parameter", param="prompt")
     if not (
         isinstance(prompt, str)
         or (
@@ -452,11 +442,7 @@ def validate_embeddings(body: Any, max_inputs: int) -> tuple[str, list[str]]:
     model = _model(body)
     inp = body.get("input")
     if inp is None:
-        raise InvalidRequest(
-            "you must provide an 'input' parameter",
-            param="input",
-            code="missing_required_parameter",
-        )
+        raise MissingRequiredParameter("you must provide an 'input' parameter", param="input")
     texts = [inp] if isinstance(inp, str) else inp
     if not isinstance(texts, list) or not texts:
         raise InvalidRequest(
