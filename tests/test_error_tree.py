@@ -13,6 +13,7 @@ from pathlib import Path
 
 import switchyard.errors as errors
 from switchyard.errors import SwitchyardError
+from switchyard.reference import raise_site_codes
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "switchyard"
 
@@ -79,25 +80,11 @@ def test_the_tree_reader_sees_a_misplaced_class() -> None:
     assert drawn_tree(moved)["B"] == ("SwitchyardError", "400", "b")
 
 
-def literal_codes(source: str, error_names: set[str]) -> list[tuple[int, str, str]]:
-    """(line, class, code) of each call of an error class that passes `code="..."`."""
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, ast.Call):
-            continue
-        fn = node.func
-        name = fn.id if isinstance(fn, ast.Name) else getattr(fn, "attr", None)
-        if name not in error_names:
-            continue
-        for kw in node.keywords:
-            value = kw.value
-            if (
-                kw.arg == "code"
-                and isinstance(value, ast.Constant)
-                and isinstance(value.value, str)
-            ):
-                found.append((node.lineno, name, value.value))
-    return found
+def literal_codes(source: str, error_names: set[str]) -> list[tuple[str, str]]:
+    """(class, code) of each call of an error class in `source` that passes a literal
+    `code="..."` (the error reference's own scan; a computed code is left alone)."""
+    found = raise_site_codes([("source", ast.parse(source))], error_names)
+    return [(cls, code) for _, cls, code in found if "*" not in code]
 
 
 def _error_names() -> set[str]:
@@ -110,8 +97,8 @@ def test_no_raise_site_passes_its_own_code_string() -> None:
     for path in sorted(SOURCE.rglob("*.py")):
         if path == SOURCE / "errors.py":
             continue
-        for line, cls, code in literal_codes(path.read_text("utf-8"), names):
-            found.append(f"{path.relative_to(SOURCE)}:{line} {cls}(code={code!r})")
+        for cls, code in literal_codes(path.read_text("utf-8"), names):
+            found.append(f"{path.relative_to(SOURCE)}: {cls}(code={code!r})")
     assert found == [], "name a class in errors.py for each code instead"
 
 
@@ -120,9 +107,10 @@ def test_the_scan_finds_a_literal_code_and_leaves_a_computed_one() -> None:
         "raise InvalidRequest('bad', param='x', code='made_up')\n"
         "err = errors.RateLimited('slow', code='also_made_up')\n"
         "raise UpstreamError(what, code=exc.code)\n"
+        "raise RateLimited('slow', code=f'rate_limit_{scope}')\n"
         "raise Other('not an error class', code='fine')\n"
     )
-    assert literal_codes(source, _error_names()) == [
-        (1, "InvalidRequest", "made_up"),
-        (2, "RateLimited", "also_made_up"),
+    assert sorted(literal_codes(source, _error_names())) == [
+        ("InvalidRequest", "made_up"),
+        ("RateLimited", "also_made_up"),
     ]

@@ -16,7 +16,7 @@ import ast
 import json
 import types
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -210,28 +210,38 @@ def error_classes() -> list[ErrorClass]:
         return cls is not None and depth < 20 and any(is_error(b, depth + 1) for b in cls.bases)
 
     errors = {n: c for n, c in found.items() if is_error(n)}
+    for module, name, code in raise_site_codes(trees, set(errors)):
+        errors[name].codes.setdefault(code, set()).add(module)
+    return sorted(errors.values(), key=lambda c: (c.name != "SwitchyardError", c.name))
+
+
+def raise_site_codes(
+    trees: Iterable[tuple[str, ast.Module]], error_names: set[str]
+) -> Iterator[tuple[str, str, str]]:
+    """(module, class, code) of each call of an error class that passes its own `code`:
+    a string as written, or an f-string with `*` for each part filled in at run time."""
     for module, tree in trees:
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call):
                 continue
             fn = node.func
             name = fn.id if isinstance(fn, ast.Name) else getattr(fn, "attr", None)
-            if name not in errors:
+            if name not in error_names:
                 continue
             for kw in node.keywords:
                 if kw.arg != "code":
                     continue
                 if isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str):
-                    code = kw.value.value
+                    yield module, name, kw.value.value
                 elif isinstance(kw.value, ast.JoinedStr):
-                    code = "".join(
-                        str(v.value) if isinstance(v, ast.Constant) else "*"
-                        for v in kw.value.values
+                    yield (
+                        module,
+                        name,
+                        "".join(
+                            str(v.value) if isinstance(v, ast.Constant) else "*"
+                            for v in kw.value.values
+                        ),
                     )
-                else:
-                    continue
-                errors[name].codes.setdefault(code, set()).add(module)
-    return sorted(errors.values(), key=lambda c: (c.name != "SwitchyardError", c.name))
 
 
 def http_layer_errors() -> list[tuple[int, str, str, str]]:
