@@ -657,7 +657,7 @@ def test_through_redis_two_gateways_never_pass_a_tasks_tool_budget(
         stop_redis(redis_proc)
 
 
-# -- /mcp: findings in files under rewrite (mcp_service.py, engines/mcp_servers.py) --------
+# -- /mcp: findings in files under rewrite (mcp_service/, engines/mcp_servers.py) --------
 
 
 def test_a_clients_own_short_timeout_does_not_open_the_breaker_for_everyone(

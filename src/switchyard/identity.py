@@ -18,7 +18,7 @@ STANDARD = 1
 @dataclass(frozen=True, slots=True)
 class TaskBudget:
     """A task's limits; None = unlimited. `calls` counts model calls, `tool_calls` the
-    tools/call requests through `/mcp` (mcp_service.py); `cost_usd` both (a tool's
+    tools/call requests through `/mcp` (mcp_service/); `cost_usd` both (a tool's
     price per call, `mcp.servers[].tool_prices`)."""
 
     calls: int | None = None

@@ -359,7 +359,7 @@ def build_admin_routes(gw: Gateway, sessions: Sessions | None = None) -> list[Ro
         return _json(out, 201)
 
     async def tool_calls(request: Request) -> Response:
-        """GET ?tenant=: the MCP tool calls in doubt (mcp_service.py), for an operator
+        """GET ?tenant=: the MCP tool calls in doubt (mcp_service/), for an operator
         to resolve; POST {"tenant", "call_id", "ran"}: resolve one (ran: repeats are
         refused as done; not ran: the record is dropped and a repeat runs it)."""
         guard(request)

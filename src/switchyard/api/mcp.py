@@ -17,7 +17,7 @@ does what the SDK does not:
 * every error a handler meets is a JSON-RPC error with the code and data of
   errors.py's table: never exception text.
 
-`tools/list` and `tools/call` go to the tool service (mcp_service.py).
+`tools/list` and `tools/call` go to the tool service (mcp_service/).
 
 **The hot call is served here, not by the SDK.** A `tools/call` on an open session
 (its `Mcp-Session-Id` owned by the caller, a handshake protocol version, a JSON body) is

@@ -1,7 +1,7 @@
 """Edge or cloud, per request (models[].placement): among an alias's deployments on the
 device and in the cloud, where this request runs, and why.
 
-Order (decide/stages.py, Select): the balancer's eligibility filter (ready, breaker,
+Order (decide/stages_select.py, Select): the balancer's eligibility filter (ready, breaker,
 capacity, region) gives the candidates at each location; placement chooses the
 location (or degrades the request on the device); balancing then picks within it.
 

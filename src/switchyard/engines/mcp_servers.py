@@ -16,7 +16,7 @@ the server (its environment or headers) and nowhere else.
 
 Calls go through `call()`: at most `max_concurrency` at once per server, each within
 its timeout. Which errors mean "may have run" is the caller's business
-(`CallOutcome.sent`), as is the server's circuit breaker (mcp_service.py sets
+(`CallOutcome.sent`), as is the server's circuit breaker (mcp_service/ sets
 `breaker`; its state is part of `describe()`, so `/readyz` shows it).
 """
 

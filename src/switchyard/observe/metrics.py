@@ -118,7 +118,7 @@ class Metrics:
             registry=reg,
         )
         self.retries = Counter("switchyard_retries", "Retries taken", ["model"], registry=reg)
-        # MCP tool calls through /mcp (mcp_service.py), by server and namespaced tool.
+        # MCP tool calls through /mcp (mcp_service/), by server and namespaced tool.
         self.tool_calls = Counter(
             "switchyard_tool_calls",
             "MCP tool calls by server, tool and status",

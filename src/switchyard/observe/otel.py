@@ -35,7 +35,7 @@ OPERATION = {
     "chat.completions": "chat",
     "completions": "text_completion",
     "embeddings": "embeddings",
-    "tools.call": "execute_tool",  # an MCP tool call through /mcp (mcp_service.py)
+    "tools.call": "execute_tool",  # an MCP tool call through /mcp (mcp_service/)
 }
 
 

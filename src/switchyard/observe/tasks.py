@@ -344,7 +344,7 @@ def _totals(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _kind(record: dict[str, Any]) -> str:
-    """`tool` for an MCP tool call through /mcp (mcp_service.py), else `model`."""
+    """`tool` for an MCP tool call through /mcp (mcp_service/), else `model`."""
     return "tool" if record.get("endpoint") == "tools.call" else "model"
 
 

@@ -18,7 +18,7 @@ least recently active go first):
 Calls, tokens and cost are reserved at admission, as the per-request budget is: a
 call is admitted only if its estimate fits what is left, so concurrent steps of one
 task cannot overshoot together; at settle the estimate is replaced by what was used.
-A tool call (`admit(..., tool=True)`, mcp_service.py) reserves one of `tool_calls`
+A tool call (`admit(..., tool=True)`, mcp_service/) reserves one of `tool_calls`
 instead of `calls`, no tokens, and its tool's price against `cost_usd`.
 
 `MemoryTaskStore` holds the state for one gateway process; `RedisTaskStore`
@@ -151,7 +151,7 @@ class ToolCallNote:
     key: str | None  # the idempotency key of a side-effecting call
     results: int = 0  # results of it that later requests carried
     # A keyed call's (tool, canonical arguments) digest: how /mcp finds the call id of a
-    # call whose client sends none (mcp_service.py).
+    # call whose client sends none (mcp_service/).
     args: str | None = None
 
 

@@ -38,6 +38,10 @@ Each call is a step of its task (its result's `_meta` names its request id,
 `switchyard/request_id`, for the client's next step to name as a parent): a usage row (endpoint `tools.call`, model = the
 namespaced tool, status, duration, the tool's price when it was sent) and a trace whose decisions carry the tool's
 PII-masked arguments and result, so the task's analysis sees the tool's time.
+
+This module decides (steps 1 to 4, and the breaker's refusal before anything is spent);
+mcp_service/calls.py forwards, records a claimed call's outcome and maps results and
+errors (steps 5 to 7).
 """
 
 from __future__ import annotations
@@ -53,44 +57,61 @@ import orjson
 
 from switchyard import outcomes
 from switchyard.config import Settings
-from switchyard.engines.mcp_servers import CallOutcome, McpServers, ServerUnavailable
+from switchyard.engines.mcp_servers import McpServers
 from switchyard.errors import (
     ApprovalRequired,
-    CallIdConflict,
     CallIdRequired,
-    Conflict,
     InvalidCallId,
     SwitchyardError,
-    TaskCancelled,
     TaskStateUnavailable,
-    ToolCallDone,
-    ToolCallInDoubt,
-    ToolCallInFlight,
-    ToolCallRefused,
-    ToolCircuitOpen,
     ToolNotAllowed,
-    ToolServerError,
     ToolServerUnavailable,
-    ToolTimeout,
     UnknownTool,
-    UpstreamError,
 )
 from switchyard.execute.breaker import CircuitBreaker
 from switchyard.execute.tool_once import ToolCallRecords
 from switchyard.identity import Principal, TaskBudget
+from switchyard.mcp_service.calls import (
+    _CLAIM_REASONS,
+    MAX_EXCERPT,
+    REQUEST_ID,
+    TOO_LARGE,
+    Forward,
+    McpCalls,
+    Spend,
+    _circuit_open,
+    _claim_error,
+    _with_request_id,
+)
 from switchyard.observe.ledger import Finished
 from switchyard.pipeline import RequestContext, RequestInput, Timings, new_request_id
 from switchyard.policy.admit import principal_scopes
 from switchyard.policy.headers import ID_PATTERN
 from switchyard.policy.limits import LimiterUnavailable
 from switchyard.policy.stages import Reserver, task_error, task_refusal_reason
-from switchyard.policy.tasks import Running, TaskFirst, TaskKey, TaskStore
+from switchyard.policy.tasks import Running, TaskFirst, TaskStore
 from switchyard.policy.tool_calls import ToolPolicy, args_digest
 from switchyard.request import Generation
 
+# The face: what callers import from here, the parts' names included (mcp_service/calls.py).
+__all__ = [
+    "ENDPOINT",
+    "MAX_CALL_ID",
+    "MAX_EXCERPT",
+    "REPLY_ROOM",
+    "REQUEST_ID",
+    "STALE_MARGIN_S",
+    "TOO_LARGE",
+    "UNKNOWN_TOOL",
+    "Caller",
+    "ConsumeApproval",
+    "Forward",
+    "McpToolService",
+    "Spend",
+]
+
 log = logging.getLogger("switchyard.mcp")
 ENDPOINT = "tools.call"
-MAX_EXCERPT = 2000  # characters of masked arguments and result kept in a trace
 MAX_CALL_ID = 128
 # What the ledger and the trace name a call of a tool that does not exist: the client's
 # name for it is free text (it may carry anything, PII included) and is not kept.
@@ -98,9 +119,7 @@ UNKNOWN_TOOL = "(unknown tool)"
 # A call still `in_flight` this long past its server's timeout lost its owner (a gateway
 # that stopped mid-call): it is in doubt.
 STALE_MARGIN_S = 60.0
-TOO_LARGE = "tool_result_too_large"
 REPLY_ROOM = 64 * 1024  # bytes of a tool server's reply beyond mcp.max_result_bytes
-REQUEST_ID = "switchyard/request_id"  # in a result's `_meta` (and the call's, to the server)
 
 ConsumeApproval = Callable[
     [str, str, str | None, str, str], Awaitable[tuple[str | None, str | None]]
@@ -134,39 +153,7 @@ def _call_id(value: Any, where: str) -> str:
     )
 
 
-@dataclass(slots=True)
-class Spend:
-    """What one tool call holds against its task until it ends: the task's key once
-    admitted, the tool's price, and whether the call reached the server (its price is
-    charged) or was answered (it counts as one of the task's tool calls)."""
-
-    task: TaskKey | None = None
-    price: float = 0.0
-    sent: bool = False
-    answered: bool = False
-
-    @property
-    def cost(self) -> float:
-        return self.price if self.sent else 0.0
-
-
-@dataclass(slots=True)
-class Forward:
-    """A governed call ready to go to its tool server: its request, the server and the
-    tool's own name there, its arguments, timeout and the evidence its decisions show;
-    `recorded`: a side effect claimed in the shared store (never run again)."""
-
-    ctx: RequestContext
-    server: Any
-    tool: str
-    arguments: dict[str, Any]
-    timeout: float
-    evidence: dict[str, Any]
-    spend: Spend
-    recorded: bool = False
-
-
-class McpToolService:
+class McpToolService(McpCalls):
     """The tool half of agent tasks (see the module docstring)."""
 
     def __init__(
@@ -509,249 +496,9 @@ class McpToolService:
             "send it in the x-switchyard-approval header"
         )
 
-    async def _run_once(self, call: Forward, call_id: str) -> dict[str, Any]:
-        """Run a claimed call and record its outcome for every repeat."""
-        tenant = call.ctx.principal.tenant_id
-        call.recorded = True
-        try:
-            result = await self._run(call, retry=False)
-        except UpstreamError as exc:
-            if exc.code == TOO_LARGE:  # it ran: done, its result not kept
-                await asyncio.shield(self.records.complete_too_large(tenant, call_id))
-            else:  # it may have run
-                await asyncio.shield(self.records.doubt(tenant, call_id))
-            raise
-        except (ToolCallInDoubt, TaskCancelled):
-            await self.records.doubt(tenant, call_id)
-            raise
-        except asyncio.CancelledError:
-            await asyncio.shield(self.records.doubt(tenant, call_id))
-            raise
-        except (ToolServerUnavailable, Conflict):  # refused before it was sent
-            await self.records.release(tenant, call_id)
-            raise
-        except BaseException:  # anything else: it may have run, so never again
-            await asyncio.shield(self.records.doubt(tenant, call_id))
-            raise
-        await self.records.complete(tenant, call_id, result)
-        return result
-
-    async def _run(self, call: Forward, retry: bool) -> dict[str, Any]:
-        """Forward the call (in a task of its own, so a task cancel can stop it), if
-        the server's breaker lets it through; a read-only call that lost its connection
-        or met a server error is tried once more (if the breaker still allows)."""
-        ctx, server, tool, arguments = call.ctx, call.server, call.tool, call.arguments
-        timeout, evidence, spend = call.timeout, call.evidence, call.spend
-        key = (ctx.principal.tenant_id, ctx.input.task_id) if ctx.input.task_id else None
-        meta = {REQUEST_ID: ctx.input.request_id}
-        breaker: CircuitBreaker = server.breaker
-        t = time.perf_counter()
-        ok, why = breaker.allow(time.monotonic())
-        if not ok:
-            raise _circuit_open(ctx, server, why, t, evidence)
-        # A timeout the caller set shorter than the server's own (x-request-timeout, the
-        # task's deadline) says nothing of the server: it does not count against the
-        # breaker every tenant shares.
-        own_deadline = timeout < server.cfg.timeout_s
-        attempted = [False]
-
-        async def attempt() -> CallOutcome:
-            attempted[0] = True
-            try:
-                out = await server.call(tool, arguments, meta, timeout)
-            except ServerUnavailable:
-                breaker.release_probe()
-                raise
-            except BaseException:  # stopped mid-call: it may have been sent
-                spend.sent = True
-                breaker.release_probe()
-                raise
-            spend.sent = spend.sent or out.sent or out.result is not None
-            if out.timed_out and own_deadline:
-                breaker.release_probe()
-            else:
-                breaker.record(not out.failed, time.monotonic())
-            return out
-
-        async def forward() -> CallOutcome:
-            if key is not None:
-                self.running.add(key, ctx)
-            try:
-                ctx.timings.upstream_sent = time.perf_counter()
-                ctx.run.attempts = 1
-                out = await attempt()
-                again = retry and out.sent and out.error is not None and not out.timed_out
-                # A priced call is sent at most once on its one price.
-                if again and not spend.price and breaker.allow(time.monotonic())[0]:
-                    ctx.run.attempts = 2
-                    out = await attempt()
-                return out
-            finally:
-                if key is not None:
-                    self.running.remove(key, ctx.input.request_id)
-
-        job = asyncio.ensure_future(forward())
-        # Cancelled before its first attempt: the probe slot allow() took is freed.
-        job.add_done_callback(lambda _: None if attempted[0] else breaker.release_probe())
-        try:
-            out = await asyncio.shield(job)
-        except ServerUnavailable as exc:
-            ctx.record("tool_exec", outcomes.ToolExec.UNAVAILABLE, str(exc), t, evidence)
-            raise ToolServerUnavailable(f"the tool server '{server.name}' is unavailable") from None
-        except asyncio.CancelledError:
-            if not (ctx.cancelled and job.cancelled()):
-                job.cancel()  # the client went away: the SDK tells the server
-                ctx.record(
-                    "tool_exec", outcomes.ToolExec.CANCELLED, "the request was stopped", t, evidence
-                )
-                raise
-            ctx.record(
-                "tool_exec", outcomes.ToolExec.CANCELLED, "the task was cancelled", t, evidence
-            )
-            raise TaskCancelled(
-                f"the task '{ctx.input.task_id}' was cancelled while the tool ran"
-                + ("" if retry else "; its outcome is unknown and it will not be run again")
-            ) from None
-        ctx.timings.upstream_first_byte = time.perf_counter()
-        full = f"{server.name}__{tool}"
-        if out.result is not None:
-            return self._result(call, out.result, full, t)
-        if out.too_large:
-            raise self._too_large(call, full, t, None)
-        code, said = out.error or (0, "")
-        message = self.mask(said)  # the server's words: kept masked, never sent on
-        evidence = {**evidence, "error": {"code": code, "message": message}}
-        if not out.sent:
-            ctx.record("tool_exec", outcomes.ToolExec.ERROR, message, t, evidence)
-            raise ToolCallRefused(
-                f"the tool server '{server.name}' refused the call (JSON-RPC error {code})"
-            )
-        ctx.record(
-            "tool_exec",
-            outcomes.ToolExec.FAILED if retry else outcomes.ToolExec.IN_DOUBT,
-            message,
-            t,
-            evidence,
-        )
-        if out.timed_out:
-            what = f"the tool '{full}' did not answer within {timeout:.3g} s"
-        elif out.server_error:
-            what = f"the tool server '{server.name}' failed with a server error during the call"
-        else:
-            what = f"the connection to the tool server '{server.name}' was lost during the call"
-        if retry:  # read-only: nothing to be in doubt about
-            if out.timed_out:
-                raise ToolTimeout(what)
-            if out.server_error:
-                raise ToolServerError(what)
-            raise ToolServerUnavailable(what)
-        raise ToolCallInDoubt(
-            f"{what}: its outcome is unknown, so it will not be run again (an operator "
-            "resolves it: GET /admin/tool-calls)"
-        )
-
-    def _result(self, call: Forward, result: dict[str, Any], full: str, t: float) -> dict[str, Any]:
-        """The tool's result for the client, or, past `mcp.max_result_bytes`, an error
-        (the result neither passed on nor stored; the trace keeps its size)."""
-        ctx, evidence = call.ctx, call.evidence
-        text = orjson.dumps(result)
-        if len(text) > self.settings.mcp.max_result_bytes:
-            raise self._too_large(call, full, t, len(text))
-        excerpt = self.mask(text[: MAX_EXCERPT + 512].decode("utf-8", "replace"))[:MAX_EXCERPT]
-        evidence = {**evidence, "result": excerpt}
-        outcome = outcomes.ToolExec.TOOL_ERROR if result.get("isError") else outcomes.ToolExec.OK
-        ctx.record("tool_exec", outcome, f"ran on {call.server.name}", t, evidence)
-        return dict(result)
-
-    def _too_large(self, call: Forward, full: str, t: float, size: int | None) -> UpstreamError:
-        """The refusal of a result over `mcp.max_result_bytes` (`size`: its bytes; None:
-        more than the gateway reads of a reply), recorded in the trace: it ran."""
-        limit = self.settings.mcp.max_result_bytes
-        got = f"{size} bytes" if size is not None else "more bytes than it reads"
-        call.ctx.record(
-            "tool_exec",
-            outcomes.ToolExec.TOO_LARGE,
-            f"ran on {call.server.name}; its result is over mcp.max_result_bytes",
-            t,
-            {**call.evidence, "result_bytes": size, "max_result_bytes": limit},
-        )
-        return UpstreamError(
-            f"the tool '{full}' answered with a result of {got}, more than this gateway "
-            f"passes on (mcp.max_result_bytes: {limit})"
-            + (
-                "; the call ran, its result was not kept, and it will not be run again"
-                if call.recorded
-                else ""
-            ),
-            code=TOO_LARGE,
-        )
-
     def _excerpt(self, value: Any) -> str:
         """`value` as JSON, PII-masked and cut, for the trace."""
         # Masked before it is cut, with room past the cut, so a value cut in two is
         # never left half unmasked.
         text = orjson.dumps(value).decode()
         return self.mask(text[: MAX_EXCERPT + 512])[:MAX_EXCERPT]
-
-
-def _with_request_id(result: dict[str, Any], request_id: str) -> dict[str, Any]:
-    """The result as the client gets it: its `_meta` names this call's request id
-    (`switchyard/request_id`), the id its trace and usage row have and a later step's
-    `x-parent-request-id` names. The stored result of a side effect stays without it."""
-    meta = result.get("_meta")
-    return {**result, "_meta": {**(meta if isinstance(meta, dict) else {}), REQUEST_ID: request_id}}
-
-
-def _circuit_open(
-    ctx: RequestContext, server: Any, why: str, t: float, evidence: dict[str, Any]
-) -> SwitchyardError:
-    """The refusal of a call to a server whose breaker is open (recorded in the trace
-    with the breaker's state): nothing was sent."""
-    state = server.breaker.describe(time.monotonic())
-    ctx.record(
-        "tool_exec", outcomes.ToolExec.REJECT_CIRCUIT_OPEN, why, t, {**evidence, "breaker": state}
-    )
-    wait = max(1, round(state["retry_after_s"]))
-    return ToolCircuitOpen(
-        f"the tool server '{server.name}' keeps failing, so its circuit breaker is open: "
-        f"the call was not sent; retry in about {wait} s",
-        headers={"Retry-After": str(wait)},
-    )
-
-
-_CLAIM_REASONS = {
-    "done": "a repeat: the stored result of the first run",
-    "in_doubt": "the first run's outcome is unknown: not run again",
-    "resolved_ran": "an operator recorded that the first run happened",
-    "too_large": "the first run's result was too large to keep: not run again",
-    "conflict": "the call id was used for another tool or other arguments",
-    "in_flight": "the first run is still in flight",
-}
-
-
-def _claim_error(state: str, call_id: str) -> SwitchyardError:
-    if state == "conflict":
-        return CallIdConflict(
-            f"the call id '{call_id}' was already used for another tool or other arguments",
-            param="_meta.call_id",
-        )
-    if state == "in_flight":
-        return ToolCallInFlight(
-            f"the call '{call_id}' is still running; repeat it later to get its result"
-        )
-    if state == "too_large":
-        return UpstreamError(
-            f"the call '{call_id}' ran once already and its result was larger than this "
-            "gateway passes on (mcp.max_result_bytes), so it was not kept; it will not run "
-            "again",
-            code=TOO_LARGE,
-        )
-    if state == "resolved_ran":
-        return ToolCallDone(
-            f"the call '{call_id}' ran once already (an operator's resolution); it has no "
-            "stored result and will not run again"
-        )
-    return ToolCallInDoubt(
-        f"the outcome of the call '{call_id}' is unknown (it timed out or lost its connection): "
-        "it will not be run again until an operator resolves it"
-    )

@@ -1,0 +1,389 @@
+"""The cache's decision stages: embed the last user message once, look the request up
+in its cache partition, and on the way out store a good reply (`CacheStore`).
+
+`CachePlanner` works out once per request whether it may use the cache, and its keys, for
+both stages. The public face is decide/stages.py, which re-exports these names.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+import orjson
+
+from switchyard import outcomes
+from switchyard.config import Settings
+from switchyard.decide.cache import CacheKeys, ResponseCache, cache_keys
+from switchyard.decide.cacheability import Cacheability, assemble, cacheability, storable_reply
+from switchyard.decide.candidate import CandidateCheck
+from switchyard.decide.risk import RiskClassifier
+from switchyard.decide.verify import same_question
+from switchyard.embed import EmbeddingService
+from switchyard.pipeline import (
+    CacheOutcome,
+    CacheState,
+    ReplyPart,
+    RequestContext,
+    Stage,
+    Verdict,
+    View,
+)
+from switchyard.policy import headers as request_headers
+from switchyard.policy.pii_reply import at_rest
+from switchyard.request import Generation
+
+_MISS = outcomes.Cache.MISS  # bound once: read through its class per request costs more
+
+
+def last_user_text(req: Generation) -> str:
+    for m in reversed(req.messages or ()):
+        if m.get("role") == "user":
+            c = m.get("content")
+            if isinstance(c, list):
+                return "\n".join(str(p.get("text", "")) for p in c if isinstance(p, dict))
+            return str(c or "")
+    return ""
+
+
+class CachePlanner:
+    """Whether a request may use the cache, and its keys: worked out once per request,
+    for the embed and cache stages."""
+
+    def __init__(self, settings: Settings, revisions: Mapping[str, Any] | None = None) -> None:
+        self.cfg = settings.cache
+        self._models = {m.alias: m for m in settings.served_models()}
+        # RL-managed aliases (engines/revisions.py): their answers are keyed by the
+        # revision active now, so an activation never serves the old weights' answers.
+        self._revisions = revisions if revisions is not None else {}
+        self._router_version = settings.router.policy_version
+        self._risk = RiskClassifier(settings.cache.risk)
+
+    def plan(self, ctx: RequestContext) -> tuple[Cacheability, CacheKeys | None]:
+        state = ctx.cache_state
+        if state is None:
+            state = ctx.cache_state = CacheState()
+        elif state.plan is not None:
+            done: tuple[Cacheability, CacheKeys | None] = state.plan
+            return done
+        cfg = self.cfg
+        tenant = ctx.principal.tenant_id
+        verdict = cacheability(
+            ctx.generation,
+            ctx.input.endpoint,
+            ctx.input.headers.get("cache-control"),
+            tenant,
+            ctx.alias or "",
+            cfg,
+        )
+        keys = None
+        if verdict.lookup or verdict.store:
+            model = self._models.get(ctx.alias or "")
+            revision = model.revision if model is not None else f"router:{self._router_version}"
+            manager = self._revisions.get(ctx.alias or "") if self._revisions else None
+            if manager is not None and manager.active is not None:
+                revision = manager.active.revision
+            scope = f"key:{ctx.principal.key_id}" if cfg.scope == "key" else f"tenant:{tenant}"
+            keys = cache_keys(
+                ctx.masked(),
+                ctx.input.endpoint,
+                scope,
+                tenant,
+                ctx.alias or "",
+                revision,
+                ctx.input.headers.get("x-switchyard-locale")
+                or ctx.input.headers.get("accept-language"),
+                ctx.input.headers.get("x-switchyard-data-version") or cfg.data_version,
+                request_headers.cache_tags(ctx.input.headers.get("x-switchyard-cache-tags")),
+            )
+            risk = self._risk.classify(keys.query, ctx.alias or "", keys.tags)
+            if risk.source is not None:
+                why = f"risk {risk.source}" + (f" ({risk.matched!r})" if risk.matched else "")
+                if risk.policy == "off":
+                    verdict = replace(
+                        verdict, lookup=False, store=False, reason=f"{why}: cache off", risk=risk
+                    )
+                    keys = None
+                elif risk.policy == "exact_only":
+                    verdict = replace(verdict, semantic=False, risk=risk)
+        state.plan = (verdict, keys)
+        return verdict, keys
+
+
+class Embed(Stage):
+    """Embed the last user message once; the cache and the router share the vector."""
+
+    name = "embed"
+    UNWANTED = Verdict(outcomes.Embed.SKIP, "no semantic cache or router for this request")
+
+    def __init__(
+        self,
+        settings: Settings,
+        embedder: EmbeddingService | None,
+        cache: ResponseCache | None,
+        planner: CachePlanner,
+        router: Callable[[], Any],
+    ) -> None:
+        self._semantic = cache is not None and settings.cache.semantic
+        self._routing = settings.router.enabled
+        self._embedder = embedder
+        self._cache = cache
+        self._planner = planner
+        self._router = router
+
+    def static(self, view: View) -> Verdict | None:
+        if not (self._semantic or self._routing) or view.endpoint != "chat.completions":
+            return self.UNWANTED
+        return None
+
+    def work(self, ctx: RequestContext) -> Awaitable[None] | None:
+        t = time.perf_counter()
+        if not self._semantic and self._router() is None:  # the router is still building
+            ctx.record(self.name, self.UNWANTED.outcome, self.UNWANTED.reason, t)
+            return None
+        embedder = self._embedder
+        if embedder is None or not embedder.ready:
+            ctx.record(self.name, outcomes.Embed.SKIP, "embedding model not ready", t)
+            return None
+        if self._cache is not None:
+            verdict, keys = self._planner.plan(ctx)
+            if (
+                keys is not None
+                and verdict.lookup
+                and verdict.mode == "enforce"
+                and self._cache.has_exact(keys, now=time.time() + 1.0)
+            ):
+                # The cache stage will answer with this entry (alive for at least another
+                # second, so it cannot expire in between); nothing needs the vector.
+                ctx.record(
+                    self.name, outcomes.Embed.SKIP, "an exact cache entry answers this request", t
+                )
+                return None
+            if not self._routing and (keys is None or not verdict.semantic):
+                why = "no semantic lookup for this request"
+                if verdict.risk is not None:
+                    why += f" (risk {verdict.risk.source}: {verdict.risk.policy})"
+                ctx.record(self.name, outcomes.Embed.SKIP, why, t)
+                return None
+        return self._embed(ctx, embedder, t)
+
+    async def _embed(self, ctx: RequestContext, embedder: EmbeddingService, t: float) -> None:
+        query = last_user_text(ctx.masked())
+        vecs, _, path = await embedder.embed_traced([query])
+        ctx.vector = vecs[0]
+        ctx.record(
+            self.name,
+            outcomes.Embed.OK,
+            "embedded the last user message",
+            t,
+            {"chars": len(query), "path": path},
+        )
+
+
+class Cache(Stage):
+    """Exact, then semantic lookup in the request's partition (see decide/cache.py);
+    on the way out, a good reply is stored (masked) and, in shadow mode, compared
+    with the would-be hit (`CacheStore`)."""
+
+    name = "cache"
+    OFF = Verdict(outcomes.Cache.SKIP, "cache not enabled")
+
+    def __init__(
+        self,
+        settings: Settings,
+        cache: ResponseCache | None,
+        planner: CachePlanner,
+        check: CandidateCheck | None,
+        embedder: EmbeddingService | None = None,
+    ) -> None:
+        self._cfg = settings.cache
+        self._cache = cache
+        self._planner = planner
+        self._check = check  # decide/candidate.py: rules, pair model, cross-encoder
+        self._embedder = embedder  # compares answers in shadow mode
+
+    def static(self, view: View) -> Verdict | None:
+        return self.OFF if self._cache is None else None
+
+    def reply(self, ctx: RequestContext) -> ReplyPart | None:
+        cs = ctx.cache_state
+        if cs is None or not cs.wants_reply or self._cache is None:
+            return None
+        return CacheStore(self, ctx)
+
+    async def remember(self, ctx: RequestContext, obj: dict[str, Any]) -> None:
+        """Store a good reply (masked) and, in shadow mode, compare it with the would-be hit."""
+        t = time.perf_counter()
+        cs = ctx.cache_state
+        cache = self._cache
+        assert cs is not None and cache is not None  # CacheStore is made only then
+        masked = at_rest(ctx.pii.session if ctx.pii is not None else None, obj)
+        embedder = self._embedder
+        if cs.shadow_entry is not None and embedder is not None and embedder.ready:
+            cached = reply_text(orjson.loads(cs.shadow_entry.body))
+            vecs, _ = await embedder.embed([cached, reply_text(masked)])
+            agreement = float(vecs[0] @ vecs[1])
+            evidence: dict[str, Any] = {
+                "answer_similarity": round(agreement, 4),
+                "prompt_similarity": cs.similarity,
+            }
+            thresholds = cache.thresholds
+            verdict, keys = cs.plan if cs.plan is not None else (None, None)
+            if (
+                cs.shadow_semantic
+                and thresholds is not None
+                and cs.similarity is not None
+                and verdict is not None
+                and keys is not None
+            ):
+                # Live evidence moves the partition's threshold (decide/shadow_threshold.py).
+                evidence["partition_threshold"] = thresholds.observe(
+                    keys.partition, verdict.threshold, cs.similarity, agreement
+                )
+            ctx.record(
+                "cache_shadow",
+                outcomes.CacheShadow.COMPARED,
+                f"cached vs fresh answer similarity {agreement:.3f}",
+                t,
+                evidence,
+            )
+        if cs.store_keys is None:
+            return
+        why = storable_reply(masked)
+        if why is not None:
+            ctx.record("cache_store", outcomes.CacheStore.SKIP, why, t)
+            return
+        entry = cache.store(cs.store_keys, orjson.dumps(masked), ctx.vector, self._cfg.ttl_s)
+        stored: dict[str, Any] = {"partition": cs.store_keys.partition[:12]}
+        if cache.share is not None:  # every gateway process learns it
+            stored["shared"] = await cache.share.put(entry, ctx.vector)
+        ctx.record(
+            "cache_store", outcomes.CacheStore.STORED, "reply stored for later requests", t, stored
+        )
+
+    def work(self, ctx: RequestContext) -> None:
+        t = time.perf_counter()
+        cache = self._cache
+        assert cache is not None
+        cfg = self._cfg
+        verdict, keys = self._planner.plan(ctx)
+        state = ctx.cache_state
+        assert state is not None  # the planner made it
+        if keys is None:
+            ctx.cache = CacheOutcome.BYPASS
+            risk = verdict.risk
+            ev = None if risk is None else {"risk": risk.source, "risk_policy": risk.policy}
+            ctx.record("cache", outcomes.Cache.BYPASS, verdict.reason, t, ev)
+            return
+        state.store_keys = keys if verdict.store else None
+        if not verdict.lookup:
+            ctx.cache = CacheOutcome.BYPASS
+            ctx.record(
+                "cache",
+                outcomes.Cache.BYPASS,
+                verdict.reason,
+                t,
+                {"partition": keys.partition[:12]},
+            )
+            return
+        threshold = verdict.threshold
+        if cache.thresholds is not None:
+            threshold = cache.thresholds.threshold(keys.partition, threshold)
+        evidence: dict[str, Any] = {
+            "partition": keys.partition[:12],
+            "threshold": threshold,
+            "mode": verdict.mode,
+        }
+        if threshold != verdict.threshold:  # shadow evidence raised it
+            evidence["configured_threshold"] = verdict.threshold
+        if verdict.risk is not None:
+            evidence["risk"] = verdict.risk.source
+            evidence["risk_policy"] = verdict.risk.policy
+        entry = cache.lookup_exact(keys)
+        kind, sim = (
+            (CacheOutcome.HIT_EXACT, 1.0) if entry is not None else (CacheOutcome.MISS, None)
+        )
+        if entry is None and cfg.semantic and verdict.semantic and ctx.vector is not None:
+            found = cache.nearest(keys, ctx.vector)
+            evidence["candidates"] = found.candidates
+            if found.entry is not None and found.similarity is not None:
+                sim = found.similarity
+                evidence["best_similarity"] = round(sim, 4)
+                # Below the threshold, the request's own question misspelt is still put
+                # to the checks: a typo can drop the cosine to 0.35 (decide/verify.py).
+                admitted = sim >= threshold
+                if not admitted and same_question(keys.query, found.entry.keys.query):
+                    admitted = evidence["same_question"] = True
+                if admitted:
+                    check = self._check
+                    ok, why = (
+                        check(keys.query, found.entry.keys.query, sim)
+                        if check is not None
+                        else (True, "verifier off")
+                    )
+                    evidence["verifier"] = why
+                    if ok:
+                        entry, kind = found.entry, CacheOutcome.HIT_SEMANTIC
+                        cache.touch(entry)
+                    else:
+                        ctx.record("cache", outcomes.Cache.MISS_VETO, why, t, evidence)
+                        ctx.cache = CacheOutcome.MISS
+                        return
+        if entry is None:
+            ctx.cache = CacheOutcome.MISS
+            ctx.record("cache", _MISS, "no entry in the partition passed", t, evidence)
+            return
+        state.similarity = sim
+        if verdict.mode == "shadow":
+            ctx.cache, state.shadow_entry = CacheOutcome.SHADOW_HIT, entry
+            state.shadow_semantic = kind == CacheOutcome.HIT_SEMANTIC
+            ctx.record(
+                "cache",
+                outcomes.Cache.SHADOW_HIT_SEMANTIC
+                if state.shadow_semantic
+                else outcomes.Cache.SHADOW_HIT_EXACT,
+                "would have served a cached reply; calling the model",
+                t,
+                evidence,
+            )
+            return
+        ctx.cache = kind
+        state.store_keys = None  # nothing new to store
+        ctx.response = entry
+        served = (
+            outcomes.Cache.HIT_SEMANTIC
+            if kind is CacheOutcome.HIT_SEMANTIC
+            else outcomes.Cache.HIT_EXACT
+        )
+        ctx.record("cache", served, f"served from cache (similarity {sim:.3f})", t, evidence)
+
+
+def reply_text(obj: dict[str, Any]) -> str:
+    c = (obj.get("choices") or [{}])[0]
+    return str((c.get("message") or {}).get("content") or c.get("text") or "")
+
+
+class CacheStore(ReplyPart):
+    """The cache's reply part: a whole reply is remembered as it passes; a stream's
+    events are kept and, once it completed, assembled and remembered."""
+
+    __slots__ = ("_ctx", "_events", "_stage")
+
+    def __init__(self, stage: Cache, ctx: RequestContext) -> None:
+        self._stage = stage
+        self._ctx = ctx
+        self._events: list[bytes] = []
+
+    async def whole(self, obj: dict[str, Any]) -> dict[str, Any]:
+        await self._stage.remember(self._ctx, obj)
+        return obj
+
+    def event(self, data: bytes) -> list[bytes] | None:
+        self._events.append(data)
+        return None
+
+    def after(self, ok: bool) -> Awaitable[None] | None:
+        obj = assemble(self._events) if ok else None
+        return None if obj is None else self._stage.remember(self._ctx, obj)

@@ -1,0 +1,345 @@
+"""The reserving stages: the request's cost shape (window), then its reservation
+against the key's and tenant's limits (admit) and the deployment's own (deployment_limits),
+through the one Reserver they share; and the estimates a reservation is made from.
+
+Each stage's `static` is the one place that says when it decides the same for every
+request of a View (pipeline.View); `work` handles the rest (see pipeline.Stage).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from switchyard import outcomes
+from switchyard.config import ModelConfig, Price, Settings
+from switchyard.errors import ContextLengthExceeded, LimiterDown
+from switchyard.pipeline import RequestContext, Stage, Verdict, View
+from switchyard.policy.admit import (
+    cost_usd,
+    deployment_scope,
+    principal_scopes,
+    rate_headers,
+    refusal,
+)
+from switchyard.policy.cost import Cost, PromptOverhead, effective_window, plan
+from switchyard.policy.limits import (
+    Ask,
+    Limiter,
+    LimiterUnavailable,
+    ScopeLimits,
+    period_key,
+    period_start,
+)
+from switchyard.policy.limits import Verdict as LimitVerdict
+from switchyard.request import Embedding
+
+log = logging.getLogger("switchyard")
+
+NO_LIMITS = Verdict(outcomes.Admit.SKIP, "no limits apply")
+# The outcomes every admitted request records, bound once: reading an enum member
+# through its class costs a metaclass lookup each time, on the request's path.
+_ADMITTED = outcomes.Admit.ADMITTED
+_WINDOW_OK = outcomes.Window.OK
+
+# What was spent by a scope ("key_id" | "tenant_id", id) since a unix time: the ledger.
+SpentSince = Callable[[str, str, float], Awaitable[float]]
+
+
+class Reserver:
+    """Reserves a request's tokens and cost against limiter scopes and records the
+    verdict; shared by the stages that reserve (admit, deployment_limits).
+    `estimate(ctx)` is the request's (prompt tokens, output tokens, price)."""
+
+    def __init__(
+        self,
+        limiter: Limiter,
+        settings: Settings,
+        spent_since: SpentSince,
+        counters: dict[str, int],
+    ) -> None:
+        self.limiter = limiter
+        self.on_failure = settings.policy.on_limiter_failure
+        self.min_output = settings.policy.min_output_tokens
+        self._spent_since = spent_since
+        self.counters = counters
+        self._seeded: set[tuple[str, str]] = set()
+
+    async def reserve(
+        self,
+        ctx: RequestContext,
+        scopes: list[ScopeLimits],
+        stage: str,
+        estimate: tuple[int, int, Price | None],
+        fixed_usd: float | None = None,
+    ) -> None:
+        """Reserve `estimate` (prompt tokens, output cap, the model's price), or, with
+        `fixed_usd`, that many dollars (a price per call: a tool's)."""
+        t = time.perf_counter()
+        prompt, out, price = estimate
+        ctx.prompt_estimate = prompt
+        ctx.max_tokens = out
+        if fixed_usd is None:
+            fixed_usd = cost_usd(price, prompt, out) if price else 0.0
+        ask = Ask(
+            f"{ctx.input.request_id}#{stage}",  # one reservation per request and stage
+            prompt + out,
+            fixed_usd,
+        )
+        shrunk: dict[str, Any] | None = None
+        try:
+            await self._seed_budgets(scopes)
+            verdict = await self.limiter.reserve(scopes, ask)
+            cost = ctx.cost
+            # Less left than the cap: the cap shrinks to what fits (again if a
+            # concurrent request took some of it meanwhile), down to a minimal answer.
+            for _ in range(3):
+                if verdict.allowed or cost is None or verdict.limit not in ("budget", "tpm"):
+                    break
+                cap = _fit(cost, verdict, price)
+                if cap < minimal_answer(cost, self.min_output):
+                    break
+                if shrunk is None:
+                    shrunk = {"from": cost.cap}
+                shrunk.update({"to": cap, "by": f"{verdict.limit}:{verdict.scope}"})
+                cost.shrink(cap, verdict.limit or "budget")
+                ctx.max_tokens = cost.cap
+                ask = Ask(ask.request_id, cost.tokens, cost.usd(price))
+                verdict = await self.limiter.reserve(scopes, ask)
+        except LimiterUnavailable as exc:
+            if self.on_failure == "fail_open":
+                self.counters["limiter_fail_open"] += 1
+                log.warning("limiter unavailable, admitting (fail_open): %s", exc)
+                ctx.record(stage, outcomes.Admit.FAIL_OPEN, f"limiter unavailable: {exc}", t)
+                return
+            self.counters["limiter_fail_closed"] += 1
+            ctx.record(
+                stage,
+                outcomes.Admit.REJECT_LIMITER_UNAVAILABLE,
+                f"limiter unavailable: {exc}",
+                t,
+            )
+            raise LimiterDown("rate limiter unavailable; refusing (fail_closed)") from None
+        ctx.admission.rate_headers.update(rate_headers(verdict))
+        evidence: dict[str, Any] = {
+            "reserved_tokens": ask.tokens,
+            "reserved_usd": ask.cost_usd,
+            "scopes": verdict.state,
+        }
+        if shrunk is not None:
+            evidence["cap_shrunk"] = shrunk
+        if not verdict.allowed:
+            ctx.record(
+                stage,
+                outcomes.reject(str(verdict.limit)),
+                f"{verdict.limit} limit of {verdict.scope}",
+                t,
+                evidence,
+            )
+            raise refusal(verdict)
+        ctx.admission.reservations.append((scopes, ask, stage))
+        if shrunk is not None:
+            reason = f"within every limit once the output cap shrank to {shrunk['to']} tokens"
+            ctx.record(stage, outcomes.Admit.ADMITTED_CAP_SHRUNK, reason, t, evidence)
+            return
+        ctx.record(stage, _ADMITTED, "within every limit", t, evidence)
+
+    def settle(self, ctx: RequestContext, stage: str) -> Awaitable[None] | None:
+        """Settle what `stage` reserved for the request with what it was charged
+        (`ctx.run`); None when it reserved nothing."""
+        run = ctx.run
+        tokens = run.tokens_in + run.tokens_out
+        mine = [
+            self.limiter.settle(scopes, ask, tokens, run.cost_usd)
+            for scopes, ask, by in ctx.admission.reservations
+            if by == stage
+        ]
+        if not mine:
+            return None
+        return mine[0] if len(mine) == 1 else self._all(mine)
+
+    @staticmethod
+    async def _all(mine: Sequence[Awaitable[None]]) -> None:
+        """Each, in order; one that fails keeps none of the others from settling."""
+        error: Exception | None = None
+        for pending in mine:
+            try:
+                await pending
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+
+    async def _seed_budgets(self, scopes: list[ScopeLimits]) -> None:
+        """Budgets survive restarts: the first time a scope is seen in a period, its
+        spend so far is read back from the ledger (off the event loop)."""
+        now = time.time()
+        for s in scopes:
+            if s.budget_usd is None:
+                continue
+            mark = (s.scope, period_key(s.budget_period, now))
+            if mark in self._seeded:
+                continue
+            kind, _, ident = s.scope.partition(":")
+            column = {"key": "key_id", "tenant": "tenant_id"}.get(kind)
+            if column is not None:
+                spent = await self._spent_since(column, ident, period_start(s.budget_period, now))
+                seeded = self.limiter.seed_spent(s.scope, s.budget_period, spent, now)
+                if inspect.isawaitable(seeded):
+                    await seeded
+            self._seeded.add(mark)
+
+
+def minimal_answer(cost: Cost, min_output: int) -> int:
+    """The smallest cap worth sending: `policy.min_output_tokens`, or the client's own
+    cap when that is smaller."""
+    return min(min_output, cost.asked) if cost.asked is not None else min_output
+
+
+def _fit(cost: Cost, verdict: LimitVerdict, price: Price | None) -> int:
+    """The largest cap that fits what every scope of a refused verdict has left."""
+    tokens = [i["remaining_tokens"] for i in verdict.state.values() if "remaining_tokens" in i]
+    usd = [i["budget_remaining_usd"] for i in verdict.state.values() if "budget_remaining_usd" in i]
+    return cost.fit(min(tokens) if tokens else None, min(usd) if usd else None, price)
+
+
+# A request's (prompt tokens, output tokens, price) for its reservation.
+Estimate = Callable[[RequestContext], tuple[int, int, Price | None]]
+
+
+def generation_estimate(models: Mapping[str, ModelConfig]) -> Estimate:
+    """(prompt tokens, output tokens, price) of a chat or completion request: its cost
+    shape (ctx.cost, set by the window stage) at the model's price."""
+
+    def estimate(ctx: RequestContext) -> tuple[int, int, Price | None]:
+        model = models.get(ctx.alias or "")
+        cost = ctx.cost
+        assert cost is not None  # the window stage runs first
+        return cost.prompt, cost.output, model.price if model is not None else None
+
+    return estimate
+
+
+def embedding_estimate(price: Price) -> Estimate:
+    """(input tokens, 0, price) of an embeddings request, leaning high as the chat
+    estimate does: ≈3 characters per token of text (its codec takes texts only)."""
+
+    def estimate(ctx: RequestContext) -> tuple[int, int, Price | None]:
+        req = ctx.request
+        assert isinstance(req, Embedding)
+        tokens = sum(len(x) // 3 + 1 for x in req.texts)
+        return tokens, 0, price
+
+    return estimate
+
+
+class Window(Stage):
+    """The request's cost shape (policy/cost.py): its prompt, counted high for the
+    reservations and low for this check, its sequences and the output cap it will be
+    sent with. Refused with 400 `context_length_exceeded` only when the prompt's lower
+    bound is past the model's effective context window."""
+
+    name = "window"
+
+    def __init__(
+        self, settings: Settings, models: Mapping[str, ModelConfig], overhead: PromptOverhead
+    ) -> None:
+        self._windows = {a: effective_window(m) for a, m in models.items()}
+        self._default = settings.policy.default_max_tokens
+        self._images = settings.policy.image_tokens
+        self._overhead = overhead
+
+    def work(self, ctx: RequestContext) -> None:
+        t = time.perf_counter()
+        alias = ctx.alias or ""
+        wire = ctx.wire
+        req = ctx.generation
+        raw = wire[1] if wire is not None and wire[0] is req else None
+        raw_len = len(raw) if raw is not None else None
+        window = self._windows.get(alias)
+        cost = plan(req, raw_len, alias, window, self._default, self._images, self._overhead)
+        evidence = {
+            "prompt_tokens": cost.prompt,
+            "prompt_lower_bound": cost.lower,
+            "window": window,
+            "sequences": cost.sequences,
+            "cap": cost.cap,
+            "cap_asked": cost.asked,
+        }
+        if window is not None and cost.lower > window:
+            ctx.record(
+                self.name,
+                outcomes.Window.REJECT_CONTEXT_LENGTH,
+                f"the prompt has at least {cost.lower} tokens; the window is {window}",
+                t,
+                evidence,
+            )
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {window} tokens; the prompt has at "
+                f"least {cost.lower} tokens",
+                param="messages" if req.messages is not None else "prompt",
+            )
+        ctx.cost = cost
+        ctx.max_tokens = cost.cap
+        ctx.record(
+            self.name, _WINDOW_OK, f"output capped at {cost.cap} tokens per sequence", t, evidence
+        )
+
+
+class _Reserving(Stage):
+    """A stage that reserves against limiter scopes through the shared Reserver."""
+
+    def __init__(self, reserver: Reserver, estimate: Estimate) -> None:
+        self._reserver = reserver
+        self._estimate = estimate
+
+    def _reserve(self, ctx: RequestContext, scopes: list[ScopeLimits]) -> Awaitable[None]:
+        return self._reserver.reserve(ctx, scopes, self.name, self._estimate(ctx))
+
+    def release(self, ctx: RequestContext) -> Awaitable[None] | None:
+        """Settle this stage's reservations with what the request used."""
+        if not ctx.admission.reservations:
+            return None
+        return self._reserver.settle(ctx, self.name)
+
+
+class Admit(_Reserving):
+    """The key's and the tenant's limits: rpm, tpm, concurrency, budget."""
+
+    name = "admit"
+
+    def __init__(self, reserver: Reserver, estimate: Estimate) -> None:
+        super().__init__(reserver, estimate)
+        # The scopes of each principal seen lately (a principal is immutable; the one
+        # object is kept, so its id stays its own while cached).
+        self._scopes: dict[int, tuple[Any, list[ScopeLimits]]] = {}
+
+    def static(self, view: View) -> Verdict | None:
+        return NO_LIMITS if not principal_scopes(view.principal) else None
+
+    def work(self, ctx: RequestContext) -> Awaitable[None]:
+        p = ctx.principal
+        held = self._scopes.get(id(p))
+        if held is None or held[0] is not p:
+            if len(self._scopes) >= 4096:
+                self._scopes.clear()
+            held = self._scopes[id(p)] = (p, principal_scopes(p))
+        return self._reserve(ctx, held[1])
+
+
+class DeploymentLimits(_Reserving):
+    """The deployment's own rpm and tpm (models[].limits)."""
+
+    name = "deployment_limits"
+
+    def static(self, view: View) -> Verdict | None:
+        if view.model is None:  # selection refuses an unknown model before this
+            return None
+        return NO_LIMITS if not deployment_scope(view.model) else None
+
+    def work(self, ctx: RequestContext) -> Awaitable[None]:
+        assert ctx.model is not None
+        return self._reserve(ctx, deployment_scope(ctx.model))

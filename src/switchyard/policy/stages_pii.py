@@ -1,0 +1,103 @@
+"""The PII stage: masks a request's personal data on the way in (policy/pii.py) and
+restores the request's own values in the reply on the way out (policy/pii_reply.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+from switchyard import outcomes
+from switchyard.config import Settings
+from switchyard.errors import PiiDetected, PiiFailure
+from switchyard.pipeline import (
+    CacheOutcome,
+    PiiState,
+    ReplyPart,
+    RequestContext,
+    Stage,
+    Verdict,
+    View,
+)
+from switchyard.policy.pii import MaskingError, PiiMasker, mask_request
+from switchyard.policy.pii_reply import PiiRestore, request_session
+
+
+class Pii(Stage):
+    """Mask PII once; the masked text is what cache keys, embeddings and traces see.
+    On the way out, restore the request's own values wherever the reply carries
+    placeholders (policy/pii_reply.py)."""
+
+    name = "pii"
+    NOTHING_STORED = Verdict(
+        outcomes.Pii.SKIP, "observe_only and no cache or router: no text is stored"
+    )
+
+    def __init__(self, settings: Settings, masker: PiiMasker, cache_on: bool) -> None:
+        self._mode = settings.pii.mode
+        self._modes = dict(settings.pii.models)
+        # Masked text feeds only the cache and the router; with neither, nothing here
+        # stores or forwards request text, so there is nothing to mask.
+        self._text_kept = cache_on or settings.router.enabled
+        self._masker = masker
+        # Aliases whose placement keeps PII on the device: found PII is needed there.
+        self._placed = {
+            m.alias
+            for m in settings.models
+            if m.placement is not None and m.placement.pii_stays_local
+        }
+
+    def static(self, view: View) -> Verdict | None:
+        mode = self._modes.get(view.alias or "", self._mode)
+        if mode == "observe_only" and not self._text_kept and view.alias not in self._placed:
+            return self.NOTHING_STORED
+        return None
+
+    def work(self, ctx: RequestContext) -> None:
+        t = time.perf_counter()
+        mode = self._modes.get(ctx.alias or "", self._mode)
+        session = self._masker.session()
+        try:
+            masked = mask_request(session, ctx.generation)
+        except MaskingError as exc:
+            ctx.record(
+                "pii",
+                outcomes.Pii.REJECT_MASKING_FAILED,
+                f"masking failed: {type(exc).__name__}",
+                t,
+            )
+            raise PiiFailure("PII masking failed; the request was refused (fail closed)") from None
+        found = dict(session.found)
+        evidence = {"mode": mode, "found": found}
+        if found and mode == "block":
+            ctx.record(
+                "pii",
+                outcomes.Pii.REJECT_PII_DETECTED,
+                f"request contains {sorted(found)}",
+                t,
+                evidence,
+            )
+            raise PiiDetected(
+                f"the request contains personal data ({', '.join(sorted(found))}) and this "
+                "model does not accept it"
+            )
+        restore = bool(found) and mode == "mask_upstream"
+        ctx.pii = PiiState(session, masked, restore, found)
+        if restore:
+            ctx.request = masked  # the upstream sees placeholders; the reply is restored
+        outcome = (
+            (outcomes.Pii.MASKED if mode == "mask_upstream" else outcomes.Pii.OBSERVED)
+            if found
+            else outcomes.Pii.CLEAN
+        )
+        ctx.record("pii", outcome, f"{sum(found.values())} PII value(s) found", t, evidence)
+
+    def reply(self, ctx: RequestContext) -> ReplyPart | None:
+        """Restoring, when the reply can carry this request's placeholders: the
+        upstream saw them (mask_upstream), or the reply was stored masked (a cache hit,
+        an idempotent replay)."""
+        pii = ctx.pii
+        if pii is not None:
+            return PiiRestore(pii.session) if pii.restore or ctx.response is not None else None
+        if ctx.cache is CacheOutcome.REPLAY:
+            return PiiRestore(request_session(self._masker, ctx), only_marked=True)
+        return None

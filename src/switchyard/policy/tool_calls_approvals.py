@@ -1,0 +1,306 @@
+"""Tool results and their approvals: the `tool_results` stage's checks and store.
+
+Owns finding every tool result a conversation carries (`tool_results`, at most
+MAX_TOOL_RESULTS), which of them need an approval (`approvals_needed`), which are
+brought for the first time (`new_results`), the `x-switchyard-approval` header's
+tokens and the approvals themselves (`ApprovalStore`: issued, single-use,
+expiring). The rules are told in policy/tool_calls.py's docstring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from switchyard.errors import InvalidHeader, InvalidRequest, TooManyToolResults
+from switchyard.policy.tool_calls_governor import APPROVAL_CALL_PREFIX, ToolPolicy, _obj
+
+# The most tool results (tool and function messages) a request's history may carry
+# where they are checked: each costs a look-up, and one left unchecked would be a
+# way past the gate, so a longer history is refused (400), never checked in part.
+MAX_TOOL_RESULTS = 256
+# The call id an approval of a legacy `function` result names: such a result has no
+# id of its own, only the function's name.
+FUNCTION_RESULT_PREFIX = "function:"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """One tool result anywhere in a conversation: a `tool` message (its call id) or
+    a legacy `function` message (no id; `call_id` is None)."""
+
+    index: int  # its position in `messages`
+    call_id: str | None
+    # Every tool name the conversation gives it: the message's own `name`, the
+    # assistant tool calls with its id, or (legacy) the `function_call` it answers.
+    names: frozenset[str]
+    trailing: bool  # after the last assistant message: brought by this request
+
+
+@dataclass(frozen=True, slots=True)
+class NeededApproval:
+    """A result the request may forward only with an approval for `approval_id`."""
+
+    approval_id: str  # the call id the approval must name
+    tool: str  # for the reason given to the client and the trace
+    index: int  # the (first) message it was found in
+    # A call id, which names one call: an approval already consumed for it (an
+    # earlier turn of the same conversation) still covers it. A legacy function
+    # result has no such identity, so it never is covered by an earlier approval.
+    reusable: bool
+
+
+def _name(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _called(messages: list[Any]) -> dict[str, set[str]]:
+    """call id → the names every assistant message of the history gives that call."""
+    called: dict[str, set[str]] = {}
+    for m in messages:
+        if isinstance(m, dict) and m.get("role") == "assistant":
+            calls = m.get("tool_calls")
+            for call in calls if isinstance(calls, list) else []:
+                if isinstance(call, dict) and isinstance(call.get("id"), str):
+                    name = _name(_obj(call.get("function")).get("name"))
+                    called.setdefault(call["id"], set()).update([name] if name else [])
+    return called
+
+
+def tool_results(messages: list[dict[str, Any]] | None) -> list[ToolResult]:
+    """Every tool result of the conversation, wherever it sits and whatever role
+    carries it: the client writes the whole history, so a result placed before an
+    assistant turn is as much its word as one at the end. More than
+    MAX_TOOL_RESULTS, a `tool` message without a call id or a `function` message
+    without a name is a 400 (a result that cannot be told apart cannot be checked)."""
+    if messages is None:
+        return []
+    last = max(
+        (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
+        default=-1,
+    )
+    called = _called(messages)
+    answered: str | None = None  # the function_call of the latest assistant message
+    out: list[ToolResult] = []
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role == "assistant":
+            answered = _name(_obj(m.get("function_call")).get("name"))
+        if role not in ("tool", "function"):
+            continue
+        if len(out) == MAX_TOOL_RESULTS:
+            raise TooManyToolResults(
+                f"at most {MAX_TOOL_RESULTS} tool results (tool and function messages) per request",
+                param="messages",
+            )
+        own = _name(m.get("name"))
+        if role == "tool":
+            cid = _name(m.get("tool_call_id"))
+            if cid is None:
+                raise InvalidRequest(
+                    f"'messages[{i}].tool_call_id' must name the tool call it answers",
+                    param=f"messages[{i}].tool_call_id",
+                )
+            names = called.get(cid, set()) | ({own} if own else set())
+            out.append(ToolResult(i, cid, frozenset(names), i > last))
+            continue
+        if own is None:
+            raise InvalidRequest(
+                f"'messages[{i}].name' is required for role 'function'",
+                param=f"messages[{i}].name",
+            )
+        names = {own} | ({answered} if answered else set())
+        out.append(ToolResult(i, None, frozenset(names), i > last))
+    return out
+
+
+def approvals_needed(
+    results: list[ToolResult], policy: ToolPolicy, noted: Mapping[str, str]
+) -> list[NeededApproval]:
+    """The results that need an approval, in message order: a result for a
+    `call_sya_` id, or one that any name the conversation or the task's record
+    (`noted`: call id → the tool the gateway relayed) gives it requires approval.
+    A call id needs one approval however often its result appears; each legacy
+    function result needs its own (see NeededApproval.reusable)."""
+    names: dict[str, set[str]] = {}
+    first: dict[str, int] = {}
+    out: list[NeededApproval] = []
+    for r in results:
+        if r.call_id is None:
+            gated = sorted(n for n in r.names if policy.requires_approval(n))
+            if gated:
+                fn = FUNCTION_RESULT_PREFIX + gated[0]
+                out.append(NeededApproval(fn, gated[0], r.index, False))
+            continue
+        first.setdefault(r.call_id, r.index)
+        names.setdefault(r.call_id, set()).update(r.names)
+    for cid, given in names.items():
+        tool = noted.get(cid)
+        gated = sorted(
+            n for n in given | ({tool} if tool else set()) if policy.requires_approval(n)
+        )
+        if gated or cid.startswith(APPROVAL_CALL_PREFIX):
+            what = gated[0] if gated else tool or "a tool that requires approval"
+            # An id that looks like a function result's never reuses an approval: one
+            # consumed for `function:<name>` covers no later result.
+            reusable = not cid.startswith(FUNCTION_RESULT_PREFIX)
+            out.append(NeededApproval(cid, what, first[cid], reusable))
+    return sorted(out, key=lambda n: n.index)
+
+
+def new_results(results: list[ToolResult], counts: Mapping[str, int]) -> list[str]:
+    """The call ids whose results this request brings for the first time, to count
+    for its task: each after the last assistant message (brought now; one brought
+    again is a duplicate) and each earlier one whose call the task's record knows
+    with no result yet (`counts`: call id → results so far), however the history
+    ordered it. A legacy function result has no id to count."""
+    return [
+        r.call_id
+        for r in results
+        if r.call_id is not None and (r.trailing or counts.get(r.call_id) == 0)
+    ]
+
+
+MAX_APPROVALS_PER_REQUEST = 16
+
+
+def approval_tokens(value: str | None) -> list[str]:
+    """`x-switchyard-approval: TOKEN[, TOKEN...]`, bounded."""
+    if not value:
+        return []
+    from switchyard.policy.headers import approval_token
+
+    parts = [p.strip() for p in value.split(",") if p.strip()]
+    if len(value) > 130 * MAX_APPROVALS_PER_REQUEST or len(parts) > MAX_APPROVALS_PER_REQUEST:
+        raise InvalidHeader(
+            f"header x-switchyard-approval: at most {MAX_APPROVALS_PER_REQUEST} tokens",
+            param="x-switchyard-approval",
+        )
+    return [approval_token(p) for p in parts]
+
+
+APPROVAL_PREFIX = "apr-sy-"
+
+
+def _hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class ApprovalStore:
+    """Approvals of tool calls, in the gateway's database (table `approvals`): a token
+    is shown once and kept as a hash, scoped to (tenant, task, call id), single-use
+    and expiring. The CLI and the admin API issue them; the gateway consumes them."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def issue(
+        self,
+        tenant: str,
+        task_id: str | None,
+        call_id: str,
+        approver: str,
+        ttl_s: float,
+        now: float | None = None,
+    ) -> dict[str, Any]:
+        from switchyard.policy.headers import ID_PATTERN
+
+        now = time.time() if now is None else now
+        for name, value, longest in (
+            ("tenant", tenant, 63),
+            ("call_id", call_id, 128),
+            ("approver", approver, 128),
+        ):
+            if not isinstance(value, str) or not value or len(value) > longest:
+                raise InvalidRequest(f"'{name}' must be 1 to {longest} characters", param=name)
+        if task_id is not None and not (isinstance(task_id, str) and ID_PATTERN.fullmatch(task_id)):
+            raise InvalidRequest("'task_id' must be a task id", param="task_id")
+        if (
+            not isinstance(ttl_s, int | float)
+            or isinstance(ttl_s, bool)
+            or not 0 < ttl_s <= 30 * 86400
+        ):
+            raise InvalidRequest("'ttl_s' must be seconds in (0, 2592000]", param="ttl_s")
+        token = APPROVAL_PREFIX + secrets.token_urlsafe(24)
+        with self._lock:
+            self.conn.execute(
+                "INSERT INTO approvals (token_hash, tenant_id, task_id, call_id, approver,"
+                " created_at, expires_at) VALUES (?,?,?,?,?,?,?)",
+                (_hash(token), tenant, task_id, call_id, approver, now, now + ttl_s),
+            )
+        return {
+            "object": "approval",
+            "token": token,
+            "tenant": tenant,
+            "task_id": task_id,
+            "call_id": call_id,
+            "approver": approver,
+            "expires_at": now + ttl_s,
+        }
+
+    def consume(
+        self,
+        token: str,
+        tenant: str,
+        task_id: str | None,
+        call_id: str,
+        request_id: str,
+        now: float | None = None,
+    ) -> tuple[str | None, str | None]:
+        """(approver, None) when the token approves this call (and is now used), else
+        (None, why)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            row = self.conn.execute(
+                "SELECT tenant_id, task_id, call_id, approver, expires_at, used_at"
+                " FROM approvals WHERE token_hash = ?",
+                (_hash(token),),
+            ).fetchone()
+            if row is None:
+                return None, "unknown approval token"
+            r_tenant, r_task, r_call, approver, expires_at, used_at = tuple(row)
+            if (
+                r_tenant != tenant
+                or r_call != call_id
+                or (r_task is not None and r_task != task_id)
+            ):
+                return None, "the approval is for another tenant, task or call"
+            if used_at is not None:
+                return None, "the approval was already used"
+            if expires_at <= now:
+                return None, "the approval has expired"
+            cur = self.conn.execute(
+                "UPDATE approvals SET used_at = ?, used_by = ? WHERE token_hash = ? AND used_at IS NULL",
+                (now, request_id, _hash(token)),
+            )
+            if cur.rowcount != 1:  # another process used it meanwhile
+                return None, "the approval was already used"
+        return str(approver), None
+
+    def consumed(self, tenant: str, task_id: str | None, call_ids: Sequence[str]) -> set[str]:
+        """The call ids among `call_ids` for which an approval that `consume` would
+        have taken for this tenant and task was already used: a call approved once
+        stays approved for the later turns of its conversation, which carry its
+        result as history. A task-wide approval (task None) counts in any task, as
+        in `consume`."""
+        ids = list(dict.fromkeys(call_ids))
+        found: set[str] = set()
+        for start in range(0, len(ids), MAX_TOOL_RESULTS):
+            chunk = ids[start : start + MAX_TOOL_RESULTS]
+            marks = ",".join("?" * len(chunk))
+            with self._lock:
+                rows = self.conn.execute(
+                    "SELECT DISTINCT call_id FROM approvals WHERE tenant_id = ?"
+                    " AND used_at IS NOT NULL AND (task_id IS NULL OR task_id = ?)"
+                    f" AND call_id IN ({marks})",
+                    (tenant, task_id, *chunk),
+                ).fetchall()
+            found.update(str(row[0]) for row in rows)
+        return found
