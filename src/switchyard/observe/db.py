@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -308,6 +308,33 @@ def migrate(conn: sqlite3.Connection) -> None:
                 conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
     conn.executescript(LATE_INDEXES)
     _add_rollups(conn)
+
+
+def newest_first(
+    conn: sqlite3.Connection,
+    select: str,
+    equal: Iterable[tuple[str, Any]],
+    limit: int,
+    since: float | None = None,
+    before: float | None = None,
+) -> list[Any]:
+    """The rows of `select` (a table of requests) where each named column equals its
+    value (None: no filter), received at or after `since` and strictly before `before`,
+    newest first. The column names are the caller's own, never a client's."""
+    where: list[str] = []
+    args: list[Any] = []
+    for column, value in equal:
+        if value is not None:
+            where.append(f"{column} = ?")
+            args.append(value)
+    if since is not None:
+        where.append("received_at >= ?")
+        args.append(since)
+    if before is not None:
+        where.append("received_at < ?")
+        args.append(before)
+    sql = select + (" WHERE " + " AND ".join(where) if where else "")
+    return conn.execute(sql + " ORDER BY received_at DESC LIMIT ?", (*args, limit)).fetchall()
 
 
 def is_sqlite(conn: object) -> bool:

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from switchyard.observe.db import newest_first
+
 T = TypeVar("T")
 
 
@@ -78,29 +80,14 @@ def usage_rows(
     """Ledger rows, newest first, filtered by tenant, key, task, model and status, at or
     after `since` and strictly before `before` (the next page: the last row's
     received_at)."""
-    where: list[str] = []
-    args: list[Any] = []
-    for column, value in (
+    equal = (
         ("tenant_id", tenant_id),
         ("key_id", key_id),
         ("task_id", task_id),
         ("model", model),
         ("status", status),
-    ):
-        if value is not None:
-            where.append(f"{column} = ?")
-            args.append(value)
-    if since is not None:
-        where.append("received_at >= ?")
-        args.append(since)
-    if before is not None:
-        where.append("received_at < ?")
-        args.append(before)
-    sql = "SELECT * FROM usage"
-    if where:
-        sql += " WHERE " + " AND ".join(where)
-    sql += " ORDER BY received_at DESC LIMIT ?"
-    return [dict(r) for r in conn.execute(sql, (*args, limit)).fetchall()]
+    )
+    return [dict(r) for r in newest_first(conn, "SELECT * FROM usage", equal, limit, since, before)]
 
 
 def task_rows(

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from switchyard.observe.db import is_sqlite
+from switchyard.observe.db import is_sqlite, newest_first
 from switchyard.pipeline import Decision, RequestContext, decision_dict
 
 
@@ -360,22 +360,8 @@ def list_requests(
     status: str | None = None,
     limit: int = 100,
 ) -> list[dict[str, Any]]:
-    where: list[str] = []
-    args: list[Any] = []
-    if tenant_id is not None:
-        where.append("tenant_id = ?")
-        args.append(tenant_id)
-    if since is not None:
-        where.append("received_at >= ?")
-        args.append(since)
-    if status is not None:
-        where.append("status = ?")
-        args.append(status)
-    sql = "SELECT record FROM traces"
-    if where:
-        sql += " WHERE " + " AND ".join(where)
-    sql += " ORDER BY received_at DESC LIMIT ?"
-    rows = conn.execute(sql, (*args, limit)).fetchall()
+    equal = (("tenant_id", tenant_id), ("status", status))
+    rows = newest_first(conn, "SELECT record FROM traces", equal, limit, since)
     out = []
     for (raw,) in rows:
         rec = json.loads(raw)
