@@ -473,7 +473,7 @@ _PARAM = re.compile(r"\{(\w+)(?::\w+)?\}")
 
 
 def admin_routes(routes: list[Any]) -> dict[str, Any]:
-    """The OpenAPI `paths` of the admin API (api/admin.py's Starlette routes): each
+    """The OpenAPI `paths` of the admin API (api/admin/'s Starlette routes): each
     method with the first paragraph of its handler's docstring, the admin key as its
     security, and its path parameters."""
     paths: dict[str, Any] = {}

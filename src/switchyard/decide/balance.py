@@ -39,8 +39,8 @@ from typing import Any
 from switchyard.config import BalanceConfig, CanaryGuard
 from switchyard.engines.registry import Deployment
 from switchyard.errors import ModelNotFound
-from switchyard.execute.breaker import CircuitBreaker
 from switchyard.request import Generation
+from switchyard.state.breakers_memory import CircuitBreaker
 
 _KEY_CHARS = 256  # an affinity key longer than this is kept as its hash
 RING_POINTS = 64  # points per deployment on the prefix hash ring

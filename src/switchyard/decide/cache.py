@@ -262,6 +262,7 @@ class ResponseCache:
         max_entries: int,
         max_bytes: int,
         dimensions: int | Callable[[], int | None] | None = None,
+        thresholds: PartitionThresholds | None = None,
     ) -> None:
         """`dimensions`: the embedder's vector size, or a callable that tells it once
         the embedding model has loaded. Unknown, a partition takes the size of its
@@ -277,7 +278,7 @@ class ResponseCache:
         self.share: SharedCache | None = None
         # Set by the gateway: each partition's threshold as shadow evidence moved it,
         # and what a semantic candidate must pass (decide/candidate.py), in words.
-        self.thresholds: PartitionThresholds | None = None
+        self.thresholds = thresholds  # moved by shadow comparisons (shadow_threshold.py)
         self.checks: str | None = None
 
     def __len__(self) -> int:

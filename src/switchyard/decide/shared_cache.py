@@ -42,7 +42,7 @@ import orjson
 from redis.exceptions import RedisError
 
 from switchyard.decide.cache import CacheKeys, Entry, ResponseCache
-from switchyard.policy.redis_limits import redis_client
+from switchyard.state.redis import redis_client
 
 log = logging.getLogger("switchyard.cache")
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from switchyard.config import ToolsConfig
 from switchyard.outcomes import Kind, Tagged, tagged
+from switchyard.policy.tool_calls_governor import _denial
 
 Embed = Callable[[list[str]], np.ndarray]
 
@@ -88,19 +89,6 @@ class ShortlistResult:
             "candidates": [dict(c) for c in self.candidates],
             "required": list(self.required),
         }
-
-
-def _denial(name: str | None, tenant: str | None, cfg: ToolsConfig) -> str | None:
-    """Why the tenant may not use this tool, or None when it may."""
-    if name is None:
-        return "tool has no function name"
-    if name in cfg.deny:
-        return "denied by tools.deny"
-    if cfg.allow is not None and name not in cfg.allow:
-        return "not in tools.allow"
-    if tenant is not None and tenant in cfg.tenant_allow and name not in cfg.tenant_allow[tenant]:
-        return f"not in tools.tenant_allow[{tenant!r}]"
-    return None
 
 
 def _top_k(scores: np.ndarray, names: Sequence[str], k: int, required: Collection[str]) -> set[int]:

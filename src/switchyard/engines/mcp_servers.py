@@ -81,7 +81,7 @@ class McpServer:
         self.last_error: str | None = None
         self.tools: dict[str, dict[str, Any]] = {}  # tool name -> its definition (JSON)
         self.in_flight = 0
-        # The server's circuit breaker (execute/breaker.py's CircuitBreaker), set by the
+        # The server's circuit breaker (state/breakers_memory.py's CircuitBreaker), set by the
         # tool service, which opens and closes it; shown here.
         self.breaker: Any = None
         self._session: Any = None

@@ -71,13 +71,14 @@ class EnginePool:
         cfg: EnginesConfig,
         on_event: Callable[[str, str, float | None], None] | None = None,
         on_memory: Callable[[str, float | None], None] | None = None,
+        on_adapter: Callable[[str, str, str, float | None], None] | None = None,
     ) -> None:
         self.engines = engines
         self.cfg = cfg
         self.on_event = on_event  # (event, alias, seconds): "load", "evict", "unload"
         self.on_memory = on_memory  # (alias, MiB) as measured
         # (event, engine alias, adapter, seconds): "load", "evict", "promote"
-        self.on_adapter: Callable[[str, str, str, float | None], None] | None = None
+        self.on_adapter = on_adapter
         self._lock = asyncio.Lock()  # one load (and its evictions) decided at a time
         self._waiting: dict[str, int] = {}
         self._reaper: asyncio.Task[None] | None = None

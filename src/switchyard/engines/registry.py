@@ -263,8 +263,20 @@ def _fixed_url(url: str) -> Callable[[], str]:
     return lambda: url
 
 
+@dataclass(frozen=True, slots=True)
+class PoolEvents:
+    """Who hears the residency pool's events (observe/metrics.py), given at
+    construction: (event, alias, seconds) for "load", "evict", "unload"; (alias, MiB)
+    as measured; (event, engine alias, adapter, seconds) for an adapter's "load",
+    "evict", "promote"."""
+
+    on_event: Callable[[str, str, float | None], None] | None = None
+    on_memory: Callable[[str, float | None], None] | None = None
+    on_adapter: Callable[[str, str, str, float | None], None] | None = None
+
+
 class Registry:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, events: PoolEvents | None = None) -> None:
         # Per alias: its deployment (the first one, for an alias with several), and
         # every deployment of an alias with several (models[].deployments).
         self.deployments: dict[str, Deployment] = {}
@@ -297,7 +309,14 @@ class Registry:
                 am = served[a.name]
                 self.deployments[a.name] = Deployment(am, dep.upstream, dep.engine, adapter=a)
 
-        self.pool = EnginePool({e.alias: e for e in self.managed()}, settings.engines)
+        ev = events or PoolEvents()
+        self.pool = EnginePool(
+            {e.alias: e for e in self.managed()},
+            settings.engines,
+            ev.on_event,
+            ev.on_memory,
+            ev.on_adapter,
+        )
         self.load_watch = LoadWatch(self._loads(settings), settings.engines.state_interval_s)
 
     def _loads(self, settings: Settings) -> list[EngineLoad]:

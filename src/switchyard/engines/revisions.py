@@ -164,7 +164,10 @@ class RevisionManager:
         settings: RlConfig,
         max_crash_restarts: int,
         persist: Callable[[dict[str, Any]], Awaitable[None]],
+        on_change: Callable[[Revision, str], None] | None = None,
     ) -> None:
+        """`persist` stores a revision's row; `on_change` hears each state a revision
+        enters (the metrics' revision_event)."""
         assert isinstance(model.engine, LlamaCppEngine | VllmEngine)
         self.model = model
         self.alias = model.alias
@@ -181,7 +184,7 @@ class RevisionManager:
         self.activations: list[str] = []  # the revisions activated, in order (rollback)
         self._session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()  # one activation or rollback at a time
-        self.on_change: Callable[[Revision, str], None] | None = None  # metrics
+        self.on_change = on_change  # metrics
         # Chat and completions on the alias go to the active revision's engine: a
         # client per revision, a deployment per (revision, engine process).
         self._upstreams: dict[str, OpenAIUpstream] = {}

@@ -16,13 +16,12 @@ import asyncio
 import random
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from msgspec import structs
 
 from switchyard import outcomes
 from switchyard.config import Settings
-from switchyard.decide.balance import Balancer
 from switchyard.engines.registry import Deployment, Registry
 from switchyard.engines.token_ids import LLAMACPP_NATIVE
 from switchyard.engines.upstream import UpstreamReply, UpstreamStream
@@ -35,13 +34,16 @@ from switchyard.errors import (
     UpstreamOverloaded,
     UpstreamTimeout,
 )
-from switchyard.execute.breaker import CircuitBreaker
 from switchyard.execute.compat import incompatibility, request_needs
 from switchyard.execute.retry import RetryBudget, backoff_s, is_retryable, retry_class
-from switchyard.execute.shared_breaker import SharedBreakers
 from switchyard.observe.otel import Tracing
 from switchyard.pipeline import RequestContext
 from switchyard.request import to_json
+from switchyard.state.breakers_memory import CircuitBreaker
+from switchyard.state.breakers_redis import SharedBreakers
+
+if TYPE_CHECKING:  # the gateway sets the balancers; only their type is named here
+    from switchyard.decide.balance import Balancer
 
 PATHS = {"chat.completions": "/chat/completions", "completions": "/completions"}
 _ATTEMPT_OK = outcomes.Attempt.OK  # bound once: every served request records it
@@ -129,6 +131,7 @@ class Executor:
         registry: Registry,
         tracing: Tracing | None = None,
         seed: int | None = None,
+        redact: Callable[[str], str] | None = None,
     ) -> None:
         self.registry = registry
         self.tracing = tracing
@@ -155,7 +158,8 @@ class Executor:
         self.fallbacks = 0
         # Masks PII in an upstream's error text before it is recorded (an upstream may
         # echo the prompt); the gateway sets its masker here.
-        self.redact: Callable[[str], str] = lambda text: text
+        # PII masking of an upstream's error text before it is recorded.
+        self.redact: Callable[[str], str] = redact or (lambda text: text)
 
     # Plain functions returning the run's coroutine: one coroutine per request, not two.
     def execute(self, ctx: RequestContext) -> Coroutine[Any, Any, UpstreamReply]:

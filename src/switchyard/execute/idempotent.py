@@ -1,4 +1,4 @@
-"""The request driver's idempotency step (execute/idempotency.py is the store).
+"""The request driver's idempotency step (state/idempotency.py is the store).
 
 It runs before any stage, so a replay costs no limit: it claims the key, replays a
 stored reply through the request's reply side (its placeholders take this request's
@@ -15,12 +15,12 @@ import orjson
 
 from switchyard import outcomes
 from switchyard.errors import InvalidRequest
-from switchyard.execute.idempotency import IdempotencyStore, StoredReply, body_hash
 from switchyard.pipeline import CacheOutcome, Pipeline, RequestContext, Status
 from switchyard.policy import headers as request_headers
 from switchyard.policy.pii import PiiMasker
 from switchyard.policy.pii_reply import at_rest, request_session
 from switchyard.reply import JsonReply, reply_object, switchyard_headers, through
+from switchyard.state.idempotency import IdempotencyStore, StoredReply, body_hash
 
 
 class Idempotent:

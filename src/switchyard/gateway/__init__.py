@@ -2,22 +2,35 @@
 
 This is the one place where components meet (no module-level state elsewhere): it
 builds them, orders the stages (policy/stages.py, decide/stages.py) into pipelines
-and hands both to the request service (service.py), which runs every request. The
-rest is the control plane: starting and stopping engines, readiness, retention.
+and hands both to the request service (service.py), which runs every request. What
+acts on the built components (start, stop, readiness, retention, weights, task
+cancels) is the control plane, its own package (switchyard.control).
 
 `Gateway.__init__` is the composition root. Each capability is built by a small
-factory beside it, taking settings and what it depends on:
+factory beside it, taking settings and what it depends on, in an order where each
+collaborator exists before what takes it:
 
     pipelines.py      the stage pipelines (build_pipelines)
     storage.py        the store and the rate limiter
     deployments.py    balancers, placers and gates over the registry's deployments
-    semantic.py       the embedding service, the response cache, its candidate
-                      checks, the router
+    semantic.py       the embedding service, the response cache, its candidate checks
     tasks.py          the agent task store and the MCP tool gateway
     rollouts.py       RL serving: revision managers and the rollout service
-    observability.py  metrics and tracing
-    control.py        the control plane (start, stop, readiness, retention, weights,
-                      task cancels): the class Gateway builds on
+    observability.py  metrics (built first: the engine pool and the revision managers
+                      take its hooks at construction) and tracing
+
+The late bindings left, each set on a built object, and why:
+
+    executor.balancers the balancers read the executor's breakers and the executor's
+                       fallbacks balance through them (a cycle; deployments.py).
+    cache.share        the shared cache (Redis) wraps the cache it shares: a true cycle.
+    gate.others        the other clients' load on a gate's engines, which leaves out
+                       the gate's own requests: it reads the built gate (a cycle).
+    embedder idle      the embedder waits for quiet through the request service, which
+                       is built after it over the cache that needs the embedder: a
+                       lambda reads `self.service` when called.
+    router             built after start, once the embedding model has loaded
+                       (control/router.py); the pipelines read it through a lambda.
 """
 
 from __future__ import annotations
@@ -25,14 +38,14 @@ from __future__ import annotations
 import time
 
 from switchyard.config import Settings, store_target
+from switchyard.control import BUSY_FLUSH_S, ControlPlane
 from switchyard.engines import lora_train
 from switchyard.engines.registry import Registry
 from switchyard.execute.embeddings import Embeddings
 from switchyard.execute.executor import Executor
 from switchyard.execute.idempotent import Idempotent
-from switchyard.gateway.control import BUSY_FLUSH_S, ControlPlane
 from switchyard.gateway.deployments import build_balancers, build_gates, build_placers
-from switchyard.gateway.observability import build_metrics, build_tracing
+from switchyard.gateway.observability import build_metrics, build_tracing, engine_events
 from switchyard.gateway.pipelines import build_pipelines
 from switchyard.gateway.rollouts import build_revisions, build_rollouts
 from switchyard.gateway.semantic import build_cache, build_candidates, build_embedder
@@ -52,14 +65,15 @@ __all__ = ["BUSY_FLUSH_S", "Gateway", "build_pipelines"]
 
 class Gateway(ControlPlane):
     """One gateway: its components, the request service over them, and the control
-    plane (control.py) that starts, stops and reports on them."""
+    plane (switchyard.control) that starts, stops and reports on them."""
 
     def __init__(self, settings: Settings) -> None:
         # Demonstration adapters named by `demo:NAME` are trained on first use (cached).
         settings = lora_train.resolve(settings)
+        super().__init__()
         self.settings = settings
-        self.registry = Registry(settings)
-        self._busy_flushed = {}  # engine -> busy seconds stored
+        self.metrics = build_metrics(settings)
+        self.registry = Registry(settings, engine_events(self.metrics))
         self.models = {m.alias: m for m in settings.served_models()}
         # The embedder waits for quiet through the service built below (late bound).
         self.embedder = build_embedder(settings, idle=lambda: self.service.active <= 1)
@@ -71,9 +85,10 @@ class Gateway(ControlPlane):
         self.idempotency = self.store.idempotency
         self.auth = Authenticator(self.store.verify_key, settings.auth.key_cache_s)
         self.limiter = build_limiter(settings)
-        self.metrics = build_metrics(settings, self.registry.pool)
         self.tracing = build_tracing(settings)
-        self.executor = Executor(settings, self.registry, self.tracing)
+        self.pii = PiiMasker()
+        # The executor masks PII in an upstream's error text before it is recorded.
+        self.executor = Executor(settings, self.registry, self.tracing, redact=self.pii.mask)
         self.balancers = build_balancers(self.registry, self.executor)
         self.placers = build_placers(settings, self.balancers)
         if self.metrics is not None:
@@ -81,12 +96,8 @@ class Gateway(ControlPlane):
                 [d for b in self.balancers.values() for d in b.deployments]
             )
         self.cache = build_cache(settings, self.embedder)
-        self.pii = PiiMasker()
         # Learned per model, for the reservations (policy/cost.py).
         self.overhead = PromptOverhead(settings.policy.prompt_overhead_tokens)
-        # Executor takes no masker at construction (execute/executor.py): it masks PII in
-        # an upstream's error text before it is recorded.
-        self.executor.redact = self.pii.mask
         self.router = None  # set once built (start), when routing is enabled
         self.gates = build_gates(settings, self.registry)
         self.counters: dict[str, int] = {"limiter_fail_open": 0, "limiter_fail_closed": 0}

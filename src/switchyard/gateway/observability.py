@@ -1,30 +1,33 @@
 """Observability: the Prometheus metrics (observe/metrics.py) and the OpenTelemetry
 tracing (observe/otel.py) of one gateway, each None when switched off.
+
+The metrics are built first: the registry's engine pool and the revision managers
+take their hooks at construction (`engine_events`).
 """
 
 from __future__ import annotations
 
 from switchyard.config import Settings
-from switchyard.engines.pool import EnginePool
+from switchyard.engines.registry import PoolEvents
 from switchyard.observe import otel
 from switchyard.observe.metrics import Metrics, tenant_key
 
 
-def build_metrics(settings: Settings, pool: EnginePool) -> Metrics | None:
-    """The metrics (observe.metrics), fed by the engine pool's events."""
+def build_metrics(settings: Settings) -> Metrics | None:
+    """The metrics (observe.metrics), knowing the configured aliases: those, and only
+    those, may label a request refused before its model was resolved."""
     obs = settings.observe
-    metrics = Metrics(obs.metrics_tenant_label, tenant_key(settings)) if obs.metrics else None
-    # The pool is built inside the registry and Metrics takes no aliases at
-    # construction, so these are set on the built objects.
-    if metrics is not None:
-        pool.on_event = metrics.engine_event
-        pool.on_memory = metrics.engine_memory_mb
-        pool.on_adapter = metrics.adapter_event
-    if metrics is not None:  # aliases that may label a refused request
-        metrics.known_models = frozenset(
-            [m.alias for m in settings.models] + [settings.embeddings.alias]
-        )
-    return metrics
+    if not obs.metrics:
+        return None
+    known = frozenset([m.alias for m in settings.models] + [settings.embeddings.alias])
+    return Metrics(obs.metrics_tenant_label, tenant_key(settings), known)
+
+
+def engine_events(metrics: Metrics | None) -> PoolEvents | None:
+    """The residency pool's events, fed to the metrics (the registry builds the pool)."""
+    if metrics is None:
+        return None
+    return PoolEvents(metrics.engine_event, metrics.engine_memory_mb, metrics.adapter_event)
 
 
 def build_tracing(settings: Settings) -> otel.Tracing | None:

@@ -37,9 +37,8 @@ def build_revisions(
             settings.rl,
             settings.engines.max_crash_restarts,
             persist,
+            metrics.revision_event if metrics is not None else None,
         )
-        if metrics is not None:  # RevisionManager takes no metrics hook at construction
-            manager.on_change = metrics.revision_event
         revisions[alias] = manager
     return revisions
 

@@ -3,15 +3,12 @@ semantic cache candidate must pass, and the router built over the embeddings.
 
 Each is optional (embeddings.enabled, cache.enabled, cache.semantic, router.enabled);
 a factory returns None where its capability is off. The router is built after start,
-once the embedding model has loaded (`build_router`).
+once the embedding model has loaded, by the control plane (control/router.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Callable
-from typing import Any
 
 from switchyard.config import Settings
 from switchyard.decide.cache import ResponseCache
@@ -19,8 +16,6 @@ from switchyard.decide.candidate import CandidateCheck
 from switchyard.decide.candidate import from_config as candidate_check
 from switchyard.decide.shadow_threshold import PartitionThresholds
 from switchyard.embed import EmbeddingService
-
-log = logging.getLogger("switchyard")
 
 
 def build_embedder(settings: Settings, idle: Callable[[], bool]) -> EmbeddingService | None:
@@ -34,14 +29,16 @@ def build_cache(settings: Settings, embedder: EmbeddingService | None) -> Respon
     storage.redis_url are set."""
     c = settings.cache
     cache = (
-        ResponseCache(c.max_entries, c.max_bytes, dimensions=_dimensions(embedder))
+        ResponseCache(
+            c.max_entries,
+            c.max_bytes,
+            dimensions=_dimensions(embedder),
+            thresholds=PartitionThresholds(c.shadow_feedback),
+        )
         if c.enabled
         else None
     )
-    # ResponseCache takes neither at construction (decide/cache.py), so both are set on
-    # the built cache; the shared cache also wraps the cache it shares (a true cycle).
-    if cache is not None:  # moved by shadow comparisons (decide/shadow_threshold.py)
-        cache.thresholds = PartitionThresholds(c.shadow_feedback)
+    # The shared cache wraps the cache it shares (a true cycle): set on the built cache.
     if cache is not None and c.shared and settings.storage.redis_url:
         from switchyard.decide.shared_cache import SharedCache
 
@@ -61,24 +58,3 @@ def build_candidates(settings: Settings, cache: ResponseCache | None) -> Candida
     is on and semantic; a background build may complete them (decide/encoder_build.py)."""
     c = settings.cache
     return candidate_check(c, settings.embeddings) if cache is not None and c.semantic else None
-
-
-async def build_router(settings: Settings, embedder: EmbeddingService | None) -> Any:
-    """Embed the route examples once the embedding model is loaded; None (the default
-    route for every request) when there is no embedding model to embed them with."""
-    from switchyard.decide.router import Router
-
-    if embedder is None:
-        log.error("router.enabled needs embeddings.enabled; routing uses the default route")
-        return None
-    while embedder.state == "loading":
-        await asyncio.sleep(0.1)
-    if not embedder.ready:
-        log.error("router disabled: the embedding model failed to load")
-        return None
-    loop = asyncio.get_running_loop()
-    router = await loop.run_in_executor(
-        None, lambda: Router(settings.router, lambda texts: embedder.encode(texts)[0])
-    )
-    log.info("router ready: %d routes", len(settings.router.routes))
-    return router

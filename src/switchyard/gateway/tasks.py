@@ -1,5 +1,6 @@
-"""Agent tasks and their tools: the task store (budgets, deadlines, cancels) and the
-MCP tool gateway (mcp.servers) whose governed tool calls count against the same tasks.
+"""Agent tasks and their tools: the task store (budgets, deadlines, cancels; chosen by
+the state layer, state/choose.py) and the MCP tool gateway (mcp.servers) whose governed
+tool calls count against the same tasks.
 """
 
 from __future__ import annotations
@@ -9,26 +10,12 @@ from typing import Any
 from switchyard.config import Settings
 from switchyard.observe.metrics import Metrics
 from switchyard.observe.otel import Tracing
-from switchyard.observe.store import Store
 from switchyard.policy.pii import PiiMasker
 from switchyard.policy.stages import Reserver
-from switchyard.policy.tasks import MemoryTaskStore, Running, TaskStore
-
-
-def build_tasks(settings: Settings) -> TaskStore:
-    """The agent tasks' state: in Redis when shared, else in this process."""
-    t = settings.tasks
-    if settings.storage.redis_url:  # one task state for every gateway process
-        from switchyard.policy.redis_tasks import RedisTaskStore
-
-        return RedisTaskStore(
-            settings.storage.redis_url,
-            timeout_s=settings.storage.redis_timeout_s,
-            idle_ttl_s=t.idle_ttl_s,
-            max_calls=t.max_tool_calls,
-            max_tasks=t.max_tasks,
-        )
-    return MemoryTaskStore(t.max_tasks, t.idle_ttl_s, t.max_tool_calls)
+from switchyard.policy.tasks import Running
+from switchyard.state.choose import build_tasks
+from switchyard.state.store import Store
+from switchyard.state.tasks import TaskStore
 
 
 def build_mcp(
@@ -60,3 +47,6 @@ def build_mcp(
         tracing,
         reserver,
     )
+
+
+__all__ = ["build_mcp", "build_tasks"]

@@ -83,7 +83,14 @@ def _first_attempt_success(ctx: RequestContext, status: str) -> bool:
 
 
 class Metrics:
-    def __init__(self, tenant_label: TenantLabel = "id", tenant_key: bytes | None = None) -> None:
+    def __init__(
+        self,
+        tenant_label: TenantLabel = "id",
+        tenant_key: bytes | None = None,
+        known_models: frozenset[str] = frozenset(),
+    ) -> None:
+        """`known_models`: the configured aliases, the only ones that may label a
+        request refused before its model was resolved (the rest are "unknown")."""
         if tenant_label == "hashed" and not tenant_key:
             raise ValueError("the hashed tenant label needs a key")
         self.tenant_mode: TenantLabel = tenant_label
@@ -284,7 +291,7 @@ class Metrics:
         self._rejections = _Children(self.rejections)
         self.fold_s = 0.02
 
-        self.known_models: frozenset[str] = frozenset()  # configured aliases
+        self.known_models = known_models  # configured aliases
         self._first_attempt: dict[tuple[str, str, str, str | None], Shape] = {}
         self._common: dict[tuple[str, str, str | None, str | None], _Common] = {}
         self._pending: list[tuple[RequestContext, str, int, int, float]] = []

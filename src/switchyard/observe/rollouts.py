@@ -1,5 +1,5 @@
 """The rollout store and the revision registry, in the gateway's store (SQLite or
-PostgreSQL, the same SQL through observe/pg.py).
+PostgreSQL, the same SQL through state/sql_pg.py).
 
 `rl_revisions` holds every registered revision of an RL-managed model with its state
 and the history of its state changes, so revisions survive restarts. `rollouts`

@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from switchyard.errors import InvalidHeader, InvalidRequest
+from switchyard.ids import ID_PATTERN as ID_PATTERN
 from switchyard.pipeline import RequestContext, RequestInput, Timings
 from switchyard.request import NOT_READ
 
-ID_PATTERN = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 MAX_PARENTS = 32
 MAX_PLANNED_STEPS = 1_000_000
 MAX_TIMEOUT_S = 86_400.0

@@ -45,11 +45,9 @@ tool_calls_approvals.py (tool results, approvals and their store).
 from __future__ import annotations
 
 from switchyard.policy.tool_calls_approvals import (
-    APPROVAL_PREFIX,
     FUNCTION_RESULT_PREFIX,
     MAX_APPROVALS_PER_REQUEST,
     MAX_TOOL_RESULTS,
-    ApprovalStore,
     NeededApproval,
     ToolResult,
     approval_tokens,
@@ -69,6 +67,7 @@ from switchyard.policy.tool_calls_governor import (
     idempotency_key,
     lineage,
 )
+from switchyard.state.approvals import APPROVAL_PREFIX, ApprovalStore
 
 __all__ = [
     "APPROVAL_CALL_PREFIX",

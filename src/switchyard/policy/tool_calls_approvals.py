@@ -3,23 +3,25 @@
 Owns finding every tool result a conversation carries (`tool_results`, at most
 MAX_TOOL_RESULTS), which of them need an approval (`approvals_needed`), which are
 brought for the first time (`new_results`), the `x-switchyard-approval` header's
-tokens and the approvals themselves (`ApprovalStore`: issued, single-use,
+tokens; the approvals themselves (`ApprovalStore`, state/approvals.py: issued, single-use,
 expiring). The rules are told in policy/tool_calls.py's docstring.
 """
 
 from __future__ import annotations
 
-import hashlib
-import secrets
-import sqlite3
-import threading
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from switchyard.errors import InvalidHeader, InvalidRequest, TooManyToolResults
 from switchyard.policy.tool_calls_governor import APPROVAL_CALL_PREFIX, ToolPolicy, _obj
+
+# Moved to the state layer (this module keeps the old import path):
+from switchyard.state.approvals import (
+    APPROVAL_PREFIX,
+    ApprovalStore,
+    _hash,
+)
 
 # The most tool results (tool and function messages) a request's history may carry
 # where they are checked: each costs a look-up, and one left unchecked would be a
@@ -185,122 +187,17 @@ def approval_tokens(value: str | None) -> list[str]:
     return [approval_token(p) for p in parts]
 
 
-APPROVAL_PREFIX = "apr-sy-"
-
-
-def _hash(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
-class ApprovalStore:
-    """Approvals of tool calls, in the gateway's database (table `approvals`): a token
-    is shown once and kept as a hash, scoped to (tenant, task, call id), single-use
-    and expiring. The CLI and the admin API issue them; the gateway consumes them."""
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self.conn = conn
-        self._lock = threading.Lock()
-
-    def issue(
-        self,
-        tenant: str,
-        task_id: str | None,
-        call_id: str,
-        approver: str,
-        ttl_s: float,
-        now: float | None = None,
-    ) -> dict[str, Any]:
-        from switchyard.policy.headers import ID_PATTERN
-
-        now = time.time() if now is None else now
-        for name, value, longest in (
-            ("tenant", tenant, 63),
-            ("call_id", call_id, 128),
-            ("approver", approver, 128),
-        ):
-            if not isinstance(value, str) or not value or len(value) > longest:
-                raise InvalidRequest(f"'{name}' must be 1 to {longest} characters", param=name)
-        if task_id is not None and not (isinstance(task_id, str) and ID_PATTERN.fullmatch(task_id)):
-            raise InvalidRequest("'task_id' must be a task id", param="task_id")
-        if (
-            not isinstance(ttl_s, int | float)
-            or isinstance(ttl_s, bool)
-            or not 0 < ttl_s <= 30 * 86400
-        ):
-            raise InvalidRequest("'ttl_s' must be seconds in (0, 2592000]", param="ttl_s")
-        token = APPROVAL_PREFIX + secrets.token_urlsafe(24)
-        with self._lock:
-            self.conn.execute(
-                "INSERT INTO approvals (token_hash, tenant_id, task_id, call_id, approver,"
-                " created_at, expires_at) VALUES (?,?,?,?,?,?,?)",
-                (_hash(token), tenant, task_id, call_id, approver, now, now + ttl_s),
-            )
-        return {
-            "object": "approval",
-            "token": token,
-            "tenant": tenant,
-            "task_id": task_id,
-            "call_id": call_id,
-            "approver": approver,
-            "expires_at": now + ttl_s,
-        }
-
-    def consume(
-        self,
-        token: str,
-        tenant: str,
-        task_id: str | None,
-        call_id: str,
-        request_id: str,
-        now: float | None = None,
-    ) -> tuple[str | None, str | None]:
-        """(approver, None) when the token approves this call (and is now used), else
-        (None, why)."""
-        now = time.time() if now is None else now
-        with self._lock:
-            row = self.conn.execute(
-                "SELECT tenant_id, task_id, call_id, approver, expires_at, used_at"
-                " FROM approvals WHERE token_hash = ?",
-                (_hash(token),),
-            ).fetchone()
-            if row is None:
-                return None, "unknown approval token"
-            r_tenant, r_task, r_call, approver, expires_at, used_at = tuple(row)
-            if (
-                r_tenant != tenant
-                or r_call != call_id
-                or (r_task is not None and r_task != task_id)
-            ):
-                return None, "the approval is for another tenant, task or call"
-            if used_at is not None:
-                return None, "the approval was already used"
-            if expires_at <= now:
-                return None, "the approval has expired"
-            cur = self.conn.execute(
-                "UPDATE approvals SET used_at = ?, used_by = ? WHERE token_hash = ? AND used_at IS NULL",
-                (now, request_id, _hash(token)),
-            )
-            if cur.rowcount != 1:  # another process used it meanwhile
-                return None, "the approval was already used"
-        return str(approver), None
-
-    def consumed(self, tenant: str, task_id: str | None, call_ids: Sequence[str]) -> set[str]:
-        """The call ids among `call_ids` for which an approval that `consume` would
-        have taken for this tenant and task was already used: a call approved once
-        stays approved for the later turns of its conversation, which carry its
-        result as history. A task-wide approval (task None) counts in any task, as
-        in `consume`."""
-        ids = list(dict.fromkeys(call_ids))
-        found: set[str] = set()
-        for start in range(0, len(ids), MAX_TOOL_RESULTS):
-            chunk = ids[start : start + MAX_TOOL_RESULTS]
-            marks = ",".join("?" * len(chunk))
-            with self._lock:
-                rows = self.conn.execute(
-                    "SELECT DISTINCT call_id FROM approvals WHERE tenant_id = ?"
-                    " AND used_at IS NOT NULL AND (task_id IS NULL OR task_id = ?)"
-                    f" AND call_id IN ({marks})",
-                    (tenant, task_id, *chunk),
-                ).fetchall()
-            found.update(str(row[0]) for row in rows)
-        return found
+__all__ = [
+    "APPROVAL_PREFIX",
+    "FUNCTION_RESULT_PREFIX",
+    "MAX_APPROVALS_PER_REQUEST",
+    "MAX_TOOL_RESULTS",
+    "ApprovalStore",
+    "NeededApproval",
+    "ToolResult",
+    "_hash",
+    "approval_tokens",
+    "approvals_needed",
+    "new_results",
+    "tool_results",
+]

@@ -16,15 +16,27 @@ from typing import Any
 import orjson
 
 from switchyard.config import ToolsConfig
-from switchyard.decide.tools import _denial
 from switchyard.outcomes import Kind, Tagged, ToolCalls, tagged
-from switchyard.policy.tasks import ToolCallNote
 from switchyard.request import Generation
+from switchyard.state.tasks import ToolCallNote
 
 KEYED_PREFIX = "call_sy_"
 # The id prefix of a call to a tool that requires_approval: its result needs an
 # approval whatever tool the conversation the client sends back names for the id.
 APPROVAL_CALL_PREFIX = "call_sya_"
+
+
+def _denial(name: str | None, tenant: str | None, cfg: ToolsConfig) -> str | None:
+    """Why the tenant may not use this tool, or None when it may."""
+    if name is None:
+        return "tool has no function name"
+    if name in cfg.deny:
+        return "denied by tools.deny"
+    if cfg.allow is not None and name not in cfg.allow:
+        return "not in tools.allow"
+    if tenant is not None and tenant in cfg.tenant_allow and name not in cfg.tenant_allow[tenant]:
+        return f"not in tools.tenant_allow[{tenant!r}]"
+    return None
 
 
 def _obj(value: Any) -> dict[str, Any]:

@@ -1,0 +1,61 @@
+"""/admin/cache: the response cache's stats, and invalidation here and, through
+Redis, in every other gateway process (decide/shared_cache.py)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from redis.exceptions import RedisError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from switchyard.api.admin.guard import Guard
+from switchyard.api.admin.params import as_json, read_fields
+from switchyard.decide.cache import ResponseCache
+from switchyard.errors import InvalidRequest, SharedStateUnavailable
+
+log = logging.getLogger("switchyard")
+
+
+class CacheServices(Protocol):
+    cache: ResponseCache | None  # None with cache.enabled: false
+
+
+class Cache:
+    """The response cache's stats and invalidation."""
+
+    def __init__(self, services: CacheServices, guard: Guard) -> None:
+        self.s = services
+        self.guard = guard
+
+    async def cache_invalidate(self, request: Request) -> Response:
+        """{"tenant", "model", "tag", "partition", "dry_run"}: at least one filter."""
+        self.guard(request)
+        cache = self.s.cache
+        if cache is None:
+            raise InvalidRequest("the cache is not enabled (cache.enabled: false)")
+        body = await read_fields(request, ("tenant", "model", "tag", "partition", "dry_run"))
+        f = {k: body.get(k) for k in ("tenant", "model", "tag", "partition")}
+        dry_run = bool(body.get("dry_run", False))
+        try:
+            out = cache.invalidate(**f, dry_run=dry_run)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        share = cache.share
+        if share is not None:  # Redis and every other gateway process
+            try:
+                out["shared"] = await share.invalidate(f, dry_run)
+            except (RedisError, OSError):
+                log.warning("cache invalidation not shared: Redis unreachable", exc_info=True)
+                raise SharedStateUnavailable(
+                    "removed from this gateway process only: the shared cache (Redis) is "
+                    "unreachable; repeat the invalidation once it is back"
+                ) from None
+        return as_json(out)
+
+    async def cache_stats(self, request: Request) -> Response:
+        """The response cache: entries, hits by kind, the semantic checks and their state."""
+        self.guard(request)
+        cache = self.s.cache
+        return as_json(cache.stats() if cache is not None else {"enabled": False})

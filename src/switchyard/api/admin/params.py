@@ -1,0 +1,57 @@
+"""What the admin routes share: their JSON reply, query parameters read with bounds,
+and a JSON object body that names only the fields a route takes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from switchyard.api.body import read_json
+from switchyard.errors import InvalidRequest
+
+MAX_BODY_BYTES = 65536
+
+
+def as_json(obj: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+def query_number(q: Any, name: str, default: float | None = None) -> float | None:
+    """The finite number `?name=` gives (its first 32 characters), or `default`."""
+    if name not in q:
+        return default
+    try:
+        value = float(q[name][:32])
+    except ValueError:
+        raise InvalidRequest(f"'{name}' must be a number", param=name) from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise InvalidRequest(f"'{name}' must be a finite number", param=name)
+    return value
+
+
+def query_limit(q: Any, default: int = 100) -> int:
+    """`?limit=`, from 1 to 10,000."""
+    n = query_number(q, "limit", default)
+    assert n is not None
+    return max(1, min(int(n), 10_000))
+
+
+def query_text(q: Any, name: str) -> str | None:
+    """`?name=` cut to 256 characters, None when absent or empty."""
+    value = q.get(name)
+    return None if value in (None, "") else str(value)[:256]
+
+
+async def read_fields(request: Request, allowed: tuple[str, ...]) -> dict[str, Any]:
+    """The body, a JSON object of `allowed` fields (and "id", "tenant_id"); an unknown
+    field is refused by name."""
+    body = await read_json(request, MAX_BODY_BYTES)
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    unknown = sorted(set(body) - set(allowed) - {"id", "tenant_id"})
+    if unknown:
+        raise InvalidRequest(f"unknown field '{unknown[0]}'", param=unknown[0])
+    return body

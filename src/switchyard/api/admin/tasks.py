@@ -1,0 +1,63 @@
+"""/admin/tasks: agent tasks from the ledger, one task's report (critical path,
+observe/tasks.py) and its cancel (the control plane's fan-out, control/cancels.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from switchyard.api.admin.guard import Guard
+from switchyard.api.admin.params import as_json, query_limit, query_number, query_text
+from switchyard.errors import InvalidRequest, NotFound
+from switchyard.observe.tasks import analyze_task
+from switchyard.service import RequestService
+from switchyard.state.ledger_reads import task_rows
+from switchyard.state.store import Store
+from switchyard.state.traces import get_task
+
+
+class TaskServices(Protocol):
+    store: Store
+    ledger: Any  # UsageLedger or MemoryLedger (state/store.py: Ledger)
+    service: RequestService  # settled(): what was answered before is recorded
+
+    async def cancel_task(self, tenant: str, task_id: str) -> dict[str, Any]: ...
+
+
+class Tasks:
+    """The tasks' list, one task's report, its cancel."""
+
+    def __init__(self, services: TaskServices, guard: Guard) -> None:
+        self.s = services
+        self.guard = guard
+
+    async def task_list(self, request: Request) -> Response:
+        """Tasks, most recently active first: ?tenant=&before=&limit=."""
+        self.guard(request)
+        await self.s.service.settled()
+        q = request.query_params
+        data = self.s.ledger.read(
+            task_rows, query_text(q, "tenant"), query_limit(q), query_number(q, "before")
+        )
+        return as_json({"object": "list", "data": data})
+
+    async def task_trace(self, request: Request) -> Response:
+        """GET: the task report (?tenant= narrows to one tenant's task);
+        DELETE ?tenant=: cancel the tenant's task."""
+        self.guard(request)
+        task_id = request.path_params["task_id"]
+        tenant = request.query_params.get("tenant")
+        if request.method == "DELETE":
+            if not tenant:
+                raise InvalidRequest("cancelling a task needs ?tenant=", param="tenant")
+            return as_json(await self.s.cancel_task(tenant, task_id))
+        await self.s.service.settled()  # what was answered before this call is visible
+        with self.s.store.connection() as conn:
+            records = get_task(conn, task_id)
+        if tenant:  # task ids are the clients': one tenant's task of that id
+            records = [r for r in records if r.get("tenant_id") == tenant]
+        if not records:
+            raise NotFound(f"no requests recorded for task '{task_id}'")
+        return as_json({"task": analyze_task(records), "requests": records})

@@ -1,0 +1,132 @@
+"""/admin/tenants and /admin/keys: the `KeyStore` calls the CLI makes (cli/keys.py),
+over HTTP; a change takes effect at once in this process."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from switchyard.api.admin.guard import Guard
+from switchyard.api.admin.params import as_json, read_fields
+from switchyard.errors import InvalidRequest
+from switchyard.observe.metrics import Metrics
+from switchyard.policy.auth import Authenticator
+from switchyard.state.keys import UPDATABLE, KeyStore
+from switchyard.state.limits import period_start
+from switchyard.state.store import Store
+
+TENANT_FIELDS = (
+    "rpm",
+    "tpm",
+    "max_concurrency",
+    "budget_usd",
+    "budget_period",
+    "allowed_models",
+    "labels",
+    "task_budget",
+    "priority",
+)
+KEY_FIELDS = (
+    *TENANT_FIELDS,
+    "name",
+    "allowed_adapters",
+    "may_pin_revisions",
+    "may_report_device_state",
+    "expires_in_s",
+    "expires_at",
+)
+
+
+class KeyServices(Protocol):
+    keys: KeyStore
+    store: Store  # what a budget period has spent
+    auth: Authenticator  # its cache of verified keys, dropped on a change
+    metrics: Metrics | None
+
+
+class TenantsKeys:
+    """Tenants and their API keys."""
+
+    def __init__(self, services: KeyServices, guard: Guard) -> None:
+        self.s = services
+        self.guard = guard
+
+    def with_metrics_label(self, t: dict[str, Any]) -> dict[str, Any]:
+        """A tenant with its name in /metrics when that is a hashed label: the admin
+        finds its series there, and nobody else can."""
+        metrics = self.s.metrics
+        if metrics is not None and metrics.tenant_mode == "hashed":
+            t["metrics_label"] = metrics.tenant_label(t["id"])
+        return t
+
+    async def tenants(self, request: Request) -> Response:
+        """GET: every tenant with its effective limits and what its budget period has used; POST {"id", limits...}: create one."""
+        self.guard(request)
+        keys = self.s.keys
+        if request.method == "GET":
+            data = keys.list_tenants()
+            now = time.time()
+            for t in data:  # what the budget period has used so far
+                self.with_metrics_label(t)
+                lim = t["effective_limits"]
+                if lim.get("budget_usd") is not None:
+                    since = period_start(lim.get("budget_period") or "month", now)
+                    t["budget_used_usd"] = round(
+                        await self.s.store.spent_since("tenant_id", t["id"], since), 6
+                    )
+            return as_json({"object": "list", "data": data})
+        body = await read_fields(request, TENANT_FIELDS)
+        tenant_id = body.pop("id", None)
+        if not tenant_id:
+            raise InvalidRequest("'id' is required", param="id")
+        return as_json(keys.create_tenant(tenant_id, **body), 201)
+
+    async def tenant(self, request: Request) -> Response:
+        """GET: one tenant, its limits, effective limits and metrics label; PATCH {limits,
+        priority}: change those given (at once in this process)."""
+        self.guard(request)
+        tenant_id = request.path_params["tenant_id"]
+        if request.method == "PATCH":
+            body = await read_fields(request, UPDATABLE)
+            out = self.s.keys.update_tenant(tenant_id, **body)
+            self.s.auth.invalidate()
+            return as_json(self.with_metrics_label(out))
+        return as_json(self.with_metrics_label(self.s.keys.get_tenant(tenant_id)))
+
+    async def keys(self, request: Request) -> Response:
+        """GET ?tenant=: the API keys (never their secrets); POST {"tenant_id", ...}: create one (its secret is shown once)."""
+        self.guard(request)
+        if request.method == "GET":
+            tenant_id = request.query_params.get("tenant")
+            return as_json({"object": "list", "data": self.s.keys.list_keys(tenant_id)})
+        body = await read_fields(request, KEY_FIELDS)
+        tenant_id = body.pop("tenant_id", None)
+        if not tenant_id:
+            raise InvalidRequest("'tenant_id' is required", param="tenant_id")
+        return as_json(self.s.keys.create_key(tenant_id, **body), 201)
+
+    async def key(self, request: Request) -> Response:
+        """GET: one API key; PATCH {limits, priority}: change those given; DELETE: revoke
+        it (both at once in this process)."""
+        self.guard(request)
+        key_id = request.path_params["key_id"]
+        if request.method == "PATCH":
+            body = await read_fields(request, UPDATABLE)
+            out = self.s.keys.update_key(key_id, **body)
+            self.s.auth.invalidate()
+            return as_json(out)
+        if request.method == "DELETE":
+            out = self.s.keys.revoke_key(key_id)
+            self.s.auth.invalidate()
+            return as_json(out)
+        return as_json(self.s.keys.get_key(key_id))
+
+    async def revoke(self, request: Request) -> Response:
+        """Revoke an API key (at once in this process)."""
+        self.guard(request)
+        out = self.s.keys.revoke_key(request.path_params["key_id"])
+        self.s.auth.invalidate()  # takes effect at once in this process
+        return as_json(out)

@@ -1,0 +1,57 @@
+"""/admin/requests: requests' decision traces (state/traces.py)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from switchyard.api.admin.guard import Guard
+from switchyard.api.admin.params import as_json
+from switchyard.errors import InvalidRequest, NotFound
+from switchyard.service import RequestService
+from switchyard.state.store import Store
+from switchyard.state.traces import AmbiguousRequestId, get_request, list_requests
+
+
+class TraceServices(Protocol):
+    store: Store
+    service: RequestService  # settled(): what was answered before is recorded
+
+
+class Traces:
+    """One request's trace, and the list of them."""
+
+    def __init__(self, services: TraceServices, guard: Guard) -> None:
+        self.s = services
+        self.guard = guard
+
+    async def request_trace(self, request: Request) -> Response:
+        """One request's decision trace (?tenant= when the id is ambiguous)."""
+        self.guard(request)
+        rid = request.path_params["request_id"]
+        tenant = request.query_params.get("tenant")
+        await self.s.service.settled()  # what was answered before this call is visible
+        with self.s.store.connection() as conn:
+            try:
+                rec = get_request(conn, rid, tenant)
+            except AmbiguousRequestId as exc:
+                raise InvalidRequest(f"{exc} with ?tenant=", param="tenant") from None
+        if rec is None:
+            raise NotFound(f"no trace for request '{request.path_params['request_id']}'")
+        return as_json(rec)
+
+    async def request_list(self, request: Request) -> Response:
+        """?tenant=&since=(unix s)&status=&limit="""
+        self.guard(request)
+        q = request.query_params
+        try:
+            since = float(q["since"]) if "since" in q else None
+            limit = min(int(q.get("limit", "100")), 10_000)
+        except ValueError:
+            raise InvalidRequest("'since' and 'limit' must be numbers") from None
+        await self.s.service.settled()
+        with self.s.store.connection() as conn:
+            data = list_requests(conn, q.get("tenant"), since, q.get("status"), limit)
+        return as_json({"object": "list", "data": data})

@@ -1,0 +1,49 @@
+"""What the control plane acts on: the components the composition root
+(switchyard.gateway) builds, named with their types so each concern's module can
+use them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from switchyard.config import Settings
+from switchyard.decide.balance import Balancer
+from switchyard.decide.cache import ResponseCache
+from switchyard.decide.candidate import CandidateCheck
+from switchyard.embed import EmbeddingService
+from switchyard.engines.registry import Registry
+from switchyard.execute.executor import Executor
+from switchyard.media.process import MediaProcessor
+from switchyard.observe.metrics import Metrics
+from switchyard.observe.otel import Tracing
+from switchyard.policy.tasks import Running
+from switchyard.state.keys import KeyStore
+from switchyard.state.limits import Limiter
+from switchyard.state.responses import ResponseStore
+from switchyard.state.store import Store
+from switchyard.state.tasks import TaskStore
+
+
+class Components:
+    """The built components the control plane starts, stops and reports on."""
+
+    settings: Settings
+    registry: Registry
+    revisions: dict[str, Any]  # RevisionManager by alias (engines/revisions.py)
+    embedder: EmbeddingService | None
+    store: Store
+    keys: KeyStore
+    responses: ResponseStore
+    limiter: Limiter
+    metrics: Metrics | None
+    tracing: Tracing | None
+    executor: Executor
+    balancers: dict[str, Balancer]
+    cache: ResponseCache | None
+    router: Any  # decide/router.py's Router once built (control/router.py), else None
+    dev_key: str | None
+    tasks: TaskStore
+    running: Running
+    media: MediaProcessor | None
+    candidates: CandidateCheck | None
+    mcp: Any  # the MCP tool gateway (mcp_service/), None without tool servers

@@ -1,0 +1,119 @@
+"""Start and stop: engines and tool servers, the background loops of the other
+concerns (retention, busy time, weights, revisions, task cancels from other
+processes, the shared cache's events), the router and the candidate encoder's build;
+all given back in `stop`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sqlite3
+
+from switchyard.control.busy import BusyTime
+from switchyard.control.readiness import Readiness
+from switchyard.control.retention import Retention
+from switchyard.control.revisions import RevisionRecords
+from switchyard.control.router import build_router
+from switchyard.control.weights import Weights
+from switchyard.decide import encoder_build
+
+log = logging.getLogger("switchyard")
+
+# The background tasks `start` makes, cancelled by `stop`.
+_LOOPS = (
+    "_retention",
+    "_weights_task",
+    "_cancels",
+    "_busy_task",
+    "_cache_events",
+    "_encoder_task",
+)
+
+
+class Lifecycle(Readiness, Retention, BusyTime, Weights, RevisionRecords):
+    def start(self) -> None:
+        """Start engines and models in the background; /readyz reports progress."""
+        if self.settings.auth.mode == "disabled":
+            log.warning(
+                "AUTH IS DISABLED (auth.mode: disabled): anyone who can reach this port may "
+                "call every model without limits. Use this for local experiments only."
+            )
+        elif self.settings.auth.bootstrap_dev_key and self.keys.count_tenants() == 0:
+            self.keys.create_tenant("dev")
+            self.dev_key = self.keys.create_key("dev", name="first-run development key")["key"]
+        self.registry.start()
+        if self.mcp is not None:
+            self.mcp.servers.start()
+        try:  # what this instance had in flight when it stopped: failed, saying why
+            self.responses.fail_orphans()
+        except sqlite3.Error as exc:  # the database is down: they stay as they were
+            log.error("could not mark the responses in flight at the last stop: %s", exc)
+        if self.revisions:
+            self._revisions_task = asyncio.create_task(self._boot_revisions())
+        listen = getattr(self.tasks, "listen", None)
+        if listen is not None:  # cancels made through other gateway processes
+            self._cancels = asyncio.create_task(listen(self.running.stop))
+        if self.cache is not None and self.cache.share is not None:
+            self._cache_events = asyncio.create_task(self.cache.share.listen())
+        if self.embedder is not None:
+            self.embedder.start()
+        self._retention = asyncio.create_task(self._retention_loop())
+        self._busy_task = asyncio.create_task(self._busy_loop())
+        if self.balancers:
+            self.refresh_weights()
+            self._weights_task = asyncio.create_task(self._weights_loop())
+        if self.settings.router.enabled:
+            self._router_task = asyncio.create_task(self._build_router())
+        self._encoder_task = encoder_build.start(
+            self.candidates,
+            self.settings.cache,
+            self.settings.embeddings,
+            lambda: self.readiness()[0],
+            self._describe_checks,
+            os.cpu_count() or 1,
+        )
+
+    def _describe_checks(self, text: str) -> None:
+        if self.cache is not None:
+            self.cache.checks = text
+
+    async def _build_router(self) -> None:
+        """Embed the route examples once the embedding model is loaded."""
+        self.router = await build_router(self.settings, self.embedder)
+
+    async def stop(self) -> None:
+        for name in _LOOPS:
+            task = getattr(self, name, None)
+            if task is not None:
+                task.cancel()
+        build = getattr(self, "_encoder_task", None)
+        if build is not None:  # it kills its child process when cancelled
+            await asyncio.gather(build, return_exceptions=True)
+        try:
+            self.flush_busy()
+        except Exception as exc:
+            log.warning("could not record engine busy time: %s", exc)
+        await self.registry.stop()
+        if self.mcp is not None:
+            await self.mcp.servers.stop()
+        boot = getattr(self, "_revisions_task", None)
+        if boot is not None:
+            boot.cancel()
+        await asyncio.gather(*(m.stop() for m in self.revisions.values()), return_exceptions=True)
+        if self.embedder is not None:
+            await self.embedder.stop()
+        close = getattr(self.limiter, "close", None)
+        if close is not None:
+            await close()
+        if self.executor.shared is not None:
+            await self.executor.shared.close()
+        if self.cache is not None and self.cache.share is not None:
+            await self.cache.share.close()
+        await self.tasks.close()
+        await self.responses.drain()  # stored responses written behind their replies
+        self.store.close()
+        if self.media is not None:
+            self.media.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()

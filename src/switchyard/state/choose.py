@@ -1,0 +1,81 @@
+"""Which implementation of each store a gateway uses, chosen from settings in one place.
+
+- the store (keys, approvals, idempotency, tool calls, stored responses, the usage
+  ledger and traces): `MemoryStore` for `storage.backend: memory`, else `SqliteStore`
+  on the SQLite file or, through the same translating connection (state/sql_pg.py),
+  the PostgreSQL database that config.store_target names;
+- the limiter and the agent tasks' state: in Redis when `storage.redis_url` is set, so
+  every gateway process counts against the same limits and tasks, else in memory.
+
+The breakers' shared windows (execute/executor.py) and the shared cache entries
+(gateway/semantic.py) are also in Redis exactly when `storage.redis_url` is set.
+"""
+
+from __future__ import annotations
+
+from switchyard.config import Settings
+from switchyard.state.keys import Limits
+from switchyard.state.limits import Limiter
+from switchyard.state.limits_memory import MemoryLimiter
+from switchyard.state.responses import Sealer, instance_name
+from switchyard.state.store import MemoryStore, SqliteStore, Store
+from switchyard.state.tasks import TaskStore
+from switchyard.state.tasks_memory import MemoryTaskStore
+
+
+def build_store(settings: Settings, target: str) -> Store:
+    """The store at `target` (config.store_target), with the tenants' default limits."""
+    d = settings.tenants_defaults
+    defaults = Limits(d.rpm, d.tpm, d.max_concurrency, d.budget.usd, d.budget.period)
+    flush_s = settings.observe.ledger_flush_ms / 1000
+    # Stored responses (state/responses.py): sealed with the configured key or the
+    # home's key file (a bad one stops the start here), owned by host:port.
+    sealer = Sealer.from_settings(settings)
+    owner = instance_name(settings.server.port)
+    kept_days = settings.responses.retention_days
+    return (
+        MemoryStore(
+            defaults,
+            settings.idempotency.ttl_s,
+            flush_s,
+            sealer=sealer,
+            owner=owner,
+            response_retention_days=kept_days,
+        )
+        if settings.storage.backend == "memory"
+        else SqliteStore(
+            target,
+            defaults,
+            settings.idempotency.ttl_s,
+            flush_s,
+            int(settings.observe.max_disk_mb * 1024 * 1024),
+            sealer=sealer,
+            owner=owner,
+            response_retention_days=kept_days,
+        )
+    )
+
+
+def build_limiter(settings: Settings) -> Limiter:
+    """Rate, token and concurrency counters: in Redis when shared, else in memory."""
+    if settings.storage.redis_url:
+        from switchyard.state.limits_redis import RedisLimiter
+
+        return RedisLimiter(settings.storage.redis_url, timeout_s=settings.storage.redis_timeout_s)
+    return MemoryLimiter()
+
+
+def build_tasks(settings: Settings) -> TaskStore:
+    """The agent tasks' state: in Redis when shared, else in this process."""
+    t = settings.tasks
+    if settings.storage.redis_url:  # one task state for every gateway process
+        from switchyard.state.tasks_redis import RedisTaskStore
+
+        return RedisTaskStore(
+            settings.storage.redis_url,
+            timeout_s=settings.storage.redis_timeout_s,
+            idle_ttl_s=t.idle_ttl_s,
+            max_calls=t.max_tool_calls,
+            max_tasks=t.max_tasks,
+        )
+    return MemoryTaskStore(t.max_tasks, t.idle_ttl_s, t.max_tool_calls)

@@ -1,0 +1,309 @@
+"""The ledger's batches: the frames the gateway sends its writer process, the rows they
+decode to, and `write_batch`, which commits one batch (by the writer process,
+observe/ledger_writer.py, or in the caller for the in-memory store).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sqlite3
+import struct
+import time
+from typing import Any, BinaryIO
+
+import msgspec
+
+from switchyard.state.sealing import Sealer
+from switchyard.state.traces import (
+    LedgerBatch,
+    LedgerEntry,
+    StoredRow,
+    insert_args,
+    trace_from_entry,
+)
+
+log = logging.getLogger("switchyard.ledger")
+
+# How long a batch waits for a database that cannot be reached before it is dropped.
+OUTAGE_S = 30.0
+
+HEADER = struct.Struct(">cI")
+BATCH, FLUSH, STOP, KEY = b"B", b"F", b"S", b"K"
+
+USAGE_COLUMNS = (
+    "request_id",
+    "client_request_id",
+    "task_id",
+    "tenant_id",
+    "key_id",
+    "endpoint",
+    "model",
+    "revision",
+    "upstream",
+    "input_tokens",
+    "output_tokens",
+    "cost_usd",
+    "cache",
+    "status",  # ok | error | incomplete | cancelled
+    "error_code",
+    "attempts",
+    "received_at",
+    "queue_ms",
+    "ttft_ms",
+    "duration_ms",
+    "images",  # the media stage's: count, bytes received, pixels before and after
+    "image_bytes",
+    "image_pixels_in",
+    "image_pixels_out",
+    "adapter",  # the LoRA adapter that served it, and its revision
+    "adapter_revision",
+    "placement",  # placement's mode and reason, for an alias with a placement policy
+)
+TRACE_COLUMNS = (
+    "request_id",
+    "client_request_id",
+    "task_id",
+    "tenant_id",
+    "status",
+    "received_at",
+    "record",
+)
+
+
+def _insert(table: str, columns: tuple[str, ...]) -> str:
+    marks = ", ".join("?" * len(columns))
+    return f"INSERT OR REPLACE INTO {table} ({', '.join(columns)}) VALUES ({marks})"
+
+
+INSERT_USAGE = _insert("usage", USAGE_COLUMNS)
+INSERT_TRACES = _insert("traces", TRACE_COLUMNS)
+INSERT_TEMPLATES = "INSERT OR IGNORE INTO trace_templates (id, template) VALUES (?, ?)"
+# A response id is 128 random bits: a second insert of one is a frame sent again to a
+# restarted writer, never another response, so it is ignored.
+INSERT_RESPONSES = (
+    "INSERT OR IGNORE INTO responses (tenant_id, id, created_at, status, model, deployment,"
+    " previous_response_id, background, owner, body, updated_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_TEMPLATE = msgspec.json.Encoder(enc_hook=str)
+ADD_DAILY = (
+    "INSERT INTO usage_daily (day, tenant_id, key_id, model, requests, errors, input_tokens,"
+    " output_tokens, cost_usd) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT (day, tenant_id, key_id, model) DO UPDATE SET"
+    " requests = usage_daily.requests + excluded.requests,"
+    " errors = usage_daily.errors + excluded.errors,"
+    " input_tokens = usage_daily.input_tokens + excluded.input_tokens,"
+    " output_tokens = usage_daily.output_tokens + excluded.output_tokens,"
+    " cost_usd = usage_daily.cost_usd + excluded.cost_usd"
+)
+
+
+def daily_rollups(named: list[LedgerEntry]) -> list[tuple[Any, ...]]:
+    """The batch's additions to usage_daily: per UTC day, tenant, key and model."""
+    sums: dict[tuple[str, str, str, str], list[Any]] = {}
+    days: dict[int, str] = {}
+    for e in named:
+        at = int(e.received_at // 86400)
+        day = days.get(at)
+        if day is None:
+            day = days[at] = time.strftime("%Y-%m-%d", time.gmtime(at * 86400))
+        key = (day, e.tenant_id or "", e.key_id or "", e.requested_model or "")
+        acc = sums.get(key)
+        if acc is None:
+            acc = sums[key] = [0, 0, 0, 0, 0.0]
+        acc[0] += 1
+        acc[1] += e.status != "ok"
+        acc[2] += e.input_tokens or 0
+        acc[3] += e.output_tokens or 0
+        acc[4] += e.cost_usd or 0.0
+    return [(*k, *v) for k, v in sums.items()]
+
+
+def frame(kind: bytes, payload: bytes = b"") -> bytes:
+    return HEADER.pack(kind, len(payload)) + payload
+
+
+def _read_exactly(stream: BinaryIO, n: int) -> bytes | None:
+    data = b""
+    while len(data) < n:
+        chunk = stream.read(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def read_frame(stream: BinaryIO) -> tuple[bytes, bytes] | None:
+    """The next frame, or None at the end of the input."""
+    head = _read_exactly(stream, HEADER.size)
+    if head is None:
+        return None
+    kind, size = HEADER.unpack(head)
+    payload = _read_exactly(stream, size) if size else b""
+    if payload is None:
+        return None
+    return kind, payload
+
+
+def usage_row(e: LedgerEntry) -> tuple[Any, ...]:
+    """The `usage` row (USAGE_COLUMNS) of an entry."""
+    received, first, end = e.t_received, e.t_client_first_byte, e.t_ended
+    if end is None:
+        end = received
+    return (
+        e.request_id,
+        e.client_request_id,
+        e.task_id,
+        e.tenant_id,
+        e.key_id,
+        e.endpoint,
+        e.requested_model,
+        e.revision,
+        e.upstream,
+        e.input_tokens,
+        e.output_tokens,
+        e.cost_usd,
+        e.cache,
+        e.status,
+        e.error_code,
+        e.attempts,
+        e.received_at,
+        e.queue_ms,
+        (first - received) * 1000 if first else None,
+        (end - received) * 1000,
+        *(e.images if e.images is not None else (None, None, None, None)),
+        *(e.adapter if e.adapter is not None else (None, None)),
+        e.placement,
+    )
+
+
+def _sqlite_safe(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`row` with integers SQLite cannot hold (beyond 64 bits) as text."""
+    return tuple(str(v) if isinstance(v, int) and not -(2**63) <= v < 2**63 else v for v in row)
+
+
+def _sealed(batch: LedgerBatch, sealer: Sealer | None) -> list[tuple[Any, ...]]:
+    """The batch's stored responses as `responses` rows, their bodies sealed. Without
+    a key (none came down the pipe) none is written: nothing unsealed reaches the disk."""
+    if not batch.responses:
+        return []
+    if sealer is None:
+        log.error("%d stored responses dropped: no key to seal them", len(batch.responses))
+        return []
+    return [
+        (
+            *(r.tenant_id, r.id, r.created_at, r.status, r.model, r.deployment),
+            *(r.previous_response_id, r.background, r.owner),
+            sealer.seal_json(r.tenant_id, r.id, bytes(r.body)),
+            r.updated_at,
+        )
+        for r in batch.responses
+    ]
+
+
+def write_batch(conn: sqlite3.Connection, batch: LedgerBatch, sealer: Sealer | None = None) -> bool:
+    """Commit one batch: every usage row, trace and stored response (sealed with
+    `sealer`), or (after retries) none of them."""
+    try:
+        entries = batch.entries
+        rows = [usage_row(e) for e in entries]
+        daily = daily_rollups(entries)
+        traces = [insert_args(trace_from_entry(e)) for e in entries if e.decisions is not None]
+        templates = [(bid, _TEMPLATE.encode(t).decode()) for bid, t in batch.blocks.items()]
+        responses = _sealed(batch, sealer)
+    except Exception:  # a malformed batch must not end the writer
+        log.exception("dropped a malformed batch of %d entries", len(batch.entries))
+        return False
+    attempt, outage_until = 0, time.monotonic() + OUTAGE_S
+    while True:
+        attempt += 1
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.executemany(INSERT_USAGE, rows)
+                conn.executemany(ADD_DAILY, daily)
+                if traces:
+                    conn.executemany(INSERT_TEMPLATES, templates)
+                    conn.executemany(INSERT_TRACES, traces)
+                if responses:
+                    conn.executemany(INSERT_RESPONSES, responses)
+            except OverflowError:  # a value SQLite cannot bind: keep the rows, as text
+                # (PostgreSQL: held at BIGINT's bounds, state/sql_pg.py)
+                safe = getattr(conn, "safe_row", _sqlite_safe)
+                if conn.in_transaction:  # PostgreSQL: the failed statement ended it
+                    conn.execute("ROLLBACK")
+                    conn.execute("BEGIN IMMEDIATE")
+                conn.executemany(INSERT_USAGE, [safe(r) for r in rows])
+                conn.executemany(ADD_DAILY, [safe(r) for r in daily])
+                if traces:
+                    conn.executemany(INSERT_TEMPLATES, templates)
+                    conn.executemany(INSERT_TRACES, [safe(r) for r in traces])
+                if responses:
+                    conn.executemany(INSERT_RESPONSES, responses)
+            conn.execute("COMMIT")
+            return True
+        except (sqlite3.Error, OverflowError) as exc:
+            with contextlib.suppress(sqlite3.Error):
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+            log.error("ledger write failed (attempt %d): %s", attempt, exc)
+            # A database that cannot be reached (PostgreSQL down, SQLite locked) is
+            # waited for up to OUTAGE_S; batches queue behind this one meanwhile (the
+            # gateway counts what its bounded queue cannot hold). Other errors: 3 tries.
+            waiting = isinstance(exc, sqlite3.OperationalError) and time.monotonic() < outage_until
+            if attempt >= 3 and not waiting:
+                break
+            time.sleep(min(1.0, 0.05 * attempt))
+    log.error(
+        "dropped %d usage rows and %d stored responses after repeated write failures",
+        len(rows),
+        len(responses),
+    )
+    return False
+
+
+class _Responses(msgspec.Struct):
+    responses: list[msgspec.Raw] = []
+
+
+_BATCH = msgspec.json.Decoder(LedgerBatch)
+_LOOSE = msgspec.json.Decoder()
+_RESPONSES = msgspec.json.Decoder(_Responses)  # each one alone, when the batch failed
+_ROW = msgspec.json.Decoder(StoredRow)
+
+
+def decode_batch(payload: bytes) -> LedgerBatch | None:
+    """The batch, validated; when one entry does not fit its type, the others are
+    kept (each bad one logged). None when the payload is not a batch at all."""
+    try:
+        return _BATCH.decode(payload)
+    except msgspec.ValidationError:
+        pass
+    except msgspec.DecodeError:
+        log.exception("unreadable ledger batch (%d bytes) dropped", len(payload))
+        return None
+    try:
+        raw = _LOOSE.decode(payload)
+        blocks = msgspec.convert(raw["blocks"], dict[str, list[tuple[str, str, str, Any]]])
+        entries = []
+        for e in raw["entries"]:
+            try:
+                entries.append(msgspec.convert(e, LedgerEntry))
+            except msgspec.ValidationError as exc:
+                log.error("ledger row %r dropped: %s", e[0] if e else None, exc)
+        responses = []
+        try:
+            raws = _RESPONSES.decode(payload).responses
+        except msgspec.ValidationError as exc:
+            log.error("the stored responses of a batch were dropped: %s", exc)
+            raws = []
+        for r in raws:
+            try:
+                responses.append(_ROW.decode(r))
+            except msgspec.ValidationError as exc:
+                log.error("a stored response was dropped: %s", exc)
+        return LedgerBatch(blocks, entries, responses)
+    except (msgspec.ValidationError, KeyError, TypeError):
+        log.exception("unreadable ledger batch (%d bytes) dropped", len(payload))
+        return None

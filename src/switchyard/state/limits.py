@@ -1,0 +1,125 @@
+"""Rate limits, concurrency and budgets: the `Limiter` interface and its types.
+
+One reservation covers several scopes at once (the key, its tenant, the deployment)
+and is all-or-nothing: a request refused by its tenant's limit consumes nothing from
+its key's. Windows slide over the last 60 s (kept in 0.1 s buckets), not fixed windows, so a
+burst straddling a minute boundary can never admit twice the limit.
+
+Two implementations share this interface: `MemoryLimiter` (one process,
+state/limits_memory.py) and `RedisLimiter` (several gateway processes, atomic Lua
+scripts, state/limits_redis.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+WINDOW_S = 60.0
+Period = Literal["day", "month"]
+
+
+class LimiterUnavailable(Exception):
+    """The shared limiter state cannot be reached (e.g. Redis is down)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScopeLimits:
+    """The limits of one scope, e.g. `key:key_ab12`, `tenant:acme`, `deployment:big`.
+
+    None means unlimited. `budget_usd` applies per `budget_period` (UTC calendar day
+    or month).
+    """
+
+    scope: str
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrency: int | None = None
+    budget_usd: float | None = None
+    budget_period: Period = "day"
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What one request asks for: a unique reservation id, reserved tokens and
+    maximum cost. The id must be unique per reservation (client request ids are not)."""
+
+    request_id: str
+    tokens: int
+    cost_usd: float
+
+
+@dataclass(slots=True)
+class Verdict:
+    allowed: bool
+    # When refused: which scope and which limit ("rpm", "tpm", "concurrency", "budget").
+    scope: str | None = None
+    limit: str | None = None
+    retry_after_s: float = 0.0
+    # Per scope: {"limit_requests", "remaining_requests", "reset_requests_s",
+    # "limit_tokens", "remaining_tokens", "reset_tokens_s", "budget_remaining_usd"}
+    state: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+class Limiter(Protocol):
+    async def reserve(
+        self, scopes: list[ScopeLimits], ask: Ask, now: float | None = None
+    ) -> Verdict:
+        """Admit `ask` against every scope or none; on admission everything is held."""
+        ...
+
+    def seed_spent(self, scope: str, period: Period, usd: float, now: float | None = None) -> Any:
+        """Set a budget's spend so far (from the ledger) unless already known; may be
+        a coroutine."""
+        ...
+
+    async def settle(
+        self,
+        scopes: list[ScopeLimits],
+        ask: Ask,
+        tokens: int,
+        cost_usd: float,
+        now: float | None = None,
+    ) -> None:
+        """The request ended: replace the reserved tokens and cost by the real ones and
+        release its concurrency slot. Called exactly once per admitted request."""
+        ...
+
+
+_PERIOD_KEYS: dict[tuple[str, int], str] = {}
+
+
+def period_key(period: Period, now: float) -> str:
+    """The budget period `now` falls in: "2026-12-01" (day) or "2026-12" (month),
+    UTC; worked out once per day (it is asked for on every reservation)."""
+    day = int(now // 86400)
+    key = _PERIOD_KEYS.get((period, day))
+    if key is None:
+        t = time.gmtime(day * 86400)
+        key = (
+            f"{t.tm_year:04d}-{t.tm_mon:02d}"
+            if period == "month"
+            else f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}"
+        )
+        if len(_PERIOD_KEYS) > 64:
+            _PERIOD_KEYS.clear()
+        _PERIOD_KEYS[(period, day)] = key
+    return key
+
+
+def period_start(period: Period, now: float) -> float:
+    """Unix time when the current budget period began (UTC)."""
+    t = time.gmtime(now)
+    day = 1 if period == "month" else t.tm_mday
+    return time.mktime((t.tm_year, t.tm_mon, day, 0, 0, 0, 0, 0, 0)) - time.timezone
+
+
+def period_reset_s(period: Period, now: float) -> float:
+    """Seconds until the budget period rolls over (UTC)."""
+    t = time.gmtime(now)
+    if period == "day":
+        return 86400 - (t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec)
+    year, month = (t.tm_year + 1, 1) if t.tm_mon == 12 else (t.tm_year, t.tm_mon + 1)
+    nxt = time.mktime((year, month, 1, 0, 0, 0, 0, 0, 0)) - time.timezone
+    return max(1.0, nxt - now)

@@ -1,0 +1,58 @@
+"""The Redis client of the shared state (limits, task state, breakers, cache entries)
+and how an unreachable Redis is reported (`LimiterUnavailable`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from switchyard.state.limits import (
+    LimiterUnavailable,
+)
+
+# Redis is down, overloaded or read-only: the caller decides to fail open or closed.
+_UNAVAILABLE = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+    ReadOnlyError,
+    OutOfMemoryError,
+)
+
+
+REDIS_PASSWORD_ENV = "SWITCHYARD_REDIS_PASSWORD"
+
+
+def redis_client(url: str, timeout_s: float) -> aioredis.Redis:
+    """The client of the shared state (limits, task state, breakers). One immediate
+    retry on connection errors covers a pooled connection that Redis has dropped;
+    backoff would hold every request up while Redis is down. Timeouts are not retried:
+    the script may have run, and a replay would reserve twice. The password: the URL's,
+    else $SWITCHYARD_REDIS_PASSWORD (so a secret need not sit in the config)."""
+    return aioredis.Redis.from_url(
+        url,
+        password=os.environ.get(REDIS_PASSWORD_ENV) or None,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+    )
+
+
+async def shared_call(state: str, what: str, coro: Awaitable[Any]) -> Any:
+    """Await a Redis call; unreachable Redis becomes `LimiterUnavailable` (the caller
+    applies policy.on_limiter_failure)."""
+    try:
+        return await coro
+    except _UNAVAILABLE as exc:
+        raise LimiterUnavailable(
+            f"Redis {state} unavailable during {what}: {type(exc).__name__}: {exc}"
+        ) from exc

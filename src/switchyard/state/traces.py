@@ -1,0 +1,488 @@
+"""Decision traces: one record per request, stored beside its usage row.
+
+A trace keeps what explains a request — its decisions with reasons and evidence,
+its timings, what served it and what it cost — and never the prompt or the reply.
+Records are kept for `observe.traces_retention_days` and at most
+`observe.traces_max_rows`; `enforce_retention` runs in the background.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sqlite3
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from switchyard.pipeline import Decision, RequestContext, decision_dict
+from switchyard.state.sql import is_sqlite, newest_first
+
+
+class LedgerEntry(msgspec.Struct, array_like=True, gc=False):
+    """What the gateway hands the ledger writer per finished request, built on the
+    event loop with no dicts and no arithmetic; the writer turns it into the usage row
+    and the stored trace (`usage_row`, `trace_from_entry`). Encoded as one JSON array
+    in this field order; the writer decodes it back into this type (validated)."""
+
+    request_id: str  # the gateway's own (unguessable): the key of the usage row and trace
+    client_request_id: str | None  # the client's x-client-request-id / x-request-id
+    task_id: str | None
+    parent_request_ids: tuple[str, ...]
+    tenant_id: str | None
+    key_id: str | None
+    endpoint: str
+    model: str | None  # what served it: the deployment's alias (after any fallback)
+    requested_model: str | None  # the alias the pipeline resolved before execution
+    revision: str | None
+    upstream: str | None
+    status: str
+    error_code: str | None
+    attempts: int
+    input_tokens: int
+    output_tokens: int
+    cost_usd: float
+    cache: str | None
+    fallback_from: str | None
+    planned_steps: int | None
+    stream: bool
+    received_at: float
+    queue_ms: float | None
+    t_received: float  # perf_counter milestones of the request (Timings)
+    t_upstream_sent: float | None
+    t_upstream_first_byte: float | None
+    t_client_first_byte: float | None
+    t_ended: float | None
+    clock_base: float
+    # [stage, outcome, reason, evidence, t0, t1] each, but for the folded blocks; None
+    # when traces are off (only the usage row is kept).
+    decisions: list[Any] | None
+    # The pipeline's folded blocks: (template id, index in the full decision list, t0,
+    # t1); the templates travel once per batch and are stored once (trace_templates).
+    blocks: list[tuple[str, int, float, float]] = []
+    # The request's images (the media stage): count, bytes received, pixels before
+    # and after processing; None without images.
+    images: tuple[int, int, int, int] | None = None
+    # The LoRA adapter that served it and the adapter's revision; None for a base model.
+    adapter: tuple[str, str] | None = None
+    # Placement's "mode; reason=…" (models[].placement); None without a placement policy.
+    placement: str | None = None
+
+
+ENTRY_FIELDS = LedgerEntry.__struct_fields__
+
+
+class StoredRow(msgspec.Struct, array_like=True, gc=False):
+    """A new stored response of the Responses API (state/responses.py), as the writer
+    inserts it into `responses` in the same transaction as the batch's usage rows. Its
+    body travels as JSON down the pipe and is sealed by the writer (state/sealing.py:
+    the key comes down the same pipe when the writer starts), so nothing readable of it
+    reaches the disk and the gateway's event loop spends no time encrypting."""
+
+    tenant_id: str
+    id: str
+    created_at: float
+    status: str
+    model: str
+    deployment: str | None
+    previous_response_id: str | None
+    background: int
+    owner: str | None
+    body: msgspec.Raw  # the body's JSON
+    updated_at: float
+
+
+class LedgerBatch(msgspec.Struct):
+    """One batch down the writer's pipe: the entries and the block templates they use,
+    and the stored responses made meanwhile."""
+
+    blocks: dict[str, list[tuple[str, str, str, Any]]]  # the templates, by id
+    entries: list[LedgerEntry]
+    responses: list[StoredRow] = []
+
+
+# A run of static verdicts that the pipeline recorded as one block (pipeline.Pipeline)
+# is the same for every request of its View but for its times. In a ledger entry such a
+# run is one item, ("@", block id, t0, t1), and the writer expands it from the block's
+# template (stage, outcome, reason, evidence) sent with the batch; the stored trace is
+# the same as if it had been sent whole.
+
+
+_TEMPLATE_KEY = msgspec.json.Encoder(enc_hook=str)
+
+
+def template_id(template: list[tuple[str, str, str, Any]]) -> str:
+    """A block template's id: the hash of its content (stable across processes)."""
+    return hashlib.sha256(_TEMPLATE_KEY.encode(template)).hexdigest()[:24]
+
+
+def compact_decisions(
+    decisions: list[Decision], blocks: list[tuple[str, int, int]]
+) -> tuple[list[Any], list[tuple[str, int, float, float]]]:
+    """`decisions` without the block runs (bid, start, count), and the runs as
+    (bid, start, t0, t1)."""
+    if not blocks:
+        return decisions, []
+    rest: list[Any] = []
+    refs = []
+    at = 0
+    for bid, start, count in blocks:
+        first = decisions[start]
+        rest.extend(decisions[at:start])
+        refs.append((bid, start, first.t0, first.t1))
+        at = start + count
+    rest.extend(decisions[at:])
+    return rest, refs
+
+
+def expand_decisions(
+    decisions: list[Any],
+    refs: list[Any],
+    blocks: Mapping[str, list[Any]],
+) -> list[Any]:
+    """The full decisions of a trace whose block runs are kept as references."""
+    if not refs:
+        return decisions
+    out: list[Any] = []
+    rest = iter(decisions)
+    for bid, start, t0, t1 in refs:
+        while len(out) < start:
+            out.append(next(rest))
+        out.extend(
+            [stage, outcome, reason, evidence, t0, t1]
+            for stage, outcome, reason, evidence in blocks[str(bid)]
+        )
+    out.extend(rest)
+    return out
+
+
+def ledger_entry(
+    ctx: RequestContext, status: str, inp: int, out: int, cost: float, with_trace: bool
+) -> LedgerEntry:
+    """The writer's entry for a finished request; its folded blocks go compactly
+    (`compact_decisions`)."""
+    t, p, dep, model = ctx.timings, ctx.principal, ctx.deployment, ctx.model
+    if with_trace:
+        decisions, refs = compact_decisions(ctx.decisions, ctx.blocks)
+    else:
+        decisions, refs = None, []
+    return LedgerEntry(
+        ctx.input.request_id,
+        ctx.input.client_request_id,
+        ctx.input.task_id,
+        ctx.input.parent_request_ids,
+        p.tenant_id if p is not None else None,
+        p.key_id if p is not None else None,
+        ctx.input.called,
+        dep.alias if dep is not None else ctx.alias,
+        ctx.alias,
+        model.revision if model is not None else None,
+        dep.label if dep is not None else None,
+        status,
+        ctx.error_code,
+        ctx.run.attempts,
+        inp,
+        out,
+        cost,
+        ctx.cache,
+        ctx.run.fallback_from,
+        ctx.input.planned_steps,
+        ctx.stream,
+        ctx.input.received_at,
+        ctx.admission.queue_ms,
+        t.received,
+        t.upstream_sent,
+        t.upstream_first_byte,
+        t.client_first_byte,
+        t.ended,
+        ctx.input.received_at - t.received,
+        decisions,
+        refs,
+        ctx.media_shape,
+        (dep.adapter.name, dep.adapter.revision)
+        if dep is not None and dep.adapter is not None
+        else None,
+        f"{ctx.placement.mode}; reason={ctx.placement.reason}"
+        if ctx.placement is not None
+        else None,
+    )
+
+
+def _ms(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round((b - a) * 1000, 3)
+
+
+def trace_from_entry(e: LedgerEntry) -> dict[str, Any]:
+    """The stored form of a finished request (no bodies), from its entry. Its folded
+    blocks stay references (`blocks`) to the stored templates; reads expand them."""
+    received, sent, end = e.t_received, e.t_upstream_sent, e.t_ended
+    queue_ms = e.queue_ms
+    return {
+        "request_id": e.request_id,
+        "client_request_id": e.client_request_id,
+        "task_id": e.task_id,
+        "parent_request_ids": e.parent_request_ids,
+        "tenant_id": e.tenant_id,
+        "key_id": e.key_id,
+        "endpoint": e.endpoint,
+        "model": e.model,
+        "requested_model": e.requested_model,
+        "revision": e.revision,
+        "adapter": None if e.adapter is None else {"name": e.adapter[0], "revision": e.adapter[1]},
+        "upstream": e.upstream,
+        "status": e.status,
+        "error_code": e.error_code,
+        "attempts": e.attempts,
+        "input_tokens": e.input_tokens,
+        "output_tokens": e.output_tokens,
+        "cost_usd": e.cost_usd,
+        "cache": e.cache,
+        "fallback_from": e.fallback_from,
+        "planned_steps": e.planned_steps,
+        "stream": e.stream,
+        "received_at": e.received_at,
+        "timings": {
+            "queue_ms": None if queue_ms is None else round(queue_ms, 3),
+            "upstream_first_byte_ms": _ms(received, e.t_upstream_first_byte),
+            "client_first_byte_ms": _ms(received, e.t_client_first_byte),
+            "upstream_ms": _ms(sent, end) if sent is not None else None,
+            "duration_ms": _ms(received, end),
+        },
+        # Stored compactly: [stage, outcome, reason, evidence, t0, t1] with perf_counter
+        # times; `expand` gives the documented form on read.
+        "clock_base": e.clock_base,
+        "decisions": e.decisions,
+        "blocks": e.blocks,
+    }
+
+
+class Templates(dict[str, list[Any]]):
+    """The stored block templates a read needs, loaded once each per read."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        super().__init__()
+        self._conn = conn
+
+    def __missing__(self, bid: str) -> list[Any]:
+        row = self._conn.execute(
+            "SELECT template FROM trace_templates WHERE id = ?", (bid,)
+        ).fetchone()
+        template: list[Any] = json.loads(row[0]) if row is not None else []
+        self[bid] = template
+        return template
+
+
+def expand(record: dict[str, Any], templates: Mapping[str, list[Any]]) -> dict[str, Any]:
+    """A stored record in its documented form: its blocks expanded in place, each
+    decision with `started_at` (unix seconds) and `duration_ms`, evidence always an
+    object."""
+    base = record.pop("clock_base", None)
+    refs = record.pop("blocks", None)
+    if base is None:
+        return record
+    decisions = record.get("decisions") or []
+    if refs:
+        decisions = expand_decisions(decisions, refs, templates)
+    record["decisions"] = [decision_dict(d, base) for d in decisions]
+    return record
+
+
+def insert_sql() -> str:
+    return (
+        "INSERT OR REPLACE INTO traces (request_id, client_request_id, task_id, tenant_id,"
+        " status, received_at, record) VALUES (?, ?, ?, ?, ?, ?, ?)"
+    )
+
+
+_RECORD = msgspec.json.Encoder(enc_hook=str)
+
+
+def insert_args(record: dict[str, Any]) -> tuple[Any, ...]:
+    return (
+        record["request_id"],
+        record.get("client_request_id"),
+        record["task_id"],
+        record["tenant_id"],
+        record["status"],
+        record["received_at"],
+        _RECORD.encode(record).decode(),
+    )
+
+
+class AmbiguousRequestId(ValueError):
+    """A client's request id that several tenants used: name the tenant."""
+
+
+def get_request(
+    conn: sqlite3.Connection, request_id: str, tenant_id: str | None = None
+) -> dict[str, Any] | None:
+    """The trace of a request by the gateway's id, or else by the client's own id
+    (`client_request_id`) within a tenant: the latest request that used it. A client
+    id used by several tenants needs `tenant_id` (AmbiguousRequestId otherwise)."""
+    sql = "SELECT record FROM traces WHERE request_id = ?"
+    args: tuple[Any, ...] = (request_id,)
+    if tenant_id is not None:
+        sql, args = sql + " AND tenant_id = ?", (request_id, tenant_id)
+    row = conn.execute(sql, args).fetchone()
+    if row is None:
+        if tenant_id is None:
+            tenants = conn.execute(
+                "SELECT DISTINCT tenant_id FROM traces WHERE client_request_id = ? LIMIT 2",
+                (request_id,),
+            ).fetchall()
+            if len(tenants) > 1:
+                raise AmbiguousRequestId(
+                    f"several tenants used the request id {request_id!r}; name the tenant"
+                )
+        sql = "SELECT record FROM traces WHERE client_request_id = ?"
+        args = (request_id,)
+        if tenant_id is not None:
+            sql, args = sql + " AND tenant_id = ?", (request_id, tenant_id)
+        row = conn.execute(sql + " ORDER BY received_at DESC LIMIT 1", args).fetchone()
+    return None if row is None else expand(dict(json.loads(row[0])), Templates(conn))
+
+
+def get_task(conn: sqlite3.Connection, task_id: str) -> list[dict[str, Any]]:
+    rows = conn.execute(
+        "SELECT record FROM traces WHERE task_id = ? ORDER BY received_at", (task_id,)
+    ).fetchall()
+    templates = Templates(conn)
+    return [expand(json.loads(r[0]), templates) for r in rows]
+
+
+def list_requests(
+    conn: sqlite3.Connection,
+    tenant_id: str | None = None,
+    since: float | None = None,
+    status: str | None = None,
+    limit: int = 100,
+) -> list[dict[str, Any]]:
+    equal = (("tenant_id", tenant_id), ("status", status))
+    rows = newest_first(conn, "SELECT record FROM traces", equal, limit, since)
+    out = []
+    for (raw,) in rows:
+        rec = json.loads(raw)
+        rec.pop("decisions", None)  # the list view is a summary
+        rec.pop("clock_base", None)
+        rec.pop("blocks", None)
+        out.append(rec)
+    return out
+
+
+def enforce_retention(
+    conn: sqlite3.Connection, retention_days: float, max_rows: int, now: float | None = None
+) -> int:
+    """Delete traces older than the retention and beyond the size cap; returns count."""
+    now = time.time() if now is None else now
+    cur = conn.execute("DELETE FROM traces WHERE received_at < ?", (now - retention_days * 86400,))
+    deleted = cur.rowcount
+    (count,) = conn.execute("SELECT COUNT(*) FROM traces").fetchone()
+    if count > max_rows:
+        cur = conn.execute(
+            "DELETE FROM traces WHERE request_id IN (SELECT request_id FROM traces"
+            " ORDER BY received_at ASC LIMIT ?)",
+            (count - max_rows,),
+        )
+        deleted += cur.rowcount
+    return int(deleted)
+
+
+def bytes_in_use(conn: sqlite3.Connection) -> int:
+    """Bytes of the SQLite file that hold data (its pages less the free ones)."""
+    size = conn.execute("PRAGMA page_size").fetchone()[0]
+    pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    free = conn.execute("PRAGMA freelist_count").fetchone()[0]
+    return int((pages - free) * size)
+
+
+# What the byte budget deletes, in this order, oldest first: (table, its time column,
+# its key). Traces explain requests; rollout records are training data a trainer has
+# usually exported (and has in its stream); stored responses are conversations a client
+# may still continue (state/responses.py); raw usage rows go last, rollups never.
+BUDGETED = (
+    ("traces", "received_at", "request_id"),
+    ("rollouts", "created_at", "sample_id"),
+    ("responses", "created_at", "id"),
+    ("usage", "received_at", "request_id"),
+)
+
+
+def enforce_disk(conn: sqlite3.Connection, max_bytes: int, chunk: int = 2000) -> int:
+    """Keep the file's data under `max_bytes` (observe.max_disk_mb): past it, delete the
+    oldest traces, then the oldest stored rollout records, then the oldest stored
+    responses, then the oldest raw usage rows, until 90 % of it is in use; the daily
+    rollups (the bill) are never deleted. Freed pages go back to the disk where the
+    file allows it (auto_vacuum=INCREMENTAL, every file made since), else they are
+    reused by new rows, so the file stays flat. Returns the rows deleted."""
+    if not is_sqlite(conn):
+        return _enforce_rows_budget(conn, max_bytes, max(chunk, 50_000))
+    if bytes_in_use(conn) <= max_bytes:
+        return 0
+    target = int(max_bytes * 0.9)
+    deleted = 0
+    for table, at, _key in BUDGETED:
+        while bytes_in_use(conn) > target:
+            cur = conn.execute(
+                f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table}"
+                f" ORDER BY {at} ASC LIMIT ?)",
+                (chunk,),
+            )
+            if cur.rowcount <= 0:
+                break
+            deleted += cur.rowcount
+    if deleted:
+        # executescript steps it to the end (execute() frees one page per step, and
+        # Python steps a statement that returns no rows only once).
+        conn.executescript("PRAGMA incremental_vacuum;")
+        # And the WAL, which holds the deleted pages too, back to its limit.
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+    return deleted
+
+
+def row_bytes(
+    conn: Any, table: str, sample: int = 500, at: str = "received_at"
+) -> tuple[int, float]:
+    """PostgreSQL: the table's rows and their mean size in bytes (pg_column_size of the
+    newest `sample` rows). The file sizes are no measure there: deleted rows leave
+    space that VACUUM marks reusable but does not give back."""
+    (count,) = conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()
+    if not count:
+        return 0, 0.0
+    (mean,) = conn.execute(
+        f"SELECT AVG(pg_column_size(s.*)) FROM (SELECT * FROM {table}"
+        f" ORDER BY {at} DESC LIMIT ?) s",
+        (sample,),
+    ).fetchone()
+    return int(count), float(mean or 0.0)
+
+
+def _enforce_rows_budget(conn: Any, max_bytes: int, chunk: int) -> int:
+    """The byte budget on PostgreSQL: the rows' own bytes (count x mean row size) of
+    traces, rollout records, stored responses and raw usage rows; past `max_bytes`, the
+    oldest of each, in that order, are deleted down to 90 % of it. Rollups are never deleted."""
+    sizes = {t: row_bytes(conn, t, at=at) for t, at, _ in BUDGETED}
+    total = sum(n * mean for n, mean in sizes.values())
+    if total <= max_bytes:
+        return 0
+    excess = total - max_bytes * 0.9
+    deleted = 0
+    for table, at, key in BUDGETED:
+        n, mean = sizes[table]
+        if excess <= 0 or n == 0 or mean <= 0:
+            continue
+        todo = min(n, math.ceil(excess / mean))
+        excess -= todo * mean
+        while todo > 0:
+            cur = conn.execute(
+                f"DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM {table}"
+                f" ORDER BY {at} ASC LIMIT ?)",
+                (min(chunk, todo),),
+            )
+            if cur.rowcount <= 0:
+                break
+            todo -= cur.rowcount
+            deleted += cur.rowcount
+    return deleted

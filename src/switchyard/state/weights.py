@@ -1,0 +1,50 @@
+"""Deployment weights set at run time (promote, rollback, the canary guard, the admin
+API), kept in the store so they survive restarts and are shared by every gateway
+process using it. A stored weight overrides the config's for that deployment; a
+deployment with no stored row has its configured weight.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Mapping
+from typing import Any
+
+REFRESH_S = 2.0  # how often a gateway reads the weights others may have set
+
+
+def read_weights(conn: sqlite3.Connection) -> dict[str, dict[str, dict[str, Any]]]:
+    """alias -> deployment name -> {weight, updated_at, reason}."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in conn.execute(
+        "SELECT alias, deployment, weight, updated_at, reason FROM deployment_weights"
+    ):
+        out.setdefault(row[0], {})[row[1]] = {
+            "weight": float(row[2]),
+            "updated_at": float(row[3]),
+            "reason": row[4],
+        }
+    return out
+
+
+def write_weights(
+    conn: sqlite3.Connection, alias: str, weights: Mapping[str, float], reason: str
+) -> None:
+    """Set the weights of `alias`'s deployments (by their short names), in one
+    transaction."""
+    now = time.time()
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for name, w in weights.items():
+            conn.execute(
+                "INSERT INTO deployment_weights (alias, deployment, weight, updated_at, reason)"
+                " VALUES (?, ?, ?, ?, ?) ON CONFLICT (alias, deployment) DO UPDATE SET"
+                " weight = excluded.weight, updated_at = excluded.updated_at,"
+                " reason = excluded.reason",
+                (alias, name, float(w), now, reason[:500]),
+            )
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
