@@ -22,7 +22,10 @@ does what the SDK does not:
 **The hot call is served here, not by the SDK.** A `tools/call` on an open session
 (its `Mcp-Session-Id` owned by the caller, a handshake protocol version, a JSON body) is
 answered in this request's own task: parse the body, validate the params with the SDK's
-own model (`CallToolRequestParams`), call the tool service, write the JSON-RPC reply.
+own model (`CallToolRequestParams`), call the tool service, write the JSON-RPC reply. The
+service hands the result to the reply (`Caller.answer`) before it records the call (its
+trace, usage row and metrics, with the PII masking of their excerpts), so that work is
+off the client's wait.
 Through the SDK the same call crosses memory streams into the session's dispatcher, a
 handler task and back, which cost more per call than the governance itself (measured:
 docs/benchmarks/2026-12-05-mcp-tools.md). The framing written by hand is one JSON-RPC
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Iterator
@@ -279,6 +283,22 @@ def _holding(transport: Any) -> Iterator[None]:
             idle.deadline = asyncio.get_running_loop().time() + timeout
 
 
+class _FastCall:
+    """A `tools/call` the fast path serves in its request's own task, and whether the
+    client (or the end of its session) cancelled it."""
+
+    __slots__ = ("cancelled", "task")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        if not self.cancelled:
+            self.cancelled = True
+            self.task.cancel()
+
+
 class McpEndpoint:
     """The ASGI app at `/mcp` (see the module docstring)."""
 
@@ -318,8 +338,8 @@ class McpEndpoint:
         from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
         self._versions: tuple[str, ...] = tuple(HANDSHAKE_PROTOCOL_VERSIONS)
-        # The fast path's calls in flight: (session, JSON-RPC id) -> the call's task.
-        self._calls: dict[tuple[str, Any], asyncio.Task[Any]] = {}
+        # The fast path's calls in flight: (session, JSON-RPC id) -> the call.
+        self._calls: dict[tuple[str, Any], _FastCall] = {}
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -450,10 +470,10 @@ class McpEndpoint:
         if method == "notifications/cancelled" and "id" not in message:
             params = message.get("params")
             target = params.get("requestId") if isinstance(params, dict) else None
-            job = self._calls.get((session, target)) if _plain_id(target) else None
-            if job is None:
+            call = self._calls.get((session, target)) if _plain_id(target) else None
+            if call is None:
                 return False  # not a call served here: the SDK's to cancel
-            job.cancel()
+            call.cancel()
             await _send_json(send, 202, b"", session)
             return True
         rid = message.get("id")
@@ -467,20 +487,42 @@ class McpEndpoint:
         except ValidationError:
             return False  # the SDK answers INVALID_PARAMS, as for any client
         key = (session, rid)
-        job = asyncio.ensure_future(self._call(caller, params))
-        self._calls[key] = job
+        me = asyncio.current_task()
+        assert me is not None
+        call = _FastCall(me)
+        self._calls[key] = call
+        sent = False
+
+        async def answer(result: dict[str, Any]) -> None:
+            """The reply, written before the call's records (the tool service's)."""
+            nonlocal sent
+            self._calls.pop(key, None)  # answered: no longer to cancel
+            sent = True
+            reply = {"jsonrpc": "2.0", "id": rid, "result": result}
+            await _send_json(send, 200, orjson.dumps(reply), session)
+
         try:
             with _holding(transport):
-                reply: dict[str, Any] = {"jsonrpc": "2.0", "id": rid, "result": await job}
+                result = await self._call(dataclasses.replace(caller, answer=answer), params)
+                if not sent:  # a service that leaves the answer to its caller
+                    await answer(result)
+            return True
         except SwitchyardError as exc:
-            reply = {"jsonrpc": "2.0", "id": rid, "error": exc.jsonrpc_error()}
+            if sent:  # never: nothing after the answer refuses
+                log.error("tools/call failed after its answer (%s)", exc.code)
+                return True
+            error = exc.jsonrpc_error()
         except asyncio.CancelledError:
-            if not job.cancelled():  # this request itself is being stopped
+            # Cancelled by the client's notification (or its session's end): answered
+            # as the SDK answers; anything else stopping this request goes on stopping it.
+            if not call.cancelled or me.uncancel() > 0:
                 raise
+            if sent:  # the cancel came after the answer: nothing left to stop
+                return True
             error = {"code": REQUEST_CANCELLED, "message": "Request cancelled"}
-            reply = {"jsonrpc": "2.0", "id": rid, "error": error}
         finally:
             self._calls.pop(key, None)
+        reply = {"jsonrpc": "2.0", "id": rid, "error": error}
         await _send_json(send, 200, orjson.dumps(reply), session)
         return True
 

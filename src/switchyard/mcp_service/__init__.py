@@ -18,12 +18,12 @@ reaches the tool server:
 3. a side-effecting call (the registry's class, else `tools.default_class`) or one
    that `requires_approval` is identified by its call id (`_meta.call_id`, else the
    header `x-switchyard-call-id`) and claimed in the shared store
-   (execute/tool_once.py): a repeat gets the first one's result, a concurrent repeat
+   (state/tool_calls.py): a repeat gets the first one's result, a concurrent repeat
    waits for it, a call in doubt is refused. With `mcp.require_call_id`, a side
    effect without an id is refused;
 4. a tool that `requires_approval` needs an approval token for that call id
    (`x-switchyard-approval`, or `_meta.approval`), consumed once (ApprovalStore);
-5. the server's circuit breaker (execute/breaker.py, config `mcp.servers[].breaker`)
+5. the server's circuit breaker (state/breakers_memory.py, config `mcp.servers[].breaker`)
    lets it through: while it is open after repeated failures (timeouts, lost
    connections, server errors), calls fail at once, unsent (`tool_circuit_open`);
    after the cool-down one probe goes through;
@@ -76,9 +76,11 @@ from switchyard.mcp_service.calls import (
     MAX_EXCERPT,
     REQUEST_ID,
     TOO_LARGE,
+    Answer,
     Forward,
     McpCalls,
     Spend,
+    Unmasked,
     _circuit_open,
     _claim_error,
     _with_request_id,
@@ -103,11 +105,13 @@ __all__ = [
     "STALE_MARGIN_S",
     "TOO_LARGE",
     "UNKNOWN_TOOL",
+    "Answer",
     "Caller",
     "ConsumeApproval",
     "Forward",
     "McpToolService",
     "Spend",
+    "Unmasked",
 ]
 
 log = logging.getLogger("switchyard.mcp")
@@ -143,6 +147,12 @@ class Caller:
     task_budget: TaskBudget | None = None
     task_timeout_s: float | None = None
     task_deadline_at: float | None = None
+    # Writes the client's reply: given, a result is handed to it once the call's limits
+    # and task are settled, and the call's trace, usage row and metrics are recorded
+    # after it, so their work (the PII masking of the excerpts among it) is off the
+    # client's wait (api/mcp.py's hot path). Without it (and for a refusal or a
+    # failure) they are recorded before the call returns.
+    answer: Answer | None = None
 
 
 def _call_id(value: Any, where: str) -> str:
@@ -205,11 +215,14 @@ class McpToolService(McpCalls):
         arguments: Mapping[str, Any] | None,
         meta: Mapping[str, Any] | None,
     ) -> dict[str, Any]:
-        """The CallToolResult (as JSON) of a governed call; raises a SwitchyardError."""
+        """The CallToolResult (as JSON) of a governed call, handed to `who.answer` when
+        there is one (see Caller); raises a SwitchyardError."""
+        answer = who.answer
         found = self.servers.resolve(name)
         known = found is not None and found[1] in found[0].tools
         ctx = self._context(who, name if known else UNKNOWN_TOOL)
         status = "error"
+        later = False  # the records wait for `answer`
         reserver = self.reserver
         spend = Spend()
         # The tool's price counts against the key's and tenant's budget_usd as against
@@ -224,7 +237,8 @@ class McpToolService(McpCalls):
             result = await self._call(ctx, who, name, args, extra, spend)
             spend.answered = True
             status = "tool_error" if result.get("isError") else "ok"
-            return _with_request_id(result, ctx.input.request_id)
+            reply = _with_request_id(result, ctx.input.request_id)
+            later = answer is not None
         except SwitchyardError as exc:
             ctx.error_code = exc.code
             raise
@@ -241,16 +255,33 @@ class McpToolService(McpCalls):
                 await asyncio.shield(self._settle_task(ctx, spend))
             ctx.timings.ended = time.perf_counter()
             ctx.finished = True
-            self.ledger.record(Finished(ctx, status, 0, 0, spend.cost))
-            if self.tracing is not None:
-                self.tracing.finish(ctx, status, 0, 0, time.time_ns())
-            if self.metrics is not None and known:
-                self.metrics.tool_call(
-                    name.partition("__")[0],
-                    name,
-                    status,
-                    ctx.timings.ended - ctx.timings.received,
-                )
+            if not later:
+                self._record(ctx, name if known else None, status, spend.cost)
+        if answer is not None:
+            try:
+                await answer(reply)
+            finally:
+                self._record(ctx, name if known else None, status, spend.cost)
+        return reply
+
+    def _record(self, ctx: RequestContext, tool: str | None, status: str, cost: float) -> None:
+        """The call's usage row, trace and metrics (`tool`: None for an unknown one), its
+        excerpts masked first: nothing of them is kept unmasked."""
+        decisions = ctx.decisions
+        for i, d in enumerate(decisions):
+            ev = d.evidence
+            if ev is not None and any(type(v) is Unmasked for v in ev.values()):
+                decisions[i].evidence = {
+                    k: v.masked(self.mask) if type(v) is Unmasked else v for k, v in ev.items()
+                }
+        self.ledger.record(Finished(ctx, status, 0, 0, cost))
+        if self.tracing is not None:
+            self.tracing.finish(ctx, status, 0, 0, time.time_ns())
+        ended = ctx.timings.ended
+        if self.metrics is not None and tool is not None and ended is not None:
+            self.metrics.tool_call(
+                tool.partition("__")[0], tool, status, ended - ctx.timings.received
+            )
 
     def _context(self, who: Caller, name: str) -> RequestContext:
         now = time.perf_counter()
@@ -309,7 +340,7 @@ class McpToolService(McpCalls):
         spend.price = float(server.cfg.tool_prices.get(tool, 0.0))
         timeout = await self._admit_task(ctx, who, spend, server.cfg.timeout_s)
         keyed = cls == "side_effect" or approval
-        digest = args_digest(name, arguments)
+        digest = args_digest(name, arguments) if keyed else ""  # only a keyed call's is read
         call_id = await self._identify(ctx, who, meta, keyed, name, digest)
         if keyed and call_id is None:
             if approval:
@@ -329,7 +360,7 @@ class McpToolService(McpCalls):
             "tool": tool,
             "class": cls,
             "call_id": call_id,
-            "arguments": self._excerpt(arguments),
+            "arguments": Unmasked(orjson.dumps(arguments).decode()),
         }
         if spend.price:
             evidence["price_usd"] = spend.price
@@ -495,10 +526,3 @@ class McpToolService(McpCalls):
             "operator for one (POST /admin/approvals or `switchyard approve`) and "
             "send it in the x-switchyard-approval header"
         )
-
-    def _excerpt(self, value: Any) -> str:
-        """`value` as JSON, PII-masked and cut, for the trace."""
-        # Masked before it is cut, with room past the cut, so a value cut in two is
-        # never left half unmasked.
-        text = orjson.dumps(value).decode()
-        return self.mask(text[: MAX_EXCERPT + 512])[:MAX_EXCERPT]

@@ -2,19 +2,20 @@
 decides whether it may run at all).
 
 Owns the call's way to its tool server and back: the server's circuit breaker asked
-and told (execute/breaker.py), the call forwarded in a task of its own so a task cancel
-can stop it, a read-only call tried once more, a claimed side effect's outcome recorded
-for every repeat (execute/tool_once.py: done, too large, in doubt or released), the
-result checked against `mcp.max_result_bytes` and excerpted for the trace, and the
-errors a client gets for each ending (timeout, lost connection, server error, refusal,
-open breaker, a repeat's claim state).
+and told (state/breakers_memory.py), the call forwarded in its request's own task, where a
+task cancel can stop it, a read-only call tried once more, a claimed side effect's
+outcome recorded for every repeat (state/tool_calls.py: done, too large, in doubt or
+released), the result checked against `mcp.max_result_bytes` and excerpted for the
+trace (masked when the trace is written: `Unmasked`), and the errors a client gets for
+each ending (timeout, lost connection, server error, refusal, open breaker, a repeat's
+claim state).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +42,40 @@ from switchyard.errors import (
 from switchyard.execute.breaker import CircuitBreaker
 from switchyard.execute.tool_once import ToolCallRecords
 from switchyard.pipeline import RequestContext
+from switchyard.policy.pii import MaskingError
 from switchyard.policy.tasks import Running, TaskKey
 
 MAX_EXCERPT = 2000  # characters of masked arguments and result kept in a trace
 TOO_LARGE = "tool_result_too_large"
 REQUEST_ID = "switchyard/request_id"  # in a result's `_meta` (and the call's, to the server)
+WITHHELD = "(withheld: PII masking failed)"  # an excerpt's place when masking failed
+
+
+# Hands a governed call's result to the client (the reply written) before the call is
+# recorded (McpToolService.call).
+Answer = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class Unmasked:
+    """A trace excerpt (the call's arguments or result as JSON) that is PII-masked and cut
+    when the call's records are written, after the client has its answer: the raw text
+    lives only in this process's memory until then, and is never written as it is."""
+
+    __slots__ = ("_masked", "text")
+
+    def __init__(self, text: str) -> None:
+        # Masked before it is cut, with room past the cut, so a value cut in two is
+        # never left half unmasked.
+        self.text = text[: MAX_EXCERPT + 512]
+        self._masked: str | None = None
+
+    def masked(self, mask: Callable[[str], str]) -> str:
+        if self._masked is None:
+            try:
+                self._masked = mask(self.text)[:MAX_EXCERPT]
+            except MaskingError:  # fail closed: nothing of it is kept
+                self._masked = WITHHELD
+        return self._masked
 
 
 @dataclass(slots=True)
@@ -117,9 +147,9 @@ class McpCalls:
         return result
 
     async def _run(self, call: Forward, retry: bool) -> dict[str, Any]:
-        """Forward the call (in a task of its own, so a task cancel can stop it), if
-        the server's breaker lets it through; a read-only call that lost its connection
-        or met a server error is tried once more (if the breaker still allows)."""
+        """Forward the call (a task cancel stops it), if the server's breaker lets it
+        through; a read-only call that lost its connection or met a server error is
+        tried once more (if the breaker still allows)."""
         ctx, server, tool, arguments = call.ctx, call.server, call.tool, call.arguments
         timeout, evidence, spend = call.timeout, call.evidence, call.spend
         key = (ctx.principal.tenant_id, ctx.input.task_id) if ctx.input.task_id else None
@@ -133,10 +163,8 @@ class McpCalls:
         # task's deadline) says nothing of the server: it does not count against the
         # breaker every tenant shares.
         own_deadline = timeout < server.cfg.timeout_s
-        attempted = [False]
 
         async def attempt() -> CallOutcome:
-            attempted[0] = True
             try:
                 out = await server.call(tool, arguments, meta, timeout)
             except ServerUnavailable:
@@ -153,7 +181,9 @@ class McpCalls:
                 breaker.record(not out.failed, time.monotonic())
             return out
 
-        async def forward() -> CallOutcome:
+        # Run in this request's own task: a task cancel (Running.stop) cancels it while
+        # the call is registered below, and is told apart here by `ctx.cancelled`.
+        try:
             if key is not None:
                 self.running.add(key, ctx)
             try:
@@ -165,22 +195,17 @@ class McpCalls:
                 if again and not spend.price and breaker.allow(time.monotonic())[0]:
                     ctx.run.attempts = 2
                     out = await attempt()
-                return out
             finally:
                 if key is not None:
                     self.running.remove(key, ctx.input.request_id)
-
-        job = asyncio.ensure_future(forward())
-        # Cancelled before its first attempt: the probe slot allow() took is freed.
-        job.add_done_callback(lambda _: None if attempted[0] else breaker.release_probe())
-        try:
-            out = await asyncio.shield(job)
         except ServerUnavailable as exc:
             ctx.record("tool_exec", outcomes.ToolExec.UNAVAILABLE, str(exc), t, evidence)
             raise ToolServerUnavailable(f"the tool server '{server.name}' is unavailable") from None
         except asyncio.CancelledError:
-            if not (ctx.cancelled and job.cancelled()):
-                job.cancel()  # the client went away: the SDK tells the server
+            me = asyncio.current_task()
+            # Not (only) the task's cancel: the request itself is being stopped (the
+            # client went away or cancelled; the tool server was told), and stays so.
+            if not ctx.cancelled or me is None or me.uncancel() > 0:
                 ctx.record(
                     "tool_exec", outcomes.ToolExec.CANCELLED, "the request was stopped", t, evidence
                 )
@@ -237,7 +262,7 @@ class McpCalls:
         text = orjson.dumps(result)
         if len(text) > self.settings.mcp.max_result_bytes:
             raise self._too_large(call, full, t, len(text))
-        excerpt = self.mask(text[: MAX_EXCERPT + 512].decode("utf-8", "replace"))[:MAX_EXCERPT]
+        excerpt = Unmasked(text[: MAX_EXCERPT + 512].decode("utf-8", "replace"))
         evidence = {**evidence, "result": excerpt}
         outcome = outcomes.ToolExec.TOOL_ERROR if result.get("isError") else outcomes.ToolExec.OK
         ctx.record("tool_exec", outcome, f"ran on {call.server.name}", t, evidence)
