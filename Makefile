@@ -9,7 +9,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install serve-deps engine-wheel sysdeps verifier vllm serve test lint fmt docs docs-serve bench-overhead clean
+.PHONY: install serve-deps engine-wheel sysdeps verifier vllm serve test test-unit lint fmt docs docs-serve bench-overhead clean
 
 # Two installs. `serve-deps` is what `make serve` needs and nothing more: the runtime
 # dependencies, the shipped model and llama-server. `install` is everything the suite
@@ -98,6 +98,10 @@ test:
 	$(MAKE) -j3 install vllm
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The in-process tests alone (a few minutes): tests/unit; tests/integration is marked.
+test-unit: $(STAMP)
+	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests docs/hooks.py
 	$(VENV)/bin/ruff format --check src tests docs/hooks.py
@@ -109,7 +113,7 @@ fmt: $(STAMP)
 	$(VENV)/bin/ruff check --fix src tests docs/hooks.py
 
 # The documentation site (mkdocs.yml): its reference pages are generated from the code
-# as it builds (docs/hooks.py); --strict fails on a broken link. tests/test_docs.py
+# as it builds (docs/hooks.py); --strict fails on a broken link. tests/integration/test_docs.py
 # runs the same build, so `make test` does too.
 # Only the Python packages: the generator imports the settings, the CLI and the routes,
 # never an engine, so `make docs` does not wait for llama-server's build.

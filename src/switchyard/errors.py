@@ -7,7 +7,7 @@ Messages routes `{"type": "error", "error": {"type", "message"}}` (`anthropic_bo
 ever reaches a client.
 
 Every error a client can see is a class below, with its status and code; a raise site
-names the class and never passes its own code string (tests/test_error_tree.py checks
+names the class and never passes its own code string (tests/unit/test_error_tree.py checks
 this tree against the classes, and the raise sites). `UpstreamStatusError` answers with
 the upstream's own 4xx status.
 

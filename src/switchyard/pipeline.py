@@ -236,7 +236,7 @@ class Pipeline:
     """Runs the stages in order and stops early when one answers. Consecutive stages
     whose verdict is static for the request's View are folded into one precomputed
     block (worked out once per View and cached): the folded run records exactly what
-    the stage-by-stage run (`decide_stepwise`) records, which tests/test_pipeline_fold.py
+    the stage-by-stage run (`decide_stepwise`) records, which tests/unit/test_pipeline_fold.py
     checks over generated configurations, principals and deployment states."""
 
     _MAX_PLANS = 4096

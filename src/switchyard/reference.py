@@ -5,7 +5,7 @@ with `PAGES[NAME]()`: the configuration from the settings schema (`config.Settin
 each key's type, default and description), the errors from their classes and raise
 sites (read from the source, so nothing is imported that a build does not need), the
 CLI from its argument parser, the routes from the OpenAPI description the gateway
-serves, and the headers from `reference_headers.yaml`, which tests/test_docs.py checks
+serves, and the headers from `reference_headers.yaml`, which tests/integration/test_docs.py checks
 against every header name the code reads or writes. Nothing here runs on a request.
 """
 

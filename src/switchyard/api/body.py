@@ -224,7 +224,7 @@ def colons_accounted(raw: bytes, body: Any) -> bool:
     right side falls short by at least one and equality cannot hold. Counting `\u003a` bytes can only
     overcount escaped colons (a `\\u003a` is an escaped backslash, then text):
     that makes equality fail too, never hold falsely, and leaves the body to the
-    exact check. tests/test_duplicate_keys.py checks both directions on generated
+    exact check. tests/integration/test_duplicate_keys.py checks both directions on generated
     texts."""
     escaped = 0
     if b"\\u003" in raw:  # one scan; nearly every body has no such escape

@@ -7,7 +7,7 @@ few requests, drive them with wrk and read wrk's report. Those helpers live here
 This module imports no other `switchyard.bench` module but its own part,
 `harness_machine.py` (what a run used and ran on: CPU per process tree, the machine and
 its versions), so every bench can build on it and the bench import graph runs one way
-(`tests/test_bench_imports.py` checks both).
+(`tests/unit/bench/test_bench_imports.py` checks both).
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ class ManagedLlamaCpp(EngineProcess):
     # What the kernel sends the server when the gateway dies without stopping it.
     # SIGKILL: llama-server keeps nothing worth a graceful exit once its gateway is
     # gone, and its SIGTERM handler, which waits for its HTTP loop, was seen to leave
-    # it alive for over 20 s on a loaded machine (tests/test_observe.py, kill -9).
+    # it alive for over 20 s on a loaded machine (tests/integration/test_observe.py, kill -9).
     parent_death_signal = "KILL"
 
     def __init__(

@@ -1,0 +1,154 @@
+"""A real `switchyard serve` on loopback: started with a config, an admin key and one
+tenant's key, and the model entries and configs the tests give it."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import httpx
+import yaml
+
+from support.procs import STARTUP_TIMEOUT_S, Proc, free_port, wait_http
+from support.upstreams import Scripted
+
+ADMIN_KEY = "test-admin-" + os.urandom(8).hex()
+
+
+class Gateway:
+    """A running `switchyard serve` with its own SQLite file, an admin key, and one
+    tenant + key created through the admin API (`self.key`)."""
+
+    def __init__(self, proc: Proc, port: int, config: dict[str, Any] | None, db: str) -> None:
+        self.proc = proc
+        self.port = port
+        self.config = config
+        self.db = db
+        self.url = f"http://127.0.0.1:{port}"
+        self.key = "unset"
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+    @property
+    def admin(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+    def openai(self, key: str | None = None, **kw: Any) -> Any:
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.url + "/v1", api_key=key or self.key, max_retries=0, **kw)
+
+    def post(self, path: str, key: str | None = None, **kw: Any) -> httpx.Response:
+        """POST with this gateway's key, or `key` when given."""
+        auth = {"Authorization": f"Bearer {key}"} if key is not None else self.auth
+        headers = {**auth, **kw.pop("headers", {})}
+        return httpx.post(self.url + path, headers=headers, timeout=kw.pop("timeout", 60), **kw)
+
+    def stream(self, body: dict[str, Any], path: str = "/v1/chat/completions", **kw: Any) -> Any:
+        headers = {**self.auth, **kw.pop("headers", {})}
+        return httpx.stream("POST", self.url + path, json=body, headers=headers, timeout=60, **kw)
+
+    def create_tenant(self, tenant_id: str, **limits: Any) -> dict[str, Any]:
+        r = httpx.post(
+            self.url + "/admin/tenants", json={"id": tenant_id, **limits}, headers=self.admin
+        )
+        assert r.status_code == 201, r.text
+        return dict(r.json())
+
+    def create_key(self, tenant_id: str, **fields: Any) -> dict[str, Any]:
+        r = httpx.post(
+            self.url + "/admin/keys", json={"tenant_id": tenant_id, **fields}, headers=self.admin
+        )
+        assert r.status_code == 201, r.text
+        return dict(r.json())
+
+    def approve(self, tenant: str, task: str | None, call_id: str) -> str:
+        """An approval token for one tool call, issued through the admin API."""
+        r = httpx.post(
+            self.url + "/admin/approvals",
+            json={"tenant": tenant, "task_id": task, "call_id": call_id, "approver": "ops-anna"},
+            headers=self.admin,
+        )
+        assert r.status_code == 201, r.text
+        return str(r.json()["token"])
+
+    def trace(self, request_id: str, timeout_s: float = 20) -> dict[str, Any]:
+        """A request's stored trace (the ledger writer commits it a moment after the
+        reply, so this waits for it)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            r = httpx.get(f"{self.url}/admin/requests/{request_id}", headers=self.admin)
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    def usage(self, **query: Any) -> list[dict[str, Any]]:
+        r = httpx.get(self.url + "/admin/usage", params=query, headers=self.admin)
+        assert r.status_code == 200, r.text
+        return list(r.json()["data"])
+
+
+def start_gateway(
+    config: dict[str, Any] | None,
+    wait_ready: bool = True,
+    env: dict[str, str] | None = None,
+    db: str | None = None,
+    ready_timeout_s: float | None = None,
+) -> Gateway:
+    port = free_port()
+    args = [sys.executable, "-m", "switchyard", "serve", "--port", str(port)]
+    if config is not None:
+        fd, path = tempfile.mkstemp(suffix=".yaml", prefix="switchyard-")
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(config, f)
+        args += ["--config", path]
+    if db is None:
+        db = tempfile.mkdtemp(prefix="switchyard-db-") + "/switchyard.db"
+    proc = Proc(
+        args,
+        "gateway",
+        env={"SWITCHYARD_SQLITE_PATH": db, "SWITCHYARD_ADMIN_KEY": ADMIN_KEY, **(env or {})},
+    )
+    gw = Gateway(proc, port, config, db)
+    try:
+        wait_http(gw.url + "/healthz", proc)
+        if wait_ready:
+            wait_http(gw.url + "/readyz", proc, ready_timeout_s or STARTUP_TIMEOUT_S)
+        if (config or {}).get("auth", {}).get("mode") != "disabled":
+            tenant = "t-" + os.urandom(3).hex()
+            gw.create_tenant(tenant)
+            gw.key = gw.create_key(tenant)["key"]
+    except Exception:
+        proc.stop()
+        raise
+    return gw
+
+
+def local_model(alias: str = "smollm2-135m", **engine: Any) -> dict[str, Any]:
+    return {
+        "alias": alias,
+        "revision": f"{alias}-rev",
+        "engine": {"kind": "llamacpp", "gguf": "auto", "threads": 2, "ctx": 2048, **engine},
+    }
+
+
+# $1000 per million output tokens: 10 tokens cost exactly $0.01.
+CHEAP_PRICE = {"input": 0.0, "output": 1000.0}
+
+
+def cheap_config(scripted: Scripted, *more: dict[str, Any], **sections: Any) -> dict[str, Any]:
+    """A gateway config whose model `cheap` is `scripted` at CHEAP_PRICE, then the
+    models `more`; no embedding model; `sections` added at the top level."""
+    cheap = {
+        "alias": "cheap",
+        "engine": {"kind": "openai", "base_url": scripted.url + "/v1"},
+        "price": CHEAP_PRICE,
+    }
+    return {"models": [cheap, *more], "embeddings": {"enabled": False}, **sections}

@@ -1,0 +1,73 @@
+"""Child processes on loopback: a free port, a process with its log, waiting for HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+STARTUP_TIMEOUT_S = 240  # generous: only catches hangs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """A child process with a log file; stopped (and reaped) by `stop()`."""
+
+    def __init__(self, args: list[str], name: str, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        # Kept open for the child's lifetime; read back by output().
+        self.log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)  # noqa: SIM115
+        self.popen = subprocess.Popen(
+            args,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        # Anything the process left behind (workers) goes with its session.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, 9)
+
+
+def wait_http(
+    url: str, proc: Proc, timeout_s: float = STARTUP_TIMEOUT_S, status: int = 200
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    last: int | str | None = None
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited early:\n{proc.output()[-4000:]}")
+        try:
+            r = httpx.get(url, timeout=2)
+            if r.status_code == status:
+                return
+            last = r.status_code
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(0.2)
+    raise RuntimeError(
+        f"{url} not {status} after {timeout_s}s (last: {last}):\n{proc.output()[-4000:]}"
+    )
