@@ -39,8 +39,8 @@ from switchyard.execute.retry import RetryBudget, backoff_s, is_retryable, retry
 from switchyard.observe.otel import Tracing
 from switchyard.pipeline import RequestContext
 from switchyard.request import to_json
+from switchyard.state.breakers import SharedBreakerState
 from switchyard.state.breakers_memory import CircuitBreaker
-from switchyard.state.breakers_redis import SharedBreakers
 
 if TYPE_CHECKING:  # the gateway sets the balancers; only their type is named here
     from switchyard.decide.balance import Balancer
@@ -132,14 +132,13 @@ class Executor:
         tracing: Tracing | None = None,
         seed: int | None = None,
         redact: Callable[[str], str] | None = None,
+        shared: SharedBreakerState | None = None,
     ) -> None:
         self.registry = registry
         self.tracing = tracing
-        self.shared: SharedBreakers | None = None
-        if settings.storage.redis_url:
-            self.shared = SharedBreakers(
-                settings.storage.redis_url, settings.storage.redis_timeout_s
-            )
+        # The breakers' windows shared with other gateway processes (state/choose.py
+        # picks Redis when storage.redis_url is set), or None: this process's alone.
+        self.shared = shared
         self.breakers = {
             m.alias: CircuitBreaker(m.alias, m.resilience.breaker) for m in settings.served_models()
         }

@@ -11,10 +11,10 @@ factory beside it, taking settings and what it depends on, in an order where eac
 collaborator exists before what takes it:
 
     pipelines.py      the stage pipelines (build_pipelines)
-    storage.py        the store and the rate limiter
     deployments.py    balancers, placers and gates over the registry's deployments
     semantic.py       the embedding service, the response cache, its candidate checks
-    tasks.py          the agent task store and the MCP tool gateway
+    tasks.py          the MCP tool gateway (over the agent task store)
+    state/choose.py   the stores: memory, SQL or Redis, chosen from settings.storage
     rollouts.py       RL serving: revision managers and the rollout service
     observability.py  metrics (built first: the engine pool and the revision managers
                       take its hooks at construction) and tracing
@@ -49,8 +49,7 @@ from switchyard.gateway.observability import build_metrics, build_tracing, engin
 from switchyard.gateway.pipelines import build_pipelines
 from switchyard.gateway.rollouts import build_revisions, build_rollouts
 from switchyard.gateway.semantic import build_cache, build_candidates, build_embedder
-from switchyard.gateway.storage import build_limiter, build_store
-from switchyard.gateway.tasks import build_mcp, build_tasks
+from switchyard.gateway.tasks import build_mcp
 from switchyard.media.process import MediaProcessor
 from switchyard.policy.auth import Authenticator
 from switchyard.policy.cost import PromptOverhead
@@ -59,6 +58,12 @@ from switchyard.policy.stages import Reserver
 from switchyard.policy.tasks import Running
 from switchyard.service import RequestService
 from switchyard.settle import Settler
+from switchyard.state.choose import (
+    build_limiter,
+    build_shared_breakers,
+    build_store,
+    build_tasks,
+)
 
 __all__ = ["BUSY_FLUSH_S", "Gateway", "build_pipelines"]
 
@@ -88,7 +93,13 @@ class Gateway(ControlPlane):
         self.tracing = build_tracing(settings)
         self.pii = PiiMasker()
         # The executor masks PII in an upstream's error text before it is recorded.
-        self.executor = Executor(settings, self.registry, self.tracing, redact=self.pii.mask)
+        self.executor = Executor(
+            settings,
+            self.registry,
+            self.tracing,
+            redact=self.pii.mask,
+            shared=build_shared_breakers(settings),
+        )
         self.balancers = build_balancers(self.registry, self.executor)
         self.placers = build_placers(settings, self.balancers)
         if self.metrics is not None:

@@ -1,6 +1,5 @@
-"""Agent tasks and their tools: the task store (budgets, deadlines, cancels; chosen by
-the state layer, state/choose.py) and the MCP tool gateway (mcp.servers) whose governed
-tool calls count against the same tasks.
+"""The MCP tool gateway (mcp.servers), whose governed tool calls count against the
+agent tasks' store (budgets, deadlines, cancels; chosen by state/choose.py).
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from switchyard.observe.otel import Tracing
 from switchyard.policy.pii import PiiMasker
 from switchyard.policy.stages import Reserver
 from switchyard.policy.tasks import Running
-from switchyard.state.choose import build_tasks
 from switchyard.state.store import Store
 from switchyard.state.tasks import TaskStore
 
@@ -49,4 +47,4 @@ def build_mcp(
     )
 
 
-__all__ = ["build_mcp", "build_tasks"]
+__all__ = ["build_mcp"]

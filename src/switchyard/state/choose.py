@@ -7,13 +7,17 @@
 - the limiter and the agent tasks' state: in Redis when `storage.redis_url` is set, so
   every gateway process counts against the same limits and tasks, else in memory.
 
-The breakers' shared windows (execute/executor.py) and the shared cache entries
-(gateway/semantic.py) are also in Redis exactly when `storage.redis_url` is set.
+- the breakers' windows shared between processes: in Redis when `storage.redis_url`
+  is set, else none (each process's breakers are its own).
+
+The shared cache entries (decide/shared_cache.py, built in gateway/semantic.py: it
+wraps the cache it shares) are also in Redis exactly when `storage.redis_url` is set.
 """
 
 from __future__ import annotations
 
 from switchyard.config import Settings
+from switchyard.state.breakers import SharedBreakerState
 from switchyard.state.keys import Limits
 from switchyard.state.limits import Limiter
 from switchyard.state.limits_memory import MemoryLimiter
@@ -79,3 +83,12 @@ def build_tasks(settings: Settings) -> TaskStore:
             max_tasks=t.max_tasks,
         )
     return MemoryTaskStore(t.max_tasks, t.idle_ttl_s, t.max_tool_calls)
+
+
+def build_shared_breakers(settings: Settings) -> SharedBreakerState | None:
+    """The breakers' state shared by every gateway process: in Redis when shared."""
+    if settings.storage.redis_url:
+        from switchyard.state.breakers_redis import SharedBreakers
+
+        return SharedBreakers(settings.storage.redis_url, settings.storage.redis_timeout_s)
+    return None

@@ -218,6 +218,7 @@ def test_without_redis_limits_and_tasks_stay_in_memory(tmp_path: Path) -> None:
     assert type(tasks) is MemoryTaskStore
     assert tasks.max_tasks == s.tasks.max_tasks
     assert tasks.idle_ttl_s == s.tasks.idle_ttl_s
+    assert choose.build_shared_breakers(s) is None  # each process's breakers are its own
 
 
 def test_with_redis_limits_and_tasks_go_to_redis_without_connecting(tmp_path: Path) -> None:
@@ -226,6 +227,7 @@ def test_with_redis_limits_and_tasks_go_to_redis_without_connecting(tmp_path: Pa
     tasks = choose.build_tasks(s)
     assert type(limiter) is RedisLimiter
     assert type(tasks) is RedisTaskStore
+    assert type(choose.build_shared_breakers(s)) is SharedBreakers
 
     async def use() -> tuple[BaseException | None, BaseException | None]:
         scope = ScopeLimits("key:k", rpm=1)
