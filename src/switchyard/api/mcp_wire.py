@@ -1,0 +1,239 @@
+"""The wire of `/mcp`'s hot call (api/mcp.py): the request's headers read and bounded
+into a `Caller`, the body read within its limit (and replayed to the SDK when the call
+is not one the fast path takes), the checks that decide whether it is (a plain id, a JSON
+accept, a handshake version), the JSON-RPC reply and error bodies written by hand, and
+the SDK's refusals reworded without exception text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+from starlette.types import Message, Receive, Scope, Send
+
+from switchyard.errors import (
+    InvalidHeader,
+    InvalidRequest,
+    PayloadTooLarge,
+    SwitchyardError,
+)
+from switchyard.identity import Principal, TaskBudget
+from switchyard.mcp_service import Caller
+from switchyard.policy import headers as hdr
+from switchyard.policy.tool_calls import approval_tokens
+
+MAX_ID = 128  # characters of a string JSON-RPC id the fast path takes (else: the SDK's)
+MAX_INT_ID = 2**53  # an integer id beyond ±this goes to the SDK
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    """The request's headers, a repeated one by its first value: the value the SDK reads
+    (Starlette's `Headers.get`), so the session checked here is the one it serves."""
+    out: dict[str, str] = {}
+    for k, v in scope["headers"]:
+        out.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
+    return out
+
+
+def _caller(principal: Principal, h: dict[str, str]) -> Caller:
+    """The request's headers, each bounded and checked as it is read."""
+    task, bad = hdr.task_id(h)
+    if bad is not None:
+        raise bad
+    parents, bad = hdr.parent_request_ids(h)
+    if bad is not None:
+        raise bad
+    call_id = h.get("x-switchyard-call-id")
+    if call_id is not None and not (len(call_id) <= 128 and hdr.ID_PATTERN.fullmatch(call_id)):
+        raise InvalidHeader(
+            "header x-switchyard-call-id: 1 to 128 characters of A-Z a-z 0-9 . _ : -",
+            param="x-switchyard-call-id",
+        )
+    timeout = h.get("x-request-timeout")
+    traceparent = h.get("traceparent")
+    budget, task_timeout, deadline = (
+        h.get("x-task-budget"),
+        h.get("x-task-timeout"),
+        h.get("x-task-deadline"),
+    )
+    return Caller(
+        principal,
+        task_id=task,
+        call_id=call_id,
+        approvals=tuple(approval_tokens(h.get("x-switchyard-approval"))),
+        timeout_s=hdr.request_timeout(timeout) if timeout is not None else None,
+        parents=parents,
+        traceparent=traceparent if traceparent and len(traceparent) <= 128 else None,
+        task_budget=TaskBudget.of(hdr.task_budget(budget)) if budget is not None else None,
+        task_timeout_s=hdr.task_timeout(task_timeout) if task_timeout is not None else None,
+        task_deadline_at=hdr.task_deadline(deadline) if deadline is not None else None,
+    )
+
+
+async def _send_error(send: Send, exc: SwitchyardError) -> None:
+    body = orjson.dumps({"jsonrpc": "2.0", "id": None, "error": exc.jsonrpc_error()})
+    headers = [(b"content-type", b"application/json")]
+    headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
+    if exc.status == 401:
+        headers.append((b"www-authenticate", b'Bearer realm="switchyard"'))
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+# The SDK's words for a body it could not read carry the parser's or pydantic's own
+# exception text (and echo the input): the client gets a plain sentence instead.
+_SDK_REFUSALS = {
+    "Parse error:": "Parse error: the request body is not valid JSON",
+    "Validation error:": "Invalid request: the body is not a JSON-RPC 2.0 request, "
+    "notification or response",
+}
+
+
+def _without_exception_text(status: int, body: bytes) -> bytes:
+    """The SDK's 400 JSON-RPC error body, its message reworded when it carries exception
+    text (see _SDK_REFUSALS); its 413 and plain-text 400s as JSON-RPC errors."""
+    if status == 413:
+        exc: SwitchyardError = PayloadTooLarge(
+            "the request body is larger than the gateway accepts"
+        )
+        return orjson.dumps({"jsonrpc": "2.0", "id": None, "error": exc.jsonrpc_error()})
+    try:
+        got = orjson.loads(body)
+        message = got["error"]["message"]
+    except (orjson.JSONDecodeError, TypeError, KeyError):
+        exc = InvalidRequest(body.decode("utf-8", "replace")[:200] or "bad request")
+        return orjson.dumps({"jsonrpc": "2.0", "id": None, "error": exc.jsonrpc_error()})
+    if not isinstance(message, str):
+        return body
+    for prefix, plain in _SDK_REFUSALS.items():
+        if message.startswith(prefix):
+            got["error"]["message"] = plain
+            return orjson.dumps(got)
+    return body
+
+
+def _mcp_error(exc: SwitchyardError) -> Exception:
+    from mcp import MCPError
+
+    err = exc.jsonrpc_error()
+    return MCPError(err["code"], err["message"], err["data"])
+
+
+def _meta(params: Any) -> dict[str, Any]:
+    meta = getattr(params, "meta", None)
+    if meta is None:
+        return {}
+    if isinstance(meta, dict):
+        return meta
+    dump = getattr(meta, "model_dump", None)
+    return dict(dump(by_alias=True, exclude_none=True)) if dump is not None else {}
+
+
+def _plain_id(value: Any) -> bool:
+    """A JSON-RPC id the fast path echoes: an integer within ±2^53 (no bool) or a
+    string of 1 to MAX_ID characters."""
+    if type(value) is int:
+        return -MAX_INT_ID < value < MAX_INT_ID
+    return type(value) is str and 0 < len(value) <= MAX_ID
+
+
+def _accepts_json(accept: str) -> bool:
+    """The Accept header admits a JSON reply (as the SDK reads it: wildcards count)."""
+    for part in accept.split(","):
+        media = part.split(";", 1)[0].strip().lower()
+        if media in ("application/json", "application/*", "*/*"):
+            return True
+    return False
+
+
+def _fast_headers(h: dict[str, str], versions: tuple[str, ...]) -> bool:
+    """A POST the fast path may read: a JSON body, a JSON reply accepted, and a
+    handshake-era protocol version (or none), which the SDK's legacy transport serves."""
+    ctype = h.get("content-type", "").split(";", 1)[0].strip().lower()
+    version = h.get("mcp-protocol-version")
+    return (
+        ctype == "application/json"
+        and _accepts_json(h.get("accept", ""))
+        and (version is None or version in versions)
+    )
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | bool:
+    """The request body; True past `limit` bytes, False when the client went away."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return False
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return True
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands the already-read body over once, then the connection's."""
+    sent = False
+
+    async def again() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again
+
+
+async def _send_json(send: Send, status: int, body: bytes, session: str | None) -> None:
+    headers = list(JSON_HEADERS)
+    if session is not None:
+        headers.append((b"mcp-session-id", session.encode("latin-1")))
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+@contextlib.contextmanager
+def _holding(transport: Any) -> Iterator[None]:
+    """Hold an SDK session open while a fast call runs, as its transport does for its
+    own requests (the idle countdown waits until no request is in flight)."""
+    idle = transport.idle_scope
+    timeout = transport._idle_timeout
+    if idle is None or timeout is None:
+        yield
+        return
+    transport._requests_in_flight += 1
+    idle.deadline = math.inf
+    try:
+        yield
+    finally:
+        transport._requests_in_flight -= 1
+        if not transport._requests_in_flight:
+            idle.deadline = asyncio.get_running_loop().time() + timeout
+
+
+class _FastCall:
+    """A `tools/call` the fast path serves in its request's own task, and whether the
+    client (or the end of its session) cancelled it."""
+
+    __slots__ = ("cancelled", "task")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        if not self.cancelled:
+            self.cancelled = True
+            self.task.cancel()
