@@ -126,7 +126,18 @@ read_chunk = msgspec.json.Decoder(ChatChunk).decode
 # for every chunk of every stream, and a tuple is made and taken apart with no
 # Python call (a dataclass's __init__ cost more than reading the chunk did).
 ChunkParts = tuple[dict[str, Any] | None, str, Sequence[ToolCallPiece], str | None]
-NO_PARTS: ChunkParts = (None, "", (), None)
+
+
+def _parts(usage: dict[str, Any] | None, text: Any, calls: Any, finish: Any) -> ChunkParts:
+    """The parts of a chunk from the members of its first choice as either reading
+    found them (None: missing), whatever is malformed left empty: the one rule of
+    `chunk_parts` and `read_parts`."""
+    return (
+        usage,
+        text if type(text) is str else "",
+        _pieces(calls) if type(calls) is list and calls else (),
+        finish if type(finish) is str and finish else None,
+    )
 
 
 def chunk_parts(chunk: ChatChunk) -> ChunkParts:
@@ -139,20 +150,53 @@ def chunk_parts(chunk: ChatChunk) -> ChunkParts:
         usage = None
     choices = chunk.choices
     if type(choices) is not list or not choices or type(choices[0]) is not dict:
-        return NO_PARTS if usage is None else (usage, "", (), None)
+        return _parts(usage, None, None, None)
     choice: dict[str, Any] = choices[0]
     delta = choice.get("delta")
-    text: Any = ""
-    pieces: Sequence[ToolCallPiece] = ()
-    if type(delta) is dict:
-        text = delta.get("content")
-        if type(text) is not str:
-            text = ""
-        calls = delta.get("tool_calls")
-        if type(calls) is list and calls:
-            pieces = _pieces(calls)
-    finish = choice.get("finish_reason")
-    return usage, text, pieces, finish if type(finish) is str and finish else None
+    if type(delta) is not dict:
+        return _parts(usage, None, None, choice.get("finish_reason"))
+    return _parts(usage, delta.get("content"), delta.get("tool_calls"), choice.get("finish_reason"))
+
+
+class _Delta(msgspec.Struct, gc=False):
+    content: Any = None
+    tool_calls: Any = None
+
+
+class _Choice(msgspec.Struct, gc=False):
+    delta: _Delta | None = None
+    finish_reason: Any = None
+
+
+class _TypedChunk(msgspec.Struct, gc=False):
+    """A chat completion chunk of the usual shape, typed as far as `chunk_parts` reads
+    it: decoded straight into these, without a dict for its choice or its delta."""
+
+    choices: list[_Choice] | None = None
+    usage: dict[str, Any] | None = None
+
+
+_read_typed = msgspec.json.Decoder(_TypedChunk).decode
+
+
+def read_parts(data: bytes) -> ChunkParts:
+    """`chunk_parts(read_chunk(data))`, the same parts (property-tested), read in one
+    step: a chunk of the usual shape (its choices objects, each delta an object) is
+    decoded into typed structs, whose members go through the same rule (`_parts`);
+    any other shape is read by `read_chunk` and `chunk_parts` themselves. Raises as
+    `read_chunk` does (msgspec.ValidationError: JSON, but not an object)."""
+    try:
+        chunk = _read_typed(data)
+    except msgspec.ValidationError:
+        return chunk_parts(read_chunk(data))
+    usage, choices = chunk.usage, chunk.choices
+    if not choices:
+        return _parts(usage, None, None, None)
+    choice = choices[0]
+    delta = choice.delta
+    if delta is None:
+        return _parts(usage, None, None, choice.finish_reason)
+    return _parts(usage, delta.content, delta.tool_calls, choice.finish_reason)
 
 
 def _pieces(calls: list[Any]) -> list[ToolCallPiece]:

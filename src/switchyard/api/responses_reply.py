@@ -24,7 +24,7 @@ import orjson
 
 from switchyard.api.responses_codec import Ids, ResponsesRequest, new_item_id
 from switchyard.errors import SwitchyardError
-from switchyard.reply import ChatChunk, chunk_parts
+from switchyard.reply import ChatChunk, ChunkParts, chunk_parts
 
 
 @dataclass(slots=True)
@@ -36,31 +36,26 @@ class Shell:
     model: str
     created_at: float = field(default_factory=time.time)
     ids: Ids = new_item_id  # makes its output items' ids
+    # The members every state repeats from the request, in the object's order, made at
+    # the first state (`_repeated`): each later state copies them rather than reading
+    # the request's echo again.
+    _base: dict[str, Any] | None = field(default=None, init=False, repr=False)
 
-    def object(
-        self,
-        status: str,
-        output: list[dict[str, Any]],
-        usage: dict[str, Any] | None = None,
-        error: dict[str, Any] | None = None,
-        incomplete: str | None = None,
-    ) -> dict[str, Any]:
-        """The response object in this state."""
+    def _repeated(self) -> dict[str, Any]:
         req, echo = self.req, self.req.echo
-        done = status in ("completed", "failed", "incomplete", "cancelled")
         return {
             "id": self.rid,
             "object": "response",
             "created_at": int(self.created_at),
-            "status": status,
-            "completed_at": int(time.time()) if status == "completed" else None,
+            "status": None,
+            "completed_at": None,
             "background": req.background,
-            "error": error,
-            "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "error": None,
+            "incomplete_details": None,
             "instructions": req.instructions,
             "max_output_tokens": echo.get("max_output_tokens"),
-            "model": self.model,
-            "output": output,
+            "model": None,
+            "output": None,
             "parallel_tool_calls": echo.get("parallel_tool_calls", True),
             "previous_response_id": req.previous_response_id,
             "store": req.store,
@@ -71,8 +66,36 @@ class Shell:
             "tools": echo.get("tools") or [],
             "truncation": "disabled",
             "metadata": echo.get("metadata") or {},
-            "usage": usage if done else None,
+            "usage": None,
         }
+
+    def object(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        usage: dict[str, Any] | None = None,
+        error: dict[str, Any] | None = None,
+        incomplete: str | None = None,
+    ) -> dict[str, Any]:
+        """The response object in this state."""
+        base = self._base
+        if base is None:
+            base = self._base = self._repeated()
+        obj = base.copy()  # the members keep their order: the wire's is the same
+        obj["status"] = status
+        if status == "completed":
+            obj["completed_at"] = int(time.time())
+        obj["error"] = error
+        if incomplete:
+            obj["incomplete_details"] = {"reason": incomplete}
+        obj["model"] = self.model
+        obj["output"] = output
+        if status in _DONE:
+            obj["usage"] = usage
+        return obj
+
+
+_DONE = frozenset(("completed", "failed", "incomplete", "cancelled"))
 
 
 def usage_of(chat_usage: Any) -> dict[str, Any] | None:
@@ -300,9 +323,14 @@ class ResponseEvents:
 
     def chunk(self, chunk: ChatChunk, out: list[bytes]) -> None:
         """The events of one chat completion chunk."""
+        self.parts(chunk_parts(chunk), out)
+
+    def parts(self, parts: ChunkParts, out: list[bytes]) -> None:
+        """The events of one chat completion chunk, read into its parts (the relay's
+        data is read straight into them: reply.read_parts)."""
         if not self.started:
             self.start(out)
-        usage, text, calls, finish = chunk_parts(chunk)
+        usage, text, calls, finish = parts
         if usage is not None:
             self.usage = usage
         if text:
