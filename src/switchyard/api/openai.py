@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 from starlette.requests import Request
@@ -18,12 +18,17 @@ from switchyard.api.codecs import Codec, Embeddings, chat_completions, completio
 from switchyard.api.sse import RelayResponse, frame, replay
 from switchyard.api.sse import error_event as sse_error_event
 from switchyard.errors import InvalidRequest, RouteNotFound, SwitchyardError
-from switchyard.gateway import Gateway
 from switchyard.policy.headers import ID_PATTERN
 from switchyard.policy.keys import Principal
 from switchyard.reply import JsonReply, Reply, StreamReply, relay, served_headers
 from switchyard.service import ReadBody
 from switchyard.settle import mark_failed
+
+if TYPE_CHECKING:
+    from switchyard.config import Settings
+    from switchyard.embed import EmbeddingService
+    from switchyard.service import RequestService
+    from switchyard.state.responses import ResponseStore
 
 __all__ = ["CTX_KEY", "OpenAIRoutes", "build_routes", "served_headers", "to_response"]
 
@@ -105,12 +110,29 @@ def to_response(reply: Reply) -> Response:
     return json_response(reply, reply.body)
 
 
+class ModelServices(Protocol):
+    """What the model routes (and the Responses and Messages routes built over them)
+    read off the gateway: the request service, the settings, and the few services the
+    non-generation routes answer from. gateway.Gateway is one."""
+
+    settings: Settings
+    service: RequestService
+    started_at: float
+    embedder: EmbeddingService | None
+    rollouts: Any  # rollouts.RolloutService, or None when no model is RL-managed
+    responses: ResponseStore
+
+    async def cancel_task(self, tenant: str, task_id: str) -> dict[str, Any]: ...
+
+    async def describe_task(self, tenant: str, task_id: str) -> dict[str, Any]: ...
+
+
 class OpenAIRoutes:
     """The OpenAI-compatible routes, as plain Starlette endpoints (the hot path skips
     FastAPI's dependency solving). Each maps HTTP to the request driver (service.py)
     and its reply back."""
 
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: ModelServices) -> None:
         self.gw = gw
         self.service = gw.service
         server = gw.settings.server
@@ -275,6 +297,6 @@ class OpenAIRoutes:
         )
 
 
-def build_routes(gw: Gateway) -> list[Route]:
+def build_routes(gw: ModelServices) -> list[Route]:
     """The OpenAI-compatible routes of `gw` (OpenAIRoutes)."""
     return OpenAIRoutes(gw).routes()
