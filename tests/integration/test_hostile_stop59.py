@@ -25,6 +25,7 @@ import pytest
 
 from support.gateways import Gateway, cheap_config, start_gateway
 from support.mcp_http import ScriptedToolServer, in_session, open_session, tool_runs
+from support.mcp_sessions import wait_tools_ready
 from support.paths import MCP_TOOL_SERVER
 from support.redis_server import start_redis, stop_redis
 from support.upstreams import Scripted, start_scripted
@@ -391,17 +392,6 @@ def _mcp_config(scripted: Scripted, logs: Logs, paid_port: int, **more: Any) -> 
     )
 
 
-def _wait_tools(g: Gateway, names: tuple[str, ...] = ("crm", "shared", "paid")) -> None:
-    deadline = time.monotonic() + 60
-    models: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        models = httpx.get(g.url + "/readyz", headers=g.admin).json()["models"]
-        if all(models.get(f"mcp:{n}", {}).get("ready") for n in names):
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"tool servers not ready: {models}\n{g.proc.output()[-3000:]}")
-
-
 @pytest.fixture(scope="module")
 def paid() -> Iterator[int]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PaidSearch)
@@ -419,7 +409,7 @@ def logs() -> Logs:
 def gw(scripted: Scripted, logs: Logs, paid: int) -> Iterator[Gateway]:
     g = start_gateway(_mcp_config(scripted, logs, paid))
     try:
-        _wait_tools(g)
+        wait_tools_ready(g, ("crm", "shared", "paid"))
         yield g
     finally:
         g.proc.stop()
@@ -607,8 +597,8 @@ def test_through_redis_two_gateways_never_pass_a_tasks_tool_budget(
     b = start_gateway(config, db=a.db)
     try:
         b.key = a.key
-        _wait_tools(a)
-        _wait_tools(b)
+        wait_tools_ready(a, ("crm", "shared", "paid"))
+        wait_tools_ready(b, ("crm", "shared", "paid"))
 
         def race(task: str, budget: str, marker: str) -> list[str]:
             h = {"x-task-id": task, "x-task-budget": budget}

@@ -51,6 +51,7 @@ def wait_for_port(port: int, proc: Proc) -> None:
 
 def wait_tools_ready(g: Gateway, names: tuple[str, ...] = ("crm", "web", "flaky")) -> None:
     deadline = time.monotonic() + 60
+    models: dict[str, Any] = {}
     while time.monotonic() < deadline:
         models = httpx.get(g.url + "/readyz", headers=g.admin).json()["models"]
         if all(models.get(f"mcp:{n}", {}).get("ready") for n in names):
