@@ -1,4 +1,4 @@
-"""The response cache shared by gateway processes through Redis (decide/shared_cache.py):
+"""The response cache shared by gateway processes through Redis (state/cache_redis.py):
 the packed form, the raced-invalidation and resync rules against a real redis-server,
 and two (then three) real gateways on one Redis and one store."""
 
@@ -21,8 +21,8 @@ from support.gateways import Gateway, start_gateway
 from support.redis_server import start_redis, stop_redis
 from support.upstreams import Scripted
 from switchyard.decide.cache import CacheKeys, Entry, ResponseCache, cache_keys
-from switchyard.decide.shared_cache import SharedCache, pack, unpack
 from switchyard.request import Generation, from_object
+from switchyard.state.cache_redis import SharedCache, pack, unpack
 
 _text = st.text(max_size=40)
 

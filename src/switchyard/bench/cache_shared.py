@@ -2,7 +2,7 @@
 becomes searchable in another, and what sharing costs the storing request.
 
 A real `redis-server` on loopback and two processes, each with its own `ResponseCache`
-and `SharedCache` (decide/shared_cache.py), as two gateway replicas have:
+and `SharedCache` (state/cache_redis.py), as two gateway replicas have:
 
 - the *reader* holds `--entries` entries (random unit vectors in ONE partition, the
   worst case for adding to its index) and listens;
@@ -34,8 +34,8 @@ import numpy as np
 from switchyard.bench.harness import free_port, machine_info
 from switchyard.bench.policy import redis_server_argv
 from switchyard.decide.cache import CacheKeys, ResponseCache, cache_keys
-from switchyard.decide.shared_cache import SharedCache
 from switchyard.request import Generation
+from switchyard.state.cache_redis import SharedCache
 
 DIM = 384
 

@@ -186,6 +186,6 @@ class CacheConfig(Strict):
     """Per-partition thresholds moved by shadow-mode evidence."""
     shared: bool = True
     """With `storage.redis_url`: entries are stored once in Redis and every gateway process's index
-    learns new and invalidated ones (decide/shared_cache.py)."""
+    learns new and invalidated ones (state/cache_redis.py)."""
     models: dict[str, CacheOverride] = {}
     """Per-model overrides (alias to `mode`, `threshold`)."""

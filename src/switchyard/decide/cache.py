@@ -40,10 +40,10 @@ import numpy as np
 import orjson
 
 from switchyard.request import Generation
+from switchyard.state.cache import CacheKeys, CacheShare, Entry
 
 if TYPE_CHECKING:
     from switchyard.decide.shadow_threshold import PartitionThresholds
-    from switchyard.decide.shared_cache import SharedCache
 
 # Request fields that change the output; part of the partition (and the exact key).
 SAMPLING_FIELDS = (
@@ -75,16 +75,6 @@ def _text(content: Any) -> str:
     if isinstance(content, list):
         return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
     return ""
-
-
-@dataclass(frozen=True, slots=True)
-class CacheKeys:
-    partition: str  # hash of everything that bounds validity, incl. earlier turns
-    exact: str  # hash of the partition + the last user message
-    query: str  # the (masked) last user message: what is embedded and verified
-    tags: tuple[str, ...]
-    tenant: str
-    model: str
 
 
 def cache_keys(
@@ -129,17 +119,6 @@ def cache_keys(
     )
     exact = digest({"partition": partition, "query": query})
     return CacheKeys(partition, exact, query, tags, tenant, model)
-
-
-@dataclass(slots=True)
-class Entry:
-    keys: CacheKeys
-    body: bytes  # the stored chat.completion / text_completion JSON
-    created: float
-    expires: float
-    size: int
-    row: int = -1  # row in the partition's matrix; -1 when it has no vector
-    hits: int = 0
 
 
 _PROJECTIONS: dict[tuple[int, int], np.ndarray] = {}
@@ -275,7 +254,7 @@ class ResponseCache:
         self._exact: OrderedDict[str, Entry] = OrderedDict()  # LRU order
         self._partitions: dict[str, _Partition] = {}
         # Set by the gateway with storage.redis_url: entries shared by every process.
-        self.share: SharedCache | None = None
+        self.share: CacheShare | None = None
         # Set by the gateway: each partition's threshold as shadow evidence moved it,
         # and what a semantic candidate must pass (decide/candidate.py), in words.
         self.thresholds = thresholds  # moved by shadow comparisons (shadow_threshold.py)

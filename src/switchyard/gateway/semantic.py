@@ -16,6 +16,7 @@ from switchyard.decide.candidate import CandidateCheck
 from switchyard.decide.candidate import from_config as candidate_check
 from switchyard.decide.shadow_threshold import PartitionThresholds
 from switchyard.embed import EmbeddingService
+from switchyard.state.choose import build_cache_share
 
 
 def build_embedder(settings: Settings, idle: Callable[[], bool]) -> EmbeddingService | None:
@@ -38,13 +39,10 @@ def build_cache(settings: Settings, embedder: EmbeddingService | None) -> Respon
         if c.enabled
         else None
     )
-    # The shared cache wraps the cache it shares (a true cycle): set on the built cache.
-    if cache is not None and c.shared and settings.storage.redis_url:
-        from switchyard.decide.shared_cache import SharedCache
-
-        cache.share = SharedCache(
-            cache, settings.storage.redis_url, settings.storage.redis_timeout_s
-        )
+    # The shared entries wrap the cache they share (a true cycle): set on the built
+    # cache; state/choose.py picks Redis or none.
+    if cache is not None:
+        cache.share = build_cache_share(settings, cache)
     return cache
 
 

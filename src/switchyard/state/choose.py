@@ -10,14 +10,16 @@
 - the breakers' windows shared between processes: in Redis when `storage.redis_url`
   is set, else none (each process's breakers are its own).
 
-The shared cache entries (decide/shared_cache.py, built in gateway/semantic.py: it
-wraps the cache it shares) are also in Redis exactly when `storage.redis_url` is set.
+- the response cache's entries: each process's own index (decide/cache.py), shared
+  through Redis (state/cache_redis.py) when `cache.shared` and `storage.redis_url` are
+  set.
 """
 
 from __future__ import annotations
 
 from switchyard.config import Settings
 from switchyard.state.breakers import SharedBreakerState
+from switchyard.state.cache import CacheShare, LocalEntries
 from switchyard.state.keys import Limits
 from switchyard.state.limits import Limiter
 from switchyard.state.limits_memory import MemoryLimiter
@@ -91,4 +93,14 @@ def build_shared_breakers(settings: Settings) -> SharedBreakerState | None:
         from switchyard.state.breakers_redis import SharedBreakers
 
         return SharedBreakers(settings.storage.redis_url, settings.storage.redis_timeout_s)
+    return None
+
+
+def build_cache_share(settings: Settings, cache: LocalEntries) -> CacheShare | None:
+    """The response cache's entries shared with every gateway process, in Redis, when
+    cache.shared and storage.redis_url are set; else None (each process its own)."""
+    if settings.cache.shared and settings.storage.redis_url:
+        from switchyard.state.cache_redis import SharedCache
+
+        return SharedCache(cache, settings.storage.redis_url, settings.storage.redis_timeout_s)
     return None

@@ -18,11 +18,14 @@ import pytest
 
 import switchyard.state
 from switchyard.config import Settings, parse_settings, store_target
+from switchyard.decide.cache import ResponseCache
 from switchyard.identity import TaskBudget
 from switchyard.state import choose
 from switchyard.state.approvals import Approvals, ApprovalStore
 from switchyard.state.breakers import SharedBreakerState
 from switchyard.state.breakers_redis import SharedBreakers
+from switchyard.state.cache import CacheShare, LocalEntries
+from switchyard.state.cache_redis import SharedCache
 from switchyard.state.idempotency import Idempotency, IdempotencyStore
 from switchyard.state.keys import Keys, KeyStore
 from switchyard.state.ledger import UsageLedger
@@ -54,6 +57,9 @@ IMPLEMENTED: dict[type, list[type]] = {
     Approvals: [ApprovalStore],
     ToolCalls: [ToolCallRecords],
     Responses: [ResponseStore],
+    # The memory side of the cache entries is the response cache itself (decide/).
+    LocalEntries: [ResponseCache],
+    CacheShare: [SharedCache],
 }
 
 # Unreachable on purpose: a Redis implementation must construct without connecting.

@@ -1,5 +1,5 @@
 """/admin/cache: the response cache's stats, and invalidation here and, through
-Redis, in every other gateway process (decide/shared_cache.py)."""
+Redis, in every other gateway process (state/cache_redis.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,86 @@
+"""Response-cache entries: the entry and its keys, and what the cache's implementations
+offer each other.
+
+The memory implementation is the response cache itself (decide/cache.py's
+`ResponseCache`: each process's own index, searched on the request path). The Redis
+implementation shares the entries with every other gateway process
+(state/cache_redis.py's `SharedCache`); state/choose.py picks it when `cache.shared`
+and `storage.redis_url` are set. There is no SQL one: cached replies live only as long
+as a process or Redis keeps them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class CacheKeys:
+    partition: str  # hash of everything that bounds validity, incl. earlier turns
+    exact: str  # hash of the partition + the last user message
+    query: str  # the (masked) last user message: what is embedded and verified
+    tags: tuple[str, ...]
+    tenant: str
+    model: str
+
+
+@dataclass(slots=True)
+class Entry:
+    keys: CacheKeys
+    body: bytes  # the stored chat.completion / text_completion JSON
+    created: float
+    expires: float
+    size: int
+    row: int = -1  # row in the partition's matrix; -1 when it has no vector
+    hits: int = 0
+
+
+class LocalEntries(Protocol):
+    """What the shared cache reads and changes in the process's own index
+    (ResponseCache) as other processes store and invalidate."""
+
+    def entry(self, exact: str) -> Entry | None: ...
+
+    def entries(self) -> list[Entry]: ...
+
+    def drop(self, entry: Entry) -> None: ...
+
+    def store(
+        self,
+        keys: CacheKeys,
+        body: bytes,
+        vec: np.ndarray | None,
+        ttl_s: float,
+        now: float | None = None,
+    ) -> Entry: ...
+
+    def invalidate(
+        self,
+        tenant: str | None = None,
+        model: str | None = None,
+        tag: str | None = None,
+        partition: str | None = None,
+        dry_run: bool = False,
+    ) -> dict[str, Any]: ...
+
+
+class CacheShare(Protocol):
+    """The entries shared between gateway processes (SharedCache): a store is
+    published, an invalidation reaches every process, and a process that reconnects
+    catches up."""
+
+    async def put(self, entry: Entry, vec: np.ndarray | None) -> bool: ...
+
+    async def invalidate(self, f: dict[str, Any], dry_run: bool) -> dict[str, Any]: ...
+
+    async def listen(self) -> None: ...
+
+    async def resync(self) -> int: ...
+
+    async def close(self) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
