@@ -16,7 +16,7 @@ for a function call `response.function_call_arguments.delta`…,
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ import orjson
 
 from switchyard.api.responses_codec import Ids, ResponsesRequest, new_item_id
 from switchyard.errors import SwitchyardError
-from switchyard.reply import ChatChunk, ChunkParts, chunk_parts
+from switchyard.reply import ChatChunk, ChunkParts, ToolCallPiece, chunk_parts
 
 
 @dataclass(slots=True)
@@ -190,7 +190,79 @@ def _sse(data: dict[str, Any]) -> bytes:
     return b"event: " + str(data["type"]).encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
-_TEXT_DELTA = "response.output_text.delta"
+# Byte templates. Most of a stream's events have a fixed framing in which only ids,
+# indexes, sequence numbers and text vary: each is put together from constant pieces
+# and the JSON of what varies (its strings encoded by orjson, as `_sse` encodes them),
+# the same bytes `_sse` makes of the event's object (property-tested for every
+# template, tests/unit/api/test_responses_stream_templates.py), without building and
+# encoding the object for each event. The events that are rare (function calls,
+# errors) are made from their objects by `_sse`.
+
+
+def _head(kind: str) -> bytes:
+    """What an event of this type starts with, up to its second member."""
+    return b'event: %s\ndata: {"type":"%s",' % (kind.encode(), kind.encode())
+
+
+def _tail(seq: int) -> bytes:
+    return b',"sequence_number":%d}\n\n' % seq
+
+
+_CREATED = _head("response.created")
+_IN_PROGRESS = _head("response.in_progress")
+_ITEM_ADDED = _head("response.output_item.added")
+_PART_ADDED = _head("response.content_part.added")
+_TEXT_DONE = _head("response.output_text.done")
+_PART_DONE = _head("response.content_part.done")
+_ITEM_DONE = _head("response.output_item.done")
+_RESPONSE_DONE = {
+    "completed": _head("response.completed"),
+    "incomplete": _head("response.incomplete"),
+}
+
+
+def response_event(head: bytes, response: bytes, seq: int) -> bytes:
+    """`response.created`, `.in_progress`, `.completed`, `.incomplete` (by `head`) of
+    the response object encoded as `response`."""
+    return head + b'"response":' + response + _tail(seq)
+
+
+def message_added(item_id: bytes, index: int, seq: int) -> bytes:
+    """`response.output_item.added` and `response.content_part.added` of a message
+    item (`item_id`: its id's JSON) at output `index`, numbered from `seq`."""
+    item = (
+        b'"output_index":%d,"item":{"id":%b,"type":"message","role":"assistant",'
+        b'"status":"in_progress","content":[]}'
+    ) % (index, item_id)
+    part = (
+        b'"item_id":%b,"output_index":%d,"content_index":0,'
+        b'"part":{"type":"output_text","text":"","annotations":[],"logprobs":[]}'
+    ) % (item_id, index)
+    return _ITEM_ADDED + item + _tail(seq) + _PART_ADDED + part + _tail(seq + 1)
+
+
+def message_done(item_id: bytes, index: int, text: str, seq: int) -> bytes:
+    """`response.output_text.done`, `response.content_part.done` and
+    `response.output_item.done` of a completed message item with this `text`, numbered
+    from `seq`: its text encoded once for the three."""
+    where = b'"item_id":%b,"output_index":%d,"content_index":0' % (item_id, index)
+    text_json = orjson.dumps(text)
+    part = b'{"type":"output_text","text":' + text_json + b',"annotations":[],"logprobs":[]}'
+    item = (
+        b'"output_index":%d,"item":{"id":%b,"type":"message","role":"assistant",'
+        b'"status":"completed","content":['
+    ) % (index, item_id)
+    return (
+        _TEXT_DONE + where + b',"text":' + text_json + b',"logprobs":[]' + _tail(seq)
+        + _PART_DONE + where + b',"part":' + part + _tail(seq + 1)
+        + _ITEM_DONE + item + part + b"]}" + _tail(seq + 2)
+    )  # fmt: skip
+
+
+_TEXT_DELTA = _head("response.output_text.delta")
+# What follows a text delta's JSON string (ResponseEvents.parts puts it after the
+# delta itself, as `delta_event` does, rather than calling it once per token).
+DELTA_TAIL = b',"logprobs":[],"sequence_number":%d}\n\n'
 
 
 def text_delta_head(item_id: str, output_index: int) -> bytes:
@@ -199,18 +271,15 @@ def text_delta_head(item_id: str, output_index: int) -> bytes:
     string between two constant pieces (`delta_event`), the same bytes `_sse` makes of
     the event's object (property-tested), without building the object per token."""
     return (
-        b"event: "
-        + _TEXT_DELTA.encode()
-        + b'\ndata: {"type":"'
-        + _TEXT_DELTA.encode()
-        + b'","item_id":'
+        _TEXT_DELTA
+        + b'"item_id":'
         + orjson.dumps(item_id)
         + b',"output_index":%d,"content_index":0,"delta":' % output_index
     )
 
 
 def delta_event(head: bytes, text: str, seq: int) -> bytes:
-    return head + orjson.dumps(text) + b',"logprobs":[],"sequence_number":%d}\n\n' % seq
+    return head + orjson.dumps(text) + DELTA_TAIL % seq
 
 
 class ResponseEvents:
@@ -233,6 +302,7 @@ class ResponseEvents:
         self.final: dict[str, Any] | None = None  # the response object once it ended
         self.final_json: bytes | None = None  # and as its event carried it
         self._delta_head = b""  # text_delta_head of the open message item
+        self._item_id = b""  # and its id's JSON
         # The open message item's text so far, in its deltas (joined into the item
         # when it closes, or when a broken stream shows it); None: no message open.
         self._text: list[str] | None = None
@@ -244,9 +314,11 @@ class ResponseEvents:
 
     def start(self, out: list[bytes]) -> None:
         self.started = True
-        snapshot = orjson.Fragment(orjson.dumps(self.shell.object("in_progress", [])))
-        out.append(self._event({"type": "response.created", "response": snapshot}))
-        out.append(self._event({"type": "response.in_progress", "response": snapshot}))
+        snapshot = orjson.dumps(self.shell.object("in_progress", []))
+        seq = self.seq
+        out.append(response_event(_CREATED, snapshot, seq))
+        out.append(response_event(_IN_PROGRESS, snapshot, seq + 1))
+        self.seq = seq + 2
 
     def _text_so_far(self) -> None:
         """The open message item's text as its deltas have told it."""
@@ -262,30 +334,20 @@ class ResponseEvents:
         index = self.output.index(item)
         item["status"] = "completed"
         if item["type"] == "message":
-            part = item["content"][0]
-            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            out.append(
-                self._event(
-                    {
-                        "type": "response.output_text.done",
-                        **where,
-                        "text": part["text"],
-                        "logprobs": [],
-                    }
-                )
+            text = item["content"][0]["text"]
+            out.append(message_done(self._item_id, index, text, self.seq))
+            self.seq += 3
+            return
+        out.append(
+            self._event(
+                {
+                    "type": "response.function_call_arguments.done",
+                    "item_id": item["id"],
+                    "output_index": index,
+                    "arguments": item["arguments"],
+                }
             )
-            out.append(self._event({"type": "response.content_part.done", **where, "part": part}))
-        else:
-            out.append(
-                self._event(
-                    {
-                        "type": "response.function_call_arguments.done",
-                        "item_id": item["id"],
-                        "output_index": index,
-                        "arguments": item["arguments"],
-                    }
-                )
-            )
+        )
         out.append(
             self._event({"type": "response.output_item.done", "output_index": index, "item": item})
         )
@@ -295,31 +357,16 @@ class ResponseEvents:
         self.output.append(item)
         self.open = item
         index = len(self.output) - 1
-        shown = {**item, "content": []} if item["type"] == "message" else item
-        out.append(
-            self._event(
-                {"type": "response.output_item.added", "output_index": index, "item": shown}
-            )
-        )
         if item["type"] == "message":
             self._text = []
+            self._item_id = orjson.dumps(item["id"])
             self._delta_head = text_delta_head(item["id"], index)
-            out.append(
-                self._event(
-                    {
-                        "type": "response.content_part.added",
-                        "item_id": item["id"],
-                        "output_index": index,
-                        "content_index": 0,
-                        "part": {
-                            "type": "output_text",
-                            "text": "",
-                            "annotations": [],
-                            "logprobs": [],
-                        },
-                    }
-                )
-            )
+            out.append(message_added(self._item_id, index, self.seq))
+            self.seq += 2
+            return
+        out.append(
+            self._event({"type": "response.output_item.added", "output_index": index, "item": item})
+        )
 
     def chunk(self, chunk: ChatChunk, out: list[bytes]) -> None:
         """The events of one chat completion chunk."""
@@ -331,8 +378,6 @@ class ResponseEvents:
         if not self.started:
             self.start(out)
         usage, text, calls, finish = parts
-        if usage is not None:
-            self.usage = usage
         if text:
             pieces = self._text
             if pieces is None:  # no message item open: one opens
@@ -340,8 +385,17 @@ class ResponseEvents:
                 pieces = self._text
                 assert pieces is not None
             pieces.append(text)
-            out.append(delta_event(self._delta_head, text, self.seq))
-            self.seq += 1
+            seq = self.seq
+            out.append(self._delta_head + orjson.dumps(text) + DELTA_TAIL % seq)  # delta_event
+            self.seq = seq + 1
+        if calls:
+            self._calls(calls, out)
+        if usage is not None:
+            self.usage = usage
+        if finish is not None:
+            self.finish = finish
+
+    def _calls(self, calls: Sequence[ToolCallPiece], out: list[bytes]) -> None:
         for call in calls:
             item = self.calls.get(call.index)
             if item is None:
@@ -360,8 +414,6 @@ class ResponseEvents:
                         }
                     )
                 )
-        if finish is not None:
-            self.finish = finish
 
     def end(self, out: list[bytes]) -> None:
         """The events that close a complete stream (the final object kept in `final`)."""
@@ -375,9 +427,9 @@ class ResponseEvents:
         self.final = self.shell.object(
             status, self.output, usage_of(self.usage), incomplete=incomplete
         )
-        kind = "response.incomplete" if incomplete else "response.completed"
         self.final_json = orjson.dumps(self.final)  # once: the event and the store
-        out.append(self._event({"type": kind, "response": orjson.Fragment(self.final_json)}))
+        out.append(response_event(_RESPONSE_DONE[status], self.final_json, self.seq))
+        self.seq += 1
 
     async def ended(self) -> None:
         if self.on_end is not None:
