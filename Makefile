@@ -70,9 +70,10 @@ verifier: $(STAMP)
 sysdeps:
 	@if ! command -v redis-server >/dev/null || ! command -v wrk >/dev/null || \
 		! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || \
-		! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+		! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null || \
+		! command -v nginx >/dev/null; then \
 		$(SUDO) apt-get update -q && \
-		$(SUDO) apt-get install -y -q redis-server wrk postgresql chromium chromium-driver; \
+		$(SUDO) apt-get install -y -q redis-server wrk postgresql chromium chromium-driver nginx; \
 	fi
 
 # vLLM (the `vllm` engine kind) in its own virtual environment: its dependencies may

@@ -52,6 +52,6 @@ def test_the_load_generators_cpu_is_what_its_waited_run_used() -> None:
     subprocess.run([sys.executable, "-c", burn], check=True)
     after = cpu_sample([])
     assert 0.28 <= after.waited - before.waited <= 1.0
-    row = _cpu(before, after, {}, "direct", 1000, 1.0, 2)
+    row = _cpu(before, after, None, None, 1000, 1.0, 2)
     assert row["cpu_us_per_req"] is None and row["upstream_cpu_us_per_req"] is None
     assert 0.14 <= row["loader_cpu_share"] <= 0.5  # 0.3 s of 2 cores' 1 s

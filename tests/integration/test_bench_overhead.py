@@ -130,17 +130,15 @@ def test_the_realistic_scenario_runs_by_default_next_to_the_others() -> None:
     def targets(*argv: str) -> tuple[str, ...]:
         return target_names(build_parser().parse_args(["bench", "overhead", *argv]))
 
-    assert targets() == ("direct", "floor", "switchyard", "sy-realistic")
-    assert targets("--policy") == (
-        "direct",
-        "floor",
-        "switchyard",
-        "sy-realistic",
-        "sy-policy",
-        "sy-policy-redis",
-    )
-    assert targets("--scenario", "realistic") == ("direct", "floor", "sy-realistic")
-    assert targets("--scenario", "core") == TARGETS
+    python = ("direct", "floor", "switchyard", "sy-realistic")
+    assert targets("--no-native") == python
+    # The native floors run beside the Python ones unless asked not to.
+    assert targets() == ("direct", "nginx-direct", "nginx-proxy", *python[1:])
+    # The proxies on the nginx instant upstream: direct is that upstream.
+    assert targets("--native-upstream") == ("direct", "nginx-proxy", *python[1:])
+    assert targets("--policy", "--no-native") == (*python, "sy-policy", "sy-policy-redis")
+    assert targets("--scenario", "realistic", "--no-native") == ("direct", "floor", "sy-realistic")
+    assert targets("--scenario", "core", "--no-native") == TARGETS
     assert targets("--scenario", "realistic", "core") == targets()
     assert realistic.TARGET in CHECKED_TARGETS
 
@@ -219,6 +217,8 @@ def test_the_governed_scenario_reports_on_vs_off_beside_the_floor_verdict() -> N
     argv = ["bench", "overhead", "--scenario", "governed"]
     assert target_names(build_parser().parse_args(argv)) == (
         "direct",
+        "nginx-direct",
+        "nginx-proxy",
         "floor",
         "sy-gov-off",
         "sy-governed",
@@ -250,7 +250,7 @@ def test_the_protocols_scenario_compares_each_protocol_with_the_chat_request() -
     from switchyard.bench import protocols
     from switchyard.cli import build_parser
 
-    argv = ["bench", "overhead", "--scenario", "realistic", "protocols", "governed"]
+    argv = ["bench", "overhead", "--scenario", "realistic", "protocols", "governed", "--no-native"]
     names = target_names(build_parser().parse_args(argv))
     assert names == (
         "direct",
@@ -280,3 +280,39 @@ def test_the_protocols_scenario_compares_each_protocol_with_the_chat_request() -
     text = render(summary, argparse.Namespace(duration=1, rounds=1))
     assert "Protocols vs chat (added p50 target/sy-realistic <= 1.2):" in text
     assert "sy-responses  chat +1.000 ms, this +1.300 ms, ratio 1.30  [MISS]" in text
+
+
+def test_the_native_hop_is_reported_beside_the_python_floor() -> None:
+    """nginx-proxy's added p50 is over its own upstream (nginx-direct); the floor's
+    added p50 and CPU per request are given as multiples of the native hop's, and the
+    Switchyard verdicts against the floor do not change."""
+    table = {
+        (1, "direct"): (6000, 0.2),
+        (1, "nginx-direct"): (40000, 0.05),
+        (1, "nginx-proxy"): (20000, 0.1),
+        (1, "floor"): (1200, 0.9),
+        (1, "switchyard"): (960, 1.2),
+    }
+    cpu = {"direct": 50.0, "nginx-direct": 8.0, "nginx-proxy": 20.0, "floor": 200.0}
+    runs = _runs(table)
+    for r in runs:
+        r["cpu_us_per_req"] = cpu.get(r["target"], 500.0)
+    targets = ("direct", "nginx-direct", "nginx-proxy", "floor", "switchyard")
+    without = {s["scenario"]: s for s in summarize(runs, TARGETS)}
+    summary = summarize(runs, targets)
+    c1 = {s["scenario"]: s for s in summary}["non-stream c=1"]
+    assert c1["native"]["upstream"] == "nginx-direct"
+    assert c1["native"]["proxy_added_p50_ms"] == pytest.approx(0.05)
+    assert c1["native"]["floor_added_p50_over_proxy"] == pytest.approx(0.7 / 0.05)
+    assert c1["native"]["floor_cpu_over_proxy"] == pytest.approx(10.0)
+    assert c1["checks"] == without["non-stream c=1"]["checks"]
+    text = render(summary, argparse.Namespace(duration=1, rounds=1))
+    assert "native hop: nginx-proxy adds 0.050 ms p50 over nginx-direct, CPU/req 20 us" in text
+    assert "the floor's added p50 14.0x, CPU/req 10.0x" in text
+    # With --native-upstream, direct is the nginx instant upstream the proxy calls.
+    table[(1, "direct")] = table.pop((1, "nginx-direct"))
+    native_up = summarize(_runs(table), ("direct", "nginx-proxy", "floor", "switchyard"))
+    assert native_up[0]["native"]["upstream"] == "direct"
+    assert native_up[0]["native"]["proxy_added_p50_ms"] == pytest.approx(0.05)
+    assert native_up[0]["native"]["floor_added_p50_over_proxy"] == pytest.approx(0.85 / 0.05)
+    assert native_up[0]["native"]["floor_cpu_over_proxy"] is None  # no CPU in these runs

@@ -21,6 +21,14 @@ see `bench/observe.py`. Both compare with the `core` target.
 Targets: at concurrency 1, Switchyard's added p50 is at most 1.5x the floor's; at
 concurrency 32, Switchyard serves at least 0.70x the floor's requests per second.
 
+Beside the Python targets, two native ones (nginx from Debian, `bench/native.py`) run in
+the same rounds unless `--no-native` or nginx is missing (then a line says they are
+skipped): `nginx-direct`, an instant upstream answering the scripted upstream's bytes,
+and `nginx-proxy`, nginx as a reverse proxy in front of it: what a proxy hop costs when
+it is not Python. With `--native-upstream` the Python floor and every Switchyard target
+call the nginx instant upstream instead of the scripted one, and `direct` is that
+upstream, so what is measured is the proxy alone.
+
 Processes, HTTP, wrk and configs come from `bench/harness.py`; the summary, the verdicts
 and the table from `bench/overhead_report.py`. This module and that one are the only ones
 that import the scenario modules (policy, observe, realistic), so the bench import graph
@@ -40,8 +48,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from switchyard.bench import governed, observe, policy, protocols, realistic
+from switchyard.bench import governed, native, observe, policy, protocols, realistic
 from switchyard.bench.harness import (
     CHAT_PATH,
     MODEL,
@@ -94,9 +103,22 @@ def scenarios_of(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(name for name in SCENARIOS if name in asked)
 
 
+def native_upstream(args: argparse.Namespace) -> bool:
+    """True when the Python targets call the nginx instant upstream (`direct` is it)."""
+    return bool(getattr(args, "native_upstream", False))
+
+
+def with_native(args: argparse.Namespace) -> bool:
+    """True when the nginx targets are measured (`run` turns them off without nginx)."""
+    return native_upstream(args) or not getattr(args, "no_native", True)
+
+
 def target_names(args: argparse.Namespace) -> tuple[str, ...]:
     """Every target a run with these arguments measures, in the order it starts them."""
-    names = ["direct", "floor"]
+    names = ["direct"]
+    if with_native(args):
+        names += [native.NGINX_PROXY] if native_upstream(args) else list(native.TARGETS)
+    names.append("floor")
     for s in scenarios_of(args):
         if s == "governed":
             names += [governed.BASELINE, governed.TARGET]
@@ -120,10 +142,14 @@ def start_targets(
     bare_floor: bool = False,
     core: bool = True,
     tool_calls: str | None = None,
+    nginx: str | None = None,
+    on_native: bool = False,
 ) -> dict[str, str]:
-    """Start upstream, floor and (with `core`) Switchyard; return each target's chat URL
-    once it works.
+    """Start upstream, (with `nginx`, the binary) the native targets, floor and (with
+    `core`) Switchyard; return each target's chat URL once it works.
 
+    `on_native`: the floor and Switchyard call the nginx instant upstream, which is then
+    `direct`; the scripted upstream only lends it its replies and is stopped.
     Started children are appended to `children` as soon as they exist, so the caller can
     stop them whatever happens here.
     """
@@ -150,6 +176,16 @@ def start_targets(
     children.append(upstream)
     up_base = f"http://127.0.0.1:{up_port}"
     wait_ready(upstream, lambda: http("GET", up_base + "/health")[0] == 200, timeout_s)
+    urls = {"direct": up_base + CHAT_PATH}
+    if nginx is not None:
+        replies = native.capture_replies(up_base + CHAT_PATH, max_tokens)
+        urls |= native.start_native(nginx, workdir, replies, max_tokens, timeout_s, children)
+    if on_native:  # nothing calls the scripted upstream any more
+        _retire(upstream, children)
+        urls["direct"] = urls.pop(native.NGINX_DIRECT)
+        instant = urlsplit(urls["direct"])
+        assert instant.port is not None
+        up_base, up_port = f"http://{instant.netloc}", instant.port
 
     floor = spawn(
         "floor",
@@ -168,10 +204,7 @@ def start_targets(
         workdir,
     )
     children.append(floor)
-    urls = {
-        "direct": up_base + CHAT_PATH,
-        "floor": f"http://127.0.0.1:{floor_port}{CHAT_PATH}",
-    }
+    urls["floor"] = f"http://127.0.0.1:{floor_port}{CHAT_PATH}"
     gateway = None
     if core:
         cfg = workdir / "switchyard.yaml"
@@ -186,6 +219,12 @@ def start_targets(
     for name, url in urls.items():
         smoke(name, url, max_tokens)
     return urls
+
+
+def _retire(child: Child, children: list[Child]) -> None:
+    """Stop a child the run no longer needs and forget it."""
+    children.remove(child)
+    stop_all([child])
 
 
 # --- measuring and reporting ----------------------------------------------------------
@@ -206,10 +245,10 @@ def measure(
 
     The targets are the keys of `urls`, in order; `scripts[target][stream]` is the wrk
     script for that target (targets that need a key get their own). `pids`: each
-    target's root process (and "upstream": the scripted upstream every target calls);
+    target's root process (and "upstream": the upstream every Python target calls);
     each run then records the CPU its tree used per request (read from /proc: the
-    gateway's workers, ledger writer and engines all count), the upstream's, and the
-    load generator's share of the machine's CPU.
+    gateway's workers, ledger writer and engines all count), that of the upstream it
+    calls (`upstream_of`), and the load generator's share of the machine's CPU.
     """
     pids = pids or {}
     roots = sorted(set(pids.values()))
@@ -238,7 +277,15 @@ def measure(
                         "threads": sc.threads,
                         "target": target,
                         **asdict(res),
-                        **_cpu(before, after, pids, target, res.requests, args.duration, cores),
+                        **_cpu(
+                            before,
+                            after,
+                            pids.get(target),
+                            pids.get(upstream_of(target, pids)),
+                            res.requests,
+                            args.duration,
+                            cores,
+                        ),
                     }
                 )
                 errors = res.non_2xx + res.socket_errors
@@ -252,17 +299,26 @@ def measure(
     return runs
 
 
+def upstream_of(target: str, pids: dict[str, int]) -> str:
+    """The key in `pids` of the upstream `target` calls: nginx-proxy calls the nginx
+    instant upstream (`direct` itself with `--native-upstream`), the others "upstream"
+    (for direct, that is the target)."""
+    if target == native.NGINX_PROXY and native.NGINX_DIRECT in pids:
+        return native.NGINX_DIRECT
+    return "upstream"
+
+
 def _cpu(
     before: CpuSample,
     after: CpuSample,
-    pids: dict[str, int],
-    target: str,
+    target_pid: int | None,
+    upstream_pid: int | None,
     requests: int,
     duration_s: float,
     cores: int,
 ) -> dict[str, float | None]:
-    """One run's CPU per request: the target's process tree, the upstream's (for direct,
-    that is the target), and the load generator's share of the machine's CPU time."""
+    """One run's CPU per request: the target's process tree, its upstream's, and the load
+    generator's share of the machine's CPU time."""
 
     def per_request(pid: int | None) -> float | None:
         if pid is None or requests <= 0:
@@ -270,17 +326,20 @@ def _cpu(
         return (after.trees[pid] - before.trees[pid]) * 1e6 / requests
 
     return {
-        "cpu_us_per_req": per_request(pids.get(target)),
-        "upstream_cpu_us_per_req": per_request(pids.get("upstream")),
+        "cpu_us_per_req": per_request(target_pid),
+        "upstream_cpu_us_per_req": per_request(upstream_pid),
         "loader_cpu_share": round((after.waited - before.waited) / (duration_s * cores), 4),
     }
 
 
 def target_pids(children: list[Child], urls: dict[str, str]) -> dict[str, int]:
     """Each target's root process: the child started under its name (direct: the
-    upstream; the protocol targets: the realistic gateway they share), and "upstream"."""
+    upstream, the nginx instant upstream when the scripted one was stopped for
+    `--native-upstream`; the protocol targets: the realistic gateway they share), and
+    "upstream"."""
     by_name = {c.name: c.proc.pid for c in children}
-    out = {"upstream": by_name["upstream"], "direct": by_name["upstream"]}
+    upstream = by_name["upstream"] if "upstream" in by_name else by_name[native.NGINX_DIRECT]
+    out = {"upstream": upstream, "direct": upstream}
     for target in urls:
         if target in by_name:
             out[target] = by_name[target]
@@ -338,6 +397,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--redis-server", default="redis-server", help="the redis-server binary (--policy)"
     )
+    parser.add_argument("--nginx", default="nginx", help="the nginx binary of the native targets")
+    parser.add_argument(
+        "--no-native",
+        action="store_true",
+        help="leave out the native targets (nginx-direct: an nginx instant upstream; "
+        "nginx-proxy: nginx as a reverse proxy in front of it)",
+    )
+    parser.add_argument(
+        "--native-upstream",
+        action="store_true",
+        help="the floor and Switchyard call the nginx instant upstream instead of the "
+        "scripted Python one, and direct is that upstream: the proxies alone are measured "
+        "(not with --scenario governed, whose tool calls only the scripted upstream makes)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -357,6 +430,8 @@ def _start(
         bare_floor=bare,
         core="core" in scenarios,
         tool_calls=governed.TOOL_CALLS if "governed" in scenarios else None,
+        nginx=args.nginx if with_native(args) else None,
+        on_native=native_upstream(args),
     )
     scripts = {target: plain for target in urls}
     if "realistic" in scenarios:
@@ -406,8 +481,15 @@ def _result(
                 "stream": chat_body(True, args.tokens).decode(),
             },
             "scenarios": list(scenarios_of(args)),
+            "native_upstream": native_upstream(args),
             "targets": {
-                "direct": "scripted upstream",
+                "direct": (
+                    "nginx instant upstream (--native-upstream): "
+                    + native.DESCRIPTIONS[native.NGINX_DIRECT]
+                    if native_upstream(args)
+                    else "scripted upstream"
+                ),
+                **{t: native.DESCRIPTIONS[t] for t in native.TARGETS if t in target_names(args)},
                 "floor": FLOORS[getattr(args, "floor", "bare")],
                 **(
                     {CORE: "switchyard serve, one openai-kind model, auth off"}
@@ -421,7 +503,8 @@ def _result(
                 "rps_ratio_min_at_c32": THROUGHPUT_RATIO_MIN,
             },
         },
-        "machine": machine_info(args.wrk),
+        "machine": machine_info(args.wrk)
+        | ({"nginx": native.nginx_version(args.nginx)} if with_native(args) else {}),
         "summary": summary,
         "runs": runs,
     }
@@ -439,7 +522,26 @@ def _check_tools(args: argparse.Namespace) -> str | None:
         return "--scenario protocols compares with the realistic target: add --scenario realistic"
     if (args.policy or args.observe) and "core" not in scenarios_of(args):
         return "--policy and --observe compare with the core switchyard target: add --scenario core"
+    if args.native_upstream and args.no_native:
+        return "--native-upstream needs the native targets: drop --no-native"
+    if args.native_upstream and "governed" in scenarios_of(args):
+        return (
+            "--native-upstream answers text only: --scenario governed needs the scripted upstream"
+        )
+    if args.native_upstream and shutil.which(args.nginx) is None:
+        return f"bench overhead --native-upstream needs nginx ({args.nginx!r} not found)"
     return None
+
+
+def _skip_native_without_nginx(args: argparse.Namespace) -> None:
+    """Without nginx the native targets are left out, and a line says so."""
+    if with_native(args) and shutil.which(args.nginx) is None:
+        args.no_native = True
+        print(
+            f"switchyard: bench overhead: nginx not found ({args.nginx!r}): the native "
+            f"targets ({', '.join(native.TARGETS)}) are skipped; `make sysdeps` installs it",
+            file=sys.stderr,
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -447,6 +549,7 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"switchyard: {problem}", file=sys.stderr)
         return 2
+    _skip_native_without_nginx(args)
     started = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"bench-results/overhead-{started}.json")
     children: list[Child] = []

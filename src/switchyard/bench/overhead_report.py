@@ -3,8 +3,9 @@ and the summary and table it prints.
 
 `summarize` takes the wrk runs of every round and gives, per scenario, the medians per
 target, each judged target's added p50 and req/s against the floor (ratios of medians and
-each round's own), and PASS or MISS; `render` prints that as the table `bench overhead`
-shows. Starting and driving the targets is `overhead.py`'s.
+each round's own), and PASS or MISS, and, when nginx was measured, what the native
+proxy hop adds beside what the Python floor adds; `render` prints that as the table
+`bench overhead` shows. Starting and driving the targets is `overhead.py`'s.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 import statistics
 from typing import Any
 
-from switchyard.bench import governed, observe, protocols, realistic
+from switchyard.bench import governed, native, observe, protocols, realistic
 from switchyard.bench.harness import Scenario
 
 TARGETS = ("direct", "floor", "switchyard")
@@ -70,6 +71,8 @@ def summarize(
             "check": check,
             "checks": checks,
         }
+        if native.NGINX_PROXY in med:
+            entry["native"] = _native(med)
         if CORE in checks:  # switchyard's, at the top level, as before there were two
             core = checks[CORE]
             entry |= {
@@ -81,6 +84,27 @@ def summarize(
             }
         out.append(entry)
     return out
+
+
+def _native(med: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The native proxy hop in one scenario: its added p50 over its own upstream and its
+    CPU per request, and the Python floor's of each as a multiple of it. Its upstream is
+    nginx-direct, or direct itself when every proxy calls the nginx instant upstream
+    (`--native-upstream`)."""
+    proxy, floor = med[native.NGINX_PROXY], med["floor"]
+    upstream = native.NGINX_DIRECT if native.NGINX_DIRECT in med else "direct"
+    added = proxy["p50_ms"] - med[upstream]["p50_ms"]
+    floor_added = floor["p50_ms"] - med["direct"]["p50_ms"]
+    cpu, floor_cpu = proxy.get("cpu_us_per_req"), floor.get("cpu_us_per_req")
+    return {
+        "upstream": upstream,
+        "proxy_added_p50_ms": added,
+        "proxy_cpu_us_per_req": cpu,
+        "floor_added_p50_over_proxy": (
+            floor_added / added if added > 0 and floor_added > 0 else None
+        ),
+        "floor_cpu_over_proxy": floor_cpu / cpu if floor_cpu is not None and cpu else None,
+    }
 
 
 def _judge(
@@ -139,8 +163,11 @@ def _num(value: float | None, fmt: str) -> str:
 def _added_p50(s: dict[str, Any], target: str) -> float | None:
     """A target's added p50 over direct, as `summarize` (and `policy.annotate`,
     `observe.annotate`) stored it."""
-    if target == "direct":
-        return None
+    if target in ("direct", native.NGINX_DIRECT):
+        return None  # an upstream, not a hop
+    if target == native.NGINX_PROXY:
+        proxy_added: float = s["native"]["proxy_added_p50_ms"]
+        return proxy_added  # over its own upstream
     if target == "floor":
         floor_value: float = s["floor_added_p50_ms"]
         return floor_value
@@ -185,6 +212,16 @@ def _check_lines(s: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _native_line(n: dict[str, Any]) -> str:
+    """What the nginx proxy hop adds, and the Python floor's as a multiple of it."""
+    return (
+        f"{'':<16}native hop: nginx-proxy adds {n['proxy_added_p50_ms']:.3f} ms p50 over "
+        f"{n['upstream']}, CPU/req {_num(n['proxy_cpu_us_per_req'], '.0f')} us; the floor's "
+        f"added p50 {_num(n['floor_added_p50_over_proxy'], '.1f')}x, "
+        f"CPU/req {_num(n['floor_cpu_over_proxy'], '.1f')}x"
+    )
+
+
 def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
     targets = tuple(summary[0]["targets"]) if summary else TARGETS
     tw = max(12, *(len(t) + 2 for t in targets))
@@ -195,6 +232,10 @@ def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"{'scenario':<16}{'target':<{tw}}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}"
         f"{'+p50 ms':>10}{'CPU us/req':>12}{'wrk CPU':>9}",
     ]
+    if getattr(args, "native_upstream", False):
+        lines.insert(
+            1, "direct is the nginx instant upstream every proxy calls (--native-upstream)"
+        )
     for s in summary:
         for i, target in enumerate(targets):
             t = s["targets"][target]
@@ -208,6 +249,8 @@ def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 f"{_num(None if share is None else share * 100, '.0f'):>8}%{errors}"
             )
         lines.extend(_check_lines(s))
+        if "native" in s:
+            lines.append(_native_line(s["native"]))
         if "policy" in s:
             lines.extend(_policy_lines(s))
         if "observe" in s:
