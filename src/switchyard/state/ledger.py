@@ -18,6 +18,21 @@ the rest to a writability callback. Frames wait in memory while the writer is sl
 started again (after a growing pause if it keeps dying) and gets the frame the dead
 one had not finished reading.
 
+One writer for several gateway processes (`serve --workers N`, issue 50): the control
+plane starts one with `spawn_shared_writer` on a Unix socket, and each worker's ledger
+gets `writer_socket` and connects to it instead of starting its own. The loop's side is
+the same (non-blocking writes of the same frames, a writability callback, the same
+bounded queue and drop count); what differs is what a dead writer costs. Every batch
+then carries a flush number, and a frame stays in memory (counted in `queued_bytes`
+against the bound) until the writer answers it. If the writer goes (its owner starts
+it again: `SharedWriter.restart_if_dead`), the ledger connects again after a growing
+pause (`_RECONNECT_S`, doubled per failure up to `_RECONNECT_MAX_S`, back to the start
+once a writer answers) and sends every frame not answered, first, as `AGAIN` frames. That loses no row, and duplicates
+none: each row is keyed by its request id (unique, 128 random bits), so writing it again
+replaces it with itself, and the daily sums add only the rows not already in `usage`
+(state/ledger_batch.py). The key for stored responses is the first frame of every
+connection, as on a pipe. Without `writer_socket` nothing of this runs.
+
 Without a running event loop (the CLI, tests) rows wait for `flush()`, `close()`, a
 full batch or interpreter exit. On the loop, readers that must see every answered
 request (admin reads) await `flush_async()`, which never blocks the loop: a writer
@@ -36,6 +51,7 @@ import fcntl
 import logging
 import os
 import select
+import socket
 import sqlite3
 import struct
 import subprocess
@@ -45,9 +61,10 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from switchyard.state.ledger_batch import BATCH, FLUSH, HEADER, KEY, STOP, frame
+from switchyard.state.ledger_batch import AGAIN, BATCH, FLUSH, HEADER, KEY, READY, STOP, frame
 from switchyard.state.ledger_reads import LedgerReads
 from switchyard.state.ledger_reads import live_summary as live_summary
 from switchyard.state.ledger_reads import spent_since as spent_since
@@ -65,6 +82,10 @@ _MAX_BATCH = 512  # rows per frame
 _MAX_QUEUED_BYTES = 64 << 20  # batches waiting for a stalled writer (~30k traced rows)
 _PIPE_BYTES = 1 << 20
 _SEQ = struct.Struct(">Q")
+_ACK = HEADER.size + _SEQ.size
+_RECONNECT_S = 0.05  # the first pause before connecting again to a shared writer
+_RECONNECT_MAX_S = 2.0
+_WRITER = "switchyard.observe.ledger_writer"
 
 
 def _read(fd: int, n: int) -> bytes | None:
@@ -77,6 +98,101 @@ def _read(fd: int, n: int) -> bytes | None:
     return data
 
 
+def _start_shared(
+    target: str, socket_path: str, max_disk_bytes: int, timeout_s: float
+) -> subprocess.Popen[bytes]:
+    """A shared writer process, once it listens (`spawn_shared_writer`)."""
+    connect(target).close()  # the schema exists before any gateway reads
+    pg = is_postgres(target)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            _WRITER,
+            "--listen",
+            socket_path,
+            "-" if pg else target,
+            str(max_disk_bytes),
+        ],
+        # Its own session: a terminal's Ctrl-C reaches its owner, which stops the
+        # gateways before their writer.
+        start_new_session=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "SWITCHYARD_LEDGER_DB": target} if pg else None,
+    )
+    assert proc.stdout is not None
+    poller = select.poll()
+    poller.register(proc.stdout.fileno(), select.POLLIN)
+    ready = _read(proc.stdout.fileno(), HEADER.size) if poller.poll(timeout_s * 1000) else None
+    if ready is None or ready[:1] != READY:
+        _stop_shared(proc, 0.0)
+        raise RuntimeError(
+            f"the ledger writer did not start listening on {socket_path}"
+            f" (exit code {proc.returncode})"
+        )
+    return proc
+
+
+def _stop_shared(proc: subprocess.Popen[bytes], timeout_s: float) -> int | None:
+    with contextlib.suppress(OSError):
+        assert proc.stdin is not None
+        proc.stdin.close()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        log.error("the shared ledger writer did not stop; killing it")
+        proc.kill()
+        proc.wait(5)
+    if proc.stdout is not None:
+        proc.stdout.close()
+    return proc.returncode
+
+
+@dataclass(slots=True)
+class SharedWriter:
+    """The one ledger writer of a host's gateway processes, as its owner (the control
+    plane) holds it: `spawn_shared_writer` starts it."""
+
+    target: str
+    socket_path: str
+    max_disk_bytes: int
+    proc: subprocess.Popen[bytes]
+
+    def restart_if_dead(self, timeout_s: float = 30.0) -> bool:
+        """Start it again if it has exited (the owner's supervision): the gateways
+        connect to the new one and send it what the dead one had not answered. True
+        when it was started again."""
+        if self.proc.poll() is None:
+            return False
+        _stop_shared(self.proc, 0.0)  # reaped, its pipes closed
+        log.error(
+            "the shared ledger writer exited (code %s); starting it again", self.proc.returncode
+        )
+        self.proc = _start_shared(self.target, self.socket_path, self.max_disk_bytes, timeout_s)
+        return True
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """Stop it (after the gateways have closed their ledgers): it commits every
+        whole frame it has read, closes its connections and its socket, and exits
+        (killed after `timeout_s`). Its exit code."""
+        return _stop_shared(self.proc, timeout_s)
+
+
+def spawn_shared_writer(
+    target: str, socket_path: str, max_disk_bytes: int = 0, timeout_s: float = 30.0
+) -> SharedWriter:
+    """Start the one ledger writer of a host's gateway processes (`serve --workers N`:
+    the control plane's; each gateway process's ledger gets `writer_socket=socket_path`).
+    It listens on `socket_path` (mode 0600; in the caller's directory; a path under
+    ~100 bytes) and commits to `target` (a SQLite path or a PostgreSQL URI, the latter
+    passed in its environment), keeping a SQLite file under `max_disk_bytes` (0: no
+    budget). Returns once it listens. It lives until `SharedWriter.stop` or until its
+    owner exits (its stdin closes)."""
+    proc = _start_shared(target, socket_path, max_disk_bytes, timeout_s)
+    return SharedWriter(target, socket_path, max_disk_bytes, proc)
+
+
 class UsageLedger(LedgerReads):
     def __init__(
         self,
@@ -84,11 +200,16 @@ class UsageLedger(LedgerReads):
         flush_s: float = 0.02,
         max_disk_bytes: int = 0,
         seal_key: bytes | None = None,
+        writer_socket: str | None = None,
     ) -> None:
         """`max_disk_bytes` (observe.max_disk_mb): the writer keeps the file under it
-        as it writes; 0 = no byte budget. `seal_key`: the key the writer seals stored
-        responses with (`store_response`), given to each writer down its pipe."""
+        as it writes; 0 = no byte budget (a shared writer has its own: its
+        `spawn_shared_writer` argument). `seal_key`: the key the writer seals stored
+        responses with (`store_response`), given to each writer down its pipe or
+        connection. `writer_socket`: a shared writer's socket to connect to instead of
+        starting a writer (see the module docstring)."""
         self.path = sqlite_path
+        self._writer_socket = writer_socket
         self._seal_key = seal_key
         self.flush_s = flush_s
         self.max_disk_bytes = max_disk_bytes
@@ -104,9 +225,14 @@ class UsageLedger(LedgerReads):
         self._templates: dict[str, Any] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_loop: asyncio.AbstractEventLoop | None = None
-        self._frames: deque[tuple[bytes, int]] = deque()  # not yet fully in the pipe
+        # (frame, rows, the flush number that answers it): not yet fully in the pipe
+        self._frames: deque[tuple[bytes, int, int]] = deque()
+        self._unacked: deque[tuple[bytes, int, int]] = deque()  # shared: sent, unanswered
+        self._sock: socket.socket | None = None  # shared: the connection to the writer
+        self._inbox = bytearray()  # shared: answers read, not yet whole
+        self._retry: asyncio.AbstractEventLoop | None = None  # a loop set to reconnect
         self._offset = 0  # bytes of the first frame already written
-        self._queued = 0  # bytes in _frames
+        self._queued = 0  # bytes in _frames (and _unacked)
         self._watching: asyncio.AbstractEventLoop | None = None  # loop with add_writer
         self._seq = 0
         self._acked = 0  # the highest flush the writer has answered
@@ -114,10 +240,14 @@ class UsageLedger(LedgerReads):
         self._closed = False
         self._counts = LedgerCounts()  # rows repaired, or lost before the pipe (logged)
         self._stalled = 0  # rows lost to a stalled or failing writer (logged)
-        self._failures = 0  # writer deaths in a row, each soon after its start
+        self._failures = 0  # writer deaths (failed connections) in a row
         self._spawned_at = 0.0
         self._respawn_at = 0.0
-        self._proc: subprocess.Popen[bytes] | None = self._spawn()
+        self._proc: subprocess.Popen[bytes] | None = None
+        if writer_socket is None:
+            self._proc = self._spawn()
+        else:
+            self._connect()
         ref = weakref.ref(self)
         atexit.register(lambda: (lambda led: led.close() if led is not None else None)(ref()))
 
@@ -128,7 +258,8 @@ class UsageLedger(LedgerReads):
 
     @property
     def queued_bytes(self) -> int:
-        """Serialised batches waiting for the writer (it is behind when this grows)."""
+        """Serialised batches waiting for the writer (it is behind when this grows);
+        with a shared writer, also those sent and not answered yet."""
         return self._queued
 
     @property
@@ -143,7 +274,7 @@ class UsageLedger(LedgerReads):
             [
                 sys.executable,
                 "-m",
-                "switchyard.observe.ledger_writer",
+                _WRITER,
                 "-" if pg else self.path,
                 str(self.max_disk_bytes),
             ],
@@ -234,13 +365,18 @@ class UsageLedger(LedgerReads):
             seq, self._batch_flush = self._batch_flush, 0
             self._timer = None
             if batch or responses:
+                if not seq and self._writer_socket is not None:  # kept until answered
+                    self._seq += 1
+                    seq = self._seq
                 data = frame(BATCH, batch_json(batch, self._templates, responses))
-                self._enqueue(data, len(batch) + len(responses))
+                self._enqueue(data, len(batch) + len(responses), seq)
             if seq:
-                self._enqueue(frame(FLUSH, _SEQ.pack(seq)), 0)
+                self._enqueue(frame(FLUSH, _SEQ.pack(seq)), 0, seq)
                 self._sent = seq
 
-    def _enqueue(self, data: bytes, rows: int) -> None:
+    def _enqueue(self, data: bytes, rows: int, seq: int = 0) -> None:
+        """Queue a frame (`seq`: the flush number that answers it, with a shared
+        writer) and write what the pipe takes."""
         with self._lock:
             if rows and self._queued + len(data) > _MAX_QUEUED_BYTES:
                 self._stalled += rows
@@ -251,7 +387,7 @@ class UsageLedger(LedgerReads):
                     self.dropped,
                 )
                 return
-            self._frames.append((data, rows))
+            self._frames.append((data, rows, seq))
             self._queued += len(data)
         self._pump()
 
@@ -260,31 +396,38 @@ class UsageLedger(LedgerReads):
         """Write what the pipe takes now, without waiting. What is left is written when
         the pipe is writable again (a callback on the running loop), or by flush()."""
         with self._lock:
-            while self._frames:
-                proc = self._proc
-                if proc is None or proc.poll() is not None:
-                    if not self._restart():
-                        break
-                    continue
-                data = self._frames[0][0]
-                assert proc.stdin is not None
-                try:
-                    n = os.write(proc.stdin.fileno(), memoryview(data)[self._offset :])
-                except BlockingIOError:
-                    break
-                except OSError as exc:  # the writer is gone (or going): restart it
-                    log.error("ledger writer exited (%s, code %s)", exc, proc.poll())
-                    with contextlib.suppress(Exception):
-                        proc.kill()
-                        proc.wait(5)
-                    continue
-                self._offset += n
-                if self._offset == len(data):
-                    self._frames.popleft()
-                    self._queued -= len(data)
-                    self._offset = 0
-            waiting = bool(self._frames) and self._proc is not None
+            if self._writer_socket is None:
+                self._pump_pipe()
+            else:
+                self._pump_socket()
+            waiting = bool(self._frames) and self._out_fd() is not None
         self._watch(waiting)
+
+    def _pump_pipe(self) -> None:
+        """`_pump` for this ledger's own writer (lock held)."""
+        while self._frames:
+            proc = self._proc
+            if proc is None or proc.poll() is not None:
+                if not self._restart():
+                    break
+                continue
+            data = self._frames[0][0]
+            assert proc.stdin is not None
+            try:
+                n = os.write(proc.stdin.fileno(), memoryview(data)[self._offset :])
+            except BlockingIOError:
+                break
+            except OSError as exc:  # the writer is gone (or going): restart it
+                log.error("ledger writer exited (%s, code %s)", exc, proc.poll())
+                with contextlib.suppress(Exception):
+                    proc.kill()
+                    proc.wait(5)
+                continue
+            self._offset += n
+            if self._offset == len(data):
+                self._frames.popleft()
+                self._queued -= len(data)
+                self._offset = 0
 
     def _watch(self, waiting: bool) -> None:
         """Ask the running loop to call `_pump` when the pipe can take more."""
@@ -293,14 +436,155 @@ class UsageLedger(LedgerReads):
         except RuntimeError:
             return
         with self._lock:
-            proc = self._proc
-            if waiting and proc is not None and proc.stdin is not None:
+            fd = self._out_fd()
+            if waiting and fd is not None:
                 if self._watching is None:
-                    loop.add_writer(proc.stdin.fileno(), self._pump)
+                    loop.add_writer(fd, self._pump)
                     self._watching = loop
-            elif self._watching is loop and proc is not None and proc.stdin is not None:
-                loop.remove_writer(proc.stdin.fileno())
+            elif self._watching is loop and fd is not None:
+                loop.remove_writer(fd)
                 self._watching = None
+            if (
+                self._writer_socket is not None
+                and fd is None
+                and self._frames
+                and self._retry is not loop
+                and not self._closed
+            ):
+                # A shared writer to connect to again: frames must not wait for traffic.
+                delay = max(0.0, self._respawn_at - time.monotonic())
+                loop.call_later(delay, self._retried)
+                self._retry = loop
+
+    def _retried(self) -> None:
+        self._retry = None
+        self._pump()
+
+    def _out_fd(self) -> int | None:
+        """The descriptor frames are written to, if the writer is there."""
+        if self._sock is not None:
+            return self._sock.fileno()
+        proc = self._proc
+        if proc is not None and proc.stdin is not None:
+            return proc.stdin.fileno()
+        return None
+
+    def _in_fd(self) -> int | None:
+        """The descriptor the writer's answers come on, if the writer is there."""
+        if self._sock is not None:
+            return self._sock.fileno()
+        proc = self._proc
+        if proc is not None and proc.stdout is not None:
+            return proc.stdout.fileno()
+        return None
+
+    # -- the shared writer's connection (writer_socket) ------------------------------
+    def _connect(self) -> bool:
+        """Connect to the shared writer (lock held), unless in the pause after a failure.
+        The key goes first, then every frame the last writer did not answer."""
+        now = time.monotonic()
+        if self._closed or now < self._respawn_at:
+            return False
+        assert self._writer_socket is not None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _PIPE_BYTES)
+            sock.setblocking(False)
+            sock.connect(self._writer_socket)
+        except OSError as exc:
+            sock.close()
+            self._pause(f"cannot connect to the ledger writer at {self._writer_socket}: {exc}")
+            return False
+        self._sock = sock
+        if self._seal_key is not None:
+            key = frame(KEY, self._seal_key)
+            self._frames.appendleft((key, 0, 0))
+            self._queued += len(key)
+        return True
+
+    def _pause(self, why: str) -> None:
+        """The growing pause before the next connection (lock held)."""
+        self._failures += 1
+        pause = min(_RECONNECT_MAX_S, _RECONNECT_S * 2 ** (self._failures - 1))
+        self._respawn_at = time.monotonic() + pause
+        if self._failures == 1 or pause == _RECONNECT_MAX_S:
+            log.error("%s; trying again in %.2f s", why, pause)
+
+    def _pump_socket(self) -> None:
+        """`_pump` for a shared writer (lock held): take its answers, then write what
+        the connection takes now; a frame written whole waits for its answer."""
+        self._read_acks()
+        while self._frames:
+            sock = self._sock
+            if sock is None:
+                if not self._connect():
+                    return
+                continue
+            data = self._frames[0][0]
+            try:
+                n = sock.send(memoryview(data)[self._offset :], socket.MSG_NOSIGNAL)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._lost(str(exc))
+                continue
+            self._offset += n
+            if self._offset == len(data):
+                self._unacked.append(self._frames.popleft())
+                self._offset = 0
+
+    def _read_acks(self) -> None:
+        """Read the shared writer's answers waiting, without blocking, and let go of
+        the frames they answer (lock held). The end of the connection: `_lost`."""
+        sock = self._sock
+        if sock is None:
+            return
+        ended: str | None = None
+        while True:
+            try:
+                chunk = sock.recv(1 << 16)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                ended = str(exc)
+                break
+            if not chunk:
+                ended = "the ledger writer closed the connection"
+                break
+            self._inbox += chunk
+        whole = len(self._inbox) - len(self._inbox) % _ACK
+        if whole:
+            for at in range(HEADER.size, whole, _ACK):
+                self._acked = max(self._acked, _SEQ.unpack_from(self._inbox, at)[0])
+            del self._inbox[:whole]
+            self._failures = 0  # a writer that answers: the next failure pauses briefly
+            while self._unacked and self._unacked[0][2] <= self._acked:
+                self._queued -= len(self._unacked.popleft()[0])
+        if ended is not None:
+            self._lost(ended)
+
+    def _lost(self, why: str) -> None:
+        """The shared writer is gone (lock held): what it had not answered goes again,
+        first and whole, to the next one; a batch as `AGAIN` (it may have committed it)."""
+        sock, self._sock = self._sock, None
+        assert sock is not None
+        if self._watching is not None:
+            with contextlib.suppress(Exception):
+                self._watching.remove_writer(sock.fileno())
+            self._watching = None
+        sock.close()
+        self._inbox.clear()
+        self._offset = 0
+        again: list[tuple[bytes, int, int]] = []
+        for data, rows, seq in self._unacked:
+            kind = data[:1]
+            if kind == KEY:  # the next connection gets its own
+                self._queued -= len(data)
+            else:
+                again.append((AGAIN + data[1:] if kind == BATCH else data, rows, seq))
+        self._unacked.clear()
+        self._frames.extendleft(reversed(again))
+        self._pause(f"lost the ledger writer ({why}); {len(again)} frames to send again")
 
     def _restart(self) -> bool:
         """Start a new writer (lock held), after a growing pause when the last one died
@@ -341,14 +625,14 @@ class UsageLedger(LedgerReads):
             with self._lock:
                 if not self._frames:
                     return True
-                proc = self._proc
+                fd = self._out_fd()
             if time.monotonic() >= deadline:
                 return False
-            if proc is None or proc.stdin is None:
+            if fd is None:
                 time.sleep(0.01)
                 continue
             poller = select.poll()
-            poller.register(proc.stdin.fileno(), select.POLLOUT)
+            poller.register(fd, select.POLLOUT)
             poller.poll(100)
 
     # -- flush and close -------------------------------------------------------------
@@ -365,8 +649,12 @@ class UsageLedger(LedgerReads):
     def _take_acks(self) -> None:
         """Read the flush answers already waiting, without blocking (each answer is
         one write of 13 bytes: atomic on a pipe). If the writer died before answering,
-        the latest flush goes again, once, to its successor."""
+        the latest flush goes again, once, to its successor. (A shared writer's
+        answers: `_read_acks`.)"""
         with self._lock:
+            if self._writer_socket is not None:
+                self._read_acks()
+                return
             proc = self._proc
             if proc is None or proc.stdout is None:
                 return
@@ -399,10 +687,10 @@ class UsageLedger(LedgerReads):
             if self._acked >= seq:
                 return
             with self._lock:
-                proc = self._proc
-            if proc is not None and proc.stdout is not None:
+                fd = self._in_fd()
+            if fd is not None:
                 poller = select.poll()
-                poller.register(proc.stdout.fileno(), select.POLLIN)
+                poller.register(fd, select.POLLIN)
                 poller.poll(100)
         log.warning("ledger flush timed out after %.1f s", timeout_s)
 
@@ -426,7 +714,12 @@ class UsageLedger(LedgerReads):
             pause = min(pause * 2, 0.02)
 
     def close(self) -> None:
+        """Commit what is queued and stop (this ledger's own writer; a shared one is
+        only disconnected from: its owner stops it)."""
         if self._closed:
+            return
+        if self._writer_socket is not None:
+            self._disconnect()
             return
         self._send_batch()
         self._enqueue(frame(STOP), 0)
@@ -451,6 +744,23 @@ class UsageLedger(LedgerReads):
             proc.wait(5)
         if proc.stdout is not None:
             proc.stdout.close()
+
+    def _disconnect(self) -> None:
+        self.flush(15.0)
+        with self._lock:
+            self._closed = True
+            if self._frames or self._unacked:
+                log.error(
+                    "the ledger writer did not commit the last rows in time (%d bytes lost)",
+                    self._queued,
+                )
+            sock, self._sock = self._sock, None
+            if sock is not None:
+                if self._watching is not None:
+                    with contextlib.suppress(Exception):
+                        self._watching.remove_writer(sock.fileno())
+                    self._watching = None
+                sock.close()
 
     # -- reads (admin, tests, budget seeding) -----------------------------------
     @contextlib.contextmanager

@@ -1,6 +1,15 @@
 """The ledger's batches: the frames the gateway sends its writer process, the rows they
 decode to, and `write_batch`, which commits one batch (by the writer process,
 observe/ledger_writer.py, or in the caller for the in-memory store).
+
+A batch may reach the database twice: a gateway connected to a shared writer (state/
+ledger.py, `writer_socket`) sends what the writer had not answered again, as `AGAIN`,
+to the writer that replaces a dead one, and the dead one may have committed it before it
+died. Every row is keyed by the gateway's own request id (128 random bits), so the rows
+themselves are idempotent (`INSERT OR REPLACE` usage and traces, `INSERT OR IGNORE`
+templates and stored responses); the one sum, `usage_daily`, adds only the entries of an
+`AGAIN` batch whose request id is not in `usage` yet, checked inside the batch's own
+transaction.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ OUTAGE_S = 30.0
 
 HEADER = struct.Struct(">cI")
 BATCH, FLUSH, STOP, KEY = b"B", b"F", b"S", b"K"
+AGAIN = b"A"  # a batch sent again to a new writer: the old one may have committed it
+READY = b"R"  # a shared writer to its owner: listening
 
 USAGE_COLUMNS = (
     "request_id",
@@ -202,9 +213,27 @@ def _sealed(batch: LedgerBatch, sealer: Sealer | None) -> list[tuple[Any, ...]]:
     ]
 
 
-def write_batch(conn: sqlite3.Connection, batch: LedgerBatch, sealer: Sealer | None = None) -> bool:
+def _committed(conn: sqlite3.Connection, request_ids: list[str]) -> set[str]:
+    """Which of `request_ids` already have a usage row."""
+    seen: set[str] = set()
+    for i in range(0, len(request_ids), 500):  # well under SQLite's bound variables
+        part = request_ids[i : i + 500]
+        marks = ", ".join("?" * len(part))
+        sql = f"SELECT request_id FROM usage WHERE request_id IN ({marks})"
+        seen.update(r[0] for r in conn.execute(sql, part))
+    return seen
+
+
+def write_batch(
+    conn: sqlite3.Connection,
+    batch: LedgerBatch,
+    sealer: Sealer | None = None,
+    again: bool = False,
+) -> bool:
     """Commit one batch: every usage row, trace and stored response (sealed with
-    `sealer`), or (after retries) none of them."""
+    `sealer`), or (after retries) none of them. `again`: the batch may have been
+    committed already (an `AGAIN` frame): its entries already in `usage` are written
+    again, unchanged, and left out of the daily sums."""
     try:
         entries = batch.entries
         rows = [usage_row(e) for e in entries]
@@ -220,6 +249,9 @@ def write_batch(conn: sqlite3.Connection, batch: LedgerBatch, sealer: Sealer | N
         attempt += 1
         try:
             conn.execute("BEGIN IMMEDIATE")
+            if again:
+                seen = _committed(conn, [e.request_id for e in entries])
+                daily = daily_rollups([e for e in entries if e.request_id not in seen])
             try:
                 conn.executemany(INSERT_USAGE, rows)
                 conn.executemany(ADD_DAILY, daily)

@@ -7,8 +7,10 @@ data, so a blob opens only under its own (tenant, id): one copied under another 
 or id, sealed with another key, or altered, does not open (`SealError`).
 
 The gateway seals what it updates; new responses are sealed by the ledger's writer
-process (observe/ledger_writer.py), which gets the key down its pipe when it starts.
-Where the key comes from: state/responses.py.
+process (observe/ledger_writer.py), which gets the key as the first frame down its
+pipe, or, a writer shared by several gateway processes, down each gateway's connection
+(each connection's responses sealed with that connection's key): never on a command
+line or in an environment. Where the key comes from: state/responses.py.
 """
 
 from __future__ import annotations

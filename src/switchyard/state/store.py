@@ -124,9 +124,13 @@ class SqliteStore(Store):
         sealer: Sealer | None = None,
         owner: str | None = None,
         response_retention_days: float = 30.0,
+        writer_socket: str | None = None,
     ):
         """`sealer` seals stored responses (None: a key this process alone holds, so
-        nothing it stores outlives it); `owner` names this gateway instance."""
+        nothing it stores outlives it); `owner` names this gateway instance;
+        `writer_socket`: the shared ledger writer to send rows to (one of several
+        gateway processes of a host; `ledger.spawn_shared_writer`) instead of starting
+        this process's own."""
         from switchyard.state.sql import connect
 
         self.path = path
@@ -139,7 +143,9 @@ class SqliteStore(Store):
         self.idempotency = IdempotencyStore(connect(path), idempotency_ttl_s, self._io)
         sealer = sealer or Sealer.ephemeral()
         self.tool_calls = ToolCallRecords(connect(path), sealer, self._io)
-        self.ledger = UsageLedger(path, flush_s, max_disk_bytes, seal_key=sealer.key)
+        self.ledger = UsageLedger(
+            path, flush_s, max_disk_bytes, seal_key=sealer.key, writer_socket=writer_socket
+        )
         self.responses = ResponseStore(
             connect(path),
             sealer,
