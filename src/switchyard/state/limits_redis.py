@@ -20,6 +20,22 @@ may come from the client's `x-request-id`, and a client reusing one must still b
 counted once per request. `{prefix}rl:held:{request id}` queues the sequence numbers
 of the request's unsettled reservations, so `settle` knows which one it ends and a
 second `settle` finds nothing left to release.
+
+A process that dies mid-request never settles: its concurrency slots would lapse only
+after `LEASE_S` and its reserved budget and tokens would stay counted. So a limiter
+built with an `owner` (one per gateway worker) also records each reservation, in the
+same script, in
+
+    {prefix}rl:owner:{owner}     hash: reservation → [request id, sequence number,
+                                 reserved cost, its keys, its scopes' budget flags]
+
+which its settle removes it from (it settles that owner's oldest hold of the request,
+so two workers that received the same client request id never settle each other's);
+`release_owner(owner)`, from any process (the supervisor's), settles each reservation
+still there as a settle with nothing used would: concurrency slots freed, reserved
+tokens and budget returned, the request still counted in its requests window. Each
+release runs the settle script, so it happens once: a second release, or the owner's
+own late settle, finds nothing left. Without an owner nothing is recorded.
 """
 
 from __future__ import annotations
@@ -28,6 +44,8 @@ import math
 import time
 from collections.abc import Awaitable
 from typing import Any
+
+import orjson
 
 from switchyard.state.limits import (
     WINDOW_S,
@@ -40,7 +58,8 @@ from switchyard.state.limits import (
 )
 from switchyard.state.redis import redis_client, shared_call
 
-# A process that dies mid-request never settles; its concurrency slots lapse after this.
+# A process that dies mid-request never settles; its concurrency slots lapse after this
+# (unless its owner's holds are released first) and so do the records of its holds.
 LEASE_S = 600.0
 # Budget keys must outlive the longest period (a 31-day month) and then go away.
 BUDGET_TTL_S = 40 * 86400
@@ -53,16 +72,24 @@ local window = tonumber(ARGV[2])
 local function fmt(x) return string.format('%.17g', x) end
 """
 
-# KEYS: seq counter, held list, then 6 per scope. ARGV: now, window, lease, budget ttl,
-# request id, ask tokens, ask cost, then per scope rpm, tpm, concurrency, budget ("" =
-# unlimited) and seconds to the budget period's rollover.
+# Both scripts: KEYS are the seq counter, the request's held list, 6 per scope, then the
+# owner's hash when the limiter has an owner.
+_LUA_KEYS = """
+local n = math.floor((#KEYS - 2) / 6)
+local owner = nil
+if #KEYS > 2 + 6 * n then owner = KEYS[#KEYS] end
+"""
+
+# ARGV: now, window, lease, budget ttl, request id, ask tokens, ask cost, then per scope
+# rpm, tpm, concurrency, budget ("" = unlimited) and seconds to the budget period's
+# rollover.
 _RESERVE = (
     _LUA_COMMON
+    + _LUA_KEYS
     + """
 local lease, budget_ttl, rid = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local need, cost = tonumber(ARGV[6]), tonumber(ARGV[7])
 local cutoff = fmt(now - window)
-local n = (#KEYS - 2) / 6
 
 local function reset_s(z)
   local first = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
@@ -171,21 +198,46 @@ for s = 1, n do
 end
 redis.call('RPUSH', KEYS[2], seq)
 redis.call('PEXPIRE', KEYS[2], math.floor(lease * 1000))
+if owner then  -- what release_owner needs to settle it from another process
+  local keys, flags = {}, ''
+  for i = 1, 2 + 6 * n do keys[i] = KEYS[i] end
+  for s = 1, n do flags = flags .. (scopes[s].budget and '1' or '0') end
+  redis.call('HSET', owner, member, cjson.encode({rid, tostring(seq), ARGV[7], keys, flags}))
+  redis.call('PEXPIRE', owner, math.floor(lease * 1000))
+end
 return reply(1, {0, '', 0})
 """
 )
 
-# KEYS: as for reserve. ARGV: now, window, budget ttl, request id, real tokens,
-# reserved cost, real cost, then per scope 1 if it has a budget else 0.
+# ARGV: now, window, budget ttl, request id, real tokens, reserved cost, real cost, the
+# sequence number to settle ("" = the request's oldest hold; set by release_owner), then
+# per scope 1 if it has a budget else 0. Returns 1 if it settled a hold, else 0.
 _SETTLE = (
     _LUA_COMMON
+    + _LUA_KEYS
     + """
 local budget_ttl, rid = tonumber(ARGV[3]), ARGV[4]
 local tokens, reserved, real = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-local seq = redis.call('LPOP', KEYS[2])
-if not seq then return 0 end  -- already settled, or the lease lapsed
+local seq = nil
+if ARGV[8] ~= '' then  -- release_owner: this hold, if its owner still has it
+  if redis.call('HDEL', owner, rid .. '#' .. ARGV[8]) == 0 then return 0 end
+  if redis.call('LREM', KEYS[2], 1, ARGV[8]) == 0 then return 0 end  -- lease lapsed
+  seq = ARGV[8]
+elseif owner then  -- the owner's oldest hold of the request
+  for _, held in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do
+    if redis.call('HDEL', owner, rid .. '#' .. held) == 1 then
+      redis.call('LREM', KEYS[2], 1, held)
+      seq = held
+      break
+    end
+  end
+  if not seq then return 0 end  -- already settled or released, or the lease lapsed
+else
+  seq = redis.call('LPOP', KEYS[2])
+  if not seq then return 0 end  -- already settled, or the lease lapsed
+end
 local member = rid .. '#' .. seq
-for s = 1, (#KEYS - 2) / 6 do
+for s = 1, n do
   local k = 2 + (s - 1) * 6
   local old = redis.call('HGET', KEYS[k + 3], member)
   if old then  -- still in the tokens window
@@ -194,7 +246,7 @@ for s = 1, (#KEYS - 2) / 6 do
     redis.call('SET', KEYS[k + 4], fmt(total + (tokens - tonumber(old))), 'KEEPTTL')
   end
   redis.call('ZREM', KEYS[k + 5], member)
-  if ARGV[7 + s] == '1' then
+  if ARGV[8 + s] == '1' then
     local spent = tonumber(redis.call('GET', KEYS[k + 6]) or '0')
     redis.call('SET', KEYS[k + 6], fmt(math.max(0, spent - reserved + real)), 'EX', budget_ttl)
   end
@@ -213,14 +265,25 @@ class RedisLimiter:
     """Limiter whose state lives in Redis, so all gateway processes share one limit.
 
     Same semantics as `MemoryLimiter`. Raises `LimiterUnavailable` when Redis cannot be
-    reached; the caller applies its fail_open / fail_closed policy.
+    reached; the caller applies its fail_open / fail_closed policy. `owner` names the
+    process whose holds `release_owner` can release should it die (module docstring).
     """
 
-    def __init__(self, url: str, prefix: str = "switchyard:", timeout_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        url: str,
+        prefix: str = "switchyard:",
+        timeout_s: float = 0.5,
+        owner: str | None = None,
+    ) -> None:
         self._redis = redis_client(url, timeout_s)
         self._prefix = f"{prefix}rl:"
+        self._owner_key = None if owner is None else self._owner(owner)
         self._reserve = self._redis.register_script(_RESERVE)
         self._settle = self._redis.register_script(_SETTLE)
+
+    def _owner(self, owner: str) -> str:
+        return f"{self._prefix}owner:{owner}"
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -231,6 +294,8 @@ class RedisLimiter:
             base = f"{self._prefix}{lim.scope}:"
             keys += [base + s for s in ("req", "tok", "tokamt", "toktotal", "inflight")]
             keys.append(f"{base}spent:{period_key(lim.budget_period, now)}")
+        if self._owner_key is not None:
+            keys.append(self._owner_key)
         return keys
 
     async def _call(self, what: str, coro: Awaitable[Any]) -> Any:
@@ -293,7 +358,23 @@ class RedisLimiter:
         concurrency slot is released. A repeated call finds nothing held and does nothing."""
         now = time.time() if now is None else now
         args = [_arg(now), _arg(WINDOW_S), str(BUDGET_TTL_S), ask.request_id, _arg(tokens)]
-        args += [_arg(ask.cost_usd), _arg(cost_usd)]
+        args += [_arg(ask.cost_usd), _arg(cost_usd), ""]
         args += ["0" if lim.budget_usd is None else "1" for lim in scopes]
         keys = self._keys(scopes, ask.request_id, now)
         await self._call("settle", self._settle(keys=keys, args=args))
+
+    async def release_owner(self, owner: str, now: float | None = None) -> int:
+        """Settle every hold `owner` left unsettled (its process died) as a settle with
+        nothing used would; return how many were released. Any limiter over the same
+        Redis and prefix may call it; a second call finds nothing left."""
+        now = time.time() if now is None else now
+        key = self._owner(owner)
+        held = await self._call("release_owner", self._redis.hgetall(key))
+        released = 0
+        for raw in held.values():
+            rid, seq, cost, keys, flags = orjson.loads(raw)
+            args = [_arg(now), _arg(WINDOW_S), str(BUDGET_TTL_S), rid, "0", cost, "0.0", seq]
+            args += list(flags)
+            settled = await self._call("release_owner", self._settle(keys=[*keys, key], args=args))
+            released += int(settled)
+        return released

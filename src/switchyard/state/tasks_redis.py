@@ -23,6 +23,19 @@ the admission that made one too many. Their tool-call
 notes are capped at `tasks.max_tool_calls` per task, the oldest dropped first. (The
 scripts touch keys they compute, so they assume one Redis server, not a cluster.)
 
+A gateway worker that dies mid-call never settles, so its calls' reserved tokens and
+cost would stay counted in their tasks until those expire. A store built with an
+`owner` (one per worker) also records, in the admitting script,
+
+    {prefix}task-owner:{owner}    hash: [task key, request id] (JSON) → 1
+
+which settle removes; `release_owner(owner)`, from any process (the supervisor's),
+settles each call still there with nothing used: its reserved tokens and cost come
+back, and it stays counted among the task's calls (it may have reached the upstream,
+as it stays in the limiter's requests window). A release runs the settle script, so
+a second one, or the worker's own late settle, finds nothing held. Without an owner
+nothing is recorded.
+
 Times are the caller's `now`, never the server clock, as in `RedisLimiter`. A cancel
 is published on `{prefix}task-cancel`; every gateway process listens (`listen`) and
 stops the task's calls it has in flight.
@@ -51,11 +64,12 @@ from switchyard.state.tasks import (
 
 log = logging.getLogger("switchyard")
 
-# KEYS: state, held, index. ARGV: now, ttl, calls, tokens, cost, wall, deadline_at,
-# deadline_by ('' = none), request id, tokens asked, cost asked, max tasks, tool calls,
-# whether this is a tool call ('1') or a model call ('0').
+# KEYS: state, held, index, then the owner's hash when the store has an owner. ARGV:
+# now, ttl, calls, tokens, cost, wall, deadline_at, deadline_by ('' = none), request id,
+# tokens asked, cost asked, max tasks, tool calls, whether this is a tool call ('1') or
+# a model call ('0').
 _ADMIT = """
-local k, held, index = KEYS[1], KEYS[2], KEYS[3]
+local k, held, index, owner = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
 redis.call('ZADD', index, redis.call('INCR', index .. ':seq'), k)
 local over = redis.call('ZCARD', index) - tonumber(ARGV[12])
@@ -103,6 +117,10 @@ if refused == '' then
   u_tokens = redis.call('HINCRBYFLOAT', k, 'u_tokens', tokens)
   u_cost = redis.call('HINCRBYFLOAT', k, 'u_cost', cost)
   redis.call('HSET', held, rid, string.format('%.17g %.17g %d', tokens, cost, kind))
+  if owner then
+    redis.call('HSET', owner, cjson.encode({k, rid}), 1)
+    redis.call('EXPIRE', owner, ttl)
+  end
 else
   redis.call('HINCRBY', k, 'r_' .. refused, 1)
 end
@@ -111,9 +129,15 @@ redis.call('EXPIRE', held, ttl)
 return {refused, tostring(u_calls), tostring(u_tokens), tostring(u_cost), tostring(u_tools)}
 """
 
-# KEYS: state, held. ARGV: request id, tokens used, cost used, called (1/0).
+# KEYS: state, held, then the owner's hash when the store has an owner. ARGV: request
+# id, tokens used, cost used, called (1/0), and '1' when release_owner settles (only
+# if the owner still has the call). Returns 1 if it settled a call, else 0.
 _SETTLE = """
-local k, held = KEYS[1], KEYS[2]
+local k, held, owner = KEYS[1], KEYS[2], KEYS[3]
+if owner and redis.call('HDEL', owner, cjson.encode({k, ARGV[1]})) == 0
+    and ARGV[5] == '1' then
+  return 0
+end
 local h = redis.call('HGET', held, ARGV[1])
 if not h or redis.call('EXISTS', k) == 0 then return 0 end
 redis.call('HDEL', held, ARGV[1])
@@ -202,9 +226,13 @@ class RedisTaskStore:
         idle_ttl_s: float = 3600.0,
         max_calls: int = 1000,
         max_tasks: int = 100_000,
+        owner: str | None = None,
     ) -> None:
         self._redis = redis_client(url, timeout_s)
         self._prefix = f"{prefix}task:"
+        self._owners = f"{prefix}task-owner:"
+        # The admit and settle scripts' last key, when this process's calls are recorded.
+        self._owner_keys = [] if owner is None else [self._owners + owner]
         self._index = f"{prefix}task-index"
         self._channel = f"{prefix}task-cancel"
         self.idle_ttl_s = idle_ttl_s
@@ -244,7 +272,7 @@ class RedisTaskStore:
         out = await self._call(
             "admit",
             self._admit(
-                keys=[k, k + ":held", self._index],
+                keys=[k, k + ":held", self._index, *self._owner_keys],
                 args=[
                     repr(now),
                     self._ttl,
@@ -303,8 +331,27 @@ class RedisTaskStore:
         k = self._k(key)
         await self._call(
             "settle",
-            self._settle(keys=[k, k + ":held"], args=[rid, tokens, repr(float(cost)), int(called)]),
+            self._settle(
+                keys=[k, k + ":held", *self._owner_keys],
+                args=[rid, tokens, repr(float(cost)), int(called), "0"],
+            ),
         )
+
+    async def release_owner(self, owner: str) -> int:
+        """Settle every call `owner` left unsettled (its process died) with nothing
+        used, still counted as a call; return how many were released. Any store over
+        the same Redis and prefix may call it; a second call finds nothing left."""
+        okey = self._owners + owner
+        held = await self._call("release_owner", self._redis.hkeys(okey))
+        released = 0
+        for field in held:
+            k, rid = orjson.loads(field)
+            settled = await self._call(
+                "release_owner",
+                self._settle(keys=[k, k + ":held", okey], args=[rid, 0, "0.0", 1, "1"]),
+            )
+            released += int(settled)
+        return released
 
     async def cancel(self, key: TaskKey, now: float) -> dict[str, Any] | None:
         at = await self._call(
