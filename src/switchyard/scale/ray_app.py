@@ -12,7 +12,10 @@
   flight. A replica supervises its own llama.cpp (or vLLM) server with the same
   supervisor as `switchyard serve` (portable build, crash named with its signal). It is
   started when the model has answered a real generation (the supervisor's warm-up),
-  and Serve's health check sends it another real request every period.
+  and Serve's health check sends it another real request every period. A request is
+  answered by the engine front's rule (engines/front.py `answer`: token, routes, body
+  bound, adapter, the residency pool's hold and its release), which also serves the
+  local engines to the workers of `switchyard serve --workers N`.
 
 Why HTTP through Serve's proxy between the two, not a deployment handle: the gateway
 keeps one upstream client (timeouts, first-byte deadline, SSE relay, retry classes)
@@ -26,44 +29,37 @@ The args of both builders: {"config": path} (a file every node has) or
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 from typing import Any
 
 import aiohttp
-import orjson
 from ray import serve
 from ray.serve import Application
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 
 from switchyard.config import (
     LlamaCppEngine,
-    ModelConfig,
-    OpenAIEngine,
     Settings,
     VllmEngine,
     load_settings,
     parse_settings,
 )
+from switchyard.engines.front import EngineTarget, answer, remote_engines, split_path
 from switchyard.engines.llamacpp import AdapterFile
-from switchyard.engines.pool import BASE, EnginePool
-from switchyard.errors import InvalidRequest, SwitchyardError, error_body
+from switchyard.engines.pool import EnginePool
 from switchyard.scale.serve_config import (
     ENGINE_DEPLOYMENT,
     ENGINE_TOKEN_ENV,
+    ENGINES_ROUTE,
     GATEWAY_DEPLOYMENT,
     engine_options,
-    engine_route,
     engine_token,
     gateway_options,
 )
 
 log = logging.getLogger("switchyard.ray")
-_ENGINE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
-_MAX_BODY = 64 * 1024 * 1024  # the gateway bounds bodies far below this; a backstop
-_NOT_FOUND = ("invalid_request_error", "model_not_found")
 
 
 def settings_from(args: dict[str, Any]) -> Settings:
@@ -73,23 +69,10 @@ def settings_from(args: dict[str, Any]) -> Settings:
 
 
 def gateway_settings(settings: Settings) -> Settings:
-    """The gateway replicas' settings: local engines become the engine applications."""
-    proxy = f"http://127.0.0.1:{settings.ray.port}"
-    models: list[ModelConfig] = []
-    for m in settings.models:
-        if isinstance(m.engine, LlamaCppEngine | VllmEngine):
-            remote = OpenAIEngine(
-                kind="openai",
-                base_url=f"{proxy}{engine_route(m.alias)}/v1",
-                model=m.alias,
-                api_key_env=ENGINE_TOKEN_ENV,
-                max_connections=256,
-            )
-            m = m.model_copy(update={"engine": remote})
-        models.append(m)
-    # Adapters stay: each is an alias over its base's engine application, named as the
-    # model there and routed by Serve's multiplexing header (engines/registry.py).
-    return settings.model_copy(update={"models": models})
+    """The gateway replicas' settings: local engines become the engine applications on
+    Serve's proxy of the same node (one per model's own engine: scale/serve_config.py)."""
+    engines = f"http://127.0.0.1:{settings.ray.port}{ENGINES_ROUTE}"
+    return remote_engines(settings, engines, ENGINE_TOKEN_ENV, deployments=False)
 
 
 @serve.deployment(name=GATEWAY_DEPLOYMENT)
@@ -166,9 +149,7 @@ class EngineDeployment:
         # max_adapters loaded, max_active_adapters in use, a cold one loaded in place
         # of the least recently used idle one). Serve is told which adapters a replica
         # serves, and routes each adapter's requests to replicas that have it.
-        self.pool = EnginePool({alias: self.engine}, settings.engines)
-        self.adapters = {a.name for a in files}
-        self.wait_s = model.timeouts.total_s
+        pool = EnginePool({alias: self.engine}, settings.engines)
 
         async def known(name: str) -> str:
             """Serve's multiplexed load: the replica's engine loads the adapter itself,
@@ -179,6 +160,9 @@ class EngineDeployment:
         self.multiplexed = serve.multiplexed(
             max_num_models_per_replica=max(1, model.engine.max_adapters)
         )(known)
+        self.target = EngineTarget(
+            self.engine, pool, model.timeouts.total_s, on_adapter=self.multiplexed
+        )
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.engine.start()
         if not await self.engine.wait_ready(model.engine.startup_timeout_s):
@@ -208,119 +192,18 @@ class EngineDeployment:
             await r.read()
 
     async def __call__(self, request: Request) -> Response:
-        path = request.url.path
-        at = path.find("/v1/")
-        suffix = path[at:] if at >= 0 else ""
-        headers = {"x-switchyard-engine-replica": self.replica}
-        given = request.headers.get("authorization", "")[:256].removeprefix("Bearer ")
-        if not hmac.compare_digest(given.encode(), self.token):
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": "the engine deployments answer the gateway only",
-                        "type": "authentication_error",
-                        "code": "invalid_api_key",
-                    }
-                },
-                status_code=401,
-                headers=headers,
-            )
-        if suffix not in _ENGINE_PATHS:
-            return JSONResponse(
-                {"error": {"message": "no such engine route", "type": "invalid_request_error"}},
-                status_code=404,
-                headers=headers,
-            )
-        body = await request.body()
-        if len(body) > _MAX_BODY:
-            return JSONResponse(
-                {"error": {"message": "body too large", "type": "invalid_request_error"}},
-                status_code=413,
-                headers=headers,
-            )
-        adapter = serve.get_multiplexed_model_id()
-        if adapter and adapter not in self.adapters:
-            return JSONResponse(
-                error_body(f"no adapter {adapter[:128]!r} on this engine", *_NOT_FOUND),
-                status_code=404,
-                headers=headers,
-            )
-        held: str | None = None  # what the pool counts this request in (released below)
-        if suffix != "/v1/models" and (self.engine.adapters or adapter):
-            try:
-                body, held = await self._with_adapter(body, adapter)
-            except SwitchyardError as exc:
-                return JSONResponse(
-                    exc.body(), status_code=exc.status, headers={**headers, **exc.headers}
-                )
-            if adapter:
-                headers["x-switchyard-engine-adapter"] = adapter
-        try:
-            url = self.engine.base_url[: -len("/v1")] + suffix
-            upstream = await self.session.request(
-                request.method,
-                url,
-                data=body or None,
-                headers={"content-type": "application/json"},
-            )
-        except BaseException:
-            self._release(held)
-            raise
-        ctype = upstream.headers.get("content-type", "application/json")
-        if ctype.startswith("text/event-stream"):
-
-            async def relay() -> Any:
-                try:
-                    async for chunk in upstream.content.iter_any():
-                        yield chunk
-                finally:
-                    upstream.release()
-                    self._release(held)
-
-            return StreamingResponse(
-                relay(), status_code=upstream.status, media_type=ctype, headers=headers
-            )
-        try:
-            data = await upstream.read()
-        finally:
-            upstream.release()
-            self._release(held)
-        return Response(data, status_code=upstream.status, media_type=ctype, headers=headers)
-
-    async def _with_adapter(self, body: bytes, adapter: str) -> tuple[bytes, str]:
-        """Hold the engine with the request's adapter (or the base) active, as the
-        residency pool decides; the body to send, and the name the pool counts it
-        under. Raises the pool's refusals (503 with Retry-After)."""
-        try:
-            obj = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            raise InvalidRequest("the body is not JSON") from None
-        if not isinstance(obj, dict):
-            raise InvalidRequest("the body is not a JSON object")
-        if adapter:
-            await self.multiplexed(adapter)  # Serve's record of this replica's adapters
-        await self.pool.acquire(self.engine, self.wait_s)  # holds the engine
-        name = adapter or BASE  # BASE: a base request (its turn, if kept apart)
-        try:
-            if adapter or self.engine.isolate_base:
-                got = self.pool.adapter_now(self.engine, name)
-                if got is None:
-                    await self.pool.adapter(self.engine, name, self.wait_s)
-        except BaseException:
-            self.pool.release(self.engine, None)
-            raise
-        if self.engine.kind == "vllm":
-            obj["model"] = adapter or self.alias  # vLLM serves an adapter by its name
-        else:
-            obj["model"] = self.alias
-            obj["lora"] = self.engine.lora_scales(adapter or None)
-        return orjson.dumps(obj), name
-
-    def _release(self, held: str | None) -> None:
-        if held is None:
-            return
-        counted = held != BASE or self.engine.isolate_base  # in adapter_in_flight
-        self.pool.release(self.engine, held if counted else None)
+        """One request, by the engine front's rule (engines/front.py `answer`). Serve
+        cancels this handler when its client hangs up; the hold is released then too."""
+        _, route = split_path(request.url.path)
+        return await answer(
+            request,
+            self.token,
+            self.target,
+            route,
+            serve.get_multiplexed_model_id(),
+            self.session,
+            {"x-switchyard-engine-replica": self.replica},
+        )
 
     async def __del__(self) -> None:
         session = getattr(self, "session", None)

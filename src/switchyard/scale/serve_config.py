@@ -47,8 +47,13 @@ def engine_app_name(alias: str) -> str:
     return f"engine-{alias}"
 
 
+# Where the engine applications are, each at `/{alias}` under it: the engine front's
+# layout (engines/front.py), as the gateway replicas' settings name them.
+ENGINES_ROUTE = "/engines"
+
+
 def engine_route(alias: str) -> str:
-    return f"/engines/{alias}"
+    return f"{ENGINES_ROUTE}/{alias}"
 
 
 def local_aliases(settings: Settings) -> list[str]:
