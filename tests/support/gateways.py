@@ -101,9 +101,10 @@ def start_gateway(
     env: dict[str, str] | None = None,
     db: str | None = None,
     ready_timeout_s: float | None = None,
+    serve_args: tuple[str, ...] = (),
 ) -> Gateway:
     port = free_port()
-    args = [sys.executable, "-m", "switchyard", "serve", "--port", str(port)]
+    args = [sys.executable, "-m", "switchyard", "serve", "--port", str(port), *serve_args]
     if config is not None:
         fd, path = tempfile.mkstemp(suffix=".yaml", prefix="switchyard-")
         with os.fdopen(fd, "w") as f:

@@ -24,10 +24,11 @@ from switchyard.api.anthropic import AnthropicRoutes
 from switchyard.api.console import Sessions, build_console_routes
 from switchyard.api.mcp import PATH as MCP_PATH
 from switchyard.api.mcp import McpEndpoint
+from switchyard.api.mcp_relay import McpRelay
 from switchyard.api.openai import CTX_KEY, OpenAIRoutes
 from switchyard.api.openapi import describe
 from switchyard.api.responses import ResponsesRoutes
-from switchyard.config import Settings
+from switchyard.config import SINGLE, ProcessRole, Settings
 from switchyard.errors import (
     InternalError,
     MethodNotAllowed,
@@ -121,8 +122,12 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def create_app(settings: Settings, on_ready: Callable[[Gateway], None] | None = None) -> GatewayApp:
-    gw = Gateway(settings)
+def create_app(
+    settings: Settings,
+    on_ready: Callable[[Gateway], None] | None = None,
+    role: ProcessRole = SINGLE,
+) -> GatewayApp:
+    gw = Gateway(settings, role)
 
     async def announce_ready() -> None:
         # Once every model is ready or has failed for good: a failed model must not
@@ -147,11 +152,13 @@ def create_app(settings: Settings, on_ready: Callable[[Gateway], None] | None = 
         watcher = asyncio.create_task(announce_ready())
         try:
             mcp = getattr(app, "mcp", None)
-            if mcp is not None:  # its SDK session manager runs while the app does
+            if isinstance(mcp, McpEndpoint):  # its SDK session manager runs with the app
                 async with mcp.running():
                     yield
             else:
                 yield
+                if isinstance(mcp, McpRelay):
+                    await mcp.close()
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -174,7 +181,10 @@ def create_app(settings: Settings, on_ready: Callable[[Gateway], None] | None = 
     app.fast = {
         r.path: r.endpoint for r in routes if isinstance(r, Route) and r.methods == {"POST"}
     }
-    if gw.mcp is not None:
+    if role.worker and settings.mcp.servers:
+        # Of several workers, MCP sessions and tool servers are the control plane's.
+        app.mcp = McpRelay(role.control_url + MCP_PATH, settings.server.max_body_bytes)
+    elif gw.mcp is not None:
         app.mcp = McpEndpoint(
             gw.mcp, gw.auth, settings.server.max_body_bytes, settings.auth.mode == "disabled"
         )

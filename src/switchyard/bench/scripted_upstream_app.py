@@ -91,6 +91,10 @@ class ScriptedUpstream:
         self.calls_until_result = False
         self.content: str | None = None  # PUT /control/content: every reply's text
         self.open_streams = 0
+        # Generation requests being answered now, and the most at once since the last
+        # DELETE /stats (what a concurrency limit in front of it let through).
+        self.in_flight = 0
+        self.peak_in_flight = 0
         # What /metrics reports (vLLM's format), as another client's load would show:
         # requests running and waiting, KV-cache usage; set with PUT /control/load.
         self.load: dict[str, float] = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0}
@@ -133,6 +137,14 @@ class ScriptedUpstream:
             await self._router(scope, receive, send)
             return
         self.requests += 1
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        try:
+            await self._answer(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send) -> None:
         for name, value in scope["headers"]:
             if name == b"traceparent":  # lets tests check trace propagation
                 self.last_traceparent = value.decode("latin-1")
@@ -463,6 +475,7 @@ class ScriptedUpstream:
     async def _stats(self, request: Request) -> Response:
         if request.method == "DELETE":
             self.requests = 0
+            self.peak_in_flight = self.in_flight
         return Response(
             orjson.dumps(
                 {
@@ -471,6 +484,8 @@ class ScriptedUpstream:
                     "last_prompt": self.last_prompt,
                     "open_streams": self.open_streams,
                     "aborted": self.aborted,
+                    "in_flight": self.in_flight,
+                    "peak_in_flight": self.peak_in_flight,
                 }
             ),
             media_type="application/json",

@@ -211,9 +211,6 @@ def cmd_ray_config(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from switchyard.api.app import create_app
-    from switchyard.api.server import GatewayProtocol
-
     settings = load_settings(args.config)
     if args.ray:
         return cmd_serve_ray(args, settings)
@@ -223,23 +220,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         level=os.environ.get("SWITCHYARD_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    workers = args.workers if args.workers is not None else settings.server.workers
+    try:
+        from switchyard.scale.workers import usable_workers
+
+        count = usable_workers(workers)
+    except ValueError as exc:
+        print(f"switchyard: {exc}", file=sys.stderr)
+        return 2
+    if count > 1:
+        from switchyard.scale.workers import serve_workers
+
+        return serve_workers(settings, args.config, host, port, count, _banner)
+    # Imported here: with workers, the metrics' multiprocess folder is set first.
+    from switchyard.api.app import create_app
+    from switchyard.api.server import uvicorn_options
+
     print(f"switchyard: starting on http://{host}:{port}; loading models (see /readyz)", flush=True)
     app = create_app(settings, on_ready=lambda gw: print(_banner(gw, host, port), flush=True))
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level="warning",
-        access_log=False,
-        # Nothing here reads the client's address, so uvicorn need not rewrite it from
-        # X-Forwarded-* on every request (a per-request header scan: ~2 % of the loop).
-        proxy_headers=False,
-        server_header=False,
-        timeout_graceful_shutdown=5,
-        # The error contract and the limits uvicorn does not have: framing errors as
-        # OpenAI error bodies, a header timeout, a cap on open connections.
-        http=GatewayProtocol.configured(settings.server),
-    )
+    uvicorn.run(app, host=host, port=port, **uvicorn_options(settings.server))
     return 0
 
 
@@ -254,6 +253,15 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _workers(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("a number, or auto") from None
+
+
 def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = sub.add_parser("serve", help="start the gateway")
     serve.add_argument("--config", help="YAML config; without it the embedded default is used")
@@ -266,6 +274,13 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "autoscaled engines, as `switchyard ray-config` describes",
     )
     serve.add_argument("--inline", action="store_true", help="with --ray: pass the config inline")
+    serve.add_argument(
+        "--workers",
+        default=None,
+        type=_workers,
+        help="gateway processes on the port: a number, or auto for the usable cores "
+        "(server.workers; default 1)",
+    )
     serve.set_defaults(func=cmd_serve)
 
 

@@ -49,6 +49,7 @@ from switchyard.config.policy import (
     TenantDefaults,
     ValidationConfig,
 )
+from switchyard.config.process import SINGLE, ProcessRole
 from switchyard.config.ray import RayConfig, RayEngineScaling
 from switchyard.config.resilience import (
     RETRY_CLASSES,
@@ -91,6 +92,7 @@ __all__ = [
     "DEPLOYMENT_NAME",
     "MCP_SERVER_NAME",
     "RETRY_CLASSES",
+    "SINGLE",
     "AdapterConfig",
     "AnthropicEngine",
     "AuthConfig",
@@ -126,6 +128,7 @@ __all__ = [
     "PlacementConfig",
     "PolicyConfig",
     "Price",
+    "ProcessRole",
     "RayConfig",
     "RayEngineScaling",
     "Resilience",

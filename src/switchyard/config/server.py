@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from switchyard.config.base import Strict
 
@@ -37,6 +37,19 @@ class ServerConfig(Strict):
     max_json_depth: int = Field(64, ge=8, le=200)
     """Deepest nesting of objects and arrays in a JSON body; deeper is refused with 400 before any
     work."""
+    workers: int | Literal["auto"] = Field(1)
+    """Gateway processes serving `port` (`--workers` overrides it): 1 = this process alone; N > 1 =
+    N worker processes, each with its own `SO_REUSEPORT` listener, over one control plane (engines,
+    ledger writer, retention) and Redis for everything they count together (a private
+    `redis-server` on a Unix socket when `storage.redis_url` is null); `auto` = the usable cores.
+    See the deployment guide."""
+
+    @field_validator("workers")
+    @classmethod
+    def _workers(cls, v: int | str) -> int | str:
+        if v != "auto" and (not isinstance(v, int) or not 1 <= v <= 256):
+            raise ValueError("workers: a number from 1 to 256, or auto")
+        return v
 
 
 class StorageConfig(Strict):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from switchyard.config import Settings
+from switchyard.config import ProcessRole, Settings
 from switchyard.decide.balance import Balancer
 from switchyard.decide.cache import ResponseCache
 from switchyard.decide.candidate import CandidateCheck
@@ -28,6 +28,7 @@ class Components:
     """The built components the control plane starts, stops and reports on."""
 
     settings: Settings
+    role: ProcessRole
     registry: Registry
     revisions: dict[str, Any]  # RevisionManager by alias (engines/revisions.py)
     embedder: EmbeddingService | None
@@ -47,3 +48,4 @@ class Components:
     media: MediaProcessor | None
     candidates: CandidateCheck | None
     mcp: Any  # the MCP tool gateway (mcp_service/), None without tool servers
+    gates: dict[str, Any]  # DeploymentGate (or a worker's RemoteGate) by alias

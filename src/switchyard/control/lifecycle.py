@@ -39,7 +39,11 @@ class Lifecycle(Readiness, Retention, BusyTime, Weights, RevisionRecords):
                 "AUTH IS DISABLED (auth.mode: disabled): anyone who can reach this port may "
                 "call every model without limits. Use this for local experiments only."
             )
-        elif self.settings.auth.bootstrap_dev_key and self.keys.count_tenants() == 0:
+        elif (
+            self.settings.auth.bootstrap_dev_key
+            and not self.role.worker  # of several, the control plane makes it, once
+            and self.keys.count_tenants() == 0
+        ):
             self.keys.create_tenant("dev")
             self.dev_key = self.keys.create_key("dev", name="first-run development key")["key"]
         self.registry.start()
@@ -58,7 +62,8 @@ class Lifecycle(Readiness, Retention, BusyTime, Weights, RevisionRecords):
             self._cache_events = asyncio.create_task(self.cache.share.listen())
         if self.embedder is not None:
             self.embedder.start()
-        self._retention = asyncio.create_task(self._retention_loop())
+        if not self.role.worker:  # of several, the control plane's alone
+            self._retention = asyncio.create_task(self._retention_loop())
         self._busy_task = asyncio.create_task(self._busy_loop())
         if self.balancers:
             self.refresh_weights()
@@ -72,6 +77,7 @@ class Lifecycle(Readiness, Retention, BusyTime, Weights, RevisionRecords):
             lambda: self.readiness()[0],
             self._describe_checks,
             os.cpu_count() or 1,
+            follow=self.role.worker,  # of several, the control plane builds it once
         )
 
     def _describe_checks(self, text: str) -> None:
@@ -108,6 +114,10 @@ class Lifecycle(Readiness, Retention, BusyTime, Weights, RevisionRecords):
             await close()
         if self.executor.shared is not None:
             await self.executor.shared.close()
+        for gate in {id(g): g for g in self.gates.values()}.values():
+            close = getattr(gate, "close", None)  # a worker's remote gates
+            if close is not None:
+                await close()
         if self.cache is not None and self.cache.share is not None:
             await self.cache.share.close()
         await self.tasks.close()

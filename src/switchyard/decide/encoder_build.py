@@ -24,7 +24,7 @@ from pathlib import Path
 
 from switchyard.config import CacheConfig, EmbeddingsConfig
 from switchyard.decide.candidate import CandidateCheck, load_encoder
-from switchyard.decide.pair_encoder import PairEncoder
+from switchyard.decide.pair_encoder import EncoderMissing, PairEncoder
 
 log = logging.getLogger("switchyard.cache")
 
@@ -109,6 +109,25 @@ async def build_in_background(
     )
 
 
+async def follow_build(
+    check: CandidateCheck, load: Callable[[], PairEncoder], describe: Callable[[str], None]
+) -> None:
+    """A worker of several (`serve --workers N`): the control plane builds the encoder
+    once; each worker attaches it when it exists (a check every FOLLOW_S)."""
+    while check.missing:
+        await asyncio.sleep(FOLLOW_S)
+        try:
+            encoder = load()
+        except EncoderMissing:
+            continue
+        check.attach(encoder)
+        describe(check.describe())
+        log.info("the cache's cross-encoder the control plane built is attached")
+
+
+FOLLOW_S = 15.0
+
+
 def start(
     check: CandidateCheck | None,
     cache_cfg: CacheConfig,
@@ -116,12 +135,18 @@ def start(
     ready: Callable[[], bool],
     describe: Callable[[str], None],
     cores: int,
+    follow: bool = False,
 ) -> asyncio.Task[None] | None:
-    """The background build's task, when the check is missing its encoder."""
+    """The background build's task, when the check is missing its encoder; with
+    `follow` (a worker of several), the task that attaches the control plane's build."""
     from switchyard.embed import cache_dir
 
     if check is None or not check.missing or not cache_cfg.build_encoder:
         return None
+    if follow:
+        return asyncio.create_task(
+            follow_build(check, lambda: load_encoder(cache_cfg, embeddings_cfg), describe)
+        )
     return asyncio.create_task(
         build_in_background(
             check,

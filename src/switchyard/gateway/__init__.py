@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import time
 
-from switchyard.config import Settings, store_target
+from switchyard.config import SINGLE, ProcessRole, Settings, store_target
 from switchyard.control import BUSY_FLUSH_S, ControlPlane
 from switchyard.engines import lora_train
 from switchyard.engines.registry import Registry
@@ -72,24 +72,25 @@ class Gateway(ControlPlane):
     """One gateway: its components, the request service over them, and the control
     plane (switchyard.control) that starts, stops and reports on them."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, role: ProcessRole = SINGLE) -> None:
         # Demonstration adapters named by `demo:NAME` are trained on first use (cached).
         settings = lora_train.resolve(settings)
         super().__init__()
         self.settings = settings
+        self.role = role  # one process, or the control plane or a worker of several
         self.metrics = build_metrics(settings)
         self.registry = Registry(settings, engine_events(self.metrics))
         self.models = {m.alias: m for m in settings.served_models()}
         # The embedder waits for quiet through the service built below (late bound).
         self.embedder = build_embedder(settings, idle=lambda: self.service.active <= 1)
         self.store_target = store_target(settings)
-        self.store = build_store(settings, self.store_target)
+        self.store = build_store(settings, self.store_target, role)
         self.keys = self.store.keys
         self.responses = self.store.responses
         self.ledger = self.store.ledger
         self.idempotency = self.store.idempotency
         self.auth = Authenticator(self.store.verify_key, settings.auth.key_cache_s)
-        self.limiter = build_limiter(settings)
+        self.limiter = build_limiter(settings, role)
         self.tracing = build_tracing(settings)
         self.pii = PiiMasker()
         # The executor masks PII in an upstream's error text before it is recorded.
@@ -110,10 +111,10 @@ class Gateway(ControlPlane):
         # Learned per model, for the reservations (policy/cost.py).
         self.overhead = PromptOverhead(settings.policy.prompt_overhead_tokens)
         self.router = None  # set once built (start), when routing is enabled
-        self.gates = build_gates(settings, self.registry)
+        self.gates = build_gates(settings, self.registry, role)
         self.counters: dict[str, int] = {"limiter_fail_open": 0, "limiter_fail_closed": 0}
         self.dev_key = None
-        self.tasks = build_tasks(settings)
+        self.tasks = build_tasks(settings, role)
         self.running = Running()  # the tasks' calls in flight here
         # Image preprocessing, when any model takes images (its threads start lazily).
         vision = any(m.capabilities.supports_vision for m in settings.models)
@@ -165,14 +166,20 @@ class Gateway(ControlPlane):
             self._store_rollouts if settings.rl.store else None,
             self.pii,
         )
-        self.mcp = build_mcp(
-            settings,
-            self.store,
-            self.tasks,
-            self.running,
-            self.pii,
-            self.metrics,
-            self.tracing,
-            Reserver(self.limiter, settings, self.store.spent_since, self.counters),
+        # Of several workers, the MCP endpoint and its tool servers are the control
+        # plane's alone (a worker relays /mcp there: api/mcp_relay.py).
+        self.mcp = (
+            None
+            if role.worker
+            else build_mcp(
+                settings,
+                self.store,
+                self.tasks,
+                self.running,
+                self.pii,
+                self.metrics,
+                self.tracing,
+                Reserver(self.limiter, settings, self.store.spent_since, self.counters),
+            )
         )
         self.started_at = time.time()

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from switchyard.config import Settings
+from switchyard.config import SINGLE, ProcessRole, Settings
 from switchyard.decide.balance import Balancer
 from switchyard.decide.placement import Placer
 from switchyard.engines.registry import Registry, others_at
 from switchyard.execute.executor import Executor
 from switchyard.policy.admission import DeploymentGate
+from switchyard.policy.admission_remote import RemoteGate
 
 
 def build_balancers(registry: Registry, executor: Executor) -> dict[str, Balancer]:
@@ -39,10 +40,13 @@ def build_placers(settings: Settings, balancers: dict[str, Balancer]) -> dict[st
     }
 
 
-def build_gates(settings: Settings, registry: Registry) -> dict[str, DeploymentGate]:
+def build_gates(
+    settings: Settings, registry: Registry, role: ProcessRole = SINGLE
+) -> dict[str, DeploymentGate]:
     """Each model's concurrency gate and queue (policy/admission.py), by alias; an
-    adapter's alias names its base's gate."""
-    gates = {
+    adapter's alias names its base's gate. In a worker of several, a gate with a
+    concurrency limit is the control plane's (policy/admission_remote.py)."""
+    gates: dict[str, DeploymentGate] = {
         m.alias: DeploymentGate(
             m.alias,
             m.limits.max_concurrency,
@@ -58,6 +62,11 @@ def build_gates(settings: Settings, registry: Registry) -> dict[str, DeploymentG
     for alias, gate in gates.items():  # other clients' load on its engines
         deps = registry.replicas.get(alias) or [registry.deployments[alias]]
         gate.others = others_at(deps, _in_flight(gate))
+    if role.worker:
+        for alias, gate in gates.items():
+            if gate.max_concurrency is not None:
+                remote = RemoteGate(gate, role.control_url, role.token, role.name)
+                gates[alias] = remote  # type: ignore[assignment]  # the queue stage's interface
     for a in settings.adapters:  # an adapter runs in its base's slots
         gates[a.name] = gates[a.base]
     return gates

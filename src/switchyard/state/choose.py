@@ -17,7 +17,7 @@
 
 from __future__ import annotations
 
-from switchyard.config import Settings
+from switchyard.config import SINGLE, ProcessRole, Settings
 from switchyard.state.breakers import SharedBreakerState
 from switchyard.state.cache import CacheShare, LocalEntries
 from switchyard.state.keys import Limits
@@ -29,8 +29,10 @@ from switchyard.state.tasks import TaskStore
 from switchyard.state.tasks_memory import MemoryTaskStore
 
 
-def build_store(settings: Settings, target: str) -> Store:
-    """The store at `target` (config.store_target), with the tenants' default limits."""
+def build_store(settings: Settings, target: str, role: ProcessRole = SINGLE) -> Store:
+    """The store at `target` (config.store_target), with the tenants' default limits.
+    Of several processes, each names its own background responses (a restarted worker
+    fails only those it had in flight) and all write through one ledger writer."""
     d = settings.tenants_defaults
     defaults = Limits(d.rpm, d.tpm, d.max_concurrency, d.budget.usd, d.budget.period)
     flush_s = settings.observe.ledger_flush_ms / 1000
@@ -38,6 +40,8 @@ def build_store(settings: Settings, target: str) -> Store:
     # home's key file (a bad one stops the start here), owned by host:port.
     sealer = Sealer.from_settings(settings)
     owner = instance_name(settings.server.port)
+    if role.kind != "single":
+        owner += f"/{role.kind}{role.index if role.worker else ''}"
     kept_days = settings.responses.retention_days
     return (
         MemoryStore(
@@ -58,20 +62,27 @@ def build_store(settings: Settings, target: str) -> Store:
             sealer=sealer,
             owner=owner,
             response_retention_days=kept_days,
+            writer_socket=role.ledger_socket,
         )
     )
 
 
-def build_limiter(settings: Settings) -> Limiter:
-    """Rate, token and concurrency counters: in Redis when shared, else in memory."""
+def build_limiter(settings: Settings, role: ProcessRole = SINGLE) -> Limiter:
+    """Rate, token and concurrency counters: in Redis when shared, else in memory. A
+    worker's reservations are held in its name, so the supervisor can give back a dead
+    worker's (scale/workers.py)."""
     if settings.storage.redis_url:
         from switchyard.state.limits_redis import RedisLimiter
 
-        return RedisLimiter(settings.storage.redis_url, timeout_s=settings.storage.redis_timeout_s)
+        return RedisLimiter(
+            settings.storage.redis_url,
+            timeout_s=settings.storage.redis_timeout_s,
+            owner=role.name if role.worker else None,
+        )
     return MemoryLimiter()
 
 
-def build_tasks(settings: Settings) -> TaskStore:
+def build_tasks(settings: Settings, role: ProcessRole = SINGLE) -> TaskStore:
     """The agent tasks' state: in Redis when shared, else in this process."""
     t = settings.tasks
     if settings.storage.redis_url:  # one task state for every gateway process
@@ -83,6 +94,7 @@ def build_tasks(settings: Settings) -> TaskStore:
             idle_ttl_s=t.idle_ttl_s,
             max_calls=t.max_tool_calls,
             max_tasks=t.max_tasks,
+            owner=role.name if role.worker else None,
         )
     return MemoryTaskStore(t.max_tasks, t.idle_ttl_s, t.max_tool_calls)
 

@@ -1,0 +1,144 @@
+"""The control plane's internal HTTP server (`switchyard serve --workers N`): what the
+worker processes ask of the one control plane.
+
+- `/gates/{alias}/acquire|release|abandon`: slots at the deployment gates
+  (policy/admission_remote.py);
+- `/engines/{alias}/v1/...`: the local engines, behind their residency pool
+  (engines/front.py);
+- `/mcp`: the MCP endpoint, its sessions and tool servers (api/mcp_relay.py).
+
+It listens on loopback only. The gates and the engines answer only the bearer token
+the supervisor gave the workers (compared in constant time); /mcp answers the callers'
+API keys, as on the public port. Bodies come from our own workers; they are still
+bounded and checked, and errors are OpenAI-shaped bodies without exception text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.types import ASGIApp
+
+from switchyard.api.mcp import PATH as MCP_PATH
+from switchyard.errors import AuthenticationError, InvalidRequest, RouteNotFound, SwitchyardError
+from switchyard.policy.admission_remote import Leases, ask_from
+
+_MAX_BODY = 4096
+_MAX_ID = 64
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(body), status, headers, media_type="application/json")
+
+
+class GateRoutes:
+    """The gate routes over the control plane's leases."""
+
+    def __init__(self, leases: Leases, token: str) -> None:
+        self.leases = leases
+        self._token = token.encode()
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route("/gates/{alias}/acquire", self.acquire, methods=["POST"]),
+            Route("/gates/{alias}/release", self.release, methods=["POST"]),
+            Route("/gates/{alias}/abandon", self.abandon, methods=["POST"]),
+        ]
+
+    async def _read(self, request: Request) -> tuple[Any, dict[str, Any]]:
+        given = request.headers.get("authorization", "")[:256].removeprefix("Bearer ")
+        if not hmac.compare_digest(given.encode(), self._token):
+            raise AuthenticationError("the control plane answers the gateway's workers only")
+        gate = self.leases.gate(str(request.path_params["alias"])[:256])
+        if gate is None:
+            raise RouteNotFound("no such gate")
+        body = await request.body()
+        if len(body) > _MAX_BODY:
+            raise InvalidRequest("body too large")
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raise InvalidRequest("the body is not JSON") from None
+        worker, slot = (data.get("worker"), data.get("slot")) if isinstance(data, dict) else (0, 0)
+        if not (isinstance(worker, str) and isinstance(slot, str)):
+            raise InvalidRequest("worker and slot are required")
+        if len(worker) > _MAX_ID or len(slot) > _MAX_ID:
+            raise InvalidRequest("worker or slot too long")
+        return gate, data
+
+    async def acquire(self, request: Request) -> Response:
+        try:
+            gate, data = await self._read(request)
+            remaining = data.get("remaining_s")
+            if remaining is not None and not isinstance(remaining, int | float):
+                raise InvalidRequest("remaining_s: a number or null")
+            adm = await self.leases.acquire(
+                data["worker"], data["slot"], gate, remaining, ask_from(data.get("ask"))
+            )
+        except asyncio.CancelledError:
+            # Abandoned by its worker (or the worker died): nothing is held.
+            return _json(
+                {"error": {"message": "abandoned", "type": "server_error", "code": "abandoned"}},
+                409,
+            )
+        except SwitchyardError as exc:
+            body = exc.body()
+            evidence = getattr(exc, "evidence", None)
+            if isinstance(evidence, dict):
+                body["evidence"] = evidence
+            retry = exc.headers.get("Retry-After")
+            if retry is not None:
+                body["retry_after"] = retry
+            return _json(body, exc.status)
+        return _json(
+            {
+                "waited_s": adm.waited_s,
+                "in_flight": adm.in_flight,
+                "queued": adm.queued,
+                "evidence": adm.evidence,
+            }
+        )
+
+    async def release(self, request: Request) -> Response:
+        try:
+            _gate, data = await self._read(request)
+        except SwitchyardError as exc:
+            return _json(exc.body(), exc.status)
+        held_s, tokens = data.get("held_s"), data.get("tokens")
+        done = self.leases.release(
+            data["worker"],
+            data["slot"],
+            float(held_s) if isinstance(held_s, int | float) else None,
+            tokens if isinstance(tokens, int) else None,
+            ask_from(data.get("ask")),
+        )
+        return _json({"released": done})
+
+    async def abandon(self, request: Request) -> Response:
+        try:
+            _, data = await self._read(request)
+        except SwitchyardError as exc:
+            return _json(exc.body(), exc.status)
+        self.leases.abandon(data["worker"], data["slot"])
+        return _json({"abandoned": True})
+
+
+def internal_app(
+    gates: GateRoutes, engines: ASGIApp | None, mcp: ASGIApp | None = None
+) -> Starlette:
+    """The control plane's internal server: the gates, the engine front at /engines
+    when there are local engines, and the MCP endpoint at /mcp (api/mcp_relay.py) when
+    there are tool servers (it authenticates the callers' own keys)."""
+    routes = gates.routes()
+    if engines is not None:
+        routes.append(Mount("/engines", app=engines))
+    if mcp is not None:
+        routes.append(Route(MCP_PATH, mcp))
+    return Starlette(routes=routes)

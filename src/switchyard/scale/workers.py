@@ -1,0 +1,406 @@
+"""`switchyard serve --workers N`: N gateway processes on one port, one control plane.
+
+The supervisor (this module, the `switchyard serve` process) is the control plane and
+starts, in order:
+
+1. a private `redis-server` on a Unix socket under the gateway's home, when the config
+   names no `storage.redis_url` (scale/private_redis.py): limits, budgets, task state,
+   breakers and the response cache are counted there by every worker, as by several
+   gateways anywhere (state/choose.py);
+2. the one ledger writer, on a Unix socket every process writes through
+   (state/ledger.py);
+3. the control plane's gateway (`ProcessRole("control")`): it owns the managed
+   engines and their residency pool, the first-run key, retention, the cache's
+   encoder build and the deployment gates' state; it serves no client;
+4. its internal server on a loopback port (api/internal.py): the gates
+   (policy/admission_remote.py) and the engine front (engines/front.py), answering
+   only the token given to the workers;
+5. N workers (scale/worker.py), each with its own `SO_REUSEPORT` listener on the port,
+   each a whole gateway whose local models are the engine front and whose gates with a
+   concurrency limit are the control plane's.
+
+A worker that exits is started again (after a growing pause if it keeps dying); before
+that, what it held is given back: its gate slots (`Leases.release_worker`) and its
+limit and budget reservations (`release_owner`); the engine front releases a dead
+worker's residency when its connections close. The supervisor holds a bound socket on
+the port for its whole run, so the port is taken (and `port: 0` resolved) once for all
+workers. SIGINT or SIGTERM stops the workers first, then the control plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from switchyard.config import LlamaCppEngine, ProcessRole, Settings, VllmEngine
+from switchyard.scale.worker import READY_LINE
+
+log = logging.getLogger("switchyard.workers")
+
+MAX_WORKERS = 256
+STOP_GRACE_S = 8.0  # a worker's graceful stop (uvicorn's is 5 s), then SIGKILL
+RESTART_PAUSE_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # after quick successive deaths
+
+
+def usable_workers(value: int | str) -> int:
+    """The number of workers `server.workers` (or `--workers`) asks for: `auto` is the
+    cores this process may run on."""
+    if value == "auto":
+        return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
+    if isinstance(value, int) and 1 <= value <= MAX_WORKERS:
+        return value
+    raise ValueError(f"--workers: a number from 1 to {MAX_WORKERS}, or auto (got {value!r})")
+
+
+def refusal(settings: Settings) -> str | None:
+    """Why this config cannot run with several workers, or None."""
+    if settings.storage.backend == "memory":
+        return (
+            "storage.backend: memory keeps keys, usage and replies in one process; "
+            "--workers needs sqlite (the default) or postgres_dsn"
+        )
+    if settings.rl.models:
+        return "RL-managed models (rl.models) are served by one process; use --workers 1"
+    return None
+
+
+def worker_settings(settings: Settings, control_url: str, redis_url: str) -> Settings:
+    """A worker's settings: every local model is the control plane's engine front, and
+    shared state is in `redis_url`."""
+    from switchyard.engines.front import remote_engines
+    from switchyard.scale.serve_config import ENGINE_TOKEN_ENV
+
+    storage = settings.storage.model_copy(update={"redis_url": redis_url})
+    settings = settings.model_copy(update={"storage": storage})
+    return remote_engines(settings, f"{control_url}/engines", ENGINE_TOKEN_ENV)
+
+
+def has_local_engines(settings: Settings) -> bool:
+    """Whether any model (or one of its deployments) runs on an engine managed here."""
+    return any(
+        isinstance(e, LlamaCppEngine | VllmEngine)
+        for m in settings.models
+        for e in [m.engine, *(d.engine for d in m.deployments)]
+    )
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) and kept, not listening: the port is ours (and
+    `port: 0` picks one) for every worker's `SO_REUSEPORT` listener. A port another
+    program holds fails here, once, with the system's message."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+class _Internal(uvicorn.Server):
+    """The internal server inside the supervisor's loop: the supervisor handles the
+    signals, not uvicorn."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class Worker:
+    """One worker slot: its number, its current process and what it said."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.proc: asyncio.subprocess.Process | None = None
+        self.ready = asyncio.Event()
+        self.starts = 0
+        self.deaths: list[float] = []
+
+    @property
+    def name(self) -> str:
+        """Who holds its reservations and slots (config/process.py)."""
+        return f"w{self.index}-{self.proc.pid}" if self.proc is not None else ""
+
+
+class Supervisor:
+    def __init__(
+        self,
+        settings: Settings,
+        config: str | None,
+        host: str,
+        port: int,
+        count: int,
+        banner: Callable[[Any, str, int], str],
+    ) -> None:
+        self.settings = settings
+        self.config = str(Path(config).resolve()) if config else None
+        self.host = host
+        self.port = port
+        self.workers = [Worker(i) for i in range(count)]
+        self.banner = banner
+        self.stopping = False
+        self.redis: Any = None
+        self.writer: Any = None  # the shared ledger writer (state/ledger.py)
+        self.gateway: Any = None  # the control plane's Gateway
+        self.leases: Any = None
+        self.front: Any = None  # the engine front (engines/front.py), with local engines
+        self.spec: dict[str, Any] = {}
+
+    @staticmethod
+    def run_dir(settings: Settings) -> Path:
+        """The run directory beside the gateway's SQLite file (sockets, metrics)."""
+        from switchyard.scale.private_redis import gateway_home
+
+        run = gateway_home(settings) / "run"
+        run.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return run
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        held = reserve_port(self.host, self.port)
+        self.port = held.getsockname()[1]
+        try:
+            # Given back in reverse: the workers, the control plane, the writer, Redis.
+            async with contextlib.AsyncExitStack() as stack:
+                settings = await self._shared_state(stack)
+                await self._control_plane(stack, settings)
+                runs = [asyncio.create_task(self._keep(w)) for w in self.workers]
+                runs.append(asyncio.create_task(self._watch()))
+                runs.append(asyncio.create_task(self._announce()))
+                await stop.wait()
+                self.stopping = True
+                await self._stop_workers()
+                for r in runs:
+                    r.cancel()
+                await asyncio.gather(*runs, return_exceptions=True)
+        finally:
+            held.close()
+        return 0
+
+    async def _shared_state(self, stack: contextlib.AsyncExitStack) -> Settings:
+        """The private Redis (without `storage.redis_url`) and the one ledger writer;
+        the settings every process of this gateway runs with."""
+        from switchyard.config import store_target
+        from switchyard.scale.private_redis import PrivateRedis
+        from switchyard.state.ledger import spawn_shared_writer
+
+        run = self.run_dir(self.settings)
+        redis_url = self.settings.storage.redis_url
+        if not redis_url:
+            self.redis = PrivateRedis(run.parent)
+            redis_url = self.redis.start()  # before anything serves: blocking is fine
+            stack.callback(self.redis.stop)
+        storage = self.settings.storage.model_copy(update={"redis_url": redis_url})
+        settings = self.settings.model_copy(update={"storage": storage})
+        self.spec = {
+            "config": self.config,
+            "host": self.host,
+            "port": self.port,
+            "redis_url": redis_url,
+            "token": secrets.token_urlsafe(32),
+            "ledger_socket": str(run / "ledger.sock"),
+        }
+        self.writer = await asyncio.to_thread(
+            spawn_shared_writer,
+            store_target(settings),
+            self.spec["ledger_socket"],
+            int(settings.observe.max_disk_mb * 1024 * 1024),
+        )
+        stack.callback(self.writer.stop)
+        return settings
+
+    async def _control_plane(self, stack: contextlib.AsyncExitStack, settings: Settings) -> None:
+        """The control plane's gateway, and its internal server on a loopback port: the
+        gates, the engine front, the MCP endpoint (api/internal.py)."""
+        from switchyard.api.internal import GateRoutes, internal_app
+        from switchyard.api.mcp import McpEndpoint
+        from switchyard.gateway import Gateway
+        from switchyard.policy.admission_remote import Leases
+
+        token = self.spec["token"]
+        role = ProcessRole("control", "control", 0, "", token, self.spec["ledger_socket"])
+        self.gateway = gw = Gateway(settings, role)
+        gw.start()
+        stack.push_async_callback(gw.stop)
+        self.leases = Leases(gw.gates)
+        if has_local_engines(settings):
+            from switchyard.engines.front import EngineFront
+
+            self.front = EngineFront(gw.registry, token)
+            stack.push_async_callback(self.front.close)
+        mcp = None
+        if gw.mcp is not None:
+            mcp = McpEndpoint(
+                gw.mcp, gw.auth, settings.server.max_body_bytes, settings.auth.mode == "disabled"
+            )
+            await stack.enter_async_context(mcp.running())
+        app = internal_app(GateRoutes(self.leases, token), self.front, mcp)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        server = _Internal(
+            uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        )
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+
+        async def stop_serving() -> None:
+            server.should_exit = True
+            await asyncio.gather(serving, return_exceptions=True)
+
+        stack.push_async_callback(stop_serving)
+        self.spec["control_url"] = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    async def _announce(self) -> None:
+        """The banner, once every worker serves and the models are ready or settled."""
+        for w in self.workers:
+            await w.ready.wait()
+        gw = self.gateway
+        while not (gw.readiness()[0] or gw.startup_settled()):
+            await asyncio.sleep(0.2)
+        text = self.banner(gw, self.host, self.port)
+        print(f"{text}  Workers: {len(self.workers)} processes on port {self.port}\n", flush=True)
+
+    async def _keep(self, w: Worker) -> None:
+        """Run worker `w`, and start it again whenever it exits while serving."""
+        while not self.stopping:
+            w.ready.clear()
+            w.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "switchyard.scale.worker",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                # Its own session: a terminal's Ctrl-C reaches the supervisor alone,
+                # which stops the workers first and the control plane after.
+                start_new_session=True,
+            )
+            w.starts += 1
+            name = w.name
+            assert w.proc.stdin is not None and w.proc.stdout is not None
+            w.proc.stdin.write(json.dumps({**self.spec, "index": w.index}).encode())
+            w.proc.stdin.close()
+            async for raw in w.proc.stdout:
+                line = raw.decode(errors="replace").rstrip()
+                if line == READY_LINE:
+                    w.ready.set()
+                elif line:
+                    print(line, flush=True)
+            code = await w.proc.wait()
+            if self.stopping:
+                return
+            released = await self._release(name, w.proc.pid)
+            w.deaths = [t for t in w.deaths if time.monotonic() - t < 60] + [time.monotonic()]
+            pause = RESTART_PAUSE_S[min(len(w.deaths), len(RESTART_PAUSE_S)) - 1]
+            log.error(
+                "worker %d (pid %d) exited with %s; %s; starting it again in %.1f s",
+                w.index,
+                w.proc.pid,
+                f"signal {-code}" if code < 0 else f"code {code}",
+                released,
+                pause,
+            )
+            await asyncio.sleep(pause)
+
+    async def _watch(self) -> None:
+        """Start the ledger writer and the private redis-server again if either dies.
+        The workers' ledgers reconnect and re-send what was not committed; their Redis
+        clients reconnect to the same socket, but what it counted is lost with it (until
+        it is back, `policy.on_limiter_failure` decides)."""
+        while not self.stopping:
+            await asyncio.sleep(1.0)
+            if self.stopping:
+                return
+            try:
+                await asyncio.to_thread(self.writer.restart_if_dead)  # it logs why
+            except Exception as exc:
+                log.error("the ledger writer did not start again: %s", exc)
+            if self.redis is not None and not self.redis.alive():
+                log.error("the private redis-server exited; starting it again")
+                try:
+                    await asyncio.to_thread(self.redis.restart)
+                except Exception as exc:
+                    log.error("the private redis-server did not start again: %s", exc)
+
+    async def _release(self, name: str, pid: int) -> str:
+        """Give back what a dead worker held; says what."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(pid)  # its live gauges leave the sums
+        slots = self.leases.release_worker(name) if self.leases is not None else 0
+        limiter = getattr(self.gateway, "limiter", None)
+        release = getattr(limiter, "release_owner", None)
+        reservations = 0
+        if release is not None:
+            try:
+                reservations = await release(name)
+            except Exception as exc:  # Redis away: the leases lapse on their own
+                log.error("could not give back worker %s's reservations: %s", name, exc)
+        tasks = getattr(self.gateway, "tasks", None)
+        release_tasks = getattr(tasks, "release_owner", None)
+        if release_tasks is not None:
+            try:
+                await release_tasks(name)
+            except Exception as exc:
+                log.error("could not give back worker %s's task reservations: %s", name, exc)
+        return f"gave back {slots} gate slot(s) and {reservations} reservation(s)"
+
+    async def _stop_workers(self) -> None:
+        procs = [w.proc for w in self.workers if w.proc is not None and w.proc.returncode is None]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), STOP_GRACE_S)
+        except TimeoutError:
+            for p in procs:
+                if p.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
+            await asyncio.gather(*(p.wait() for p in procs))
+
+
+def serve_workers(
+    settings: Settings,
+    config: str | None,
+    host: str,
+    port: int,
+    count: int,
+    banner: Callable[[Any, str, int], str],
+) -> int:
+    """`switchyard serve --workers N` (see the module doc); the exit status."""
+    why = refusal(settings)
+    if why is not None:
+        print(f"switchyard: {why}", file=sys.stderr)
+        return 2
+    # /metrics sums every worker (prometheus_client's multiprocess mode), read when the
+    # metrics module is first imported: so before anything imports the gateway.
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        folder = Supervisor.run_dir(settings) / "metrics"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(mode=0o700)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder)
+    print(
+        f"switchyard: starting {count} workers on http://{host}:{port}; loading models "
+        "(see /readyz)",
+        flush=True,
+    )
+    try:
+        return asyncio.run(Supervisor(settings, config, host, port, count, banner).run())
+    except OSError as exc:
+        print(f"switchyard: {exc}", file=sys.stderr)
+        return 1
