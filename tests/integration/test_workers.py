@@ -327,3 +327,19 @@ def test_metrics_from_any_worker_count_every_workers_requests(gw: Gateway) -> No
             break
         time.sleep(0.1)
     assert seen and all(x == f"{line} 24.0" for x in seen), seen
+
+
+def test_every_workers_readiness_shows_what_the_control_plane_runs(gw: Gateway) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        seen = [
+            httpx.get(gw.url + "/readyz", headers=gw.admin, timeout=10).json()
+            for _ in range(WORKERS * 2)  # new connections: any worker answers
+        ]
+        if all(r["models"].get("mcp:crm", {}).get("ready") for r in seen):
+            break
+        assert time.monotonic() < deadline, seen[-1]
+        time.sleep(0.2)
+    assert all(r["status"] == "ready" for r in seen)
+    # The tool server is the control plane's: no worker runs one of its own.
+    assert all(r["models"]["mcp:crm"]["kind"] == "stdio" for r in seen)

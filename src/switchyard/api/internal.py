@@ -5,7 +5,9 @@ worker processes ask of the one control plane.
   (policy/admission_remote.py);
 - `/engines/{alias}/v1/...`: the local engines, behind their residency pool
   (engines/front.py);
-- `/mcp`: the MCP endpoint, its sessions and tool servers (api/mcp_relay.py).
+- `/mcp`: the MCP endpoint, its sessions and tool servers (api/mcp_relay.py);
+- `/state/readiness`: the control plane's readiness report (its engines, tool servers
+  and revisions), which each worker's /readyz shows (control/follow.py).
 
 It listens on loopback only. The gates and the engines answer only the bearer token
 the supervisor gave the workers (compared in constant time); /mcp answers the callers'
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -39,23 +42,41 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 
 class GateRoutes:
-    """The gate routes over the control plane's leases."""
+    """The gate routes over the control plane's leases, and its readiness report."""
 
-    def __init__(self, leases: Leases, token: str) -> None:
+    def __init__(
+        self,
+        leases: Leases,
+        token: str,
+        readiness: Callable[[], tuple[bool, dict[str, Any]]] | None = None,
+    ) -> None:
         self.leases = leases
         self._token = token.encode()
+        self._readiness = readiness
 
     def routes(self) -> list[BaseRoute]:
         return [
             Route("/gates/{alias}/acquire", self.acquire, methods=["POST"]),
             Route("/gates/{alias}/release", self.release, methods=["POST"]),
             Route("/gates/{alias}/abandon", self.abandon, methods=["POST"]),
+            Route("/state/readiness", self.readiness, methods=["GET"]),
         ]
 
-    async def _read(self, request: Request) -> tuple[Any, dict[str, Any]]:
+    def _check(self, request: Request) -> None:
         given = request.headers.get("authorization", "")[:256].removeprefix("Bearer ")
         if not hmac.compare_digest(given.encode(), self._token):
             raise AuthenticationError("the control plane answers the gateway's workers only")
+
+    async def readiness(self, request: Request) -> Response:
+        try:
+            self._check(request)
+        except SwitchyardError as exc:
+            return _json(exc.body(), exc.status)
+        ready, models = self._readiness() if self._readiness is not None else (True, {})
+        return _json({"ready": ready, "models": models})
+
+    async def _read(self, request: Request) -> tuple[Any, dict[str, Any]]:
+        self._check(request)
         gate = self.leases.gate(str(request.path_params["alias"])[:256])
         if gate is None:
             raise RouteNotFound("no such gate")

@@ -28,6 +28,7 @@ _LOOPS = (
     "_busy_task",
     "_cache_events",
     "_encoder_task",
+    "_control_task",
 )
 
 
@@ -47,6 +48,8 @@ class Lifecycle(Readiness, Retention, BusyTime, Weights, RevisionRecords):
             self.keys.create_tenant("dev")
             self.dev_key = self.keys.create_key("dev", name="first-run development key")["key"]
         self.registry.start()
+        if self.role.worker:  # what the control plane reports of what runs there
+            self._control_task = asyncio.create_task(self._follow_control())
         if self.mcp is not None:
             self.mcp.servers.start()
         try:  # what this instance had in flight when it stopped: failed, saying why

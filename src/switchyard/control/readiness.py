@@ -7,10 +7,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from switchyard.control.components import Components
+from switchyard.config import ModelConfig, OpenAIEngine
+from switchyard.control.follow import ControlView
 
 
-class Readiness(Components):
+class Readiness(ControlView):
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """Ready when every required model (models[].required, default all) can serve,
         the embedding model is loaded and the router (if on) is built."""
@@ -62,7 +63,40 @@ class Readiness(Components):
                 "policy_version": self.settings.router.policy_version,
             }
             ready = ready and self.router is not None
+        if self.role.worker:
+            ready = self._with_control(models) and ready
         return ready, models
+
+    def _with_control(self, models: dict[str, Any]) -> bool:
+        """Of several workers: the control plane's report for what runs there (local
+        models and their adapters, tool servers), this worker's breakers kept; not
+        ready while the control plane is not heard from (control/follow.py)."""
+        report = self.control_report()
+        if report is None:
+            models["control_plane"] = {"ready": False, "state": "unreachable"}
+            return False
+        ready = True
+        for key, entry in report.items():
+            if key.startswith("mcp:"):
+                models[key] = entry
+                continue
+            d = self.registry.deployments.get(key)
+            if d is None or key not in models or not self._runs_there(d.model):
+                continue
+            own = models[key]
+            models[key] = {**entry, "breaker": own["breaker"]} if "breaker" in own else entry
+            if d.model.required and not entry.get("ready"):
+                ready = False
+        return ready
+
+    def _runs_there(self, model: ModelConfig) -> bool:
+        """Whether `model` (or one of its deployments) is served by the control plane's
+        engine front."""
+        front = self.role.control_url
+        return any(
+            isinstance(e, OpenAIEngine) and e.base_url.startswith(front)
+            for e in [model.engine, *(x.engine for x in model.deployments)]
+        )
 
     def startup_settled(self) -> bool:
         """Every model has an outcome: ready, or failed and no longer restarted; so

@@ -249,7 +249,7 @@ class Supervisor:
                 gw.mcp, gw.auth, settings.server.max_body_bytes, settings.auth.mode == "disabled"
             )
             await stack.enter_async_context(mcp.running())
-        app = internal_app(GateRoutes(self.leases, token), self.front, mcp)
+        app = internal_app(GateRoutes(self.leases, token, gw.readiness), self.front, mcp)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         server = _Internal(

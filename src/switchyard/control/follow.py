@@ -1,0 +1,53 @@
+"""A worker's view of its control plane (`serve --workers N`): what the control plane
+reports of the engines, tool servers and revisions it runs, fetched every FOLLOW_S
+from its internal server (api/internal.py), so each worker's /readyz says what one
+gateway would. A worker that has not heard from its control plane for STALE_S is not
+ready: its local models and tools are there."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+
+from switchyard.control.components import Components
+
+log = logging.getLogger("switchyard")
+
+FOLLOW_S = 1.0
+STALE_S = 5.0
+
+
+class ControlView(Components):
+    control_view: dict[str, Any] | None = None  # the control plane's models report
+    _control_seen = 0.0
+
+    def control_report(self) -> dict[str, Any] | None:
+        """The control plane's last report, or None when it is missing or stale."""
+        if time.monotonic() - self._control_seen > STALE_S:
+            return None
+        return self.control_view
+
+    async def _follow_control(self) -> None:
+        url = self.role.control_url + "/state/readiness"
+        headers = {"authorization": f"Bearer {self.role.token}"}
+        timeout = aiohttp.ClientTimeout(total=FOLLOW_S * 2)
+        warned = False
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                try:
+                    async with session.get(url, headers=headers) as r:
+                        body = orjson.loads(await r.read())
+                    if r.status == 200 and isinstance(body.get("models"), dict):
+                        self.control_view = body["models"]
+                        self._control_seen = time.monotonic()
+                        warned = False
+                except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError) as exc:
+                    if not warned:
+                        log.warning("the control plane's readiness is unavailable: %s", exc)
+                        warned = True
+                await asyncio.sleep(FOLLOW_S)
