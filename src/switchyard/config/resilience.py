@@ -30,7 +30,8 @@ class BreakerConfig(Strict):
     """Consecutive failures that open the breaker (counted across gateway processes with
     `storage.redis_url`)."""
     failure_rate: float = Field(0.5, gt=0, le=1)
-    """Share of failures over `window_s` (once `min_requests` were seen) that opens the breaker."""
+    """Share of failures over `window_s` (once `min_requests` were seen) that opens the breaker;
+    with `storage.redis_url`, over the outcomes of every gateway process (shared each 0.25 s)."""
     window_s: float = Field(30.0, gt=0)
     """Seconds of the window the failure rate is measured over."""
     min_requests: int = Field(10, ge=1)

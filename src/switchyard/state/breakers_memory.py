@@ -5,6 +5,9 @@ closed → open after `failures` consecutive failures, or a failure rate of at l
 `cooldown_s`, half-open: at most `half_open_probes` requests go through at a time;
 one success closes the breaker, one failure opens it again for another cooldown.
 While open, no request reaches the deployment. Time comes in as a parameter.
+
+With several processes (state/breakers_redis.py), the failure-rate rule counts the
+outcomes the others reported in their windows (`others`) with its own.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ class CircuitBreaker:
     opens: int = 0
     _outcomes: deque[tuple[float, bool]] = field(default_factory=deque)
     _window_s: float = field(init=False)  # cfg.window_s, read per request (a plain attribute)
+    # Outcomes and failures the other processes saw in their windows, as last shared.
+    others: tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
         self._window_s = self.cfg.window_s
@@ -88,10 +93,30 @@ class CircuitBreaker:
     def _should_open(self) -> bool:
         if self.consecutive_failures >= self.cfg.failures:
             return True
-        n = len(self._outcomes)
+        return self._rate_exceeded()
+
+    def _rate_exceeded(self) -> bool:
+        """The failure-rate rule over this process's window and the others' counts."""
+        n = len(self._outcomes) + self.others[0]
         if n >= self.cfg.min_requests:
-            failed = sum(1 for _, ok in self._outcomes if not ok)
+            failed = sum(1 for _, ok in self._outcomes if not ok) + self.others[1]
             return failed / n >= self.cfg.failure_rate
+        return False
+
+    def window(self, now: float) -> tuple[int, int]:
+        """This process's outcomes and failures in the window (what it shares)."""
+        self._trim(now)
+        return len(self._outcomes), sum(1 for _, ok in self._outcomes if not ok)
+
+    def adopt_others(self, outcomes: int, failures: int, now: float) -> bool:
+        """The other processes' counts in their windows; opens (True) when the
+        failure-rate rule over all of them now says so (judged at each refresh, as a
+        failure elsewhere is not an event here)."""
+        self.others = (outcomes, failures)
+        self._trim(now)
+        if self.state == "closed" and self._rate_exceeded():
+            self._open(now)
+            return True
         return False
 
     def trip(self, now: float) -> None:

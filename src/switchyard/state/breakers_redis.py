@@ -14,14 +14,23 @@ facts are shared:
   be above zero: the count comes back with every refresh, so a healthy deployment
   costs no write per request).
 
-The failure-rate rule stays per process (its window of outcomes is not shared).
+- the failure-rate rule's counts: at each refresh a process writes its own window's
+  outcomes and failures (`{prefix}rate:{alias}`, a hash field per process with the
+  time it was written, expiring with the window) and reads the others', which its
+  breaker counts with its own (`adopt_others`): a rate split across processes, each
+  below `min_requests` or the rate alone, still opens the breaker, within a refresh.
+
 Redis being unreachable never fails a request: the breakers just stay local.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
+import uuid
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -45,31 +54,77 @@ class SharedBreakers:
         self._fetched_at = -1e9
         self.errors = 0
         self.fails: dict[str, int] = {}  # shared consecutive failures, as last seen
+        # This process among those sharing the rate counts (a restarted one is new).
+        self.me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._shared_window: dict[str, tuple[int, int]] = {}  # what it last wrote
 
     async def close(self) -> None:
         await self._redis.aclose()
 
     async def sync(self, breakers: dict[str, CircuitBreaker]) -> None:
-        """Open local breakers that another process opened (at most every refresh_s)."""
+        """Open local breakers that another process opened, and share the failure
+        rate's counts (at most every refresh_s)."""
         now_mono = time.monotonic()
         if now_mono - self._fetched_at < self.refresh_s:
             return
         self._fetched_at = now_mono
         aliases = list(breakers)
         keys = [self.prefix + a for a in aliases] + [self._fails_key(a) for a in aliases]
+        wall = time.time()
         try:
-            values = await self._redis.mget(keys)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.mget(keys)
+                for alias in aliases:
+                    self._share_window(pipe, alias, breakers[alias], now_mono, wall)
+                    pipe.hgetall(self._rate_key(alias))
+                values, *rest = await pipe.execute()
         except (RedisError, OSError) as exc:
             self._failed("read", exc)
             return
-        wall = time.time()
+        rates = [r for r in rest if isinstance(r, dict)]
         opens, fails = values[: len(aliases)], values[len(aliases) :]
-        for alias, raw, count in zip(aliases, opens, fails, strict=True):
+        for alias, raw, count, rate in zip(aliases, opens, fails, rates, strict=True):
             self.fails[alias] = int(count) if count is not None else 0
-            if raw is None:
+            breaker = breakers[alias]
+            if raw is not None:
+                breaker.adopt_open(now_mono - max(0.0, wall - float(raw)))
+            n, failed = self._others(rate, wall, breaker.cfg.window_s)
+            if breaker.adopt_others(n, failed, now_mono):
+                await self.opened(alias, breaker.cfg.cooldown_s)
+
+    def _share_window(
+        self, pipe: Any, alias: str, breaker: CircuitBreaker, now: float, wall: float
+    ) -> None:
+        """Queue the write of this process's window counts: when there are any, or to
+        clear the last ones written (an idle healthy process writes nothing)."""
+        counts = breaker.window(now)
+        if counts == (0, 0) and self._shared_window.get(alias, (0, 0)) == (0, 0):
+            return
+        self._shared_window[alias] = counts
+        key = self._rate_key(alias)
+        pipe.hset(key, self.me, f"{counts[0]},{counts[1]},{wall!r}")
+        pipe.pexpire(key, max(1, int(breaker.cfg.window_s * 2000)))
+
+    def _others(self, rate: dict[Any, Any], wall: float, window_s: float) -> tuple[int, int]:
+        """The other processes' outcomes and failures, from their fresh reports."""
+        n = failed = 0
+        for who, raw in rate.items():
+            who = who.decode() if isinstance(who, bytes) else str(who)
+            if who == self.me:
                 continue
-            opened_wall = float(raw)
-            breakers[alias].adopt_open(now_mono - max(0.0, wall - opened_wall))
+            try:
+                text = raw.decode() if isinstance(raw, bytes) else str(raw)
+                outcomes, failures, at = text.split(",")
+                if wall - float(at) > window_s:  # a process that stopped reporting
+                    continue
+                n += max(0, int(outcomes))
+                failed += max(0, int(failures))
+            except ValueError:
+                continue
+        return n, failed
+
+    def _rate_key(self, alias: str) -> str:
+        return f"{self.prefix}rate:{alias}"
 
     def _fails_key(self, alias: str) -> str:
         return f"{self.prefix}fails:{alias}"
