@@ -229,6 +229,7 @@ class Supervisor:
         gates, the engine front, the MCP endpoint (api/internal.py)."""
         from switchyard.api.internal import GateRoutes, internal_app
         from switchyard.api.mcp import McpEndpoint
+        from switchyard.api.server import uvicorn_options
         from switchyard.gateway import Gateway
         from switchyard.policy.admission_remote import Leases
 
@@ -252,9 +253,9 @@ class Supervisor:
         app = internal_app(GateRoutes(self.leases, token, gw.readiness), self.front, mcp)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
-        server = _Internal(
-            uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
-        )
+        # The public port's HTTP limits too (header timeout and size, connection cap,
+        # framing errors as error bodies): /mcp here answers API keys.
+        server = _Internal(uvicorn.Config(app, lifespan="off", **uvicorn_options(settings.server)))
         serving = asyncio.create_task(server.serve(sockets=[sock]))
 
         async def stop_serving() -> None:
