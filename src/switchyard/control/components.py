@@ -4,7 +4,7 @@ use them."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from switchyard.config import ProcessRole, Settings
 from switchyard.decide.balance import Balancer
@@ -16,12 +16,16 @@ from switchyard.execute.executor import Executor
 from switchyard.media.process import MediaProcessor
 from switchyard.observe.metrics import Metrics
 from switchyard.observe.otel import Tracing
+from switchyard.policy.cost import PromptOverhead
 from switchyard.policy.tasks import Running
 from switchyard.state.keys import KeyStore
 from switchyard.state.limits import Limiter
 from switchyard.state.responses import ResponseStore
 from switchyard.state.store import Store
 from switchyard.state.tasks import TaskStore
+
+if TYPE_CHECKING:
+    from switchyard.state.overhead_redis import SharedOverhead
 
 
 class Components:
@@ -48,4 +52,6 @@ class Components:
     media: MediaProcessor | None
     candidates: CandidateCheck | None
     mcp: Any  # the MCP tool gateway (mcp_service/), None without tool servers
+    overhead: PromptOverhead
+    overhead_share: SharedOverhead | None
     gates: dict[str, Any]  # DeploymentGate (or a worker's RemoteGate) by alias

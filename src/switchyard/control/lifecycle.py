@@ -29,6 +29,7 @@ _LOOPS = (
     "_cache_events",
     "_encoder_task",
     "_control_task",
+    "_overhead_task",
 )
 
 
@@ -67,6 +68,8 @@ class Lifecycle(Readiness, Retention, BusyTime, Weights, RevisionRecords):
             self.embedder.start()
         if not self.role.worker:  # of several, the control plane's alone
             self._retention = asyncio.create_task(self._retention_loop())
+        if self.overhead_share is not None:  # what every process learned of prompts
+            self._overhead_task = asyncio.create_task(self._share_overhead())
         self._busy_task = asyncio.create_task(self._busy_loop())
         if self.balancers:
             self.refresh_weights()
@@ -82,6 +85,19 @@ class Lifecycle(Readiness, Retention, BusyTime, Weights, RevisionRecords):
             os.cpu_count() or 1,
             follow=self.role.worker,  # of several, the control plane builds it once
         )
+
+    async def _share_overhead(self) -> None:
+        """Every EXCHANGE_S: give the learned prompt overhead, take the others'."""
+        from switchyard.state.overhead_redis import EXCHANGE_S
+
+        assert self.overhead_share is not None
+        known = {m.alias for m in self.settings.models} | {a.name for a in self.settings.adapters}
+        while True:
+            await asyncio.sleep(EXCHANGE_S)
+            merged = await self.overhead_share.exchange(dict(self.overhead.learned))
+            for alias, (floor, ratio) in merged.items():
+                if alias in known:  # another config's models are not this one's
+                    self.overhead.merge(alias, floor, ratio)
 
     def _describe_checks(self, text: str) -> None:
         if self.cache is not None:
@@ -124,6 +140,8 @@ class Lifecycle(Readiness, Retention, BusyTime, Weights, RevisionRecords):
         if self.cache is not None and self.cache.share is not None:
             await self.cache.share.close()
         await self.tasks.close()
+        if self.overhead_share is not None:
+            await self.overhead_share.close()
         await self.responses.drain()  # stored responses written behind their replies
         self.store.close()
         if self.media is not None:

@@ -60,6 +60,7 @@ from switchyard.service import RequestService
 from switchyard.settle import Settler
 from switchyard.state.choose import (
     build_limiter,
+    build_overhead_share,
     build_shared_breakers,
     build_store,
     build_tasks,
@@ -110,6 +111,7 @@ class Gateway(ControlPlane):
         self.cache = build_cache(settings, self.embedder)
         # Learned per model, for the reservations (policy/cost.py).
         self.overhead = PromptOverhead(settings.policy.prompt_overhead_tokens)
+        self.overhead_share = build_overhead_share(settings)  # with Redis: every process's
         self.router = None  # set once built (start), when routing is enabled
         self.gates = build_gates(settings, self.registry, role)
         self.counters: dict[str, int] = {"limiter_fail_open": 0, "limiter_fail_closed": 0}

@@ -198,6 +198,16 @@ class PromptOverhead:
         floor, ratio = self.learned.get(alias, (self.floor0, 0.0))
         return floor + int(ratio * base + 0.999)
 
+    def merge(self, alias: str, floor: int, ratio: float) -> None:
+        """Take what another process learned for `alias` (state/overhead_redis.py):
+        each part only grows, within its cap."""
+        floor = max(0, min(int(floor), self.floor_cap))
+        ratio = max(0.0, min(float(ratio), self.ratio_cap))
+        mine = self.learned.get(alias)
+        if mine is not None:
+            floor, ratio = max(floor, mine[0]), max(ratio, mine[1])
+        self.learned[alias] = (floor, ratio)
+
     def observe(self, alias: str, base: int, reported: int) -> None:
         excess = reported - base
         if alias not in self.learned:  # the first count replaces the assumed floor

@@ -10,12 +10,17 @@
 - the breakers' windows shared between processes: in Redis when `storage.redis_url`
   is set, else none (each process's breakers are its own).
 
+- the learned prompt overhead: shared through Redis when `storage.redis_url` is set
+  (state/overhead_redis.py), else each process's own.
+
 - the response cache's entries: each process's own index (decide/cache.py), shared
   through Redis (state/cache_redis.py) when `cache.shared` and `storage.redis_url` are
   set.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from switchyard.config import SINGLE, ProcessRole, Settings
 from switchyard.state.breakers import SharedBreakerState
@@ -27,6 +32,9 @@ from switchyard.state.responses import Sealer, instance_name
 from switchyard.state.store import MemoryStore, SqliteStore, Store
 from switchyard.state.tasks import TaskStore
 from switchyard.state.tasks_memory import MemoryTaskStore
+
+if TYPE_CHECKING:
+    from switchyard.state.overhead_redis import SharedOverhead
 
 
 def build_store(settings: Settings, target: str, role: ProcessRole = SINGLE) -> Store:
@@ -115,4 +123,16 @@ def build_cache_share(settings: Settings, cache: LocalEntries) -> CacheShare | N
         from switchyard.state.cache_redis import SharedCache
 
         return SharedCache(cache, settings.storage.redis_url, settings.storage.redis_timeout_s)
+    return None
+
+
+def build_overhead_share(settings: Settings) -> SharedOverhead | None:
+    """The learned prompt overhead shared by every gateway process, in Redis when
+    `storage.redis_url` is set (state/overhead_redis.py); else None."""
+    if settings.storage.redis_url:
+        from switchyard.state import overhead_redis  # Redis's client only when used
+
+        return overhead_redis.SharedOverhead(
+            settings.storage.redis_url, settings.storage.redis_timeout_s
+        )
     return None
