@@ -20,7 +20,9 @@ from hypothesis import strategies as st
 from support.gateways import Gateway, start_gateway
 from support.redis_server import start_redis, stop_redis
 from support.upstreams import Scripted
+from switchyard.config import ShadowFeedback
 from switchyard.decide.cache import CacheKeys, Entry, ResponseCache, cache_keys
+from switchyard.decide.shadow_threshold import PartitionThresholds
 from switchyard.request import Generation, from_object
 from switchyard.state.cache_redis import SharedCache, pack, unpack
 
@@ -147,6 +149,48 @@ def test_stores_and_invalidations_reach_the_other_index(redis_url: str) -> None:
             await s.close()
 
     asyncio.run(run())
+
+
+def test_a_partitions_moved_threshold_reaches_every_process(redis_url: str) -> None:
+    """Shadow evidence in one process raises a partition's threshold (then lowers it):
+    the other process uses the same threshold, and one that starts later catches up."""
+
+    async def run() -> tuple[list[float], float]:
+        cfg = ShadowFeedback(step=0.01, max_raise=0.08, lower_after=1)
+        caches = [
+            ResponseCache(100, 1 << 20, thresholds=PartitionThresholds(cfg)) for _ in range(2)
+        ]
+        shares = [SharedCache(c, redis_url, 2.0, prefix="thr:") for c in caches]
+        listeners = [asyncio.create_task(s.listen()) for s in shares]
+        await _until(lambda: all(s.subscribed.is_set() for s in shares))
+        a, b = caches
+        ta, tb = a.thresholds, b.thresholds
+        assert ta is not None and tb is not None
+        seen = []
+        moved = ta.observe("p1", 0.9, 0.93, 0.1)  # a false hit at 0.93: raised to 0.94
+        assert moved["change"] == "raised"
+        await shares[0].threshold_moved("p1", ta.raised("p1"))
+        await _until(lambda: tb.threshold("p1", 0.9) == ta.threshold("p1", 0.9))
+        seen.append(tb.threshold("p1", 0.9))
+        moved = ta.observe("p1", 0.9, 0.95, 0.99)  # an agreeing would-be hit: lowered
+        assert moved["change"] == "lowered"
+        await shares[0].threshold_moved("p1", ta.raised("p1"))
+        await _until(lambda: tb.threshold("p1", 0.9) == ta.threshold("p1", 0.9))
+        seen.append(tb.threshold("p1", 0.9))
+        late = ResponseCache(100, 1 << 20, thresholds=PartitionThresholds(cfg))
+        late_share = SharedCache(late, redis_url, 2.0, prefix="thr:")
+        await late_share.resync()
+        assert late.thresholds is not None
+        caught_up = late.thresholds.threshold("p1", 0.9)
+        for t in listeners:
+            t.cancel()
+        for s in [*shares, late_share]:
+            await s.close()
+        return seen, caught_up
+
+    seen, caught_up = asyncio.run(run())
+    assert seen == [pytest.approx(0.94), pytest.approx(0.93)]
+    assert caught_up == pytest.approx(0.93)
 
 
 def test_redis_down_keeps_stores_local(redis_url: str) -> None:

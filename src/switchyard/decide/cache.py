@@ -360,6 +360,11 @@ class ResponseCache:
             if not part.entries:
                 del self._partitions[entry.keys.partition]
 
+    def adopt_threshold(self, partition: str, raise_by: float) -> None:
+        """Another process's shadow evidence moved a partition's threshold."""
+        if self.thresholds is not None:
+            self.thresholds.adopt(partition, raise_by)
+
     # -- invalidation -------------------------------------------------------------------------
     def invalidate(
         self,

@@ -14,8 +14,11 @@ evidence of what the partition's traffic does at a given prompt similarity:
 So a partition whose traffic has one-word traps the checks miss serves fewer, surer
 hits, and one whose near misses keep agreeing earns its threshold back. Only shadow
 comparisons move it; the raised threshold applies in both modes, so a partition
-turned from shadow to enforce keeps what it learned. It is kept per gateway process
-in memory (bounded LRU of partitions), and every change is a decision's evidence.
+turned from shadow to enforce keeps what it learned. It is kept in memory (bounded LRU
+of partitions), and every change is a decision's evidence. With the shared cache
+(state/cache_redis.py) each change is also published, and every other gateway process
+adopts the partition's new threshold (`adopt`); the run of agreements stays each
+process's own.
 """
 
 from __future__ import annotations
@@ -45,6 +48,20 @@ class PartitionThresholds:
     def raised(self, partition: str) -> float:
         state = self._state.get(partition)
         return 0.0 if state is None else state.raise_by
+
+    def adopt(self, partition: str, raise_by: float) -> None:
+        """Another process moved `partition`'s threshold to `raise_by` above the
+        configured one (bounded by `max_raise`); its run of agreements starts over."""
+        state = self._state.pop(partition, None) or _State()
+        state.raise_by = max(0.0, min(float(raise_by), self.cfg.max_raise))
+        state.agreed = 0
+        self._state[partition] = state
+        while len(self._state) > self.max_partitions:
+            self._state.popitem(last=False)
+
+    def moved(self) -> dict[str, float]:
+        """Every partition's raise, for a process that catches up."""
+        return {p: s.raise_by for p, s in self._state.items() if s.raise_by > 0}
 
     def threshold(self, partition: str, base: float) -> float:
         """The threshold this partition's lookups use: the configured one, raised."""

@@ -239,9 +239,14 @@ class Cache(Stage):
                 and keys is not None
             ):
                 # Live evidence moves the partition's threshold (decide/shadow_threshold.py).
-                evidence["partition_threshold"] = thresholds.observe(
+                moved = thresholds.observe(
                     keys.partition, verdict.threshold, cs.similarity, agreement
                 )
+                evidence["partition_threshold"] = moved
+                if moved["change"] != "none" and cache.share is not None:  # every process's
+                    await cache.share.threshold_moved(
+                        keys.partition, thresholds.raised(keys.partition)
+                    )
             ctx.record(
                 "cache_shadow",
                 outcomes.CacheShadow.COMPARED,

@@ -67,6 +67,8 @@ class LocalEntries(Protocol):
         dry_run: bool = False,
     ) -> dict[str, Any]: ...
 
+    def adopt_threshold(self, partition: str, raise_by: float) -> None: ...
+
 
 class CacheShare(Protocol):
     """The entries shared between gateway processes (SharedCache): a store is
@@ -74,6 +76,8 @@ class CacheShare(Protocol):
     catches up."""
 
     async def put(self, entry: Entry, vec: np.ndarray | None) -> bool: ...
+
+    async def threshold_moved(self, partition: str, raise_by: float) -> None: ...
 
     async def invalidate(self, f: dict[str, Any], dry_run: bool) -> dict[str, Any]: ...
 

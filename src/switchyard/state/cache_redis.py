@@ -8,7 +8,10 @@ every change:
     {prefix}e:{exact key}   the packed entry (header JSON, vector, body), expiring with
                             the entry's TTL
     {prefix}events          Pub/Sub channel: b"P" + packed entry when a process stores
-                            one; b"I" + filter JSON when one invalidates
+                            one; b"I" + filter JSON when one invalidates; b"T" + JSON
+                            when shadow evidence moved a partition's threshold
+    {prefix}thresholds      hash: partition -> its raise, for processes that catch up
+                            (kept THRESHOLDS_TTL_S after the last move)
 
 A store is one pipelined round trip (SET + PUBLISH). The others apply events in their
 event loop as they arrive; `lags` keeps the latest creation-to-searchable delays (wall
@@ -48,6 +51,8 @@ from switchyard.state.redis import redis_client
 log = logging.getLogger("switchyard.cache")
 
 RECENT_S = 30.0  # how long an invalidation filter still drops late, older entries
+THRESHOLDS_TTL_S = 7 * 86400
+_PARTITION_MAX = 256  # a partition key is a hash; longer is not ours
 _FILTERS = ("tenant", "model", "tag", "partition")
 _HEADER_MAX = 64 * 1024  # a header beyond this is not ours
 
@@ -151,6 +156,31 @@ class SharedCache:
             return False
         return True
 
+    async def threshold_moved(self, partition: str, raise_by: float) -> None:
+        """Tell every process that `partition`'s threshold moved (decide/shadow_threshold.py)."""
+        event = orjson.dumps({"origin": self.origin, "partition": partition, "raise_by": raise_by})
+        key = self.prefix + "thresholds"
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.hset(key, partition, repr(float(raise_by)))
+                pipe.expire(key, int(THRESHOLDS_TTL_S))
+                pipe.publish(self.channel, b"T" + event)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            self._failed("threshold", exc)
+
+    def _adopt(self, partition: Any, raise_by: Any) -> None:
+        if isinstance(partition, bytes):
+            partition = partition.decode(errors="replace")
+        if isinstance(raise_by, bytes):
+            raise_by = raise_by.decode(errors="replace")
+        try:
+            value = float(raise_by)
+        except (TypeError, ValueError):
+            return
+        if isinstance(partition, str) and len(partition) <= _PARTITION_MAX and value == value:
+            self.cache.adopt_threshold(partition, value)
+
     async def invalidate(self, f: dict[str, Any], dry_run: bool) -> dict[str, Any]:
         """Remove the matching entries from Redis and tell every process (the local
         index is the caller's). Raises RedisError/OSError: an admin asked, and must
@@ -210,6 +240,14 @@ class SharedCache:
                     await pubsub.aclose()
 
     def apply(self, data: bytes) -> None:
+        if data[:1] == b"T":
+            try:
+                moved = orjson.loads(data[1:])
+            except orjson.JSONDecodeError:
+                return
+            if isinstance(moved, dict) and moved.get("origin") != self.origin:
+                self._adopt(moved.get("partition"), moved.get("raise_by"))
+            return
         if data[:1] == b"P":
             got = unpack(data[1:])
             if got is not None and got[0]["origin"] != self.origin:
@@ -281,6 +319,9 @@ class SharedCache:
         for e in self.cache.entries():
             if e.created < started and e.keys.exact not in seen:
                 self.cache.drop(e)
+        moved = await self._redis.hgetall(self.prefix + "thresholds")
+        for partition, raise_by in list(moved.items())[:10_000]:
+            self._adopt(partition, raise_by)
         self.resyncs += 1
         return loaded
 
