@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from support.gateways import Gateway, start_gateway
+from support.gateways import Gateway, local_model, start_gateway
 from support.mcp_sessions import Tools
 from support.paths import MCP_TOOL_SERVER
 from support.upstreams import Scripted, start_scripted
@@ -49,6 +49,7 @@ def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
             # $1000 per million output tokens: 10 tokens cost exactly $0.01.
             {"alias": "cheap", "engine": upstream, "price": {"input": 0.0, "output": 1000.0}},
             {"alias": "narrow", "engine": upstream, "limits": {"max_concurrency": 2, "queue": 64}},
+            local_model("smol"),  # one engine for every worker, in the control plane
         ],
         "embeddings": {"enabled": False},
     }
@@ -117,6 +118,7 @@ def test_one_control_plane_many_workers_each_with_its_own_listener(gw: Gateway) 
     children = os.popen(f"ps -o pid=,args= --ppid {gw.proc.popen.pid}").read()
     assert children.count("ledger_writer") == 1, children
     assert children.count("redis-server") == 1, children
+    assert children.count("llama-server") == 1, children
 
 
 def test_a_budget_race_over_every_worker_admits_exactly_what_fits(gw: Gateway) -> None:
@@ -343,3 +345,17 @@ def test_every_workers_readiness_shows_what_the_control_plane_runs(gw: Gateway) 
     assert all(r["status"] == "ready" for r in seen)
     # The tool server is the control plane's: no worker runs one of its own.
     assert all(r["models"]["mcp:crm"]["kind"] == "stdio" for r in seen)
+
+
+def test_one_engine_serves_every_worker_and_each_shows_it(gw: Gateway) -> None:
+    key = _tenant(gw)
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4}
+    rs = _many(4, lambda: _post(gw, key, body))  # through whichever workers
+    assert [r.status_code for r in rs] == [200] * 4
+    assert all(r.json()["usage"]["completion_tokens"] >= 1 for r in rs)
+    for _ in range(WORKERS * 2):  # any worker answers with the control plane's engine
+        engines = httpx.get(gw.url + "/admin/engines", headers=gw.admin, timeout=10).json()
+        assert set(engines["engines"]) == {"smol"}
+        assert engines["engines"]["smol"]["state"] == "ready"
+        ready = httpx.get(gw.url + "/readyz", headers=gw.admin, timeout=10).json()
+        assert ready["models"]["smol"]["kind"] == "llamacpp"

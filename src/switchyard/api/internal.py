@@ -7,7 +7,8 @@ worker processes ask of the one control plane.
   (engines/front.py);
 - `/mcp`: the MCP endpoint, its sessions and tool servers (api/mcp_relay.py);
 - `/state/readiness`: the control plane's readiness report (its engines, tool servers
-  and revisions), which each worker's /readyz shows (control/follow.py).
+  and revisions) and its residency pool, which each worker's /readyz and
+  /admin/engines show (control/follow.py).
 
 It listens on loopback only. The gates and the engines answer only the bearer token
 the supervisor gave the workers (compared in constant time); /mcp answers the callers'
@@ -49,10 +50,12 @@ class GateRoutes:
         leases: Leases,
         token: str,
         readiness: Callable[[], tuple[bool, dict[str, Any]]] | None = None,
+        engines: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.leases = leases
         self._token = token.encode()
         self._readiness = readiness
+        self._engines = engines
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -73,7 +76,8 @@ class GateRoutes:
         except SwitchyardError as exc:
             return _json(exc.body(), exc.status)
         ready, models = self._readiness() if self._readiness is not None else (True, {})
-        return _json({"ready": ready, "models": models})
+        engines = self._engines() if self._engines is not None else None
+        return _json({"ready": ready, "models": models, "engines": engines})
 
     async def _read(self, request: Request) -> tuple[Any, dict[str, Any]]:
         self._check(request)

@@ -24,7 +24,21 @@ STALE_S = 5.0
 
 class ControlView(Components):
     control_view: dict[str, Any] | None = None  # the control plane's models report
+    control_engines: dict[str, Any] | None = None  # its residency pool and engines
     _control_seen = 0.0
+
+    def engines_report(self) -> dict[str, Any]:
+        """The residency pool and the managed engines: this process's own, or of a
+        worker of several, the control plane's (where they run)."""
+        if not self.role.worker:
+            reg = self.registry
+            return {
+                "pool": reg.pool.describe(),
+                "engines": {e.alias: e.describe() for e in reg.managed()},
+            }
+        if self.control_report() is None or self.control_engines is None:
+            return {"pool": {}, "engines": {}, "control_plane": "unreachable"}
+        return self.control_engines
 
     def control_report(self) -> dict[str, Any] | None:
         """The control plane's last report, or None when it is missing or stale."""
@@ -44,6 +58,8 @@ class ControlView(Components):
                         body = orjson.loads(await r.read())
                     if r.status == 200 and isinstance(body.get("models"), dict):
                         self.control_view = body["models"]
+                        engines = body.get("engines")
+                        self.control_engines = engines if isinstance(engines, dict) else None
                         self._control_seen = time.monotonic()
                         warned = False
                 except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError) as exc:

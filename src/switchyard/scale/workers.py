@@ -250,7 +250,9 @@ class Supervisor:
                 gw.mcp, gw.auth, settings.server.max_body_bytes, settings.auth.mode == "disabled"
             )
             await stack.enter_async_context(mcp.running())
-        app = internal_app(GateRoutes(self.leases, token, gw.readiness), self.front, mcp)
+        app = internal_app(
+            GateRoutes(self.leases, token, gw.readiness, gw.engines_report), self.front, mcp
+        )
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         # The public port's HTTP limits too (header timeout and size, connection cap,

@@ -5,7 +5,7 @@ several deployments (canaries), set through the control plane (control/weights.p
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -20,6 +20,8 @@ from switchyard.errors import InvalidRequest, ModelNotFound
 class EngineServices(Protocol):
     registry: Registry
     balancers: dict[str, Balancer]
+
+    def engines_report(self) -> dict[str, Any]: ...
 
     def set_weights(
         self, alias: str, weights: dict[str, float], reason: str
@@ -41,8 +43,7 @@ class Engines:
         now = time.monotonic()
         return as_json(
             {
-                "pool": reg.pool.describe(),
-                "engines": {e.alias: e.describe() for e in reg.managed()},
+                **self.s.engines_report(),  # of several workers: the control plane's
                 "load": {
                     d.name: d.live.engine.describe(now)
                     for d in reg.every()
