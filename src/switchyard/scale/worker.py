@@ -72,7 +72,7 @@ def main() -> int:
     # The control plane's engine front takes this token (the remote engines read it).
     os.environ[ENGINE_TOKEN_ENV] = spec["token"]
     settings = worker_settings(
-        load_settings(spec["config"]), spec["control_url"], spec["redis_url"]
+        load_settings(spec["config"]), spec["control_url"], spec["redis_url"], spec["workers"]
     )
     role = ProcessRole(
         "worker",

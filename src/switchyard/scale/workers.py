@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -78,14 +79,17 @@ def refusal(settings: Settings) -> str | None:
     return None
 
 
-def worker_settings(settings: Settings, control_url: str, redis_url: str) -> Settings:
-    """A worker's settings: every local model is the control plane's engine front, and
-    shared state is in `redis_url`."""
+def worker_settings(settings: Settings, control_url: str, redis_url: str, workers: int) -> Settings:
+    """A worker's settings: every local model is the control plane's engine front,
+    shared state is in `redis_url`, and it takes its share of `server.max_connections`
+    (the kernel spreads connections evenly over the workers' listeners)."""
     from switchyard.engines.front import remote_engines
     from switchyard.scale.serve_config import ENGINE_TOKEN_ENV
 
     storage = settings.storage.model_copy(update={"redis_url": redis_url})
-    settings = settings.model_copy(update={"storage": storage})
+    share = max(1, math.ceil(settings.server.max_connections / max(1, workers)))
+    server = settings.server.model_copy(update={"max_connections": share})
+    settings = settings.model_copy(update={"storage": storage, "server": server})
     return remote_engines(settings, f"{control_url}/engines", ENGINE_TOKEN_ENV)
 
 
@@ -214,6 +218,7 @@ class Supervisor:
             "redis_url": redis_url,
             "token": secrets.token_urlsafe(32),
             "ledger_socket": str(run / "ledger.sock"),
+            "workers": len(self.workers),
         }
         self.writer = await asyncio.to_thread(
             spawn_shared_writer,
