@@ -31,6 +31,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import psutil
 import yaml
 
 import switchyard
@@ -227,8 +228,9 @@ def spawn(name: str, argv: list[str], logdir: Path, env: dict[str, str] | None =
     return Child(name, proc, log)
 
 
-def serve_argv(config: Path, port: int) -> list[str]:
-    """`switchyard serve` with this config on this port, from the same interpreter."""
+def serve_argv(config: Path, port: int, workers: int = 1) -> list[str]:
+    """`switchyard serve` with this config on this port, from the same interpreter;
+    with `workers` > 1, as that many worker processes (`--workers`)."""
     return [
         sys.executable,
         "-m",
@@ -238,6 +240,7 @@ def serve_argv(config: Path, port: int) -> list[str]:
         str(config),
         "--port",
         str(port),
+        *(["--workers", str(workers)] if workers > 1 else []),
     ]
 
 
@@ -310,9 +313,23 @@ def http(
         return 0, b""
 
 
-def readyz(port: int) -> bool:
-    """True when the gateway on loopback `port` answers GET /readyz with 200."""
+def readyz(port: int, listeners: int = 1) -> bool:
+    """True when the gateway on loopback `port` answers GET /readyz with 200 and, for
+    `listeners` > 1 (`serve --workers N`), that many sockets listen on the port: each
+    worker has its own, and the kernel spreads a client's connections only over those
+    listening when it connects, so a late worker would sit out a measured run."""
+    if listeners > 1 and listening(port) < listeners:
+        return False
     return http("GET", f"http://127.0.0.1:{port}/readyz")[0] == 200
+
+
+def listening(port: int) -> int:
+    """How many TCP sockets listen on `port` on this machine."""
+    return sum(
+        1
+        for c in psutil.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+    )
 
 
 def wait_ready(child: Child, ready: Callable[[], bool], timeout_s: float) -> None:
@@ -504,9 +521,10 @@ def prepare_keyed_gateway(
     return KeyedGateway(name, port, db, cfg, key)
 
 
-def start_gateway(name: str, config: Path, port: int, workdir: Path) -> Child:
-    """Spawn `switchyard serve` with its own SQLite path honoured (see `gateway_env`)."""
-    return spawn(name, serve_argv(config, port), workdir, env=gateway_env())
+def start_gateway(name: str, config: Path, port: int, workdir: Path, workers: int = 1) -> Child:
+    """Spawn `switchyard serve` (with `workers` > 1, `--workers`) with its own SQLite path
+    honoured (see `gateway_env`)."""
+    return spawn(name, serve_argv(config, port, workers), workdir, env=gateway_env())
 
 
 # --- machine --------------------------------------------------------------------------

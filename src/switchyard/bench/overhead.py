@@ -7,11 +7,14 @@ what its decisions cost. wrk drives the load (a C client, so the load generator 
 is measured), in interleaved rounds with the order rotated, so drift on the machine hits
 every target alike; medians across rounds are reported.
 
-Switchyard runs in the scenarios `--scenario` names, both by default:
+Switchyard runs in the scenarios `--scenario` names, the first two by default:
 - `core`: the `switchyard` target, auth off, observe defaults: the gateway core;
 - `realistic`: the `sy-realistic` target, a key with limits under a tenant with limits and
-  a daily budget, traces on; see `bench/realistic.py`.
-Both are judged against the floor with the same targets.
+  a daily budget, traces on; see `bench/realistic.py`;
+- `workers`: the `sy-workers` target, the realistic gateway served by `serve --workers N`
+  (`--workers`, default 2), its limiter in the private redis-server; see `bench/workers.py`;
+- `governed` and `protocols`: see `bench/governed.py` and `bench/protocols.py`.
+Each is judged against the floor with the same targets.
 
 With `--policy`, two more Switchyard targets with authentication, limits, budget and
 ledger on (in-process and Redis limiters) join the same rounds; see `bench/policy.py`.
@@ -31,8 +34,8 @@ upstream, so what is measured is the proxy alone.
 
 Processes, HTTP, wrk and configs come from `bench/harness.py`; the summary, the verdicts
 and the table from `bench/overhead_report.py`. This module and that one are the only ones
-that import the scenario modules (policy, observe, realistic), so the bench import graph
-runs one way.
+that import the scenario modules (policy, observe, realistic, workers, ...), so the bench
+import graph runs one way.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from switchyard.bench import governed, native, observe, policy, protocols, realistic
+from switchyard.bench import governed, native, observe, policy, protocols, realistic, workers
 from switchyard.bench.harness import (
     CHAT_PATH,
     MODEL,
@@ -378,8 +381,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(sy-governed vs sy-gov-off: task budgets and tool-call checks on vs off, the "
         "upstream answering with tool calls for every target) and protocols (sy-messages "
         "and sy-responses: the realistic gateway on /v1/messages and /v1/responses, "
-        "compared with sy-realistic's chat request; needs realistic); --policy and "
-        "--observe need core",
+        "compared with sy-realistic's chat request; needs realistic) and workers "
+        "(sy-workers: the realistic gateway served by `serve --workers N`, see --workers); "
+        "--policy and --observe need core",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=workers.DEFAULT_WORKERS,
+        help="worker processes of the sy-workers target (--scenario workers; at least 2: "
+        "one process is sy-realistic)",
     )
     parser.add_argument("--out", default=None, help="JSON result path")
     parser.add_argument(
@@ -442,6 +453,10 @@ def _start(
             for pt in protocols.start_protocol_targets(workdir, rt.url, rt.key, args.tokens):
                 urls[pt.name] = pt.url
                 scripts[pt.name] = pt.scripts
+    if "workers" in scenarios:
+        wt = workers.start_workers_target(workdir, urls, args, children)
+        urls[wt.name] = wt.url
+        scripts[wt.name] = wt.scripts
     if "governed" in scenarios:
         for gt in governed.start_governed_targets(workdir, urls, args, children):
             urls[gt.name] = gt.url
@@ -518,6 +533,13 @@ def _check_tools(args: argparse.Namespace) -> str | None:
         return f"bench overhead needs wrk ({args.wrk!r} not found)"
     if args.policy and shutil.which(args.redis_server) is None:
         return f"bench overhead --policy needs redis-server ({args.redis_server!r} not found)"
+    if "workers" in scenarios_of(args) and args.workers < 2:
+        return "--workers: at least 2 (one process is the realistic target)"
+    if "workers" in scenarios_of(args) and shutil.which("redis-server") is None:
+        return (
+            "bench overhead --scenario workers needs redis-server (the workers' private "
+            "limiter store; `make sysdeps` installs it)"
+        )
     if "protocols" in scenarios_of(args) and "realistic" not in scenarios_of(args):
         return "--scenario protocols compares with the realistic target: add --scenario realistic"
     if (args.policy or args.observe) and "core" not in scenarios_of(args):
@@ -592,12 +614,16 @@ def run(args: argparse.Namespace) -> int:
         governed.record(result, summary)
     if protocols.RESPONSES in urls:
         protocols.record(result, summary)
+    if workers.TARGET in urls:
+        workers.record(result, summary, args.workers)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"results: {out}")
     code = _policy_errors(policy.errors(summary)) if args.policy else 0
     if with_realistic:
         code = max(code, realistic.check_errors(summary))
+    if workers.TARGET in urls:
+        code = max(code, realistic.check_errors(summary, workers.TARGET))
     if args.observe:
         code = max(code, observe.check_errors(summary))
     return code

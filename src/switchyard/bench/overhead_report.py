@@ -5,7 +5,8 @@ and the summary and table it prints.
 target, each judged target's added p50 and req/s against the floor (ratios of medians and
 each round's own), and PASS or MISS, and, when nginx was measured, what the native
 proxy hop adds beside what the Python floor adds; `render` prints that as the table
-`bench overhead` shows. Starting and driving the targets is `overhead.py`'s.
+`bench overhead` shows, with the blocks the workers, governed and protocols scenarios
+add. Starting and driving the targets is `overhead.py`'s.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import argparse
 import statistics
 from typing import Any
 
-from switchyard.bench import governed, native, observe, protocols, realistic
+from switchyard.bench import governed, native, observe, protocols, realistic, workers
 from switchyard.bench.harness import Scenario
 
 TARGETS = ("direct", "floor", "switchyard")
@@ -24,6 +25,7 @@ SCENARIOS = {
     "core": CORE,
     "realistic": realistic.TARGET,
     "protocols": protocols.RESPONSES,  # and protocols.MESSAGES: started with realistic's
+    "workers": workers.TARGET,
     "governed": governed.TARGET,
 }
 CHECKED_TARGETS = (*SCENARIOS.values(), protocols.MESSAGES)
@@ -256,6 +258,7 @@ def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
         if "observe" in s:
             lines.extend(observe.lines(s))
         lines.append("")
+    lines.extend(workers.lines(summary, getattr(args, "workers", None)))
     lines.extend(governed.lines(summary))
     lines.extend(protocols.lines(summary))
     return "\n".join(lines)

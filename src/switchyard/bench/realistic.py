@@ -16,7 +16,9 @@ request reserves and settles on both the key's and the tenant's scopes.
 
 `overhead.summarize` judges this target against the floor with the same targets as
 `switchyard` (added p50 at c=1 at most 1.5x the floor's, req/s at c=32 at least 0.70x);
-this module starts it, checks it really is what it claims, and describes it.
+this module starts it, checks it really is what it claims, and describes it. The
+`workers` scenario (bench/workers.py) starts the same gateway under another name with
+`serve --workers N` through the same functions, so both are one config, key and check.
 """
 
 from __future__ import annotations
@@ -72,11 +74,13 @@ class RealisticTarget:
     key: str
 
 
-def prepare(workdir: Path, upstream_port: int, timeout_s: float) -> KeyedGateway:
+def prepare(
+    workdir: Path, upstream_port: int, timeout_s: float, name: str = TARGET
+) -> KeyedGateway:
     """Create the tenant and key (through the CLI) in a fresh SQLite file under `workdir`
-    and write the gateway's config; nothing is started yet."""
+    and write the gateway's config, for the target `name`; nothing is started yet."""
     return prepare_keyed_gateway(
-        TARGET,
+        name,
         workdir,
         upstream_port,
         TENANT,
@@ -99,18 +103,22 @@ def start_realistic_target(
     urls: dict[str, str],
     args: argparse.Namespace,
     children: list[Child],
+    name: str = TARGET,
+    workers: int = 1,
 ) -> RealisticTarget:
-    """Start the realistic gateway against the upstream already serving `urls["direct"]`.
+    """Start the realistic gateway, as the target `name` with `workers` processes,
+    against the upstream already serving `urls["direct"]`; with several workers it is
+    ready once every one of them listens.
 
     The started child is appended to `children` at once, so the caller stops it
     whatever happens here.
     """
     upstream_port = urlsplit(urls["direct"]).port
     assert upstream_port is not None
-    gw = prepare(workdir, upstream_port, args.startup_timeout)
-    child = start_gateway(gw.name, gw.config, gw.port, workdir)
+    gw = prepare(workdir, upstream_port, args.startup_timeout, name)
+    child = start_gateway(gw.name, gw.config, gw.port, workdir, workers)
     children.append(child)
-    wait_ready(child, partial(readyz, gw.port), args.startup_timeout)
+    wait_ready(child, partial(readyz, gw.port, workers), args.startup_timeout)
     check_realistic(gw, args.tokens)
     return RealisticTarget(
         gw.name, gw.url, write_scripts(workdir, gw.name, gw.key, args.tokens), gw.db, gw.key
@@ -120,34 +128,38 @@ def start_realistic_target(
 # --- results ----------------------------------------------------------------------------
 
 
-def errors(summary: list[dict[str, Any]]) -> int:
-    """Non-2xx and socket errors of the realistic target, over all scenarios and rounds."""
-    return sum(int(s["targets"][TARGET]["errors"]) for s in summary)
+def errors(summary: list[dict[str, Any]], target: str = TARGET) -> int:
+    """Non-2xx and socket errors of a realistic target, over all scenarios and rounds."""
+    return sum(int(s["targets"][target]["errors"]) for s in summary)
 
 
-def check_errors(summary: list[dict[str, Any]]) -> int:
-    """1 when the realistic target had errors: a refused request is not the cost of the
+def check_errors(summary: list[dict[str, Any]], target: str = TARGET) -> int:
+    """1 when a realistic target had errors: a refused request is not the cost of the
     checks, so the run fails (the results file is still written); else 0."""
-    n = errors(summary)
+    n = errors(summary, target)
     if n:
         print(
-            f"switchyard: bench overhead: {TARGET} had {n} non-2xx or socket errors; "
+            f"switchyard: bench overhead: {target} had {n} non-2xx or socket errors; "
             "its numbers are not the cost of a realistic key",
             file=sys.stderr,
         )
     return 1 if n else 0
 
 
-def record(result: dict[str, Any]) -> None:
-    """Add what the realistic target was to the JSON result."""
-    workload = result["workload"]
-    workload["targets"][TARGET] = DESCRIPTION
-    workload["realistic"] = {
-        "target": TARGET,
+def workload(target: str, limiter: str) -> dict[str, Any]:
+    """What a realistic target serves, for the JSON result's workload."""
+    return {
+        "target": target,
         "auth": AUTH_ON,
         "tenant": TENANT,
         "tenant_limits": TENANT_LIMITS,
         "key_limits": KEY_LIMITS,
         "observe": "defaults: metrics on, decision traces on (default trace policy)",
-        "limiter": "in-process",
+        "limiter": limiter,
     }
+
+
+def record(result: dict[str, Any]) -> None:
+    """Add what the realistic target was to the JSON result."""
+    result["workload"]["targets"][TARGET] = DESCRIPTION
+    result["workload"]["realistic"] = workload(TARGET, "in-process")
