@@ -50,6 +50,14 @@ def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
             {"alias": "cheap", "engine": upstream, "price": {"input": 0.0, "output": 1000.0}},
             {"alias": "narrow", "engine": upstream, "limits": {"max_concurrency": 2, "queue": 64}},
             local_model("smol"),  # one engine for every worker, in the control plane
+            {
+                "alias": "pair",
+                "balance": {"strategy": "weighted"},
+                "deployments": [
+                    {"name": "a", "engine": upstream, "weight": 1},
+                    {"name": "b", "engine": upstream, "weight": 1},
+                ],
+            },
         ],
         "embeddings": {"enabled": False},
     }
@@ -271,12 +279,25 @@ def test_a_killed_worker_gives_back_what_it_held_and_is_started_again(
     assert time.monotonic() - started < 120
 
 
+def _tools_ready(gw: Gateway) -> None:
+    """The control plane's stdio tool server is up (as every worker's /readyz says)."""
+    deadline = time.monotonic() + 60
+    while True:
+        models = httpx.get(gw.url + "/readyz", headers=gw.admin, timeout=10).json()["models"]
+        if models.get("mcp:crm", {}).get("ready"):
+            return
+        assert time.monotonic() < deadline, models
+        time.sleep(0.2)
+
+
 def test_mcp_sessions_and_tool_servers_are_the_control_planes(gw: Gateway, tools: Tools) -> None:
     """Every request on its own connection, so they land on any worker: a session
     opened through one worker is used through the others."""
     import httpx2
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
+
+    _tools_ready(gw)
 
     async def client(n: int) -> list[str]:
         async with (
@@ -359,3 +380,17 @@ def test_one_engine_serves_every_worker_and_each_shows_it(gw: Gateway) -> None:
         assert engines["engines"]["smol"]["state"] == "ready"
         ready = httpx.get(gw.url + "/readyz", headers=gw.admin, timeout=10).json()
         assert ready["models"]["smol"]["kind"] == "llamacpp"
+
+
+def test_a_sessions_requests_stay_on_its_deployment_across_workers(gw: Gateway) -> None:
+    key = _tenant(gw)
+    body = {**BODY, "model": "pair"}
+    sessions = [f"s-{time.monotonic_ns()}-{i}" for i in range(4)]
+    for session in sessions:
+        rs = [_post(gw, key, body, **{"x-session-id": session}) for _ in range(8)]
+        assert [r.status_code for r in rs] == [200] * 8
+        served = {r.headers["x-switchyard-upstream"] for r in rs}
+        assert len(served) == 1, (session, served)  # one deployment, whichever worker
+    # Sessionless requests are spread: the balancer would pick either.
+    rs = _many(16, lambda: _post(gw, key, body))
+    assert {r.headers["x-switchyard-upstream"] for r in rs} == {"pair/a", "pair/b"}

@@ -25,6 +25,7 @@ from switchyard.state.store import Store
 from switchyard.state.tasks import TaskStore
 
 if TYPE_CHECKING:
+    from switchyard.state.affinity_redis import SessionAffinity
     from switchyard.state.overhead_redis import SharedOverhead
 
 
@@ -54,4 +55,5 @@ class Components:
     mcp: Any  # the MCP tool gateway (mcp_service/), None without tool servers
     overhead: PromptOverhead
     overhead_share: SharedOverhead | None
+    sessions: SessionAffinity | None
     gates: dict[str, Any]  # DeploymentGate (or a worker's RemoteGate) by alias

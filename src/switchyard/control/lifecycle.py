@@ -142,6 +142,8 @@ class Lifecycle(Readiness, Retention, BusyTime, Weights, RevisionRecords):
         await self.tasks.close()
         if self.overhead_share is not None:
             await self.overhead_share.close()
+        if self.sessions is not None:
+            await self.sessions.close()
         await self.responses.drain()  # stored responses written behind their replies
         self.store.close()
         if self.media is not None:

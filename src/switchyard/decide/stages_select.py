@@ -54,6 +54,7 @@ class Select(Stage):
         on_place: Callable[[str, Placement, list[Change]], None] | None = None,
         metrics: Any = None,
         on_canary_cut: Callable[[str, Deployment, str], None] | None = None,
+        sessions: Any = None,
     ) -> None:
         self._deployments = deployments
         self._balancers = balancers or {}
@@ -64,6 +65,8 @@ class Select(Stage):
         # (alias, deployment, why) when the canary guard cut a deployment (the gateway
         # stores the weight, logs and counts it)
         self._on_canary_cut = on_canary_cut
+        # Sessions' deployments shared by every process (state/affinity_redis.py), or None.
+        self._sessions = sessions
 
     def static(self, view: View) -> Verdict | None:
         if view.deployment is None or view.alias is None:
@@ -103,11 +106,50 @@ class Select(Stage):
             if cfg.prefix_affinity
             else None
         )
-        hold = ctx.task
         remembered = ctx.task_deployments.get(balancer.alias) if ctx.task_deployments else None
         affinity = affinity_key(ctx.input.task_id, ctx.generation, ctx.input.headers)
         if ctx.previous is not None:  # a Responses continuation: where its state is warm
             affinity, remembered = ("response", ctx.previous[0]), ctx.previous[1]
+        if (
+            self._sessions is not None
+            and affinity is not None
+            and affinity[0] == "session"
+            and cfg.affinity
+        ):  # where any process sent this session: asked before balancing
+            return self._with_session(ctx, balancer, t, boundary, prefix, affinity)
+        return self._choose(ctx, balancer, t, boundary, prefix, affinity, remembered)
+
+    async def _with_session(
+        self,
+        ctx: RequestContext,
+        balancer: Balancer,
+        t: float,
+        boundary: list[str] | None,
+        prefix: str | None,
+        affinity: tuple[str, str],
+    ) -> None:
+        p = ctx.principal
+        tenant = p.tenant_id if p is not None else None
+        remembered = await self._sessions.get(balancer.alias, tenant, affinity[1])
+        pending = self._choose(ctx, balancer, t, boundary, prefix, affinity, remembered)
+        if pending is not None:
+            await pending
+        dep = ctx.deployment
+        if dep is not None and dep.name != remembered:  # for its next request, anywhere
+            await self._sessions.put(balancer.alias, tenant, affinity[1], dep.name)
+
+    def _choose(
+        self,
+        ctx: RequestContext,
+        balancer: Balancer,
+        t: float,
+        boundary: list[str] | None,
+        prefix: str | None,
+        affinity: tuple[str, str] | None,
+        remembered: str | None,
+    ) -> Awaitable[None] | None:
+        p = ctx.principal
+        hold = ctx.task
         placer = self._placers.get(balancer.alias)
         placed = self._place(ctx, balancer, placer, boundary) if placer is not None else None
         dep, reason, evidence = balancer.choose(

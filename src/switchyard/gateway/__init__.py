@@ -61,6 +61,7 @@ from switchyard.settle import Settler
 from switchyard.state.choose import (
     build_limiter,
     build_overhead_share,
+    build_session_affinity,
     build_shared_breakers,
     build_store,
     build_tasks,
@@ -111,6 +112,7 @@ class Gateway(ControlPlane):
         self.cache = build_cache(settings, self.embedder)
         # Learned per model, for the reservations (policy/cost.py).
         self.overhead = PromptOverhead(settings.policy.prompt_overhead_tokens)
+        self.sessions = build_session_affinity(settings)  # with Redis: every process's
         self.overhead_share = build_overhead_share(settings)  # with Redis: every process's
         self.router = None  # set once built (start), when routing is enabled
         self.gates = build_gates(settings, self.registry, role)
@@ -148,6 +150,7 @@ class Gateway(ControlPlane):
             consumed_approvals=self.store.consumed_approvals,
             check=self.candidates,
             on_canary_cut=self._canary_cut,
+            sessions=self.sessions,
         )
         self.service = RequestService(
             settings,

@@ -84,6 +84,7 @@ def build_pipelines(
     consumed_approvals: ConsumedApprovals | None = None,
     check: CandidateCheck | None = None,
     on_canary_cut: Callable[[str, Deployment, str], None] | None = None,
+    sessions: Any = None,
 ) -> Pipelines:
     """The stages, in order (DESIGN.md: the request pipeline). Evidence that is the
     same for every request of a model is built once and shared (recorded evidence
@@ -127,6 +128,7 @@ def build_pipelines(
                 metrics.placed if metrics else None,
                 metrics,
                 on_canary_cut,
+                sessions,
             ),
             *([Media(media, metrics)] if media is not None else []),
             DeploymentLimits(reserver, estimate),

@@ -10,6 +10,9 @@
 - the breakers' windows shared between processes: in Redis when `storage.redis_url`
   is set, else none (each process's breakers are its own).
 
+- sessions' deployments (affinity): shared through Redis when `storage.redis_url` is
+  set and a model has several deployments (state/affinity_redis.py).
+
 - the learned prompt overhead: shared through Redis when `storage.redis_url` is set
   (state/overhead_redis.py), else each process's own.
 
@@ -34,6 +37,7 @@ from switchyard.state.tasks import TaskStore
 from switchyard.state.tasks_memory import MemoryTaskStore
 
 if TYPE_CHECKING:
+    from switchyard.state.affinity_redis import SessionAffinity
     from switchyard.state.overhead_redis import SharedOverhead
 
 
@@ -133,6 +137,19 @@ def build_overhead_share(settings: Settings) -> SharedOverhead | None:
         from switchyard.state import overhead_redis  # Redis's client only when used
 
         return overhead_redis.SharedOverhead(
+            settings.storage.redis_url, settings.storage.redis_timeout_s
+        )
+    return None
+
+
+def build_session_affinity(settings: Settings) -> SessionAffinity | None:
+    """Sessions' deployments shared by every gateway process, in Redis when
+    `storage.redis_url` is set and a model has several deployments
+    (state/affinity_redis.py); else None (each process's balancers remember alone)."""
+    if settings.storage.redis_url and any(m.deployments for m in settings.models):
+        from switchyard.state import affinity_redis  # Redis's client only when used
+
+        return affinity_redis.SessionAffinity(
             settings.storage.redis_url, settings.storage.redis_timeout_s
         )
     return None
