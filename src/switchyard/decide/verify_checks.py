@@ -103,9 +103,22 @@ def _check_negation(a: _Prompt, b: _Prompt) -> str | None:
     return "" if na != nb else None
 
 
+_PERSONS_OWNING = frozenset({"my", "your", "their"})  # owners that are a person, not "an"
+
+
 def _check_scope(a: _Prompt, b: _Prompt) -> str | None:
-    """The same noun owned or quantified differently: "my account" vs "an account"."""
+    """The same noun owned or quantified differently: "my account" vs "an account".
+    Nouns only one side writes are paired in order when both sides have as many (the
+    same place, one spelt otherwise: "my domain" vs "their doaun"), and then only
+    whose they are counts."""
     sa, sb = a.scopes, b.scopes
+    only_a = [n for n in sa if n not in sb]
+    only_b = [n for n in sb if n not in sa]
+    if len(only_a) == len(only_b):  # whose, by person only: "a refund" / "my money" pass
+        for na, nb in zip(only_a, only_b, strict=True):
+            oa, ob = sa[na][0] & _PERSONS_OWNING, sb[nb][0] & _PERSONS_OWNING
+            if oa and ob and oa.isdisjoint(ob):
+                return f"{min(oa)} != {min(ob)}"
     for noun in sorted(sa.keys() & sb.keys()):
         (oa, qa), (ob, qb) = sa[noun], sb[noun]
         pairs = [(oa, ob), (qa, qb)]
