@@ -19,7 +19,7 @@ import logging
 
 from redis.exceptions import RedisError
 
-from switchyard.state.redis import redis_client
+from switchyard.state.redis import count_failure, redis_client
 
 log = logging.getLogger("switchyard")
 
@@ -57,9 +57,7 @@ class SessionAffinity:
             self._failed(exc)
 
     def _failed(self, exc: BaseException) -> None:
-        self.errors += 1
-        if self.errors == 1 or self.errors % 100 == 0:
-            log.warning("shared session affinity failed (%d so far): %s", self.errors, exc)
+        self.errors = count_failure(log, self.errors, "shared session affinity", exc)
 
     async def close(self) -> None:
         await self._redis.aclose()

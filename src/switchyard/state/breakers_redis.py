@@ -35,7 +35,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from switchyard.state.breakers_memory import CircuitBreaker
-from switchyard.state.redis import redis_client
+from switchyard.state.redis import count_failure, redis_client
 
 log = logging.getLogger("switchyard.breaker")
 
@@ -174,11 +174,5 @@ class SharedBreakers:
             self._failed("clear", exc)
 
     def _failed(self, what: str, exc: BaseException) -> None:
-        self.errors += 1
-        if self.errors == 1 or self.errors % 100 == 0:
-            log.warning(
-                "shared breaker %s failed (%d so far); breakers stay local: %s",
-                what,
-                self.errors,
-                exc,
-            )
+        what = f"shared breaker {what} (breakers stay local)"
+        self.errors = count_failure(log, self.errors, what, exc)

@@ -46,7 +46,7 @@ import orjson
 from redis.exceptions import RedisError
 
 from switchyard.state.cache import CacheKeys, Entry, LocalEntries
-from switchyard.state.redis import redis_client
+from switchyard.state.redis import count_failure, redis_client
 
 log = logging.getLogger("switchyard.cache")
 
@@ -343,11 +343,6 @@ class SharedCache:
         }
 
     def _failed(self, what: str, exc: BaseException) -> None:
-        self.errors += 1
-        if self.errors == 1 or self.errors % 100 == 0:
-            log.warning(
-                "shared cache %s failed (%d so far); entries stay local: %s",
-                what,
-                self.errors,
-                exc,
-            )
+        self.errors = count_failure(
+            log, self.errors, f"shared cache {what} (entries stay local)", exc
+        )

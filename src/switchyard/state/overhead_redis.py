@@ -16,7 +16,7 @@ import logging
 
 from redis.exceptions import RedisError
 
-from switchyard.state.redis import redis_client
+from switchyard.state.redis import count_failure, redis_client
 
 log = logging.getLogger("switchyard")
 
@@ -59,9 +59,7 @@ class SharedOverhead:
                 raw = await self._redis.hgetall(self.key)
                 flat = [x for kv in raw.items() for x in kv]
         except (RedisError, OSError) as exc:
-            self.errors += 1
-            if self.errors == 1 or self.errors % 100 == 0:
-                log.warning("sharing the learned prompt overhead failed: %s", exc)
+            self.errors = count_failure(log, self.errors, "sharing the prompt overhead", exc)
             return {}
         out: dict[str, tuple[int, float]] = {}
         for i in range(0, min(len(flat), 2 * _MAX_MODELS), 2):

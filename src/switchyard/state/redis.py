@@ -4,6 +4,7 @@ and how an unreachable Redis is reported (`LimiterUnavailable`).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Awaitable
 from typing import Any
@@ -56,3 +57,13 @@ async def shared_call(state: str, what: str, coro: Awaitable[Any]) -> Any:
         raise LimiterUnavailable(
             f"Redis {state} unavailable during {what}: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def count_failure(log: logging.Logger, errors: int, what: str, exc: BaseException) -> int:
+    """One more Redis failure of a shared-state component that keeps working without
+    Redis (`errors`: its count before this one); logged the first and every 100th time,
+    so Redis being down neither floods the log nor goes unseen. The new count."""
+    errors += 1
+    if errors == 1 or errors % 100 == 0:
+        log.warning("%s failed (%d so far): %s", what, errors, exc)
+    return errors

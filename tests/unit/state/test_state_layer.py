@@ -254,3 +254,20 @@ def test_with_redis_limits_and_tasks_go_to_redis_without_connecting(tmp_path: Pa
     # The first use is what reaches Redis: both report it unavailable, by its state.
     assert limiter_error is not None and "Redis limiter unavailable" in str(limiter_error)
     assert tasks_error is not None and "Redis task state unavailable" in str(tasks_error)
+
+
+def test_a_shared_components_redis_failures_are_counted_and_logged_sparingly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from switchyard.state.redis import count_failure
+
+    log = logging.getLogger("switchyard.test-failures")
+    errors = 0
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        for _ in range(250):
+            errors = count_failure(log, errors, "shared thing", OSError("down"))
+    assert errors == 250
+    logged = [r.getMessage() for r in caplog.records if r.name == log.name]
+    assert logged == [f"shared thing failed ({n} so far): down" for n in (1, 100, 200)]
