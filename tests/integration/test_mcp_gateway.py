@@ -382,8 +382,10 @@ def test_a_client_that_cancels_its_call_stops_the_tool_and_leaves_it_in_doubt(
     call_id = "call_sy_" + os.urandom(6).hex()
     seconds = 1.4 + int.from_bytes(os.urandom(2), "big") / 1e6
 
+    bodies: list[bytes] = []
+
     async def go() -> MCPError:
-        async with session(gw) as s:
+        async with session(gw, bodies=bodies) as s:
             call = asyncio.create_task(
                 s.call_tool("web__hang", {"seconds": seconds}, meta={"call_id": call_id})
             )
@@ -394,6 +396,14 @@ def test_a_client_that_cancels_its_call_stops_the_tool_and_leaves_it_in_doubt(
                 await call
             with pytest.raises(MCPError) as again:
                 await s.call_tool("web__hang", {"seconds": seconds}, meta={"call_id": call_id})
+            # The cancelled call's POST is still answered (REQUEST_CANCELLED), and the SDK
+            # hands that late answer to its session: closing the session before then
+            # breaks the SDK's own stream (anyio.BrokenResourceError), a client-side race.
+            deadline = time.monotonic() + 10
+            while not any(b"-32800" in b for b in bodies):
+                assert time.monotonic() < deadline, "the cancelled call's POST was never answered"
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)
             return again.value
 
     again = run(go())

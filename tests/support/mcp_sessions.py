@@ -60,11 +60,54 @@ def wait_tools_ready(g: Gateway, names: tuple[str, ...] = ("crm", "web", "flaky"
     raise RuntimeError(f"tool servers not ready: {models}\n{g.proc.output()[-3000:]}")
 
 
+class _Answers(httpx2.AsyncBaseTransport):
+    """Plain HTTP that also keeps each POST's whole reply body once the SDK has read it,
+    so a test can wait for an answer the SDK itself drops (a cancelled call's)."""
+
+    def __init__(self, bodies: list[bytes]) -> None:
+        self.inner = httpx2.AsyncHTTPTransport()
+        self.bodies = bodies
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        response = await self.inner.handle_async_request(request)
+        if request.method != "POST":
+            return response
+        stream, bodies = response.stream, self.bodies
+        assert isinstance(stream, httpx2.AsyncByteStream)
+        inner: httpx2.AsyncByteStream = stream
+
+        class Kept(httpx2.AsyncByteStream):
+            async def __aiter__(self) -> AsyncIterator[bytes]:
+                parts = []
+                async for part in inner:
+                    parts.append(part)
+                    yield part
+                bodies.append(b"".join(parts))
+
+            async def aclose(self) -> None:
+                await inner.aclose()
+
+        return httpx2.Response(
+            response.status_code,
+            headers=response.headers,
+            stream=Kept(),
+            extensions=response.extensions,
+        )
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 @asynccontextmanager
-async def session(g: Gateway, key: str | None = None, **headers: str) -> AsyncIterator[Any]:
+async def session(
+    g: Gateway, key: str | None = None, bodies: list[bytes] | None = None, **headers: str
+) -> AsyncIterator[Any]:
+    """The SDK's client session on the gateway's /mcp; `bodies`, when given, collects
+    every POST's reply body as the SDK reads it."""
     auth = {"Authorization": f"Bearer {key or g.key}"}
+    transport = _Answers(bodies) if bodies is not None else None
     async with (
-        httpx2.AsyncClient(headers={**auth, **headers}, timeout=60) as http,
+        httpx2.AsyncClient(headers={**auth, **headers}, timeout=60, transport=transport) as http,
         streamable_http_client(g.url + "/mcp", http_client=http) as (read, write),
         ClientSession(read, write) as s,
     ):
