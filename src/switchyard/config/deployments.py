@@ -98,7 +98,9 @@ class PlacementConfig(Strict):
 
 class CanaryGuard(Strict):
     """Cuts a canary deployment's weight to 0 when, over the last `window_s` with at
-    least `min_samples` requests, its error rate or p95 latency passes its bound."""
+    least `min_samples` requests, its error rate or p95 latency passes its bound. With
+    `storage.redis_url` the window holds every gateway process's requests (shared each
+    0.25 s: state/guard_redis.py)."""
 
     max_error_rate: float = Field(0.05, ge=0, le=1)
     """Error share over `window_s` past which a canary's weight is cut to 0."""
@@ -108,7 +110,8 @@ class CanaryGuard(Strict):
     window_s: float = Field(300.0, gt=0)
     """Seconds of recent requests the bounds are judged over."""
     min_samples: int = Field(20, ge=1)
-    """Requests within `window_s` before a canary is judged."""
+    """Requests within `window_s` before a canary is judged (with `storage.redis_url`, counted
+    over every gateway process)."""
 
 
 class BalanceConfig(Strict):

@@ -18,6 +18,7 @@ from switchyard.observe.metrics import Metrics
 from switchyard.observe.otel import Tracing
 from switchyard.policy.cost import PromptOverhead
 from switchyard.policy.tasks import Running
+from switchyard.state.guard import GuardShare
 from switchyard.state.keys import KeyStore
 from switchyard.state.limits import Limiter
 from switchyard.state.responses import ResponseStore
@@ -56,4 +57,5 @@ class Components:
     overhead: PromptOverhead
     overhead_share: SharedOverhead | None
     sessions: SessionAffinity | None
+    guard_share: GuardShare | None  # the canary guards' windows shared (state/guard.py)
     gates: dict[str, Any]  # DeploymentGate (or a worker's RemoteGate) by alias

@@ -144,6 +144,8 @@ class Lifecycle(Readiness, Retention, BusyTime, Weights, RevisionRecords):
             await self.overhead_share.close()
         if self.sessions is not None:
             await self.sessions.close()
+        if self.guard_share is not None:
+            await self.guard_share.close()
         await self.responses.drain()  # stored responses written behind their replies
         self.store.close()
         if self.media is not None:

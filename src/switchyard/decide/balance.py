@@ -23,6 +23,12 @@ sharing a prefix find it in that engine's cache.
 
 When no deployment is eligible the first is chosen with every reason recorded, and
 the executor refuses it (not ready, circuit open), so the model's fallbacks apply.
+
+The canary guard judges a canary's window of outcomes (`guard_check`, kept as counts:
+state/guard.py). With a `guard_share` (several gateway processes, `storage.redis_url`:
+state/guard_redis.py) it judges over every process's window: its own with the others'
+counts as last shared, at each outcome here and at each exchange (`guard_adopt`), where
+a cut is reported through `on_cut` as the request path's would be.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import math
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from switchyard.config import BalanceConfig, CanaryGuard
@@ -41,6 +47,7 @@ from switchyard.engines.registry import Deployment
 from switchyard.errors import ModelNotFound
 from switchyard.request import Generation
 from switchyard.state.breakers_memory import CircuitBreaker
+from switchyard.state.guard import NONE, GuardCounts, GuardShare
 
 _KEY_CHARS = 256  # an affinity key longer than this is kept as its hash
 RING_POINTS = 64  # points per deployment on the prefix hash ring
@@ -54,6 +61,8 @@ class Balancer:
         cfg: BalanceConfig,
         breakers: Mapping[str, CircuitBreaker],
         rng: random.Random | None = None,
+        guard_share: GuardShare | None = None,
+        on_cut: Callable[[str, Deployment, str], None] | None = None,
     ) -> None:
         self.alias = alias
         self.deployments = deployments
@@ -71,6 +80,20 @@ class Balancer:
         # does not yield to load), and weights are canary weights.
         self.versioned = len({d.model.revision for d in deployments}) > 1
         self.guard: CanaryGuard | None = deployments[0].model.canary_guard if deployments else None
+        # The guard's window of each canary (d.live.outcomes) as running counts
+        # [n, errors, good, slow], the other processes' counts as last shared (empty
+        # when alone), and (alias, deployment, why) for a cut judged at an exchange.
+        self._counts: dict[str, list[int]] = {}
+        self._others: Mapping[str, GuardCounts] = {}
+        self._share = guard_share if self.guard is not None and self.canaries() else None
+        self._on_cut = on_cut
+        if self.guard is not None:
+            for d in self.canaries():
+                counts = self._counts[d.name] = [0, 0, 0, 0]
+                for outcome in d.live.outcomes:
+                    _count(counts, outcome, self.guard.max_p95_ms, 1)
+        if self._share is not None:
+            self._share.watch(self)
         # The hash ring for prefix affinity: RING_POINTS points per deployment, by name
         # (so a restart or another gateway builds the same ring).
         ring = [
@@ -401,30 +424,76 @@ class Balancer:
         return {_short(d): d.live.weight for d in self.deployments}
 
     def guard_check(self, d: Deployment, ok: bool, e2e_ms: float, now: float) -> str | None:
-        """Record a canary's outcome; when its window breaches the guard's bounds and
-        it still has weight, cut it to 0 and say why (None otherwise)."""
+        """Record a canary's outcome; when its window (with the other processes', when
+        shared) breaches the guard's bounds and it still has weight, cut it to 0 and say
+        why (None otherwise)."""
+        if self.guard is None or d.replica is None or not d.replica.canary:
+            return None
+        own = self._tally(d, now, (now, ok, e2e_ms))
+        if self._share is not None:
+            self._share.poke()
+        return self._judge(d, own)
+
+    def guard_windows(self, now: float) -> dict[str, tuple[GuardCounts, float]]:
+        """Each canary's counts in this process's window, with the window's length (what
+        it shares: state/guard.py)."""
+        assert self.guard is not None  # shared only with a guard
+        return {d.name: (self._tally(d, now), self.guard.window_s) for d in self.canaries()}
+
+    def guard_adopt(self, others: Mapping[str, GuardCounts], now: float) -> None:
+        """The other processes' counts (empty: judge alone from now on); each canary is
+        judged over them with its own, since an outcome elsewhere is not an event here,
+        and a cut goes to `on_cut`."""
+        self._others = others
+        for d in self.canaries():
+            why = self._judge(d, self._tally(d, now))
+            if why is not None and self._on_cut is not None:
+                self._on_cut(self.alias, d, why)
+
+    def _tally(
+        self, d: Deployment, now: float, outcome: tuple[float, bool, float] | None = None
+    ) -> GuardCounts:
+        """`d`'s window with `outcome` added and what is older than the guard's window
+        dropped, as counts kept up to date as outcomes enter and leave it."""
         g = self.guard
-        if g is None or d.replica is None or not d.replica.canary:
-            return None
+        assert g is not None
         window = d.live.outcomes
-        window.append((now, ok, e2e_ms))
-        while window and window[0][0] < now - g.window_s:
-            window.popleft()
-        if d.live.weight <= 0 or len(window) < g.min_samples:
+        counts = self._counts[d.name]
+        if outcome is not None:
+            window.append(outcome)
+            _count(counts, outcome, g.max_p95_ms, 1)
+        cutoff = now - g.window_s
+        while window and window[0][0] < cutoff:
+            _count(counts, window.popleft(), g.max_p95_ms, -1)
+        return GuardCounts(*counts)
+
+    def _judge(self, d: Deployment, own: GuardCounts) -> str | None:
+        """Cut `d` to weight 0 when its counts with the others' breach a bound: why."""
+        g = self.guard
+        assert g is not None
+        others = self._others.get(d.name, NONE)
+        c = own.plus(others)
+        if d.live.weight <= 0 or c.n < g.min_samples:
             return None
-        n = len(window)
-        errors = sum(1 for _, good, _ in window if not good)
-        rate = errors / n
-        why = None
+        rate = c.errors / c.n
         if rate > g.max_error_rate:
-            why = f"error rate {rate:.2f} > {g.max_error_rate:g} over {n} requests"
-        elif g.max_p95_ms is not None:
-            lat = sorted(ms for _, good, ms in window if good)
-            p95 = lat[int(len(lat) * 0.95)] if lat else 0.0
-            if p95 > g.max_p95_ms:
-                why = f"p95 {p95:.0f} ms > {g.max_p95_ms:g} ms over {n} requests"
-        if why is None:
+            why = f"error rate {rate:.2f} > {g.max_error_rate:g} over {c.n} requests"
+        elif g.max_p95_ms is not None and c.good and c.slow >= c.good - int(c.good * 0.95):
+            # The p95 (the int(0.95 * good)-th latency, sorted) is above the bound exactly
+            # when that many successes from the top were slower: counts decide it.
+            if others.good:  # latencies elsewhere: the count is what is known
+                why = (
+                    f"p95 > {g.max_p95_ms:g} ms ({c.slow} of {c.good} successful requests"
+                    f" slower) over {c.n} requests"
+                )
+            else:
+                lat = sorted(ms for _, good, ms in d.live.outcomes if good)
+                p95 = lat[int(len(lat) * 0.95)]
+                why = f"p95 {p95:.0f} ms > {g.max_p95_ms:g} ms over {c.n} requests"
+        else:
             return None
+        if others.n:
+            why += f" ({others.n} of them in other gateway processes)"
         d.live.weight = 0.0
         return f"the canary guard cut {d.name} to weight 0: {why} in {g.window_s:g}s"
 
@@ -447,6 +516,21 @@ class Balancer:
         if tpot_s is not None:
             live.tpot_s = tpot_s if live.tpot_s is None else (1 - a) * live.tpot_s + a * tpot_s
             live.tpot_ms = round(live.tpot_s * 1000.0, 2)
+
+
+def _count(
+    counts: list[int], outcome: tuple[float, bool, float], bound: float | None, sign: int
+) -> None:
+    """Add (sign 1) or take away (-1) one outcome in a guard's counts [n, errors, good,
+    slow]: slow is a success over `bound` (the guard's max_p95_ms)."""
+    _, ok, ms = outcome
+    counts[0] += sign
+    if not ok:
+        counts[1] += sign
+        return
+    counts[2] += sign
+    if bound is not None and ms > bound:
+        counts[3] += sign
 
 
 def _hash(data: bytes) -> int:

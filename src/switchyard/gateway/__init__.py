@@ -44,7 +44,12 @@ from switchyard.engines.registry import Registry
 from switchyard.execute.embeddings import Embeddings
 from switchyard.execute.executor import Executor
 from switchyard.execute.idempotent import Idempotent
-from switchyard.gateway.deployments import build_balancers, build_gates, build_placers
+from switchyard.gateway.deployments import (
+    build_balancers,
+    build_gates,
+    build_guard_share,
+    build_placers,
+)
 from switchyard.gateway.observability import build_metrics, build_tracing, engine_events
 from switchyard.gateway.pipelines import build_pipelines
 from switchyard.gateway.rollouts import build_revisions, build_rollouts
@@ -103,7 +108,12 @@ class Gateway(ControlPlane):
             redact=self.pii.mask,
             shared=build_shared_breakers(settings),
         )
-        self.balancers = build_balancers(self.registry, self.executor)
+        # With Redis, each canary guard judges every process's outcomes; a cut judged
+        # at an exchange is stored, logged and counted as a request's would be.
+        self.guard_share = build_guard_share(settings)
+        self.balancers = build_balancers(
+            self.registry, self.executor, self.guard_share, self._canary_cut
+        )
         self.placers = build_placers(settings, self.balancers)
         if self.metrics is not None:
             self.metrics.watch_deployments(

@@ -2,8 +2,9 @@
 
 The registry (engines/registry.py) and the executor (execute/executor.py) are built by
 their own constructors; here are what sits between them and the stages: a balancer per
-alias with several deployments, a placer per alias placed at the edge or in the cloud,
-and a gate (concurrency, queue) per model, which its adapters share.
+alias with several deployments (its canary guard's window shared when there is Redis),
+a placer per alias placed at the edge or in the cloud, and a gate (concurrency, queue)
+per model, which its adapters share.
 """
 
 from __future__ import annotations
@@ -13,22 +14,48 @@ from collections.abc import Callable
 from switchyard.config import SINGLE, ProcessRole, Settings
 from switchyard.decide.balance import Balancer
 from switchyard.decide.placement import Placer
-from switchyard.engines.registry import Registry, others_at
+from switchyard.engines.registry import Deployment, Registry, others_at
 from switchyard.execute.executor import Executor
 from switchyard.policy.admission import DeploymentGate
 from switchyard.policy.admission_remote import RemoteGate
+from switchyard.state.guard import GuardShare
 
 
-def build_balancers(registry: Registry, executor: Executor) -> dict[str, Balancer]:
-    """An alias with several deployments picks one per request (decide/balance.py)."""
+def build_balancers(
+    registry: Registry,
+    executor: Executor,
+    guard_share: GuardShare | None = None,
+    on_cut: Callable[[str, Deployment, str], None] | None = None,
+) -> dict[str, Balancer]:
+    """An alias with several deployments picks one per request (decide/balance.py); its
+    canary guard judges over every process's window through `guard_share`, and reports
+    a cut judged there (not on a request) to `on_cut`."""
     balancers = {
-        alias: Balancer(alias, deps, deps[0].model.balance, executor.breakers)
+        alias: Balancer(
+            alias,
+            deps,
+            deps[0].model.balance,
+            executor.breakers,
+            guard_share=guard_share,
+            on_cut=on_cut,
+        )
         for alias, deps in registry.replicas.items()
     }
     # A true cycle: the balancers read the executor's breakers (which the executor
     # builds), and the executor's fallbacks and failover balance too.
     executor.balancers = balancers
     return balancers
+
+
+def build_guard_share(settings: Settings) -> GuardShare | None:
+    """The canary guards' windows shared by every gateway process, in Redis when
+    `storage.redis_url` is set and a model has a guard (state/guard_redis.py); else None
+    (each process judges its own)."""
+    if settings.storage.redis_url and any(m.canary_guard for m in settings.models):
+        from switchyard.state.guard_redis import SharedGuard  # Redis's client only when used
+
+        return SharedGuard(settings.storage.redis_url, settings.storage.redis_timeout_s)
+    return None
 
 
 def build_placers(settings: Settings, balancers: dict[str, Balancer]) -> dict[str, Placer]:

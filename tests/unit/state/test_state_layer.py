@@ -18,6 +18,7 @@ import pytest
 
 import switchyard.state
 from switchyard.config import Settings, parse_settings, store_target
+from switchyard.decide.balance import Balancer
 from switchyard.decide.cache import ResponseCache
 from switchyard.identity import TaskBudget
 from switchyard.state import choose
@@ -26,6 +27,8 @@ from switchyard.state.breakers import SharedBreakerState
 from switchyard.state.breakers_redis import SharedBreakers
 from switchyard.state.cache import CacheShare, LocalEntries
 from switchyard.state.cache_redis import SharedCache
+from switchyard.state.guard import GuardShare, GuardSource
+from switchyard.state.guard_redis import SharedGuard
 from switchyard.state.idempotency import Idempotency, IdempotencyStore
 from switchyard.state.keys import Keys, KeyStore
 from switchyard.state.ledger import UsageLedger
@@ -60,6 +63,9 @@ IMPLEMENTED: dict[type, list[type]] = {
     # The memory side of the cache entries is the response cache itself (decide/).
     LocalEntries: [ResponseCache],
     CacheShare: [SharedCache],
+    # A canary guard's window is the balancer's (decide/); what shares it is Redis's.
+    GuardShare: [SharedGuard],
+    GuardSource: [Balancer],
 }
 
 # Unreachable on purpose: a Redis implementation must construct without connecting.
