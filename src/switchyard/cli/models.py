@@ -16,7 +16,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     the gateway with this config reads them (it applies a change within seconds)."""
     from switchyard.config import ConfigError
     from switchyard.observe.db import connect
-    from switchyard.observe.weights import read_weights, write_weights
+    from switchyard.state.weights import canary_weights, read_weights, write_weights
 
     try:
         settings = load_settings(getattr(args, "config", None))
@@ -35,10 +35,7 @@ def cmd_models(args: argparse.Namespace) -> int:
             if not canary:
                 print(f"switchyard: the model '{args.alias}' has no canary", file=sys.stderr)
                 return 1
-            if args.action == "promote":
-                weights = {n: (1.0 if n in canary else 0.0) for n in configured}
-            else:
-                weights = {n: (0.0 if n in canary else w) for n, w in configured.items()}
+            weights = canary_weights(args.action, configured, canary)
             write_weights(conn, args.alias, weights, f"{args.action} by the CLI")
         stored = read_weights(conn).get(args.alias, {})
     finally:

@@ -40,7 +40,7 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from switchyard.config import BalanceConfig, CanaryGuard
 from switchyard.engines.registry import Deployment
@@ -48,6 +48,7 @@ from switchyard.errors import ModelNotFound
 from switchyard.request import Generation
 from switchyard.state.breakers_memory import CircuitBreaker
 from switchyard.state.guard import NONE, GuardCounts, GuardShare
+from switchyard.state.weights import canary_weights
 
 _KEY_CHARS = 256  # an affinity key longer than this is kept as its hash
 RING_POINTS = 64  # points per deployment on the prefix hash ring
@@ -412,13 +413,15 @@ class Balancer:
 
     def promote(self) -> dict[str, float]:
         """The weights that give the canaries all the traffic (the others 0)."""
-        canary = {d.name for d in self.canaries()}
-        return {_short(d): (1.0 if d.name in canary else 0.0) for d in self.deployments}
+        return self._canary_weights("promote")
 
     def rollback(self) -> dict[str, float]:
         """The weights that give the canaries none, the others their configured one."""
-        canary = {d.name for d in self.canaries()}
-        return {_short(d): (0.0 if d.name in canary else _weight(d)) for d in self.deployments}
+        return self._canary_weights("rollback")
+
+    def _canary_weights(self, action: Literal["promote", "rollback"]) -> dict[str, float]:
+        configured = {_short(d): _weight(d) for d in self.deployments}
+        return canary_weights(action, configured, {_short(d) for d in self.canaries()})
 
     def weights(self) -> dict[str, float]:
         return {_short(d): d.live.weight for d in self.deployments}

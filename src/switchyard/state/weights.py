@@ -8,10 +8,24 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Collection, Mapping
+from typing import Any, Literal
 
 REFRESH_S = 2.0  # how often a gateway reads the weights others may have set
+
+
+def canary_weights(
+    action: Literal["promote", "rollback"],
+    configured: Mapping[str, float],
+    canaries: Collection[str],
+) -> dict[str, float]:
+    """The weights a promote or a rollback sets, by deployment name: promote gives the
+    canaries all the traffic (the others 0); rollback gives them none and the others
+    their configured weight. One rule for the admin API (decide/balance.py) and the CLI
+    (cli/models.py)."""
+    if action == "promote":
+        return {n: (1.0 if n in canaries else 0.0) for n in configured}
+    return {n: (0.0 if n in canaries else w) for n, w in configured.items()}
 
 
 def read_weights(conn: sqlite3.Connection) -> dict[str, dict[str, dict[str, Any]]]:
