@@ -191,6 +191,43 @@ def test_a_deployments_max_concurrency_holds_across_workers(
     assert len(waited) >= 8  # most of them queued at the one gate
 
 
+def _live(gw: Gateway) -> dict[str, Any]:
+    """/admin/live on a new connection: whichever worker the kernel picks answers."""
+    r = httpx.get(gw.url + "/admin/live", headers=gw.admin, timeout=10)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def _live_shows(gw: Gateway, narrow: dict[str, Any]) -> list[dict[str, Any]]:
+    """Once one worker's /admin/live shows `narrow`'s queue as given, 2 per worker more."""
+    deadline = time.monotonic() + 10
+    while _live(gw)["queues"]["narrow"] != narrow:
+        assert time.monotonic() < deadline, _live(gw)["queues"]
+        time.sleep(0.05)
+    return [_live(gw) for _ in range(WORKERS * 2)]
+
+
+def test_any_workers_live_view_shows_the_hosts_gates_and_engines(
+    gw: Gateway, scripted: Scripted
+) -> None:
+    key = _tenant(gw)
+    scripted.fault("delay:4000", count=2)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        # New connections, spread over the workers: two hold `narrow`'s two slots
+        # (its max_concurrency) upstream, the third waits at the one gate.
+        calls = [pool.submit(_post, gw, key, {**BODY, "model": "narrow"}) for _ in range(3)]
+        seen = _live_shows(gw, {"in_flight": 2, "queued": 1, "scope": "gateway"})
+        assert [r.status_code for r in (c.result() for c in calls)] == [200] * 3
+    for live in seen:  # any worker shows the host's counts, not its own slice
+        assert live["queues"]["narrow"] == {"in_flight": 2, "queued": 1, "scope": "gateway"}
+        assert live["queues"]["cheap"]["scope"] == "worker"  # unlimited: counted per worker
+        assert set(live["engines"]) == {"smol"}  # the control plane's engine
+        assert "control_plane" not in live
+    # Given back: every worker shows the gate empty (not its last answer's counts).
+    empty = {"in_flight": 0, "queued": 0, "scope": "gateway"}
+    assert all(x["queues"]["narrow"] == empty for x in _live_shows(gw, empty))
+
+
 def _read_stream(
     gw: Gateway, key: str, task: str, out: list[Any], started: threading.Event
 ) -> None:

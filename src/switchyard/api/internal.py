@@ -2,7 +2,8 @@
 worker processes ask of the one control plane.
 
 - `/gates/{alias}/acquire|release|abandon`: slots at the deployment gates
-  (policy/admission_remote.py);
+  (policy/admission_remote.py); `/gates`: their counts, which each worker's
+  /admin/live shows;
 - `/engines/{alias}/v1/...`: the local engines, behind their residency pool
   (engines/front.py);
 - `/mcp`: the MCP endpoint, its sessions and tool servers (api/mcp_relay.py);
@@ -62,6 +63,7 @@ class GateRoutes:
             Route("/gates/{alias}/acquire", self.acquire, methods=["POST"]),
             Route("/gates/{alias}/release", self.release, methods=["POST"]),
             Route("/gates/{alias}/abandon", self.abandon, methods=["POST"]),
+            Route("/gates", self.gates, methods=["GET"]),
             Route("/state/readiness", self.readiness, methods=["GET"]),
         ]
 
@@ -78,6 +80,13 @@ class GateRoutes:
         ready, models = self._readiness() if self._readiness is not None else (True, {})
         engines = self._engines() if self._engines is not None else None
         return _json({"ready": ready, "models": models, "engines": engines})
+
+    async def gates(self, request: Request) -> Response:
+        try:
+            self._check(request)
+        except SwitchyardError as exc:
+            return _json(exc.body(), exc.status)
+        return _json(self.leases.view())
 
     async def _read(self, request: Request) -> tuple[Any, dict[str, Any]]:
         self._check(request)

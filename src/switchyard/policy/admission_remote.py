@@ -15,6 +15,8 @@ queue, one order, one model for N workers as for one process.
 - `Leases` (in the control plane) runs the real gates and counts the slots each worker
   holds per gate, so a worker that dies (the supervisor sees it) has its slots given
   back (`release_worker`): its requests died with it.
+- `host_gates` (in a worker) reads every gate's counts from the control plane
+  (`Leases.view`), so a worker's /admin/live shows the host's queues, not its slice.
 
 Only gates with a `max_concurrency` are remote: an unlimited gate grants at once and
 its count only feeds estimates, so each worker keeps its own.
@@ -48,6 +50,7 @@ _REFUSALS: dict[str, type[SwitchyardError]] = {
     c.code: c for c in (QueueFull, DeadlineExceeded, DeadlineUnreachable, Overloaded)
 }
 _MAX_TASK_PART = 256  # a task key's parts, as the task store bounds them
+VIEW_TIMEOUT_S = 1.0  # a live view waits this long for the control plane's counts
 
 
 def ask_json(ask: SlotAsk) -> dict[str, Any]:
@@ -172,6 +175,42 @@ class Leases:
     def held(self, worker: str) -> int:
         return len(self._held.get(worker) or {})
 
+    def view(self) -> dict[str, dict[str, int | None]]:
+        """Each remote gate's slots in use, its waiters and its limit, over every worker."""
+        return {
+            alias: {"in_flight": g.in_flight, "queued": g.queued, "limit": g.max_concurrency}
+            for alias, g in self.gates.items()
+            if g.max_concurrency is not None
+        }
+
+
+async def host_gates(
+    control_url: str, token: str, timeout_s: float = VIEW_TIMEOUT_S
+) -> dict[str, dict[str, int]] | None:
+    """Every remote gate's `in_flight` and `queued` as the control plane counts them
+    (`Leases.view`), or None when it does not answer in `timeout_s`: a live view is
+    shown without them rather than late."""
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
+            session.get(
+                f"{control_url.rstrip('/')}/gates", headers={"authorization": f"Bearer {token}"}
+            ) as r,
+        ):
+            data = orjson.loads(await r.read()) if r.status == 200 else None
+    except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError) as exc:
+        log.warning("the control plane's gate counts are unavailable: %s", exc)
+        return None
+    if not isinstance(data, dict):
+        return None
+    return {
+        alias: {"in_flight": v["in_flight"], "queued": v["queued"]}
+        for alias, v in data.items()
+        if isinstance(v, dict)
+        and isinstance(v.get("in_flight"), int)
+        and isinstance(v.get("queued"), int)
+    }
+
 
 class RemoteGate:
     """A worker's view of a gate that runs in the control plane (see the module doc)."""
@@ -192,6 +231,7 @@ class RemoteGate:
         self.others = None
         self.in_flight = 0  # as of the control plane's last answer (evidence only)
         self.queued = 0
+        self.waiting = 0  # this worker's asks not answered yet (its own live view)
         self._url = f"{url.rstrip('/')}/gates/{gate.name}"
         self._headers = {"authorization": f"Bearer {token}", "content-type": "application/json"}
         self._worker = worker
@@ -204,6 +244,11 @@ class RemoteGate:
     @property
     def task_aware(self) -> bool:
         return self.policy == "task_aware"
+
+    @property
+    def held(self) -> int:
+        """The slots this worker holds at the gate now (its own live view)."""
+        return len(self._slots)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -224,6 +269,7 @@ class RemoteGate:
         body = orjson.dumps(
             {"worker": self._worker, "slot": slot, "remaining_s": remaining, "ask": ask_json(ask)}
         )
+        self.waiting += 1
         try:
             async with self._client().post(
                 self._url + "/acquire", data=body, headers=self._headers
@@ -241,6 +287,8 @@ class RemoteGate:
                 f"model '{self.name}' cannot take a slot now (the gateway's control plane "
                 "is not answering); retry shortly"
             ) from None
+        finally:
+            self.waiting -= 1
         if status != 200:
             raise _refusal(data, status)
         self._slots.append(slot)

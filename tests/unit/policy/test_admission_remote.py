@@ -9,16 +9,25 @@ import math
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from typing import cast
 
 import pytest
 import uvicorn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from switchyard.api.admin.live import Live, LiveServices
 from switchyard.api.internal import GateRoutes, internal_app
+from switchyard.config import ProcessRole
 from switchyard.errors import AuthenticationError, Overloaded, QueueFull
 from switchyard.policy.admission import DeploymentGate, Priority, SlotAsk
-from switchyard.policy.admission_remote import Leases, RemoteGate, ask_from, ask_json
+from switchyard.policy.admission_remote import (
+    Leases,
+    RemoteGate,
+    ask_from,
+    ask_json,
+    host_gates,
+)
 
 TOKEN = "t0ken"
 
@@ -184,6 +193,93 @@ async def _the_control_plane_answers_its_token_only(plane: Plane) -> None:
     assert r.status == AuthenticationError.status
     assert body["error"]["code"] == AuthenticationError.code
     assert plane.gate.in_flight == 0
+
+
+def test_a_worker_reads_every_workers_counts_from_the_control_plane() -> None:
+    _run(_a_worker_reads_every_workers_counts_from_the_control_plane)
+
+
+async def _a_worker_reads_every_workers_counts_from_the_control_plane(plane: Plane) -> None:
+    a, b = plane.remote("w0-1"), plane.remote("w1-2")
+    await a.acquire(math.inf)
+    await b.acquire(math.inf)
+    waiting = asyncio.create_task(a.acquire(math.inf))
+    while plane.gate.queued < 1:
+        await asyncio.sleep(0.01)
+    # Each worker sees its own slice; the control plane counts both.
+    assert (a.held, a.waiting, b.held, b.waiting) == (1, 1, 1, 0)
+    assert await host_gates(plane.url, TOKEN) == {"m": {"in_flight": 2, "queued": 1}}
+    assert plane.leases.view() == {"m": {"in_flight": 2, "queued": 1, "limit": 2}}
+    b.release()
+    await waiting  # b's slot passes to a's waiting ask
+    assert (a.held, a.waiting, b.held) == (2, 0, 0)
+    assert await host_gates(plane.url, TOKEN) == {"m": {"in_flight": 2, "queued": 0}}
+    await a.close()
+    await b.close()
+
+
+def test_the_gate_counts_answer_the_workers_token_only() -> None:
+    _run(_the_gate_counts_answer_the_workers_token_only)
+
+
+async def _the_gate_counts_answer_the_workers_token_only(plane: Plane) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic x"}):
+            r = await s.get(plane.url + "/gates", headers=headers)
+            body = await r.json()
+            assert r.status == AuthenticationError.status, headers
+            assert body["error"]["code"] == AuthenticationError.code
+            assert "m" not in body
+    assert await host_gates(plane.url, "nope") is None
+
+
+class WorkerSide:
+    """What a worker's live view reads of its gateway: its role and its gates."""
+
+    def __init__(self, plane: Plane, remote: RemoteGate) -> None:
+        self.role = ProcessRole("worker", "w0-1", 0, plane.url, TOKEN)
+        self.gates = {"m": remote, "open": DeploymentGate("open", None, 0, "fcfs")}
+
+
+def test_a_workers_live_view_marks_its_own_counts_when_the_control_plane_is_away() -> None:
+    async def main() -> None:
+        async with Plane() as plane:
+            a, b = plane.remote("w0-1"), plane.remote("w1-2")
+            await a.acquire(math.inf)
+            await b.acquire(math.inf)
+            live = Live(cast(LiveServices, WorkerSide(plane, a)), lambda _: None)
+            queues, reached = await live.queues()
+            assert reached
+            assert queues["m"] == {"in_flight": 2, "queued": 0, "scope": "gateway"}
+            assert queues["open"] == {"in_flight": 0, "queued": 0, "scope": "worker"}
+        # The control plane is gone: this worker's own slot, said to be its own.
+        queues, reached = await live.queues()
+        assert not reached
+        assert queues["m"] == {"in_flight": 1, "queued": 0, "scope": "worker"}
+        await a.close()
+        await b.close()
+
+    asyncio.run(main())
+
+
+def test_a_control_plane_that_does_not_answer_gives_no_counts_in_time() -> None:
+    async def main() -> None:
+        silent = socket.socket()  # accepts connections (its backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        closed = socket.socket()  # nobody listens here
+        closed.bind(("127.0.0.1", 0))
+        for sock in (silent, closed):
+            url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+            started = time.monotonic()
+            assert await host_gates(url, TOKEN, timeout_s=0.3) is None
+            assert time.monotonic() - started < 5  # bounded by the timeout, not hung
+        silent.close()
+        closed.close()
+
+    asyncio.run(main())
 
 
 @settings(max_examples=60, deadline=None)

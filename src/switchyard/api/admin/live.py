@@ -1,5 +1,16 @@
 """/admin/live: the console's live view — the ledger over the last minutes and the
-gateway's state now (breakers of models and tool servers, queues, engines, cache)."""
+gateway's state now (breakers of models and tool servers, queues, engines, cache).
+
+Of several workers (`serve --workers N`) it shows one gateway where the state lives
+once: the gates with a `max_concurrency` and the managed engines are the control
+plane's, read from it (policy/admission_remote.py: `host_gates`; control/follow.py).
+A queue the control plane did not report is this worker's own (`"scope": "worker"`),
+and `"control_plane": "unreachable"` says it did not answer. Still this worker's:
+`active_requests`, an unlimited gate's counts, the cache's stats (its copy of the
+shared entries), each engine's load as this worker last read it; the models' breakers
+are shared over Redis, the tool servers' are the control plane's (not shown here); the
+ledger is the one writer's.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +22,12 @@ from starlette.responses import Response
 
 from switchyard.api.admin.guard import Guard
 from switchyard.api.admin.params import as_json, query_number
+from switchyard.config import ProcessRole
 from switchyard.decide.cache import ResponseCache
 from switchyard.engines.registry import Registry
 from switchyard.execute.executor import Executor
 from switchyard.policy.admission import DeploymentGate
+from switchyard.policy.admission_remote import RemoteGate, host_gates
 from switchyard.service import RequestService
 from switchyard.state.ledger_reads import live_summary
 
@@ -27,6 +40,9 @@ class LiveServices(Protocol):
     registry: Registry
     cache: ResponseCache | None
     mcp: Any  # the MCP tool gateway (mcp_service/), None without tool servers
+    role: ProcessRole
+
+    def engines_report(self) -> dict[str, Any]: ...
 
 
 def breaker_states(services: LiveServices, now: float) -> dict[str, str]:
@@ -61,24 +77,45 @@ class Live:
         out = s.ledger.read(live_summary, now_wall - window, now_wall + 1e-6)
         now = time.monotonic()
         out["breakers"] = breaker_states(s, now)
-        out["queues"] = {
-            name: {"in_flight": g.in_flight, "queued": g.queued} for name, g in s.gates.items()
-        }
+        out["queues"], reached = await self.queues()
         out["active_requests"] = s.service.active
         reg = s.registry
+        report = s.engines_report()  # of several workers: the control plane's
         out["engines"] = {
-            e.alias: {
-                "state": e.describe()["state"],
-                "in_flight": e.in_flight,
-                "memory_mb": e.memory_mb,
-                "adapters": {
-                    n: a["state"] for n, a in (e.describe().get("adapters") or {}).items()
-                },
+            alias: {
+                "state": e.get("state"),
+                "in_flight": e.get("in_flight"),
+                "memory_mb": e.get("memory_mb"),
+                "adapters": {n: a.get("state") for n, a in (e.get("adapters") or {}).items()},
             }
-            for e in reg.managed()
+            for alias, e in report["engines"].items()
         }
+        if not reached or "control_plane" in report:
+            out["control_plane"] = "unreachable"
         out["engine_load"] = {  # what each engine last said of its own load
             d.name: d.live.engine.describe(now) for d in reg.every() if d.live.engine is not None
         }
         out["cache"] = s.cache.stats() if s.cache is not None else {"enabled": False}
         return as_json(out)
+
+    async def queues(self) -> tuple[dict[str, dict[str, Any]], bool]:
+        """Each gate's requests holding a slot and waiting for one, and whether the
+        control plane answered. Of several workers, a gate with a `max_concurrency`
+        counts every worker's (one GET to the control plane); if it does not answer,
+        this worker's own slots and asks, marked so."""
+        s = self.s
+        if not s.role.worker:
+            own = {n: {"in_flight": g.in_flight, "queued": g.queued} for n, g in s.gates.items()}
+            return own, True
+        remote = any(isinstance(g, RemoteGate) for g in s.gates.values())
+        host = await host_gates(s.role.control_url, s.role.token) if remote else None
+        out: dict[str, dict[str, Any]] = {}
+        for name, g in s.gates.items():
+            seen = host.get(name) if host is not None and isinstance(g, RemoteGate) else None
+            if seen is not None:
+                out[name] = {**seen, "scope": "gateway"}
+            elif isinstance(g, RemoteGate):
+                out[name] = {"in_flight": g.held, "queued": g.waiting, "scope": "worker"}
+            else:  # unlimited: each worker counts its own (policy/admission_remote.py)
+                out[name] = {"in_flight": g.in_flight, "queued": g.queued, "scope": "worker"}
+        return out, host is not None or not remote
