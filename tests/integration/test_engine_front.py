@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
+import aiohttp
 import httpx
 import openai
 import pytest
@@ -31,10 +32,19 @@ from starlette.routing import Mount
 
 from support.gateways import local_model
 from switchyard.config import Settings, parse_settings
-from switchyard.engines.front import EngineFront, RunningFront, remote_engines, serve_front
+from switchyard.engines.front import (
+    MAX_REPLY,
+    EngineFront,
+    RunningFront,
+    read_reply,
+    remote_engines,
+    serve_front,
+)
 from switchyard.engines.llamacpp import ManagedLlamaCpp
 from switchyard.engines.lora_train import MARKERS, train
 from switchyard.engines.registry import MULTIPLEXED_MODEL_HEADER, Registry
+from switchyard.engines.token_ids import LLAMACPP_NATIVE, attached
+from switchyard.errors import UpstreamError
 
 T = TypeVar("T")
 TOKEN = "engine-front-test-token"
@@ -224,6 +234,107 @@ def test_a_worker_reaches_the_engine_and_its_adapter_with_remote_engines_setting
     assert _idle(front.counts())
 
 
+# A prompt as the chat template writes it: its markers are special tokens only when
+# the tokenize parses them, as the gateway asks (engines/upstream.py `tokenize`).
+TEMPLATED = f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n"
+TOKENIZE = {"content": TEMPLATED, "add_special": True, "parse_special": True}
+
+
+def _engine_root(front: Front) -> str:
+    return Front.engine_of(front.registry).base_url.removesuffix("/v1")
+
+
+def _tokenize(front: Front, key: str = TOKEN, **headers: str) -> httpx.Response:
+    return httpx.post(
+        f"{front.url}/smol/tokenize",
+        json=TOKENIZE,
+        headers={"Authorization": f"Bearer {key}", **headers},
+        timeout=60,
+    )
+
+
+def test_tokenize_through_the_front_gives_the_engines_own_ids(front: Front) -> None:
+    direct = httpx.post(_engine_root(front) + "/tokenize", json=TOKENIZE, timeout=60)
+    ids = direct.json()["tokens"]
+    unparsed = {**TOKENIZE, "parse_special": False}
+    assert ids != httpx.post(_engine_root(front) + "/tokenize", json=unparsed).json()["tokens"]
+    r = _tokenize(front)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == ids
+    assert _idle(front.counts())
+    # The same rules as the OpenAI routes: the token, the OpenAI error shape.
+    wrong = _tokenize(front, key="not-the-token")
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    nowhere = httpx.post(
+        f"{front.url}/nowhere/tokenize", json=TOKENIZE, headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    assert nowhere.status_code == 404 and nowhere.json()["error"]["code"] == "model_not_found"
+
+
+def test_the_front_reads_an_engines_whole_answer_within_its_bound(front: Front) -> None:
+    async def read(limit: int) -> bytes:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(_engine_root(front) + "/tokenize", json=TOKENIZE) as r,
+        ):
+            return await read_reply(r, limit)
+
+    whole = front.call(read(MAX_REPLY))
+    assert json.loads(whole)["tokens"]
+    assert front.call(read(len(whole))) == whole
+    with pytest.raises(UpstreamError, match=f"over {len(whole) - 1} bytes"):
+        front.call(read(len(whole) - 1))
+
+
+def test_a_worker_gets_the_token_ids_of_a_llama_server_reply_through_the_front(
+    front: Front, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a worker does for `return_token_ids` (service.py, engines/token_ids.py):
+    its deployment of the front knows the engine is a llama-server, asks for its native
+    result, and tokenizes the templated prompt through the front."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    messages = [{"role": "user", "content": PROMPT}]
+
+    async def ask() -> dict[str, Any]:
+        registry = Registry(remote_engines(front.settings, front.url, TOKEN_ENV))
+        out: dict[str, Any] = {}
+        try:
+            for alias in ("smol", "robot"):
+                dep = registry.get(alias)
+                assert dep is not None and dep.engine is None
+                assert dep.token_ids == "llamacpp"
+                body = {
+                    "model": dep.upstream_model,
+                    "messages": messages,
+                    "max_tokens": 6,
+                    "temperature": 0,
+                    **LLAMACPP_NATIVE,
+                }
+                reply = await dep.upstream.post(
+                    "/chat/completions",
+                    json.dumps(body).encode(),
+                    dep.model.timeouts,
+                    extra_headers=dep.headers,
+                )
+                out[alias] = json.loads(await attached(reply.body, dep, True, "chat", 30))
+        finally:
+            await registry.stop()
+        return out
+
+    said = front.call(ask(), 120)
+    root = _engine_root(front)
+    prompt = httpx.post(root + "/apply-template", json={"messages": messages}).json()["prompt"]
+    ids = httpx.post(root + "/tokenize", json={**TOKENIZE, "content": prompt}).json()["tokens"]
+    for alias, reply in said.items():
+        assert "__verbose" not in reply, alias
+        assert reply["prompt_token_ids"] == ids, alias
+        assert len(ids) == reply["usage"]["prompt_tokens"]
+        generated = reply["choices"][0]["token_ids"]
+        assert len(generated) == reply["usage"]["completion_tokens"] >= 1, alias
+    assert said["robot"]["choices"][0]["message"]["content"].startswith(MARKERS["robot"])
+    assert _idle(front.counts())
+
+
 def test_a_wrong_token_is_refused_401(front: Front) -> None:
     with pytest.raises(openai.AuthenticationError) as err:
         _client(front, key="not-the-token").chat.completions.create(
@@ -270,6 +381,11 @@ def test_a_client_that_leaves_mid_stream_leaves_nothing_held(front: Front) -> No
         seen += bool(chunk.choices and chunk.choices[0].delta.content)
         if seen >= 3:
             break
+    assert front.counts() == {"in_flight": 1, "adapters": {"pirate": 1}, "waiting": 0}
+    # A tokenize holds the engine only: naming the other adapter, whose turn comes
+    # after this stream, it is answered now and leaves the counts as they were.
+    r = _tokenize(front, **{MULTIPLEXED_MODEL_HEADER: "robot"})
+    assert r.status_code == 200 and r.json()["tokens"], r.text
     assert front.counts() == {"in_flight": 1, "adapters": {"pirate": 1}, "waiting": 0}
     stream.close()
     front.wait_for(_idle)

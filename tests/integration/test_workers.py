@@ -419,6 +419,24 @@ def test_one_engine_serves_every_worker_and_each_shows_it(gw: Gateway) -> None:
         assert ready["models"]["smol"]["kind"] == "llamacpp"
 
 
+def test_a_worker_returns_the_token_ids_of_the_control_planes_llama_server(gw: Gateway) -> None:
+    """`return_token_ids` through a worker: its upstream for `smol` is the engine front,
+    which forwards the reply's native result and llama-server's /tokenize."""
+    key = _tenant(gw)
+    body = {
+        "model": "smol",
+        "messages": [{"role": "user", "content": "Say hi"}],
+        "max_tokens": 4,
+        "return_token_ids": True,
+    }
+    for r in _many(2, lambda: _post(gw, key, body)):  # through whichever workers
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        assert len(reply["prompt_token_ids"]) == reply["usage"]["prompt_tokens"]
+        ids = reply["choices"][0]["token_ids"]
+        assert len(ids) == reply["usage"]["completion_tokens"] >= 1
+
+
 def test_a_sessions_requests_stay_on_its_deployment_across_workers(gw: Gateway) -> None:
     key = _tenant(gw)
     body = {**BODY, "model": "pair"}

@@ -15,8 +15,18 @@ One request to one engine is `answer()`, the one copy of the rule that Ray's eng
 deployment also runs: the token (compared in constant time, the header bounded), the
 path allow-list, the body bound, the adapter (an unknown one is 404), the pool's hold
 (`EngineTarget.hold`: acquire, then the adapter's turn), the forward to the engine's own
-server on one aiohttp session, SSE relayed as it arrives, and the release of the hold
-on every ending. Errors are the OpenAI error body (errors.py), never exception text.
+server on one aiohttp session, SSE relayed as it arrives (any other answer read whole,
+within a bound), and the release of the hold on every ending. Errors are the OpenAI
+error body (errors.py), never exception text.
+
+Besides the OpenAI routes, the front forwards llama-server's `/tokenize` (at
+`{front}/{name}/tokenize`, where the engine's own server has it beside `/v1`): the
+gateway tokenizes the templated prompt of a `return_token_ids` reply on the server
+that made it (engines/token_ids.py), and a worker's upstream for a local model is the
+front (a `FrontedEngine`, which keeps the engine's spec so the worker knows what it
+gives). The tokenizer is the base model's whatever adapter is active, so a tokenize
+holds the engine (loaded, not evicted, while it runs) but takes no adapter's turn and
+goes as it came.
 
 Where the caller hangs up: under Ray, Serve cancels the handler when its client goes;
 plain uvicorn does not, so `EngineFront` watches the connection while a request waits
@@ -47,6 +57,7 @@ from switchyard.config import LlamaCppEngine, ModelConfig, OpenAIEngine, Setting
 from switchyard.engines.llamacpp import ManagedLlamaCpp
 from switchyard.engines.pool import BASE, EnginePool
 from switchyard.engines.registry import MULTIPLEXED_MODEL_HEADER, Registry
+from switchyard.engines.token_ids import FrontedEngine
 from switchyard.errors import (
     AuthenticationError,
     ClientDisconnected,
@@ -56,12 +67,14 @@ from switchyard.errors import (
     PayloadTooLarge,
     RouteNotFound,
     SwitchyardError,
+    UpstreamError,
     UpstreamUnreachable,
 )
 
 __all__ = [
     "ENGINE_PATHS",
     "MAX_BODY",
+    "TOKENIZE",
     "EngineFront",
     "EngineTarget",
     "Lease",
@@ -69,6 +82,7 @@ __all__ = [
     "RunningFront",
     "answer",
     "read_body",
+    "read_reply",
     "remote_engines",
     "route_path",
     "serve_front",
@@ -79,8 +93,10 @@ __all__ = [
 log = logging.getLogger("switchyard.engine")
 T = TypeVar("T")
 
-ENGINE_PATHS = frozenset(("/v1/chat/completions", "/v1/completions", "/v1/models"))
+TOKENIZE = "/tokenize"  # llama-server's, at its root (engines/token_ids.py)
+ENGINE_PATHS = frozenset(("/v1/chat/completions", "/v1/completions", "/v1/models", TOKENIZE))
 MAX_BODY = 64 * 1024 * 1024  # the gateway bounds bodies far below this; a backstop
+MAX_REPLY = MAX_BODY  # an engine's whole (not streamed) answer; far above any real one
 ADAPTER_HEADER = "x-switchyard-engine-adapter"  # the adapter that answered
 _JSON = {"content-type": "application/json"}
 # Longer than the gateway's upstream client keeps an idle connection (30 s,
@@ -97,19 +113,21 @@ def remote_engines(
     the engine's name in the owner's pool (the alias; "alias/deployment" for one of a
     model's `deployments`, when `deployments`). Adapters stay: each is an alias over its
     base there, named as the model and sent with the multiplexing header
-    (engines/registry.py). Ray Serve has an engine application per model's own engine
-    only (scale/serve_config.py), so it passes `deployments=False`."""
+    (engines/registry.py). Each upstream is a `FrontedEngine` that keeps the engine's own
+    spec (engines/token_ids.py reads it). Ray Serve has an engine application per model's
+    own engine only (scale/serve_config.py), so it passes `deployments=False`."""
     base = front_url.rstrip("/")
 
     def remote(name: str, spec: LlamaCppEngine | VllmEngine) -> OpenAIEngine:
         policy = spec.scheduling_policy if isinstance(spec, VllmEngine) else "fcfs"
-        return OpenAIEngine(
+        return FrontedEngine(
             kind="openai",
             base_url=f"{base}/{name}/v1",
             model=name,
             api_key_env=token_env,
             max_connections=256,
             scheduling_policy=policy,
+            managed=spec,
         )
 
     models: list[ModelConfig] = []
@@ -147,12 +165,15 @@ def route_path(scope: Any) -> str:
 
 
 def split_path(path: str) -> tuple[str, str]:
-    """A request path as (what comes before `/v1/`, the engine route from `/v1/`); the
-    route is "" when the path has no `/v1/`."""
+    """A request path as (what comes before `/v1/`, the engine route from `/v1/`), or,
+    for a path without `/v1/` that ends in TOKENIZE, (what comes before, TOKENIZE);
+    the route is "" for any other path."""
     at = path.find("/v1/")
-    if at < 0:
-        return path, ""
-    return path[:at], path[at:]
+    if at >= 0:
+        return path[:at], path[at:]
+    if path.endswith(TOKENIZE):
+        return path[: -len(TOKENIZE)], TOKENIZE
+    return path, ""
 
 
 class Lease:
@@ -208,8 +229,7 @@ class EngineTarget:
         if adapter and self.on_adapter is not None:
             await self.on_adapter(adapter)
         deadline = time.monotonic() + self.wait_s
-        await self.pool.acquire(e, self.wait_s)  # holds the engine
-        lease = Lease(self.pool, e)
+        lease = await self.hold_engine()
         name = adapter or BASE  # BASE: a base request (its turn, if kept apart)
         try:
             if adapter or e.isolate_base:
@@ -228,6 +248,12 @@ class EngineTarget:
             obj["lora"] = e.lora_scales(adapter or None)
         return orjson.dumps(obj), lease
 
+    async def hold_engine(self) -> Lease:
+        """Hold the engine alone (loaded, and not evicted until released), as the pool
+        decides, with no adapter's turn; raises the pool's refusals."""
+        await self.pool.acquire(self.engine, self.wait_s)
+        return Lease(self.pool, self.engine)
+
     async def forward(
         self,
         method: str,
@@ -238,14 +264,20 @@ class EngineTarget:
         headers: dict[str, str],
     ) -> Response:
         """The engine's answer to one request on `route` (in ENGINE_PATHS), the engine
-        held for it (but for the model list) until the answer has been read or relayed."""
+        held for it (but for the model list) until the answer has been read or relayed:
+        with the request's adapter, or for a tokenize alone (the body as it came)."""
         lease: Lease | None = None
-        if route != "/v1/models":
+        if route == "/v1/models":
+            if not self.engine.ready:
+                raise EngineNotReady(
+                    f"the model '{self.engine.alias}' is {self.engine.state.value}"
+                )
+        elif route == TOKENIZE:
+            lease = await self.hold_engine()
+        else:
             body, lease = await self.hold(body, adapter)
             if adapter:
                 headers = {**headers, ADAPTER_HEADER: adapter}
-        elif not self.engine.ready:
-            raise EngineNotReady(f"the model '{self.engine.alias}' is {self.engine.state.value}")
         try:
             upstream = await session.request(
                 method,
@@ -266,7 +298,7 @@ class EngineTarget:
         if ctype.startswith("text/event-stream"):
             return Relay(upstream, lease, ctype, headers)
         try:
-            data = await upstream.read()
+            data = await read_reply(upstream, MAX_REPLY)
         except aiohttp.ClientError as exc:
             log.warning("engine %s broke off its answer: %r", self.engine.alias, exc)
             raise UpstreamUnreachable(
@@ -320,6 +352,23 @@ class Relay(StreamingResponse):
             self.upstream.close()
         if self.lease is not None:
             self.lease.release()
+
+
+async def read_reply(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
+    """An engine's whole answer, refused (502) past `limit` bytes: by its declared
+    length before any of it is read, else as it arrives, so a broken engine cannot
+    make the front hold an unbounded reply in memory."""
+    declared = upstream.content_length
+    if declared is not None and declared > limit:
+        raise UpstreamError(f"the engine's answer is over {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in upstream.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise UpstreamError(f"the engine's answer is over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _error(exc: SwitchyardError, headers: dict[str, str]) -> JSONResponse:
@@ -406,8 +455,8 @@ async def until_disconnect(receive: Callable[[], Awaitable[Any]], work: Awaitabl
 
 
 class EngineFront:
-    """The ASGI app: `/{name}/v1/chat/completions`, `/completions` and `/models` below
-    where it is served, for each managed engine of `registry` (a model's own, and each
+    """The ASGI app: `/{name}/v1/chat/completions`, `/completions` and `/models`, and
+    `/{name}/tokenize`, below where it is served, for each managed engine of `registry` (a model's own, and each
     of a model's deployments, by its name in the pool), each waiting at most its
     model's total timeout; for callers with `token`. One aiohttp session to the
     engines, opened on first use and closed by `close()` (or by the app's lifespan

@@ -15,6 +15,11 @@ against vLLM reads ours unchanged: chat puts `prompt_token_ids` on the reply and
   covered there, and streamed chunks carry no ids: n > 1 and streaming are refused.
 - The python worker runtime and external upstreams do not offer it (an external
   upstream known to be vLLM says so with `capabilities.supports_token_ids`).
+- A managed engine that another process of the gateway owns (a worker of
+  `serve --workers N`, a Ray gateway replica) is an OpenAI upstream at the engine front
+  (engines/front.py `remote_engines`), a `FrontedEngine` that keeps the engine's own
+  spec: token ids are given as that engine gives them, the front forwarding
+  llama-server's `/tokenize` beside the OpenAI routes.
 
 Prompt ids are given only when they are exactly what the engine read: their count
 must equal the reply's `usage.prompt_tokens`, else `prompt_token_ids` is null.
@@ -26,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
-from switchyard.config import LlamaCppEngine, ModelConfig, OpenAIEngine, VllmEngine
+from switchyard.config import Engine, LlamaCppEngine, ModelConfig, OpenAIEngine, VllmEngine
 from switchyard.engines.upstream import OpenAIUpstream
 
 if TYPE_CHECKING:
@@ -35,9 +40,21 @@ if TYPE_CHECKING:
 Support = Literal["native", "llamacpp"]
 
 
+class FrontedEngine(OpenAIEngine):
+    """A managed engine as a process that does not own it reaches it: an OpenAI
+    upstream at the engine front (engines/front.py `remote_engines`). `managed` is the
+    engine's own spec, so what the engine gives beyond the OpenAI API (token ids) is
+    still known where only its upstream is seen. Built in code, never read from a
+    config file; defined here, beside the one rule that reads it."""
+
+    managed: LlamaCppEngine | VllmEngine
+
+
 def support(model: ModelConfig) -> Support | None:
     """How `model`'s engine gives token ids, or None when it cannot."""
-    spec = model.engine
+    spec: Engine = model.engine
+    if isinstance(spec, FrontedEngine):
+        spec = spec.managed
     if isinstance(spec, VllmEngine):
         return "native"
     if isinstance(spec, LlamaCppEngine):
