@@ -2,11 +2,13 @@
 
 The supervisor (engines/llamacpp.py) decides when a process starts, restarts or stops;
 this module does it: the command line of llama-server (or the one-request-at-a-time
-Python worker), the spawn on a fresh loopback port (with the kernel's parent-death
-signal, so no orphan keeps a model in memory), the stderr pump that passes the
-engine's log through and keeps its last lines, the wait for /health and the warm-up
-(a chat prompt of realistic length that must generate several tokens), and the
-termination. Exit statuses are described in words (`describe_exit`).
+Python worker), the spawn on a fresh loopback port (in a session of its own, so a
+terminal's Ctrl-C, which reaches the gateway's whole process group, leaves the engine
+serving while the gateway drains, and the gateway's shutdown stops it; with the
+kernel's parent-death signal, so no orphan keeps a model in memory), the stderr pump
+that passes the engine's log through and keeps its last lines, the wait for /health
+and the warm-up (a chat prompt of realistic length that must generate several
+tokens), and the termination. Exit statuses are described in words (`describe_exit`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
 import shutil
 import signal
 import socket
@@ -177,6 +180,10 @@ class EngineProcess:
         try:
             await asyncio.wait_for(proc.wait(), 10)
         except TimeoutError:
+            # The engine leads a session of its own (see the spawn): its whole group
+            # goes, so no helper process it started (vLLM's engine core) outlives it.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
@@ -261,12 +268,18 @@ class EngineProcess:
                 setpriv = shutil.which("setpriv")
                 if setpriv is not None:
                     cmd = [setpriv, "--pdeathsig", self.parent_death_signal, "--", *cmd]
+                # Its own session (vLLM's engine-core process joins it): a terminal's
+                # Ctrl-C (SIGINT to the foreground process group) reaches the gateway,
+                # which drains its requests and then stops the engine (`_terminate`),
+                # instead of killing the engine under them. (The Python worker blocks
+                # SIGINT itself.)
                 self.proc = await asyncio.create_subprocess_exec(
                     *cmd,
                     stdin=asyncio.subprocess.DEVNULL,
                     stderr=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.DEVNULL,
                     env=self.env(),
+                    start_new_session=True,
                 )
                 self.adapter_ids = {a.name: i for i, a in enumerate(loras)}
                 now = time.monotonic()
