@@ -26,13 +26,20 @@ from typing import Any
 
 import orjson
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp
 
 from switchyard.api.mcp import PATH as MCP_PATH
-from switchyard.errors import AuthenticationError, InvalidRequest, RouteNotFound, SwitchyardError
+from switchyard.errors import (
+    AuthenticationError,
+    InvalidRequest,
+    MethodNotAllowed,
+    RouteNotFound,
+    SwitchyardError,
+)
 from switchyard.policy.admission_remote import Leases, ask_from
 
 _MAX_BODY = 4096
@@ -164,6 +171,17 @@ class GateRoutes:
         return _json({"abandoned": True})
 
 
+async def _no_route(_request: Request, exc: Exception) -> Response:
+    """A path or a method the server does not have, in its routes' error shape (not
+    Starlette's plain text, which a worker would read as no answer)."""
+    err: SwitchyardError = (
+        MethodNotAllowed("no such method on this route")
+        if isinstance(exc, HTTPException) and exc.status_code == 405
+        else RouteNotFound("no such route")
+    )
+    return _json(err.body(), err.status)
+
+
 def internal_app(
     gates: GateRoutes, engines: ASGIApp | None, mcp: ASGIApp | None = None
 ) -> Starlette:
@@ -175,4 +193,4 @@ def internal_app(
         routes.append(Mount("/engines", app=engines))
     if mcp is not None:
         routes.append(Route(MCP_PATH, mcp))
-    return Starlette(routes=routes)
+    return Starlette(routes=routes, exception_handlers={HTTPException: _no_route})

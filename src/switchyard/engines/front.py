@@ -54,6 +54,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from switchyard.config import LlamaCppEngine, ModelConfig, OpenAIEngine, Settings, VllmEngine
+from switchyard.engines.bounded import read_bounded
 from switchyard.engines.llamacpp import ManagedLlamaCpp
 from switchyard.engines.pool import BASE, EnginePool
 from switchyard.engines.registry import MULTIPLEXED_MODEL_HEADER, Registry
@@ -63,6 +64,7 @@ from switchyard.errors import (
     ClientDisconnected,
     EngineNotReady,
     InvalidRequest,
+    MethodNotAllowed,
     ModelNotFound,
     PayloadTooLarge,
     RouteNotFound,
@@ -265,7 +267,8 @@ class EngineTarget:
     ) -> Response:
         """The engine's answer to one request on `route` (in ENGINE_PATHS), the engine
         held for it (but for the model list) until the answer has been read or relayed:
-        with the request's adapter, or for a tokenize alone (the body as it came)."""
+        with the request's adapter, or for a tokenize alone (the body as it came, once it is
+        one: `_check_tokenize`)."""
         lease: Lease | None = None
         if route == "/v1/models":
             if not self.engine.ready:
@@ -273,6 +276,7 @@ class EngineTarget:
                     f"the model '{self.engine.alias}' is {self.engine.state.value}"
                 )
         elif route == TOKENIZE:
+            _check_tokenize(method, body)  # before the hold, which may load the engine
             lease = await self.hold_engine()
         else:
             body, lease = await self.hold(body, adapter)
@@ -309,6 +313,20 @@ class EngineTarget:
             if lease is not None:
                 lease.release()
         return Response(data, status_code=upstream.status, media_type=ctype, headers=headers)
+
+
+def _check_tokenize(method: str, body: bytes) -> None:
+    """A tokenize is what the gateway sends (engines/upstream.py `tokenize`): a POST
+    of a JSON object with the text as `content`; anything else is refused here (405,
+    400), not after holding (perhaps loading) the engine to relay its parser's error."""
+    if method != "POST":
+        raise MethodNotAllowed("a tokenize is a POST")
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise InvalidRequest("the body is not JSON") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("content"), str):
+        raise InvalidRequest("a tokenize is a JSON object with the text as 'content'")
 
 
 class Relay(StreamingResponse):
@@ -355,20 +373,12 @@ class Relay(StreamingResponse):
 
 
 async def read_reply(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
-    """An engine's whole answer, refused (502) past `limit` bytes: by its declared
-    length before any of it is read, else as it arrives, so a broken engine cannot
-    make the front hold an unbounded reply in memory."""
-    declared = upstream.content_length
-    if declared is not None and declared > limit:
+    """An engine's whole answer, refused (502) past `limit` bytes (engines/bounded.py),
+    so a broken engine cannot make the front hold an unbounded reply in memory."""
+    data = await read_bounded(upstream, limit)
+    if data is None:
         raise UpstreamError(f"the engine's answer is over {limit} bytes")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in upstream.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            raise UpstreamError(f"the engine's answer is over {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return data
 
 
 def _error(exc: SwitchyardError, headers: dict[str, str]) -> JSONResponse:

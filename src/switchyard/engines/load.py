@@ -29,6 +29,8 @@ import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
+from switchyard.engines.bounded import read_bounded
+
 log = logging.getLogger("switchyard.engines")
 
 MAX_BYTES = 1 << 20  # a metrics page larger than this is not read
@@ -197,9 +199,7 @@ class LoadWatch:
         async with self._session.get(url, allow_redirects=False) as resp:
             if resp.status != 200:
                 raise ValueError(f"HTTP {resp.status}")
-            body = bytearray()  # read(n) returns what has arrived: read to the end
-            async for chunk in resp.content.iter_any():
-                body += chunk
-                if len(body) > MAX_BYTES:
-                    raise ValueError(f"more than {MAX_BYTES} bytes")
-            return bytes(body)
+            body = await read_bounded(resp, MAX_BYTES)
+            if body is None:
+                raise ValueError(f"more than {MAX_BYTES} bytes")
+            return body

@@ -39,6 +39,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from switchyard.engines.bounded import read_bounded
+
 log = logging.getLogger("switchyard.mcp")
 KEEPALIVE_S = 4.0  # below uvicorn's 5 s, so the server never closes a connection we reuse
 MAX_MESSAGE = 500
@@ -143,15 +145,7 @@ class HttpForwarder:
 
     async def _read(self, resp: aiohttp.ClientResponse) -> bytes | None:
         """The body, or None past max_bytes (a hostile length is not believed)."""
-        length = resp.content_length
-        if length is not None and length <= self.max_bytes:
-            return await resp.read()
-        buf = bytearray()
-        async for chunk in resp.content.iter_any():
-            buf += chunk
-            if len(buf) > self.max_bytes:
-                return None
-        return bytes(buf)
+        return await read_bounded(resp, self.max_bytes)
 
     async def _read_sse(
         self, resp: aiohttp.ClientResponse, rid: str

@@ -34,6 +34,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from switchyard.engines.bounded import read_bounded
 from switchyard.errors import (
     DeadlineExceeded,
     DeadlineUnreachable,
@@ -51,6 +52,7 @@ _REFUSALS: dict[str, type[SwitchyardError]] = {
 }
 _MAX_TASK_PART = 256  # a task key's parts, as the task store bounds them
 VIEW_TIMEOUT_S = 1.0  # a live view waits this long for the control plane's counts
+MAX_VIEW = 1 << 20  # bytes of the control plane's counts: ~60 per gate, a gate per model
 
 
 def ask_json(ask: SlotAsk) -> dict[str, Any]:
@@ -188,8 +190,10 @@ async def host_gates(
     control_url: str, token: str, timeout_s: float = VIEW_TIMEOUT_S
 ) -> dict[str, dict[str, int]] | None:
     """Every remote gate's `in_flight` and `queued` as the control plane counts them
-    (`Leases.view`), or None when it does not answer in `timeout_s`: a live view is
-    shown without them rather than late."""
+    (`Leases.view`), or None when it does not answer in `timeout_s` or answers more
+    than MAX_VIEW bytes: a live view is shown without them rather than late, and a
+    broken control plane cannot make a worker hold an unbounded reply. A gate whose
+    counts are not two counts (integers, not booleans, not negative) is left out."""
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
@@ -197,7 +201,8 @@ async def host_gates(
                 f"{control_url.rstrip('/')}/gates", headers={"authorization": f"Bearer {token}"}
             ) as r,
         ):
-            data = orjson.loads(await r.read()) if r.status == 200 else None
+            raw = await _bounded(r, MAX_VIEW) if r.status == 200 else None
+        data = orjson.loads(raw) if raw is not None else None
     except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError) as exc:
         log.warning("the control plane's gate counts are unavailable: %s", exc)
         return None
@@ -206,10 +211,20 @@ async def host_gates(
     return {
         alias: {"in_flight": v["in_flight"], "queued": v["queued"]}
         for alias, v in data.items()
-        if isinstance(v, dict)
-        and isinstance(v.get("in_flight"), int)
-        and isinstance(v.get("queued"), int)
+        if isinstance(v, dict) and _count(v.get("in_flight")) and _count(v.get("queued"))
     }
+
+
+def _count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+async def _bounded(r: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """`r`'s body, or None (logged) past `limit` bytes (engines/bounded.py)."""
+    body = await read_bounded(r, limit)
+    if body is None:
+        log.warning("the control plane's gate counts are over %d bytes", limit)
+    return body
 
 
 class RemoteGate:

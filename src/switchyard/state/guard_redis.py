@@ -23,6 +23,14 @@ out. The guard judges at each exchange, not only at a local outcome, since an ou
 elsewhere is not an event here; the last process to exchange after the last outcome
 reads every report, so a breach over the union is cut within a refresh or two.
 
+Anything that can write that Redis can write anything into the hash, so a report is
+counted only when it is what a process writes: four counts of ASCII digits (at most
+MAX_DIGITS each) that agree (errors and successes within the requests, slow within the
+successes) and a finite time within the window of now, else it is left out, whatever
+it holds. The read is bounded in Redis (one script per deployment, with the write):
+at most MAX_REPORTS fields, each name and value at most MAX_FIELD bytes (longer ones are
+skipped there), so a flooded hash costs a gateway a bounded reply.
+
 Redis being unreachable never fails a request: the guard then judges each process's own
 window, and the failures are logged (the first and every 100th).
 """
@@ -31,14 +39,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
+import re
 import socket
 import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from switchyard.state.guard import NONE, GuardCounts, GuardSource
 from switchyard.state.redis import count_failure, redis_client
@@ -46,6 +56,38 @@ from switchyard.state.redis import count_failure, redis_client
 log = logging.getLogger("switchyard")
 
 REFRESH_S = 0.25  # as the breakers' shared counts (state/breakers_redis.py)
+MAX_REPORTS = 1024  # fields read per deployment: far above a host's gateway processes
+MAX_FIELD = 128  # bytes of a field's name or value: a report is about 40
+MAX_DIGITS = 15  # of a count: no window holds 10**15 outcomes
+_REPORT = re.compile(
+    rb"([0-9]{1,%d}),([0-9]{1,%d}),([0-9]{1,%d}),([0-9]{1,%d}),([0-9.eE+-]+)" % ((MAX_DIGITS,) * 4)
+)
+
+# Writes this process's report (ARGV[2], unless empty) with the hash's expiry, and reads
+# at most ARGV[4] fields of the hash, skipping any name or value over ARGV[5] bytes: the
+# whole hash where it is small enough, else one scan page of it.
+_EXCHANGE = """
+if ARGV[2] ~= '' then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
+local limit, size = tonumber(ARGV[4]), tonumber(ARGV[5])
+local flat
+if redis.call('HLEN', KEYS[1]) <= limit then
+  flat = redis.call('HGETALL', KEYS[1])
+else
+  flat = redis.call('HSCAN', KEYS[1], 0, 'COUNT', limit)[2]
+end
+local out = {}
+for i = 1, #flat, 2 do
+  if #out >= 2 * limit then break end
+  if #flat[i] <= size and #flat[i + 1] <= size then
+    out[#out + 1] = flat[i]
+    out[#out + 1] = flat[i + 1]
+  end
+end
+return out
+"""
 
 
 class SharedGuard:
@@ -57,6 +99,7 @@ class SharedGuard:
         refresh_s: float = REFRESH_S,
     ) -> None:
         self._redis = redis_client(url, timeout_s)
+        self._sha = self._redis.register_script(_EXCHANGE).sha
         self.prefix = prefix
         self.refresh_s = refresh_s
         self.errors = 0
@@ -102,42 +145,47 @@ class SharedGuard:
         names = list(own)
         wall = time.time()
         writes: dict[str, GuardCounts] = {}
+        calls: list[list[Any]] = []
+        for name in names:
+            counts, window_s = own[name]
+            report = ""
+            if counts.n or self._written.get(name, NONE).n:
+                report = f"{','.join(map(str, counts))},{wall!r}"
+                writes[name] = counts
+            ttl_ms = max(1, int(window_s * 2000))
+            calls.append([self._key(name), self.me, report, ttl_ms, MAX_REPORTS, MAX_FIELD])
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for name in names:
-                    counts, window_s = own[name]
-                    key = self._key(name)
-                    if counts.n or self._written.get(name, NONE).n:
-                        pipe.hset(key, self.me, f"{','.join(map(str, counts))},{wall!r}")
-                        pipe.pexpire(key, max(1, int(window_s * 2000)))
-                        writes[name] = counts
-                    pipe.hgetall(key)
-                replies = await pipe.execute()
+            try:
+                replies = await self._run_calls(calls)
+            except NoScriptError:  # Redis restarted or flushed its scripts: once more
+                await self._redis.script_load(_EXCHANGE)
+                replies = await self._run_calls(calls)
         except (RedisError, OSError) as exc:
             self.errors = count_failure(log, self.errors, "sharing the canary guard's window", exc)
             return {}
         self._written.update(writes)
-        reports = [r for r in replies if isinstance(r, dict)]
         return {
-            name: self._others(report, wall, own[name][1])
-            for name, report in zip(names, reports, strict=True)
+            name: self._others(reply, wall, own[name][1])
+            for name, reply in zip(names, replies, strict=True)
         }
 
-    def _others(self, report: dict[Any, Any], wall: float, window_s: float) -> GuardCounts:
-        """The other processes' counts from their fresh reports."""
+    async def _run_calls(self, calls: list[list[Any]]) -> list[Any]:
+        """The exchange script once per deployment, in one pipelined round trip (by its
+        digest: the script is sent only when Redis does not have it)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for key, *args in calls:
+                pipe.evalsha(self._sha, 1, key, *args)
+            return list(await pipe.execute())
+
+    def _others(self, flat: list[bytes], wall: float, window_s: float) -> GuardCounts:
+        """The other processes' counts from their fresh, well-formed reports (`flat`:
+        field, value, field, value...)."""
+        me = self.me.encode()
         total = NONE
-        for who, raw in report.items():
-            who = who.decode() if isinstance(who, bytes) else str(who)
-            if who == self.me:
-                continue
-            try:
-                text = raw.decode() if isinstance(raw, bytes) else str(raw)
-                *counts, at = text.split(",")
-                if len(counts) != 4 or wall - float(at) > window_s:  # stopped reporting
-                    continue
-                total = total.plus(GuardCounts(*(max(0, int(c)) for c in counts)))
-            except ValueError:
-                continue
+        for who, raw in zip(flat[::2], flat[1::2], strict=True):
+            counts = _report(raw, wall, window_s) if who != me else None
+            if counts is not None:
+                total = total.plus(counts)
         return total
 
     def _key(self, deployment: str) -> str:
@@ -148,3 +196,21 @@ class SharedGuard:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         await self._redis.aclose()
+
+
+def _report(raw: bytes, wall: float, window_s: float) -> GuardCounts | None:
+    """A process's counts from its report, or None for one that is stale (written
+    more than the window ago, or that far ahead) or is not what a process writes."""
+    m = _REPORT.fullmatch(raw)
+    if m is None:
+        return None
+    try:
+        at = float(m[5])
+    except ValueError:
+        return None
+    if not math.isfinite(at) or abs(wall - at) > window_s:
+        return None
+    c = GuardCounts(*(int(g) for g in m.groups()[:4]))
+    if c.errors + c.good > c.n or c.slow > c.good:
+        return None
+    return c

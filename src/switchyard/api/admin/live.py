@@ -57,6 +57,29 @@ def breaker_states(services: LiveServices, now: float) -> dict[str, str]:
     return out
 
 
+def engine_rows(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each engine's row of the live view from an engines report (of a worker, the
+    control plane's, as it sent it): what is not shaped as a report is left out
+    rather than failing the page."""
+    engines = report.get("engines")
+    rows: dict[str, dict[str, Any]] = {}
+    for alias, e in (engines if isinstance(engines, dict) else {}).items():
+        if not isinstance(e, dict):
+            continue
+        adapters = e.get("adapters")
+        rows[alias] = {
+            "state": e.get("state"),
+            "in_flight": e.get("in_flight"),
+            "memory_mb": e.get("memory_mb"),
+            "adapters": {
+                n: a.get("state")
+                for n, a in (adapters if isinstance(adapters, dict) else {}).items()
+                if isinstance(a, dict)
+            },
+        }
+    return rows
+
+
 class Live:
     """The live view."""
 
@@ -81,15 +104,7 @@ class Live:
         out["active_requests"] = s.service.active
         reg = s.registry
         report = s.engines_report()  # of several workers: the control plane's
-        out["engines"] = {
-            alias: {
-                "state": e.get("state"),
-                "in_flight": e.get("in_flight"),
-                "memory_mb": e.get("memory_mb"),
-                "adapters": {n: a.get("state") for n, a in (e.get("adapters") or {}).items()},
-            }
-            for alias, e in report["engines"].items()
-        }
+        out["engines"] = engine_rows(report)
         if not reached or "control_plane" in report:
             out["control_plane"] = "unreachable"
         out["engine_load"] = {  # what each engine last said of its own load
