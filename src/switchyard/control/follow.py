@@ -15,11 +15,16 @@ import aiohttp
 import orjson
 
 from switchyard.control.components import Components
+from switchyard.engines.bounded import read_bounded
 
 log = logging.getLogger("switchyard")
 
 FOLLOW_S = 1.0
 STALE_S = 5.0
+# Bytes of the control plane's report read at most (about 1 KB per model and engine):
+# a broken control plane cannot make a worker hold an unbounded body. A report over it,
+# or one that is not a JSON object, is as no answer: the view goes stale.
+MAX_REPORT = 8 << 20
 
 
 class ControlView(Components):
@@ -55,8 +60,9 @@ class ControlView(Components):
             while True:
                 try:
                     async with session.get(url, headers=headers) as r:
-                        body = orjson.loads(await r.read())
-                    if r.status == 200 and isinstance(body.get("models"), dict):
+                        raw = await read_bounded(r, MAX_REPORT)
+                    body = orjson.loads(raw) if r.status == 200 and raw is not None else None
+                    if isinstance(body, dict) and isinstance(body.get("models"), dict):
                         self.control_view = body["models"]
                         engines = body.get("engines")
                         self.control_engines = engines if isinstance(engines, dict) else None
