@@ -64,6 +64,9 @@ class ManagedLlamaCpp(EngineProcess):
     # gone, and its SIGTERM handler, which waits for its HTTP loop, was seen to leave
     # it alive for over 20 s on a loaded machine (tests/integration/test_observe.py, kill -9).
     parent_death_signal = "KILL"
+    # In a session of its own, so a terminal's Ctrl-C leaves it serving until the
+    # gateway has drained and stops it (engines/llamacpp_process.py).
+    own_session = True
 
     def __init__(
         self,

@@ -111,6 +111,7 @@ class EngineProcess:
     alias: str
     spec: ManagedEngine
     parent_death_signal: str
+    own_session: bool  # started in a session of its own (see the spawn)
     state: EngineState
     port: int | None
     proc: asyncio.subprocess.Process | None
@@ -180,13 +181,12 @@ class EngineProcess:
         try:
             await asyncio.wait_for(proc.wait(), 10)
         except TimeoutError:
-            # The engine leads a session of its own (see the spawn): its whole group
-            # goes, so no helper process it started (vLLM's engine core) outlives it.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+        if self.own_session:  # what is left of the group it led goes with it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
     def server_command(self, binary: str, gguf: str, port: int, loras: list[str]) -> list[str]:
         """llama-server with `parallel` slots of `ctx` tokens each (continuous batching
@@ -268,7 +268,7 @@ class EngineProcess:
                 setpriv = shutil.which("setpriv")
                 if setpriv is not None:
                     cmd = [setpriv, "--pdeathsig", self.parent_death_signal, "--", *cmd]
-                # Its own session (vLLM's engine-core process joins it): a terminal's
+                # llama-server in a session of its own (`own_session`): a terminal's
                 # Ctrl-C (SIGINT to the foreground process group) reaches the gateway,
                 # which drains its requests and then stops the engine (`_terminate`),
                 # instead of killing the engine under them. (The Python worker blocks
@@ -279,7 +279,7 @@ class EngineProcess:
                     stderr=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.DEVNULL,
                     env=self.env(),
-                    start_new_session=True,
+                    start_new_session=self.own_session,
                 )
                 self.adapter_ids = {a.name: i for i, a in enumerate(loras)}
                 now = time.monotonic()

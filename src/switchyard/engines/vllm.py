@@ -42,6 +42,11 @@ class ManagedVllm(ManagedLlamaCpp):
     # vLLM's API server stops its engine-core process on SIGTERM; SIGKILL would
     # orphan that process (and the model it holds).
     parent_death_signal = "TERM"
+    # Not in a session of its own: its worker processes were seen to outlive the API
+    # server and its engine core for seconds at 90 % of a core (reparented to init), so
+    # vLLM stays in the gateway's process group, where whatever stops that group (a
+    # supervisor, a terminal's Ctrl-C) stops all of them at once.
+    own_session = False
 
     @property
     def vllm(self) -> VllmEngine:
