@@ -64,7 +64,7 @@ def wait_http(
             r = httpx.get(url, timeout=2)
             if r.status_code == status:
                 return
-            last = r.status_code
+            last = f"{r.status_code} {r.text[:1500]}"  # what is not ready, if it says
         except httpx.HTTPError as exc:
             last = repr(exc)
         time.sleep(0.2)
