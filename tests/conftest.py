@@ -17,6 +17,7 @@ import pytest
 from hypothesis import settings as hypothesis_settings
 
 from support.gateways import Gateway, start_gateway
+from support.redis_server import start_redis, stop_redis
 from support.upstreams import Scripted, start_scripted, start_worker
 
 # Property tests draw the same examples in every run (CI must be reproducible); set
@@ -64,6 +65,15 @@ def scripted() -> Iterator[Scripted]:
     proc, s = start_scripted()
     yield s
     proc.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    """A throwaway redis-server for a module (a module that needs another scope or
+    start defines its own `redis_url`, which takes precedence)."""
+    proc, url = start_redis()
+    yield url
+    stop_redis(proc)
 
 
 @pytest.fixture(scope="module")

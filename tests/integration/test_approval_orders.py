@@ -512,12 +512,3 @@ def test_both_task_stores_report_a_calls_results(redis_url: str) -> None:
             await red.close()
 
     asyncio.run(go())
-
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    from support.redis_server import start_redis, stop_redis
-
-    proc, url = start_redis()
-    yield url
-    stop_redis(proc)

@@ -7,26 +7,16 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from support.redis_server import start_redis, stop_redis
 from switchyard.config import BreakerConfig
 from switchyard.state.breakers_memory import CircuitBreaker
 from switchyard.state.breakers_redis import SharedBreakers
 
 # Only the rate rule can open: the consecutive rule is out of reach.
 CFG = BreakerConfig(failures=1000, failure_rate=0.5, window_s=30, min_requests=10)
-
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    proc, url = start_redis()
-    yield url
-    stop_redis(proc)
 
 
 class Process:

@@ -11,96 +11,18 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from support.canary_guard import GUARD, Process, guard_settings
 from support.gateways import Gateway, start_gateway
 from support.procs import free_port
-from support.redis_server import start_redis, stop_redis
 from support.upstreams import Scripted
-from switchyard.config import Settings
-from switchyard.decide.balance import Balancer
-from switchyard.engines.registry import Registry
-from switchyard.execute.breaker import CircuitBreaker
 from switchyard.gateway.deployments import build_guard_share
 from switchyard.state.guard_redis import SharedGuard
-
-GUARD = {"max_error_rate": 0.25, "max_p95_ms": 500, "window_s": 300, "min_samples": 12}
-
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    proc, url = start_redis()
-    yield url
-    stop_redis(proc)
-
-
-def _settings(guard: dict[str, Any]) -> Settings:
-    return Settings.model_validate(
-        {
-            "models": [
-                {
-                    "alias": "chat",
-                    "revision": "r1",
-                    "deployments": [
-                        {"name": "stable", "engine": {"kind": "openai", "base_url": "http://s"}},
-                        {
-                            "name": "canary",
-                            "revision": "r2",
-                            "canary": True,
-                            "weight": 0.5,
-                            "engine": {"kind": "openai", "base_url": "http://c"},
-                        },
-                    ],
-                    "canary_guard": guard,
-                }
-            ]
-        }
-    )
-
-
-class Process:
-    """One gateway process: its balancer (real deployments from a real registry), its
-    shared window, and the cuts judged at an exchange (what the gateway stores).
-
-    `wired`: as the gateway builds it (the balancer pokes the share, whose own loop
-    exchanges); else the test drives the exchanges in rounds (`refresh`)."""
-
-    def __init__(
-        self, url: str, prefix: str, guard: dict[str, Any] = GUARD, wired: bool = False
-    ) -> None:
-        s = _settings(guard)
-        deps = Registry(s).replicas["chat"]
-        breakers = {d.name: CircuitBreaker(d.name, d.model.resilience.breaker) for d in deps}
-        self.cuts: list[str] = []
-        self.share = SharedGuard(url, 1.0, prefix=prefix, refresh_s=0.05)
-        self.balancer = Balancer(
-            "chat",
-            deps,
-            s.models[0].balance,
-            breakers,
-            guard_share=self.share if wired else None,
-            on_cut=lambda alias, d, why: self.cuts.append(why),
-        )
-        if not wired:
-            self.share.watch(self.balancer)
-        self.canary = next(d for d in deps if d.replica is not None and d.replica.canary)
-
-    def outcome(self, ok: bool, ms: float = 100.0) -> str | None:
-        """A request's outcome at the canary; the cut's reason when it tipped it."""
-        return self.balancer.guard_check(self.canary, ok, ms, time.monotonic())
-
-    async def refresh(self) -> None:
-        await self.share.refresh(time.monotonic())
-
-    @property
-    def cut(self) -> bool:
-        return self.canary.live.weight == 0.0
 
 
 def _processes(url: str, n: int, **kw: Any) -> list[Process]:
@@ -211,7 +133,7 @@ def test_an_unreachable_redis_leaves_each_process_judging_its_own() -> None:
 def test_only_a_guard_with_redis_is_shared(redis_url: str) -> None:
     """Without `storage.redis_url` (or without a guard) nothing is shared: each
     process's guard judges alone, as before."""
-    alone = _settings(GUARD)
+    alone = guard_settings(GUARD)
     assert build_guard_share(alone) is None
     shared = alone.model_copy(
         update={"storage": alone.storage.model_copy(update={"redis_url": redis_url})}

@@ -172,6 +172,24 @@ def _slots_idle(front: Front) -> None:
         time.sleep(0.1)
 
 
+async def _chat(dep: Any, messages: list[dict[str, Any]], max_tokens: int, **extra: Any) -> bytes:
+    """A greedy chat request to `dep` through its own upstream (a worker's: the front)."""
+    body = {
+        "model": dep.upstream_model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
+    reply = await dep.upstream.post(
+        "/chat/completions",
+        json.dumps(body).encode(),
+        dep.model.timeouts,
+        extra_headers=dep.headers,
+    )
+    return bytes(reply.body)
+
+
 def test_a_chat_completion_answers_through_the_front(front: Front) -> None:
     reply = _client(front).chat.completions.create(
         model="smol",
@@ -211,19 +229,8 @@ def test_a_worker_reaches_the_engine_and_its_adapter_with_remote_engines_setting
             for alias in ("smol", "robot"):
                 dep = registry.get(alias)
                 assert dep is not None and dep.engine is None
-                body = {
-                    "model": dep.upstream_model,
-                    "messages": [{"role": "user", "content": PROMPT}],
-                    "max_tokens": 10,
-                    "temperature": 0,
-                }
-                reply = await dep.upstream.post(
-                    "/chat/completions",
-                    json.dumps(body).encode(),
-                    dep.model.timeouts,
-                    extra_headers=dep.headers,
-                )
-                out[alias] = json.loads(reply.body)["choices"][0]["message"]["content"]
+                reply = await _chat(dep, [{"role": "user", "content": PROMPT}], 10)
+                out[alias] = json.loads(reply)["choices"][0]["message"]["content"]
         finally:
             await registry.stop()
         return out
@@ -303,20 +310,8 @@ def test_a_worker_gets_the_token_ids_of_a_llama_server_reply_through_the_front(
                 dep = registry.get(alias)
                 assert dep is not None and dep.engine is None
                 assert dep.token_ids == "llamacpp"
-                body = {
-                    "model": dep.upstream_model,
-                    "messages": messages,
-                    "max_tokens": 6,
-                    "temperature": 0,
-                    **LLAMACPP_NATIVE,
-                }
-                reply = await dep.upstream.post(
-                    "/chat/completions",
-                    json.dumps(body).encode(),
-                    dep.model.timeouts,
-                    extra_headers=dep.headers,
-                )
-                out[alias] = json.loads(await attached(reply.body, dep, True, "chat", 30))
+                reply = await _chat(dep, messages, 6, **LLAMACPP_NATIVE)
+                out[alias] = json.loads(await attached(reply, dep, True, "chat", 30))
         finally:
             await registry.stop()
         return out

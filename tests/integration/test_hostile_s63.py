@@ -18,86 +18,18 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
+from support.canary_guard import Process
 from support.gateways import local_model
-from support.redis_server import start_redis, stop_redis
-from switchyard.config import Settings, parse_settings
-from switchyard.decide.balance import Balancer
+from switchyard.config import parse_settings
 from switchyard.engines.front import EngineFront, serve_front
 from switchyard.engines.llamacpp_state import EngineState
 from switchyard.engines.registry import Registry
-from switchyard.execute.breaker import CircuitBreaker
-from switchyard.state.guard_redis import MAX_REPORTS, SharedGuard
-
-GUARD = {"max_error_rate": 0.25, "max_p95_ms": 500, "window_s": 300, "min_samples": 12}
-
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    proc, url = start_redis()
-    yield url
-    stop_redis(proc)
-
-
-class Process:
-    """One gateway process's balancer over a canary and its shared window."""
-
-    def __init__(self, url: str, prefix: str) -> None:
-        s = Settings.model_validate(
-            {
-                "models": [
-                    {
-                        "alias": "chat",
-                        "revision": "r1",
-                        "deployments": [
-                            {
-                                "name": "stable",
-                                "engine": {"kind": "openai", "base_url": "http://s"},
-                            },
-                            {
-                                "name": "canary",
-                                "revision": "r2",
-                                "canary": True,
-                                "weight": 0.5,
-                                "engine": {"kind": "openai", "base_url": "http://c"},
-                            },
-                        ],
-                        "canary_guard": GUARD,
-                    }
-                ]
-            }
-        )
-        deps = Registry(s).replicas["chat"]
-        breakers = {d.name: CircuitBreaker(d.name, d.model.resilience.breaker) for d in deps}
-        self.cuts: list[str] = []
-        self.share = SharedGuard(url, 1.0, prefix=prefix, refresh_s=0.05)
-        self.balancer = Balancer(
-            "chat",
-            deps,
-            s.models[0].balance,
-            breakers,
-            on_cut=lambda alias, d, why: self.cuts.append(why),
-        )
-        self.share.watch(self.balancer)
-        self.canary = next(d for d in deps if d.replica is not None and d.replica.canary)
-        self.key = self.share._key(self.canary.name)
-
-    def outcomes(self, *oks: bool) -> None:
-        for ok in oks:
-            self.balancer.guard_check(self.canary, ok, 100.0, time.monotonic())
-
-    async def refresh(self) -> None:
-        await self.share.refresh(time.monotonic())
-
-    @property
-    def cut(self) -> bool:
-        return self.canary.live.weight == 0.0
+from switchyard.state.guard_redis import MAX_REPORTS
 
 
 def _prefix() -> str:

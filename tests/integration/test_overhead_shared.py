@@ -6,22 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from support.redis_server import start_redis, stop_redis
 from switchyard.policy.cost import PromptOverhead
 from switchyard.state.overhead_redis import SharedOverhead
-
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    proc, url = start_redis()
-    yield url
-    stop_redis(proc)
 
 
 async def _exchange(share: SharedOverhead, overhead: PromptOverhead) -> None:

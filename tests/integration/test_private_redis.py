@@ -23,7 +23,6 @@ import pytest
 import redis
 from redis.asyncio import Redis as AsyncRedis
 
-from support.redis_server import start_redis, stop_redis
 from switchyard.config.settings import load_settings
 from switchyard.scale.private_redis import PrivateRedis, PrivateRedisError, gateway_home
 from switchyard.state.limits import Ask, ScopeLimits
@@ -46,13 +45,6 @@ def private(home: Path) -> Iterator[PrivateRedis]:
     server = PrivateRedis(home)
     yield server
     server.stop()
-
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    proc, url = start_redis()
-    yield url
-    stop_redis(proc)
 
 
 @pytest.fixture

@@ -557,15 +557,6 @@ steps = st.lists(
 )
 
 
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    from support.redis_server import start_redis, stop_redis
-
-    proc, url = start_redis()
-    yield url
-    stop_redis(proc)
-
-
 def test_the_redis_store_answers_as_the_memory_store(redis_url: str) -> None:
     """Over generated sequences of admits, settles, cancels, tool-call notes and clock
     ticks on three tasks, with room for two and three notes each, `RedisTaskStore`

@@ -16,6 +16,7 @@ import pytest
 from aiohttp import web
 from starlette.testclient import TestClient
 
+from support.aiohttp_server import serving
 from switchyard.api.admin.live import engine_rows
 from switchyard.api.internal import GateRoutes, internal_app
 from switchyard.policy.admission import DeploymentGate
@@ -29,15 +30,8 @@ async def _serve(handler: Handler, body: Callable[[str], Awaitable[Any]]) -> Any
     """`body(url)` against a control plane whose `/gates` is `handler`."""
     app = web.Application()
     app.router.add_get("/gates", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        return await body(f"http://127.0.0.1:{port}")
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        return await body(url)
 
 
 def _gates(handler: Handler) -> dict[str, dict[str, int]] | None:

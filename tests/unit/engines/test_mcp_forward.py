@@ -15,6 +15,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from support.aiohttp_server import serving
 from switchyard.engines.mcp_forward import ConnectFailed, HttpForwarder, SessionLost
 
 Answer = Callable[[dict[str, Any]], Awaitable[web.StreamResponse]]
@@ -38,23 +39,14 @@ async def with_server(
 
     app = web.Application()
     app.router.add_post("/mcp", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    fwd = HttpForwarder(
-        f"http://127.0.0.1:{port}/mcp",
-        {"authorization": "Bearer s3cret"},
-        "sid-1",
-        "2025-11-25",
-        4096,
-    )
-    try:
-        await go(fwd, seen)
-    finally:
-        await fwd.close()
-        await runner.cleanup()
+    async with serving(app) as url:
+        fwd = HttpForwarder(
+            url + "/mcp", {"authorization": "Bearer s3cret"}, "sid-1", "2025-11-25", 4096
+        )
+        try:
+            await go(fwd, seen)
+        finally:
+            await fwd.close()
 
 
 def json_reply(obj: Any, status: int = 200) -> web.Response:

@@ -12,6 +12,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from support.aiohttp_server import serving
 from switchyard.control import follow
 from switchyard.control.follow import ControlView
 
@@ -43,20 +44,15 @@ async def _follow(answers: list[bytes]) -> tuple[list[Any], bool]:
 
     app = web.Application()
     app.router.add_get("/state/readiness", readiness)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    view = _view(f"http://127.0.0.1:{port}")
-    task = asyncio.create_task(view._follow_control())
-    try:
-        await asyncio.wait_for(done.wait(), 10)
-        return seen[1:], not task.done()  # seen[0]: before any answer
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await runner.cleanup()
+    async with serving(app) as url:
+        view = _view(url)
+        task = asyncio.create_task(view._follow_control())
+        try:
+            await asyncio.wait_for(done.wait(), 10)
+            return seen[1:], not task.done()  # seen[0]: before any answer
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 @pytest.mark.parametrize(
