@@ -8,6 +8,7 @@ other engine kinds estimate through their `estimated_mb` hook.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,20 @@ def estimate_gguf_mb(path: str, tokens: int) -> float | None:
 
 
 def kv_bytes_per_token(path: str) -> int | None:
-    """K and V in f16 for every layer, from the GGUF's metadata (None if unreadable)."""
+    """K and V in f16 for every layer, from the GGUF's metadata (None if unreadable).
+    Read once per file: the reader parses all the metadata (the vocabulary too), which
+    takes seconds of the event loop for a small model, and the pool asks on every
+    report and decision. A file replaced in place (new size or mtime) is read again."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return _kv_bytes_per_token(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _kv_bytes_per_token(path: str, size: int, mtime_ns: int) -> int | None:
+    del size, mtime_ns  # the cache's key: the file as it is now
     try:
         from gguf import GGUFReader  # the llama.cpp project's reader
 
