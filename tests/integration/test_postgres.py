@@ -31,6 +31,7 @@ from switchyard.observe.db import connect
 from switchyard.observe.ledger import spent_since, usage_rows
 from switchyard.observe.ledger_writer import write_batch
 from switchyard.observe.traces import LedgerBatch, LedgerEntry
+from switchyard.state.weights import cut_weight, read_weights, write_weights
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +194,25 @@ def test_errors_come_back_as_sqlite3s(server: str) -> None:
         conn.close()
     with pytest.raises(sqlite3.OperationalError):
         connect("postgresql://nobody@127.0.0.1:1/none")
+
+
+def test_a_canary_cut_is_reported_once_on_postgresql_too(server: str) -> None:
+    """`cut_weight`'s conditional upsert says which write cut the canary on PostgreSQL
+    as on SQLite (tests/unit/state/test_canary_weights.py): the first, not the others."""
+    dsn = fresh(server)
+    conns = [connect(dsn) for _ in range(3)]
+    try:
+        assert [cut_weight(c, "chat", "canary", "error rate 1.00") for c in conns] == [
+            True,
+            False,
+            False,
+        ]
+        write_weights(conns[1], "chat", {"canary": 1.0}, "promoted again")
+        assert cut_weight(conns[2], "chat", "canary", "again") is True
+        assert read_weights(conns[0])["chat"]["canary"]["reason"] == "again"
+    finally:
+        for c in conns:
+            c.close()
 
 
 # -- gateways on one PostgreSQL -------------------------------------------------------------

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from switchyard.control.components import Components
 from switchyard.engines.registry import Deployment
 from switchyard.errors import InvalidRequest, ModelNotFound
 from switchyard.state.weights import REFRESH_S as WEIGHTS_REFRESH_S
-from switchyard.state.weights import read_weights, write_weights
+from switchyard.state.weights import cut_weight, read_weights, write_weights
 
 log = logging.getLogger("switchyard")
 
@@ -67,20 +66,30 @@ class Weights(Components):
         return b.weights()
 
     def _canary_cut(self, alias: str, dep: Deployment, why: str) -> None:
-        log.error("model %s: %s", alias, why)
-        if self.metrics is not None:
-            self.metrics.canary_cuts.labels(alias, dep.name).inc()
+        """A canary this process's guard cut (its weight here is 0 already): stored for
+        every process, and logged and counted by the one whose write cut it
+        (`cut_weight`), so N workers finding one breach report it once. A store that
+        fails still gets the cut reported here."""
         short = dep.replica.name if dep.replica is not None else dep.name
 
-        def store() -> None:
+        def store() -> bool:
             with self.store.connection() as conn:
-                write_weights(conn, alias, {short: 0.0}, why)
+                return cut_weight(conn, alias, short, why)
 
-        task = asyncio.get_running_loop().run_in_executor(None, store)
-        task.add_done_callback(_log_failure)
+        def stored(fut: asyncio.Future[bool]) -> None:
+            exc = fut.exception()
+            if exc is not None:
+                log.error("storing a deployment weight failed: %s", exc)
+            elif not fut.result():
+                log.info(
+                    "model %s: %s was cut by another gateway process already (here: %s)",
+                    alias,
+                    dep.name,
+                    why,
+                )
+                return
+            log.error("model %s: %s", alias, why)
+            if self.metrics is not None:
+                self.metrics.canary_cuts.labels(alias, dep.name).inc()
 
-
-def _log_failure(fut: Any) -> None:
-    exc = fut.exception()
-    if exc is not None:
-        log.error("storing a deployment weight failed: %s", exc)
+        asyncio.get_running_loop().run_in_executor(None, store).add_done_callback(stored)

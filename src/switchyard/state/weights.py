@@ -62,3 +62,21 @@ def write_weights(
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+
+
+def cut_weight(conn: sqlite3.Connection, alias: str, name: str, reason: str) -> bool:
+    """Store weight 0 for `alias`'s deployment `name` unless it is 0 already; True when
+    this call cut it. Every gateway process sharing a canary guard may find the same
+    breach (at its own next outcome or exchange) before it reads the stored weight: only
+    the one whose write changed the row reports the cut, so a host with N workers logs
+    and counts it once, as one process would."""
+    cur = conn.execute(
+        "INSERT INTO deployment_weights (alias, deployment, weight, updated_at, reason)"
+        " VALUES (?, ?, 0.0, ?, ?) ON CONFLICT (alias, deployment) DO UPDATE SET"
+        " weight = excluded.weight, updated_at = excluded.updated_at,"
+        " reason = excluded.reason WHERE deployment_weights.weight <> 0",
+        (alias, name, time.time(), reason[:500]),
+    )
+    changed = cur.rowcount > 0
+    conn.commit()
+    return changed
