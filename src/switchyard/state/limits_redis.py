@@ -36,6 +36,10 @@ still there as a settle with nothing used would: concurrency slots freed, reserv
 tokens and budget returned, the request still counted in its requests window. Each
 release runs the settle script, so it happens once: a second release, or the owner's
 own late settle, finds nothing left. Without an owner nothing is recorded.
+
+Reserves and settles issued while an earlier one is on the wire reach Redis together,
+in one pipelined round trip (state/redis_batch.py); each is still its own script,
+atomic by itself.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from switchyard.state.limits import (
     period_reset_s,
 )
 from switchyard.state.redis import redis_client, shared_call
+from switchyard.state.redis_batch import ScriptBatcher
 
 # A process that dies mid-request never settles; its concurrency slots lapse after this
 # (unless its owner's holds are released first) and so do the records of its holds.
@@ -279,13 +284,16 @@ class RedisLimiter:
         self._redis = redis_client(url, timeout_s)
         self._prefix = f"{prefix}rl:"
         self._owner_key = None if owner is None else self._owner(owner)
-        self._reserve = self._redis.register_script(_RESERVE)
-        self._settle = self._redis.register_script(_SETTLE)
+        # Every request's reserve and settle: batched, one round trip for many requests.
+        self._scripts = ScriptBatcher(self._redis)
+        self._reserve = self._scripts.register(_RESERVE)
+        self._settle = self._scripts.register(_SETTLE)
 
     def _owner(self, owner: str) -> str:
         return f"{self._prefix}owner:{owner}"
 
     async def close(self) -> None:
+        await self._scripts.wait_idle()
         await self._redis.aclose()
 
     def _keys(self, scopes: list[ScopeLimits], request_id: str, now: float) -> list[str]:
@@ -325,7 +333,7 @@ class RedisLimiter:
             args += [_arg(lim.rpm), _arg(lim.tpm), _arg(lim.max_concurrency)]
             args += [_arg(lim.budget_usd), _arg(period_reset_s(lim.budget_period, now))]
         keys = self._keys(scopes, ask.request_id, now)
-        res = await self._call("reserve", self._reserve(keys=keys, args=args))
+        res = await self._call("reserve", self._scripts.run(self._reserve, keys, args))
         verdict = Verdict(allowed=bool(int(res[0])))
         if not verdict.allowed:
             verdict.scope = scopes[int(res[1]) - 1].scope
@@ -361,7 +369,7 @@ class RedisLimiter:
         args += [_arg(ask.cost_usd), _arg(cost_usd), ""]
         args += ["0" if lim.budget_usd is None else "1" for lim in scopes]
         keys = self._keys(scopes, ask.request_id, now)
-        await self._call("settle", self._settle(keys=keys, args=args))
+        await self._call("settle", self._scripts.run(self._settle, keys, args))
 
     async def release_owner(self, owner: str, now: float | None = None) -> int:
         """Settle every hold `owner` left unsettled (its process died) as a settle with

@@ -1,0 +1,155 @@
+"""`ScriptBatcher`: the Lua script calls a process issues while Redis is busy answering
+earlier ones, sent in one pipelined round trip.
+
+A gateway worker under load issues many limiter scripts at once (a reserve before each
+upstream call, a settle after it). Sent one by one, each pays redis-py's command packing,
+a pool checkout, a socket write and a read; pipelined, the calls queued together share them.
+
+- A call that finds nothing on the wire goes out at once, from its caller's task, with
+  no timer and no extra loop turn (a lone request pays no more than unbatched). Calls
+  that arrive while a call or batch is on the wire queue, and go out together as soon as
+  it is answered, from a sender task that keeps going while calls queue behind it.
+- One batch in flight at a time, on one connection: Redis runs the scripts in the order
+  they were queued. A request's next call is issued only once its previous one was
+  answered, so it never overtakes it.
+- The pipeline is not a transaction (`transaction=False`), and need not be: each EVALSHA
+  is atomic by itself. Each caller gets its own reply or its own error: a script error
+  fails that call only (`raise_on_error=False`); a connection error or a timeout fails
+  every call of the batch, and reaches each caller as the exception redis-py raised, for
+  the caller to map (`shared_call`). Timeouts are not retried: the scripts may have run.
+- EVALSHA is sent with the script's known sha, so no SCRIPT EXISTS precedes each batch
+  (redis-py's pipeline sends one whenever `Script` objects are called through it). Calls
+  answered NOSCRIPT (Redis restarted or its script cache was flushed) did not run: their
+  scripts are loaded and those calls alone sent again, in one more round trip. A call
+  answered NOSCRIPT again gets that error.
+- A caller cancelled before its batch goes out is not sent (as an unsent command is
+  not); one cancelled later has its script run, as a cancelled command whose bytes were
+  written has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError, ResponseError
+
+
+@dataclass(slots=True)
+class _Call:
+    """One queued EVALSHA and the future its caller awaits."""
+
+    script: AsyncScript
+    keys: Sequence[str]
+    args: Sequence[str]
+    reply: asyncio.Future[Any]
+
+
+class ScriptBatcher:
+    """Runs Lua scripts on one Redis client; the calls that queue while one round trip is
+    on the wire share the next."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self._redis = client
+        self._queue: list[_Call] = []
+        self._in_flight = False  # a call or batch is on the wire; arrivals queue
+        self._sender: asyncio.Task[None] | None = None
+
+    def register(self, source: str) -> AsyncScript:
+        """A script to `run`; its sha is computed once, here."""
+        return self._redis.register_script(source)
+
+    async def run(self, script: AsyncScript, keys: Sequence[str], args: Sequence[str]) -> Any:
+        """The script's reply to this call; raises what Redis or redis-py raised for it."""
+        call = _Call(script, keys, args, asyncio.get_running_loop().create_future())
+        if self._in_flight:
+            self._queue.append(call)
+        else:  # nothing on the wire: this call goes out now, alone, from its own task
+            self._in_flight = True
+            try:
+                await self._send([call])
+            finally:
+                self._send_next()
+        return await call.reply
+
+    async def wait_idle(self) -> None:
+        """Until the queued and in-flight batches are answered (before closing the client)."""
+        if self._sender is not None:
+            await asyncio.shield(self._sender)
+
+    def _send_next(self) -> None:
+        """The wire is free: the calls queued meanwhile go out as one batch, from a task
+        of their own (so no caller's cancellation cuts it short)."""
+        if self._queue:
+            self._sender = asyncio.get_running_loop().create_task(self._send_queued())
+        else:
+            self._in_flight = False
+
+    async def _send_queued(self) -> None:
+        try:
+            while self._queue:
+                batch = [call for call in self._queue if not call.reply.cancelled()]
+                self._queue = []
+                if batch:
+                    await self._send(batch)
+        except asyncio.CancelledError:  # the loop is shutting down: nobody is answered
+            for call in self._queue:
+                call.reply.cancel()
+            raise
+        finally:
+            self._sender = None
+            self._in_flight = False
+
+    async def _send(self, batch: list[_Call]) -> None:
+        try:
+            replies = await self._round_trip(batch, load=())
+            again = [c for c, r in zip(batch, replies, strict=True) if isinstance(r, NoScriptError)]
+            _answer(batch, replies, noscript_again=False)
+            if again:
+                scripts = list({c.script.sha: c.script for c in again}.values())
+                _answer(again, await self._round_trip(again, load=scripts), noscript_again=True)
+        except Exception as exc:  # every caller still waiting gets it
+            for call in batch:
+                if not call.reply.done():
+                    call.reply.set_exception(exc)
+        except asyncio.CancelledError:
+            for call in batch:
+                call.reply.cancel()
+            raise
+
+    async def _round_trip(self, calls: list[_Call], load: Sequence[AsyncScript]) -> list[Any]:
+        """One round trip: SCRIPT LOAD for `load`, then each call's EVALSHA; the calls'
+        replies, an error in place of a reply that is one."""
+        if len(calls) == 1 and not load:  # a lone call: a plain command costs less
+            call = calls[0]
+            try:
+                return [await self._redis.execute_command("EVALSHA", *_evalsha_args(call))]
+            except ResponseError as exc:
+                return [exc]
+        pipe = self._redis.pipeline(transaction=False)
+        for script in load:
+            pipe.execute_command("SCRIPT LOAD", script.script)
+        for call in calls:
+            pipe.execute_command("EVALSHA", *_evalsha_args(call))
+        replies = await pipe.execute(raise_on_error=False)
+        return list(replies[len(load) :])
+
+
+def _evalsha_args(call: _Call) -> list[Any]:
+    return [call.script.sha, len(call.keys), *call.keys, *call.args]
+
+
+def _answer(calls: list[_Call], replies: list[Any], noscript_again: bool) -> None:
+    """Each caller its own reply or error; a NOSCRIPT reply is left for the resend unless
+    it answers the resend (`noscript_again`)."""
+    for call, reply in zip(calls, replies, strict=True):
+        if call.reply.done() or (isinstance(reply, NoScriptError) and not noscript_again):
+            continue
+        if isinstance(reply, BaseException):
+            call.reply.set_exception(reply)
+        else:
+            call.reply.set_result(reply)
