@@ -36,16 +36,6 @@ def _model(body: dict[str, Any]) -> str:
     return model
 
 
-def _optional(body: dict[str, Any], name: str, types: tuple[type, ...], what: str) -> None:
-    v = body.get(name)
-    if v is None:
-        return
-    if isinstance(v, bool) and bool not in types:
-        raise InvalidRequest(f"'{name}' must be {what}", param=name)
-    if not isinstance(v, types):
-        raise InvalidRequest(f"'{name}' must be {what}", param=name)
-
-
 _INT = ((int,), "an integer")
 _NUM = ((int, float), "a number")
 _BOOL = ((bool,), "a boolean")
@@ -53,7 +43,7 @@ _STR = ((str,), "a string")
 INT32_MAX = 2**31 - 1
 INT64 = 2**63
 # Typed optional fields: name -> (accepted types, what the error calls them).
-_TYPED: dict[str, tuple[tuple[type, ...], str]] = {
+_TYPED: dict[str, tuple[tuple[type[Any], ...], str]] = {
     "stream": _BOOL,
     "max_tokens": _INT,
     "max_completion_tokens": _INT,
@@ -252,7 +242,10 @@ def _sampling(body: dict[str, Any], completion: bool = False) -> None:
             continue
         spec = _TYPED.get(name)
         if spec is not None:
-            _optional(body, name, spec[0], spec[1])
+            types, what = spec
+            # A bool is an int to isinstance: it passes only where a boolean is asked for.
+            if (isinstance(v, bool) and bool not in types) or not isinstance(v, types):
+                raise InvalidRequest(f"'{name}' must be {what}", param=name)
             if name in _AT_LEAST_1 and v < 1:
                 raise InvalidRequest(f"'{name}' must be at least 1", param=name)
             bounds = _RANGES.get(name)
