@@ -339,7 +339,8 @@ class DeploymentGate:
                 continue
             w.fut.set_result(None)
             return
-        self.in_flight = max(0, self.in_flight - 1)
+        if self.in_flight > 0:
+            self.in_flight -= 1
 
     # --- task_aware -------------------------------------------------------------------
 
@@ -490,8 +491,8 @@ class DeploymentGate:
         here, not on arrival: a call that waits passes try_acquire twice, and one the
         gate refuses (queue full, deadline unreachable) holds no slot, so a flood of
         refused calls cannot shrink the capacity left to everyone's tasks."""
-        if not (ask.single and self.task_aware and self.max_concurrency):
-            return
+        if not (self.max_concurrency and ask.single and self.task_aware):
+            return  # max_concurrency first: most models have none, and it is no property
         now = self.clock()
         self._decay(now)
         self._singles[ask.priority] += 1.0

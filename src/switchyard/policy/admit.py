@@ -50,7 +50,7 @@ def deployment_scope(model: ModelConfig) -> list[ScopeLimits]:
 
 
 def _fmt_s(s: float) -> str:
-    return f"{max(0.0, s):.3f}s"
+    return f"{s if s > 0.0 else 0.0:.3f}s"
 
 
 def rate_headers(verdict: Verdict) -> dict[str, str]:

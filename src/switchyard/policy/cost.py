@@ -116,7 +116,8 @@ def window_mismatches(model: ModelConfig) -> list[str]:
 
 def sequences(req: Generation) -> int:
     """How many outputs the request can make: max(n, best_of) choices of each prompt."""
-    choices = max(req.n or 1, req.best_of or 1)
+    n, best_of = req.n or 1, req.best_of or 1
+    choices = best_of if best_of > n else n  # max(), without its argument parsing
     prompt = req.prompt
     prompts = 1
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -175,8 +176,9 @@ def prompt_tokens(req: Generation, raw_len: int | None, image_tokens: int) -> tu
                     lower += 1
                 elif isinstance(p, list):
                     lower += len(p)
-    high = max(0, total - payload) // 3 + images * image_tokens + FRAMING
-    return max(high, lower), lower
+    sent = total - payload
+    high = (sent if sent > 0 else 0) // 3 + images * image_tokens + FRAMING
+    return (lower if lower > high else high), lower
 
 
 class PromptOverhead:

@@ -87,24 +87,26 @@ class Limiter(Protocol):
         ...
 
 
-_PERIOD_KEYS: dict[tuple[str, int], str] = {}
+# Per period, the day its key was last worked out for: (start, end, key).
+_PERIOD_KEYS: dict[str, tuple[float, float, str]] = {}
 
 
 def period_key(period: Period, now: float) -> str:
     """The budget period `now` falls in: "2026-12-01" (day) or "2026-12" (month),
-    UTC; worked out once per day (it is asked for on every reservation)."""
+    UTC; worked out once per day (it is asked for on every reservation, so the day
+    asked for last is checked by comparison alone)."""
+    last = _PERIOD_KEYS.get(period)
+    if last is not None and last[0] <= now < last[1]:
+        return last[2]
     day = int(now // 86400)
-    key = _PERIOD_KEYS.get((period, day))
-    if key is None:
-        t = time.gmtime(day * 86400)
-        key = (
-            f"{t.tm_year:04d}-{t.tm_mon:02d}"
-            if period == "month"
-            else f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}"
-        )
-        if len(_PERIOD_KEYS) > 64:
-            _PERIOD_KEYS.clear()
-        _PERIOD_KEYS[(period, day)] = key
+    t = time.gmtime(day * 86400)
+    key = (
+        f"{t.tm_year:04d}-{t.tm_mon:02d}"
+        if period == "month"
+        else f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}"
+    )
+    start = day * 86400.0
+    _PERIOD_KEYS[period] = (start, start + 86400.0, key)
     return key
 
 

@@ -12,7 +12,7 @@ from switchyard.errors import RateLimited
 from switchyard.policy.admission import DeadlineExceeded, DeploymentGate
 from switchyard.policy.admit import rate_headers, refusal
 from switchyard.policy.cost import prompt_tokens
-from switchyard.policy.limits import Ask, MemoryLimiter, ScopeLimits, period_start
+from switchyard.policy.limits import Ask, MemoryLimiter, ScopeLimits, period_key, period_start
 from switchyard.request import Generation
 
 T0 = 1_750_000_000.0
@@ -164,3 +164,60 @@ def test_gate_queue_full_and_deadline() -> None:
         assert gate.in_flight == 0
 
     run(scenario())
+
+
+def test_period_key_follows_the_clock_across_days_and_months() -> None:
+    """The key of the day asked for last is reused only within that day: the clock
+    moving on, or back, or to another period kind, gives that moment's own key."""
+    midnight = 1_767_225_600.0  # 2026-01-01T00:00:00Z: a new day, month and year
+    times = [
+        T0,
+        midnight - 0.001,
+        midnight,
+        midnight - 0.001,
+        midnight + 86399.999,
+        midnight + 86400.0,
+        T0,
+        midnight + 31 * 86400.0,
+    ]
+    for t in times:
+        for period, fmt in (("day", "%Y-%m-%d"), ("month", "%Y-%m")):
+            assert period_key(period, t) == time.strftime(fmt, time.gmtime(t)), (period, t)
+
+
+def test_verdict_state_reads_each_scope_as_held_and_as_refused() -> None:
+    """Admitted: each scope's remaining requests and tokens count this request (its
+    budget left is read before it); refused: every scope as it was, nothing held."""
+    lim = MemoryLimiter()
+    key = ScopeLimits("key:a", rpm=2)
+    tenant = ScopeLimits(
+        "tenant:t", rpm=5, tpm=100, max_concurrency=2, budget_usd=1.0, budget_period="month"
+    )
+    v = run(lim.reserve([key, tenant], Ask("a", 30, 0.25), now=T0))
+    assert v.allowed
+    assert list(v.state["key:a"].items()) == [
+        ("limit_requests", 2),
+        ("remaining_requests", 1.0),
+        ("reset_requests_s", 0.0),
+    ]
+    assert list(v.state["tenant:t"].items()) == [
+        ("limit_requests", 5),
+        ("remaining_requests", 4.0),
+        ("reset_requests_s", 0.0),
+        ("limit_tokens", 100),
+        ("remaining_tokens", 70.0),
+        ("reset_tokens_s", 0.0),
+        ("budget_remaining_usd", 1.0),
+    ]
+    v = run(lim.reserve([key, tenant], Ask("b", 80, 0.25), now=T0 + 1))
+    assert not v.allowed and (v.scope, v.limit) == ("tenant:t", "tpm")
+    assert v.state["key:a"]["remaining_requests"] == 1.0
+    assert v.state["key:a"]["reset_requests_s"] == 59.0
+    assert v.state["tenant:t"]["remaining_tokens"] == 70.0
+    assert v.state["tenant:t"]["budget_remaining_usd"] == 0.75
+    run(lim.settle([key, tenant], Ask("a", 30, 0.25), tokens=10, cost_usd=0.5, now=T0 + 2))
+    v = run(lim.reserve([key, tenant], Ask("c", 80, 0.25), now=T0 + 3))
+    assert v.allowed
+    assert v.state["tenant:t"]["remaining_tokens"] == 10.0
+    assert v.state["tenant:t"]["budget_remaining_usd"] == 0.5
+    assert v.state["key:a"]["remaining_requests"] == 0.0
