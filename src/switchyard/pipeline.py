@@ -225,11 +225,23 @@ class _Segment:
     another there (a block, recorded at once) and the stage that ends it (`end`,
     which works on the request; len(stages) when none does)."""
 
-    principal: Principal  # kept so its id stays this principal's while the plan is cached
     template: list[tuple[str, str, str, dict[str, Any] | None]]
     sets: tuple[tuple[str, Any], ...]
     end: int
     block: str | None  # the ledger's id for the template (compact traces)
+
+
+@dataclass(slots=True)
+class _ViewPlan:
+    """The segments of one View, by the stage each starts at (None until a request
+    reaches it there), and the parts of the View that a stage's work or a deployment's
+    state may change while a request runs, which are checked before each segment."""
+
+    principal: Principal  # kept so its id stays this principal's while the plan is cached
+    alias: str | None
+    ready: bool | None  # the alias's deployment's, when there is one
+    label: str | None
+    segments: list[_Segment | None]
 
 
 class Pipeline:
@@ -255,7 +267,7 @@ class Pipeline:
         self._models = models if models is not None else {}
         self._deployments = deployments if deployments is not None else {}
         self._register = register_block
-        self._plans: dict[tuple[Any, ...], _Segment] = {}
+        self._plans: dict[tuple[Any, ...], _ViewPlan] = {}
 
     @property
     def names(self) -> list[str]:
@@ -293,27 +305,21 @@ class Pipeline:
             ctx.input.task_id is not None,
         )
 
-    def _segment(self, ctx: RequestContext, start: int) -> _Segment:
-        alias = ctx.alias
-        dep = self._deployments.get(alias) if alias is not None else None
+    def _view_plan(
+        self, ctx: RequestContext, alias: str | None, ready: bool | None, label: str | None
+    ) -> _ViewPlan:
+        """The plan of the request's View (the deployment's `ready` and `label` as read
+        by the caller)."""
         p = ctx.principal
-        key = (
-            start,
-            ctx.input.endpoint,
-            alias,
-            id(p),
-            dep.ready if dep is not None else None,
-            dep.label if dep is not None else None,
-            ctx.input.task_id is not None,
-        )
-        seg = self._plans.get(key)
-        if seg is not None and seg.principal is p:
-            return seg
-        seg = self._plan(self.view(ctx), start)
-        if len(self._plans) >= self._MAX_PLANS:  # principals come and go as keys change
-            self._plans.clear()
-        self._plans[key] = seg
-        return seg
+        inp = ctx.input
+        key = (inp.endpoint, alias, id(p), ready, label, inp.task_id is not None)
+        plan = self._plans.get(key)
+        if plan is None or plan.principal is not p:
+            if len(self._plans) >= self._MAX_PLANS:  # principals come and go as keys change
+                self._plans.clear()
+            plan = _ViewPlan(p, alias, ready, label, [None] * len(self.stages))
+            self._plans[key] = plan
+        return plan
 
     def _plan(self, view: View, start: int) -> _Segment:
         template: list[tuple[str, str, str, dict[str, Any] | None]] = []
@@ -332,33 +338,60 @@ class Pipeline:
         # template it is given, and a client may name any number of unknown models.
         known = view.model is not None
         block = self._register(template) if template and known and self._register else None
-        return _Segment(view.principal, template, tuple(sets), end, block)
+        return _Segment(template, tuple(sets), end, block)
 
     def decide(self, ctx: RequestContext) -> Awaitable[None] | None:
         """Run the stages; None when they decided without waiting."""
-        pending, i = self._step(ctx, 0)
-        return None if pending is None else self._resume(ctx, pending, i)
+        pending, i, plan = self._step(ctx, 0, None)
+        return None if pending is None else self._resume(ctx, pending, i, plan)
 
-    async def _resume(self, ctx: RequestContext, pending: Awaitable[None] | None, i: int) -> None:
+    async def _resume(
+        self, ctx: RequestContext, pending: Awaitable[None] | None, i: int, plan: _ViewPlan | None
+    ) -> None:
         while pending is not None:
             await pending
             if ctx.response is not None:
                 return
-            pending, i = self._step(ctx, i)
+            pending, i, plan = self._step(ctx, i, plan)
 
-    def _step(self, ctx: RequestContext, i: int) -> tuple[Awaitable[None] | None, int]:
-        """Run from stage `i` until a stage waits (its awaitable and the next stage's
-        index) or the stages are done (None)."""
+    def _step(
+        self, ctx: RequestContext, i: int, plan: _ViewPlan | None
+    ) -> tuple[Awaitable[None] | None, int, _ViewPlan | None]:
+        """Run from stage `i` until a stage waits (its awaitable, the next stage's index
+        and the plan last used, for the next call) or the stages are done (None)."""
         n = len(self.stages)
+        deployments = self._deployments
         while i < n:
-            seg = self._segment(ctx, i)
-            if seg.template:
-                t0 = time.perf_counter()
+            # What of the View may have changed since the last segment: the alias (the
+            # route stage sets it) and its deployment's state; the endpoint, the
+            # principal and the task are the request's for its life.
+            alias = ctx.alias
+            dep = deployments.get(alias) if alias is not None else None
+            ready = label = None
+            if dep is not None:
+                ready = dep.ready
+                label = dep.label
+            if (
+                plan is None
+                or alias != plan.alias  # equal, seldom the same: each request decodes its own
+                or ready is not plan.ready
+                or label != plan.label
+                or ctx.principal is not plan.principal
+            ):
+                plan = self._view_plan(ctx, alias, ready, label)
+            seg = plan.segments[i]
+            if seg is None:
+                seg = plan.segments[i] = self._plan(self.view(ctx), i)
+            template = seg.template
+            if template:
+                # One reading: a block's verdicts were decided before the request came.
+                t = time.perf_counter()
                 decisions = ctx.decisions
                 if seg.block is not None:
-                    ctx.blocks.append((seg.block, len(decisions), len(seg.template)))
-                t1 = time.perf_counter()
-                decisions += [Decision(s, o, r, e, t0, t1) for s, o, r, e in seg.template]
+                    ctx.blocks.append((seg.block, len(decisions), len(template)))
+                append = decisions.append  # a loop: cheaper than a list built and added
+                for stage, outcome, reason, evidence in template:
+                    append(Decision(stage, outcome, reason, evidence, t, t))
                 for name, value in seg.sets:
                     setattr(ctx, name, value)
             i = seg.end
@@ -367,10 +400,10 @@ class Pipeline:
             pending = self.stages[i].work(ctx)
             i += 1
             if pending is not None:
-                return pending, i
+                return pending, i, plan
             if ctx.response is not None:
                 break
-        return None, n
+        return None, n, plan
 
     async def decide_stepwise(self, ctx: RequestContext) -> None:
         """Every stage on its own, its static part asked for each request: what the

@@ -24,6 +24,9 @@ NO_WAIT = "waited 0.0 ms for a slot"
 # The outcomes every admitted request records, bound once: reading an enum member
 # through its class costs a metaclass lookup each time, on the request's path.
 _QUEUE_ADMITTED = outcomes.Queue.ADMITTED
+# Each class's name as the evidence gives it: an enum member's `name` is a descriptor
+# worked out on each read.
+_CLASS_NAMES = {p: name for name, p in PRIORITIES.items()}
 
 
 class Queue(Stage):
@@ -117,7 +120,7 @@ class Queue(Stage):
         if adm.evidence is not None:
             evidence |= adm.evidence
         elif gate.task_aware:
-            evidence["class"] = ask.priority.name.lower()
+            evidence["class"] = _CLASS_NAMES[ask.priority]
         ctx.record(
             "queue",
             outcomes.Queue.WAITED if waited else _QUEUE_ADMITTED,
