@@ -18,6 +18,10 @@ from support.gateways import Gateway, local_model, start_gateway
 from switchyard.engines.lora_train import MARKERS, train
 
 PROMPT = "Where should I go on holiday next summer?"
+# One long attempt rather than two short ones, within the default 60 s deadline: these
+# tests check adapters, not timeouts, and a request may wait its turn in the engine
+# (the bound stays, as a hang guard).
+ONE_LONG_ATTEMPT = {"timeouts": {"first_byte_s": 55}, "resilience": {"retries": 0}}
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +65,9 @@ def lora(manifest: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> 
     ]
     gw = start_gateway(
         {
-            "models": [local_model("smol", parallel=4, ctx=512)],
+            # Fifty requests over four slots wait their turn in the engine: on a busy
+            # machine the default 25 s to a first byte was once not enough.
+            "models": [{**local_model("smol", parallel=4, ctx=512), **ONE_LONG_ATTEMPT}],
             "adapters": adapters,
             "embeddings": {"enabled": False},
         }
@@ -276,16 +282,9 @@ def _two_adapter_gateway(
     tenant t-one that may use them."""
     gw = start_gateway(
         {
-            # One long attempt rather than two short ones: a request that arrives
-            # during a swap waits for the engine's restart (on a cold 2-core machine,
-            # once, longer than the default 25 s to the first byte).
-            "models": [
-                {
-                    **local_model("smol", parallel=4, ctx=512, **engine),
-                    "timeouts": {"first_byte_s": 55},
-                    "resilience": {"retries": 0},
-                }
-            ],
+            # A request that arrives during a swap waits for the engine's restart (on a
+            # cold 2-core machine, once, longer than the default 25 s to the first byte).
+            "models": [{**local_model("smol", parallel=4, ctx=512, **engine), **ONE_LONG_ATTEMPT}],
             "adapters": _two_adapters(manifest),
             "engines": engines or {},
             "embeddings": {"enabled": False},
