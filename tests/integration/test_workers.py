@@ -220,12 +220,43 @@ def test_any_workers_live_view_shows_the_hosts_gates_and_engines(
         assert [r.status_code for r in (c.result() for c in calls)] == [200] * 3
     for live in seen:  # any worker shows the host's counts, not its own slice
         assert live["queues"]["narrow"] == {"in_flight": 2, "queued": 1, "scope": "gateway"}
-        assert live["queues"]["cheap"]["scope"] == "worker"  # unlimited: counted per worker
+        assert live["queues"]["cheap"]["scope"] == "gateway"  # every worker's reports added
         assert set(live["engines"]) == {"smol"}  # the control plane's engine
         assert "control_plane" not in live
     # Given back: every worker shows the gate empty (not its last answer's counts).
     empty = {"in_flight": 0, "queued": 0, "scope": "gateway"}
     assert all(x["queues"]["narrow"] == empty for x in _live_shows(gw, empty))
+
+
+def test_any_workers_live_view_counts_every_workers_requests_and_tool_breakers(
+    gw: Gateway, scripted: Scripted
+) -> None:
+    """Requests in flight and an unlimited gate's counts live in each worker; any
+    worker's /admin/live adds the others' reports to its own, and shows the tool
+    servers' breakers, which run in the control plane."""
+    key = _tenant(gw)
+    n = 6  # new connections over 4 workers: all on one worker has odds of 1 in 1,024
+    scripted.fault("delay:8000", count=n)
+    held = {"in_flight": n, "queued": 0, "scope": "gateway"}
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        calls = [pool.submit(_post, gw, key) for _ in range(n)]
+        deadline = time.monotonic() + 6
+        while (x := _live(gw))["active_requests"] != n or x["queues"]["cheap"] != held:
+            assert time.monotonic() < deadline, x
+            time.sleep(0.05)
+        time.sleep(1.5)  # each worker has reported since its request arrived
+        seen = [_live(gw) for _ in range(WORKERS * 2)]
+        assert [r.status_code for r in (c.result() for c in calls)] == [200] * n
+    for live in seen:
+        assert live["active_requests"] == n, live
+        assert live["queues"]["cheap"] == held
+        assert live["workers"] == WORKERS
+        assert live["breakers"]["mcp:crm"] == "closed"  # the control plane's tool server
+        assert "control_plane" not in live
+    deadline = time.monotonic() + 10  # done: every worker's next report says so
+    while any(_live(gw)["active_requests"] for _ in range(WORKERS * 2)):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
 
 
 def _read_stream(

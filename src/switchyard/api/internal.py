@@ -10,6 +10,10 @@ worker processes ask of the one control plane.
 - `/state/readiness`: the control plane's readiness report (its engines, tool servers
   and revisions) and its residency pool, which each worker's /readyz and
   /admin/engines show (control/follow.py).
+- `/state/live/{worker}` (POST): a worker's own counts (its requests in flight, its
+  unlimited gates); `/state/live` (GET): every worker's last counts and the tool
+  servers' breakers, which each worker's /admin/live adds to its own
+  (control/worker_live.py).
 
 It listens on loopback only. The gates and the engines answer only the bearer token
 the supervisor gave the workers (compared in constant time); /mcp answers the callers'
@@ -33,6 +37,13 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp
 
 from switchyard.api.mcp import PATH as MCP_PATH
+from switchyard.control.worker_live import (
+    MAX_REPORT,
+    MAX_WORKERS,
+    BadReport,
+    WorkerReports,
+    read_report,
+)
 from switchyard.errors import (
     AuthenticationError,
     InvalidRequest,
@@ -44,6 +55,20 @@ from switchyard.policy.admission_remote import Leases, ask_from
 
 _MAX_BODY = 4096
 _MAX_ID = 64
+
+
+async def _body_within(request: Request, limit: int) -> bytes:
+    """The request's body, refused once it passes `limit` bytes (by its declared
+    length before any is read, else as it arrives)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and int(declared[:20]) > limit:
+        raise InvalidRequest("body too large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise InvalidRequest("body too large")
+    return bytes(body)
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -59,11 +84,14 @@ class GateRoutes:
         token: str,
         readiness: Callable[[], tuple[bool, dict[str, Any]]] | None = None,
         engines: Callable[[], dict[str, Any]] | None = None,
+        breakers: Callable[[], dict[str, str]] | None = None,
     ) -> None:
         self.leases = leases
         self._token = token.encode()
         self._readiness = readiness
         self._engines = engines
+        self._breakers = breakers  # the tool servers' (they run here)
+        self.reports = WorkerReports()
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -72,6 +100,8 @@ class GateRoutes:
             Route("/gates/{alias}/abandon", self.abandon, methods=["POST"]),
             Route("/gates", self.gates, methods=["GET"]),
             Route("/state/readiness", self.readiness, methods=["GET"]),
+            Route("/state/live", self.live, methods=["GET"]),
+            Route("/state/live/{worker}", self.report, methods=["POST"]),
         ]
 
     def _check(self, request: Request) -> None:
@@ -87,6 +117,33 @@ class GateRoutes:
         ready, models = self._readiness() if self._readiness is not None else (True, {})
         engines = self._engines() if self._engines is not None else None
         return _json({"ready": ready, "models": models, "engines": engines})
+
+    async def live(self, request: Request) -> Response:
+        """Every worker's last counts (heard within STALE_S) and the tool servers'
+        breakers: what a worker's /admin/live adds to its own."""
+        try:
+            self._check(request)
+        except SwitchyardError as exc:
+            return _json(exc.body(), exc.status)
+        breakers = self._breakers() if self._breakers is not None else {}
+        return _json({"workers": self.reports.fresh(), "breakers": breakers})
+
+    async def report(self, request: Request) -> Response:
+        """A worker's own counts, kept as its last until the next (or until stale)."""
+        try:
+            self._check(request)
+            worker = str(request.path_params["worker"])
+            if not (worker.isascii() and worker.isdigit() and int(worker) < MAX_WORKERS):
+                raise InvalidRequest(f"worker: a number below {MAX_WORKERS}")
+            raw = await _body_within(request, MAX_REPORT)
+            try:
+                report = read_report(raw)
+            except BadReport as exc:
+                raise InvalidRequest(str(exc)) from None
+        except SwitchyardError as exc:
+            return _json(exc.body(), exc.status)
+        self.reports.put(int(worker), report)
+        return _json({"kept": True})
 
     async def gates(self, request: Request) -> Response:
         try:

@@ -15,6 +15,7 @@ import aiohttp
 import orjson
 
 from switchyard.control.components import Components
+from switchyard.control.worker_live import worker_report
 from switchyard.engines.bounded import read_bounded
 
 log = logging.getLogger("switchyard")
@@ -31,6 +32,11 @@ class ControlView(Components):
     control_view: dict[str, Any] | None = None  # the control plane's models report
     control_engines: dict[str, Any] | None = None  # its residency pool and engines
     _control_seen = 0.0
+
+    def active_requests(self) -> int:
+        """This process's requests between open and settle: the request driver's
+        count (the composition root, gateway/, has the driver)."""
+        raise NotImplementedError
 
     def engines_report(self) -> dict[str, Any]:
         """The residency pool and the managed engines: this process's own, or of a
@@ -52,13 +58,20 @@ class ControlView(Components):
         return self.control_view
 
     async def _follow_control(self) -> None:
+        """Every FOLLOW_S: the control plane's readiness report in, and this worker's
+        own counts out (control/worker_live.py), so any worker's live view shows one
+        gateway."""
         url = self.role.control_url + "/state/readiness"
+        live_url = f"{self.role.control_url}/state/live/{self.role.index}"
         headers = {"authorization": f"Bearer {self.role.token}"}
         timeout = aiohttp.ClientTimeout(total=FOLLOW_S * 2)
         warned = False
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
                 try:
+                    report = worker_report(self.active_requests(), self.gates)
+                    async with session.post(live_url, data=orjson.dumps(report), headers=headers):
+                        pass  # what it answers says nothing this worker acts on
                     async with session.get(url, headers=headers) as r:
                         raw = await read_bounded(r, MAX_REPORT)
                     body = orjson.loads(raw) if r.status == 200 and raw is not None else None

@@ -198,3 +198,6 @@ class Gateway(ControlPlane):
             )
         )
         self.started_at = time.time()
+
+    def active_requests(self) -> int:
+        return self.service.active

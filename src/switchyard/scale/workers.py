@@ -232,6 +232,7 @@ class Supervisor:
     async def _control_plane(self, stack: contextlib.AsyncExitStack, settings: Settings) -> None:
         """The control plane's gateway, and its internal server on a loopback port: the
         gates, the engine front, the MCP endpoint (api/internal.py)."""
+        from switchyard.api.admin.live import tool_breakers
         from switchyard.api.internal import GateRoutes, internal_app
         from switchyard.api.mcp import McpEndpoint
         from switchyard.api.server import uvicorn_options
@@ -255,9 +256,14 @@ class Supervisor:
                 gw.mcp, gw.auth, settings.server.max_body_bytes, settings.auth.mode == "disabled"
             )
             await stack.enter_async_context(mcp.running())
-        app = internal_app(
-            GateRoutes(self.leases, token, gw.readiness, gw.engines_report), self.front, mcp
+        routes = GateRoutes(
+            self.leases,
+            token,
+            gw.readiness,
+            gw.engines_report,
+            lambda: tool_breakers(gw.mcp, time.monotonic()),  # shown by every worker
         )
+        app = internal_app(routes, self.front, mcp)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         # The public port's HTTP limits too (header timeout and size, connection cap,

@@ -1,6 +1,7 @@
 """A worker following its control plane (control/follow.py): whatever the control
 plane's `/state/readiness` answers (not an object, not JSON, over the bound), the
-worker's loop goes on and takes the next good report; nothing else is taken."""
+worker's loop goes on and takes the next good report; nothing else is taken. Each
+round also sends the worker's own counts (`/state/live/{index}`)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,15 @@ TOKEN = "t0ken"
 GOOD = {"models": {"smol": {"ready": True}}, "engines": {"pool": {}, "engines": {}}}
 
 
+ACTIVE = 2
+REPORTS: list[Any] = []  # what the worker sent of its own counts, in order
+
+
 def _view(url: str) -> ControlView:
-    view = ControlView.__new__(ControlView)  # the mixin alone: what it reads is `role`
-    view.role = SimpleNamespace(control_url=url, token=TOKEN, worker=True)  # type: ignore[assignment]
+    view = ControlView.__new__(ControlView)  # the mixin alone: its role, gates and count
+    view.role = SimpleNamespace(control_url=url, token=TOKEN, worker=True, index=3)  # type: ignore[assignment]
+    view.gates = {}
+    view.active_requests = lambda: ACTIVE  # type: ignore[method-assign]
     return view
 
 
@@ -42,8 +49,14 @@ async def _follow(answers: list[bytes]) -> tuple[list[Any], bool]:
             done.set()
         return web.Response(body=answers[min(len(seen), len(answers)) - 1])
 
+    async def report(request: web.Request) -> web.Response:
+        assert request.headers["authorization"] == f"Bearer {TOKEN}"
+        REPORTS.append(orjson.loads(await request.read()))
+        return web.Response(body=b'{"kept": true}')
+
     app = web.Application()
     app.router.add_get("/state/readiness", readiness)
+    app.router.add_post("/state/live/3", report)
     async with serving(app) as url:
         view = _view(url)
         task = asyncio.create_task(view._follow_control())
@@ -77,3 +90,11 @@ def test_a_report_over_the_bound_is_not_taken(monkeypatch: pytest.MonkeyPatch) -
     seen, running = asyncio.run(_follow([big, orjson.dumps(GOOD)]))
     assert seen == [None, GOOD["models"]]
     assert running
+
+
+def test_each_round_sends_the_workers_own_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(follow, "FOLLOW_S", 0.02)
+    REPORTS.clear()
+    asyncio.run(_follow([orjson.dumps(GOOD)] * 3))
+    assert len(REPORTS) >= 3
+    assert all(r == {"active_requests": ACTIVE, "queues": {}} for r in REPORTS)

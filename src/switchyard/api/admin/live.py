@@ -1,15 +1,17 @@
 """/admin/live: the console's live view — the ledger over the last minutes and the
 gateway's state now (breakers of models and tool servers, queues, engines, cache).
 
-Of several workers (`serve --workers N`) it shows one gateway where the state lives
-once: the gates with a `max_concurrency` and the managed engines are the control
-plane's, read from it (policy/admission_remote.py: `host_gates`; control/follow.py).
-A queue the control plane did not report is this worker's own (`"scope": "worker"`),
-and `"control_plane": "unreachable"` says it did not answer. Still this worker's:
-`active_requests`, an unlimited gate's counts, the cache's stats (its copy of the
-shared entries), each engine's load as this worker last read it; the models' breakers
-are shared over Redis, the tool servers' are the control plane's (not shown here); the
-ledger is the one writer's.
+Of several workers (`serve --workers N`) any worker shows one gateway. What lives once
+is read where it lives: the gates with a `max_concurrency` and the managed engines are
+the control plane's (policy/admission_remote.py: `host_gates`; control/follow.py), as
+are the tool servers and their breakers; the models' breakers are shared over Redis;
+the ledger is the one writer's. What each worker counts of its own — requests in
+flight, the gates without a limit — is this worker's now plus every other worker's
+last report to the control plane, at most about a second old
+(control/worker_live.py; `"workers"` says how many are counted). When the control
+plane does not answer, `"control_plane": "unreachable"` says so and those counts are
+this worker's alone (`"scope": "worker"`). The cache's stats are this worker's copy
+of the shared entries; each engine's load is as this worker last read it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from starlette.responses import Response
 from switchyard.api.admin.guard import Guard
 from switchyard.api.admin.params import as_json, query_number
 from switchyard.config import ProcessRole
+from switchyard.control.worker_live import host_live, others
 from switchyard.decide.cache import ResponseCache
 from switchyard.engines.registry import Registry
 from switchyard.execute.executor import Executor
@@ -45,15 +48,39 @@ class LiveServices(Protocol):
     def engines_report(self) -> dict[str, Any]: ...
 
 
+MAX_TOOL_BREAKERS = 1024  # tool servers' breakers taken from a control plane's answer
+
+
 def breaker_states(services: LiveServices, now: float) -> dict[str, str]:
     """Every breaker's state: each model deployment's by its name, then each MCP tool
     server's as `mcp:<server>` (the name /readyz gives it)."""
     out = {a: b.describe(now)["state"] for a, b in services.executor.breakers.items()}
-    mcp = services.mcp
-    if mcp is not None:
-        for name, server in mcp.servers.servers.items():
-            if server.breaker is not None:
-                out[f"mcp:{name}"] = server.breaker.describe(now)["state"]
+    out.update(tool_breakers(services.mcp, now))
+    return out
+
+
+def tool_breakers(mcp: Any, now: float) -> dict[str, str]:
+    """Each MCP tool server's breaker state as `mcp:<server>`; none without tool
+    servers in this process (of several workers, they are the control plane's)."""
+    if mcp is None:
+        return {}
+    return {
+        f"mcp:{name}": server.breaker.describe(now)["state"]
+        for name, server in mcp.servers.servers.items()
+        if server.breaker is not None
+    }
+
+
+def _reported_breakers(host: dict[str, Any]) -> dict[str, str]:
+    """The tool servers' breakers in the control plane's answer, read as untrusted:
+    only `mcp:` names with a short state, at most MAX_TOOL_BREAKERS of them."""
+    given = host.get("breakers")
+    out: dict[str, str] = {}
+    for name, state in (given if isinstance(given, dict) else {}).items():
+        if len(out) >= MAX_TOOL_BREAKERS:
+            break
+        if name.startswith("mcp:") and len(name) <= 300 and isinstance(state, str):
+            out[name] = state[:32]
     return out
 
 
@@ -100,12 +127,19 @@ class Live:
         out = s.ledger.read(live_summary, now_wall - window, now_wall + 1e-6)
         now = time.monotonic()
         out["breakers"] = breaker_states(s, now)
-        out["queues"], reached = await self.queues()
-        out["active_requests"] = s.service.active
+        host = None
+        if s.role.worker:  # the other workers' counts and the tool servers' breakers
+            host = await host_live(s.role.control_url, s.role.token)
+        rest = others(host, s.role.index) if host is not None else None
+        out["queues"], reached = await self.queues(rest)
+        out["active_requests"] = s.service.active + sum(o["active_requests"] for o in rest or ())
+        if host is not None:
+            out["breakers"].update(_reported_breakers(host))
+            out["workers"] = 1 + len(rest or ())
         reg = s.registry
         report = s.engines_report()  # of several workers: the control plane's
         out["engines"] = engine_rows(report)
-        if not reached or "control_plane" in report:
+        if not reached or "control_plane" in report or (s.role.worker and host is None):
             out["control_plane"] = "unreachable"
         out["engine_load"] = {  # what each engine last said of its own load
             d.name: d.live.engine.describe(now) for d in reg.every() if d.live.engine is not None
@@ -113,11 +147,16 @@ class Live:
         out["cache"] = s.cache.stats() if s.cache is not None else {"enabled": False}
         return as_json(out)
 
-    async def queues(self) -> tuple[dict[str, dict[str, Any]], bool]:
+    async def queues(
+        self, rest: list[dict[str, Any]] | None = None
+    ) -> tuple[dict[str, dict[str, Any]], bool]:
         """Each gate's requests holding a slot and waiting for one, and whether the
         control plane answered. Of several workers, a gate with a `max_concurrency`
         counts every worker's (one GET to the control plane); if it does not answer,
-        this worker's own slots and asks, marked so."""
+        this worker's own slots and asks, marked so. A gate without a limit admits in
+        each worker (policy/admission_remote.py): this worker's counts plus those in
+        the other workers' reports (`rest`, as the control plane last heard them), or
+        its own alone when there are none to add."""
         s = self.s
         if not s.role.worker:
             own = {n: {"in_flight": g.in_flight, "queued": g.queued} for n, g in s.gates.items()}
@@ -131,6 +170,13 @@ class Live:
                 out[name] = {**seen, "scope": "gateway"}
             elif isinstance(g, RemoteGate):
                 out[name] = {"in_flight": g.held, "queued": g.waiting, "scope": "worker"}
-            else:  # unlimited: each worker counts its own (policy/admission_remote.py)
+            elif rest is None:
                 out[name] = {"in_flight": g.in_flight, "queued": g.queued, "scope": "worker"}
+            else:
+                theirs = [o["queues"][name] for o in rest if name in o["queues"]]
+                out[name] = {
+                    "in_flight": g.in_flight + sum(q["in_flight"] for q in theirs),
+                    "queued": g.queued + sum(q["queued"] for q in theirs),
+                    "scope": "gateway",
+                }
         return out, host is not None or not remote
