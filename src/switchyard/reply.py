@@ -242,10 +242,28 @@ def stream_chunks(chat: dict[str, Any]) -> list[ChatChunk]:
     return out
 
 
+class _UsageOf(msgspec.Struct, gc=False):
+    """A JSON reply as settling reads it: its `usage` member, every other member
+    skipped without building it."""
+
+    usage: Any = None
+
+
+_read_usage = msgspec.json.Decoder(_UsageOf).decode
+
+
 def reply_usage(body: bytes) -> dict[str, Any] | None:
-    """The `usage` object of a JSON reply, or None."""
-    obj = reply_object(body)
-    usage = obj.get("usage") if obj is not None else None
+    """The `usage` object of a JSON reply, or None (not JSON, not an object, no usage
+    object). Read once per JSON reply at settle, so its members beside `usage` are
+    skipped, not built: a quarter of parsing the whole reply. For a well-formed reply
+    this is what `reply_object(body)["usage"]` gives (property-tested); a reply that is
+    malformed only outside `usage` (a byte that is not UTF-8, a number beyond a
+    float, in a member skipped) still has its usage read, where the whole parse
+    found none and settling fell back to the estimate."""
+    try:
+        usage = _read_usage(body).usage
+    except msgspec.DecodeError:  # ValidationError too: a reply that is no object
+        return None
     return usage if isinstance(usage, dict) else None
 
 

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from switchyard.observe.otel import Tracing
 
 VALIDATED = Validate.OK  # read once: an enum member read through its class costs more
+_OK = Status.OK
 
 # Reads and decodes the request's body within a number of seconds: (the typed
 # request, the bytes it was decoded from when they are exactly it, else None).
@@ -199,7 +200,7 @@ class RequestService:
             side = self.pipelines.generation.reply_side(ctx)
 
             async def close() -> None:
-                ok = ctx.status == Status.OK
+                ok = ctx.status is _OK
                 stream.close(complete=ok)
                 try:
                     if side is not None:
@@ -209,7 +210,7 @@ class RequestService:
 
             return StreamReply(ctx, served_headers(ctx), close, source=stream, side=side)
         reply = await self.executor.execute(ctx)
-        ctx.status = Status.OK
+        ctx.status = _OK
         ctx.timings.ended = time.perf_counter()
         body = await attached(
             reply.body,
@@ -229,7 +230,7 @@ class RequestService:
     async def _cached(self, ctx: RequestContext, entry: Entry) -> Reply:
         """A cache hit, through the reply side (its placeholders take this request's
         values), as JSON or replayed as a stream."""
-        ctx.status = Status.OK
+        ctx.status = _OK
         ctx.timings.ended = ctx.timings.client_first_byte = time.perf_counter()
         obj = orjson.loads(entry.body)
         side = self.pipelines.generation.reply_side(ctx)
@@ -258,7 +259,7 @@ class RequestService:
             if pending is not None:
                 await pending
             out = await self.embeddings_run.run(ctx, texts)
-            ctx.status = Status.OK
+            ctx.status = _OK
             ctx.timings.ended = time.perf_counter()
             return JsonReply(orjson.dumps(out), served_raw_headers(ctx))
         except asyncio.CancelledError as exc:

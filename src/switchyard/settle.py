@@ -27,6 +27,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("switchyard")
 
+# Statuses read on every request's path, bound once: reading an enum member through its
+# class takes the enum metaclass's lookup hook each time (about ten times a global's).
+_CANCELLED = Status.CANCELLED
+_ERROR = Status.ERROR
+_UNFINISHED = (Status.PENDING, Status.STREAMING)
+
 
 def mark_failed(ctx: RequestContext, exc: BaseException) -> None:
     """Mark a request that ended by an exception: its code, or internal_error. A
@@ -72,7 +78,7 @@ def raise_cancelled(ctx: RequestContext, exc: asyncio.CancelledError) -> NoRetur
 def client_left(ctx: RequestContext) -> bool:
     """Whether the request ended because its client went away (mid-body, mid-stream,
     mid-rollout), not because its task was cancelled."""
-    return ctx.status == Status.CANCELLED and ctx.error_code != TaskCancelled.code
+    return ctx.status is _CANCELLED and ctx.error_code != TaskCancelled.code
 
 
 class Settler:
@@ -188,9 +194,7 @@ class Settler:
         run = ctx.run
         inp, out, cost = run.tokens_in, run.tokens_out, run.cost_usd
         # A plain str from here on: metrics labels and the ledger take the value.
-        status = str(
-            ctx.status if ctx.status not in (Status.PENDING, Status.STREAMING) else Status.ERROR
-        )
+        status = str(ctx.status if ctx.status not in _UNFINISHED else _ERROR)
         if self.metrics is not None:
             self.metrics.observe(ctx, status, inp, out, cost)
             if client_left(ctx):

@@ -183,7 +183,7 @@ def parse_json(raw: bytes, max_depth: int = 64) -> Any:
         raise InvalidRequest("the request body is not valid JSON") from None
     # Only a body with that many brackets can nest that deep: most skip the walk.
     if (
-        isinstance(body, dict | list)
+        isinstance(body, (dict, list))  # a tuple: `A | B` builds a union per call
         and raw.count(b"{") + raw.count(b"[") > max_depth
         and too_deep(body, max_depth)
     ):

@@ -21,6 +21,10 @@ from switchyard.pipeline import (
 from switchyard.policy.pii import MaskingError, PiiMasker, mask_request
 from switchyard.policy.pii_reply import PiiRestore, request_session
 
+# Read on every request's path: an enum member read through its class costs a
+# metaclass lookup each time.
+_REPLAY = CacheOutcome.REPLAY
+
 
 class Pii(Stage):
     """Mask PII once; the masked text is what cache keys, embeddings and traces see.
@@ -98,6 +102,6 @@ class Pii(Stage):
         pii = ctx.pii
         if pii is not None:
             return PiiRestore(pii.session) if pii.restore or ctx.response is not None else None
-        if ctx.cache is CacheOutcome.REPLAY:
+        if ctx.cache is _REPLAY:
             return PiiRestore(request_session(self._masker, ctx), only_marked=True)
         return None

@@ -24,6 +24,7 @@ NO_WAIT = "waited 0.0 ms for a slot"
 # The outcomes every admitted request records, bound once: reading an enum member
 # through its class costs a metaclass lookup each time, on the request's path.
 _QUEUE_ADMITTED = outcomes.Queue.ADMITTED
+_STANDARD_CLASS = Priority.STANDARD
 # Each class's name as the evidence gives it: an enum member's `name` is a descriptor
 # worked out on each read.
 _CLASS_NAMES = {p: name for name, p in PRIORITIES.items()}
@@ -58,7 +59,7 @@ class Queue(Stage):
             priority = max(priority, asked)  # lower only: a larger value is a lower class
         hold = ctx.task
         if hold is None:
-            return STANDARD if priority is Priority.STANDARD else SlotAsk(priority)
+            return STANDARD if priority is _STANDARD_CLASS else SlotAsk(priority)
         return SlotAsk(priority, hold.key, hold.call, hold.planned)
 
     def work(self, ctx: RequestContext) -> Awaitable[None] | None:
