@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import psutil
 
 from switchyard.config import LlamaCppEngine, ManagedEngine
 from switchyard.engines.llamacpp_state import AdapterFile, EngineState
@@ -176,6 +177,9 @@ class EngineProcess:
         proc = self.proc
         if proc is None or proc.returncode is not None:
             return
+        # What it started, known while they are still its descendants: once it exits
+        # they are reparented and nothing names them as the engine's any more.
+        started = _descendants(proc.pid)
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
         try:
@@ -187,6 +191,9 @@ class EngineProcess:
         if self.own_session:  # what is left of the group it led goes with it
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
+        # Outside a session of its own (vLLM) its workers were seen to outlive it for
+        # seconds at most of a core: asked to stop, then killed after a grace.
+        await stop_leftovers(started, LEFTOVER_GRACE_S)
 
     def server_command(self, binary: str, gguf: str, port: int, loras: list[str]) -> list[str]:
         """llama-server with `parallel` slots of `ctx` tokens each (continuous batching
@@ -410,3 +417,43 @@ class EngineProcess:
                 self.last_error = f"the warm-up generated {generated} token(s), not several"
                 return False
             return True
+
+
+LEFTOVER_GRACE_S = 5.0
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    """Every process `pid` started, and theirs (none once it is gone)."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+async def stop_leftovers(procs: list[psutil.Process], grace_s: float) -> None:
+    """Stop those of `procs` still running: SIGTERM, then SIGKILL after `grace_s`. A
+    psutil.Process knows its start time, so a pid reused since is never signalled."""
+    alive = [p for p in procs if _running(p)]
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    while alive and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        alive = [p for p in alive if _running(p)]
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    deadline = time.monotonic() + 1.0  # SIGKILL is not refused, but takes a moment
+    while alive and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+        alive = [p for p in alive if _running(p)]
+
+
+def _running(p: psutil.Process) -> bool:
+    """Still running: not gone, not a pid reused since, not a zombie (one that has
+    exited and waits for whoever adopted it to read its status)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
