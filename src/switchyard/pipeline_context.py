@@ -42,9 +42,10 @@ if TYPE_CHECKING:  # annotations only: these live in the layers above (pyproject
     from switchyard.errors import InvalidRequest
     from switchyard.policy.admission import DeploymentGate
     from switchyard.policy.cost import Cost
-    from switchyard.policy.limits import Ask, ScopeLimits
     from switchyard.policy.pii import MaskSession
-    from switchyard.policy.tasks import TaskHold, ToolCallNote
+    from switchyard.policy.tasks import TaskHold
+    from switchyard.state.limits import Ask, ScopeLimits
+    from switchyard.state.tasks import ToolCallNote
 
 
 class RequestIds:

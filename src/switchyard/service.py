@@ -25,6 +25,7 @@ from switchyard.engines.token_ids import attached
 from switchyard.execute.embeddings import Embeddings
 from switchyard.execute.executor import Executor
 from switchyard.execute.idempotent import Idempotent
+from switchyard.identity import Principal
 from switchyard.outcomes import Validate
 from switchyard.pipeline import (
     Pipeline,
@@ -34,7 +35,6 @@ from switchyard.pipeline import (
 )
 from switchyard.policy import headers as request_headers
 from switchyard.policy.auth import ANONYMOUS, Authenticator
-from switchyard.policy.keys import Principal
 from switchyard.policy.validate import model_refusal, split_pin
 from switchyard.reply import (
     JsonReply,

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, NoReturn
 from switchyard import outcomes
 from switchyard.config import Price, Settings
 from switchyard.errors import ClientDisconnected, SwitchyardError, TaskCancelled
-from switchyard.observe.ledger import Finished, UsageLedger
 from switchyard.observe.metrics import Metrics
 from switchyard.pipeline import CacheOutcome, Pipeline, RequestContext, Status
 from switchyard.policy.admit import cost_usd
 from switchyard.policy.cost import PromptOverhead
 from switchyard.reply import reply_usage
+from switchyard.state.ledger import UsageLedger
+from switchyard.state.ledger_rows import Finished
 
 if TYPE_CHECKING:
     from switchyard.observe.otel import Tracing

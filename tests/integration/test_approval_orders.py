@@ -27,20 +27,21 @@ from support.gateways import Gateway, start_gateway
 from support.upstreams import Scripted
 from switchyard.config import ToolsConfig
 from switchyard.errors import ApprovalRequired, InvalidRequest
-from switchyard.observe.store import MemoryStore
+from switchyard.identity import Limits, TaskBudget
 from switchyard.pipeline import RequestContext, RequestInput, Timings
-from switchyard.policy.keys import Limits
 from switchyard.policy.stages import ToolResults
-from switchyard.policy.tasks import MemoryTaskStore, TaskBudget, TaskFirst, ToolCallNote
 from switchyard.policy.tool_calls import (
     MAX_TOOL_RESULTS,
-    ApprovalStore,
     ToolPolicy,
     approvals_needed,
     new_results,
     tool_results,
 )
 from switchyard.request import Generation
+from switchyard.state.approvals import ApprovalStore
+from switchyard.state.store import MemoryStore
+from switchyard.state.tasks import TaskFirst, ToolCallNote
+from switchyard.state.tasks_memory import MemoryTaskStore
 
 REGISTRY = [
     {"name": "send_email", "class": "side_effect", "requires_approval": True},
@@ -491,7 +492,7 @@ def test_both_task_stores_report_a_calls_results(redis_url: str) -> None:
     """The stage tells a result already counted from a new one by the record's count:
     RedisTaskStore.tool_call reports it as MemoryTaskStore's does (it read 0 always,
     so every later turn would have counted its history again as duplicates)."""
-    from switchyard.policy.redis_tasks import RedisTaskStore
+    from switchyard.state.tasks_redis import RedisTaskStore
 
     async def go() -> None:
         red = RedisTaskStore(redis_url, prefix=f"res{time.monotonic_ns()}:", timeout_s=5)

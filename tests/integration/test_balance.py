@@ -24,8 +24,8 @@ from support.upstreams import Scripted
 from switchyard.config import ConfigError, Settings, parse_settings
 from switchyard.decide.balance import Balancer, affinity_key, prompt_prefix
 from switchyard.engines.registry import Deployment, Registry
-from switchyard.execute.breaker import CircuitBreaker
 from switchyard.request import Generation
+from switchyard.state.breakers_memory import CircuitBreaker
 
 
 def _model(strategy: str, deployments: list[dict[str, Any]], **balance: Any) -> dict[str, Any]:

@@ -208,8 +208,8 @@ def test_compact_decision_blocks_are_stored_as_the_full_trace(tmp_path: Path) ->
     """The pipeline's folded blocks go down the ledger's pipe as one compact item
     each; the stored trace holds every decision as it was recorded (stage, outcome,
     reason, evidence and times), so no reader can tell."""
-    from switchyard.observe.db import connect
-    from switchyard.observe.traces import get_request, ledger_entry
+    from switchyard.state.sql import connect
+    from switchyard.state.traces import get_request, ledger_entry
 
     _, seen = _served(tmp_path, 3)
     assert len(seen) == 3

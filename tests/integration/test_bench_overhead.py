@@ -147,8 +147,9 @@ def test_the_realistic_key_and_tenant_carry_their_limits(tmp_path: Path) -> None
     """The tenant and key the realistic target creates (through the CLI), read back
     from the key store its gateway uses, and its config as the gateway loads it."""
     from switchyard.config import ObserveConfig, load_settings
-    from switchyard.observe.db import connect
-    from switchyard.policy.keys import KeyStore, Limits
+    from switchyard.identity import Limits
+    from switchyard.state.keys import KeyStore
+    from switchyard.state.sql import connect
 
     gw = realistic.prepare(tmp_path, upstream_port=9, timeout_s=120)
     store = KeyStore(connect(str(gw.db)))

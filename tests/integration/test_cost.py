@@ -15,7 +15,7 @@ import pytest
 from support.gateways import local_model, start_gateway
 from switchyard.config import CostConfig, Price
 from switchyard.observe.cost import cost_report, parse_since, record_busy
-from switchyard.observe.db import connect
+from switchyard.state.sql import connect
 
 H0 = 1_699_999_200.0  # the top of a UTC hour (472222 * 3600), in the past
 NOW = H0 + 7200.0  # a two-hour window

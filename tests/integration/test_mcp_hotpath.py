@@ -28,7 +28,8 @@ from switchyard.identity import ANONYMOUS
 from switchyard.mcp_service import MAX_EXCERPT, Caller, McpToolService, Unmasked
 from switchyard.mcp_service.calls import WITHHELD
 from switchyard.policy.pii import MaskingError, PiiMasker
-from switchyard.policy.tasks import MemoryTaskStore, Running
+from switchyard.policy.tasks import Running
+from switchyard.state.tasks_memory import MemoryTaskStore
 
 EMAIL = "jane.doe@example.com"
 MASK = PiiMasker().mask

@@ -28,11 +28,11 @@ from support.gateways import Gateway, local_model, start_gateway
 from support.procs import free_port
 from support.stores import fill_store
 from support.upstreams import Scripted, start_scripted
-from switchyard.observe.db import connect
 from switchyard.observe.otel import Tracing
-from switchyard.observe.traces import enforce_retention, get_request, insert_args, insert_sql
 from switchyard.pipeline import RequestContext, RequestInput, Timings
 from switchyard.request import NOT_READ, Generation
+from switchyard.state.sql import connect
+from switchyard.state.traces import enforce_retention, get_request, insert_args, insert_sql
 
 BODY: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 SPANS = Path(tempfile.mkdtemp(prefix="switchyard-otel-")) / "spans.jsonl"
@@ -419,8 +419,9 @@ def test_retention_removes_old_traces_and_keeps_recent(tmp_path: Path) -> None:
 def test_ledger_batch_keeps_every_value(tmp_path: Path) -> None:
     """Rows go to SQLite as one JSON array per batch; what comes back is what went in,
     numpy scalars included."""
-    from switchyard.observe.ledger import Finished, UsageLedger
     from switchyard.pipeline import RequestContext, RequestInput, Timings
+    from switchyard.state.ledger import UsageLedger
+    from switchyard.state.ledger_rows import Finished
 
     ledger = UsageLedger(str(tmp_path / "l.db"), flush_s=0.05)
     now = time.perf_counter()
@@ -462,8 +463,8 @@ def test_ledger_batch_keeps_every_value(tmp_path: Path) -> None:
 
 
 def _finished(request_id: str) -> Any:
-    from switchyard.observe.ledger import Finished
     from switchyard.pipeline import RequestContext, RequestInput, Timings
+    from switchyard.state.ledger_rows import Finished
 
     now = time.perf_counter()
     ctx = RequestContext(
@@ -476,7 +477,7 @@ def _finished(request_id: str) -> Any:
 def test_ledger_rows_reach_sqlite_after_the_flush_window_without_a_flush(tmp_path: Path) -> None:
     """Under an event loop a batch is sent flush_s after its first row; the writer
     process commits it with nobody asking."""
-    from switchyard.observe.ledger import UsageLedger
+    from switchyard.state.ledger import UsageLedger
 
     ledger = UsageLedger(str(tmp_path / "l.db"), flush_s=0.05)
 
@@ -498,7 +499,7 @@ def test_ledger_rows_reach_sqlite_after_the_flush_window_without_a_flush(tmp_pat
 
 
 def test_ledger_writer_that_dies_is_restarted_and_close_commits(tmp_path: Path) -> None:
-    from switchyard.observe.ledger import UsageLedger
+    from switchyard.state.ledger import UsageLedger
 
     ledger = UsageLedger(str(tmp_path / "l.db"), flush_s=0.05)
     ledger.record(_finished("before"))
@@ -780,7 +781,7 @@ def test_a_stalled_ledger_writer_never_blocks_the_event_loop(tmp_path: Path) -> 
     import os
     import signal
 
-    from switchyard.observe.ledger import UsageLedger
+    from switchyard.state.ledger import UsageLedger
 
     ledger = UsageLedger(str(tmp_path / "l.db"), flush_s=0.01)
     writer = ledger._proc
@@ -826,7 +827,7 @@ def test_an_async_flush_waits_for_a_stalled_writer_without_blocking_the_loop(
     import os
     import signal
 
-    from switchyard.observe.ledger import UsageLedger
+    from switchyard.state.ledger import UsageLedger
 
     ledger = UsageLedger(str(tmp_path / "l.db"), flush_s=0.01)
     writer = ledger._proc
@@ -886,7 +887,7 @@ def test_a_ledger_row_that_cannot_be_serialised_is_repaired_not_lost(
 ) -> None:
     """The row is the bill: a field that cannot be written is replaced (and counted),
     the row, its trace and its neighbours are kept."""
-    from switchyard.observe.ledger import UsageLedger
+    from switchyard.state.ledger import UsageLedger
 
     ledger = UsageLedger(str(tmp_path / "l.db"), flush_s=0.05)
     bad = _finished("bad")
@@ -913,9 +914,10 @@ def test_a_ledger_row_that_cannot_be_serialised_is_repaired_not_lost(
 def test_daily_rollups_sum_the_rows_and_seed_budgets_after_raw_rows_are_gone(
     tmp_path: Path,
 ) -> None:
-    from switchyard.observe.ledger import Finished, UsageLedger
     from switchyard.pipeline import RequestContext, RequestInput, Timings
     from switchyard.policy.auth import ANONYMOUS
+    from switchyard.state.ledger import UsageLedger
+    from switchyard.state.ledger_rows import Finished
 
     ledger = UsageLedger(str(tmp_path / "l.db"))
     day = time.strftime("%Y-%m-%d", time.gmtime())
@@ -974,7 +976,7 @@ def test_a_file_from_before_the_rollups_gets_them_from_its_rows(tmp_path: Path) 
 def test_the_disk_budget_deletes_oldest_traces_then_rows_and_gives_space_back(
     tmp_path: Path,
 ) -> None:
-    from switchyard.observe.traces import bytes_in_use, enforce_disk
+    from switchyard.state.traces import bytes_in_use, enforce_disk
 
     conn = connect(str(tmp_path / "big.db"))
     assert conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 2  # incremental
@@ -1002,8 +1004,8 @@ def test_the_ledger_writer_keeps_the_byte_budget_as_it_writes(tmp_path: Path) ->
     """The writer process enforces observe.max_disk_mb itself, between batches: with
     no retention pass at all, the file stays under the budget while the bill (the daily
     rollups) counts every request."""
-    from switchyard.observe.ledger import UsageLedger
-    from switchyard.observe.traces import bytes_in_use
+    from switchyard.state.ledger import UsageLedger
+    from switchyard.state.traces import bytes_in_use
 
     budget = 4 * 1024 * 1024
     ledger = UsageLedger(str(tmp_path / "l.db"), flush_s=0.05, max_disk_bytes=budget)

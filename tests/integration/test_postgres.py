@@ -1,5 +1,5 @@
 """The store on PostgreSQL (storage.postgres_dsn): a real server started here, the same
-store code as on SQLite (observe/pg.py), and gateways sharing it."""
+store code as on SQLite (state/sql_pg.py), and gateways sharing it."""
 
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ from support.gateways import ADMIN_KEY, Gateway, start_gateway
 from support.postgres_server import Postgres, fresh
 from support.stores import fill_store
 from support.upstreams import Scripted, start_scripted
-from switchyard.observe import pg
-from switchyard.observe.db import connect
-from switchyard.observe.ledger import spent_since, usage_rows
-from switchyard.observe.ledger_writer import write_batch
-from switchyard.observe.traces import LedgerBatch, LedgerEntry
+from switchyard.state import sql_pg
+from switchyard.state.ledger_batch import write_batch
+from switchyard.state.ledger_reads import spent_since, usage_rows
+from switchyard.state.sql import connect
+from switchyard.state.traces import LedgerBatch, LedgerEntry
 from switchyard.state.weights import cut_weight, read_weights, write_weights
 
 
@@ -47,7 +47,7 @@ def server(postgres: Postgres) -> str:
 
 
 def test_translation_of_the_sqlite_dialect() -> None:
-    t = pg.translate
+    t = sql_pg.translate
     assert t("SELECT * FROM tenants WHERE id = ?", True) == "SELECT * FROM tenants WHERE id = %s"
     assert t("SELECT 1 WHERE 'a%' = ?", True) == "SELECT 1 WHERE 'a%%' = %s"
     assert t("SELECT 1", False) == "SELECT 1"
@@ -60,12 +60,12 @@ def test_translation_of_the_sqlite_dialect() -> None:
         "INSERT INTO traces (request_id, status) VALUES (%s, %s)"
         " ON CONFLICT (request_id) DO UPDATE SET status = EXCLUDED.status"
     )
-    assert pg.ddl("a REAL, b INTEGER, c BLOB, realm TEXT") == (
+    assert sql_pg.ddl("a REAL, b INTEGER, c BLOB, realm TEXT") == (
         "a DOUBLE PRECISION, b BIGINT, c BYTEA, realm TEXT"
     )
-    assert pg.redact("postgresql://sy:s3cret@db:5432/x") == "postgresql://sy:***@db:5432/x"
-    assert pg.redact("postgresql://sy@db/x") == "postgresql://sy@db/x"
-    assert pg.redact("/var/lib/sy.db") == "/var/lib/sy.db"
+    assert sql_pg.redact("postgresql://sy:s3cret@db:5432/x") == "postgresql://sy:***@db:5432/x"
+    assert sql_pg.redact("postgresql://sy@db/x") == "postgresql://sy@db/x"
+    assert sql_pg.redact("/var/lib/sy.db") == "/var/lib/sy.db"
 
 
 # -- the same rows on both databases ------------------------------------------------------
@@ -160,7 +160,7 @@ def test_the_byte_budget_on_postgresql_deletes_oldest_traces_then_rows(server: s
     """observe.max_disk_mb on PostgreSQL counts the rows' own bytes (its files do not
     shrink on DELETE): past it the oldest traces go, then the oldest usage rows, down
     to 90 %; the daily rollups stay."""
-    from switchyard.observe.traces import BUDGETED, enforce_disk, row_bytes
+    from switchyard.state.traces import BUDGETED, enforce_disk, row_bytes
 
     conn = connect(fresh(server))
     fill_store(conn, 1500, "x" * 1500)

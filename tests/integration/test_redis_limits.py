@@ -20,15 +20,9 @@ import redis
 
 from support.redis_server import start_redis as _start_redis
 from support.redis_server import stop_redis as _stop
-from switchyard.policy.limits import (
-    Ask,
-    LimiterUnavailable,
-    MemoryLimiter,
-    ScopeLimits,
-    Verdict,
-    period_reset_s,
-)
-from switchyard.policy.redis_limits import RedisLimiter
+from switchyard.state.limits import Ask, LimiterUnavailable, ScopeLimits, Verdict, period_reset_s
+from switchyard.state.limits_memory import MemoryLimiter
+from switchyard.state.limits_redis import RedisLimiter
 
 T0 = 1_750_000_000.0  # 2025-06-15 15:06:40 UTC: far from a day boundary
 HANG_S = 5.0  # generous: only catches hangs and retry storms

@@ -27,10 +27,10 @@ from switchyard.config import (
     RetryBudgetConfig,
     parse_settings,
 )
-from switchyard.execute.breaker import CircuitBreaker
 from switchyard.execute.compat import incompatibility, request_needs
 from switchyard.execute.retry import RetryBudget, backoff_s
 from switchyard.request import Generation
+from switchyard.state.breakers_memory import CircuitBreaker
 
 # -- pure parts -------------------------------------------------------------------------
 

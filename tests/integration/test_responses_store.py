@@ -1,4 +1,4 @@
-"""Stored responses (observe/responses.py): sealed at rest with AES-GCM under a key kept
+"""Stored responses (state/responses.py): sealed at rest with AES-GCM under a key kept
 out of the database, keyed by (tenant, id), kept for `responses.retention_days`, on
 SQLite and on a real PostgreSQL server shared by two stores (two gateways)."""
 
@@ -27,20 +27,20 @@ from support.stores import fill_store
 from switchyard.config import ConfigError, Settings, parse_settings
 from switchyard.errors import DatabaseUnavailable
 from switchyard.gateway import Gateway
-from switchyard.observe.db import connect
-from switchyard.observe.ledger import UsageLedger
-from switchyard.observe.responses import (
+from switchyard.state.ledger import UsageLedger
+from switchyard.state.responses import (
     KEY_FILE,
     ORPHAN_REASON,
     ResponseStore,
     Sealer,
-    SealError,
     StoredResponse,
     encode_key,
     enforce_response_retention,
     new_response_id,
 )
-from switchyard.observe.traces import BUDGETED, bytes_in_use, enforce_disk, row_bytes
+from switchyard.state.sealing import SealError
+from switchyard.state.sql import connect
+from switchyard.state.traces import BUDGETED, bytes_in_use, enforce_disk, row_bytes
 
 DAY = 86400.0
 

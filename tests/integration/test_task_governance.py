@@ -24,11 +24,13 @@ from support.gateways import Gateway, start_gateway
 from support.upstreams import Scripted, start_scripted
 from switchyard.config import Price
 from switchyard.errors import InvalidRequest
+from switchyard.identity import TaskBudget
 from switchyard.policy import headers
 from switchyard.policy.admit import cost_usd
 from switchyard.policy.cost import PromptOverhead, plan
-from switchyard.policy.tasks import MemoryTaskStore, TaskBudget, TaskFirst, ToolCallNote
 from switchyard.request import Generation, from_object
+from switchyard.state.tasks import TaskFirst, ToolCallNote
+from switchyard.state.tasks_memory import MemoryTaskStore
 
 # -- headers ------------------------------------------------------------------------------
 
@@ -564,7 +566,7 @@ def test_the_redis_store_answers_as_the_memory_store(redis_url: str) -> None:
     and why, the use after each step, which tasks are kept and which notes."""
     from hypothesis import settings as hsettings
 
-    from switchyard.policy.redis_tasks import RedisTaskStore
+    from switchyard.state.tasks_redis import RedisTaskStore
 
     first = TaskFirst(
         TaskBudget(calls=4, tokens=1000, cost_usd=0.1, wall_s=6, tool_calls=2), timeout_s=5

@@ -10,7 +10,7 @@ from typing import Any
 from switchyard.config import Settings
 from switchyard.decide.balance import Balancer
 from switchyard.engines.registry import Registry
-from switchyard.execute.breaker import CircuitBreaker
+from switchyard.state.breakers_memory import CircuitBreaker
 from switchyard.state.guard_redis import SharedGuard
 
 GUARD = {"max_error_rate": 0.25, "max_p95_ms": 500, "window_s": 300, "min_samples": 12}

@@ -9,7 +9,7 @@ def fill_store(conn: Any, n: int, filler: str, first_at: float = 1_800_000_000.0
     """`n` traces, `n` rollout records and `n` usage rows of ~1.5 KB (`filler` in their
     upstream column or record), one a second from `first_at`, and one daily rollup: a
     store to put over its byte budget."""
-    from switchyard.observe.traces import insert_args, insert_sql
+    from switchyard.state.traces import insert_args, insert_sql
 
     conn.execute("BEGIN")
     for i in range(n):

@@ -26,14 +26,14 @@ from switchyard.engines.pool import EnginePool
 from switchyard.engines.registry import Registry
 from switchyard.errors import SwitchyardError
 from switchyard.gateway import build_pipelines
+from switchyard.identity import Limits, Principal
 from switchyard.media.process import MediaProcessor
 from switchyard.pipeline import Pipeline, RequestContext, RequestInput, Timings
 from switchyard.policy.admission import DeploymentGate
-from switchyard.policy.keys import Limits, Principal
-from switchyard.policy.limits import MemoryLimiter
 from switchyard.policy.pii import PiiMasker
 from switchyard.policy.stages import Reserver
 from switchyard.request import Generation, from_object, to_json
+from switchyard.state.limits_memory import MemoryLimiter
 
 PII_MODES = ["observe_only", "mask_upstream", "block"]
 

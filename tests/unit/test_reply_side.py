@@ -23,9 +23,9 @@ from switchyard.api.codecs import chat_completions
 from switchyard.config import parse_settings
 from switchyard.engines.upstream import UpstreamReply
 from switchyard.gateway import Gateway
-from switchyard.observe.ledger import Finished
 from switchyard.policy.auth import ANONYMOUS
 from switchyard.reply import JsonReply, StreamReply, relay
+from switchyard.state.ledger_rows import Finished
 
 MODEL = "chat"
 EMAIL = "jane.doe@example.com"

@@ -19,10 +19,10 @@ from msgspec import structs
 from support.deployments import REGISTRY  # deployments a (same name upstream) and b (up-b)
 from switchyard.api.codecs import Embeddings, chat_completions, completions
 from switchyard.execute.executor import upstream_payload
-from switchyard.execute.idempotency import body_hash
 from switchyard.pipeline import RequestContext, RequestInput, Timings
 from switchyard.policy.cost import PromptOverhead, plan
 from switchyard.request import GENERATION_FIELDS, Generation, from_object, to_json
+from switchyard.state.idempotency import body_hash
 
 _text = st.text(max_size=12)
 _json = st.recursive(

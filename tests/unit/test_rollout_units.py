@@ -116,12 +116,12 @@ def test_compare_reports_the_first_divergence_and_the_logprob_gap() -> None:
 
 
 def test_rollout_records_older_than_retention_go_and_newer_stay(tmp_path: Any) -> None:
-    from switchyard.observe.db import connect
     from switchyard.observe.rollouts import (
         enforce_rollout_retention,
         export_rollouts,
         write_rollouts,
     )
+    from switchyard.state.sql import connect
 
     conn = connect(str(tmp_path / "r.db"))
 

@@ -26,9 +26,9 @@ from switchyard.api.messages_reply import MessageEvents, error_event, to_message
 from switchyard.api.openai import CTX_KEY, OpenAIRoutes, json_response, stream_response
 from switchyard.api.sse import replayed, translated
 from switchyard.errors import ModelNotAllowed, ModelNotFound
+from switchyard.identity import Principal
 from switchyard.pipeline import RequestContext
 from switchyard.policy.cost import prompt_tokens
-from switchyard.policy.keys import Principal
 from switchyard.reply import Reply, StreamReply, relay, stream_chunks
 from switchyard.request import Generation
 

@@ -18,8 +18,8 @@ from switchyard.api.codecs import Codec, Embeddings, chat_completions, completio
 from switchyard.api.sse import RelayResponse, frame, replay
 from switchyard.api.sse import error_event as sse_error_event
 from switchyard.errors import InvalidRequest, RouteNotFound, SwitchyardError
+from switchyard.identity import Principal
 from switchyard.policy.headers import ID_PATTERN
-from switchyard.policy.keys import Principal
 from switchyard.reply import JsonReply, Reply, StreamReply, relay, served_headers
 from switchyard.service import ReadBody
 from switchyard.settle import mark_failed

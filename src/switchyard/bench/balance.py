@@ -60,7 +60,7 @@ def selection_cost(n: int, deployments: int = 8) -> dict[str, Any]:
     from switchyard.decide.balance import Balancer
     from switchyard.decide.select import select_deployment
     from switchyard.engines.registry import Registry
-    from switchyard.execute.breaker import CircuitBreaker
+    from switchyard.state.breakers_memory import CircuitBreaker
 
     out: dict[str, Any] = {}
 

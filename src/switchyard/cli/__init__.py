@@ -13,7 +13,7 @@ import sys
 
 from switchyard.cli import approvals, bench, cache, evaluate, keys, models, records, serve
 from switchyard.config import ConfigError
-from switchyard.observe.pg import StoreUnavailable
+from switchyard.state.sql_pg import StoreUnavailable
 
 __all__ = ["build_parser", "main"]
 

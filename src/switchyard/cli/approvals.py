@@ -15,8 +15,8 @@ def cmd_approve(args: argparse.Namespace) -> int:
     """approve TASK CALL_ID: the same ApprovalStore call as POST /admin/approvals,
     on the SQLite file the gateway with this config uses."""
     from switchyard.errors import SwitchyardError
-    from switchyard.observe.db import connect
-    from switchyard.policy.tool_calls import ApprovalStore
+    from switchyard.state.approvals import ApprovalStore
+    from switchyard.state.sql import connect
 
     settings = load_settings(getattr(args, "config", None))
     store = ApprovalStore(connect(store_target(settings, args.db)))

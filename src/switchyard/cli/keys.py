@@ -14,8 +14,9 @@ from switchyard.config import load_settings, store_target
 
 def _store(args: argparse.Namespace) -> Any:
     """The key store the gateway with this config uses (same SQLite file)."""
-    from switchyard.observe.db import connect
-    from switchyard.policy.keys import KeyStore, Limits
+    from switchyard.identity import Limits
+    from switchyard.state.keys import KeyStore
+    from switchyard.state.sql import connect
 
     settings = load_settings(getattr(args, "config", None))
     path = store_target(settings, args.db)

@@ -15,7 +15,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     """models weights | promote | rollback ALIAS: the deployment weights, stored where
     the gateway with this config reads them (it applies a change within seconds)."""
     from switchyard.config import ConfigError
-    from switchyard.observe.db import connect
+    from switchyard.state.sql import connect
     from switchyard.state.weights import canary_weights, read_weights, write_weights
 
     try:

@@ -13,16 +13,11 @@ from switchyard.config import load_settings, store_target
 
 def cmd_trace(args: argparse.Namespace) -> int:
     """trace show <request-or-task-id> | trace list: read the traces the gateway stored."""
-    from switchyard.observe.db import connect
-    from switchyard.observe.pg import redact
     from switchyard.observe.render import render_request, render_task
     from switchyard.observe.tasks import analyze_task
-    from switchyard.observe.traces import (
-        AmbiguousRequestId,
-        get_request,
-        get_task,
-        list_requests,
-    )
+    from switchyard.state.sql import connect
+    from switchyard.state.sql_pg import redact
+    from switchyard.state.traces import AmbiguousRequestId, get_request, get_task, list_requests
 
     path = store_target(load_settings(args.config), args.db)
     conn = connect(path)
@@ -66,7 +61,7 @@ def cmd_cost(args: argparse.Namespace) -> int:
     import time
 
     from switchyard.observe.cost import cost_report, parse_since, render
-    from switchyard.observe.db import connect
+    from switchyard.state.sql import connect
 
     settings = load_settings(args.config)
     now = time.time()
@@ -92,8 +87,8 @@ def cmd_rollouts(args: argparse.Namespace) -> int:
     import time
 
     from switchyard.observe.cost import parse_since
-    from switchyard.observe.db import connect
     from switchyard.observe.rollouts import export_rollouts
+    from switchyard.state.sql import connect
 
     settings = load_settings(args.config)
     try:

@@ -52,9 +52,11 @@ from switchyard.policy.stages import (
     embedding_estimate,
     generation_estimate,
 )
-from switchyard.policy.tasks import MemoryTaskStore, Running, TaskStore
+from switchyard.policy.tasks import Running
 from switchyard.policy.tool_calls import ToolPolicy
 from switchyard.service import Pipelines
+from switchyard.state.tasks import TaskStore
+from switchyard.state.tasks_memory import MemoryTaskStore
 
 
 async def _no_approvals(*_: Any) -> tuple[str | None, str | None]:

@@ -68,8 +68,6 @@ from switchyard.errors import (
     ToolServerUnavailable,
     UnknownTool,
 )
-from switchyard.execute.breaker import CircuitBreaker
-from switchyard.execute.tool_once import ToolCallRecords
 from switchyard.identity import Principal, TaskBudget
 from switchyard.mcp_service.calls import (
     _CLAIM_REASONS,
@@ -85,15 +83,18 @@ from switchyard.mcp_service.calls import (
     _claim_error,
     _with_request_id,
 )
-from switchyard.observe.ledger import Finished
 from switchyard.pipeline import RequestContext, RequestInput, Timings, new_request_id
 from switchyard.policy.admit import principal_scopes
 from switchyard.policy.headers import ID_PATTERN
-from switchyard.policy.limits import LimiterUnavailable
 from switchyard.policy.stages import Reserver, task_error, task_refusal_reason
-from switchyard.policy.tasks import Running, TaskFirst, TaskStore
+from switchyard.policy.tasks import Running
 from switchyard.policy.tool_calls import ToolPolicy, args_digest
 from switchyard.request import Generation
+from switchyard.state.breakers_memory import CircuitBreaker
+from switchyard.state.ledger_rows import Finished
+from switchyard.state.limits import LimiterUnavailable
+from switchyard.state.tasks import TaskFirst, TaskStore
+from switchyard.state.tool_calls import ToolCallRecords
 
 # The face: what callers import from here, the parts' names included (mcp_service/calls.py).
 __all__ = [

@@ -39,11 +39,12 @@ from switchyard.errors import (
     ToolTimeout,
     UpstreamError,
 )
-from switchyard.execute.breaker import CircuitBreaker
-from switchyard.execute.tool_once import ToolCallRecords
 from switchyard.pipeline import RequestContext
 from switchyard.policy.pii import MaskingError
-from switchyard.policy.tasks import Running, TaskKey
+from switchyard.policy.tasks import Running
+from switchyard.state.breakers_memory import CircuitBreaker
+from switchyard.state.tasks import TaskKey
+from switchyard.state.tool_calls import ToolCallRecords
 
 MAX_EXCERPT = 2000  # characters of masked arguments and result kept in a trace
 TOO_LARGE = "tool_result_too_large"

@@ -60,45 +60,22 @@ import sys
 import time
 from typing import BinaryIO
 
-from switchyard.observe.db import connect, is_sqlite
-from switchyard.observe.sealing import Sealer
-from switchyard.observe.traces import (
-    enforce_disk,
-)
-
-# Moved to the state layer (this module keeps the old import path):
 from switchyard.state.ledger_batch import (
-    _BATCH,
-    _LOOSE,
-    _RESPONSES,
-    _ROW,
-    _TEMPLATE,
-    ADD_DAILY,
     AGAIN,
     BATCH,
     FLUSH,
     HEADER,
-    INSERT_RESPONSES,
-    INSERT_TEMPLATES,
-    INSERT_TRACES,
-    INSERT_USAGE,
     KEY,
     READY,
     STOP,
-    TRACE_COLUMNS,
-    USAGE_COLUMNS,
-    _insert,
-    _read_exactly,
-    _Responses,
-    _sealed,
-    _sqlite_safe,
-    daily_rollups,
     decode_batch,
     frame,
     read_frame,
-    usage_row,
     write_batch,
 )
+from switchyard.state.sealing import Sealer
+from switchyard.state.sql import connect, is_sqlite
+from switchyard.state.traces import enforce_disk
 
 log = logging.getLogger("switchyard.ledger")
 
@@ -335,42 +312,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
-__all__ = [
-    "ADD_DAILY",
-    "AGAIN",
-    "BATCH",
-    "DISK_CHECK_S",
-    "FLUSH",
-    "HEADER",
-    "INSERT_RESPONSES",
-    "INSERT_TEMPLATES",
-    "INSERT_TRACES",
-    "INSERT_USAGE",
-    "KEY",
-    "OUTAGE_S",
-    "READY",
-    "STOP",
-    "TRACE_COLUMNS",
-    "USAGE_COLUMNS",
-    "_BATCH",
-    "_LOOSE",
-    "_RESPONSES",
-    "_ROW",
-    "_TEMPLATE",
-    "_Responses",
-    "_insert",
-    "_read_exactly",
-    "_sealed",
-    "_sqlite_safe",
-    "daily_rollups",
-    "decode_batch",
-    "frame",
-    "listen",
-    "main",
-    "read_frame",
-    "serve",
-    "serve_shared",
-    "usage_row",
-    "write_batch",
-]

@@ -10,8 +10,8 @@ import math
 
 from switchyard.config import ModelConfig, Price
 from switchyard.errors import QuotaExceeded, RateLimited, SwitchyardError, TokensExceedLimit
-from switchyard.policy.keys import Limits, Principal
-from switchyard.policy.limits import Period, ScopeLimits, Verdict
+from switchyard.identity import Limits, Principal
+from switchyard.state.limits import Period, ScopeLimits, Verdict
 
 
 def cost_usd(price: Price, input_tokens: int, output_tokens: int) -> float:

@@ -26,7 +26,8 @@ from switchyard.policy.admit import (
     refusal,
 )
 from switchyard.policy.cost import Cost, PromptOverhead, effective_window, plan
-from switchyard.policy.limits import (
+from switchyard.request import Embedding
+from switchyard.state.limits import (
     Ask,
     Limiter,
     LimiterUnavailable,
@@ -34,8 +35,7 @@ from switchyard.policy.limits import (
     period_key,
     period_start,
 )
-from switchyard.policy.limits import Verdict as LimitVerdict
-from switchyard.request import Embedding
+from switchyard.state.limits import Verdict as LimitVerdict
 
 log = logging.getLogger("switchyard")
 

@@ -20,19 +20,14 @@ from switchyard.errors import (
     TaskDeadlineExceeded,
     TaskStateUnavailable,
 )
+from switchyard.identity import TaskBudget
 from switchyard.pipeline import RequestContext, Stage, Verdict, View
 from switchyard.policy import headers as request_headers
 from switchyard.policy.admit import cost_usd
-from switchyard.policy.limits import LimiterUnavailable
 from switchyard.policy.stages_admission import Estimate, minimal_answer
-from switchyard.policy.tasks import (
-    Running,
-    TaskAdmission,
-    TaskBudget,
-    TaskFirst,
-    TaskHold,
-    TaskStore,
-)
+from switchyard.policy.tasks import Running, TaskHold
+from switchyard.state.limits import LimiterUnavailable
+from switchyard.state.tasks import TaskAdmission, TaskFirst, TaskStore
 
 log = logging.getLogger("switchyard")
 

@@ -11,7 +11,6 @@ from typing import Any
 from switchyard import outcomes
 from switchyard.errors import ApprovalRequired, InvalidRequest
 from switchyard.pipeline import RequestContext, Stage, Verdict, View
-from switchyard.policy.tasks import TaskStore, ToolCallNote
 from switchyard.policy.tool_calls import (
     NeededApproval,
     ToolPolicy,
@@ -21,6 +20,7 @@ from switchyard.policy.tool_calls import (
     new_results,
     tool_results,
 )
+from switchyard.state.tasks import TaskStore, ToolCallNote
 
 # ApprovalStore.consume off the event loop: (token, tenant, task, call id, request id).
 ConsumeApproval = Callable[

@@ -33,24 +33,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from switchyard.identity import TaskBudget
-
-# Moved to the state layer (this module keeps the old import path):
-from switchyard.state.tasks import (
-    TaskAdmission,
-    TaskFirst,
-    TaskKey,
-    TaskStore,
-    ToolCallNote,
-    _State,
-    check,
-    describe_state,
-    first_deadline,
-    note_dict,
-)
-from switchyard.state.tasks_memory import (
-    MemoryTaskStore,
-)
+from switchyard.state.tasks import TaskKey
 
 
 @dataclass(slots=True)
@@ -102,21 +85,3 @@ class Running:
                 task.cancel()
             stopped.append(rid)
         return stopped
-
-
-__all__ = [
-    "MemoryTaskStore",
-    "Running",
-    "TaskAdmission",
-    "TaskBudget",
-    "TaskFirst",
-    "TaskHold",
-    "TaskKey",
-    "TaskStore",
-    "ToolCallNote",
-    "_State",
-    "check",
-    "describe_state",
-    "first_deadline",
-    "note_dict",
-]

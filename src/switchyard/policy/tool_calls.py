@@ -39,7 +39,8 @@ what the model *returns* and what the client sends back:
 The code is in three modules beside this one, which re-exports their names:
 tool_calls_governor.py (the policy, idempotency keys, the governor of one request's
 calls), tool_calls_gate.py (the reply part, whole replies and streams) and
-tool_calls_approvals.py (tool results, approvals and their store).
+tool_calls_approvals.py (tool results and their approvals); the approvals' store is
+state/approvals.py.
 """
 
 from __future__ import annotations
@@ -67,16 +68,13 @@ from switchyard.policy.tool_calls_governor import (
     idempotency_key,
     lineage,
 )
-from switchyard.state.approvals import APPROVAL_PREFIX, ApprovalStore
 
 __all__ = [
     "APPROVAL_CALL_PREFIX",
-    "APPROVAL_PREFIX",
     "FUNCTION_RESULT_PREFIX",
     "KEYED_PREFIX",
     "MAX_APPROVALS_PER_REQUEST",
     "MAX_TOOL_RESULTS",
-    "ApprovalStore",
     "NeededApproval",
     "StreamToolGate",
     "ToolGate",

@@ -1,10 +1,10 @@
-"""Tool results and their approvals: the `tool_results` stage's checks and store.
+"""Tool results and their approvals: the `tool_results` stage's checks.
 
 Owns finding every tool result a conversation carries (`tool_results`, at most
 MAX_TOOL_RESULTS), which of them need an approval (`approvals_needed`), which are
-brought for the first time (`new_results`), the `x-switchyard-approval` header's
-tokens; the approvals themselves (`ApprovalStore`, state/approvals.py: issued, single-use,
-expiring). The rules are told in policy/tool_calls.py's docstring.
+brought for the first time (`new_results`) and the `x-switchyard-approval` header's
+tokens. The approvals themselves (`ApprovalStore`: issued, single-use, expiring) are
+state/approvals.py's. The rules are told in policy/tool_calls.py's docstring.
 """
 
 from __future__ import annotations
@@ -15,13 +15,6 @@ from typing import Any
 
 from switchyard.errors import InvalidHeader, InvalidRequest, TooManyToolResults
 from switchyard.policy.tool_calls_governor import APPROVAL_CALL_PREFIX, ToolPolicy, _obj
-
-# Moved to the state layer (this module keeps the old import path):
-from switchyard.state.approvals import (
-    APPROVAL_PREFIX,
-    ApprovalStore,
-    _hash,
-)
 
 # The most tool results (tool and function messages) a request's history may carry
 # where they are checked: each costs a look-up, and one left unchecked would be a
@@ -185,19 +178,3 @@ def approval_tokens(value: str | None) -> list[str]:
             param="x-switchyard-approval",
         )
     return [approval_token(p) for p in parts]
-
-
-__all__ = [
-    "APPROVAL_PREFIX",
-    "FUNCTION_RESULT_PREFIX",
-    "MAX_APPROVALS_PER_REQUEST",
-    "MAX_TOOL_RESULTS",
-    "ApprovalStore",
-    "NeededApproval",
-    "ToolResult",
-    "_hash",
-    "approval_tokens",
-    "approvals_needed",
-    "new_results",
-    "tool_results",
-]

@@ -2,7 +2,7 @@
 
 Admission and settlement are one Lua script each, so check-then-reserve happens
 atomically on the Redis server: two processes admitting the last call a budget
-allows cannot both win. The rule the script applies is `policy.tasks.check`, in the
+allows cannot both win. The rule the script applies is `state.tasks.check`, in the
 same order (cancelled, deadline, calls or tool calls, tokens, cost);
 tests/integration/test_task_governance.py
 runs both stores over generated sequences of calls and compares every answer.

@@ -18,11 +18,11 @@ from pydantic import ValidationError
 
 from switchyard.config import McpConfig, McpServerConfig
 from switchyard.errors import PermissionDenied, ToolCallInDoubt, jsonrpc_code
-from switchyard.execute.tool_once import ToolCallRecords
-from switchyard.observe.db import connect
-from switchyard.observe.sealing import Sealer
 from switchyard.observe.tasks import analyze_task
 from switchyard.policy.tool_calls import args_digest
+from switchyard.state.sealing import Sealer
+from switchyard.state.sql import connect
+from switchyard.state.tool_calls import ToolCallRecords
 
 SEALER = Sealer(secrets.token_bytes(32))
 
@@ -226,7 +226,7 @@ def test_one_call_id_of_two_tenants_is_two_calls(tmp_path: Path) -> None:
     """A call record is keyed by (tenant, call id), and its result is sealed to its
     tenant: another tenant's claim of the same id owns a call of its own, and even a
     result copied into its row would not open."""
-    from switchyard.observe.sealing import SealError
+    from switchyard.state.sealing import SealError
 
     db = tmp_path / "s.db"
     a, b = records(db), records(db)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import msgspec
 
-from switchyard.observe.db import connect
-from switchyard.observe.ledger_writer import decode_batch, write_batch
-from switchyard.observe.traces import LedgerBatch, LedgerEntry, get_request
+from switchyard.state.ledger_batch import decode_batch, write_batch
+from switchyard.state.sql import connect
+from switchyard.state.traces import LedgerBatch, LedgerEntry, get_request
 
 
 def _entry(rid: str, **changes: object) -> LedgerEntry:

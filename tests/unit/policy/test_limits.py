@@ -12,8 +12,9 @@ from switchyard.errors import RateLimited
 from switchyard.policy.admission import DeadlineExceeded, DeploymentGate
 from switchyard.policy.admit import rate_headers, refusal
 from switchyard.policy.cost import prompt_tokens
-from switchyard.policy.limits import Ask, MemoryLimiter, ScopeLimits, period_key, period_start
 from switchyard.request import Generation
+from switchyard.state.limits import Ask, ScopeLimits, period_key, period_start
+from switchyard.state.limits_memory import MemoryLimiter
 
 T0 = 1_750_000_000.0
 

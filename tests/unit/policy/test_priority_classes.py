@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from switchyard.errors import InvalidRequest
 from switchyard.identity import PRIORITY_NAMES, STANDARD, Principal
-from switchyard.observe.db import connect
-from switchyard.policy.keys import KeyStore
+from switchyard.state.keys import KeyStore
+from switchyard.state.sql import connect
 
 CLASSES = st.sampled_from([None, *PRIORITY_NAMES])
 
