@@ -15,18 +15,13 @@ report that is not the shape below is refused whole (400), never half kept.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Mapping
 from typing import Any
 
-import aiohttp
 import orjson
 
-from switchyard.engines.bounded import read_bounded
-from switchyard.policy.admission_remote import RemoteGate
-
-log = logging.getLogger("switchyard")
+from switchyard.policy.admission_remote import RemoteGate, control_json
 
 STALE_S = 5.0
 MAX_REPORT = 256 << 10  # bytes of one report: about 2,000 gates
@@ -127,17 +122,5 @@ async def host_live(
     """The control plane's `/state/live` (the workers' last reports, its tool servers'
     breakers), or None when it does not answer in `timeout_s` or sends more than
     MAX_LIVE bytes."""
-    try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
-            session.get(
-                f"{control_url.rstrip('/')}/state/live",
-                headers={"authorization": f"Bearer {token}"},
-            ) as r,
-        ):
-            raw = await read_bounded(r, MAX_LIVE) if r.status == 200 else None
-        data = orjson.loads(raw) if raw is not None else None
-    except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError) as exc:
-        log.warning("the control plane's live view is unavailable: %s", exc)
-        return None
+    data = await control_json(control_url, "/state/live", token, MAX_LIVE, timeout_s, "live counts")
     return data if isinstance(data, dict) else None

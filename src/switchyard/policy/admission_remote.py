@@ -194,18 +194,7 @@ async def host_gates(
     than MAX_VIEW bytes: a live view is shown without them rather than late, and a
     broken control plane cannot make a worker hold an unbounded reply. A gate whose
     counts are not two counts (integers, not booleans, not negative) is left out."""
-    try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
-            session.get(
-                f"{control_url.rstrip('/')}/gates", headers={"authorization": f"Bearer {token}"}
-            ) as r,
-        ):
-            raw = await _bounded(r, MAX_VIEW) if r.status == 200 else None
-        data = orjson.loads(raw) if raw is not None else None
-    except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError) as exc:
-        log.warning("the control plane's gate counts are unavailable: %s", exc)
-        return None
+    data = await control_json(control_url, "/gates", token, MAX_VIEW, timeout_s, "gate counts")
     if not isinstance(data, dict):
         return None
     return {
@@ -215,16 +204,33 @@ async def host_gates(
     }
 
 
+async def control_json(
+    control_url: str, path: str, token: str, limit: int, timeout_s: float, what: str
+) -> Any:
+    """A worker's GET of `path` from its control plane: the JSON it answers, or None
+    (logged as `what`) when it does not answer 200 within `timeout_s`, answers more than
+    `limit` bytes (engines/bounded.py) or answers what is not JSON."""
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
+            session.get(
+                f"{control_url.rstrip('/')}{path}", headers={"authorization": f"Bearer {token}"}
+            ) as r,
+        ):
+            if r.status != 200:
+                return None
+            raw = await read_bounded(r, limit)
+        if raw is None:
+            log.warning("the control plane's %s are over %d bytes", what, limit)
+            return None
+        return orjson.loads(raw)
+    except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError) as exc:
+        log.warning("the control plane's %s are unavailable: %s", what, exc)
+        return None
+
+
 def _count(value: object) -> bool:
     return type(value) is int and value >= 0
-
-
-async def _bounded(r: aiohttp.ClientResponse, limit: int) -> bytes | None:
-    """`r`'s body, or None (logged) past `limit` bytes (engines/bounded.py)."""
-    body = await read_bounded(r, limit)
-    if body is None:
-        log.warning("the control plane's gate counts are over %d bytes", limit)
-    return body
 
 
 class RemoteGate:
