@@ -10,7 +10,7 @@ driver as a chat completion — keys, limits, budgets, PII, cache, routing, sele
 placement, retries, fallbacks, idempotency keys, tool governance, traces and usage rows
 under the endpoint `responses`. The reply becomes a response object or the Responses
 event stream (api/responses_reply.py) and, unless `store` is false, is stored for the
-tenant, encrypted (observe/responses.py).
+tenant, encrypted (state/responses.py).
 
 Background responses (`background: true`) answer `queued` at once and run in this
 process; `GET` polls them, `cancel` stops the upstream call. A tenant runs at most
@@ -44,6 +44,7 @@ from switchyard.api.responses_reply import (
     ResponseEvents,
     Shell,
     chat_message,
+    response_json,
     to_response,
 )
 from switchyard.api.sse import replayed, translated
@@ -55,23 +56,20 @@ from switchyard.errors import (
     StoredResponseUnreadable,
     SwitchyardError,
 )
-from switchyard.observe.responses import (
-    ResponseStore,
-    SealError,
-    StoredResponse,
-)
+from switchyard.identity import Principal
 from switchyard.pipeline import RequestContext
-from switchyard.policy.keys import Principal
 from switchyard.policy.validate import validate_chat
 from switchyard.reply import JsonReply, StreamReply, relay, stream_chunks, translated_reply
 from switchyard.request import Generation, from_object
 from switchyard.service import ReadBody
 from switchyard.settle import CLIENT_CANCEL, mark_failed
+from switchyard.state.responses import ResponseStore, StoredResponse
+from switchyard.state.sealing import SealError
 
 log = logging.getLogger("switchyard.api")
 DONE = ("completed", "failed", "incomplete", "cancelled")
 # How long an id not found is looked for again: another gateway on the database commits
-# a response within milliseconds of its reply (observe/responses.py, written behind).
+# a response within milliseconds of its reply (state/responses.py, written behind).
 SETTLE_S = 0.25
 # How often a background response looks whether another gateway cancelled it.
 CANCEL_POLL_S = 1.0
@@ -194,25 +192,25 @@ class ResponsesRoutes:
         ctx: RequestContext,
         req: ResponsesRequest,
         shell: Shell,
-        obj: dict[str, Any],
+        status: str,
+        response: dict[str, Any] | bytes,
         conversation: list[dict[str, Any]],
-        encoded: bytes | None = None,
     ) -> StoredResponse:
-        """`encoded`: the response object as the client got it, kept as those bytes
-        (serialised once for the reply and the store)."""
+        """`response`: the response object in `status`, or its JSON as the client got
+        it, kept as those bytes (serialised once for the reply and the store)."""
         dep = ctx.deployment
         return StoredResponse(
             id=shell.rid,
             tenant_id=ctx.principal.tenant_id,
             created_at=shell.created_at,
-            status=obj["status"],
+            status=status,
             model=ctx.alias or req.model,  # the alias routing resolved: checked, bounded
             deployment=dep.name if dep is not None else None,
             previous_response_id=req.previous_response_id,
             background=req.background,
             owner=self.store.owner if req.background else None,
             body={
-                "response": obj if encoded is None else orjson.Fragment(encoded),
+                "response": orjson.Fragment(response) if isinstance(response, bytes) else response,
                 "input_items": req.items,
                 "conversation": conversation,
             },
@@ -230,11 +228,10 @@ class ResponsesRoutes:
             chat = translated_reply(ctx, reply.body)
             shell.model = _served(ctx, req)
             msg = chat_message(chat)
-            obj = to_response(chat, shell, msg)
-            encoded = orjson.dumps(obj)
+            status, encoded = response_json(chat, shell, msg)
             if req.store:
                 turn = [*conversation, msg]
-                await self.store.create(self._stored(ctx, req, shell, obj, turn, encoded))
+                await self.store.create(self._stored(ctx, req, shell, status, encoded, turn))
         except BaseException:
             if reply.settle is not None:  # answered upstream: it is still settled
                 pending = reply.settle()
@@ -254,26 +251,30 @@ class ResponsesRoutes:
         shell.model = _served(ctx, req)
 
         async def ended(ev: ResponseEvents) -> None:
-            if not req.store or ev.final is None:
+            status, final = ev.status, ev.final_json
+            if not req.store or status is None or final is None:
                 return
-            msg: dict[str, Any] = {"role": "assistant", "content": None}
-            text = "".join(i["content"][0]["text"] for i in ev.output if i["type"] == "message")
-            calls = [
-                {
-                    "id": i["call_id"],
-                    "type": "function",
-                    "function": {"name": i["name"], "arguments": i["arguments"]},
-                }
-                for i in ev.output
-                if i["type"] == "function_call"
-            ]
-            msg["content"] = text
+            # The output as the chat message the conversation continues from: its
+            # messages' text, then its function calls (one pass over the items).
+            texts: list[str] = []
+            calls: list[dict[str, Any]] = []
+            for i in ev.output:
+                if i["type"] == "message":
+                    texts.append(i["content"][0]["text"])
+                elif i["type"] == "function_call":
+                    calls.append(
+                        {
+                            "id": i["call_id"],
+                            "type": "function",
+                            "function": {"name": i["name"], "arguments": i["arguments"]},
+                        }
+                    )
+            msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
             if calls:
                 msg["tool_calls"] = calls
             turn = [*conversation, msg]
             with contextlib.suppress(SwitchyardError):  # the client already has its answer
-                stored = self._stored(ctx, req, shell, ev.final, turn, ev.final_json)
-                await self.store.create(stored)
+                await self.store.create(self._stored(ctx, req, shell, status, final, turn))
 
         events = ResponseEvents(shell, ended)
         source = reply.source
@@ -346,7 +347,8 @@ class ResponsesRoutes:
             return wire
 
         async def on_admitted() -> None:
-            stored = self._stored(ctx, req, shell, shell.object("in_progress", []), conversation)
+            obj = shell.object("in_progress", [])
+            stored = self._stored(ctx, req, shell, "in_progress", obj, conversation)
             await self.store.create(stored)
             await self.store.drain()  # committed: every gateway counts it, answers its GET
             holder.append(stored)

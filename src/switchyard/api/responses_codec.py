@@ -25,8 +25,9 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from switchyard.api.checks import bad, flag, no_extras, number, string
 from switchyard.entropy import RandomPool
@@ -68,21 +69,38 @@ def new_item_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
 
 
-class IdPool:
+class IdPool(RandomPool):
     """Unguessable ids, `prefix_` and 128 bits from the OS's CSPRNG, drawn from a pool
-    (entropy.py: a request makes three, and each `getrandom` call costs ~15 us)."""
+    (entropy.py: a request makes three, and each `getrandom` call costs ~15 us). The
+    pool's bytes are turned into hex digits a block at a time, 32 of them an id (a
+    `take` and a `hex` per id cost more than the rest of making one); a child made by
+    `fork` forgets them with the pool's bytes, so no id is handed out twice. Used on
+    the event loop only."""
 
     def __init__(self) -> None:
-        self._random = RandomPool()
+        super().__init__()
+        self._digits = ""
+        self._next = 0
 
     def __call__(self, prefix: str) -> str:
-        return f"{prefix}_{self._random.take(16).hex()}"
+        at = self._next
+        if at + 32 > len(self._digits):
+            self._digits, at = self.take(_ID_BLOCK).hex(), 0
+        self._next = at + 32
+        return f"{prefix}_{self._digits[at : at + 32]}"
+
+    def _forget(self) -> None:
+        super()._forget()
+        self._digits, self._next = "", 0
 
 
-@dataclass(slots=True)
-class ResponsesRequest:
+_ID_BLOCK = 1024  # bytes of the pool turned into hex digits at once: 64 ids
+
+
+class ResponsesRequest(msgspec.Struct):
     """A checked Responses request: the chat request it means, less the conversation it
-    continues (`to_chat` adds that), and what the response object repeats."""
+    continues (`to_chat` adds that), and what the response object repeats. A struct:
+    made once per request, it costs a quarter of a dataclass's keyword `__init__`."""
 
     model: str
     items: list[dict[str, Any]]  # the input as items, each with an id
@@ -92,8 +110,8 @@ class ResponsesRequest:
     store: bool = True
     background: bool = False
     stream: bool = False
-    echo: dict[str, Any] = field(default_factory=dict)  # what the response object repeats
-    chat: dict[str, Any] = field(default_factory=dict)  # the chat fields besides messages
+    echo: dict[str, Any] = msgspec.field(default_factory=dict)  # what the response repeats
+    chat: dict[str, Any] = msgspec.field(default_factory=dict)  # the chat fields but messages
 
 
 _PART_KEYS = frozenset(
@@ -349,26 +367,32 @@ def check(body: Any, ids: Ids = new_item_id) -> ResponsesRequest:
     truncation = body.get("truncation")
     if truncation is not None and truncation != "disabled":
         raise bad("'truncation' must be 'disabled' here (no automatic truncation)", "truncation")
+    # Each member read once (a request makes one check; most members are not sent), the
+    # chat fields in the order the chat body lists them.
+    tools, choice, text = body.get("tools"), body.get("tool_choice"), body.get("text")
     chat: dict[str, Any] = {}
-    echo: dict[str, Any] = {"tools": body.get("tools") or [], "tool_choice": "auto"}
-    if body.get("tools") is not None:
-        chat["tools"] = _tools(body["tools"])
-    if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
-        echo["tool_choice"] = body["tool_choice"]
-    if body.get("text") is not None:
-        fmt = _text_format(body["text"])
+    echo: dict[str, Any] = {"tools": tools or [], "tool_choice": "auto"}
+    if tools is not None:
+        chat["tools"] = _tools(tools)
+    if choice is not None:
+        chat["tool_choice"] = _tool_choice(choice)
+        echo["tool_choice"] = choice
+    if text is not None:
+        fmt = _text_format(text)
         if fmt is not None:
             chat["response_format"] = fmt
-        echo["text"] = body["text"]
-    for src, dst in (
-        ("max_output_tokens", "max_tokens"),
-        ("temperature", "temperature"),
-        ("top_p", "top_p"),
-    ):
-        if body.get(src) is not None:
-            chat[dst] = body[src]
-            echo[src] = body[src]
+        echo["text"] = text
+    limit, temperature, top_p = (
+        body.get("max_output_tokens"),
+        body.get("temperature"),
+        body.get("top_p"),
+    )
+    if limit is not None:
+        chat["max_tokens"] = echo["max_output_tokens"] = limit
+    if temperature is not None:
+        chat["temperature"] = echo["temperature"] = temperature
+    if top_p is not None:
+        chat["top_p"] = echo["top_p"] = top_p
     parallel = flag(body, "parallel_tool_calls", True)
     if body.get("parallel_tool_calls") is not None:
         chat["parallel_tool_calls"] = parallel
@@ -379,8 +403,9 @@ def check(body: Any, ids: Ids = new_item_id) -> ResponsesRequest:
             if not isinstance(v, str) or len(v) > 512:
                 raise bad(f"'{name}' must be a string of at most 512 characters", name)
             chat[name] = v
-    if body.get("metadata") is not None:
-        echo["metadata"] = _metadata(body["metadata"])
+    meta = body.get("metadata")
+    if meta is not None:
+        echo["metadata"] = _metadata(meta)
     stream = flag(body, "stream", False)
     background = flag(body, "background", False)
     store = flag(body, "store", True)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import orjson
 
 from switchyard.api.responses_codec import Ids, ResponsesRequest, new_item_id
@@ -27,47 +27,92 @@ from switchyard.errors import SwitchyardError
 from switchyard.reply import ChatChunk, ChunkParts, ToolCallPiece, chunk_parts
 
 
-@dataclass(slots=True)
-class Shell:
-    """What every state of one response object repeats: its id, request and model."""
+class Shell(msgspec.Struct):
+    """What every state of one response object repeats: its id, request and model.
+
+    A state's object is put together as bytes (`encoded`): the members every state
+    repeats are encoded once, at the first state, in runs between the members the
+    state sets, so a stream's two states (in progress, then completed) neither build
+    nor encode the 24 members twice, and a whole reply's one state is encoded without
+    building it as an object first. `object` is those bytes decoded, for what keeps
+    the object itself (a background response, a failed stream). A struct: one is made
+    per request, at a third of a dataclass's `__init__`."""
 
     rid: str
     req: ResponsesRequest
     model: str
-    created_at: float = field(default_factory=time.time)
+    created_at: float = msgspec.field(default_factory=time.time)
     ids: Ids = new_item_id  # makes its output items' ids
-    # The members every state repeats from the request, in the object's order, made at
-    # the first state (`_repeated`): each later state copies them rather than reading
-    # the request's echo again.
-    _base: dict[str, Any] | None = field(default=None, init=False, repr=False)
+    # The runs of members every state repeats (`_repeated`), made at the first state
+    # (not passed: a struct has no member outside its `__init__`).
+    _runs: tuple[bytes, bytes, bytes, bytes] | None = None
 
-    def _repeated(self) -> dict[str, Any]:
+    def _repeated(self) -> tuple[bytes, bytes, bytes, bytes]:
+        """The members every state repeats, in the object's order, encoded in the runs
+        between those a state sets: up to `status`; `background` (then `error`); from
+        `instructions` to `max_output_tokens` (then `model`); from
+        `parallel_tool_calls` to `metadata` (then `usage`). A run of several members is
+        the encoding of an object of them less its braces: the bytes orjson writes for
+        them inside the whole object."""
         req, echo = self.req, self.req.echo
-        return {
-            "id": self.rid,
-            "object": "response",
-            "created_at": int(self.created_at),
-            "status": None,
-            "completed_at": None,
-            "background": req.background,
-            "error": None,
-            "incomplete_details": None,
-            "instructions": req.instructions,
-            "max_output_tokens": echo.get("max_output_tokens"),
-            "model": None,
-            "output": None,
-            "parallel_tool_calls": echo.get("parallel_tool_calls", True),
-            "previous_response_id": req.previous_response_id,
-            "store": req.store,
-            "temperature": echo.get("temperature"),
-            "top_p": echo.get("top_p"),
-            "text": echo.get("text") or {"format": {"type": "text"}},
-            "tool_choice": echo.get("tool_choice", "auto"),
-            "tools": echo.get("tools") or [],
-            "truncation": "disabled",
-            "metadata": echo.get("metadata") or {},
-            "usage": None,
-        }
+        middle = orjson.dumps(
+            {"instructions": req.instructions, "max_output_tokens": echo.get("max_output_tokens")}
+        )
+        tail = orjson.dumps(
+            {
+                "parallel_tool_calls": echo.get("parallel_tool_calls", True),
+                "previous_response_id": req.previous_response_id,
+                "store": req.store,
+                "temperature": echo.get("temperature"),
+                "top_p": echo.get("top_p"),
+                "text": echo.get("text") or {"format": {"type": "text"}},
+                "tool_choice": echo.get("tool_choice", "auto"),
+                "tools": echo.get("tools") or [],
+                "truncation": "disabled",
+                "metadata": echo.get("metadata") or {},
+            }
+        )
+        runs = self._runs = (
+            b'{"id":%b,"object":"response","created_at":%d,"status":'
+            % (orjson.dumps(self.rid), int(self.created_at)),
+            b',"background":%b,"error":' % (b"true" if req.background else b"false"),
+            b',%b,"model":' % middle[1:-1],
+            b',%b,"usage":' % tail[1:-1],
+        )
+        return runs
+
+    def encoded(
+        self,
+        status: str,
+        output: bytes,
+        usage: dict[str, Any] | None = None,
+        error: dict[str, Any] | None = None,
+        incomplete: str | None = None,
+    ) -> bytes:
+        """The response object in this state as JSON (`output`: its output items'
+        JSON), byte for byte what orjson makes of the object (property-tested against
+        the object written out member by member, tests/unit/api/
+        test_responses_objects.py)."""
+        head, background, middle, tail = self._runs or self._repeated()
+        return b"".join(
+            (
+                head,
+                orjson.dumps(status),
+                b',"completed_at":',
+                b"%d" % int(time.time()) if status == "completed" else b"null",
+                background,
+                b"null" if error is None else orjson.dumps(error),
+                b',"incomplete_details":',
+                orjson.dumps({"reason": incomplete}) if incomplete else b"null",
+                middle,
+                orjson.dumps(self.model),
+                b',"output":',
+                output,
+                tail,
+                orjson.dumps(usage) if status in _DONE else b"null",
+                b"}",
+            )
+        )
 
     def object(
         self,
@@ -77,21 +122,10 @@ class Shell:
         error: dict[str, Any] | None = None,
         incomplete: str | None = None,
     ) -> dict[str, Any]:
-        """The response object in this state."""
-        base = self._base
-        if base is None:
-            base = self._base = self._repeated()
-        obj = base.copy()  # the members keep their order: the wire's is the same
-        obj["status"] = status
-        if status == "completed":
-            obj["completed_at"] = int(time.time())
-        obj["error"] = error
-        if incomplete:
-            obj["incomplete_details"] = {"reason": incomplete}
-        obj["model"] = self.model
-        obj["output"] = output
-        if status in _DONE:
-            obj["usage"] = usage
+        """The response object in this state: its encoding (`encoded`) read back."""
+        obj: dict[str, Any] = orjson.loads(
+            self.encoded(status, orjson.dumps(output), usage, error, incomplete)
+        )
         return obj
 
 
@@ -157,11 +191,11 @@ def _finish(chat: dict[str, Any]) -> str | None:
     return got if isinstance(got, str) else None
 
 
-def to_response(
+def response_json(
     chat: dict[str, Any], shell: Shell, msg: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """A whole chat completion as the completed (or incomplete) response object
-    (`msg`: its `chat_message`, when the caller has it already)."""
+) -> tuple[str, bytes]:
+    """A whole chat completion as the completed (or incomplete) response object:
+    (its status, its JSON). `msg`: its `chat_message`, when the caller has it already."""
     if msg is None:
         msg = chat_message(chat)
     output: list[dict[str, Any]] = []
@@ -183,7 +217,17 @@ def to_response(
             )
     incomplete = "max_output_tokens" if _finish(chat) == "length" else None
     status = "incomplete" if incomplete else "completed"
-    return shell.object(status, output, usage_of(chat.get("usage")), incomplete=incomplete)
+    usage = usage_of(chat.get("usage"))
+    return status, shell.encoded(status, orjson.dumps(output), usage, incomplete=incomplete)
+
+
+def to_response(
+    chat: dict[str, Any], shell: Shell, msg: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A whole chat completion as the completed (or incomplete) response object
+    (`response_json`'s, read back)."""
+    obj: dict[str, Any] = orjson.loads(response_json(chat, shell, msg)[1])
+    return obj
 
 
 def _sse(data: dict[str, Any]) -> bytes:
@@ -263,6 +307,11 @@ _TEXT_DELTA = _head("response.output_text.delta")
 # What follows a text delta's JSON string (ResponseEvents.parts puts it after the
 # delta itself, as `delta_event` does, rather than calling it once per token).
 DELTA_TAIL = b',"logprobs":[],"sequence_number":%d}\n\n'
+# That tail for the sequence numbers most streams reach, made once (formatting one
+# costs more than the rest of a delta's bytes); a longer stream's later ones are
+# formatted as they come.
+_TAILED = 1024
+_DELTA_TAILS = tuple(DELTA_TAIL % seq for seq in range(_TAILED))
 
 
 def text_delta_head(item_id: str, output_index: int) -> bytes:
@@ -299,13 +348,23 @@ class ResponseEvents:
         self.calls: dict[int, dict[str, Any]] = {}  # chat tool call index -> item
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
-        self.final: dict[str, Any] | None = None  # the response object once it ended
-        self.final_json: bytes | None = None  # and as its event carried it
+        # How it ended (completed, incomplete, failed) and its response object then,
+        # as its last event carried it; `final` reads that back when asked for.
+        self.status: str | None = None
+        self.final_json: bytes | None = None
+        self._final: dict[str, Any] | None = None
         self._delta_head = b""  # text_delta_head of the open message item
         self._item_id = b""  # and its id's JSON
         # The open message item's text so far, in its deltas (joined into the item
         # when it closes, or when a broken stream shows it); None: no message open.
         self._text: list[str] | None = None
+
+    @property
+    def final(self) -> dict[str, Any] | None:
+        """The response object once the stream ended."""
+        if self._final is None and self.final_json is not None:
+            self._final = orjson.loads(self.final_json)
+        return self._final
 
     def _event(self, data: dict[str, Any]) -> bytes:
         data["sequence_number"] = self.seq
@@ -314,7 +373,7 @@ class ResponseEvents:
 
     def start(self, out: list[bytes]) -> None:
         self.started = True
-        snapshot = orjson.dumps(self.shell.object("in_progress", []))
+        snapshot = self.shell.encoded("in_progress", b"[]")
         seq = self.seq
         out.append(response_event(_CREATED, snapshot, seq))
         out.append(response_event(_IN_PROGRESS, snapshot, seq + 1))
@@ -386,7 +445,8 @@ class ResponseEvents:
                 assert pieces is not None
             pieces.append(text)
             seq = self.seq
-            out.append(self._delta_head + orjson.dumps(text) + DELTA_TAIL % seq)  # delta_event
+            tail = _DELTA_TAILS[seq] if seq < _TAILED else DELTA_TAIL % seq
+            out.append(self._delta_head + orjson.dumps(text) + tail)  # delta_event
             self.seq = seq + 1
         if calls:
             self._calls(calls, out)
@@ -424,10 +484,10 @@ class ResponseEvents:
         self._close(out)
         incomplete = "max_output_tokens" if self.finish == "length" else None
         status = "incomplete" if incomplete else "completed"
-        self.final = self.shell.object(
-            status, self.output, usage_of(self.usage), incomplete=incomplete
+        self.status, self._final = status, None
+        self.final_json = self.shell.encoded(  # once: the event and the store
+            status, orjson.dumps(self.output), usage_of(self.usage), incomplete=incomplete
         )
-        self.final_json = orjson.dumps(self.final)  # once: the event and the store
         out.append(response_event(_RESPONSE_DONE[status], self.final_json, self.seq))
         self.seq += 1
 
@@ -449,7 +509,10 @@ class ResponseEvents:
             self.start(out)
         self._text_so_far()
         error = {"code": exc.code, "message": exc.message}
-        self.final = self.shell.object("failed", self.output, usage_of(self.usage), error=error)
+        self.status, self._final = "failed", None
+        self.final_json = self.shell.encoded(
+            "failed", orjson.dumps(self.output), usage_of(self.usage), error=error
+        )
         out.append(
             self._event(
                 {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param}

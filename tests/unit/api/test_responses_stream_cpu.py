@@ -206,7 +206,7 @@ _requests = st.fixed_dictionaries(
 def test_each_state_of_a_response_is_the_object_a_fresh_shell_makes(
     body: dict[str, Any], states: list[tuple[Any, ...]]
 ) -> None:
-    """A shell makes the members its states repeat once and copies them: whatever
+    """A shell encodes the members its states repeat once, at its first state: whatever
     states came before (the stream's `in_progress`, then its end), each state's object
     is the one a shell that made no state before gives, member for member and in order."""
     req = check(body)

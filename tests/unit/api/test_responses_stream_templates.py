@@ -23,9 +23,11 @@ from switchyard.api.responses_reply import (
     ResponseEvents,
     Shell,
     _sse,
+    delta_event,
     message_added,
     message_done,
     response_event,
+    text_delta_head,
 )
 from switchyard.reply import read_parts
 
@@ -154,3 +156,22 @@ def test_every_event_of_a_stream_is_the_bytes_of_its_object_in_order(
     assert objs[-1]["type"] == (
         "response.incomplete" if finish == "length" else "response.completed"
     )
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(_text.filter(bool), min_size=1, max_size=6), st.integers(1000, 1030))
+def test_text_deltas_are_their_events_before_and_past_the_tails_made_once(
+    texts: list[str], first: int
+) -> None:
+    """The text deltas' tails are made once for the first sequence numbers and formatted
+    past them: on either side, and across, each delta is its event's bytes."""
+    events = ResponseEvents(Shell("resp_" + "6" * 32, check({"model": "m", "input": "x"}), "m"))
+    events.parts((None, texts[0], (), None), [])  # started, the message open
+    head = text_delta_head(events.output[0]["id"], 0)
+    events.seq = first
+    for text in texts:
+        out: list[bytes] = []
+        seq = events.seq
+        events.parts((None, text, (), None), out)
+        assert out == [delta_event(head, text, seq)]
+        assert _events(out[0]) == [_sse(orjson.loads(out[0].split(b"\ndata: ", 1)[1]))]

@@ -1,0 +1,38 @@
+"""The Responses API's ids (api/responses_codec.py's IdPool): hex digits made a block
+at a time from the entropy pool, 32 an id. Each id is the prefix and 128 random bits,
+none handed out twice, and a child made by `fork` does not hand out the ids its parent
+had made ready (it forgets them with the pool's bytes)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from switchyard.api.responses_codec import IdPool
+
+_ID = re.compile(r"(resp|msg|fc)_[0-9a-f]{32}")
+
+
+def test_ids_are_the_prefix_and_128_bits_never_twice_across_blocks() -> None:
+    pool = IdPool()
+    made = [pool(("resp", "msg", "fc")[i % 3]) for i in range(1000)]  # 15 blocks and more
+    assert all(_ID.fullmatch(i) for i in made)
+    assert len({i.split("_", 1)[1] for i in made}) == len(made)
+
+
+def test_a_forked_child_makes_none_of_the_ids_its_parent_makes() -> None:
+    pool = IdPool()
+    pool("resp")  # a block of digits made ready before the fork
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ids, to the parent
+        try:
+            os.write(write, " ".join(pool("msg") for _ in range(8)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as got:
+        child = {i.split("_", 1)[1] for i in got.read().split()}
+    os.waitpid(pid, 0)
+    parent = {pool("msg").split("_", 1)[1] for _ in range(8)}
+    assert len(child) == 8 and not child & parent
