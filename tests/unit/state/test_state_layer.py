@@ -154,11 +154,6 @@ def test_nothing_in_state_imports_a_layer_above_it() -> None:
                 ), f"{name} imports {mod}"
 
 
-# Old paths still in use, each only re-exporting moved names: api/responses.py imports
-# both and is being reworked; they go when it imports state/ itself.
-OLD_PATHS_KEPT = {"switchyard.policy.keys", "switchyard.observe.responses"}
-
-
 def _reexports_state_only(tree: ast.Module) -> bool:
     """Whether a module holds nothing but imports from state/ (beside its docstring,
     `from __future__` and `__all__`)."""
@@ -183,7 +178,7 @@ def test_no_module_above_state_only_reexports_its_names() -> None:
         for path in package.rglob("*.py")
         if path.parent.name != "state" and _reexports_state_only(ast.parse(path.read_text()))
     }
-    assert faces == OLD_PATHS_KEPT
+    assert faces == set()  # each name is imported from where it is defined
 
 
 def _settings(tmp: Path, backend: str = "sqlite", redis_url: str | None = None) -> Settings:
