@@ -42,7 +42,7 @@ from switchyard.control.worker_live import (
     MAX_WORKERS,
     BadReport,
     WorkerReports,
-    read_report,
+    report_of,
 )
 from switchyard.errors import (
     AuthenticationError,
@@ -57,9 +57,9 @@ _MAX_BODY = 4096
 _MAX_ID = 64
 
 
-async def _body_within(request: Request, limit: int) -> bytes:
-    """The request's body, refused once it passes `limit` bytes (by its declared
-    length before any is read, else as it arrives)."""
+async def _json_within(request: Request, limit: int) -> Any:
+    """The request's body parsed as JSON; refused once it passes `limit` bytes (by its
+    declared length before any is read, else as it arrives), or when it is not JSON."""
     declared = request.headers.get("content-length", "")
     if declared.isascii() and declared.isdigit() and int(declared[:20]) > limit:
         raise InvalidRequest("body too large")
@@ -68,7 +68,10 @@ async def _body_within(request: Request, limit: int) -> bytes:
         body += chunk
         if len(body) > limit:
             raise InvalidRequest("body too large")
-    return bytes(body)
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise InvalidRequest("the body is not JSON") from None
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -135,9 +138,9 @@ class GateRoutes:
             worker = str(request.path_params["worker"])
             if not (worker.isascii() and worker.isdigit() and int(worker) < MAX_WORKERS):
                 raise InvalidRequest(f"worker: a number below {MAX_WORKERS}")
-            raw = await _body_within(request, MAX_REPORT)
+            data = await _json_within(request, MAX_REPORT)
             try:
-                report = read_report(raw)
+                report = report_of(data)
             except BadReport as exc:
                 raise InvalidRequest(str(exc)) from None
         except SwitchyardError as exc:
@@ -157,13 +160,7 @@ class GateRoutes:
         gate = self.leases.gate(str(request.path_params["alias"])[:256])
         if gate is None:
             raise RouteNotFound("no such gate")
-        body = await request.body()
-        if len(body) > _MAX_BODY:
-            raise InvalidRequest("body too large")
-        try:
-            data = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            raise InvalidRequest("the body is not JSON") from None
+        data = await _json_within(request, _MAX_BODY)
         worker, slot = (data.get("worker"), data.get("slot")) if isinstance(data, dict) else (0, 0)
         if not (isinstance(worker, str) and isinstance(slot, str)):
             raise InvalidRequest("worker and slot are required")

@@ -19,8 +19,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import orjson
-
 from switchyard.policy.admission_remote import RemoteGate, control_json
 
 STALE_S = 5.0
@@ -54,19 +52,9 @@ def worker_report(active: int, gates: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def read_report(raw: bytes) -> dict[str, Any]:
-    """A worker's report as the control plane keeps it, or BadReport saying why."""
-    if len(raw) > MAX_REPORT:
-        raise BadReport("report too large")
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise BadReport("the report is not JSON") from None
-    return report_of(data)
-
-
 def report_of(data: object) -> dict[str, Any]:
-    """A parsed report checked for its shape: a copy of what it counts, or BadReport."""
+    """A worker's report (parsed JSON, at most MAX_REPORT bytes of it: api/internal.py
+    reads it) checked for its shape: a copy of what it counts, or BadReport."""
     if not isinstance(data, dict) or not _count(data.get("active_requests")):
         raise BadReport("active_requests: a count is required")
     queues = data.get("queues")
