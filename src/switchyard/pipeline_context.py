@@ -14,6 +14,7 @@ is native code (with dataclasses that was about four times the instructions).
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import Iterator, Mapping
@@ -23,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from switchyard.entropy import RandomPool
+from switchyard.errors import TaskCancelled
 from switchyard.identity import ANONYMOUS, Principal
-from switchyard.outcomes import Outcome
+from switchyard.outcomes import Outcome, Task
 from switchyard.request import Embedding, Generation
 
 if TYPE_CHECKING:  # annotations only: these live in the layers above (pyproject.toml)
@@ -289,6 +291,24 @@ class RequestContext(msgspec.Struct):
         """Append a decision for a stage that began at perf_counter time `started`."""
         self.decisions.append(
             Decision(stage, outcome, reason, evidence, started, time.perf_counter())
+        )
+
+    def stopped_by_task(self) -> TaskCancelled:
+        """Record that this call's task was cancelled while it streamed, take back the
+        cancellation that stopped the stream, and return the error the client is told."""
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            current.uncancel()
+        self.status = Status.CANCELLED
+        self.error_code = TaskCancelled.code
+        self.record(
+            "task",
+            Task.STOPPED,
+            "the task was cancelled while this call streamed",
+            time.perf_counter(),
+        )
+        return TaskCancelled(
+            f"the task '{self.input.task_id}' was cancelled while this call streamed"
         )
 
     @property

@@ -18,9 +18,9 @@ from typing import Any
 import msgspec
 import orjson
 
-from switchyard import outcomes
 from switchyard.engines.registry import Deployment
-from switchyard.errors import SwitchyardError, TaskCancelled, UpstreamError
+from switchyard.engines.upstream import UpstreamStream
+from switchyard.errors import SwitchyardError, UpstreamError
 from switchyard.pipeline import CacheOutcome, ReplySide, RequestContext, Status
 
 
@@ -44,7 +44,7 @@ class StreamReply:
     ctx: RequestContext
     headers: dict[str, str]
     on_close: Callable[[], Awaitable[None]]
-    source: Any = None  # the executor's UpstreamStream
+    source: UpstreamStream | None = None  # the executor's upstream stream
     cached: dict[str, Any] | None = None
     side: ReplySide | None = None
 
@@ -364,22 +364,6 @@ def switchyard_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
     }
 
 
-def task_stopped(ctx: RequestContext) -> TaskCancelled:
-    """Take back the cancellation that stopped this stream for its task's cancel."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        task.uncancel()
-    ctx.status = Status.CANCELLED
-    ctx.error_code = TaskCancelled.code
-    ctx.record(
-        "task",
-        outcomes.Task.STOPPED,
-        "the task was cancelled while this call streamed",
-        time.perf_counter(),
-    )
-    return TaskCancelled(f"the task '{ctx.input.task_id}' was cancelled while this call streamed")
-
-
 async def relay(
     ctx: RequestContext, data: AsyncIterator[list[bytes]], side: ReplySide | None, close: Any
 ) -> AsyncIterator[list[bytes]]:
@@ -437,7 +421,7 @@ async def relay(
             raise  # the client left, or shutdown
         # The task was cancelled (DELETE /v1/tasks/{id}): the client is told so, and
         # the upstream is closed below, so the engine stops generating.
-        raise task_stopped(ctx) from None
+        raise ctx.stopped_by_task() from None
     finally:
         if ctx.status == Status.STREAMING:
             ctx.status = Status.CANCELLED  # the client left before the end

@@ -27,6 +27,8 @@ from switchyard.settle import mark_failed
 if TYPE_CHECKING:
     from switchyard.config import Settings
     from switchyard.embed import EmbeddingService
+    from switchyard.engines.upstream import UpstreamStream
+    from switchyard.pipeline import RequestContext
     from switchyard.service import RequestService
     from switchyard.state.responses import ResponseStore
 
@@ -98,16 +100,13 @@ def json_response(reply: JsonReply, body: bytes) -> Response:
 
 def to_response(reply: Reply) -> Response:
     """The HTTP response of the service's reply."""
-    if isinstance(reply, StreamReply):
-        ctx = reply.ctx
-        source = reply.source
-        events = (
-            frame(ctx, relay(ctx, source.data(), reply.side, source.close))
-            if source is not None
-            else replay(reply.cached or {}, ctx.include_usage)
-        )
-        return stream_response(reply, events)
-    return json_response(reply, reply.body)
+    if isinstance(reply, JsonReply):
+        return json_response(reply, reply.body)
+    ctx = reply.ctx
+    source: UpstreamStream | None = reply.source
+    if source is None:  # a cached completion, replayed
+        return stream_response(reply, replay(reply.cached or {}, ctx.include_usage))
+    return stream_response(reply, frame(ctx, relay(ctx, source.data(), reply.side, source.close)))
 
 
 class ModelServices(Protocol):
@@ -183,18 +182,22 @@ class OpenAIRoutes:
             principal = await principal
         return principal
 
-    async def _generate(self, request: Request, endpoint: str) -> Response:
+    async def _opened(self, request: Request, endpoint: str) -> tuple[RequestContext, ReadBody]:
+        """The request's context, opened once its key is known, and its body's reader."""
         received = time.perf_counter()
         headers = header_map(request)
         principal = self.service.authenticate(headers)  # before any costly work
         if not isinstance(principal, Principal):
             principal = await principal
-        service = self.service
+        read = self.reader(request, headers, self._codecs[endpoint])
+        service: RequestService = self.service
         ctx = service.open(endpoint, headers, received, principal)
         request.scope[CTX_KEY] = ctx  # for the error mapping (app.py)
-        read = self.reader(request, headers, self._codecs[endpoint])
-        if endpoint == "embeddings":
-            return to_response(await service.embeddings(ctx, read))
+        return ctx, read
+
+    async def _generate(self, request: Request, endpoint: str) -> Response:
+        ctx, read = await self._opened(request, endpoint)
+        service: RequestService = self.service
         return to_response(await service.generate(ctx, read))
 
     async def chat_completions(self, request: Request) -> Response:
@@ -204,7 +207,9 @@ class OpenAIRoutes:
         return await self._generate(request, "completions")
 
     async def embeddings(self, request: Request) -> Response:
-        return await self._generate(request, "embeddings")
+        ctx, read = await self._opened(request, "embeddings")
+        service: RequestService = self.service
+        return to_response(await service.embeddings(ctx, read))
 
     async def models(self, request: Request) -> Response:
         """The models, adapters and embedding model this key may use."""

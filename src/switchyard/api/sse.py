@@ -21,7 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from switchyard.errors import SwitchyardError
 from switchyard.pipeline import RequestContext, Status
-from switchyard.reply import ChatChunk, read_chunk, read_parts, task_stopped
+from switchyard.reply import ChatChunk, read_chunk, read_parts
 
 DONE = b"data: [DONE]\n\n"
 # Looked at once per write: an enum member read off its class costs ten times a
@@ -100,7 +100,7 @@ class RelayResponse(StreamingResponse):
             if ctx is not None and ctx.cancelled and not state["gone"]:
                 # Its task's cancel landed while a write was under way (the relay
                 # handles one that lands while it waits for the upstream).
-                stopped = task_stopped(ctx)
+                stopped = ctx.stopped_by_task()
                 with contextlib.suppress(Exception):
                     await send(
                         {
