@@ -7,7 +7,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from switchyard.bench.harness import cpu_sample
+from switchyard.bench.harness_machine import process_role
 from switchyard.bench.overhead import _cpu
 
 # Burns `s` seconds of CPU in itself and as much again in a child it waits for; then
@@ -44,6 +47,35 @@ def test_a_process_trees_cpu_counts_its_children_and_nothing_else() -> None:
     # 0.4 s in the parent and 0.4 s in its child, plus interpreter start-up; the other
     # tree's 0.8 s is not in it.
     assert 0.75 <= used <= 1.6, used
+    # The same split by process: the root (the gateway's place) and its child, named
+    # by its executable; the parts add up to the tree.
+    split = after.parts[tree.pid]
+    assert set(split) == {"gateway", after_child_name(split)}
+    assert sum(split.values()) == pytest.approx(after.trees[tree.pid])
+    for role, seconds in split.items():
+        assert 0.35 <= seconds - before.parts[tree.pid].get(role, 0.0) <= 0.9, (role, split)
+
+
+def after_child_name(split: dict[str, float]) -> str:
+    (child,) = set(split) - {"gateway"}
+    assert child.startswith("python"), split  # its executable's name, from /proc
+    return child
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "comm", "root", "has_workers", "role"),
+    [
+        (b"python\0-m\0switchyard\0serve", "python3", True, False, "gateway"),
+        (b"python\0-m\0switchyard\0serve", "python3", True, True, "control plane"),
+        (b"python\0-m\0switchyard.scale.worker", "python3", False, True, "workers"),
+        (b"python\0-m\0switchyard.observe.ledger_writer", "python3", False, False, "ledger writer"),
+        (b"redis-server\0/tmp/x.conf", "redis-server", False, True, "redis-server"),
+    ],
+)
+def test_each_process_of_a_gateway_is_named_by_its_role(
+    cmdline: bytes, comm: str, root: bool, has_workers: bool, role: str
+) -> None:
+    assert process_role(cmdline, comm, root, has_workers) == role
 
 
 def test_the_load_generators_cpu_is_what_its_waited_run_used() -> None:

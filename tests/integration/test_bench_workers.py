@@ -88,13 +88,21 @@ def test_a_real_run_measures_the_workers_target(
         "--warmup", "1", "--tokens", "4", "--out", str(out),
     )  # fmt: skip
     assert args.func(args) == 0
-    assert "2 workers (sy-workers) at c=32" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "2 workers (sy-workers) at c=32" in printed
+    assert "CPU us/req by process, sy-workers: workers" in printed
     result = json.loads(out.read_text())
     runs = [r for r in result["runs"] if r["target"] == workers.TARGET]
     assert len(runs) == 4  # stream or not, at c=1 and c=32
     for r in runs:
         assert r["requests"] > 0 and r["non_2xx"] == 0 and r["socket_errors"] == 0
         assert r["cpu_us_per_req"] is not None and r["cpu_us_per_req"] > 0
+        # Split by process: the workers serve, the control plane and the writer are
+        # counted beside them, and the split adds up to the whole tree.
+        split = r["cpu_us_per_req_by_process"]
+        assert {"workers", "control plane", "ledger writer"} <= set(split), split
+        assert split["workers"] > 0
+        assert sum(split.values()) == pytest.approx(r["cpu_us_per_req"], rel=1e-6)
     shape = result["workload"]["workers"]
     assert shape["workers"] == 2 and shape["limiter"] == workers.LIMITER
     assert shape["tenant_limits"]["budget_usd"] == 1_000_000

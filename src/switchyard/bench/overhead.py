@@ -319,7 +319,7 @@ def _cpu(
     requests: int,
     duration_s: float,
     cores: int,
-) -> dict[str, float | None]:
+) -> dict[str, Any]:
     """One run's CPU per request: the target's process tree, its upstream's, and the load
     generator's share of the machine's CPU time."""
 
@@ -328,8 +328,16 @@ def _cpu(
             return None
         return (after.trees[pid] - before.trees[pid]) * 1e6 / requests
 
+    by_process: dict[str, float] | None = None
+    if target_pid is not None and requests > 0:
+        was, now = before.parts.get(target_pid, {}), after.parts.get(target_pid, {})
+        # A process that started during the run (a restarted worker) counts from zero.
+        by_process = {
+            role: (used - was.get(role, 0.0)) * 1e6 / requests for role, used in now.items()
+        }
     return {
         "cpu_us_per_req": per_request(target_pid),
+        "cpu_us_per_req_by_process": by_process,
         "upstream_cpu_us_per_req": per_request(upstream_pid),
         "loader_cpu_share": round((after.waited - before.waited) / (duration_s * cores), 4),
     }

@@ -56,6 +56,14 @@ def summarize(
             med[target]["errors"] = sum(r["non_2xx"] + r["socket_errors"] for r in mine)
             cpu = [r["cpu_us_per_req"] for r in mine if r.get("cpu_us_per_req") is not None]
             med[target]["cpu_us_per_req"] = statistics.median(cpu) if cpu else None
+            split = [
+                r["cpu_us_per_req_by_process"] for r in mine if r.get("cpu_us_per_req_by_process")
+            ]
+            if split:  # each process role's median (0 in a run where it had no process)
+                roles = sorted({role for x in split for role in x})
+                med[target]["cpu_by_process"] = {
+                    role: statistics.median(x.get(role, 0.0) for x in split) for role in roles
+                }
             share = [r["loader_cpu_share"] for r in mine if r.get("loader_cpu_share") is not None]
             med[target]["loader_cpu_share"] = statistics.median(share) if share else None
         floor_added = med["floor"]["p50_ms"] - med["direct"]["p50_ms"]
@@ -224,6 +232,21 @@ def _native_line(n: dict[str, Any]) -> str:
     )
 
 
+def _process_lines(s: dict[str, Any], targets: tuple[str, ...]) -> list[str]:
+    """Where a target's CPU per request went, process by process (largest first), for
+    the targets that run more than one process."""
+    lines = []
+    for target in targets:
+        split = s["targets"][target].get("cpu_by_process") or {}
+        if len(split) > 1:
+            parts = sorted(split.items(), key=lambda kv: -kv[1])
+            lines.append(
+                f"  CPU us/req by process, {target}: "
+                + ", ".join(f"{role} {used:.0f}" for role, used in parts)
+            )
+    return lines
+
+
 def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
     targets = tuple(summary[0]["targets"]) if summary else TARGETS
     tw = max(12, *(len(t) + 2 for t in targets))
@@ -250,6 +273,7 @@ def render(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 f"{_num(t.get('cpu_us_per_req'), '.0f'):>12}"
                 f"{_num(None if share is None else share * 100, '.0f'):>8}%{errors}"
             )
+        lines.extend(_process_lines(s, targets))
         lines.extend(_check_lines(s))
         if "native" in s:
             lines.append(_native_line(s["native"]))
