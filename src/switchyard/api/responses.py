@@ -273,8 +273,13 @@ class ResponsesRoutes:
             if calls:
                 msg["tool_calls"] = calls
             turn = [*conversation, msg]
-            with contextlib.suppress(SwitchyardError):  # the client already has its answer
+            # The client already has its answer: a refusal to store is not its error. A
+            # `try` (free until it raises) rather than `contextlib.suppress`, whose context
+            # manager is made and entered for every stream (~0.3 us).
+            try:
                 await self.store.create(self._stored(ctx, req, shell, status, final, turn))
+            except SwitchyardError:
+                return
 
         events = ResponseEvents(shell, ended)
         source = reply.source

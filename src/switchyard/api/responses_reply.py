@@ -54,10 +54,8 @@ class Shell(msgspec.Struct):
         `parallel_tool_calls` to `metadata` (then `usage`). A run of several members is
         the encoding of an object of them less its braces: the bytes orjson writes for
         them inside the whole object."""
-        req, echo = self.req, self.req.echo
-        middle = orjson.dumps(
-            {"instructions": req.instructions, "max_output_tokens": echo.get("max_output_tokens")}
-        )
+        req = self.req
+        echo = req.echo
         tail = orjson.dumps(
             {
                 "parallel_tool_calls": echo.get("parallel_tool_calls", True),
@@ -73,11 +71,26 @@ class Shell(msgspec.Struct):
             }
         )
         runs = self._runs = (
-            b'{"id":%b,"object":"response","created_at":%d,"status":'
-            % (orjson.dumps(self.rid), int(self.created_at)),
-            b',"background":%b,"error":' % (b"true" if req.background else b"false"),
-            b',%b,"model":' % middle[1:-1],
-            b',%b,"usage":' % tail[1:-1],
+            b"".join(
+                (
+                    b'{"id":',
+                    orjson.dumps(self.rid),
+                    b',"object":"response","created_at":',
+                    b"%d" % int(self.created_at),
+                    b',"status":',
+                )
+            ),
+            b',"background":true,"error":' if req.background else b',"background":false,"error":',
+            b"".join(
+                (
+                    b',"instructions":',
+                    orjson.dumps(req.instructions),
+                    b',"max_output_tokens":',
+                    orjson.dumps(echo.get("max_output_tokens")),
+                    b',"model":',
+                )
+            ),
+            b"".join((b",", tail[1:-1], b',"usage":')),
         )
         return runs
 
@@ -248,8 +261,14 @@ def _head(kind: str) -> bytes:
     return b'event: %s\ndata: {"type":"%s",' % (kind.encode(), kind.encode())
 
 
+# What an event ends with, either side of its sequence number: the templates put an
+# event together in one join of constant pieces and the few numbers formatted alone
+# (formatting the pieces with `%` cost more).
+_SEQ, _END = b',"sequence_number":', b"}\n\n"
+
+
 def _tail(seq: int) -> bytes:
-    return b',"sequence_number":%d}\n\n' % seq
+    return b"".join((_SEQ, b"%d" % seq, _END))
 
 
 _CREATED = _head("response.created")
@@ -274,39 +293,48 @@ def response_event(head: bytes, response: bytes, seq: int) -> bytes:
 def message_added(item_id: bytes, index: int, seq: int) -> bytes:
     """`response.output_item.added` and `response.content_part.added` of a message
     item (`item_id`: its id's JSON) at output `index`, numbered from `seq`."""
-    item = (
-        b'"output_index":%d,"item":{"id":%b,"type":"message","role":"assistant",'
-        b'"status":"in_progress","content":[]}'
-    ) % (index, item_id)
-    part = (
-        b'"item_id":%b,"output_index":%d,"content_index":0,'
-        b'"part":{"type":"output_text","text":"","annotations":[],"logprobs":[]}'
-    ) % (item_id, index)
-    return _ITEM_ADDED + item + _tail(seq) + _PART_ADDED + part + _tail(seq + 1)
+    at = b"%d" % index
+    return b"".join(
+        (
+            _ITEM_ADDED, b'"output_index":', at, b',"item":{"id":', item_id,
+            b',"type":"message","role":"assistant","status":"in_progress","content":[]}',
+            _SEQ, b"%d" % seq, _END,
+            _PART_ADDED, b'"item_id":', item_id, b',"output_index":', at,
+            b',"content_index":0,'
+            b'"part":{"type":"output_text","text":"","annotations":[],"logprobs":[]}',
+            _SEQ, b"%d" % (seq + 1), _END,
+        )
+    )  # fmt: skip
 
 
 def message_done(item_id: bytes, index: int, text: str, seq: int) -> bytes:
     """`response.output_text.done`, `response.content_part.done` and
     `response.output_item.done` of a completed message item with this `text`, numbered
     from `seq`: its text encoded once for the three."""
-    where = b'"item_id":%b,"output_index":%d,"content_index":0' % (item_id, index)
+    at = b"%d" % index
     text_json = orjson.dumps(text)
-    part = b'{"type":"output_text","text":' + text_json + b',"annotations":[],"logprobs":[]}'
-    item = (
-        b'"output_index":%d,"item":{"id":%b,"type":"message","role":"assistant",'
-        b'"status":"completed","content":['
-    ) % (index, item_id)
-    return (
-        _TEXT_DONE + where + b',"text":' + text_json + b',"logprobs":[]' + _tail(seq)
-        + _PART_DONE + where + b',"part":' + part + _tail(seq + 1)
-        + _ITEM_DONE + item + part + b"]}" + _tail(seq + 2)
+    return b"".join(
+        (
+            _TEXT_DONE, b'"item_id":', item_id, b',"output_index":', at,
+            b',"content_index":0,"text":', text_json, b',"logprobs":[]',
+            _SEQ, b"%d" % seq, _END,
+            _PART_DONE, b'"item_id":', item_id, b',"output_index":', at,
+            b',"content_index":0,"part":{"type":"output_text","text":', text_json,
+            b',"annotations":[],"logprobs":[]}',
+            _SEQ, b"%d" % (seq + 1), _END,
+            _ITEM_DONE, b'"output_index":', at, b',"item":{"id":', item_id,
+            b',"type":"message","role":"assistant","status":"completed",'
+            b'"content":[{"type":"output_text","text":', text_json,
+            b',"annotations":[],"logprobs":[]}]}',
+            _SEQ, b"%d" % (seq + 2), _END,
+        )
     )  # fmt: skip
 
 
 _TEXT_DELTA = _head("response.output_text.delta")
 # What follows a text delta's JSON string (ResponseEvents.parts puts it after the
 # delta itself, as `delta_event` does, rather than calling it once per token).
-DELTA_TAIL = b',"logprobs":[],"sequence_number":%d}\n\n'
+DELTA_TAIL = b',"logprobs":[]' + _SEQ + b"%d" + _END
 # That tail for the sequence numbers most streams reach, made once (formatting one
 # costs more than the rest of a delta's bytes); a longer stream's later ones are
 # formatted as they come.

@@ -21,7 +21,7 @@ from switchyard.api.responses_codec import check
 from switchyard.api.responses_reply import ResponseEvents, Shell
 from switchyard.api.sse import translated
 from switchyard.pipeline import Status
-from switchyard.reply import chunk_parts, read_chunk, read_parts
+from switchyard.reply import _read_typed, _TypedChunk, chunk_parts, read_chunk, read_parts
 
 _scalar = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.text(max_size=8), st.just(""))
 _json = st.recursive(
@@ -107,6 +107,53 @@ def test_a_chunk_read_into_its_parts_has_the_parts_of_the_chunk_object(obj: Any)
     the same error."""
     data = json.dumps(obj).encode()
     assert _outcome(read_parts, data) == _outcome(lambda d: chunk_parts(read_chunk(d)), data)
+
+
+# Chunks of the usual shape only (every member of the type the typed reading admits,
+# so none falls back to the general reading): the equivalence of the typed path itself,
+# over many more of its own inputs than the mixed strategy above gives it.
+_text_or_none = st.one_of(st.none(), st.just(""), st.text(max_size=12))
+_usual_choice = st.fixed_dictionaries(
+    {},
+    optional={
+        "index": st.integers(0, 2),
+        "delta": st.fixed_dictionaries(
+            {},
+            optional={
+                "role": st.just("assistant"),
+                "content": _text_or_none,
+                "tool_calls": st.one_of(st.none(), st.lists(st.one_of(_call, _scalar), max_size=3)),
+                "refusal": _scalar,
+            },
+        ),
+        "logprobs": st.none(),
+        "finish_reason": st.one_of(
+            st.none(), st.sampled_from(["stop", "length", "tool_calls", ""]), st.text(max_size=4)
+        ),
+    },
+)
+_usual_chunk = st.fixed_dictionaries(
+    {},
+    optional={
+        "id": st.just("chatcmpl-1"),
+        "object": st.just("chat.completion.chunk"),
+        "choices": st.one_of(st.none(), st.lists(_usual_choice, max_size=2)),
+        "usage": st.one_of(st.none(), _usage.filter(lambda u: isinstance(u, dict))),
+    },
+)
+
+
+@settings(max_examples=600, deadline=None)
+@given(_usual_chunk)
+def test_a_chunk_of_the_usual_shape_read_typed_has_the_parts_of_the_chunk_object(
+    obj: dict[str, Any],
+) -> None:
+    """A chunk whose members are all of the types the typed reading admits (text and
+    finish strings, empty or not, or null; calls a list or null; usage an object or
+    null) is read without the general path, and its parts are `chunk_parts`'s."""
+    data = json.dumps(obj).encode()
+    assert isinstance(_read_typed(data), _TypedChunk)  # the typed path, not the fallback
+    assert read_parts(data) == chunk_parts(read_chunk(data))
 
 
 def test_data_that_is_not_json_raises_as_the_chunk_reader_does() -> None:
