@@ -346,3 +346,70 @@ def test_redis_stopped_mid_batch_times_out_every_caller_without_replay() -> None
     assert after.allowed
     # warm, after, and each timed-out reserve at most once: a timeout is never resent.
     assert counted <= 2 + 40
+
+
+def test_a_connection_redis_dropped_is_made_again_and_the_call_counted_once(
+    redis_url: str, prefix: str
+) -> None:
+    """The batcher keeps one connection. When Redis closes it between calls (an idle
+    timeout, CLIENT KILL, a restart), the next call connects again and is answered
+    (the client's one retry on a connection error), and it reserves once."""
+    sc = [ScopeLimits("key:dropped", rpm=1000)]
+
+    async def body(lim: RedisLimiter) -> list[Verdict]:
+        first = await lim.reserve(sc, ask("before"), now=T0)
+        admin = aioredis.Redis.from_url(redis_url)
+        try:
+            # Every normal connection but this admin one: the batcher's among them.
+            killed = await admin.client_kill_filter(_type="normal", skipme=True)
+        finally:
+            await admin.aclose()
+        assert killed >= 1
+        return [first, await lim.reserve(sc, ask("after"), now=T0)]
+
+    verdicts = run(redis_url, prefix, body)
+    assert [v.allowed for v in verdicts] == [True, True]
+    assert verdicts[1].state["key:dropped"]["remaining_requests"] == 998  # each counted once
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        assert raw.zcard(f"{prefix}rl:key:dropped:req") == 2
+    finally:
+        raw.close()
+
+
+def test_a_lone_call_cancelled_while_its_reply_is_awaited_leaves_no_reply_behind() -> None:
+    """A lone call is written and then cancelled while it waits for its reply (Redis
+    paused): its connection is closed, so when Redis answers it, that reply is never
+    read as the next call's. The next calls get their own replies; the cancelled
+    call's script may have run (its bytes were written), as a cancelled command's has."""
+    proc, url = start_redis()
+    sc = [ScopeLimits("key:cut", rpm=1000, tpm=10_000)]
+
+    async def main() -> tuple[Verdict, Verdict]:
+        lim = RedisLimiter(url, prefix="cut:", timeout_s=5)
+        try:
+            await lim.reserve(sc, ask("warm"), now=T0)
+            proc.send_signal(signal.SIGSTOP)
+            task = asyncio.create_task(lim.reserve(sc, ask("cut", tokens=7), now=T0))
+            await asyncio.sleep(0.2)  # written, waiting for the reply
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            proc.send_signal(signal.SIGCONT)
+            a = await lim.reserve(sc, ask("a", tokens=100), now=T0)
+            b = await lim.reserve(sc, ask("b", tokens=200), now=T0)
+            return a, b
+        finally:
+            proc.send_signal(signal.SIGCONT)
+            await lim.close()
+
+    try:
+        a, b = asyncio.run(main())
+    finally:
+        stop_redis(proc)
+    # Each reply is its own call's: b's remaining tokens are a's less b's own 200, and
+    # a's are what the warm-up (1) and, if it ran, the cancelled call (7) left.
+    ra = a.state["key:cut"]["remaining_tokens"]
+    rb = b.state["key:cut"]["remaining_tokens"]
+    assert ra - rb == 200, (ra, rb)
+    assert ra in (10_000 - 1 - 100, 10_000 - 1 - 7 - 100), ra

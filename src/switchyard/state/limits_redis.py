@@ -293,7 +293,7 @@ class RedisLimiter:
         return f"{self._prefix}owner:{owner}"
 
     async def close(self) -> None:
-        await self._scripts.wait_idle()
+        await self._scripts.close()
         await self._redis.aclose()
 
     def _keys(self, scopes: list[ScopeLimits], request_id: str, now: float) -> list[str]:
