@@ -7,6 +7,7 @@ own key prefix, so tests never see each other's counters.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import socket
@@ -266,6 +267,42 @@ def test_keys_expire(redis_url: str, prefix: str) -> None:
                 assert 31 * 86400 < ttl <= 40 * 86400, k
             else:
                 assert 0 < ttl <= 600, k
+    finally:
+        raw.close()
+
+
+def test_owner_record_keeps_the_format_earlier_versions_wrote(redis_url: str, prefix: str) -> None:
+    """The reserve script writes the owner record around text the caller encoded; it
+    must stay the JSON the script once encoded itself (cjson), so records left in a
+    shared Redis across an upgrade are still released."""
+    sc = [ScopeLimits("key:rec", max_concurrency=1, budget_usd=1.0)]
+    rid = 'a/"\u00e9\t'  # what JSON must escape, and what cjson escapes that others do not
+    owner_key = f"{prefix}rl:owner:w1"
+    raw = redis.Redis.from_url(redis_url)
+
+    async def main() -> None:
+        worker = RedisLimiter(redis_url, prefix=prefix, owner="w1")
+        supervisor = RedisLimiter(redis_url, prefix=prefix)
+        try:
+            assert (await worker.reserve(sc, ask(rid, 1, 0.4), now=T0)).allowed
+            [(field, record)] = raw.hgetall(owner_key).items()
+            rec_rid, seq, cost, keys, flags = json.loads(record)
+            assert (rec_rid, seq, cost, flags) == (rid, "1", "0.4", "1")
+            assert len(keys) == 8 and keys[1] == f"{prefix}rl:held:{rid}"
+            # As the script encoded it before: cjson, which also escapes "/".
+            old = "return redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(cjson.decode(ARGV[2])))"
+            raw.eval(old, 1, owner_key, field, record)
+            assert b"\\/" in raw.hget(owner_key, field)
+
+            assert await supervisor.release_owner("w1") == 1
+            after = await supervisor.reserve(sc, ask("b", 1, 1.0), now=T0 + 1)
+            assert after.allowed  # the slot and the whole budget are back
+        finally:
+            await worker.close()
+            await supervisor.close()
+
+    try:
+        asyncio.run(main())
     finally:
         raw.close()
 

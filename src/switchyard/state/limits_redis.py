@@ -71,10 +71,16 @@ BUDGET_TTL_S = 40 * 86400
 _KEYS_PER_SCOPE = 6
 
 
-_LUA_COMMON = """
-local now = tonumber(ARGV[1])
-local window = tonumber(ARGV[2])
-local function fmt(x) return string.format('%.17g', x) end
+# Constants, so written into the scripts rather than sent with each call. Arguments of
+# redis.call are given as text: Redis formats a Lua number argument with %.17g each time.
+_LUA_COMMON = f"""
+local window, lease = {WINDOW_S!r}, {LEASE_S!r}
+local window_ms, lease_ms = '{int(2 * WINDOW_S * 1000)}', '{int(LEASE_S * 1000)}'
+local budget_ttl = '{BUDGET_TTL_S}'
+"""
+_LUA_COMMON += """
+local call, max, tonumber, format = redis.call, math.max, tonumber, string.format
+local function fmt(x) return format('%.17g', x) end
 """
 
 # Both scripts: KEYS are the seq counter, the request's held list, 6 per scope, then the
@@ -85,175 +91,209 @@ local owner = nil
 if #KEYS > 2 + 6 * n then owner = KEYS[#KEYS] end
 """
 
-# ARGV: now, window, lease, budget ttl, request id, ask tokens, ask cost, then per scope
-# rpm, tpm, concurrency, budget ("" = unlimited) and seconds to the budget period's
-# rollover.
+# ARGV: now, request id, ask tokens, ask cost, the owner record's text before and after
+# its sequence number ("" without an owner), then per scope rpm, tpm, concurrency, budget
+# ("" = unlimited) and seconds to the budget period's rollover ("" without a budget).
+# A window's oldest member is read first: only when it has left the window does the
+# script look for more to expire, and while it has not, that one read is all the
+# expiring costs. (Reading a few oldest members at once, to find what left and the oldest
+# left in one read, measured no cheaper.) A window of a limit the scope does not have is
+# neither read nor expired: its keys lapse with their TTL, or its members are expired
+# once the limit is set again.
 _RESERVE = (
     _LUA_COMMON
     + _LUA_KEYS
     + """
-local lease, budget_ttl, rid = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
-local need, cost = tonumber(ARGV[6]), tonumber(ARGV[7])
-local cutoff = fmt(now - window)
+local at, rid = ARGV[1], ARGV[2]  -- at: now as the caller wrote it (lossless)
+local now, need, cost = tonumber(at), tonumber(ARGV[3]), tonumber(ARGV[4])
+local edge = now - window  -- members at or before it have left the window
 
-local function reset_s(z)
-  local first = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
-  if #first == 0 then return 0 end
-  return math.max(0, tonumber(first[2]) + window - now)
+local function oldest(z)  -- the score of z's oldest member; nil when z is empty
+  return tonumber(call('ZRANGE', z, '0', '0', 'WITHSCORES')[2])
 end
 
-local function expire_tokens(z, h, t)
-  local total = tonumber(redis.call('GET', t) or '0')
-  local old = redis.call('ZRANGEBYSCORE', z, '-inf', cutoff)
+local function reset_s(first)
+  if not first then return 0 end
+  return max(0, first + window - now)
+end
+
+local function expire_requests(z)  -- returns the oldest member left
+  local first = oldest(z)
+  if first and first <= edge then
+    call('ZREMRANGEBYSCORE', z, '-inf', fmt(edge))
+    first = oldest(z)
+  end
+  return first
+end
+
+local function expire_tokens(z, h, t)  -- returns the window's total and oldest member
+  local first = oldest(z)
+  if not first then return 0, nil end  -- empty: heals any drift
+  local total = tonumber(call('GET', t) or '0')
+  if first > edge then return total, first end
+  local cutoff = fmt(edge)
+  local old = call('ZRANGEBYSCORE', z, '-inf', cutoff)
   for i = 1, #old, 1000 do  -- chunks: unpack() has a stack limit
     local chunk = {unpack(old, i, math.min(i + 999, #old))}
-    local amounts = redis.call('HMGET', h, unpack(chunk))
+    local amounts = call('HMGET', h, unpack(chunk))
     for j = 1, #chunk do total = total - tonumber(amounts[j] or '0') end
-    redis.call('HDEL', h, unpack(chunk))
+    call('HDEL', h, unpack(chunk))
   end
-  if #old > 0 then redis.call('ZREMRANGEBYSCORE', z, '-inf', cutoff) end
-  if redis.call('ZCARD', z) == 0 then total = 0 end  -- heals any drift
-  if #old > 0 then redis.call('SET', t, fmt(total), 'KEEPTTL') end
-  return total
+  call('ZREMRANGEBYSCORE', z, '-inf', cutoff)
+  first = oldest(z)
+  if not first then total = 0 end  -- heals any drift
+  call('SET', t, fmt(total), 'KEEPTTL')
+  return total, first
 end
 
 local function tokens_retry(z, h, total, limit)
   local excess, freed = total + need - limit, 0
-  local entries = redis.call('ZRANGE', z, 0, -1, 'WITHSCORES')
+  local entries = call('ZRANGE', z, '0', '-1', 'WITHSCORES')
   for i = 1, #entries, 2 do
-    freed = freed + tonumber(redis.call('HGET', h, entries[i]) or '0')
-    if freed >= excess then return math.max(0.001, tonumber(entries[i + 1]) + window - now) end
+    freed = freed + tonumber(call('HGET', h, entries[i]) or '0')
+    if freed >= excess then return max(0.001, tonumber(entries[i + 1]) + window - now) end
   end
   return window
 end
 
 local refusal, scopes = nil, {}
 for s = 1, n do
-  local k, a = 2 + (s - 1) * 6, 7 + (s - 1) * 5
+  local k, a = 2 + (s - 1) * 6, 6 + (s - 1) * 5
   local sc = {rpm = tonumber(ARGV[a + 1]), tpm = tonumber(ARGV[a + 2]),
               conc = tonumber(ARGV[a + 3]), budget = tonumber(ARGV[a + 4]),
               out = {0, 0, 0, 0, 0}}
   scopes[s] = sc
-  redis.call('ZREMRANGEBYSCORE', KEYS[k + 1], '-inf', cutoff)
-  sc.tokens = expire_tokens(KEYS[k + 2], KEYS[k + 3], KEYS[k + 4])
-  redis.call('ZREMRANGEBYSCORE', KEYS[k + 5], '-inf', fmt(now))  -- lapsed leases
   if sc.rpm then
-    local count = redis.call('ZCARD', KEYS[k + 1])
-    sc.out[1], sc.out[2] = math.max(0, sc.rpm - count), reset_s(KEYS[k + 1])
+    local first = expire_requests(KEYS[k + 1])
+    local count = 0
+    if first then count = call('ZCARD', KEYS[k + 1]) end
+    sc.out[1], sc.out[2] = max(0, sc.rpm - count), reset_s(first)
     if not refusal and count + 1 > sc.rpm then
       local retry, idx = window, count + 1 - sc.rpm
       if idx <= count then
-        local e = redis.call('ZRANGE', KEYS[k + 1], idx - 1, idx - 1, 'WITHSCORES')
-        retry = math.max(0.001, tonumber(e[2]) + window - now)
+        local e = call('ZRANGE', KEYS[k + 1], idx - 1, idx - 1, 'WITHSCORES')
+        retry = max(0.001, tonumber(e[2]) + window - now)
       end
       refusal = {s, 'rpm', retry}
     end
   end
   if sc.tpm then
-    sc.out[3], sc.out[4] = math.max(0, sc.tpm - sc.tokens), reset_s(KEYS[k + 2])
+    local first
+    sc.tokens, first = expire_tokens(KEYS[k + 2], KEYS[k + 3], KEYS[k + 4])
+    sc.out[3], sc.out[4] = max(0, sc.tpm - sc.tokens), reset_s(first)
     if not refusal and sc.tokens + need > sc.tpm then
       local retry = -1  -- never fits: infinity
       if need <= sc.tpm then retry = tokens_retry(KEYS[k + 2], KEYS[k + 3], sc.tokens, sc.tpm) end
       refusal = {s, 'tpm', retry}
     end
   end
-  if sc.conc and not refusal and redis.call('ZCARD', KEYS[k + 5]) + 1 > sc.conc then
-    refusal = {s, 'concurrency', 1}
+  if sc.conc then
+    call('ZREMRANGEBYSCORE', KEYS[k + 5], '-inf', at)  -- lapsed leases
+    if not refusal and call('ZCARD', KEYS[k + 5]) + 1 > sc.conc then
+      refusal = {s, 'concurrency', 1}
+    end
   end
   if sc.budget then
-    sc.spent = tonumber(redis.call('GET', KEYS[k + 6]) or '0')
-    sc.out[5] = math.max(0, sc.budget - sc.spent)
+    sc.spent = tonumber(call('GET', KEYS[k + 6]) or '0')
+    sc.out[5] = max(0, sc.budget - sc.spent)
     if not refusal and sc.spent + cost > sc.budget + 1e-12 then
       refusal = {s, 'budget', tonumber(ARGV[a + 5])}
     end
   end
 end
 
+-- An integer goes back as an integer reply (exact below 2^53); other numbers as
+-- lossless text, since a Lua number becomes an integer reply, truncated.
+local exact = 2 ^ 53
+local function num(x)
+  if x % 1 == 0 and x > -exact and x < exact then return x end
+  return fmt(x)
+end
 local function reply(allowed, r)
-  local res = {allowed, r[1], r[2], fmt(r[3])}
+  local res = {allowed, r[1], r[2], num(r[3])}
   for s = 1, n do
-    for i = 1, 5 do res[#res + 1] = fmt(scopes[s].out[i]) end
+    local out = scopes[s].out
+    for i = 1, 5 do res[#res + 1] = num(out[i]) end
   end
   return res
 end
 if refusal then return reply(0, refusal) end
 
-local seq = redis.call('INCR', KEYS[1])
+local seq = tostring(call('INCR', KEYS[1]))
 local member = rid .. '#' .. seq
-local window_ms = math.floor(2 * window * 1000)
+local amount = fmt(need)
 for s = 1, n do
   local k, sc = 2 + (s - 1) * 6, scopes[s]
   if sc.rpm then
-    redis.call('ZADD', KEYS[k + 1], fmt(now), member)
-    redis.call('PEXPIRE', KEYS[k + 1], window_ms)
+    call('ZADD', KEYS[k + 1], at, member)
+    call('PEXPIRE', KEYS[k + 1], window_ms)
     sc.out[1] = sc.out[1] - 1
   end
   if sc.tpm then
-    redis.call('ZADD', KEYS[k + 2], fmt(now), member)
-    redis.call('HSET', KEYS[k + 3], member, fmt(need))
-    redis.call('SET', KEYS[k + 4], fmt(sc.tokens + need))
-    for i = 2, 4 do redis.call('PEXPIRE', KEYS[k + i], window_ms) end
-    sc.out[3] = math.max(0, sc.out[3] - need)
+    call('ZADD', KEYS[k + 2], at, member)
+    call('HSET', KEYS[k + 3], member, amount)
+    call('SET', KEYS[k + 4], fmt(sc.tokens + need), 'PX', window_ms)
+    call('PEXPIRE', KEYS[k + 2], window_ms)
+    call('PEXPIRE', KEYS[k + 3], window_ms)
+    sc.out[3] = max(0, sc.out[3] - need)
   end
   if sc.conc then
-    redis.call('ZADD', KEYS[k + 5], fmt(now + lease), member)
-    redis.call('PEXPIRE', KEYS[k + 5], math.floor(lease * 1000))
+    call('ZADD', KEYS[k + 5], fmt(now + lease), member)
+    call('PEXPIRE', KEYS[k + 5], lease_ms)
   end
-  if sc.budget then redis.call('SET', KEYS[k + 6], fmt(sc.spent + cost), 'EX', budget_ttl) end
+  if sc.budget then call('SET', KEYS[k + 6], fmt(sc.spent + cost), 'EX', budget_ttl) end
 end
-redis.call('RPUSH', KEYS[2], seq)
-redis.call('PEXPIRE', KEYS[2], math.floor(lease * 1000))
+call('RPUSH', KEYS[2], seq)
+call('PEXPIRE', KEYS[2], lease_ms)
 if owner then  -- what release_owner needs to settle it from another process
-  local keys, flags = {}, ''
-  for i = 1, 2 + 6 * n do keys[i] = KEYS[i] end
-  for s = 1, n do flags = flags .. (scopes[s].budget and '1' or '0') end
-  redis.call('HSET', owner, member, cjson.encode({rid, tostring(seq), ARGV[7], keys, flags}))
-  redis.call('PEXPIRE', owner, math.floor(lease * 1000))
+  call('HSET', owner, member, ARGV[5] .. seq .. ARGV[6])
+  call('PEXPIRE', owner, lease_ms)
 end
 return reply(1, {0, '', 0})
 """
 )
 
-# ARGV: now, window, budget ttl, request id, real tokens, reserved cost, real cost, the
-# sequence number to settle ("" = the request's oldest hold; set by release_owner), then
-# per scope 1 if it has a budget else 0. Returns 1 if it settled a hold, else 0.
+# ARGV: request id, real tokens, reserved cost, real cost, the sequence number to settle
+# ("" = the request's oldest hold; set by release_owner), then per scope what the hold has
+# there to return (`_holds`). Returns 1 if it settled a hold, else 0.
 _SETTLE = (
     _LUA_COMMON
     + _LUA_KEYS
     + """
-local budget_ttl, rid = tonumber(ARGV[3]), ARGV[4]
-local tokens, reserved, real = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local rid, pick = ARGV[1], ARGV[5]
+local tokens, reserved, real = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local seq = nil
-if ARGV[8] ~= '' then  -- release_owner: this hold, if its owner still has it
-  if redis.call('HDEL', owner, rid .. '#' .. ARGV[8]) == 0 then return 0 end
-  if redis.call('LREM', KEYS[2], 1, ARGV[8]) == 0 then return 0 end  -- lease lapsed
-  seq = ARGV[8]
+if pick ~= '' then  -- release_owner: this hold, if its owner still has it
+  if call('HDEL', owner, rid .. '#' .. pick) == 0 then return 0 end
+  if call('LREM', KEYS[2], '1', pick) == 0 then return 0 end  -- lease lapsed
+  seq = pick
 elseif owner then  -- the owner's oldest hold of the request
-  for _, held in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do
-    if redis.call('HDEL', owner, rid .. '#' .. held) == 1 then
-      redis.call('LREM', KEYS[2], 1, held)
+  for _, held in ipairs(call('LRANGE', KEYS[2], '0', '-1')) do
+    if call('HDEL', owner, rid .. '#' .. held) == 1 then
+      call('LREM', KEYS[2], '1', held)
       seq = held
       break
     end
   end
   if not seq then return 0 end  -- already settled or released, or the lease lapsed
 else
-  seq = redis.call('LPOP', KEYS[2])
+  seq = call('LPOP', KEYS[2])
   if not seq then return 0 end  -- already settled, or the lease lapsed
 end
-local member = rid .. '#' .. seq
+local member, amount, find = rid .. '#' .. seq, nil, string.find
 for s = 1, n do
-  local k = 2 + (s - 1) * 6
-  local old = redis.call('HGET', KEYS[k + 3], member)
+  local k, holds = 2 + (s - 1) * 6, ARGV[5 + s]
+  local old = find(holds, 't', 1, true) and call('HGET', KEYS[k + 3], member)
   if old then  -- still in the tokens window
-    local total = tonumber(redis.call('GET', KEYS[k + 4]) or '0')
-    redis.call('HSET', KEYS[k + 3], member, fmt(tokens))
-    redis.call('SET', KEYS[k + 4], fmt(total + (tokens - tonumber(old))), 'KEEPTTL')
+    amount = amount or fmt(tokens)
+    local total = tonumber(call('GET', KEYS[k + 4]) or '0')
+    call('HSET', KEYS[k + 3], member, amount)
+    call('SET', KEYS[k + 4], fmt(total + (tokens - tonumber(old))), 'KEEPTTL')
   end
-  redis.call('ZREM', KEYS[k + 5], member)
-  if ARGV[8 + s] == '1' then
-    local spent = tonumber(redis.call('GET', KEYS[k + 6]) or '0')
-    redis.call('SET', KEYS[k + 6], fmt(math.max(0, spent - reserved + real)), 'EX', budget_ttl)
+  if find(holds, 'c', 1, true) then call('ZREM', KEYS[k + 5], member) end
+  if find(holds, 'b', 1, true) then
+    local spent = tonumber(call('GET', KEYS[k + 6]) or '0')
+    call('SET', KEYS[k + 6], fmt(max(0, spent - reserved + real)), 'EX', budget_ttl)
   end
 end
 return 1
@@ -264,6 +304,30 @@ return 1
 def _arg(value: float | None) -> str:
     """Lossless text for Lua's tonumber (repr round-trips a double); "" for unlimited."""
     return "" if value is None else repr(float(value))
+
+
+def _budget_flags(scopes: list[ScopeLimits]) -> str:
+    """Per scope "1" if it has a budget, else "0": the owner record's budget flags."""
+    return "".join("0" if lim.budget_usd is None else "1" for lim in scopes)
+
+
+def _holds(lim: ScopeLimits) -> str:
+    """What a hold has in scope `lim` for settle to return: "t" tokens, "c" a
+    concurrency slot, "b" budget. Only what the scope limits is held there."""
+    return (
+        ("t" if lim.tpm is not None else "")
+        + ("c" if lim.max_concurrency is not None else "")
+        + ("b" if lim.budget_usd is not None else "")
+    )
+
+
+def _owner_record(rid: str, cost: str, keys: list[str], flags: str) -> tuple[str, str]:
+    """The owner record (JSON: request id, sequence number, reserved cost, keys, budget
+    flags; release_owner reads it) before and after its sequence number, which only the
+    reserve script knows: it writes the three together, encoding nothing itself."""
+    head = orjson.dumps([rid]).decode()[:-1] + ',"'
+    tail = '",' + orjson.dumps([cost, keys, flags]).decode()[1:]
+    return head, tail
 
 
 class RedisLimiter:
@@ -327,12 +391,18 @@ class RedisLimiter:
     ) -> Verdict:
         """Admit `ask` against every scope or none; on admission everything is held."""
         now = time.time() if now is None else now
-        args = [_arg(now), _arg(WINDOW_S), _arg(LEASE_S), str(BUDGET_TTL_S), ask.request_id]
-        args += [_arg(ask.tokens), _arg(ask.cost_usd)]
+        args = [_arg(now), ask.request_id, _arg(ask.tokens), _arg(ask.cost_usd)]
+        keys = self._keys(scopes, ask.request_id, now)
+        if self._owner_key is None:
+            args += ["", ""]
+        else:
+            args += _owner_record(ask.request_id, args[3], keys[:-1], _budget_flags(scopes))
         for lim in scopes:
             args += [_arg(lim.rpm), _arg(lim.tpm), _arg(lim.max_concurrency)]
-            args += [_arg(lim.budget_usd), _arg(period_reset_s(lim.budget_period, now))]
-        keys = self._keys(scopes, ask.request_id, now)
+            if lim.budget_usd is None:
+                args += ["", ""]
+            else:
+                args += [_arg(lim.budget_usd), _arg(period_reset_s(lim.budget_period, now))]
         res = await self._call("reserve", self._scripts.run(self._reserve, keys, args))
         verdict = Verdict(allowed=bool(int(res[0])))
         if not verdict.allowed:
@@ -365,24 +435,24 @@ class RedisLimiter:
         """The request ended: real tokens and cost replace the reserved ones and its
         concurrency slot is released. A repeated call finds nothing held and does nothing."""
         now = time.time() if now is None else now
-        args = [_arg(now), _arg(WINDOW_S), str(BUDGET_TTL_S), ask.request_id, _arg(tokens)]
-        args += [_arg(ask.cost_usd), _arg(cost_usd), ""]
-        args += ["0" if lim.budget_usd is None else "1" for lim in scopes]
+        args = [ask.request_id, _arg(tokens), _arg(ask.cost_usd), _arg(cost_usd), ""]
+        args += [_holds(lim) for lim in scopes]
         keys = self._keys(scopes, ask.request_id, now)
         await self._call("settle", self._scripts.run(self._settle, keys, args))
 
     async def release_owner(self, owner: str, now: float | None = None) -> int:
         """Settle every hold `owner` left unsettled (its process died) as a settle with
         nothing used would; return how many were released. Any limiter over the same
-        Redis and prefix may call it; a second call finds nothing left."""
-        now = time.time() if now is None else now
+        Redis and prefix may call it; a second call finds nothing left. (`now`, the
+        clock of the other calls, goes unused: a release depends on no time.)"""
         key = self._owner(owner)
         held = await self._call("release_owner", self._redis.hgetall(key))
         released = 0
         for raw in held.values():
             rid, seq, cost, keys, flags = orjson.loads(raw)
-            args = [_arg(now), _arg(WINDOW_S), str(BUDGET_TTL_S), rid, "0", cost, "0.0", seq]
-            args += list(flags)
+            # The record says which scopes have a budget, not which limit tokens or
+            # slots: returning those where none were held finds nothing and changes nothing.
+            args = [rid, "0", cost, "0.0", seq, *("tcb" if f == "1" else "tc" for f in flags)]
             settled = await self._call("release_owner", self._settle(keys=[*keys, key], args=args))
             released += int(settled)
         return released
