@@ -377,27 +377,32 @@ def test_a_connection_redis_dropped_is_made_again_and_the_call_counted_once(
         raw.close()
 
 
-def test_a_lone_call_cancelled_while_its_reply_is_awaited_leaves_no_reply_behind() -> None:
-    """A lone call is written and then cancelled while it waits for its reply (Redis
-    paused): its connection is closed, so when Redis answers it, that reply is never
-    read as the next call's. The next calls get their own replies; the cancelled
-    call's script may have run (its bytes were written), as a cancelled command's has."""
+def test_a_reserve_cancelled_while_its_reply_is_awaited_holds_nothing() -> None:
+    """A reserve is written and then its caller is cancelled while it waits for the
+    reply (Redis paused). The caller gets its cancellation at once; the script still
+    runs, and what it reserved is settled unused when its reply comes in: the only
+    concurrency slot is free again and the tokens and budget are back (the request
+    still counts in its requests window). The calls after it get their own replies."""
     proc, url = start_redis()
-    sc = [ScopeLimits("key:cut", rpm=1000, tpm=10_000)]
+    sc = [ScopeLimits("key:cut", rpm=1000, tpm=10_000, max_concurrency=1, budget_usd=1.0)]
 
     async def main() -> tuple[Verdict, Verdict]:
         lim = RedisLimiter(url, prefix="cut:", timeout_s=5)
         try:
-            await lim.reserve(sc, ask("warm"), now=T0)
+            warm = ask("warm", tokens=1, cost=0.1)
+            await lim.reserve(sc, warm, now=T0)
+            await lim.settle(sc, warm, 1, 0.1, now=T0)
             proc.send_signal(signal.SIGSTOP)
-            task = asyncio.create_task(lim.reserve(sc, ask("cut", tokens=7), now=T0))
+            task = asyncio.create_task(lim.reserve(sc, ask("cut", tokens=7, cost=0.5), now=T0))
             await asyncio.sleep(0.2)  # written, waiting for the reply
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
             proc.send_signal(signal.SIGCONT)
-            a = await lim.reserve(sc, ask("a", tokens=100), now=T0)
-            b = await lim.reserve(sc, ask("b", tokens=200), now=T0)
+            await asyncio.sleep(0.3)  # the reply comes in; the hold is settled
+            a = await lim.reserve(sc, ask("a", tokens=100, cost=0.2), now=T0)
+            await lim.settle(sc, ask("a", tokens=100, cost=0.2), 100, 0.2, now=T0)
+            b = await lim.reserve(sc, ask("b", tokens=200, cost=0.2), now=T0)
             return a, b
         finally:
             proc.send_signal(signal.SIGCONT)
@@ -407,9 +412,12 @@ def test_a_lone_call_cancelled_while_its_reply_is_awaited_leaves_no_reply_behind
         a, b = asyncio.run(main())
     finally:
         stop_redis(proc)
-    # Each reply is its own call's: b's remaining tokens are a's less b's own 200, and
-    # a's are what the warm-up (1) and, if it ran, the cancelled call (7) left.
-    ra = a.state["key:cut"]["remaining_tokens"]
-    rb = b.state["key:cut"]["remaining_tokens"]
-    assert ra - rb == 200, (ra, rb)
-    assert ra in (10_000 - 1 - 100, 10_000 - 1 - 7 - 100), ra
+    assert a.allowed and b.allowed  # the cancelled reserve's slot came back
+    state = a.state["key:cut"]
+    assert state["remaining_tokens"] == 10_000 - 1 - 100  # none of its 7 tokens
+    # Nor its $0.50: what a's verdict saw left before its own reservation is the
+    # budget less warm's $0.10.
+    assert state["budget_remaining_usd"] == pytest.approx(1.0 - 0.1)
+    assert state["remaining_requests"] == 1000 - 3  # warm, cut, a: it counts as a request
+    # Each reply is its own call's: b's remaining tokens are a's less b's own 200.
+    assert b.state["key:cut"]["remaining_tokens"] == state["remaining_tokens"] - 200

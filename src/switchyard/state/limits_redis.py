@@ -44,9 +44,12 @@ atomic by itself.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import time
 from collections.abc import Awaitable
+from functools import partial
 from typing import Any
 
 import orjson
@@ -54,6 +57,7 @@ import orjson
 from switchyard.state.limits import (
     WINDOW_S,
     Ask,
+    LimiterUnavailable,
     Period,
     ScopeLimits,
     Verdict,
@@ -62,6 +66,8 @@ from switchyard.state.limits import (
 )
 from switchyard.state.redis import redis_client, shared_call
 from switchyard.state.redis_batch import ScriptBatcher
+
+log = logging.getLogger("switchyard.limits")
 
 # A process that dies mid-request never settles; its concurrency slots lapse after this
 # (unless its owner's holds are released first) and so do the records of its holds.
@@ -350,6 +356,8 @@ class RedisLimiter:
         self._owner_key = None if owner is None else self._owner(owner)
         # Every request's reserve and settle: batched, one round trip for many requests.
         self._scripts = ScriptBatcher(self._redis)
+        # Settles of reservations whose caller was cancelled meanwhile (`_settle_orphan`).
+        self._orphans: set[asyncio.Task[None]] = set()
         self._reserve = self._scripts.register(_RESERVE)
         self._settle = self._scripts.register(_SETTLE)
 
@@ -357,6 +365,8 @@ class RedisLimiter:
         return f"{self._prefix}owner:{owner}"
 
     async def close(self) -> None:
+        if self._orphans:
+            await asyncio.gather(*self._orphans, return_exceptions=True)
         await self._scripts.close()
         await self._redis.aclose()
 
@@ -403,7 +413,8 @@ class RedisLimiter:
                 args += ["", ""]
             else:
                 args += [_arg(lim.budget_usd), _arg(period_reset_s(lim.budget_period, now))]
-        res = await self._call("reserve", self._scripts.run(self._reserve, keys, args))
+        orphaned = partial(self._settle_orphan, scopes, ask, now)
+        res = await self._call("reserve", self._scripts.run(self._reserve, keys, args, orphaned))
         verdict = Verdict(allowed=bool(int(res[0])))
         if not verdict.allowed:
             verdict.scope = scopes[int(res[1]) - 1].scope
@@ -423,6 +434,24 @@ class RedisLimiter:
                 info["budget_remaining_usd"] = out[4]
             verdict.state[lim.scope] = info
         return verdict
+
+    def _settle_orphan(self, scopes: list[ScopeLimits], ask: Ask, now: float, reply: Any) -> None:
+        """A reserve whose caller was cancelled (a task's cancel, shutdown) after it was
+        sent: the script ran for nobody, and that caller will never settle. What it
+        reserved is settled unused: the slot, tokens and budget come back, and the
+        request still counts in its requests window, as `release_owner`'s settle does.
+        An error may hide a script that ran: a settle that finds nothing does nothing."""
+        if not isinstance(reply, BaseException) and not int(reply[0]):
+            return  # refused: nothing was held
+        task = asyncio.ensure_future(self._release(scopes, ask, now))
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
+
+    async def _release(self, scopes: list[ScopeLimits], ask: Ask, now: float) -> None:
+        try:
+            await self.settle(scopes, ask, 0, 0.0, now=now)  # the reserve's budget period
+        except LimiterUnavailable as exc:  # its lease and TTLs end it
+            log.warning("a cancelled request's reservation was not released: %s", exc)
 
     async def settle(
         self,

@@ -32,13 +32,18 @@ a pool checkout, a socket write and a read; pipelined, the calls queued together
   connection error (Redis dropped the connection), none on a timeout.
 - A caller cancelled before its batch goes out is not sent (as an unsent command is
   not); one cancelled later has its script run, as a cancelled command whose bytes were
-  written has.
+  written has. A call made with `orphaned` is always sent from the sender task, never
+  its caller's, so its caller's cancellation cannot cut the exchange short: when its
+  reply (or the batch's error) comes in for a caller that has gone, `orphaned` gets it,
+  for what the script did for nobody to be undone (RedisLimiter settles the
+  reservation). A NOSCRIPT reply means the script did not run: nothing to undo, and a
+  call whose caller has gone is not sent again.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +62,7 @@ class _Call:
     script: AsyncScript
     packed: bytes
     reply: asyncio.Future[Any]
+    orphaned: Callable[[Any], None] | None = None
 
 
 class ScriptBatcher:
@@ -74,12 +80,24 @@ class ScriptBatcher:
         """A script to `run`; its sha is computed once, here."""
         return self._redis.register_script(source)
 
-    async def run(self, script: AsyncScript, keys: Sequence[str], args: Sequence[str]) -> Any:
-        """The script's reply to this call; raises what Redis or redis-py raised for it."""
+    async def run(
+        self,
+        script: AsyncScript,
+        keys: Sequence[str],
+        args: Sequence[str],
+        orphaned: Callable[[Any], None] | None = None,
+    ) -> Any:
+        """The script's reply to this call; raises what Redis or redis-py raised for it.
+        `orphaned`: called with the reply or error of this call if it was sent and its
+        caller was cancelled before it came (module docstring)."""
         packed = _pack(("EVALSHA", script.sha, len(keys), *keys, *args))
-        call = _Call(script, packed, asyncio.get_running_loop().create_future())
+        call = _Call(script, packed, asyncio.get_running_loop().create_future(), orphaned)
         if self._in_flight:
             self._queue.append(call)
+        elif orphaned is not None:  # from the sender task, which no caller cancels
+            self._in_flight = True
+            self._queue.append(call)
+            self._send_next()
         else:  # nothing on the wire: this call goes out now, alone, from its own task
             self._in_flight = True
             try:
@@ -125,7 +143,11 @@ class ScriptBatcher:
     async def _send(self, batch: list[_Call]) -> None:
         try:
             replies = await self._round_trip(batch, load=())
-            again = [c for c, r in zip(batch, replies, strict=True) if isinstance(r, NoScriptError)]
+            again = [
+                c
+                for c, r in zip(batch, replies, strict=True)
+                if isinstance(r, NoScriptError) and not c.reply.cancelled()
+            ]
             _answer(batch, replies, noscript_again=False)
             if again:
                 scripts = list({c.script.sha: c.script for c in again}.values())
@@ -134,6 +156,8 @@ class ScriptBatcher:
             for call in batch:
                 if not call.reply.done():
                     call.reply.set_exception(exc)
+                elif call.reply.cancelled() and call.orphaned is not None:
+                    call.orphaned(exc)  # its script may have run
         except asyncio.CancelledError:
             for call in batch:
                 call.reply.cancel()
@@ -182,7 +206,11 @@ def _answer(calls: list[_Call], replies: list[Any], noscript_again: bool) -> Non
     """Each caller its own reply or error; a NOSCRIPT reply is left for the resend unless
     it answers the resend (`noscript_again`)."""
     for call, reply in zip(calls, replies, strict=True):
-        if call.reply.done() or (isinstance(reply, NoScriptError) and not noscript_again):
+        if isinstance(reply, NoScriptError) and not noscript_again:
+            continue  # not run: sent again if its caller still waits
+        if call.reply.done():
+            if call.reply.cancelled() and call.orphaned is not None:
+                call.orphaned(reply)  # run for a caller that has gone
             continue
         if isinstance(reply, BaseException):
             call.reply.set_exception(reply)
