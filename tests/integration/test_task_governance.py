@@ -785,3 +785,45 @@ def test_a_tasks_deployment_is_one_record_for_every_gateway(redis_url: str) -> N
         b.proc.stop()
         for proc, _ in ups:
             proc.stop()
+
+
+def test_a_task_call_cancelled_while_its_admission_is_on_the_wire_holds_nothing() -> None:
+    """A call's admission is sent and then its caller is cancelled while Redis is
+    paused (the task's own cancel fans out so; shutdown too). The caller gets its
+    cancellation at once; the admission still runs, and the call it held is settled
+    unused when its reply comes in: a task allowed one call admits the next one."""
+    import signal
+
+    from support.redis_server import start_redis, stop_redis
+    from switchyard.state.tasks_redis import RedisTaskStore
+
+    proc, url = start_redis()
+    first = TaskFirst(TaskBudget(calls=1, tokens=1000))
+    key = ("acme", "t-cut")
+
+    async def main() -> list[bool]:
+        store = RedisTaskStore(url, prefix="cut:", timeout_s=5)
+        try:
+            # Connected first: the cancel must land on the script, not on the connect.
+            assert (await store.admit(("acme", "warm"), first, "w", 1, 0.0, 999.0)).allowed
+            proc.send_signal(signal.SIGSTOP)
+            task = asyncio.create_task(store.admit(key, first, "r1", 10, 0.0, 1000.0))
+            await asyncio.sleep(0.2)  # sent, waiting for the reply
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            proc.send_signal(signal.SIGCONT)
+            await asyncio.sleep(0.3)  # the reply comes in; the held call is settled
+            again = await store.admit(key, first, "r2", 10, 0.0, 1001.0)
+            third = await store.admit(key, first, "r3", 10, 0.0, 1002.0)
+            return [again.allowed, third.allowed]
+        finally:
+            proc.send_signal(signal.SIGCONT)
+            await store.close()
+
+    try:
+        outcome = asyncio.run(main())
+    finally:
+        stop_redis(proc)
+    # r1 held nothing in the end: r2 is the task's one call, and r3 is over budget.
+    assert outcome == [True, False]

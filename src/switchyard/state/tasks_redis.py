@@ -47,11 +47,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import orjson
 
 from switchyard.identity import TaskBudget
+from switchyard.state.limits import LimiterUnavailable
 from switchyard.state.redis import _UNAVAILABLE, redis_client, shared_call
 from switchyard.state.tasks import (
     TaskAdmission,
@@ -243,6 +245,8 @@ class RedisTaskStore:
         self._cancel = self._redis.register_script(_CANCEL)
         self._results = self._redis.register_script(_RESULTS)
         self._note_calls = self._redis.register_script(_NOTE)
+        # Settles of admissions whose caller was cancelled meanwhile (`admit`).
+        self._orphans: set[asyncio.Task[None]] = set()
 
     def _k(self, key: TaskKey) -> str:
         # Both parts are validated ids (no ':' in a tenant id); the task id may hold
@@ -265,6 +269,44 @@ class RedisTaskStore:
         cost: float,
         now: float,
         tool: bool = False,
+    ) -> TaskAdmission:
+        """Admit a call of the task. Its caller's cancellation (the task's own cancel
+        fanning out, shutdown) does not cut the admission short: once the script is
+        sent it runs, and a caller cancelled meanwhile would never settle what it held.
+        So the admission runs on by itself, and one that held the call for a caller
+        that has gone is settled unused (not a call, nothing charged)."""
+        work = asyncio.ensure_future(self._admitted(key, first, rid, tokens, cost, now, tool))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            work.add_done_callback(partial(self._settle_orphan, key, rid))
+            raise
+
+    def _settle_orphan(self, key: TaskKey, rid: str, done: asyncio.Future[TaskAdmission]) -> None:
+        if done.cancelled():
+            return  # the loop is shutting down: the task's idle TTL ends it
+        if done.exception() is None and not done.result().allowed:
+            return  # refused: nothing was held
+        # An error may hide a script that ran: a settle that finds nothing does nothing.
+        task = asyncio.ensure_future(self._release(key, rid))
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
+
+    async def _release(self, key: TaskKey, rid: str) -> None:
+        try:
+            await self.settle(key, rid, 0, 0.0, called=False)
+        except LimiterUnavailable as exc:
+            log.warning("a cancelled call's hold on its task was not released: %s", exc)
+
+    async def _admitted(
+        self,
+        key: TaskKey,
+        first: TaskFirst,
+        rid: str,
+        tokens: int,
+        cost: float,
+        now: float,
+        tool: bool,
     ) -> TaskAdmission:
         k = self._k(key)
         deadline_at, by = first_deadline(first, now)
@@ -480,6 +522,8 @@ class RedisTaskStore:
         }
 
     async def close(self) -> None:
+        if self._orphans:
+            await asyncio.gather(*self._orphans, return_exceptions=True)
         await self._redis.aclose()
 
 
