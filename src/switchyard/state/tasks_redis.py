@@ -275,7 +275,26 @@ class RedisTaskStore:
         sent it runs, and a caller cancelled meanwhile would never settle what it held.
         So the admission runs on by itself, and one that held the call for a caller
         that has gone is settled unused (not a call, nothing charged)."""
-        work = asyncio.ensure_future(self._admitted(key, first, rid, tokens, cost, now, tool))
+        k = self._k(key)
+        deadline_at, by = first_deadline(first, now)
+        b = first.budget
+        args = [
+            repr(now),
+            self._ttl,
+            _opt(b.calls),
+            _opt(b.tokens),
+            _opt(b.cost_usd),
+            _opt(b.wall_s),
+            _opt(deadline_at),
+            by or "",
+            rid,
+            tokens,
+            repr(float(cost)),
+            self.max_tasks,
+            _opt(b.tool_calls),
+            "1" if tool else "0",
+        ]
+        work = asyncio.ensure_future(self._admitted(k, args, now))
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
@@ -298,41 +317,11 @@ class RedisTaskStore:
         except LimiterUnavailable as exc:
             log.warning("a cancelled call's hold on its task was not released: %s", exc)
 
-    async def _admitted(
-        self,
-        key: TaskKey,
-        first: TaskFirst,
-        rid: str,
-        tokens: int,
-        cost: float,
-        now: float,
-        tool: bool,
-    ) -> TaskAdmission:
-        k = self._k(key)
-        deadline_at, by = first_deadline(first, now)
-        b = first.budget
-        out = await self._call(
-            "admit",
-            self._admit(
-                keys=[k, k + ":held", self._index, *self._owner_keys],
-                args=[
-                    repr(now),
-                    self._ttl,
-                    _opt(b.calls),
-                    _opt(b.tokens),
-                    _opt(b.cost_usd),
-                    _opt(b.wall_s),
-                    _opt(deadline_at),
-                    by or "",
-                    rid,
-                    tokens,
-                    repr(float(cost)),
-                    self.max_tasks,
-                    _opt(b.tool_calls),
-                    "1" if tool else "0",
-                ],
-            ),
-        )
+    async def _admitted(self, k: str, args: list[Any], now: float) -> TaskAdmission:
+        """The admit script run for the task at key `k` with `args`, and the task's
+        state read back: the call's admission."""
+        keys = [k, k + ":held", self._index, *self._owner_keys]
+        out = await self._call("admit", self._admit(keys=keys, args=args))
         refused = _str(out[0]) or None
         fields = await self._call("admit", self._redis.hgetall(k))
         f = {_str(a): b for a, b in fields.items()}
