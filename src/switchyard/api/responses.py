@@ -171,7 +171,7 @@ class ResponsesRoutes:
         try:
             service.begin(ctx)
             req, wire, conversation = await self._decode(request, headers, ctx)
-            shell = Shell(self.ids("resp"), req, req.model, ids=self.ids)
+            shell = Shell(self.ids.timed("resp"), req, req.model, ids=self.ids)
             if req.background:
                 return await self._background(ctx, req, wire, conversation, shell)
         except BaseException as exc:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -88,6 +89,20 @@ class IdPool(RandomPool):
             self._digits, at = self.take(_ID_BLOCK).hex(), 0
         self._next = at + 32
         return f"{prefix}_{self._digits[at : at + 32]}"
+
+    def timed(self, prefix: str) -> str:
+        """A stored object's id: `prefix_`, the milliseconds since the epoch (12 hex
+        digits), then 80 random bits (20 digits), as the gateway's request ids and
+        UUIDv7 are (and as OpenAI's own response ids begin with their creation time).
+        Still unguessable (80 bits a millisecond), and each new id lands at its
+        tenant's end of the stored responses' key index: a random key is written into
+        a random leaf page of it, about twice the ledger writer's work per stored
+        response (docs/benchmarks/2026-12-06-writer-and-ids.md)."""
+        at = self._next
+        if at + 20 > len(self._digits):
+            self._digits, at = self.take(_ID_BLOCK).hex(), 0
+        self._next = at + 20
+        return f"{prefix}_{int(time.time() * 1000):012x}{self._digits[at : at + 20]}"
 
     def _forget(self) -> None:
         super()._forget()

@@ -90,8 +90,8 @@ def _insert(table: str, columns: tuple[str, ...]) -> str:
 INSERT_USAGE = _insert("usage", USAGE_COLUMNS)
 INSERT_TRACES = _insert("traces", TRACE_COLUMNS)
 INSERT_TEMPLATES = "INSERT OR IGNORE INTO trace_templates (id, template) VALUES (?, ?)"
-# A response id is 128 random bits: a second insert of one is a frame sent again to a
-# restarted writer, never another response, so it is ignored.
+# A response id holds 80 random bits per millisecond: a second insert of one is a frame
+# sent again to a restarted writer, never another response, so it is ignored.
 INSERT_RESPONSES = (
     "INSERT OR IGNORE INTO responses (tenant_id, id, created_at, status, model, deployment,"
     " previous_response_id, background, owner, body, updated_at)"

@@ -67,7 +67,9 @@ class StoredResponse(msgspec.Struct):
     dataclass's keyword `__init__`)."""
 
     id: str
-    """The prefix `resp_` and 32 hex digits from the system's CSPRNG (`new_response_id`)."""
+    """The prefix `resp_`, the milliseconds since the epoch in 12 hex digits, then 20
+    hex digits from the system's CSPRNG (`new_response_id`, api/responses_codec.py's
+    `IdPool.timed`)."""
     tenant_id: str
     created_at: float
     """Unix seconds."""
@@ -87,8 +89,10 @@ class StoredResponse(msgspec.Struct):
 
 
 def new_response_id() -> str:
-    """An unguessable id (128 random bits): knowing one id tells nothing of another."""
-    return "resp_" + secrets.token_hex(16)
+    """A one-off response id (the routes make theirs with `IdPool.timed`): ordered in
+    time and unguessable, 80 random bits after the milliseconds since the epoch, so
+    knowing one id tells nothing of another but when it was made."""
+    return f"resp_{int(time.time() * 1000):012x}{secrets.token_hex(10)}"
 
 
 def instance_name(port: int) -> str:
@@ -294,7 +298,9 @@ class ResponseStore:
         if writer is None:
             await self._run("storing a response", self._create_many, [r])
             return
-        self.check_room()
+        if len(self._unwritten) >= self._max_queued:  # pruned when asked before the call
+            self._prune()
+        self._refuse_if_full(writer)
         key = (r.tenant_id, r.id)
         body = msgspec.Raw(orjson.dumps(r.body))  # the writer seals it
         seq = writer.store_response(self._row(r, body, time.time()))
@@ -309,6 +315,9 @@ class ResponseStore:
         if writer is None:
             return
         self._prune()
+        self._refuse_if_full(writer)
+
+    def _refuse_if_full(self, writer: UsageLedger) -> None:
         if len(self._unwritten) >= self._max_queued or writer.behind():
             raise DatabaseUnavailable(
                 f"the gateway's database is not keeping up: {len(self._unwritten)} stored "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 
 from switchyard.api.responses_codec import IdPool
 
@@ -36,3 +37,19 @@ def test_a_forked_child_makes_none_of_the_ids_its_parent_makes() -> None:
     os.waitpid(pid, 0)
     parent = {pool("msg").split("_", 1)[1] for _ in range(8)}
     assert len(child) == 8 and not child & parent
+
+
+def test_timed_ids_are_the_millisecond_then_80_bits_never_twice() -> None:
+    pool = IdPool()
+    before = int(time.time() * 1000)
+    made = [pool.timed("resp") if i % 2 else pool("msg") for i in range(2000)]  # blocks mixed
+    after = int(time.time() * 1000)
+    timed = [i for i in made if i.startswith("resp_")]
+    assert all(_ID.fullmatch(i) for i in made)
+    assert len({i.split("_", 1)[1] for i in made}) == len(made)
+    stamps = [int(i[5:17], 16) for i in timed]
+    assert all(before <= s <= after for s in stamps)
+    assert stamps == sorted(stamps)  # made in order: they sort in time
+    # the 80 random bits: none repeats, and they are not the time's digits
+    tails = [i[17:] for i in timed]
+    assert len(set(tails)) == len(tails) and all(len(t) == 20 for t in tails)
