@@ -405,9 +405,13 @@ def _deployment(
         upstream = OpenAIUpstream(f"{engine.kind}:{name}", _engine_url(engine), max_connections=64)
         return Deployment(m, upstream, engine, replica=replica)
     url = spec.base_url
+    # Named in its errors by kind and deployment, as `x-switchyard-upstream` names it:
+    # its address is the operator's (`fixed_label`: /readyz, the admin API), and an
+    # upstream's error reaches the client.
+    label = f"{spec.kind}:{name}"
     external = (
-        AnthropicUpstream(url, url, spec.api_key(), spec.anthropic_version, spec.max_connections)
+        AnthropicUpstream(label, url, spec.api_key(), spec.anthropic_version, spec.max_connections)
         if isinstance(spec, AnthropicEngine)
-        else OpenAIUpstream(url, _fixed_url(url), spec.api_key(), spec.max_connections)
+        else OpenAIUpstream(label, _fixed_url(url), spec.api_key(), spec.max_connections)
     )
     return Deployment(m, external, fixed_label=url, replica=replica)

@@ -3,7 +3,10 @@
 It runs before any stage, so a replay costs no limit: it claims the key, replays a
 stored reply through the request's reply side (its placeholders take this request's
 values), keeps a finished reply masked, and gives the key back when the request did
-not succeed. Kept apart from the store, which the schema code imports in every
+not succeed. A key is the API key's own (`scoped`): a replay hands over a model's
+output without the stages that check what the caller may use, so it goes only to the
+API key that made the request, never to another key of its tenant (whose
+`allowed_models`, budget or limits may be narrower). Kept apart from the store, which the schema code imports in every
 process (the ledger writer's too), so that import stays small.
 """
 
@@ -23,6 +26,12 @@ from switchyard.reply import JsonReply, reply_object, switchyard_headers, throug
 from switchyard.state.idempotency import IdempotencyStore, StoredReply, body_hash
 
 
+def scoped(ctx: RequestContext, key: str) -> str:
+    """The stored key of a request's `Idempotency-Key`: its API key's id, a space (which
+    the header's value never holds: request_headers.idempotency_key), the value."""
+    return f"{ctx.principal.key_id} {key}"
+
+
 class Idempotent:
     """The request driver's idempotency step (before any stage, so a replay costs no
     limit): claim the key, replay a stored reply through the reply side, keep a
@@ -36,7 +45,7 @@ class Idempotent:
     async def claim(self, ctx: RequestContext, key: str) -> JsonReply | None:
         """A stored reply for a repeated request, or None once this request owns the key."""
         t = time.perf_counter()
-        key = request_headers.idempotency_key(key)
+        key = scoped(ctx, request_headers.idempotency_key(key))
         if ctx.stream:
             raise InvalidRequest(
                 "Idempotency-Key is supported for non-streaming requests only",

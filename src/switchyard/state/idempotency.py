@@ -1,10 +1,11 @@
 """Idempotency keys: a request that may be repeated runs upstream at most once.
 
-Same tenant + same `Idempotency-Key` + same body within the TTL returns the stored
-reply (or waits for the one in flight) without a new upstream call; the same key
-with a different body is refused (422). Ownership is taken with an atomic INSERT in
-SQLite, so it holds across gateway processes sharing the database; waiters in this
-process are woken by an event, others poll. Only successful replies are stored: a
+Same API key (execute/idempotent.py scopes each key to it) + same `Idempotency-Key` +
+same body within the TTL returns the stored reply (or waits for the one in flight)
+without a new upstream call; the same key with a different body is refused (422).
+Ownership is taken with an atomic INSERT in SQLite, so it holds across gateway
+processes sharing the database; waiters in this process are woken by an event, others
+poll. Only successful replies are stored: a
 failed attempt releases the key so the client's retry runs again.
 """
 
