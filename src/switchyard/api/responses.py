@@ -71,6 +71,22 @@ DONE = ("completed", "failed", "incomplete", "cancelled")
 # How long an id not found is looked for again: another gateway on the database commits
 # a response within milliseconds of its reply (state/responses.py, written behind).
 SETTLE_S = 0.25
+# Only an id made this recently is waited for (its time: IdPool.timed): any other is in
+# the database if it exists at all, so a miss on a made-up or old id costs one read.
+RECENT_MS = 10_000
+
+
+def settle_s(rid: str, now_ms: int) -> float:
+    """How long a lookup of the response `rid` waits for another gateway's commit:
+    SETTLE_S if the id's first 12 hex digits are a time within RECENT_MS of `now_ms`
+    (clocks of gateways may differ by a second), else none."""
+    try:
+        made = int(rid[5:17], 16)
+    except ValueError:
+        return 0.0
+    return SETTLE_S if now_ms - RECENT_MS <= made <= now_ms + 1000 else 0.0
+
+
 # How often a background response looks whether another gateway cancelled it.
 CANCEL_POLL_S = 1.0
 # The decoded chat request and the chat body's bytes (None: not exactly it).
@@ -112,10 +128,10 @@ class ResponsesRoutes:
 
     async def _fetch(self, tenant_id: str, rid: str) -> StoredResponse | None:
         """A stored response of the tenant (one another gateway just wrote is waited for
-        briefly: SETTLE_S); one that does not open is the operator's problem (logged),
+        briefly: `settle_s`); one that does not open is the operator's problem (logged),
         told to the client in a stable message."""
         try:
-            return await self.store.get(tenant_id, rid, SETTLE_S)
+            return await self.store.get(tenant_id, rid, settle_s(rid, int(time.time() * 1000)))
         except SealError as exc:
             log.error("%s", exc)
             raise StoredResponseUnreadable(
@@ -486,8 +502,9 @@ class ResponsesRoutes:
         return Response(orjson.dumps(stored.body["response"]), media_type="application/json")
 
     async def input_items(self, request: Request) -> Response:
-        """The input items of a stored response (`limit` 1-100, `order` asc|desc,
-        `after` an item id)."""
+        """The input items of a stored response (`limit` 1-100, `order` asc|desc;
+        `after`, `before`: an item id, the page starting after it or ending before it;
+        each id is one item's, as `check` refuses repeats)."""
         _, stored = await self._get(request)
         q = request.query_params
         try:
@@ -502,13 +519,13 @@ class ResponsesRoutes:
         items = list(stored.body.get("input_items") or [])
         if order == "desc":
             items.reverse()
-        after = q.get("after")
+        after, before = q.get("after"), q.get("before")
         if after is not None:
-            ids = [i.get("id") for i in items]
-            if after not in ids:
-                raise InvalidRequest("'after' names no item of this response", param="after")
-            items = items[ids.index(after) + 1 :]
-        page = items[:limit]
+            items = items[_position(items, after, "after") + 1 :]
+        if before is not None:
+            items = items[: _position(items, before, "before")]
+        # `before`: the page nearest the item it names, still in the order asked
+        page = items[-limit:] if before is not None else items[:limit]
         out = {
             "object": "list",
             "data": page,
@@ -517,6 +534,14 @@ class ResponsesRoutes:
             "has_more": len(items) > limit,
         }
         return Response(orjson.dumps(out), media_type="application/json")
+
+
+def _position(items: list[dict[str, Any]], cursor: str, param: str) -> int:
+    """Where the item a cursor (`after`, `before`) names is among `items`."""
+    for k, item in enumerate(items):
+        if item.get("id") == cursor:
+            return k
+    raise InvalidRequest(f"'{param}' names no item of this response", param=param)
 
 
 def _served(ctx: RequestContext, req: ResponsesRequest) -> str:

@@ -247,6 +247,16 @@ def _as_parts(content: Any, role: str) -> list[Any]:
     return list(content)
 
 
+def _unique_ids(items: list[dict[str, Any]]) -> None:
+    """Each item's id is its own: the input items are listed and paged by id (`after`,
+    `before`), and a repeated id would make a cursor name two places."""
+    seen: set[str] = set()
+    for i, item in enumerate(items):
+        if item["id"] in seen:
+            raise bad(f"input[{i}].id repeats the id of an earlier item", f"input[{i}].id")
+        seen.add(item["id"])
+
+
 def _given_id(item: dict[str, Any]) -> str | None:
     got = item.get("id")
     return got if isinstance(got, str) and _ID.fullmatch(got) else None
@@ -363,6 +373,7 @@ def check(body: Any, ids: Ids = new_item_id) -> ResponsesRequest:
         ]
     elif isinstance(raw, list) and raw:
         items = [_item(i, item, messages, ids) for i, item in enumerate(raw)]
+        _unique_ids(items)
     else:
         raise MissingRequiredParameter(
             "'input' is required: a string or a non-empty array of items", param="input"

@@ -9,6 +9,7 @@ import os
 import re
 import time
 
+from switchyard.api.responses import RECENT_MS, SETTLE_S, settle_s
 from switchyard.api.responses_codec import IdPool
 
 _ID = re.compile(r"(resp|msg|fc)_[0-9a-f]{32}")
@@ -53,3 +54,17 @@ def test_timed_ids_are_the_millisecond_then_80_bits_never_twice() -> None:
     # the 80 random bits: none repeats, and they are not the time's digits
     tails = [i[17:] for i in timed]
     assert len(set(tails)) == len(tails) and all(len(t) == 20 for t in tails)
+
+
+def test_only_a_recent_id_is_waited_for() -> None:
+    """A lookup that misses waits for another gateway's commit only for an id made in
+    the last RECENT_MS (its time is in it): a made-up, old or foreign id costs one read."""
+    now = int(time.time() * 1000)
+    pool = IdPool()
+    assert settle_s(pool.timed("resp"), now) == SETTLE_S
+    assert settle_s(f"resp_{now - RECENT_MS - 1:012x}" + "0" * 20, now) == 0.0
+    assert settle_s(f"resp_{now + 60_000:012x}" + "0" * 20, now) == 0.0  # ahead of every clock
+    assert settle_s("resp_" + "0" * 32, now) == 0.0
+    assert settle_s("resp_" + "f" * 32, now) == 0.0
+    assert settle_s("resp_zz", now) == 0.0
+    assert settle_s(pool("resp"), now) == 0.0  # 128 random bits (an id made before times)
