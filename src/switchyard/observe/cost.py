@@ -43,6 +43,16 @@ def parse_since(text: str, now: float) -> float:
     """Unix time from "30d" / "12h" / "90m" / "2w" (ago), an ISO date or time (UTC
     unless it says otherwise), or unix seconds."""
     text = text.strip()[:64]
+    since = _since(text, now)
+    if not 0.0 <= since <= now:  # NaN fails both: the report's hours are integers
+        raise ValueError(
+            f"cannot read {text!r} as a time between 1970 and now: use e.g. 30d, 12h, "
+            "2026-11-01 or unix seconds"
+        )
+    return since
+
+
+def _since(text: str, now: float) -> float:
     m = _SPAN.match(text)
     if m:
         return now - float(m.group(1)) * _UNIT_S[m.group(2)]

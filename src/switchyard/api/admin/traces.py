@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from switchyard.api.admin.guard import Guard
-from switchyard.api.admin.params import as_json
+from switchyard.api.admin.params import as_json, query_limit, query_number, query_text
 from switchyard.errors import InvalidRequest, NotFound
 from switchyard.service import RequestService
 from switchyard.state.store import Store
@@ -46,12 +46,9 @@ class Traces:
         """?tenant=&since=(unix s)&status=&limit="""
         self.guard(request)
         q = request.query_params
-        try:
-            since = float(q["since"]) if "since" in q else None
-            limit = min(int(q.get("limit", "100")), 10_000)
-        except ValueError:
-            raise InvalidRequest("'since' and 'limit' must be numbers") from None
+        since, limit = query_number(q, "since"), query_limit(q)  # finite; 1 to 10,000
+        tenant, status = query_text(q, "tenant"), query_text(q, "status")
         await self.s.service.settled()
         with self.s.store.connection() as conn:
-            data = list_requests(conn, q.get("tenant"), since, q.get("status"), limit)
+            data = list_requests(conn, tenant, since, status, limit)
         return as_json({"object": "list", "data": data})

@@ -59,9 +59,8 @@ class Usage:
         self.guard(request)
         await self.s.service.settled()
         now = time.time()
-        try:
+        try:  # its own message: what the parameter must be, never Python's text
             since = parse_since(request.query_params.get("since", "30d"), now)
-            report = self.s.ledger.read(cost_report, self.s.settings.cost, since, now)
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="since") from None
-        return as_json(report)
+        return as_json(self.s.ledger.read(cost_report, self.s.settings.cost, since, now))
