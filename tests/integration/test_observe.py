@@ -32,7 +32,7 @@ from switchyard.observe.otel import Tracing
 from switchyard.pipeline import RequestContext, RequestInput, Timings
 from switchyard.request import NOT_READ, Generation
 from switchyard.state.sql import connect
-from switchyard.state.traces import enforce_retention, get_request, insert_args, insert_sql
+from switchyard.state.traces import enforce_retention, get_request, insert_sql
 
 BODY: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 SPANS = Path(tempfile.mkdtemp(prefix="switchyard-otel-")) / "spans.jsonl"
@@ -399,14 +399,12 @@ def test_retention_removes_old_traces_and_keeps_recent(tmp_path: Path) -> None:
     conn = connect(str(tmp_path / "t.db"))
     now = 1_800_000_000.0
     for i, age_days in enumerate([30, 8, 6, 1, 0]):
-        rec = {
-            "request_id": f"r{i}",
-            "task_id": None,
-            "tenant_id": "t",
-            "status": "ok",
-            "received_at": now - age_days * 86400,
-        }
-        conn.execute(insert_sql(), insert_args(rec))
+        at = now - age_days * 86400
+        rec = json.dumps(
+            {"request_id": f"r{i}", "task_id": None, "tenant_id": "t", "status": "ok",
+             "received_at": at}
+        )  # fmt: skip
+        conn.execute(insert_sql(), (f"r{i}", None, None, "t", "ok", at, rec))
     assert enforce_retention(conn, retention_days=7, max_rows=100, now=now) == 2
     assert get_request(conn, "r0") is None and get_request(conn, "r1") is None
     assert get_request(conn, "r2") is not None

@@ -9,14 +9,16 @@ def fill_store(conn: Any, n: int, filler: str, first_at: float = 1_800_000_000.0
     """`n` traces, `n` rollout records and `n` usage rows of ~1.5 KB (`filler` in their
     upstream column or record), one a second from `first_at`, and one daily rollup: a
     store to put over its byte budget."""
-    from switchyard.state.traces import insert_args, insert_sql
+    import json
+
+    from switchyard.state.traces import insert_sql
 
     conn.execute("BEGIN")
     for i in range(n):
         at = first_at + i
         rec = {"request_id": f"r{i}", "task_id": None, "tenant_id": "t", "status": "ok",
                "received_at": at, "pad": filler}  # fmt: skip
-        conn.execute(insert_sql(), insert_args(rec))
+        conn.execute(insert_sql(), (f"r{i}", None, None, "t", "ok", at, json.dumps(rec)))
         conn.execute(
             "INSERT INTO usage (request_id, tenant_id, endpoint, status, received_at, upstream)"
             " VALUES (?, 't', 'chat', 'ok', ?, ?)",

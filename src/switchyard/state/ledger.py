@@ -70,7 +70,14 @@ from switchyard.state.ledger_reads import live_summary as live_summary
 from switchyard.state.ledger_reads import spent_since as spent_since
 from switchyard.state.ledger_reads import task_rows as task_rows
 from switchyard.state.ledger_reads import usage_rows as usage_rows
-from switchyard.state.ledger_rows import _ENCODER, Finished, LedgerCounts, Row, encoded_row
+from switchyard.state.ledger_rows import (
+    _ENCODER,
+    Finished,
+    LedgerCounts,
+    Row,
+    batch_parts,
+    encoded_row,
+)
 from switchyard.state.ledger_rows import batch_json as batch_json
 from switchyard.state.sql import connect
 from switchyard.state.sql_pg import is_postgres
@@ -368,7 +375,7 @@ class UsageLedger(LedgerReads):
                 if not seq and self._writer_socket is not None:  # kept until answered
                     self._seq += 1
                     seq = self._seq
-                data = frame(BATCH, batch_json(batch, self._templates, responses))
+                data = frame(BATCH, *batch_parts(batch, self._templates, responses))
                 self._enqueue(data, len(batch) + len(responses), seq)
             if seq:
                 self._enqueue(frame(FLUSH, _SEQ.pack(seq)), 0, seq)

@@ -19,6 +19,7 @@ import logging
 import sqlite3
 import struct
 import time
+from collections.abc import Iterable
 from typing import Any, BinaryIO
 
 import msgspec
@@ -28,6 +29,7 @@ from switchyard.state.traces import (
     LedgerBatch,
     LedgerEntry,
     StoredRow,
+    WriterBatch,
     insert_args,
     trace_from_entry,
 )
@@ -110,7 +112,7 @@ ADD_DAILY = (
 )
 
 
-def daily_rollups(named: list[LedgerEntry]) -> list[tuple[Any, ...]]:
+def daily_rollups(named: Iterable[LedgerEntry]) -> list[tuple[Any, ...]]:
     """The batch's additions to usage_daily: per UTC day, tenant, key and model."""
     sums: dict[tuple[str, str, str, str], list[Any]] = {}
     days: dict[int, str] = {}
@@ -131,8 +133,9 @@ def daily_rollups(named: list[LedgerEntry]) -> list[tuple[Any, ...]]:
     return [(*k, *v) for k, v in sums.items()]
 
 
-def frame(kind: bytes, payload: bytes = b"") -> bytes:
-    return HEADER.pack(kind, len(payload)) + payload
+def frame(kind: bytes, *payload: bytes) -> bytes:
+    """A frame whose payload is the pieces `payload`, joined (a batch's: in one copy)."""
+    return b"".join((HEADER.pack(kind, sum(map(len, payload))), *payload))
 
 
 def _read_exactly(stream: BinaryIO, n: int) -> bytes | None:
@@ -299,7 +302,7 @@ class _Responses(msgspec.Struct):
     responses: list[msgspec.Raw] = []
 
 
-_BATCH = msgspec.json.Decoder(LedgerBatch)
+_BATCH = msgspec.json.Decoder(WriterBatch)  # its decisions kept as JSON (WriterEntry)
 _LOOSE = msgspec.json.Decoder()
 _RESPONSES = msgspec.json.Decoder(_Responses)  # each one alone, when the batch failed
 _ROW = msgspec.json.Decoder(StoredRow)
