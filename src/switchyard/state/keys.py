@@ -114,6 +114,67 @@ def _task_budget(raw: str | None) -> TaskBudget | None:
     return TaskBudget.of(json.loads(raw)) if raw else None
 
 
+MAX_LABELS = 32
+MAX_NAME = 128
+
+
+def _check_labels(v: Any) -> dict[str, Any]:
+    """A tenant's or key's labels: an object of at most MAX_LABELS, each name at most 64
+    characters and each value a string of at most 256, or for `regions` (a tenant's data
+    boundary: models[].data_boundary) a list of region names. Checked here, where they
+    are written: a shape `verify` cannot read would fail each of the keys' requests, or
+    (a `regions` that is not a list) drop the tenant's boundary."""
+    if v is None:
+        return {}
+    why = (
+        f"'labels' must be an object of at most {MAX_LABELS} names (64 characters) with "
+        "string values (256 characters), and `regions` a list of region names"
+    )
+    if not isinstance(v, dict) or len(v) > MAX_LABELS:
+        raise InvalidRequest(why, param="labels")
+    for name, value in v.items():
+        if len(name) > 64:
+            raise InvalidRequest(why, param="labels")
+        if name == "regions":
+            if not isinstance(value, list) or not all(
+                isinstance(r, str) and 0 < len(r) <= 64 for r in value
+            ):
+                raise InvalidRequest(why, param="labels")
+        elif not isinstance(value, str) or len(value) > 256:
+            raise InvalidRequest(why, param="labels")
+    return v
+
+
+def _check_expires_at(v: Any) -> float | None:
+    """A key's expiry: unix seconds, a finite number (None: it never expires)."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < 1e11:
+        raise InvalidRequest(
+            "'expires_at' must be a time in unix seconds (or use expires_in_s)",
+            param="expires_at",
+        )
+    return float(v)
+
+
+def _check_name(v: Any) -> str | None:
+    if v is not None and (not isinstance(v, str) or len(v) > MAX_NAME):
+        raise InvalidRequest(f"'name' must be a string of at most {MAX_NAME}", param="name")
+    return v
+
+
+def _regions(labels: Any) -> tuple[str, ...] | None:
+    """A tenant's data boundary from its stored labels: None without `regions`. One
+    written before labels were checked that is not a list of names admits no region
+    (refused, never unbounded)."""
+    if not isinstance(labels, dict) or "regions" not in labels:
+        return None
+    regions = labels["regions"]
+    if not isinstance(regions, list) or not all(isinstance(r, str) for r in regions):
+        return ()
+    return tuple(regions)
+
+
 def _patterns(v: Any, name: str) -> list[str]:
     if v is None:
         return ["*"] if name == "allowed_models" else []
@@ -164,7 +225,7 @@ class KeyStore:
             raise InvalidRequest("tenant id must be 1-63 chars of a-z, 0-9, '-' or '_'", param="id")
         lim = _check_limits(values)
         models = _patterns(values.get("allowed_models"), "allowed_models")
-        labels = values.get("labels") or {}
+        labels = _check_labels(values.get("labels"))
         task_budget = _check_task_budget(values.get("task_budget"))
         priority = _check_priority(values.get("priority"))
         with self._lock:
@@ -247,7 +308,9 @@ class KeyStore:
         lim = _check_limits(values)
         models = _patterns(values.get("allowed_models"), "allowed_models")
         adapters = _patterns(values.get("allowed_adapters"), "allowed_adapters")
-        expires = values.get("expires_at")
+        expires = _check_expires_at(values.get("expires_at"))
+        key_name = _check_name(values.get("name"))
+        labels = _check_labels(values.get("labels"))
         ttl = values.get("expires_in_s")
         if ttl is not None:
             if not isinstance(ttl, int | float) or ttl <= 0:
@@ -275,7 +338,7 @@ class KeyStore:
                     tenant_id,
                     hash_key(plaintext),
                     plaintext[:10],
-                    values.get("name"),
+                    key_name,
                     time.time(),
                     expires,
                     json.dumps(models),
@@ -287,7 +350,7 @@ class KeyStore:
                     lim["max_concurrency"],
                     lim["budget_usd"],
                     lim["budget_period"],
-                    json.dumps(values.get("labels") or {}),
+                    json.dumps(labels),
                     task_budget,
                     priority,
                 ),
@@ -365,7 +428,9 @@ class KeyStore:
             return "the API key is not valid"
         if row["revoked_at"] is not None:
             return "the API key has been revoked"
-        if row["expires_at"] is not None and row["expires_at"] <= now:
+        expires = row["expires_at"]
+        # One written before expiries were checked that is not a number has expired.
+        if expires is not None and (not isinstance(expires, int | float) or expires <= now):
             return "the API key has expired"
         d = self.defaults
         tenant_limits = Limits(
@@ -375,8 +440,6 @@ class KeyStore:
             budget_usd=row["t_budget"] if row["t_budget"] is not None else d.budget_usd,
             budget_period=row["t_period"] or d.budget_period,
         )
-        tenant_labels = json.loads(row["t_labels"])
-        regions = tenant_labels.get("regions")
         task_budget = _task_budget(row["t_task_budget"])
         key_task_budget = _task_budget(row["task_budget"])
         if key_task_budget is not None:
@@ -384,7 +447,7 @@ class KeyStore:
                 key_task_budget if task_budget is None else task_budget.lower(key_task_budget)
             )
         return Principal(
-            regions=tuple(regions) if isinstance(regions, list) else None,
+            regions=_regions(json.loads(row["t_labels"])),
             tenant_id=row["tenant_id"],
             key_id=row["id"],
             key_models=tuple(json.loads(row["allowed_models"])),
