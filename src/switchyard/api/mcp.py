@@ -37,7 +37,10 @@ response object, `{"jsonrpc", "id", "result" | "error"}`; what is read is bounde
   MAX_ID characters, `method` "tools/call", `params` an object the SDK's model accepts,
   and no other member. Anything else (malformed JSON, a batch, another method, a
   notification, a wrong type, an oversized id) goes to the SDK unchanged, which answers
-  it as before, errors reworded without exception text;
+  it as before, errors reworded without exception text; but a request whose `id` is
+  null, a boolean, an object or an array (MCP's ids are strings or integers) is
+  answered here, 400 with JSON-RPC's Invalid Request (-32600, id null): the SDK takes it
+  for a notification and answers nothing;
 * `notifications/cancelled` for a call this path serves cancels it (the SDK's answer to
   a cancelled request, `REQUEST_CANCELLED`, goes back on the call's POST); for any other
   request it goes to the SDK, whose request it is;
@@ -65,11 +68,13 @@ import orjson
 from starlette.types import Message, Receive, Scope, Send
 
 from switchyard.api.mcp_wire import (
+    INVALID_ID,
     _caller,
     _fast_headers,
     _FastCall,
     _headers,
     _holding,
+    _id_or_none,
     _mcp_error,
     _meta,
     _plain_id,
@@ -266,6 +271,11 @@ class McpEndpoint:
             message = orjson.loads(body)
         except orjson.JSONDecodeError:
             return False
+        if isinstance(message, dict) and "method" in message and not _id_or_none(message):
+            # The SDK would take it for a notification (202, no body): the client
+            # would wait for an answer that never comes.
+            await _send_json(send, 400, INVALID_ID, session)
+            return True
         if not isinstance(message, dict) or message.keys() - FAST_MEMBERS:
             return False
         if message.get("jsonrpc") != "2.0":

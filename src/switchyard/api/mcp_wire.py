@@ -143,6 +143,27 @@ def _plain_id(value: Any) -> bool:
     return type(value) is str and 0 < len(value) <= MAX_ID
 
 
+def _id_or_none(message: dict[str, Any]) -> bool:
+    """Whether a JSON-RPC message's `id` is absent (a notification) or a string or an
+    integer (a request's, as MCP has it: never null)."""
+    if "id" not in message:
+        return True
+    rid = message["id"]
+    return type(rid) is str or type(rid) is int
+
+
+INVALID_ID = orjson.dumps(
+    {
+        "jsonrpc": "2.0",
+        "id": None,
+        "error": {
+            "code": -32600,
+            "message": "Invalid Request: an MCP request's id is a string or an integer",
+        },
+    }
+)
+
+
 def _accepts_json(accept: str) -> bool:
     """The Accept header admits a JSON reply (as the SDK reads it: wildcards count)."""
     for part in accept.split(","):
