@@ -78,8 +78,16 @@ class ApprovalStore:
             ("call_id", call_id, 128),
             ("approver", approver, 128),
         ):
-            if not isinstance(value, str) or not value or len(value) > longest:
-                raise InvalidRequest(f"'{name}' must be 1 to {longest} characters", param=name)
+            # Printable: each is logged and rendered in traces, where a newline or a
+            # terminal's control sequence would forge lines.
+            if (
+                not isinstance(value, str)
+                or not 0 < len(value) <= longest
+                or not value.isprintable()
+            ):
+                raise InvalidRequest(
+                    f"'{name}' must be 1 to {longest} printable characters", param=name
+                )
         if task_id is not None and not (isinstance(task_id, str) and ID_PATTERN.fullmatch(task_id)):
             raise InvalidRequest("'task_id' must be a task id", param="task_id")
         if (

@@ -1,7 +1,8 @@
 """Tenant and key rows the admin API refuses to write (state/keys.py) but an older
 release may have written: the key lookup never fails on them, and never reads one as
 fewer restrictions than it meant. A key whose expiry is not a time has expired; a
-tenant whose `regions` label is not a list of names is served in no region."""
+tenant whose `regions` label is not a list of names is served in no region. And the
+names of an approval (state/approvals.py), logged and shown in traces, are printable."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from switchyard.errors import InvalidRequest
 from switchyard.identity import Principal
+from switchyard.state.approvals import ApprovalStore
 from switchyard.state.keys import KeyStore
 from switchyard.state.sql import connect
 
@@ -70,3 +72,25 @@ def test_a_keys_name_is_kept_as_given_and_bounded(store: KeyStore) -> None:
     with pytest.raises(InvalidRequest) as refused:
         store.create_key("t", name="n" * 129)
     assert refused.value.param == "name"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"approver": "ops\nERROR forged log line"},
+        {"approver": "ops\x1b[2J"},
+        {"call_id": "call\r\nx"},
+        {"tenant": "t\x00"},
+    ],
+)
+def test_an_approval_is_issued_only_with_printable_names(
+    tmp_path: Path, fields: dict[str, str]
+) -> None:
+    """The approver, call id and tenant of an approval are logged and shown in traces:
+    a newline or a control sequence in one would forge lines there."""
+    approvals = ApprovalStore(connect(str(tmp_path / "gw.db")))
+    args = {"tenant": "t", "task_id": None, "call_id": "call_1", "approver": "ops", **fields}
+    with pytest.raises(InvalidRequest) as refused:
+        approvals.issue(**args, ttl_s=60)  # type: ignore[arg-type]
+    assert refused.value.param == next(iter(fields))
+    assert approvals.issue("t", None, "call_1", "ops — on call", 60)["approver"] == "ops — on call"
