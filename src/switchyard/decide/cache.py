@@ -62,6 +62,8 @@ SAMPLING_FIELDS = (
     "logit_bias",
     "logprobs",
     "top_logprobs",
+    "best_of",
+    "return_token_ids",
 )
 
 
@@ -89,7 +91,9 @@ def cache_keys(
     tags: tuple[str, ...] = (),
 ) -> CacheKeys:
     """Keys of a (PII-masked) request. The partition covers every input but the last
-    user message; the exact key adds that message verbatim."""
+    user message (a completion: its prompt, when that is not one text), and every
+    member that goes upstream and may change the answer; the exact key adds that
+    message (the prompt) verbatim."""
     if endpoint == "chat.completions":
         messages = req.messages or []
         last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
@@ -97,8 +101,9 @@ def cache_keys(
         system = [m for m in messages if m.get("role") in ("system", "developer")]
         earlier = [m for i, m in enumerate(messages) if i != last and m not in system]
         after = messages[last + 1 :] if last >= 0 else []
-    else:
-        query = str(req.prompt) if req.prompt is not None else ""
+    else:  # a text; texts or token ids are also typed in the partition (`prompt`)
+        prompt = req.prompt
+        query = prompt if isinstance(prompt, str) else orjson.dumps(prompt).decode()
         system, earlier, after = [], [], []
     partition = digest(
         {
@@ -108,6 +113,7 @@ def cache_keys(
             "revision": revision,
             "system": system,
             "tools": req.tools,
+            "functions": req.functions,
             "tool_choice": req.tool_choice,
             "response_format": req.response_format,
             "sampling": {k: v for k in SAMPLING_FIELDS if (v := getattr(req, k)) is not None},
@@ -115,6 +121,10 @@ def cache_keys(
             "data_version": data_version,
             "earlier_turns": earlier,
             "after": after,
+            "prompt": None if isinstance(req.prompt, str) else req.prompt,
+            # Every member no stage reads is forwarded as sent (`echo`, `suffix`, an
+            # engine's own options): any of them may ask for another answer.
+            "extra": req.extra,
         }
     )
     exact = digest({"partition": partition, "query": query})
