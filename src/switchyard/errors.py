@@ -764,7 +764,8 @@ class PathNotAllowed(PermissionDenied):
 
 
 class ToolNotAllowed(PermissionDenied):
-    """The API key may not run the MCP tool it called."""
+    """The API key may not run the MCP tool it called, or have a model call the tool
+    its `tool_choice` forces."""
 
     code = "tool_not_allowed"
 

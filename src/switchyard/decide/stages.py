@@ -27,9 +27,9 @@ from switchyard.decide.stages_cache import reply_text as reply_text
 from switchyard.decide.stages_select import Place as Place
 from switchyard.decide.stages_select import Residency as Residency
 from switchyard.decide.stages_select import Select as Select
-from switchyard.decide.tools import shortlist, tool_text
+from switchyard.decide.tools import shortlist, tool_name, tool_text
 from switchyard.embed import EmbeddingService
-from switchyard.errors import ModelNotAllowed, RouterNotReady
+from switchyard.errors import InvalidRequest, ModelNotAllowed, RouterNotReady, ToolNotAllowed
 from switchyard.pipeline import CacheOutcome, ReplyPart, RequestContext, Stage, Verdict, View
 from switchyard.policy.tool_calls import ToolGate, ToolPolicy
 
@@ -92,6 +92,15 @@ class Route(Stage):
             )
 
 
+def _forced(choice: Any) -> str | None:
+    """The tool a `tool_choice` forces (`{"type": "function", "function": {"name"}}`)."""
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        return name if isinstance(name, str) else None
+    return None
+
+
 class Tools(Stage):
     """Remove tools the tenant may not use, then shortlist the rest by similarity."""
 
@@ -104,9 +113,14 @@ class Tools(Stage):
         embedder: EmbeddingService | None,
         gate: ToolPolicy | None = None,
     ) -> None:
-        self._cfg = settings.tools
+        self._cfg = c = settings.tools
         self._embedder = embedder
         self._gate = gate  # tools.check_outputs: the tool calls in replies are governed
+        # No tool is removed from a request: the stage folds (`functions` then go as
+        # they came; the gate governs only the `tool_calls` of replies).
+        self._no_policy = (
+            c.shortlist_k is None and c.allow is None and not c.deny and not c.tenant_allow
+        )
 
     def reply(self, ctx: RequestContext) -> ReplyPart | None:
         """The tool calls of a fresh chat reply, governed (policy/tool_calls.py)."""
@@ -116,13 +130,18 @@ class Tools(Stage):
         return ToolGate(ctx, policy)
 
     def static(self, view: View) -> Verdict | None:
-        c = self._cfg
-        if c.shortlist_k is None and c.allow is None and not c.deny and not c.tenant_allow:
-            return self.NONE
-        return None
+        return self.NONE if self._no_policy else None
 
     def work(self, ctx: RequestContext) -> Awaitable[None] | None:
-        if not ctx.generation.tools:
+        req = ctx.generation
+        if req.functions is not None or "function_call" in req.extra:
+            # The deprecated form would offer tools past the policy, which reads `tools`.
+            raise InvalidRequest(
+                "'functions' and 'function_call' are not accepted where tools are governed; "
+                "send 'tools' and 'tool_choice'",
+                param="functions" if req.functions is not None else "function_call",
+            )
+        if not req.tools:
             ctx.record(self.name, self.NONE.outcome, self.NONE.reason, time.perf_counter())
             return None
         return self._shortlist(ctx)
@@ -133,11 +152,35 @@ class Tools(Stage):
         tools = req.tools
         assert tools is not None  # work() looked
         tcfg = self._cfg
+        choice = req.tool_choice
+        forced = _forced(choice)
         vecs = None
         if ctx.vector is not None and self._embedder is not None and tcfg.shortlist_k is not None:
             vecs, _ = await self._embedder.embed([tool_text(x) for x in tools])
-        res = shortlist(tools, ctx.vector, vecs, tcfg.shortlist_k, ctx.principal.tenant_id, tcfg)
-        ctx.request = structs.replace(req, tools=res.tools)
-        if ctx.pii is not None:
-            ctx.pii.masked = structs.replace(ctx.pii.masked, tools=res.tools)
+        res = shortlist(
+            tools,
+            ctx.vector,
+            vecs,
+            tcfg.shortlist_k,
+            ctx.principal.tenant_id,
+            tcfg,
+            required=() if forced is None else (forced,),
+        )
         ctx.record("tools", res.outcome, res.reason, t, res.evidence())
+        kept = res.tools
+        if forced is not None and forced not in {tool_name(x) for x in kept}:
+            raise ToolNotAllowed(
+                f"tool_choice forces the tool '{forced[:64]}', which this key may not use",
+                param="tool_choice",
+            )
+        if not kept and choice == "required":
+            raise ToolNotAllowed(
+                "tool_choice requires a tool call, and this key may use none of the tools",
+                param="tool_choice",
+            )
+        # No tool left: neither an empty `tools` (the OpenAI API refuses one) nor a
+        # `tool_choice` goes upstream.
+        fields: dict[str, Any] = {"tools": kept} if kept else {"tools": None, "tool_choice": None}
+        ctx.request = structs.replace(req, **fields)
+        if ctx.pii is not None:
+            ctx.pii.masked = structs.replace(ctx.pii.masked, **fields)
