@@ -370,6 +370,9 @@ class MaskSession:
         calls = message.get("tool_calls")
         if isinstance(calls, list):
             out["tool_calls"] = [self._mask_call(c) for c in calls]
+        legacy = message.get("function_call")
+        if isinstance(legacy, dict) and isinstance(legacy.get("arguments"), str):
+            out["function_call"] = {**legacy, "arguments": self.mask_inline(legacy["arguments"])}
         return out
 
     def _mask_call(self, call: Any) -> Any:
@@ -388,9 +391,17 @@ class MaskSession:
     def _mask_part(self, part: Any) -> Any:
         if isinstance(part, str):
             return self._mask_one(part, reserve=False)
-        if isinstance(part, dict) and "text" in part:
-            return {**part, "text": self._mask_one(part["text"], reserve=False)}
-        return part
+        if not isinstance(part, dict):
+            return part
+        out = dict(part)
+        if "text" in part:
+            out["text"] = self._mask_one(part["text"], reserve=False)
+        if isinstance(part.get("refusal"), str):
+            out["refusal"] = self._mask_one(part["refusal"], reserve=False)
+        file = part.get("file")
+        if isinstance(file, dict) and isinstance(file.get("filename"), str):
+            out["file"] = {**file, "filename": self._mask_one(file["filename"], reserve=False)}
+        return out
 
     def _mask_one(self, text: str, *, reserve: bool) -> str:
         if reserve:
@@ -439,6 +450,9 @@ def _message_texts(message: Mapping[str, Any]) -> Iterator[str]:
             args = call["function"].get("arguments")
             if isinstance(args, str):
                 yield args
+    legacy = message.get("function_call")  # the deprecated form of one tool call
+    if isinstance(legacy, dict) and isinstance(legacy.get("arguments"), str):
+        yield legacy["arguments"]
     content = message.get("content")
     if content is None:
         return
@@ -448,10 +462,22 @@ def _message_texts(message: Mapping[str, Any]) -> Iterator[str]:
         for part in content:
             if isinstance(part, str):
                 yield part
-            elif isinstance(part, dict) and "text" in part:
-                yield part["text"]
+            elif isinstance(part, dict):
+                yield from _part_texts(part)
     else:
         raise MaskingError(f"message content must be text or parts, not {type(content).__name__}")
+
+
+def _part_texts(part: Mapping[str, Any]) -> Iterator[str]:
+    """The texts of one content part: its `text` (whatever it holds: one that is not
+    text fails the masking, closed), a refusal's `refusal`, a file's name."""
+    if "text" in part:
+        yield part["text"]
+    if isinstance(part.get("refusal"), str):
+        yield part["refusal"]
+    file = part.get("file")
+    if isinstance(file, dict) and isinstance(file.get("filename"), str):
+        yield file["filename"]
 
 
 class StreamRestorer:
@@ -502,15 +528,73 @@ def contains_pii(text: str) -> bool:
 
 def mask_request(session: MaskSession, req: Generation) -> Generation:
     """The request with every field that can carry user text masked: chat `messages`
-    (content and content-part text, names, tool-call arguments), completion `prompt`
-    (a text or a list of texts) and `user`."""
-    messages, prompt, user = req.messages, req.prompt, req.user
+    (content and content-part text, refusals, file names, names, tool-call arguments,
+    a legacy `function_call`'s arguments), completion `prompt` (a text or a list of
+    texts) and `suffix`, a `prediction`'s content, `metadata` values, tools'
+    descriptions, and the end-user ids `user` and `prompt_cache_key`. What is found in
+    any of them is what `block` refuses and `mask_upstream` replaces."""
+    messages, prompt = req.messages, req.prompt
     if messages is not None:
         messages = session.mask_messages(messages)
     if isinstance(prompt, str):
         prompt = session.mask(prompt)
     elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
         prompt = [session.mask(p) for p in prompt]
-    if user is not None:
-        user = session.mask(user).replace("<", "").replace(">", "")
-    return msgspec.structs.replace(req, messages=messages, prompt=prompt, user=user)
+    # An end-user id stays an id: its placeholder without <>.
+    user, cache_key = (
+        None if v is None else session.mask(v).replace("<", "").replace(">", "")
+        for v in (req.user, req.prompt_cache_key)
+    )
+    return msgspec.structs.replace(
+        req,
+        messages=messages,
+        prompt=prompt,
+        user=user,
+        prompt_cache_key=cache_key,
+        tools=_masked_tools(session, req.tools),
+        extra=_masked_extra(session, req.extra),
+    )
+
+
+def _masked_tools(
+    session: MaskSession, tools: list[dict[str, Any]] | None
+) -> list[dict[str, Any]] | None:
+    """Tools with their functions' descriptions masked (names and schemas are kept)."""
+    if not tools:
+        return tools
+    out = []
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("description"), str):
+            tool = {**tool, "function": {**fn, "description": session.mask(fn["description"])}}
+        out.append(tool)
+    return out
+
+
+def _masked_extra(session: MaskSession, extra: dict[str, Any]) -> dict[str, Any]:
+    """The forwarded members that carry text: a completion's `suffix`, a `prediction`'s
+    content (a text or text parts) and `metadata`'s values."""
+    if not extra.keys() & {"suffix", "prediction", "metadata"}:
+        return extra
+    out = dict(extra)
+    if isinstance(extra.get("suffix"), str):
+        out["suffix"] = session.mask(extra["suffix"])
+    prediction = extra.get("prediction")
+    if isinstance(prediction, dict):
+        content = prediction.get("content")
+        if isinstance(content, str):
+            out["prediction"] = {**prediction, "content": session.mask(content)}
+        elif isinstance(content, list):
+            parts = [
+                {**p, "text": session.mask(p["text"])}
+                if isinstance(p, dict) and isinstance(p.get("text"), str)
+                else p
+                for p in content
+            ]
+            out["prediction"] = {**prediction, "content": parts}
+    metadata = extra.get("metadata")
+    if isinstance(metadata, dict):
+        out["metadata"] = {
+            k: session.mask(v) if isinstance(v, str) else v for k, v in metadata.items()
+        }
+    return out
