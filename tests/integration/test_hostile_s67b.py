@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,9 +39,7 @@ from mcp import MCPError
 
 from support.gateways import Gateway, cheap_config, start_gateway
 from support.mcp_http import in_session, open_session
-from support.mcp_sessions import Tools, session, text, wait_for_port, wait_tools_ready
-from support.paths import MCP_TOOL_SERVER
-from support.procs import Proc, free_port
+from support.mcp_sessions import Tools, http_tool_server, session, text, wait_tools_ready
 from support.upstreams import Scripted
 
 # What no client should ever see: Python's exception names and texts.
@@ -61,13 +58,10 @@ def tools() -> Tools:
 
 @pytest.fixture(scope="module")
 def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
-    port = free_port()
-    server = Proc([sys.executable, MCP_TOOL_SERVER, "http", tools.http_log, str(port)], "mcp")
-    try:
-        wait_for_port(port, server)
+    with http_tool_server(tools) as url:
         config = cheap_config(
             scripted,
-            mcp={"servers": [{"name": "web", "url": f"http://127.0.0.1:{port}/mcp"}]},
+            mcp={"servers": [{"name": "web", "url": url}]},
             tools={"registry": REGISTRY},
         )
         g = start_gateway(config)
@@ -76,8 +70,6 @@ def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
             yield g
         finally:
             g.proc.stop()
-    finally:
-        server.stop()
 
 
 def _tenant(gw: Gateway) -> tuple[str, str]:

@@ -20,9 +20,8 @@ import pytest
 from mcp import MCPError
 
 from support.gateways import Gateway, cheap_config, start_gateway
-from support.mcp_sessions import Tools, session, text, wait_for_port, wait_tools_ready
+from support.mcp_sessions import Tools, http_tool_server, session, text, wait_tools_ready
 from support.paths import MCP_TOOL_SERVER
-from support.procs import Proc, free_port
 from support.upstreams import Scripted
 
 SERVER = MCP_TOOL_SERVER
@@ -53,10 +52,7 @@ def tools() -> Tools:
 
 @pytest.fixture(scope="module")
 def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
-    port = free_port()
-    http_server = Proc([sys.executable, SERVER, "http", tools.http_log, str(port)], "mcp-http")
-    try:
-        wait_for_port(port, http_server)
+    with http_tool_server(tools) as url:
         config = cheap_config(
             scripted,
             mcp={
@@ -71,7 +67,7 @@ def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
                     },
                     {
                         "name": "web",
-                        "url": f"http://127.0.0.1:{port}/mcp",
+                        "url": url,
                         "timeout_s": 1.5,
                         # "lokup": a typo: a price for a tool the server does not
                         # list is never charged, so the gateway says so.
@@ -81,7 +77,7 @@ def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
                     # failures (its own: web's stays closed).
                     {
                         "name": "flaky",
-                        "url": f"http://127.0.0.1:{port}/mcp",
+                        "url": url,
                         "breaker": {"failures": 2, "cooldown_s": 1.5},
                     },
                 ],
@@ -105,8 +101,6 @@ def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
             yield g
         finally:
             g.proc.stop()
-    finally:
-        http_server.stop()
 
 
 def run(coro: Any) -> Any:

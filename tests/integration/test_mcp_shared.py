@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,10 +15,8 @@ import pytest
 from mcp import ClientSession
 
 from support.gateways import cheap_config, start_gateway
-from support.mcp_sessions import Tools, session, text, wait_for_port, wait_tools_ready
-from support.paths import MCP_TOOL_SERVER
+from support.mcp_sessions import Tools, http_tool_server, session, text, wait_tools_ready
 from support.postgres_server import Postgres, fresh
-from support.procs import Proc, free_port
 from support.upstreams import Scripted
 
 TOOL = "web__send_email"
@@ -34,42 +31,37 @@ def postgres() -> Iterator[Postgres]:
 
 def test_one_call_id_through_two_gateways_runs_once(postgres: Postgres, scripted: Scripted) -> None:
     tools = Tools()
-    port = free_port()
-    tool_server = Proc(
-        [sys.executable, MCP_TOOL_SERVER, "http", tools.http_log, str(port)], "mcp-http"
-    )
     db = fresh(postgres.url)
     # One sealing key for both: each must open the result the other stored.
     env = {"SY_TEST_SEAL": base64.b64encode(os.urandom(32)).decode()}
-    config = cheap_config(
-        scripted,
-        mcp={"servers": [{"name": "web", "url": f"http://127.0.0.1:{port}/mcp"}]},
-        tools={"registry": [{"name": TOOL, "class": "side_effect"}]},
-        responses={"encryption_key_env": "SY_TEST_SEAL"},
-    )
     gateways: list[Any] = []
-    try:
-        wait_for_port(port, tool_server)
-        gateways = [start_gateway(config, db=db, env=env) for _ in range(2)]
-        for g in gateways:
-            g.key = gateways[0].key  # one tenant and key, in the shared database
-        for g in gateways:
-            wait_tools_ready(g, ("web",))
-        call_id = "call_sy_" + os.urandom(6).hex()
-        to = f"{call_id}@example.com"
+    with http_tool_server(tools) as url:
+        config = cheap_config(
+            scripted,
+            mcp={"servers": [{"name": "web", "url": url}]},
+            tools={"registry": [{"name": TOOL, "class": "side_effect"}]},
+            responses={"encryption_key_env": "SY_TEST_SEAL"},
+        )
+        try:
+            gateways = [start_gateway(config, db=db, env=env) for _ in range(2)]
+            for g in gateways:
+                g.key = gateways[0].key  # one tenant and key, in the shared database
+            for g in gateways:
+                wait_tools_ready(g, ("web",))
+            call_id = "call_sy_" + os.urandom(6).hex()
+            to = f"{call_id}@example.com"
 
-        async def one(g: Any) -> str:
-            async with session(g) as s:
-                assert isinstance(s, ClientSession)
-                r = await s.call_tool(TOOL, {"to": to, "body": "hi"}, meta={"call_id": call_id})
-                return text(r)
+            async def one(g: Any) -> str:
+                async with session(g) as s:
+                    assert isinstance(s, ClientSession)
+                    r = await s.call_tool(TOOL, {"to": to, "body": "hi"}, meta={"call_id": call_id})
+                    return text(r)
 
-        async def three() -> list[str]:
-            return list(await asyncio.gather(*(one(g) for g in [*gateways, gateways[0]])))
+            async def three() -> list[str]:
+                return list(await asyncio.gather(*(one(g) for g in [*gateways, gateways[0]])))
 
-        assert asyncio.run(three()) == [f"sent to {to}"] * 3
-        assert Tools.runs(tools.http_log, "send_email", to=to) == 1
-    finally:
-        for g in gateways:
-            g.proc.stop()
-        tool_server.stop()
+            assert asyncio.run(three()) == [f"sent to {to}"] * 3
+            assert Tools.runs(tools.http_log, "send_email", to=to) == 1
+        finally:
+            for g in gateways:
+                g.proc.stop()

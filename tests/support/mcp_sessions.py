@@ -5,10 +5,11 @@ on a gateway's /mcp."""
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ from mcp.client.streamable_http import streamable_http_client
 
 from support.gateways import Gateway
 from support.mcp_http import tool_runs
-from support.procs import Proc
+from support.paths import MCP_TOOL_SERVER
+from support.procs import Proc, free_port
 
 
 class Tools:
@@ -47,6 +49,19 @@ def wait_for_port(port: int, proc: Proc) -> None:
                 raise RuntimeError(proc.output()) from None
             time.sleep(0.1)
     raise RuntimeError("the MCP server did not start:\n" + proc.output())
+
+
+@contextmanager
+def http_tool_server(tools: Tools) -> Iterator[str]:
+    """The test MCP tool server over Streamable HTTP (its runs logged in
+    `tools.http_log`): its /mcp URL once it answers, stopped afterwards."""
+    port = free_port()
+    proc = Proc([sys.executable, MCP_TOOL_SERVER, "http", tools.http_log, str(port)], "mcp-http")
+    try:
+        wait_for_port(port, proc)
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        proc.stop()
 
 
 def wait_tools_ready(g: Gateway, names: tuple[str, ...] = ("crm", "web", "flaky")) -> None:
