@@ -90,6 +90,17 @@ def test_task_deadline_header_is_rfc3339_with_an_offset() -> None:
         headers.task_timeout("0")
 
 
+def test_a_task_deadline_is_at_most_a_week_ahead() -> None:
+    """A deadline in the year 9999 would be no deadline: like `x-task-timeout`, it is
+    bounded, here to seven days after the request came."""
+    now = 1796126400.0  # 2026-12-01T12:00:00Z
+    assert headers.task_deadline("2026-12-08T12:00:00Z", now) == now + 7 * 86400
+    for far in ("2026-12-08T12:00:01Z", "9999-12-31T23:59:59Z"):
+        with pytest.raises(InvalidRequest) as e:
+            headers.task_deadline(far, now)
+        assert e.value.param == "x-task-deadline" and "7 days" in e.value.message
+
+
 budgets = st.builds(
     TaskBudget,
     calls=st.none() | st.integers(1, 50),

@@ -32,7 +32,7 @@ import orjson
 from switchyard.api.checks import bad, no_extras, number, string
 from switchyard.api.codecs import CHAT_TYPED
 from switchyard.errors import InvalidRequest, MissingRequiredParameter
-from switchyard.policy.validate import validate_chat
+from switchyard.policy.validate import tools_array, validate_chat
 from switchyard.request import Generation, from_object
 
 # The top-level members the gateway honours; any other is refused by name.
@@ -232,10 +232,8 @@ _TOOL_KEYS = frozenset({"name", "description", "input_schema", "type"})
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
-    if not isinstance(tools, list):
-        raise bad("'tools' must be an array", "tools")
     out = []
-    for k, tool in enumerate(tools):
+    for k, tool in enumerate(tools_array(tools)):
         where = f"tools[{k}]"
         if not isinstance(tool, dict):
             raise bad(f"'{where}' must be an object", where)

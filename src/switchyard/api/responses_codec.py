@@ -33,6 +33,7 @@ import msgspec
 from switchyard.api.checks import bad, flag, no_extras, number, string
 from switchyard.entropy import RandomPool
 from switchyard.errors import InvalidRequest, MissingRequiredParameter
+from switchyard.policy.validate import tools_array
 
 # Top-level members the gateway honours; any other is refused by name.
 FIELDS = frozenset(
@@ -266,10 +267,8 @@ _TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
-    if not isinstance(tools, list):
-        raise bad("'tools' must be an array", "tools")
     out = []
-    for k, tool in enumerate(tools):
+    for k, tool in enumerate(tools_array(tools)):
         where = f"tools[{k}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise bad(f"'{where}': only function tools are supported", f"{where}.type")

@@ -52,7 +52,8 @@ class ToolsConfig(Strict):
     recorded (`flag`); a decision either way."""
     check_outputs: bool = True
     """Check the tool calls in replies at all (authorization, idempotency keys); false trusts the
-    upstream's tool calls as they come. Approvals apply either way."""
+    upstream's tool calls as they come. Approvals apply either way. While on, a chat request's
+    legacy `functions`/`function_call` are refused (the check reads `tool_calls`)."""
     approval_ttl_s: float = Field(3600.0, gt=0, le=30 * 86400)
     """Seconds an approval token stays valid after it is issued."""
 

@@ -116,8 +116,8 @@ class Tools(Stage):
         self._cfg = c = settings.tools
         self._embedder = embedder
         self._gate = gate  # tools.check_outputs: the tool calls in replies are governed
-        # No tool is removed from a request: the stage folds (`functions` then go as
-        # they came; the gate governs only the `tool_calls` of replies).
+        # No tool is removed from a request: the stage folds, unless the gate governs
+        # chat replies, whose requests it must then see (`_legacy`).
         self._no_policy = (
             c.shortlist_k is None and c.allow is None and not c.deny and not c.tenant_allow
         )
@@ -130,18 +130,22 @@ class Tools(Stage):
         return ToolGate(ctx, policy)
 
     def static(self, view: View) -> Verdict | None:
-        return self.NONE if self._no_policy else None
+        if self._no_policy and (self._gate is None or view.endpoint != "chat.completions"):
+            return self.NONE
+        return None
 
     def work(self, ctx: RequestContext) -> Awaitable[None] | None:
         req = ctx.generation
         if req.functions is not None or "function_call" in req.extra:
-            # The deprecated form would offer tools past the policy, which reads `tools`.
+            # The deprecated form would offer tools past the policy, which reads `tools`,
+            # and its replies' `function_call` past the gate, which reads `tool_calls`
+            # (no key, no block): refused wherever either is on.
             raise InvalidRequest(
                 "'functions' and 'function_call' are not accepted where tools are governed; "
                 "send 'tools' and 'tool_choice'",
                 param="functions" if req.functions is not None else "function_call",
             )
-        if not req.tools:
+        if not req.tools or self._no_policy:
             ctx.record(self.name, self.NONE.outcome, self.NONE.reason, time.perf_counter())
             return None
         return self._shortlist(ctx)

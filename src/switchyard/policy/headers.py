@@ -178,15 +178,22 @@ def task_timeout(value: str) -> float:
     return _seconds("x-task-timeout", value, MAX_TASK_TIMEOUT_S)
 
 
-def task_deadline(value: str) -> float:
-    """`x-task-deadline`: an RFC 3339 timestamp with its offset, as unix seconds."""
+def task_deadline(value: str, now: float | None = None) -> float:
+    """`x-task-deadline`: an RFC 3339 timestamp with its offset, as unix seconds; at
+    most `MAX_TASK_TIMEOUT_S` after `now` (as `x-task-timeout` and `wall_s` are: a
+    deadline in the year 9999 would be no deadline)."""
     if len(value) <= 40 and _RFC3339.fullmatch(value):
         try:
             when = _dt.datetime.fromisoformat(value.replace("z", "Z").replace("Z", "+00:00"))
         except ValueError:
             when = None
         if when is not None and when.tzinfo is not None:
-            return when.timestamp()
+            at = when.timestamp()
+            if at - (time.time() if now is None else now) > MAX_TASK_TIMEOUT_S:
+                raise _bad(
+                    "x-task-deadline", f"at most {MAX_TASK_TIMEOUT_S / 86400:g} days from now"
+                )
+            return at
     raise _bad("x-task-deadline", "an RFC 3339 timestamp with an offset, like 2026-12-01T12:00:00Z")
 
 

@@ -101,7 +101,9 @@ class Task(Stage):
         return TaskFirst(
             budget,
             request_headers.task_timeout(timeout) if timeout is not None else None,
-            request_headers.task_deadline(deadline) if deadline is not None else None,
+            request_headers.task_deadline(deadline, ctx.input.received_at)
+            if deadline is not None
+            else None,
         )
 
     async def _admit(self, ctx: RequestContext) -> None:

@@ -307,10 +307,21 @@ def _tool_calls(i: int, calls: Any) -> None:
             )
 
 
-def _tools(tools: Any) -> None:
+MAX_TOOLS = 128  # the OpenAI API's bound; each tool costs policy, PII and cache work
+
+
+def tools_array(tools: Any) -> list[Any]:
+    """A request's `tools` as an array of at most `MAX_TOOLS`, whatever its protocol
+    (chat completions, Responses, Messages: each codec's check starts here)."""
     if not isinstance(tools, list):
         raise InvalidRequest("'tools' must be an array", param="tools")
-    for k, tool in enumerate(tools):
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"'tools' may hold at most {MAX_TOOLS} tools", param="tools")
+    return tools
+
+
+def _tools(tools: Any) -> None:
+    for k, tool in enumerate(tools_array(tools)):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or tool.get("type", "function") != "function":
             raise InvalidRequest(
