@@ -113,6 +113,8 @@ class Principal:
     # The scheduling class (index in PRIORITY_NAMES): the lower of the tenant's and the
     # key's; a request may lower its own (x-switchyard-priority), never raise it.
     priority: int = STANDARD
+    # When the key expires (unix seconds; None: never): no cached answer outlives it.
+    expires_at: float | None = None
 
     def may_use(self, alias: str) -> bool:
         return model_allowed(self.key_models, alias) and model_allowed(self.tenant_models, alias)

@@ -83,8 +83,9 @@ class AuthConfig(Strict):
     bootstrap_dev_key: bool = True
     """On first start with no tenants, create tenant `dev` and print its key once."""
     key_cache_s: float = Field(2.0, ge=0)
-    """Seconds a verified key stays cached: a revocation through another process (the CLI) takes
-    effect within this time, one through the admin API at once."""
+    """Seconds a verified key stays cached (never past its expiry): a revocation through the CLI
+    takes effect within this time; one through the admin API at once, in every gateway process
+    that shares Redis with the one that took it."""
 
 
 class IdempotencyConfig(Strict):

@@ -16,6 +16,7 @@ from switchyard.execute.executor import Executor
 from switchyard.media.process import MediaProcessor
 from switchyard.observe.metrics import Metrics
 from switchyard.observe.otel import Tracing
+from switchyard.policy.auth import Authenticator
 from switchyard.policy.cost import PromptOverhead
 from switchyard.policy.tasks import Running
 from switchyard.state.guard import GuardShare
@@ -56,6 +57,7 @@ class Components:
     mcp: Any  # the MCP tool gateway (mcp_service/), None without tool servers
     overhead: PromptOverhead
     overhead_share: SharedOverhead | None
+    auth: Authenticator  # its verified keys, and the key changes of other processes
     sessions: SessionAffinity | None
     guard_share: GuardShare | None  # the canary guards' windows shared (state/guard.py)
     gates: dict[str, Any]  # DeploymentGate (or a worker's RemoteGate) by alias

@@ -1,6 +1,6 @@
 """Start and stop: engines and tool servers, the background loops of the other
 concerns (retention, busy time, weights, revisions, task cancels from other
-processes, the shared cache's events), the router and the candidate encoder's build;
+processes, the shared cache's events, key changes from other processes), the router and the candidate encoder's build;
 all given back in `stop`."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ _LOOPS = (
     "_encoder_task",
     "_control_task",
     "_overhead_task",
+    "_key_changes",
 )
 
 
@@ -64,6 +65,8 @@ class Lifecycle(Readiness, Retention, BusyTime, Weights, RevisionRecords):
             self._cancels = asyncio.create_task(listen(self.running.stop))
         if self.cache is not None and self.cache.share is not None:
             self._cache_events = asyncio.create_task(self.cache.share.listen())
+        if self.auth.changes is not None:  # key changes made through other processes
+            self._key_changes = asyncio.create_task(self.auth.changes.listen(self.auth.invalidate))
         if self.embedder is not None:
             self.embedder.start()
         if not self.role.worker:  # of several, the control plane's alone
@@ -142,6 +145,8 @@ class Lifecycle(Readiness, Retention, BusyTime, Weights, RevisionRecords):
         await self.tasks.close()
         if self.overhead_share is not None:
             await self.overhead_share.close()
+        if self.auth.changes is not None:
+            await self.auth.changes.close()
         if self.sessions is not None:
             await self.sessions.close()
         if self.guard_share is not None:

@@ -64,6 +64,7 @@ from switchyard.policy.tasks import Running
 from switchyard.service import RequestService
 from switchyard.settle import Settler
 from switchyard.state.choose import (
+    build_key_changes,
     build_limiter,
     build_overhead_share,
     build_session_affinity,
@@ -96,7 +97,10 @@ class Gateway(ControlPlane):
         self.responses = self.store.responses
         self.ledger = self.store.ledger
         self.idempotency = self.store.idempotency
-        self.auth = Authenticator(self.store.verify_key, settings.auth.key_cache_s)
+        # With Redis, a key or tenant change made through any process applies in all.
+        self.auth = Authenticator(
+            self.store.verify_key, settings.auth.key_cache_s, build_key_changes(settings)
+        )
         self.limiter = build_limiter(settings, role)
         self.tracing = build_tracing(settings)
         self.pii = PiiMasker()

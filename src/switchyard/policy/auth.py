@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from switchyard.errors import AuthenticationError, ModelNotAllowed
 from switchyard.identity import ANONYMOUS, Principal
 from switchyard.outcomes import Authenticate
+
+if TYPE_CHECKING:
+    from switchyard.state.keys_redis import KeyChanges
 
 MAX_AUTHORIZATION = 512  # our keys are ~50 characters; a longer value is not one
 
@@ -44,9 +47,16 @@ class Authenticator:
     the event loop); its answer is cached for `cache_s`, so the hot path touches no
     store at all, and a lookup that has to wait delays only its own request."""
 
-    def __init__(self, verify: Callable[[str], Awaitable[Principal | str]], cache_s: float) -> None:
+    def __init__(
+        self,
+        verify: Callable[[str], Awaitable[Principal | str]],
+        cache_s: float,
+        changes: KeyChanges | None = None,
+    ) -> None:
         self._verify = verify
         self.cache_s = cache_s
+        self.changes = changes  # other processes sharing Redis: told of each change
+        self._generation = 0  # one more at each forgetting (a lookup under way is stale)
         self._cache: dict[str, tuple[float, Principal | str]] = {}
         # The authenticate decision's verdict and evidence per (tenant, key, anonymous).
         self._verdicts: dict[tuple[str, str, bool], Verdict] = {}
@@ -68,7 +78,16 @@ class Authenticator:
         return verdict
 
     def invalidate(self) -> None:
+        """Forget every verified key (this process)."""
         self._cache.clear()
+        self._generation += 1
+
+    async def changed(self) -> None:
+        """Keys or tenants changed (the admin API): this process forgets every verified
+        key at once, and every other process sharing Redis is told to."""
+        self.invalidate()
+        if self.changes is not None:
+            await self.changes.publish()
 
     def authenticate(
         self, headers: Mapping[str, str], x_api_key: bool = False
@@ -91,10 +110,15 @@ class Authenticator:
         return self._lookup(token)
 
     async def _lookup(self, token: str) -> Principal:
+        generation = self._generation
         result = await self._verify(token)
-        if len(self._cache) > 10_000:
-            self._cache.clear()
-        self._cache[token] = (time.monotonic() + self.cache_s, result)
+        if generation == self._generation:  # else a change came while it was read
+            if len(self._cache) > 10_000:
+                self._cache.clear()
+            ttl = self.cache_s
+            if isinstance(result, Principal) and result.expires_at is not None:
+                ttl = min(ttl, result.expires_at - time.time())  # refused once it expires
+            self._cache[token] = (time.monotonic() + ttl, result)
         return _accepted(result)
 
 

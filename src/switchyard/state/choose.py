@@ -38,6 +38,7 @@ from switchyard.state.tasks_memory import MemoryTaskStore
 
 if TYPE_CHECKING:
     from switchyard.state.affinity_redis import SessionAffinity
+    from switchyard.state.keys_redis import KeyChanges
     from switchyard.state.overhead_redis import SharedOverhead
 
 
@@ -139,6 +140,16 @@ def build_overhead_share(settings: Settings) -> SharedOverhead | None:
         return overhead_redis.SharedOverhead(
             settings.storage.redis_url, settings.storage.redis_timeout_s
         )
+    return None
+
+
+def build_key_changes(settings: Settings) -> KeyChanges | None:
+    """Key and tenant changes told to every gateway process, through Redis when
+    `storage.redis_url` is set (state/keys_redis.py); else None (one process)."""
+    if settings.storage.redis_url:
+        from switchyard.state.keys_redis import KeyChanges  # Redis's client only when used
+
+        return KeyChanges(settings.storage.redis_url, settings.storage.redis_timeout_s)
     return None
 
 

@@ -255,7 +255,7 @@ class KeyStore:
     def update_tenant(self, tenant_id: str, /, **values: Any) -> dict[str, Any]:
         """Change a tenant's limits or priority: only the fields given (a None clears a
         limit back to the default, and a priority back to standard). A gateway applies
-        it when it next reads the tenant's keys (its key cache, auth.cache_ttl_s)."""
+        it when it next reads the tenant's keys (its key cache, auth.key_cache_s)."""
         self.get_tenant(tenant_id)
         self._update("tenants", tenant_id, values)
         return self.get_tenant(tenant_id)
@@ -313,11 +313,16 @@ class KeyStore:
         labels = _check_labels(values.get("labels"))
         ttl = values.get("expires_in_s")
         if ttl is not None:
-            if not isinstance(ttl, int | float) or ttl <= 0:
+            # Held to what `expires_at` is (a bool is no number): the time it makes.
+            if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < 1e10:
                 raise InvalidRequest(
-                    "'expires_in_s' must be a positive number", param="expires_in_s"
+                    "'expires_in_s' must be a positive number of seconds", param="expires_in_s"
                 )
-            expires = time.time() + float(ttl)
+            if expires is not None:
+                raise InvalidRequest(
+                    "give 'expires_at' or 'expires_in_s', not both", param="expires_in_s"
+                )
+            expires = _check_expires_at(time.time() + float(ttl))
         pin = values.get("may_pin_revisions", False)
         device = values.get("may_report_device_state", False)
         for name, flag in (("may_pin_revisions", pin), ("may_report_device_state", device)):
@@ -461,6 +466,7 @@ class KeyStore:
             task_budget=task_budget,
             # The lower class of the two (a larger index): a key never raises its tenant's.
             priority=max(_rank(row["t_priority"]), _rank(row["priority"])),
+            expires_at=expires,
         )
 
     def count_tenants(self) -> int:

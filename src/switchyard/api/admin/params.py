@@ -46,12 +46,12 @@ def query_text(q: Any, name: str) -> str | None:
 
 
 async def read_fields(request: Request, allowed: tuple[str, ...]) -> dict[str, Any]:
-    """The body, a JSON object of `allowed` fields (and "id", "tenant_id"); an unknown
-    field is refused by name."""
+    """The body, a JSON object of `allowed` fields; an unknown field is refused by
+    name."""
     body = await read_json(request, MAX_BODY_BYTES)
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    unknown = sorted(set(body) - set(allowed) - {"id", "tenant_id"})
+    unknown = sorted(set(body) - set(allowed))
     if unknown:
         raise InvalidRequest(f"unknown field '{unknown[0]}'", param=unknown[0])
     return body

@@ -1,5 +1,6 @@
 """/admin/tenants and /admin/keys: the `KeyStore` calls the CLI makes (cli/keys.py),
-over HTTP; a change takes effect at once in this process."""
+over HTTP; a change takes effect at once in this process and, through Redis, in every
+other gateway process that shares it (state/keys_redis.py)."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ class TenantsKeys:
                         await self.s.store.spent_since("tenant_id", t["id"], since), 6
                     )
             return as_json({"object": "list", "data": data})
-        body = await read_fields(request, TENANT_FIELDS)
+        body = await read_fields(request, ("id", *TENANT_FIELDS))
         tenant_id = body.pop("id", None)
         if not tenant_id:
             raise InvalidRequest("'id' is required", param="id")
@@ -86,13 +87,13 @@ class TenantsKeys:
 
     async def tenant(self, request: Request) -> Response:
         """GET: one tenant, its limits, effective limits and metrics label; PATCH {limits,
-        priority}: change those given (at once in this process)."""
+        priority}: change those given (at once: Authenticator.changed)."""
         self.guard(request)
         tenant_id = request.path_params["tenant_id"]
         if request.method == "PATCH":
             body = await read_fields(request, UPDATABLE)
             out = self.s.keys.update_tenant(tenant_id, **body)
-            self.s.auth.invalidate()
+            await self.s.auth.changed()
             return as_json(self.with_metrics_label(out))
         return as_json(self.with_metrics_label(self.s.keys.get_tenant(tenant_id)))
 
@@ -102,31 +103,31 @@ class TenantsKeys:
         if request.method == "GET":
             tenant_id = request.query_params.get("tenant")
             return as_json({"object": "list", "data": self.s.keys.list_keys(tenant_id)})
-        body = await read_fields(request, KEY_FIELDS)
+        body = await read_fields(request, ("tenant_id", *KEY_FIELDS))
         tenant_id = body.pop("tenant_id", None)
-        if not tenant_id:
-            raise InvalidRequest("'tenant_id' is required", param="tenant_id")
+        if not tenant_id or not isinstance(tenant_id, str):
+            raise InvalidRequest("'tenant_id' is required: a tenant's id", param="tenant_id")
         return as_json(self.s.keys.create_key(tenant_id, **body), 201)
 
     async def key(self, request: Request) -> Response:
         """GET: one API key; PATCH {limits, priority}: change those given; DELETE: revoke
-        it (both at once in this process)."""
+        it (both at once: Authenticator.changed)."""
         self.guard(request)
         key_id = request.path_params["key_id"]
         if request.method == "PATCH":
             body = await read_fields(request, UPDATABLE)
             out = self.s.keys.update_key(key_id, **body)
-            self.s.auth.invalidate()
+            await self.s.auth.changed()
             return as_json(out)
         if request.method == "DELETE":
             out = self.s.keys.revoke_key(key_id)
-            self.s.auth.invalidate()
+            await self.s.auth.changed()
             return as_json(out)
         return as_json(self.s.keys.get_key(key_id))
 
     async def revoke(self, request: Request) -> Response:
-        """Revoke an API key (at once in this process)."""
+        """Revoke an API key (at once: Authenticator.changed)."""
         self.guard(request)
         out = self.s.keys.revoke_key(request.path_params["key_id"])
-        self.s.auth.invalidate()  # takes effect at once in this process
+        await self.s.auth.changed()
         return as_json(out)
