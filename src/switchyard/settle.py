@@ -22,6 +22,7 @@ from switchyard.policy.cost import PromptOverhead
 from switchyard.reply import reply_usage
 from switchyard.state.ledger import UsageLedger
 from switchyard.state.ledger_rows import Finished
+from switchyard.usage import counts
 
 if TYPE_CHECKING:
     from switchyard.observe.otel import Tracing
@@ -166,16 +167,27 @@ class Settler:
         run = ctx.run
         if run.usage is None and run.reply_body is not None:
             run.usage = reply_usage(run.reply_body)
-        usage = run.usage or {}
-        if usage:
-            inp = int(usage.get("prompt_tokens") or 0)
-            out = int(usage.get("completion_tokens") or 0)
+        usage = run.usage
+        counted = counts(usage) if usage else None
+        if counted is not None:
+            inp, out = counted
             if inp and ctx.alias is not None and ctx.cost is not None:
                 self.overhead.observe(ctx.alias, ctx.cost.base, inp)  # reservations lean high
         elif run.attempts and ctx.input.endpoint != "embeddings":
             # Best effort for a broken stream: the prompt as it was estimated.
             inp = ctx.cost.prompt if ctx.cost is not None else ctx.prompt_estimate
             out = run.chunks
+            if usage:
+                # Counts no request could have (negative, not integers, past any cap):
+                # never a refund, never billions; the most the request was let use.
+                out = max(out, ctx.max_tokens or 0)
+                log.warning(
+                    "the upstream of %s reported usage that cannot be billed; "
+                    "billed the estimate (%d in, %d out)",
+                    ctx.input.request_id,
+                    inp,
+                    out,
+                )
         else:
             inp = out = 0
         if ctx.model is not None:

@@ -21,6 +21,7 @@ import orjson
 
 from switchyard.errors import SwitchyardError
 from switchyard.reply import ChatChunk, chunk_parts
+from switchyard.usage import counts
 
 # chat `finish_reason` -> Messages `stop_reason`
 STOP_REASONS = {
@@ -53,11 +54,10 @@ def _input(arguments: Any) -> dict[str, Any]:
 
 
 def usage_of(usage: Any) -> dict[str, int]:
-    u = usage if isinstance(usage, dict) else {}
-    return {
-        "input_tokens": int(u.get("prompt_tokens") or 0),
-        "output_tokens": int(u.get("completion_tokens") or 0),
-    }
+    """The Messages usage of a chat usage; zeros for counts no request could have (the
+    request is billed its estimate then: settle.py)."""
+    inp, out = counts(usage) or (0, 0)
+    return {"input_tokens": inp, "output_tokens": out}
 
 
 def to_message(chat: dict[str, Any], model: str) -> dict[str, Any]:

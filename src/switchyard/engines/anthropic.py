@@ -126,12 +126,8 @@ class AnthropicUpstream(OpenAIUpstream):
         reply = await super().post(
             MESSAGES_PATH, orjson.dumps(body), timeouts, remaining_s, extra_headers
         )
-        try:
-            msg = orjson.loads(reply.body)
-        except orjson.JSONDecodeError:
-            msg = None
-        chat = message_to_chat(msg, str(body["model"]), int(time.time()))
-        return UpstreamReply(reply.status, orjson.dumps(chat), reply.headers)
+        chat = message_to_chat(reply.obj, str(body["model"]), int(time.time()))
+        return UpstreamReply(reply.status, orjson.dumps(chat), reply.headers, chat)
 
     async def stream(
         self,

@@ -25,20 +25,58 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from switchyard.config import McpServerConfig
 from switchyard.engines.mcp_forward import ConnectFailed, HttpForwarder, SessionLost
 
 log = logging.getLogger("switchyard.mcp")
 SEP = "__"  # `<server>__<tool>`
+# What a server's tools/list may put in the catalog every client is handed: at most this
+# many tools and bytes of them (a hostile or broken server listing thousands would make
+# each client's tools/list megabytes), each named as the MCP specification allows.
+MAX_TOOLS = 512
+MAX_CATALOG_BYTES = 2 << 20
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 PING_S = 2.0
 MAX_BACKOFF_S = 30.0
 STDERR_TAIL = 2000
+
+
+def bounded_catalog(
+    server: str, listed: Iterable[tuple[str, dict[str, Any]]]
+) -> dict[str, dict[str, Any]]:
+    """The tools a server listed that the catalog keeps, in its order: validly named
+    ones, within `MAX_TOOLS` and `MAX_CATALOG_BYTES` (their JSON); what is left out is
+    logged, never silently lost."""
+    kept: dict[str, dict[str, Any]] = {}
+    size = skipped = 0
+    for name, tool in listed:
+        if not TOOL_NAME.fullmatch(name) or name in kept or len(kept) >= MAX_TOOLS:
+            skipped += 1
+            continue
+        size += len(orjson.dumps(tool))
+        if size > MAX_CATALOG_BYTES:
+            skipped += 1
+            continue
+        kept[name] = tool
+    if skipped:
+        log.warning(
+            "MCP server %s: %d listed tools left out of the catalog (a bad or repeated name, "
+            "or past %d tools or %d bytes)",
+            server,
+            skipped,
+            MAX_TOOLS,
+            MAX_CATALOG_BYTES,
+        )
+    return kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,10 +237,13 @@ class McpServer:
         async with self._transport() as (read, write), ClientSession(read, write) as session:
             init = await asyncio.wait_for(session.initialize(), self.cfg.timeout_s)
             listed = await asyncio.wait_for(session.list_tools(), self.cfg.timeout_s)
-            self.tools = {
-                t.name: t.model_dump(by_alias=True, mode="json", exclude_none=True)
-                for t in listed.tools
-            }
+            self.tools = bounded_catalog(
+                self.name,
+                (
+                    (t.name, t.model_dump(by_alias=True, mode="json", exclude_none=True))
+                    for t in listed.tools
+                ),
+            )
             cfg = self.cfg
             forward = None
             if cfg.url is not None:

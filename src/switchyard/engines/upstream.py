@@ -4,12 +4,16 @@ Managed local engines speak the same API over loopback, so the gateway has a sin
 upstream code path; an Anthropic-protocol upstream (engines/anthropic.py) is this client
 with a translation on each side. Transport failures are translated here, once, into the error
 hierarchy: unreachable → 502, timeout → 504, broken reply → 502.
+
+An upstream is not trusted to be well-behaved: a whole reply is read within
+`MAX_REPLY_BYTES` (an error's within `MAX_ERROR_BYTES`), a 2xx reply that is not a JSON
+object is a broken reply, one stream event may hold at most `MAX_EVENT_BYTES`, and a
+`Retry-After` reaches the client only as a short whole number of seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
@@ -19,6 +23,7 @@ import aiohttp
 import orjson
 
 from switchyard.config import Timeouts
+from switchyard.engines.bounded import read_bounded
 from switchyard.errors import (
     SwitchyardError,
     UpstreamError,
@@ -29,12 +34,35 @@ from switchyard.errors import (
     UpstreamUnreachable,
 )
 
+MAX_REPLY_BYTES = 64 << 20  # a whole reply: n choices with logprobs fit many times
+MAX_ERROR_BYTES = 64 << 10  # an error's body: only its message is read (1,000 chars)
+MAX_EVENT_BYTES = 4 << 20  # one stream event (engines send a token or a call piece)
+
 
 @dataclass(slots=True)
 class UpstreamReply:
     status: int
     body: bytes
     headers: Mapping[str, str]  # the upstream's, as received (not copied)
+    obj: dict[str, Any] | None = None  # the body parsed (post checks it is an object)
+
+
+async def _read(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The whole body within `limit` bytes (None past it): read at once when its
+    declared length is within the bound (the usual reply), else counted as it comes."""
+    declared = resp.content_length
+    if declared is not None and declared <= limit:
+        return await resp.read()
+    return await read_bounded(resp, limit)
+
+
+def _retry_after(value: str | None) -> str | None:
+    """An upstream's `Retry-After` when it is a whole number of seconds of at most six
+    digits; anything else (a date, text, thousands of digits) is not passed on."""
+    if value is None:
+        return None
+    value = value.strip()
+    return value if value.isdigit() and len(value) <= 6 else None
 
 
 def _upstream_error(status: int, body: bytes, name: str, headers: Any = None) -> SwitchyardError:
@@ -53,7 +81,7 @@ def _upstream_error(status: int, body: bytes, name: str, headers: Any = None) ->
             message = detail
     except (orjson.JSONDecodeError, AttributeError):
         pass
-    retry_after = headers.get("Retry-After") if headers is not None else None
+    retry_after = _retry_after(headers.get("Retry-After") if headers is not None else None)
     err: SwitchyardError
     # The upstream's own words go to the log and the (PII-masked) trace. A client sees
     # them only for a 4xx, where they say what is wrong with its own request (context
@@ -77,15 +105,10 @@ def _upstream_error(status: int, body: bytes, name: str, headers: Any = None) ->
     elif status in (408, 504):
         err = UpstreamTimeout(f"upstream {name} timed out", detail=detail)
         err.retry_class = "504"
-    elif (
-        status in (503, 529)
-        and retry_after
-        and retry_after.strip().isdigit()
-        and len(retry_after) <= 6
-    ):
+    elif status in (503, 529) and retry_after:
         err = UpstreamOverloaded(
-            f"upstream {name} is at capacity; retry after {retry_after.strip()} s",
-            headers={"Retry-After": retry_after.strip()},
+            f"upstream {name} is at capacity; retry after {retry_after} s",
+            headers={"Retry-After": retry_after},
             detail=detail,
         )
         err.retry_class = "503"
@@ -94,8 +117,7 @@ def _upstream_error(status: int, body: bytes, name: str, headers: Any = None) ->
         cls = 503 if status == 529 else status
         err.retry_class = str(cls) if cls in (500, 502, 503) else "500"
     if retry_after:
-        with contextlib.suppress(ValueError):
-            err.retry_after_s = max(0.0, float(retry_after))
+        err.retry_after_s = float(retry_after)
     return err
 
 
@@ -181,10 +203,19 @@ class OpenAIUpstream:
                 timeout=self._timeout(timeouts, remaining_s),
                 headers=extra_headers,
             ) as resp:
-                body = await resp.read()
                 if resp.status >= 300:
-                    raise _upstream_error(resp.status, body, self.name, resp.headers)
-                return UpstreamReply(resp.status, body, resp.headers)
+                    error = await _read(resp, MAX_ERROR_BYTES)
+                    raise _upstream_error(resp.status, error or b"", self.name, resp.headers)
+                body = await _read(resp, MAX_REPLY_BYTES)
+                if body is None:
+                    raise self._broken(f"a reply over {MAX_REPLY_BYTES} bytes")
+                try:
+                    obj = orjson.loads(body)
+                except orjson.JSONDecodeError:
+                    obj = None
+                if not isinstance(obj, dict):
+                    raise self._broken("a reply that is not a JSON object")
+                return UpstreamReply(resp.status, body, resp.headers, obj)
         except SwitchyardError:
             raise
         except BaseException as exc:
@@ -245,13 +276,19 @@ class OpenAIUpstream:
             raise self._translate(exc) from None
         if resp.status >= 300:
             try:
-                body = await resp.read()
+                body = await _read(resp, MAX_ERROR_BYTES)
             except BaseException as exc:
                 resp.release()
                 raise self._translate(exc) from None
             resp.release()
-            raise _upstream_error(resp.status, body, self.name, resp.headers)
+            raise _upstream_error(resp.status, body or b"", self.name, resp.headers)
         return resp
+
+    def _broken(self, what: str) -> UpstreamError:
+        """A 2xx reply the gateway cannot pass on (retried as a 502 is)."""
+        err = UpstreamError(f"upstream {self.name} sent {what}")
+        err.retry_class = "502"
+        return err
 
     def _translate(self, exc: BaseException) -> BaseException:
         if isinstance(exc, asyncio.CancelledError):
@@ -301,6 +338,8 @@ class UpstreamStream:
                 if b"\r" in buf:
                     buf = buf.replace(b"\r\n", b"\n")
                 if b"\n\n" not in buf:
+                    if len(buf) > MAX_EVENT_BYTES:  # an event that never ends
+                        raise self._upstream._broken(f"a stream event over {MAX_EVENT_BYTES} bytes")
                     continue
                 *complete, buf = buf.split(b"\n\n")
                 out = [d for d in map(event_data, complete) if d is not None]
