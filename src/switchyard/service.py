@@ -22,6 +22,7 @@ import orjson
 from switchyard.config import Settings
 from switchyard.decide.cache import Entry
 from switchyard.engines.token_ids import attached
+from switchyard.errors import ModelNotFound
 from switchyard.execute.embeddings import Embeddings
 from switchyard.execute.executor import Executor
 from switchyard.execute.idempotent import Idempotent
@@ -58,12 +59,16 @@ _OK = Status.OK
 ReadBody = Callable[[float], Awaitable[tuple[Any, bytes | None]]]
 
 
+COUNT = "messages.count_tokens"  # the endpoint of a request whose tokens are counted
+
+
 @dataclass(slots=True)
 class Pipelines:
     """The stage sequences, per endpoint kind."""
 
     generation: Pipeline  # chat.completions and completions
     embeddings: Pipeline
+    counting: Pipeline  # messages.count_tokens: authorize and admit, nothing upstream
 
 
 @dataclass
@@ -88,6 +93,7 @@ class RequestService:
         s = self.settings
         self._deadline_s = s.server.default_deadline_s  # read per request: a plain attribute
         self._models = {m.alias: m for m in s.models}  # for `alias@revision` pins
+        self._countable = set(self._models) | {a.name for a in s.adapters}
 
     # -- opening a request ----------------------------------------------------------
     def authenticate(
@@ -212,6 +218,9 @@ class RequestService:
         reply = await self.executor.execute(ctx)
         ctx.status = _OK
         ctx.timings.ended = time.perf_counter()
+        if reply.obj is not None:  # parsed by the upstream client: settling reads this
+            usage = reply.obj.get("usage")
+            ctx.run.usage = usage if isinstance(usage, dict) else None
         body = await attached(
             reply.body,
             ctx.deployment,
@@ -270,6 +279,39 @@ class RequestService:
         finally:
             await self.settle(ctx)
 
+    # -- counting a request's tokens -----------------------------------------------------
+    async def counted(
+        self, ctx: RequestContext, read: ReadBody, count: Callable[[Generation], int]
+    ) -> int:
+        """`count` of the request (its input tokens), once the key may use its model
+        (the same pin and authorize rules as a generation) and its limits admit it as
+        a request: it is one (rpm, concurrency), that reserves no tokens and costs
+        nothing. Recorded and settled like any request; nothing goes upstream."""
+        try:
+            self.begin(ctx)
+            req, raw = await read(ctx.remaining_s())  # decoded and shape-checked
+            alias = req.model
+            if "@" in alias:
+                alias, ctx.pin = split_pin(alias, self._models, self.rl_aliases)
+            if alias not in self._countable:
+                raise ModelNotFound(f"the model '{alias[:128]}' does not exist", param="model")
+            ctx.alias = alias
+            self._validated(ctx, req, raw)
+            pending = self.pipelines.counting.decide(ctx)
+            if pending is not None:
+                await pending
+            n = count(req)
+            ctx.status = _OK
+            ctx.timings.ended = time.perf_counter()
+            return n
+        except asyncio.CancelledError as exc:
+            raise_cancelled(ctx, exc)
+        except BaseException as exc:
+            mark_failed(ctx, exc)
+            raise
+        finally:
+            await self.settle(ctx)
+
     # -- settle ---------------------------------------------------------------------
     def settle_now(self, ctx: RequestContext) -> Awaitable[None] | None:
         """Settle the request (settle.py) unless it was: synchronously unless a stage's
@@ -279,9 +321,10 @@ class RequestService:
         ctx.finished = True
         self.active -= 1
         p = self.pipelines
-        return self.settler.settle(
-            ctx, p.embeddings if ctx.input.endpoint == "embeddings" else p.generation
-        )
+        endpoint = ctx.input.endpoint
+        if endpoint == "embeddings":
+            return self.settler.settle(ctx, p.embeddings)
+        return self.settler.settle(ctx, p.counting if endpoint == COUNT else p.generation)
 
     async def settle(self, ctx: RequestContext) -> None:
         """Release what the request held, charge what it used, write its usage row.

@@ -13,7 +13,6 @@ The key comes as `x-api-key` or `Authorization: Bearer`; `anthropic-version` and
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -21,16 +20,16 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from switchyard.api.body import header_map
-from switchyard.api.messages_codec import MessagesCodec, to_chat
+from switchyard.api.messages_codec import COUNT_CODEC, MessagesCodec
 from switchyard.api.messages_reply import MessageEvents, error_event, to_message
 from switchyard.api.openai import CTX_KEY, OpenAIRoutes, json_response, stream_response
 from switchyard.api.sse import replayed, translated
-from switchyard.errors import ModelNotAllowed, ModelNotFound
 from switchyard.identity import Principal
 from switchyard.pipeline import RequestContext
 from switchyard.policy.cost import prompt_tokens
 from switchyard.reply import Reply, StreamReply, relay, stream_chunks
 from switchyard.request import Generation
+from switchyard.service import COUNT
 
 PREFIX = "/v1/messages"  # the routes whose errors take Anthropic's shape (api/app.py)
 
@@ -95,23 +94,19 @@ class AnthropicRoutes:
 
     async def count_tokens(self, request: Request) -> Response:
         """Count a Messages request's input tokens: the gateway's own estimate, the one
-        its token limits reserve (an upper bound of what the engine will count)."""
+        its token limits reserve (an upper bound of what the engine will count). A
+        request of the key's like any other (service.counted): the same model rules,
+        held to its rpm and concurrency, recorded; nothing goes upstream."""
+        received = time.perf_counter()
         headers = header_map(request)
         principal = await self._principal(headers)
-        parsed, _ = await self.openai.reader(request, headers, None)(
-            self.gw.settings.server.body_timeout_s
-        )
-        chat = to_chat(parsed, count_only=True)
-        alias = chat["model"].partition("@")[0]
-        known = {m.alias for m in self.gw.settings.models} | {
-            a.name for a in self.gw.settings.adapters
-        }
-        if alias not in known:
-            raise ModelNotFound(f"the model '{alias[:128]}' does not exist", param="model")
-        if not principal.may_use(alias):
-            raise ModelNotAllowed(f"this key may not use the model '{alias}'", param="model")
-        req: Any = Generation(
-            model=chat["model"], messages=chat["messages"], tools=chat.get("tools")
-        )
-        high, _ = prompt_tokens(req, None, self.gw.settings.policy.image_tokens)
-        return Response(orjson.dumps({"input_tokens": high}), media_type="application/json")
+        service = self.service
+        ctx = service.open(COUNT, headers, received, principal)
+        request.scope[CTX_KEY] = ctx  # for the error mapping (app.py)
+        image_tokens = self.gw.settings.policy.image_tokens
+
+        def count(req: Generation) -> int:
+            return prompt_tokens(req, None, image_tokens)[0]
+
+        n = await service.counted(ctx, self.openai.reader(request, headers, COUNT_CODEC), count)
+        return Response(orjson.dumps({"input_tokens": n}), media_type="application/json")

@@ -32,7 +32,7 @@ import orjson
 from switchyard.api.checks import bad, no_extras, number, string
 from switchyard.api.codecs import CHAT_TYPED
 from switchyard.errors import InvalidRequest, MissingRequiredParameter
-from switchyard.policy.validate import tools_array, validate_chat
+from switchyard.policy.validate import answerable_choice, tools_array, validate_chat
 from switchyard.request import Generation, from_object
 
 # The top-level members the gateway honours; any other is refused by name.
@@ -363,6 +363,7 @@ def to_chat(body: Any, count_only: bool = False) -> dict[str, Any]:
         out["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
         _tool_choice(body["tool_choice"], out)
+        answerable_choice(out.get("tools"), out["tool_choice"])
     if body.get("metadata") is not None:
         user = _metadata(body["metadata"])
         if user is not None:
@@ -387,3 +388,18 @@ class MessagesCodec:
         validate_chat(chat)  # the internal model's own invariants (always holds: tested)
         req: Generation = from_object(Generation, chat, CHAT_TYPED)[0]
         return req, False
+
+
+class CountCodec:
+    """`POST /v1/messages/count_tokens`: the body checked as a message's, less what
+    only generating needs (`max_tokens`), decoded into the `Generation` whose prompt
+    is counted (its model, messages and tools)."""
+
+    def decode(self, body: Any) -> tuple[Generation, bool]:
+        chat = to_chat(body, count_only=True)
+        return Generation(
+            model=chat["model"], messages=chat["messages"], tools=chat.get("tools")
+        ), False
+
+
+COUNT_CODEC = CountCodec()

@@ -33,7 +33,7 @@ import msgspec
 from switchyard.api.checks import bad, flag, no_extras, number, string
 from switchyard.entropy import RandomPool
 from switchyard.errors import InvalidRequest, MissingRequiredParameter
-from switchyard.policy.validate import tools_array
+from switchyard.policy.validate import answerable_choice, tools_array
 
 # Top-level members the gateway honours; any other is refused by name.
 FIELDS = frozenset(
@@ -401,6 +401,7 @@ def check(body: Any, ids: Ids = new_item_id) -> ResponsesRequest:
         chat["tools"] = _tools(tools)
     if choice is not None:
         chat["tool_choice"] = _tool_choice(choice)
+        answerable_choice(chat.get("tools"), chat["tool_choice"])
         echo["tool_choice"] = choice
     if text is not None:
         fmt = _text_format(text)

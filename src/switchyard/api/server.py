@@ -28,12 +28,14 @@ from typing import Any
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from switchyard.api.anthropic import PREFIX as MESSAGES_PREFIX
 from switchyard.api.body import BAD_FRAMING
 from switchyard.config import ServerConfig
-from switchyard.errors import error_body
+from switchyard.errors import anthropic_type, error_body
 
 log = logging.getLogger("switchyard.api")
 
+_MESSAGES = MESSAGES_PREFIX.encode()
 _REASONS = {
     400: b"Bad Request",
     408: b"Request Timeout",
@@ -42,9 +44,15 @@ _REASONS = {
 }
 
 
-def error_bytes(status: int, message: str, type_: str, code: str) -> bytes:
-    """A complete HTTP/1.1 error response that closes the connection."""
-    body = orjson.dumps(error_body(message, type_, code))
+def error_bytes(status: int, message: str, type_: str, code: str, url: bytes = b"") -> bytes:
+    """A complete HTTP/1.1 error response that closes the connection, in the error
+    shape of the route of `url` (the request line's target, when it was read): the
+    Anthropic shape under the Messages routes, as api/app.py answers them."""
+    if url.startswith(_MESSAGES):
+        err: dict[str, Any] = {"type": anthropic_type(status), "message": message, "code": code}
+        body = orjson.dumps({"type": "error", "error": err})
+    else:
+        body = orjson.dumps(error_body(message, type_, code))
     return b"".join(
         [
             b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]),
@@ -171,6 +179,7 @@ class GatewayProtocol(HttpToolsProtocol):
                 f"the request headers did not arrive within {self.header_timeout_s:g}s",
                 "invalid_request_error",
                 "request_timeout",
+                self.url,
             )
         )
         self.transport.close()
@@ -239,7 +248,7 @@ class GatewayProtocol(HttpToolsProtocol):
         self.refused = True
         self.headers_since = None
         self.header_bytes = None
-        self.url = b""
+        url, self.url = self.url[: len(_MESSAGES)], b""
         if self.headers is not None:
             self.headers.clear()
         self.parser = None  # type: ignore[assignment]
@@ -253,6 +262,7 @@ class GatewayProtocol(HttpToolsProtocol):
                 f"the request line and headers exceed {self.max_header_bytes} bytes",
                 "invalid_request_error",
                 "request_header_fields_too_large",
+                url,
             )
         )
         if transport.can_write_eof():
@@ -274,6 +284,7 @@ class GatewayProtocol(HttpToolsProtocol):
                 "the request is not valid HTTP/1.1 (framing, Content-Length or header bytes)",
                 "invalid_request_error",
                 "invalid_http",
+                self.url,
             )
         )
         self.transport.close()

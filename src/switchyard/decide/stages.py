@@ -118,8 +118,13 @@ class Tools(Stage):
         self._gate = gate  # tools.check_outputs: the tool calls in replies are governed
         # No tool is removed from a request: the stage folds, unless the gate governs
         # chat replies, whose requests it must then see (`_legacy`).
+        self._policy = ToolPolicy(c)
         self._no_policy = (
-            c.shortlist_k is None and c.allow is None and not c.deny and not c.tenant_allow
+            c.shortlist_k is None
+            and c.allow is None
+            and not c.deny
+            and not c.tenant_allow
+            and all("*" in t.allowed_tenants for t in c.registry)
         )
 
     def reply(self, ctx: RequestContext) -> ReplyPart | None:
@@ -167,7 +172,7 @@ class Tools(Stage):
             vecs,
             tcfg.shortlist_k,
             ctx.principal.tenant_id,
-            tcfg,
+            self._policy,
             required=() if forced is None else (forced,),
         )
         ctx.record("tools", res.outcome, res.reason, t, res.evidence())

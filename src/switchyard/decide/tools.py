@@ -7,8 +7,9 @@ the last user message are kept.
 
 Shortlisting is not authorization. A high similarity says a tool looks relevant, never
 that the tenant may use it, so tools the config forbids (`tools.deny`, `tools.allow`,
-`tools.tenant_allow`) are removed first, whatever their score, and each removal is
-recorded. Even a tool that survives is only offered to the model: whatever executes the
+`tools.tenant_allow`, a registry entry's `allowed_tenants`: the rule the reply's gate
+applies, `ToolPolicy.refusal`) are removed first, whatever their score, and each
+removal is recorded. Even a tool that survives is only offered to the model: whatever executes the
 tool call must still authorize it right before running it.
 """
 
@@ -23,9 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from switchyard.config import ToolsConfig
 from switchyard.outcomes import Kind, Tagged, tagged
-from switchyard.policy.tool_calls_governor import _denial
+from switchyard.policy.tool_calls_governor import ToolPolicy
 
 Embed = Callable[[list[str]], np.ndarray]
 
@@ -107,7 +107,7 @@ def shortlist(
     tool_vecs: np.ndarray | None,
     k: int | None,
     tenant: str | None,
-    cfg: ToolsConfig,
+    policy: ToolPolicy,
     *,
     required: Collection[str] = (),
 ) -> ShortlistResult:
@@ -123,7 +123,7 @@ def shortlist(
     removed: list[dict[str, str]] = []
     permitted: list[int] = []
     for i, name in enumerate(names):
-        why = _denial(name, tenant, cfg)
+        why = policy.refusal(name, tenant)
         if why is None:
             permitted.append(i)
         else:

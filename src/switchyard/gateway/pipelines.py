@@ -59,6 +59,11 @@ from switchyard.state.tasks import TaskStore
 from switchyard.state.tasks_memory import MemoryTaskStore
 
 
+def _counted_estimate(_: Any) -> tuple[int, int, None]:
+    """A count reserves no tokens and costs nothing: it is one call of the key's."""
+    return 0, 0, None
+
+
 async def _no_approvals(*_: Any) -> tuple[str | None, str | None]:
     return None, "no approval store"
 
@@ -152,4 +157,12 @@ def build_pipelines(
             Admit(reserver, embed_estimate),
         ]
     )
-    return Pipelines(generation, embeddings)
+    # A request whose tokens are counted (`messages/count_tokens`): the model's rules and
+    # the key's and tenant's limits as for a generation, reserving nothing but the call.
+    counting = Pipeline(
+        [
+            Authorize(named, {a.name: a for a in s.adapters}),
+            Admit(reserver, _counted_estimate),
+        ]
+    )
+    return Pipelines(generation, embeddings, counting)

@@ -129,20 +129,47 @@ def _logit_bias(body: dict[str, Any], lb: Any) -> None:
 
 
 def _tool_choice(body: dict[str, Any], choice: Any) -> None:
-    if choice in ("none", "auto", "required"):
-        return
-    if (
-        isinstance(choice, dict)
-        and choice.get("type") == "function"
-        and isinstance(choice.get("function"), dict)
-        and _NAME.fullmatch(str(choice["function"].get("name", "")))
+    if not (
+        choice in ("none", "auto", "required")
+        or (
+            isinstance(choice, dict)
+            and choice.get("type") == "function"
+            and isinstance(choice.get("function"), dict)
+            and _NAME.fullmatch(str(choice["function"].get("name", "")))
+        )
     ):
+        raise InvalidRequest(
+            "'tool_choice' must be 'none', 'auto', 'required' or "
+            '{"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
+    answerable_choice(body.get("tools"), choice)
+
+
+def answerable_choice(tools: Any, choice: Any) -> None:
+    """A `tool_choice` that forces a call (`required`, or a function by name) must be
+    answerable by a tool the request offers: the official APIs refuse one that is not,
+    so it is refused here rather than upstream. Both in chat's shape, the choice
+    already shape-checked; every protocol's check ends here (chat, Responses,
+    Messages)."""
+    if choice == "none" or choice == "auto":
         return
-    raise InvalidRequest(
-        "'tool_choice' must be 'none', 'auto', 'required' or "
-        '{"type": "function", "function": {"name": ...}}',
-        param="tool_choice",
-    )
+    if not tools:
+        raise InvalidRequest(
+            "'tool_choice' forces a tool call, and the request has no 'tools'", param="tool_choice"
+        )
+    if isinstance(choice, dict):
+        forced = choice["function"]["name"]
+        if not any(
+            isinstance(t, dict)
+            and isinstance(t.get("function"), dict)
+            and t["function"].get("name") == forced
+            for t in tools
+        ):
+            raise InvalidRequest(
+                f"'tool_choice' names the tool '{forced}', which is not in 'tools'",
+                param="tool_choice",
+            )
 
 
 def _response_format(body: dict[str, Any], fmt: Any) -> None:

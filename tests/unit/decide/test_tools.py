@@ -12,6 +12,7 @@ import pytest
 
 from switchyard.config import ToolsConfig
 from switchyard.decide.tools import ToolVectorCache, shortlist, tool_name, tool_text
+from switchyard.policy.tool_calls_governor import ToolPolicy
 
 Embed = Callable[[list[str]], np.ndarray]
 
@@ -76,7 +77,9 @@ def tool_vecs(embed: Embed) -> np.ndarray:
 def test_relevant_tool_kept_among_30(
     embed: Embed, tool_vecs: np.ndarray, query: str, relevant: str
 ) -> None:
-    res = shortlist(TOOLS, embed([query])[0], tool_vecs, 5, None, ToolsConfig(shortlist_k=5))
+    res = shortlist(
+        TOOLS, embed([query])[0], tool_vecs, 5, None, ToolPolicy(ToolsConfig(shortlist_k=5))
+    )
     assert relevant in res.kept and len(res.kept) == 5 and res.shortlisted
     assert len(res.dropped) == 25 and not res.removed
     assert res.candidates[0]["name"] == relevant
@@ -87,11 +90,11 @@ def test_denied_tool_never_survives_even_when_it_scores_highest(
     embed: Embed, tool_vecs: np.ndarray
 ) -> None:
     q = embed(["Please delete my account and all my data permanently"])[0]
-    open_cfg = ToolsConfig(shortlist_k=5)
+    open_cfg = ToolPolicy(ToolsConfig(shortlist_k=5))
     assert (
         shortlist(TOOLS, q, tool_vecs, 5, None, open_cfg).candidates[0]["name"] == "delete_account"
     )
-    cfg = ToolsConfig(shortlist_k=5, deny=["delete_account"])
+    cfg = ToolPolicy(ToolsConfig(shortlist_k=5, deny=["delete_account"]))
     for k in (5, 30, None):  # with or without a shortlist
         res = shortlist(TOOLS, q, tool_vecs, k, None, cfg)
         assert "delete_account" not in res.kept
@@ -104,17 +107,35 @@ def test_denied_tool_never_survives_even_when_it_scores_highest(
 
 def test_tenant_allow_list_and_global_allow(embed: Embed, tool_vecs: np.ndarray) -> None:
     q = embed(["What's the weather in Rome?"])[0]
-    cfg = ToolsConfig(shortlist_k=5, tenant_allow={"kiosk": ["search_docs", "lookup_word"]})
+    cfg = ToolPolicy(
+        ToolsConfig(shortlist_k=5, tenant_allow={"kiosk": ["search_docs", "lookup_word"]})
+    )
     res = shortlist(TOOLS, q, tool_vecs, 5, "kiosk", cfg)
     assert res.kept == ["search_docs", "lookup_word"] and not res.shortlisted
     assert len(res.removed) == 28
     assert {r["reason"] for r in res.removed} == {"not in tools.tenant_allow['kiosk']"}
     other = shortlist(TOOLS, q, tool_vecs, 5, "acme", cfg)  # no list: unrestricted
     assert "get_weather" in other.kept and not other.removed
-    glob = ToolsConfig(allow=["get_weather", "get_news"])
+    glob = ToolPolicy(ToolsConfig(allow=["get_weather", "get_news"]))
     res = shortlist(TOOLS, q, tool_vecs, None, "acme", glob)
     assert res.kept == ["get_weather", "get_news"]
     assert res.removed[0]["reason"] == "not in tools.allow"
+
+
+def test_a_registry_entry_for_other_tenants_is_removed_as_the_reply_gate_would(
+    embed: Embed, tool_vecs: np.ndarray
+) -> None:
+    """The request side removes what the reply's gate would block: a registered tool
+    whose `allowed_tenants` leaves the tenant out (one rule, `ToolPolicy.refusal`)."""
+    q = embed(["What's the weather in Rome?"])[0]
+    spec = {"name": "get_weather", "class": "read_only", "allowed_tenants": ["bank"]}
+    policy = ToolPolicy(ToolsConfig.model_validate({"registry": [spec]}))
+    res = shortlist(TOOLS, q, tool_vecs, None, "acme", policy, required={"get_weather"})
+    assert "get_weather" not in res.kept and len(res.kept) == len(TOOLS) - 1
+    assert res.removed == [
+        {"name": "get_weather", "reason": "not in tools.registry['get_weather'].allowed_tenants"}
+    ]
+    assert "get_weather" in shortlist(TOOLS, q, tool_vecs, None, "bank", policy).kept
 
 
 def unit(i: int, n: int = 4) -> list[float]:
@@ -125,9 +146,9 @@ def test_top_k_ties_keep_request_order_and_required_tools() -> None:
     tools = [make_tool(f"t{i}", "") for i in range(4)]
     vecs = np.array([unit(0), unit(1), unit(1), unit(3)], dtype=np.float32)
     q = np.array(unit(1), dtype=np.float32)
-    res = shortlist(tools, q, vecs, 1, None, ToolsConfig())
+    res = shortlist(tools, q, vecs, 1, None, ToolPolicy(ToolsConfig()))
     assert res.kept == ["t1"] and res.dropped == ["t2", "t0", "t3"]  # tie: request order
-    res = shortlist(tools, q, vecs, 2, None, ToolsConfig(), required={"t3"})
+    res = shortlist(tools, q, vecs, 2, None, ToolPolicy(ToolsConfig()), required={"t3"})
     assert res.kept == ["t1", "t3"]
     assert json.loads(json.dumps(res.evidence()))["candidates"][0] == {"name": "t1", "score": 1.0}
     assert res.outcome == "tools:2/4"
@@ -135,7 +156,7 @@ def test_top_k_ties_keep_request_order_and_required_tools() -> None:
 
 def test_without_vectors_the_shortlist_fails_open_but_policy_does_not() -> None:
     tools = [make_tool(f"t{i}", "") for i in range(4)]
-    res = shortlist(tools, None, None, 2, None, ToolsConfig(deny=["t0"]))
+    res = shortlist(tools, None, None, 2, None, ToolPolicy(ToolsConfig(deny=["t0"])))
     assert res.kept == ["t1", "t2", "t3"] and not res.shortlisted
     assert "no vectors to score" in res.reason and "1 removed by policy" in res.reason
 
@@ -147,7 +168,7 @@ def test_tool_text_and_name_for_both_shapes() -> None:
         tool_text(legacy) == "list invoices: All invoices" and tool_name(legacy) == "list-invoices"
     )
     assert tool_text({"type": "function", "function": {"name": "ping"}}) == "ping"
-    nameless = shortlist([{"type": "function"}], None, None, None, None, ToolsConfig())
+    nameless = shortlist([{"type": "function"}], None, None, None, None, ToolPolicy(ToolsConfig()))
     assert nameless.removed == [{"name": "#0", "reason": "tool has no function name"}]
 
 
