@@ -46,7 +46,7 @@ import orjson
 from redis.exceptions import RedisError
 
 from switchyard.state.cache import CacheKeys, Entry, LocalEntries
-from switchyard.state.redis import count_failure, redis_client
+from switchyard.state.redis import count_failure, listen, redis_client
 
 log = logging.getLogger("switchyard.cache")
 
@@ -222,22 +222,16 @@ class SharedCache:
     async def listen(self) -> None:
         """Apply the other processes' stores and invalidations until cancelled;
         resubscribes and resyncs after Redis comes back."""
-        while True:
-            pubsub = self._redis.pubsub()
-            try:
-                await pubsub.subscribe(self.channel)
-                await self.resync()
-                self.subscribed.set()
-                async for message in pubsub.listen():
-                    if message.get("type") == "message":
-                        self.apply(message["data"])
-            except (RedisError, OSError) as exc:
-                self.subscribed.clear()
-                self._failed("subscription", exc)
-                await asyncio.sleep(1.0)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+
+        async def subscribed() -> None:
+            await self.resync()
+            self.subscribed.set()
+
+        def lost(exc: BaseException) -> None:
+            self.subscribed.clear()
+            self._failed("subscription", exc)
+
+        await listen(self._redis, self.channel, self.apply, subscribed, lost)
 
     def apply(self, data: bytes) -> None:
         if data[:1] == b"T":

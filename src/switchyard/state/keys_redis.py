@@ -12,13 +12,12 @@ process with what its own cache says for at most `auth.key_cache_s`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-from switchyard.state.redis import redis_client
+from switchyard.state.redis import listen, redis_client
 
 log = logging.getLogger("switchyard")
 
@@ -43,22 +42,16 @@ class KeyChanges:
     async def listen(self, on_change: Callable[[], None]) -> None:
         """Call `on_change()` for each change any process publishes, and once each time
         the subscription is made (changes may have been missed), until cancelled."""
-        while True:
-            pubsub = self._redis.pubsub()
-            try:
-                await pubsub.subscribe(self.channel)
-                on_change()
-                self.subscribed.set()
-                async for message in pubsub.listen():
-                    if message.get("type") == "message":
-                        on_change()
-            except (RedisError, OSError) as exc:
-                self.subscribed.clear()
-                log.warning("key change channel unavailable (%s); retrying in 1 s", exc)
-                await asyncio.sleep(1.0)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+
+        async def subscribed() -> None:
+            on_change()
+            self.subscribed.set()
+
+        def lost(exc: BaseException) -> None:
+            self.subscribed.clear()
+            log.warning("key change channel unavailable (%s); retrying in 1 s", exc)
+
+        await listen(self._redis, self.channel, lambda _: on_change(), subscribed, lost)
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -4,16 +4,18 @@ and how an unreachable Redis is reported (`LimiterUnavailable`).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, ReadOnlyError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from switchyard.state.limits import (
@@ -31,6 +33,8 @@ _UNAVAILABLE = (
 
 
 REDIS_PASSWORD_ENV = "SWITCHYARD_REDIS_PASSWORD"
+
+log = logging.getLogger("switchyard")
 
 
 def redis_client(url: str, timeout_s: float) -> aioredis.Redis:
@@ -67,3 +71,36 @@ def count_failure(log: logging.Logger, errors: int, what: str, exc: BaseExceptio
     if errors == 1 or errors % 100 == 0:
         log.warning("%s failed (%d so far): %s", what, errors, exc)
     return errors
+
+
+async def listen(
+    client: aioredis.Redis,
+    channel: str,
+    on_message: Callable[[bytes], Any],
+    on_subscribed: Callable[[], Awaitable[Any]] | None = None,
+    on_lost: Callable[[BaseException], Any] | None = None,
+) -> None:
+    """Hand each message published on `channel` to `on_message`, until cancelled.
+    Every time the subscription is made (first, and after Redis came back: messages
+    may have been missed meanwhile) `on_subscribed` is awaited first; a lost one is
+    told to `on_lost` (else logged) and made again a second later. The one loop of
+    every channel the gateway processes share (task cancels, cache events, key
+    changes)."""
+    while True:
+        pubsub = client.pubsub()
+        try:
+            await pubsub.subscribe(channel)
+            if on_subscribed is not None:
+                await on_subscribed()
+            async for message in pubsub.listen():
+                if message.get("type") == "message":
+                    on_message(message["data"])
+        except (*_UNAVAILABLE, RedisError) as exc:
+            if on_lost is not None:
+                on_lost(exc)
+            else:
+                log.warning("channel %s unavailable (%s); retrying in 1 s", channel, exc)
+            await asyncio.sleep(1.0)
+        finally:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()

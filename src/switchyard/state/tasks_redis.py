@@ -44,7 +44,6 @@ stops the task's calls it has in flight.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -54,7 +53,7 @@ import orjson
 
 from switchyard.identity import TaskBudget
 from switchyard.state.limits import LimiterUnavailable
-from switchyard.state.redis import _UNAVAILABLE, redis_client, shared_call
+from switchyard.state.redis import listen, redis_client, shared_call
 from switchyard.state.tasks import (
     TaskAdmission,
     TaskFirst,
@@ -397,24 +396,18 @@ class RedisTaskStore:
     async def listen(self, on_cancel: Callable[[TaskKey], Any]) -> None:
         """Call `on_cancel(key)` for each task a gateway process cancels, until
         cancelled; reconnects after Redis comes back."""
-        while True:
-            pubsub = self._redis.pubsub()
+
+        def cancelled(data: bytes) -> None:
             try:
-                await pubsub.subscribe(self._channel)
-                async for message in pubsub.listen():
-                    if message.get("type") != "message":
-                        continue
-                    try:
-                        tenant, task = orjson.loads(message["data"])
-                    except (orjson.JSONDecodeError, ValueError, TypeError):
-                        continue
-                    on_cancel((str(tenant), str(task)))
-            except _UNAVAILABLE as exc:
-                log.warning("task cancel channel unavailable (%s); retrying in 1 s", exc)
-                await asyncio.sleep(1.0)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                tenant, task = orjson.loads(data)
+            except (orjson.JSONDecodeError, ValueError, TypeError):
+                return
+            on_cancel((str(tenant), str(task)))
+
+        def lost(exc: BaseException) -> None:
+            log.warning("task cancel channel unavailable (%s); retrying in 1 s", exc)
+
+        await listen(self._redis, self._channel, cancelled, on_lost=lost)
 
     async def note_tool_calls(self, key: TaskKey, calls: list[ToolCallNote]) -> None:
         if not calls:
