@@ -11,11 +11,16 @@ Defects these tests found (each failed on the code before its fix, this stop):
   they already were under a tool policy (decide/stages.py `Tools`);
 - `tools` was unbounded in every protocol: a request could carry tens of thousands of
   tools, each costing policy, PII and cache work. At most 128 now, as the OpenAI API
-  (policy/validate.py `tools_array`, which the Responses and Messages codecs share).
+  (policy/validate.py `tools_array`, which the Responses and Messages codecs share);
+- a compressed reply whose declared length is small was read whole however much it
+  inflated to (a gzip bomb: 96 MB from under a megabyte, relayed as a 200): its bytes
+  are counted as they inflate, and past the reply bound it is a 502
+  (engines/upstream.py `_read`).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +29,10 @@ import httpx
 import pytest
 
 from support.gateways import Gateway, start_gateway
+from support.hostile_upstream import Hostile, hostile_upstream, json_reply
 from support.legacy_upstream import DENIED, LegacyUpstream
+
+INFLATED = 96 << 20  # past the 64 MiB a whole reply may hold
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +42,22 @@ def legacy() -> Iterator[LegacyUpstream]:
     up.server.shutdown()
 
 
+def _bomb() -> bytes:
+    """A chat completion of `INFLATED` bytes, gzip-compressed to well under 1 MB."""
+    head = b'{"object": "chat.completion", "choices": [{"index": 0, "message": {"content": "'
+    tail = b'"}, "finish_reason": "stop"}]}'
+    return gzip.compress(head + b"a" * (INFLATED - len(head) - len(tail)) + tail, 6)
+
+
 @pytest.fixture(scope="module")
-def gw(legacy: LegacyUpstream) -> Iterator[Gateway]:
+def hostile() -> Iterator[Hostile]:
+    bomb = json_reply(_bomb(), headers={"Content-Encoding": "gzip"})
+    with hostile_upstream({"bomb": bomb}) as up:
+        yield up
+
+
+@pytest.fixture(scope="module")
+def gw(legacy: LegacyUpstream, hostile: Hostile) -> Iterator[Gateway]:
     g = start_gateway(
         {
             "models": [
@@ -43,7 +65,12 @@ def gw(legacy: LegacyUpstream) -> Iterator[Gateway]:
                     "alias": "legacy",
                     "engine": {"kind": "openai", "base_url": legacy.url},
                     "resilience": {"retries": 0},
-                }
+                },
+                {
+                    "alias": "bomb",
+                    "engine": {"kind": "openai", "base_url": hostile.base_url("bomb")},
+                    "resilience": {"retries": 0},
+                },
             ],
             "cache": {"enabled": False},
             "embeddings": {"enabled": False},
@@ -119,3 +146,10 @@ def test_at_most_128_tools_in_every_protocol(
     assert r.status_code == 200, r.text
     sent = legacy.last(marker)
     assert sent is not None and len(sent["tools"]) == 128
+
+
+def test_a_compressed_reply_is_bounded_by_what_it_inflates_to(gw: Gateway) -> None:
+    body = {"model": "bomb", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}
+    r = gw.post("/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 502, (r.status_code, len(r.content))
+    assert r.json()["error"]["code"] == "upstream_error"

@@ -49,9 +49,11 @@ class UpstreamReply:
 
 async def _read(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
     """The whole body within `limit` bytes (None past it): read at once when its
-    declared length is within the bound (the usual reply), else counted as it comes."""
+    declared length is within the bound and it is not compressed (the usual reply: a
+    compressed body's declared length says nothing of what it inflates to), else
+    counted as it comes."""
     declared = resp.content_length
-    if declared is not None and declared <= limit:
+    if declared is not None and declared <= limit and "Content-Encoding" not in resp.headers:
         return await resp.read()
     return await read_bounded(resp, limit)
 
