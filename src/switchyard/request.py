@@ -89,6 +89,11 @@ class Embedding(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 Request = Generation | Embedding
 
+# What the records (decisions, traces, usage rows) name a model there is none of: the
+# client's name for it is free text (of any length, a pasted key at times); the client
+# is told it back, the records are not.
+UNKNOWN_MODEL = "(unknown model)"
+
 # A context's request until its body is decoded (a refusal before that is settled
 # with it); shared, so never changed (requests are replaced, not edited).
 NOT_READ = Generation(model="")

@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, NoReturn
 
 from switchyard import outcomes
 from switchyard.config import Price, Settings
-from switchyard.errors import ClientDisconnected, SwitchyardError, TaskCancelled
+from switchyard.errors import ClientDisconnected, ModelNotFound, SwitchyardError, TaskCancelled
 from switchyard.observe.metrics import Metrics
 from switchyard.pipeline import CacheOutcome, Pipeline, RequestContext, Status
 from switchyard.policy.admit import cost_usd
 from switchyard.policy.cost import PromptOverhead
 from switchyard.reply import reply_usage
+from switchyard.request import UNKNOWN_MODEL
 from switchyard.state.ledger import UsageLedger
 from switchyard.state.ledger_rows import Finished
 from switchyard.usage import counts
@@ -46,6 +47,8 @@ def mark_failed(ctx: RequestContext, exc: BaseException) -> None:
         return
     code = exc.code if isinstance(exc, SwitchyardError) else "internal_error"
     ctx.status, ctx.error_code = Status.ERROR, code
+    if isinstance(exc, ModelNotFound) and ctx.deployment is None:
+        ctx.alias = UNKNOWN_MODEL  # the client's free text: told back, not recorded
 
 
 # The message of a cancellation the client asked for (a background response's cancel):

@@ -32,6 +32,7 @@ from switchyard.embed import EmbeddingService
 from switchyard.errors import InvalidRequest, ModelNotAllowed, RouterNotReady, ToolNotAllowed
 from switchyard.pipeline import CacheOutcome, ReplyPart, RequestContext, Stage, Verdict, View
 from switchyard.policy.tool_calls import ToolGate, ToolPolicy
+from switchyard.request import UNKNOWN_MODEL
 
 _STORED = (CacheOutcome.HIT_EXACT, CacheOutcome.HIT_SEMANTIC, CacheOutcome.REPLAY)
 
@@ -40,6 +41,11 @@ class Route(Stage):
     """Semantic routing of the aliases the router owns (router.routed_aliases)."""
 
     name = "route"
+    # A model there is none of (selection refuses it): its name is the client's free
+    # text, not recorded (request.UNKNOWN_MODEL).
+    UNKNOWN = Verdict(
+        outcomes.Route.EXPLICIT, "the client named the model", {"model": UNKNOWN_MODEL}
+    )
 
     def __init__(
         self, settings: Settings, router: Callable[[], Any], named: Mapping[str, dict[str, Any]]
@@ -55,13 +61,8 @@ class Route(Stage):
         if self._cfg.enabled and view.alias in self._cfg.routed_aliases:
             return None
         explicit = self._explicit.get(view.alias or "")
-        return (
-            explicit
-            if explicit is not None
-            else Verdict(
-                outcomes.Route.EXPLICIT, "the client named the model", {"model": view.alias}
-            )
-        )
+        return explicit if explicit is not None else self.UNKNOWN
+
 
     def work(self, ctx: RequestContext) -> None:
         t = time.perf_counter()

@@ -399,14 +399,18 @@ async def _with_client(client: Any, transport: Any) -> Any:
 
 
 def _reason(exc: BaseException, stderr: str) -> str:
-    """A failure in words for the operator (the admin's readiness view), never a secret:
-    exception types and messages from the SDK and the OS, and the server's stderr tail."""
-    if isinstance(exc, BaseExceptionGroup):
+    """A failure in words for the operator (the admin's readiness view, the log), never
+    a secret: exception types and messages from the SDK and the OS, and the server's
+    stderr tail, as one line: what the server wrote is escaped (a newline or a terminal
+    escape in it could otherwise forge log lines of the gateway's own)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:  # the SDK's task groups
         exc = exc.exceptions[0]
     text = f"{type(exc).__name__}: {exc}"[:300] if str(exc) else type(exc).__name__
     if isinstance(exc, TimeoutError):
         text = "did not answer in time"
-    return f"{text}; stderr: {stderr[-500:]}" if stderr else text
+    if stderr:
+        text = f"{text}; stderr: {stderr[-500:]}"
+    return text.encode("unicode_escape").decode("ascii")
 
 
 class McpServers:

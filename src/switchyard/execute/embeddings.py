@@ -35,7 +35,9 @@ class Embeddings:
                 raise InvalidRequest(
                     f"the model '{model}' does not serve embeddings", param="model"
                 )
-            raise ModelNotFound(f"the embedding model '{model}' does not exist", param="model")
+            raise ModelNotFound(
+                f"the embedding model '{model[:128]}' does not exist", param="model"
+            )
         ctx.alias = model
         dims = req.dimensions
         if dims is not None and embedder.dimensions is not None and dims != embedder.dimensions:
