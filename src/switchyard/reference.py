@@ -246,7 +246,8 @@ def raise_site_codes(
 
 def http_layer_errors() -> list[tuple[int, str, str, str]]:
     """(status, type, code, module) of each error the HTTP layer writes itself, before
-    a request exists (`error_bytes(status, message, type, code)` in api/server.py)."""
+    a request exists (`error_bytes(status, message, type, code[, url])` in
+    api/server.py; the url picks the route's shape, not the code)."""
     out = []
     for module, tree in _sources():
         for node in ast.walk(tree):
@@ -254,9 +255,9 @@ def http_layer_errors() -> list[tuple[int, str, str, str]]:
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Name)
                 and node.func.id == "error_bytes"
-                and len(node.args) == 4
+                and len(node.args) in (4, 5)
             ):
-                status, _, kind, code = node.args
+                status, _, kind, code = node.args[:4]
                 if all(isinstance(a, ast.Constant) for a in (status, kind, code)):
                     out.append((status.value, kind.value, code.value, module))  # type: ignore[attr-defined]
     return sorted(set(out))
