@@ -83,6 +83,7 @@ class EmbeddingService:
         self.last_error: str | None = None
         self.load_s: float | None = None
         self.dimensions: int | None = None
+        self.max_tokens: int | None = None  # an input's most tokens, once loaded
         self.batches = 0  # forward passes run by the batcher (for tests and benchmarks)
         self.inline = 0  # texts embedded on the event loop's thread (idle, short)
         self.memo_hits = 0  # single texts answered from the memo
@@ -158,6 +159,7 @@ class EmbeddingService:
     def _ready(self, backend: Backend, load_s: float) -> None:
         self._backend = backend
         self.dimensions = backend.dimensions
+        self.max_tokens = backend.max_tokens
         self.load_s = load_s
         self.state = "ready"
         log.info("embedding model ready: %s (%s) in %.2f s", self.cfg.runtime, backend.kind, load_s)

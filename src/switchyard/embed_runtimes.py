@@ -27,6 +27,10 @@ class Backend(Protocol):
     def dimensions(self) -> int: ...
     @property
     def model_file(self) -> str | None: ...
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens an input is read (and billed) as: longer ones are cut."""
+        ...
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, list[int]]: ...
 
@@ -134,6 +138,10 @@ class OnnxBackend:
         self.dimensions = int(self._run(["dimension probe"])[0].shape[1])
         self._run(["dimension probe"], self.lone)  # first runs allocate
 
+    @property
+    def max_tokens(self) -> int:
+        return self.tokenize.max_length
+
     def _run(self, texts: list[str], session: Any = None) -> tuple[np.ndarray, np.ndarray]:
         ids, mask = self.tokenize(texts)
         feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
@@ -187,6 +195,10 @@ class TorchBackend:
         if value is None:
             raise ValueError(f"{path}: the model does not state its embedding dimension")
         self.dimensions = int(value)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.tokenize.max_length
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, list[int]]:
         vecs = self.model.encode(

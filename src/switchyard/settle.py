@@ -177,17 +177,21 @@ class Settler:
             if inp and ctx.alias is not None and ctx.cost is not None:
                 self.overhead.observe(ctx.alias, ctx.cost.base, inp)  # reservations lean high
         elif run.attempts and ctx.input.endpoint != "embeddings":
-            # Best effort for a broken stream: the prompt as it was estimated.
+            # Best effort for a broken stream: the prompt as it was estimated, a token
+            # an event.
             inp = ctx.cost.prompt if ctx.cost is not None else ctx.prompt_estimate
             out = run.chunks
-            if usage:
-                # Counts no request could have (negative, not integers, past any cap):
-                # never a refund, never billions; the most the request was let use.
-                out = max(out, ctx.max_tokens or 0)
+            if usage or ctx.status is Status.OK:
+                # A complete reply without usage, or counts no request could have
+                # (negative, not integers, past any cap): never a refund, never
+                # billions, never less than it may have written: the output it was let
+                # use (the cap it was sent with, for each sequence asked).
+                cap = ctx.cost.output if ctx.cost is not None else ctx.max_tokens
+                out = max(out, cap or 0)
                 log.warning(
-                    "the upstream of %s reported usage that cannot be billed; "
-                    "billed the estimate (%d in, %d out)",
+                    "the upstream of %s reported %s usage; billed the estimate (%d in, %d out)",
                     ctx.input.request_id,
+                    "unusable" if usage else "no",
                     inp,
                     out,
                 )

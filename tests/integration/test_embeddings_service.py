@@ -75,7 +75,9 @@ def test_rpm_refuses_embeddings_and_every_call_is_recorded_and_traced(gw: Gatewa
 
 
 def test_a_budget_stops_embeddings_once_spent(gw: Gateway) -> None:
-    gw.create_tenant("emb-budget", budget_usd=0.004)  # one call of ~30 tokens is ~$0.003
+    # A call of 90 letters is reserved 92 tokens ($0.0092: a token a character, plus
+    # two) and billed what the tokenizer counts (47, $0.0047): one fits, two do not.
+    gw.create_tenant("emb-budget", budget_usd=0.01)
     key = gw.create_key("emb-budget")["key"]
     first = _embed(gw, key, {"model": EMBED, "input": "x" * 90})
     second = _embed(gw, key, {"model": EMBED, "input": "x" * 90})

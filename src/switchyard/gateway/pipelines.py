@@ -104,7 +104,10 @@ def build_pipelines(
     t = s.tasks
     tasks = tasks or MemoryTaskStore(t.max_tasks, t.idle_ttl_s, t.max_tool_calls)
     running = running or Running()
-    embed_estimate = embedding_estimate(Price(input=s.embeddings.price, output=0.0))
+    embed_estimate = embedding_estimate(
+        Price(input=s.embeddings.price, output=0.0),
+        (lambda: embedder.max_tokens) if embedder is not None else (lambda: None),
+    )
     # The checks a semantic candidate must pass (decide/candidate.py), loaded once (the
     # gateway passes its own, which a background build may complete: encoder_build.py).
     if check is None and cache is not None and s.cache.semantic:

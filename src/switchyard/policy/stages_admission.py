@@ -210,27 +210,54 @@ def _fit(cost: Cost, verdict: LimitVerdict, price: Price | None) -> int:
 Estimate = Callable[[RequestContext], tuple[int, int, Price | None]]
 
 
+def chain_price(models: Mapping[str, ModelConfig], alias: str) -> Price | None:
+    """The price a request for `alias` is reserved at: the dearest, per input and per
+    output token, of the model and its fallbacks, any of which may serve it and be
+    billed (settle.py bills the one that did); None when none of them is priced."""
+    model = models.get(alias)
+    if model is None:
+        return None
+    prices = [
+        m.price
+        for m in (model, *(models.get(a) for a in model.fallbacks))
+        if m is not None and m.price is not None
+    ]
+    if not prices:
+        return None
+    if len(prices) == 1:
+        return prices[0]
+    return Price(input=max(p.input for p in prices), output=max(p.output for p in prices))
+
+
 def generation_estimate(models: Mapping[str, ModelConfig]) -> Estimate:
     """(prompt tokens, output tokens, price) of a chat or completion request: its cost
-    shape (ctx.cost, set by the window stage) at the model's price."""
+    shape (ctx.cost, set by the window stage) at the price of its model's chain
+    (`chain_price`: a fallback dearer than its primary is reserved for)."""
+    prices = {alias: chain_price(models, alias) for alias in models}
 
     def estimate(ctx: RequestContext) -> tuple[int, int, Price | None]:
-        model = models.get(ctx.alias or "")
         cost = ctx.cost
         assert cost is not None  # the window stage runs first
-        return cost.prompt, cost.output, model.price if model is not None else None
+        return cost.prompt, cost.output, prices.get(ctx.alias or "")
 
     return estimate
 
 
-def embedding_estimate(price: Price) -> Estimate:
-    """(input tokens, 0, price) of an embeddings request, leaning high as the chat
-    estimate does: ≈3 characters per token of text (its codec takes texts only)."""
+def embedding_estimate(price: Price, most: Callable[[], int | None]) -> Estimate:
+    """(input tokens, 0, price) of an embeddings request, an upper bound of what it is
+    billed: a tokenizer makes at most about one token a character (CJK text does; at
+    ≈3 characters a token, Latin text would be reserved a third of it), plus the two
+    it adds to each input, and no input more than the model reads (`most()`, once
+    the model is loaded; its codec takes texts only)."""
 
     def estimate(ctx: RequestContext) -> tuple[int, int, Price | None]:
         req = ctx.request
         assert isinstance(req, Embedding)
-        tokens = sum(len(x) // 3 + 1 for x in req.texts)
+        cut = most()
+        if cut is None:
+            tokens = sum(len(x) + 2 for x in req.texts)
+        else:
+            tokens = sum(min(len(x) + 2, cut) for x in req.texts)
         return tokens, 0, price
 
     return estimate
