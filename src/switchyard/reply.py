@@ -131,7 +131,7 @@ ChunkParts = tuple[dict[str, Any] | None, str, Sequence[ToolCallPiece], str | No
 def _parts(usage: dict[str, Any] | None, text: Any, calls: Any, finish: Any) -> ChunkParts:
     """The parts of a chunk from the members of its first choice as either reading
     found them (None: missing), whatever is malformed left empty: the one rule of
-    `chunk_parts` and `read_parts`."""
+    `chunk_parts` and `typed_parts`."""
     return (
         usage,
         text if type(text) is str else "",
@@ -168,27 +168,22 @@ class _Choice(msgspec.Struct, gc=False):
     finish_reason: Any = None
 
 
-class _TypedChunk(msgspec.Struct, gc=False):
-    """A chat completion chunk of the usual shape, typed as far as `chunk_parts` reads
-    it: decoded straight into these, without a dict for its choice or its delta."""
+class TypedChunk(msgspec.Struct, gc=False):
+    """A chat completion chunk of the usual shape (its choices objects, each delta an
+    object), typed as far as `chunk_parts` reads it: decoded straight into these
+    structs (`read_typed`), without a dict for its choice or its delta. Data of any
+    other shape is refused (msgspec.ValidationError) and read by `read_chunk`."""
 
     choices: list[_Choice] | None = None
     usage: dict[str, Any] | None = None
 
 
-_read_typed = msgspec.json.Decoder(_TypedChunk).decode
+read_typed = msgspec.json.Decoder(TypedChunk).decode
 
 
-def read_parts(data: bytes) -> ChunkParts:
-    """`chunk_parts(read_chunk(data))`, the same parts (property-tested), read in one
-    step: a chunk of the usual shape (its choices objects, each delta an object) is
-    decoded into typed structs, whose members go through the same rule (`_parts`);
-    any other shape is read by `read_chunk` and `chunk_parts` themselves. Raises as
-    `read_chunk` does (msgspec.ValidationError: JSON, but not an object)."""
-    try:
-        chunk = _read_typed(data)
-    except msgspec.ValidationError:
-        return chunk_parts(read_chunk(data))
+def typed_parts(chunk: TypedChunk) -> ChunkParts:
+    """The parts of a chunk read typed: what `chunk_parts(read_chunk(...))` gives for
+    the same data (property-tested), its members through the same rule (`_parts`)."""
     usage, choices = chunk.usage, chunk.choices
     if not choices:
         return _parts(usage, None, None, None)
@@ -388,9 +383,12 @@ async def relay(
                     break
                 for piece in side.event(d) if side is not None else (d,):
                     if b'"usage"' in piece:
-                        obj = orjson.loads(piece)
-                        usage = obj.get("usage")
-                        if usage:
+                        try:
+                            obj = orjson.loads(piece)
+                        except orjson.JSONDecodeError:  # the upstream's: relayed as it came
+                            obj = None
+                        usage = obj.get("usage") if type(obj) is dict else None
+                        if usage:  # checked where it is billed (usage.counts)
                             run.usage = usage
                             if not include_usage and not obj.get("choices"):
                                 continue  # asked for by the gateway, not by the client

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import orjson
 
 from switchyard.api.responses_codec import Ids, ResponsesRequest, new_item_id
 from switchyard.errors import SwitchyardError
-from switchyard.reply import ChatChunk, ChunkParts, ToolCallPiece, chunk_parts
+from switchyard.reply import ChatChunk, ToolCallPiece, TypedChunk, chunk_parts, typed_parts
+from switchyard.usage import counts
 
 
 class Shell(msgspec.Struct):
@@ -146,15 +147,19 @@ _DONE = frozenset(("completed", "failed", "incomplete", "cancelled"))
 
 
 def usage_of(chat_usage: Any) -> dict[str, Any] | None:
-    if not isinstance(chat_usage, dict):
+    """The Responses usage of a chat usage; None when there is none, or its counts are
+    none a request could have (the request is billed its estimate then: settle.py)."""
+    counted = counts(chat_usage)
+    if counted is None:
         return None
-    inp = int(chat_usage.get("prompt_tokens") or 0)
-    out = int(chat_usage.get("completion_tokens") or 0)
+    inp, out = counted
     details = chat_usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if type(cached) is not int or not 0 <= cached <= inp:
+        cached = 0
     return {
         "input_tokens": inp,
-        "input_tokens_details": {"cached_tokens": int(cached or 0), "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": out,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": inp + out,
@@ -332,7 +337,7 @@ def message_done(item_id: bytes, index: int, text: str, seq: int) -> bytes:
 
 
 _TEXT_DELTA = _head("response.output_text.delta")
-# What follows a text delta's JSON string (ResponseEvents.parts puts it after the
+# What follows a text delta's JSON string (ResponseEvents.chunk puts it after the
 # delta itself, as `delta_event` does, rather than calling it once per token).
 DELTA_TAIL = b',"logprobs":[]' + _SEQ + b"%d" + _END
 # That tail for the sequence numbers most streams reach, made once (formatting one
@@ -355,14 +360,23 @@ def text_delta_head(item_id: str, output_index: int) -> bytes:
     )
 
 
+# A text delta's JSON string: msgspec's encoder (about 0.4k instructions for a token's
+# few characters, orjson.dumps about 1k) writes the same bytes for any string
+# (property-tested, tests/unit/api/test_responses_stream_templates.py); a lone
+# surrogate, which no decoded chunk holds, both refuse.
+_json_str = msgspec.json.Encoder().encode
+
+
 def delta_event(head: bytes, text: str, seq: int) -> bytes:
-    return head + orjson.dumps(text) + DELTA_TAIL % seq
+    return head + _json_str(text) + DELTA_TAIL % seq
 
 
 class ResponseEvents:
     """Chat completion chunks in, Responses events out, for one stream: the output
     items so far (the open one last), the finish reason and usage, and the sequence.
     Each step appends its events to the caller's list (api/sse.py's Translator)."""
+
+    typed = True  # `chunk` takes reply.TypedChunk: sse.translated reads the usual chunk so
 
     def __init__(
         self, shell: Shell, on_end: Callable[[ResponseEvents], Awaitable[None]] | None = None
@@ -455,16 +469,30 @@ class ResponseEvents:
             self._event({"type": "response.output_item.added", "output_index": index, "item": item})
         )
 
-    def chunk(self, chunk: ChatChunk, out: list[bytes]) -> None:
-        """The events of one chat completion chunk."""
-        self.parts(chunk_parts(chunk), out)
-
-    def parts(self, parts: ChunkParts, out: list[bytes]) -> None:
-        """The events of one chat completion chunk, read into its parts (the relay's
-        data is read straight into them: reply.read_parts)."""
+    def chunk(self, chunk: ChatChunk | TypedChunk, out: list[bytes]) -> None:
+        """The events of one chat completion chunk: read typed (reply.TypedChunk, the
+        usual shape: api/sse.py's `translated` reads the relay's data so) or a
+        ChatChunk (any other shape, a cached reply's chunks), read into its parts."""
+        # `type(...) is`, not `isinstance`: a struct's class has its own metaclass, so
+        # `isinstance` looks up and calls `__instancecheck__` (~0.8k instructions a chunk).
+        if type(chunk) is not TypedChunk:
+            usage, text, calls, finish = chunk_parts(cast(ChatChunk, chunk))
+        elif (
+            chunk.usage is None
+            and (choices := chunk.choices)
+            and (choice := choices[0]).finish_reason is None
+            and (delta := choice.delta) is not None
+            and delta.tool_calls is None
+            and type(text := delta.content) is str
+        ):
+            # Text and nothing else, a stream's usual chunk: its parts are (None, its
+            # text, (), None), what `typed_parts` makes of it (property-tested), read
+            # off the struct without that call and its tuple.
+            usage, calls, finish = None, (), None
+        else:
+            usage, text, calls, finish = typed_parts(chunk)
         if not self.started:
             self.start(out)
-        usage, text, calls, finish = parts
         if text:
             pieces = self._text
             if pieces is None:  # no message item open: one opens
@@ -474,7 +502,7 @@ class ResponseEvents:
             pieces.append(text)
             seq = self.seq
             tail = _DELTA_TAILS[seq] if seq < _TAILED else DELTA_TAIL % seq
-            out.append(self._delta_head + orjson.dumps(text) + tail)  # delta_event
+            out.append(self._delta_head + _json_str(text) + tail)  # delta_event
             self.seq = seq + 1
         if calls:
             self._calls(calls, out)

@@ -19,9 +19,9 @@ import orjson
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from switchyard.errors import SwitchyardError
+from switchyard.errors import SwitchyardError, UpstreamError
 from switchyard.pipeline import RequestContext, Status
-from switchyard.reply import ChatChunk, read_chunk, read_parts
+from switchyard.reply import ChatChunk, read_chunk, read_typed
 
 DONE = b"data: [DONE]\n\n"
 # Looked at once per write: an enum member read off its class costs ten times a
@@ -127,7 +127,8 @@ class RelayResponse(StreamingResponse):
 class Translator(Protocol):
     """A protocol's stream events made from chat completion chunks (Messages,
     Responses): one state machine per stream, appending its events to the list of the
-    write they go out in."""
+    write they go out in. One whose `chunk` also takes reply.TypedChunk says so with a
+    true `typed` attribute (`translated` then reads the usual chunk typed)."""
 
     def chunk(self, chunk: ChatChunk, out: list[bytes]) -> None:
         """The events of one chat completion chunk."""
@@ -152,20 +153,27 @@ async def translated(
     """The relay's chat chunks (reply.relay, after the reply side) as the protocol's
     events, one write per batch: the closing events with the last batch once the stream
     completed, the protocol's error events in their place when it did not."""
-    # A translator with a `parts(parts, out)` method (Responses) is handed each chunk's
-    # parts (reply.ChunkParts) read straight from its data (reply.read_parts), the same
-    # parts `chunk` would take from the chunk object, without that object between.
-    parts = getattr(events, "parts", None)
-    step: Callable[[Any, list[bytes]], None] = events.chunk if parts is None else parts
-    read: Callable[[bytes], Any] = read_chunk if parts is None else read_parts
+    # A translator whose `chunk` takes reply.TypedChunk as well (a true `typed`:
+    # Responses) is handed a chunk of the usual shape read straight into those structs
+    # (reply.read_typed), any other as a ChatChunk: the same parts either way
+    # (reply.typed_parts, property-tested).
+    read: Callable[[bytes], Any] = read_typed if getattr(events, "typed", False) else read_chunk
+    step: Callable[[Any, list[bytes]], None] = events.chunk
     try:
         async for batch in data:
             out: list[bytes] = []
             for d in batch:
                 try:
                     c = read(d)
-                except msgspec.ValidationError:
-                    continue  # JSON, but not an object: not a chunk
+                except msgspec.ValidationError:  # not of the usual shape, or no object
+                    try:
+                        c = read_chunk(d)
+                    except msgspec.ValidationError:
+                        continue  # JSON, but not an object: not a chunk
+                    except msgspec.DecodeError:
+                        raise _unreadable(ctx) from None
+                except msgspec.DecodeError:  # not JSON, or not UTF-8: its text is lost
+                    raise _unreadable(ctx) from None
                 step(c, out)
             if ctx.status is _OK:
                 events.end(out)
@@ -181,6 +189,16 @@ async def translated(
         aclose = getattr(data, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+def _unreadable(ctx: RequestContext) -> UpstreamError:
+    """An event the translation cannot read (not JSON, not UTF-8): what it held cannot
+    be passed on, so the stream ends as broken (its error events, an incomplete row),
+    never as a success missing a piece."""
+    exc = UpstreamError("the upstream sent a stream event that is not JSON")
+    ctx.status = Status.INCOMPLETE
+    ctx.error_code = exc.code
+    return exc
 
 
 async def replayed(chunks: list[ChatChunk], events: Translator) -> AsyncIterator[bytes]:

@@ -25,7 +25,7 @@ from switchyard.api.responses_reply import (
     to_response,
 )
 from switchyard.errors import UpstreamError
-from switchyard.reply import read_parts
+from switchyard.reply import read_typed
 
 _ESCAPES = ['"', "\\", "/", "\n", "\x00", "\x1f", "\x7f", "\u2028", "\U0001f600"]
 _text = st.text(
@@ -181,7 +181,7 @@ def test_a_whole_reply_and_its_stream_carry_the_object_they_keep(
     events = ResponseEvents(_shell(body))
     out: list[bytes] = []
     for c in live_chunks(text, calls, finish, _USAGE, 3):
-        events.parts(read_parts(json.dumps(c).encode()), out)
+        events.chunk(read_typed(json.dumps(c).encode()), out)
     events.end(out)
     last = b"".join(out).split(b"\n\n")[-2].split(b"\ndata: ", 1)[1]
     assert events.final_json is not None and events.status == status
@@ -195,7 +195,7 @@ def test_a_whole_reply_and_its_stream_carry_the_object_they_keep(
 def test_a_broken_stream_keeps_the_failed_object_its_last_event_carried() -> None:
     events = ResponseEvents(_shell({"model": "m", "input": "x"}))
     out: list[bytes] = []
-    events.parts((None, "half", (), None), out)
+    events.chunk(read_typed(b'{"choices":[{"delta":{"content":"half"}}]}'), out)
     events.failed(UpstreamError("the upstream ended the stream early"), out)
     last = orjson.loads(b"".join(out).split(b"\n\n")[-2].split(b"\ndata: ", 1)[1])
     assert events.status == "failed" and events.final_json is not None

@@ -1,8 +1,9 @@
-"""The cheaper reading of a translated stream's chunks (issue #45): the relay's data is
-read straight into a chunk's parts (reply.read_parts) rather than into a chunk object
-and then its parts, and a translator that takes parts (api/responses_reply.py's
-ResponseEvents) writes the same events either way. Both claims are property tests over
-chunks of every shape, the malformed included."""
+"""The cheaper reading of a translated stream's chunks (issue #45): the relay's data of
+the usual shape is read straight into typed structs (reply.read_typed), whose parts
+(reply.typed_parts) are the chunk object's (reply.chunk_parts of reply.read_chunk), and
+`ResponseEvents.chunk` reads a chunk that carries text and nothing else off the struct
+itself; whatever reading a chunk took, its events are the same. All are property tests
+over chunks of every shape, the malformed included."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import msgspec
+import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +23,14 @@ from switchyard.api.responses_codec import check
 from switchyard.api.responses_reply import ResponseEvents, Shell
 from switchyard.api.sse import translated
 from switchyard.pipeline import Status
-from switchyard.reply import _read_typed, _TypedChunk, chunk_parts, read_chunk, read_parts
+from switchyard.reply import (
+    ChunkParts,
+    TypedChunk,
+    chunk_parts,
+    read_chunk,
+    read_typed,
+    typed_parts,
+)
 
 _scalar = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.text(max_size=8), st.just(""))
 _json = st.recursive(
@@ -99,14 +108,23 @@ def _outcome(read: Any, data: bytes) -> Any:
         return type(exc)
 
 
+def _typed_or_general(data: bytes) -> ChunkParts:
+    """The parts as `translated` reads them: typed when the data has the usual shape,
+    as a chunk object when it has any other."""
+    try:
+        return typed_parts(read_typed(data))
+    except msgspec.ValidationError:
+        return chunk_parts(read_chunk(data))
+
+
 @settings(max_examples=600, deadline=None)
 @given(st.one_of(_chunk, _json))
-def test_a_chunk_read_into_its_parts_has_the_parts_of_the_chunk_object(obj: Any) -> None:
+def test_a_chunk_read_typed_has_the_parts_of_the_chunk_object(obj: Any) -> None:
     """Whatever the data (a chunk of the usual shape, a malformed one, JSON that is no
-    object), `read_parts` gives what `chunk_parts(read_chunk(...))` gives, or raises
-    the same error."""
+    object), reading it typed where it has the usual shape gives what
+    `chunk_parts(read_chunk(...))` gives, or raises the same error."""
     data = json.dumps(obj).encode()
-    assert _outcome(read_parts, data) == _outcome(lambda d: chunk_parts(read_chunk(d)), data)
+    assert _outcome(_typed_or_general, data) == _outcome(lambda d: chunk_parts(read_chunk(d)), data)
 
 
 # Chunks of the usual shape only (every member of the type the typed reading admits,
@@ -152,13 +170,14 @@ def test_a_chunk_of_the_usual_shape_read_typed_has_the_parts_of_the_chunk_object
     finish strings, empty or not, or null; calls a list or null; usage an object or
     null) is read without the general path, and its parts are `chunk_parts`'s."""
     data = json.dumps(obj).encode()
-    assert isinstance(_read_typed(data), _TypedChunk)  # the typed path, not the fallback
-    assert read_parts(data) == chunk_parts(read_chunk(data))
+    chunk = read_typed(data)  # the typed path, not the fallback
+    assert isinstance(chunk, TypedChunk)
+    assert typed_parts(chunk) == chunk_parts(read_chunk(data))
 
 
 def test_data_that_is_not_json_raises_as_the_chunk_reader_does() -> None:
     for data in (b"", b"{", b'{"choices": [', b"not json"):
-        got = _outcome(read_parts, data)
+        got = _outcome(read_typed, data)  # not a ValidationError: `translated` lets it out
         assert got is _outcome(read_chunk, data) is msgspec.DecodeError
 
 
@@ -186,16 +205,16 @@ def _timeless(events: bytes) -> bytes:
     st.integers(1, 12),
     st.lists(st.sampled_from([b"[1]", b'"text"', b"null", b"3"]), max_size=3),
 )
-def test_a_stream_translated_from_parts_is_the_stream_from_chunk_objects(
+def test_a_stream_translated_from_its_data_is_the_stream_from_chunk_objects(
     text: str,
     calls: list[tuple[str, str, dict[str, Any]]],
     finish: str,
     piece: int,
     noise: list[bytes],
 ) -> None:
-    """The relay's data through `translated` (read into parts) and the same chunks
-    handed over as chunk objects make the same bytes; data that is no object adds no
-    event either way."""
+    """The relay's data through `translated` (the usual chunk read typed) and the same
+    chunks handed over as chunk objects make the same bytes; data that is no object
+    adds no event either way."""
     usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
     chunks = live_chunks(text, calls, finish, usage, piece)
     data = [json.dumps(c).encode() for c in chunks]
@@ -217,6 +236,98 @@ def test_a_stream_translated_from_parts_is_the_stream_from_chunk_objects(
     events.end(written)
     assert streamed == _timeless(b"".join(written))
     assert b"event: response.completed" in streamed or finish == "length"
+
+
+def _translation(chunks: list[Any]) -> tuple[Any, ...]:
+    """What a stream's events make of these chunks, each handed over as it is (a typed
+    chunk, a chunk object): the events written for each, then its closing events, and
+    the state they leave; or the error a chunk raised, and the events before it."""
+    events = ResponseEvents(_shell())
+    written: list[bytes] = []
+    for c in chunks:
+        out: list[bytes] = []
+        try:
+            events.chunk(c, out)
+        except Exception as exc:  # compared, not swallowed
+            return written, type(exc), str(exc)
+        written.append(b"".join(out))
+    state = (events.seq, events.output, events.usage, events.finish, events._text)
+    out = []
+    events.end(out)
+    return written, state, _timeless(b"".join(out)), events.status
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(_usual_chunk, _chunk), max_size=8))
+def test_a_stream_of_chunks_read_typed_makes_the_events_of_the_chunk_objects(
+    objs: list[dict[str, Any]],
+) -> None:
+    """Chunks of any shape, one after another (text alone, text with calls, a finish,
+    usage, malformed members): each handed over as `translated` reads it (typed when
+    it has the usual shape, so a chunk that carries text and nothing else is read off
+    its struct) writes the events, and leaves the state, that the chunk object does
+    through the one rule of its parts (`chunk_parts`)."""
+    data = [json.dumps(o).encode() for o in objs]
+    typed: list[Any] = []
+    for d in data:
+        try:
+            typed.append(read_typed(d))
+        except msgspec.ValidationError:
+            typed.append(read_chunk(d))
+    assert _translation(typed) == _translation([read_chunk(d) for d in data])
+
+
+# Chunks on either side of the shortcut's every test: text or not (none, a number, other
+# JSON), beside calls (none, empty, some), a finish, usage, no choice, a null delta.
+_near_plain = st.fixed_dictionaries(
+    {
+        "choices": st.one_of(
+            st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "index": st.just(0),
+                        "delta": st.one_of(
+                            st.none(),
+                            st.fixed_dictionaries(
+                                {
+                                    "content": st.one_of(
+                                        st.text(max_size=6), st.none(), st.integers(0, 2), _json
+                                    )
+                                },
+                                optional={
+                                    "role": st.just("assistant"),
+                                    "tool_calls": st.one_of(st.none(), st.lists(_call, max_size=2)),
+                                },
+                            ),
+                        ),
+                    },
+                    optional={"finish_reason": st.one_of(st.none(), st.sampled_from(["stop", ""]))},
+                ),
+                min_size=1,
+                max_size=1,
+            ),
+            st.just([]),
+            st.none(),
+        )
+    },
+    optional={"usage": st.one_of(st.none(), _usage.filter(lambda u: isinstance(u, dict)))},
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(_near_plain, min_size=1, max_size=6))
+def test_a_chunk_read_off_its_struct_as_text_alone_is_one_that_has_nothing_else(
+    objs: list[dict[str, Any]],
+) -> None:
+    """Chunks of the usual shape that carry text and nothing else, and chunks that
+    carry one thing more (calls, even an empty list, a finish, even an empty one,
+    usage) or less (no text, no choice, a null delta): read typed, each writes what
+    its chunk object writes, so the shortcut takes exactly the chunks whose parts are
+    their text alone."""
+    data = [orjson.dumps(o) for o in objs]
+    typed = [read_typed(d) for d in data]
+    assert all(isinstance(c, TypedChunk) for c in typed)
+    assert _translation(typed) == _translation([read_chunk(d) for d in data])
 
 
 _states = st.lists(

@@ -22,6 +22,7 @@ from switchyard.api.responses_reply import (
     _RESPONSE_DONE,
     ResponseEvents,
     Shell,
+    _json_str,
     _sse,
     delta_event,
     message_added,
@@ -29,7 +30,7 @@ from switchyard.api.responses_reply import (
     response_event,
     text_delta_head,
 )
-from switchyard.reply import read_parts
+from switchyard.reply import TypedChunk, read_typed
 
 # Text with every case JSON escapes, and characters outside the BMP.
 _ESCAPES = ['"', "\\", "/", "\n", "\r", "\t", "\b", "\f", "\x00", "\x1f", "\x7f", "\u2028"]
@@ -44,6 +45,11 @@ _seq = st.integers(0, 2**40)
 
 def _events(out: bytes) -> list[bytes]:
     return [e + b"\n\n" for e in out.split(b"\n\n") if e]
+
+
+def _text_chunk(text: str) -> TypedChunk:
+    """A chunk that carries `text` and nothing else, read as the relay's data is."""
+    return read_typed(orjson.dumps({"choices": [{"index": 0, "delta": {"content": text}}]}))
 
 
 @settings(max_examples=300, deadline=None)
@@ -118,6 +124,18 @@ def test_a_lone_surrogate_is_refused_by_the_template_as_by_the_object() -> None:
         _sse({"type": "response.output_text.done", "text": "\ud800"})
     with pytest.raises(orjson.JSONEncodeError):
         message_done(b'"msg_1"', 0, "\ud800", 0)
+    # A text delta's string is msgspec's (no decoded chunk holds a lone surrogate):
+    # refused too, by msgspec's own error.
+    with pytest.raises(UnicodeEncodeError):
+        delta_event(text_delta_head("msg_1", 0), "\ud800", 0)
+
+
+@settings(max_examples=500, deadline=None)
+@given(_text)
+def test_a_text_deltas_string_is_the_json_orjson_writes(text: str) -> None:
+    """The text delta's string is written by msgspec's encoder (cheaper for a token's
+    few characters), every other string by orjson: the same bytes for any text."""
+    assert _json_str(text) == orjson.dumps(text)
 
 
 _calls = st.lists(
@@ -143,7 +161,7 @@ def test_every_event_of_a_stream_is_the_bytes_of_its_object_in_order(
     events = ResponseEvents(shell)
     out: list[bytes] = []
     for c in live_chunks(text, calls, finish, usage, piece):
-        events.parts(read_parts(json.dumps(c).encode()), out)
+        events.chunk(read_typed(json.dumps(c).encode()), out)
     events.end(out)
     sent = _events(b"".join(out))
     objs = [orjson.loads(e.split(b"\ndata: ", 1)[1]) for e in sent]
@@ -166,12 +184,12 @@ def test_text_deltas_are_their_events_before_and_past_the_tails_made_once(
     """The text deltas' tails are made once for the first sequence numbers and formatted
     past them: on either side, and across, each delta is its event's bytes."""
     events = ResponseEvents(Shell("resp_" + "6" * 32, check({"model": "m", "input": "x"}), "m"))
-    events.parts((None, texts[0], (), None), [])  # started, the message open
+    events.chunk(_text_chunk(texts[0]), [])  # started, the message open
     head = text_delta_head(events.output[0]["id"], 0)
     events.seq = first
     for text in texts:
         out: list[bytes] = []
         seq = events.seq
-        events.parts((None, text, (), None), out)
+        events.chunk(_text_chunk(text), out)
         assert out == [delta_event(head, text, seq)]
         assert _events(out[0]) == [_sse(orjson.loads(out[0].split(b"\ndata: ", 1)[1]))]
