@@ -63,7 +63,6 @@ class Route(Stage):
         explicit = self._explicit.get(view.alias or "")
         return explicit if explicit is not None else self.UNKNOWN
 
-
     def work(self, ctx: RequestContext) -> None:
         t = time.perf_counter()
         rcfg = self._cfg
