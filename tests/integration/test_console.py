@@ -8,36 +8,23 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
-import shutil
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from selenium import webdriver
-from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
-from selenium.webdriver.support.ui import Select, WebDriverWait
+from selenium.webdriver.support.ui import Select
 
+from support.browser import WAIT_S, chromium, until
 from support.gateways import ADMIN_KEY, Gateway, local_model, start_gateway
 from support.paths import REPO
 from support.upstreams import Scripted, start_scripted
 
 SHOTS = REPO / "build" / "console-screenshots"
 BODY: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-WAIT_S = 20  # hang guard for a page to render
-
-
-def _binary(*names: str) -> str:
-    for name in names:
-        found = shutil.which(name) or (Path("/usr/bin") / name).as_posix()
-        if Path(found).exists():
-            return found
-    raise RuntimeError(f"none of {names} is installed: run `make sysdeps`")
 
 
 @pytest.fixture(scope="module")
@@ -76,26 +63,13 @@ def gw(upstreams: tuple[Scripted, Scripted]) -> Iterator[Gateway]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[WebDriver]:
-    options = webdriver.ChromeOptions()
-    options.binary_location = _binary("chromium", "chromium-browser")
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
-        options.add_argument(arg)
-    options.add_argument("--window-size=1400,1000")
-    driver = webdriver.Chrome(service=Service(_binary("chromedriver")), options=options)
-    driver.set_page_load_timeout(WAIT_S)
+    driver = chromium("--window-size=1400,1000")
     SHOTS.mkdir(parents=True, exist_ok=True)
     yield driver
     driver.quit()
 
 
-def _until(driver: WebDriver, what: Callable[[WebDriver], Any]) -> Any:
-    def probe(d: WebDriver) -> Any:
-        try:
-            return what(d)
-        except (NoSuchElementException, StaleElementReferenceException):
-            return False
-
-    return WebDriverWait(driver, WAIT_S, poll_frequency=0.1).until(probe)
+_until = until
 
 
 def _shot(driver: WebDriver, name: str) -> None:

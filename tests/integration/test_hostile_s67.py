@@ -78,17 +78,6 @@ def _auth(key: str, **headers: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}", **headers}
 
 
-def _rows(gw: Gateway, tenant: str, n: int = 1, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-    """The tenant's usage rows once there are `n` (a row is written a moment after its
-    request is settled)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        rows = gw.usage(tenant=tenant, limit=50)
-        if len(rows) >= n or time.monotonic() > deadline:
-            return rows
-        time.sleep(0.05)
-
-
 # -- idempotent replays across a tenant's keys ---------------------------------------------
 
 
@@ -249,7 +238,7 @@ def test_deleting_a_running_background_response_stops_it_and_frees_its_slot(
         gone = httpx.delete(f"{gw.url}/v1/responses/{rid}", headers=_auth(key), timeout=30)
         assert gone.status_code == 200 and gone.json()["deleted"] is True, gone.text
 
-        rows = [r for r in _rows(gw, tid, 2) if r["error_code"] != "background_limit"]
+        rows = [r for r in gw.tenant_rows(tid, 2) if r["error_code"] != "background_limit"]
         assert [(r["status"], r["error_code"]) for r in rows] == [("cancelled", "cancelled")]
         after = httpx.get(f"{gw.url}/v1/responses/{rid}", headers=_auth(key), timeout=30)
         assert after.status_code == 404, after.text
@@ -282,7 +271,7 @@ def test_a_client_that_leaves_mid_body_is_cancelled(gw: Gateway, path: str, endp
     )
     _send(gw, head, b'{"model":"').close()
 
-    rows = _rows(gw, tid)
+    rows = gw.tenant_rows(tid)
     assert [(r["endpoint"], r["status"], r["error_code"]) for r in rows] == [
         (endpoint, "cancelled", "client_disconnected")
     ]
@@ -321,7 +310,7 @@ def test_a_client_that_leaves_mid_stream_stops_the_upstream(
         assert s.recv(4096).startswith(b"HTTP/1.1 200")
         time.sleep(0.5)
         s.close()
-        rows = _rows(gw, tid)
+        rows = gw.tenant_rows(tid)
     finally:
         scripted.fault("delay:0", count=0)
     assert len(rows) == 1 and rows[0]["status"] == "cancelled", rows

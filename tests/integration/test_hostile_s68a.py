@@ -49,7 +49,7 @@ import httpx
 import pytest
 
 from support.gateways import Gateway, cheap_config, local_model, start_gateway
-from support.upstreams import Scripted, start_scripted
+from support.upstreams import Scripted
 
 REGISTRY = [
     {"name": "search", "class": "read_only"},
@@ -61,13 +61,6 @@ ASK = [{"role": "user", "content": "pay the invoice"}]
 
 def _tool(name: str) -> dict[str, Any]:
     return {"name": name, "description": name, "input_schema": {"type": "object"}}
-
-
-@pytest.fixture(scope="module")
-def scripted() -> Iterator[Scripted]:
-    proc, s = start_scripted()
-    yield s
-    proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +89,6 @@ def gw(scripted: Scripted, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     g.proc.stop()
 
 
-def _key(gw: Gateway, **limits: Any) -> tuple[str, str]:
-    tenant = "s68a-" + os.urandom(4).hex()
-    gw.create_tenant(tenant, **limits)
-    return tenant, str(gw.create_key(tenant)["key"])
-
-
 def _post(gw: Gateway, path: str, body: Any, key: str, **headers: str) -> httpx.Response:
     h = {"x-api-key": key, "anthropic-version": "2023-06-01", **headers}
     return httpx.post(gw.url + path, json=body, headers=h, timeout=30)
@@ -118,16 +105,6 @@ def _last(scripted: Scripted) -> dict[str, Any]:
     return dict(httpx.get(scripted.url + "/control/last").json()["body"])
 
 
-def _rows(gw: Gateway, tenant: str, n: int = 1, timeout_s: float = 10.0) -> list[dict[str, Any]]:
-    """The tenant's usage rows once there are `n` (written a moment after settling)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        rows = gw.usage(tenant=tenant, limit=50)
-        if len(rows) >= n or time.monotonic() > deadline:
-            return rows
-        time.sleep(0.05)
-
-
 # -- count_tokens -----------------------------------------------------------------------
 
 
@@ -136,14 +113,14 @@ def test_count_tokens_is_held_to_the_keys_request_rate(gw: Gateway) -> None:
     call is answered, each one read, parsed and estimated in full. Count calls are
     requests of the key (Anthropic limits them too): past the rate they get 429
     `rate_limit_error` as /v1/messages does."""
-    tenant, key = _key(gw, rpm=2)
+    tenant, key = gw.new_tenant("s68a", rpm=2)
     body = {"model": "cheap", "messages": [{"role": "user", "content": "word " * 400_000}]}
     codes = [_post(gw, "/v1/messages/count_tokens", body, key) for _ in range(5)]
     assert [r.status_code for r in codes] == [200, 200, 429, 429, 429]
     assert codes[0].json()["input_tokens"] > 400_000
     assert _anthropic_error(codes[2])["type"] == "rate_limit_error"
     # Each is a request of the key's, recorded as one and charged nothing.
-    rows = _rows(gw, tenant, n=5)
+    rows = gw.tenant_rows(tenant, n=5)
     assert sorted(r["status"] for r in rows) == ["error"] * 3 + ["ok"] * 2, rows
     assert {r["endpoint"] for r in rows} == {"messages.count_tokens"}
     assert sum(r["cost_usd"] or 0 for r in rows) == 0
@@ -156,7 +133,7 @@ def test_count_tokens_answers_for_a_model_as_messages_does(gw: Gateway, model: s
     `adapter_not_allowed` and /v1/models does not list) and for a revision the model
     does not have (404 on /v1/messages): another tenant's adapter is confirmed to
     exist. It answers as /v1/messages does for the same model."""
-    _, key = _key(gw)
+    _, key = gw.new_tenant("s68a")
     create = _post(gw, "/v1/messages", {"model": model, "max_tokens": 5, "messages": ASK}, key)
     count = _post(gw, "/v1/messages/count_tokens", {"model": model, "messages": ASK}, key)
     assert create.status_code in (403, 404), create.text
@@ -175,7 +152,7 @@ def test_a_forced_tool_the_registry_keeps_from_the_tenant_never_goes_upstream(
     the gate will remove any call to it from the reply; the same choice of a
     `tools.deny` tool is a 403 before any work. Both are refused alike, and a tool the
     tenant may never run is not offered upstream."""
-    _, key = _key(gw)
+    _, key = gw.new_tenant("s68a")
     before = scripted.requests()
     body = {"model": "cheap", "max_tokens": 5, "messages": ASK}
     tools = [_tool("search"), _tool("wire_money")]
@@ -224,7 +201,7 @@ def test_a_tool_choice_no_offered_tool_answers_is_a_400_before_upstream(
     upstream (`tool_choice` without `tools`). Today it is sent upstream as `required`
     or a function choice (and billed), or, where tools are governed, refused 403 as if
     the key were not allowed a tool that is not there."""
-    _, key = _key(gw)
+    _, key = gw.new_tenant("s68a")
     before = scripted.requests()
     body: dict[str, Any] = {
         "model": "cheap",
@@ -255,7 +232,7 @@ def test_the_http_layers_refusals_on_messages_take_anthropics_shape(
     are refused below the app, in the OpenAI error shape whatever the route: an
     Anthropic client on /v1/messages gets a body its SDK does not read as an error.
     The request line is known when either is refused, so the route picks the shape."""
-    _, key = _key(gw)
+    _, key = gw.new_tenant("s68a")
     r = _post(
         gw, "/v1/messages", {"model": "cheap", "max_tokens": 5, "messages": ASK}, key, **headers
     )
@@ -273,7 +250,7 @@ def test_a_huge_max_tokens_is_capped_to_what_the_budget_has_left(
     at the price), `max_tokens` 2^31-1 goes upstream as at most 50, and once the
     budget is spent calls are refused in Anthropic's shape: nothing is billed past it."""
     budget = 0.05
-    tenant, key = _key(gw, budget_usd=budget, budget_period="day")
+    tenant, key = gw.new_tenant("s68a", budget_usd=budget, budget_period="day")
     body = {"model": "cheap", "max_tokens": 2**31 - 1, "messages": ASK}
     first = _post(gw, "/v1/messages", body, key)
     assert first.status_code == 200, first.text
@@ -287,7 +264,7 @@ def test_a_huge_max_tokens_is_capped_to_what_the_budget_has_left(
             break
     assert last.status_code == 429, last.text
     assert _anthropic_error(last)["type"] == "rate_limit_error"
-    rows = _rows(gw, tenant, n=calls)
+    rows = gw.tenant_rows(tenant, n=calls)
     assert sum(r["cost_usd"] or 0 for r in rows) <= budget + 1e-9, rows
 
 
@@ -296,7 +273,7 @@ def test_a_messages_stream_left_midway_gives_its_slot_back(gw: Gateway, scripted
     leaves; not what it held. A tenant allowed one request at a time leaves a slow
     stream after its first events: its row says cancelled, and its next call is served
     (the slot came back) rather than refused until the stream would have ended."""
-    tenant, key = _key(gw, max_concurrency=1)
+    tenant, key = gw.new_tenant("s68a", max_concurrency=1)
     scripted.fault("slow:300", count=1)
     body = {"model": "cheap", "max_tokens": 16, "stream": True, "messages": ASK}
     headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
@@ -305,7 +282,7 @@ def test_a_messages_stream_left_midway_gives_its_slot_back(gw: Gateway, scripted
         for line in r.iter_lines():
             if line.startswith("event: content_block_delta"):
                 break
-    rows = _rows(gw, tenant)
+    rows = gw.tenant_rows(tenant)
     assert [row["status"] for row in rows] == ["cancelled"], rows
     deadline = time.monotonic() + 5
     while True:
@@ -321,15 +298,15 @@ def test_two_credentials_are_never_merged(gw: Gateway) -> None:
     key is refused 401 whatever `x-api-key` holds (never a fall back to the other
     credential), and with two valid keys of two tenants the request is the Bearer's
     tenant's alone: one row, none for the other tenant."""
-    a_tenant, a_key = _key(gw)
-    b_tenant, b_key = _key(gw)
+    a_tenant, a_key = gw.new_tenant("s68a")
+    b_tenant, b_key = gw.new_tenant("s68a")
     body = {"model": "cheap", "max_tokens": 5, "messages": ASK}
     bad = _post(gw, "/v1/messages", body, a_key, authorization="Bearer sk-not-a-key")
     assert bad.status_code == 401, bad.text
     assert _anthropic_error(bad)["type"] == "authentication_error"
     both = _post(gw, "/v1/messages", body, a_key, authorization=f"Bearer {b_key}")
     assert both.status_code == 200, both.text
-    assert len(_rows(gw, b_tenant)) == 1
+    assert len(gw.tenant_rows(b_tenant)) == 1
     assert gw.usage(tenant=a_tenant, limit=50) == []
 
 
@@ -350,7 +327,7 @@ def test_a_bad_scheduling_or_task_header_on_messages_is_a_400_naming_it(
     """Gap: test_scheduling and test_task_governance send these to chat only. On
     /v1/messages each is a 400 in Anthropic's shape naming the header, before anything
     goes upstream."""
-    _, key = _key(gw)
+    _, key = gw.new_tenant("s68a")
     before = scripted.requests()
     body = {"model": "cheap", "max_tokens": 5, "messages": ASK}
     r = _post(gw, "/v1/messages", body, key, **{name: value})

@@ -47,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
-import os
 import socket
 import sqlite3
 import threading
@@ -182,12 +181,6 @@ def gw(up: Hostile, catalog: str) -> Iterator[Gateway]:
     g.proc.stop()
 
 
-def _tenant(gw: Gateway, **limits: Any) -> tuple[str, str]:
-    tenant = "t-" + os.urandom(4).hex()
-    gw.create_tenant(tenant, **limits)
-    return tenant, str(gw.create_key(tenant)["key"])
-
-
 Rows = list[dict[str, Any]]
 
 
@@ -245,7 +238,7 @@ def test_negative_usage_is_no_refund_of_a_budget(gw: Gateway) -> None:
     zero (state/limits_memory.py `settle` floors it there), so the budget starts over:
     14 replies of $0.01 pass a $0.10 budget. Counts below zero bill nothing below zero,
     and what honest replies cost stays within the budget."""
-    tenant, key = _tenant(gw, budget_usd=0.10)
+    tenant, key = gw.new_tenant("t", budget_usd=0.10)
     chat = "/v1/chat/completions"
     assert [_post(gw, key, chat, "honest").status_code for _ in range(5)] == [200] * 5
     r = _post(gw, key, chat, "usage-negative")
@@ -274,7 +267,7 @@ def test_usage_counts_out_of_range_neither_fail_nor_leak(
     the module docstring). Each is answered without a 500, its slot is given back (the
     next request is served), and it is billed once, at no less than nothing and no
     more than a bound (16 tokens of output cost $0.016; the bound here is $1)."""
-    tenant, key = _tenant(gw, max_concurrency=1)
+    tenant, key = gw.new_tenant("t", max_concurrency=1)
     r = _post(gw, key, route, reply)
     assert r.status_code != 500, r.text
     assert not any(leak in r.text for leak in LEAKS), r.text
@@ -297,7 +290,7 @@ def test_a_reply_that_is_no_json_object_is_a_502(gw: Gateway, route: str, reply:
     a 200 (the client gets `[1, 2, 3]` or the HTML), Responses and Messages make the
     array an empty answer and the rest a 500. It is the upstream's fault:
     502 `upstream_error`, in the route's error shape."""
-    _, key = _tenant(gw)
+    _, key = gw.new_tenant("t")
     r = _post(gw, key, route, reply)
     assert r.status_code == 502, (r.status_code, r.text[:300])
     assert _error_code(r) == "upstream_error", r.text
@@ -346,7 +339,7 @@ def test_a_stream_event_that_is_no_json_object_ends_in_an_error_event(
     ledger row is written and the slot is never given back. Either the stream completes
     and is billed once, or it ends in an `upstream_error` event and its ledger row says
     `incomplete`; either way the slot is given back."""
-    tenant, key = _tenant(gw, max_concurrency=1)
+    tenant, key = gw.new_tenant("t", max_concurrency=1)
     text = _read_stream(gw, key, route, reply)
     after = _post(gw, key, "/v1/chat/completions", "honest")
     assert after.status_code == 200, f"the slot was not given back: {after.text}"
@@ -368,7 +361,7 @@ def test_an_upstream_retry_after_reaches_the_client_bounded(gw: Gateway, reply: 
     """A 429 with `Retry-After` of 4,000 digits, or of text: today the client gets it
     as the upstream wrote it. What the client is told to wait is a number of seconds of
     at most six digits (as the 503 branch already bounds it), or nothing."""
-    _, key = _tenant(gw)
+    _, key = gw.new_tenant("t")
     r = _post(gw, key, "/v1/chat/completions", reply)
     assert r.status_code == 429, r.text
     told = r.headers.get("retry-after")
@@ -392,7 +385,7 @@ def test_a_reply_that_never_ends_is_cut_at_a_bound(gw: Gateway, up: Hostile) -> 
     the gateway reads it all into memory (its resident size grows by the whole flood;
     an endless one grew it by 5 GB in 8 s) and answers 504 at the deadline. It stops
     reading at a bound: the flood is never held whole, the answer is 502."""
-    _, key = _tenant(gw)
+    _, key = gw.new_tenant("t")
     pid = gw.proc.popen.pid
     before = _rss_mb(pid)
     answer: list[httpx.Response] = []
@@ -415,7 +408,7 @@ def test_an_sse_line_that_never_ends_is_cut_at_a_bound(gw: Gateway) -> None:
     connection held. Today the gateway gathers it with a copy of all it has per read,
     until the deadline ends it as `upstream_timeout`. It stops at a bound on one
     event, and the client's stream ends in `upstream_error`."""
-    _, key = _tenant(gw)
+    _, key = gw.new_tenant("t")
     text = _read_stream(gw, key, "/v1/chat/completions", "flood-line")
     assert "upstream_error" in text and "upstream_timeout" not in text, text[-300:]
 
@@ -430,7 +423,7 @@ def test_a_client_gone_from_a_stream_that_never_ends_frees_its_slot(
     tenant may hold one request at a time. The client reads the first chunk and hangs
     up: the upstream connection is closed, the ledger has one row (cancelled), and the
     tenant's next request is served, not refused for concurrency."""
-    tenant, key = _tenant(gw, max_concurrency=1)
+    tenant, key = gw.new_tenant("t", max_concurrency=1)
     raw = json.dumps(_body("/v1/chat/completions", "never-done", stream=True)).encode()
     head = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
@@ -458,7 +451,7 @@ def test_a_background_response_cancelled_thrice_is_settled_once(gw: Gateway) -> 
     cancels race on one whose upstream hangs after its status line, and a fourth comes
     after it ended, for a tenant that may hold one request at a time: each answers
     `cancelled`, the ledger has one row for it (cancelled), and the slot is given back."""
-    tenant, key = _tenant(gw, max_concurrency=1)
+    tenant, key = gw.new_tenant("t", max_concurrency=1)
     body = {"model": "hang", "input": "hi", "background": True}
     r = gw.post("/v1/responses", key=key, json=body, timeout=30)
     assert r.status_code == 200, r.text

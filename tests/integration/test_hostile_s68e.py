@@ -35,27 +35,21 @@ Gaps guarded (pass today; no other test covers them):
 
 from __future__ import annotations
 
-import shutil
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from selenium import webdriver
-from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
-from selenium.webdriver.support.ui import WebDriverWait
 
+from support.browser import WAIT_S, chromium, until
 from support.gateways import ADMIN_KEY, Gateway, cheap_config, start_gateway
-from support.upstreams import Scripted, start_scripted
+from support.upstreams import Scripted
 
-WAIT_S = 20  # hang guard for a page or a log line
 MESSAGES = [{"role": "user", "content": "hi"}]
 # What a hostile tool server writes to its stderr: a line in the gateway's own log
 # format, then escapes that erase the line before it on a terminal.
@@ -68,13 +62,6 @@ SECRET = "sk-proj-Hq3vN8mB2xC7tR1uY5eW9pL6sK0fD4gJ"
 
 
 @pytest.fixture(scope="module")
-def scripted() -> Iterator[Scripted]:
-    proc, s = start_scripted()
-    yield s
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
 def gw(scripted: Scripted) -> Iterator[Gateway]:
     liar = [sys.executable, "-c", f"import sys; sys.stderr.write({STDERR!r}); sys.exit(3)"]
     g = start_gateway(cheap_config(scripted, mcp={"servers": [{"name": "liar", "command": liar}]}))
@@ -82,34 +69,14 @@ def gw(scripted: Scripted) -> Iterator[Gateway]:
     g.proc.stop()
 
 
-def _binary(*names: str) -> str:
-    for name in names:
-        found = shutil.which(name) or (Path("/usr/bin") / name).as_posix()
-        if Path(found).exists():
-            return found
-    raise RuntimeError(f"none of {names} is installed: run `make sysdeps`")
-
-
 @pytest.fixture(scope="module")
 def browser() -> Iterator[WebDriver]:
-    options = webdriver.ChromeOptions()
-    options.binary_location = _binary("chromium", "chromium-browser")
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(_binary("chromedriver")), options=options)
-    driver.set_page_load_timeout(WAIT_S)
+    driver = chromium()
     yield driver
     driver.quit()
 
 
-def _until(driver: WebDriver, what: Any) -> Any:
-    def probe(d: WebDriver) -> Any:
-        try:
-            return what(d)
-        except (NoSuchElementException, StaleElementReferenceException):
-            return False
-
-    return WebDriverWait(driver, WAIT_S, poll_frequency=0.1).until(probe)
+_until = until
 
 
 def _chat(gw: Gateway, model: str) -> httpx.Response:

@@ -143,13 +143,6 @@ def gw(upstreams: tuple[Scripted, Scripted], silent: Hostile) -> Iterator[Gatewa
     g.proc.stop()
 
 
-def _tenant(gw: Gateway, **limits: Any) -> tuple[str, str]:
-    """A fresh tenant with `limits` and a key of its own: (tenant id, key)."""
-    tenant = "hf-" + os.urandom(4).hex()
-    gw.create_tenant(tenant, **limits)
-    return tenant, str(gw.create_key(tenant)["key"])
-
-
 def _post(
     gw: Gateway, key: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
 ) -> httpx.Response:
@@ -199,12 +192,12 @@ def test_a_fallback_dearer_than_its_primary_is_held_to_the_budget(
     budget = 0.05
     headers: dict[str, str] = {}
     if scope == "tenant":
-        tenant, key = _tenant(gw, budget_usd=budget)
+        tenant, key = gw.new_tenant("hf", budget_usd=budget)
     elif scope == "key":
-        tenant, _ = _tenant(gw)
+        tenant, _ = gw.new_tenant("hf")
         key = str(gw.create_key(tenant, budget_usd=budget)["key"])
     else:
-        tenant, key = _tenant(gw)
+        tenant, key = gw.new_tenant("hf")
         headers = {"x-task-id": "t-" + os.urandom(4).hex(), "x-task-budget": f"cost_usd={budget}"}
     body: dict[str, Any] = {"model": primary, "max_tokens": 16, "messages": MESSAGES}
     if stream:
@@ -240,7 +233,7 @@ def test_a_complete_reply_without_usage_is_billed_what_it_wrote(
     400 tokens the text is ($0.40), or the cap it reserved. Today it bills the number
     of events it relayed as output tokens (3: $0.003), or none for a whole reply, so
     a $1 budget pays for hundreds of such replies where it holds two."""
-    tenant, key = _tenant(gw, budget_usd=10.0)
+    tenant, key = gw.new_tenant("hf", budget_usd=10.0)
     model = "nousage" if stream else "nousage-json"
     r = _post(gw, key, path, {"model": model, "stream": stream, **body})
     assert r.status_code == 200, r.text
@@ -283,7 +276,7 @@ def test_embeddings_are_held_to_the_budget_whatever_their_text(
     # Budgets where the old reservation ($0.268, ASCII $0.124) let both requests in and
     # billed past them ($1.616, ASCII $0.376), and the new one ($0.808, $0.368) one.
     budget = 1.2 if text.startswith("中") else 0.37
-    tenant, key = _tenant(gw, budget_usd=budget)
+    tenant, key = gw.new_tenant("hf", budget_usd=budget)
     body = {"model": EMBED, "input": [text] * 40}
     answers = [_post(gw, key, "/v1/embeddings", body) for _ in range(2)]
     assert answers[0].status_code == 200, answers[0].text
@@ -307,7 +300,7 @@ def test_fifty_requests_at_once_over_every_protocol_stay_within_a_budget_for_fiv
     """Fifty requests at once, each protocol streamed and not, on a budget that pays
     for five replies: each one served is billed what it costs, the total stays within
     the budget, and every other one is refused `insufficient_quota`."""
-    tenant, key = _tenant(gw, budget_usd=5 * REPLY_USD)
+    tenant, key = gw.new_tenant("hf", budget_usd=5 * REPLY_USD)
     shapes = [(p, b | {"stream": s}) for p, b in SHAPES for s in (False, True)]
 
     def one(i: int) -> int:
@@ -329,7 +322,7 @@ def test_fifty_requests_at_once_over_every_protocol_stay_within_a_budget_for_fiv
 def test_background_responses_at_once_stay_within_a_budget_for_five(gw: Gateway) -> None:
     """Twenty background Responses at once on a budget for five: those accepted
     complete and are billed, the rest are refused, and the total stays within it."""
-    tenant, key = _tenant(gw, budget_usd=5 * REPLY_USD)
+    tenant, key = gw.new_tenant("hf", budget_usd=5 * REPLY_USD)
     body = {"model": "plain", "max_output_tokens": 16, "input": "hi", "background": True}
     with concurrent.futures.ThreadPoolExecutor(20) as pool:
         answers = list(pool.map(lambda _: _post(gw, key, "/v1/responses", body), range(20)))
@@ -359,7 +352,7 @@ def test_a_continuation_reserves_its_whole_stored_conversation(gw: Gateway) -> N
     upstream (at least what it is billed), so the budget refuses the continuation it
     cannot pay for, and what is billed stays within it."""
     budget = 0.10
-    tenant, key = _tenant(gw, budget_usd=budget)
+    tenant, key = gw.new_tenant("hf", budget_usd=budget)
     first = {"model": "prompty", "max_output_tokens": 16, "input": "word " * 1500}
     r = _post(gw, key, "/v1/responses", first)
     assert r.status_code == 200, r.text
@@ -399,7 +392,7 @@ def test_one_idempotency_key_sent_ten_times_at_once_is_billed_once(
     upstream (a 500 ms delay): one goes upstream and is billed, nine are replays
     billed nothing, and each has its one row."""
     up, _ = upstreams
-    tenant, key = _tenant(gw, budget_usd=1.0)
+    tenant, key = gw.new_tenant("hf", budget_usd=1.0)
     path, body = SHAPES[shape]
     up.fault("delay:500", 1)
     before = up.requests()

@@ -60,6 +60,13 @@ class Gateway:
         assert r.status_code == 201, r.text
         return dict(r.json())
 
+    def new_tenant(self, prefix: str = "t", **limits: Any) -> tuple[str, str]:
+        """A fresh tenant (`<prefix>-` and random hex) with `limits` and a key of its
+        own: (tenant id, key)."""
+        tenant = f"{prefix}-{os.urandom(4).hex()}"
+        self.create_tenant(tenant, **limits)
+        return tenant, str(self.create_key(tenant)["key"])
+
     def create_key(self, tenant_id: str, **fields: Any) -> dict[str, Any]:
         r = httpx.post(
             self.url + "/admin/keys", json={"tenant_id": tenant_id, **fields}, headers=self.admin
@@ -93,6 +100,16 @@ class Gateway:
         r = httpx.get(self.url + "/admin/usage", params=query, headers=self.admin)
         assert r.status_code == 200, r.text
         return list(r.json()["data"])
+
+    def tenant_rows(self, tenant: str, n: int = 1, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+        """The tenant's usage rows once there are `n` (a row is written a moment after
+        its request is settled), or what there is after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rows = self.usage(tenant=tenant, limit=50)
+            if len(rows) >= n or time.monotonic() > deadline:
+                return rows
+            time.sleep(0.05)
 
 
 def start_gateway(
