@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -259,7 +260,7 @@ class RequestService:
     async def embeddings(self, ctx: RequestContext, read: ReadBody) -> JsonReply:
         """validate → authorize → admit (rpm, tpm by input tokens, concurrency,
         budget at embeddings.price) → embed → settle, like any request."""
-        try:
+        async with self._settled(ctx):
             self.begin(ctx)
             req, raw = await read(ctx.remaining_s())  # decoded and shape-checked
             texts = self.embeddings_run.validate(ctx, req)
@@ -271,13 +272,6 @@ class RequestService:
             ctx.status = _OK
             ctx.timings.ended = time.perf_counter()
             return JsonReply(orjson.dumps(out), served_raw_headers(ctx))
-        except asyncio.CancelledError as exc:
-            raise_cancelled(ctx, exc)
-        except BaseException as exc:
-            mark_failed(ctx, exc)
-            raise
-        finally:
-            await self.settle(ctx)
 
     # -- counting a request's tokens -----------------------------------------------------
     async def counted(
@@ -287,7 +281,7 @@ class RequestService:
         (the same pin and authorize rules as a generation) and its limits admit it as
         a request: it is one (rpm, concurrency), that reserves no tokens and costs
         nothing. Recorded and settled like any request; nothing goes upstream."""
-        try:
+        async with self._settled(ctx):
             self.begin(ctx)
             req, raw = await read(ctx.remaining_s())  # decoded and shape-checked
             alias = req.model
@@ -304,6 +298,15 @@ class RequestService:
             ctx.status = _OK
             ctx.timings.ended = time.perf_counter()
             return n
+
+    @asynccontextmanager
+    async def _settled(self, ctx: RequestContext) -> AsyncIterator[None]:
+        """The request's work, settled once however it ends: an exception marks it
+        failed (or cancelled) first. `generate` writes this out itself: its reply may
+        be settled later, after the response (and an async context manager costs a
+        generator per request on its hot path)."""
+        try:
+            yield
         except asyncio.CancelledError as exc:
             raise_cancelled(ctx, exc)
         except BaseException as exc:
