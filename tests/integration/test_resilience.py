@@ -415,6 +415,29 @@ def test_idempotency_one_upstream_call_for_fifty_identical_requests(
     assert scripted.requests() - before == 1
 
 
+def test_one_idempotency_key_on_another_protocol_is_another_request(
+    gw: Gateway, scripted: Scripted
+) -> None:
+    """Chat, Messages and Responses requests that decode to one internal request, under
+    one `Idempotency-Key`: each protocol's first is its own upstream call, never a reply
+    translated from another protocol's; each protocol's repeat is its own replay."""
+    key = {"Authorization": f"Bearer {gw.key}", "Idempotency-Key": "cross-proto-1"}
+    calls = [
+        ("/v1/chat/completions", {**BODY, "model": "r1"}),
+        ("/v1/messages", {**BODY, "model": "r1"}),
+        ("/v1/responses", {"model": "r1", "input": "hi", "max_output_tokens": 8}),
+    ]
+    for path, body in calls:
+        before = scripted.requests()
+        first = httpx.post(gw.url + path, json=body, headers=key, timeout=60)
+        assert first.status_code == 200, (path, first.text)
+        assert "x-switchyard-idempotent-replay" not in first.headers, path
+        assert scripted.requests() - before == 1, path
+        again = httpx.post(gw.url + path, json=body, headers=key, timeout=60)
+        assert again.headers.get("x-switchyard-idempotent-replay") == "true", path
+        assert scripted.requests() - before == 1, path
+
+
 def test_failed_idempotent_request_can_be_repeated(gw: Gateway, scripted: Scripted) -> None:
     scripted.fault("status:400", count=1)
     assert _chat(gw, "r1", headers={"Idempotency-Key": "retry-me"}).status_code == 400

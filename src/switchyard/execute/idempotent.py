@@ -3,10 +3,12 @@
 It runs before any stage, so a replay costs no limit: it claims the key, replays a
 stored reply through the request's reply side (its placeholders take this request's
 values), keeps a finished reply masked, and gives the key back when the request did
-not succeed. A key is the API key's own (`scoped`): a replay hands over a model's
-output without the stages that check what the caller may use, so it goes only to the
-API key that made the request, never to another key of its tenant (whose
-`allowed_models`, budget or limits may be narrower). Kept apart from the store, which the schema code imports in every
+not succeed. A key is the API key's own and the endpoint's (`scoped`): a replay hands
+over a model's output without the stages that check what the caller may use, so it
+goes only to the API key that made the request, never to another key of its tenant
+(whose `allowed_models`, budget or limits may be narrower); and only to the protocol
+that made it, so a chat request's reply is never replayed, translated, to a Messages or
+Responses request that decodes to the same internal request. Kept apart from the store, which the schema code imports in every
 process (the ledger writer's too), so that import stays small.
 """
 
@@ -27,9 +29,10 @@ from switchyard.state.idempotency import IdempotencyStore, StoredReply, body_has
 
 
 def scoped(ctx: RequestContext, key: str) -> str:
-    """The stored key of a request's `Idempotency-Key`: its API key's id, a space (which
-    the header's value never holds: request_headers.idempotency_key), the value."""
-    return f"{ctx.principal.key_id} {key}"
+    """The stored key of a request's `Idempotency-Key`: its API key's id, the endpoint
+    the client called and the value, apart by spaces (which neither the endpoint's name
+    nor the header's value holds: request_headers.idempotency_key)."""
+    return f"{ctx.principal.key_id} {ctx.input.called} {key}"
 
 
 class Idempotent:
