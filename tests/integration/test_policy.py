@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -121,6 +122,41 @@ def test_admin_api_requires_admin_key(gw: Gateway) -> None:
     assert r.status_code == 404
     listed = httpx.get(gw.url + "/admin/keys", headers=gw.admin).json()["data"]
     assert listed and all("key" not in k and "hash" not in k for k in listed)
+
+
+def test_admin_lists_answer_pages(gw: Gateway) -> None:
+    """`GET /admin/tenants` and `/admin/keys` answer a page (`limit`, 100 by default,
+    at most 1,000) and the cursor of the next (`after` the page's `last_id`), so a
+    gateway with many tenants never builds one reply of all of them."""
+    prefix = "page-" + os.urandom(3).hex()
+    made = sorted(f"{prefix}-{i}" for i in range(5))
+    for tenant in made:
+        gw.create_tenant(tenant)
+    key_ids = [gw.create_key(made[0], name=f"k{i}")["id"] for i in range(5)]
+
+    def get(path: str) -> dict[str, Any]:
+        r = httpx.get(gw.url + path, headers=gw.admin, timeout=10)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    seen: list[str] = []
+    after = made[0][:-1]  # sorts just before the first of ours
+    while True:
+        page = get(f"/admin/tenants?limit=2&after={after}")
+        assert len(page["data"]) <= 2
+        seen += [t["id"] for t in page["data"] if t["id"].startswith(prefix)]
+        if not page["has_more"] or not page["data"][-1]["id"].startswith(prefix):
+            break
+        assert page["last_id"] == page["data"][-1]["id"]
+        after = page["last_id"]
+    assert seen == made  # every one once, in order
+    first = get(f"/admin/keys?tenant={made[0]}&limit=3")
+    assert [k["id"] for k in first["data"]] == key_ids[:3] and first["has_more"] is True
+    rest = get(f"/admin/keys?tenant={made[0]}&limit=3&after={first['last_id']}")
+    assert [k["id"] for k in rest["data"]] == key_ids[3:] and rest["has_more"] is False
+    assert len(get("/admin/tenants?limit=0")["data"]) == 1  # held to at least one
+    r = httpx.get(gw.url + "/admin/keys?after=no-such-key", headers=gw.admin, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "after"
 
 
 # -- rate limits ----------------------------------------------------------------------

@@ -196,13 +196,17 @@ class Keys(Protocol):
 
     def get_tenant(self, tenant_id: str) -> dict[str, Any]: ...
 
-    def list_tenants(self) -> list[dict[str, Any]]: ...
+    def list_tenants(
+        self, limit: int | None = None, after: str | None = None
+    ) -> list[dict[str, Any]]: ...
 
     def create_key(self, tenant_id: str, **values: Any) -> dict[str, Any]: ...
 
     def get_key(self, key_id: str) -> dict[str, Any]: ...
 
-    def list_keys(self, tenant_id: str | None = None) -> list[dict[str, Any]]: ...
+    def list_keys(
+        self, tenant_id: str | None = None, limit: int | None = None, after: str | None = None
+    ) -> list[dict[str, Any]]: ...
 
     def update_key(self, key_id: str, /, **values: Any) -> dict[str, Any]: ...
 
@@ -284,8 +288,18 @@ class KeyStore:
             raise NotFound(f"tenant '{tenant_id}' does not exist")
         return self._tenant_dict(row)
 
-    def list_tenants(self) -> list[dict[str, Any]]:
-        rows = self.conn.execute("SELECT * FROM tenants ORDER BY id").fetchall()
+    def list_tenants(
+        self, limit: int | None = None, after: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Tenants by id: those after the id `after` (a page's last), at most `limit`
+        (None: every one, for the CLI)."""
+        sql, args = "SELECT * FROM tenants", list[Any]()
+        if after is not None:
+            sql, args = sql + " WHERE id > ?", [after]
+        sql += " ORDER BY id"
+        if limit is not None:
+            sql, args = sql + " LIMIT ?", [*args, limit]
+        rows = self.conn.execute(sql, args).fetchall()
         return [self._tenant_dict(r) for r in rows]
 
     def _tenant_dict(self, row: sqlite3.Row) -> dict[str, Any]:
@@ -370,13 +384,29 @@ class KeyStore:
             raise NotFound(f"key '{key_id}' does not exist")
         return self._key_dict(row)
 
-    def list_keys(self, tenant_id: str | None = None) -> list[dict[str, Any]]:
+    def list_keys(
+        self, tenant_id: str | None = None, limit: int | None = None, after: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Keys by creation (of `tenant_id`'s, or every tenant's): those after the key
+        `after` (a page's last), at most `limit` (None: every one, for the CLI)."""
+        where: list[str] = []
+        args: list[Any] = []
         if tenant_id:
-            rows = self.conn.execute(
-                "SELECT * FROM api_keys WHERE tenant_id = ? ORDER BY created_at", (tenant_id,)
-            ).fetchall()
-        else:
-            rows = self.conn.execute("SELECT * FROM api_keys ORDER BY created_at").fetchall()
+            where.append("tenant_id = ?")
+            args.append(tenant_id)
+        if after is not None:
+            row = self.conn.execute(
+                "SELECT created_at FROM api_keys WHERE id = ?", (after,)
+            ).fetchone()
+            if row is None:
+                raise InvalidRequest("'after' must be the id of a listed key", param="after")
+            where.append("(created_at > ? OR (created_at = ? AND id > ?))")
+            args += [row["created_at"], row["created_at"], after]
+        sql = "SELECT * FROM api_keys" + (" WHERE " + " AND ".join(where) if where else "")
+        sql += " ORDER BY created_at, id"
+        if limit is not None:
+            sql, args = sql + " LIMIT ?", [*args, limit]
+        rows = self.conn.execute(sql, args).fetchall()
         return [self._key_dict(r) for r in rows]
 
     def update_key(self, key_id: str, /, **values: Any) -> dict[str, Any]:

@@ -32,11 +32,11 @@ def query_number(q: Any, name: str, default: float | None = None) -> float | Non
     return value
 
 
-def query_limit(q: Any, default: int = 100) -> int:
-    """`?limit=`, from 1 to 10,000."""
+def query_limit(q: Any, default: int = 100, most: int = 10_000) -> int:
+    """`?limit=`, from 1 to `most`."""
     n = query_number(q, "limit", default)
     assert n is not None
-    return max(1, min(int(n), 10_000))
+    return max(1, min(int(n), most))
 
 
 def query_text(q: Any, name: str) -> str | None:

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from switchyard.api.admin.guard import Guard
-from switchyard.api.admin.params import as_json, read_fields
+from switchyard.api.admin.params import as_json, query_limit, query_text, read_fields
 from switchyard.errors import InvalidRequest
 from switchyard.observe.metrics import Metrics
 from switchyard.policy.auth import Authenticator
@@ -41,6 +41,21 @@ KEY_FIELDS = (
 )
 
 
+PAGE, MAX_PAGE = 100, 1000  # tenants or keys a list answers: by default, at most
+
+
+def page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
+    """A list reply as OpenAI's lists are: its rows, the first and last ids (`?after=`
+    the last for the next page) and whether more follow."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": more,
+    }
+
+
 class KeyServices(Protocol):
     keys: KeyStore
     store: Store  # what a budget period has spent
@@ -64,11 +79,15 @@ class TenantsKeys:
         return t
 
     async def tenants(self, request: Request) -> Response:
-        """GET: every tenant with its effective limits and what its budget period has used; POST {"id", limits...}: create one."""
+        """GET ?limit=&after=: a page of tenants with their effective limits and what
+        their budget periods have used; POST {"id", limits...}: create one."""
         self.guard(request)
         keys = self.s.keys
         if request.method == "GET":
-            data = keys.list_tenants()
+            limit = query_limit(request.query_params, PAGE, MAX_PAGE)
+            data = keys.list_tenants(limit + 1, query_text(request.query_params, "after"))
+            more = len(data) > limit
+            data = data[:limit]
             now = time.time()
             for t in data:  # what the budget period has used so far
                 self.with_metrics_label(t)
@@ -78,7 +97,7 @@ class TenantsKeys:
                     t["budget_used_usd"] = round(
                         await self.s.store.spent_since("tenant_id", t["id"], since), 6
                     )
-            return as_json({"object": "list", "data": data})
+            return as_json(page(data, more))
         body = await read_fields(request, ("id", *TENANT_FIELDS))
         tenant_id = body.pop("id", None)
         if not tenant_id:
@@ -98,11 +117,14 @@ class TenantsKeys:
         return as_json(self.with_metrics_label(self.s.keys.get_tenant(tenant_id)))
 
     async def keys(self, request: Request) -> Response:
-        """GET ?tenant=: the API keys (never their secrets); POST {"tenant_id", ...}: create one (its secret is shown once)."""
+        """GET ?tenant=&limit=&after=: a page of API keys (never their secrets); POST
+        {"tenant_id", ...}: create one (its secret is shown once)."""
         self.guard(request)
         if request.method == "GET":
-            tenant_id = request.query_params.get("tenant")
-            return as_json({"object": "list", "data": self.s.keys.list_keys(tenant_id)})
+            q = request.query_params
+            limit = query_limit(q, PAGE, MAX_PAGE)
+            data = self.s.keys.list_keys(query_text(q, "tenant"), limit + 1, query_text(q, "after"))
+            return as_json(page(data[:limit], len(data) > limit))
         body = await read_fields(request, ("tenant_id", *KEY_FIELDS))
         tenant_id = body.pop("tenant_id", None)
         if not tenant_id or not isinstance(tenant_id, str):

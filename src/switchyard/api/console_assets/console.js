@@ -305,7 +305,7 @@ async function livePage() {
 
 // -- tenants and keys ------------------------------------------------------------------
 async function tenantsPage() {
-  const [tenants, keys] = await Promise.all([api("GET", "/admin/tenants"), api("GET", "/admin/keys")]);
+  const [tenants, keys] = await Promise.all([api("GET", "/admin/tenants?limit=1000"), api("GET", "/admin/keys?limit=1000")]);
   const shown = h("div", { id: "new-key-holder" });
   const tForm = h("form", { class: "inline", id: "create-tenant" },
     field("id", "Tenant id", { required: true, maxlength: 128 }), field("rpm", "RPM", { size: 6 }),
