@@ -215,14 +215,13 @@ def test_compact_decision_blocks_are_stored_as_the_full_trace(tmp_path: Path) ->
     assert len(seen) == 3
     conn = connect(str(tmp_path / "hotpath.db"))
     for ctx in seen:
-        # window (the request's own), authorize..route, tools (the request's own: the
-        # reply gate is on), select..deployment_limits, queue (the request's own),
-        # then residency (a remote deployment's skip) and place
-        assert [count for _, _, count in ctx.blocks] == [8, 2, 2]
+        # window (the request's own), authorize..deployment_limits, then queue (the
+        # request's own), then residency (a remote deployment's skip) and place
+        assert [count for _, _, count in ctx.blocks] == [11, 2]
         sent = ledger_entry(ctx, "ok", 1, 1, 0.0, True)
-        assert len(sent.blocks) == 3  # the blocks went compactly, by reference
+        assert len(sent.blocks) == 2  # the blocks went compactly, by reference
         assert sent.decisions is not None
-        assert len(sent.decisions) == len(ctx.decisions) - 12
+        assert len(sent.decisions) == len(ctx.decisions) - 13
         stored = get_request(conn, ctx.input.request_id)
         assert stored is not None
         base = ctx.clock_base

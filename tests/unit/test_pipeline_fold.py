@@ -401,11 +401,10 @@ def test_folded_run_equals_stage_by_stage_run(
 
 def test_a_static_stage_run_is_recorded_as_one_block(tmp_path: Any) -> None:
     """Nothing of the request matters to most stages in the default configuration:
-    authorize..route (tool_results and task among them: no task, no approvals
-    configured) are one cached block; tools works (the reply gate is on, so a chat
-    request's legacy `functions` are refused); select..deployment_limits are a block;
-    the queue works; place is a block of its own; the second request reuses the
-    plans."""
+    authorize..deployment_limits (tool_results, task and tools among them: no task, no
+    approvals, no tool policy configured; the chat codec refuses legacy `functions`)
+    are one cached block, then the queue works, then place is a block of its own; the
+    second request reuses the plans."""
     s = _settings(
         {
             "pii": {"mode": "observe_only"},
@@ -423,11 +422,11 @@ def test_a_static_stage_run_is_recorded_as_one_block(tmp_path: Any) -> None:
     for _ in range(2):
         ctx = _ctx(p, r)
         assert world.pipeline.decide(ctx) is None  # decided without waiting
-        assert [n for _, _, n in ctx.blocks] == [8, 2, 1]
+        assert [n for _, _, n in ctx.blocks] == [11, 1]
         assert [d[0] for d in ctx.decisions] == world.pipeline.names
         assert ctx.admission.gate is not None
         ctx.admission.gate.release()
-    assert len(world.templates) == 3  # one template per block, registered once
+    assert len(world.templates) == 2  # one template per block, registered once
     # A limit on the key turns admit into work: the block splits around it.
     limited = Principal("t", "k", ("*",), ("*",), Limits(rpm=5), Limits())
     ctx = _ctx(limited, r)
@@ -435,7 +434,7 @@ def test_a_static_stage_run_is_recorded_as_one_block(tmp_path: Any) -> None:
     assert pending is not None
     asyncio.run(pending)  # type: ignore[arg-type]
     assert [d[1] for d in ctx.decisions][:5] == ["ok", "allowed", "skip", "skip", "admitted"]
-    assert [n for _, _, n in ctx.blocks] == [3, 4, 2, 1]
+    assert [n for _, _, n in ctx.blocks] == [3, 7, 1]
 
 
 def test_plans_are_cached_per_view() -> None:

@@ -181,6 +181,38 @@ def test_the_codecs_keep_the_error_messages_and_params() -> None:
     assert (emb.texts, emb.dimensions) == (["one"], 384)
 
 
+def test_legacy_functions_are_refused_where_the_config_governs_tools() -> None:
+    """Where tools are governed (the reply gate on chat, by default; any tool policy),
+    the codec refuses the deprecated form by name before any stage; elsewhere it is
+    forwarded as sent."""
+    from switchyard.config import parse_settings
+    from switchyard.decide.stages import refuses_legacy
+    from switchyard.errors import InvalidRequest
+
+    base = {"model": "a", "messages": [{"role": "user", "content": "x"}]}
+    fn = [{"name": "f", "parameters": {"type": "object"}}]
+    model = {"alias": "a", "engine": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1"}}
+
+    def config(tools: dict[str, Any]) -> Any:
+        return parse_settings({"models": [model], "tools": tools})
+
+    gated, ungated = config({}), config({"check_outputs": False})
+    policed = config({"check_outputs": False, "deny": ["rm"]})
+    assert refuses_legacy(gated, "chat.completions") and not refuses_legacy(gated, "completions")
+    assert not refuses_legacy(ungated, "chat.completions")
+    assert refuses_legacy(policed, "chat.completions") and refuses_legacy(policed, "completions")
+    refusing = chat_completions(no_legacy=refuses_legacy(gated, "chat.completions"))
+    for field, value in (("functions", fn), ("function_call", "auto")):
+        try:
+            refusing.decode({**base, field: value})
+        except InvalidRequest as exc:
+            assert exc.param == field and "send 'tools'" in exc.message
+        else:
+            raise AssertionError(f"{field} was accepted")
+    req, _ = chat_completions(no_legacy=False).decode({**base, "functions": fn})
+    assert req.functions == fn
+
+
 @settings(max_examples=200, deadline=None)
 @given(_json, _json, _json)
 def test_a_member_the_protocol_does_not_check_is_never_typed(

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from switchyard.errors import InvalidRequest
 from switchyard.policy.validate import validate_chat, validate_completion, validate_embeddings
 from switchyard.request import GENERATION_FIELDS, Embedding, Generation, Request, from_object
 
@@ -42,21 +43,32 @@ class GenerationCodec:
     check: Callable[[Any, str], str]  # raises the 400; returns the model name
     typed: frozenset[str]
     unknown_fields: str = "pass"
+    # The deprecated `functions`/`function_call` refused: where tools are governed
+    # (decide/stages.py refuses_legacy says where).
+    no_legacy: bool = False
 
     def decode(self, body: Any) -> tuple[Generation, bool]:
         self.check(body, self.unknown_fields)
+        if self.no_legacy and (
+            body.get("functions") is not None or body.get("function_call") is not None
+        ):
+            raise InvalidRequest(
+                "'functions' and 'function_call' are not accepted where tools are governed; "
+                "send 'tools' and 'tool_choice'",
+                param="functions" if body.get("functions") is not None else "function_call",
+            )
         decoded: tuple[Generation, bool] = from_object(Generation, body, self.typed)
         return decoded
 
 
-def chat_completions(unknown_fields: str = "pass") -> GenerationCodec:
+def chat_completions(unknown_fields: str = "pass", no_legacy: bool = False) -> GenerationCodec:
     """`POST /v1/chat/completions`."""
-    return GenerationCodec(validate_chat, CHAT_TYPED, unknown_fields)
+    return GenerationCodec(validate_chat, CHAT_TYPED, unknown_fields, no_legacy)
 
 
-def completions(unknown_fields: str = "pass") -> GenerationCodec:
+def completions(unknown_fields: str = "pass", no_legacy: bool = False) -> GenerationCodec:
     """`POST /v1/completions`."""
-    return GenerationCodec(validate_completion, COMPLETION_TYPED, unknown_fields)
+    return GenerationCodec(validate_completion, COMPLETION_TYPED, unknown_fields, no_legacy)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from switchyard.api.body import header_map, parse_json, read_body
 from switchyard.api.codecs import Codec, Embeddings, chat_completions, completions
 from switchyard.api.sse import RelayResponse, frame, replay
 from switchyard.api.sse import error_event as sse_error_event
+from switchyard.decide.stages import refuses_legacy
 from switchyard.errors import InvalidRequest, RouteNotFound, SwitchyardError
 from switchyard.identity import Principal
 from switchyard.policy.headers import ID_PATTERN
@@ -138,10 +139,11 @@ class OpenAIRoutes:
         self._max_body = server.max_body_bytes
         self._body_timeout_s = server.body_timeout_s
         self._max_depth = server.max_json_depth
-        unknown = gw.settings.validation.unknown_fields
+        s = gw.settings
+        unknown = s.validation.unknown_fields
         self._codecs: dict[str, Codec] = {
-            "chat.completions": chat_completions(unknown),
-            "completions": completions(unknown),
+            "chat.completions": chat_completions(unknown, refuses_legacy(s, "chat.completions")),
+            "completions": completions(unknown, refuses_legacy(s, "completions")),
             "embeddings": Embeddings(gw.settings.embeddings.max_inputs),
         }
 

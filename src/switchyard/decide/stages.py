@@ -29,7 +29,7 @@ from switchyard.decide.stages_select import Residency as Residency
 from switchyard.decide.stages_select import Select as Select
 from switchyard.decide.tools import shortlist, tool_name, tool_text
 from switchyard.embed import EmbeddingService
-from switchyard.errors import InvalidRequest, ModelNotAllowed, RouterNotReady, ToolNotAllowed
+from switchyard.errors import ModelNotAllowed, RouterNotReady, ToolNotAllowed
 from switchyard.pipeline import CacheOutcome, ReplyPart, RequestContext, Stage, Verdict, View
 from switchyard.policy.tool_calls import ToolGate, ToolPolicy
 from switchyard.request import UNKNOWN_MODEL
@@ -101,6 +101,27 @@ def _forced(choice: Any) -> str | None:
     return None
 
 
+def _tool_policy(settings: Settings) -> bool:
+    """Whether a tool policy may remove a tool from a request (the Tools stage's work)."""
+    c = settings.tools
+    return not (
+        c.shortlist_k is None
+        and c.allow is None
+        and not c.deny
+        and not c.tenant_allow
+        and all("*" in t.allowed_tenants for t in c.registry)
+    )
+
+
+def refuses_legacy(settings: Settings, endpoint: str) -> bool:
+    """Whether `endpoint`'s codec refuses the deprecated `functions`/`function_call`:
+    they would offer tools past the tool policy, which reads `tools`, and bring replies
+    whose `function_call` passes the reply gate, which reads `tool_calls` (no key, no
+    block); so they are refused wherever either governs (the gate: chat replies)."""
+    gated = settings.tools.check_outputs and endpoint == "chat.completions"
+    return gated or _tool_policy(settings)
+
+
 class Tools(Stage):
     """Remove tools the tenant may not use, then shortlist the rest by similarity."""
 
@@ -116,16 +137,10 @@ class Tools(Stage):
         self._cfg = c = settings.tools
         self._embedder = embedder
         self._gate = gate  # tools.check_outputs: the tool calls in replies are governed
-        # No tool is removed from a request: the stage folds, unless the gate governs
-        # chat replies, whose requests it must then see (`_legacy`).
+        # No tool is removed from a request: the stage folds (the legacy form, which
+        # would pass both, is refused by the codec where either is on: refuses_legacy).
         self._policy = ToolPolicy(c)
-        self._no_policy = (
-            c.shortlist_k is None
-            and c.allow is None
-            and not c.deny
-            and not c.tenant_allow
-            and all("*" in t.allowed_tenants for t in c.registry)
-        )
+        self._no_policy = not _tool_policy(settings)
 
     def reply(self, ctx: RequestContext) -> ReplyPart | None:
         """The tool calls of a fresh chat reply, governed (policy/tool_calls.py)."""
@@ -135,21 +150,10 @@ class Tools(Stage):
         return ToolGate(ctx, policy)
 
     def static(self, view: View) -> Verdict | None:
-        if self._no_policy and (self._gate is None or view.endpoint != "chat.completions"):
-            return self.NONE
-        return None
+        return self.NONE if self._no_policy else None
 
     def work(self, ctx: RequestContext) -> Awaitable[None] | None:
         req = ctx.generation
-        if req.functions is not None or "function_call" in req.extra:
-            # The deprecated form would offer tools past the policy, which reads `tools`,
-            # and its replies' `function_call` past the gate, which reads `tool_calls`
-            # (no key, no block): refused wherever either is on.
-            raise InvalidRequest(
-                "'functions' and 'function_call' are not accepted where tools are governed; "
-                "send 'tools' and 'tool_choice'",
-                param="functions" if req.functions is not None else "function_call",
-            )
         if not req.tools or self._no_policy:
             ctx.record(self.name, self.NONE.outcome, self.NONE.reason, time.perf_counter())
             return None
