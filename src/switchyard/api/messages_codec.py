@@ -141,6 +141,22 @@ def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": call_id, "content": content}
 
 
+_INT64 = 2**63
+
+
+def _past_int64(value: Any) -> bool:
+    """Whether a parsed value holds a number the body parser read as a float because no
+    64-bit integer holds it: such an integer would be re-encoded rounded (a float
+    written as one, 1e19, is read alike and refused alike)."""
+    if isinstance(value, float):
+        return value.is_integer() and abs(value) >= _INT64
+    if isinstance(value, dict):
+        return any(_past_int64(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_past_int64(v) for v in value)
+    return False
+
+
 def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
     _no_extras_cc(block, _TOOL_USE_KEYS, where)
     call_id, name, args = block.get("id"), block.get("name"), block.get("input")
@@ -150,6 +166,12 @@ def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
         raise bad(f"'{where}.name' must be 1-64 of A-Z a-z 0-9 _ -", f"{where}.name")
     if not isinstance(args, dict):
         raise bad(f"'{where}.input' must be an object", f"{where}.input")
+    if _past_int64(args):
+        raise bad(
+            f"'{where}.input' holds an integer past 64 bits, which would go upstream "
+            "rounded; send it as a string",
+            f"{where}.input",
+        )
     try:
         arguments = orjson.dumps(args).decode()
     except TypeError:  # not from a parsed body (orjson reads big integers as floats)

@@ -169,6 +169,29 @@ def test_what_cannot_be_honoured_is_refused_by_name(change: dict[str, Any], para
     assert _param(body) == param
 
 
+def test_a_tool_use_input_integer_past_64_bits_is_refused_not_rounded() -> None:
+    """The body parser reads an integer no 64-bit integer holds as a float; re-encoded,
+    it would reach the upstream rounded (an id 123456789012345678901 as
+    1.2345678901234568e+20). Refused by name; 64-bit integers go through exactly."""
+    from switchyard.api.body import parse_json
+
+    def turn(number: str) -> dict[str, Any]:
+        raw = (
+            '{"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "q"},'
+            ' {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f",'
+            ' "input": {"ids": [1, {"order": ' + number + "}]}}]}]}"
+        )
+        return dict(parse_json(raw.encode()))
+
+    assert _param(turn("123456789012345678901")) == "messages[1].content[0].input"
+    assert _param(turn("-9223372036854775809")) == "messages[1].content[0].input"
+    for exact in ("9223372036854775807", "-9223372036854775808", "2.5"):
+        req, _ = CODEC.decode(turn(exact))
+        sent = req.messages[1]["tool_calls"][0]["function"]["arguments"]
+        assert json.loads(sent) == {"ids": [1, {"order": json.loads(exact)}]}
+        assert exact in sent
+
+
 def test_count_tokens_bodies_take_no_max_tokens() -> None:
     chat = to_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, True)
     assert chat == {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
