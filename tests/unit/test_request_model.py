@@ -38,7 +38,7 @@ _KNOWN = {
     "n": st.none() | st.integers(1, 4),
     "seed": st.none() | st.integers(0, 10**6),
     "stop": st.none() | _text | st.lists(_text, max_size=4),
-    "user": st.none() | _text,
+    "user": st.none() | st.text(st.characters(exclude_categories=("Cc",)), max_size=12),
     "return_token_ids": st.none() | st.booleans(),
     "prompt_cache_key": st.none() | _text,
 }
@@ -163,6 +163,12 @@ def test_the_codecs_keep_the_error_messages_and_params() -> None:
         (completions(), {"model": "a", "prompt": "p", "temperature": 3}, "temperature", None),
         (Embeddings(4), {"model": "e", "input": ["x"] * 5}, "input", None),
         (chat_completions("reject"), {"model": "a", "messages": [], "zz": 1}, "messages", None),
+        (
+            chat_completions(),
+            {"model": "a", "messages": [{"role": "user", "content": "x"}], "user": "u\nforged"},
+            "user",
+            None,
+        ),
     ]
     from switchyard.errors import InvalidRequest
 

@@ -32,7 +32,7 @@ import orjson
 from switchyard.api.checks import bad, no_extras, number, string
 from switchyard.api.codecs import CHAT_TYPED
 from switchyard.errors import InvalidRequest, MissingRequiredParameter
-from switchyard.policy.validate import answerable_choice, tools_array, validate_chat
+from switchyard.policy.validate import CONTROL, answerable_choice, tools_array, validate_chat
 from switchyard.request import Generation, from_object
 
 # The top-level members the gateway honours; any other is refused by name.
@@ -320,6 +320,8 @@ def _metadata(meta: Any) -> str | None:
         raise bad(
             f"'metadata.user_id' must be a string of at most {MAX_USER_ID}", "metadata.user_id"
         )
+    if CONTROL.search(user):
+        raise bad("'metadata.user_id' may not hold control characters", "metadata.user_id")
     return user
 
 

@@ -86,6 +86,9 @@ _RANGES: dict[str, tuple[float, float]] = {
     "repeat_penalty": (0, 10),
 }
 _MAX_STRINGS = {"user": 512, "reasoning_effort": 32, "service_tier": 32, "suffix": 100_000}
+# An end user's id (`user`, Messages' `metadata.user_id`) is an identifier: no line
+# breaks, escapes or other control characters to forge a log line or a header with.
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def _stop(body: dict[str, Any], stop: Any) -> None:
@@ -283,6 +286,8 @@ def _sampling(body: dict[str, Any], completion: bool = False) -> None:
             longest = _MAX_STRINGS.get(name)
             if longest is not None and len(v) > longest:
                 raise InvalidRequest(f"'{name}' is longer than {longest} characters", param=name)
+            if name == "user" and CONTROL.search(v):
+                raise InvalidRequest(f"'{name}' may not hold control characters", param=name)
             continue
         check = _OTHER.get(name)
         if check is not None:

@@ -153,6 +153,8 @@ def test_a_whole_conversation_decodes_into_chat_messages() -> None:
         ({"tools": [{"name": "a b", "input_schema": {}}]}, "tools[0].name"),
         ({"tool_choice": {"type": "tool"}}, "tool_choice.name"),
         ({"metadata": {"user_id": "u", "session": "s"}}, "metadata.session"),
+        ({"metadata": {"user_id": "u\r\nX-Forged: 1"}}, "metadata.user_id"),
+        ({"metadata": {"user_id": "u\x1b[31m"}}, "metadata.user_id"),
         ({"stop_sequences": ["a"] * 5}, "stop_sequences"),
         ({"model": ""}, "model"),
         # a hostile member name is named, bounded
