@@ -325,6 +325,7 @@ BY_STAGE: dict[str, type[StrEnum]] = {
     "authorize": Authorize,
     "window": Window,
     "admit": Admit,
+    "admit_call": Admit,  # a Responses continuation's call, before its store read
     "deployment_limits": Admit,
     "queue": Queue,
     "pii": Pii,

@@ -61,6 +61,9 @@ ReadBody = Callable[[float], Awaitable[tuple[Any, bytes | None]]]
 
 
 COUNT = "messages.count_tokens"  # the endpoint of a request whose tokens are counted
+# The endpoint of a request that names no model and generates nothing (a stored
+# response read, deleted or cancelled): admitted as one call of the key's (`called`).
+CALL = "call"
 
 
 @dataclass(slots=True)
@@ -70,6 +73,7 @@ class Pipelines:
     generation: Pipeline  # chat.completions and completions
     embeddings: Pipeline
     counting: Pipeline  # messages.count_tokens: authorize and admit, nothing upstream
+    calls: Pipeline  # CALL: admit only (no model to authorize), nothing upstream
 
 
 @dataclass
@@ -299,6 +303,22 @@ class RequestService:
             ctx.timings.ended = time.perf_counter()
             return n
 
+    # -- a call that names no model --------------------------------------------------------
+    @asynccontextmanager
+    async def called(self, ctx: RequestContext) -> AsyncIterator[None]:
+        """The work of a request opened as CALL (its `api` names it: a stored response
+        read, deleted, cancelled), once its headers pass and its principal's limits
+        admit it as one call (no tokens, no cost): recorded and settled like any
+        request, however it ends."""
+        async with self._settled(ctx):
+            self.begin(ctx)
+            pending = self.pipelines.calls.decide(ctx)
+            if pending is not None:
+                await pending
+            yield
+            ctx.status = _OK
+            ctx.timings.ended = time.perf_counter()
+
     @asynccontextmanager
     async def _settled(self, ctx: RequestContext) -> AsyncIterator[None]:
         """The request's work, settled once however it ends: an exception marks it
@@ -327,6 +347,8 @@ class RequestService:
         endpoint = ctx.input.endpoint
         if endpoint == "embeddings":
             return self.settler.settle(ctx, p.embeddings)
+        if endpoint == CALL:
+            return self.settler.settle(ctx, p.calls)
         return self.settler.settle(ctx, p.counting if endpoint == COUNT else p.generation)
 
     async def settle(self, ctx: RequestContext) -> None:

@@ -96,18 +96,21 @@ def test_model_routes_never_answer_a_server_error(fuzzed: Gateway) -> None:
     assert 200 in by_route["POST /v1/responses"], by_route
     # every authenticated model request has its usage row, embeddings, messages,
     # responses and counting tokens included (a count is a request of the key's:
-    # service.counted; cancelling generates nothing: no row)
+    # service.counted), and so has every call to a stored response: read, deleted,
+    # cancelled, its items listed (a call of the key's: service.called)
+    stored = sum(n for (route, _), n in seen.items() if "{response_id}" in route)
     posted = sum(
         n
         for (route, _), n in seen.items()
-        if route.startswith("POST") and not route.endswith("cancel")
+        if route.startswith("POST") and "{response_id}" not in route
     )
     tenant = httpx.get(fuzzed.url + "/v1/models", headers=fuzzed.auth).status_code
     assert tenant == 200
     rows = httpx.get(
         fuzzed.url + "/admin/usage", params={"limit": 10_000}, headers=fuzzed.admin
     ).json()["data"]
-    assert len(rows) == posted, (len(rows), posted)
+    calls = [r for r in rows if r["endpoint"].startswith("responses.")]
+    assert (len(rows) - len(calls), len(calls)) == (posted, stored), (len(rows), posted, stored)
     # and it still serves a plain request afterwards
     ok = fuzzed.post(
         "/v1/chat/completions",

@@ -15,6 +15,15 @@ tenant, encrypted (state/responses.py).
 Background responses (`background: true`) answer `queued` at once and run in this
 process; `GET` polls them, `cancel` stops the upstream call. A tenant runs at most
 `responses.max_background_per_tenant` at once (429 beyond).
+
+Reading, deleting and cancelling a stored response, and listing its input items, are
+requests of the key's (service.called): held to its and its tenant's rpm before the
+store is read, with a decision trace and a usage row (endpoint `responses.retrieve`,
+`responses.delete`, `responses.cancel`, `responses.input_items`; no tokens, cost 0).
+A continuation's request rate is asked before its stored conversation is read
+(`_admit_call`), its tokens, budget and concurrency once it is (the generation's
+admit, over the whole conversation). A stored stream whose client leaves before its
+end is stored `incomplete`, with the output it had (`_kept`).
 """
 
 from __future__ import annotations
@@ -23,6 +32,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import orjson
@@ -56,12 +68,22 @@ from switchyard.errors import (
     StoredResponseUnreadable,
     SwitchyardError,
 )
-from switchyard.identity import Principal
+from switchyard.gateway import Gateway
+from switchyard.identity import Limits, Principal
 from switchyard.pipeline import RequestContext
+from switchyard.policy.admit import principal_scopes
+from switchyard.policy.stages import Reserver
 from switchyard.policy.validate import validate_chat
-from switchyard.reply import JsonReply, StreamReply, relay, stream_chunks, translated_reply
+from switchyard.reply import (
+    JsonReply,
+    StreamReply,
+    relay,
+    served_headers,
+    stream_chunks,
+    translated_reply,
+)
 from switchyard.request import Generation, from_object
-from switchyard.service import ReadBody
+from switchyard.service import CALL, ReadBody
 from switchyard.settle import CLIENT_CANCEL, mark_failed
 from switchyard.state.responses import ResponseStore, StoredResponse
 from switchyard.state.sealing import SealError
@@ -91,6 +113,24 @@ def settle_s(rid: str, now_ms: int) -> float:
 CANCEL_POLL_S = 1.0
 # The decoded chat request and the chat body's bytes (None: not exactly it).
 Wire = tuple[Generation, bytes | None]
+# The stage a continuation's call is admitted under, before its stored conversation is
+# read (the generation's `admit` reserves its tokens and budget afterwards).
+ADMIT_CALL = "admit_call"
+# Why a stored stream whose client left before its end is `incomplete`.
+CLIENT_LEFT = "client_disconnected"
+
+
+def _rate(p: Principal) -> tuple[Principal, Principal]:
+    """`p`'s two views for the limits (its other members shared): (its key's and
+    tenant's rpm alone: what a call that generates nothing is held to, a stored
+    response's read or a continuation's before its conversation is read; its limits
+    less the rpm: what a continuation generates as once its call was counted, so it is
+    counted once)."""
+    key, tenant = p.key_limits, p.tenant_limits
+    return (
+        replace(p, key_limits=Limits(rpm=key.rpm), tenant_limits=Limits(rpm=tenant.rpm)),
+        replace(p, key_limits=replace(key, rpm=None), tenant_limits=replace(tenant, rpm=None)),
+    )
 
 
 def _not_found(rid: str) -> NotFound:
@@ -111,6 +151,17 @@ class ResponsesRoutes:
         # Background responses of each tenant between the cap's check and their commit:
         # counted with the stored ones, so requests racing in together cannot all pass.
         self.starting: dict[str, int] = {}
+        # A continuation's call is admitted through the limiter the stages share (the
+        # gateway's; None: no limiter to ask, as for a gateway of another kind).
+        gw = openai.gw
+        self.reserver = (
+            Reserver(gw.limiter, gw.settings, gw.store.spent_since, gw.counters)
+            if isinstance(gw, Gateway)
+            else None
+        )
+        # Each principal seen lately and its views for the limits (`_rate`): the same
+        # objects for each of its requests, so the stages' caches by principal hold.
+        self._views_of: dict[int, tuple[Principal, tuple[Principal, Principal]]] = {}
 
     def routes(self) -> list[Route]:
         return [
@@ -155,6 +206,7 @@ class ResponsesRoutes:
             self.store.check_room()
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
+            await self._admit_call(ctx)  # before the store is read
             prev = await self._fetch(ctx.principal.tenant_id, req.previous_response_id)
             if prev is None:
                 raise NotFound(
@@ -174,6 +226,31 @@ class ResponsesRoutes:
         gen: Generation
         gen, exact = from_object(Generation, chat, CHAT_TYPED)
         return req, (gen, orjson.dumps(chat) if exact else None), history + req.messages
+
+    def _views(self, p: Principal) -> tuple[Principal, Principal]:
+        """`_rate(p)`, made once per principal."""
+        held = self._views_of.get(id(p))
+        if held is None or held[0] is not p:
+            if len(self._views_of) >= 4096:
+                self._views_of.clear()
+            held = self._views_of[id(p)] = (p, _rate(p))
+        return held[1]
+
+    async def _admit_call(self, ctx: RequestContext) -> None:
+        """A continuation's call, admitted before its stored conversation is read: the
+        key's and tenant's rpm asked for one request (a 429 with Retry-After past it,
+        recorded under ADMIT_CALL), and counted. It then generates as its principal
+        less its rpm, so the generation's admit reserves the whole conversation's
+        tokens, cost and a concurrency slot and does not count the request again."""
+        p = ctx.principal
+        if self.reserver is None or (p.key_limits.rpm is None and p.tenant_limits.rpm is None):
+            return
+        rate, rest = self._views(p)
+        await self.reserver.reserve(ctx, principal_scopes(rate), ADMIT_CALL, (0, 0, None))
+        pending = self.reserver.settle(ctx, ADMIT_CALL)  # an rpm holds nothing to give back
+        if pending is not None:
+            await pending
+        ctx.principal = rest
 
     async def create(self, request: Request) -> Response:
         """Create a model response (OpenAI Responses API): stored, continued, streamed
@@ -277,7 +354,8 @@ class ResponsesRoutes:
             for i in ev.output:
                 if i["type"] == "message":
                     texts.append(i["content"][0]["text"])
-                elif i["type"] == "function_call":
+                elif i["type"] == "function_call" and i["status"] != "incomplete":
+                    # (one cut short by its client leaving is not a call to answer)
                     calls.append(
                         {
                             "id": i["call_id"],
@@ -303,6 +381,8 @@ class ResponsesRoutes:
             content = translated(ctx, relay(ctx, source.data(), reply.side, source.close), events)
         else:
             content = replayed(stream_chunks(reply.cached or {}), events)
+        if req.store:
+            reply = replace(reply, on_close=partial(_kept, events, reply.on_close))
         return stream_response(reply, content, events.error_event)
 
     # -- background ---------------------------------------------------------------------
@@ -457,32 +537,54 @@ class ResponsesRoutes:
         return None
 
     # -- reading, deleting, cancelling ------------------------------------------------------
-    async def _get(self, request: Request) -> tuple[Principal, StoredResponse]:
-        principal = await self._principal(header_map(request))
-        rid = request.path_params["response_id"]
-        if not RESPONSE_ID.fullmatch(rid):
-            raise _not_found(rid)
-        stored = await self._fetch(principal.tenant_id, rid)
-        if stored is None:
-            raise _not_found(rid)
-        return principal, stored
+    async def _on_stored(
+        self,
+        request: Request,
+        api: str,
+        work: Callable[[StoredResponse], Awaitable[bytes]],
+    ) -> Response:
+        """`work` on the stored response the path names, in a request of the key's
+        (`api`: the endpoint its trace and usage row name) admitted as one call before
+        the store is read (service.called); its JSON answered with the request's id
+        and rate headers."""
+        received = time.perf_counter()
+        headers = header_map(request)
+        principal = await self._principal(headers)
+        service = self.service
+        ctx = service.open(CALL, headers, received, principal, api=api)
+        request.scope[CTX_KEY] = ctx  # for the error mapping (app.py)
+        # Held to its rpm alone: not to a concurrency its background responses may
+        # hold (their poll and cancel would wait on themselves), nor a spent budget.
+        ctx.principal = self._views(principal)[0]
+        async with service.called(ctx):
+            rid = request.path_params["response_id"]
+            if not RESPONSE_ID.fullmatch(rid):
+                raise _not_found(rid)
+            stored = await self._fetch(principal.tenant_id, rid)
+            if stored is None:
+                raise _not_found(rid)
+            body = await work(stored)
+        return Response(body, media_type="application/json", headers=served_headers(ctx))
 
     async def retrieve(self, request: Request) -> Response:
         """GET: a stored response of the key's tenant (poll a background one here);
         DELETE: delete it (a background one still running is cancelled first)."""
-        _, stored = await self._get(request)
         if request.method == "DELETE":
-            task = self.running.get(stored.id)
-            if task is not None:
-                task.cancel()
-            await self.store.delete(stored.tenant_id, stored.id)
-            out = {"id": stored.id, "object": "response.deleted", "deleted": True}
-            return Response(orjson.dumps(out), media_type="application/json")
-        return Response(orjson.dumps(stored.body["response"]), media_type="application/json")
+            return await self._on_stored(request, "responses.delete", self._delete)
+        return await self._on_stored(request, "responses.retrieve", _response_json)
+
+    async def _delete(self, stored: StoredResponse) -> bytes:
+        task = self.running.get(stored.id)
+        if task is not None:
+            task.cancel()
+        await self.store.delete(stored.tenant_id, stored.id)
+        return orjson.dumps({"id": stored.id, "object": "response.deleted", "deleted": True})
 
     async def cancel(self, request: Request) -> Response:
         """Cancel a background response: its upstream call stops; it ends `cancelled`."""
-        _, stored = await self._get(request)
+        return await self._on_stored(request, "responses.cancel", self._cancel)
+
+    async def _cancel(self, stored: StoredResponse) -> bytes:
         if not stored.background:
             raise InvalidRequest("only a background response can be cancelled", param="response_id")
         if stored.status not in DONE:
@@ -499,41 +601,65 @@ class ResponsesRoutes:
                 obj["status"] = "cancelled"
                 stored.body["response"] = obj
                 await self.store.update(stored)
-        return Response(orjson.dumps(stored.body["response"]), media_type="application/json")
+        return orjson.dumps(stored.body["response"])
 
     async def input_items(self, request: Request) -> Response:
         """The input items of a stored response (`limit` 1-100, `order` asc|desc;
         `after`, `before`: an item id, the page starting after it or ending before it;
         each id is one item's, as `check` refuses repeats)."""
-        _, stored = await self._get(request)
         q = request.query_params
-        try:
-            limit = int(q.get("limit", "20"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= 100:
-            raise InvalidRequest("'limit' must be an integer from 1 to 100", param="limit")
-        order = q.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise InvalidRequest("'order' must be asc or desc", param="order")
-        items = list(stored.body.get("input_items") or [])
-        if order == "desc":
-            items.reverse()
-        after, before = q.get("after"), q.get("before")
-        if after is not None:
-            items = items[_position(items, after, "after") + 1 :]
-        if before is not None:
-            items = items[: _position(items, before, "before")]
-        # `before`: the page nearest the item it names, still in the order asked
-        page = items[-limit:] if before is not None else items[:limit]
-        out = {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": len(items) > limit,
-        }
-        return Response(orjson.dumps(out), media_type="application/json")
+
+        async def page_of(stored: StoredResponse) -> bytes:
+            try:
+                limit = int(q.get("limit", "20"))
+            except ValueError:
+                limit = 0
+            if not 1 <= limit <= 100:
+                raise InvalidRequest("'limit' must be an integer from 1 to 100", param="limit")
+            order = q.get("order", "desc")
+            if order not in ("asc", "desc"):
+                raise InvalidRequest("'order' must be asc or desc", param="order")
+            items = list(stored.body.get("input_items") or [])
+            if order == "desc":
+                items.reverse()
+            after, before = q.get("after"), q.get("before")
+            if after is not None:
+                items = items[_position(items, after, "after") + 1 :]
+            if before is not None:
+                items = items[: _position(items, before, "before")]
+            # `before`: the page nearest the item it names, still in the order asked
+            page = items[-limit:] if before is not None else items[:limit]
+            out = {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(items) > limit,
+            }
+            return orjson.dumps(out)
+
+        return await self._on_stored(request, "responses.input_items", page_of)
+
+
+async def _response_json(stored: StoredResponse) -> bytes:
+    return orjson.dumps(stored.body["response"])
+
+
+async def _kept(events: ResponseEvents, close: Callable[[], Awaitable[None]]) -> None:
+    """A stored stream's end, however it ended (its `on_close`, before the request's
+    own `close`): one that did not reach its end nor a failure (its client left, the
+    relay cancelled or closed between events) is stored as it stands, `incomplete` with
+    the output so far (ResponseEvents.interrupted), so a GET finds what the client was
+    sent and a continuation can go on from it."""
+    try:
+        if not events.closed:
+            if events.status is None:
+                events.interrupted(CLIENT_LEFT)
+            await events.ended()
+    except Exception:  # no one to tell: the operator's log
+        log.exception("could not store response %s", events.shell.rid)
+    finally:
+        await close()
 
 
 def _position(items: list[dict[str, Any]], cursor: str, param: str) -> int:

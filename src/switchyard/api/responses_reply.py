@@ -10,7 +10,9 @@ in the shape of the protocol that asked. Stream events carry `sequence_number`s:
 `response.output_text.delta`…, `response.output_text.done`, `response.content_part.done`,
 for a function call `response.function_call_arguments.delta`…,
 `response.function_call_arguments.done`, then `response.output_item.done`; last
-`response.completed`, or on a broken stream `error` and `response.failed`.
+`response.completed`, or on a broken stream `error` and `response.failed`. A stream
+whose client left before its end sends nothing more; its response ends `incomplete`
+(`ResponseEvents.interrupted`), for the store.
 """
 
 from __future__ import annotations
@@ -395,6 +397,7 @@ class ResponseEvents:
         self.status: str | None = None
         self.final_json: bytes | None = None
         self._final: dict[str, Any] | None = None
+        self.closed = False  # `ended` ran (on_end was told)
         self._delta_head = b""  # text_delta_head of the open message item
         self._item_id = b""  # and its id's JSON
         # The open message item's text so far, in its deltas (joined into the item
@@ -548,8 +551,23 @@ class ResponseEvents:
         self.seq += 1
 
     async def ended(self) -> None:
+        self.closed = True
         if self.on_end is not None:
             await self.on_end(self)
+
+    def interrupted(self, reason: str) -> None:
+        """The end of a stream cut off between events (its client left): `incomplete`
+        for `reason`, with the output so far, the item it was in marked `incomplete`
+        with what it had; kept in `final` (no event: no one is left to read it)."""
+        self._text_so_far()
+        item = self.open
+        if item is not None:
+            item["status"] = "incomplete"
+            self.open, self._text = None, None
+        self.status, self._final = "incomplete", None
+        self.final_json = self.shell.encoded(
+            "incomplete", orjson.dumps(self.output), usage_of(self.usage), incomplete=reason
+        )
 
     def error_event(self, exc: SwitchyardError) -> bytes:
         """The stream's end when it is stopped between events (a task cancel landing

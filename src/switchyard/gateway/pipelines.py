@@ -168,4 +168,7 @@ def build_pipelines(
             Admit(reserver, _counted_estimate),
         ]
     )
-    return Pipelines(generation, embeddings, counting)
+    # A call that names no model (a stored response read, deleted or cancelled): the
+    # key's and tenant's limits, reserving nothing but the call.
+    calls = Pipeline([Admit(reserver, _counted_estimate)])
+    return Pipelines(generation, embeddings, counting, calls)
