@@ -42,7 +42,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
         if record is not None:
             print(json.dumps(record, indent=2) if args.json else render_request(record))
             return 0
-        records = get_task(conn, args.id)
+        try:
+            records = get_task(conn, args.id, args.tenant)
+        except AmbiguousRequestId as exc:
+            print(f"switchyard: {exc} with --tenant", file=sys.stderr)
+            return 2
         if records:
             analysis = analyze_task(records)
             if args.json:

@@ -16,9 +16,12 @@ Definitions (all times are milliseconds relative to the task's first `received_a
 * Dependencies. A record that names parents (`x-parent-request-id`) depends on those of
   them that are steps of this task and started before it (same start: earlier in the
   step order). Any other parent is ignored; the "started before" rule is what breaks
-  cycles. A record with no usable parent gets inferred ones (`inferred=True`): every
-  step that ended at or before it started (within `TOLERANCE_MS`). Steps that overlap
-  depend on neither; they ran in parallel.
+  cycles. A record with no usable parent gets inferred ones (`inferred=True`): the
+  steps that ended at or before it started (within `TOLERANCE_MS`), less each one that
+  another of them started after (it precedes this step through that one), but never
+  less the one that ended last. So a chain of N steps lists N - 1 links, not N²/2, and
+  the critical path is what every earlier step would give. Steps that overlap depend
+  on neither; they ran in parallel.
 * Critical path. Start at the step that ends last; repeatedly move to the dependency of
   the current step that ends latest, until a step has no dependency. Ties go to the step
   that started earliest, then to the smaller request id. The path is reported first to
@@ -305,7 +308,28 @@ def _link(steps: list[_Step]) -> None:
             step.parents = valid
             continue
         step.inferred = True
-        step.parents = [s for s in steps[: step.index] if s.end_ms <= step.start_ms + TOLERANCE_MS]
+        step.parents = _direct(
+            [s for s in steps[: step.index] if s.end_ms <= step.start_ms + TOLERANCE_MS]
+        )
+
+
+def _direct(before: list[_Step]) -> list[_Step]:
+    """Of the steps that ended before a step started, those no other of them started
+    after (within TOLERANCE_MS), and the one that ended last (the critical path's
+    next step); in their order."""
+    if len(before) < 2:
+        return before
+    last = min(before, key=_Step.latest_key)
+    # The latest start among the others of each: the latest of all, or for its own
+    # step the second latest.
+    by_start = sorted(before, key=lambda s: s.start_ms)
+    first, second = by_start[-1], by_start[-2]
+    return [
+        s
+        for s in before
+        if s is last
+        or (second.start_ms if s is first else first.start_ms) < s.end_ms - TOLERANCE_MS
+    ]
 
 
 def _critical_path(steps: list[_Step]) -> list[_Step]:

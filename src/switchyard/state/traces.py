@@ -391,7 +391,7 @@ def insert_args(record: TraceRecord) -> tuple[Any, ...]:
 
 
 class AmbiguousRequestId(ValueError):
-    """A client's request id that several tenants used: name the tenant."""
+    """A client's request id (or task id) that several tenants used: name the tenant."""
 
 
 def get_request(
@@ -413,7 +413,7 @@ def get_request(
             ).fetchall()
             if len(tenants) > 1:
                 raise AmbiguousRequestId(
-                    f"several tenants used the request id {request_id!r}; name the tenant"
+                    f"several tenants used the request id {request_id[:128]!r}; name the tenant"
                 )
         sql = "SELECT record FROM traces WHERE client_request_id = ?"
         args = (request_id,)
@@ -423,10 +423,24 @@ def get_request(
     return None if row is None else expand(dict(json.loads(row[0])), Templates(conn))
 
 
-def get_task(conn: sqlite3.Connection, task_id: str) -> list[dict[str, Any]]:
-    rows = conn.execute(
-        "SELECT record FROM traces WHERE task_id = ? ORDER BY received_at", (task_id,)
-    ).fetchall()
+def get_task(
+    conn: sqlite3.Connection, task_id: str, tenant_id: str | None = None
+) -> list[dict[str, Any]]:
+    """The records of a task: `tenant_id`'s task of that id (task ids are the
+    clients'), or the one tenant's that used it; a task id several tenants used needs
+    `tenant_id` (AmbiguousRequestId), never one analysis over several tenants' tasks."""
+    if tenant_id is None:
+        tenants = conn.execute(
+            "SELECT DISTINCT tenant_id FROM traces WHERE task_id = ? LIMIT 2", (task_id,)
+        ).fetchall()
+        if len(tenants) > 1:
+            raise AmbiguousRequestId(
+                f"several tenants used the task id {task_id[:128]!r}; name the tenant"
+            )
+    sql, args = "SELECT record FROM traces WHERE task_id = ?", [task_id]
+    if tenant_id is not None:
+        sql, args = sql + " AND tenant_id = ?", [task_id, tenant_id]
+    rows = conn.execute(sql + " ORDER BY received_at", args).fetchall()
     templates = Templates(conn)
     return [expand(json.loads(r[0]), templates) for r in rows]
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from switchyard.observe.render import render_request, render_task
 from switchyard.observe.tasks import analyze_task
@@ -110,7 +112,7 @@ def test_diamond_inferred_from_timing_gives_the_same_path() -> None:
     assert a["critical_path_ms"] == 250.0
     steps = steps_by_id(a)
     assert all(s["inferred"] for s in a["steps"])
-    assert steps["D"]["parents"] == ["A", "B", "C"]
+    assert steps["D"]["parents"] == ["B", "C"]  # A precedes it through B and C
 
 
 @pytest.mark.parametrize("explicit", [True, False])
@@ -118,6 +120,64 @@ def test_overlapping_steps_are_parallel(explicit: bool) -> None:
     steps = steps_by_id(analyze_task(diamond(explicit)))
     assert steps["B"]["parents"] == ["A"]
     assert steps["C"]["parents"] == ["A"]
+
+
+def test_a_chains_steps_each_list_the_one_before() -> None:
+    """A task of N sequential steps lists N - 1 links (a report linear in its steps),
+    not every earlier step under each."""
+    a = analyze_task([rec(f"s{i:03}", 10 * i, 5) for i in range(300)])
+    steps = a["steps"]
+    assert [s["parents"] for s in steps] == [[]] + [[f"s{i:03}"] for i in range(299)]
+    assert a["critical_path"] == [f"s{i:03}" for i in range(300)]
+
+
+def _path_over_every_earlier_step(records: list[dict[str, Any]]) -> list[str]:
+    """The critical path as the definition gives it when every step that ended before
+    a step started (within 1 ms) is its parent: the oracle for the reduced links."""
+    spans = {
+        r["request_id"]: (
+            round((r["received_at"] - T0) * 1000, 3),
+            round((r["received_at"] - T0) * 1000 + r["timings"]["duration_ms"], 3),
+        )
+        for r in records
+    }
+    order = sorted(spans, key=lambda i: (spans[i][0], i))
+
+    def latest(ids: list[str]) -> str:
+        return min(ids, key=lambda i: (-spans[i][1], spans[i][0], i))
+
+    current = latest(order)
+    path = [current]
+    while True:
+        before = order[: order.index(current)]
+        parents = [i for i in before if spans[i][1] <= spans[current][0] + 1.0]
+        if not parents:
+            return path[::-1]
+        current = latest(parents)
+        path.append(current)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 400), st.integers(0, 120)),
+        min_size=1,
+        max_size=25,
+    )
+)
+def test_reduced_links_give_the_critical_path_every_earlier_step_gives(
+    spans: list[tuple[int, int]],
+) -> None:
+    """Generated tasks of inferred steps (starts and durations in whole ms, ties and
+    zero durations included): the critical path over the reduced links is the one over
+    every earlier step, and no listed parent started after another listed one ended."""
+    records = [rec(f"r{i:02}", start, dur) for i, (start, dur) in enumerate(spans)]
+    a = analyze_task(records)
+    assert a["critical_path"] == _path_over_every_earlier_step(records)
+    by_id = {s["request_id"]: s for s in a["steps"]}
+    for step in a["steps"]:
+        for p in step["parents"]:
+            assert by_id[p]["end_ms"] <= step["start_ms"] + 1.0
 
 
 def test_chain_with_a_gap_counts_the_gap() -> None:
@@ -180,7 +240,7 @@ def test_parent_cycle_is_broken_by_start_order() -> None:
     assert steps["A"]["inferred"]
     assert steps["B"]["parents"] == ["A"]
     assert not steps["B"]["inferred"]
-    assert steps["S"]["parents"] == ["A", "B"]  # its only parent was itself: inferred
+    assert steps["S"]["parents"] == ["B"]  # its only parent was itself: inferred (A: via B)
     assert a["critical_path"] == ["A", "B", "S"]
 
 

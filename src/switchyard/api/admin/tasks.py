@@ -12,10 +12,11 @@ from switchyard.api.admin.guard import Guard
 from switchyard.api.admin.params import as_json, query_limit, query_number, query_text
 from switchyard.errors import InvalidRequest, NotFound
 from switchyard.observe.tasks import analyze_task
+from switchyard.policy.headers import ID_PATTERN
 from switchyard.service import RequestService
 from switchyard.state.ledger_reads import task_rows
 from switchyard.state.store import Store
-from switchyard.state.traces import get_task
+from switchyard.state.traces import AmbiguousRequestId, get_task
 
 
 class TaskServices(Protocol):
@@ -44,20 +45,25 @@ class Tasks:
         return as_json({"object": "list", "data": data})
 
     async def task_trace(self, request: Request) -> Response:
-        """GET: the task report (?tenant= narrows to one tenant's task);
-        DELETE ?tenant=: cancel the tenant's task."""
+        """GET: the task report (?tenant= names the tenant whose task it is: needed when
+        several tenants used the id); DELETE ?tenant=: cancel the tenant's task."""
         self.guard(request)
         task_id = request.path_params["task_id"]
-        tenant = request.query_params.get("tenant")
+        if not ID_PATTERN.fullmatch(task_id):  # as /v1/tasks/{id} reads it
+            raise InvalidRequest(
+                "a task id is 1 to 128 characters of A-Z a-z 0-9 . _ : -", param="task_id"
+            )
+        tenant = query_text(request.query_params, "tenant")
         if request.method == "DELETE":
             if not tenant:
                 raise InvalidRequest("cancelling a task needs ?tenant=", param="tenant")
             return as_json(await self.s.cancel_task(tenant, task_id))
         await self.s.service.settled()  # what was answered before this call is visible
         with self.s.store.connection() as conn:
-            records = get_task(conn, task_id)
-        if tenant:  # task ids are the clients': one tenant's task of that id
-            records = [r for r in records if r.get("tenant_id") == tenant]
+            try:  # task ids are the clients': one tenant's task of that id
+                records = get_task(conn, task_id, tenant)
+            except AmbiguousRequestId as exc:
+                raise InvalidRequest(f"{exc} with ?tenant=", param="tenant") from None
         if not records:
             raise NotFound(f"no requests recorded for task '{task_id}'")
         return as_json({"task": analyze_task(records), "requests": records})
