@@ -26,13 +26,17 @@ BAD_FRAMING = "switchyard.bad_framing"
 
 def header_map(request: Request) -> dict[str, str]:
     """The request's headers as a plain dict (lower-case names; the first of repeated
-    names wins, as with Starlette's `Headers.get`). A request reads a handful of
-    headers; one dict makes each read a hash lookup instead of a scan."""
+    names wins, as with Starlette's `Headers.get`, except `Cache-Control`: its lines
+    are one comma-separated list (RFC 9110 5.3), so a `no-store` on a second line is
+    heard). A request reads a handful of headers; one dict makes each read a hash
+    lookup instead of a scan."""
     out: dict[str, str] = {}
     for name, value in request.scope["headers"]:
         key = name.decode("latin-1")
         if key not in out:
             out[key] = value.decode("latin-1")
+        elif key == "cache-control":
+            out[key] += ", " + value.decode("latin-1")
     return out
 
 

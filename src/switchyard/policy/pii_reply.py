@@ -20,10 +20,15 @@ from switchyard.policy.pii import MaskSession, PiiMasker, StreamRestorer, mask_r
 from switchyard.reply import reply_object
 from switchyard.request import Generation
 
+# The texts a model writes into a chat message besides its tool calls: the answer, the
+# reasoning engines return beside it (vLLM, llama.cpp: `reasoning_content`; newer
+# vLLM: `reasoning`) and a refusal.
+MESSAGE_TEXTS = ("content", "reasoning_content", "reasoning", "refusal")
+
 
 def map_texts(obj: dict[str, Any], fn: Callable[[str], str]) -> dict[str, Any]:
-    """A copy of a completion with `fn` applied to every generated text (message
-    content, tool-call arguments, a completion's text)."""
+    """A copy of a completion with `fn` applied to every generated text (a message's
+    MESSAGE_TEXTS, tool-call arguments, a completion's text)."""
     out = dict(obj)
     choices = []
     for c in obj.get("choices") or []:
@@ -31,8 +36,9 @@ def map_texts(obj: dict[str, Any], fn: Callable[[str], str]) -> dict[str, Any]:
         message = c.get("message")
         if isinstance(message, dict):
             message = dict(message)
-            if isinstance(message.get("content"), str):
-                message["content"] = fn(message["content"])
+            for name in MESSAGE_TEXTS:
+                if isinstance(message.get(name), str):
+                    message[name] = fn(message[name])
             if isinstance(message.get("tool_calls"), list):
                 message["tool_calls"] = [_map_call(call, fn) for call in message["tool_calls"]]
             c["message"] = message

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 
-from switchyard.api.body import read_body
+from switchyard.api.body import header_map, read_body
 from switchyard.errors import ClientDisconnected, PayloadTooLarge
 
 
@@ -50,3 +50,17 @@ def test_a_client_that_leaves_mid_body_is_a_disconnect() -> None:
     gone = _request(_part(b'{"a"', True), {"type": "http.disconnect"})
     with pytest.raises(ClientDisconnected):
         asyncio.run(read_body(gone, 100))
+
+
+def test_repeated_cache_control_lines_are_one_list_other_headers_keep_the_first() -> None:
+    """`Cache-Control` lines join into one comma-separated value (RFC 9110 5.3), so a
+    `no-store` on a second line is heard; any other repeated header keeps its first
+    line (two credentials are never merged)."""
+    raw = [
+        (b"cache-control", b"max-age=0"),
+        (b"authorization", b"Bearer first"),
+        (b"cache-control", b"no-store"),
+        (b"authorization", b"Bearer second"),
+    ]
+    got = header_map(Request({"type": "http", "method": "POST", "headers": raw}))
+    assert got == {"cache-control": "max-age=0, no-store", "authorization": "Bearer first"}

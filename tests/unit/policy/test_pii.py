@@ -266,6 +266,30 @@ def test_restore_puts_values_into_a_model_response() -> None:
     )
 
 
+def test_a_reply_kept_at_rest_has_every_generated_text_masked() -> None:
+    """What a reply keeps at rest (cache, idempotency store) is masked in every text a
+    model writes: the answer, its reasoning (`reasoning_content`, `reasoning`), a
+    refusal, tool-call arguments and a completion's text; and restored from each."""
+    from switchyard.policy.pii_reply import at_rest, map_texts
+
+    raw = "mail jane@example.com"
+    session = MASKER.session()
+    session.mask(raw)
+    message = {
+        "role": "assistant",
+        "content": raw,
+        "reasoning_content": raw,
+        "reasoning": raw,
+        "refusal": raw,
+        "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": raw}}],
+    }
+    reply = {"choices": [{"index": 0, "message": message}, {"index": 1, "text": raw}]}
+    stored = at_rest(session, reply)
+    assert "jane@example.com" not in repr(stored)
+    assert stored["choices"][0]["message"]["refusal"] == "mail <EMAIL_1>"
+    assert map_texts(stored, session.restore) == reply
+
+
 def test_restore_without_mapping_is_identity() -> None:
     session = MASKER.session()
     assert session.mask("nothing here") == "nothing here"
