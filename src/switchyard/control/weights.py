@@ -8,6 +8,7 @@ import asyncio
 import logging
 
 from switchyard.control.components import Components
+from switchyard.decide.balance import ROLLED_BACK
 from switchyard.engines.registry import Deployment
 from switchyard.errors import InvalidRequest, ModelNotFound
 from switchyard.state.weights import REFRESH_S as WEIGHTS_REFRESH_S
@@ -71,10 +72,17 @@ class Weights(Components):
         (`cut_weight`), so N workers finding one breach report it once. A store that
         fails still gets the cut reported here."""
         short = dep.replica.name if dep.replica is not None else dep.name
+        b = self.balancers.get(alias)
+        # A cut that left nothing rolled the alias back here (Balancer.rolled_back):
+        # stored too, or every process's refresh would read the promote's zeros again.
+        rollback = b.rollback() if b is not None and why.endswith(ROLLED_BACK) else None
 
         def store() -> bool:
             with self.store.connection() as conn:
-                return cut_weight(conn, alias, short, why)
+                cut = cut_weight(conn, alias, short, why)
+                if rollback is not None:
+                    write_weights(conn, alias, rollback, why)
+                return cut
 
         def stored(fut: asyncio.Future[bool]) -> None:
             exc = fut.exception()

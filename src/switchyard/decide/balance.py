@@ -50,6 +50,10 @@ from switchyard.state.breakers_memory import CircuitBreaker
 from switchyard.state.guard import NONE, GuardCounts, GuardShare
 from switchyard.state.weights import canary_weights
 
+# What a cut that left no deployment any weight adds to its reason (control/weights.py
+# then stores the rollback's weights for every process).
+ROLLED_BACK = "no deployment had weight left: rolled back to the configured weights"
+
 _KEY_CHARS = 256  # an affinity key longer than this is kept as its hash
 RING_POINTS = 64  # points per deployment on the prefix hash ring
 
@@ -498,7 +502,21 @@ class Balancer:
         if others.n:
             why += f" ({others.n} of them in other gateway processes)"
         d.live.weight = 0.0
-        return f"the canary guard cut {d.name} to weight 0: {why} in {g.window_s:g}s"
+        why = f"the canary guard cut {d.name} to weight 0: {why} in {g.window_s:g}s"
+        if not any(x.live.weight > 0 for x in self.deployments) and self.rolled_back():
+            why += f"; {ROLLED_BACK}"
+        return why
+
+    def rolled_back(self) -> bool:
+        """After a cut left no deployment any weight (a promoted canary failing: a state
+        the weights API refuses, in which every request would go to the first listed,
+        maybe the cut canary): the rollback's weights, so the stable deployments take
+        the traffic again. False when the rollback gives none weight either."""
+        weights = self.rollback()
+        if not any(w > 0 for w in weights.values()):
+            return False
+        self.set_weights(weights)
+        return True
 
     def settled(
         self,
