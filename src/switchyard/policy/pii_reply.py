@@ -79,12 +79,14 @@ class PiiRestore(ReplyPart):
     back until it is complete; one that never completes goes out as plain text at
     the end."""
 
-    __slots__ = ("_only_marked", "_session", "_stream")
+    __slots__ = ("_only_marked", "_session", "_streams")
 
     def __init__(self, session: MaskSession, only_marked: bool = False) -> None:
         self._session = session
         self._only_marked = only_marked  # a stored reply: only one with placeholders
-        self._stream: StreamRestorer | None = None
+        # One restorer per text a stream carries, as each is its own run of deltas:
+        # (choice index, MESSAGE_TEXTS name | "text" | a tool call's index).
+        self._streams: dict[tuple[int, str | int], StreamRestorer] = {}
 
     def wants(self, body: bytes) -> bool:
         return not self._only_marked or b"<" in body
@@ -92,27 +94,56 @@ class PiiRestore(ReplyPart):
     async def whole(self, obj: dict[str, Any]) -> dict[str, Any]:
         return map_texts(obj, self._session.restore)
 
-    def event(self, data: bytes) -> list[bytes] | None:
-        restorer = self._stream
+    def _feed(self, key: tuple[int, str | int], text: str) -> str:
+        restorer = self._streams.get(key)
         if restorer is None:
-            restorer = self._stream = self._session.restore_stream()
+            restorer = self._streams[key] = self._session.restore_stream()
+        return restorer.feed(text)
+
+    def event(self, data: bytes) -> list[bytes] | None:
         obj = reply_object(data)
         if obj is None:
             return None
         for c in obj.get("choices") or []:
-            delta = c.get("delta") or {}
-            if isinstance(delta.get("content"), str):
-                delta["content"] = restorer.feed(delta["content"])
-            elif isinstance(c.get("text"), str):
-                c["text"] = restorer.feed(c["text"])
+            i = c.get("index") if isinstance(c.get("index"), int) else 0
+            delta = c.get("delta")
+            if isinstance(delta, dict):
+                for name in MESSAGE_TEXTS:
+                    if isinstance(delta.get(name), str):
+                        delta[name] = self._feed((i, name), delta[name])
+                calls = delta.get("tool_calls")
+                if isinstance(calls, list):
+                    for call in calls:
+                        fn = call.get("function") if isinstance(call, dict) else None
+                        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                            k = call.get("index") if isinstance(call.get("index"), int) else 0
+                            fn["arguments"] = self._feed((i, k), fn["arguments"])
+            if isinstance(c.get("text"), str):
+                c["text"] = self._feed((i, "text"), c["text"])
         return [orjson.dumps(obj)]
 
     def end(self, ok: bool) -> list[bytes]:
-        tail = self._stream.flush() if self._stream is not None and ok else ""
-        if not tail:
-            return []
-        chunk = {
-            "object": "chat.completion.chunk",
-            "choices": [{"index": 0, "delta": {"content": tail}, "finish_reason": None}],
-        }
-        return [orjson.dumps(chunk)]
+        """What each text held back at the end (a placeholder never completed), as plain
+        text in one more event of its own shape."""
+        out = []
+        for (i, part), restorer in self._streams.items() if ok else ():
+            tail = restorer.flush()
+            if not tail:
+                continue
+            if part == "text":
+                chunk: dict[str, Any] = {
+                    "object": "text_completion",
+                    "choices": [{"index": i, "text": tail, "finish_reason": None}],
+                }
+            else:
+                delta: dict[str, Any] = (
+                    {part: tail}
+                    if isinstance(part, str)
+                    else {"tool_calls": [{"index": part, "function": {"arguments": tail}}]}
+                )
+                chunk = {
+                    "object": "chat.completion.chunk",
+                    "choices": [{"index": i, "delta": delta, "finish_reason": None}],
+                }
+            out.append(orjson.dumps(chunk))
+        return out

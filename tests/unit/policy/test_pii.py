@@ -290,6 +290,53 @@ def test_a_reply_kept_at_rest_has_every_generated_text_masked() -> None:
     assert map_texts(stored, session.restore) == reply
 
 
+def test_a_stream_restores_every_text_it_carries_each_on_its_own() -> None:
+    """A streamed reply's placeholders are restored in every text the stream carries,
+    each its own run of deltas (split placeholders included): the answer, reasoning,
+    and each tool call's arguments of each choice; what a JSON reply restores too. A
+    placeholder left incomplete ends as plain text in an event of its own shape."""
+    import orjson
+
+    from switchyard.policy.pii_reply import PiiRestore
+
+    session = MASKER.session()
+    session.mask("mail jane@example.com and bob@example.org")
+    part = PiiRestore(session)
+
+    def chunk(index: int, delta: dict[str, Any]) -> bytes:
+        return orjson.dumps({"choices": [{"index": index, "delta": delta}]})
+
+    def call(k: int, args: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": k, "function": {"arguments": args}}]}
+
+    events = [
+        chunk(0, {"reasoning_content": "to <EMA"}),
+        chunk(0, call(0, '{"to": "<EMAI')),
+        chunk(1, {"content": "hi <EMAIL_"}),
+        chunk(0, call(1, '{"cc": "<EMAIL_2>"}')),
+        chunk(0, {"reasoning_content": "IL_1>"}),
+        chunk(0, call(0, 'L_1>"}')),
+        chunk(1, {"content": "2> and <EMAIL_"}),
+    ]
+    out = [orjson.loads(e) for ev in events for e in part.event(ev) or []]
+    out += [orjson.loads(e) for e in part.end(True)]
+
+    def joined(index: int, pick: Any) -> str:
+        texts = [pick(c["delta"]) for o in out for c in o["choices"] if c["index"] == index]
+        return "".join(t for t in texts if t)
+
+    def args(k: int) -> Any:
+        return lambda d: next(
+            (t["function"]["arguments"] for t in d.get("tool_calls", []) if t["index"] == k),
+            None,
+        )
+
+    assert joined(0, lambda d: d.get("reasoning_content")) == "to jane@example.com"
+    assert joined(0, args(0)) == '{"to": "jane@example.com"}'
+    assert joined(0, args(1)) == '{"cc": "bob@example.org"}'
+    assert joined(1, lambda d: d.get("content")) == "hi bob@example.org and <EMAIL_"
+
+
 def test_restore_without_mapping_is_identity() -> None:
     session = MASKER.session()
     assert session.mask("nothing here") == "nothing here"
