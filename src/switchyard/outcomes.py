@@ -317,6 +317,12 @@ class ToolExec(StrEnum):
     REJECT_CIRCUIT_OPEN = "reject:circuit_open"
 
 
+class Worker(StrEnum):
+    """The supervisor's record of a request whose `serve --workers` process died."""
+
+    EXITED = "exited"
+
+
 # Each stage's enum by the stage names it records under (tests and readers).
 BY_STAGE: dict[str, type[StrEnum]] = {
     "authenticate": Authenticate,
@@ -350,6 +356,7 @@ BY_STAGE: dict[str, type[StrEnum]] = {
     "tool_call_id": ToolCallId,
     "approval": Approval,
     "tool_exec": ToolExec,
+    "worker": Worker,
 }
 
 # What `RequestContext.record` and a static `Verdict` take: a member of a stage's
@@ -384,5 +391,6 @@ Outcome = (
     | ToolCallId
     | Approval
     | ToolExec
+    | Worker
     | Tagged
 )

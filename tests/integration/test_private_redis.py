@@ -193,19 +193,23 @@ def test_release_owner_frees_a_dead_workers_holds(redis_url: str, prefix: str) -
             assert [v.limit for v in refused] == ["concurrency", "tpm", "budget"]
 
             assert await supervisor.release_owner("w1", now=T0 + 2) == 1
-            again = await supervisor.reserve([KEY, TENANT], ask("e", 100, 0.6), now=T0 + 3)
+            # Its slot is back, but what it reserved stays used (it may have been spent):
+            # its 100 tokens stay in the tpm window, its $0.6 in the budget.
+            assert not (await supervisor.reserve([KEY], ask("x", 51), now=T0 + 3)).allowed
+            again = await supervisor.reserve([KEY, TENANT], ask("e", 49, 0.4), now=T0 + 3)
             assert again.allowed
-            # The dead request stays in its requests window (a and e are in it).
+            # The dead request stays in its requests window (a and e are in it; the
+            # refused x is not).
             assert again.state["key:k"]["remaining_requests"] == 10 - 2
-            # What was left before e: the whole budget, a's reservation returned.
-            assert again.state["tenant:t"]["budget_remaining_usd"] == pytest.approx(1.0)
+            # What was left before e: the budget less a's reservation.
+            assert again.state["tenant:t"]["budget_remaining_usd"] == pytest.approx(0.4)
 
             # Twice, or a late settle by the worker itself: nothing more is released.
             assert await supervisor.release_owner("w1", now=T0 + 4) == 0
-            await worker.settle([KEY, TENANT], ask("a", 100, 0.6), 100, 0.6, now=T0 + 4)
+            await worker.settle([KEY, TENANT], ask("a", 100, 0.6), 0, 0.0, now=T0 + 4)
             late = await supervisor.reserve([KEY, TENANT], ask("f", 1, 0.0), now=T0 + 5)
             assert (late.allowed, late.limit) == (False, "concurrency")
-            assert late.state["tenant:t"]["budget_remaining_usd"] == pytest.approx(0.4)
+            assert late.state["tenant:t"]["budget_remaining_usd"] == pytest.approx(0.0)
         finally:
             await worker.close()
             await supervisor.close()
@@ -232,7 +236,7 @@ def test_release_owner_leaves_settled_holds_and_other_owners(redis_url: str, pre
             assert await w2.release_owner("w1", now=T0 + 2) == 2  # b, and its "same"
             probe = await w2.reserve([TENANT, two], ask("p", 1, 0.0), now=T0 + 3)
             assert probe.allowed
-            assert probe.state["tenant:t"]["budget_remaining_usd"] == pytest.approx(0.8)
+            assert probe.state["tenant:t"]["budget_remaining_usd"] == pytest.approx(0.3)
             assert (await w2.reserve([two], ask("q"), now=T0 + 3)).allowed  # both slots were free
         finally:
             await w1.close()

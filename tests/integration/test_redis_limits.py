@@ -286,8 +286,8 @@ def test_owner_record_keeps_the_format_earlier_versions_wrote(redis_url: str, pr
         try:
             assert (await worker.reserve(sc, ask(rid, 1, 0.4), now=T0)).allowed
             [(field, record)] = raw.hgetall(owner_key).items()
-            rec_rid, seq, cost, keys, flags = json.loads(record)
-            assert (rec_rid, seq, cost, flags) == (rid, "1", "0.4", "1")
+            rec_rid, seq, cost, keys, tokens, billing = json.loads(record)
+            assert (rec_rid, seq, cost, tokens, billing) == (rid, "1", "0.4", 1, None)
             assert len(keys) == 8 and keys[1] == f"{prefix}rl:held:{rid}"
             # As the script encoded it before: cjson, which also escapes "/".
             old = "return redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(cjson.decode(ARGV[2])))"
@@ -295,8 +295,9 @@ def test_owner_record_keeps_the_format_earlier_versions_wrote(redis_url: str, pr
             assert b"\\/" in raw.hget(owner_key, field)
 
             assert await supervisor.release_owner("w1") == 1
-            after = await supervisor.reserve(sc, ask("b", 1, 1.0), now=T0 + 1)
-            assert after.allowed  # the slot and the whole budget are back
+            after = await supervisor.reserve(sc, ask("b", 1, 0.6), now=T0 + 1)
+            assert after.allowed  # the slot is back; the dead request's $0.4 stays spent
+            assert after.state["key:rec"]["budget_remaining_usd"] == pytest.approx(0.6)
         finally:
             await worker.close()
             await supervisor.close()

@@ -29,6 +29,7 @@ from switchyard.policy.cost import Cost, PromptOverhead, effective_window, plan
 from switchyard.request import Embedding
 from switchyard.state.limits import (
     Ask,
+    Billing,
     Limiter,
     LimiterUnavailable,
     ScopeLimits,
@@ -67,6 +68,8 @@ class Reserver:
         self._spent_since = spent_since
         self.counters = counters
         self._seeded: set[tuple[str, str]] = set()
+        # A worker of `serve --workers N`: its holds carry their usage row's facts.
+        self._billed = bool(getattr(limiter, "owned", False))
 
     async def reserve(
         self,
@@ -88,6 +91,7 @@ class Reserver:
             f"{ctx.input.request_id}#{stage}",  # one reservation per request and stage
             prompt + out,
             fixed_usd,
+            self._billing(ctx, prompt) if self._billed else None,
         )
         shrunk: dict[str, Any] | None = None
         try:
@@ -107,7 +111,7 @@ class Reserver:
                 shrunk.update({"to": cap, "by": f"{verdict.limit}:{verdict.scope}"})
                 cost.shrink(cap, verdict.limit or "budget")
                 ctx.max_tokens = cost.cap
-                ask = Ask(ask.request_id, cost.tokens, cost.usd(price))
+                ask = Ask(ask.request_id, cost.tokens, cost.usd(price), ask.billing)
                 verdict = await self.limiter.reserve(scopes, ask)
         except LimiterUnavailable as exc:
             if self.on_failure == "fail_open":
@@ -146,6 +150,16 @@ class Reserver:
             ctx.record(stage, outcomes.Admit.ADMITTED_CAP_SHRUNK, reason, t, evidence)
             return
         ctx.record(stage, _ADMITTED, "within every limit", t, evidence)
+
+    @staticmethod
+    def _billing(ctx: RequestContext, prompt: int) -> Billing:
+        """The request's usage row should its process die holding the reservation."""
+        i, p = ctx.input, ctx.principal
+        tenant, key = (p.tenant_id, p.key_id) if p is not None else (None, None)
+        return Billing(
+            i.request_id, i.client_request_id, i.task_id, tenant, key, i.called, ctx.alias,
+            i.received_at, prompt, ctx.stream,
+        )  # fmt: skip
 
     def settle(self, ctx: RequestContext, stage: str) -> Awaitable[None] | None:
         """Settle what `stage` reserved for the request with what it was charged

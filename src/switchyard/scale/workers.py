@@ -21,10 +21,13 @@ starts, in order:
 
 A worker that exits is started again (after a growing pause if it keeps dying); before
 that, what it held is given back: its gate slots (`Leases.release_worker`) and its
-limit and budget reservations (`release_owner`); the engine front releases a dead
-worker's residency when its connections close. The supervisor holds a bound socket on
-the port for its whole run, so the port is taken (and `port: 0` resolved) once for all
-workers. SIGINT or SIGTERM stops the workers first, then the control plane.
+limit and budget reservations (`RedisLimiter.release_holds`); the engine front releases
+a dead worker's residency when its connections close. The requests it was serving may
+have gone upstream and streamed: each gets one usage row, `incomplete` with error
+`worker_exited`, billed what it reserved (`lost_request`), and its budgets keep that
+spend. The supervisor holds a bound socket on the port for its whole run, so the port
+is taken (and `port: 0` resolved) once for all workers. SIGINT or SIGTERM stops the
+workers first, then the control plane.
 """
 
 from __future__ import annotations
@@ -47,14 +50,19 @@ from typing import Any
 
 import uvicorn
 
+from switchyard import outcomes
 from switchyard.config import LlamaCppEngine, ProcessRole, Settings, VllmEngine
+from switchyard.pipeline import Status
 from switchyard.scale.worker import READY_LINE
+from switchyard.state.limits import Held
+from switchyard.state.traces import LedgerEntry
 
 log = logging.getLogger("switchyard.workers")
 
 MAX_WORKERS = 256
 STOP_GRACE_S = 8.0  # a worker's graceful stop (uvicorn's is 5 s), then SIGKILL
 RESTART_PAUSE_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # after quick successive deaths
+WORKER_EXITED = "worker_exited"  # the usage row's error code of a dead worker's request
 
 
 def usable_workers(value: int | str) -> int:
@@ -357,13 +365,14 @@ class Supervisor:
             multiprocess.mark_process_dead(pid)  # its live gauges leave the sums
         slots = self.leases.release_worker(name) if self.leases is not None else 0
         limiter = getattr(self.gateway, "limiter", None)
-        release = getattr(limiter, "release_owner", None)
-        reservations = 0
+        release = getattr(limiter, "release_holds", None)
+        held: list[Held] = []
         if release is not None:
             try:
-                reservations = await release(name)
+                held = await release(name)
             except Exception as exc:  # Redis away: the leases lapse on their own
                 log.error("could not give back worker %s's reservations: %s", name, exc)
+        billed = self._bill(name, held) if held else 0
         tasks = getattr(self.gateway, "tasks", None)
         release_tasks = getattr(tasks, "release_owner", None)
         if release_tasks is not None:
@@ -371,7 +380,30 @@ class Supervisor:
                 await release_tasks(name)
             except Exception as exc:
                 log.error("could not give back worker %s's task reservations: %s", name, exc)
-        return f"gave back {slots} gate slot(s) and {reservations} reservation(s)"
+        return (
+            f"gave back {slots} gate slot(s) and {len(held)} reservation(s); billed "
+            f"{billed} request(s) it was serving at what they reserved"
+        )
+
+    def _bill(self, name: str, held: list[Held]) -> int:
+        """One usage row per request of the dead worker `name` whose holds `held` were
+        still unsettled: it may have gone upstream and streamed, so it is billed what it
+        reserved, as its budgets keep (`RedisLimiter.release_holds`). A request that
+        had settled wrote its own row and left no hold here. How many rows."""
+        ledger = getattr(self.gateway, "ledger", None)
+        if ledger is None:
+            return 0
+        by_request: dict[str, list[Held]] = {}
+        for h in held:
+            if h.billing is None:  # recorded by a version that kept no billing
+                log.error("worker %s's reservation %s: no usage row", name, h.reservation)
+                continue
+            by_request.setdefault(h.billing.request_id, []).append(h)
+        traced = self.settings.observe.traces
+        ended = time.time()
+        for holds in by_request.values():  # sent with the ledger's next batch
+            ledger.record_entry(lost_request(name, holds, ended, traced))
+        return len(by_request)
 
     async def _stop_workers(self) -> None:
         procs = [w.proc for w in self.workers if w.proc is not None and w.proc.returncode is None]
@@ -386,6 +418,60 @@ class Supervisor:
                     with contextlib.suppress(ProcessLookupError):
                         p.kill()
             await asyncio.gather(*(p.wait() for p in procs))
+
+
+def lost_request(worker: str, holds: list[Held], ended: float, traced: bool) -> LedgerEntry:
+    """The usage row of a request whose worker died holding `holds` (its reservations,
+    one per reserving stage, each with the request's billing): status `incomplete`,
+    error `worker_exited`, billed the most any of them reserved (each reserved the
+    request's whole estimate at its output cap)."""
+    b = holds[0].billing
+    assert b is not None
+    top = max(holds, key=lambda h: (h.cost_usd, h.tokens))
+    prompt = min(b.prompt_tokens, top.tokens)
+    lasted = max(0.0, ended - b.received_at)
+    decisions = None
+    if traced:  # clock: seconds since it was received
+        reason = f"worker {worker} exited before the request ended; billed what it reserved"
+        evidence = {
+            "worker": worker,
+            "reserved_tokens": top.tokens,
+            "reserved_usd": top.cost_usd,
+            "reservations": sorted(h.reservation for h in holds),
+        }
+        decisions = [["worker", str(outcomes.Worker.EXITED), reason, evidence, lasted, lasted]]
+    return LedgerEntry(
+        request_id=b.request_id,
+        client_request_id=b.client_request_id,
+        task_id=b.task_id,
+        parent_request_ids=(),
+        tenant_id=b.tenant_id,
+        key_id=b.key_id,
+        endpoint=b.endpoint,
+        model=b.model,
+        requested_model=b.model,
+        revision=None,
+        upstream=None,
+        status=str(Status.INCOMPLETE),
+        error_code=WORKER_EXITED,
+        attempts=0,
+        input_tokens=prompt,
+        output_tokens=top.tokens - prompt,
+        cost_usd=top.cost_usd,
+        cache=None,
+        fallback_from=None,
+        planned_steps=None,
+        stream=b.stream,
+        received_at=b.received_at,
+        queue_ms=None,
+        t_received=0.0,
+        t_upstream_sent=None,
+        t_upstream_first_byte=None,
+        t_client_first_byte=None,
+        t_ended=lasted,
+        clock_base=b.received_at,
+        decisions=decisions,
+    )
 
 
 def serve_workers(

@@ -81,7 +81,7 @@ from switchyard.state.ledger_rows import (
 from switchyard.state.ledger_rows import batch_json as batch_json
 from switchyard.state.sql import connect
 from switchyard.state.sql_pg import is_postgres
-from switchyard.state.traces import StoredRow, template_id
+from switchyard.state.traces import LedgerEntry, StoredRow, template_id
 
 log = logging.getLogger("switchyard.ledger")
 
@@ -314,6 +314,14 @@ class UsageLedger(LedgerReads):
         row = encoded_row(finished, self._counts)
         if row is None:
             return
+        self._queue(row)
+
+    def record_entry(self, entry: LedgerEntry) -> None:
+        """Queue a row that is no request's settle: a dead worker's request, billed by
+        the supervisor of `serve --workers N` (scale/workers.py)."""
+        self._queue((_ENCODER.encode(entry), ()))
+
+    def _queue(self, row: Row) -> None:
         with self._lock:
             self._batch.append(row)
             full = len(self._batch) >= _MAX_BATCH

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 WINDOW_S = 60.0
 Period = Literal["day", "month"]
@@ -40,14 +40,46 @@ class ScopeLimits:
     budget_period: Period = "day"
 
 
+class Billing(NamedTuple):
+    """What the usage row of a request needs should its process die holding a
+    reservation (`serve --workers N`: the supervisor writes that row, scale/workers.py).
+    Given by the caller of `reserve` (policy/stages_admission.py `Reserver`); the
+    limiter keeps it with the hold (`RedisLimiter` with an owner) and never reads it."""
+
+    request_id: str  # the gateway's own: the usage row's key
+    client_request_id: str | None
+    task_id: str | None
+    tenant_id: str | None
+    key_id: str | None
+    endpoint: str
+    model: str | None  # the alias asked for
+    received_at: float
+    prompt_tokens: int  # of the reserved tokens; the rest is the output cap
+    stream: bool
+
+
 @dataclass(frozen=True, slots=True)
 class Ask:
     """What one request asks for: a unique reservation id, reserved tokens and
-    maximum cost. The id must be unique per reservation (client request ids are not)."""
+    maximum cost. The id must be unique per reservation (client request ids are not).
+    `billing`: given where a dead process's holds are billed (`Billing`)."""
 
     request_id: str
     tokens: int
     cost_usd: float
+    billing: Billing | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A hold whose process died before settling it, as `release_owner` found it: it
+    stays charged at what it reserved (tokens and cost). `billing` is None for a hold
+    recorded without it (by a release before billing was kept)."""
+
+    reservation: str
+    tokens: int
+    cost_usd: float
+    billing: Billing | None
 
 
 @dataclass(slots=True)

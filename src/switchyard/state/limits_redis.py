@@ -27,15 +27,21 @@ built with an `owner` (one per gateway worker) also records each reservation, in
 same script, in
 
     {prefix}rl:owner:{owner}     hash: reservation → [request id, sequence number,
-                                 reserved cost, its keys, its scopes' budget flags]
+                                 reserved cost, its keys, reserved tokens, billing]
 
 which its settle removes it from (it settles that owner's oldest hold of the request,
-so two workers that received the same client request id never settle each other's);
-`release_owner(owner)`, from any process (the supervisor's), settles each reservation
-still there as a settle with nothing used would: concurrency slots freed, reserved
-tokens and budget returned, the request still counted in its requests window. Each
+so two workers that received the same client request id never settle each other's).
+`billing` is what the caller gave for the request's usage row (`limits.Billing`: its
+ids, tenant, key, endpoint, model), kept as it came. `release_holds(owner)`, from any
+process (the supervisor's), ends each reservation still there as used in full: the
+request may have gone upstream and streamed before its process died, so what it
+reserved stays charged (its tokens in the tokens window, its cost in the budget; the
+supervisor writes its usage row at that cost) and only its concurrency slots are
+freed. It returns what it ended (`limits.Held`); `release_owner` counts them. Each
 release runs the settle script, so it happens once: a second release, or the owner's
-own late settle, finds nothing left. Without an owner nothing is recorded.
+own late settle, finds nothing left. Without an owner nothing is recorded. (A record
+an earlier version wrote, [.., its keys, its scopes' budget flags], is ended the same
+way, without billing.)
 
 Reserves and settles issued while an earlier one is on the wire reach Redis together,
 in one pipelined round trip (state/redis_batch.py); each is still its own script,
@@ -57,6 +63,8 @@ import orjson
 from switchyard.state.limits import (
     WINDOW_S,
     Ask,
+    Billing,
+    Held,
     LimiterUnavailable,
     Period,
     ScopeLimits,
@@ -251,7 +259,7 @@ for s = 1, n do
 end
 call('RPUSH', KEYS[2], seq)
 call('PEXPIRE', KEYS[2], lease_ms)
-if owner then  -- what release_owner needs to settle it from another process
+if owner then  -- what release_holds needs to end it from another process
   call('HSET', owner, member, ARGV[5] .. seq .. ARGV[6])
   call('PEXPIRE', owner, lease_ms)
 end
@@ -260,7 +268,7 @@ return reply(1, {0, '', 0})
 )
 
 # ARGV: request id, real tokens, reserved cost, real cost, the sequence number to settle
-# ("" = the request's oldest hold; set by release_owner), then per scope what the hold has
+# ("" = the request's oldest hold; set by release_holds), then per scope what the hold has
 # there to return (`_holds`). Returns 1 if it settled a hold, else 0.
 _SETTLE = (
     _LUA_COMMON
@@ -269,9 +277,10 @@ _SETTLE = (
 local rid, pick = ARGV[1], ARGV[5]
 local tokens, reserved, real = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local seq = nil
-if pick ~= '' then  -- release_owner: this hold, if its owner still has it
+if pick ~= '' then  -- release_holds: this hold, if its owner still has it
   if call('HDEL', owner, rid .. '#' .. pick) == 0 then return 0 end
-  if call('LREM', KEYS[2], '1', pick) == 0 then return 0 end  -- lease lapsed
+  -- A lapsed lease: its owner's settle may have found nothing and billed it already.
+  if call('LREM', KEYS[2], '1', pick) == 0 then return 0 end
   seq = pick
 elseif owner then  -- the owner's oldest hold of the request
   for _, held in ipairs(call('LRANGE', KEYS[2], '0', '-1')) do
@@ -312,11 +321,6 @@ def _arg(value: float | None) -> str:
     return "" if value is None else repr(float(value))
 
 
-def _budget_flags(scopes: list[ScopeLimits]) -> str:
-    """Per scope "1" if it has a budget, else "0": the owner record's budget flags."""
-    return "".join("0" if lim.budget_usd is None else "1" for lim in scopes)
-
-
 def _holds(lim: ScopeLimits) -> str:
     """What a hold has in scope `lim` for settle to return: "t" tokens, "c" a
     concurrency slot, "b" budget. Only what the scope limits is held there."""
@@ -327,13 +331,22 @@ def _holds(lim: ScopeLimits) -> str:
     )
 
 
-def _owner_record(rid: str, cost: str, keys: list[str], flags: str) -> tuple[str, str]:
-    """The owner record (JSON: request id, sequence number, reserved cost, keys, budget
-    flags; release_owner reads it) before and after its sequence number, which only the
-    reserve script knows: it writes the three together, encoding nothing itself."""
+def _owner_record(rid: str, cost: str, keys: list[str], ask: Ask) -> tuple[str, str]:
+    """The owner record (JSON: request id, sequence number, reserved cost, keys,
+    reserved tokens, billing; release_holds reads it) before and after its sequence
+    number, which only the reserve script knows: it writes the three together,
+    encoding nothing itself."""
     head = orjson.dumps([rid]).decode()[:-1] + ',"'
-    tail = '",' + orjson.dumps([cost, keys, flags]).decode()[1:]
+    tail = '",' + orjson.dumps([cost, keys, ask.tokens, ask.billing], default=tuple).decode()[1:]
     return head, tail
+
+
+def _billing(value: Any) -> Billing | None:
+    """An owner record's billing, as `Billing`; None when it has none, or one of
+    another layout (no usage row can be made of it)."""
+    if not isinstance(value, list) or len(value) != len(Billing._fields):
+        return None
+    return Billing(*value)
 
 
 class RedisLimiter:
@@ -341,7 +354,7 @@ class RedisLimiter:
 
     Same semantics as `MemoryLimiter`. Raises `LimiterUnavailable` when Redis cannot be
     reached; the caller applies its fail_open / fail_closed policy. `owner` names the
-    process whose holds `release_owner` can release should it die (module docstring).
+    process whose holds `release_holds` can end should it die (module docstring).
     """
 
     def __init__(
@@ -363,6 +376,12 @@ class RedisLimiter:
 
     def _owner(self, owner: str) -> str:
         return f"{self._prefix}owner:{owner}"
+
+    @property
+    def owned(self) -> bool:
+        """Whether its holds are recorded in an owner's name (so a reserve's `Ask`
+        carries billing: `release_holds`)."""
+        return self._owner_key is not None
 
     async def close(self) -> None:
         if self._orphans:
@@ -406,7 +425,7 @@ class RedisLimiter:
         if self._owner_key is None:
             args += ["", ""]
         else:
-            args += _owner_record(ask.request_id, args[3], keys[:-1], _budget_flags(scopes))
+            args += _owner_record(ask.request_id, args[3], keys[:-1], ask)
         for lim in scopes:
             args += [_arg(lim.rpm), _arg(lim.tpm), _arg(lim.max_concurrency)]
             if lim.budget_usd is None:
@@ -439,7 +458,7 @@ class RedisLimiter:
         """A reserve whose caller was cancelled (a task's cancel, shutdown) after it was
         sent: the script ran for nobody, and that caller will never settle. What it
         reserved is settled unused: the slot, tokens and budget come back, and the
-        request still counts in its requests window, as `release_owner`'s settle does.
+        request still counts in its requests window.
         An error may hide a script that ran: a settle that finds nothing does nothing."""
         if not isinstance(reply, BaseException) and not int(reply[0]):
             return  # refused: nothing was held
@@ -469,19 +488,26 @@ class RedisLimiter:
         keys = self._keys(scopes, ask.request_id, now)
         await self._call("settle", self._scripts.run(self._settle, keys, args))
 
-    async def release_owner(self, owner: str, now: float | None = None) -> int:
-        """Settle every hold `owner` left unsettled (its process died) as a settle with
-        nothing used would; return how many were released. Any limiter over the same
-        Redis and prefix may call it; a second call finds nothing left. (`now`, the
-        clock of the other calls, goes unused: a release depends on no time.)"""
+    async def release_holds(self, owner: str) -> list[Held]:
+        """End every hold `owner` left unsettled (its process died) as used in full
+        (module docstring): only its concurrency slots come back. Returns the holds
+        this call ended, for their usage rows. Any limiter over the same Redis and
+        prefix may call it; a second call finds nothing left."""
         key = self._owner(owner)
-        held = await self._call("release_owner", self._redis.hgetall(key))
-        released = 0
-        for raw in held.values():
-            rid, seq, cost, keys, flags = orjson.loads(raw)
-            # The record says which scopes have a budget, not which limit tokens or
-            # slots: returning those where none were held finds nothing and changes nothing.
-            args = [rid, "0", cost, "0.0", seq, *("tcb" if f == "1" else "tc" for f in flags)]
+        records = await self._call("release_owner", self._redis.hgetall(key))
+        ended: list[Held] = []
+        for raw in records.values():
+            rid, seq, cost, keys, *rest = orjson.loads(raw)
+            # A slot where none was held finds nothing and changes nothing; tokens and
+            # budget are not returned ("c" alone per scope).
+            args = [rid, "0", cost, cost, seq, *["c"] * ((len(keys) - 2) // 6)]
             settled = await self._call("release_owner", self._settle(keys=[*keys, key], args=args))
-            released += int(settled)
-        return released
+            if int(settled):
+                tokens, billing = (rest[0], _billing(rest[1])) if len(rest) == 2 else (0, None)
+                ended.append(Held(rid, int(tokens), float(cost), billing))
+        return ended
+
+    async def release_owner(self, owner: str, now: float | None = None) -> int:
+        """`release_holds`, counted: how many holds it ended. (`now`, the clock of the
+        other calls, goes unused: a release depends on no time.)"""
+        return len(await self.release_holds(owner))
