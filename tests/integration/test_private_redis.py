@@ -263,9 +263,11 @@ def test_without_an_owner_nothing_is_recorded(redis_url: str, prefix: str) -> No
         client.close()
 
 
-def test_release_owner_returns_a_dead_workers_task_reservations(
+def test_release_owner_keeps_a_dead_workers_task_reservations_spent(
     redis_url: str, prefix: str
 ) -> None:
+    """A call in flight when its worker died may have gone upstream: the task keeps
+    what it reserved as spent (its budget is never passed), and it still counts."""
     key = ("acme", "agent-1")
     first = TaskFirst(TaskBudget(tokens=1000, cost_usd=1.0))
 
@@ -280,15 +282,17 @@ def test_release_owner_returns_a_dead_workers_task_reservations(
             assert (await supervisor.admit(key, first, "r3", 600, 0.6, T0 + 1)).refused == "tokens"
 
             assert await supervisor.release_owner("w1") == 1
-            assert (await supervisor.admit(key, first, "r4", 600, 0.6, T0 + 2)).allowed
+            # r1's 600 tokens stay spent: r4 does not fit, a smaller call does.
+            assert (await supervisor.admit(key, first, "r4", 600, 0.6, T0 + 2)).refused
+            assert (await supervisor.admit(key, first, "r5", 300, 0.3, T0 + 2)).allowed
             assert await supervisor.release_owner("w1") == 0
-            await worker.settle(key, "r1", 600, 0.6)  # too late: nothing held
+            await worker.settle(key, "r1", 0, 0.0)  # too late: nothing held, nothing back
             state = await supervisor.describe(key)
             assert state is not None
-            # r1 still counts as a call; its tokens and cost came back.
+            # r1 still counts as a call, at what it reserved; r5 holds its reservation.
             assert state["used"]["calls"] == 3
-            assert state["used"]["tokens"] == 650
-            assert state["used"]["cost_usd"] == pytest.approx(0.65)
+            assert state["used"]["tokens"] == 600 + 50 + 300
+            assert state["used"]["cost_usd"] == pytest.approx(0.95)
         finally:
             await worker.close()
             await supervisor.close()

@@ -30,11 +30,12 @@ cost would stay counted in their tasks until those expire. A store built with an
     {prefix}task-owner:{owner}    hash: [task key, request id] (JSON) → 1
 
 which settle removes; `release_owner(owner)`, from any process (the supervisor's),
-settles each call still there with nothing used: its reserved tokens and cost come
-back, and it stays counted among the task's calls (it may have reached the upstream,
-as it stays in the limiter's requests window). A release runs the settle script, so
-a second one, or the worker's own late settle, finds nothing held. Without an owner
-nothing is recorded.
+settles each call still there as having used what it reserved: it may have reached
+the upstream and streamed, so its tokens and cost stay spent in the task (a task's
+budget is never passed), as the limiter keeps a dead worker's reservations and the
+supervisor bills them (scale/workers.py), and it stays counted among the task's
+calls. A release runs the settle script, so a second one, or the worker's own late
+settle, finds nothing held. Without an owner nothing is recorded.
 
 Times are the caller's `now`, never the server clock, as in `RedisLimiter`. A cancel
 is published on `{prefix}task-cancel`; every gateway process listens (`listen`) and
@@ -132,7 +133,8 @@ return {refused, tostring(u_calls), tostring(u_tokens), tostring(u_cost), tostri
 
 # KEYS: state, held, then the owner's hash when the store has an owner. ARGV: request
 # id, tokens used, cost used, called (1/0), and '1' when release_owner settles (only
-# if the owner still has the call). Returns 1 if it settled a call, else 0.
+# if the owner still has the call; it keeps what the call reserved as used). Returns 1
+# if it settled a call, else 0.
 _SETTLE = """
 local k, held, owner = KEYS[1], KEYS[2], KEYS[3]
 if owner and redis.call('HDEL', owner, cjson.encode({k, ARGV[1]})) == 0
@@ -150,8 +152,10 @@ local function lower(field, by)
   if v < 0 then v = 0 end
   redis.call('HSET', k, field, string.format('%.17g', v))
 end
-lower('u_tokens', tonumber(ARGV[2]) - r_tokens)
-lower('u_cost', tonumber(ARGV[3]) - r_cost)
+if ARGV[5] ~= '1' then
+  lower('u_tokens', tonumber(ARGV[2]) - r_tokens)
+  lower('u_cost', tonumber(ARGV[3]) - r_cost)
+end
 if ARGV[4] == '0' then
   if parts[3] == '1' then lower('u_tools', -1) else lower('u_calls', -1) end
 end
@@ -368,9 +372,10 @@ class RedisTaskStore:
         )
 
     async def release_owner(self, owner: str) -> int:
-        """Settle every call `owner` left unsettled (its process died) with nothing
-        used, still counted as a call; return how many were released. Any store over
-        the same Redis and prefix may call it; a second call finds nothing left."""
+        """Settle every call `owner` left unsettled (its process died) as having used
+        what it reserved, still counted as a call; return how many were released. Any
+        store over the same Redis and prefix may call it; a second call finds nothing
+        left."""
         okey = self._owners + owner
         held = await self._call("release_owner", self._redis.hkeys(okey))
         released = 0
