@@ -183,7 +183,12 @@ def create_app(
     }
     if role.worker and settings.mcp.servers:
         # Of several workers, MCP sessions and tool servers are the control plane's.
-        app.mcp = McpRelay(role.control_url + MCP_PATH, settings.server.max_body_bytes)
+        app.mcp = McpRelay(
+            role.control_url + MCP_PATH,
+            settings.server.max_body_bytes,
+            gw.auth,
+            settings.auth.mode == "disabled",
+        )
     elif gw.mcp is not None:
         app.mcp = McpEndpoint(
             gw.mcp, gw.auth, settings.server.max_body_bytes, settings.auth.mode == "disabled"

@@ -1,6 +1,7 @@
 """Named shape checks the protocol codecs share (api/messages_codec.py,
 api/responses_codec.py): each raises the 400 naming the member it found wrong, its
-name bounded (a hostile member name is never echoed whole)."""
+name bounded (a hostile member name is never echoed whole). `past_int64` is the one rule
+for integers no 64-bit integer holds (Messages' tool_use input, MCP's tool arguments)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,29 @@ def flag(body: dict[str, Any], name: str, default: bool) -> bool:
     if not isinstance(v, bool):
         raise bad(f"'{name}' must be a boolean", name)
     return v
+
+
+_INT64 = 2**63
+_UINT64 = 2**64
+
+
+def past_int64(value: Any) -> bool:
+    """Whether a parsed JSON value holds an integer no 64-bit integer holds, which would
+    reach its reader changed or not be written at all: a float that is integral with a
+    magnitude of 2^63 or more (orjson reads such an integer as a float, which is
+    re-encoded rounded; a float written as one, 1e19, is read alike and refused alike),
+    or an integer outside what orjson writes (-2^63 to 2^64 - 1; other parsers read big
+    integers whole). Walked without recursion, so any depth a parser reads is safe."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, float):
+            if v.is_integer() and abs(v) >= _INT64:
+                return True
+        elif isinstance(v, int) and not -_INT64 <= v < _UINT64:
+            return True
+    return False

@@ -37,15 +37,25 @@ response object, `{"jsonrpc", "id", "result" | "error"}`; what is read is bounde
   MAX_ID characters, `method` "tools/call", `params` an object the SDK's model accepts,
   and no other member. Anything else (malformed JSON, a batch, another method, a
   notification, a wrong type, an oversized id) goes to the SDK unchanged, which answers
-  it as before, errors reworded without exception text; but a request whose `id` is
-  null, a boolean, an object or an array (MCP's ids are strings or integers) is
-  answered here, 400 with JSON-RPC's Invalid Request (-32600, id null): the SDK takes it
-  for a notification and answers nothing;
+  it as before, errors reworded without exception text (a body that is no request
+  object at all is JSON-RPC's Invalid Request, -32600); but two requests the SDK would
+  misanswer are answered here, on an open session or one that opens it: an `id` that is
+  null, a boolean, an object or an array (MCP's ids are strings or integers), 400 with
+  Invalid Request (-32600, id null): the SDK takes it for a notification and answers
+  nothing; and `params` that is not an object, Invalid params (-32602) for the
+  request's own id, which the SDK does not read;
+* a call's `arguments` (on either path) nest at most 128 levels (mcp_wire) and hold
+  no integer past 64 bits (api/checks.py `past_int64`), else Invalid params;
 * `notifications/cancelled` for a call this path serves cancels it (the SDK's answer to
   a cancelled request, `REQUEST_CANCELLED`, goes back on the call's POST); for any other
   request it goes to the SDK, whose request it is;
 * the session stays the SDK's: it is opened, negotiated, listed, closed and expired by
   the SDK, and a call here holds it open while it runs, as the SDK's own requests do.
+  Its owner is remembered when the SDK answers its `initialize` with a result (one
+  answered with an error is ended at once, its id not given out); it is forgotten when
+  the SDK answers a DELETE with 2xx (a refused DELETE changes nothing), or once the SDK
+  no longer has it. A 2026-07-28 request (a version header that is no handshake one)
+  opens none and is not counted against the key's sessions.
 
 The SDK's transport internals this path reads (the session table, a transport's idle
 bookkeeping) are checked once per request; where they are missing (another SDK
@@ -61,20 +71,20 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
 from switchyard.api.mcp_wire import (
-    INVALID_ID,
     _caller,
+    _check_arguments,
     _fast_headers,
     _FastCall,
+    _framing_refusal,
     _headers,
     _holding,
-    _id_or_none,
     _mcp_error,
     _meta,
     _plain_id,
@@ -83,6 +93,7 @@ from switchyard.api.mcp_wire import (
     _send_error,
     _send_json,
     _without_exception_text,
+    authenticate,
 )
 from switchyard.errors import (
     InternalError,
@@ -92,7 +103,7 @@ from switchyard.errors import (
     SwitchyardError,
     TooManySessions,
 )
-from switchyard.identity import ANONYMOUS, Principal
+from switchyard.identity import Principal
 from switchyard.mcp_service import Caller, McpToolService
 from switchyard.policy.auth import Authenticator
 
@@ -158,6 +169,7 @@ class McpEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
+        method = scope["method"]
         try:
             principal, h = await self._authenticate(scope)
             session = h.get("mcp-session-id")
@@ -166,77 +178,80 @@ class McpEndpoint:
                 if owner != principal.key_id:
                     raise SessionNotFound("no such MCP session")
             scope[CALLER_KEY] = _caller(principal, h)
-            opening = session is None and scope["method"] == "POST"  # may open a session
+            # A POST without a session opens one only on the handshake era's transport;
+            # a 2026-07-28 request (another version header) is served without one.
+            version = h.get("mcp-protocol-version")
+            handshake = version is None or version in self._versions
+            opening = session is None and method == "POST" and handshake
             if opening:
                 self._check_room(principal.key_id)
         except SwitchyardError as exc:
             await _send_error(send, exc)
             return
         key_id = principal.key_id
-        refused: Message | None = None  # the SDK's 400 or 413, held to reword its body
-
-        async def remember_session(message: Message) -> None:
-            nonlocal refused
-            if message["type"] == "http.response.start":
-                # A refusal names the session it opened and closed at once: not kept,
-                # so refusals cannot push the owners of open sessions out.
-                kept = message["status"] < 400
-                for k, v in message.get("headers", []) if kept else ():
-                    if k.lower() == b"mcp-session-id":
-                        if len(self._owners) >= MAX_OWNERS:
-                            self._forget(next(iter(self._owners)))
-                        sid = v.decode("latin-1")
-                        self._owners[sid] = key_id
-                        self._held.setdefault(key_id, set()).add(sid)
-                if message["status"] in (400, 413):
-                    refused = message
-                    return
-            elif refused is not None and message["type"] == "http.response.body":
-                start, refused = refused, None
-                if not message.get("more_body"):
-                    body = _without_exception_text(start["status"], message.get("body", b""))
-                    headers = [
-                        (k, v)
-                        for k, v in start["headers"]
-                        if k.lower() not in (b"content-length", b"content-type")
-                    ]
-                    headers.append((b"content-type", b"application/json"))
-                    headers.append((b"content-length", str(len(body)).encode()))
-                    await send({**start, "headers": headers})
-                    await send({**message, "body": body})
-                    return
-                await send(start)
-            await send(message)
-
-        if scope["method"] == "DELETE" and session is not None:
-            self._forget(session)
-            for key in [k for k in self._calls if k[0] == session]:
-                self._calls[key].cancel()  # the session ends: its calls with it
-        if session is not None and scope["method"] == "POST":
-            transport = self._live(session)
-            if transport is not None and _fast_headers(h, self._versions):
-                body = await _read_body(receive, self.max_body_bytes)
-                if body is False:  # the client went away: no one to answer
-                    return
-                if body is True:
-                    too_large = PayloadTooLarge(
-                        "the request body is larger than the gateway accepts"
-                    )
-                    await _send_error(send, too_large)
-                    return
-                if await self._serve_fast(send, body, session, transport, scope[CALLER_KEY]):
-                    return
-                receive = _replay(body, receive)
+        transport = self._live(session) if session is not None else None
+        if (
+            method == "POST"
+            and (session is None or transport is not None)
+            and _fast_headers(h, self._versions)
+        ):
+            body = await _read_body(receive, self.max_body_bytes)
+            if body is False:  # the client went away: no one to answer
+                return
+            if body is True:
+                too_large = PayloadTooLarge("the request body is larger than the gateway accepts")
+                await _send_error(send, too_large)
+                return
+            if await self._serve_fast(send, body, session, transport, scope[CALLER_KEY]):
+                return
+            receive = _replay(body, receive)
+        reply = _SdkReply(send, (lambda sid: self._remember(sid, key_id)) if opening else None)
         if not opening:
-            await self.manager.handle_request(scope, receive, remember_session)
+            await self.manager.handle_request(scope, receive, reply.send)
+            if method == "DELETE" and session is not None and 200 <= reply.status < 300:
+                # The SDK ended the session (only then): its calls end with it.
+                self._forget(session)
+                for key in [k for k in self._calls if k[0] == session]:
+                    self._calls[key].cancel()
             return
         self._opening[key_id] = self._opening.get(key_id, 0) + 1
         try:
-            await self.manager.handle_request(scope, receive, remember_session)
+            await self.manager.handle_request(scope, receive, reply.send)
         finally:
             left = self._opening.pop(key_id) - 1
             if left:
                 self._opening[key_id] = left
+            if reply.failed is not None:
+                await self._end(reply.failed)
+
+    def _remember(self, session: str, key_id: str) -> None:
+        """`session` is the key's: opened by its initialize, which the SDK answered."""
+        if len(self._owners) >= MAX_OWNERS:
+            self._prune()
+            while len(self._owners) >= MAX_OWNERS:
+                self._forget(next(iter(self._owners)))
+        self._owners[session] = key_id
+        self._held.setdefault(key_id, set()).add(session)
+
+    def _prune(self) -> None:
+        """Forget the owners of the sessions the SDK no longer has (ended or expired)."""
+        live = getattr(self.manager, "_server_instances", None)
+        if isinstance(live, dict):
+            for sid in [s for s in self._owners if s not in live]:
+                self._forget(sid)
+
+    async def _end(self, session: str) -> None:
+        """End a session the SDK kept for an `initialize` it answered with an error:
+        nothing was negotiated, and its id was never given to the client."""
+        live = getattr(self.manager, "_server_instances", None)
+        transport = live.get(session) if isinstance(live, dict) else None
+        if transport is None:
+            return
+        discard = getattr(self.manager, "_discard_session", None)
+        if discard is not None:
+            await discard(session, transport)
+        elif not transport.is_terminated:
+            await transport.terminate()
 
     def _live(self, session: str) -> Any:
         """The SDK's transport of an open session the fast path may serve, else None."""
@@ -260,10 +275,11 @@ class McpEndpoint:
         return transport
 
     async def _serve_fast(
-        self, send: Send, body: bytes, session: str, transport: Any, caller: Caller
+        self, send: Send, body: bytes, session: str | None, transport: Any, caller: Caller
     ) -> bool:
-        """Serve a well-formed `tools/call` (or the cancel of one served here) and say
-        True; False leaves the request to the SDK (see the module docstring)."""
+        """Answer a request the SDK would misanswer (mcp_wire._framing_refusal), serve a
+        well-formed `tools/call` on an open session (or the cancel of one served here),
+        and say True; False leaves the request to the SDK (see the module docstring)."""
         from mcp_types import CallToolRequestParams
         from pydantic import ValidationError
 
@@ -271,11 +287,12 @@ class McpEndpoint:
             message = orjson.loads(body)
         except orjson.JSONDecodeError:
             return False
-        if isinstance(message, dict) and "method" in message and not _id_or_none(message):
-            # The SDK would take it for a notification (202, no body): the client
-            # would wait for an answer that never comes.
-            await _send_json(send, 400, INVALID_ID, session)
+        refusal = _framing_refusal(message)
+        if refusal is not None:
+            await _send_json(send, refusal[0], refusal[1], session)
             return True
+        if session is None or transport is None:
+            return False
         if not isinstance(message, dict) or message.keys() - FAST_MEMBERS:
             return False
         if message.get("jsonrpc") != "2.0":
@@ -346,6 +363,7 @@ class McpEndpoint:
         name = params.name
         if not isinstance(name, str) or not 0 < len(name) <= 200:
             raise InvalidRequest("'name' must be 1 to 200 characters", param="name")
+        _check_arguments(params.arguments)
         try:
             return await self.service.call(caller, name, params.arguments, _meta(params))
         except SwitchyardError:
@@ -382,11 +400,7 @@ class McpEndpoint:
 
     async def _authenticate(self, scope: Scope) -> tuple[Principal, dict[str, str]]:
         h = _headers(scope)
-        if self.auth_disabled:
-            return ANONYMOUS, h
-        got = self.auth.authenticate(h)
-        principal = await got if isinstance(got, Awaitable) else got
-        return principal, h
+        return await authenticate(self.auth, self.auth_disabled, h), h
 
     # -- handlers (called by the SDK) -----------------------------------------
     def _caller_of(self, ctx: Any) -> Caller:
@@ -420,3 +434,73 @@ class McpEndpoint:
         except Exception:
             log.exception("tools/call failed")
             raise _mcp_error(InternalError("internal error; see the gateway log")) from None
+
+
+class _SdkReply:
+    """The SDK's reply on its way to the client: a refusal (400, 405, 413) reworded
+    without exception text (mcp_wire._without_exception_text); an opening request's
+    reply held until its body says whether the `initialize` succeeded: then `opened`
+    has the session before the client learns its id, else `failed` names the session
+    the SDK kept anyway, whose id the client does not get. `status`: the HTTP status."""
+
+    __slots__ = ("_chunks", "_held", "_opened", "_send", "failed", "status")
+
+    def __init__(self, send: Send, opened: Callable[[str], None] | None) -> None:
+        self._send = send
+        self._opened = opened  # None: not an opening request
+        self._held: Message | None = None
+        self._chunks: list[bytes] = []
+        self.status = 0
+        self.failed: str | None = None
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = status = message["status"]
+            if status in (400, 405, 413) or (self._opened is not None and status < 400):
+                self._held = message
+                return
+        elif self._held is not None and message["type"] == "http.response.body":
+            self._chunks.append(message.get("body", b""))
+            if message.get("more_body"):
+                return
+            start, self._held = self._held, None
+            body = b"".join(self._chunks)
+            headers = [
+                (k, v)
+                for k, v in start["headers"]
+                if k.lower() not in (b"content-length", b"content-type", b"mcp-session-id")
+            ]
+            sid = next(
+                (
+                    v.decode("latin-1")
+                    for k, v in start["headers"]
+                    if k.lower() == b"mcp-session-id"
+                ),
+                None,
+            )
+            if self.status >= 400:
+                body = _without_exception_text(self.status, body)
+                if self._opened is not None:
+                    sid = None  # the SDK closed the session it opened for this refusal
+            elif self._opened is not None:
+                if sid is not None and _initialized(body):
+                    self._opened(sid)
+                else:
+                    self.failed, sid = sid, None
+            if sid is not None:
+                headers.append((b"mcp-session-id", sid.encode("latin-1")))
+            headers.append((b"content-type", b"application/json"))
+            headers.append((b"content-length", str(len(body)).encode()))
+            await self._send({**start, "headers": headers})
+            await self._send({"type": "http.response.body", "body": body})
+            return
+        await self._send(message)
+
+
+def _initialized(body: bytes) -> bool:
+    """Whether the SDK's reply to an `initialize` is its result (not a JSON-RPC error)."""
+    try:
+        reply = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(reply, dict) and "result" in reply and "error" not in reply

@@ -8,10 +8,14 @@ sessions and their owners; each worker relays the request there as it came and t
 reply back as it goes (a JSON reply or an SSE stream), over loopback.
 
 The relay adds no rule of its own: the control plane's endpoint authenticates the key,
-bounds the body and answers every error. The relay bounds what it reads before it
-sends (`server.max_body_bytes`, as the endpoint would), forwards only the headers the
-MCP transport uses, and answers a control plane it cannot reach with a JSON-RPC error.
-A client that goes away closes the relayed request.
+bounds the body and answers every error. The relay checks the key first too (given the
+worker's authenticator), so a request without a valid one is answered 401 at once,
+before its body is read; then it bounds what it reads before it sends
+(`server.max_body_bytes`, as the endpoint would), forwards only the headers the MCP
+transport uses (the 2026-07-28 revision's `Mcp-Method`, `Mcp-Name` and `Mcp-Param-*`
+among them) and the client's trace context (`traceparent`, `tracestate`), and answers a
+control plane it cannot reach with a JSON-RPC error. A client that goes away closes the
+relayed request.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import logging
 import aiohttp
 from starlette.types import Receive, Scope, Send
 
-from switchyard.api.mcp_wire import _read_body, _send_error
-from switchyard.errors import PayloadTooLarge, UpstreamUnreachable
+from switchyard.api.mcp_wire import _headers, _read_body, _send_error, authenticate
+from switchyard.errors import PayloadTooLarge, SwitchyardError, UpstreamUnreachable
+from switchyard.policy.auth import Authenticator
 
 log = logging.getLogger("switchyard.mcp")
 
@@ -36,7 +41,11 @@ _FORWARDED = frozenset(
         b"accept",
         b"mcp-session-id",
         b"mcp-protocol-version",
+        b"mcp-method",
+        b"mcp-name",
         b"last-event-id",
+        b"traceparent",
+        b"tracestate",
         b"x-task-id",
         b"x-switchyard-call-id",
         b"x-switchyard-approval",
@@ -48,14 +57,25 @@ _FORWARDED = frozenset(
         b"x-request-id",
     }
 )
+_PARAM_HEADERS = b"mcp-param-"  # 2026-07-28: a tool's arguments named in headers
 # What comes back: everything but the connection's own framing.
 _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "server"})
 
 
 class McpRelay:
-    def __init__(self, url: str, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        max_body_bytes: int,
+        auth: Authenticator | None = None,
+        auth_disabled: bool = False,
+    ) -> None:
+        """`auth`: the worker's authenticator, to refuse a bad key before the body is
+        read (None: the control plane's endpoint alone refuses it, after)."""
         self.url = url
         self.max_body_bytes = max_body_bytes
+        self.auth = auth
+        self.auth_disabled = auth_disabled
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
@@ -73,6 +93,12 @@ class McpRelay:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
+        if self.auth is not None:
+            try:
+                await authenticate(self.auth, self.auth_disabled, _headers(scope))
+            except SwitchyardError as exc:
+                await _send_error(send, exc)
+                return
         body = await _read_body(receive, self.max_body_bytes)
         if body is False:  # the client went away
             return
@@ -84,7 +110,7 @@ class McpRelay:
         headers = [
             (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in scope["headers"]
-            if k in _FORWARDED
+            if k in _FORWARDED or k.startswith(_PARAM_HEADERS)
         ]
         query = scope.get("query_string", b"").decode("latin-1")
         url = self.url + (f"?{query}" if query else "")

@@ -1,8 +1,9 @@
-"""The wire of `/mcp`'s hot call (api/mcp.py): the request's headers read and bounded
-into a `Caller`, the body read within its limit (and replayed to the SDK when the call
-is not one the fast path takes), the checks that decide whether it is (a plain id, a JSON
-accept, a handshake version), the JSON-RPC reply and error bodies written by hand, and
-the SDK's refusals reworded without exception text.
+"""The wire of `/mcp` (api/mcp.py, and a worker's relay, api/mcp_relay.py): the key
+checked, the request's headers read and bounded into a `Caller`, the body read within its
+limit (and replayed to the SDK when the call is not one the fast path takes), the checks
+that decide whether it is (a plain id, a JSON accept, a handshake version), the framing
+the SDK would misanswer, the bounds of a call's arguments, the JSON-RPC reply and error
+bodies written by hand, and the SDK's refusals reworded without exception text.
 """
 
 from __future__ import annotations
@@ -10,26 +11,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
+from switchyard.api.checks import past_int64
 from switchyard.errors import (
     InvalidHeader,
     InvalidRequest,
     PayloadTooLarge,
     SwitchyardError,
 )
-from switchyard.identity import Principal, TaskBudget
+from switchyard.identity import ANONYMOUS, Principal, TaskBudget
 from switchyard.mcp_service import Caller
 from switchyard.policy import headers as hdr
+from switchyard.policy.auth import Authenticator
 from switchyard.policy.tool_calls import approval_tokens
 
 MAX_ID = 128  # characters of a string JSON-RPC id the fast path takes (else: the SDK's)
 MAX_INT_ID = 2**53  # an integer id beyond ±this goes to the SDK
+# Levels of nesting a call's arguments may have: the JSON writer (orjson) stops at 254,
+# and the arguments are written inside the call's JSON-RPC envelope and its evidence.
+MAX_ARGUMENT_DEPTH = 128
 JSON_HEADERS = [(b"content-type", b"application/json")]
+PARSE_ERROR = -32700
+INVALID_REQUEST = -32600
+INVALID_PARAMS = -32602
 
 
 def _headers(scope: Scope) -> dict[str, str]:
@@ -39,6 +48,15 @@ def _headers(scope: Scope) -> dict[str, str]:
     for k, v in scope["headers"]:
         out.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
     return out
+
+
+async def authenticate(auth: Authenticator, disabled: bool, h: dict[str, str]) -> Principal:
+    """The caller's principal from its key, before anything reads the body; raises the
+    401 (`auth.mode: disabled`: anonymous)."""
+    if disabled:
+        return ANONYMOUS
+    got = auth.authenticate(h)
+    return await got if isinstance(got, Awaitable) else got
 
 
 def _caller(principal: Principal, h: dict[str, str]) -> Caller:
@@ -87,17 +105,29 @@ async def _send_error(send: Send, exc: SwitchyardError) -> None:
 
 
 # The SDK's words for a body it could not read carry the parser's or pydantic's own
-# exception text (and echo the input): the client gets a plain sentence instead.
+# exception text (and echo the input): the client gets a plain sentence instead, with
+# JSON-RPC's code for it. A body that is no request object at all (a batch, no `method`,
+# a `jsonrpc` other than "2.0") is an Invalid Request, which the SDK's transport codes
+# as invalid params.
 _SDK_REFUSALS = {
-    "Parse error:": "Parse error: the request body is not valid JSON",
-    "Validation error:": "Invalid request: the body is not a JSON-RPC 2.0 request, "
-    "notification or response",
+    "Parse error:": (PARSE_ERROR, "Parse error: the request body is not valid JSON"),
+    "Validation error:": (
+        INVALID_REQUEST,
+        "Invalid Request: the body is not a JSON-RPC 2.0 request, notification or response",
+    ),
 }
+_NOT_ALLOWED = "Method Not Allowed: this protocol revision is served by POST only"
+
+
+def _invalid_request(message: str) -> bytes:
+    error = {"code": INVALID_REQUEST, "message": message}
+    return orjson.dumps({"jsonrpc": "2.0", "id": None, "error": error})
 
 
 def _without_exception_text(status: int, body: bytes) -> bytes:
     """The SDK's 400 JSON-RPC error body, its message reworded when it carries exception
-    text (see _SDK_REFUSALS); its 413 and plain-text 400s as JSON-RPC errors."""
+    text (see _SDK_REFUSALS); its 413, its plain-text 400s and its empty 405 (the
+    2026-07-28 path's answer to a GET or a DELETE) as JSON-RPC errors."""
     if status == 413:
         exc: SwitchyardError = PayloadTooLarge(
             "the request body is larger than the gateway accepts"
@@ -107,13 +137,14 @@ def _without_exception_text(status: int, body: bytes) -> bytes:
         got = orjson.loads(body)
         message = got["error"]["message"]
     except (orjson.JSONDecodeError, TypeError, KeyError):
-        exc = InvalidRequest(body.decode("utf-8", "replace")[:200] or "bad request")
-        return orjson.dumps({"jsonrpc": "2.0", "id": None, "error": exc.jsonrpc_error()})
+        if status == 405:
+            return _invalid_request(_NOT_ALLOWED)
+        return _invalid_request(body.decode("utf-8", "replace")[:200] or "Invalid Request")
     if not isinstance(message, str):
         return body
-    for prefix, plain in _SDK_REFUSALS.items():
+    for prefix, (code, plain) in _SDK_REFUSALS.items():
         if message.startswith(prefix):
-            got["error"]["message"] = plain
+            got["error"] = {"code": code, "message": plain}
             return orjson.dumps(got)
     return body
 
@@ -162,6 +193,67 @@ INVALID_ID = orjson.dumps(
         },
     }
 )
+
+
+def _invalid_params(rid: Any, message: str) -> bytes:
+    error = {"code": INVALID_PARAMS, "message": message}
+    return orjson.dumps({"jsonrpc": "2.0", "id": rid, "error": error})
+
+
+def _framing_refusal(message: Any) -> tuple[int, bytes] | None:
+    """(status, body) for a request the SDK would misanswer, else None: an `id` that is
+    null, a boolean, an object or an array (the SDK takes it for a notification and
+    answers nothing) is an Invalid Request; `params` that is not an object is Invalid
+    params for the request's own id (the SDK refuses it before it reads the id)."""
+    if not isinstance(message, dict) or "method" not in message:
+        return None
+    if not _id_or_none(message):
+        return 400, INVALID_ID
+    params = message.get("params")
+    if params is None or isinstance(params, dict):
+        return None
+    rid = message.get("id")
+    method = message.get("method")
+    if message.get("jsonrpc") != "2.0" or not isinstance(method, str) or not _plain_id(rid):
+        return None  # a notification, or no request: the SDK's to refuse
+    # 400, as the SDK answers a body it refuses before dispatch, with the id it knows.
+    return 400, _invalid_params(rid, "Invalid params: 'params' must be an object")
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether a parsed JSON value nests more than `limit` levels (walked without
+    recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict):
+            children: Any = v.values()
+        elif isinstance(v, list):
+            children = v
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def _check_arguments(arguments: Any) -> None:
+    """A call's arguments as the tool will get them, else Invalid params (-32602): no
+    deeper than MAX_ARGUMENT_DEPTH, and no integer past 64 bits (checks.past_int64),
+    which would reach the tool as another number or not be written at all."""
+    if arguments is None:
+        return
+    if _deeper_than(arguments, MAX_ARGUMENT_DEPTH):
+        raise InvalidRequest(
+            f"'arguments' nest deeper than {MAX_ARGUMENT_DEPTH} levels", param="arguments"
+        )
+    if past_int64(arguments):
+        raise InvalidRequest(
+            "'arguments' hold an integer past 64 bits, which would reach the tool "
+            "changed; send it as a string",
+            param="arguments",
+        )
 
 
 def _accepts_json(accept: str) -> bool:

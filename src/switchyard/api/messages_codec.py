@@ -30,6 +30,7 @@ from typing import Any
 import orjson
 
 from switchyard.api.checks import bad, no_extras, number, string
+from switchyard.api.checks import past_int64 as _past_int64
 from switchyard.api.codecs import CHAT_TYPED
 from switchyard.errors import InvalidRequest, MissingRequiredParameter
 from switchyard.policy.validate import CONTROL, answerable_choice, tools_array, validate_chat
@@ -139,22 +140,6 @@ def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
     if is_error:
         content = "[tool error] " + content
     return {"role": "tool", "tool_call_id": call_id, "content": content}
-
-
-_INT64 = 2**63
-
-
-def _past_int64(value: Any) -> bool:
-    """Whether a parsed value holds a number the body parser read as a float because no
-    64-bit integer holds it: such an integer would be re-encoded rounded (a float
-    written as one, 1e19, is read alike and refused alike)."""
-    if isinstance(value, float):
-        return value.is_integer() and abs(value) >= _INT64
-    if isinstance(value, dict):
-        return any(_past_int64(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_past_int64(v) for v in value)
-    return False
 
 
 def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
