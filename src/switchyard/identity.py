@@ -119,6 +119,19 @@ class Principal:
     def may_use(self, alias: str) -> bool:
         return model_allowed(self.key_models, alias) and model_allowed(self.tenant_models, alias)
 
+    def boundary(self, model_boundary: list[str] | None) -> list[str] | None:
+        """The regions this caller's request to a model with `model_boundary` (its
+        `data_boundary`) may go to, None for anywhere: the model's within the tenant's."""
+        if self.regions is None:
+            return model_boundary
+        return [r for r in (model_boundary or self.regions) if r in self.regions]
+
+    def reaches(self, model_boundary: list[str] | None, regions: list[str]) -> bool:
+        """Whether a model running in `regions` (its deployments') has one this caller's
+        requests may go to (`boundary`)."""
+        allowed = self.boundary(model_boundary)
+        return allowed is None or any(r in allowed for r in regions)
+
     def adapter_refusal(self, name: str, allowed_tenants: list[str]) -> str | None:
         """Why this caller may not use the adapter `name`, or None: the adapter must
         list its tenant (or "*") and the key's allowed_adapters must match it."""

@@ -218,6 +218,11 @@ class OpenAIRoutes:
         gw = self.gw
         principal = await self._principal(request.headers)
         created = int(gw.started_at)
+        # Only models a request of the key's may reach: within the model's data boundary
+        # and the tenant's regions (the executor's rule); an adapter, on its base's.
+        reached = {
+            m.alias for m in gw.settings.models if principal.reaches(m.data_boundary, m.regions())
+        }
         data: list[dict[str, Any]] = [
             {
                 "id": m.alias,
@@ -227,11 +232,12 @@ class OpenAIRoutes:
                 "revision": m.revision,
             }
             for m in gw.settings.models
-            if principal.may_use(m.alias)
+            if m.alias in reached and principal.may_use(m.alias)
         ]
         for a in gw.settings.adapters:  # only the adapters this key and tenant may use
             if (
-                principal.may_use(a.name)
+                a.base in reached
+                and principal.may_use(a.name)
                 and principal.adapter_refusal(a.name, a.allowed_tenants) is None
             ):
                 data.append(

@@ -188,6 +188,10 @@ class ModelConfig(Strict):
                     )
         return self
 
+    def regions(self) -> list[str]:
+        """The regions its deployments run in (its own `region` without deployments)."""
+        return [d.region or self.region for d in self.deployments] or [self.region]
+
     def replica(self, d: DeploymentConfig) -> ModelConfig:
         """This model's config as deployment `d` serves it."""
         return self.model_copy(

@@ -184,9 +184,8 @@ class Executor:
         chain = [primary.alias, *pm.fallbacks]
         needs: dict[str, Any] | None = None  # computed only if a fallback is considered
         boundary = primary.model.data_boundary
-        tenant_regions = ctx.principal.regions if ctx.principal is not None else None
-        if tenant_regions is not None:
-            boundary = [r for r in (boundary or tenant_regions) if r in tenant_regions]
+        if ctx.principal is not None:
+            boundary = ctx.principal.boundary(boundary)
         last: SwitchyardError | None = None
         tokens = ctx.max_tokens or 256
         # Placement kept the data on the device (privacy): so do failover and fallbacks.

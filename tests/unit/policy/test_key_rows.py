@@ -94,3 +94,20 @@ def test_an_approval_is_issued_only_with_printable_names(
         approvals.issue(**args, ttl_s=60)  # type: ignore[arg-type]
     assert refused.value.param == next(iter(fields))
     assert approvals.issue("t", None, "call_1", "ops — on call", 60)["approver"] == "ops — on call"
+
+
+def test_a_tenants_regions_bound_where_its_requests_go() -> None:
+    """The model's data boundary within the tenant's regions (the executor's rule), and
+    whether a model running in some regions has one of them (what /v1/models lists)."""
+    from switchyard.identity import Limits
+
+    def who(regions: tuple[str, ...] | None) -> Principal:
+        return Principal("t", "k", ("*",), ("*",), Limits(), Limits(), regions=regions)
+
+    anywhere, eu = who(None), who(("eu", "eu-west"))
+    assert anywhere.boundary(None) is None and anywhere.boundary(["us"]) == ["us"]
+    assert eu.boundary(None) == ["eu", "eu-west"]
+    assert eu.boundary(["eu-west", "us"]) == ["eu-west"]
+    assert eu.reaches(None, ["us", "eu"]) and not eu.reaches(None, ["us"])
+    assert not eu.reaches(["us"], ["eu"])  # the model may not go where the tenant may
+    assert anywhere.reaches(None, ["us"]) and not anywhere.reaches(["eu"], ["us"])

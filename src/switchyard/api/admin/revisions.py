@@ -19,12 +19,18 @@ class RevisionServices(Protocol):
     revisions: dict[str, Any]  # RevisionManager by alias (rl.models)
 
 
-async def wait_for(rev: Any, body: dict[str, Any], states: tuple[str, ...]) -> None:
-    """Answer once the revision reached one of `states`, or after wait_s."""
-    wait_s = body.get("wait_s", 0)
-    if isinstance(wait_s, bool) or not isinstance(wait_s, int | float) or not 0 <= wait_s <= 600:
+def wait_s(body: dict[str, Any]) -> float:
+    """The body's `wait_s`: seconds from 0 to 600 (0 when absent), checked before any
+    work is started, so a bad one leaves nothing behind."""
+    value = body.get("wait_s", 0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 600:
         raise InvalidRequest("'wait_s' must be a number of seconds from 0 to 600", param="wait_s")
-    end = time.monotonic() + wait_s
+    return float(value)
+
+
+async def wait_for(rev: Any, seconds: float, states: tuple[str, ...]) -> None:
+    """Answer once the revision reached one of `states`, or after `seconds`."""
+    end = time.monotonic() + seconds
     while rev.state not in states and time.monotonic() < end:
         await asyncio.sleep(0.01)
 
@@ -55,9 +61,10 @@ class Revisions:
         body = await read_fields(
             request, ("revision", "kind", "path", "sha256", "activate", "wait_s")
         )
+        seconds = wait_s(body)
         rev = await manager.register({k: v for k, v in body.items() if k != "wait_s"})
         target = ("active", "rejected") if body.get("activate") else ("validated", "rejected")
-        await wait_for(rev, body, target)
+        await wait_for(rev, seconds, target)
         return as_json(rev.describe(), 201)
 
     async def revision(self, request: Request) -> Response:
