@@ -33,7 +33,7 @@ import msgspec
 from switchyard.api.checks import bad, flag, no_extras, number, string
 from switchyard.entropy import RandomPool
 from switchyard.errors import InvalidRequest, MissingRequiredParameter
-from switchyard.policy.validate import answerable_choice, tools_array
+from switchyard.policy.validate import CONTROL, answerable_choice, tools_array
 
 # Top-level members the gateway honours; any other is refused by name.
 FIELDS = frozenset(
@@ -428,6 +428,8 @@ def check(body: Any, ids: Ids = new_item_id) -> ResponsesRequest:
         if v is not None:
             if not isinstance(v, str) or len(v) > 512:
                 raise bad(f"'{name}' must be a string of at most 512 characters", name)
+            if name == "user" and CONTROL.search(v):  # as chat's `user` (validate)
+                raise bad("'user' may not hold control characters", name)
             chat[name] = v
     meta = body.get("metadata")
     if meta is not None:

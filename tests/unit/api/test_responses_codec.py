@@ -139,6 +139,7 @@ def test_items_decode_into_one_chat_conversation() -> None:
         ({"model": "m", "input": "x", "conversation": "c"}, "conversation"),
         ({"model": "m", "input": "x", "include": ["file_search_call.results"]}, "include"),
         ({"model": "m", "input": "x", "truncation": "auto"}, "truncation"),
+        ({"model": "m", "input": "x", "user": "u\r\nX-Forged: 1"}, "user"),
         ({"model": "m", "input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
         ({"model": "m", "input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
         (
@@ -345,7 +346,7 @@ _optional = {
     "stream": st.booleans(),
     "store": st.booleans(),
     "parallel_tool_calls": st.booleans(),
-    "user": _text,
+    "user": st.text(st.characters(exclude_categories=("Cc",)), max_size=12),
     "metadata": st.dictionaries(_name, _text, max_size=3),
     "tools": st.lists(
         st.builds(
