@@ -212,42 +212,35 @@ async def replayed(chunks: list[ChatChunk], events: Translator) -> AsyncIterator
 
 
 def replay(obj: dict[str, Any], include_usage: bool, chunk_chars: int = 24) -> AsyncIterator[bytes]:
-    """A cached chat.completion replayed as the SSE stream a client expects."""
+    """A cached chat.completion, or text_completion, replayed as the SSE stream a
+    client of its endpoint expects."""
+    choice = (obj.get("choices") or [{}])[0]
+    completion = obj.get("object") == "text_completion" or (
+        "text" in choice and "message" not in choice
+    )
+
+    def choice_of(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+        if completion:  # a completion's chunk carries its text, not a delta
+            text = delta.get("content", "")
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "delta": delta, "finish_reason": finish}
 
     async def events() -> AsyncIterator[bytes]:
         base = {
             "id": obj.get("id"),
-            "object": "chat.completion.chunk",
+            "object": "text_completion" if completion else "chat.completion.chunk",
             "created": obj.get("created"),
             "model": obj.get("model"),
         }
-        choice = (obj.get("choices") or [{}])[0]
         text = (choice.get("message") or {}).get("content") or choice.get("text") or ""
-        first = {
-            **base,
-            "choices": [
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-            ],
-        }
-        yield b"data: " + orjson.dumps(first) + b"\n\n"
+        if not completion:
+            first = {**base, "choices": [choice_of({"role": "assistant", "content": ""}, None)]}
+            yield b"data: " + orjson.dumps(first) + b"\n\n"
         for i in range(0, len(text), chunk_chars):
-            piece = {
-                **base,
-                "choices": [
-                    {
-                        "index": 0,
-                        "delta": {"content": text[i : i + chunk_chars]},
-                        "finish_reason": None,
-                    }
-                ],
-            }
+            piece = {**base, "choices": [choice_of({"content": text[i : i + chunk_chars]}, None)]}
             yield b"data: " + orjson.dumps(piece) + b"\n\n"
-        last: dict[str, Any] = {
-            **base,
-            "choices": [
-                {"index": 0, "delta": {}, "finish_reason": choice.get("finish_reason") or "stop"}
-            ],
-        }
+        finish = choice.get("finish_reason") or "stop"
+        last: dict[str, Any] = {**base, "choices": [choice_of({}, finish)]}
         yield b"data: " + orjson.dumps(last) + b"\n\n"
         if include_usage:
             tail: dict[str, Any] = {**base, "choices": [], "usage": obj.get("usage")}

@@ -128,7 +128,7 @@ def cache_keys(
         }
     )
     exact = digest({"partition": partition, "query": query})
-    return CacheKeys(partition, exact, query, tags, tenant, model)
+    return CacheKeys(partition, exact, query, tags, tenant, model, revision)
 
 
 _PROJECTIONS: dict[tuple[int, int], np.ndarray] = {}

@@ -69,22 +69,27 @@ def cacheability(
         # Token ids are the one part of a reply the cache's PII masking cannot reach
         # (they decode to the raw text), and a trainer wants this generation's.
         return no("requests for token ids are not cached")
-    if _has_images(req.messages):
-        # The semantic key sees the text alone, and the answer depends on the image.
-        return no("requests with images are not cached")
+    part = _non_text_part(req.messages)
+    if part is not None:
+        # The keys read a message's text parts alone, and the answer depends on the
+        # image, file or recording beside them.
+        return no(f"requests with images, files or recordings are not cached ({part[:32]})")
     if "no-cache" in directives:
         return Cacheability(False, True, mode, threshold, "Cache-Control: no-cache (store only)")
     return Cacheability(True, True, mode, threshold, "cacheable")
 
 
-def _has_images(messages: list[dict[str, Any]] | None) -> bool:
+def _non_text_part(messages: list[dict[str, Any]] | None) -> str | None:
+    """The type of the first content part that is not text (an image, a file, a
+    recording), or None."""
     for m in messages or ():
         content = m.get("content")
-        if isinstance(content, list) and any(
-            isinstance(p, dict) and p.get("type") in ("image_url", "input_image") for p in content
-        ):
-            return True
-    return False
+        if isinstance(content, list):
+            for p in content:
+                kind = p.get("type") if isinstance(p, dict) else None
+                if kind != "text":
+                    return str(kind)
+    return None
 
 
 def storable_reply(obj: dict[str, Any]) -> str | None:
@@ -96,14 +101,21 @@ def storable_reply(obj: dict[str, Any]) -> str | None:
         msg = c.get("message") or {}
         if msg.get("tool_calls") or msg.get("function_call"):
             return "the reply calls tools"
+        # A hit replayed as a stream carries the answer's text alone (api/sse.py
+        # `replay`, reply.py `stream_chunks`): no refusal, no log probabilities.
+        if msg.get("refusal"):
+            return "the reply is a refusal"
+        if c.get("logprobs"):
+            return "the reply carries log probabilities"
         if c.get("finish_reason") not in ("stop", "length", None):
             return f"finish_reason {c.get('finish_reason')}"
     return None
 
 
-def assemble(events: list[bytes]) -> dict[str, Any] | None:
-    """Rebuild a chat.completion from streamed chunks (for the cache); None if the
-    stream carried tool calls or could not be read."""
+def assemble(events: list[bytes], endpoint: str = "chat.completions") -> dict[str, Any] | None:
+    """Rebuild the whole reply from streamed chunks (for the cache): a chat.completion,
+    or a text_completion for the `completions` endpoint; None if the stream carried
+    tool calls, a refusal, log probabilities or an error event, or could not be read."""
     text: list[str] = []
     head: dict[str, Any] = {}
     finish: str | None = None
@@ -113,12 +125,19 @@ def assemble(events: list[bytes]) -> dict[str, Any] | None:
             obj = orjson.loads(raw)
         except orjson.JSONDecodeError:
             return None
+        if type(obj) is not dict or "error" in obj:  # the engine broke the answer off
+            return None
         head = head or obj
         usage = obj.get("usage") or usage
         for c in obj.get("choices") or []:
             delta = c.get("delta") or {}
-            if delta.get("tool_calls") or delta.get("function_call"):
-                return None
+            if (
+                delta.get("tool_calls")
+                or delta.get("function_call")
+                or delta.get("refusal")
+                or c.get("logprobs")
+            ):
+                return None  # not stored (storable_reply says why of a whole reply)
             if delta.get("content"):
                 text.append(delta["content"])
             elif c.get("text"):
@@ -126,17 +145,19 @@ def assemble(events: list[bytes]) -> dict[str, Any] | None:
             finish = c.get("finish_reason") or finish
     if not head:
         return None
+    kind = "text_completion" if endpoint == "completions" else "chat.completion"
+    answer = "".join(text)
+    choice: dict[str, Any] = (
+        {"index": 0, "text": answer, "logprobs": None}
+        if kind == "text_completion"
+        else {"index": 0, "message": {"role": "assistant", "content": answer}}
+    )
+    choice["finish_reason"] = finish or "stop"
     return {
         "id": head.get("id"),
-        "object": "chat.completion",
+        "object": kind,
         "created": head.get("created"),
         "model": head.get("model"),
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "".join(text)},
-                "finish_reason": finish or "stop",
-            }
-        ],
+        "choices": [choice],
         "usage": usage,
     }

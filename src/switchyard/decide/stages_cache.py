@@ -60,6 +60,45 @@ class CachePlanner:
         self._revisions = revisions if revisions is not None else {}
         self._router_version = settings.router.policy_version
         self._risk = RiskClassifier(settings.cache.risk)
+        # A routed alias's (`auto`) answers come from any route's model, and the route
+        # stage authorizes the model it chose after the cache: a key looks them up only
+        # when it may use every model a route names.
+        router = settings.router
+        self._routed = frozenset(router.routed_aliases) if router.enabled else frozenset()
+        self._route_models = tuple(dict.fromkeys(r.model for r in router.routes))
+
+    def revision(self, alias: str) -> str:
+        """The revision `alias`'s answers are keyed by: its configured one (an
+        RL-managed alias's: the one active now, so an activation never serves the old
+        weights' answers); a routed alias's: the routing policy's version."""
+        model = self._models.get(alias)
+        revision = model.revision if model is not None else f"router:{self._router_version}"
+        manager = self._revisions.get(alias) if self._revisions else None
+        if manager is not None and manager.active is not None:
+            revision = manager.active.revision
+        return revision
+
+    def foreign(self, ctx: RequestContext, keys: CacheKeys) -> str | None:
+        """Why a fresh reply is not the answer its keys stand for (so it is not stored),
+        or None: a fallback model, or a revision other than the keyed one (a canary,
+        another deployment's) answered, or a limit shrank the output cap the client
+        asked for (the partition keys the cap asked, not the one sent)."""
+        dep = ctx.deployment
+        if ctx.run.fallback_from is not None:
+            answered = dep.alias if dep is not None else "another model"
+            return f"a fallback answered ({ctx.run.fallback_from} -> {answered})"
+        if dep is not None:
+            alias = ctx.alias or ""
+            # A routed alias's keys name the router's policy; the routed model answered.
+            keyed = keys.revision if alias == keys.model else self.revision(alias)
+            if dep.model.revision != keyed:
+                return f"revision {dep.model.revision} answered; the partition keys {keyed}"
+        cost = ctx.cost
+        # policy/cost.py `plan` sets None, default and window from the request and the
+        # model alone; any other reason is a limit's shrink (budget, tpm, a task's).
+        if cost is not None and cost.reason not in (None, "default", "window"):
+            return f"the output cap shrank to {cost.cap} tokens ({cost.reason})"
+        return None
 
     def plan(self, ctx: RequestContext) -> tuple[Cacheability, CacheKeys | None]:
         state = ctx.cache_state
@@ -79,26 +118,40 @@ class CachePlanner:
             cfg,
         )
         keys = None
+        alias = ctx.alias or ""
+        if ctx.pin is not None and (verdict.lookup or verdict.store):
+            # Selection checks the pin (may the key pin, does the revision exist): a hit
+            # would end the request before it, and the partition keys the alias's own.
+            verdict = replace(
+                verdict,
+                lookup=False,
+                store=False,
+                reason="a pinned revision is not cached (selection checks the pin)",
+            )
+        elif verdict.lookup and alias in self._routed:
+            may_use = ctx.principal.may_use
+            if not all(may_use(m) for m in self._route_models):
+                verdict = replace(
+                    verdict,
+                    lookup=False,
+                    reason="routed: this key may not use every model the router may choose",
+                )
         if verdict.lookup or verdict.store:
-            model = self._models.get(ctx.alias or "")
-            revision = model.revision if model is not None else f"router:{self._router_version}"
-            manager = self._revisions.get(ctx.alias or "") if self._revisions else None
-            if manager is not None and manager.active is not None:
-                revision = manager.active.revision
+            revision = self.revision(alias)
             scope = f"key:{ctx.principal.key_id}" if cfg.scope == "key" else f"tenant:{tenant}"
             keys = cache_keys(
                 ctx.masked(),
                 ctx.input.endpoint,
                 scope,
                 tenant,
-                ctx.alias or "",
+                alias,
                 revision,
                 ctx.input.headers.get("x-switchyard-locale")
                 or ctx.input.headers.get("accept-language"),
                 ctx.input.headers.get("x-switchyard-data-version") or cfg.data_version,
                 request_headers.cache_tags(ctx.input.headers.get("x-switchyard-cache-tags")),
             )
-            risk = self._risk.classify(keys.query, ctx.alias or "", keys.tags)
+            risk = self._risk.classify(keys.query, alias, keys.tags)
             if risk.source is not None:
                 why = f"risk {risk.source}" + (f" ({risk.matched!r})" if risk.matched else "")
                 if risk.policy == "off":
@@ -256,7 +309,7 @@ class Cache(Stage):
             )
         if cs.store_keys is None:
             return
-        why = storable_reply(masked)
+        why = self._planner.foreign(ctx, cs.store_keys) or storable_reply(masked)
         if why is not None:
             ctx.record("cache_store", outcomes.CacheStore.SKIP, why, t)
             return
@@ -390,5 +443,5 @@ class CacheStore(ReplyPart):
         return None
 
     def after(self, ok: bool) -> Awaitable[None] | None:
-        obj = assemble(self._events) if ok else None
+        obj = assemble(self._events, self._ctx.input.endpoint) if ok else None
         return None if obj is None else self._stage.remember(self._ctx, obj)

@@ -25,7 +25,8 @@ class CacheKeys:
     query: str  # the (masked) last user message: what is embedded and verified
     tags: tuple[str, ...]
     tenant: str
-    model: str
+    model: str  # the alias asked for (a routed alias: `auto`)
+    revision: str = ""  # the revision the partition keys: a reply of another is not stored
 
 
 @dataclass(slots=True)

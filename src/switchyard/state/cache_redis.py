@@ -69,6 +69,7 @@ def pack(origin: str, entry: Entry, vec: np.ndarray | None) -> bytes:
             "tags": list(k.tags),
             "tenant": k.tenant,
             "model": k.model,
+            "revision": k.revision,
             "created": entry.created,
             "expires": entry.expires,
             "vec_bytes": len(v),
@@ -94,6 +95,7 @@ def unpack(raw: bytes) -> tuple[dict[str, Any], CacheKeys, np.ndarray | None, by
             tuple(str(t) for t in h["tags"]),
             str(h["tenant"]),
             str(h["model"]),
+            str(h.get("revision", "")),  # an entry packed before revisions were kept
         )
         float(h["created"]), float(h["expires"])
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):

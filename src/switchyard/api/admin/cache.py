@@ -16,6 +16,7 @@ from switchyard.decide.cache import ResponseCache
 from switchyard.errors import InvalidRequest, SharedStateUnavailable
 
 log = logging.getLogger("switchyard")
+_FILTERS = ("tenant", "model", "tag", "partition")
 
 
 class CacheServices(Protocol):
@@ -35,9 +36,14 @@ class Cache:
         cache = self.s.cache
         if cache is None:
             raise InvalidRequest("the cache is not enabled (cache.enabled: false)")
-        body = await read_fields(request, ("tenant", "model", "tag", "partition", "dry_run"))
-        f = {k: body.get(k) for k in ("tenant", "model", "tag", "partition")}
-        dry_run = bool(body.get("dry_run", False))
+        body = await read_fields(request, (*_FILTERS, "dry_run"))
+        f = {k: body.get(k) for k in _FILTERS}
+        for name, value in f.items():  # a filter of another type would match nothing
+            if value is not None and not isinstance(value, str):
+                raise InvalidRequest(f"'{name}' must be a string", param=name)
+        dry_run = body.get("dry_run", False)
+        if not isinstance(dry_run, bool):  # "false" would read as true
+            raise InvalidRequest("'dry_run' must be true or false", param="dry_run")
         try:
             out = cache.invalidate(**f, dry_run=dry_run)
         except ValueError as exc:
