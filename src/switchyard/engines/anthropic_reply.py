@@ -15,7 +15,8 @@ from typing import Any
 import orjson
 
 from switchyard.engines.upstream import _upstream_error
-from switchyard.errors import SwitchyardError, UpstreamError
+from switchyard.errors import SwitchyardError, UpstreamError, UpstreamStatusError
+from switchyard.usage import counts
 
 STOP_REASONS = {
     "end_turn": "stop",
@@ -46,22 +47,32 @@ ERROR_STATUS = {
 # -- Messages reply -> chat reply -------------------------------------------------------
 
 
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
-
-
-def chat_usage(usage: Any) -> dict[str, Any]:
+def chat_usage(usage: Any) -> dict[str, Any] | None:
     """Messages usage as chat usage: the prompt counts every input token, those read
-    from and written to the provider's prompt cache included (they are billed)."""
-    u = usage if isinstance(usage, dict) else {}
-    cached = _count(u.get("cache_read_input_tokens"))
-    prompt = _count(u.get("input_tokens")) + cached + _count(u.get("cache_creation_input_tokens"))
-    completion = _count(u.get("output_tokens"))
+    from and written to the provider's prompt cache included (they are billed).
+
+    None when the counts are no usage: not an object, no `output_tokens` (the Messages
+    API always reports it: without it nothing says what was written), or a count that
+    `usage.counts` refuses (not an integer from 0 up, a bool). The reply then carries no
+    usage and settling bills the estimate, exactly as for an OpenAI upstream's reply
+    without usable usage; a missing or null cache count is 0."""
+    if not isinstance(usage, dict) or usage.get("output_tokens") is None:
+        return None
+    main = counts({"prompt_tokens": usage.get("input_tokens"),
+                   "completion_tokens": usage.get("output_tokens")})  # fmt: skip
+    cache = counts({"prompt_tokens": usage.get("cache_read_input_tokens"),
+                    "completion_tokens": usage.get("cache_creation_input_tokens")})  # fmt: skip
+    if main is None or cache is None:
+        return None
+    (inp, completion), (cached, written) = main, cache
+    prompt = inp + cached + written
     out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+    if counts(out) is None:  # the sum is past any request
+        return None
     if cached:
         out["prompt_tokens_details"] = {"cached_tokens": cached}
     return out
@@ -71,8 +82,14 @@ def finish_reason(stop_reason: Any) -> str:
     return STOP_REASONS.get(stop_reason, "stop") if isinstance(stop_reason, str) else "stop"
 
 
-def _arguments(value: Any) -> str:
-    return orjson.dumps(value if value is not None else {}).decode()
+def _arguments(value: Any, who: str = "the upstream") -> str:
+    """A `tool_use` block's `input` as the call's arguments: an object (none is `{}`);
+    anything else is no Messages-API tool call."""
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise UpstreamError(f"{who} sent a tool call whose input is not an object")
+    return orjson.dumps(value).decode()
 
 
 def message_to_chat(msg: Any, model: str, created: int) -> dict[str, Any]:
@@ -96,7 +113,7 @@ def message_to_chat(msg: Any, model: str, created: int) -> dict[str, Any]:
     }
     if calls:
         message["tool_calls"] = calls
-    return {
+    chat: dict[str, Any] = {
         "id": msg.get("id"),
         "object": "chat.completion",
         "created": created,
@@ -109,19 +126,44 @@ def message_to_chat(msg: Any, model: str, created: int) -> dict[str, Any]:
                 "finish_reason": finish_reason(msg.get("stop_reason")),
             }
         ],
-        "usage": chat_usage(msg.get("usage")),
     }
+    usage = chat_usage(msg.get("usage"))
+    if usage is not None:  # else none: settling bills the estimate
+        chat["usage"] = usage
+    return chat
 
 
 def error_event(data: Mapping[str, Any], name: str) -> SwitchyardError:
-    """A stream's `error` event as the error an HTTP reply of its type would give."""
+    """A stream's `error` event as the error an HTTP reply of its type would give,
+    with the gateway's own words: the event comes after the request was accepted, so
+    its text (kept as the error's `detail`, for the log and the trace) says nothing
+    about the client's request, and no upstream text reaches the client."""
     err = data.get("error")
     kind = err.get("type") if isinstance(err, dict) else None
     status = ERROR_STATUS.get(kind, 500) if isinstance(kind, str) else 500
-    return _upstream_error(status, orjson.dumps(data), name)
+    mapped = _upstream_error(status, orjson.dumps(data), name)
+    if isinstance(mapped, UpstreamStatusError):  # the one mapping that relays the text
+        known = f" ({kind})" if kind in ERROR_STATUS else ""
+        own = f"upstream {name} ended its stream with an error{known}"
+        return UpstreamStatusError(mapped.status, own, detail=mapped.detail)
+    return mapped
 
 
 # -- Messages stream -> chat chunks -----------------------------------------------------
+
+# The events whose place in a stream is fixed: `message_start` first and once, content
+# blocks before `message_delta`. `ping`, `error` and event types added later may come
+# anywhere.
+ORDERED = frozenset(
+    {
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    }
+)
 
 
 class StreamTranslator:
@@ -136,6 +178,7 @@ class StreamTranslator:
         self.include_usage = include_usage
         self.name = name  # the upstream's, for errors
         self.id = "msg"
+        self.started = False  # message_start came: the role chunk went out
         self.usage: dict[str, Any] = {}
         self.stop_reason: Any = None
         self.finished = False  # the finish chunk went out
@@ -160,10 +203,23 @@ class StreamTranslator:
 
     def feed(self, event_type: str, data: Mapping[str, Any]) -> list[bytes]:
         """The chunk data one event gives (often none). Raises the mapped
-        SwitchyardError on an `error` event: the stream is broken, never a success."""
+        SwitchyardError on an `error` event, and an UpstreamError on an event out of
+        order (anything before `message_start`, a second one, a content block after
+        `message_delta`): the stream is broken, never a success, and no chunk goes out
+        that no OpenAI upstream could send (content after the finish chunk, chunks
+        under another id)."""
         if self.done:
             return []
+        starts = event_type == "message_start"
+        if event_type in ORDERED and (
+            (self.started if starts else not self.started)
+            or (self.finished and event_type.startswith("content_block"))
+        ):
+            raise UpstreamError(
+                f"upstream {self.name} sent the Messages-API event {event_type} out of order"
+            )
         if event_type == "message_start":
+            self.started = True
             msg = data.get("message")
             msg = msg if isinstance(msg, dict) else {}
             if isinstance(msg.get("id"), str):
@@ -186,11 +242,11 @@ class StreamTranslator:
                     "type": "function",
                     "function": {"name": block.get("name"), "arguments": ""},
                 }
+                whole = _arguments(block.get("input"), f"upstream {self.name}")
                 out = [self._tool_delta(index, head)]
-                if block.get("input"):  # a provider that sends the input whole
+                if whole != "{}":  # a provider that sends the input whole
                     self._args.add(index)
-                    args = {"arguments": _arguments(block["input"])}
-                    out.append(self._tool_delta(index, {"function": args}))
+                    out.append(self._tool_delta(index, {"function": {"arguments": whole}}))
                 return out
             return []
         if event_type == "content_block_delta" and isinstance(index, int):
@@ -218,14 +274,15 @@ class StreamTranslator:
             return self._finish()
         if event_type == "message_stop":
             out = self._finish()
-            if self.include_usage:
+            counted = chat_usage(self.usage)
+            if self.include_usage and counted is not None:  # else none, as for OpenAI
                 usage = {
                     "id": self.id,
                     "object": "chat.completion.chunk",
                     "created": self.created,
                     "model": self.model,
                     "choices": [],
-                    "usage": chat_usage(self.usage),
+                    "usage": counted,
                 }
                 out.append(orjson.dumps(usage))
             self.done = True

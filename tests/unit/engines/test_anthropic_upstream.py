@@ -380,10 +380,48 @@ def test_a_reply_that_is_no_message_is_an_upstream_error() -> None:
             message_to_chat(bad, "m", 0)
 
 
-def test_usage_ignores_nulls_and_non_numbers() -> None:
-    usage = {"input_tokens": 3, "output_tokens": None, "cache_read_input_tokens": True}
-    assert chat_usage(usage) == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
-    assert chat_usage(None)["total_tokens"] == 0
+def test_usage_counts_null_cache_counts_as_zero() -> None:
+    usage = {"input_tokens": 3, "output_tokens": 2, "cache_read_input_tokens": None}
+    assert chat_usage(usage) == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        None,
+        {},
+        ["input_tokens", 5, "output_tokens", 900],
+        {"input_tokens": 3},  # no output_tokens: nothing says what was written
+        {"input_tokens": 3, "output_tokens": None},
+        {"input_tokens": "5", "output_tokens": 900},
+        {"input_tokens": 5, "output_tokens": "900"},
+        {"input_tokens": 5, "output_tokens": [900]},
+        {"input_tokens": 5, "output_tokens": True},
+        {"input_tokens": 5, "output_tokens": -1},
+        {"input_tokens": 5, "output_tokens": 4, "cache_read_input_tokens": True},
+        {"input_tokens": 5, "output_tokens": 4, "cache_creation_input_tokens": 1.5},
+        {"input_tokens": 2**31 - 1, "output_tokens": 4, "cache_read_input_tokens": 2**31 - 1},
+    ],
+)
+def test_unusable_usage_is_no_usage(usage: Any) -> None:
+    """Counts `usage.counts` would refuse, or none at all, give no chat usage: the
+    whole reply carries none and a stream no usage chunk, so settling bills the
+    estimate (the cap) as for an OpenAI upstream, never $0."""
+    assert chat_usage(usage) is None
+    msg = _sdk_message([{"type": "text", "text": "long answer"}])
+    msg["usage"] = usage
+    assert "usage" not in message_to_chat(msg, "m", 0)
+    t = StreamTranslator("m", 0, True)
+    start = {"id": "msg_1", "model": "m"}
+    if usage is not None:
+        start["usage"] = usage
+    items = t.feed("message_start", {"message": start})
+    items += t.feed(
+        "content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "x"}}
+    )
+    items += t.feed("message_delta", {"delta": {"stop_reason": "end_turn"}})
+    items += t.feed("message_stop", {})
+    assert items[-1] == b"[DONE]" and all(b'"usage"' not in i for i in items)
 
 
 # -- errors -------------------------------------------------------------------------------
@@ -428,8 +466,11 @@ def test_an_error_event_mid_stream_raises_the_mapped_error(
     t.feed("message_start", {"message": {"id": "msg_1", "model": "m", "usage": {}}})
     t.feed("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
     with pytest.raises(cls) as info:
-        t.feed("error", {"type": "error", "error": {"type": kind, "message": "boom"}})
+        t.feed("error", {"type": "error", "error": {"type": kind, "message": "boom secret"}})
     assert info.value.retry_class == retry_class  # type: ignore[attr-defined]
+    # The client sees the gateway's words; the upstream's stay in `detail` (log, trace).
+    assert "secret" not in info.value.message  # type: ignore[attr-defined]
+    assert "boom secret" in (info.value.detail or "")  # type: ignore[attr-defined]
 
 
 class _OneRead:
@@ -476,6 +517,67 @@ def test_what_came_before_an_error_event_in_the_same_read_is_relayed_first() -> 
 def test_an_event_that_is_not_json_is_an_upstream_error() -> None:
     with pytest.raises(UpstreamError):
         StreamTranslator("m", 0, True).feed_data(b"not json")
+
+
+_TEXT = {"index": 0, "delta": {"type": "text_delta", "text": "x"}}
+_START = {"message": {"id": "msg_1", "model": "m", "usage": {"output_tokens": 1}}}
+
+
+@pytest.mark.parametrize(
+    "events",
+    [
+        [("content_block_delta", _TEXT)],  # text before message_start
+        [("content_block_start", {"index": 0, "content_block": {"type": "text"}})],
+        [("message_delta", {"delta": {"stop_reason": "end_turn"}})],
+        [("message_stop", {})],
+        [("message_start", _START), ("message_start", _START)],  # a second start
+        [
+            ("message_start", _START),
+            ("message_delta", {"delta": {}}),
+            ("content_block_delta", _TEXT),
+        ],
+        [
+            ("message_start", _START),
+            ("message_delta", {"delta": {}}),
+            ("content_block_start", {"index": 1, "content_block": {"type": "text", "text": "y"}}),
+        ],
+    ],
+)
+def test_an_event_out_of_order_breaks_the_stream(events: list[tuple[str, dict[str, Any]]]) -> None:
+    """An event out of its place ends the stream as an unreadable one does (the relay
+    sends an error event), before any chunk no OpenAI upstream could send goes out:
+    content after the finish chunk, chunks under the placeholder id."""
+    t = StreamTranslator("m", 0, True, "u")
+    *before, (kind, data) = events
+    sent = [i for k, d in before for i in t.feed(k, d)]
+    assert all(orjson.loads(i)["id"] == "msg_1" for i in sent)
+    with pytest.raises(UpstreamError) as info:
+        t.feed(kind, data)
+    assert info.value.message == f"upstream u sent the Messages-API event {kind} out of order"
+
+
+def test_pings_and_new_event_types_may_come_anywhere() -> None:
+    t = StreamTranslator("m", 0, False)
+    assert t.feed("ping", {}) == [] and t.feed("some_new_event", {}) == []
+    assert orjson.loads(t.feed("message_start", _START)[0])["id"] == "msg_1"
+    assert t.feed("message_delta", {"delta": {"stop_reason": "end_turn"}}) != []
+    assert t.feed("ping", {}) == []
+    assert t.feed("message_stop", {})[-1] == b"[DONE]"
+
+
+@pytest.mark.parametrize("bad", ['{"q": "x"}', ["q"], 3, True])
+def test_a_tool_input_that_is_not_an_object_is_an_upstream_error(bad: Any) -> None:
+    """A `tool_use` input must be an object: a string would go out as the JSON of a
+    string (`"\\"{...}\\""`), arguments no client can read."""
+    msg = _sdk_message([{"type": "tool_use", "id": "t", "name": "f", "input": {}}], stop="tool_use")
+    msg["content"][0]["input"] = bad
+    with pytest.raises(UpstreamError):
+        message_to_chat(msg, "m", 0)
+    t = StreamTranslator("m", 0, True, "u")
+    t.feed("message_start", _START)
+    block = {"type": "tool_use", "id": "t", "name": "f", "input": bad}
+    with pytest.raises(UpstreamError, match="input is not an object"):
+        t.feed("content_block_start", {"index": 0, "content_block": block})
 
 
 # -- Messages stream -> chat chunks -------------------------------------------------------
