@@ -1,15 +1,19 @@
 """`POST /v1/rollouts`: one request's lifecycle, from its body to its stored records.
 
-authenticate → validate (every field bounded) → authorize the model → admit (the
-key's and tenant's rpm, tpm, concurrency and budget, for every sample's prompt and
-max_tokens at once) → lease the active revision (engines/revisions.py: the barrier)
-→ generate the samples, at most the engine's slots at a time → stream each record as
-NDJSON as it finishes → settle (limits, the usage row naming the revision, the trace)
-→ store the records (PII masked, observe/rollouts.py).
+authenticate → validate (every field bounded) → authorize the model (the key's models
+and the tenant's regions, as chat) → lease the active revision (engines/revisions.py:
+the barrier) → tokenize the prompts on it → admit (the key's and tenant's rpm, tpm,
+concurrency and budget, for every sample's real prompt token count and max_tokens at
+once: what is billed is never more than what was reserved) → generate the samples, at
+most the engine's slots at a time, until the request's deadline → stream each record
+as NDJSON as it finishes → settle (limits, the usage row naming the revision, the
+trace) → store the records (PII masked, credential-shaped ids scrubbed,
+observe/rollouts.py).
 
 A refusal comes before the first byte, as an OpenAI-shaped error with its status. A
 sample the engine fails is a record with finish_reason "error" and a safe message;
-the other samples go on. The last line is a summary.
+the other samples go on. The last line is a summary, or a `rollout.error` line when
+the engine failed or the deadline passed (the samples not drawn by then are cancelled).
 """
 
 from __future__ import annotations
@@ -28,10 +32,16 @@ from switchyard import outcomes
 from switchyard.config import Settings, VllmEngine
 from switchyard.engines import rollout
 from switchyard.engines.revisions import Lease, RevisionManager
-from switchyard.errors import InvalidRequest, ModelNotAllowed, ModelNotFound
+from switchyard.errors import (
+    DeadlineExceeded,
+    EngineNotReady,
+    InvalidRequest,
+    ModelNotAllowed,
+    ModelNotFound,
+    UpstreamError,
+)
 from switchyard.pipeline import RequestContext, Status
 from switchyard.policy.admit import principal_scopes
-from switchyard.policy.cost import prompt_tokens
 from switchyard.policy.stages import Reserver
 from switchyard.policy.validate import validate_chat
 from switchyard.request import Generation
@@ -83,6 +93,7 @@ class Plan:
     dataset_revision: str | None
     deterministic: bool = False
     lease: Lease | None = None
+    prompt_ids: list[list[int]] = field(default_factory=list)  # per prompt, on the lease
     records: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -269,30 +280,42 @@ class RolloutService:
         ctx.alias = plan.alias
         ctx.model = model
         ctx.request = Generation(model=plan.alias)
-        # The rule chat and completions reserve by (policy/cost.py), per prompt.
-        images = self.settings.policy.image_tokens
-        prompt = sum(
-            prompt_tokens(
-                Generation(model=plan.alias, prompt=p.text, messages=p.messages), None, images
-            )[0]
-            for p in plan.prompts
-        )
-        estimate = (prompt * plan.n, plan.max_tokens * plan.n * len(plan.prompts), model.price)
-        scopes = principal_scopes(ctx.principal)
-        if scopes:
-            await self.reserver.reserve(ctx, scopes, "admit", estimate)
+        # The tenant's regions, as chat keeps to them (execute/executor.py `_try_at`):
+        # the model's data boundary narrowed to the tenant's regions.
+        boundary = ctx.principal.boundary(model.data_boundary)
+        if boundary is not None and model.region not in boundary:
+            why = f"region {model.region!r} is outside the allowed {boundary}"
+            raise EngineNotReady(f"the model '{plan.alias}' may not serve this tenant: {why}")
         t = time.perf_counter()
         plan.lease = manager.lease()
-        rev = plan.lease.rev
-        # The usage row and trace name the revision that serves every sample.
-        ctx.model = model.model_copy(update={"revision": rev.revision})
-        ctx.record(
-            "revision",
-            outcomes.tagged(outcomes.Kind.LEASE, rev.revision),
-            "the active revision at admission serves every sample (the barrier)",
-            t,
-            {"revision": rev.revision, "kind": rev.kind, "in_flight": rev.in_flight},
-        )
+        try:
+            rev = plan.lease.rev
+            # The usage row and trace name the revision that serves every sample.
+            ctx.model = model.model_copy(update={"revision": rev.revision})
+            ctx.record(
+                "revision",
+                outcomes.tagged(outcomes.Kind.LEASE, rev.revision),
+                "the active revision at admission serves every sample (the barrier)",
+                t,
+                {"revision": rev.revision, "kind": rev.kind, "in_flight": rev.in_flight},
+            )
+            # The ids each prompt is read and billed as, known before anything is
+            # reserved: the reservation is what the samples can cost at most (each
+            # sample bills its prompt's ids and at most max_tokens).
+            plan.prompt_ids = await self._prompt_ids(ctx, plan, rev)
+            prompt = sum(len(ids) for ids in plan.prompt_ids)
+            estimate = (
+                prompt * plan.n,
+                plan.max_tokens * plan.n * len(plan.prompts),
+                model.price,
+            )
+            scopes = principal_scopes(ctx.principal)
+            if scopes:
+                await self.reserver.reserve(ctx, scopes, "admit", estimate)
+        except BaseException:
+            plan.lease.release()
+            plan.lease = None
+            raise
         return plan
 
     async def stream(self, ctx: RequestContext, plan: Plan) -> AsyncIterator[bytes]:
@@ -306,7 +329,7 @@ class RolloutService:
         inp = out = errors = 0
         try:
             assert engine is not None
-            prompt_ids = await self._prompt_ids(plan, rev)
+            prompt_ids = plan.prompt_ids
             parallel = self.settings_parallel(plan.alias)
             slots = asyncio.Semaphore(max(1, parallel))
             ctx.timings.upstream_sent = time.perf_counter()
@@ -319,7 +342,15 @@ class RolloutService:
                     )
             first = True
             while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                # The request's deadline bounds the rollout (x-request-timeout, or
+                # server.default_deadline_s): past it, the samples not drawn yet are
+                # cancelled (their engine calls with them) and the stream ends.
+                left = ctx.remaining_s()
+                if left <= 0:
+                    raise DeadlineExceeded("the request's deadline passed during the rollout")
+                done, pending = await asyncio.wait(
+                    pending, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
                 for task in done:
                     rec = task.result()
                     if first:
@@ -351,20 +382,22 @@ class RolloutService:
         except asyncio.CancelledError:
             ctx.status, ctx.error_code = Status.CANCELLED, "client_disconnected"
             raise
-        except rollout.EngineCallFailed as exc:
-            ctx.status, ctx.error_code = Status.ERROR, "engine_error"
+        except (rollout.EngineCallFailed, DeadlineExceeded) as exc:
+            code = "engine_error" if isinstance(exc, rollout.EngineCallFailed) else exc.code
+            ctx.status, ctx.error_code = Status.ERROR, code
+            for task in pending:
+                task.cancel()
             yield (
                 orjson.dumps(
-                    {
-                        "object": "rollout.error",
-                        "error": {"code": "engine_error", "message": str(exc)},
-                    }
+                    {"object": "rollout.error", "error": {"code": code, "message": str(exc)}}
                 )
                 + b"\n"
             )
         finally:
             for task in pending:
                 task.cancel()
+            if pending:  # the engine calls end here, not on their own later
+                await asyncio.gather(*pending, return_exceptions=True)
             lease.release()
             ctx.run.attempts = 1
             ctx.run.usage = {"prompt_tokens": inp, "completion_tokens": out}
@@ -396,14 +429,31 @@ class RolloutService:
         spec = self.managers[alias].spec
         return spec.max_num_seqs if isinstance(spec, VllmEngine) else spec.parallel
 
-    async def _prompt_ids(self, plan: Plan, rev: Any) -> list[list[int]]:
-        """Each prompt's token ids on the serving revision's engine (its template)."""
+    async def _prompt_ids(self, ctx: RequestContext, plan: Plan, rev: Any) -> list[list[int]]:
+        """Each prompt's token ids on the serving revision's engine (its template),
+        within the request's deadline; a refusal (502, 504) when the engine fails."""
         engine = rev.engine
-        out = []
+        if engine is None:
+            raise EngineNotReady(f"the model '{plan.alias}' has no engine serving it")
         manager = self.managers[plan.alias]
-        for p in plan.prompts:
-            out.append(await rollout.prompt_ids(manager.session, engine, p.text, p.messages))
-        return out
+
+        async def tokenize() -> list[list[int]]:
+            return [
+                await rollout.prompt_ids(manager.session, engine, p.text, p.messages)
+                for p in plan.prompts
+            ]
+
+        left = ctx.remaining_s()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            return await asyncio.wait_for(tokenize(), left)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                "the request's deadline passed while its prompts were tokenized"
+            ) from None
+        except rollout.EngineCallFailed as exc:
+            raise UpstreamError(f"the engine could not tokenize the prompts: {exc}") from None
 
     async def _one(
         self,
@@ -487,8 +537,20 @@ class RolloutService:
 
     def _at_rest(self, rec: dict[str, Any], prompt_pii: set[str]) -> dict[str, Any]:
         """The stored form: a record whose prompt or text holds PII keeps its text
-        masked and no token ids (they would decode to the raw text)."""
-        if rec["prompt_id"] not in prompt_pii and not self._contains_pii(rec["text"]):
+        masked and no token ids (they would decode to the raw text); a prompt id or
+        dataset_revision that holds PII or a credential is stored masked (the client's
+        free text, as an unknown model's name is never stored raw)."""
+        pid = rec["prompt_id"]
+        dataset = rec["provenance"]["dataset_revision"]
+        scrub_id = self._contains_pii(pid)
+        scrub_dataset = dataset is not None and self._contains_pii(dataset)
+        if scrub_id or scrub_dataset:
+            rec = dict(rec)
+            if scrub_id:
+                rec["prompt_id"] = self._mask(pid)
+            if scrub_dataset:
+                rec["provenance"] = {**rec["provenance"], "dataset_revision": self._mask(dataset)}
+        if pid not in prompt_pii and not self._contains_pii(rec["text"]):
             return rec
         stored = dict(rec)
         stored["text"] = self._mask(rec["text"])

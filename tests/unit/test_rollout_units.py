@@ -201,3 +201,47 @@ def test_rl_models_are_llama_servers_or_vllm(engine: dict[str, Any], ok: bool) -
     else:
         with pytest.raises(ValueError, match="revisions are managed for llamacpp"):
             Settings.model_validate(cfg)
+
+
+def _stored(prompt_id: str, dataset: str | None, text: str = "four") -> dict[str, Any]:
+    """A record as `RolloutService` streams it and the form it would be stored in."""
+    from switchyard.policy.pii import PiiMasker
+    from switchyard.rollouts import RolloutService
+
+    pii = PiiMasker()
+    none: Any = None
+    service = RolloutService(SETTINGS, none, none, {}, None, pii.mask, pii.contains_pii)
+    rec: dict[str, Any] = {
+        "prompt_id": prompt_id,
+        "text": text,
+        "token_ids": [1, 2],
+        "prompt_token_ids": [3],
+        "provenance": {"model": "m", "dataset_revision": dataset},
+    }
+    stored = service._at_rest(rec, set())
+    assert rec["prompt_id"] == prompt_id and rec["provenance"]["dataset_revision"] == dataset
+    return stored
+
+
+def test_a_credential_sent_as_a_prompt_id_or_dataset_revision_is_masked_at_rest() -> None:
+    key, key2 = (
+        "sk-proj-Rv7wQ2nL9xB4tK1mZ6yH3pC8sD0fG5jA",
+        "sk-proj-Tb4yN8cE1vQ6rM3kW9uJ2hX5pD7gL0aF",
+    )
+    stored = _stored(key, key2)
+    assert stored["prompt_id"] == "<SECRET_1>", stored
+    assert stored["provenance"] == {"model": "m", "dataset_revision": "<SECRET_1>"}, stored
+    # Only the ids were the secret: the sample's text and token ids are kept.
+    assert (stored["text"], stored["token_ids"], stored["prompt_token_ids"]) == (
+        "four",
+        [1, 2],
+        [3],
+    )
+    assert "pii_masked" not in stored
+
+
+def test_ordinary_ids_are_stored_as_sent() -> None:
+    stored = _stored("q-17", "gsm-v3")
+    assert stored["prompt_id"] == "q-17"
+    assert stored["provenance"]["dataset_revision"] == "gsm-v3"
+    assert _stored("q-18", None)["provenance"]["dataset_revision"] is None

@@ -97,9 +97,8 @@ class Select(Stage):
             ctx.record(self.name, outcomes.Select.REJECT, why, t, {"pin": ctx.pin})
             raise RevisionPinNotAllowed(why, param="model")
         boundary = balancer.deployments[0].model.data_boundary
-        regions = p.regions if p is not None else None
-        if regions is not None:
-            boundary = [r for r in (boundary or regions) if r in regions]
+        if p is not None:
+            boundary = p.boundary(boundary)
         cfg = balancer.cfg
         prefix = (
             prompt_prefix(ctx.generation, cfg.prefix_min_chars, cfg.prefix_chars)
