@@ -21,6 +21,7 @@ import pytest
 from support.gateways import Gateway, local_model, start_gateway
 from support.mcp_sessions import Tools
 from support.paths import MCP_TOOL_SERVER
+from support.procs import worker_pids
 from support.upstreams import Scripted, start_scripted
 
 WORKERS = 4
@@ -88,21 +89,8 @@ def _many(n: int, call: Any) -> list[httpx.Response]:
 
 
 def _workers(gw: Gateway) -> list[int]:
-    """The worker processes' pids: the supervisor's children running scale/worker."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if ppid == gw.proc.popen.pid and b"switchyard.scale.worker" in cmd:
-            found.append(int(pid))
-    return found
+    """The worker processes' pids."""
+    return worker_pids(gw.proc.popen.pid)
 
 
 def test_one_control_plane_many_workers_each_with_its_own_listener(gw: Gateway) -> None:

@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from support.gateways import Gateway, cheap_config, start_gateway
+from support.procs import worker_pids
 from support.upstreams import Scripted, start_scripted
 from switchyard.state.limits import Ask, Billing, ScopeLimits
 from switchyard.state.limits_redis import RedisLimiter
@@ -45,21 +46,8 @@ def gw(scripted: Scripted) -> Iterator[Gateway]:
 
 
 def _workers(gw: Gateway) -> list[int]:
-    """The worker processes' pids: the supervisor's children running scale/worker."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if ppid == gw.proc.popen.pid and b"switchyard.scale.worker" in cmd:
-            found.append(int(pid))
-    return found
+    """The worker processes' pids."""
+    return worker_pids(gw.proc.popen.pid)
 
 
 def _serving(gw: Gateway, client_port: int) -> int:

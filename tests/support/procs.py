@@ -71,3 +71,22 @@ def wait_http(
     raise RuntimeError(
         f"{url} not {status} after {timeout_s}s (last: {last}):\n{proc.output()[-4000:]}"
     )
+
+
+def worker_pids(supervisor_pid: int) -> list[int]:
+    """The pids of a `serve --workers N` supervisor's workers: its children running
+    scale/worker."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if ppid == supervisor_pid and b"switchyard.scale.worker" in cmd:
+            found.append(int(pid))
+    return found
