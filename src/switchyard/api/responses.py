@@ -381,8 +381,8 @@ class ResponsesRoutes:
             content = translated(ctx, relay(ctx, source.data(), reply.side, source.close), events)
         else:
             content = replayed(stream_chunks(reply.cached or {}), events)
-        if req.store:
-            reply = replace(reply, on_close=partial(_kept, events, reply.on_close))
+        if req.store:  # (the reply is this request's own: set in place, no copy)
+            reply.on_close = partial(_kept, events, reply.on_close)
         return stream_response(reply, content, events.error_event)
 
     # -- background ---------------------------------------------------------------------
