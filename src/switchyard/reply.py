@@ -359,6 +359,16 @@ def switchyard_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
     }
 
 
+def _error_event(data: bytes) -> bool:
+    """Whether a stream event is an upstream's `error` object (an engine that broke off
+    its answer mid-stream: vLLM, llama.cpp send one, then may send `[DONE]`)."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False
+    return type(obj) is dict and "error" in obj
+
+
 async def relay(
     ctx: RequestContext, data: AsyncIterator[list[bytes]], side: ReplySide | None, close: Any
 ) -> AsyncIterator[list[bytes]]:
@@ -370,6 +380,7 @@ async def relay(
     dropped unless the client asked for it too. `close(complete)` ends the upstream
     call (a stream that did not finish drops the connection: the engine stops)."""
     done = False
+    broken = False  # the upstream sent an `error` event: relayed, and not a success
     last = 0.0
     run = ctx.run
     include_usage = ctx.include_usage
@@ -381,6 +392,9 @@ async def relay(
                 if d == b"[DONE]":
                     done = True
                     break
+                # A text's quotes are escaped in its JSON: only a member is `"error"`.
+                if b'"error"' in d and not broken:
+                    broken = _error_event(d)
                 for piece in side.event(d) if side is not None else (d,):
                     if b'"usage"' in piece:
                         try:
@@ -395,8 +409,11 @@ async def relay(
                     out.append(piece)
             if done:
                 if side is not None:
-                    out.extend(side.end(True))
-                ctx.status = Status.OK  # the end goes out in the same write
+                    out.extend(side.end(not broken))
+                if broken:  # relayed as it came, recorded as what it was
+                    ctx.status, ctx.error_code = Status.INCOMPLETE, UpstreamError.code
+                else:
+                    ctx.status = Status.OK  # the end goes out in the same write
             run.chunks += len(out)
             if out or done:
                 now = time.perf_counter()

@@ -63,7 +63,9 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -422,12 +424,20 @@ def test_a_stream_broken_off_by_an_error_event_is_not_stored(gw: Gateway) -> Non
         "max_tokens": 8,
         "stream": True,
     }
-    with gw.stream(body) as st:
+    rid = "errstream-" + os.urandom(4).hex()
+    with gw.stream(body, headers={"x-client-request-id": rid}) as st:
         assert st.status_code == 200 and st.headers["x-switchyard-cache"] == "miss"
-        st.read()  # to its end: the reply side stores a stream once it is over
+        text = st.read().decode()  # to its end: the reply side stores a stream once it is over
+    assert '"error"' in text  # the client was told, as the engine sent it
     with gw.stream(body) as again:
         again.read()
         assert again.headers["x-switchyard-cache"] == "miss", again.headers
+    # And the ledger says what it was: not a success.
+    deadline = time.monotonic() + 10
+    while not (rows := [r for r in gw.usage(limit=200) if r["client_request_id"] == rid]):
+        assert time.monotonic() < deadline, "no usage row"
+        time.sleep(0.1)
+    assert (rows[0]["status"], rows[0]["error_code"]) == ("incomplete", "upstream_error")
 
 
 def _side(gw: Gateway, body: dict[str, Any]) -> tuple[str, Any, Any]:
