@@ -44,11 +44,8 @@ and give its slot back.
 
 from __future__ import annotations
 
-import contextlib
-import http.server
 import json
 import socket
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -62,6 +59,7 @@ from support.gateways import Gateway, start_gateway
 from support.hostile_upstream import Hostile, Reply, flood, hostile_upstream, json_reply, sse_reply
 from support.mcp_http import ScriptedToolServer, in_session, open_session
 from support.mcp_sessions import wait_tools_ready
+from support.procs import http_server
 
 MB = 1 << 20
 PRICE = {"input": 0.0, "output": 1000.0}  # $1000 a million output tokens: 10 cost $0.01
@@ -147,11 +145,8 @@ class _HugeCatalog(ScriptedToolServer):
 
 @pytest.fixture(scope="module")
 def catalog() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HugeCatalog)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/mcp"
-    server.shutdown()
-    server.server_close()
+    with http_server(_HugeCatalog) as url:
+        yield url + "/mcp"
 
 
 @pytest.fixture(scope="module")
@@ -185,20 +180,8 @@ Rows = list[dict[str, Any]]
 
 
 def _rows(gw: Gateway, tenant: str, done: int | Callable[[Rows], bool]) -> Rows:
-    """The tenant's ledger rows, once `done` (a count, or a test of the rows) holds: the
-    writer commits each a moment after its reply. Read from the gateway's SQLite file,
-    not /admin/usage: that read first waits for every answered request to settle, and
-    after a settle that raised (the defects below) it waits its whole 5 s each time."""
-    enough = done if callable(done) else (lambda rows: len(rows) >= done)
-    deadline = time.monotonic() + 5
-    while True:
-        with contextlib.closing(sqlite3.connect(f"file:{gw.db}?mode=ro", uri=True)) as db:
-            db.row_factory = sqlite3.Row
-            query = "SELECT * FROM usage WHERE tenant_id = ?"
-            rows = [dict(row) for row in db.execute(query, (tenant,))]
-        if enough(rows) or time.monotonic() > deadline:
-            return rows
-        time.sleep(0.05)
+    """The tenant's ledger rows once `done` holds, from the SQLite file (Gateway.stored_rows)."""
+    return gw.stored_rows(tenant, done, timeout_s=5)
 
 
 def _has_honest(rows: Rows) -> bool:

@@ -64,7 +64,6 @@ from __future__ import annotations
 import http.server
 import json
 import os
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -74,6 +73,7 @@ import pytest
 
 from support.gateways import Gateway, start_gateway
 from support.hostile_upstream import Hostile, hostile_upstream, sse_reply
+from support.procs import http_server
 from support.upstreams import Scripted
 
 A_SAYS, B_SAYS, C_SAYS = "answer from upstream A", "answer from upstream B", "answer from C"
@@ -166,11 +166,8 @@ class _Echo(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def echo() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with http_server(_Echo) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -131,17 +131,8 @@ def gw(up: Hostile) -> Iterator[Gateway]:
 
 
 def _rows(gw: Gateway, tenant: str, n: int) -> list[dict[str, Any]]:
-    """The tenant's ledger rows once there are `n` (read from the SQLite file: the
-    writer commits a row a moment after its reply)."""
-    deadline = time.monotonic() + 10
-    while True:
-        with contextlib.closing(sqlite3.connect(f"file:{gw.db}?mode=ro", uri=True)) as db:
-            db.row_factory = sqlite3.Row
-            query = "SELECT * FROM usage WHERE tenant_id = ? ORDER BY received_at"
-            rows = [dict(row) for row in db.execute(query, (tenant,))]
-        if len(rows) >= n or time.monotonic() > deadline:
-            return rows
-        time.sleep(0.05)
+    """The tenant's ledger rows once there are `n` (Gateway.stored_rows)."""
+    return gw.stored_rows(tenant, n)
 
 
 def _chat(gw: Gateway, key: str, model: str, stream: bool = False) -> httpx.Response:

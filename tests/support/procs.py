@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import http.server
 import os
 import socket
 import subprocess
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -90,3 +93,16 @@ def worker_pids(supervisor_pid: int) -> list[int]:
         if ppid == supervisor_pid and b"switchyard.scale.worker" in cmd:
             found.append(int(pid))
     return found
+
+
+@contextlib.contextmanager
+def http_server(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """`handler` served on a free loopback port by a thread: its base URL, until the
+    block ends."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
