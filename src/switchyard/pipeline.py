@@ -44,6 +44,8 @@ if TYPE_CHECKING:  # annotations only: these live in the layers above (pyproject
     from switchyard.engines.registry import Deployment
 
 __all__ = [
+    "CALL",
+    "COUNT",
     "AdmissionState",
     "CacheOutcome",
     "CacheState",
@@ -51,6 +53,7 @@ __all__ = [
     "ExecutionState",
     "PiiState",
     "Pipeline",
+    "Pipelines",
     "ReplyPart",
     "ReplySide",
     "RequestContext",
@@ -64,6 +67,12 @@ __all__ = [
     "decision_dict",
     "new_request_id",
 ]
+
+
+COUNT = "messages.count_tokens"  # the endpoint of a request whose tokens are counted
+# The endpoint of a request that names no model and generates nothing (a stored
+# response read, deleted or cancelled): admitted as one call of the key's.
+CALL = "call"
 
 
 @dataclass(frozen=True, slots=True)
@@ -421,3 +430,21 @@ class Pipeline:
                     setattr(ctx, name, value)
             if ctx.response is not None:
                 return
+
+
+@dataclass(slots=True)
+class Pipelines:
+    """The stage sequences, per endpoint kind (`of` names the one a request settles
+    through, by its endpoint)."""
+
+    generation: Pipeline  # chat.completions and completions
+    embeddings: Pipeline
+    counting: Pipeline  # messages.count_tokens: authorize and admit, nothing upstream
+    calls: Pipeline  # CALL: admit only (no model to authorize), nothing upstream
+
+    def of(self, endpoint: str) -> Pipeline:
+        if endpoint == "embeddings":
+            return self.embeddings
+        if endpoint == CALL:
+            return self.calls
+        return self.counting if endpoint == COUNT else self.generation

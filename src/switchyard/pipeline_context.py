@@ -293,6 +293,11 @@ class RequestContext(msgspec.Struct):
             Decision(stage, outcome, reason, evidence, started, time.perf_counter())
         )
 
+    def succeeded(self) -> None:
+        """Its work is done and it succeeded (its reply may still be on its way)."""
+        self.status = Status.OK
+        self.timings.ended = time.perf_counter()
+
     def stopped_by_task(self) -> TaskCancelled:
         """Record that this call's task was cancelled while it streamed, take back the
         cancellation that stopped the stream, and return the error the client is told."""

@@ -1,11 +1,10 @@
 """The request driver, for every endpoint: open → validate → idempotency → the
 pipeline's stages → execute → the reply side → settle.
 
-`api/` maps HTTP to this and back: it reads the body (size and time limits are the
-HTTP boundary's), decodes it with its protocol's codec (api/codecs.py) into the typed
-request (request.py) and turns the `Reply` (reply.py) into a response. The decisions
-are the pipeline's stages, and so is what each does on the reply's way out and on
-release; settling (settle.py) runs exactly once per request, whatever way it ended.
+`api/` reads the body within the HTTP boundary's limits, decodes it with its protocol's
+codec (api/codecs.py) into the typed request (request.py) and turns the `Reply`
+(reply.py) into a response. The decisions, and what each does on the reply's way out
+and on release, are the pipeline's stages; settling (settle.py) runs exactly once.
 """
 
 from __future__ import annotations
@@ -29,14 +28,9 @@ from switchyard.execute.executor import Executor
 from switchyard.execute.idempotent import Idempotent
 from switchyard.identity import Principal
 from switchyard.outcomes import Validate
-from switchyard.pipeline import (
-    Pipeline,
-    RequestContext,
-    RequestIds,
-    Status,
-)
+from switchyard.pipeline import Pipeline, Pipelines, RequestContext, RequestIds, Status
 from switchyard.policy import headers as request_headers
-from switchyard.policy.auth import ANONYMOUS, Authenticator
+from switchyard.policy.auth import Authenticator
 from switchyard.policy.validate import model_refusal, split_pin
 from switchyard.reply import (
     JsonReply,
@@ -60,22 +54,6 @@ _OK = Status.OK
 ReadBody = Callable[[float], Awaitable[tuple[Any, bytes | None]]]
 
 
-COUNT = "messages.count_tokens"  # the endpoint of a request whose tokens are counted
-# The endpoint of a request that names no model and generates nothing (a stored
-# response read, deleted or cancelled): admitted as one call of the key's (`called`).
-CALL = "call"
-
-
-@dataclass(slots=True)
-class Pipelines:
-    """The stage sequences, per endpoint kind."""
-
-    generation: Pipeline  # chat.completions and completions
-    embeddings: Pipeline
-    counting: Pipeline  # messages.count_tokens: authorize and admit, nothing upstream
-    calls: Pipeline  # CALL: admit only (no model to authorize), nothing upstream
-
-
 @dataclass
 class RequestService:
     """Runs requests from the moment their headers are read until they are settled."""
@@ -90,8 +68,7 @@ class RequestService:
     tracing: Tracing | None = None
     request_ids: RequestIds = field(default_factory=RequestIds)
     active: int = 0  # requests between open and settle
-    # RL-managed aliases (their revision managers; the gateway sets it): a pin on one
-    # is checked against the revision the request leases (decide/stages.py).
+    # RL-managed aliases' revision managers: a pin on one is checked against its lease.
     rl_aliases: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -100,17 +77,7 @@ class RequestService:
         self._models = {m.alias: m for m in s.models}  # for `alias@revision` pins
         self._countable = set(self._models) | {a.name for a in s.adapters}
 
-    # -- opening a request ----------------------------------------------------------
-    def authenticate(
-        self, headers: Mapping[str, str], x_api_key: bool = False
-    ) -> Principal | Awaitable[Principal]:
-        """The caller, before any costly work: at once when its key is cached, else an
-        awaitable (the key store is read off the event loop). `x_api_key`: the
-        protocol also takes the key as `x-api-key` (Anthropic's)."""
-        if self.settings.auth.mode == "disabled":
-            return ANONYMOUS
-        return self.auth.authenticate(headers, x_api_key)
-
+    # -- opening a request (its caller is authenticated first: `auth.authenticate`) --
     def open(
         self,
         endpoint: str,
@@ -119,23 +86,15 @@ class RequestService:
         principal: Principal,
         api: str | None = None,
     ) -> RequestContext:
-        """The request's context, once its caller is known. Every header read here is
-        bounded here; a bad one is kept as the request's header_error and refused
-        once its handling starts (so it is settled like any refusal). `api`: the
-        endpoint as called, when its protocol decodes into `endpoint`'s request."""
-        ctx = request_headers.opened(
-            self.request_ids(),
-            endpoint,
-            headers,
-            received,
-            received + self._deadline_s,
-            principal,
-            api,
-        )
-        if self.tracing is not None:
-            self.tracing.start_request(
-                ctx, headers, time.time_ns() - int((time.perf_counter() - received) * 1e9)
-            )
+        """The request's context, once its caller is known; its headers are read,
+        bounded, by policy/headers.py. `api`: the endpoint as called, when its protocol
+        decodes into `endpoint`'s request."""
+        deadline = received + self._deadline_s
+        ids = self.request_ids()
+        ctx = request_headers.opened(ids, endpoint, headers, received, deadline, principal, api)
+        if self.tracing is not None:  # its wall-clock start
+            wall = time.time_ns() - int((time.perf_counter() - received) * 1e9)
+            self.tracing.start_request(ctx, headers, wall)
         (outcome, reason), evidence = self.auth.verdict(principal)
         ctx.record("authenticate", outcome, reason, received, evidence)
         self.active += 1
@@ -144,6 +103,19 @@ class RequestService:
     def begin(self, ctx: RequestContext) -> None:
         """Its headers' and its own deadline's checks (policy/headers.py)."""
         request_headers.begin(ctx, self._deadline_s)
+
+    def _alias(self, ctx: RequestContext, model: str) -> str:
+        """The alias a request's `model` names; `alias@revision` pins a revision."""
+        if "@" not in model:
+            return model
+        alias, ctx.pin = split_pin(model, self._models, self.rl_aliases)
+        return alias
+
+    @staticmethod
+    async def _decided(ctx: RequestContext, pipeline: Pipeline) -> None:
+        pending = pipeline.decide(ctx)
+        if pending is not None:
+            await pending
 
     @staticmethod
     def _validated(ctx: RequestContext, req: Generation | Embedding, raw: bytes | None) -> None:
@@ -166,10 +138,7 @@ class RequestService:
         try:
             self.begin(ctx)
             req, raw = await read(ctx.remaining_s())  # decoded and shape-checked
-            alias = req.model
-            if "@" in alias:  # `alias@revision` pins a revision
-                alias, ctx.pin = split_pin(alias, self._models, self.rl_aliases)
-            ctx.alias = alias
+            ctx.alias = self._alias(ctx, req.model)
             ctx.stream = req.stream
             ctx.include_usage = req.include_usage
             self._validated(ctx, req, raw)
@@ -181,10 +150,8 @@ class RequestService:
             pending = self.pipelines.generation.decide(ctx)
             if pending is not None:
                 await pending
-            if ctx.response is None:
-                refused = model_refusal(ctx)
-                if refused is not None:
-                    raise refused
+            if ctx.response is None and (refused := model_refusal(ctx)) is not None:
+                raise refused
             if admitted is not None:
                 await admitted()
             if ctx.response is not None:  # a cache hit
@@ -221,25 +188,22 @@ class RequestService:
 
             return StreamReply(ctx, served_headers(ctx), close, source=stream, side=side)
         reply = await self.executor.execute(ctx)
-        ctx.status = _OK
-        ctx.timings.ended = time.perf_counter()
+        ctx.succeeded()
         if reply.obj is not None:  # parsed by the upstream client: settling reads this
             usage = reply.obj.get("usage")
             ctx.run.usage = usage if isinstance(usage, dict) else None
+        ids = ctx.generation.return_token_ids  # an engine's token ids, asked for
         body = await attached(
-            reply.body,
-            ctx.deployment,
-            ctx.generation.return_token_ids,
-            ctx.input.endpoint,
-            ctx.remaining_s(),
+            reply.body, ctx.deployment, ids, ctx.input.endpoint, ctx.remaining_s()
         )
         sent = through(ctx, self.pipelines.generation.reply_side(ctx), body)
         body = sent if isinstance(sent, bytes) else await sent
         raw_headers = served_raw_headers(ctx)
         if ctx.idempotency_key is not None:
             await self.idempotent.complete(ctx, raw_headers, body)
-        self.settler.pending += 1
-        return JsonReply(body, raw_headers, partial(self.settle_after_response, ctx))
+        self.settler.pending += 1  # settled after the response, counted until done
+        after = partial(self.settler.after_response, self.settle_now, ctx)
+        return JsonReply(body, raw_headers, after)
 
     async def _cached(self, ctx: RequestContext, entry: Entry) -> Reply:
         """A cache hit, through the reply side (its placeholders take this request's
@@ -265,16 +229,12 @@ class RequestService:
         """validate → authorize → admit (rpm, tpm by input tokens, concurrency,
         budget at embeddings.price) → embed → settle, like any request."""
         async with self._settled(ctx):
-            self.begin(ctx)
             req, raw = await read(ctx.remaining_s())  # decoded and shape-checked
             texts = self.embeddings_run.validate(ctx, req)
             self._validated(ctx, req, raw)
-            pending = self.pipelines.embeddings.decide(ctx)
-            if pending is not None:
-                await pending
+            await self._decided(ctx, self.pipelines.embeddings)
             out = await self.embeddings_run.run(ctx, texts)
-            ctx.status = _OK
-            ctx.timings.ended = time.perf_counter()
+            ctx.succeeded()
             return JsonReply(orjson.dumps(out), served_raw_headers(ctx))
 
     # -- counting a request's tokens -----------------------------------------------------
@@ -282,50 +242,36 @@ class RequestService:
         self, ctx: RequestContext, read: ReadBody, count: Callable[[Generation], int]
     ) -> int:
         """`count` of the request (its input tokens), once the key may use its model
-        (the same pin and authorize rules as a generation) and its limits admit it as
-        a request: it is one (rpm, concurrency), that reserves no tokens and costs
-        nothing. Recorded and settled like any request; nothing goes upstream."""
+        (a generation's rules) and its limits admit it as one request (rpm,
+        concurrency; no tokens, no cost). Nothing goes upstream."""
         async with self._settled(ctx):
-            self.begin(ctx)
             req, raw = await read(ctx.remaining_s())  # decoded and shape-checked
-            alias = req.model
-            if "@" in alias:
-                alias, ctx.pin = split_pin(alias, self._models, self.rl_aliases)
+            ctx.alias = alias = self._alias(ctx, req.model)
             if alias not in self._countable:
                 raise ModelNotFound(f"the model '{alias[:128]}' does not exist", param="model")
-            ctx.alias = alias
             self._validated(ctx, req, raw)
-            pending = self.pipelines.counting.decide(ctx)
-            if pending is not None:
-                await pending
+            await self._decided(ctx, self.pipelines.counting)
             n = count(req)
-            ctx.status = _OK
-            ctx.timings.ended = time.perf_counter()
+            ctx.succeeded()
             return n
 
     # -- a call that names no model --------------------------------------------------------
     @asynccontextmanager
     async def called(self, ctx: RequestContext) -> AsyncIterator[None]:
-        """The work of a request opened as CALL (its `api` names it: a stored response
-        read, deleted, cancelled), once its headers pass and its principal's limits
-        admit it as one call (no tokens, no cost): recorded and settled like any
-        request, however it ends."""
+        """The work of a request opened as CALL (a stored response read, deleted,
+        cancelled), once its limits admit it as one call (no tokens, no cost)."""
         async with self._settled(ctx):
-            self.begin(ctx)
-            pending = self.pipelines.calls.decide(ctx)
-            if pending is not None:
-                await pending
+            await self._decided(ctx, self.pipelines.calls)
             yield
-            ctx.status = _OK
-            ctx.timings.ended = time.perf_counter()
+            ctx.succeeded()
 
     @asynccontextmanager
     async def _settled(self, ctx: RequestContext) -> AsyncIterator[None]:
-        """The request's work, settled once however it ends: an exception marks it
-        failed (or cancelled) first. `generate` writes this out itself: its reply may
-        be settled later, after the response (and an async context manager costs a
-        generator per request on its hot path)."""
+        """Its headers' checks, then the request's work, settled once however it ends.
+        `generate` writes this out itself: its reply may be settled after the response
+        (and an async context manager costs a generator per request)."""
         try:
+            self.begin(ctx)
             yield
         except asyncio.CancelledError as exc:
             raise_cancelled(ctx, exc)
@@ -343,13 +289,7 @@ class RequestService:
             return None
         ctx.finished = True
         self.active -= 1
-        p = self.pipelines
-        endpoint = ctx.input.endpoint
-        if endpoint == "embeddings":
-            return self.settler.settle(ctx, p.embeddings)
-        if endpoint == CALL:
-            return self.settler.settle(ctx, p.calls)
-        return self.settler.settle(ctx, p.counting if endpoint == COUNT else p.generation)
+        return self.settler.settle(ctx, self.pipelines.of(ctx.input.endpoint))
 
     async def settle(self, ctx: RequestContext) -> None:
         """Release what the request held, charge what it used, write its usage row.
@@ -357,12 +297,3 @@ class RequestService:
         pending = self.settle_now(ctx)
         if pending is not None:
             await pending
-
-    def settle_after_response(self, ctx: RequestContext) -> Awaitable[None] | None:
-        """Settle a request whose reply has been sent (counted until done)."""
-        return self.settler.after_response(self.settle_now, ctx)
-
-    async def settled(self, timeout_s: float = 5.0) -> None:
-        """Wait until every answered request has been settled (admin reads use this, so
-        what a client has seen answered is visible in the ledger and traces)."""
-        await self.settler.settled(timeout_s)

@@ -135,8 +135,10 @@ class Settler:
         finally:
             self.pending -= 1
 
-    async def settled(self, timeout_s: float) -> None:
-        """Wait until every answered request has been settled and its row written."""
+    async def settled(self, timeout_s: float = 5.0) -> None:
+        """Wait until every answered request has been settled and its row written
+        (admin reads use this, so what a client has seen answered is visible in the
+        ledger and traces)."""
         deadline = time.monotonic() + timeout_s
         while self.pending > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.005)

@@ -169,7 +169,7 @@ def _served(tmp_path: Path, n: int) -> tuple[Any, list[Any]]:
         gw.service.settle_now = keep  # type: ignore[method-assign]
         try:
             await Driver(chat_body(False, 4)).drive(app, n)
-            await gw.service.settled()
+            await gw.service.settler.settled()
         finally:
             await gw.stop()
         return gw.metrics, seen

@@ -89,7 +89,7 @@ def test_an_in_memory_gateway_serves_and_records_a_request(
         assert again.headers["x-switchyard-idempotent-replay"] == "true"
         assert again.json()["choices"] == first.json()["choices"]
         assert bad.status_code == 401
-        await gw.service.settled()
+        await gw.service.settler.settled()
         rows = gw.ledger.rows(tenant_id="t")
         assert sorted(r["cache"] or "" for r in rows) == ["", "idempotent_replay"]
         assert {r["request_id"] for r in rows} == {

@@ -191,7 +191,7 @@ async def _serve(gw: Gateway, body: dict[str, Any]) -> tuple[str, Any]:
                     text += delta.get("content") or ""
                     calls += [t["function"]["name"] for t in delta.get("tool_calls") or []]
         await reply.on_close()
-    await gw.service.settled()
+    await gw.service.settler.settled()
     (finished,) = seen
     return f"{text}|{calls}", finished
 

@@ -25,11 +25,10 @@ from switchyard.api.messages_reply import MessageEvents, error_event, to_message
 from switchyard.api.openai import CTX_KEY, OpenAIRoutes, json_response, stream_response
 from switchyard.api.sse import replayed, translated
 from switchyard.identity import Principal
-from switchyard.pipeline import RequestContext
+from switchyard.pipeline import COUNT, RequestContext
 from switchyard.policy.cost import prompt_tokens
 from switchyard.reply import Reply, StreamReply, relay, stream_chunks
 from switchyard.request import Generation
-from switchyard.service import COUNT
 
 PREFIX = "/v1/messages"  # the routes whose errors take Anthropic's shape (api/app.py)
 
@@ -76,7 +75,7 @@ class AnthropicRoutes:
         ]
 
     async def _principal(self, headers: dict[str, str]) -> Principal:
-        principal = self.service.authenticate(headers, x_api_key=True)  # before costly work
+        principal = self.service.auth.authenticate(headers, x_api_key=True)  # before costly work
         if not isinstance(principal, Principal):
             principal = await principal
         return principal

@@ -179,7 +179,7 @@ class OpenAIRoutes:
         return read
 
     async def _principal(self, headers: Any) -> Principal:
-        principal = self.service.authenticate(headers)  # before any costly work
+        principal = self.service.auth.authenticate(headers)  # before any costly work
         if not isinstance(principal, Principal):
             principal = await principal
         return principal
@@ -188,7 +188,7 @@ class OpenAIRoutes:
         """The request's context, opened once its key is known, and its body's reader."""
         received = time.perf_counter()
         headers = header_map(request)
-        principal = self.service.authenticate(headers)  # before any costly work
+        principal = self.service.auth.authenticate(headers)  # before any costly work
         if not isinstance(principal, Principal):
             principal = await principal
         read = self.reader(request, headers, self._codecs[endpoint])

@@ -70,7 +70,7 @@ from switchyard.errors import (
 )
 from switchyard.gateway import Gateway
 from switchyard.identity import Limits, Principal
-from switchyard.pipeline import RequestContext
+from switchyard.pipeline import CALL, RequestContext
 from switchyard.policy.admit import principal_scopes
 from switchyard.policy.stages import Reserver
 from switchyard.policy.validate import validate_chat
@@ -83,7 +83,7 @@ from switchyard.reply import (
     translated_reply,
 )
 from switchyard.request import Generation, from_object
-from switchyard.service import CALL, ReadBody
+from switchyard.service import ReadBody
 from switchyard.settle import CLIENT_CANCEL, mark_failed
 from switchyard.state.responses import ResponseStore, StoredResponse
 from switchyard.state.sealing import SealError
@@ -172,7 +172,7 @@ class ResponsesRoutes:
         ]
 
     async def _principal(self, headers: dict[str, str]) -> Principal:
-        principal = self.service.authenticate(headers)  # before any costly work
+        principal = self.service.auth.authenticate(headers)  # before any costly work
         if not isinstance(principal, Principal):
             principal = await principal
         return principal

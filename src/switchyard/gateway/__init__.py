@@ -99,7 +99,10 @@ class Gateway(ControlPlane):
         self.idempotency = self.store.idempotency
         # With Redis, a key or tenant change made through any process applies in all.
         self.auth = Authenticator(
-            self.store.verify_key, settings.auth.key_cache_s, build_key_changes(settings)
+            self.store.verify_key,
+            settings.auth.key_cache_s,
+            build_key_changes(settings),
+            disabled=settings.auth.mode == "disabled",
         )
         self.limiter = build_limiter(settings, role)
         self.tracing = build_tracing(settings)

@@ -33,7 +33,7 @@ from switchyard.engines.registry import Deployment
 from switchyard.media.process import MediaProcessor
 from switchyard.media.stage import Media
 from switchyard.observe.metrics import Metrics
-from switchyard.pipeline import Pipeline
+from switchyard.pipeline import Pipeline, Pipelines
 from switchyard.policy.admission import DeploymentGate
 from switchyard.policy.cost import PromptOverhead
 from switchyard.policy.pii import PiiMasker
@@ -54,7 +54,6 @@ from switchyard.policy.stages import (
 )
 from switchyard.policy.tasks import Running
 from switchyard.policy.tool_calls import ToolPolicy
-from switchyard.service import Pipelines
 from switchyard.state.tasks import TaskStore
 from switchyard.state.tasks_memory import MemoryTaskStore
 

@@ -52,8 +52,10 @@ class Authenticator:
         verify: Callable[[str], Awaitable[Principal | str]],
         cache_s: float,
         changes: KeyChanges | None = None,
+        disabled: bool = False,
     ) -> None:
         self._verify = verify
+        self.disabled = disabled  # auth.mode: disabled (every caller is ANONYMOUS)
         self.cache_s = cache_s
         self.changes = changes  # other processes sharing Redis: told of each change
         self._generation = 0  # one more at each forgetting (a lookup under way is stale)
@@ -94,7 +96,10 @@ class Authenticator:
     ) -> Principal | Awaitable[Principal]:
         """The caller's principal when its key is cached, else an awaitable of it;
         raises (or the awaitable raises) 401 for a missing or refused key.
-        `x_api_key`: the key may also come as `x-api-key` (the Anthropic protocol)."""
+        `x_api_key`: the key may also come as `x-api-key` (the Anthropic protocol).
+        With `auth.mode: disabled`, every caller is ANONYMOUS."""
+        if self.disabled:
+            return ANONYMOUS
         token = bearer(headers)
         if token is None and x_api_key:
             token = api_key_header(headers)

@@ -119,7 +119,7 @@ class Live:
         and the gateway's state now (breakers, queues, engines)."""
         self.guard(request)
         s = self.s
-        await s.service.settled()
+        await s.service.settler.settled()
         window = query_number(request.query_params, "window_s", 60.0)
         assert window is not None
         window = min(max(window, 1.0), 3600.0)

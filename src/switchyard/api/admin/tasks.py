@@ -37,7 +37,7 @@ class Tasks:
     async def task_list(self, request: Request) -> Response:
         """Tasks, most recently active first: ?tenant=&before=&limit=."""
         self.guard(request)
-        await self.s.service.settled()
+        await self.s.service.settler.settled()
         q = request.query_params
         data = self.s.ledger.read(
             task_rows, query_text(q, "tenant"), query_limit(q), query_number(q, "before")
@@ -58,7 +58,7 @@ class Tasks:
             if not tenant:
                 raise InvalidRequest("cancelling a task needs ?tenant=", param="tenant")
             return as_json(await self.s.cancel_task(tenant, task_id))
-        await self.s.service.settled()  # what was answered before this call is visible
+        await self.s.service.settler.settled()  # what was answered before this call is visible
         with self.s.store.connection() as conn:
             try:  # task ids are the clients': one tenant's task of that id
                 records = get_task(conn, task_id, tenant)

@@ -32,7 +32,7 @@ class Traces:
         self.guard(request)
         rid = request.path_params["request_id"]
         tenant = request.query_params.get("tenant")
-        await self.s.service.settled()  # what was answered before this call is visible
+        await self.s.service.settler.settled()  # what was answered before this call is visible
         with self.s.store.connection() as conn:
             try:
                 rec = get_request(conn, rid, tenant)
@@ -48,7 +48,7 @@ class Traces:
         q = request.query_params
         since, limit = query_number(q, "since"), query_limit(q)  # finite; 1 to 10,000
         tenant, status = query_text(q, "tenant"), query_text(q, "status")
-        await self.s.service.settled()
+        await self.s.service.settler.settled()
         with self.s.store.connection() as conn:
             data = list_requests(conn, tenant, since, status, limit)
         return as_json({"object": "list", "data": data})

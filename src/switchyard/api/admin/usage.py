@@ -35,7 +35,7 @@ class Usage:
         &limit= (since/before: unix seconds; the next page is ?before= the last row's
         received_at)."""
         self.guard(request)
-        await self.s.service.settled()
+        await self.s.service.settler.settled()
         q = request.query_params
         limit = query_limit(q)
         return as_json(
@@ -57,7 +57,7 @@ class Usage:
     async def cost(self, request: Request) -> Response:
         """The build-vs-buy report (observe/cost.py): ?since=30d (or a date, or unix s)."""
         self.guard(request)
-        await self.s.service.settled()
+        await self.s.service.settler.settled()
         now = time.time()
         try:  # its own message: what the parameter must be, never Python's text
             since = parse_since(request.query_params.get("since", "30d"), now)
