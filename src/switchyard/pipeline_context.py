@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from switchyard.aio import Receive
 from switchyard.entropy import RandomPool
 from switchyard.errors import TaskCancelled
 from switchyard.identity import ANONYMOUS, Principal
@@ -279,6 +280,9 @@ class RequestContext(msgspec.Struct):
     media_ms: dict[str, float] | None = None  # the media stage's time per step
     media_shape: tuple[int, int, int, int] | None = None  # images, bytes, pixels in/out
     header_error: InvalidRequest | None = None  # a bad header's, raised once ctx exists
+    # A foreground request's ASGI `receive` (its body read): a wait that may be long
+    # (the queue) watches it and ends once the client has hung up; None: nobody waits.
+    receive: Receive | None = None
 
     def record(
         self,

@@ -88,6 +88,7 @@ class AnthropicRoutes:
         service = self.service
         ctx = service.open("chat.completions", headers, received, principal, api="messages")
         request.scope[CTX_KEY] = ctx  # for the error mapping (app.py)
+        ctx.receive = request.receive  # a wait in the queue ends if the client hangs up
         reply = await service.generate(ctx, self.openai.reader(request, headers, self.codec))
         return to_messages_response(reply, ctx)
 

@@ -195,6 +195,7 @@ class OpenAIRoutes:
         service: RequestService = self.service
         ctx = service.open(endpoint, headers, received, principal)
         request.scope[CTX_KEY] = ctx  # for the error mapping (app.py)
+        ctx.receive = request.receive  # a wait in the queue ends if the client hangs up
         return ctx, read
 
     async def _generate(self, request: Request, endpoint: str) -> Response:

@@ -275,6 +275,7 @@ class ResponsesRoutes:
         async def decoded(_: float) -> Wire:
             return wire
 
+        ctx.receive = request.receive  # a wait in the queue ends if the client hangs up
         reply = await service.generate(ctx, decoded)
         if isinstance(reply, StreamReply):
             return self._stream(reply, ctx, req, conversation, shell)

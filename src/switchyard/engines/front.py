@@ -53,6 +53,7 @@ import uvicorn
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from switchyard.aio import hung_up, until_gone
 from switchyard.config import LlamaCppEngine, ModelConfig, OpenAIEngine, Settings, VllmEngine
 from switchyard.engines.bounded import read_bounded
 from switchyard.engines.llamacpp import ManagedLlamaCpp
@@ -438,30 +439,11 @@ async def answer(
         return _error(exc, headers)
 
 
-async def _disconnected(receive: Callable[[], Awaitable[Any]]) -> None:
-    """Returns when the caller has hung up (or its exchange is over)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 async def until_disconnect(receive: Callable[[], Awaitable[Any]], work: Awaitable[T]) -> T:
     """`work`'s result, or ClientDisconnected once the caller hangs up first (`work`
     cancelled and awaited: what it held is given back before this returns). Call only
     once the request's body has been read."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:  # also when this one is cancelled: that cancellation goes on after it
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.wait((task,))  # its ending, without raising what ended it
-    if gone.done() and not gone.cancelled():
-        gone.exception()  # retrieved: a receive that failed means the caller is gone too
-    if task.cancelled():
-        raise ClientDisconnected("the caller hung up")
-    return task.result()
+    return await until_gone(work, hung_up(receive), "the caller hung up")
 
 
 class EngineFront:

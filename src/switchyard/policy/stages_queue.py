@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Mapping
 from typing import Any
 
 from switchyard import outcomes
+from switchyard.aio import hung_up, until_gone
 from switchyard.errors import InvalidHeader, InvalidRequest, SwitchyardError
 from switchyard.pipeline import RequestContext, Stage, Status
 from switchyard.policy.admission import (
@@ -21,6 +22,7 @@ from switchyard.policy.admission import (
 )
 
 NO_WAIT = "waited 0.0 ms for a slot"
+QUEUED_CLIENT_LEFT = "the client hung up while its request was queued"
 # The outcomes every admitted request records, bound once: reading an enum member
 # through its class costs a metaclass lookup each time, on the request's path.
 _QUEUE_ADMITTED = outcomes.Queue.ADMITTED
@@ -81,7 +83,10 @@ class Queue(Stage):
         self, ctx: RequestContext, gate: DeploymentGate, ask: SlotAsk, t: float
     ) -> None:
         try:
-            adm = await gate.acquire(ctx.deadline, ask)
+            waiting = gate.acquire(ctx.deadline, ask)
+            if ctx.receive is not None:  # a client that hangs up gives its place back
+                waiting = until_gone(waiting, hung_up(ctx.receive), QUEUED_CLIENT_LEFT)
+            adm = await waiting
         except Exception as exc:
             evidence = {"in_flight": gate.in_flight, "queued": gate.queued}
             more = getattr(exc, "evidence", None)
