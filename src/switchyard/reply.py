@@ -262,6 +262,15 @@ def reply_usage(body: bytes) -> dict[str, Any] | None:
     return usage if isinstance(usage, dict) else None
 
 
+def answered_headers(model: str, revision: str | None) -> list[tuple[bytes, bytes]]:
+    """`x-switchyard-model` and `-revision` of a cached answer: the model (a routed
+    alias's route) and revision that answered when it was stored."""
+    out = [(b"x-switchyard-model", model.encode("latin-1"))]
+    if revision:
+        out.append((b"x-switchyard-revision", revision.encode("latin-1")))
+    return out
+
+
 def _deployment_headers(dep: Deployment) -> list[tuple[bytes, bytes]]:
     """`x-switchyard-model`, `-revision` and `-upstream` of a deployment, encoded once.
     `-upstream` is the deployment's configured name (Deployment.served_by), never its

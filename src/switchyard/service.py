@@ -36,6 +36,7 @@ from switchyard.reply import (
     JsonReply,
     Reply,
     StreamReply,
+    answered_headers,
     served_headers,
     served_raw_headers,
     through,
@@ -214,8 +215,9 @@ class RequestService:
         side = self.pipelines.generation.reply_side(ctx)
         if side is not None:
             obj = await side.whole(obj)
-        raw = served_raw_headers(ctx)
-        raw.append((b"x-switchyard-model", (ctx.alias or "").encode("latin-1")))
+        keys = entry.keys  # what answered it (a routed alias's route model), and its revision
+        answered = answered_headers(keys.answered_model or ctx.alias or "", keys.answered_revision)
+        raw = served_raw_headers(ctx) + answered
         if ctx.stream:
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
             return StreamReply(ctx, headers, partial(self.settle, ctx), cached=obj)
@@ -281,7 +283,6 @@ class RequestService:
         finally:
             await self.settle(ctx)
 
-    # -- settle ---------------------------------------------------------------------
     def settle_now(self, ctx: RequestContext) -> Awaitable[None] | None:
         """Settle the request (settle.py) unless it was: synchronously unless a stage's
         release must wait (then the rest is in the returned awaitable)."""

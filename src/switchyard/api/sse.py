@@ -232,10 +232,18 @@ def replay(obj: dict[str, Any], include_usage: bool, chunk_chars: int = 24) -> A
             "created": obj.get("created"),
             "model": obj.get("model"),
         }
-        text = (choice.get("message") or {}).get("content") or choice.get("text") or ""
+        message = choice.get("message") or {}
+        text = message.get("content") or choice.get("text") or ""
         if not completion:
             first = {**base, "choices": [choice_of({"role": "assistant", "content": ""}, None)]}
             yield b"data: " + orjson.dumps(first) + b"\n\n"
+            for name in ("reasoning_content", "reasoning"):  # a reasoning model's thought
+                thought = message.get(name)
+                if isinstance(thought, str):
+                    for i in range(0, len(thought), chunk_chars):
+                        delta = {name: thought[i : i + chunk_chars]}
+                        piece = {**base, "choices": [choice_of(delta, None)]}
+                        yield b"data: " + orjson.dumps(piece) + b"\n\n"
         for i in range(0, len(text), chunk_chars):
             piece = {**base, "choices": [choice_of({"content": text[i : i + chunk_chars]}, None)]}
             yield b"data: " + orjson.dumps(piece) + b"\n\n"

@@ -90,8 +90,14 @@ def cmd_cache(args: argparse.Namespace) -> int:
         print(f"switchyard: set {args.admin_key_env} to the gateway's admin key", file=sys.stderr)
         return 2
     body = {
-        k: getattr(args, k) for k in ("tenant", "model", "tag", "partition") if getattr(args, k)
+        k: getattr(args, k)
+        for k in ("tenant", "model", "tag", "partition")
+        if getattr(args, k) is not None
     }
+    empty = [k for k, v in body.items() if not v.strip()]
+    if empty:  # an unset shell variable: dropping the filter would widen the purge
+        print(f"switchyard: --{empty[0]} is empty", file=sys.stderr)
+        return 2
     if not body:
         print(
             "switchyard: give at least one of --tenant, --model, --tag, --partition",

@@ -1,8 +1,9 @@
 """Exact and semantic response cache, hard-partitioned before any similarity.
 
 A partition is everything that bounds an answer's validity: scope (tenant, or key),
-model alias and revision, the system prompt, tools, response format, sampling
-parameters, locale, a data/tool version, and a fingerprint of the earlier turns.
+model alias and revision, every message but the last user message's text (the system
+prompt, the earlier turns, in their places), tools, response format, sampling
+parameters, locale, a data/tool version.
 Similarity is only ever computed inside one partition, so no threshold — not even
 -1 — can serve another tenant's or another model's answer. Within a partition the
 last user message's embedding is compared by cosine; a candidate above the
@@ -40,7 +41,7 @@ import numpy as np
 import orjson
 
 from switchyard.request import Generation
-from switchyard.state.cache import CacheKeys, CacheShare, Entry
+from switchyard.state.cache import CacheKeys, CacheShare, Entry, matches
 
 if TYPE_CHECKING:
     from switchyard.decide.shadow_threshold import PartitionThresholds
@@ -91,27 +92,33 @@ def cache_keys(
     tags: tuple[str, ...] = (),
 ) -> CacheKeys:
     """Keys of a (PII-masked) request. The partition covers every input but the last
-    user message (a completion: its prompt, when that is not one text), and every
-    member that goes upstream and may change the answer; the exact key adds that
-    message (the prompt) verbatim."""
+    user message's text (a completion: its prompt, when that is not one text): every
+    other message in its place, that message's other fields, and every member that
+    goes upstream and may change the answer; the exact key adds that text (the
+    prompt) verbatim."""
+    last_fields: dict[str, Any] | None = None
     if endpoint == "chat.completions":
         messages = req.messages or []
         last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
         query = _text(messages[last].get("content")) if last >= 0 else ""
-        system = [m for m in messages if m.get("role") in ("system", "developer")]
-        earlier = [m for i, m in enumerate(messages) if i != last and m not in system]
-        after = messages[last + 1 :] if last >= 0 else []
+        if last >= 0:  # its `name` (who asks) changes the answer as its words do
+            last_fields = {k: v for k, v in messages[last].items() if k != "content"}
+        # Every other message in its place: a system or developer message between
+        # turns, or a turn after the question, is another conversation.
+        turns = [m for i, m in enumerate(messages) if i != last]
     else:  # a text; texts or token ids are also typed in the partition (`prompt`)
         prompt = req.prompt
         query = prompt if isinstance(prompt, str) else orjson.dumps(prompt).decode()
-        system, earlier, after = [], [], []
+        last, turns = -1, []
     partition = digest(
         {
             "endpoint": endpoint,
             "scope": scope,
             "model": model,
             "revision": revision,
-            "system": system,
+            "turns": turns,
+            "last": last,
+            "last_fields": last_fields,
             "tools": req.tools,
             "functions": req.functions,
             "tool_choice": req.tool_choice,
@@ -119,8 +126,6 @@ def cache_keys(
             "sampling": {k: v for k in SAMPLING_FIELDS if (v := getattr(req, k)) is not None},
             "locale": locale,
             "data_version": data_version,
-            "earlier_turns": earlier,
-            "after": after,
             "prompt": None if isinstance(req.prompt, str) else req.prompt,
             # Every member no stage reads is forwarded as sent (`echo`, `suffix`, an
             # engine's own options): any of them may ask for another answer.
@@ -384,17 +389,13 @@ class ResponseCache:
         partition: str | None = None,
         dry_run: bool = False,
     ) -> dict[str, Any]:
-        """Remove entries matching every given filter (at least one is required)."""
+        """Remove entries matching every given filter (at least one is required). A
+        model matches the alias asked for and the model that answered (a routed
+        alias's routed model)."""
         if tenant is None and model is None and tag is None and partition is None:
             raise ValueError("give at least one of tenant, model, tag, partition")
-        matched = [
-            e
-            for e in self._exact.values()
-            if (tenant is None or e.keys.tenant == tenant)
-            and (model is None or e.keys.model == model)
-            and (tag is None or tag in e.keys.tags)
-            and (partition is None or e.keys.partition == partition)
-        ]
+        f = {"tenant": tenant, "model": model, "tag": tag, "partition": partition}
+        matched = [e for e in self._exact.values() if matches(e.keys, f)]
         if not dry_run:
             for e in matched:
                 self._drop(e)

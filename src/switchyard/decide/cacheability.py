@@ -26,6 +26,28 @@ class Cacheability:
     reason: str
     semantic: bool = True  # False: exact hits only (a risk class, decide/risk.py)
     risk: Risk | None = None  # the risk rule that applied, if any
+    max_age: float | None = None  # Cache-Control max-age: no older entry is served
+
+
+def cache_directives(value: str | None) -> dict[str, str]:
+    """A request's Cache-Control directives by lower-case name, with their values
+    (unquoted; "" when none): `no-cache="x"` is still no-cache."""
+    out: dict[str, str] = {}
+    for d in (value or "").split(","):
+        name, _, arg = d.partition("=")
+        name = name.strip().lower()
+        if name:
+            out.setdefault(name, arg.strip().strip('"'))
+    return out
+
+
+def max_age(directives: dict[str, str]) -> float | None:
+    """The oldest entry (seconds) the client accepts, or None: any. A max-age that is
+    not a number of seconds is read as 0, as RFC 9111 reads an invalid one (stale)."""
+    if "max-age" not in directives:
+        return None
+    arg = directives["max-age"]
+    return float(arg) if arg.isascii() and arg.isdigit() else 0.0
 
 
 def cacheability(
@@ -53,7 +75,7 @@ def cacheability(
         return no(f"cache off for model {alias}")
     if endpoint not in ("chat.completions", "completions"):
         return no(f"{endpoint} is not cached")
-    directives = {d.strip().lower() for d in (cache_control or "").split(",") if d.strip()}
+    directives = cache_directives(cache_control)
     if "no-store" in directives:
         return no("Cache-Control: no-store")
     if tenant in cfg.personalized_tenants:
@@ -76,6 +98,10 @@ def cacheability(
         return no(f"requests with images, files or recordings are not cached ({part[:32]})")
     if "no-cache" in directives:
         return Cacheability(False, True, mode, threshold, "Cache-Control: no-cache (store only)")
+    oldest = max_age(directives)
+    if oldest is not None:
+        why = f"Cache-Control: max-age={oldest:g} (no older entry is served)"
+        return Cacheability(True, True, mode, threshold, why, max_age=oldest)
     return Cacheability(True, True, mode, threshold, "cacheable")
 
 
@@ -113,10 +139,14 @@ def storable_reply(obj: dict[str, Any]) -> str | None:
 
 
 def assemble(events: list[bytes], endpoint: str = "chat.completions") -> dict[str, Any] | None:
-    """Rebuild the whole reply from streamed chunks (for the cache): a chat.completion,
-    or a text_completion for the `completions` endpoint; None if the stream carried
-    tool calls, a refusal, log probabilities or an error event, or could not be read."""
+    """Rebuild the whole reply from streamed chunks (for the cache): a chat.completion
+    (with a reasoning model's `reasoning_content` or `reasoning`, as a whole reply
+    carries it), or a text_completion for the `completions` endpoint; None if the
+    stream carried tool calls, a refusal, log probabilities or an error event, or
+    could not be read."""
     text: list[str] = []
+    # A reasoning model's thinking, streamed beside the answer under either name.
+    reasoning: dict[str, list[str]] = {"reasoning_content": [], "reasoning": []}
     head: dict[str, Any] = {}
     finish: str | None = None
     usage: Any = None
@@ -138,6 +168,10 @@ def assemble(events: list[bytes], endpoint: str = "chat.completions") -> dict[st
                 or c.get("logprobs")
             ):
                 return None  # not stored (storable_reply says why of a whole reply)
+            for name, parts in reasoning.items():
+                piece = delta.get(name)
+                if isinstance(piece, str):
+                    parts.append(piece)
             if delta.get("content"):
                 text.append(delta["content"])
             elif c.get("text"):
@@ -152,6 +186,10 @@ def assemble(events: list[bytes], endpoint: str = "chat.completions") -> dict[st
         if kind == "text_completion"
         else {"index": 0, "message": {"role": "assistant", "content": answer}}
     )
+    if kind == "chat.completion":
+        for name, parts in reasoning.items():
+            if parts:
+                choice["message"][name] = "".join(parts)
     choice["finish_reason"] = finish or "stop"
     return {
         "id": head.get("id"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -35,6 +35,9 @@ from switchyard.policy import headers as request_headers
 from switchyard.policy.pii_reply import at_rest
 from switchyard.request import Generation
 
+if TYPE_CHECKING:
+    from switchyard.engines.registry import Deployment
+
 _MISS = outcomes.Cache.MISS  # bound once: read through its class per request costs more
 
 
@@ -46,6 +49,16 @@ def last_user_text(req: Generation) -> str:
                 return "\n".join(str(p.get("text", "")) for p in c if isinstance(p, dict))
             return str(c or "")
     return ""
+
+
+def data_version(configured: str | None, asked: str | None) -> str | None:
+    """The data version a request's answers are keyed by: the operator's
+    (`cache.data_version`) and the client's (`x-switchyard-data-version`) together, so
+    a header naming the version an operator retired never reaches its answers again. A
+    header holds no line break: the two never run into each other."""
+    if not asked:
+        return configured
+    return asked if configured is None else f"{configured}\n{asked}"
 
 
 class CachePlanner:
@@ -66,17 +79,38 @@ class CachePlanner:
         router = settings.router
         self._routed = frozenset(router.routed_aliases) if router.enabled else frozenset()
         self._route_models = tuple(dict.fromkeys(r.model for r in router.routes))
+        # A LoRA adapter is served as a model of its own over its base's config (and
+        # revision): its answers are the adapter's weights', keyed by them too.
+        self._adapters = {
+            a.name: f"+lora:{a.name}@{a.revision}:{a.sha256[:16] if a.sha256 else a.path}"
+            for a in settings.adapters
+        }
 
     def revision(self, alias: str) -> str:
         """The revision `alias`'s answers are keyed by: its configured one (an
         RL-managed alias's: the one active now, so an activation never serves the old
-        weights' answers); a routed alias's: the routing policy's version."""
+        weights' answers; an adapter's: its base's with the adapter's name, revision
+        and weights); a routed alias's: the routing policy's version with every route
+        model's revision, so a route model's new weights are never served old answers
+        through the routed alias."""
+        if alias not in self._models:
+            routes = ",".join(f"{m}={self._own(m)}" for m in self._route_models)
+            return f"router:{self._router_version}[{routes}]"
+        return self._own(alias)
+
+    def _own(self, alias: str) -> str:
         model = self._models.get(alias)
-        revision = model.revision if model is not None else f"router:{self._router_version}"
+        revision = model.revision if model is not None else ""
         manager = self._revisions.get(alias) if self._revisions else None
         if manager is not None and manager.active is not None:
             revision = manager.active.revision
-        return revision
+        return revision + self._adapters.get(alias, "")
+
+    def answered(self, dep: Deployment) -> str:
+        """The revision a deployment's answers are keyed by (`revision`'s terms)."""
+        adapter = dep.adapter
+        suffix = self._adapters.get(adapter.name, "") if adapter is not None else ""
+        return dep.model.revision + suffix
 
     def foreign(self, ctx: RequestContext, keys: CacheKeys) -> str | None:
         """Why a fresh reply is not the answer its keys stand for (so it is not stored),
@@ -91,8 +125,9 @@ class CachePlanner:
             alias = ctx.alias or ""
             # A routed alias's keys name the router's policy; the routed model answered.
             keyed = keys.revision if alias == keys.model else self.revision(alias)
-            if dep.model.revision != keyed:
-                return f"revision {dep.model.revision} answered; the partition keys {keyed}"
+            answered = self.answered(dep)
+            if answered != keyed:
+                return f"revision {answered} answered; the partition keys {keyed}"
         cost = ctx.cost
         # policy/cost.py `plan` sets None, default and window from the request and the
         # model alone; any other reason is a limit's shrink (budget, tpm, a task's).
@@ -148,7 +183,7 @@ class CachePlanner:
                 revision,
                 ctx.input.headers.get("x-switchyard-locale")
                 or ctx.input.headers.get("accept-language"),
-                ctx.input.headers.get("x-switchyard-data-version") or cfg.data_version,
+                data_version(cfg.data_version, ctx.input.headers.get("x-switchyard-data-version")),
                 request_headers.cache_tags(ctx.input.headers.get("x-switchyard-cache-tags")),
             )
             risk = self._risk.classify(keys.query, alias, keys.tags)
@@ -206,6 +241,7 @@ class Embed(Stage):
                 keys is not None
                 and verdict.lookup
                 and verdict.mode == "enforce"
+                and verdict.max_age is None  # the entry may be too old to serve
                 and self._cache.has_exact(keys, now=time.time() + 1.0)
             ):
                 # The cache stage will answer with this entry (alive for at least another
@@ -313,8 +349,12 @@ class Cache(Stage):
         if why is not None:
             ctx.record("cache_store", outcomes.CacheStore.SKIP, why, t)
             return
-        entry = cache.store(cs.store_keys, orjson.dumps(masked), ctx.vector, self._cfg.ttl_s)
-        stored: dict[str, Any] = {"partition": cs.store_keys.partition[:12]}
+        keys = cs.store_keys
+        dep = ctx.deployment
+        if dep is not None:  # what answered: a hit names it, an invalidation finds it
+            keys = replace(keys, answered_model=dep.alias, answered_revision=dep.model.revision)
+        entry = cache.store(keys, orjson.dumps(masked), ctx.vector, self._cfg.ttl_s)
+        stored: dict[str, Any] = {"partition": keys.partition[:12]}
         if cache.share is not None:  # every gateway process learns it
             stored["shared"] = await cache.share.put(entry, ctx.vector)
         ctx.record(
@@ -389,9 +429,16 @@ class Cache(Stage):
                         ctx.record("cache", outcomes.Cache.MISS_VETO, why, t, evidence)
                         ctx.cache = CacheOutcome.MISS
                         return
+        why = "no entry in the partition passed"
+        if entry is not None and verdict.max_age is not None:
+            age = time.time() - entry.created
+            if age > verdict.max_age:  # the client accepts none this old: a fresh one
+                evidence["age_s"] = round(age, 3)
+                why = f"the entry is older than Cache-Control max-age={verdict.max_age:g}"
+                entry = None
         if entry is None:
             ctx.cache = CacheOutcome.MISS
-            ctx.record("cache", _MISS, "no entry in the partition passed", t, evidence)
+            ctx.record("cache", _MISS, why, t, evidence)
             return
         state.similarity = sim
         if verdict.mode == "shadow":

@@ -27,6 +27,11 @@ class CacheKeys:
     tenant: str
     model: str  # the alias asked for (a routed alias: `auto`)
     revision: str = ""  # the revision the partition keys: a reply of another is not stored
+    # What answered, set when the reply is stored: the model (a routed alias's routed
+    # model; an invalidation by model matches it too) and the revision its reply's
+    # `x-switchyard-revision` named (an adapter's: its base's), which a hit repeats.
+    answered_model: str = ""
+    answered_revision: str = ""
 
 
 @dataclass(slots=True)
@@ -38,6 +43,19 @@ class Entry:
     size: int
     row: int = -1  # row in the partition's matrix; -1 when it has no vector
     hits: int = 0
+
+
+def matches(keys: CacheKeys, f: dict[str, Any]) -> bool:
+    """Whether an entry's keys match every filter of an invalidation that is set: a
+    model filter matches the alias asked for or the model that answered, a partition
+    filter the partition key or its start (decisions show its first 12 characters)."""
+    model, partition = f.get("model"), f.get("partition")
+    return (
+        (f.get("tenant") is None or keys.tenant == f["tenant"])
+        and (model is None or model in (keys.model, keys.answered_model))
+        and (f.get("tag") is None or f["tag"] in keys.tags)
+        and (partition is None or (partition != "" and keys.partition.startswith(partition)))
+    )
 
 
 class LocalEntries(Protocol):

@@ -45,7 +45,7 @@ import numpy as np
 import orjson
 from redis.exceptions import RedisError
 
-from switchyard.state.cache import CacheKeys, Entry, LocalEntries
+from switchyard.state.cache import CacheKeys, Entry, LocalEntries, matches
 from switchyard.state.redis import count_failure, listen, redis_client
 
 log = logging.getLogger("switchyard.cache")
@@ -70,6 +70,8 @@ def pack(origin: str, entry: Entry, vec: np.ndarray | None) -> bytes:
             "tenant": k.tenant,
             "model": k.model,
             "revision": k.revision,
+            "answered_model": k.answered_model,
+            "answered_revision": k.answered_revision,
             "created": entry.created,
             "expires": entry.expires,
             "vec_bytes": len(v),
@@ -96,21 +98,14 @@ def unpack(raw: bytes) -> tuple[dict[str, Any], CacheKeys, np.ndarray | None, by
             str(h["tenant"]),
             str(h["model"]),
             str(h.get("revision", "")),  # an entry packed before revisions were kept
+            str(h.get("answered_model", "")),  # ...before what answered was kept
+            str(h.get("answered_revision", "")),
         )
         float(h["created"]), float(h["expires"])
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
         return None
     vec = np.frombuffer(raw[4 + n : 4 + n + vb], dtype="<f4").astype(np.float32) if vb else None
     return h, keys, vec, bytes(raw[4 + n + vb :])
-
-
-def matches(keys: CacheKeys, f: dict[str, Any]) -> bool:
-    return (
-        (f.get("tenant") is None or keys.tenant == f["tenant"])
-        and (f.get("model") is None or keys.model == f["model"])
-        and (f.get("tag") is None or f["tag"] in keys.tags)
-        and (f.get("partition") is None or keys.partition == f["partition"])
-    )
 
 
 class SharedCache:

@@ -17,6 +17,8 @@ from switchyard.errors import InvalidRequest, SharedStateUnavailable
 
 log = logging.getLogger("switchyard")
 _FILTERS = ("tenant", "model", "tag", "partition")
+_FILTER_MAX = 256  # longer than any tenant id, alias, tag or partition key
+_PARTITION_MIN = 12  # a partition is matched by its start: decisions show 12 characters
 
 
 class CacheServices(Protocol):
@@ -39,8 +41,21 @@ class Cache:
         body = await read_fields(request, (*_FILTERS, "dry_run"))
         f = {k: body.get(k) for k in _FILTERS}
         for name, value in f.items():  # a filter of another type would match nothing
-            if value is not None and not isinstance(value, str):
+            if value is None:
+                continue
+            if not isinstance(value, str):
                 raise InvalidRequest(f"'{name}' must be a string", param=name)
+            # An empty filter (an unset shell variable) would be no filter to a caller
+            # that drops it, and one past any key's size is not a name: both refused.
+            if not 0 < len(value) <= _FILTER_MAX:
+                raise InvalidRequest(f"'{name}' must be 1 to {_FILTER_MAX} characters", param=name)
+        partition = f["partition"]
+        if partition is not None and len(partition) < _PARTITION_MIN:
+            raise InvalidRequest(
+                f"'partition' must be at least its first {_PARTITION_MIN} characters "
+                "(as decisions show it)",
+                param="partition",
+            )
         dry_run = body.get("dry_run", False)
         if not isinstance(dry_run, bool):  # "false" would read as true
             raise InvalidRequest("'dry_run' must be true or false", param="dry_run")
