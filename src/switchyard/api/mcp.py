@@ -38,12 +38,14 @@ response object, `{"jsonrpc", "id", "result" | "error"}`; what is read is bounde
   and no other member. Anything else (malformed JSON, a batch, another method, a
   notification, a wrong type, an oversized id) goes to the SDK unchanged, which answers
   it as before, errors reworded without exception text (a body that is no request
-  object at all is JSON-RPC's Invalid Request, -32600); but two requests the SDK would
-  misanswer are answered here, on an open session or one that opens it: an `id` that is
+  object at all is JSON-RPC's Invalid Request, -32600); but the requests the SDK would
+  misanswer are answered here (mcp_wire `_framing_refusal`), on every protocol version
+  (the body of any JSON POST is read for it, the 2026-07-28 one's too): an `id` that is
   null, a boolean, an object or an array (MCP's ids are strings or integers), 400 with
   Invalid Request (-32600, id null): the SDK takes it for a notification and answers
-  nothing; and `params` that is not an object, Invalid params (-32602) for the
-  request's own id, which the SDK does not read;
+  nothing; a `method` that is no string, Invalid Request for the request's own id; and
+  `params` that is not an object, Invalid params (-32602) for the request's own id
+  (the SDK refuses both before it reads the id, with id null);
 * a call's `arguments` (on either path) nest at most 128 levels (mcp_wire) and hold
   no integer past 64 bits (api/checks.py `past_int64`), else Invalid params;
 * `notifications/cancelled` for a call this path serves cancels it (the SDK's answer to
@@ -85,6 +87,7 @@ from switchyard.api.mcp_wire import (
     _framing_refusal,
     _headers,
     _holding,
+    _json_body,
     _mcp_error,
     _meta,
     _plain_id,
@@ -190,11 +193,7 @@ class McpEndpoint:
             return
         key_id = principal.key_id
         transport = self._live(session) if session is not None else None
-        if (
-            method == "POST"
-            and (session is None or transport is not None)
-            and _fast_headers(h, self._versions)
-        ):
+        if method == "POST" and (session is None or transport is not None) and _json_body(h):
             body = await _read_body(receive, self.max_body_bytes)
             if body is False:  # the client went away: no one to answer
                 return
@@ -202,7 +201,8 @@ class McpEndpoint:
                 too_large = PayloadTooLarge("the request body is larger than the gateway accepts")
                 await _send_error(send, too_large)
                 return
-            if await self._serve_fast(send, body, session, transport, scope[CALLER_KEY]):
+            fast = _fast_headers(h, self._versions)
+            if await self._serve_fast(send, body, session, transport, scope[CALLER_KEY], fast):
                 return
             receive = _replay(body, receive)
         reply = _SdkReply(send, (lambda sid: self._remember(sid, key_id)) if opening else None)
@@ -275,11 +275,18 @@ class McpEndpoint:
         return transport
 
     async def _serve_fast(
-        self, send: Send, body: bytes, session: str | None, transport: Any, caller: Caller
+        self,
+        send: Send,
+        body: bytes,
+        session: str | None,
+        transport: Any,
+        caller: Caller,
+        fast: bool = True,
     ) -> bool:
-        """Answer a request the SDK would misanswer (mcp_wire._framing_refusal), serve a
-        well-formed `tools/call` on an open session (or the cancel of one served here),
-        and say True; False leaves the request to the SDK (see the module docstring)."""
+        """Answer a request the SDK would misanswer (mcp_wire._framing_refusal, on
+        every protocol version), serve a well-formed `tools/call` on an open session (or
+        the cancel of one served here) when the headers allow (`fast`), and say True;
+        False leaves the request to the SDK (see the module docstring)."""
         from mcp_types import CallToolRequestParams
         from pydantic import ValidationError
 
@@ -291,7 +298,7 @@ class McpEndpoint:
         if refusal is not None:
             await _send_json(send, refusal[0], refusal[1], session)
             return True
-        if session is None or transport is None:
+        if not fast or session is None or transport is None:
             return False
         if not isinstance(message, dict) or message.keys() - FAST_MEMBERS:
             return False

@@ -203,19 +203,25 @@ def _invalid_params(rid: Any, message: str) -> bytes:
 def _framing_refusal(message: Any) -> tuple[int, bytes] | None:
     """(status, body) for a request the SDK would misanswer, else None: an `id` that is
     null, a boolean, an object or an array (the SDK takes it for a notification and
-    answers nothing) is an Invalid Request; `params` that is not an object is Invalid
-    params for the request's own id (the SDK refuses it before it reads the id)."""
+    answers nothing) is an Invalid Request, as is a `method` that is no string, for the
+    request's own id; `params` that is not an object is Invalid params for the request's
+    own id (the SDK, on either protocol version, refuses both with id null before it
+    reads the id). An integer id past 64 bits is read as a float (orjson), so it is
+    never echoed changed: it is refused as an id of the wrong type."""
     if not isinstance(message, dict) or "method" not in message:
         return None
     if not _id_or_none(message):
         return 400, INVALID_ID
+    method = message.get("method")
+    rid = message.get("id")  # a string or an integer here, or absent (a notification)
+    if message.get("jsonrpc") != "2.0" or rid is None:
+        return None  # a notification, or no JSON-RPC 2.0 request: the SDK's to refuse
+    if not isinstance(method, str):  # the SDK: Invalid Request with id null
+        error = {"code": INVALID_REQUEST, "message": "Invalid Request: 'method' must be a string"}
+        return 400, orjson.dumps({"jsonrpc": "2.0", "id": rid, "error": error})
     params = message.get("params")
     if params is None or isinstance(params, dict):
         return None
-    rid = message.get("id")
-    method = message.get("method")
-    if message.get("jsonrpc") != "2.0" or not isinstance(method, str) or not _plain_id(rid):
-        return None  # a notification, or no request: the SDK's to refuse
     # 400, as the SDK answers a body it refuses before dispatch, with the id it knows.
     return 400, _invalid_params(rid, "Invalid params: 'params' must be an object")
 
@@ -265,13 +271,18 @@ def _accepts_json(accept: str) -> bool:
     return False
 
 
+def _json_body(h: dict[str, str]) -> bool:
+    """A POST whose body is JSON (read here on every protocol version, for the framing
+    the SDK would misanswer; another content type is the SDK's to refuse)."""
+    return h.get("content-type", "").split(";", 1)[0].strip().lower() == "application/json"
+
+
 def _fast_headers(h: dict[str, str], versions: tuple[str, ...]) -> bool:
-    """A POST the fast path may read: a JSON body, a JSON reply accepted, and a
+    """A POST the fast path may serve: a JSON body, a JSON reply accepted, and a
     handshake-era protocol version (or none), which the SDK's legacy transport serves."""
-    ctype = h.get("content-type", "").split(";", 1)[0].strip().lower()
     version = h.get("mcp-protocol-version")
     return (
-        ctype == "application/json"
+        _json_body(h)
         and _accepts_json(h.get("accept", ""))
         and (version is None or version in versions)
     )

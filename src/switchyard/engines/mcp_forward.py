@@ -18,6 +18,10 @@ sends one JSON-RPC request per call with that session's `Mcp-Session-Id` and neg
   is validated with the SDK's own model (`CallToolResult`), else it is malformed;
 * an error's `code` must be an integer within ±2^31 and its `message` a string, kept to
   500 characters for the (masked) trace, never passed to the client;
+* a result that cannot be passed on as it came (`result_refusal`: nested deeper than
+  MAX_RESULT_DEPTH, or an integer no 64-bit integer holds, which orjson reads as a
+  rounded float and does not write) is not validated: the call ran, and its result is
+  refused (`unpassable`, with the reason), as one too large is;
 * no redirect is followed and no compressed body is asked for; credentials go in the
   request headers only.
 
@@ -33,7 +37,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
+import re
 from typing import Any
 
 import aiohttp
@@ -51,6 +57,21 @@ METHOD_NOT_FOUND = -32601
 CONNECTION_CLOSED = -32000
 REQUEST_TIMEOUT = -32001
 CANCEL_TIMEOUT_S = 5.0
+# A server's own requests met on a call's SSE stream that are answered: at most this many
+# per call, and never while this many answers are still being posted (each is a POST of
+# its own, on a connection of its own when none is idle): a server that writes thousands
+# of pings into one reply stream gets a few answers, not thousands of connections.
+MAX_ANSWERED_PER_CALL = 8
+MAX_ANSWERS_IN_FLIGHT = 32
+# Levels of nesting a tool's result may have: it is written inside the client's JSON-RPC
+# reply, the SDK's envelope and a side effect's stored record, and orjson stops at 254
+# levels, pydantic's serializer at 255 (a call's arguments have the same bound).
+MAX_RESULT_DEPTH = 128
+_INT64, _UINT64 = 2**63, 2**64
+# An integer literal of 19 digits or more may be past 64 bits, which orjson reads as a
+# float (another number): such a reply is read again with the standard library's parser,
+# which keeps integers whole, so that `result_refusal` sees them.
+_LONG_INTEGER = re.compile(rb"\d{19}")
 
 
 class SessionLost(Exception):
@@ -103,7 +124,8 @@ class HttpForwarder:
         self, tool: str, arguments: dict[str, Any], meta: dict[str, Any] | None, timeout_s: float
     ) -> tuple[dict[str, Any] | None, tuple[int, str] | None, str]:
         """(result, error, how): `how` is `ok`, `refused` (not run), `timeout`, `lost`
-        (the connection, after sending), `server_error`, `malformed` or `too_large`.
+        (the connection, after sending), `server_error`, `malformed`, `too_large` or
+        `unpassable` (a result `result_refusal` refuses: the error's message says why).
         Raises SessionLost or ConnectFailed when nothing was sent."""
         rid = f"sy-{next(self._ids)}"
         params: dict[str, Any] = {"name": tool, "arguments": arguments}
@@ -151,8 +173,9 @@ class HttpForwarder:
         self, resp: aiohttp.ClientResponse, rid: str
     ) -> tuple[dict[str, Any] | None, bool]:
         """The event that answers `rid`, and whether max_bytes ran out first; requests
-        from the server on the way are answered (ping) or declined, notifications skipped."""
-        total = 0
+        from the server on the way are answered (ping) or declined, up to
+        MAX_ANSWERED_PER_CALL of them, notifications skipped."""
+        total = answered = 0
         buf = b""
         data: list[bytes] = []
         async for chunk in resp.content.iter_any():
@@ -173,7 +196,9 @@ class HttpForwarder:
                     continue
                 if message.get("id") == rid and ("result" in message or "error" in message):
                     return message, False
-                if isinstance(message.get("method"), str) and "id" in message:
+                request = isinstance(message.get("method"), str) and "id" in message
+                if request and answered < MAX_ANSWERED_PER_CALL:  # beyond: unanswered
+                    answered += 1
                     self._answer(message)
         return None, False
 
@@ -184,6 +209,8 @@ class HttpForwarder:
         if not (type(rid) is int and abs(rid) < MAX_CODE) and not (
             type(rid) is str and len(rid) <= 128
         ):
+            return
+        if len(self._background) >= MAX_ANSWERS_IN_FLIGHT:
             return
         reply: dict[str, Any] = {"jsonrpc": "2.0", "id": rid}
         if request.get("method") == "ping":
@@ -216,9 +243,38 @@ class HttpForwarder:
 
 def _json(raw: bytes) -> Any:
     try:
-        return orjson.loads(raw)
+        value = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return None
+    if _LONG_INTEGER.search(raw) is not None:  # (a string of digits, too, is read twice)
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError):  # deeper than it reads: refused as such
+            return value
+    return value
+
+
+def result_refusal(value: Any) -> str | None:
+    """Why a tool's result (parsed JSON) cannot be passed on as it came, else None:
+    nested deeper than MAX_RESULT_DEPTH, or an integer outside what orjson writes
+    (-2^63 to 2^64 - 1). Walked without recursion, so any depth a parser reads is safe."""
+    big = "it holds an integer past 64 bits, which would reach the client changed"
+    if type(value) is int:
+        return None if -_INT64 <= value < _UINT64 else big
+    if type(value) is not dict and type(value) is not list:
+        return None
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_RESULT_DEPTH:
+            return f"it nests deeper than {MAX_RESULT_DEPTH} levels"
+        for c in v.values() if type(v) is dict else v:
+            kind = type(c)
+            if kind is dict or kind is list:
+                stack.append((c, depth + 1))
+            elif kind is int and not -_INT64 <= c < _UINT64:
+                return big
+    return None
 
 
 def _error(value: Any) -> tuple[int, str]:
@@ -251,6 +307,9 @@ def _outcome(
     result = reply.get("result")
     if not isinstance(result, dict):
         return None, (INTERNAL_ERROR, "malformed result"), "malformed"
+    why = result_refusal(result)
+    if why is not None:  # it ran; what it answered is not passed on
+        return None, (INTERNAL_ERROR, why), "unpassable"
     try:
         checked = CallToolResult.model_validate(result)
     except ValidationError:

@@ -35,7 +35,12 @@ from typing import Any
 import orjson
 
 from switchyard.config import McpServerConfig
-from switchyard.engines.mcp_forward import ConnectFailed, HttpForwarder, SessionLost
+from switchyard.engines.mcp_forward import (
+    ConnectFailed,
+    HttpForwarder,
+    SessionLost,
+    result_refusal,
+)
 
 log = logging.getLogger("switchyard.mcp")
 SEP = "__"  # `<server>__<tool>`
@@ -94,14 +99,19 @@ class CallOutcome:
     server_error: bool = False
     # It ran, and its reply was larger than the gateway reads (`max_result_bytes`).
     too_large: bool = False
+    # It ran, and its result cannot be passed on as it came (mcp_forward.result_refusal:
+    # nested too deep, an integer past 64 bits): why.
+    unpassable: str | None = None
 
     @property
     def failed(self) -> bool:
         """Counts against the server's breaker: a timeout, a lost connection, a server
         error or a malformed result. A result (even one with `isError`, the tool's own
-        failure, or one too large to pass on) and a refusal of the request (invalid
-        params) show a working server."""
-        return self.result is None and not self.too_large and (self.sent or self.server_error)
+        failure, or one too large or otherwise unfit to pass on) and a refusal of the
+        request (invalid params) show a working server."""
+        if self.result is not None or self.too_large or self.unpassable is not None:
+            return False
+        return self.sent or self.server_error
 
 
 class ServerUnavailable(Exception):
@@ -306,7 +316,7 @@ class McpServer:
         from mcp import MCPError
         from mcp_types import CONNECTION_CLOSED, INTERNAL_ERROR, REQUEST_TIMEOUT
 
-        from switchyard.engines.mcp_stdio import OversizedReply
+        from switchyard.engines.mcp_stdio import OversizedReply, UnpassableReply
 
         deadline = time.perf_counter() + timeout_s
         try:
@@ -341,6 +351,9 @@ class McpServer:
                     return CallOutcome(
                         error=(exc.code, "result too large"), sent=True, too_large=True
                     )
+                if isinstance(exc.data, UnpassableReply):  # it ran; its result is unfit
+                    unfit = exc.data.why
+                    return CallOutcome(error=(exc.code, unfit), sent=True, unpassable=unfit)
                 if exc.code == REQUEST_TIMEOUT:
                     return CallOutcome(error=(exc.code, "timed out"), sent=True, timed_out=True)
                 if exc.code == CONNECTION_CLOSED:
@@ -360,9 +373,14 @@ class McpServer:
                 )
             finally:
                 self.in_flight -= 1
-            return CallOutcome(
-                result=result.model_dump(by_alias=True, mode="json", exclude_none=True)
-            )
+            try:
+                dumped = result.model_dump(by_alias=True, mode="json", exclude_none=True)
+            except ValueError:  # pydantic's serializer: nested past 255 levels
+                dumped = None
+            why = result_refusal(dumped) if dumped is not None else "it nests too deep"
+            if why is not None:
+                return CallOutcome(error=(INTERNAL_ERROR, why), sent=True, unpassable=why)
+            return CallOutcome(result=dumped)
         finally:
             self._slots.release()
 
@@ -383,6 +401,8 @@ class McpServer:
         assert error is not None
         if how == "refused":
             return CallOutcome(error=error)
+        if how == "unpassable":
+            return CallOutcome(error=error, sent=True, unpassable=error[1])
         return CallOutcome(
             error=error,
             sent=True,

@@ -31,6 +31,13 @@ the TypeScript SDK's `{"result", "jsonrpc", "id"}`:
    until a reply with its id within the bound, an oversized reply attributed to it, or
    the session's `notifications/cancelled` for it.
 
+A line within the bound that the SDK's reader cannot parse (its parser stops at about
+200 levels of nesting) but that is a reply to a pending request (read with orjson, which
+goes to 1,024) is not dropped: the request gets a JSON-RPC error in its place, whose
+`data` is an `UnpassableReply` naming why (engines/mcp_forward.py `result_refusal`:
+nested too deep), or none when the reply is malformed otherwise; else the call would
+wait out its whole timeout for a reply that already came.
+
 Only the read side is ours. The process is started, and stopped, with the SDK's own
 helpers from `mcp.client.stdio` (its spawn in a new session or job, the specification's
 shutdown sequence of close stdin, wait, terminate, kill): they are not public API, and the
@@ -52,6 +59,7 @@ from typing import Any, TextIO
 
 import anyio
 import anyio.lowlevel
+import orjson
 from mcp.client.stdio import (  # the SDK's process handling (see the module docstring)
     _WRITER_FLUSH_TIMEOUT,
     StdioServerParameters,
@@ -75,6 +83,8 @@ from mcp_types import (
     RequestId,
 )
 
+from switchyard.engines.mcp_forward import result_refusal
+
 log = logging.getLogger("switchyard.mcp")
 CHUNK = 64 * 1024  # bytes read from the server's stdout at a time
 HEAD = TAIL = 4096  # bytes kept of an oversized line's start and end, to find its id
@@ -95,6 +105,14 @@ class OversizedReply:
 
     size: int
     limit: int
+
+
+@dataclass(frozen=True, slots=True)
+class UnpassableReply:
+    """The `data` of the error delivered for a reply the SDK's reader could not parse
+    (never on the wire): why its result is not passed on."""
+
+    why: str
 
 
 class BoundedLines:
@@ -247,10 +265,32 @@ class PendingRequests:
         except UnicodeDecodeError as exc:
             return exc
         item = _parse_line(text)
-        message = item.message if isinstance(item, SessionMessage) else None
+        if not isinstance(item, SessionMessage):
+            return self._unreadable(line, item)
+        message = item.message
         if isinstance(message, JSONRPCResponse | JSONRPCError) and message.id is not None:
             self._waiting.pop(coerce_request_id(message.id), None)
         return item
+
+    def _unreadable(self, line: bytes, error: Exception) -> SessionMessage | Exception:
+        """A line the SDK's reader refused: the error for the pending request it answers
+        (see the module docstring), else the reader's error as it is."""
+        try:
+            reply = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            return error
+        rid = reply.get("id") if isinstance(reply, dict) else None
+        if type(rid) is not str and type(rid) is not int:
+            return error
+        found = self._waiting.pop(coerce_request_id(rid), None)
+        if found is None or "method" in reply:
+            return error
+        why = result_refusal(reply.get("result")) if "result" in reply else None
+        log.warning("MCP stdio server's reply to request %r could not be read", found[0])
+        data = UnpassableReply(why) if why is not None else None
+        message = "result not passed on" if why is not None else "malformed reply"
+        error_data = ErrorData(code=INTERNAL_ERROR, message=message, data=data)
+        return SessionMessage(JSONRPCError(jsonrpc="2.0", id=found[0], error=error_data))
 
     def answer_oversized(self, line: OversizedLine) -> SessionMessage | Exception:
         """The error for the request an oversized line answers, or, where it answers

@@ -23,7 +23,7 @@ import orjson
 
 from switchyard import outcomes
 from switchyard.config import Settings
-from switchyard.engines.mcp_servers import CallOutcome, ServerUnavailable
+from switchyard.engines.mcp_servers import CallOutcome, ServerUnavailable, result_refusal
 from switchyard.errors import (
     CallIdConflict,
     Conflict,
@@ -191,7 +191,8 @@ class McpCalls:
                 ctx.timings.upstream_sent = time.perf_counter()
                 ctx.run.attempts = 1
                 out = await attempt()
-                again = retry and out.sent and out.error is not None and not out.timed_out
+                # (a result, even one too large to pass on, is no failure to retry)
+                again = retry and out.sent and out.failed and not out.timed_out
                 # A priced call is sent at most once on its one price.
                 if again and not spend.price and breaker.allow(time.monotonic())[0]:
                     ctx.run.attempts = 2
@@ -222,8 +223,8 @@ class McpCalls:
         full = f"{server.name}__{tool}"
         if out.result is not None:
             return self._result(call, out.result, full, t)
-        if out.too_large:
-            raise self._too_large(call, full, t, None)
+        if out.too_large or out.unpassable is not None:
+            raise self._too_large(call, full, t, None, out.unpassable)
         code, said = out.error or (0, "")
         message = self.mask(said)  # the server's words: kept masked, never sent on
         evidence = {**evidence, "error": {"code": code, "message": message}}
@@ -257,10 +258,16 @@ class McpCalls:
         )
 
     def _result(self, call: Forward, result: dict[str, Any], full: str, t: float) -> dict[str, Any]:
-        """The tool's result for the client, or, past `mcp.max_result_bytes`, an error
-        (the result neither passed on nor stored; the trace keeps its size)."""
+        """The tool's result for the client, or, past `mcp.max_result_bytes` or where
+        it cannot be written as it came (engines/mcp_forward.py `result_refusal`: the
+        servers check it, this is the last guard), an error (the result neither passed
+        on nor stored; the trace keeps its size or the reason)."""
         ctx, evidence = call.ctx, call.evidence
-        text = orjson.dumps(result)
+        try:
+            text = orjson.dumps(result)
+        except TypeError:  # orjson.JSONEncodeError: too deep, an integer past 64 bits
+            why = result_refusal(result) or "it cannot be written as JSON"
+            raise self._too_large(call, full, t, None, why) from None
         if len(text) > self.settings.mcp.max_result_bytes:
             raise self._too_large(call, full, t, len(text))
         excerpt = Unmasked(text[: MAX_EXCERPT + 512].decode("utf-8", "replace"))
@@ -269,21 +276,27 @@ class McpCalls:
         ctx.record("tool_exec", outcome, f"ran on {call.server.name}", t, evidence)
         return dict(result)
 
-    def _too_large(self, call: Forward, full: str, t: float, size: int | None) -> UpstreamError:
+    def _too_large(
+        self, call: Forward, full: str, t: float, size: int | None, why: str | None = None
+    ) -> UpstreamError:
         """The refusal of a result over `mcp.max_result_bytes` (`size`: its bytes; None:
-        more than the gateway reads of a reply), recorded in the trace: it ran."""
+        more than the gateway reads of a reply), or that cannot be passed on as it came
+        (`why`: nested too deep, an integer past 64 bits), recorded in the trace: it ran."""
         limit = self.settings.mcp.max_result_bytes
         got = f"{size} bytes" if size is not None else "more bytes than it reads"
-        call.ctx.record(
-            "tool_exec",
-            outcomes.ToolExec.TOO_LARGE,
-            f"ran on {call.server.name}; its result is over mcp.max_result_bytes",
-            t,
-            {**call.evidence, "result_bytes": size, "max_result_bytes": limit},
-        )
-        return UpstreamError(
+        evidence = {**call.evidence, "result_bytes": size, "max_result_bytes": limit}
+        reason = f"ran on {call.server.name}; its result is over mcp.max_result_bytes"
+        said = (
             f"the tool '{full}' answered with a result of {got}, more than this gateway "
             f"passes on (mcp.max_result_bytes: {limit})"
+        )
+        if why is not None:
+            evidence = {**call.evidence, "result_refused": why}
+            reason = f"ran on {call.server.name}; its result is not passed on: {why}"
+            said = f"the tool '{full}' answered with a result this gateway does not pass on: {why}"
+        call.ctx.record("tool_exec", outcomes.ToolExec.TOO_LARGE, reason, t, evidence)
+        return UpstreamError(
+            said
             + (
                 "; the call ran, its result was not kept, and it will not be run again"
                 if call.recorded
@@ -341,8 +354,8 @@ def _claim_error(state: str, call_id: str) -> SwitchyardError:
     if state == "too_large":
         return UpstreamError(
             f"the call '{call_id}' ran once already and its result was larger than this "
-            "gateway passes on (mcp.max_result_bytes), so it was not kept; it will not run "
-            "again",
+            "gateway passes on (mcp.max_result_bytes, or nested too deep), so it was not "
+            "kept; it will not run again",
             code=TOO_LARGE,
         )
     if state == "resolved_ran":
