@@ -27,6 +27,7 @@ import logging
 import aiohttp
 from starlette.types import Receive, Scope, Send
 
+from switchyard.aio import hung_up
 from switchyard.api.mcp_wire import _headers, _read_body, _send_error, authenticate
 from switchyard.errors import PayloadTooLarge, SwitchyardError, UpstreamUnreachable
 from switchyard.policy.auth import Authenticator
@@ -115,7 +116,7 @@ class McpRelay:
         query = scope.get("query_string", b"").decode("latin-1")
         url = self.url + (f"?{query}" if query else "")
         relay = asyncio.ensure_future(self._relay(scope["method"], url, headers, body, send))
-        gone = asyncio.ensure_future(_disconnected(receive))
+        gone = asyncio.ensure_future(hung_up(receive))
         try:
             await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -150,8 +151,3 @@ class McpRelay:
                         "the gateway's MCP endpoint is not answering; retry shortly"
                     ),
                 )
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass

@@ -324,6 +324,16 @@ class MaskSession:
         """Return `text` with every detected value replaced by its placeholder."""
         return _guarded(lambda: self._mask_one(text, reserve=True))
 
+    def spans(self, text: str) -> list[tuple[int, int, str]]:
+        """Where `mask(text)` puts a placeholder, and which: disjoint `(start, end,
+        placeholder)`, left to right."""
+
+        def found() -> list[tuple[int, int, str]]:
+            self._reserve(text)
+            return [(s, e, self._placeholder(k, text[s:e])) for s, e, k in self._masker.find(text)]
+
+        return _guarded(found)
+
     def mask_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Mask chat messages; returns new message dicts, the input is left untouched.
 

@@ -10,6 +10,8 @@ go through `at_rest` first, so no raw value is ever stored.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -26,9 +28,17 @@ from switchyard.request import Generation
 MESSAGE_TEXTS = ("content", "reasoning_content", "reasoning", "refusal")
 
 
-def map_texts(obj: dict[str, Any], fn: Callable[[str], str]) -> dict[str, Any]:
+# Where a run of tokens' joined text holds values to mask: (start, end, placeholder).
+Spans = Callable[[str], list[tuple[int, int, str]]]
+
+
+def map_texts(
+    obj: dict[str, Any], fn: Callable[[str], str], spans: Spans | None = None
+) -> dict[str, Any]:
     """A copy of a completion with `fn` applied to every generated text (a message's
-    MESSAGE_TEXTS, tool-call arguments, a completion's text)."""
+    MESSAGE_TEXTS, tool-call arguments, a completion's text, each token of its
+    logprobs). `spans` (masking): a value split across tokens becomes one token, the
+    placeholder (see `_tokens`)."""
     out = dict(obj)
     choices = []
     for c in obj.get("choices") or []:
@@ -44,6 +54,8 @@ def map_texts(obj: dict[str, Any], fn: Callable[[str], str]) -> dict[str, Any]:
             c["message"] = message
         if isinstance(c.get("text"), str):
             c["text"] = fn(c["text"])
+        if isinstance(c.get("logprobs"), dict):
+            c["logprobs"] = _map_logprobs(c["logprobs"], fn, spans)
         choices.append(c)
     out["choices"] = choices
     return out
@@ -54,6 +66,131 @@ def _map_call(call: Any, fn: Callable[[str], str]) -> Any:
     if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
         return call
     return {**call, "function": {**function, "arguments": fn(function["arguments"])}}
+
+
+def _map_logprobs(lp: dict[str, Any], fn: Callable[[str], str], spans: Spans | None) -> Any:
+    """A choice's logprobs with `fn` applied to every token: chat's (`content` and
+    `refusal`: lists of entries with `token`, `bytes` and `top_logprobs`) and a
+    completion's (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`)."""
+    out = dict(lp)
+    for name in ("content", "refusal"):
+        entries = lp.get(name)
+        if isinstance(entries, list) and all(
+            isinstance(e, dict) and isinstance(e.get("token"), str) for e in entries
+        ):
+            out[name] = _chat_entries(entries, fn, spans)
+    tokens = lp.get("tokens")
+    if isinstance(tokens, list) and all(isinstance(t, str) for t in tokens):
+        out.update(_completion_tokens(lp, tokens, fn, spans))
+    return out
+
+
+def _runs(tokens: list[str], spans: Spans | None) -> list[tuple[int, int, str]]:
+    """(first, end, text) of each run of tokens that a value to mask overlaps, with the
+    run's text masked: one token then stands for the whole run, so no token holds a
+    piece of a value (`spans` None, or nothing found: no runs)."""
+    if spans is None:
+        return []
+    text = "".join(tokens)
+    found = spans(text)
+    if not found:
+        return []
+    starts = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
+    runs: list[tuple[int, int, list[tuple[int, int, str]]]] = []
+    for s, e, placeholder in found:
+        first = max(bisect.bisect_right(starts, s) - 1, 0)
+        end = max(bisect.bisect_left(starts, e), first + 1)  # tokens [first, end) hold it
+        if runs and first < runs[-1][1]:  # it shares a token with the run before
+            before = runs.pop()
+            first, end = before[0], max(end, before[1])
+            runs.append((first, end, [*before[2], (s, e, placeholder)]))
+        else:
+            runs.append((first, end, [(s, e, placeholder)]))
+    out = []
+    for first, end, inside in runs:
+        pos = starts[first]
+        pieces: list[str] = []
+        for s, e, placeholder in inside:
+            pieces += (text[pos:s], placeholder)
+            pos = e
+        pieces.append(text[pos : starts[end] if end < len(tokens) else len(text)])
+        out.append((first, end, "".join(pieces)))
+    return out
+
+
+def _total(lps: list[Any]) -> float | None:
+    """The logprob of a run of tokens: the sum of theirs (None unless all are numbers)."""
+    return sum(lps) if all(type(x) in (int, float) for x in lps) else None
+
+
+def _chat_entries(
+    entries: list[dict[str, Any]], fn: Callable[[str], str], spans: Spans | None
+) -> list[dict[str, Any]]:
+    runs = {first: (end, text) for first, end, text in _runs([e["token"] for e in entries], spans)}
+    out: list[dict[str, Any]] = []
+    i = 0
+    while i < len(entries):
+        if i in runs:
+            end, text = runs[i]
+            total = _total([e.get("logprob") for e in entries[i:end]])
+            out.append({"token": text, "logprob": total, "bytes": None, "top_logprobs": []})
+            i = end
+            continue
+        out.append(_entry(entries[i], fn))
+        if isinstance(entries[i].get("top_logprobs"), list):
+            out[-1]["top_logprobs"] = [_entry(t, fn) for t in entries[i]["top_logprobs"]]
+        i += 1
+    return out
+
+
+def _entry(entry: Any, fn: Callable[[str], str]) -> Any:
+    """A logprobs entry with `fn` applied to its token (its bytes dropped if that
+    changed it: they would say the old token)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
+        return entry
+    token = fn(entry["token"])
+    if token == entry["token"]:
+        return dict(entry)
+    return {**entry, "token": token, "bytes": None}
+
+
+def _completion_tokens(
+    lp: dict[str, Any], tokens: list[str], fn: Callable[[str], str], spans: Spans | None
+) -> dict[str, Any]:
+    runs = {first: (end, text) for first, end, text in _runs(tokens, spans)}
+    lps, tops, offsets = lp.get("token_logprobs"), lp.get("top_logprobs"), lp.get("text_offset")
+
+    def at(xs: Any, i: int) -> Any:
+        return xs[i] if isinstance(xs, list) and i < len(xs) else None
+
+    out_t: list[str] = []
+    out_lp: list[Any] = []
+    out_top: list[Any] = []
+    out_off: list[Any] = []
+    i = 0
+    while i < len(tokens):
+        if i in runs:
+            end, text = runs[i]
+            out_t.append(text)
+            out_lp.append(_total([at(lps, k) for k in range(i, end)]))
+            out_top.append(None)
+            out_off.append(at(offsets, i))
+            i = end
+            continue
+        out_t.append(fn(tokens[i]))
+        out_lp.append(at(lps, i))
+        top = at(tops, i)
+        out_top.append({fn(k): v for k, v in top.items()} if isinstance(top, dict) else top)
+        out_off.append(at(offsets, i))
+        i += 1
+    masked: dict[str, Any] = {"tokens": out_t}
+    if isinstance(lps, list):
+        masked["token_logprobs"] = out_lp
+    if isinstance(tops, list):
+        masked["top_logprobs"] = out_top
+    if isinstance(offsets, list):
+        masked["text_offset"] = out_off
+    return masked
 
 
 def request_session(masker: PiiMasker, ctx: RequestContext) -> MaskSession:
@@ -69,8 +206,9 @@ def request_session(masker: PiiMasker, ctx: RequestContext) -> MaskSession:
 
 
 def at_rest(session: MaskSession | None, obj: dict[str, Any]) -> dict[str, Any]:
-    """A reply as it may be stored: every generated text masked."""
-    return map_texts(obj, session.mask) if session is not None else obj
+    """A reply as it may be stored: every generated text masked (a value split across
+    logprobs tokens: one token, its placeholder)."""
+    return map_texts(obj, session.mask, session.spans) if session is not None else obj
 
 
 class PiiRestore(ReplyPart):
