@@ -1,6 +1,6 @@
 """Agent task cancels: the task store marks the task cancelled (and, with Redis, tells
-every other gateway process, which stops its own calls: lifecycle.py listens), and the
-task's calls in flight here are stopped."""
+every other gateway process, which stops its own calls: lifecycle.py listens), the
+task's calls in flight here are stopped, and the model gates here forget its plan."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 from switchyard.control.components import Components
 from switchyard.errors import NotFound
+from switchyard.state.tasks import TaskKey
 
 log = logging.getLogger("switchyard")
 
@@ -25,7 +26,7 @@ class Cancels(Components):
         state = await self.tasks.cancel(key, time.time())
         if state is None and not running:
             raise NotFound(f"no task '{task_id}' is known for this tenant")
-        stopped = self.running.stop(key)
+        stopped = self.stop_task(key)
         log.info("task %s of %s cancelled; stopped %d call(s)", task_id, tenant, len(stopped))
         calls = state["tool_calls"] if state is not None else []
         return {
@@ -42,6 +43,18 @@ class Cancels(Components):
             "budget": state["budget"] if state is not None else {},
             "used": state["used"] if state is not None else {},
         }
+
+    def stop_task(self, key: TaskKey) -> list[str]:
+        """A cancelled task here: its calls in flight are stopped (their ids), and every
+        model's queue gate stops counting its remaining planned steps as admitted work,
+        which would otherwise refuse new tasks 503 `overloaded` until the cancelled
+        task's own deadline (policy/admission.py)."""
+        stopped = self.running.stop(key)
+        for gate in self.gates.values():  # an adapter's alias names its base's gate
+            forget = getattr(gate, "forget_task", None)  # a worker's RemoteGate has none
+            if forget is not None:
+                forget(key)
+        return stopped
 
     async def describe_task(self, tenant: str, task_id: str) -> dict[str, Any]:
         """The live state of a tenant's task (budget, use, deadline, tool calls)."""

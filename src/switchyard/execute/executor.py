@@ -56,7 +56,9 @@ _NO_SPAN: tuple[None, dict[str, str]] = (
 def upstream_payload(ctx: RequestContext, dep: Deployment) -> bytes:
     """The request as the upstream is sent it: the client's, with the upstream's
     model name and the output cap the request reserved (policy/cost.py: always sent,
-    so the engine cannot write past it); streams always ask for usage.
+    so the engine cannot write past it); streams always ask for usage. The client's
+    own `priority` member (an engine scheduler's) never goes out: the deployment's
+    engine is sent the gateway's class (`scheduling_policy: priority`), or nothing.
 
     When no stage replaced the request, its bytes are exactly it, and nothing needs
     changing but members to add, the client's bytes go out as they came, the members
@@ -80,7 +82,7 @@ def upstream_payload(ctx: RequestContext, dep: Deployment) -> bytes:
         and wire[1] is not None  # every member is in `req` as sent: none was null
         and lora is None
         and not native_ids
-        and not (priority and "priority" in req.extra)  # the client's is replaced below
+        and "priority" not in req.extra  # the client's own is dropped or replaced below
         and req.model == dep.upstream_model
         and (cap is None or (req.max_tokens is None and req.max_completion_tokens is None))
     ):
@@ -112,8 +114,11 @@ def upstream_payload(ctx: RequestContext, dep: Deployment) -> bytes:
         # we account usage even when the client does not ask
         changes["stream_options"] = {**(req.stream_options or {}), "include_usage": True}
     extra = req.extra
-    if lora is not None or native_ids or priority:
+    if lora is not None or native_ids or priority or "priority" in extra:
         extra = {**extra}
+        # A client's own engine priority never goes upstream (a batch key would ask the
+        # engine's scheduler to run it first): the gateway's class, or nothing.
+        extra.pop("priority", None)
         if priority:
             extra["priority"] = ctx.admission.priority
         if lora is not None:

@@ -39,7 +39,16 @@ and refuses what cannot succeed, before anything is sent:
   (the engines' own running and waiting counts, when fresh, beyond this gate's own
   requests; engines/load.py);
 * when the queue is full, a later step (or single call) takes the place of the
-  lowest-ranked queued first step of a new task, which gets 503 `overloaded`.
+  lowest-ranked queued first step of a new task, which gets 503 `overloaded`, when that
+  first step ranks below it (a lower class, or the same: later steps go first); else
+  the arriving request is refused 429 `queue_full`, its Retry-After the expected wait
+  for a place (the estimate times the queued over the concurrency).
+
+An admitted task's remaining planned steps count as work ahead of new tasks while the
+task is being worked: a call of it queued, or one seen (queued, granted or answered)
+within `PLAN_IDLE_S`. A task idle longer, or cancelled (`forget_task`), or whose first
+step never got its slot (refused, cancelled, timed out), is no longer counted; its next
+call, if one comes, counts its plan again.
 
 The service-time estimate is learned per model (`ServiceModel`): slot seconds as a
 linear function of the output tokens (weighted least squares, recent requests weigh
@@ -207,11 +216,15 @@ class _Progress:
     seen: int
     deadline: float
     priority: Priority = Priority.STANDARD
+    last: float = 0.0  # when a call of it was last seen: queued, granted or answered
 
 
 class DeploymentGate:
     MAX_TASKS = 10_000
     SINGLES_WINDOW_S = 30.0  # single calls' rate: the slots given them, decayed over this
+    # A task none of whose calls was seen (queued, granted, answered) for this long, and
+    # none queued, is idle: its remaining planned steps no longer count as admitted work.
+    PLAN_IDLE_S = 60.0
 
     def __init__(
         self,
@@ -258,7 +271,7 @@ class DeploymentGate:
         ):
             self.in_flight += 1
             if self.task_aware and ask.task is not None:
-                self._note(ask, deadline)
+                self._note(ask, deadline, self.clock())
             self._granted(ask)
             return Admission(0.0, self.in_flight, len(self._waiters))
         return None
@@ -280,7 +293,7 @@ class DeploymentGate:
             raise QueueFull(
                 f"model '{self.name}' is at capacity ({self.in_flight} running, "
                 f"{len(self._waiters)} queued); retry shortly",
-                headers={"Retry-After": "1"},
+                headers={"Retry-After": str(self._place_free_s(ask, est))},
             )
         self._seq += 1
         w = _Waiter(
@@ -289,7 +302,7 @@ class DeploymentGate:
         if evidence is not None:
             evidence["position"] = self._position(w, start)
             if ask.task is not None:
-                self._note(ask, deadline)
+                self._note(ask, deadline, start)
         self._waiters.append(w)
         limit = deadline - (est.service_s if est is not None else 0.0)
         try:
@@ -298,6 +311,7 @@ class DeploymentGate:
             waited = self.clock() - start
             if est is not None:
                 raise self._unreachable(w, waited, evidence) from None
+            self._forget(ask)
             raise DeadlineExceeded(
                 f"the request deadline passed after {waited:.2f}s "
                 f"in the queue for '{self.name}'; it was not sent upstream"
@@ -306,13 +320,16 @@ class DeploymentGate:
             # Cancelled after being handed a slot: give it to the next waiter.
             if w.fut.done() and not w.fut.cancelled() and w.fut.exception() is None:
                 self.release()
+            self._forget(ask)  # a new task whose first step never ran is not admitted
             raise
         finally:
             with contextlib.suppress(ValueError):
                 self._waiters.remove(w)
-        waited = self.clock() - start
+        now = self.clock()
+        waited = now - start
         self._granted(ask)
         if evidence is not None:
+            self._touch(ask, now)
             evidence["waited_s"] = round(waited, 4)
         return Admission(waited, self.in_flight, len(self._waiters), evidence)
 
@@ -325,6 +342,8 @@ class DeploymentGate:
         if held_s is not None and tokens is not None:
             self.model.observe(held_s, tokens, ask.step_key)
         now = self.clock()
+        if ask.task is not None:
+            self._touch(ask, now)  # its task is being worked: an answer came
         while self._waiters:
             w = self._next(now)
             self._waiters.remove(w)
@@ -406,15 +425,21 @@ class DeploymentGate:
         higher does; lower-class work only when due no later than it (such work rises a
         class each `aging_s` and then competes by deadline, so work due later never runs
         before the task's steps): a batch client declaring long tasks cannot have an
-        interactive task refused. Linear in the admitted tasks: the steps of a task not
-        learned apart all take the model's estimate, so a task's remaining steps cost
-        one multiplication, not one estimate each."""
+        interactive task refused. A task counts only while it is being worked (a call
+        of it queued, or one seen within `PLAN_IDLE_S`): a plan declared and left idle
+        is dropped, so declared steps that are not coming cannot refuse others' tasks.
+        Linear in the admitted tasks: the steps of a task not learned apart all take
+        the model's estimate, so a task's remaining steps cost one multiplication, not
+        one estimate each."""
 
         def ahead(cls: int, due: float) -> bool:
             return cls <= priority or due <= deadline
 
         total = 0.0
+        working: set[Hashable] = set()  # the tasks with a call queued
         for w in self._waiters:
+            if w.ask.task is not None:
+                working.add(w.ask.task)
             if not ahead(self._key(w, now)[0], w.deadline):
                 continue
             if w.estimate is None:
@@ -430,8 +455,13 @@ class DeploymentGate:
             if s is None:
                 return None
             learned.setdefault(planned, []).append((step, s))
+        idle_since = now - self.PLAN_IDLE_S
         for key, p in list(self._tasks.items()):
-            if p.deadline <= now or p.seen >= p.planned:
+            if (
+                p.deadline <= now
+                or p.seen >= p.planned
+                or (p.last < idle_since and key not in working)
+            ):
                 del self._tasks[key]
                 continue
             if not ahead(p.priority, p.deadline):
@@ -522,13 +552,19 @@ class DeploymentGate:
 
     def _make_room(self, ask: SlotAsk, deadline: float, now: float) -> bool:
         """A full queue: a step of an admitted task (or a single call) takes the place of
-        the lowest-ranked first step of a new task, refused 503 overloaded."""
+        the lowest-ranked first step of a new task, refused 503 overloaded, when that
+        first step ranks below it in the queue's own order (its class after aging no
+        higher than the arriving request's: within a class later steps go first). A
+        batch call never pushes out a higher class's queued task: it is refused."""
         if not self.task_aware or ask.new_task:
             return False
         firsts = [w for w in self._waiters if w.ask.new_task and not w.fut.done()]
         if not firsts:
             return False
         victim = max(firsts, key=lambda w: self._key(w, now))
+        arriving = (int(ask.priority), 0, deadline, self._seq + 1)  # its key, queued now
+        if self._key(victim, now) < arriving:
+            return False
         self._waiters.remove(victim)
         self._forget(victim.ask)
         victim.fut.set_exception(
@@ -540,12 +576,35 @@ class DeploymentGate:
         )
         return True
 
+    def _place_free_s(self, ask: SlotAsk, est: Estimate | None) -> int:
+        """A full queue's Retry-After: about when a place frees, the queued waiters'
+        service over the concurrency (the estimate for this request times the queued, as
+        the 503's expected wait is worked out), at least 1 s; 1 s without an estimate."""
+        if est is None:
+            est = self.model.estimate(ask)
+        if est is None or not self.max_concurrency:
+            return 1
+        wait = est.service_s * len(self._waiters) / self.max_concurrency
+        return max(1, math.ceil(wait)) if math.isfinite(wait) else 1
+
+    def forget_task(self, task: Hashable) -> None:
+        """The task was cancelled: its remaining planned steps are no longer admitted
+        work (its calls still queued are stopped by their own cancel)."""
+        self._tasks.pop(task, None)
+
     def _forget(self, ask: SlotAsk) -> None:
-        """A new task refused at its first step is not admitted after all."""
+        """A new task whose first step did not get its slot (refused, cancelled, timed
+        out) is not admitted after all."""
         if ask.new_task:
             self._tasks.pop(ask.task, None)
 
-    def _note(self, ask: SlotAsk, deadline: float) -> None:
+    def _touch(self, ask: SlotAsk, now: float) -> None:
+        """A call of the task was granted or answered: the task is being worked."""
+        p = self._tasks.get(ask.task) if ask.task is not None else None
+        if p is not None:
+            p.last = now
+
+    def _note(self, ask: SlotAsk, deadline: float, now: float) -> None:
         """Count the task as admitted, with the highest of its calls seen. At most
         MAX_TASKS are kept, the least recently seen given up first: a flood of new
         task ids costs the oldest records one at a time, never every tenant's at once."""
@@ -562,3 +621,4 @@ class DeploymentGate:
         p.seen = max(p.seen, ask.step)
         p.deadline = min(p.deadline, deadline)
         p.priority = min(p.priority, ask.priority)
+        p.last = now
