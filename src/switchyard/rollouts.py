@@ -95,6 +95,9 @@ class Plan:
     lease: Lease | None = None
     prompt_ids: list[list[int]] = field(default_factory=list)  # per prompt, on the lease
     records: list[dict[str, Any]] = field(default_factory=list)
+    # The samples at the engine now, (prompt, sample) -> their prompt's token count: one
+    # cut there (the deadline, the client gone) is billed as if it wrote max_tokens.
+    drawing: dict[tuple[int, int], int] = field(default_factory=dict)
 
 
 def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
@@ -398,6 +401,9 @@ class RolloutService:
                 task.cancel()
             if pending:  # the engine calls end here, not on their own later
                 await asyncio.gather(*pending, return_exceptions=True)
+            if plan.drawing:  # cut at the engine: each may have written all it was let
+                inp += sum(plan.drawing.values())
+                out += plan.max_tokens * len(plan.drawing)
             lease.release()
             ctx.run.attempts = 1
             ctx.run.usage = {"prompt_tokens": inp, "completion_tokens": out}
@@ -480,6 +486,7 @@ class RolloutService:
         manager = self.managers[plan.alias]
         started = time.time()
         async with slots:
+            plan.drawing[i, j] = len(ids)  # kept there if it is cancelled mid-draw
             try:
                 got = await rollout.draw(
                     manager.session, rev.engine, ids, s, rev.lora, rev.served_as
@@ -487,6 +494,7 @@ class RolloutService:
                 error = None
             except rollout.EngineCallFailed as exc:
                 got, error = None, {"code": "engine_error", "message": str(exc)}
+            del plan.drawing[i, j]
         facts = rev.facts or {}
         record: dict[str, Any] = {
             "object": "rollout.sample",

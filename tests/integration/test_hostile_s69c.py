@@ -384,6 +384,26 @@ def test_a_rollout_ends_at_its_deadline(rl: Gateway) -> None:
         assert _ndjson(r)[-1]["object"] in ("rollout.summary", "rollout.error"), r.text[-300:]
 
 
+def test_the_samples_a_deadline_cuts_are_billed(rl: Gateway) -> None:
+    """Samples cut at the engine by the deadline had their prompts read and may have
+    written up to max_tokens each; they were billed nothing (rollouts.py counted only
+    finished samples): a client could draw for free by always asking a deadline just
+    short of its samples' end. Each one cut is billed its prompt and max_tokens."""
+    tenant, key = rl.new_tenant("dlb")
+    body = {
+        "model": "smol",
+        "prompts": [" ".join(["1"] * 64)],  # greedy, it repeats to max_tokens (~13 s here)
+        "n": 1,
+        "max_tokens": 300,
+        "temperature": 0.0,
+    }
+    r = _rollout(rl, key, body, **{"x-request-timeout": "2"})
+    assert r.status_code in (200, 504), r.text[:300]
+    [row] = _rows(rl, tenant, 1)
+    assert row["output_tokens"] >= 300 and row["input_tokens"] >= 64, row
+    assert row["cost_usd"] > 0, row
+
+
 SECRET = "sk-proj-Rv7wQ2nL9xB4tK1mZ6yH3pC8sD0fG5jA"  # an API key's shape, sent as an id
 SECRET2 = "sk-proj-Tb4yN8cE1vQ6rM3kW9uJ2hX5pD7gL0aF"
 
