@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from switchyard.errors import ClientDisconnected
 
 T = TypeVar("T")
-Receive = Callable[[], Awaitable[Mapping[str, Any]]]  # an ASGI request's `receive`
+Receive = Callable[[], Awaitable[Mapping[str, object]]]  # an ASGI request's `receive`
 
 
 async def hung_up(receive: Receive) -> None:
