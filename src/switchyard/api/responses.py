@@ -13,8 +13,10 @@ event stream (api/responses_reply.py) and, unless `store` is false, is stored fo
 tenant, encrypted (state/responses.py).
 
 Background responses (`background: true`) answer `queued` at once and run in this
-process; `GET` polls them, `cancel` stops the upstream call. A tenant runs at most
-`responses.max_background_per_tenant` at once (429 beyond).
+process, which holds their lease (state/responses.py); `GET` polls them, `cancel` stops
+the upstream call. A tenant runs at most `responses.max_background_per_tenant` at once
+(429 beyond). This gateway's stop cuts them: failed with the restart reason, their
+request recorded cancelled, not an upstream's error.
 
 Reading, deleting and cancelling a stored response, and listing its input items, are
 requests of the key's (service.called): held to its and its tenant's rpm before the
@@ -85,7 +87,7 @@ from switchyard.reply import (
 from switchyard.request import Generation, from_object
 from switchyard.service import ReadBody
 from switchyard.settle import CLIENT_CANCEL, mark_failed
-from switchyard.state.responses import ResponseStore, StoredResponse
+from switchyard.state.responses import ORPHAN_REASON, STOPPING, ResponseStore, StoredResponse
 from switchyard.state.sealing import SealError
 
 log = logging.getLogger("switchyard.api")
@@ -425,6 +427,7 @@ class ResponsesRoutes:
         self.running[shell.rid] = task
         task.add_done_callback(lambda _: self.running.pop(shell.rid, None))
         stored = admitted.result()
+        self.store.hold(stored, task)  # its lease renewed while it runs; a stop cuts it
         return Response(
             orjson.dumps(stored.body["response"]),
             media_type="application/json",
@@ -476,8 +479,8 @@ class ResponsesRoutes:
             shell.model = _served(ctx, req)
             obj = to_response(chat, shell)
             now = await self.store.get(stored.tenant_id, stored.id)
-            if now is None or now.status == "cancelled":
-                return  # cancelled or deleted meanwhile (by another process): left so
+            if now is None or now.status in DONE:
+                return  # cancelled, deleted or failed meanwhile (elsewhere): left so
             stored.status = obj["status"]
             stored.deployment = ctx.deployment.name if ctx.deployment is not None else None
             stored.body = {
@@ -486,12 +489,17 @@ class ResponsesRoutes:
                 "conversation": [*conversation, chat_message(chat)],
             }
             await self.store.update(stored)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             if not holder:
                 raise
             stored = holder[0]
-            stored.status = "cancelled"
-            stored.body["response"] = shell.object("cancelled", [])
+            if exc.args and exc.args[0] == STOPPING:  # this gateway's stop: not the client's
+                stored.status = "failed"
+                error = {"code": "server_error", "message": ORPHAN_REASON}
+                stored.body["response"] = shell.object("failed", [], error=error)
+            else:
+                stored.status = "cancelled"
+                stored.body["response"] = shell.object("cancelled", [])
             with contextlib.suppress(Exception):
                 await self.store.update(stored)
         except Exception as exc:
@@ -511,10 +519,10 @@ class ResponsesRoutes:
                 await self.store.update(stored)
 
     async def _cancellable(self, work: Any, stored: Any) -> Any:
-        """`work`'s result, or None once another gateway on the store cancelled or
-        deleted the response (looked for every CANCEL_POLL_S once it is stored:
-        `stored()` lists it): the work is cancelled then, so its upstream call stops
-        wherever the cancel was asked."""
+        """`work`'s result, or None once another gateway on the store cancelled, deleted
+        or failed the response (its lease lapsed: looked for every CANCEL_POLL_S once it
+        is stored, `stored()` lists it): the work is cancelled then, so its upstream call
+        stops wherever the cancel was asked."""
         task = asyncio.ensure_future(work)
         try:
             while True:
@@ -525,7 +533,7 @@ class ResponsesRoutes:
                 if not held:
                     continue
                 now = await self.store.get(held[0].tenant_id, held[0].id)
-                if now is None or now.status == "cancelled":
+                if now is None or now.status in DONE:
                     break
         except BaseException:
             task.cancel(CLIENT_CANCEL)  # this gateway's cancel (or its stop)

@@ -108,3 +108,9 @@ class ResponsesConfig(Strict):
     max_background_per_tenant: int = Field(16, ge=1)
     """Background responses (`background: true`) a tenant may have queued or running at once, over
     every gateway sharing the store; one more is refused with 429."""
+    lease_s: float = Field(15.0, ge=1, le=3600)
+    """Seconds a background response stays its gateway process's without a renewal: that process
+    renews the leases of all it runs every third of this (one write); a response whose lease has
+    lapsed (its gateway crashed, hung, or lost the database) is failed by any gateway on the store
+    and no longer counts against `max_background_per_tenant`. One of a process of the same host
+    that is gone is failed at once. Keep it well above the clock skew between gateway hosts."""

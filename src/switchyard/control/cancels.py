@@ -10,7 +10,6 @@ from typing import Any
 
 from switchyard.control.components import Components
 from switchyard.errors import NotFound
-from switchyard.state.tasks import TaskKey
 
 log = logging.getLogger("switchyard")
 
@@ -43,18 +42,6 @@ class Cancels(Components):
             "budget": state["budget"] if state is not None else {},
             "used": state["used"] if state is not None else {},
         }
-
-    def stop_task(self, key: TaskKey) -> list[str]:
-        """A cancelled task here: its calls in flight are stopped (their ids), and every
-        model's queue gate stops counting its remaining planned steps as admitted work,
-        which would otherwise refuse new tasks 503 `overloaded` until the cancelled
-        task's own deadline (policy/admission.py)."""
-        stopped = self.running.stop(key)
-        for gate in self.gates.values():  # an adapter's alias names its base's gate
-            forget = getattr(gate, "forget_task", None)  # a worker's RemoteGate has none
-            if forget is not None:
-                forget(key)
-        return stopped
 
     async def describe_task(self, tenant: str, task_id: str) -> dict[str, Any]:
         """The live state of a tenant's task (budget, use, deadline, tool calls)."""

@@ -24,7 +24,7 @@ from switchyard.state.keys import KeyStore
 from switchyard.state.limits import Limiter
 from switchyard.state.responses import ResponseStore
 from switchyard.state.store import Store
-from switchyard.state.tasks import TaskStore
+from switchyard.state.tasks import TaskKey, TaskStore
 
 if TYPE_CHECKING:
     from switchyard.state.affinity_redis import SessionAffinity
@@ -61,3 +61,15 @@ class Components:
     sessions: SessionAffinity | None
     guard_share: GuardShare | None  # the canary guards' windows shared (state/guard.py)
     gates: dict[str, Any]  # DeploymentGate (or a worker's RemoteGate) by alias
+
+    def stop_task(self, key: TaskKey) -> list[str]:
+        """A cancelled task here: its calls in flight are stopped (their ids), and every
+        model's queue gate stops counting its remaining planned steps as admitted work,
+        which would otherwise refuse new tasks 503 `overloaded` until the cancelled
+        task's own deadline (policy/admission.py)."""
+        stopped = self.running.stop(key)
+        for gate in self.gates.values():  # an adapter's alias names its base's gate
+            forget = getattr(gate, "forget_task", None)  # a worker's RemoteGate has none
+            if forget is not None:
+                forget(key)
+        return stopped

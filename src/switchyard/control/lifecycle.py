@@ -1,7 +1,9 @@
 """Start and stop: engines and tool servers, the background loops of the other
 concerns (retention, busy time, weights, revisions, task cancels from other
-processes, the shared cache's events, key changes from other processes), the router and the candidate encoder's build;
-all given back in `stop`."""
+processes, the shared cache's events, key changes from other processes, the leases of
+background responses), the router and the candidate encoder's build; all given back in
+`stop`, which first cuts the background responses running here (failed with the restart
+reason, before the upstream clients close)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ _LOOPS = (
     "_control_task",
     "_overhead_task",
     "_key_changes",
+    "_leases",
 )
 
 
@@ -54,15 +57,16 @@ class Lifecycle(Readiness, Retention, BusyTime, Weights, RevisionRecords):
             self._control_task = asyncio.create_task(self._follow_control())
         if self.mcp is not None:
             self.mcp.servers.start()
-        try:  # what this instance had in flight when it stopped: failed, saying why
+        try:  # what stopped gateways had in flight: failed, saying why
             self.responses.fail_orphans()
         except sqlite3.Error as exc:  # the database is down: they stay as they were
             log.error("could not mark the responses in flight at the last stop: %s", exc)
+        self._leases = asyncio.create_task(self._lease_loop())
         if self.revisions:
             self._revisions_task = asyncio.create_task(self._boot_revisions())
         listen = getattr(self.tasks, "listen", None)
         if listen is not None:  # cancels made through other gateway processes
-            self._cancels = asyncio.create_task(listen(self.running.stop))
+            self._cancels = asyncio.create_task(listen(self.stop_task))
         if self.cache is not None and self.cache.share is not None:
             self._cache_events = asyncio.create_task(self.cache.share.listen())
         if self.auth.changes is not None:  # key changes made through other processes
@@ -102,6 +106,23 @@ class Lifecycle(Readiness, Retention, BusyTime, Weights, RevisionRecords):
                 if alias in known:  # another config's models are not this one's
                     self.overhead.merge(alias, floor, ratio)
 
+    async def _lease_loop(self) -> None:
+        """Every third of `responses.lease_s`: renew the leases of the background
+        responses this process runs (one write for all); every `lease_s`: fail other
+        gateways' whose lease lapsed (their gateway crashed or hung). A database that
+        fails is logged and tried again next time."""
+        every = self.settings.responses.lease_s / 3
+        ticks = 0
+        while True:
+            await asyncio.sleep(every)
+            ticks += 1
+            try:
+                await self.responses.renew()
+                if ticks % 3 == 0:
+                    await self.responses.sweep()
+            except Exception as exc:
+                log.warning("could not renew or check the background responses' leases: %s", exc)
+
     def _describe_checks(self, text: str) -> None:
         if self.cache is not None:
             self.cache.checks = text
@@ -111,6 +132,10 @@ class Lifecycle(Readiness, Retention, BusyTime, Weights, RevisionRecords):
         self.router = await build_router(self.settings, self.embedder)
 
     async def stop(self) -> None:
+        try:  # before anything they use closes: ended here, not blamed on an upstream
+            await self.responses.abandon()
+        except Exception as exc:
+            log.error("could not mark the background responses cut by this stop: %s", exc)
         for name in _LOOPS:
             task = getattr(self, name, None)
             if task is not None:

@@ -44,19 +44,19 @@ if TYPE_CHECKING:
 
 def build_store(settings: Settings, target: str, role: ProcessRole = SINGLE) -> Store:
     """The store at `target` (config.store_target), with the tenants' default limits.
-    Of several processes, each names its own background responses (a restarted worker
-    fails only those it had in flight) and all write through one ledger writer."""
+    Each process owns its own background responses under a name of its own (a
+    restarted gateway or worker is a new owner: what the old one ran is failed as its
+    lease lapses, or at once when its process on this host is gone), and all write
+    through one ledger writer."""
     d = settings.tenants_defaults
     defaults = Limits(d.rpm, d.tpm, d.max_concurrency, d.budget.usd, d.budget.period)
     flush_s = settings.observe.ledger_flush_ms / 1000
     # Stored responses (state/responses.py): sealed with the configured key or the
-    # home's key file (a bad one stops the start here), owned by host:port.
+    # home's key file (a bad one stops the start here), owned by this process.
     sealer = Sealer.from_settings(settings)
-    owner = instance_name(settings.server.port)
-    if role.kind != "single":
-        owner += f"/{role.kind}{role.index if role.worker else ''}"
+    owner = instance_name()
     kept_days = settings.responses.retention_days
-    return (
+    store = (
         MemoryStore(
             defaults,
             settings.idempotency.ttl_s,
@@ -78,6 +78,8 @@ def build_store(settings: Settings, target: str, role: ProcessRole = SINGLE) -> 
             writer_socket=role.ledger_socket,
         )
     )
+    store.responses.lease_s = settings.responses.lease_s
+    return store
 
 
 def build_limiter(settings: Settings, role: ProcessRole = SINGLE) -> Limiter:

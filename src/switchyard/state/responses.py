@@ -16,9 +16,15 @@ environment). Rows live in the gateway's database (SQLite, or PostgreSQL through
 state/sql_pg.py's translation: the same SQL), so continuations survive a restart and
 are shared by gateway processes on one database.
 
-Background responses belong to the gateway instance that accepted them (`owner`, the
-host and port, the same after a restart): at start, `fail_orphans` marks what this
-instance had in flight as failed, saying why, since nothing runs it any more.
+Background responses belong to the gateway process that accepted them (`owner`: its
+host, process id and a random part, `instance_name`, never the same twice) and hold a
+lease on their row (`lease_until`) that their owner renews while it runs them: one
+UPDATE per process every third of `responses.lease_s`, for all its rows (`renew`). A
+row whose lease has lapsed, or whose owner was a process of this host that no longer
+exists, has nothing running it: any gateway on the store fails it, saying why
+(ORPHAN_REASON), at its start and every `responses.lease_s` (`fail_orphans`, `sweep`),
+or when it reads it (`get`); `active_background` does not count it. A gateway that
+stops fails its own first (`abandon`), its work cancelled, not blamed on the upstream.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
+import hashlib
 import logging
 import os
 import secrets
@@ -59,6 +67,10 @@ T = TypeVar("T")
 IN_FLIGHT = ("queued", "in_progress")
 KEY_FILE = "responses.key"
 ORPHAN_REASON = "the gateway restarted while this response was in progress"
+# The cancel message of a background response's work cut by its gateway's stop
+# (`abandon`): it is failed with ORPHAN_REASON, not stored as the client's cancel.
+STOPPING = "the gateway is stopping"
+LEASE_S = 15.0  # responses.lease_s's default
 MAX_QUEUED = 10_000  # responses waiting for their commit; one more is refused (503)
 
 
@@ -95,10 +107,50 @@ def new_response_id() -> str:
     return f"resp_{int(time.time() * 1000):012x}{secrets.token_hex(10)}"
 
 
-def instance_name(port: int) -> str:
-    """This gateway instance as an owner of background responses: host and port, the
-    same after a restart, distinct for gateways on one host."""
-    return f"{socket.gethostname()}:{port}"
+def _pid_scope() -> str:
+    """This kernel's boot and this process's pid namespace, as 8 hex digits: processes
+    with the same scope see each other's process ids. '' where it is not known (not
+    Linux): no owner is then judged by its process id, only by its lease."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
+        space = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+    return hashlib.sha256(f"{boot} {space}".encode()).hexdigest()[:8]
+
+
+_SCOPE = _pid_scope()
+
+
+def instance_name(port: int | None = None) -> str:
+    """This gateway process as an owner of background responses, never the same twice:
+    `host:pid:scope:random` (a restarted gateway, another port or a worker of several
+    is another owner; `port` is not part of it and kept for callers that pass one)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{_SCOPE}:{secrets.token_hex(4)}"
+
+
+def owner_gone(owner: str | None) -> bool:
+    """Whether `owner` was a process of this kernel and pid namespace that exists no
+    more (killed, crashed, stopped): then nothing runs its responses, whatever their
+    lease says. False when it cannot be told (another host or namespace, an older
+    owner name, a process id in use again): its lease decides."""
+    parts = (owner or "").split(":")
+    if len(parts) != 4 or not _SCOPE or parts[2] != _SCOPE or not parts[1].isdigit():
+        return False
+    pid = int(parts[1])
+    if pid == os.getpid():
+        return False  # this process (another store of it): alive
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: it exists
+        return False
+    try:  # a zombie (dead, not yet reaped) runs nothing
+        stat_line = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return True  # gone between the two looks
+    return stat_line.rpartition(")")[2].split()[:1] == ["Z"]
 
 
 def _decode_key(text: str) -> bytes | None:
@@ -216,8 +268,29 @@ class Sealer(sealing.Sealer):
 
 _COLUMNS = (
     "tenant_id, id, created_at, status, model, deployment, previous_response_id,"
-    " background, owner, body"
+    " background, owner, body, updated_at, lease_until"
 )
+# A row's lease: until `lease_until`, renewed by its owner; a row not renewed yet (just
+# inserted by the ledger's writer) holds one of the judge's `lease_s` from its write.
+_LEASE = "COALESCE(lease_until, updated_at + ?)"
+_IN_FLIGHT = "status IN ('queued', 'in_progress')"
+
+
+def add_lease_column(conn: sqlite3.Connection) -> None:
+    """The `lease_until` column, added to a database made before it (SQLite, or
+    PostgreSQL through state/sql_pg.py), once; another process adding it first wins."""
+    if isinstance(conn, sqlite3.Connection):
+        have = {row[1] for row in conn.execute("PRAGMA table_info(responses)")}
+        if "lease_until" not in have:
+            with contextlib.suppress(sqlite3.OperationalError):  # another process won
+                conn.execute("ALTER TABLE responses ADD COLUMN lease_until REAL")
+        return
+    found = conn.execute(
+        "SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema()"
+        " AND table_name = 'responses' AND column_name = 'lease_until'"
+    ).fetchone()
+    if found is None:
+        conn.executescript("ALTER TABLE responses ADD COLUMN IF NOT EXISTS lease_until REAL")
 
 
 class Responses(Protocol):
@@ -244,6 +317,14 @@ class Responses(Protocol):
 
     def fail_orphans(self) -> int: ...
 
+    def hold(self, r: StoredResponse, work: asyncio.Future[Any]) -> None: ...
+
+    async def renew(self) -> int: ...
+
+    async def sweep(self) -> int: ...
+
+    async def abandon(self, timeout_s: float = 5.0) -> int: ...
+
 
 class ResponseStore:
     """Stored responses in the gateway's database (SQLite or PostgreSQL).
@@ -267,12 +348,21 @@ class ResponseStore:
         writer: UsageLedger | None = None,
         retention_days: float = 30.0,
         max_queued: int = MAX_QUEUED,
+        lease_s: float = LEASE_S,
     ) -> None:
         self.conn = conn
         self.sealer = sealer
         self.owner = owner
         self.retention_s = retention_days * 86400
+        self.lease_s = lease_s
+        """How long a background row stays this owner's without a renewal
+        (`responses.lease_s`): renewed every third of it; judged by it on rows not
+        renewed yet."""
         self.conn.executescript(RESPONSES_SCHEMA)
+        add_lease_column(self.conn)
+        # This process's background responses running here, and their work: their
+        # leases renewed (`renew`), cut at a stop (`abandon`).
+        self._held: dict[tuple[str, str], asyncio.Future[Any]] = {}
         self._lock = threading.Lock()
         self._io = io
         self._writer = writer
@@ -367,8 +457,43 @@ class ResponseStore:
 
     async def active_background(self, tenant_id: str) -> int:
         """The tenant's background responses queued or in progress, on every gateway
-        sharing the database (what `responses.max_background_per_tenant` caps)."""
+        sharing the database (what `responses.max_background_per_tenant` caps): this
+        owner's, and others' that still run (a lapsed lease or a process of this host
+        that is gone runs nothing: such a row is failed, not counted)."""
         return await self._run("the background responses", self._active, tenant_id)
+
+    def hold(self, r: StoredResponse, work: asyncio.Future[Any]) -> None:
+        """`r`, stored and committed, runs here as `work` until that ends: its lease is
+        renewed with this owner's others, and a stop cuts it (`abandon`)."""
+        key = (r.tenant_id, r.id)
+        self._held[key] = work
+        work.add_done_callback(lambda _: self._held.pop(key, None))
+
+    async def renew(self) -> int:
+        """Renew the leases of this owner's background rows in flight, all in one
+        UPDATE (none while nothing runs here): they stay this owner's for `lease_s`
+        more. Returns how many rows it renewed."""
+        if not self._held:
+            return 0
+        return await self._run("renewing background leases", self._renew, time.time())
+
+    async def sweep(self) -> int:
+        """Fail other owners' orphans (`fail_orphans`' second half), off the event loop:
+        what crashed or stopped elsewhere since this gateway started."""
+        return await self._run("failing orphaned responses", self._fail_others, time.time())
+
+    async def abandon(self, timeout_s: float = 5.0) -> int:
+        """At a stop, before the upstream clients close: this process's background
+        responses still running are cut (their work cancelled with STOPPING: the
+        upstream call stops, the request is recorded cancelled, the response stored
+        failed with ORPHAN_REASON by its work), then whatever of this owner's is still
+        in flight is failed here with that reason. Returns how many rows this failed."""
+        work = list(self._held.values())
+        for w in work:
+            w.cancel(STOPPING)
+        if work:
+            await asyncio.wait(work, timeout=timeout_s)
+        return await self._run("failing this gateway's responses", self._fail_own)
 
     @staticmethod
     def _row(r: StoredResponse, body: Any, now: float) -> StoredRow:
@@ -405,14 +530,14 @@ class ResponseStore:
                 raise
 
     def _get(self, tenant_id: str, rid: str, now: float) -> StoredResponse | None:
-        with self._lock:
-            row = self.conn.execute(
-                f"SELECT {_COLUMNS} FROM responses WHERE tenant_id = ? AND id = ?"
-                " AND created_at >= ?",
-                (tenant_id, rid, now - self.retention_s),
-            ).fetchone()
+        row = self._select(tenant_id, rid, now)
         if row is None:
             return None
+        if row["background"] and row["status"] in IN_FLIGHT and self._orphaned(row, now):
+            self._fail([row], now, with_body=True)  # nothing runs it: failed now, and read as such
+            row = self._select(tenant_id, rid, now)
+            if row is None:
+                return None
         return StoredResponse(
             id=row["id"],
             tenant_id=row["tenant_id"],
@@ -425,6 +550,23 @@ class ResponseStore:
             owner=row["owner"],
             body=self.sealer.open(tenant_id, rid, row["body"]),
         )
+
+    def _select(self, tenant_id: str, rid: str, now: float) -> Any:
+        with self._lock:
+            return self.conn.execute(
+                f"SELECT {_COLUMNS} FROM responses WHERE tenant_id = ? AND id = ?"
+                " AND created_at >= ?",
+                (tenant_id, rid, now - self.retention_s),
+            ).fetchone()
+
+    def _orphaned(self, row: Any, now: float) -> bool:
+        """Whether nothing runs another owner's row in flight: its lease lapsed, or its
+        owner was a process of this host that is gone."""
+        if row["owner"] == self.owner:
+            return False
+        lease = row["lease_until"]
+        until = float(lease) if lease is not None else float(row["updated_at"]) + self.lease_s
+        return until < now or owner_gone(row["owner"])
 
     def _update(self, r: StoredResponse) -> None:
         blob = self.sealer.seal(r.tenant_id, r.id, r.body)
@@ -443,32 +585,77 @@ class ResponseStore:
         return cur.rowcount > 0
 
     def _active(self, tenant_id: str) -> int:
-        with self._lock:
-            (n,) = self.conn.execute(
-                "SELECT COUNT(*) FROM responses WHERE tenant_id = ? AND background = 1"
-                " AND status IN ('queued', 'in_progress')",
-                (tenant_id,),
-            ).fetchone()
-        return int(n)
-
-    def fail_orphans(self) -> int:
-        """At start: what this instance had queued or in progress is failed, its response
-        saying why (nothing runs it any more). Other instances' rows are theirs. Returns
-        how many."""
+        """Its background rows in flight (a few: at most the cap, through a partial
+        index) less those nothing runs, which are failed here: the place a crashed
+        gateway held is free as soon as this tenant asks for one."""
+        now = time.time()
         with self._lock:
             rows = self.conn.execute(
-                "SELECT tenant_id, id, body FROM responses WHERE owner = ?"
-                " AND status IN ('queued', 'in_progress')",
+                "SELECT tenant_id, id, owner, lease_until, updated_at FROM responses"
+                f" WHERE tenant_id = ? AND background = 1 AND {_IN_FLIGHT}",
+                (tenant_id,),
+            ).fetchall()
+        orphans = [row for row in rows if self._orphaned(row, now)]
+        return len(rows) - (self._fail(orphans, now) if orphans else 0)
+
+    def _renew(self, now: float) -> int:
+        with self._lock:
+            cur = self.conn.execute(
+                f"UPDATE responses SET lease_until = ? WHERE owner = ? AND {_IN_FLIGHT}",
+                (now + self.lease_s, self.owner),
+            )
+        return max(cur.rowcount, 0)
+
+    def fail_orphans(self) -> int:
+        """At start: background responses in flight that nothing runs are failed, their
+        response saying why (ORPHAN_REASON): this owner's (a store given the owner
+        name of an earlier run) and other owners' whose lease lapsed or whose process
+        on this host is gone. Others' live rows are theirs. Returns how many."""
+        now = time.time()
+        failed = self._fail_own() + self._fail_others(now)
+        if failed:
+            log.warning("%d response(s) in flight at a gateway's stop were marked failed", failed)
+        return failed
+
+    def _fail_own(self) -> int:
+        with self._lock:
+            rows = self.conn.execute(
+                f"SELECT tenant_id, id, owner, body FROM responses WHERE owner = ? AND {_IN_FLIGHT}",
                 (self.owner,),
             ).fetchall()
+        return self._fail(rows, None, with_body=True)
+
+    def _fail_others(self, now: float) -> int:
+        with self._lock:
+            rows = self.conn.execute(
+                "SELECT tenant_id, id, owner, lease_until, updated_at FROM responses"
+                f" WHERE background = 1 AND {_IN_FLIGHT} AND owner <> ?",
+                (self.owner,),
+            ).fetchall()
+        return self._fail([row for row in rows if self._orphaned(row, now)], now)
+
+    def _fail(self, rows: list[Any], now: float | None, with_body: bool = False) -> int:
+        """Fail `rows` (tenant_id, id, owner; body `with_body`) with ORPHAN_REASON, each only
+        if still in flight under the same owner and, with `now` and an owner that may be
+        alive, its lease still lapsed then (an owner renewing meanwhile keeps it)."""
         failed = 0
         for row in rows:
-            tenant_id, rid = row["tenant_id"], row["id"]
+            tenant_id, rid, owner = row["tenant_id"], row["id"], row["owner"]
+            sealed = row["body"] if with_body else None
+            if sealed is None:  # read only for the rows failed (a conversation may be large)
+                with self._lock:
+                    found = self.conn.execute(
+                        "SELECT body FROM responses WHERE tenant_id = ? AND id = ?",
+                        (tenant_id, rid),
+                    ).fetchone()
+                if found is None:
+                    continue
+                sealed = found["body"]
             try:
-                body = self.sealer.open(tenant_id, rid, row["body"])
+                body = self.sealer.open(tenant_id, rid, sealed)
             except SealError as exc:  # its status column still says it failed
                 log.warning("an orphaned response's body was left as it was: %s", exc)
-                blob = bytes(row["body"])
+                blob = bytes(sealed)
             else:
                 response = body.get("response")
                 if not isinstance(response, dict):
@@ -476,16 +663,17 @@ class ResponseStore:
                 response["status"] = "failed"
                 response["error"] = {"code": "server_error", "message": ORPHAN_REASON}
                 blob = self.sealer.seal(tenant_id, rid, body)
-            with self._lock:  # only if still in flight here (not finished meanwhile)
-                cur = self.conn.execute(
-                    "UPDATE responses SET status = 'failed', body = ?, updated_at = ?"
-                    " WHERE tenant_id = ? AND id = ? AND owner = ?"
-                    " AND status IN ('queued', 'in_progress')",
-                    (blob, time.time(), tenant_id, rid, self.owner),
-                )
+            sql = (
+                "UPDATE responses SET status = 'failed', body = ?, updated_at = ?"
+                f" WHERE tenant_id = ? AND id = ? AND owner = ? AND {_IN_FLIGHT}"
+            )
+            args: tuple[Any, ...] = (blob, time.time(), tenant_id, rid, owner)
+            if now is not None and not owner_gone(owner):
+                sql += f" AND {_LEASE} < ?"
+                args += (self.lease_s, now)
+            with self._lock:  # only if still in flight so (not finished meanwhile)
+                cur = self.conn.execute(sql, args)
             failed += max(cur.rowcount, 0)
-        if failed:
-            log.warning("%d response(s) in flight at the last stop were marked failed", failed)
         return failed
 
 
