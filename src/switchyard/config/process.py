@@ -21,7 +21,7 @@ from typing import Literal
 class ProcessRole:
     kind: Literal["single", "control", "worker"] = "single"
     name: str = ""
-    """Who holds this process's reservations and slots: `w{index}-{pid}` for a worker
+    """Who holds this process's reservations and slots: `w{index}-{pid}-{run}` for a worker
     (a restarted worker is a new holder), `control` for the control plane."""
     index: int = 0
     """A worker's number (0..N-1), the same after a restart: what it owns that outlives

@@ -61,7 +61,7 @@ def main() -> int:
     from switchyard.api.server import uvicorn_options
     from switchyard.config import ProcessRole, load_settings
     from switchyard.scale.serve_config import ENGINE_TOKEN_ENV
-    from switchyard.scale.workers import worker_settings
+    from switchyard.scale.workers import worker_name, worker_settings
 
     spec: dict[str, Any] = json.loads(sys.stdin.buffer.read())
     _die_with_parent(os.getppid())
@@ -76,7 +76,7 @@ def main() -> int:
     )
     role = ProcessRole(
         "worker",
-        f"w{spec['index']}-{os.getpid()}",
+        worker_name(int(spec["index"]), os.getpid(), spec.get("run", "")),
         int(spec["index"]),
         spec["control_url"],
         spec["token"],

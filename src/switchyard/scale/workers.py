@@ -133,8 +133,9 @@ class _Internal(uvicorn.Server):
 class Worker:
     """One worker slot: its number, its current process and what it said."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, run: str = "") -> None:
         self.index = index
+        self.run = run  # the supervisor's run: `worker_name`
         self.proc: asyncio.subprocess.Process | None = None
         self.ready = asyncio.Event()
         self.starts = 0
@@ -143,7 +144,15 @@ class Worker:
     @property
     def name(self) -> str:
         """Who holds its reservations and slots (config/process.py)."""
-        return f"w{self.index}-{self.proc.pid}" if self.proc is not None else ""
+        return worker_name(self.index, self.proc.pid, self.run) if self.proc is not None else ""
+
+
+def worker_name(index: int, pid: int, run: str) -> str:
+    """A worker's name as holder of reservations and slots: its number, its pid, and its
+    supervisor's run (random), so that two supervisors counting in one Redis under one
+    prefix (two hosts, whose pids may be the same) never take each other's workers'
+    holds for their own dead worker's."""
+    return f"w{index}-{pid}-{run}"
 
 
 class Supervisor:
@@ -160,7 +169,8 @@ class Supervisor:
         self.config = str(Path(config).resolve()) if config else None
         self.host = host
         self.port = port
-        self.workers = [Worker(i) for i in range(count)]
+        self.run_id = secrets.token_hex(6)
+        self.workers = [Worker(i, self.run_id) for i in range(count)]
         self.banner = banner
         self.stopping = False
         self.redis: Any = None
@@ -226,6 +236,7 @@ class Supervisor:
             "redis_url": redis_url,
             "token": secrets.token_urlsafe(32),
             "ledger_socket": str(run / "ledger.sock"),
+            "run": self.run_id,
             "workers": len(self.workers),
         }
         self.writer = await asyncio.to_thread(

@@ -45,7 +45,11 @@ way, without billing.)
 
 Reserves and settles issued while an earlier one is on the wire reach Redis together,
 in one pipelined round trip (state/redis_batch.py); each is still its own script,
-atomic by itself.
+atomic by itself. A round trip whose connection drops is sent once more, and Redis may
+have run it before the drop: so each reserve carries its own call id, and the script
+records `{prefix}rl:call:{call id}` (for CALL_TTL_S) when it admits; a reserve that
+finds its call's key answers as admitted and holds nothing more. A settle sent twice
+finds the hold gone the second time (a reservation id is one request's and stage's).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import secrets
 import time
 from collections.abc import Awaitable
 from functools import partial
@@ -83,6 +88,9 @@ LEASE_S = 600.0
 # Budget keys must outlive the longest period (a 31-day month) and then go away.
 BUDGET_TTL_S = 40 * 86400
 _KEYS_PER_SCOPE = 6
+# How long an admitted reserve's call key says it ran (a resent call comes within the
+# client's timeout, a few seconds at most).
+CALL_TTL_S = 60.0
 
 
 # Constants, so written into the scripts rather than sent with each call. Arguments of
@@ -91,6 +99,7 @@ _LUA_COMMON = f"""
 local window, lease = {WINDOW_S!r}, {LEASE_S!r}
 local window_ms, lease_ms = '{int(2 * WINDOW_S * 1000)}', '{int(LEASE_S * 1000)}'
 local budget_ttl = '{BUDGET_TTL_S}'
+local call_ms = '{int(CALL_TTL_S * 1000)}'
 """
 _LUA_COMMON += """
 local call, max, tonumber, format = redis.call, math.max, tonumber, string.format
@@ -105,9 +114,15 @@ local owner = nil
 if #KEYS > 2 + 6 * n then owner = KEYS[#KEYS] end
 """
 
+# KEYS: as `_LUA_KEYS`, then the call's own key (`{prefix}rl:call:{call id}`) last.
 # ARGV: now, request id, ask tokens, ask cost, the owner record's text before and after
-# its sequence number ("" without an owner), then per scope rpm, tpm, concurrency, budget
-# ("" = unlimited) and seconds to the budget period's rollover ("" without a budget).
+# its sequence number ("" without an owner), the call's id, then per scope rpm, tpm,
+# concurrency, budget ("" = unlimited) and seconds to the budget period's rollover (""
+# without a budget).
+# The call's key is how a call sent twice is applied once: a batch whose connection
+# dropped after Redis ran it and before its reply was read is sent again (redis_batch.py),
+# and a reserve that finds its call's key already there (its first sending admitted it)
+# answers as admitted again, with the state as it is, and holds nothing more.
 # A window's oldest member is read first: only when it has left the window does the
 # script look for more to expire, and while it has not, that one read is all the
 # expiring costs. (Reading a few oldest members at once, to find what left and the oldest
@@ -116,8 +131,10 @@ if #KEYS > 2 + 6 * n then owner = KEYS[#KEYS] end
 # once the limit is set again.
 _RESERVE = (
     _LUA_COMMON
-    + _LUA_KEYS
     + """
+local n = math.floor((#KEYS - 3) / 6)
+local owner, done = nil, KEYS[#KEYS]
+if #KEYS > 3 + 6 * n then owner = KEYS[#KEYS - 1] end
 local at, rid = ARGV[1], ARGV[2]  -- at: now as the caller wrote it (lossless)
 local now, need, cost = tonumber(at), tonumber(ARGV[3]), tonumber(ARGV[4])
 local edge = now - window  -- members at or before it have left the window
@@ -172,7 +189,7 @@ end
 
 local refusal, scopes = nil, {}
 for s = 1, n do
-  local k, a = 2 + (s - 1) * 6, 6 + (s - 1) * 5
+  local k, a = 2 + (s - 1) * 6, 7 + (s - 1) * 5
   local sc = {rpm = tonumber(ARGV[a + 1]), tpm = tonumber(ARGV[a + 2]),
               conc = tonumber(ARGV[a + 3]), budget = tonumber(ARGV[a + 4]),
               out = {0, 0, 0, 0, 0}}
@@ -231,9 +248,12 @@ local function reply(allowed, r)
   end
   return res
 end
+-- This call was sent before and admitted (its reply lost with its connection).
+if call('EXISTS', done) == 1 then return reply(1, {0, '', 0}) end
 if refusal then return reply(0, refusal) end
 
 local seq = tostring(call('INCR', KEYS[1]))
+call('SET', done, seq, 'PX', call_ms)
 local member = rid .. '#' .. seq
 local amount = fmt(need)
 for s = 1, n do
@@ -367,6 +387,9 @@ class RedisLimiter:
         self._redis = redis_client(url, timeout_s)
         self._prefix = f"{prefix}rl:"
         self._owner_key = None if owner is None else self._owner(owner)
+        # A reserve call's id (`_RESERVE`'s call key): this limiter's tag and a count.
+        self._tag = secrets.token_hex(8)
+        self._calls = 0
         # Every request's reserve and settle: batched, one round trip for many requests.
         self._scripts = ScriptBatcher(self._redis)
         # Settles of reservations whose caller was cancelled meanwhile (`_settle_orphan`).
@@ -426,6 +449,10 @@ class RedisLimiter:
             args += ["", ""]
         else:
             args += _owner_record(ask.request_id, args[3], keys[:-1], ask)
+        self._calls += 1
+        call_id = f"{self._tag}.{self._calls:x}"  # this call's, kept if it is sent again
+        args.append(call_id)
+        keys.append(f"{self._prefix}call:{call_id}")
         for lim in scopes:
             args += [_arg(lim.rpm), _arg(lim.tpm), _arg(lim.max_concurrency)]
             if lim.budget_usd is None:

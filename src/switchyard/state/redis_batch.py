@@ -29,7 +29,10 @@ a pool checkout, a socket write and a read; pipelined, the calls queued together
   readiness probe per round trip). redis-py's own packing runs a Python encoder over
   every argument, and a limiter script has 30 to 50 of them: about 20 us a call against
   hiredis's 2. The client's retry rule holds here too: one immediate retry on a
-  connection error (Redis dropped the connection), none on a timeout.
+  connection error (Redis dropped the connection), none on a timeout. A connection may
+  drop after Redis ran a script and before its reply was read, so a retried call may
+  run twice: a script sent through this batcher applies once when sent twice
+  (RedisLimiter's reserve by its call key, settle by the hold it ends).
 - A caller cancelled before its batch goes out is not sent (as an unsent command is
   not); one cancelled later has its script run, as a cancelled command whose bytes were
   written has. A call made with `orphaned` is always sent from the sender task, never

@@ -69,7 +69,8 @@ log = logging.getLogger("switchyard")
 # KEYS: state, held, index, then the owner's hash when the store has an owner. ARGV:
 # now, ttl, calls, tokens, cost, wall, deadline_at, deadline_by ('' = none), request id,
 # tokens asked, cost asked, max tasks, tool calls, whether this is a tool call ('1') or
-# a model call ('0').
+# a model call ('0'). A request id holds one admission per task (the gateway's own id:
+# one per request): a call the task holds already is answered admitted, not applied again.
 _ADMIT = """
 local k, held, index, owner = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -94,6 +95,12 @@ local b_calls, b_tokens, b_cost = tonumber(s[1]), tonumber(s[2]), tonumber(s[3])
 local deadline_at, deadline_by = tonumber(s[4]), s[5]
 local u_calls, u_tokens, u_cost = tonumber(s[6]), tonumber(s[7]), tonumber(s[8])
 local b_tools, u_tools = tonumber(s[10]), tonumber(s[11]) or 0
+if redis.call('HEXISTS', held, rid) == 1 then
+  -- Held already: this admission sent again (the client resends a call once when the
+  -- connection drops, and Redis may have run it before the drop). Counted once.
+  redis.call('EXPIRE', k, ttl)
+  return {'', tostring(u_calls), tostring(u_tokens), tostring(u_cost), tostring(u_tools)}
+end
 local refused = ''
 if s[9] then
   refused = 'cancelled'
