@@ -81,9 +81,9 @@ def through(ctx: RequestContext, side: ReplySide | None, body: bytes) -> bytes |
     came) when no part wants it — its usage is then read when the request is settled,
     after the bytes are on their way — else an awaitable of the bytes to send (the
     reply parsed once, its usage kept so settling need not parse it again)."""
+    ctx.run.reply_body = body  # settling reads its usage, or what its choices prove
     obj = reply_object(body) if side is not None and side.wants(body) else None
     if side is None or obj is None:
-        ctx.run.reply_body = body
         return body
     usage = obj.get("usage")
     ctx.run.usage = usage if isinstance(usage, dict) else None

@@ -10,7 +10,9 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import msgspec
 
 from switchyard import outcomes
 from switchyard.config import Price, Settings
@@ -84,6 +86,33 @@ def client_left(ctx: RequestContext) -> bool:
     """Whether the request ended because its client went away (mid-body, mid-stream,
     mid-rollout), not because its task was cancelled."""
     return ctx.status is _CANCELLED and ctx.error_code != TaskCancelled.code
+
+
+class _Choice(msgspec.Struct):
+    finish_reason: Any = None
+
+
+class _Choices(msgspec.Struct):
+    choices: list[_Choice] = []
+
+
+_read_choices = msgspec.json.Decoder(_Choices).decode
+
+
+def proven_output(ctx: RequestContext) -> int:
+    """The output tokens a whole JSON reply proves were written, whatever its usage
+    says: the cap it was sent with (per sequence) for each choice that ended with
+    `length` (prompts and `n` make several; the window stage keeps each cap inside
+    the context, so `length` means the cap was reached). 0 when there is no such
+    reply, or no choice was cut."""
+    body, cost = ctx.run.reply_body, ctx.cost
+    if body is None or cost is None or b'"length"' not in body:  # most replies: no parse
+        return 0
+    try:
+        choices = _read_choices(body).choices
+    except msgspec.DecodeError:  # ValidationError too: choices not in the reply's shape
+        return 0
+    return sum(1 for c in choices if c.finish_reason == "length") * cost.cap
 
 
 class Settler:
@@ -178,6 +207,19 @@ class Settler:
             inp, out = counted
             if inp and ctx.alias is not None and ctx.cost is not None:
                 self.overhead.observe(ctx.alias, ctx.cost.base, inp)  # reservations lean high
+            proven = proven_output(ctx)
+            if out < proven:
+                # A count below what the reply shows (llama-server counts one choice
+                # of several): never less than each choice cut at its cap wrote.
+                log.warning(
+                    "the upstream of %s reported %d output tokens for a reply that shows "
+                    "%d; billed %d",
+                    ctx.input.request_id,
+                    out,
+                    proven,
+                    proven,
+                )
+                out = proven
         elif run.attempts and ctx.input.endpoint != "embeddings":
             # Best effort for a broken stream: the prompt as it was estimated, a token
             # an event.

@@ -76,8 +76,9 @@ class Embeddings:
     """`POST /v1/embeddings`."""
 
     max_inputs: int  # embeddings.max_inputs
+    unknown_fields: str = "pass"  # validation.unknown_fields
 
     def decode(self, body: Any) -> tuple[Embedding, bool]:
-        validate_embeddings(body, self.max_inputs)
+        validate_embeddings(body, self.max_inputs, self.unknown_fields)
         decoded: tuple[Embedding, bool] = from_object(Embedding, body)
         return decoded

@@ -144,7 +144,7 @@ class OpenAIRoutes:
         self._codecs: dict[str, Codec] = {
             "chat.completions": chat_completions(unknown, refuses_legacy(s, "chat.completions")),
             "completions": completions(unknown, refuses_legacy(s, "completions")),
-            "embeddings": Embeddings(gw.settings.embeddings.max_inputs),
+            "embeddings": Embeddings(gw.settings.embeddings.max_inputs, unknown),
         }
 
     def routes(self) -> list[Route]:

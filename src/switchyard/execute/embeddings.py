@@ -1,18 +1,83 @@
 """The embeddings endpoint's own steps: which model the request names (checked
-before any stage runs), then the embedding itself and its reply."""
+before any stage runs), its PII decision (a stage of the embeddings pipeline), then
+the embedding itself, within the request's deadline, and its reply."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
+from collections import Counter
 from typing import Any
 
 from switchyard import outcomes
 from switchyard.config import EmbeddingsConfig, Settings
 from switchyard.embed import EmbeddingService
-from switchyard.errors import InvalidRequest, ModelNotFound
-from switchyard.pipeline import RequestContext
+from switchyard.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    ModelNotFound,
+    PiiDetected,
+    PiiFailure,
+)
+from switchyard.pipeline import RequestContext, Stage
+from switchyard.policy.pii import MaskingError, PiiMasker
 from switchyard.request import Embedding
+
+
+def pii_stages(settings: Settings, masker: PiiMasker) -> list[Stage]:
+    """The embeddings pipeline's PII stage: where `pii.mode` (or the embedding alias's
+    own in `pii.models`) is `block`, one that refuses a request holding PII. The other
+    modes need none: the texts are embedded as sent, since the embedder runs in the
+    gateway's own process (nothing goes upstream), nothing of the request is stored,
+    and a vector of placeholders would not mean what the text means
+    (docs/guides/embeddings.md)."""
+    pii = settings.pii
+    mode = pii.models.get(settings.embeddings.alias, pii.mode)
+    return [EmbeddingsPii(masker)] if mode == "block" else []
+
+
+class EmbeddingsPii(Stage):
+    """`pii.mode: block` for an embeddings request, over its inputs and its `user`:
+    one holding PII is refused (400 `pii_detected`), as a generation is; the PII
+    found is evidence by type and count, never the values (`pii_stages` says when
+    the stage is in the pipeline)."""
+
+    name = "pii"
+
+    def __init__(self, masker: PiiMasker) -> None:
+        self._masker = masker
+
+    def work(self, ctx: RequestContext) -> None:
+        t = time.perf_counter()
+        req = ctx.request
+        assert isinstance(req, Embedding)
+        texts = req.texts if req.user is None else [*req.texts, req.user]
+        found: Counter[str] = Counter()
+        try:
+            for text in texts:
+                found.update(kind for _, _, kind in self._masker.find(text))
+        except MaskingError as exc:
+            ctx.record(
+                "pii",
+                outcomes.Pii.REJECT_MASKING_FAILED,
+                f"detection failed: {type(exc).__name__}",
+                t,
+            )
+            raise PiiFailure(
+                "PII detection failed; the request was refused (fail closed)"
+            ) from None
+        evidence = {"mode": "block", "found": dict(found)}
+        if found:
+            kinds = sorted(found)
+            ctx.record(
+                "pii", outcomes.Pii.REJECT_PII_DETECTED, f"request contains {kinds}", t, evidence
+            )
+            raise PiiDetected(
+                f"the request contains personal data ({', '.join(kinds)}) and this "
+                "model does not accept it"
+            )
+        ctx.record("pii", outcomes.Pii.CLEAN, "0 PII value(s) found", t, evidence)
 
 
 class Embeddings:
@@ -54,8 +119,19 @@ class Embeddings:
         assert isinstance(req, Embedding)
         dims = req.dimensions
         t = time.perf_counter()
+        left = ctx.remaining_s()
+        if left <= 0:
+            raise DeadlineExceeded("the request deadline passed before its inputs were embedded")
         ctx.run.attempts = 1
-        vecs, counts = await embedder.embed(texts)
+        try:
+            # Past the deadline the caller is answered at once; a batch already in the
+            # embedder's worker finishes there, its vectors dropped (nothing came back:
+            # nothing is billed).
+            vecs, counts = await asyncio.wait_for(embedder.embed(texts), left)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the request deadline passed while {len(texts)} input(s) were embedded"
+            ) from None
         if dims is not None and dims != vecs.shape[1]:  # the model loaded meanwhile
             raise InvalidRequest(
                 f"'dimensions' must be {vecs.shape[1]} for {ctx.alias}", param="dimensions"

@@ -30,6 +30,7 @@ from switchyard.decide.stages import (
 from switchyard.embed import EmbeddingService
 from switchyard.engines.pool import EnginePool
 from switchyard.engines.registry import Deployment
+from switchyard.execute.embeddings import pii_stages
 from switchyard.media.process import MediaProcessor
 from switchyard.media.stage import Media
 from switchyard.observe.metrics import Metrics
@@ -157,6 +158,7 @@ def build_pipelines(
             Authorize({alias: {"model": alias}}),
             Task(s, tasks, running, embed_estimate),
             Admit(reserver, embed_estimate),
+            *pii_stages(s, masker),  # `block` refuses PII; other modes embed as sent
         ]
     )
     # A request whose tokens are counted (`messages/count_tokens`): the model's rules and

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from switchyard.engines.token_ids import refusal as token_ids_refusal
 from switchyard.errors import InvalidRequest, MissingRequiredParameter, ModelNotFound
+from switchyard.request import EMBEDDING_FIELDS
 
 if TYPE_CHECKING:
     from switchyard.config import ModelConfig
@@ -225,6 +226,36 @@ def _engine_verbose(body: dict[str, Any], v: Any) -> None:
     )
 
 
+# The engines' own request members that the OpenAI shape has an answer for, or that
+# would undo a decision the gateway made: each lifts the output cap admission reserved
+# and the budget allowed, adds choices nobody reserved or bills, constrains the output
+# past the JSON-schema capability check (execute/compat.py), returns data outside the
+# reply's shape, or picks what the gateway places. Refused by name, with what to send
+# instead (docs/guides/api.md lists them); the harmless ones (sampling knobs,
+# `cache_prompt`, `n_keep`, `ignore_eos`, `min_tokens`, ...) pass.
+_GRAMMAR = (
+    "constrains the output past the model's JSON-schema capability check: send 'response_format'"
+)
+ENGINE_NATIVE: dict[str, str] = {
+    # llama-server
+    "n_predict": "llama-server's own output cap, read ahead of 'max_tokens': send 'max_tokens'",
+    "n_cmpl": "llama-server's own number of choices, never reserved or billed: send 'n'",
+    "n_probs": "llama-server's own token probabilities, outside the reply's shape: "
+    "send 'logprobs' and 'top_logprobs'",
+    "grammar": _GRAMMAR,
+    "json_schema": _GRAMMAR,
+    "id_slot": "llama-server's slot, which the gateway places: leave it out",
+    # vLLM
+    "structured_outputs": _GRAMMAR,
+    "guided_json": _GRAMMAR,
+    "guided_regex": _GRAMMAR,
+    "guided_choice": _GRAMMAR,
+    "guided_grammar": _GRAMMAR,
+    "prompt_logprobs": "vLLM's own prompt log probabilities, outside the reply's shape: "
+    "send 'logprobs' and 'top_logprobs'",
+}
+
+
 _OTHER: dict[str, Any] = {
     "lora": _lora,
     "verbose": _engine_verbose,
@@ -272,26 +303,34 @@ def _sampling(body: dict[str, Any], completion: bool = False) -> None:
             continue
         spec = _TYPED.get(name)
         if spec is not None:
-            types, what = spec
-            # A bool is an int to isinstance: it passes only where a boolean is asked for.
-            if (isinstance(v, bool) and bool not in types) or not isinstance(v, types):
-                raise InvalidRequest(f"'{name}' must be {what}", param=name)
-            if name in _AT_LEAST_1 and v < 1:
-                raise InvalidRequest(f"'{name}' must be at least 1", param=name)
-            bounds = _RANGES.get(name)
-            if bounds is not None and not bounds[0] <= v <= bounds[1]:
-                raise InvalidRequest(
-                    f"'{name}' must be between {bounds[0]} and {bounds[1]}", param=name
-                )
-            longest = _MAX_STRINGS.get(name)
-            if longest is not None and len(v) > longest:
-                raise InvalidRequest(f"'{name}' is longer than {longest} characters", param=name)
-            if name == "user" and CONTROL.search(v):
-                raise InvalidRequest(f"'{name}' may not hold control characters", param=name)
+            _typed(name, v, spec)
             continue
         check = _OTHER.get(name)
         if check is not None:
             check(body, v)
+            continue
+        why = ENGINE_NATIVE.get(name)
+        if why is not None:
+            raise InvalidRequest(f"'{name}' is {why}", param=name)
+
+
+def _typed(name: str, v: Any, spec: tuple[tuple[type[Any], ...], str]) -> None:
+    """One typed field's rules (`_TYPED`, its bounds and lengths), whichever endpoint
+    sends it: chat, completions, and the embeddings `user`."""
+    types, what = spec
+    # A bool is an int to isinstance: it passes only where a boolean is asked for.
+    if (isinstance(v, bool) and bool not in types) or not isinstance(v, types):
+        raise InvalidRequest(f"'{name}' must be {what}", param=name)
+    if name in _AT_LEAST_1 and v < 1:
+        raise InvalidRequest(f"'{name}' must be at least 1", param=name)
+    bounds = _RANGES.get(name)
+    if bounds is not None and not bounds[0] <= v <= bounds[1]:
+        raise InvalidRequest(f"'{name}' must be between {bounds[0]} and {bounds[1]}", param=name)
+    longest = _MAX_STRINGS.get(name)
+    if longest is not None and len(v) > longest:
+        raise InvalidRequest(f"'{name}' is longer than {longest} characters", param=name)
+    if name == "user" and CONTROL.search(v):
+        raise InvalidRequest(f"'{name}' may not hold control characters", param=name)
 
 
 def _unknown(body: dict[str, Any], known: frozenset[str], policy: str) -> None:
@@ -472,7 +511,9 @@ def validate_completion(body: Any, unknown_fields: str = "pass") -> str:
     return model
 
 
-def validate_embeddings(body: Any, max_inputs: int) -> tuple[str, list[str]]:
+def validate_embeddings(
+    body: Any, max_inputs: int, unknown_fields: str = "pass"
+) -> tuple[str, list[str]]:
     """Check an embeddings request; return the model and the list of input texts."""
     body = _require_object(body)
     model = _model(body)
@@ -490,11 +531,24 @@ def validate_embeddings(body: Any, max_inputs: int) -> tuple[str, list[str]]:
         )
     if len(texts) > max_inputs:
         raise InvalidRequest(f"'input' may hold at most {max_inputs} items", param="input")
+    if not all(texts):  # as the OpenAI API: an empty text has nothing to embed
+        where = "input" if isinstance(inp, str) else f"input[{texts.index('')}]"
+        raise InvalidRequest(f"'{where}' must not be an empty string", param="input")
     fmt = body.get("encoding_format")
     if fmt is not None and fmt not in ("float", "base64"):
         raise InvalidRequest(
             "'encoding_format' must be 'float' or 'base64'", param="encoding_format"
         )
+    dims = body.get("dimensions")
+    if dims is not None:
+        _typed("dimensions", dims, _INT)
+        if dims < 1:
+            raise InvalidRequest("'dimensions' must be at least 1", param="dimensions")
+    user = body.get("user")
+    if user is not None:  # an end user's id, held to chat's and completions' rules
+        _typed("user", user, _TYPED["user"])
+    if unknown_fields != "pass":
+        _unknown(body, EMBEDDING_FIELDS, unknown_fields)
     return model, texts
 
 
