@@ -71,6 +71,7 @@ class RequestService:
     active: int = 0  # requests between open and settle
     # RL-managed aliases' revision managers: a pin on one is checked against its lease.
     rl_aliases: Mapping[str, Any] = field(default_factory=dict)
+    on_open: Callable[[RequestContext], None] | None = None  # a worker's in-flight journal
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -99,6 +100,8 @@ class RequestService:
         (outcome, reason), evidence = self.auth.verdict(principal)
         ctx.record("authenticate", outcome, reason, received, evidence)
         self.active += 1
+        if self.on_open is not None:
+            self.on_open(ctx)
         return ctx
 
     def begin(self, ctx: RequestContext) -> None:
@@ -131,10 +134,9 @@ class RequestService:
         read: ReadBody,
         admitted: Callable[[], Awaitable[None]] | None = None,
     ) -> Reply:
-        """Settled exactly once: here on a refusal or error, after the reply once it
-        is handed over. `admitted` is awaited once every check has passed, before the
-        upstream call or the cache hit's reply (a background response is stored then:
-        a refused one never is)."""
+        """Settled exactly once: here on a refusal or error, after the reply once it is
+        handed over. `admitted` is awaited once every check has passed, before the
+        upstream call or a cache hit's reply (a background response is stored then)."""
         handed_off = False
         try:
             self.begin(ctx)
@@ -207,8 +209,7 @@ class RequestService:
         return JsonReply(body, raw_headers, after)
 
     async def _cached(self, ctx: RequestContext, entry: Entry) -> Reply:
-        """A cache hit, through the reply side (its placeholders take this request's
-        values), as JSON or replayed as a stream."""
+        """A cache hit, through the reply side, as JSON or replayed as a stream."""
         ctx.status = _OK
         ctx.timings.ended = ctx.timings.client_first_byte = time.perf_counter()
         obj = orjson.loads(entry.body)
@@ -293,8 +294,7 @@ class RequestService:
         return self.settler.settle(ctx, self.pipelines.of(ctx.input.endpoint))
 
     async def settle(self, ctx: RequestContext) -> None:
-        """Release what the request held, charge what it used, write its usage row.
-        Runs exactly once per request, whatever way it ended."""
+        """Release, charge and record the request, exactly once however it ended."""
         pending = self.settle_now(ctx)
         if pending is not None:
             await pending

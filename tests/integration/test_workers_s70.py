@@ -1,6 +1,6 @@
 """`serve --workers N` and the shared limiter, read as an unlucky operator would: what
-is billed when a connection to Redis drops mid-reply, or two supervisors share one
-Redis prefix. Real redis-server processes throughout; a Redis
+is billed and recorded when a connection to Redis drops mid-reply, a worker dies, or
+two supervisors share one Redis prefix. Real redis-server processes throughout; a Redis
 "drop" is a loopback TCP relay that closes the client's side instead of passing on a
 reply Redis has already sent (the script ran; the client never hears of it)."""
 
@@ -16,18 +16,33 @@ from pathlib import Path
 from typing import TypeVar
 
 import httpx
+import msgspec
 import pytest
 import redis
 
 from support.gateways import Gateway, cheap_config, start_gateway
 from support.procs import worker_pids
 from support.upstreams import Scripted
-from switchyard.identity import TaskBudget
-from switchyard.scale.workers import worker_name
+from switchyard.identity import Limits, Principal, TaskBudget
+from switchyard.pipeline_context import RequestContext
+from switchyard.policy import headers as request_headers
+from switchyard.scale.worker import InFlight, journal_path, read_journal
+from switchyard.scale.workers import journaled_request, worker_name
+from switchyard.state.ledger import UsageLedger, spawn_shared_writer
+from switchyard.state.ledger_batch import (
+    ADD_DAILY,
+    INSERT_USAGE,
+    daily_rollups,
+    usage_row,
+    write_batch,
+)
+from switchyard.state.ledger_rows import Finished
 from switchyard.state.limits import Ask, Billing, ScopeLimits, Verdict
 from switchyard.state.limits_redis import RedisLimiter
+from switchyard.state.sql import connect
 from switchyard.state.tasks import TaskFirst
 from switchyard.state.tasks_redis import RedisTaskStore
+from switchyard.state.traces import LedgerBatch
 
 T0 = 1_750_000_000.0  # 2025-06-15 15:06:40 UTC: far from a day boundary
 HANG_S = 10.0
@@ -184,6 +199,24 @@ def gw(scripted: Scripted) -> Iterator[Gateway]:
     g.proc.stop()
 
 
+def _children(pid: int, marker: bytes) -> list[int]:
+    """The child processes of `pid` whose command line holds `marker`."""
+    found = []
+    for child in os.listdir("/proc"):
+        if not child.isdigit():
+            continue
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if ppid == pid and marker in cmd:
+            found.append(int(child))
+    return found
+
+
 def _kill_workers(gw: Gateway) -> None:
     """SIGKILL every worker (whichever served the request dies with them); the
     supervisor starts them again."""
@@ -207,6 +240,219 @@ def _serving_again(gw: Gateway, key: str) -> None:
 
 
 _BODY = {"model": "cheap", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+
+def test_a_dead_workers_request_under_no_limit_gets_its_row(
+    gw: Gateway, scripted: Scripted
+) -> None:
+    """A key with no limits and a tenant with no budget: the limiter holds nothing for
+    its requests, so before the fix the supervisor found no trace of a stream cut by
+    its worker's death and wrote no row (the request had streamed; the ledger said
+    nothing)."""
+    tenant = "free-" + os.urandom(3).hex()
+    gw.create_tenant(tenant)
+    made = gw.create_key(tenant)
+    scripted.fault("slow:300", count=1)
+    body = {**_BODY, "stream": True, "max_tokens": 50}
+    with gw.stream(body, headers={"Authorization": f"Bearer {made['key']}"}) as r:
+        assert r.status_code == 200
+        lost_id = r.headers["x-request-id"]
+        lines = r.iter_lines()
+        assert any(line.startswith("data: ") for line in lines)
+        time.sleep(0.4)  # streaming: well inside the request
+        _kill_workers(gw)
+        with pytest.raises(httpx.HTTPError):
+            for _ in lines:
+                pass
+    rows = gw.stored_rows(tenant, 1, timeout_s=30)
+    assert [x["request_id"] for x in rows] == [lost_id]
+    row = rows[0]
+    assert (row["status"], row["error_code"]) == ("incomplete", "worker_exited")
+    assert (row["tenant_id"], row["key_id"], row["model"]) == (tenant, made["id"], "cheap")
+    assert row["endpoint"] == "chat.completions"
+    assert row["cost_usd"] == 0.0  # it reserved nothing; nothing is known of its use
+    _serving_again(gw, made["key"])
+    [decision] = gw.trace(lost_id)["decisions"]
+    assert decision["outcome"] == "exited"
+    assert decision["evidence"]["reserved_usd"] == 0.0
+    time.sleep(0.5)
+    rows = gw.stored_rows(tenant, 2)
+    assert sorted(x["status"] for x in rows) == ["incomplete", "ok"]  # no second lost row
+
+
+def test_a_row_lost_between_settle_and_commit_is_written(gw: Gateway) -> None:
+    """A request settles (its reservation given back) and its row is queued; the ledger
+    writer has not committed it when its worker dies, and the frame holding the row
+    dies with the writer (both SIGKILLed; the writer is stopped meanwhile so the order
+    is sure). Before the fix the row was lost: no hold was left for the supervisor to
+    find. Now the worker's journal still names the request with what it settled, and
+    the supervisor writes its row to the writer started again."""
+    tenant = "gap-" + os.urandom(3).hex()
+    gw.create_tenant(tenant)
+    made = gw.create_key(tenant)
+    writer = _children(gw.proc.popen.pid, b"--listen")
+    assert len(writer) == 1, writer
+    os.kill(writer[0], signal.SIGSTOP)
+    try:
+        r = gw.post("/v1/chat/completions", made["key"], json=_BODY)
+        assert r.status_code == 200, r.text
+        rid, usage = r.headers["x-request-id"], r.json()["usage"]
+        time.sleep(0.3)  # settled, and its row sent to the (stopped) writer
+        _kill_workers(gw)
+        time.sleep(1.0)  # the supervisor bills the dead workers' journals
+    finally:
+        os.kill(writer[0], signal.SIGKILL)
+        os.kill(writer[0], signal.SIGCONT)
+    rows = gw.stored_rows(tenant, 1, timeout_s=30)
+    assert [x["request_id"] for x in rows] == [rid], gw.proc.output()[-3000:]
+    row = rows[0]
+    assert (row["status"], row["error_code"]) == ("incomplete", "worker_exited")
+    assert (row["input_tokens"], row["output_tokens"]) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
+    assert row["cost_usd"] == pytest.approx(usage["completion_tokens"] * 1000.0 / 1e6)
+    assert row["cost_usd"] > 0
+    _serving_again(gw, made["key"])
+    evidence = gw.trace(rid)["decisions"][0]["evidence"]
+    assert evidence["settled_status"] == "ok"
+    time.sleep(0.5)
+    assert len(gw.stored_rows(tenant, 2)) == 2  # the later request's, and no other
+
+
+def test_a_dead_workers_row_never_replaces_its_own(tmp_path: Path) -> None:
+    """The supervisor cannot tell whether a journaled row reached the writer (a worker
+    killed after its row was committed, before the answer freed its journal slot). Its
+    `worker_exited` row must not replace the row the request's own worker wrote, nor
+    add to the daily sums again; where there is none, it is written and summed once."""
+    conn = connect(str(tmp_path / "ledger.db"))
+    facts = ["req_a", None, None, "acme", "k1", "chat.completions", "cheap", T0, False]
+    own = journaled_request("w0-1", [*facts, ["ok", 5, 7, 0.007]], [], T0 + 1, True)
+    own = msgspec.structs.replace(own, status="ok", error_code=None)
+    lost_a = journaled_request("w0-1", [*facts, None], [], T0 + 2, True)
+    other = ["req_b", None, None, "acme", "k1", "chat.completions", "cheap", T0, False]
+    lost_b = journaled_request("w0-1", [*other, ["ok", 1, 2, 0.002]], [], T0 + 2, True)
+    assert write_batch(conn, LedgerBatch({}, [own], []))
+    assert write_batch(conn, LedgerBatch({}, [lost_a, lost_b], []))
+    assert write_batch(conn, LedgerBatch({}, [lost_a, lost_b], []), again=True)
+    rows = [
+        tuple(r)
+        for r in conn.execute(
+            "SELECT request_id, status, error_code, cost_usd FROM usage ORDER BY request_id"
+        )
+    ]
+    assert rows == [
+        ("req_a", "ok", None, 0.007),
+        ("req_b", "incomplete", "worker_exited", 0.002),
+    ]
+    daily = [
+        tuple(r) for r in conn.execute("SELECT requests, output_tokens, cost_usd FROM usage_daily")
+    ]
+    assert daily == [(2, 9, pytest.approx(0.009))]
+    # The other order: the supervisor's row first, the worker's own after it.
+    later = ["req_c", None, None, "acme", "k1", "chat.completions", "cheap", T0, False]
+    assert write_batch(
+        conn, LedgerBatch({}, [journaled_request("w0-1", [*later, None], [], T0, True)], [])
+    )
+    real = journaled_request("w0-1", [*later, ["ok", 3, 4, 0.004]], [], T0 + 1, True)
+    assert write_batch(
+        conn, LedgerBatch({}, [msgspec.structs.replace(real, status="ok", error_code=None)], [])
+    )
+    row = conn.execute("SELECT status, error_code, cost_usd FROM usage WHERE request_id = 'req_c'")
+    assert tuple(row.fetchone()) == ("ok", None, 0.004)
+    daily = [
+        tuple(r) for r in conn.execute("SELECT requests, errors, output_tokens FROM usage_daily")
+    ]
+    assert daily == [(3, 1, 13)]  # req_b's error; req_c counted once, as ok
+    conn.close()
+
+
+def test_a_row_sent_again_replaces_a_dead_workers_row_written_earlier(tmp_path: Path) -> None:
+    """A `worker_exited` row written by a writer that has since been started again (it
+    no longer knows it wrote one), then the request's own row in an `AGAIN` batch: the
+    own row takes its place, and the daily sums hold the request once, as ok. Before,
+    the `AGAIN` rule took the request for counted already and kept the lost row's sums
+    (one error, its cost) under an ok row."""
+    conn = connect(str(tmp_path / "ledger.db"))
+    facts = ["req_again", None, None, "acme", "k1", "chat.completions", "cheap", T0, False]
+    lost = journaled_request("w0-1", [*facts, ["ok", 1, 1, 0.5]], [], T0 + 1, True)
+    conn.execute("BEGIN")  # as the earlier writer committed it
+    conn.execute(INSERT_USAGE, usage_row(lost))
+    conn.executemany(ADD_DAILY, daily_rollups([lost]))
+    conn.execute("COMMIT")
+    own = journaled_request("w0-1", [*facts, ["ok", 3, 4, 0.004]], [], T0 + 1, True)
+    own = msgspec.structs.replace(own, status="ok", error_code=None)
+    assert write_batch(conn, LedgerBatch({}, [own], []), again=True)
+    row = conn.execute("SELECT status, error_code, cost_usd FROM usage")
+    assert tuple(row.fetchone()) == ("ok", None, 0.004)
+    daily = conn.execute(
+        "SELECT requests, errors, input_tokens, output_tokens, cost_usd FROM usage_daily"
+    )
+    assert [tuple(r) for r in daily] == [(1, 0, 3, 4, pytest.approx(0.004))]
+    conn.close()
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-writer", "own-writer"])
+def test_the_journal_holds_a_request_until_its_row_is_committed(
+    tmp_path: Path, shared: bool
+) -> None:
+    """The worker's journal, through the hooks a worker sets (`RequestService.on_open`
+    is `opened`; `UsageLedger.on_record` is `recorded`) and a real ledger writer (a
+    worker's: shared, on a socket; or a ledger's own, on a pipe): a
+    request is in the file from its open (no model yet), with what it settled once its
+    row is queued, and out of it once the writer has committed that row; with every
+    slot taken a request goes unjournaled; a clean close keeps the file only while a
+    request is in it."""
+    db, sock = str(tmp_path / "ledger.db"), str(tmp_path / "l.sock")
+    writer = spawn_shared_writer(db, sock) if shared else None
+    ledger = UsageLedger(db, flush_s=60.0, writer_socket=sock if shared else None)
+    path = journal_path(tmp_path, "w0-1-run")
+    journal = InFlight(path, 2, ledger)
+    ledger.on_record = journal.recorded
+    principal = Principal("acme", "k1", ("*",), ("*",), Limits(), Limits())
+
+    def opened(rid: str) -> RequestContext:
+        ctx = request_headers.opened(
+            rid, "chat.completions", {"x-task-id": "t1"}, time.perf_counter(), 1e9, principal
+        )
+        journal.opened(ctx)
+        return ctx
+
+    try:
+        a = opened("req_a")
+        at = a.input.received_at
+        facts = ["req_a", None, "t1", "acme", "k1", "chat.completions"]
+        assert list(read_journal(path)) == [[*facts, None, at, False, None]]
+        before = path.read_bytes()
+        a.alias = "cheap"
+        ledger.record(Finished(a, "ok", 3, 4, 0.25, with_trace=False))
+        assert list(read_journal(path)) == [[*facts, "cheap", at, False, ["ok", 3, 4, 0.25]]]
+        # Killed after the new text, before its slot's head: the earlier text is read.
+        torn = tmp_path / "torn"
+        torn.write_bytes(before[:4] + path.read_bytes()[4:])
+        assert list(read_journal(torn)) == [[*facts, None, at, False, None]]
+        b = opened("req_b")
+        opened("req_c")  # the row of req_a is not committed: no slot is free
+        assert journal.full == 1
+        assert [r[0] for r in read_journal(path)] == ["req_a", "req_b"]
+        ledger.flush()
+        opened("req_d")  # req_a's row is committed: its slot is free again
+        assert sorted(r[0] for r in read_journal(path)) == ["req_b", "req_d"]
+        b.alias = "cheap"
+        ledger.record(Finished(b, "error", 3, 0, 0.0, with_trace=False))
+        ledger.flush()
+        journal.close()  # req_d is open: the file stays, for the supervisor
+        assert [r[0] for r in read_journal(path)] == ["req_d"]
+    finally:
+        ledger.close()
+        if writer is not None:
+            writer.stop()
+    clean = InFlight(journal_path(tmp_path, "w1-2-run"), 2, ledger)
+    clean.close()
+    assert not journal_path(tmp_path, "w1-2-run").exists()
+
+
+# -- 4. two supervisors counting in one Redis ----------------------------------------------
 
 
 def test_another_supervisors_worker_keeps_its_holds(gw: Gateway) -> None:

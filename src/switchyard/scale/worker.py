@@ -11,24 +11,198 @@ environment of other processes. The worker then:
   spreads new connections over the workers evenly (uvicorn's `--workers` shares one
   listening socket, where whichever process wakes first takes the connection);
 - says `ready` on stdout once serving, and stops when the supervisor does (SIGTERM, or
-  its parent gone).
+  its parent gone);
+- keeps its in-flight journal (`InFlight`): every request it opened whose usage row
+  the ledger writer has not committed yet, in a file the supervisor reads should the
+  worker die, so that each such request gets its row (scale/workers.py).
 
     python -m switchyard.scale.worker   (spec on stdin)
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import mmap
 import os
 import signal
 import socket
 import sys
 import threading
 import time
-from typing import Any
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+if TYPE_CHECKING:
+    from switchyard.pipeline_context import RequestContext
+    from switchyard.state.ledger import UsageLedger
+    from switchyard.state.ledger_rows import Finished
 
 READY_LINE = "switchyard-worker-ready"
+log = logging.getLogger("switchyard.workers")
+
+# The in-flight journal: fixed slots of SLOT bytes, each a 4-byte little-endian head
+# (0: free; else the length of the text, its top bit the half of the slot that holds
+# it) and two halves of HALF bytes, each room for one JSON text (`InFlight`).
+SLOT = 2048
+HALF = (SLOT - 4) // 2
+_TOP = 1 << 31
+REFRESH_S = 0.2  # how often the open requests' model and stream are written again
+
+
+def journal_path(run_dir: str | Path, worker: str) -> Path:
+    """Where worker `worker` (its name: `worker_name`) keeps its in-flight journal."""
+    return Path(run_dir) / "inflight" / worker
+
+
+class InFlight:
+    """The requests of this worker whose usage row is not committed yet, in a file
+    mapped into memory (`journal_path`): what the supervisor bills should the worker
+    die before their rows are in the ledger (`read_journal`, scale/workers.py).
+
+    A request is written into a free slot when it opens (`opened`, the request
+    service's `on_open`: its ids, tenant, key, endpoint, arrival), again when its row is
+    queued (`recorded`, the ledger's `on_record`: its status, tokens and cost), and its
+    slot is freed once the ledger writer has answered the flush that covers that row
+    (`UsageLedger.queued_flush`, checked as later requests open and every REFRESH_S).
+    Every REFRESH_S the model and stream of the requests still open are written again
+    if they changed (an alias is known only once the body is read). All of it is memory
+    writes, no system call per request; after a SIGKILL the kernel keeps the file's
+    pages, and the supervisor reads them. A text is written into the half of its slot
+    not in use, then the head names it: a worker killed mid-write leaves the slot's
+    earlier text, or none. With every slot taken, a request goes unjournaled (counted
+    in `full`, logged once)."""
+
+    def __init__(self, path: Path, slots: int, ledger: UsageLedger) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.path = path
+        self._ledger = ledger
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, slots * SLOT)
+            self._map = mmap.mmap(fd, slots * SLOT)
+        finally:
+            os.close(fd)
+        self._free = list(range(slots - 1, -1, -1))  # the lowest first: few pages touched
+        # request id -> [slot, its context, the (alias, stream) written]
+        self._open: dict[str, list[Any]] = {}
+        self._recorded: deque[tuple[int, int]] = deque()  # (flush number, slot)
+        self.full = 0
+        self._refresher: asyncio.Task[None] | None = None
+
+    def _write(self, slot: int, text: bytes) -> None:
+        n = len(text)
+        if n > HALF:
+            return  # ids are bounded far below (128 characters each); kept as it was
+        m, off = self._map, slot * SLOT
+        half = 0 if m[off + 3] & 0x80 else 1  # the other one
+        at = off + 4 + half * HALF
+        m[at : at + n] = text
+        m[off : off + 4] = (n | _TOP * half).to_bytes(4, "little")
+
+    def _clear(self, slot: int) -> None:
+        off = slot * SLOT
+        self._map[off : off + 4] = b"\0\0\0\0"
+        self._free.append(slot)
+
+    @staticmethod
+    def _facts(ctx: RequestContext, done: list[Any] | None) -> bytes:
+        i, p = ctx.input, ctx.principal
+        return orjson.dumps(
+            [
+                *(i.request_id, i.client_request_id, i.task_id, p.tenant_id, p.key_id),
+                *(i.called, ctx.alias, i.received_at, ctx.stream, done),
+            ]
+        )
+
+    def opened(self, ctx: RequestContext) -> None:
+        """A request opened: its slot holds it until its row is committed."""
+        self._commits(read=False)
+        if not self._free:
+            self.full += 1
+            if self.full == 1:
+                log.error("in-flight journal full: requests go unjournaled (%s)", self.path)
+            return
+        slot = self._free.pop()
+        self._open[ctx.input.request_id] = [slot, ctx, (ctx.alias, ctx.stream)]
+        self._write(slot, self._facts(ctx, None))
+        if self._refresher is None:
+            with contextlib.suppress(RuntimeError):  # no loop: none to refresh on
+                self._refresher = asyncio.get_running_loop().create_task(self._refresh())
+
+    def recorded(self, finished: Finished) -> None:
+        """The request's row is queued: its slot says what it used, until committed."""
+        ctx = finished.ctx
+        held = self._open.pop(ctx.input.request_id, None)
+        if held is None:  # not journaled (full), or not opened by the request service
+            return
+        slot = held[0]
+        done = [finished.status, finished.input_tokens, finished.output_tokens, finished.cost_usd]
+        self._write(slot, self._facts(ctx, done))
+        self._recorded.append((self._ledger.queued_flush(), slot))
+
+    def _commits(self, read: bool) -> None:
+        """Free the slots of rows the writer has committed (`read`: read its answers
+        waiting first, a system call; else only those the ledger has read)."""
+        recorded, committed = self._recorded, self._ledger.committed
+        while recorded and committed(recorded[0][0], read):
+            self._clear(recorded.popleft()[1])
+
+    async def _refresh(self) -> None:
+        """Every REFRESH_S: free what is committed, write again what changed; ends
+        when nothing is left (the next request opened starts it again)."""
+        try:
+            while self._open or self._recorded:
+                await asyncio.sleep(REFRESH_S)
+                self._commits(read=True)
+                for held in self._open.values():
+                    slot, ctx, written = held
+                    now = (ctx.alias, ctx.stream)
+                    if now != written:
+                        held[2] = now
+                        self._write(slot, self._facts(ctx, None))
+        finally:
+            self._refresher = None
+
+    def close(self) -> None:
+        """At a clean exit: the file goes when every row in it is committed; otherwise
+        it stays, for the supervisor."""
+        if self._refresher is not None:
+            self._refresher.cancel()
+        self._commits(read=True)
+        empty = not self._open and not self._recorded
+        self._map.close()
+        if empty:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+
+def read_journal(path: Path) -> Iterator[list[Any]]:
+    """The requests a dead worker's journal holds: [request id, client request id,
+    task id, tenant, key, endpoint, model, received_at, stream, done], `done` None for
+    a request still open, else [status, input tokens, output tokens, cost]."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return
+    for off in range(0, len(data) - SLOT + 1, SLOT):
+        head = int.from_bytes(data[off : off + 4], "little")
+        n = head & (_TOP - 1)
+        if not 0 < n <= HALF:
+            continue
+        at = off + 4 + (HALF if head & _TOP else 0)
+        try:
+            rec = orjson.loads(data[at : at + n])
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(rec, list) and len(rec) == 10 and isinstance(rec[0], str):
+            yield rec
 
 
 def reuseport_socket(host: str, port: int) -> socket.socket:
@@ -83,6 +257,13 @@ def main() -> int:
         spec.get("ledger_socket"),
     )
     app = create_app(settings, role=role)
+    journal = None
+    if spec.get("run_dir"):
+        gateway = app.state.gateway
+        slots = max(1024, 2 * settings.server.max_connections)
+        journal = InFlight(journal_path(spec["run_dir"], role.name), slots, gateway.ledger)
+        gateway.service.on_open = journal.opened
+        gateway.ledger.on_record = journal.recorded
     sock = reuseport_socket(spec["host"], int(spec["port"]))
     server = uvicorn.Server(uvicorn.Config(app, **uvicorn_options(settings.server)))
 
@@ -93,7 +274,11 @@ def main() -> int:
             print(READY_LINE, flush=True)
 
     threading.Thread(target=announce, name="ready", daemon=True).start()
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if journal is not None:
+            journal.close()
     return 0
 
 

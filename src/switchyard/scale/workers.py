@@ -24,8 +24,14 @@ that, what it held is given back: its gate slots (`Leases.release_worker`) and i
 limit and budget reservations (`RedisLimiter.release_holds`); the engine front releases
 a dead worker's residency when its connections close. The requests it was serving may
 have gone upstream and streamed: each gets one usage row, `incomplete` with error
-`worker_exited`, billed what it reserved (`lost_request`), and its budgets keep that
-spend. The supervisor holds a bound socket on the port for its whole run, so the port
+`worker_exited`, and its budgets keep what it reserved. Which requests: the worker's
+in-flight journal (scale/worker.py `InFlight`) names every request it opened whose
+row the ledger writer had not committed, so a request under no limit, or one that
+settled and died before its row was written, is billed too: what it settled, if it
+got that far (`journaled_request`); else the most it reserved (its holds, found by the
+limiter's owner records: `lost_request`); else 0. The ledger writer never lets such a
+row replace a row the request's own worker committed (state/ledger_batch.py). The
+supervisor holds a bound socket on the port for its whole run, so the port
 is taken (and `port: 0` resolved) once for all workers. SIGINT or SIGTERM stops the
 workers first, then the control plane.
 """
@@ -53,8 +59,9 @@ import uvicorn
 from switchyard import outcomes
 from switchyard.config import LlamaCppEngine, ProcessRole, Settings, VllmEngine
 from switchyard.pipeline import Status
-from switchyard.scale.worker import READY_LINE
-from switchyard.state.limits import Held
+from switchyard.scale.worker import READY_LINE, journal_path, read_journal
+from switchyard.state.ledger_batch import LOST
+from switchyard.state.limits import Billing, Held
 from switchyard.state.traces import LedgerEntry
 
 log = logging.getLogger("switchyard.workers")
@@ -62,7 +69,8 @@ log = logging.getLogger("switchyard.workers")
 MAX_WORKERS = 256
 STOP_GRACE_S = 8.0  # a worker's graceful stop (uvicorn's is 5 s), then SIGKILL
 RESTART_PAUSE_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # after quick successive deaths
-WORKER_EXITED = "worker_exited"  # the usage row's error code of a dead worker's request
+WORKER_EXITED = LOST  # the usage row's error code of a dead worker's request
+COMMIT_TRIES, COMMIT_WAIT_S = 30, 10.0  # how long billed rows are waited for
 
 
 def usable_workers(value: int | str) -> int:
@@ -148,10 +156,11 @@ class Worker:
 
 
 def worker_name(index: int, pid: int, run: str) -> str:
-    """A worker's name as holder of reservations and slots: its number, its pid, and its
-    supervisor's run (random), so that two supervisors counting in one Redis under one
-    prefix (two hosts, whose pids may be the same) never take each other's workers'
-    holds for their own dead worker's."""
+    """A worker's name as holder of reservations, slots and its in-flight journal
+    (scale/worker.py `journal_path`): its number, its pid, and its supervisor's run
+    (random), so that two supervisors counting in one Redis under one prefix (two hosts,
+    whose pids may be the same) never take each other's workers' holds for their own
+    dead worker's."""
     return f"w{index}-{pid}-{run}"
 
 
@@ -179,6 +188,7 @@ class Supervisor:
         self.leases: Any = None
         self.front: Any = None  # the engine front (engines/front.py), with local engines
         self.spec: dict[str, Any] = {}
+        self._billing: set[asyncio.Task[None]] = set()  # rows waiting to be committed
 
     @staticmethod
     def run_dir(settings: Settings) -> Path:
@@ -207,6 +217,13 @@ class Supervisor:
                 await stop.wait()
                 self.stopping = True
                 await self._stop_workers()
+                for w in self.workers:  # rows a stopped worker did not see committed
+                    if w.proc is not None:
+                        await self._release(w.name, w.proc.pid)
+                if self._billing:  # then the control plane's ledger's close waits
+                    _, late = await asyncio.wait(self._billing, timeout=STOP_GRACE_S)
+                    for task in late:
+                        task.cancel()
                 for r in runs:
                     r.cancel()
                 await asyncio.gather(*runs, return_exceptions=True)
@@ -236,6 +253,7 @@ class Supervisor:
             "redis_url": redis_url,
             "token": secrets.token_urlsafe(32),
             "ledger_socket": str(run / "ledger.sock"),
+            "run_dir": str(run),
             "run": self.run_id,
             "workers": len(self.workers),
         }
@@ -383,7 +401,11 @@ class Supervisor:
                 held = await release(name)
             except Exception as exc:  # Redis away: the leases lapse on their own
                 log.error("could not give back worker %s's reservations: %s", name, exc)
-        billed = self._bill(name, held) if held else 0
+        journal = journal_path(self.spec["run_dir"], name)
+        rows = self._lost_rows(name, held, list(read_journal(journal)))
+        self._bill(rows)
+        with contextlib.suppress(OSError):
+            journal.unlink()
         tasks = getattr(self.gateway, "tasks", None)
         release_tasks = getattr(tasks, "release_owner", None)
         if release_tasks is not None:
@@ -393,17 +415,15 @@ class Supervisor:
                 log.error("could not give back worker %s's task reservations: %s", name, exc)
         return (
             f"gave back {slots} gate slot(s) and {len(held)} reservation(s); billed "
-            f"{billed} request(s) it was serving at what they reserved"
+            f"{len(rows)} request(s) it was serving whose rows were not committed"
         )
 
-    def _bill(self, name: str, held: list[Held]) -> int:
-        """One usage row per request of the dead worker `name` whose holds `held` were
-        still unsettled: it may have gone upstream and streamed, so it is billed what it
-        reserved, as its budgets keep (`RedisLimiter.release_holds`). A request that
-        had settled wrote its own row and left no hold here. How many rows."""
-        ledger = getattr(self.gateway, "ledger", None)
-        if ledger is None:
-            return 0
+    def _lost_rows(
+        self, name: str, held: list[Held], journal: list[list[Any]]
+    ) -> list[LedgerEntry]:
+        """One usage row per request of the dead worker `name` that its journal names
+        (`journal`: scale/worker.py `read_journal`) or whose holds `held` were still
+        unsettled (a request the journal had no room for)."""
         by_request: dict[str, list[Held]] = {}
         for h in held:
             if h.billing is None:  # recorded by a version that kept no billing
@@ -412,9 +432,31 @@ class Supervisor:
             by_request.setdefault(h.billing.request_id, []).append(h)
         traced = self.settings.observe.traces
         ended = time.time()
-        for holds in by_request.values():  # sent with the ledger's next batch
-            ledger.record_entry(lost_request(name, holds, ended, traced))
-        return len(by_request)
+        rows = [
+            journaled_request(name, rec, by_request.pop(rec[0], []), ended, traced)
+            for rec in journal
+        ]
+        return rows + [lost_request(name, holds, ended, traced) for holds in by_request.values()]
+
+    def _bill(self, rows: list[LedgerEntry]) -> None:
+        """Write `rows` through the control plane's ledger, and see them committed: a
+        writer that dies first (its connection's loss is seen only as the ledger is
+        pumped) gets them again from that ledger, as `AGAIN`."""
+        ledger = getattr(self.gateway, "ledger", None)
+        if ledger is None or not rows:
+            return
+        for row in rows:
+            ledger.record_entry(row)
+        task = asyncio.get_running_loop().create_task(self._committed(ledger))
+        self._billing.add(task)
+        task.add_done_callback(self._billing.discard)
+
+    @staticmethod
+    async def _committed(ledger: Any) -> None:
+        for _ in range(COMMIT_TRIES):
+            if await ledger.flush_async(timeout_s=COMMIT_WAIT_S):
+                return
+        log.error("rows of a dead worker's requests not committed after %d tries", COMMIT_TRIES)
 
     async def _stop_workers(self) -> None:
         procs = [w.proc for w in self.workers if w.proc is not None and w.proc.returncode is None]
@@ -431,6 +473,25 @@ class Supervisor:
             await asyncio.gather(*(p.wait() for p in procs))
 
 
+def journaled_request(
+    worker: str, rec: list[Any], holds: list[Held], ended: float, traced: bool
+) -> LedgerEntry:
+    """The usage row of a request the dead worker's journal names (`rec`: scale/worker.py
+    `read_journal`): billed what it settled when its row had been queued (`done`),
+    else the most its `holds` reserved, else 0."""
+    rid, client_id, task, tenant, key, endpoint, model, received, stream, done = rec
+    if done is None and holds:
+        return lost_request(worker, holds, ended, traced)
+    facts = Billing(rid, client_id, task, tenant, key, endpoint, model, received, 0, bool(stream))
+    if done is None:
+        reason = f"worker {worker} exited before the request ended; it reserved nothing"
+        return _lost(worker, facts, 0, 0, 0.0, ended, traced, reason, {"reserved_usd": 0.0})
+    status, tokens_in, tokens_out, cost = done
+    reason = f"worker {worker} exited before the request's row was written; billed what it settled"
+    evidence = {"settled_status": status, "settled_usd": cost}
+    return _lost(worker, facts, tokens_in, tokens_out, cost, ended, traced, reason, evidence)
+
+
 def lost_request(worker: str, holds: list[Held], ended: float, traced: bool) -> LedgerEntry:
     """The usage row of a request whose worker died holding `holds` (its reservations,
     one per reserving stage, each with the request's billing): status `incomplete`,
@@ -440,16 +501,34 @@ def lost_request(worker: str, holds: list[Held], ended: float, traced: bool) -> 
     assert b is not None
     top = max(holds, key=lambda h: (h.cost_usd, h.tokens))
     prompt = min(b.prompt_tokens, top.tokens)
+    reason = f"worker {worker} exited before the request ended; billed what it reserved"
+    evidence = {
+        "reserved_tokens": top.tokens,
+        "reserved_usd": top.cost_usd,
+        "reservations": sorted(h.reservation for h in holds),
+    }
+    return _lost(
+        worker, b, prompt, top.tokens - prompt, top.cost_usd, ended, traced, reason, evidence
+    )
+
+
+def _lost(
+    worker: str,
+    b: Billing,
+    tokens_in: int,
+    tokens_out: int,
+    cost: float,
+    ended: float,
+    traced: bool,
+    reason: str,
+    evidence: dict[str, Any],
+) -> LedgerEntry:
+    """A dead worker's request's usage row: status `incomplete`, error `worker_exited`,
+    with a one-decision trace (`worker: exited`) when traces are kept."""
     lasted = max(0.0, ended - b.received_at)
     decisions = None
     if traced:  # clock: seconds since it was received
-        reason = f"worker {worker} exited before the request ended; billed what it reserved"
-        evidence = {
-            "worker": worker,
-            "reserved_tokens": top.tokens,
-            "reserved_usd": top.cost_usd,
-            "reservations": sorted(h.reservation for h in holds),
-        }
+        evidence = {"worker": worker, **evidence}
         decisions = [["worker", str(outcomes.Worker.EXITED), reason, evidence, lasted, lasted]]
     return LedgerEntry(
         request_id=b.request_id,
@@ -466,9 +545,9 @@ def lost_request(worker: str, holds: list[Held], ended: float, traced: bool) -> 
         status=str(Status.INCOMPLETE),
         error_code=WORKER_EXITED,
         attempts=0,
-        input_tokens=prompt,
-        output_tokens=top.tokens - prompt,
-        cost_usd=top.cost_usd,
+        input_tokens=tokens_in,
+        output_tokens=tokens_out,
+        cost_usd=cost,
         cache=None,
         fallback_from=None,
         planned_steps=None,

@@ -60,7 +60,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -251,6 +251,9 @@ class UsageLedger(LedgerReads):
         self._spawned_at = 0.0
         self._respawn_at = 0.0
         self._proc: subprocess.Popen[bytes] | None = None
+        # Called with each settled request after its row is queued (`record`): a
+        # worker's in-flight journal (scale/worker.py `InFlight`).
+        self.on_record: Callable[[Finished], None] | None = None
         if writer_socket is None:
             self._proc = self._spawn()
         else:
@@ -312,9 +315,10 @@ class UsageLedger(LedgerReads):
         """Queue a settled request; its usage row and (optionally) its trace are
         committed in the same transaction."""
         row = encoded_row(finished, self._counts)
-        if row is None:
-            return
-        self._queue(row)
+        if row is not None:
+            self._queue(row)
+        if self.on_record is not None:
+            self.on_record(finished)
 
     def record_entry(self, entry: LedgerEntry) -> None:
         """Queue a row that is no request's settle: a dead worker's request, billed by
@@ -344,12 +348,23 @@ class UsageLedger(LedgerReads):
         self._gathered(full, timer_loop)
         return seq
 
-    def committed(self, seq: int) -> bool:
+    def committed(self, seq: int, read: bool = True) -> bool:
         """Whether everything up to flush number `seq` is committed (the writer's
-        answers waiting are read, without blocking, once that flush was sent)."""
-        if self._acked < seq <= self._sent:
+        answers waiting are read, without blocking, once that flush was sent; with
+        `read` False, only the answers already read: no system call)."""
+        if read and self._acked < seq <= self._sent:
             self._take_acks()
         return self._acked >= seq
+
+    def queued_flush(self) -> int:
+        """The flush number whose answer (`committed`) means every row queued so far
+        is committed: the batch being gathered's, else the last one sent (with a shared
+        writer every batch has one; a batch to this ledger's own writer has one only
+        when a flush follows it, so the next one)."""
+        with self._lock:
+            if self._batch or self._responses or self._writer_socket is None:
+                return self._batch_flush or self._seq + 1
+            return self._sent
 
     def behind(self) -> bool:
         """The writer is so far behind that rows are about to be dropped."""

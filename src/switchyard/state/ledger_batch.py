@@ -10,6 +10,17 @@ themselves are idempotent (`INSERT OR REPLACE` usage and traces, `INSERT OR IGNO
 templates and stored responses); the one sum, `usage_daily`, adds only the entries of an
 `AGAIN` batch whose request id is not in `usage` yet, checked inside the batch's own
 transaction.
+
+A row with error `worker_exited` (`LOST`) is written by the supervisor of `serve
+--workers N` for a request whose worker died before its own row was committed, as far
+as the supervisor can tell (scale/workers.py): the worker's own row may reach the
+writer all the same (sent before the worker died, or committed before its answer was
+read). So such a row is written only where the request has no row yet: it never
+replaces one, nor adds to the daily sums twice. In the other order, the request's own
+row replaces it and the daily sums get back what it had added. The writer knows which
+rows those may be from the `LOST` rows it wrote lately (`_LOST_WRITTEN`), so a batch
+costs one query more only when it holds such a request; an `AGAIN` batch, whose rows
+are all looked up anyway, finds them whoever wrote them.
 """
 
 from __future__ import annotations
@@ -42,6 +53,13 @@ OUTAGE_S = 30.0
 HEADER = struct.Struct(">cI")
 BATCH, FLUSH, STOP, KEY = b"B", b"F", b"S", b"K"
 AGAIN = b"A"  # a batch sent again to a new writer: the old one may have committed it
+LOST = "worker_exited"  # the error of a row written for a dead worker's request
+# Request ids of the LOST rows this process wrote lately, oldest first: the request's
+# own row, should it come later, takes back what they added to the daily sums. Module
+# state: `write_batch` is given the connection alone (a sqlite3 connection takes no
+# attribute), and one process writes one database (observe/ledger_writer.py).
+_LOST_WRITTEN: dict[str, None] = {}
+_LOST_KEPT = 100_000
 READY = b"R"  # a shared writer to its owner: listening
 
 USAGE_COLUMNS = (
@@ -216,15 +234,30 @@ def _sealed(batch: LedgerBatch, sealer: Sealer | None) -> list[tuple[Any, ...]]:
     ]
 
 
-def _committed(conn: sqlite3.Connection, request_ids: list[str]) -> set[str]:
-    """Which of `request_ids` already have a usage row."""
-    seen: set[str] = set()
+def _existing(conn: sqlite3.Connection, request_ids: list[str]) -> dict[str, Any]:
+    """Which of `request_ids` already have a usage row: for each, None when it is the
+    request's own row, else (a `LOST` row) what it added to usage_daily, negated."""
+    found: dict[str, Any] = {}
     for i in range(0, len(request_ids), 500):  # well under SQLite's bound variables
         part = request_ids[i : i + 500]
-        marks = ", ".join("?" * len(part))
-        sql = f"SELECT request_id FROM usage WHERE request_id IN ({marks})"
-        seen.update(r[0] for r in conn.execute(sql, part))
-    return seen
+        sql = _EXISTING.format(", ".join("?" * len(part)))
+        for rid, error, at, tenant, key, model, status, tin, tout, cost in conn.execute(sql, part):
+            if error != LOST:
+                found[rid] = None
+                continue
+            day = time.strftime("%Y-%m-%d", time.gmtime(int(at // 86400) * 86400))
+            errors = -1 if status != "ok" else 0
+            found[rid] = (
+                *(day, tenant or "", key or "", model or "", -1, errors),
+                *(-(tin or 0), -(tout or 0), -(cost or 0.0)),
+            )
+    return found
+
+
+_EXISTING = (
+    "SELECT request_id, error_code, received_at, tenant_id, key_id, model, status,"
+    " input_tokens, output_tokens, cost_usd FROM usage WHERE request_id IN ({})"
+)
 
 
 def write_batch(
@@ -236,25 +269,59 @@ def write_batch(
     """Commit one batch: every usage row, trace and stored response (sealed with
     `sealer`), or (after retries) none of them. `again`: the batch may have been
     committed already (an `AGAIN` frame): its entries already in `usage` are written
-    again, unchanged, and left out of the daily sums."""
+    again, unchanged, and left out of the daily sums. A `LOST` entry where its request
+    has a row is left out; a request's own entry replacing a `LOST` row takes back
+    what that row added to the daily sums (the module docstring)."""
     try:
         entries = batch.entries
         rows = [usage_row(e) for e in entries]
         daily = daily_rollups(entries)
-        traces = [insert_args(trace_from_entry(e)) for e in entries if e.decisions is not None]
+        traced = [e for e in entries if e.decisions is not None]
+        traces = [insert_args(trace_from_entry(e)) for e in traced]
         templates = [(bid, _TEMPLATE.encode(t).decode()) for bid, t in batch.blocks.items()]
         responses = _sealed(batch, sealer)
+        lost = {e.request_id for e in entries if e.error_code == LOST}
+        if again:
+            check = [e.request_id for e in entries]
+        else:
+            late = (
+                [e.request_id for e in entries if e.request_id in _LOST_WRITTEN]
+                if _LOST_WRITTEN
+                else []
+            )
+            check = [*lost, *late]
     except Exception:  # a malformed batch must not end the writer
         log.exception("dropped a malformed batch of %d entries", len(batch.entries))
         return False
+    all_rows, all_traces = rows, traces
+    skip: set[str] = set()
     attempt, outage_until = 0, time.monotonic() + OUTAGE_S
     while True:
         attempt += 1
         try:
             conn.execute("BEGIN IMMEDIATE")
-            if again:
-                seen = _committed(conn, [e.request_id for e in entries])
-                daily = daily_rollups([e for e in entries if e.request_id not in seen])
+            if check:
+                found = _existing(conn, check)
+                # Kept out: a LOST entry where its request has a row.
+                skip = {rid for rid in lost if rid in found}
+                # Counted already: a row of its own, or a LOST row written again.
+                counted = {rid for rid, was in found.items() if was is None or rid in lost}
+                taken = [was for rid, was in found.items() if was is not None and rid not in lost]
+                daily = [
+                    *daily_rollups(e for e in entries if e.request_id not in counted),
+                    *taken,
+                ]
+                if skip:
+                    rows = [
+                        r
+                        for r, e in zip(all_rows, entries, strict=True)
+                        if e.request_id not in skip
+                    ]
+                    traces = [
+                        t
+                        for t, e in zip(all_traces, traced, strict=True)
+                        if e.request_id not in skip
+                    ]
             try:
                 conn.executemany(INSERT_USAGE, rows)
                 conn.executemany(ADD_DAILY, daily)
@@ -277,6 +344,10 @@ def write_batch(
                 if responses:
                     conn.executemany(INSERT_RESPONSES, responses)
             conn.execute("COMMIT")
+            if lost:  # those written: a row of the request's own may follow
+                _LOST_WRITTEN.update(dict.fromkeys(lost - skip))
+                for rid in list(_LOST_WRITTEN)[: max(0, len(_LOST_WRITTEN) - _LOST_KEPT)]:
+                    del _LOST_WRITTEN[rid]
             return True
         except (sqlite3.Error, OverflowError) as exc:
             with contextlib.suppress(sqlite3.Error):
