@@ -18,6 +18,7 @@ from typing import Any
 from switchyard.errors import InvalidHeader, InvalidRequest
 from switchyard.ids import ID_PATTERN as ID_PATTERN
 from switchyard.pipeline import RequestContext, RequestInput, Timings
+from switchyard.policy.pii_secrets import credential_shaped
 from switchyard.request import NOT_READ
 
 MAX_PARENTS = 32
@@ -60,15 +61,23 @@ def _bad(name: str, why: str) -> InvalidRequest:
     return InvalidHeader(f"header {name}: {why}", param=name)
 
 
+# An id is kept in usage rows, traces and tables as sent: one that is a credential by its
+# shape (an API key pasted as an id) is refused, never stored (the message never
+# quotes it).
+_CREDENTIAL = "has the shape of a credential (an API key or token); send an id, never a key"
+
+
 def client_request_id(headers: Mapping[str, str]) -> tuple[str | None, InvalidRequest | None]:
     """The client's own id for its request (`x-client-request-id`, or `x-request-id`
     as many clients send it): kept beside the gateway's id, never in its place."""
     for name in ("x-client-request-id", "x-request-id"):
         value = headers.get(name)
         if value is not None:
-            if ID_PATTERN.fullmatch(value):
-                return value, None
-            return None, _bad(name, "must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
+            if not ID_PATTERN.fullmatch(value):
+                return None, _bad(name, "must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
+            if credential_shaped(value):
+                return None, _bad(name, _CREDENTIAL)
+            return value, None
     return None, None
 
 
@@ -76,9 +85,11 @@ def task_id(headers: Mapping[str, str]) -> tuple[str | None, InvalidRequest | No
     value = headers.get("x-task-id")
     if value is None:
         return None, None
-    if ID_PATTERN.fullmatch(value):
-        return value, None
-    return None, _bad("x-task-id", "must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
+    if not ID_PATTERN.fullmatch(value):
+        return None, _bad("x-task-id", "must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
+    if credential_shaped(value):
+        return None, _bad("x-task-id", _CREDENTIAL)
+    return value, None
 
 
 def parent_request_ids(
@@ -95,6 +106,8 @@ def parent_request_ids(
     for p in ids:
         if not ID_PATTERN.fullmatch(p):
             return (), _bad("x-parent-request-id", "a comma-separated list of request ids")
+        if credential_shaped(p):
+            return (), _bad("x-parent-request-id", _CREDENTIAL)
     return ids, None
 
 
@@ -124,7 +137,11 @@ def request_timeout(value: str) -> float:
 
 
 def idempotency_key(value: str) -> str:
+    """The client's `Idempotency-Key`, bounded; one with a credential's shape is
+    refused (the store keeps only a keyed hash of a key: state/idempotency.py)."""
     if 0 < len(value) <= MAX_IDEMPOTENCY_KEY and _PRINTABLE.fullmatch(value):
+        if credential_shaped(value):
+            raise _bad("Idempotency-Key", _CREDENTIAL)
         return value
     raise _bad("Idempotency-Key", f"1 to {MAX_IDEMPOTENCY_KEY} visible ASCII characters, no spaces")
 

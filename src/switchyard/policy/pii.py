@@ -293,6 +293,28 @@ def _text(text: object) -> str:
     return text
 
 
+# Members whose values are media, sent as they came and never read for PII: an image's
+# URL or base64 data, base64 audio, a file's base64 data (the detectors read text).
+_MEDIA = frozenset({"image_url", "input_audio", "file_data"})
+# Deeper than any body the API parses (api/body.py: 64 levels): fail closed.
+_MAX_DEPTH = 80
+# A string shorter than this made of letters (and underscores) only is a word no
+# detector matches: each needs a digit, a separator (@ : = . - / whitespace) or a run
+# of 20 characters or more (an AWS key id, a vendor key, a long token). Most strings
+# of a request's structure are such words (roles, types, property names).
+_PLAIN_MAX = 16
+_Rule = Callable[["MaskSession", Any], Any]
+
+
+def _plain(text: str) -> bool:
+    return text.isalpha() or ("_" in text and text.replace("_", "").isalpha())
+
+
+def _deep(depth: int) -> None:
+    if depth > _MAX_DEPTH:
+        raise MaskingError("a member is nested too deep to mask")
+
+
 class MaskSession:
     """Per-request masking state: numbering, the placeholder <-> raw mapping, the counts.
 
@@ -302,7 +324,15 @@ class MaskSession:
     repr shows counts only.
     """
 
-    __slots__ = ("_found", "_masker", "_next", "_reserved", "_to_placeholder", "_to_raw")
+    __slots__ = (
+        "_clean",
+        "_found",
+        "_masker",
+        "_next",
+        "_reserved",
+        "_to_placeholder",
+        "_to_raw",
+    )
 
     def __init__(self, masker: PiiMasker) -> None:
         self._masker = masker
@@ -311,6 +341,9 @@ class MaskSession:
         self._next: Counter[str] = Counter()
         self._reserved: set[str] = set()
         self._found: Counter[str] = Counter()
+        # Texts found clean already: a text repeated across the request (a schema's
+        # descriptions, a tool call's id) is scanned once.
+        self._clean: set[str] = set()
 
     def __repr__(self) -> str:
         return f"MaskSession(found={dict(self._found)!r})"
@@ -337,10 +370,16 @@ class MaskSession:
     def mask_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Mask chat messages; returns new message dicts, the input is left untouched.
 
-        Masks string `content` and the `text` of content parts; every other field
-        (role, name, tool_calls, image parts, ...) is copied as it is.
+        Masks string `content` and the `text` of content parts, a `name` (kept a
+        name), tool calls' arguments, and every other string of a message (a tool
+        call's id, a refusal, a file's name, ...) but media payloads (`_MEDIA`).
         """
-        return _guarded(lambda: self._mask_messages(messages))
+
+        def masked() -> list[dict[str, Any]]:
+            out = self._mask_messages(messages)
+            return [dict(o) if o is m else o for o, m in zip(out, messages, strict=True)]
+
+        return _guarded(masked)
 
     def restore(self, text: str) -> str:
         """Put the raw values back for this session's placeholders in `text`.
@@ -362,62 +401,162 @@ class MaskSession:
         for message in messages:
             for text in _message_texts(message):
                 self._reserve(text)
-        return [self._mask_message(m) for m in messages]
+            self._reserve_all(message, 0)
+        return self._mask_messages_reserved(messages)
 
-    def _mask_message(self, message: Mapping[str, Any]) -> dict[str, Any]:
-        content = message.get("content")
-        out = dict(message)
-        if isinstance(content, str):
-            out["content"] = self._mask_one(content, reserve=False)
-        elif isinstance(content, list):
-            out["content"] = [self._mask_part(p) for p in content]
-        name = message.get("name")
-        if isinstance(name, str):
-            # A name must stay a name (OpenAI: [A-Za-z0-9_-]): the placeholder without <>.
-            masked = self._mask_one(name, reserve=False)
-            if masked != name:
-                out["name"] = masked.replace("<", "").replace(">", "")
-        calls = message.get("tool_calls")
-        if isinstance(calls, list):
-            out["tool_calls"] = [self._mask_call(c) for c in calls]
-        legacy = message.get("function_call")
-        if isinstance(legacy, dict) and isinstance(legacy.get("arguments"), str):
-            out["function_call"] = {**legacy, "arguments": self.mask_inline(legacy["arguments"])}
+    def _mask_messages_reserved(
+        self, messages: Sequence[Mapping[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """The messages masked (their placeholders reserved already): the very list
+        when nothing in it changed."""
+        out = [self._mask_message(m) for m in messages]
+        if isinstance(messages, list) and all(a is b for a, b in zip(out, messages, strict=True)):
+            return messages
         return out
 
+    def _reserve_all(self, value: Any, depth: int) -> None:
+        """Reserve the placeholder-shaped text of every string in a JSON value (keys
+        included; media payloads are not read)."""
+        if isinstance(value, str):
+            if "<" in value:
+                self._reserved.update(_PLACEHOLDER.findall(value))
+        elif isinstance(value, dict):
+            _deep(depth)
+            for k, v in value.items():
+                if k in _MEDIA:
+                    continue
+                self._reserve_all(k, depth)
+                self._reserve_all(v, depth + 1)
+        elif isinstance(value, list):
+            _deep(depth)
+            for v in value:
+                self._reserve_all(v, depth + 1)
+
+    def _walk(self, value: _T, depth: int) -> _T:
+        """A JSON value with every string in it masked, keys included (a member named
+        in `_MEDIA` is kept as it is). The value itself when nothing changed (no copy),
+        so a request without PII stays the very request that came."""
+        if isinstance(value, str):
+            return self._mask_one(value, reserve=False)  # type: ignore[return-value]
+        if isinstance(value, dict):
+            _deep(depth)
+            out: dict[Any, Any] = {}
+            changed = False
+            for k, v in value.items():
+                if k in _MEDIA:
+                    out[k] = v
+                    continue
+                mk = self._mask_one(k, reserve=False) if isinstance(k, str) else k
+                mv = self._walk(v, depth + 1)
+                if mk is not k or mv is not v:
+                    changed = True
+                out[mk] = mv
+            if len(out) != len(value):
+                raise MaskingError("two members of an object mask to one name")
+            return out if changed else value  # type: ignore[return-value]
+        if isinstance(value, list):
+            _deep(depth)
+            items = [self._walk(v, depth + 1) for v in value]
+            if any(a is not b for a, b in zip(items, value, strict=True)):
+                return items  # type: ignore[return-value]
+            return value
+        if value is None or isinstance(value, (bool, int, float)):
+            return value
+        raise MaskingError(f"cannot mask a {type(value).__name__}")
+
+    def _mask_message(self, message: Mapping[str, Any]) -> dict[str, Any]:
+        """One message: its own members by their rules (`content`'s texts, a `name`
+        that stays a name, tool calls' JSON arguments), every other member walked."""
+        return self._walk_with(message, _MESSAGE_RULES, 0)  # type: ignore[arg-type]
+
+    def _content(self, content: Any) -> Any:
+        if isinstance(content, str):
+            return self._mask_one(content, reserve=False)
+        if isinstance(content, list):
+            parts = [self._mask_part(p) for p in content]
+            return (
+                parts if any(a is not b for a, b in zip(parts, content, strict=True)) else content
+            )
+        return self._walk(content, 1)
+
+    def _name(self, name: Any) -> Any:
+        if not isinstance(name, str):
+            return self._walk(name, 1)
+        # A name must stay a name (OpenAI: [A-Za-z0-9_-]): the placeholder without <>.
+        masked = self._mask_one(name, reserve=False)
+        return name if masked is name else masked.replace("<", "").replace(">", "")
+
+    def _calls(self, calls: Any) -> Any:
+        if not isinstance(calls, list):
+            return self._walk(calls, 1)
+        out = [self._mask_call(c) for c in calls]
+        return out if any(a is not b for a, b in zip(out, calls, strict=True)) else calls
+
+    def _arguments(self, args: Any) -> Any:
+        return self.mask_inline(args) if isinstance(args, str) else self._walk(args, 3)
+
+    def _function(self, fn: Any) -> Any:
+        if not isinstance(fn, dict):
+            return self._walk(fn, 2)
+        return self._walk_with(fn, _FUNCTION_RULES, 2)
+
     def _mask_call(self, call: Any) -> Any:
-        """A tool call with its `function.arguments` (a JSON string) masked."""
-        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-            return call
-        args = call["function"].get("arguments")
-        if not isinstance(args, str):
-            return call
-        return {**call, "function": {**call["function"], "arguments": self.mask_inline(args)}}
+        """A tool call with its `function.arguments` (a JSON string) masked inline and
+        every other member walked."""
+        if not isinstance(call, dict):
+            return self._walk(call, 2)
+        return self._walk_with(call, _CALL_RULES, 2)
+
+    def _walk_with(
+        self, obj: dict[str, Any], rules: Mapping[str, _Rule], depth: int
+    ) -> dict[str, Any]:
+        """`_walk` of an object whose members named in `rules` are masked by them."""
+        _deep(depth)
+        out: dict[Any, Any] = {}
+        changed = False
+        for k, v in obj.items():
+            rule = rules.get(k)
+            if rule is not None:
+                mk, mv = k, rule(self, v)
+            elif k in _MEDIA:
+                mk, mv = k, v
+            else:
+                mk = self._mask_one(k, reserve=False) if isinstance(k, str) else k
+                mv = self._walk(v, depth + 1)
+            if mk is not k or mv is not v:
+                changed = True
+            out[mk] = mv
+        if len(out) != len(obj):
+            raise MaskingError("two members of an object mask to one name")
+        return out if changed else obj
 
     def mask_inline(self, text: str) -> str:
         """`mask` for a text that is part of a message already reserved."""
         return self._mask_one(text, reserve=False)
 
     def _mask_part(self, part: Any) -> Any:
+        """A content part: its `text` (one that is not text fails, closed), and every
+        other member walked (a refusal, a file's name; never a media payload)."""
         if isinstance(part, str):
             return self._mask_one(part, reserve=False)
         if not isinstance(part, dict):
-            return part
-        out = dict(part)
-        if "text" in part:
-            out["text"] = self._mask_one(part["text"], reserve=False)
-        if isinstance(part.get("refusal"), str):
-            out["refusal"] = self._mask_one(part["refusal"], reserve=False)
-        file = part.get("file")
-        if isinstance(file, dict) and isinstance(file.get("filename"), str):
-            out["file"] = {**file, "filename": self._mask_one(file["filename"], reserve=False)}
-        return out
+            return self._walk(part, 2)
+        return self._walk_with(part, _PART_RULES, 2)
+
+    def _text_member(self, text: Any) -> Any:
+        return self._mask_one(text, reserve=False)  # not text: fails, closed
 
     def _mask_one(self, text: str, *, reserve: bool) -> str:
         if reserve:
             self._reserve(text)
+        if type(text) is str and (
+            (len(text) < _PLAIN_MAX and _plain(text))  # a word no detector can match
+            or text in self._clean
+        ):
+            return text
         findings = self._masker.find(text)
         if not findings:
+            self._clean.add(text)
             return text
         pieces: list[str] = []
         pos = 0
@@ -447,6 +586,19 @@ class MaskSession:
             placeholder = f"<{kind}_{self._next[kind]}>"
             if placeholder not in self._reserved:
                 return placeholder
+
+
+# How `_walk_with` masks the members of a message, a tool call, its function and a
+# content part that have rules of their own; every other member is walked.
+_MESSAGE_RULES: dict[str, _Rule] = {
+    "content": MaskSession._content,
+    "name": MaskSession._name,
+    "tool_calls": MaskSession._calls,
+    "function_call": MaskSession._function,  # the deprecated form of one tool call
+}
+_CALL_RULES: dict[str, _Rule] = {"function": MaskSession._function}
+_FUNCTION_RULES: dict[str, _Rule] = {"arguments": MaskSession._arguments}
+_PART_RULES: dict[str, _Rule] = {"text": MaskSession._text_member}
 
 
 def _message_texts(message: Mapping[str, Any]) -> Iterator[str]:
@@ -537,74 +689,72 @@ def contains_pii(text: str) -> bool:
 
 
 def mask_request(session: MaskSession, req: Generation) -> Generation:
-    """The request with every field that can carry user text masked: chat `messages`
-    (content and content-part text, refusals, file names, names, tool-call arguments,
-    a legacy `function_call`'s arguments), completion `prompt` (a text or a list of
-    texts) and `suffix`, a `prediction`'s content, `metadata` values, tools'
-    descriptions, and the end-user ids `user` and `prompt_cache_key`. What is found in
-    any of them is what `block` refuses and `mask_upstream` replaces."""
+    """The request with every text it would send upstream masked, whichever member
+    carries it: what is found in any of them is what `block` refuses and
+    `mask_upstream` replaces.
+
+    Chat `messages` keep their own rules (`mask_messages`: names stay names); the
+    end-user ids `user` and `prompt_cache_key` stay ids (their placeholders without
+    <>); every other member the upstream receives, typed or kept in `extra` as sent
+    (stop sequences, tools, a `response_format` schema, `web_search_options`, the
+    other protocol's `messages` or `prompt`, an engine's own options, ...), is walked
+    whole: every string in it, keys included, is masked. Not walked: `model` (the
+    upstream is sent its own name for the deployment) and media payloads (`_MEDIA`:
+    an image URL or base64 data is sent as it came; the detectors read text, not
+    images). Depth and size are bounded by the body's parse (api/body.py: 64 levels,
+    `server.max_body_bytes`); a value no JSON body holds fails the masking, closed."""
+    return _guarded(lambda: _mask_request(session, req))
+
+
+def _mask_request(session: MaskSession, req: Generation) -> Generation:
+    # Reserve literal placeholder-shaped text of the whole request before numbering,
+    # so a client's own "<EMAIL_1>" anywhere is never confused with ours on restore.
     messages, prompt = req.messages, req.prompt
     if messages is not None:
-        messages = session.mask_messages(messages)
-    if isinstance(prompt, str):
-        prompt = session.mask(prompt)
-    elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-        prompt = [session.mask(p) for p in prompt]
+        for message in messages:
+            for text in _message_texts(message):  # fails closed on a shape it cannot read
+                session._reserve(text)
+    changes: dict[str, Any] = {}
+    for name in _READ:
+        value = getattr(req, name)
+        if value is not None and value is not False:
+            session._reserve_all(value, 0)
+    if messages is not None:
+        masked_messages = session._mask_messages_reserved(messages)
+        if masked_messages is not messages:
+            changes["messages"] = masked_messages
     # An end-user id stays an id: its placeholder without <>.
-    user, cache_key = (
-        None if v is None else session.mask(v).replace("<", "").replace(">", "")
-        for v in (req.user, req.prompt_cache_key)
-    )
-    return msgspec.structs.replace(
-        req,
-        messages=messages,
-        prompt=prompt,
-        user=user,
-        prompt_cache_key=cache_key,
-        tools=_masked_tools(session, req.tools),
-        extra=_masked_extra(session, req.extra),
-    )
+    if prompt is not None:
+        masked_prompt = session._walk(prompt, 0)
+        if masked_prompt is not prompt:
+            changes["prompt"] = masked_prompt
+    for name in ("user", "prompt_cache_key"):
+        value = getattr(req, name)
+        if value is not None:
+            ident = session.mask_inline(value)
+            if ident is not value:
+                changes[name] = ident.replace("<", "").replace(">", "")
+    for name in _WALKED:
+        value = getattr(req, name)
+        if value is None or value is False or name == "prompt":
+            continue
+        masked = session._walk(value, 0)
+        if masked is not value:
+            changes[name] = masked
+    extra = session._walk(req.extra, 0)
+    if extra is not req.extra:
+        changes["extra"] = extra
+    return msgspec.structs.replace(req, **changes) if changes else req
 
 
-def _masked_tools(
-    session: MaskSession, tools: list[dict[str, Any]] | None
-) -> list[dict[str, Any]] | None:
-    """Tools with their functions' descriptions masked (names and schemas are kept)."""
-    if not tools:
-        return tools
-    out = []
-    for tool in tools:
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("description"), str):
-            tool = {**tool, "function": {**fn, "description": session.mask(fn["description"])}}
-        out.append(tool)
-    return out
-
-
-def _masked_extra(session: MaskSession, extra: dict[str, Any]) -> dict[str, Any]:
-    """The forwarded members that carry text: a completion's `suffix`, a `prediction`'s
-    content (a text or text parts) and `metadata`'s values."""
-    if not extra.keys() & {"suffix", "prediction", "metadata"}:
-        return extra
-    out = dict(extra)
-    if isinstance(extra.get("suffix"), str):
-        out["suffix"] = session.mask(extra["suffix"])
-    prediction = extra.get("prediction")
-    if isinstance(prediction, dict):
-        content = prediction.get("content")
-        if isinstance(content, str):
-            out["prediction"] = {**prediction, "content": session.mask(content)}
-        elif isinstance(content, list):
-            parts = [
-                {**p, "text": session.mask(p["text"])}
-                if isinstance(p, dict) and isinstance(p.get("text"), str)
-                else p
-                for p in content
-            ]
-            out["prediction"] = {**prediction, "content": parts}
-    metadata = extra.get("metadata")
-    if isinstance(metadata, dict):
-        out["metadata"] = {
-            k: session.mask(v) if isinstance(v, str) else v for k, v in metadata.items()
-        }
-    return out
+# The typed members walked whole: every one but `model` (replaced by the deployment's
+# upstream name), `messages` (their own rules), the end-user ids and `extra` (walked
+# after them), in the order of the struct. Members typed as numbers or booleans pass
+# the walk untouched.
+_WALKED = tuple(
+    name
+    for name in Generation.__struct_fields__
+    if name not in {"model", "messages", "user", "prompt_cache_key", "extra"}
+)
+# Every member read: all but `model`.
+_READ = ("messages", "user", "prompt_cache_key", *_WALKED, "extra")

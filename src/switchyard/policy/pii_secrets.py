@@ -22,6 +22,7 @@ from switchyard.policy.pii_detector import (
     _rx,
     _table,
     _View,
+    _whole,
 )
 
 # --------------------------------------------------------------------------- secrets
@@ -270,3 +271,27 @@ def _credential(m: re.Match[str]) -> Span | None:
     if not _is_value(value, word, quoted=quoted, strong=strong):
         return None
     return (start, start + len(value))
+
+
+# --------------------------------------------------------------------------- identifiers
+
+# The key shapes a credential has by its format alone: vendor keys, `sk-` keys (OpenAI's
+# `sk-proj-...`, the gateway's own `sk-sy-...`), AWS access key ids, JWTs. Not the
+# entropy heuristic (`_token`): a random id (a UUID, a hex digest) is an id, not a key.
+_ID_SECRETS = (
+    *((rx, _token_start) for rx, _ in _KEYS.values()),
+    (_SK, _sk_key),
+    (_AWS, _whole),
+    (_JWT, _whole),
+)
+
+
+def credential_shaped(value: str) -> bool:
+    """True if `value` holds a credential by its shape: a key a client pasted where an
+    id belongs (`x-request-id`, `x-task-id`, `Idempotency-Key`, ...), which must be
+    refused rather than kept in usage rows, traces and tables."""
+    for rx, check in _ID_SECRETS:
+        for m in rx.finditer(value):
+            if check(m) is not None:
+                return True
+    return False

@@ -27,7 +27,7 @@ from typing import Any, Protocol, TypeVar
 
 from switchyard.errors import DatabaseUnavailable
 from switchyard.state.approvals import ApprovalStore
-from switchyard.state.idempotency import IdempotencyStore
+from switchyard.state.idempotency import IdempotencyStore, idempotency_key
 from switchyard.state.keys import KeyStore, Limits, Principal
 from switchyard.state.ledger import (
     Finished,
@@ -140,7 +140,9 @@ class SqliteStore(Store):
         self._defaults = defaults
         self.keys = KeyStore(connect(path), defaults)
         self.approvals = ApprovalStore(connect(path))
-        self.idempotency = IdempotencyStore(connect(path), idempotency_ttl_s, self._io)
+        self.idempotency = IdempotencyStore(
+            connect(path), idempotency_ttl_s, self._io, key=idempotency_key(sealer)
+        )
         sealer = sealer or Sealer.ephemeral()
         self.tool_calls = ToolCallRecords(connect(path), sealer, self._io)
         self.ledger = UsageLedger(
@@ -312,7 +314,9 @@ class MemoryStore(Store):
         self._lock = threading.RLock()
         self.keys = KeyStore(self.conn, defaults)
         self.approvals = ApprovalStore(self.conn)
-        self.idempotency = IdempotencyStore(self.conn, idempotency_ttl_s)
+        self.idempotency = IdempotencyStore(
+            self.conn, idempotency_ttl_s, key=idempotency_key(sealer)
+        )
         sealer = sealer or Sealer.ephemeral()
         self.tool_calls = ToolCallRecords(self.conn, sealer, None)
         self.responses = ResponseStore(
