@@ -10,23 +10,18 @@ failed attempt releases the key so the client's retry runs again.
 
 A client's key is never stored as sent (it is free text: a pasted credential fits it):
 the `key` column holds an HMAC-SHA256 of it (`IdempotencyStore.stored_key`), which a
-repeat computes again to find its reply. The HMAC's key is the one the store is given
-(a subkey of it), else one of its own that every process on the database shares:
-`idempotency.key` beside a SQLite file (made 0600 on first start, as the key of stored
-responses is), or, on a database without a file (in memory, PostgreSQL), one kept in
-the database (`idempotency_secret`).
+repeat computes again to find its reply. The HMAC's key is a subkey of the key the
+store is given: the gateway's key of stored responses (state/responses.py), which every
+process on the store shares; without one, a key this process alone holds.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
 import sqlite3
 import threading
@@ -34,8 +29,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -45,9 +39,6 @@ from switchyard.errors import (
 )
 from switchyard.request import Request
 from switchyard.state.sql import IDEMPOTENCY_SCHEMA, on_io
-
-if TYPE_CHECKING:
-    from switchyard.state.sealing import Sealer
 
 log = logging.getLogger("switchyard")
 
@@ -85,15 +76,6 @@ class Idempotency(Protocol):
     async def release(self, tenant: str, key: str) -> None: ...
 
 
-def idempotency_key(sealer: Sealer | None) -> bytes | None:
-    """The key Idempotency-Keys are hashed with at rest: derived from the key of stored
-    responses (shared by every process on the store; `responses.encryption_key_env` or
-    the gateway home's), never that key itself. None without one: the store's own."""
-    if sealer is None:
-        return None
-    return hmac.new(sealer.key, b"switchyard idempotency keys", hashlib.sha256).digest()
-
-
 class IdempotencyStore:
     """`io` runs the SQL: an executor (the store's I/O thread, so a slow disk delays
     only the requests that carry a key, never the event loop) or None to run it in
@@ -112,7 +94,7 @@ class IdempotencyStore:
         self._lock = threading.Lock()
         self._io = io
         self._events: dict[tuple[str, str], asyncio.Event] = {}
-        secret = key if key is not None else _own_key(conn)
+        secret = key if key is not None else secrets.token_bytes(32)
         # A subkey: the key given may serve another purpose (sealing) as well.
         self._mac_key = hmac.new(secret, b"switchyard idempotency-key", hashlib.sha256).digest()
 
@@ -215,78 +197,3 @@ class IdempotencyStore:
         event = self._events.pop((tenant, key), None)
         if event is not None:
             event.set()
-
-
-KEY_FILE = "idempotency.key"
-_SECRET_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS idempotency_secret (id INTEGER PRIMARY KEY, secret TEXT NOT NULL)"
-)
-
-
-def _own_key(conn: sqlite3.Connection) -> bytes:
-    """The store's own HMAC key, shared by every process on its database: the key file
-    beside a SQLite file, else a key kept in the database itself."""
-    path = _sqlite_file(conn)
-    if path is not None:
-        return _key_file(path.parent)
-    conn.executescript(_SECRET_SCHEMA)
-    fresh = base64.urlsafe_b64encode(secrets.token_bytes(32)).decode()
-    # The first process to insert wins; every process then reads the same key.
-    conn.execute(
-        "INSERT OR IGNORE INTO idempotency_secret (id, secret) VALUES (1, ?)",
-        (fresh,),
-    )
-    row = conn.execute("SELECT secret FROM idempotency_secret WHERE id = 1").fetchone()
-    key = _decode(row["secret"])
-    if key is None:
-        raise ValueError("the idempotency_secret table does not hold a key")
-    return key
-
-
-def _sqlite_file(conn: sqlite3.Connection) -> Path | None:
-    """The file of a SQLite connection's main database; None in memory or on PostgreSQL."""
-    if not isinstance(conn, sqlite3.Connection):
-        return None
-    for row in conn.execute("PRAGMA database_list").fetchall():
-        if row[1] == "main":
-            return Path(row[2]) if row[2] else None
-    return None
-
-
-def _decode(text: str) -> bytes | None:
-    try:
-        raw = base64.urlsafe_b64decode(text.strip().encode())
-    except (binascii.Error, ValueError):
-        return None
-    return raw if len(raw) == 32 else None
-
-
-def _key_file(home: Path) -> bytes:
-    """The key in `home`/idempotency.key, made (0600) on first start: written to a
-    private temporary file and linked into place, so that a second process starting at
-    the same moment reads one whole key, never half of one or another."""
-    path = home / KEY_FILE
-    if not path.exists():
-        tmp = home / f".{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.fchmod(fd, 0o600)  # whatever the umask
-            os.write(
-                fd, (base64.urlsafe_b64encode(secrets.token_bytes(32)).decode() + "\n").encode()
-            )
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass  # another process made it first: use that one
-        finally:
-            tmp.unlink()
-    key = _decode(path.read_text(encoding="ascii", errors="replace"))
-    if key is None:
-        raise ValueError(
-            f"{path} does not hold a key (32 bytes in base64): remove it to start over "
-            "(the Idempotency-Keys in flight are then forgotten)"
-        )
-    return key

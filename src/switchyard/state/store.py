@@ -27,7 +27,7 @@ from typing import Any, Protocol, TypeVar
 
 from switchyard.errors import DatabaseUnavailable
 from switchyard.state.approvals import ApprovalStore
-from switchyard.state.idempotency import IdempotencyStore, idempotency_key
+from switchyard.state.idempotency import IdempotencyStore
 from switchyard.state.keys import KeyStore, Limits, Principal
 from switchyard.state.ledger import (
     Finished,
@@ -141,7 +141,7 @@ class SqliteStore(Store):
         self.keys = KeyStore(connect(path), defaults)
         self.approvals = ApprovalStore(connect(path))
         self.idempotency = IdempotencyStore(
-            connect(path), idempotency_ttl_s, self._io, key=idempotency_key(sealer)
+            connect(path), idempotency_ttl_s, self._io, key=None if sealer is None else sealer.key
         )
         sealer = sealer or Sealer.ephemeral()
         self.tool_calls = ToolCallRecords(connect(path), sealer, self._io)
@@ -315,7 +315,7 @@ class MemoryStore(Store):
         self.keys = KeyStore(self.conn, defaults)
         self.approvals = ApprovalStore(self.conn)
         self.idempotency = IdempotencyStore(
-            self.conn, idempotency_ttl_s, key=idempotency_key(sealer)
+            self.conn, idempotency_ttl_s, key=None if sealer is None else sealer.key
         )
         sealer = sealer or Sealer.ephemeral()
         self.tool_calls = ToolCallRecords(self.conn, sealer, None)
