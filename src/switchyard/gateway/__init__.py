@@ -165,6 +165,7 @@ class Gateway(ControlPlane):
             overhead=self.overhead,
             revisions=self.revisions,
             consumed_approvals=self.store.consumed_approvals,
+            give_back_approvals=self.store.give_back_approvals,
             check=self.candidates,
             on_canary_cut=self._canary_cut,
             sessions=self.sessions,

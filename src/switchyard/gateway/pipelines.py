@@ -44,6 +44,7 @@ from switchyard.policy.stages import (
     ConsumeApproval,
     ConsumedApprovals,
     DeploymentLimits,
+    GiveBackApprovals,
     Pii,
     Queue,
     Reserver,
@@ -89,6 +90,7 @@ def build_pipelines(
     overhead: PromptOverhead | None = None,
     revisions: Mapping[str, Any] | None = None,
     consumed_approvals: ConsumedApprovals | None = None,
+    give_back_approvals: GiveBackApprovals | None = None,
     check: CandidateCheck | None = None,
     on_canary_cut: Callable[[str, Deployment, str], None] | None = None,
     sessions: Any = None,
@@ -121,7 +123,11 @@ def build_pipelines(
             Window(s, models, overhead),
             Authorize(named, {a.name: a for a in s.adapters}),
             ToolResults(
-                ToolPolicy(s.tools), tasks, consume_approval or _no_approvals, consumed_approvals
+                ToolPolicy(s.tools),
+                tasks,
+                consume_approval or _no_approvals,
+                consumed_approvals,
+                give_back_approvals,
             ),
             Task(s, tasks, running, estimate),
             Admit(reserver, estimate),

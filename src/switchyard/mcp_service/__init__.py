@@ -22,7 +22,10 @@ reaches the tool server:
    waits for it, a call in doubt is refused. With `mcp.require_call_id`, a side
    effect without an id is refused;
 4. a tool that `requires_approval` needs an approval token for that call id
-   (`x-switchyard-approval`, or `_meta.approval`), consumed once (ApprovalStore);
+   (`x-switchyard-approval`, or `_meta.approval`), consumed once (ApprovalStore); in a
+   task the approval covers only the tool and arguments the task's record gives the
+   id (`approval_scope_refusal`). A stored result answers the task it ran in; a repeat
+   from another task needs an approval of its own first;
 5. the server's circuit breaker (state/breakers_memory.py, config `mcp.servers[].breaker`)
    lets it through: while it is open after repeated failures (timeouts, lost
    connections, server errors), calls fail at once, unsent (`tool_circuit_open`);
@@ -88,7 +91,7 @@ from switchyard.policy.admit import principal_scopes
 from switchyard.policy.headers import ID_PATTERN
 from switchyard.policy.stages import Reserver, task_error, task_refusal_reason
 from switchyard.policy.tasks import Running
-from switchyard.policy.tool_calls import ToolPolicy, args_digest
+from switchyard.policy.tool_calls import ToolPolicy, approval_scope_refusal, args_digest
 from switchyard.request import Generation
 from switchyard.state.breakers_memory import CircuitBreaker
 from switchyard.state.ledger_rows import Finished
@@ -393,6 +396,10 @@ class McpToolService(McpCalls):
                 {"call_id": call_id, "ran_in": claim.request_id},
             )
             if claim.state == "done" and claim.result is not None:
+                # A stored result answers the task it ran in (whose approval it
+                # consumed); another task's repeat needs an approval of its own.
+                if approval and claim.task != who.task_id:
+                    await self._approve(ctx, who, meta, name, call_id, digest)
                 spend.answered = True
                 return claim.result
             raise _claim_error(claim.state, call_id)
@@ -405,7 +412,7 @@ class McpToolService(McpCalls):
         )
         try:
             if approval:
-                await self._approve(ctx, who, meta, name, call_id)
+                await self._approve(ctx, who, meta, name, call_id, digest)
         except BaseException:
             await self.records.release(tenant, call_id)
             raise
@@ -499,9 +506,33 @@ class McpToolService(McpCalls):
         return None
 
     async def _approve(
-        self, ctx: RequestContext, who: Caller, meta: dict[str, Any], name: str, call_id: str
+        self,
+        ctx: RequestContext,
+        who: Caller,
+        meta: dict[str, Any],
+        name: str,
+        call_id: str,
+        digest: str,
     ) -> None:
+        """Consume an approval of `call_id` for this call, or raise ApprovalRequired. In a
+        task, an approval covers the tool and arguments the task's record gives the call
+        id (`approval_scope_refusal`): a call that names the id with another tool or other
+        arguments is refused before any token is spent."""
         t = time.perf_counter()
+        why_not_scope = await self._out_of_scope(who, call_id, digest)
+        if why_not_scope is not None:
+            ctx.record(
+                "approval",
+                outcomes.Approval.REJECT_APPROVAL,
+                why_not_scope,
+                t,
+                {"call_id": call_id},
+            )
+            raise ApprovalRequired(
+                f"the tool '{name}' requires an approval for call '{call_id}' "
+                f"({why_not_scope}): the task's record of the id names the call that was "
+                "approved"
+            )
         tokens = list(who.approvals)
         given = meta.get("approval")
         if isinstance(given, str) and 0 < len(given) <= 128:
@@ -527,3 +558,17 @@ class McpToolService(McpCalls):
             "operator for one (POST /admin/approvals or `switchyard approve`) and "
             "send it in the x-switchyard-approval header"
         )
+
+    async def _out_of_scope(self, who: Caller, call_id: str, digest: str) -> str | None:
+        """Why no approval of `call_id` covers this call (its tool and arguments are not
+        those the task's record gives the id), or None. Task state unavailable: refused
+        unless the policy fails open."""
+        if who.task_id is None:
+            return None
+        try:
+            note = await self.tasks.tool_call((who.principal.tenant_id, who.task_id), call_id)
+        except LimiterUnavailable:
+            if self.settings.policy.on_limiter_failure == "fail_open":
+                return None
+            return "the task's record of its calls is unavailable"
+        return approval_scope_refusal(call_id, note.args if note is not None else None, [digest])

@@ -40,6 +40,7 @@ from switchyard.policy.stages_task import task_error as task_error
 from switchyard.policy.stages_task import task_refusal_reason as task_refusal_reason
 from switchyard.policy.stages_tool_results import ConsumeApproval as ConsumeApproval
 from switchyard.policy.stages_tool_results import ConsumedApprovals as ConsumedApprovals
+from switchyard.policy.stages_tool_results import GiveBackApprovals as GiveBackApprovals
 from switchyard.policy.stages_tool_results import ToolResults as ToolResults
 
 

@@ -31,7 +31,11 @@ what the model *returns* and what the client sends back:
   call id needs its approval once: one already consumed for (tenant, call id) covers
   the later turns that carry the result as history. A legacy function result has no
   id, so it is matched by name: each one, in every request that carries it, needs
-  its own approval for the call id `function:<name>`. In a task, the results brought
+  its own approval for the call id `function:<name>`. An approval covers the call
+  proposed under its id: in a task whose record has the call's (tool, arguments)
+  digest, a history (or an /mcp call) that gives the id another tool or other
+  arguments is refused (`approval_scope_refusal`, the one rule for every path that
+  consumes or reuses an approval). In a task, the results brought
   for the first time are counted (those after the last assistant message, and any
   earlier one whose call the task's record shows no result for); a result for a call
   that already had one is flagged as a duplicate side effect.
@@ -51,6 +55,7 @@ from switchyard.policy.tool_calls_approvals import (
     MAX_TOOL_RESULTS,
     NeededApproval,
     ToolResult,
+    approval_scope_refusal,
     approval_tokens,
     approvals_needed,
     new_results,
@@ -82,6 +87,7 @@ __all__ = [
     "ToolOutcome",
     "ToolPolicy",
     "ToolResult",
+    "approval_scope_refusal",
     "approval_tokens",
     "approvals_needed",
     "args_digest",

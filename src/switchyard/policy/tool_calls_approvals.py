@@ -9,12 +9,18 @@ state/approvals.py's. The rules are told in policy/tool_calls.py's docstring.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from switchyard.errors import InvalidHeader, InvalidRequest, TooManyToolResults
-from switchyard.policy.tool_calls_governor import APPROVAL_CALL_PREFIX, ToolPolicy, _obj
+from switchyard.policy.tool_calls_governor import (
+    APPROVAL_CALL_PREFIX,
+    ToolPolicy,
+    _obj,
+    args_digest,
+    canonical_arguments,
+)
 
 # The most tool results (tool and function messages) a request's history may carry
 # where they are checked: each costs a look-up, and one left unchecked would be a
@@ -36,6 +42,10 @@ class ToolResult:
     # assistant tool calls with its id, or (legacy) the `function_call` it answers.
     names: frozenset[str]
     trailing: bool  # after the last assistant message: brought by this request
+    # The (tool, arguments) digest (`args_digest`) of every assistant tool call of the
+    # history with its id that states arguments: what the conversation claims was
+    # called under it.
+    digests: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,17 +65,54 @@ def _name(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _called(messages: list[Any]) -> dict[str, set[str]]:
-    """call id → the names every assistant message of the history gives that call."""
+def _called(messages: list[Any]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(call id → the names, call id → the (tool, arguments) digests) every assistant
+    message of the history gives that call."""
     called: dict[str, set[str]] = {}
+    digests: dict[str, set[str]] = {}
     for m in messages:
         if isinstance(m, dict) and m.get("role") == "assistant":
             calls = m.get("tool_calls")
             for call in calls if isinstance(calls, list) else []:
                 if isinstance(call, dict) and isinstance(call.get("id"), str):
-                    name = _name(_obj(call.get("function")).get("name"))
+                    fn = _obj(call.get("function"))
+                    name = _name(fn.get("name"))
                     called.setdefault(call["id"], set()).update([name] if name else [])
-    return called
+                    stated = _stated(fn.get("arguments"))
+                    if stated is not None:
+                        digests.setdefault(call["id"], set()).add(args_digest(name or "", stated))
+    return called, digests
+
+
+def _stated(arguments: Any) -> Any:
+    """The arguments a history's tool call states, or None where it states none (absent,
+    empty, or `{}`): such a call claims nothing about what ran, so there is nothing to
+    compare with the task's record (the model reads no other recipient or amount)."""
+    if arguments is None or arguments == "" or arguments == {}:
+        return None
+    if isinstance(arguments, str) and canonical_arguments(arguments) == b"{}":
+        return None
+    return arguments
+
+
+def approval_scope_refusal(call_id: str, recorded: str | None, given: Iterable[str]) -> str | None:
+    """Why an approval of `call_id` does not cover the call as it is given now, or None.
+
+    The one rule for every path that consumes or reuses an approval (the /mcp service and
+    the `tool_results` stage): an approval covers the call that was proposed under its id,
+    as the task's record of it says (`ToolCallNote.args`, the digest of its tool and
+    canonical arguments: `recorded`); a call or a history that gives the id another tool
+    or other arguments (`given`: their digests) is not covered. Without a record of the
+    id (outside a task, or an id the gateway never relayed) there is nothing to compare:
+    the approval names the call id alone."""
+    if recorded is None:
+        return None
+    if any(d != recorded for d in given):
+        return (
+            f"the approval of '{call_id}' covers the call proposed under that id; "
+            "this one gives it another tool or other arguments"
+        )
+    return None
 
 
 def tool_results(messages: list[dict[str, Any]] | None) -> list[ToolResult]:
@@ -80,7 +127,7 @@ def tool_results(messages: list[dict[str, Any]] | None) -> list[ToolResult]:
         (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
         default=-1,
     )
-    called = _called(messages)
+    called, digests = _called(messages)
     answered: str | None = None  # the function_call of the latest assistant message
     out: list[ToolResult] = []
     for i, m in enumerate(messages):
@@ -103,7 +150,8 @@ def tool_results(messages: list[dict[str, Any]] | None) -> list[ToolResult]:
                     param=f"messages[{i}].tool_call_id",
                 )
             names = called.get(cid, set()) | ({own} if own else set())
-            out.append(ToolResult(i, cid, frozenset(names), i > last))
+            given = frozenset(digests.get(cid, ()))
+            out.append(ToolResult(i, cid, frozenset(names), i > last, given))
             continue
         if own is None:
             raise InvalidRequest(

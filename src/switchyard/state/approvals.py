@@ -52,6 +52,8 @@ class Approvals(Protocol):
 
     def consumed(self, tenant: str, task_id: str | None, call_ids: Sequence[str]) -> set[str]: ...
 
+    def give_back(self, tenant: str, request_id: str, call_ids: Sequence[str]) -> int: ...
+
 
 class ApprovalStore:
     """Approvals of tool calls, in the gateway's database (table `approvals`): a token
@@ -172,3 +174,22 @@ class ApprovalStore:
                 ).fetchall()
             found.update(str(row[0]) for row in rows)
         return found
+
+    def give_back(self, tenant: str, request_id: str, call_ids: Sequence[str]) -> int:
+        """Undo what `consume` did for `request_id` on these call ids: the request was
+        refused before anything went upstream (a 429 at admission, a full queue), so
+        its approvals approved nothing yet and its retry presents the same tokens.
+        Only the approvals that request used are given back; returns how many."""
+        ids = list(dict.fromkeys(call_ids))
+        back = 0
+        for start in range(0, len(ids), _CONSUMED_CHUNK):
+            chunk = ids[start : start + _CONSUMED_CHUNK]
+            marks = ",".join("?" * len(chunk))
+            with self._lock:
+                cur = self.conn.execute(
+                    "UPDATE approvals SET used_at = NULL, used_by = NULL WHERE tenant_id = ?"
+                    f" AND used_by = ? AND call_id IN ({marks})",
+                    (tenant, request_id, *chunk),
+                )
+            back += max(0, int(cur.rowcount or 0))
+        return back

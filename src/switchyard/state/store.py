@@ -101,6 +101,10 @@ class Store:
         """ApprovalStore.consumed, off the event loop where the store has a disk."""
         raise NotImplementedError
 
+    async def give_back_approvals(self, tenant: str, request_id: str, call_ids: list[str]) -> int:
+        """ApprovalStore.give_back, off the event loop where the store has a disk."""
+        raise NotImplementedError
+
     def connection(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
         """A connection for reads and maintenance (admin API, retention)."""
         raise NotImplementedError
@@ -197,6 +201,11 @@ class SqliteStore(Store):
     ) -> set[str]:
         return await self._on_io(
             "the approvals", self.approvals.consumed, tenant, task_id, call_ids
+        )
+
+    async def give_back_approvals(self, tenant: str, request_id: str, call_ids: list[str]) -> int:
+        return await self._on_io(
+            "the approvals", self.approvals.give_back, tenant, request_id, call_ids
         )
 
     @contextlib.contextmanager
@@ -345,6 +354,10 @@ class MemoryStore(Store):
     ) -> set[str]:
         with self._lock:
             return self.approvals.consumed(tenant, task_id, call_ids)
+
+    async def give_back_approvals(self, tenant: str, request_id: str, call_ids: list[str]) -> int:
+        with self._lock:
+            return self.approvals.give_back(tenant, request_id, call_ids)
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[sqlite3.Connection]:

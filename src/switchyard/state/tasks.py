@@ -182,6 +182,11 @@ class TaskStore(Protocol):
         their count after this one (results > 1: a duplicate)."""
         ...
 
+    async def unnote_results(self, key: TaskKey, call_ids: list[str]) -> None:
+        """Take back one counted result of each call id (`note_results`'s): the request
+        that brought them went nowhere (refused before it went upstream)."""
+        ...
+
     async def tool_call(self, key: TaskKey, call_id: str) -> ToolCallNote | None: ...
 
     async def set_deployment(self, key: TaskKey, alias: str, deployment: str) -> None:

@@ -132,6 +132,15 @@ class MemoryTaskStore:
                 out[cid] = replace(note)
         return out
 
+    async def unnote_results(self, key: TaskKey, call_ids: list[str]) -> None:
+        st = self._tasks.get(key)
+        if st is None:
+            return
+        for cid in call_ids:
+            note = st.tool_calls.get(cid)
+            if note is not None and note.results > 0:
+                note.results -= 1
+
     async def tool_call(self, key: TaskKey, call_id: str) -> ToolCallNote | None:
         st = self._tasks.get(key)
         return st.tool_calls.get(call_id) if st is not None else None

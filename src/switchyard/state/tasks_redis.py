@@ -212,6 +212,17 @@ end
 return out
 """
 
+# KEYS: the task's calls hash. ARGV: call ids whose counted results are taken back.
+_UNRESULTS = """
+for i = 1, #ARGV do
+  local f = 'results:' .. ARGV[i]
+  if tonumber(redis.call('HGET', KEYS[1], f) or '0') > 0 then
+    redis.call('HINCRBY', KEYS[1], f, -1)
+  end
+end
+return 0
+"""
+
 
 def _num(v: Any) -> float | None:
     if v is None or v == b"" or v == "":
@@ -254,6 +265,7 @@ class RedisTaskStore:
         self._settle = self._redis.register_script(_SETTLE)
         self._cancel = self._redis.register_script(_CANCEL)
         self._results = self._redis.register_script(_RESULTS)
+        self._unresults = self._redis.register_script(_UNRESULTS)
         self._note_calls = self._redis.register_script(_NOTE)
         # Settles of admissions whose caller was cancelled meanwhile (`admit`).
         self._orphans: set[asyncio.Task[None]] = set()
@@ -394,6 +406,11 @@ class RedisTaskStore:
             )
             released += int(settled)
         return released
+
+    async def unnote_results(self, key: TaskKey, call_ids: list[str]) -> None:
+        await self._call(
+            "unnote_results", self._unresults(keys=[self._k(key) + ":calls"], args=call_ids)
+        )
 
     async def cancel(self, key: TaskKey, now: float) -> dict[str, Any] | None:
         at = await self._call(

@@ -2,7 +2,8 @@
 
 A call is identified by (tenant, call id). The first request to claim an id owns it
 (an atomic INSERT in the shared store, SQLite or PostgreSQL, so the claim holds across
-processes); it then records the outcome:
+processes), with the task it was claimed in (a claim reports it: the service decides
+what a repeat from another task needs); it then records the outcome:
 
 * `done` with its result (sealed, state/sealing.py: nothing readable of a tool's
   result sits on disk): every repeat of the id gets that result without a new run;
@@ -53,6 +54,10 @@ class Claim:
     state: str
     result: dict[str, Any] | None = None
     request_id: str | None = None  # the request that ran (or runs) it
+    # The task it was claimed in (None: outside any task): its stored result answers
+    # that task's repeats; another task's needs an approval of its own
+    # (mcp_service/__init__.py).
+    task: str | None = None
 
 
 def _rid(call_id: str) -> str:
@@ -116,7 +121,8 @@ class ToolCallRecords:
         now = time.time()
         with self._lock:
             row = self.conn.execute(
-                "SELECT tool, args_hash, state, request_id, result, updated_at FROM tool_calls"
+                "SELECT tool, args_hash, state, request_id, result, updated_at, task_id"
+                " FROM tool_calls"
                 " WHERE tenant_id = ? AND call_id = ?",
                 (tenant, call_id),
             ).fetchone()
@@ -146,8 +152,8 @@ class ToolCallRecords:
             return Claim("conflict", request_id=row["request_id"])
         if row["state"] == "done":
             result = self.sealer.open(tenant, _rid(call_id), bytes(row["result"]))
-            return Claim("done", result, row["request_id"])
-        return Claim(str(row["state"]), request_id=row["request_id"])
+            return Claim("done", result, row["request_id"], row["task_id"])
+        return Claim(str(row["state"]), request_id=row["request_id"], task=row["task_id"])
 
     async def claim(
         self,
