@@ -106,8 +106,8 @@ def proven_output(ctx: RequestContext) -> int:
     the context, so `length` means the cap was reached). 0 when there is no such
     reply, or no choice was cut."""
     body, cost = ctx.run.reply_body, ctx.cost
-    if body is None or cost is None or b'"length"' not in body:  # most replies: no parse
-        return 0
+    if body is None or cost is None or cost.sequences < 2 or b'"length"' not in body:
+        return 0  # one choice (its usage counts it), or none cut: most replies, no parse
     try:
         choices = _read_choices(body).choices
     except msgspec.DecodeError:  # ValidationError too: choices not in the reply's shape
