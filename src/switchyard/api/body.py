@@ -24,19 +24,43 @@ from switchyard.errors import (
 BAD_FRAMING = "switchyard.bad_framing"
 
 
+# The headers that carry a credential: two lines of one are two credentials, so
+# neither may be heard alone (policy/auth.py refuses the request 401).
+CREDENTIAL_HEADERS = frozenset({"authorization", "x-api-key"})
+
+
+class HeaderMap(dict[str, str]):
+    """`header_map`'s answer when a credential header came on more than one line: the
+    headers' dict, naming those (`repeated_credentials`, which policy/auth.py reads
+    with `getattr`). Any other request gets a plain dict, so the common request pays
+    nothing for the check (a dict subclass's reads are not specialized)."""
+
+    __slots__ = ("repeated_credentials",)
+    repeated_credentials: tuple[str, ...]
+
+
 def header_map(request: Request) -> dict[str, str]:
     """The request's headers as a plain dict (lower-case names; the first of repeated
     names wins, as with Starlette's `Headers.get`, except `Cache-Control`: its lines
     are one comma-separated list (RFC 9110 5.3), so a `no-store` on a second line is
-    heard). A request reads a handful of headers; one dict makes each read a hash
-    lookup instead of a scan."""
+    heard). A credential header (`CREDENTIAL_HEADERS`) sent twice keeps its first
+    line too, never merged, and the dict is a `HeaderMap` naming it, so the second
+    credential is refused (policy/auth.py), never ignored. A request reads a handful of headers; one
+    dict makes each read a hash lookup instead of a scan."""
     out: dict[str, str] = {}
+    repeated: tuple[str, ...] = ()
     for name, value in request.scope["headers"]:
         key = name.decode("latin-1")
         if key not in out:
             out[key] = value.decode("latin-1")
         elif key == "cache-control":
             out[key] += ", " + value.decode("latin-1")
+        elif key in CREDENTIAL_HEADERS and key not in repeated:
+            repeated += (key,)
+    if repeated:
+        named = HeaderMap(out)
+        named.repeated_credentials = repeated
+        return named
     return out
 
 

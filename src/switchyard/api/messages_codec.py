@@ -17,9 +17,16 @@ naming it, never a silent drop. Translation:
 | `metadata.user_id` | `user` |
 | `stream` | `stream` with `include_usage` (the stream's last event carries usage) |
 
-`cache_control` on blocks and tools is a prompt-caching hint: accepted and not
-forwarded (engines reuse a prompt's prefix on their own). `thinking` is accepted only
-as `{"type": "disabled"}`.
+`cache_control` on blocks and tools is a prompt-caching hint: accepted in the Messages
+API's shape (`{"type": "ephemeral"}`, optional `ttl` "5m" or "1h") and not forwarded
+(engines reuse a prompt's prefix on their own). `thinking` is accepted only as
+`{"type": "disabled"}`.
+
+The request as a whole is checked as the Messages API checks it: tool blocks pair up
+(each `tool_result` answers a `tool_use` of the assistant turn just before, each
+`tool_use` is answered in the turn just after, no id twice) and need `tools`; tool
+names are distinct (policy/validate.py `tools_array`), each `input_schema` an object
+schema; a text block is never empty, a stop sequence never whitespace alone.
 """
 
 from __future__ import annotations
@@ -65,10 +72,32 @@ INT32_MAX = 2**31 - 1
 
 
 CACHE_HINT = frozenset({"cache_control"})  # a prompt-caching hint: accepted, not forwarded
+CACHE_TTLS = frozenset({"5m", "1h"})
+
+
+def _cache_control(value: Any, where: str) -> None:
+    """A `cache_control` hint is Anthropic's shape or refused: `{"type": "ephemeral"}`
+    with an optional `ttl` of "5m" or "1h" (null: no hint). It is not forwarded, but a
+    client testing its request here must not learn a shape the Messages API refuses."""
+    if value is None:
+        return
+    if (
+        not isinstance(value, dict)
+        or value.get("type") != "ephemeral"
+        or not value.keys() <= {"type", "ttl"}
+        or value.get("ttl", "5m") not in CACHE_TTLS
+    ):
+        raise bad(
+            f'\'{where}.cache_control\' must be {{"type": "ephemeral"}}, with an optional '
+            "'ttl' of '5m' or '1h'",
+            f"{where}.cache_control",
+        )
 
 
 def _no_extras_cc(block: dict[str, Any], allowed: frozenset[str], where: str) -> None:
     no_extras(block, allowed, where, CACHE_HINT)
+    if "cache_control" in block:
+        _cache_control(block["cache_control"], where)
 
 
 _TEXT_KEYS = frozenset({"type", "text", "citations"})
@@ -108,7 +137,10 @@ def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _text_block(block: dict[str, Any], where: str) -> dict[str, Any]:
     _no_extras_cc(block, _TEXT_KEYS, where)
-    return {"type": "text", "text": string(block.get("text"), f"{where}.text")}
+    text = string(block.get("text"), f"{where}.text")
+    if not text:  # the Messages API's rule; a reply with nothing to say has no block
+        raise bad(f"'{where}.text': text content blocks must be non-empty", f"{where}.text")
+    return {"type": "text", "text": text}
 
 
 def _block_type(block: Any, where: str) -> str:
@@ -221,6 +253,67 @@ def _turn(i: int, m: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _blocks(m: dict[str, Any], kind: str) -> list[tuple[int, dict[str, Any]]]:
+    """The blocks of `kind` in a turn `_turn` has checked, by their index."""
+    content = m["content"]
+    if isinstance(content, str):
+        return []
+    return [(j, b) for j, b in enumerate(content) if b["type"] == kind]
+
+
+def _paired_tools(messages: list[Any]) -> bool:
+    """Whether the conversation holds tool blocks; raises the 400 unless they pair up
+    as the Messages API requires: each `tool_result` answers a `tool_use` of the
+    assistant turn just before, each `tool_use` is answered by the turn just after,
+    and no id is used twice (a result for a call never made is a forged tool output;
+    a call left unanswered, or one of two calls of one id, one no engine can place).
+    Runs on turns `_turn` has checked."""
+    seen: dict[str, str] = {}  # tool_use id -> the block that used it
+    answered: set[str] = set()
+    any_tool = False
+    previous: dict[str, str] = {}  # the tool_use ids of the turn just before -> block
+    for i, m in enumerate(messages):
+        if isinstance(m["content"], str) and not previous:  # the common turn
+            continue
+        where = f"messages[{i}]"
+        for j, block in _blocks(m, "tool_result"):
+            any_tool = True
+            call_id = block["tool_use_id"]
+            bw = f"{where}.content[{j}].tool_use_id"
+            if call_id not in previous:
+                raise bad(
+                    f"'{bw}': unexpected tool_use_id {call_id!r}: each tool_result must "
+                    "answer a tool_use block of the assistant turn just before",
+                    bw,
+                )
+            if call_id in answered:
+                raise bad(f"'{bw}': {call_id!r} is answered twice", bw)
+            answered.add(call_id)
+        missing = [b for call_id, b in previous.items() if call_id not in answered]
+        if missing:
+            raise bad(
+                f"'{missing[0]}': tool_use ids were found without tool_result blocks "
+                f"immediately after, in {where}",
+                missing[0],
+            )
+        previous, answered = {}, set()
+        for j, block in _blocks(m, "tool_use"):
+            any_tool = True
+            call_id = block["id"]
+            bw = f"{where}.content[{j}].id"
+            if call_id in seen:
+                raise bad(f"'{bw}': {call_id!r} is the id of {seen[call_id]} too", bw)
+            seen[call_id] = previous[call_id] = bw
+    if previous:
+        first = next(iter(previous.values()))
+        raise bad(
+            f"'{first}': tool_use ids were found without tool_result blocks immediately "
+            "after (the conversation ends with them)",
+            first,
+        )
+    return any_tool
+
+
 def _system(system: Any) -> str:
     if isinstance(system, str):
         return system
@@ -254,9 +347,11 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         name, schema = tool.get("name"), tool.get("input_schema")
         if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
             raise bad(f"'{where}.name' must be 1-64 of A-Z a-z 0-9 _ -", f"{where}.name")
-        if not isinstance(schema, dict):
+        if not isinstance(schema, dict) or schema.get("type") != "object":
+            # a tool_use block's `input` is always an object: no other schema can match it
             raise bad(
-                f"'{where}.input_schema' must be a JSON Schema object", f"{where}.input_schema"
+                f'\'{where}.input_schema\' must be an object schema ("type": "object")',
+                f"{where}.input_schema",
             )
         fn: dict[str, Any] = {"name": name, "parameters": schema}
         desc = tool.get("description")
@@ -320,6 +415,12 @@ def _stop(stop: Any) -> list[str]:
             f"'stop_sequences' must be at most {MAX_STOP_SEQUENCES} non-empty strings",
             "stop_sequences",
         )
+    for k, s in enumerate(stop):
+        if not s.strip():  # it would end the answer at its first space or line
+            raise bad(
+                f"'stop_sequences[{k}]' must contain non-whitespace characters",
+                f"stop_sequences[{k}]",
+            )
     return stop
 
 
@@ -347,6 +448,10 @@ def to_chat(body: Any, count_only: bool = False) -> dict[str, Any]:
         chat.append({"role": "system", "content": _system(system)})
     for i, m in enumerate(messages):
         chat.extend(_turn(i, m))
+    if _paired_tools(messages) and not body.get("tools"):
+        raise bad(
+            "requests which include tool_use or tool_result blocks must define 'tools'", "tools"
+        )
     out: dict[str, Any] = {"model": model, "messages": chat}
     if not count_only:
         cap = body.get("max_tokens")

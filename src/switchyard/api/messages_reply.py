@@ -72,8 +72,8 @@ def to_message(chat: dict[str, Any], model: str) -> dict[str, Any]:
     content: list[dict[str, Any]] = []
     listed = msg.get("tool_calls")
     calls: list[Any] = listed if isinstance(listed, list) else []
-    if text or not calls:
-        content.append({"type": "text", "text": text})
+    if text:  # nothing to say is no block (`content: []`, as the Messages API answers):
+        content.append({"type": "text", "text": text})  # an empty text block is a 400
     for call in calls:
         fn = call.get("function") if isinstance(call, dict) else None
         if isinstance(fn, dict):
@@ -195,9 +195,7 @@ class MessageEvents:
         """The events that close a complete stream."""
         if not self.started:
             self.start(None, out)
-        if self.blocks == 0:  # a message always has a block, if only an empty text
-            self._open({"type": "text", "text": ""}, out)
-        self._close(out)
+        self._close(out)  # no block at all when there was nothing to say (`content: []`)
         usage = self.usage or {"input_tokens": self.input_tokens, "output_tokens": 0}
         out.append(
             event(

@@ -39,6 +39,17 @@ def api_key_header(headers: Mapping[str, str]) -> str | None:
     return value.strip()
 
 
+def repeated_credential(headers: Mapping[str, str], x_api_key: bool = False) -> str | None:
+    """The credential header the request sent on more than one line, or None. Two
+    lines are two credentials: neither may be heard alone. api/body.py `header_map`
+    names them (`repeated_credentials`, an attribute of its dict; any other mapping
+    has none). `x_api_key`: `x-api-key` is a credential too (the Anthropic protocol)."""
+    for name in getattr(headers, "repeated_credentials", ()):
+        if name == "authorization" or (x_api_key and name == "x-api-key"):
+            return str(name)
+    return None
+
+
 Verdict = tuple[tuple[Authenticate, str], dict[str, Any]]
 
 
@@ -100,6 +111,11 @@ class Authenticator:
         With `auth.mode: disabled`, every caller is ANONYMOUS."""
         if self.disabled:
             return ANONYMOUS
+        repeated = repeated_credential(headers, x_api_key)
+        if repeated is not None:
+            raise AuthenticationError(
+                f"the '{repeated}' header is sent more than once: send one credential"
+            )
         token = bearer(headers)
         if token is None and x_api_key:
             token = api_key_header(headers)

@@ -382,12 +382,31 @@ MAX_TOOLS = 128  # the OpenAI API's bound; each tool costs policy, PII and cache
 
 
 def tools_array(tools: Any) -> list[Any]:
-    """A request's `tools` as an array of at most `MAX_TOOLS`, whatever its protocol
-    (chat completions, Responses, Messages: each codec's check starts here)."""
+    """A request's `tools` as an array of at most `MAX_TOOLS` whose names are distinct,
+    whatever its protocol (chat completions, Responses, Messages: each codec's check
+    starts here). Two tools of one name are a 400: a call naming it cannot say which
+    schema it follows, and tool governance keys calls by name. A tool's name is
+    `function.name` (chat) or `name` (Responses, Messages); each codec checks its
+    characters after."""
     if not isinstance(tools, list):
         raise InvalidRequest("'tools' must be an array", param="tools")
     if len(tools) > MAX_TOOLS:
         raise InvalidRequest(f"'tools' may hold at most {MAX_TOOLS} tools", param="tools")
+    seen: set[str] = set()
+    for k, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            continue  # the codec's own check names it
+        fn = tool.get("function")
+        chat = isinstance(fn, dict)
+        name = (fn if isinstance(fn, dict) else tool).get("name")
+        if isinstance(name, str):
+            if name in seen:
+                where = f"tools[{k}].function.name" if chat else f"tools[{k}].name"
+                raise InvalidRequest(
+                    f"'{where}': tool names must be unique; {name[:64]!r} is named twice",
+                    param=where,
+                )
+            seen.add(name)
     return tools
 
 

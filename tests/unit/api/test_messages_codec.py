@@ -181,7 +181,9 @@ def test_a_tool_use_input_integer_past_64_bits_is_refused_not_rounded() -> None:
         raw = (
             '{"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "q"},'
             ' {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f",'
-            ' "input": {"ids": [1, {"order": ' + number + "}]}}]}]}"
+            ' "input": {"ids": [1, {"order": ' + number + "}]}}]},"
+            ' {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]}],'
+            ' "tools": [{"name": "f", "input_schema": {"type": "object"}}]}'
         )
         return dict(parse_json(raw.encode()))
 
@@ -215,50 +217,78 @@ _user_block = st.one_of(
         },
         st.from_regex(r"[A-Za-z0-9+/]{4,16}", fullmatch=True),
     ),
-    st.builds(
-        lambda i, t, e: {"type": "tool_result", "tool_use_id": i, "content": t, "is_error": e},
-        _name,
-        _text,
-        st.booleans(),
-    ),
 )
-_assistant_block = st.one_of(
-    st.builds(lambda t: {"type": "text", "text": t}, _text),
-    st.builds(
-        lambda i, n, a: {"type": "tool_use", "id": i, "name": n, "input": a}, _name, _name, _args
+_assistant_text = st.builds(lambda t: {"type": "text", "text": t}, _text)
+
+
+@st.composite
+def _conversations(draw: st.DrawFn) -> tuple[list[dict[str, Any]], list[str]]:
+    """Turns whose tool blocks pair up as the Messages API requires (each tool_use
+    answered by a tool_result in the next turn, ids unique), and the tool names used."""
+    turns: list[dict[str, Any]] = []
+    names: list[str] = []
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["text", "blocks", "assistant", "call"]))
+        if kind == "text":
+            turns.append({"role": "user", "content": draw(_text)})
+        elif kind == "blocks":
+            blocks = draw(st.lists(_user_block, min_size=1, max_size=4))
+            turns.append({"role": "user", "content": blocks})
+        elif kind == "assistant":
+            blocks = draw(st.lists(_assistant_text, min_size=1, max_size=2))
+            turns.append({"role": "assistant", "content": blocks})
+        else:
+            uses = draw(st.lists(st.tuples(_name, _args), min_size=1, max_size=3))
+            ids = [f"toolu_{len(turns)}_{k}" for k in range(len(uses))]
+            calls = [
+                {"type": "tool_use", "id": i, "name": n, "input": a}
+                for i, (n, a) in zip(ids, uses, strict=True)
+            ]
+            said = draw(st.lists(_assistant_text, max_size=1))
+            turns.append({"role": "assistant", "content": said + calls})
+            results = [
+                {"type": "tool_result", "tool_use_id": i, "content": t, "is_error": e}
+                for i, t, e in zip(
+                    ids,
+                    draw(st.lists(_text, min_size=len(ids), max_size=len(ids))),
+                    draw(st.lists(st.booleans(), min_size=len(ids), max_size=len(ids))),
+                    strict=True,
+                )
+            ]
+            more = draw(st.lists(_user_block, max_size=2))
+            turns.append({"role": "user", "content": results + more})
+            names.extend(n for n, _ in uses)
+    return turns, sorted(set(names))
+
+
+def _body(parts: tuple[tuple[list[dict[str, Any]], list[str]], dict[str, Any]]) -> dict[str, Any]:
+    (turns, names), rest = parts
+    body = {**rest, "messages": turns}
+    extra = [n for n in rest.get("tools", []) if n not in names]
+    tools = names + extra
+    if tools:
+        body["tools"] = [{"name": n, "input_schema": {"type": "object"}} for n in tools]
+    else:
+        body.pop("tools", None)
+    return body
+
+
+_bodies = st.tuples(
+    _conversations(),
+    st.fixed_dictionaries(
+        {"model": _name, "max_tokens": st.integers(1, 10_000)},
+        optional={
+            "system": st.one_of(_text, st.lists(_assistant_text, max_size=2)),
+            "temperature": st.floats(0, 1),
+            "top_p": st.floats(0, 1),
+            "top_k": st.integers(0, 100),
+            "stop_sequences": st.lists(_text.filter(str.strip), max_size=4),
+            "stream": st.booleans(),
+            "tools": st.lists(_name, max_size=3, unique=True),
+            "metadata": st.builds(lambda u: {"user_id": u}, _name),
+        },
     ),
-)
-_turn = st.one_of(
-    st.builds(lambda t: {"role": "user", "content": t}, _text),
-    st.builds(
-        lambda b: {"role": "user", "content": b}, st.lists(_user_block, min_size=1, max_size=4)
-    ),
-    st.builds(
-        lambda b: {"role": "assistant", "content": b},
-        st.lists(_assistant_block, min_size=1, max_size=4),
-    ),
-)
-_bodies = st.fixed_dictionaries(
-    {
-        "model": _name,
-        "max_tokens": st.integers(1, 10_000),
-        "messages": st.lists(_turn, min_size=1, max_size=5),
-    },
-    optional={
-        "system": st.one_of(
-            _text, st.lists(st.builds(lambda t: {"type": "text", "text": t}, _text), max_size=2)
-        ),
-        "temperature": st.floats(0, 1),
-        "top_p": st.floats(0, 1),
-        "top_k": st.integers(0, 100),
-        "stop_sequences": st.lists(_text, max_size=4),
-        "stream": st.booleans(),
-        "tools": st.lists(
-            st.builds(lambda n: {"name": n, "input_schema": {"type": "object"}}, _name), max_size=3
-        ),
-        "metadata": st.builds(lambda u: {"user_id": u}, _name),
-    },
-)
+).map(_body)
 
 
 @settings(max_examples=300, deadline=None)

@@ -53,7 +53,7 @@ _any_requests = st.fixed_dictionaries(
         "background": st.booleans(),
         "previous_response_id": st.just("resp_" + "ab" * 16),
         "metadata": st.dictionaries(_text, _text, max_size=3),
-        "tools": st.lists(_tool, max_size=2),
+        "tools": st.lists(_tool, max_size=2, unique_by=lambda t: t["name"]),
         "tool_choice": st.sampled_from(["auto", "none", "required"]),
         "text": st.sampled_from(
             [
