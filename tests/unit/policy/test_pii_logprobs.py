@@ -7,6 +7,8 @@ tests over generated texts and token splits, chat's shape and a completion's."""
 
 from __future__ import annotations
 
+import itertools
+
 import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,7 +28,7 @@ def split_text(draw: st.DrawFn) -> tuple[str, list[str]]:
     text = "".join(parts)
     cuts = sorted(set(draw(st.lists(st.integers(0, max(len(text), 1)), max_size=20))))
     edges = [0, *[c for c in cuts if 0 < c < len(text)], len(text)]
-    tokens = [text[a:b] for a, b in zip(edges, edges[1:], strict=False)] if text else []
+    tokens = [text[a:b] for a, b in itertools.pairwise(edges)] if text else []
     return text, tokens
 
 
@@ -85,16 +87,18 @@ def test_no_value_is_kept_in_pieces_and_a_replay_restores_the_text(
     masked = session.mask(text)
     assert "".join(stored_tokens) == masked
     assert abs(sum(x for x in stored_lps if x is not None) - sum(lps)) < 1e-6
-    # No token holds a piece of a value: each is an original token no value touches, or
-    # holds a whole placeholder.
-    touched = set()
-    at = 0
-    for i, t in enumerate(tokens):
-        if any(s < at + max(len(t), 1) and at < e for s, e, _ in spans):
-            touched.add(t)
+    # No token holds a piece of a value: the tokens without a placeholder are, in order,
+    # exactly the original tokens no value touches.
+    untouched, at = [], 0
+    for t in tokens:
+        if t:
+            touched = any(s < at + len(t) and at < e for s, e, _ in spans)
+        else:  # an empty token touches a value only strictly inside it
+            touched = any(s < at < e for s, e, _ in spans)
+        if not touched:
+            untouched.append(t)
         at += len(t)
-    for t in stored_tokens:
-        assert t not in touched or "<" in t
+    assert [t for t in stored_tokens if "<" not in t] == untouched
     # A replay restores the request's values: the tokens spell the original text.
     restored = map_texts(stored, session.restore)
     assert "".join(_tokens(restored["choices"][0])[0]) == text
