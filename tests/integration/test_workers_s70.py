@@ -199,24 +199,6 @@ def gw(scripted: Scripted) -> Iterator[Gateway]:
     g.proc.stop()
 
 
-def _children(pid: int, marker: bytes) -> list[int]:
-    """The child processes of `pid` whose command line holds `marker`."""
-    found = []
-    for child in os.listdir("/proc"):
-        if not child.isdigit():
-            continue
-        try:
-            with open(f"/proc/{child}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if ppid == pid and marker in cmd:
-            found.append(int(child))
-    return found
-
-
 def _kill_workers(gw: Gateway) -> None:
     """SIGKILL every worker (whichever served the request dies with them); the
     supervisor starts them again."""
@@ -290,7 +272,7 @@ def test_a_row_lost_between_settle_and_commit_is_written(gw: Gateway) -> None:
     tenant = "gap-" + os.urandom(3).hex()
     gw.create_tenant(tenant)
     made = gw.create_key(tenant)
-    writer = _children(gw.proc.popen.pid, b"--listen")
+    writer = worker_pids(gw.proc.popen.pid, b"--listen")
     assert len(writer) == 1, writer
     os.kill(writer[0], signal.SIGSTOP)
     try:

@@ -76,9 +76,9 @@ def wait_http(
     )
 
 
-def worker_pids(supervisor_pid: int) -> list[int]:
+def worker_pids(supervisor_pid: int, marker: bytes = b"switchyard.scale.worker") -> list[int]:
     """The pids of a `serve --workers N` supervisor's workers: its children running
-    scale/worker."""
+    scale/worker (or, with `marker`, its children whose command line holds that)."""
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -90,7 +90,7 @@ def worker_pids(supervisor_pid: int) -> list[int]:
                 cmd = f.read()
         except OSError:
             continue
-        if ppid == supervisor_pid and b"switchyard.scale.worker" in cmd:
+        if ppid == supervisor_pid and marker in cmd:
             found.append(int(pid))
     return found
 
