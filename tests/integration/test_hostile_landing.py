@@ -314,6 +314,44 @@ def test_one_key_cannot_take_every_mcp_session(gw: Gateway) -> None:
     assert open_session(gw, hoarder)
 
 
+def test_openings_whose_bodies_are_slow_cannot_pass_the_session_cap_together(
+    gw: Gateway,
+) -> None:
+    """A key one session short of its cap sends five `initialize` requests at once whose
+    bodies arrive late: each was checked against the cap before the body was read, and
+    counted as opening only after it, so all five passed the check together and the key
+    ended with 104 sessions. The place is taken with the check: one opens, four are 429."""
+    gw.create_tenant("hostile-slow")
+    key = gw.create_key("hostile-slow")["key"]
+    for _ in range(MAX_SESSIONS_PER_KEY - 1):
+        assert open_session(gw, key)
+    body = json.dumps(initialize("slow")).encode()
+    head = (
+        "POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Authorization: Bearer {key}\r\nAccept: {ACCEPT['accept']}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+
+    async def one() -> int:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        try:
+            writer.write(head)
+            await writer.drain()
+            await asyncio.sleep(0.5)  # every opening is past its check, its body not read
+            writer.write(body)
+            await writer.drain()
+            status = await asyncio.wait_for(reader.readline(), 30)
+            return int(status.split()[1])
+        finally:
+            writer.close()
+
+    async def five() -> list[int]:
+        return list(await asyncio.gather(*(one() for _ in range(5))))
+
+    codes = asyncio.run(five())
+    assert sorted(codes) == [200, 429, 429, 429, 429], codes
+
+
 @pytest.mark.parametrize(
     "body",
     [

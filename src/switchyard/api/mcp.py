@@ -192,6 +192,30 @@ class McpEndpoint:
             await _send_error(send, exc)
             return
         key_id = principal.key_id
+        if not opening:
+            await self._serve(scope, receive, send, h, session, key_id, False)
+            return
+        # Its place is taken with the check, no await between: concurrent openings each
+        # count the ones before them (the body is read below, and that may wait).
+        self._opening[key_id] = self._opening.get(key_id, 0) + 1
+        try:
+            await self._serve(scope, receive, send, h, session, key_id, True)
+        finally:
+            left = self._opening.pop(key_id) - 1
+            if left:
+                self._opening[key_id] = left
+
+    async def _serve(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        h: dict[str, str],
+        session: str | None,
+        key_id: str,
+        opening: bool,
+    ) -> None:
+        method = scope["method"]
         transport = self._live(session) if session is not None else None
         if method == "POST" and (session is None or transport is not None) and _json_body(h):
             body = await _read_body(receive, self.max_body_bytes)
@@ -214,13 +238,9 @@ class McpEndpoint:
                 for key in [k for k in self._calls if k[0] == session]:
                     self._calls[key].cancel()
             return
-        self._opening[key_id] = self._opening.get(key_id, 0) + 1
         try:
             await self.manager.handle_request(scope, receive, reply.send)
         finally:
-            left = self._opening.pop(key_id) - 1
-            if left:
-                self._opening[key_id] = left
             if reply.failed is not None:
                 await self._end(reply.failed)
 
