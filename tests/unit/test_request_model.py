@@ -38,7 +38,8 @@ _KNOWN = {
     "n": st.none() | st.integers(1, 4),
     "seed": st.none() | st.integers(0, 10**6),
     "stop": st.none() | _text | st.lists(_text, max_size=4),
-    "user": st.none() | st.text(st.characters(exclude_categories=("Cc",)), max_size=12),
+    # No control characters (refused) and no lone surrogates (no JSON parser yields one).
+    "user": st.none() | st.text(st.characters(exclude_categories=("Cc", "Cs")), max_size=12),
     "return_token_ids": st.none() | st.booleans(),
     "prompt_cache_key": st.none() | _text,
 }
