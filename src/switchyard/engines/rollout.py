@@ -120,14 +120,29 @@ def _root(engine: ManagedLlamaCpp) -> str:
     return engine.base_url.removesuffix("/v1")
 
 
-async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any], what: str) -> Any:
-    try:
-        async with session.post(url, json=body) as r:
-            if r.status != 200:
-                raise EngineCallFailed(f"the engine answered {r.status} to {what}")
-            return await r.json(content_type=None)
-    except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-        raise EngineCallFailed(f"the engine did not answer {what} ({type(exc).__name__})") from None
+async def _post(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], what: str, reads: bool = False
+) -> Any:
+    """The engine's JSON answer. `reads`: a call that changes nothing (apply-template,
+    tokenize) is sent once more when the connection it went out on was closed under it
+    (a kept-alive connection the engine had let go); a sample is never sent twice."""
+    for attempt in (1, 2):
+        try:
+            async with session.post(url, json=body) as r:
+                if r.status != 200:
+                    raise EngineCallFailed(f"the engine answered {r.status} to {what}")
+                return await r.json(content_type=None)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if reads and attempt == 1:
+                continue
+            raise EngineCallFailed(
+                f"the engine did not answer {what} ({type(exc).__name__})"
+            ) from None
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            raise EngineCallFailed(
+                f"the engine did not answer {what} ({type(exc).__name__})"
+            ) from None
+    raise AssertionError("unreachable")
 
 
 async def engine_facts(session: aiohttp.ClientSession, engine: ManagedLlamaCpp) -> dict[str, Any]:
@@ -154,7 +169,11 @@ async def render_prompt(
     """A chat prompt as the engine's own template renders it (with the assistant's
     turn opened)."""
     out = await _post(
-        session, _root(engine) + "/apply-template", {"messages": messages}, "apply-template"
+        session,
+        _root(engine) + "/apply-template",
+        {"messages": messages},
+        "apply-template",
+        reads=True,
     )
     prompt = out.get("prompt") if isinstance(out, dict) else None
     if not isinstance(prompt, str):
@@ -170,6 +189,7 @@ async def tokenize(session: aiohttp.ClientSession, engine: ManagedLlamaCpp, text
         _root(engine) + "/tokenize",
         {"content": text, "add_special": True, "parse_special": True},
         "tokenize",
+        reads=True,
     )
     ids = out.get("tokens") if isinstance(out, dict) else None
     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
