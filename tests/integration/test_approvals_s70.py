@@ -22,8 +22,13 @@ import httpx
 import pytest
 from mcp import MCPError
 
-from support.gateways import Gateway, cheap_config, start_gateway
-from support.mcp_sessions import Tools, http_tool_server, session, text, wait_tools_ready
+from support.gateways import Gateway
+from support.mcp_sessions import (
+    Tools,
+    session,
+    text,
+    tool_gateway,
+)
 from support.upstreams import Scripted
 from switchyard.config import ToolsConfig
 from switchyard.errors import ApprovalRequired
@@ -50,23 +55,12 @@ def tools() -> Tools:
 
 @pytest.fixture(scope="module")
 def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
-    with http_tool_server(tools) as url:
-        config = cheap_config(
-            scripted, mcp={"servers": [{"name": "web", "url": url}]}, tools={"registry": REGISTRY}
-        )
-        g = start_gateway(config)
-        try:
-            wait_tools_ready(g, ("web",))
-            yield g
-        finally:
-            httpx.put(scripted.url + "/control/tool_calls", json={"calls": []})
-            g.proc.stop()
+    with tool_gateway(scripted, tools, REGISTRY) as g:
+        yield g
 
 
 def _tenant(gw: Gateway) -> tuple[str, str]:
-    tid = "s70a" + os.urandom(4).hex()
-    gw.create_tenant(tid)
-    return tid, str(gw.create_key(tid)["key"])
+    return gw.new_tenant("s70a")
 
 
 def _propose(gw: Gateway, scripted: Scripted, key: str, task: str, args: Any) -> dict[str, Any]:

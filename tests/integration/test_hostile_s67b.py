@@ -37,9 +37,14 @@ import httpx
 import pytest
 from mcp import MCPError
 
-from support.gateways import Gateway, cheap_config, start_gateway
+from support.gateways import Gateway
 from support.mcp_http import in_session, open_session
-from support.mcp_sessions import Tools, http_tool_server, session, text, wait_tools_ready
+from support.mcp_sessions import (
+    Tools,
+    session,
+    text,
+    tool_gateway,
+)
 from support.upstreams import Scripted
 
 # What no client should ever see: Python's exception names and texts.
@@ -58,18 +63,8 @@ def tools() -> Tools:
 
 @pytest.fixture(scope="module")
 def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
-    with http_tool_server(tools) as url:
-        config = cheap_config(
-            scripted,
-            mcp={"servers": [{"name": "web", "url": url}]},
-            tools={"registry": REGISTRY},
-        )
-        g = start_gateway(config)
-        try:
-            wait_tools_ready(g, ("web",))
-            yield g
-        finally:
-            g.proc.stop()
+    with tool_gateway(scripted, tools, REGISTRY) as g:
+        yield g
 
 
 def _tenant(gw: Gateway) -> tuple[str, str]:

@@ -47,8 +47,13 @@ import httpx
 import pytest
 from mcp import MCPError
 
-from support.gateways import Gateway, cheap_config, start_gateway
-from support.mcp_sessions import Tools, http_tool_server, session, text, wait_tools_ready
+from support.gateways import Gateway
+from support.mcp_sessions import (
+    Tools,
+    session,
+    text,
+    tool_gateway,
+)
 from support.upstreams import Scripted
 
 REGISTRY = [
@@ -67,32 +72,18 @@ def tools() -> Tools:
 
 @pytest.fixture(scope="module")
 def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
-    with http_tool_server(tools) as url:
-        claude = {
-            "alias": "claude",
-            "engine": {"kind": "anthropic", "base_url": scripted.url + "/v1", "model": "claude-x"},
-            "capabilities": {"supports_tools": True},
-            "resilience": {"retries": 0},
-        }
-        config = cheap_config(
-            scripted,
-            claude,
-            mcp={"servers": [{"name": "web", "url": url}]},
-            tools={"registry": REGISTRY},
-        )
-        g = start_gateway(config)
-        try:
-            wait_tools_ready(g, ("web",))
-            yield g
-        finally:
-            httpx.put(scripted.url + "/control/tool_calls", json={"calls": []})
-            g.proc.stop()
+    claude = {
+        "alias": "claude",
+        "engine": {"kind": "anthropic", "base_url": scripted.url + "/v1", "model": "claude-x"},
+        "capabilities": {"supports_tools": True},
+        "resilience": {"retries": 0},
+    }
+    with tool_gateway(scripted, tools, REGISTRY, claude) as g:
+        yield g
 
 
 def _tenant(gw: Gateway) -> tuple[str, str]:
-    tid = "s70d" + os.urandom(4).hex()
-    gw.create_tenant(tid)
-    return tid, str(gw.create_key(tid)["key"])
+    return gw.new_tenant("s70d")
 
 
 @contextmanager

@@ -18,7 +18,7 @@ import httpx2
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
-from support.gateways import Gateway
+from support.gateways import Gateway, cheap_config, start_gateway
 from support.mcp_http import tool_runs
 from support.paths import MCP_TOOL_SERVER
 from support.procs import Proc, free_port
@@ -132,3 +132,26 @@ async def session(
 
 def text(result: Any) -> str:
     return str(result.content[0].text)
+
+
+@contextmanager
+def tool_gateway(
+    scripted: Any, tools: Tools, registry: list[dict[str, Any]], *models: dict[str, Any]
+) -> Iterator[Gateway]:
+    """A gateway whose model `cheap` (then `models`) is the scripted upstream, with one
+    MCP tool server `web` (`tools`) under `registry`, ready; the upstream's scripted tool
+    calls are cleared when it stops."""
+    with http_tool_server(tools) as url:
+        config = cheap_config(
+            scripted,
+            *models,
+            mcp={"servers": [{"name": "web", "url": url}]},
+            tools={"registry": registry},
+        )
+        g = start_gateway(config)
+        try:
+            wait_tools_ready(g, ("web",))
+            yield g
+        finally:
+            httpx.put(scripted.url + "/control/tool_calls", json={"calls": []})
+            g.proc.stop()
