@@ -225,6 +225,9 @@ class ExecutionState(msgspec.Struct):
     chunk_gaps: list[float] = []  # seconds between streamed writes
     usage: dict[str, Any] | None = None  # the upstream's usage object, once read
     reply_body: bytes | None = None  # a non-streamed reply whose usage is read at settle
+    # A stream of several sequences: the choice indices it showed ending at `length`
+    # (reply.relay; settle.proven_output bills each at its cap)
+    cut: set[int] | None = None
     tokens_in: int = 0
     tokens_out: int = 0
     cost_usd: float = 0.0

@@ -368,6 +368,32 @@ def switchyard_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
     }
 
 
+class _Ended(msgspec.Struct):
+    index: Any = None
+    finish_reason: Any = None
+
+
+class _Choices(msgspec.Struct):
+    choices: list[_Ended] = []
+
+
+_read_choices = msgspec.json.Decoder(_Choices).decode
+
+
+def cut_choices(data: bytes) -> set[int]:
+    """The indices of a chat completion's (or a stream chunk's) choices that ended with
+    `length`; none when it is not in that shape."""
+    try:
+        choices = _read_choices(data).choices
+    except msgspec.DecodeError:  # ValidationError too: choices not in the reply's shape
+        return set()
+    return {
+        c.index if type(c.index) is int else -1 - k
+        for k, c in enumerate(choices)
+        if c.finish_reason == "length"
+    }
+
+
 def _error_event(data: bytes) -> bool:
     """Whether a stream event is an upstream's `error` object (an engine that broke off
     its answer mid-stream: vLLM, llama.cpp send one, then may send `[DONE]`)."""
@@ -393,6 +419,9 @@ async def relay(
     last = 0.0
     run = ctx.run
     include_usage = ctx.include_usage
+    # Several sequences: the choices cut at their cap are noted (settle.proven_output),
+    # since an engine's usage may count only one of them.
+    proving = ctx.cost is not None and ctx.cost.sequences >= 2
     ctx.status = Status.STREAMING
     try:
         async for batch in data:
@@ -401,6 +430,10 @@ async def relay(
                 if d == b"[DONE]":
                     done = True
                     break
+                if proving and b'"length"' in d:
+                    cut = cut_choices(d)
+                    if cut:
+                        run.cut = cut if run.cut is None else run.cut | cut
                 # A text's quotes are escaped in its JSON: only a member is `"error"`.
                 if b'"error"' in d and not broken:
                     broken = _error_event(d)

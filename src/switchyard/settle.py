@@ -10,9 +10,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, NoReturn
-
-import msgspec
+from typing import TYPE_CHECKING, NoReturn
 
 from switchyard import outcomes
 from switchyard.config import Price, Settings
@@ -21,7 +19,7 @@ from switchyard.observe.metrics import Metrics
 from switchyard.pipeline import CacheOutcome, Pipeline, RequestContext, Status
 from switchyard.policy.admit import cost_usd
 from switchyard.policy.cost import PromptOverhead
-from switchyard.reply import reply_usage
+from switchyard.reply import cut_choices, reply_usage
 from switchyard.request import UNKNOWN_MODEL
 from switchyard.state.ledger import UsageLedger
 from switchyard.state.ledger_rows import Finished
@@ -88,31 +86,26 @@ def client_left(ctx: RequestContext) -> bool:
     return ctx.status is _CANCELLED and ctx.error_code != TaskCancelled.code
 
 
-class _Choice(msgspec.Struct):
-    finish_reason: Any = None
-
-
-class _Choices(msgspec.Struct):
-    choices: list[_Choice] = []
-
-
-_read_choices = msgspec.json.Decoder(_Choices).decode
-
-
 def proven_output(ctx: RequestContext) -> int:
-    """The output tokens a whole JSON reply proves were written, whatever its usage
-    says: the cap it was sent with (per sequence) for each choice that ended with
-    `length` (prompts and `n` make several; the window stage keeps each cap inside
-    the context, so `length` means the cap was reached). 0 when there is no such
-    reply, or no choice was cut."""
-    body, cost = ctx.run.reply_body, ctx.cost
-    if body is None or cost is None or cost.sequences < 2 or b'"length"' not in body:
-        return 0  # one choice (its usage counts it), or none cut: most replies, no parse
-    try:
-        choices = _read_choices(body).choices
-    except msgspec.DecodeError:  # ValidationError too: choices not in the reply's shape
+    """The output tokens a reply proves were written, whatever its usage says: the cap
+    it was sent with (per sequence) for each choice that ended with `length` (prompts
+    and `n` make several; the window stage keeps each cap inside the context, so
+    `length` means the cap was reached), never more choices than were asked for. A
+    whole reply is read here; a stream's cut choices were noted as it was relayed
+    (`run.cut`). 0 when there is no such reply, or no choice was cut."""
+    run, cost = ctx.run, ctx.cost
+    if cost is None or cost.sequences < 2:
+        return 0  # one choice: its usage counts it
+    body = run.reply_body
+    if body is not None:
+        if b'"length"' not in body:
+            return 0  # none cut: most replies, no parse
+        cut = cut_choices(body)
+    elif run.cut is not None:
+        cut = run.cut
+    else:
         return 0
-    return sum(1 for c in choices if c.finish_reason == "length") * cost.cap
+    return min(len(cut), cost.sequences) * cost.cap
 
 
 class Settler:

@@ -351,3 +351,32 @@ def test_every_choice_of_a_reply_is_billed(smol: Gateway, shape: str) -> None:
         f"{len(capped)} choices ran to the 3-token cap; {billed} tokens billed",
         r.json()["usage"],
     )
+
+
+STREAMED = {
+    "chat-n3": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}),
+    "completion-n2": ("/v1/completions", {"prompt": "One, two,", "n": 2}),
+}
+
+
+@pytest.mark.parametrize("shape", list(STREAMED))
+def test_every_choice_of_a_stream_is_billed(smol: Gateway, shape: str) -> None:
+    """The streamed form of the test above: each choice whose stream ends with `length`
+    wrote the 3-token cap, whatever the engine's usage (one choice) says."""
+    path, fields = STREAMED[shape]
+    tenant, key = smol.new_tenant("s71-streamed")
+    body = {"model": "smol", "max_tokens": 3, "temperature": 0, "stream": True, **fields}
+    headers = {"Authorization": f"Bearer {key}"}
+    capped: set[int] = set()
+    with httpx.stream("POST", smol.url + path, json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200, r.read()[:300]
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:]).get("choices") or []:
+                if c.get("finish_reason") == "length":
+                    capped.add(c["index"])
+    assert len(capped) >= 2, f"the engine cut {sorted(capped)} at the cap"
+    rows = smol.stored_rows(tenant)
+    billed = rows[0]["output_tokens"]
+    assert billed >= 3 * len(capped), f"{len(capped)} streams cut at 3 tokens; {billed} billed"

@@ -309,6 +309,12 @@ def test_choices_that_stopped_prove_nothing_beyond_the_count() -> None:
     assert _settled(["stop", "stop"], 2, n=2).run.tokens_out == 2
 
 
+def test_no_more_choices_are_proven_than_were_asked_for() -> None:
+    """An upstream that answers more choices than `n` asked (or repeats one) proves
+    no more than the sequences reserved: 2 asked, 5 shown cut, 6 billed."""
+    assert _settled(["length"] * 5, 1, n=2).run.tokens_out == 6
+
+
 def test_a_count_above_what_the_reply_shows_is_kept() -> None:
     assert _settled(["length", "stop"], 5, n=2).run.tokens_out == 5
 
