@@ -196,21 +196,29 @@ class EmbeddingService:
             )
         return self._backend.encode(texts)
 
-    async def embed(self, texts: list[str]) -> tuple[np.ndarray, list[int]]:
+    async def embed(self, texts: list[str], scope: str = "") -> tuple[np.ndarray, list[int]]:
         """Unit-normalised vectors (one row per text) and each text's token count."""
-        vecs, counts, _ = await self.embed_traced(texts)
+        vecs, counts, _ = await self.embed_traced(texts, scope)
         return vecs, counts
 
-    async def embed_traced(self, texts: list[str]) -> tuple[np.ndarray, list[int], str]:
+    async def embed_traced(
+        self, texts: list[str], scope: str = ""
+    ) -> tuple[np.ndarray, list[int], str]:
         """`embed`, plus how it was served: "memo" (a recent single text: no forward
-        pass), "inline" (on the loop's thread, nothing else in flight) or "worker"."""
+        pass), "inline" (on the loop's thread, nothing else in flight) or "worker".
+        The memo is kept per `scope` (the caller's tenant): a text another tenant sent
+        is embedded again, so how fast an answer comes says nothing of what others
+        sent."""
         if not self.ready or self._wake is None or self._backend is None:
             raise EngineNotReady(
                 f"embedding model {self.cfg.alias} is {self.state}", retry_after_s=2
             )
         if len(texts) != 1 or not self.cfg.memo_entries:
             return await self._forward(texts)
-        key = hashlib.blake2b(texts[0].encode(), digest_size=16).digest()
+        # (a tenant id holds no NUL: api/admin's id rule)
+        key = hashlib.blake2b(
+            b"%s\x00%s" % (scope.encode(), texts[0].encode()), digest_size=16
+        ).digest()
         hit = self._memo.get(key)
         if hit is not None:
             self._memo.move_to_end(key)

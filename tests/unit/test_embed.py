@@ -175,6 +175,22 @@ def test_a_repeated_single_text_is_answered_from_the_memo(int8: EmbeddingService
     assert out["counts"] == (1, 4)
 
 
+def test_the_memo_is_kept_per_tenant(int8: EmbeddingService) -> None:
+    """A text one tenant embedded is embedded again for another (no memo answer whose
+    speed would tell it what the first sent), and answered from the memo for the
+    first tenant; the vectors are the same."""
+
+    async def steps(svc: EmbeddingService) -> dict[str, Any]:
+        out: dict[str, Any] = {"a": await svc.embed_traced([TEXTS[0]], "tenant-a")}
+        out["b"] = await svc.embed_traced([TEXTS[0]], "tenant-b")
+        out["a-again"] = await svc.embed_traced([TEXTS[0]], "tenant-a")
+        return out
+
+    out = _drive(EmbeddingsConfig(runtime="onnx-int8", memo_entries=8), steps, lambda: True)
+    assert [out[k][2] for k in ("a", "b", "a-again")] == ["inline", "inline", "memo"]
+    assert np.array_equal(out["a"][0], out["b"][0])
+
+
 def test_the_lone_session_gives_the_same_vectors(int8: EmbeddingService) -> None:
     """An idle inline text runs in a session with every core; its threads split rows
     and columns, never a sum, so the vector is bit-identical to the shared session's."""

@@ -169,7 +169,9 @@ class Tools(Stage):
         forced = _forced(choice)
         vecs = None
         if ctx.vector is not None and self._embedder is not None and tcfg.shortlist_k is not None:
-            vecs, _ = await self._embedder.embed([tool_text(x) for x in tools])
+            vecs, _ = await self._embedder.embed(
+                [tool_text(x) for x in tools], ctx.principal.tenant_id
+            )
         res = shortlist(
             tools,
             ctx.vector,

@@ -260,7 +260,7 @@ class Embed(Stage):
 
     async def _embed(self, ctx: RequestContext, embedder: EmbeddingService, t: float) -> None:
         query = last_user_text(ctx.masked())
-        vecs, _, path = await embedder.embed_traced([query])
+        vecs, _, path = await embedder.embed_traced([query], ctx.principal.tenant_id)
         ctx.vector = vecs[0]
         ctx.record(
             self.name,

@@ -127,7 +127,9 @@ class Embeddings:
             # Past the deadline the caller is answered at once; a batch already in the
             # embedder's worker finishes there, its vectors dropped (nothing came back:
             # nothing is billed).
-            vecs, counts = await asyncio.wait_for(embedder.embed(texts), left)
+            vecs, counts = await asyncio.wait_for(
+                embedder.embed(texts, ctx.principal.tenant_id), left
+            )
         except TimeoutError:
             raise DeadlineExceeded(
                 f"the request deadline passed while {len(texts)} input(s) were embedded"
