@@ -439,21 +439,7 @@ class MaskSession:
         if isinstance(value, str):
             return self._mask_one(value, reserve=False)  # type: ignore[return-value]
         if isinstance(value, dict):
-            _deep(depth)
-            out: dict[Any, Any] = {}
-            changed = False
-            for k, v in value.items():
-                if k in _MEDIA:
-                    out[k] = v
-                    continue
-                mk = self._mask_one(k, reserve=False) if isinstance(k, str) else k
-                mv = self._walk(v, depth + 1)
-                if mk is not k or mv is not v:
-                    changed = True
-                out[mk] = mv
-            if len(out) != len(value):
-                raise MaskingError("two members of an object mask to one name")
-            return out if changed else value  # type: ignore[return-value]
+            return self._walk_with(value, _NO_RULES, depth)  # type: ignore[return-value]
         if isinstance(value, list):
             _deep(depth)
             items = [self._walk(v, depth + 1) for v in value]
@@ -597,6 +583,7 @@ _MESSAGE_RULES: dict[str, _Rule] = {
     "function_call": MaskSession._function,  # the deprecated form of one tool call
 }
 _CALL_RULES: dict[str, _Rule] = {"function": MaskSession._function}
+_NO_RULES: dict[str, _Rule] = {}
 _FUNCTION_RULES: dict[str, _Rule] = {"arguments": MaskSession._arguments}
 _PART_RULES: dict[str, _Rule] = {"text": MaskSession._text_member}
 
