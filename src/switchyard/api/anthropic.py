@@ -83,7 +83,7 @@ class AnthropicRoutes:
     async def messages(self, request: Request) -> Response:
         """Create a message (Anthropic Messages API), streamed or not."""
         received = time.perf_counter()
-        headers = header_map(request)
+        headers = header_map(request.scope)
         principal = await self._principal(headers)
         service = self.service
         ctx = service.open("chat.completions", headers, received, principal, api="messages")
@@ -98,7 +98,7 @@ class AnthropicRoutes:
         request of the key's like any other (service.counted): the same model rules,
         held to its rpm and concurrency, recorded; nothing goes upstream."""
         received = time.perf_counter()
-        headers = header_map(request)
+        headers = header_map(request.scope)
         principal = await self._principal(headers)
         service = self.service
         ctx = service.open(COUNT, headers, received, principal)

@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 from starlette.requests import Request
+from starlette.types import Scope
 
 from switchyard.errors import (
     ClientDisconnected,
@@ -39,8 +40,8 @@ class HeaderMap(dict[str, str]):
     repeated_credentials: tuple[str, ...]
 
 
-def header_map(request: Request) -> dict[str, str]:
-    """The request's headers as a plain dict (lower-case names; the first of repeated
+def header_map(scope: Scope) -> dict[str, str]:
+    """The request's headers (its ASGI `scope`'s) as a plain dict (lower-case names; the first of repeated
     names wins, as with Starlette's `Headers.get`, except `Cache-Control`: its lines
     are one comma-separated list (RFC 9110 5.3), so a `no-store` on a second line is
     heard). A credential header (`CREDENTIAL_HEADERS`) sent twice keeps its first
@@ -49,7 +50,7 @@ def header_map(request: Request) -> dict[str, str]:
     dict makes each read a hash lookup instead of a scan."""
     out: dict[str, str] = {}
     repeated: tuple[str, ...] = ()
-    for name, value in request.scope["headers"]:
+    for name, value in scope["headers"]:
         key = name.decode("latin-1")
         if key not in out:
             out[key] = value.decode("latin-1")

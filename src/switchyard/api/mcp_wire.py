@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
+from switchyard.api.body import header_map
 from switchyard.api.checks import past_int64
 from switchyard.errors import (
     InvalidHeader,
@@ -42,17 +43,19 @@ INVALID_PARAMS = -32602
 
 
 def _headers(scope: Scope) -> dict[str, str]:
-    """The request's headers, a repeated one by its first value: the value the SDK reads
-    (Starlette's `Headers.get`), so the session checked here is the one it serves."""
-    out: dict[str, str] = {}
-    for k, v in scope["headers"]:
-        out.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
-    return out
+    """The request's headers as the model endpoints read them (api/body.py `header_map`):
+    a repeated one by its first value, the value the SDK reads (Starlette's
+    `Headers.get`), so the session checked here is the one it serves; but a credential
+    header sent on two lines is named (`HeaderMap`), so `authenticate` refuses it 401
+    as every other endpoint does, before the fast path or the SDK's transport (either
+    protocol version) or a worker's relay sees the request."""
+    return header_map(scope)
 
 
 async def authenticate(auth: Authenticator, disabled: bool, h: dict[str, str]) -> Principal:
     """The caller's principal from its key, before anything reads the body; raises the
-    401 (`auth.mode: disabled`: anonymous)."""
+    401, for a repeated `Authorization` too (`h` from `_headers`; `auth.mode:
+    disabled`: anonymous)."""
     if disabled:
         return ANONYMOUS
     got = auth.authenticate(h)

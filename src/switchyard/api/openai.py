@@ -187,7 +187,7 @@ class OpenAIRoutes:
     async def _opened(self, request: Request, endpoint: str) -> tuple[RequestContext, ReadBody]:
         """The request's context, opened once its key is known, and its body's reader."""
         received = time.perf_counter()
-        headers = header_map(request)
+        headers = header_map(request.scope)
         principal = self.service.auth.authenticate(headers)  # before any costly work
         if not isinstance(principal, Principal):
             principal = await principal
@@ -268,7 +268,7 @@ class OpenAIRoutes:
     async def task(self, request: Request) -> Response:
         """GET: the task's live state; DELETE: cancel it. A key sees and cancels only
         its own tenant's tasks (task ids are the client's, so state is per tenant)."""
-        principal = await self._principal(header_map(request))
+        principal = await self._principal(header_map(request.scope))
         task_id = request.path_params["task_id"]
         if not ID_PATTERN.fullmatch(task_id):
             raise InvalidRequest(
@@ -283,7 +283,7 @@ class OpenAIRoutes:
     async def rollouts(self, request: Request) -> Response:
         """RL rollouts (rollouts.py): NDJSON records as samples finish."""
         received = time.perf_counter()
-        headers = header_map(request)
+        headers = header_map(request.scope)
         principal = await self._principal(headers)
         gw, service = self.gw, self.service
         ctx = service.open("rollouts", headers, received, principal)

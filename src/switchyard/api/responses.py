@@ -258,7 +258,7 @@ class ResponsesRoutes:
         """Create a model response (OpenAI Responses API): stored, continued, streamed
         or in the background."""
         received = time.perf_counter()
-        headers = header_map(request)
+        headers = header_map(request.scope)
         principal = await self._principal(headers)
         service = self.service
         ctx = service.open("chat.completions", headers, received, principal, api="responses")
@@ -557,7 +557,7 @@ class ResponsesRoutes:
         the store is read (service.called); its JSON answered with the request's id
         and rate headers."""
         received = time.perf_counter()
-        headers = header_map(request)
+        headers = header_map(request.scope)
         principal = await self._principal(headers)
         service = self.service
         ctx = service.open(CALL, headers, received, principal, api=api)

@@ -176,15 +176,21 @@ class HttpForwarder:
         from the server on the way are answered (ping) or declined, up to
         MAX_ANSWERED_PER_CALL of them, notifications skipped."""
         total = answered = 0
-        buf = b""
+        # The stream so far, from the start of its unfinished line: each line is sliced
+        # out once, and the rest is moved down once per chunk (never once per line), so
+        # a server sending many short lines costs time linear in what it sent.
+        buf = bytearray()
         data: list[bytes] = []
         async for chunk in resp.content.iter_any():
             total += len(chunk)
             if total > self.max_bytes:
                 return None, True
+            seek = len(buf)  # no line break before here: search only the new bytes
             buf += chunk
-            while (i := buf.find(b"\n")) >= 0:
-                line, buf = buf[:i].rstrip(b"\r"), buf[i + 1 :]
+            start = 0
+            while (i := buf.find(b"\n", seek)) >= 0:
+                line = bytes(buf[start:i]).rstrip(b"\r")
+                start = seek = i + 1
                 if line.startswith(b"data:"):
                     value = line[5:]
                     data.append(value[1:] if value.startswith(b" ") else value)
@@ -200,6 +206,7 @@ class HttpForwarder:
                 if request and answered < MAX_ANSWERED_PER_CALL:  # beyond: unanswered
                     answered += 1
                     self._answer(message)
+            del buf[:start]
         return None, False
 
     def _answer(self, request: dict[str, Any]) -> None:

@@ -62,5 +62,5 @@ def test_repeated_cache_control_lines_are_one_list_other_headers_keep_the_first(
         (b"cache-control", b"no-store"),
         (b"authorization", b"Bearer second"),
     ]
-    got = header_map(Request({"type": "http", "method": "POST", "headers": raw}))
+    got = header_map({"type": "http", "method": "POST", "headers": raw})
     assert got == {"cache-control": "max-age=0, no-store", "authorization": "Bearer first"}
