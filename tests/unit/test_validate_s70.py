@@ -232,7 +232,7 @@ class _SlowEmbedder:
         self.delay_s = delay_s
         self.calls = 0
 
-    async def embed(self, texts: list[str]) -> tuple[np.ndarray, list[int]]:
+    async def embed(self, texts: list[str], scope: str = "") -> tuple[np.ndarray, list[int]]:
         self.calls += 1
         await asyncio.sleep(self.delay_s)
         return np.ones((len(texts), 4), dtype=np.float32), [3] * len(texts)
