@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from collections import Counter
 from typing import Any
 
 from switchyard import outcomes
@@ -17,11 +16,10 @@ from switchyard.errors import (
     DeadlineExceeded,
     InvalidRequest,
     ModelNotFound,
-    PiiDetected,
-    PiiFailure,
 )
 from switchyard.pipeline import RequestContext, Stage
-from switchyard.policy.pii import MaskingError, PiiMasker
+from switchyard.policy.pii import PiiMasker
+from switchyard.policy.stages_pii import EmbeddingsPii
 from switchyard.request import Embedding
 
 
@@ -35,49 +33,6 @@ def pii_stages(settings: Settings, masker: PiiMasker) -> list[Stage]:
     pii = settings.pii
     mode = pii.models.get(settings.embeddings.alias, pii.mode)
     return [EmbeddingsPii(masker)] if mode == "block" else []
-
-
-class EmbeddingsPii(Stage):
-    """`pii.mode: block` for an embeddings request, over its inputs and its `user`:
-    one holding PII is refused (400 `pii_detected`), as a generation is; the PII
-    found is evidence by type and count, never the values (`pii_stages` says when
-    the stage is in the pipeline)."""
-
-    name = "pii"
-
-    def __init__(self, masker: PiiMasker) -> None:
-        self._masker = masker
-
-    def work(self, ctx: RequestContext) -> None:
-        t = time.perf_counter()
-        req = ctx.request
-        assert isinstance(req, Embedding)
-        texts = req.texts if req.user is None else [*req.texts, req.user]
-        found: Counter[str] = Counter()
-        try:
-            for text in texts:
-                found.update(kind for _, _, kind in self._masker.find(text))
-        except MaskingError as exc:
-            ctx.record(
-                "pii",
-                outcomes.Pii.REJECT_MASKING_FAILED,
-                f"detection failed: {type(exc).__name__}",
-                t,
-            )
-            raise PiiFailure(
-                "PII detection failed; the request was refused (fail closed)"
-            ) from None
-        evidence = {"mode": "block", "found": dict(found)}
-        if found:
-            kinds = sorted(found)
-            ctx.record(
-                "pii", outcomes.Pii.REJECT_PII_DETECTED, f"request contains {kinds}", t, evidence
-            )
-            raise PiiDetected(
-                f"the request contains personal data ({', '.join(kinds)}) and this "
-                "model does not accept it"
-            )
-        ctx.record("pii", outcomes.Pii.CLEAN, "0 PII value(s) found", t, evidence)
 
 
 class Embeddings:

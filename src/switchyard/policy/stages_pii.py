@@ -5,6 +5,8 @@ restores the request's own values in the reply on the way out (policy/pii_reply.
 from __future__ import annotations
 
 import time
+from collections import Counter
+from typing import Any
 
 from switchyard import outcomes
 from switchyard.config import Settings
@@ -20,10 +22,30 @@ from switchyard.pipeline import (
 )
 from switchyard.policy.pii import MaskingError, PiiMasker, mask_request
 from switchyard.policy.pii_reply import PiiRestore, request_session
+from switchyard.request import Embedding
 
 # Read on every request's path: an enum member read through its class costs a
 # metaclass lookup each time.
 _REPLAY = CacheOutcome.REPLAY
+
+
+def _failed(ctx: RequestContext, what: str, exc: MaskingError, t: float) -> PiiFailure:
+    """The refusal of a request whose PII `what` (masking, detection) failed: fail
+    closed, the decision naming only the failure's kind."""
+    ctx.record("pii", outcomes.Pii.REJECT_MASKING_FAILED, f"{what} failed: {type(exc).__name__}", t)
+    return PiiFailure(f"PII {what} failed; the request was refused (fail closed)")
+
+
+def _refused(
+    ctx: RequestContext, found: dict[str, int], evidence: dict[str, Any], t: float
+) -> PiiDetected:
+    """The refusal of a request holding PII where the mode is `block`: the decision's
+    evidence says the types and counts found, never the values."""
+    kinds = sorted(found)
+    ctx.record("pii", outcomes.Pii.REJECT_PII_DETECTED, f"request contains {kinds}", t, evidence)
+    return PiiDetected(
+        f"the request contains personal data ({', '.join(kinds)}) and this model does not accept it"
+    )
 
 
 class Pii(Stage):
@@ -63,27 +85,11 @@ class Pii(Stage):
         try:
             masked = mask_request(session, ctx.generation)
         except MaskingError as exc:
-            ctx.record(
-                "pii",
-                outcomes.Pii.REJECT_MASKING_FAILED,
-                f"masking failed: {type(exc).__name__}",
-                t,
-            )
-            raise PiiFailure("PII masking failed; the request was refused (fail closed)") from None
+            raise _failed(ctx, "masking", exc, t) from None
         found = dict(session.found)
         evidence = {"mode": mode, "found": found}
         if found and mode == "block":
-            ctx.record(
-                "pii",
-                outcomes.Pii.REJECT_PII_DETECTED,
-                f"request contains {sorted(found)}",
-                t,
-                evidence,
-            )
-            raise PiiDetected(
-                f"the request contains personal data ({', '.join(sorted(found))}) and this "
-                "model does not accept it"
-            )
+            raise _refused(ctx, found, evidence, t)
         restore = bool(found) and mode == "mask_upstream"
         ctx.pii = PiiState(session, masked, restore, found)
         if restore:
@@ -105,3 +111,31 @@ class Pii(Stage):
         if ctx.cache is _REPLAY:
             return PiiRestore(request_session(self._masker, ctx), only_marked=True)
         return None
+
+
+class EmbeddingsPii(Stage):
+    """`pii.mode: block` for an embeddings request, over its inputs and its `user`:
+    one holding PII is refused (400 `pii_detected`), as a generation is; the PII
+    found is evidence by type and count, never the values (execute/embeddings.py
+    `pii_stages` says when the stage is in the pipeline)."""
+
+    name = "pii"
+
+    def __init__(self, masker: PiiMasker) -> None:
+        self._masker = masker
+
+    def work(self, ctx: RequestContext) -> None:
+        t = time.perf_counter()
+        req = ctx.request
+        assert isinstance(req, Embedding)
+        texts = req.texts if req.user is None else [*req.texts, req.user]
+        found: Counter[str] = Counter()
+        try:
+            for text in texts:
+                found.update(kind for _, _, kind in self._masker.find(text))
+        except MaskingError as exc:
+            raise _failed(ctx, "detection", exc, t) from None
+        evidence = {"mode": "block", "found": dict(found)}
+        if found:
+            raise _refused(ctx, found, evidence, t)
+        ctx.record("pii", outcomes.Pii.CLEAN, "0 PII value(s) found", t, evidence)
