@@ -25,6 +25,7 @@ from switchyard.request import GENERATION_FIELDS, Generation, from_object, to_js
 from switchyard.state.idempotency import body_hash
 
 _text = st.text(max_size=12)
+_stop = st.text(min_size=1, max_size=12)  # an empty stop string is refused
 _json = st.recursive(
     st.none() | st.booleans() | st.integers(-1000, 1000) | _text,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3),
@@ -37,7 +38,7 @@ _KNOWN = {
     "temperature": st.none() | st.floats(0, 2),
     "n": st.none() | st.integers(1, 4),
     "seed": st.none() | st.integers(0, 10**6),
-    "stop": st.none() | _text | st.lists(_text, max_size=4),
+    "stop": st.none() | _stop | st.lists(_stop, max_size=4),
     # No control characters (refused) and no lone surrogates (no JSON parser yields one).
     "user": st.none() | st.text(st.characters(exclude_categories=("Cc", "Cs")), max_size=12),
     "return_token_ids": st.none() | st.booleans(),

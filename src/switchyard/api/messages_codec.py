@@ -40,7 +40,14 @@ from switchyard.api.checks import bad, no_extras, number, string
 from switchyard.api.checks import past_int64 as _past_int64
 from switchyard.api.codecs import CHAT_TYPED
 from switchyard.errors import InvalidRequest, MissingRequiredParameter
-from switchyard.policy.validate import CONTROL, answerable_choice, tools_array, validate_chat
+from switchyard.policy.validate import (
+    CONTROL,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    answerable_choice,
+    tools_array,
+    validate_chat,
+)
 from switchyard.request import Generation, from_object
 
 # The top-level members the gateway honours; any other is refused by name.
@@ -65,8 +72,6 @@ COUNT_FIELDS = FIELDS - {"max_tokens", "stream", "stop_sequences", "temperature"
 IMAGE_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_\-]{1,64}")
 _ID = re.compile(r"[A-Za-z0-9_\-]{1,128}")
-MAX_STOP_SEQUENCES = 4  # the internal (chat) model's bound
-MAX_STOP_CHARS = 1000
 MAX_USER_ID = 256
 INT32_MAX = 2**31 - 1
 
@@ -408,11 +413,11 @@ def _metadata(meta: Any) -> str | None:
 def _stop(stop: Any) -> list[str]:
     if (
         not isinstance(stop, list)
-        or len(stop) > MAX_STOP_SEQUENCES
+        or len(stop) > MAX_STOP
         or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)
     ):
         raise bad(
-            f"'stop_sequences' must be at most {MAX_STOP_SEQUENCES} non-empty strings",
+            f"'stop_sequences' must be at most {MAX_STOP} non-empty strings",
             "stop_sequences",
         )
     for k, s in enumerate(stop):

@@ -102,7 +102,14 @@ _SAMPLING = {
     "n": {"type": "integer", "minimum": 1, "maximum": 1},
     "stream": {"type": "boolean"},
     "stop": {
-        "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]
+        "anyOf": [
+            {"type": "string", "minLength": 1, "maxLength": 1000},
+            {
+                "type": "array",
+                "items": {"type": "string", "minLength": 1, "maxLength": 1000},
+                "maxItems": 4,
+            },
+        ]
     },
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},

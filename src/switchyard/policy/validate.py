@@ -92,12 +92,34 @@ _MAX_STRINGS = {"user": 512, "reasoning_effort": 32, "service_tier": 32, "suffix
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
+MAX_STOP = 4  # stop strings, as the official API bounds them
+# Each stop string's length; api/messages_codec.py bounds `stop_sequences` alike.
+MAX_STOP_CHARS = 1000
+
+
 def _stop(body: dict[str, Any], stop: Any) -> None:
-    if not (
-        isinstance(stop, str)
-        or (isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop))
+    if isinstance(stop, str):
+        _stop_string(stop, "stop")
+        return
+    if (
+        not isinstance(stop, list)
+        or len(stop) > MAX_STOP
+        or not all(isinstance(s, str) for s in stop)
     ):
-        raise InvalidRequest("'stop' must be a string or a list of at most 4 strings", param="stop")
+        raise InvalidRequest(
+            f"'stop' must be a string or a list of at most {MAX_STOP} strings", param="stop"
+        )
+    for k, s in enumerate(stop):
+        _stop_string(s, f"stop[{k}]")
+
+
+def _stop_string(s: str, where: str) -> None:
+    # An empty one ends every answer at once; a long one is work the engine does on
+    # every token.
+    if not 0 < len(s) <= MAX_STOP_CHARS:
+        raise InvalidRequest(
+            f"'{where}' must be a string of 1 to {MAX_STOP_CHARS} characters", param=where
+        )
 
 
 def _stream_options(body: dict[str, Any], so: Any) -> None:
@@ -256,6 +278,146 @@ ENGINE_NATIVE: dict[str, str] = {
 }
 
 
+def _short_string(v: Any, longest: int) -> bool:
+    """A non-empty string of at most `longest` characters, without control characters:
+    an id or a name the upstream reads as one."""
+    return isinstance(v, str) and 0 < len(v) <= longest and not CONTROL.search(v)
+
+
+def _members(obj: dict[str, Any], known: Container[str], where: str) -> None:
+    for name in obj:
+        if name not in known:
+            raise InvalidRequest(
+                f"'{where}' has no member {name[:40]!r}", param=f"{where}.{name}"[:100]
+            )
+
+
+_MODALITIES = ("text", "audio")
+
+
+def _modalities(body: dict[str, Any], v: Any) -> None:
+    if (
+        not isinstance(v, list)
+        or not all(m in _MODALITIES for m in v)
+        or len(set(v)) != len(v)  # strings by now
+    ):
+        raise InvalidRequest(
+            "'modalities' must be a list of distinct 'text' and 'audio'", param="modalities"
+        )
+    if "audio" in v and body.get("audio") is None:
+        raise InvalidRequest(
+            "'audio' is required when 'modalities' asks for audio output", param="audio"
+        )
+
+
+# The audio output formats and the longest voice name or custom voice id.
+_AUDIO_OUT = ("wav", "aac", "mp3", "flac", "opus", "pcm16")
+MAX_VOICE = 64
+
+
+def _audio(body: dict[str, Any], v: Any) -> None:
+    if not isinstance(v, dict):
+        raise InvalidRequest("'audio' must be an object with 'voice' and 'format'", param="audio")
+    if v.get("format") not in _AUDIO_OUT:
+        raise InvalidRequest(
+            f"'audio.format' must be one of {', '.join(_AUDIO_OUT)}", param="audio.format"
+        )
+    voice = v.get("voice")
+    if isinstance(voice, dict):
+        voice = voice.get("id")
+    if not _short_string(voice, MAX_VOICE):
+        raise InvalidRequest(
+            f"'audio.voice' must be a voice's name or {{'id': ...}}, at most {MAX_VOICE} "
+            "characters",
+            param="audio.voice",
+        )
+
+
+def _prediction(body: dict[str, Any], v: Any) -> None:
+    if not isinstance(v, dict):
+        raise InvalidRequest(
+            "'prediction' must be an object {'type': 'content', 'content': ...}",
+            param="prediction",
+        )
+    if v.get("type") != "content":
+        raise InvalidRequest("'prediction.type' must be 'content'", param="prediction.type")
+    content = v.get("content")
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list) or not content:
+        raise InvalidRequest(
+            "'prediction.content' must be a string or a non-empty array of text parts",
+            param="prediction.content",
+        )
+    for k, part in enumerate(content):
+        if not (
+            isinstance(part, dict)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        ):
+            raise InvalidRequest(
+                f"'prediction.content[{k}]' must be a text part {{'type': 'text', 'text': ...}}",
+                param=f"prediction.content[{k}]",
+            )
+
+
+_SEARCH_SIZES = ("low", "medium", "high")
+# An approximate location's members and their longest values (country: ISO 3166 alpha-2).
+_LOCATION = {"city": 128, "region": 128, "country": 2, "timezone": 64}
+_WHERE = "web_search_options.user_location"
+
+
+def _web_search_options(body: dict[str, Any], v: Any) -> None:
+    if not isinstance(v, dict):
+        raise InvalidRequest("'web_search_options' must be an object", param="web_search_options")
+    _members(v, ("search_context_size", "user_location"), "web_search_options")
+    if "search_context_size" in v and v["search_context_size"] not in _SEARCH_SIZES:
+        raise InvalidRequest(
+            "'web_search_options.search_context_size' must be low, medium or high",
+            param="web_search_options.search_context_size",
+        )
+    loc = v.get("user_location")
+    if loc is None:
+        return
+    if not isinstance(loc, dict):
+        raise InvalidRequest(
+            f"'{_WHERE}' must be an object {{'type': 'approximate', 'approximate': {{...}}}}",
+            param=_WHERE,
+        )
+    _members(loc, ("type", "approximate"), _WHERE)
+    if loc.get("type") != "approximate":
+        raise InvalidRequest(f"'{_WHERE}.type' must be 'approximate'", param=f"{_WHERE}.type")
+    near = loc.get("approximate")
+    if not isinstance(near, dict):
+        raise InvalidRequest(
+            f"'{_WHERE}.approximate' must be an object of {', '.join(_LOCATION)}",
+            param=f"{_WHERE}.approximate",
+        )
+    _members(near, _LOCATION, f"{_WHERE}.approximate")
+    for name, value in near.items():
+        if name == "country":
+            ok = isinstance(value, str) and len(value) == 2 and value.isascii() and value.isalpha()
+            what = "a two-letter country code"
+        else:
+            ok = _short_string(value, _LOCATION[name])
+            what = f"a string of 1 to {_LOCATION[name]} characters"
+        if not ok:
+            raise InvalidRequest(
+                f"'{_WHERE}.approximate.{name}' must be {what}",
+                param=f"{_WHERE}.approximate.{name}",
+            )
+
+
+# Chat's own output options (the official API's shapes): a completion does not read
+# them (they stay in its `extra`).
+_CHAT_OTHER: dict[str, Any] = {
+    "modalities": _modalities,
+    "audio": _audio,
+    "prediction": _prediction,
+    "web_search_options": _web_search_options,
+}
+
+
 _OTHER: dict[str, Any] = {
     "lora": _lora,
     "verbose": _engine_verbose,
@@ -280,12 +442,9 @@ CHAT_FIELDS = frozenset(
         "tools",
         "functions",
         "function_call",
-        "modalities",
-        "audio",
-        "prediction",
-        "web_search_options",
         *_TYPED,
         *_OTHER,
+        *_CHAT_OTHER,
     }
 )
 COMPLETION_FIELDS = frozenset({"model", "prompt", *_TYPED, *_OTHER})
@@ -305,7 +464,7 @@ def _sampling(body: dict[str, Any], completion: bool = False) -> None:
         if spec is not None:
             _typed(name, v, spec)
             continue
-        check = _OTHER.get(name)
+        check = _OTHER.get(name) or (None if completion else _CHAT_OTHER.get(name))
         if check is not None:
             check(body, v)
             continue
@@ -356,6 +515,54 @@ def _part(i: int, j: int, part: Any) -> None:
         if not isinstance(image, dict) or not isinstance(image.get("url"), str) or not image["url"]:
             raise InvalidRequest(
                 f"'{where}.image_url' must be an object with a 'url'", param=f"{where}.image_url"
+            )
+    elif kind == "input_audio":
+        _input_audio(where, part.get("input_audio"))
+    elif kind == "file":
+        _file(where, part.get("file"))
+
+
+# Base64 as the official API reads `input_audio.data`: the standard alphabet, padded.
+_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+_AUDIO_IN = ("wav", "mp3")
+MAX_FILE_ID = 128
+MAX_FILENAME = 256
+
+
+def _input_audio(where: str, audio: Any) -> None:
+    where = f"{where}.input_audio"
+    if not isinstance(audio, dict):
+        raise InvalidRequest(f"'{where}' must be an object with 'data' and 'format'", param=where)
+    data = audio.get("data")
+    if not isinstance(data, str) or not data or len(data) % 4 or not _BASE64.fullmatch(data):
+        raise InvalidRequest(
+            f"'{where}.data' must be the audio as a base64 string", param=f"{where}.data"
+        )
+    if audio.get("format") not in _AUDIO_IN:
+        raise InvalidRequest(f"'{where}.format' must be wav or mp3", param=f"{where}.format")
+
+
+def _file(where: str, file: Any) -> None:
+    where = f"{where}.file"
+    if not isinstance(file, dict) or (
+        file.get("file_data") is None and file.get("file_id") is None
+    ):
+        raise InvalidRequest(
+            f"'{where}' must be an object with a 'file_data' or a 'file_id'", param=where
+        )
+    # The data is bounded by the body's size; it may be a data: URL (pii.py passes it
+    # as media, never read).
+    data = file.get("file_data", "-")
+    if not isinstance(data, str) or not data:
+        raise InvalidRequest(
+            f"'{where}.file_data' must be a non-empty string", param=f"{where}.file_data"
+        )
+    for name, longest in (("file_id", MAX_FILE_ID), ("filename", MAX_FILENAME)):
+        if name in file and not _short_string(file[name], longest):
+            raise InvalidRequest(
+                f"'{where}.{name}' must be a string of 1 to {longest} characters, without "
+                "control characters",
+                param=f"{where}.{name}",
             )
 
 
