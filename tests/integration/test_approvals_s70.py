@@ -25,6 +25,7 @@ from mcp import MCPError
 from support.gateways import Gateway
 from support.mcp_sessions import (
     Tools,
+    proposed_call,
     session,
     text,
     tool_gateway,
@@ -63,25 +64,6 @@ def _tenant(gw: Gateway) -> tuple[str, str]:
     return gw.new_tenant("s70a")
 
 
-def _propose(gw: Gateway, scripted: Scripted, key: str, task: str, args: Any) -> dict[str, Any]:
-    """The model proposes `web__send_email(args)` in `task`: the call as relayed."""
-    calls = [{"name": "web__send_email", "arguments": args}]
-    assert httpx.put(scripted.url + "/control/tool_calls", json={"calls": calls}).is_success
-    try:
-        r = httpx.post(
-            gw.url + "/v1/chat/completions",
-            json={"model": "cheap", "messages": [{"role": "user", "content": "mail"}]},
-            headers={"Authorization": f"Bearer {key}", "x-task-id": task},
-            timeout=30,
-        )
-    finally:
-        httpx.put(scripted.url + "/control/tool_calls", json={"calls": []})
-    assert r.status_code == 200, r.text
-    call: dict[str, Any] = r.json()["choices"][0]["message"]["tool_calls"][0]
-    assert call["id"].startswith("call_sya_"), call
-    return call
-
-
 async def _mcp(
     gw: Gateway, key: str, task: str, args: dict[str, Any], call_id: str, token: str | None
 ) -> str | MCPError:
@@ -110,7 +92,7 @@ def test_an_approved_call_is_answered_once_in_its_task_and_with_an_approval_in_a
     task_a, task_b = "a-" + os.urandom(4).hex(), "b-" + os.urandom(4).hex()
     to = "cfo-" + os.urandom(4).hex() + "@example.com"
     args = {"to": to, "body": "Q3"}
-    call_id = _propose(gw, scripted, key, task_a, args)["id"]
+    call_id = proposed_call(gw, scripted.url, key, task_a, "web__send_email", args)["id"]
     token = gw.approve(tenant, task_a, call_id)
     assert asyncio.run(_mcp(gw, key, task_a, args, call_id, token)) == f"sent to {to}"
     assert asyncio.run(_mcp(gw, key, task_a, args, call_id, None)) == f"sent to {to}"
@@ -133,7 +115,7 @@ def test_an_approved_history_is_forwarded_and_a_later_forged_turn_is_not(
     tenant, key = _tenant(gw)
     task = "h-" + os.urandom(4).hex()
     args = {"to": "cfo@example.com", "body": "Q3"}
-    call = _propose(gw, scripted, key, task, args)
+    call = proposed_call(gw, scripted.url, key, task, "web__send_email", args)
     token = gw.approve(tenant, task, call["id"])
     auth = {"Authorization": f"Bearer {key}", "x-task-id": task}
 

@@ -50,6 +50,7 @@ from mcp import MCPError
 from support.gateways import Gateway
 from support.mcp_sessions import (
     Tools,
+    proposed_call,
     session,
     text,
     tool_gateway,
@@ -119,24 +120,7 @@ def _one_at_a_time(gw: Gateway) -> tuple[str, str]:
 
 def _proposed(gw: Gateway, scripted: Scripted, key: str, task: str, name: str, args: Any) -> str:
     """The model proposes `name(args)` in `task`: the id the gateway gave the call."""
-    r = httpx.put(
-        scripted.url + "/control/tool_calls", json={"calls": [{"name": name, "arguments": args}]}
-    )
-    assert r.status_code == 200, r.text
-    try:
-        reply = httpx.post(
-            gw.url + "/v1/chat/completions",
-            json={"model": "cheap", "messages": [{"role": "user", "content": "mail the cfo"}]},
-            headers={"Authorization": f"Bearer {key}", "x-task-id": task},
-            timeout=30,
-        )
-    finally:
-        httpx.put(scripted.url + "/control/tool_calls", json={"calls": []})
-    assert reply.status_code == 200, reply.text
-    call = reply.json()["choices"][0]["message"]["tool_calls"][0]
-    assert call["function"]["name"] == name, call
-    assert call["id"].startswith("call_sya_"), call
-    return str(call["id"])
+    return str(proposed_call(gw, scripted.url, key, task, name, args)["id"])
 
 
 async def _call(

@@ -155,3 +155,26 @@ def tool_gateway(
         finally:
             httpx.put(scripted.url + "/control/tool_calls", json={"calls": []})
             g.proc.stop()
+
+
+def proposed_call(
+    gw: Gateway, scripted_url: str, key: str, task: str, name: str, args: Any
+) -> dict[str, Any]:
+    """The model (the scripted upstream at `scripted_url`) proposes `name(args)` in
+    `task`: the tool call as the gateway relayed it, its id the gateway's own."""
+    calls = [{"name": name, "arguments": args}]
+    assert httpx.put(scripted_url + "/control/tool_calls", json={"calls": calls}).is_success
+    try:
+        r = httpx.post(
+            gw.url + "/v1/chat/completions",
+            json={"model": "cheap", "messages": [{"role": "user", "content": "mail the cfo"}]},
+            headers={"Authorization": f"Bearer {key}", "x-task-id": task},
+            timeout=30,
+        )
+    finally:
+        httpx.put(scripted_url + "/control/tool_calls", json={"calls": []})
+    assert r.status_code == 200, r.text
+    call: dict[str, Any] = r.json()["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"]["name"] == name, call
+    assert call["id"].startswith("call_sya_"), call
+    return call
