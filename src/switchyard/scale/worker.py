@@ -14,7 +14,10 @@ environment of other processes. The worker then:
   its parent gone);
 - keeps its in-flight journal (`InFlight`): every request it opened whose usage row
   the ledger writer has not committed yet, in a file the supervisor reads should the
-  worker die, so that each such request gets its row (scale/workers.py).
+  worker die, so that each such request gets its row (scale/workers.py); it holds an
+  exclusive `flock` on that file for its whole life, so that a supervisor (its own, or
+  the next one started on the home after both died) bills only a dead worker's journal
+  (`claim_journal`).
 
     python -m switchyard.scale.worker   (spec on stdin)
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import mmap
@@ -83,12 +87,23 @@ class InFlight:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.path = path
         self._ledger = ledger
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.ftruncate(fd, slots * SLOT)
-            self._map = mmap.mmap(fd, slots * SLOT)
-        finally:
+        # Locked for the worker's whole life (the kernel drops the lock when it dies):
+        # a supervisor bills only a journal it can lock (`claim_journal`). One that
+        # claimed the file between its creation and this lock removed it: made again.
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if os.fstat(fd).st_nlink:
+                    os.ftruncate(fd, 0)
+                    os.ftruncate(fd, slots * SLOT)
+                    self._map = mmap.mmap(fd, slots * SLOT)
+                    break
+            except BaseException:
+                os.close(fd)
+                raise
             os.close(fd)
+        self._fd = fd
         self._free = list(range(slots - 1, -1, -1))  # the lowest first: few pages touched
         # request id -> [slot, its context, the (alias, stream) written]
         self._open: dict[str, list[Any]] = {}
@@ -181,6 +196,7 @@ class InFlight:
         if empty:
             with contextlib.suppress(OSError):
                 self.path.unlink()
+        os.close(self._fd)  # the lock goes: the journal is the supervisors' now
 
 
 def read_journal(path: Path) -> Iterator[list[Any]]:
@@ -191,6 +207,11 @@ def read_journal(path: Path) -> Iterator[list[Any]]:
         data = path.read_bytes()
     except OSError:
         return
+    yield from journal_records(data)
+
+
+def journal_records(data: bytes) -> Iterator[list[Any]]:
+    """`read_journal` of a journal's bytes `data`."""
     for off in range(0, len(data) - SLOT + 1, SLOT):
         head = int.from_bytes(data[off : off + 4], "little")
         n = head & (_TOP - 1)
@@ -203,6 +224,72 @@ def read_journal(path: Path) -> Iterator[list[Any]]:
             continue
         if isinstance(rec, list) and len(rec) == 10 and isinstance(rec[0], str):
             yield rec
+
+
+class JournalBusy(Exception):
+    """A journal whose lock another process holds: its worker lives (or another
+    supervisor is billing it)."""
+
+
+class Claim:
+    """A dead worker's journal, locked by this process (`claim_journal`): its
+    `records` (`read_journal`), held until `close`."""
+
+    def __init__(self, path: Path, fd: int, data: bytes) -> None:
+        self.path = path
+        self.name = path.name
+        self.records = list(journal_records(data))
+        self._fd: int | None = fd
+
+    def close(self, billed: bool) -> None:
+        """Let go of the journal: removed first when `billed` (its rows committed),
+        else kept for the next supervisor to bill."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            if billed:
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
+        finally:
+            os.close(fd)
+
+
+def claim_journal(path: Path) -> Claim | None:
+    """The journal at `path` (`journal_path`), if its worker is dead for sure: a
+    worker holds an exclusive `flock` on its journal for its whole life, so a journal
+    this process can lock (without waiting) is no live worker's, whatever its pid
+    says now (pids are reused). The lock is kept until the `Claim` is closed, so no
+    other supervisor bills it meanwhile. None when there is no journal there (never
+    made, removed at a clean exit, or billed and removed by another supervisor, also
+    between this open and this lock: the file locked must still be the one at
+    `path`). Raises JournalBusy when another process holds its lock."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise JournalBusy(str(path)) from None
+        held = os.fstat(fd)
+        try:
+            now = os.stat(path)
+        except FileNotFoundError:
+            now = None
+        same = now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+        if not held.st_nlink or not same:
+            os.close(fd)
+            return None
+        data = bytearray()
+        while chunk := os.pread(fd, 1 << 20, len(data)):
+            data += chunk
+        return Claim(path, fd, bytes(data))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
 
 
 def reuseport_socket(host: str, port: int) -> socket.socket:

@@ -30,8 +30,21 @@ row the ledger writer had not committed, so a request under no limit, or one tha
 settled and died before its row was written, is billed too: what it settled, if it
 got that far (`journaled_request`); else the most it reserved (its holds, found by the
 limiter's owner records: `lost_request`); else 0. The ledger writer never lets such a
-row replace a row the request's own worker committed (state/ledger_batch.py). The
-supervisor holds a bound socket on the port for its whole run, so the port
+row replace a row the request's own worker committed (state/ledger_batch.py). A
+journal is removed once its rows are committed, and kept (for the next start) if they
+never are.
+
+A supervisor killed with its workers (SIGKILL, the OOM killer, a host crash) bills
+nothing more: the next supervisor started on the same home does, at its start and
+every EARLIER_RUNS_S (`bill_earlier_runs`), for each journal in `run/inflight/` that
+an earlier run's worker left, as for a dead worker of its own (holds in a shared Redis
+included: they are found by the worker's name until their lease lapses). Dead for
+sure, never guessed from a pid: a worker holds an exclusive lock on its journal for
+its whole life, and a supervisor bills only a journal it can lock, holding the lock
+until the rows are committed (scale/worker.py `claim_journal`); so two supervisors
+never both bill one journal, and a live worker's is left alone.
+
+The supervisor holds a bound socket on the port for its whole run, so the port
 is taken (and `port: 0` resolved) once for all workers. SIGINT or SIGTERM stops the
 workers first, then the control plane.
 """
@@ -59,7 +72,13 @@ import uvicorn
 from switchyard import outcomes
 from switchyard.config import LlamaCppEngine, ProcessRole, Settings, VllmEngine
 from switchyard.pipeline import Status
-from switchyard.scale.worker import READY_LINE, journal_path, read_journal
+from switchyard.scale.worker import (
+    READY_LINE,
+    Claim,
+    JournalBusy,
+    claim_journal,
+    journal_path,
+)
 from switchyard.state.ledger_batch import LOST
 from switchyard.state.limits import Billing, Held
 from switchyard.state.traces import LedgerEntry
@@ -71,6 +90,7 @@ STOP_GRACE_S = 8.0  # a worker's graceful stop (uvicorn's is 5 s), then SIGKILL
 RESTART_PAUSE_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # after quick successive deaths
 WORKER_EXITED = LOST  # the usage row's error code of a dead worker's request
 COMMIT_TRIES, COMMIT_WAIT_S = 30, 10.0  # how long billed rows are waited for
+EARLIER_RUNS_S = 10.0  # how often journals of an earlier run's workers are looked for
 
 
 def usable_workers(value: int | str) -> int:
@@ -189,6 +209,8 @@ class Supervisor:
         self.front: Any = None  # the engine front (engines/front.py), with local engines
         self.spec: dict[str, Any] = {}
         self._billing: set[asyncio.Task[None]] = set()  # rows waiting to be committed
+        self._claimed: set[str] = set()  # journals whose rows wait for their commit
+        self._busy: set[str] = set()  # earlier runs' journals found locked (logged once)
 
     @staticmethod
     def run_dir(settings: Settings) -> Path:
@@ -211,6 +233,7 @@ class Supervisor:
             async with contextlib.AsyncExitStack() as stack:
                 settings = await self._shared_state(stack)
                 await self._control_plane(stack, settings)
+                await self.bill_earlier_runs()
                 runs = [asyncio.create_task(self._keep(w)) for w in self.workers]
                 runs.append(asyncio.create_task(self._watch()))
                 runs.append(asyncio.create_task(self._announce()))
@@ -371,10 +394,14 @@ class Supervisor:
         The workers' ledgers reconnect and re-send what was not committed; their Redis
         clients reconnect to the same socket, but what it counted is lost with it (until
         it is back, `policy.on_limiter_failure` decides)."""
+        scanned = time.monotonic()
         while not self.stopping:
             await asyncio.sleep(1.0)
             if self.stopping:
                 return
+            if time.monotonic() - scanned >= EARLIER_RUNS_S:
+                scanned = time.monotonic()
+                await self.bill_earlier_runs()
             try:
                 await asyncio.to_thread(self.writer.restart_if_dead)  # it logs why
             except Exception as exc:
@@ -386,9 +413,67 @@ class Supervisor:
                 except Exception as exc:
                     log.error("the private redis-server did not start again: %s", exc)
 
-    async def _release(self, name: str, pid: int) -> str:
-        """Give back what a dead worker held; says what."""
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    async def bill_earlier_runs(self) -> None:
+        """Bill the journals in `run/inflight/` that workers of an earlier run left
+        (their supervisor was killed with them: SIGKILL, the OOM killer, a host
+        crash), as a dead worker's (`_release`), each once: only a journal this
+        process can lock is a dead worker's (scale/worker.py `claim_journal`); one
+        still locked (its worker, or another supervisor billing it) is left alone,
+        and looked at again every EARLIER_RUNS_S."""
+        folder = Path(self.spec["run_dir"]) / "inflight"
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError:  # none yet
+            return
+        ours = f"-{self.run_id}"
+        self._busy &= set(names)  # gone meanwhile: its worker ended cleanly
+        for name in names:
+            if name.endswith(ours) or name in self._claimed:
+                continue
+            try:
+                said = await self._release(name, None)
+            except Exception:  # one bad journal must not stop the others, or the start
+                log.exception("could not bill the journal %s of an earlier run", name)
+                continue
+            if said is not None:
+                log.warning("worker %s of an earlier run is gone: %s", name, said)
+
+    async def _release(self, name: str, pid: int | None) -> str | None:
+        """Give back what a dead worker held; says what. `pid` None: a worker of an
+        earlier run, found by its journal (`bill_earlier_runs`): dead for sure only if
+        its journal can be locked, and nothing is done (None) otherwise."""
+        try:
+            claim = claim_journal(journal_path(self.spec["run_dir"], name))
+        except JournalBusy:
+            if pid is None:
+                if name not in self._busy:
+                    self._busy.add(name)
+                    log.info("the journal of worker %s is locked: it still runs", name)
+                return None
+            claim = None  # another supervisor on this home is billing it
+        if pid is None and claim is None:
+            return None  # billed and removed by another supervisor meanwhile
+        self._busy.discard(name)
+        try:
+            slots, held, rows = await self._give_back(name, pid, claim)
+        except BaseException:
+            if claim is not None:
+                claim.close(billed=False)  # kept for the next start
+            raise
+        if pid is None and not (held or rows):
+            return None  # an idle worker's journal: nothing to say
+        return (
+            f"gave back {slots} gate slot(s) and {held} reservation(s); billed "
+            f"{rows} request(s) it was serving whose rows were not committed"
+        )
+
+    async def _give_back(
+        self, name: str, pid: int | None, claim: Claim | None
+    ) -> tuple[int, int, int]:
+        """`_release`: the gate slots, holds and task reservations of worker `name`
+        given back, and the rows of its requests billed (from `claim`, its journal);
+        how many of each."""
+        if pid is not None and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             from prometheus_client import multiprocess
 
             multiprocess.mark_process_dead(pid)  # its live gauges leave the sums
@@ -401,11 +486,8 @@ class Supervisor:
                 held = await release(name)
             except Exception as exc:  # Redis away: the leases lapse on their own
                 log.error("could not give back worker %s's reservations: %s", name, exc)
-        journal = journal_path(self.spec["run_dir"], name)
-        rows = self._lost_rows(name, held, list(read_journal(journal)))
-        self._bill(rows)
-        with contextlib.suppress(OSError):
-            journal.unlink()
+        rows = self._lost_rows(name, held, claim.records if claim is not None else [])
+        self._bill(rows, claim)
         tasks = getattr(self.gateway, "tasks", None)
         release_tasks = getattr(tasks, "release_owner", None)
         if release_tasks is not None:
@@ -413,10 +495,7 @@ class Supervisor:
                 await release_tasks(name)
             except Exception as exc:
                 log.error("could not give back worker %s's task reservations: %s", name, exc)
-        return (
-            f"gave back {slots} gate slot(s) and {len(held)} reservation(s); billed "
-            f"{len(rows)} request(s) it was serving whose rows were not committed"
-        )
+        return slots, len(held), len(rows)
 
     def _lost_rows(
         self, name: str, held: list[Held], journal: list[list[Any]]
@@ -438,25 +517,37 @@ class Supervisor:
         ]
         return rows + [lost_request(name, holds, ended, traced) for holds in by_request.values()]
 
-    def _bill(self, rows: list[LedgerEntry]) -> None:
+    def _bill(self, rows: list[LedgerEntry], claim: Claim | None = None) -> None:
         """Write `rows` through the control plane's ledger, and see them committed: a
         writer that dies first (its connection's loss is seen only as the ledger is
-        pumped) gets them again from that ledger, as `AGAIN`."""
+        pumped) gets them again from that ledger, as `AGAIN`. The journal they came
+        from (`claim`) stays locked until then, and is removed once they are committed
+        (kept, for the next start, if they never are)."""
         ledger = getattr(self.gateway, "ledger", None)
         if ledger is None or not rows:
+            if claim is not None:
+                claim.close(billed=not rows)
             return
         for row in rows:
             ledger.record_entry(row)
-        task = asyncio.get_running_loop().create_task(self._committed(ledger))
+        if claim is not None:
+            self._claimed.add(claim.name)
+        task = asyncio.get_running_loop().create_task(self._committed(ledger, claim))
         self._billing.add(task)
         task.add_done_callback(self._billing.discard)
 
-    @staticmethod
-    async def _committed(ledger: Any) -> None:
-        for _ in range(COMMIT_TRIES):
-            if await ledger.flush_async(timeout_s=COMMIT_WAIT_S):
-                return
-        log.error("rows of a dead worker's requests not committed after %d tries", COMMIT_TRIES)
+    async def _committed(self, ledger: Any, claim: Claim | None) -> None:
+        billed = False
+        try:
+            for _ in range(COMMIT_TRIES):
+                if await ledger.flush_async(timeout_s=COMMIT_WAIT_S):
+                    billed = True
+                    return
+            log.error("rows of a dead worker's requests not committed after %d tries", COMMIT_TRIES)
+        finally:
+            if claim is not None:
+                self._claimed.discard(claim.name)
+                claim.close(billed)
 
     async def _stop_workers(self) -> None:
         procs = [w.proc for w in self.workers if w.proc is not None and w.proc.returncode is None]
