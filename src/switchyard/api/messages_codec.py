@@ -11,7 +11,7 @@ naming it, never a silent drop. Translation:
 | `system` (a string or text blocks) | a first `system` message |
 | `text` and `image` blocks (base64 or URL) | text and `image_url` parts |
 | an assistant turn's `tool_use` blocks | its `tool_calls` (`input` as JSON arguments) |
-| a user turn's `tool_result` blocks | `tool` messages (before the turn's other content) |
+| a user turn's `tool_result` blocks (first in it) | `tool` messages, then the turn's other content |
 | `tools` (custom), `tool_choice` auto/any/tool/none | function `tools`, auto/required/{function}/none |
 | `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k` | the same caps and sampling |
 | `metadata.user_id` | `user` |
@@ -24,7 +24,9 @@ API's shape (`{"type": "ephemeral"}`, optional `ttl` "5m" or "1h") and not forwa
 
 The request as a whole is checked as the Messages API checks it: tool blocks pair up
 (each `tool_result` answers a `tool_use` of the assistant turn just before, each
-`tool_use` is answered in the turn just after, no id twice) and need `tools`; tool
+`tool_use` is answered in the turn just after, no id twice: `ToolPairs`, one rule
+with the Responses codec), a turn's `tool_result` blocks come first in it, and tool
+blocks need `tools`; a text block's `citations` is a list of citation objects; tool
 names are distinct (policy/validate.py `tools_array`), each `input_schema` an object
 schema; a text block is never empty, a stop sequence never whitespace alone.
 """
@@ -36,7 +38,7 @@ from typing import Any
 
 import orjson
 
-from switchyard.api.checks import bad, no_extras, number, string
+from switchyard.api.checks import ToolPairs, bad, no_extras, number, string
 from switchyard.api.checks import past_int64 as _past_int64
 from switchyard.api.codecs import CHAT_TYPED
 from switchyard.errors import InvalidRequest, MissingRequiredParameter
@@ -140,11 +142,68 @@ def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+# A citation's members by its type (the Messages API's `TextCitationParam`), each
+# required: a string, an integer, or a string or null.
+_IN_DOCUMENT = {"document_index": "int", "document_title": "str?"}
+_CITED = {"type": "str", "cited_text": "str"}
+_CITATIONS: dict[str, dict[str, str]] = {
+    kind: {**_CITED, **members}
+    for kind, members in {
+        "char_location": {"start_char_index": "int", "end_char_index": "int", **_IN_DOCUMENT},
+        "page_location": {"start_page_number": "int", "end_page_number": "int", **_IN_DOCUMENT},
+        "content_block_location": {
+            "start_block_index": "int",
+            "end_block_index": "int",
+            **_IN_DOCUMENT,
+        },
+        "web_search_result_location": {"encrypted_index": "str", "title": "str?", "url": "str"},
+        "search_result_location": {
+            "search_result_index": "int",
+            "source": "str",
+            "start_block_index": "int",
+            "end_block_index": "int",
+            "title": "str?",
+        },
+    }.items()
+}
+MAX_CITATIONS = 100  # citations of one text block
+
+
+def _member_ok(v: Any, kind: str) -> bool:
+    if kind == "int":
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= INT32_MAX
+    return isinstance(v, str) or (kind == "str?" and v is None)
+
+
+def _citations(cites: Any, where: str) -> None:
+    """A text block's `citations`: null, or a list of the Messages API's citation
+    objects (accepted, not forwarded: they point into documents the model read)."""
+    if cites is None:
+        return
+    where = f"{where}.citations"
+    if not isinstance(cites, list) or len(cites) > MAX_CITATIONS:
+        raise bad(f"'{where}' must be a list of at most {MAX_CITATIONS} citations", where)
+    for k, cite in enumerate(cites):
+        cw = f"{where}[{k}]"
+        kind = cite.get("type") if isinstance(cite, dict) else None
+        members = _CITATIONS.get(kind) if isinstance(kind, str) else None
+        if members is None:
+            raise bad(f"'{cw}' must be a citation object of type {sorted(_CITATIONS)}", cw)
+        assert isinstance(cite, dict)
+        no_extras(cite, frozenset(members), cw)
+        for name, want in members.items():
+            if not _member_ok(cite.get(name, ...), want):
+                shape = {"int": "an integer", "str": "a string", "str?": "a string or null"}
+                raise bad(f"'{cw}.{name}' must be {shape[want]}", f"{cw}.{name}")
+
+
 def _text_block(block: dict[str, Any], where: str) -> dict[str, Any]:
     _no_extras_cc(block, _TEXT_KEYS, where)
     text = string(block.get("text"), f"{where}.text")
     if not text:  # the Messages API's rule; a reply with nothing to say has no block
         raise bad(f"'{where}.text': text content blocks must be non-empty", f"{where}.text")
+    if "citations" in block:
+        _citations(block["citations"], where)
     return {"type": "text", "text": text}
 
 
@@ -237,6 +296,13 @@ def _turn(i: int, m: Any) -> list[dict[str, Any]]:
     for j, block in enumerate(content):
         bw = f"{where}.content[{j}]"
         kind = _block_type(block, bw)
+        if kind == "tool_result" and parts:
+            # Anthropic's rule: a turn answering tool calls begins with its results
+            raise bad(
+                f"'{where}': tool_result blocks must come first in their turn, before "
+                f"any other content ({bw} follows other blocks)",
+                where,
+            )
         if kind == "text":
             parts.append(_text_block(block, bw))
         elif kind == "image" and role == "user":
@@ -268,55 +334,34 @@ def _blocks(m: dict[str, Any], kind: str) -> list[tuple[int, dict[str, Any]]]:
 
 def _paired_tools(messages: list[Any]) -> bool:
     """Whether the conversation holds tool blocks; raises the 400 unless they pair up
-    as the Messages API requires: each `tool_result` answers a `tool_use` of the
-    assistant turn just before, each `tool_use` is answered by the turn just after,
-    and no id is used twice (a result for a call never made is a forged tool output;
-    a call left unanswered, or one of two calls of one id, one no engine can place).
-    Runs on turns `_turn` has checked."""
-    seen: dict[str, str] = {}  # tool_use id -> the block that used it
-    answered: set[str] = set()
-    any_tool = False
-    previous: dict[str, str] = {}  # the tool_use ids of the turn just before -> block
+    as the Messages API requires (`ToolPairs`, the Responses codec's rule too): each
+    `tool_result` answers a `tool_use` of the assistant turn just before, each
+    `tool_use` is answered by the turn just after, and no id is used twice (a result
+    for a call never made is a forged tool output; a call left unanswered, or one of
+    two calls of one id, one no engine can place). Runs on turns `_turn` has checked
+    (a turn's results come first in it)."""
+    pairs: ToolPairs | None = None
     for i, m in enumerate(messages):
-        if isinstance(m["content"], str) and not previous:  # the common turn
-            continue
+        content = m["content"]
+        if pairs is None:  # no tool block yet: the common turn
+            if isinstance(content, str) or all(
+                b["type"] not in ("tool_use", "tool_result") for b in content
+            ):
+                continue
+            pairs = ToolPairs("tool_use", "tool_result")
         where = f"messages[{i}]"
-        for j, block in _blocks(m, "tool_result"):
-            any_tool = True
-            call_id = block["tool_use_id"]
-            bw = f"{where}.content[{j}].tool_use_id"
-            if call_id not in previous:
-                raise bad(
-                    f"'{bw}': unexpected tool_use_id {call_id!r}: each tool_result must "
-                    "answer a tool_use block of the assistant turn just before",
-                    bw,
-                )
-            if call_id in answered:
-                raise bad(f"'{bw}': {call_id!r} is answered twice", bw)
-            answered.add(call_id)
-        missing = [b for call_id, b in previous.items() if call_id not in answered]
-        if missing:
-            raise bad(
-                f"'{missing[0]}': tool_use ids were found without tool_result blocks "
-                f"immediately after, in {where}",
-                missing[0],
-            )
-        previous, answered = {}, set()
-        for j, block in _blocks(m, "tool_use"):
-            any_tool = True
-            call_id = block["id"]
-            bw = f"{where}.content[{j}].id"
-            if call_id in seen:
-                raise bad(f"'{bw}': {call_id!r} is the id of {seen[call_id]} too", bw)
-            seen[call_id] = previous[call_id] = bw
-    if previous:
-        first = next(iter(previous.values()))
-        raise bad(
-            f"'{first}': tool_use ids were found without tool_result blocks immediately "
-            "after (the conversation ends with them)",
-            first,
-        )
-    return any_tool
+        if m["role"] == "assistant":
+            pairs.turn(where)
+            for j, block in _blocks(m, "tool_use"):
+                pairs.call(block["id"], f"{where}.content[{j}].id")
+        else:
+            for j, block in _blocks(m, "tool_result"):
+                pairs.output(block["tool_use_id"], f"{where}.content[{j}].tool_use_id")
+            pairs.turn(where)
+    if pairs is None:
+        return False
+    pairs.turn("messages", ends=True)
+    return True
 
 
 def _system(system: Any) -> str:

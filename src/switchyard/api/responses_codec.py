@@ -6,7 +6,13 @@ it as on a chat completion.
 gateway cannot honour, never a silent drop) and returns a `ResponsesRequest`: the
 input as items (each with an id, as `GET /v1/responses/{id}/input_items` lists them)
 and what the response object repeats. `to_chat` writes the chat body it means, after
-the conversation of the response it continues (`previous_response_id`):
+the conversation of the response it continues (`previous_response_id`). Tool items
+pair up as in OpenAI's API (api/checks.py `ToolPairs`, one rule with the Messages codec): each
+`function_call_output` answers a `function_call` before it (in the input, or the calls
+the continued response ended with), each call is answered before the conversation
+goes on, and no call id is used twice. Each part type has its own members and each
+role its own part types; an item's `id` and `status` are the API's or a 400.
+
 
 | Responses | chat completions |
 |---|---|
@@ -30,7 +36,7 @@ from typing import Any
 
 import msgspec
 
-from switchyard.api.checks import bad, flag, no_extras, number, string
+from switchyard.api.checks import ToolPairs, bad, flag, no_extras, number, string
 from switchyard.entropy import RandomPool
 from switchyard.errors import InvalidRequest, MissingRequiredParameter
 from switchyard.policy.validate import CONTROL, answerable_choice, tools_array
@@ -63,6 +69,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{16,64}")
 INT32_MAX = 2**31 - 1
+MAX_FORMAT_DESCRIPTION = 4096  # characters of `text.format.description` sent upstream
 Ids = Callable[[str], str]  # prefix -> a new unguessable id
 
 
@@ -130,9 +137,17 @@ class ResponsesRequest(msgspec.Struct):
     chat: dict[str, Any] = msgspec.field(default_factory=dict)  # the chat fields but messages
 
 
-_PART_KEYS = frozenset(
-    {"type", "text", "refusal", "annotations", "logprobs", "image_url", "detail"}
-)
+# Each part type's own members (a member of another type is refused by name, never
+# dropped), and the part types each role's message holds.
+_PART_KEYS: dict[str, frozenset[str]] = {
+    "input_text": frozenset({"type", "text"}),
+    "output_text": frozenset({"type", "text", "annotations", "logprobs"}),
+    "refusal": frozenset({"type", "refusal"}),
+    "input_image": frozenset({"type", "image_url", "detail"}),
+}
+_ANY_PART_KEYS = frozenset().union(*_PART_KEYS.values())  # a type not served: its member named
+_ASSISTANT_PARTS = ("output_text", "refusal")
+_INPUT_PARTS = ("input_text", "input_image")
 
 
 def _part(part: Any, role: str, where: str) -> dict[str, Any]:
@@ -140,26 +155,32 @@ def _part(part: Any, role: str, where: str) -> dict[str, Any]:
     if not isinstance(kind, str):
         raise bad(f"'{where}' must be a content part with a 'type'", where)
     assert isinstance(part, dict)
-    no_extras(part, _PART_KEYS, where)
-    if kind == "input_text" or (kind in ("output_text", "refusal") and role == "assistant"):
+    no_extras(part, _PART_KEYS.get(kind, _ANY_PART_KEYS), where)
+    allowed = _ASSISTANT_PARTS if role == "assistant" else _INPUT_PARTS
+    if kind not in allowed:
+        if kind in _PART_KEYS:  # a part of the other side of the conversation
+            raise bad(
+                f"'{where}': invalid part type {kind!r} in a {role} message: supported "
+                f"values are {allowed[0]!r} and {allowed[1]!r}",
+                where,
+            )
+        raise bad(f"'{where}': content part type {kind[:40]!r} is not supported here", where)
+    if kind != "input_image":
         key = "refusal" if kind == "refusal" else "text"
         return {"type": "text", "text": string(part.get(key), f"{where}.{key}")}
-    if kind == "input_image" and role != "assistant":
-        url = part.get("image_url")
-        if not isinstance(url, str) or not url.startswith(("http://", "https://", "data:image/")):
-            raise bad(
-                f"'{where}.image_url' must be an http(s) or data:image URL (file_id is not "
-                "supported)",
-                f"{where}.image_url",
-            )
-        image: dict[str, Any] = {"url": url}
-        detail = part.get("detail")
-        if detail is not None:
-            if detail not in ("auto", "low", "high"):
-                raise bad(f"'{where}.detail' must be auto, low or high", f"{where}.detail")
-            image["detail"] = detail
-        return {"type": "image_url", "image_url": image}
-    raise bad(f"'{where}': content part type {kind[:40]!r} is not supported here", where)
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://", "data:image/")):
+        raise bad(
+            f"'{where}.image_url' must be an http(s) or data:image URL (file_id is not supported)",
+            f"{where}.image_url",
+        )
+    image: dict[str, Any] = {"url": url}
+    detail = part.get("detail")
+    if detail is not None:
+        if detail not in ("auto", "low", "high"):
+            raise bad(f"'{where}.detail' must be auto, low or high", f"{where}.detail")
+        image["detail"] = detail
+    return {"type": "image_url", "image_url": image}
 
 
 def _content(content: Any, role: str, where: str) -> str | list[dict[str, Any]]:
@@ -194,7 +215,7 @@ def _item(i: int, item: Any, out: list[dict[str, Any]], ids: Ids) -> dict[str, A
         content = _content(item.get("content"), str(role), f"{where}.content")
         out.append({"role": role, "content": content})
         stored = {"type": "message", "role": role, "content": _as_parts(item["content"], role)}
-        return {"id": _given_id(item) or ids("msg"), **stored}
+        return {"id": _given_id(item, where) or ids("msg"), **stored}
     if kind == "function_call":
         no_extras(item, _CALL_KEYS, where)
         call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments")
@@ -217,7 +238,7 @@ def _item(i: int, item: Any, out: list[dict[str, Any]], ids: Ids) -> dict[str, A
         else:
             out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         stored = {"type": "function_call", "call_id": call_id, "name": name, "arguments": args}
-        return {"id": _given_id(item) or ids("fc"), **stored}
+        return {"id": _given_id(item, where) or ids("fc"), **stored}
     if kind == "function_call_output":
         no_extras(item, _OUTPUT_KEYS, where)
         call_id, output = item.get("call_id"), item.get("output")
@@ -232,7 +253,7 @@ def _item(i: int, item: Any, out: list[dict[str, Any]], ids: Ids) -> dict[str, A
             raise bad(f"'{where}.output' must be a string", f"{where}.output")
         out.append({"role": "tool", "tool_call_id": call_id, "content": output})
         stored = {"type": "function_call_output", "call_id": call_id, "output": output}
-        return {"id": _given_id(item) or ids("fco"), **stored}
+        return {"id": _given_id(item, where) or ids("fco"), **stored}
     raise bad(f"'{where}': item type {str(kind)[:40]!r} is not supported", f"{where}.type")
 
 
@@ -248,6 +269,39 @@ def _as_parts(content: Any, role: str) -> list[Any]:
     return list(content)
 
 
+def open_calls(history: list[dict[str, Any]]) -> dict[str, str | None]:
+    """The tool calls a stored conversation (chat messages) ends with unanswered: the
+    last assistant turn's calls no `tool` message after it answers."""
+    pending: dict[str, str | None] = {}
+    for m in history:
+        role = m.get("role")
+        if role == "tool":
+            pending.pop(str(m.get("tool_call_id")), None)
+        elif role == "assistant" and m.get("tool_calls"):
+            pending = {str(c.get("id")): None for c in m["tool_calls"]}
+        else:
+            pending = {}
+    return pending
+
+
+def _paired(items: list[dict[str, Any]], history: list[dict[str, Any]] | None) -> None:
+    """The input's calls and outputs pair up, with the calls `history` (the stored
+    conversation it continues, if any) left open (`ToolPairs`)."""
+    pending = open_calls(history) if history else None
+    if not pending and all(item["type"] == "message" for item in items):
+        return  # the common input: no tool item, nothing to answer
+    pairs = ToolPairs("function_call", "function_call_output", pending)
+    for i, item in enumerate(items):
+        kind = item["type"]
+        if kind == "function_call":
+            pairs.call(item["call_id"], f"input[{i}].call_id")
+        elif kind == "function_call_output":
+            pairs.output(item["call_id"], f"input[{i}].call_id")
+        else:
+            pairs.turn(f"input[{i}]")
+    pairs.turn("input", ends=True)
+
+
 def _unique_ids(items: list[dict[str, Any]]) -> None:
     """Each item's id is its own: the input items are listed and paged by id (`after`,
     `before`), and a repeated id would make a cursor name two places."""
@@ -258,9 +312,24 @@ def _unique_ids(items: list[dict[str, Any]]) -> None:
         seen.add(item["id"])
 
 
-def _given_id(item: dict[str, Any]) -> str | None:
+ITEM_STATUS = frozenset({"in_progress", "completed", "incomplete"})
+
+
+def _given_id(item: dict[str, Any], where: str) -> str | None:
+    """The item's own id (None: the gateway makes one), and its `status` checked: an id
+    names the item in `GET /v1/responses/{id}/input_items` and pages it, so one that is
+    no id is refused, never replaced by another the client does not know."""
+    status = item.get("status")
+    if status is not None and status not in ITEM_STATUS:
+        raise bad(
+            f"'{where}.status' must be in_progress, completed or incomplete", f"{where}.status"
+        )
     got = item.get("id")
-    return got if isinstance(got, str) and _ID.fullmatch(got) else None
+    if got is None:
+        return None
+    if not isinstance(got, str) or not _ID.fullmatch(got):
+        raise bad(f"'{where}.id' must be an id: 1-128 of A-Z a-z 0-9 _ . : -", f"{where}.id")
+    return got
 
 
 _TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
@@ -329,8 +398,19 @@ def _text_format(config: Any) -> dict[str, Any] | None:
         if not isinstance(schema, dict):
             raise bad("'text.format.schema' must be a JSON Schema object", "text.format.schema")
         spec: dict[str, Any] = {"name": name, "schema": schema}
-        if isinstance(fmt.get("strict"), bool):
-            spec["strict"] = fmt["strict"]
+        description, strict = fmt.get("description"), fmt.get("strict")
+        if description is not None:  # tells the model what the schema is for
+            if not isinstance(description, str) or len(description) > MAX_FORMAT_DESCRIPTION:
+                raise bad(
+                    "'text.format.description' must be a string of at most "
+                    f"{MAX_FORMAT_DESCRIPTION} characters",
+                    "text.format.description",
+                )
+            spec["description"] = description
+        if strict is not None:
+            if not isinstance(strict, bool):
+                raise bad("'text.format.strict' must be a boolean", "text.format.strict")
+            spec["strict"] = strict
         return {"type": "json_schema", "json_schema": spec}
     raise bad("'text.format.type' must be text, json_object or json_schema", "text.format.type")
 
@@ -373,6 +453,8 @@ def check(body: Any, ids: Ids = new_item_id) -> ResponsesRequest:
     elif isinstance(raw, list) and raw:
         items = [_item(i, item, messages, ids) for i, item in enumerate(raw)]
         _unique_ids(items)
+        if body.get("previous_response_id") is None:  # else with its history (to_chat)
+            _paired(items, None)
     else:
         raise MissingRequiredParameter(
             "'input' is required: a string or a non-empty array of items", param="input"
@@ -462,7 +544,11 @@ def check(body: Any, ids: Ids = new_item_id) -> ResponsesRequest:
 
 def to_chat(req: ResponsesRequest, history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The chat completions body the request means: its instructions, the conversation
-    it continues (chat messages, as stored with that response), then its own input."""
+    it continues (chat messages, as stored with that response), then its own input.
+    Raises the 400 when a continuation's tool items do not pair up with the calls that
+    conversation left open (`ToolPairs`)."""
+    if req.previous_response_id is not None:
+        _paired(req.items, history)
     messages: list[dict[str, Any]] = []
     if req.instructions is not None:
         messages.append({"role": "system", "content": req.instructions})
