@@ -680,7 +680,9 @@ class InvalidHttpFraming(InvalidRequest):
 
 
 class ContextLengthExceeded(InvalidRequest):
-    """The prompt alone is longer than the model's context window."""
+    """The prompt is longer than the model's context window: by the gateway's lower
+    bound of it (the window stage), or by the engine's own count, with the output it
+    asks for (engines/upstream.py maps the engine's refusal)."""
 
     code = "context_length_exceeded"
 

@@ -108,6 +108,28 @@ def proven_output(ctx: RequestContext) -> int:
     return min(len(cut), cost.sequences) * cost.cap
 
 
+def refused_outright(ctx: RequestContext) -> bool:
+    """Whether every upstream call of a failed request was refused before any output:
+    each attempt the executor recorded (its `attempt` decisions that carry the attempt's
+    number) ended with a 4xx other than 408 (the upstream's answer that it did not take
+    the request: past its context, a parameter it refuses, rate limited), and nothing
+    was relayed. Such a request generated nothing and has no usage: it is billed
+    nothing. Any other attempt (one that got a reply, timed out, broke off, a 5xx)
+    may have generated, and keeps its estimate."""
+    run = ctx.run
+    if ctx.status is not _ERROR or run.chunks or not run.attempts:
+        return False
+    refused = 0
+    for d in ctx.decisions:
+        if d.stage != "attempt" or d.evidence is None or "attempt" not in d.evidence:
+            continue  # a skip (breaker open, no time left, engine down) calls nothing
+        status = d.evidence.get("status")
+        if type(status) is not int or not 400 <= status < 500 or status == 408:
+            return False
+        refused += 1
+    return refused == run.attempts
+
+
 class Settler:
     """Charges, unwinds and records settled requests."""
 
@@ -189,8 +211,9 @@ class Settler:
             self._record(ctx)
 
     def _charge(self, ctx: RequestContext) -> None:
-        """What the request used (the upstream's usage; a broken stream's estimate)
-        and what that costs, on `ctx.run` for the releases and the record."""
+        """What the request used (the upstream's usage; a broken stream's estimate;
+        nothing for a request every upstream refused outright) and what that costs, on
+        `ctx.run` for the releases and the record."""
         run = ctx.run
         if run.usage is None and run.reply_body is not None:
             run.usage = reply_usage(run.reply_body)
@@ -213,7 +236,7 @@ class Settler:
                     proven,
                 )
                 out = proven
-        elif run.attempts and ctx.input.endpoint != "embeddings":
+        elif run.attempts and ctx.input.endpoint != "embeddings" and not refused_outright(ctx):
             # Best effort for a broken stream: the prompt as it was estimated, a token
             # an event.
             inp = ctx.cost.prompt if ctx.cost is not None else ctx.prompt_estimate

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ import orjson
 from switchyard.config import Timeouts
 from switchyard.engines.bounded import read_bounded
 from switchyard.errors import (
+    ContextLengthExceeded,
     SwitchyardError,
     UpstreamError,
     UpstreamOverloaded,
@@ -67,18 +69,82 @@ def _retry_after(value: str | None) -> str | None:
     return value if value.isdigit() and len(value) <= 6 else None
 
 
-def _upstream_error(status: int, body: bytes, name: str, headers: Any = None) -> SwitchyardError:
+# The request member that holds the prompt, by the path it is sent to: what a refusal
+# of the prompt's length names as its `param`.
+_PROMPT_PARAM = {
+    "/chat/completions": "messages",
+    "/completions": "prompt",
+    "/messages": "messages",
+    "/responses": "input",
+    "/embeddings": "input",
+}
+# The words engines refuse a prompt past their context with (lowercased): vLLM's and
+# OpenAI's "This model's maximum context length is N tokens ...", llama-server's
+# "request (N tokens) exceeds the available context size (M tokens)", Anthropic's
+# "prompt is too long: N tokens > M maximum".
+_CONTEXT_WORDS = (
+    "maximum context length",
+    "exceeds the available context size",
+    "context length exceeded",
+    "prompt is too long",
+)
+_CONTEXT_KINDS = frozenset({"exceed_context_size_error", "context_length_exceeded"})
+# llama-server's refusal of a request member: "Field 'n': Value must be between ...".
+_FIELD = re.compile(r"Field '([A-Za-z_][A-Za-z0-9_.]{0,63})'")
+
+
+def _count(value: Any) -> int | None:
+    """A token count an engine reports beside its error, when it is one."""
+    return value if type(value) is int and 0 <= value < 1 << 31 else None
+
+
+def _context_refusal(
+    detail: dict[str, Any], message: str, name: str, path: str | None
+) -> ContextLengthExceeded | None:
+    """The upstream's 4xx as `context_length_exceeded` when it says the prompt (with
+    the output it may write) does not fit the model's context: llama-server's
+    `exceed_context_size_error`, OpenAI's `context_length_exceeded` code, the words
+    vLLM, llama-server and Anthropic use for it. The client is told in the gateway's
+    own words, with llama-server's counts when it gives them (integers); `param`
+    names the prompt's member on the path it was sent to."""
+    kinds = (detail.get("type"), detail.get("code"))
+    text = message[:1000].lower()
+    if not any(k in _CONTEXT_KINDS for k in kinds if isinstance(k, str)) and not any(
+        w in text for w in _CONTEXT_WORDS
+    ):
+        return None
+    window, prompt = _count(detail.get("n_ctx")), _count(detail.get("n_prompt_tokens"))
+    if window is not None and prompt is not None:
+        said = (
+            f"this model's maximum context length is {window} tokens; the prompt has "
+            f"{prompt} tokens"
+        )
+    else:
+        said = f"the request does not fit the context window of upstream {name}"
+    param = _PROMPT_PARAM.get(path or "")
+    return ContextLengthExceeded(
+        f"{said}; shorten the {param or 'prompt'}", param=param, detail=message[:1000]
+    )
+
+
+def _upstream_error(
+    status: int, body: bytes, name: str, headers: Any = None, path: str | None = None
+) -> SwitchyardError:
     """Map a non-2xx upstream reply onto our error hierarchy: one mapping for both
     protocols. OpenAI's body `{"error": {"message", "param"}}` and Anthropic's
     `{"type": "error", "error": {"type", "message"}}` both carry the message under
-    `error`; Anthropic's 529 (`overloaded_error`) is a 503 by another number."""
+    `error`; Anthropic's 529 (`overloaded_error`) is a 503 by another number. A 4xx
+    that says the prompt is past the model's context is `context_length_exceeded`
+    (`path`, the upstream path the request went to, names its prompt member)."""
     message = f"upstream {name} answered HTTP {status}"
     param = None
+    fields: dict[str, Any] = {}
     try:
         detail = orjson.loads(body).get("error")
         if isinstance(detail, dict) and detail.get("message"):
             message = str(detail["message"])
             param = detail.get("param")
+            fields = detail
         elif isinstance(detail, str):
             message = detail
     except (orjson.JSONDecodeError, AttributeError):
@@ -86,9 +152,9 @@ def _upstream_error(status: int, body: bytes, name: str, headers: Any = None) ->
     retry_after = _retry_after(headers.get("Retry-After") if headers is not None else None)
     err: SwitchyardError
     # The upstream's own words go to the log and the (PII-masked) trace. A client sees
-    # them only for a 4xx, where they say what is wrong with its own request (context
-    # too long, a bad parameter), bounded; a server error's text is the upstream's
-    # internals, so the client gets a stable message.
+    # them only for a 4xx, where they say what is wrong with its own request (a bad
+    # parameter), bounded; a server error's text is the upstream's internals, so the
+    # client gets a stable message.
     detail = message[:1000]
     if status == 429:
         err = UpstreamRateLimited(
@@ -98,12 +164,15 @@ def _upstream_error(status: int, body: bytes, name: str, headers: Any = None) ->
         )
         err.retry_class = "429"
     elif 400 <= status < 500 and status != 408:
-        return UpstreamStatusError(
-            status,
-            message[:500],
-            param=param if isinstance(param, str) else None,
-            detail=detail,
-        )
+        context = _context_refusal(fields, message, name, path)
+        if context is not None:
+            return context
+        if isinstance(param, str):
+            param = param[:64]
+        else:  # llama-server names the member it refuses only in its message
+            field = _FIELD.match(message)
+            param = field.group(1) if field is not None else None
+        return UpstreamStatusError(status, message[:500], param=param, detail=detail)
     elif status in (408, 504):
         err = UpstreamTimeout(f"upstream {name} timed out", detail=detail)
         err.retry_class = "504"
@@ -207,7 +276,7 @@ class OpenAIUpstream:
             ) as resp:
                 if resp.status >= 300:
                     error = await _read(resp, MAX_ERROR_BYTES)
-                    raise _upstream_error(resp.status, error or b"", self.name, resp.headers)
+                    raise _upstream_error(resp.status, error or b"", self.name, resp.headers, path)
                 body = await _read(resp, MAX_REPLY_BYTES)
                 if body is None:
                     raise self._broken(f"a reply over {MAX_REPLY_BYTES} bytes")
@@ -283,7 +352,7 @@ class OpenAIUpstream:
                 resp.release()
                 raise self._translate(exc) from None
             resp.release()
-            raise _upstream_error(resp.status, body or b"", self.name, resp.headers)
+            raise _upstream_error(resp.status, body or b"", self.name, resp.headers, path)
         return resp
 
     def _broken(self, what: str) -> UpstreamError:

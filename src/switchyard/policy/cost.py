@@ -14,6 +14,7 @@ apply them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +90,24 @@ def effective_window(model: ModelConfig) -> int:
         elif isinstance(e, VllmEngine):
             window = min(window, e.max_model_len)
     return window
+
+
+def choice_limit(model: ModelConfig, models: Mapping[str, ModelConfig]) -> int | None:
+    """The most choices (`n`) a request for `model` can be served with, when
+    llama-server (its `server` runtime) serves the model and each of its fallbacks:
+    llama-server makes at most one choice a slot and refuses an `n` past its
+    `parallel`, so the bound is the most slots any of those engines has. None when
+    some engine of the chain takes any `n` (vLLM queues what does not fit, another
+    upstream answers for itself)."""
+    most = 0
+    for m in (model, *(models.get(a) for a in model.fallbacks)):
+        if m is None:
+            continue
+        for e in (m.engine, *(d.engine for d in m.deployments)):
+            if not isinstance(e, LlamaCppEngine) or e.runtime != "server":
+                return None
+            most = max(most, e.parallel)
+    return most or None
 
 
 def window_mismatches(model: ModelConfig) -> list[str]:

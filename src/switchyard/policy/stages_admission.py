@@ -16,7 +16,7 @@ from typing import Any
 
 from switchyard import outcomes
 from switchyard.config import ModelConfig, Price, Settings
-from switchyard.errors import ContextLengthExceeded, LimiterDown
+from switchyard.errors import ContextLengthExceeded, InvalidRequest, LimiterDown
 from switchyard.pipeline import RequestContext, Stage, Verdict, View
 from switchyard.policy.admit import (
     cost_usd,
@@ -25,7 +25,7 @@ from switchyard.policy.admit import (
     rate_headers,
     refusal,
 )
-from switchyard.policy.cost import Cost, PromptOverhead, effective_window, plan
+from switchyard.policy.cost import Cost, PromptOverhead, choice_limit, effective_window, plan
 from switchyard.request import Embedding
 from switchyard.state.limits import (
     Ask,
@@ -281,7 +281,9 @@ class Window(Stage):
     """The request's cost shape (policy/cost.py): its prompt, counted high for the
     reservations and low for this check, its sequences and the output cap it will be
     sent with. Refused with 400 `context_length_exceeded` only when the prompt's lower
-    bound is past the model's effective context window."""
+    bound is past the model's effective context window, and with 400 naming `n` when
+    it asks for more choices than the model's llama-server engines have slots
+    (`choice_limit`: the engine would refuse it, naming nothing)."""
 
     name = "window"
 
@@ -289,6 +291,9 @@ class Window(Stage):
         self, settings: Settings, models: Mapping[str, ModelConfig], overhead: PromptOverhead
     ) -> None:
         self._windows = {a: effective_window(m) for a, m in models.items()}
+        self._choices = {
+            a: most for a, m in models.items() if (most := choice_limit(m, models)) is not None
+        }
         self._default = settings.policy.default_max_tokens
         self._images = settings.policy.image_tokens
         self._overhead = overhead
@@ -322,6 +327,20 @@ class Window(Stage):
                 f"this model's maximum context length is {window} tokens; the prompt has at "
                 f"least {cost.lower} tokens",
                 param="messages" if req.messages is not None else "prompt",
+            )
+        most = self._choices.get(alias)
+        if most is not None and req.n is not None and req.n > most:
+            ctx.record(
+                self.name,
+                outcomes.reject(InvalidRequest.code),
+                f"n is {req.n}; the model's engine makes at most {most} choices at once",
+                t,
+                {**evidence, "n": req.n, "most_choices": most},
+            )
+            raise InvalidRequest(
+                f"this model makes at most {most} choices at once (one a slot of its "
+                f"engine); 'n' is {req.n}",
+                param="n",
             )
         ctx.cost = cost
         ctx.max_tokens = cost.cap
