@@ -10,6 +10,7 @@ from switchyard.errors import ClientDisconnected
 
 T = TypeVar("T")
 Receive = Callable[[], Awaitable[Mapping[str, object]]]  # an ASGI request's `receive`
+LEFT = "the client hung up before its answer came"  # (`unless_gone`'s, on the driver's wait)
 
 
 async def hung_up(receive: Receive) -> None:
@@ -37,3 +38,36 @@ async def until_gone(work: Awaitable[T], gone: Awaitable[object], what: str) -> 
     if task.cancelled():
         raise ClientDisconnected(what)
     return task.result()
+
+
+async def unless_gone(work: Awaitable[T], receive: Receive | None, what: str) -> T:
+    """`await work` in this task, or ClientDisconnected(`what`) once the caller hangs up
+    first (`receive`: its ASGI `receive`, the body read; None: not watched): this task
+    is cancelled, so `work` gives back what it held (an upstream call closes its
+    connection: the engine stops) before this raises. One watching task and no task
+    for `work` (`until_gone` makes both), for a wait every whole reply has."""
+    if receive is None:
+        return await work
+    current = asyncio.current_task()
+    assert current is not None
+    state = [False, False]  # [over, the caller hung up]
+
+    def left(watch: asyncio.Future[None]) -> None:
+        if state[0] or watch.cancelled():
+            return  # `work` ended first (a callback already scheduled runs too late)
+        watch.exception()  # retrieved: a watch that failed means the caller is gone too
+        state[1] = True
+        current.cancel(what)
+
+    watch = asyncio.ensure_future(hung_up(receive))
+    watch.add_done_callback(left)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not state[1]:
+            raise  # shutdown, a task's cancel: not ours
+        current.uncancel()
+        raise ClientDisconnected(what) from None
+    finally:
+        state[0] = True
+        watch.cancel()

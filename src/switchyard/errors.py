@@ -38,6 +38,7 @@ the upstream's own 4xx status.
         ModelNotAllowed           403  model_not_allowed
         NoEligibleRoute           403  no_eligible_route
         PathNotAllowed            403  path_not_allowed
+        RegionNotAllowed          403  region_not_allowed
         RevisionPinNotAllowed     403  revision_pin_not_allowed
         ToolNotAllowed            403  tool_not_allowed
         WeightsLoadingDisabled    403  weights_loading_disabled
@@ -733,6 +734,13 @@ class ModelNotAllowed(PermissionDenied):
     """The API key may not use the model it asked for (or the one the router chose)."""
 
     code = "model_not_allowed"
+
+
+class RegionNotAllowed(PermissionDenied):
+    """Every deployment of the model asked for (or of its pinned revision) runs outside
+    the tenant's regions: a refusal, never a wait (no Retry-After)."""
+
+    code = "region_not_allowed"
 
 
 class AdminDisabled(PermissionDenied):

@@ -229,6 +229,7 @@ class Select(StrEnum):
     """The deployment selected is `tagged(Kind.DEPLOYMENT, name)`."""
 
     REJECT = "reject"
+    REJECT_REGION = "reject:region_not_allowed"
     REJECT_PLACEMENT = "reject:placement"
 
 

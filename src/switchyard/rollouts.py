@@ -38,6 +38,7 @@ from switchyard.errors import (
     InvalidRequest,
     ModelNotAllowed,
     ModelNotFound,
+    RegionNotAllowed,
     UpstreamError,
 )
 from switchyard.pipeline import RequestContext, Status
@@ -288,7 +289,7 @@ class RolloutService:
         boundary = ctx.principal.boundary(model.data_boundary)
         if boundary is not None and model.region not in boundary:
             why = f"region {model.region!r} is outside the allowed {boundary}"
-            raise EngineNotReady(f"the model '{plan.alias}' may not serve this tenant: {why}")
+            raise RegionNotAllowed(f"the model '{plan.alias}' may not serve this tenant: {why}")
         t = time.perf_counter()
         plan.lease = manager.lease()
         try:

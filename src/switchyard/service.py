@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from switchyard.aio import LEFT, unless_gone
 from switchyard.config import Settings
 from switchyard.decide.cache import Entry
+from switchyard.decide.stages_select import admit_model
 from switchyard.engines.token_ids import attached
 from switchyard.errors import ModelNotFound
 from switchyard.execute.embeddings import Embeddings
@@ -47,11 +49,9 @@ from switchyard.settle import Settler, mark_failed, raise_cancelled
 if TYPE_CHECKING:
     from switchyard.observe.otel import Tracing
 
-VALIDATED = Validate.OK  # read once: an enum member read through its class costs more
-_OK = Status.OK
+VALIDATED, _OK = Validate.OK, Status.OK  # read once: via its class costs a lookup
 
-# Reads and decodes the request's body within a number of seconds: (the typed
-# request, the bytes it was decoded from when they are exactly it, else None).
+# Reads and decodes the body within seconds: (the typed request, its exact bytes or None).
 ReadBody = Callable[[float], Awaitable[tuple[Any, bytes | None]]]
 
 
@@ -88,9 +88,8 @@ class RequestService:
         principal: Principal,
         api: str | None = None,
     ) -> RequestContext:
-        """The request's context, once its caller is known; its headers are read,
-        bounded, by policy/headers.py. `api`: the endpoint as called, when its protocol
-        decodes into `endpoint`'s request."""
+        """The request's context, once its caller is known (headers read, bounded, by
+        policy/headers.py). `api`: the endpoint as called, decoded into `endpoint`'s."""
         deadline = received + self._deadline_s
         ids = self.request_ids()
         ctx = request_headers.opened(ids, endpoint, headers, received, deadline, principal, api)
@@ -177,7 +176,7 @@ class RequestService:
 
     async def _execute(self, ctx: RequestContext) -> Reply:
         if ctx.stream:
-            stream = await self.executor.execute_stream(ctx)
+            stream = await unless_gone(self.executor.execute_stream(ctx), ctx.receive, LEFT)
             side = self.pipelines.generation.reply_side(ctx)
 
             async def close() -> None:
@@ -190,7 +189,7 @@ class RequestService:
                     await self.settle(ctx)
 
             return StreamReply(ctx, served_headers(ctx), close, source=stream, side=side)
-        reply = await self.executor.execute(ctx)
+        reply = await unless_gone(self.executor.execute(ctx), ctx.receive, LEFT)
         ctx.succeeded()
         if reply.obj is not None:  # parsed by the upstream client: settling reads this
             usage = reply.obj.get("usage")
@@ -244,9 +243,9 @@ class RequestService:
     async def counted(
         self, ctx: RequestContext, read: ReadBody, count: Callable[[Generation], int]
     ) -> int:
-        """`count` of the request (its input tokens), once the key may use its model
-        (a generation's rules) and its limits admit it as one request (rpm,
-        concurrency; no tokens, no cost). Nothing goes upstream."""
+        """`count` of the request (its input tokens), once its model passes a generation's
+        rules (the key's, and Select's for its pin and regions) and its limits admit it as
+        one request (rpm, concurrency; no tokens, no cost). Nothing goes upstream."""
         async with self._settled(ctx):
             req, raw = await read(ctx.remaining_s())  # decoded and shape-checked
             ctx.alias = alias = self._alias(ctx, req.model)
@@ -254,6 +253,8 @@ class RequestService:
                 raise ModelNotFound(f"the model '{alias[:128]}' does not exist", param="model")
             self._validated(ctx, req, raw)
             await self._decided(ctx, self.pipelines.counting)
+            ex = self.executor  # Select's rules, which this pipeline has no stage for
+            admit_model(ctx, ex.balancers.get(alias), ex.registry.get(alias), time.perf_counter())
             n = count(req)
             ctx.succeeded()
             return n
@@ -270,9 +271,8 @@ class RequestService:
 
     @asynccontextmanager
     async def _settled(self, ctx: RequestContext) -> AsyncIterator[None]:
-        """Its headers' checks, then the request's work, settled once however it ends.
-        `generate` writes this out itself: its reply may be settled after the response
-        (and an async context manager costs a generator per request)."""
+        """Its headers' checks, then its work, settled once however it ends (`generate`
+        writes it out: its reply may settle after the response; this costs a generator)."""
         try:
             self.begin(ctx)
             yield

@@ -26,7 +26,7 @@ from switchyard.service import ReadBody
 from switchyard.settle import mark_failed
 
 if TYPE_CHECKING:
-    from switchyard.config import Settings
+    from switchyard.config import ModelConfig, Settings
     from switchyard.embed import EmbeddingService
     from switchyard.engines.upstream import UpstreamStream
     from switchyard.pipeline import RequestContext
@@ -127,6 +127,22 @@ class ModelServices(Protocol):
     async def describe_task(self, tenant: str, task_id: str) -> dict[str, Any]: ...
 
 
+def _revisions(m: ModelConfig, principal: Principal, manager: Any) -> list[str]:
+    """The revisions of `m` a request of `principal` can be served by, so each may be
+    pinned (`alias@revision`): an RL-managed model's active one; else its deployments'
+    inside the caller's regions, the one most traffic goes to first (the highest
+    configured weight that is not a canary's); without deployments, its own."""
+    if manager is not None:
+        active = manager.active
+        return [active.revision if active is not None else m.revision]
+    if not m.deployments:
+        return [m.revision]
+    allowed = principal.boundary(m.data_boundary)
+    deps = [d for d in m.deployments if allowed is None or (d.region or m.region) in allowed]
+    ranked = sorted(deps or m.deployments, key=lambda d: (d.canary, -d.weight))
+    return list(dict.fromkeys(d.revision or m.revision for d in ranked))
+
+
 class OpenAIRoutes:
     """The OpenAI-compatible routes, as plain Starlette endpoints (the hot path skips
     FastAPI's dependency solving). Each maps HTTP to the request driver (service.py)
@@ -224,17 +240,21 @@ class OpenAIRoutes:
         reached = {
             m.alias for m in gw.settings.models if principal.reaches(m.data_boundary, m.regions())
         }
-        data: list[dict[str, Any]] = [
-            {
-                "id": m.alias,
-                "object": "model",
-                "created": created,
-                "owned_by": "switchyard",
-                "revision": m.revision,
-            }
-            for m in gw.settings.models
-            if m.alias in reached and principal.may_use(m.alias)
-        ]
+        rl = self.service.rl_aliases  # RL-managed models: their active revision
+        data: list[dict[str, Any]] = []
+        for m in gw.settings.models:
+            if m.alias in reached and principal.may_use(m.alias):
+                revisions = _revisions(m, principal, rl.get(m.alias))
+                data.append(
+                    {
+                        "id": m.alias,
+                        "object": "model",
+                        "created": created,
+                        "owned_by": "switchyard",
+                        "revision": revisions[0],
+                        "revisions": revisions,
+                    }
+                )
         for a in gw.settings.adapters:  # only the adapters this key and tenant may use
             if (
                 a.base in reached

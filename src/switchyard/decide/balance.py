@@ -21,8 +21,10 @@ with a long prompt goes to its prefix's deployment on a hash ring (consistent ha
 with the same load bound: the next one clockwise when it is full), so requests
 sharing a prefix find it in that engine's cache.
 
-When no deployment is eligible the first is chosen with every reason recorded, and
-the executor refuses it (not ready, circuit open), so the model's fallbacks apply.
+When no deployment is eligible the first (inside the regions, when one is) is chosen
+with every reason recorded, and the executor refuses it (not ready, circuit open), so
+the model's fallbacks apply. A model none of whose deployments is inside the tenant's
+regions never gets here: the select stage refuses it (decide/stages_select.py).
 
 The canary guard judges a canary's window of outcomes (`guard_check`, kept as counts:
 state/guard.py). With a `guard_share` (several gateway processes, `storage.redis_url`:
@@ -55,6 +57,7 @@ from switchyard.state.weights import canary_weights
 ROLLED_BACK = "no deployment had weight left: rolled back to the configured weights"
 
 _KEY_CHARS = 256  # an affinity key longer than this is kept as its hash
+PIN_CHARS = 64  # of a pin, quoted in a refusal (as policy/validate.py `split_pin`)
 RING_POINTS = 64  # points per deployment on the prefix hash ring
 
 
@@ -155,9 +158,14 @@ class Balancer:
                 state["skipped"] = why
         evidence: dict[str, Any] = {"strategy": self.cfg.strategy, "candidates": states}
         if pin is not None:
-            return self._pinned(pin, eligible, evidence)
-        if not eligible:
-            at = [d for d in self.deployments if location is None or d.location == location]
+            return self._pinned(pin, eligible, evidence, regions)
+        if not eligible:  # the first at the location and inside the regions, if any is
+            at = [
+                d
+                for d in self.deployments
+                if (location is None or d.location == location)
+                and (regions is None or d.model.region in regions)
+            ]
             chosen = at[0] if at else self.deployments[0]
             reason = (
                 "no deployment is eligible: sent to the first, whose refusal lets fallbacks apply"
@@ -166,9 +174,7 @@ class Balancer:
         key = None
         if self.cfg.affinity and affinity is not None:
             kind, value = affinity
-            if len(value) > _KEY_CHARS:
-                value = hashlib.sha256(value.encode("utf-8", "replace")).hexdigest()
-            key = (tenant or "", kind, value)
+            key = (tenant or "", kind, _bounded(value))
             kept = self._affinity.get(key)
             if remembered is not None and (kept is None or kept.name != remembered):
                 kept = self._by_name.get(remembered, kept)
@@ -256,10 +262,9 @@ class Balancer:
             if self._ineligible(d, d.live.weight, cap, breaker, regions, now) is None
         ]
 
-    def _pinned(
-        self, pin: str, eligible: list[Deployment], evidence: dict[str, Any]
-    ) -> tuple[Deployment, str, dict[str, Any]]:
-        """The client named the revision (`alias@revision`, or a deployment's name)."""
+    def pinned(self, pin: str) -> list[Deployment]:
+        """The deployments a pin names (`alias@revision`, or a deployment's name); an
+        unknown one is 404 `model_not_found`, quoting at most 64 characters of it."""
         match = [
             d
             for d in self.deployments
@@ -268,11 +273,25 @@ class Balancer:
         if not match:
             known = sorted({d.model.revision for d in self.deployments})
             raise ModelNotFound(
-                f"the model '{self.alias}' has no revision '{pin}' (it has: {', '.join(known)})",
+                f"the model '{self.alias}' has no revision '{pin[:PIN_CHARS]}'"
+                f"{'...' if len(pin) > PIN_CHARS else ''} (it has: {', '.join(known)})",
                 param="model",
             )
+        return match
+
+    def _pinned(
+        self,
+        pin: str,
+        eligible: list[Deployment],
+        evidence: dict[str, Any],
+        regions: list[str] | None = None,
+    ) -> tuple[Deployment, str, dict[str, Any]]:
+        """The client named the revision: an eligible deployment of it, else one inside
+        the regions (refused by the executor as not ready, not as outside them)."""
+        match = self.pinned(pin)
         ok = [d for d in match if any(d is e for e in eligible)]
-        chosen = min(ok or match, key=lambda d: d.live.in_flight)
+        inside = [d for d in match if regions is None or d.model.region in regions]
+        chosen = min(ok or inside or match, key=lambda d: d.live.in_flight)
         evidence["pin"] = pin
         why = f"pinned by the client to revision {chosen.model.revision}"
         if not ok:
@@ -613,18 +632,28 @@ def _score(d: Deployment, tokens: int, now: float) -> float:
     return expected
 
 
+def _bounded(value: str) -> str:
+    """An affinity key as kept: itself, or past `_KEY_CHARS` characters the SHA-256 of
+    all of it (so two long keys sharing a prefix stay two)."""
+    if len(value) <= _KEY_CHARS:
+        return value
+    return "sha256:" + hashlib.sha256(value.encode("utf-8", "replace")).hexdigest()
+
+
 def affinity_key(task_id: str | None, req: Generation, headers: Any) -> tuple[str, str] | None:
-    """The request's task or session, as ("task" | "session", value), or None."""
+    """The request's task or session, as ("task" | "session", value), or None; a value
+    past 256 characters is its hash (what the session store keeps too). The header is
+    bounded where it is read: the server's `max_header_bytes` (431 past it)."""
     if task_id:
-        return ("task", task_id)
+        return ("task", _bounded(task_id))
     cache_key = req.prompt_cache_key
     if isinstance(cache_key, str) and cache_key:
-        return ("session", cache_key)
+        return ("session", _bounded(cache_key))
     if headers is not None:
         session = headers.get("x-session-id")
         if session:
-            return ("session", str(session)[:_KEY_CHARS])
+            return ("session", _bounded(str(session)))
     user = req.user
     if isinstance(user, str) and user:
-        return ("session", user)
+        return ("session", _bounded(user))
     return None

@@ -10,13 +10,13 @@ these names.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from msgspec import structs
 
 from switchyard import outcomes
-from switchyard.decide.balance import Balancer, affinity_key, prompt_prefix
+from switchyard.decide.balance import PIN_CHARS, Balancer, affinity_key, prompt_prefix
 from switchyard.decide.placement import (
     Change,
     Placement,
@@ -33,9 +33,11 @@ from switchyard.errors import (
     InvalidRequest,
     ModelNotFound,
     PlacementRefused,
+    RegionNotAllowed,
     RevisionPinNotAllowed,
     SwitchyardError,
 )
+from switchyard.identity import Principal
 from switchyard.pipeline import RequestContext, Stage, Verdict, View
 from switchyard.request import to_json
 
@@ -73,6 +75,8 @@ class Select(Stage):
             return None  # work refuses it, or balances among several deployments
         if view.alias in self._balancers:
             return None
+        if region_refusal(view.principal, (view.deployment,)) is not None:
+            return None  # work refuses it, recorded with its reason
         sel = select_deployment(view.alias, self._deployments)
         dep = sel.deployment
         return Verdict(
@@ -85,17 +89,15 @@ class Select(Stage):
         if balancer is not None:
             return self._balance(ctx, balancer, t)
         sel = select_deployment(ctx.alias or "", self._deployments)  # raises ModelNotFound
+        admit_model(ctx, None, sel.deployment, t)
         ctx.deployment = sel.deployment
         ctx.model = sel.deployment.model
         ctx.record(self.name, sel.outcome, sel.reason, t, sel.evidence)
         return None
 
     def _balance(self, ctx: RequestContext, balancer: Balancer, t: float) -> Awaitable[None] | None:
+        admit_model(ctx, balancer, None, t)
         p = ctx.principal
-        if ctx.pin is not None and p is not None and not p.may_pin_revisions:
-            why = "this API key may not pin a revision (its may_pin_revisions is off)"
-            ctx.record(self.name, outcomes.Select.REJECT, why, t, {"pin": ctx.pin})
-            raise RevisionPinNotAllowed(why, param="model")
         boundary = balancer.deployments[0].model.data_boundary
         if p is not None:
             boundary = p.boundary(boundary)
@@ -314,6 +316,56 @@ class Select(Stage):
 _LIMITS = {"thermal": "thermal_c", "battery": "battery_pct", "memory": "memory_pct"}
 
 
+def admit_model(
+    ctx: RequestContext, balancer: Balancer | None, dep: Deployment | None, t: float
+) -> None:
+    """Select's rules for the request's model before a deployment is chosen, one place
+    for every endpoint that names a model (/v1/messages/count_tokens chooses none but
+    is held to them): a pin needs a key that may pin (403 `revision_pin_not_allowed`)
+    and a revision the alias serves (404); the deployments left (the pin's, the alias's,
+    or `dep`) must have one inside the caller's regions, or it is a permission the
+    tenant lacks (403, not a not-ready a client would retry). A refusal is recorded
+    as a `select` decision with its reason."""
+    p = ctx.principal
+    pin = ctx.pin
+    deps: Sequence[Deployment] = (dep,) if dep is not None else ()
+    if balancer is not None:
+        deps = balancer.deployments
+        if pin is not None:
+            evidence: dict[str, Any] = {"pin": pin[:PIN_CHARS]}
+            if p is not None and not p.may_pin_revisions:
+                why = "this API key may not pin a revision (its may_pin_revisions is off)"
+                ctx.record(Select.name, outcomes.Select.REJECT, why, t, evidence)
+                raise RevisionPinNotAllowed(why, param="model")
+            try:
+                deps = balancer.pinned(pin)
+            except ModelNotFound as exc:
+                ctx.record(Select.name, outcomes.Select.REJECT, exc.message, t, evidence)
+                raise
+    outside = region_refusal(p, deps)
+    if outside is not None:
+        alias = deps[0].alias
+        where = {"regions": sorted({d.model.region for d in deps}), "pin": pin}
+        ctx.record(Select.name, outcomes.Select.REJECT_REGION, outside, t, where)
+        raise RegionNotAllowed(
+            f"the model '{alias}'{f' at revision {pin!r}' if pin else ''} may not serve "
+            f"this tenant: {outside}",
+            param="model",
+        )
+
+
+def region_refusal(p: Principal | None, deps: Sequence[Deployment]) -> str | None:
+    """Why none of `deps` may take a request of `p`: each runs outside the tenant's
+    regions (within the model's data boundary); None when one may, or `p` has none."""
+    if p is None or p.regions is None or not deps:
+        return None
+    allowed = p.boundary(deps[0].model.data_boundary)
+    if allowed is not None and any(d.model.region in allowed for d in deps):
+        return None
+    where = sorted({d.model.region for d in deps})
+    return f"it runs in {', '.join(where)}, outside the tenant's regions {allowed}"
+
+
 class Residency(Stage):
     """Whether the local model is loaded (`hot`) or is loaded for this request
     (`cold-load`: load time, what was evicted and why), and which adapter it applies
@@ -380,7 +432,7 @@ class Residency(Stage):
                 outcomes.Residency.REJECT,
                 why,
                 t,
-                {"pin": ctx.pin, "active": rev.revision},
+                {"pin": ctx.pin[:PIN_CHARS], "active": rev.revision},
             )
             raise ModelNotFound(why, param="model")
         ctx.admission.lease = lease

@@ -315,6 +315,8 @@ class Executor:
         move on to another deployment; a final error (the request itself is wrong:
         another model will not fix it) is raised."""
         name = dep.name
+        # Select refuses a model with no deployment inside the regions (403); this is
+        # for a deployment it sent on when none was eligible (then a retry may do).
         if check_region and boundary is not None and dep.model.region not in boundary:
             why = f"region {dep.model.region!r} is outside the allowed {boundary}"
             ctx.record("attempt", outcomes.tagged(outcomes.Kind.SKIP, name), why, t)
