@@ -34,10 +34,8 @@ from switchyard.scale.workers import Supervisor
 from switchyard.state.ledger import UsageLedger
 
 _BODY = {"model": "cheap", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50}
-_BILLED = "of an earlier run"
-_RESERVED = (
-    _BODY["max_tokens"] * 1000.0 / 1_000_000
-)  # its output cap at CHEAP_PRICE  # the supervisor's log line for a journal it billed
+_BILLED = "of an earlier run"  # the supervisor's log line for a journal it billed
+_RESERVED = _BODY["max_tokens"] * 1000.0 / 1_000_000  # its output cap at CHEAP_PRICE
 
 
 def _alive(pid: int) -> bool:
@@ -134,6 +132,8 @@ def test_a_crashed_gateways_stream_is_billed_once_by_the_next_start(scripted: Sc
             "chat.completions",
         )
         assert row["key_id"] == made["id"]
+        # Its holds died with the private Redis; its journal kept what it reserved.
+        assert row["cost_usd"] == pytest.approx(_RESERVED), row
         deadline = time.monotonic() + 10
         while set(left) & set(_journals(second)):  # unlinked once committed
             assert time.monotonic() < deadline, _journals(second)

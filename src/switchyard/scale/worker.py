@@ -75,8 +75,9 @@ class InFlight:
     queued (`recorded`, the ledger's `on_record`: its status, tokens and cost), and its
     slot is freed once the ledger writer has answered the flush that covers that row
     (`UsageLedger.queued_flush`, checked as later requests open and every REFRESH_S).
-    Every REFRESH_S the model and stream of the requests still open are written again
-    if they changed (an alias is known only once the body is read). All of it is memory
+    Every REFRESH_S the model, stream and reservation of the requests still open are
+    written again if they changed (an alias is known only once the body is read, a
+    reservation once the request's cost is planned). All of it is memory
     writes, no system call per request; after a SIGKILL the kernel keeps the file's
     pages, and the supervisor reads them. A text is written into the half of its slot
     not in use, then the head names it: a worker killed mid-write leaves the slot's
@@ -105,7 +106,7 @@ class InFlight:
             os.close(fd)
         self._fd = fd
         self._free = list(range(slots - 1, -1, -1))  # the lowest first: few pages touched
-        # request id -> [slot, its context, the (alias, stream) written]
+        # request id -> [slot, its context, what of it was written (`_known`)]
         self._open: dict[str, list[Any]] = {}
         self._recorded: deque[tuple[int, int]] = deque()  # (flush number, slot)
         self.full = 0
@@ -128,13 +129,25 @@ class InFlight:
 
     @staticmethod
     def _facts(ctx: RequestContext, done: list[Any] | None) -> bytes:
-        i, p = ctx.input, ctx.principal
+        i, p, cost, model = ctx.input, ctx.principal, ctx.cost, ctx.model
+        # What admission reserves for it, once its cost is planned (the window stage):
+        # the most it may use, billed should it die mid-way with nothing settled.
+        reserved = (
+            None
+            if cost is None or model is None
+            else [cost.prompt, cost.output, cost.usd(model.price)]
+        )
         return orjson.dumps(
             [
                 *(i.request_id, i.client_request_id, i.task_id, p.tenant_id, p.key_id),
-                *(i.called, ctx.alias, i.received_at, ctx.stream, done),
+                *(i.called, ctx.alias, i.received_at, ctx.stream, done, reserved),
             ]
         )
+
+    @staticmethod
+    def _known(ctx: RequestContext) -> tuple[Any, ...]:
+        """What the journal says of an open request that can change as it runs."""
+        return (ctx.alias, ctx.stream, ctx.cost is not None and ctx.model is not None)
 
     def opened(self, ctx: RequestContext) -> None:
         """A request opened: its slot holds it until its row is committed."""
@@ -145,7 +158,7 @@ class InFlight:
                 log.error("in-flight journal full: requests go unjournaled (%s)", self.path)
             return
         slot = self._free.pop()
-        self._open[ctx.input.request_id] = [slot, ctx, (ctx.alias, ctx.stream)]
+        self._open[ctx.input.request_id] = [slot, ctx, self._known(ctx)]
         self._write(slot, self._facts(ctx, None))
         if self._refresher is None:
             with contextlib.suppress(RuntimeError):  # no loop: none to refresh on
@@ -178,7 +191,7 @@ class InFlight:
                 self._commits(read=True)
                 for held in self._open.values():
                     slot, ctx, written = held
-                    now = (ctx.alias, ctx.stream)
+                    now = self._known(ctx)
                     if now != written:
                         held[2] = now
                         self._write(slot, self._facts(ctx, None))
@@ -211,7 +224,8 @@ def read_journal(path: Path) -> Iterator[list[Any]]:
 
 
 def journal_records(data: bytes) -> Iterator[list[Any]]:
-    """`read_journal` of a journal's bytes `data`."""
+    """`read_journal` of a journal's bytes `data` (a record of 10 members is one an
+    earlier version wrote, without its reservation)."""
     for off in range(0, len(data) - SLOT + 1, SLOT):
         head = int.from_bytes(data[off : off + 4], "little")
         n = head & (_TOP - 1)
@@ -222,7 +236,7 @@ def journal_records(data: bytes) -> Iterator[list[Any]]:
             rec = orjson.loads(data[at : at + n])
         except orjson.JSONDecodeError:
             continue
-        if isinstance(rec, list) and len(rec) == 10 and isinstance(rec[0], str):
+        if isinstance(rec, list) and len(rec) in (10, 11) and isinstance(rec[0], str):
             yield rec
 
 

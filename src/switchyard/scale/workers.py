@@ -570,10 +570,16 @@ def journaled_request(
     """The usage row of a request the dead worker's journal names (`rec`: scale/worker.py
     `read_journal`): billed what it settled when its row had been queued (`done`),
     else the most its `holds` reserved, else 0."""
-    rid, client_id, task, tenant, key, endpoint, model, received, stream, done = rec
+    rid, client_id, task, tenant, key, endpoint, model, received, stream, done, *more = rec
     if done is None and holds:
         return lost_request(worker, holds, ended, traced)
     facts = Billing(rid, client_id, task, tenant, key, endpoint, model, received, 0, bool(stream))
+    reserved = _reserved(more[0] if more else None)
+    if done is None and reserved is not None:  # its holds died with a private Redis
+        prompt, output, usd = reserved
+        reason = f"worker {worker} exited before the request ended; billed what it reserved"
+        evidence = {"reserved_tokens": prompt + output, "reserved_usd": usd}
+        return _lost(worker, facts, prompt, output, usd, ended, traced, reason, evidence)
     if done is None:
         reason = f"worker {worker} exited before the request ended; it reserved nothing"
         return _lost(worker, facts, 0, 0, 0.0, ended, traced, reason, {"reserved_usd": 0.0})
@@ -581,6 +587,20 @@ def journaled_request(
     reason = f"worker {worker} exited before the request's row was written; billed what it settled"
     evidence = {"settled_status": status, "settled_usd": cost}
     return _lost(worker, facts, tokens_in, tokens_out, cost, ended, traced, reason, evidence)
+
+
+def _reserved(value: Any) -> tuple[int, int, float] | None:
+    """A journal's reservation (`InFlight._facts`: prompt tokens, output tokens, USD),
+    when it is one: counts a request could have, a finite cost (a journal is the
+    worker's own file, but one torn or old is read as nothing)."""
+    if type(value) is not list or len(value) != 3:
+        return None
+    prompt, output, usd = value
+    if not all(type(n) is int and 0 <= n < 2**31 for n in (prompt, output)):
+        return None
+    if type(usd) not in (int, float) or not 0 <= usd < 1e9:
+        return None
+    return prompt, output, float(usd)
 
 
 def lost_request(worker: str, holds: list[Held], ended: float, traced: bool) -> LedgerEntry:
