@@ -233,7 +233,7 @@ class OpenAIRoutes:
     async def models(self, request: Request) -> Response:
         """The models, adapters and embedding model this key may use."""
         gw = self.gw
-        principal = await self._principal(request.headers)
+        principal = await self._principal(header_map(request.scope))  # 2 credentials: 401
         created = int(gw.started_at)
         # Only models a request of the key's may reach: within the model's data boundary
         # and the tenant's regions (the executor's rule); an adapter, on its base's.
@@ -252,7 +252,8 @@ class OpenAIRoutes:
                         "created": created,
                         "owned_by": "switchyard",
                         "revision": revisions[0],
-                        "revisions": revisions,
+                        # what this key may pin: nothing without `may_pin_revisions`
+                        "revisions": revisions if principal.may_pin_revisions else [],
                     }
                 )
         for a in gw.settings.adapters:  # only the adapters this key and tenant may use

@@ -41,7 +41,7 @@ import math
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Literal
 
 from switchyard.config import BalanceConfig, CanaryGuard
@@ -262,16 +262,24 @@ class Balancer:
             if self._ineligible(d, d.live.weight, cap, breaker, regions, now) is None
         ]
 
-    def pinned(self, pin: str) -> list[Deployment]:
+    def pinned(self, pin: str, regions: Collection[str] | None = None) -> list[Deployment]:
         """The deployments a pin names (`alias@revision`, or a deployment's name); an
-        unknown one is 404 `model_not_found`, quoting at most 64 characters of it."""
+        unknown one is 404 `model_not_found`, quoting at most 64 characters of it and
+        naming the revisions the caller may reach (inside `regions`, when it has some:
+        one outside them is not the caller's to know of)."""
         match = [
             d
             for d in self.deployments
             if d.model.revision == pin or (d.replica is not None and d.replica.name == pin)
         ]
         if not match:
-            known = sorted({d.model.revision for d in self.deployments})
+            known = sorted(
+                {
+                    d.model.revision
+                    for d in self.deployments
+                    if regions is None or d.model.region in regions
+                }
+            )
             raise ModelNotFound(
                 f"the model '{self.alias}' has no revision '{pin[:PIN_CHARS]}'"
                 f"{'...' if len(pin) > PIN_CHARS else ''} (it has: {', '.join(known)})",
@@ -288,7 +296,7 @@ class Balancer:
     ) -> tuple[Deployment, str, dict[str, Any]]:
         """The client named the revision: an eligible deployment of it, else one inside
         the regions (refused by the executor as not ready, not as outside them)."""
-        match = self.pinned(pin)
+        match = self.pinned(pin, regions)
         ok = [d for d in match if any(d is e for e in eligible)]
         inside = [d for d in match if regions is None or d.model.region in regions]
         chosen = min(ok or inside or match, key=lambda d: d.live.in_flight)

@@ -337,8 +337,9 @@ def admit_model(
                 why = "this API key may not pin a revision (its may_pin_revisions is off)"
                 ctx.record(Select.name, outcomes.Select.REJECT, why, t, evidence)
                 raise RevisionPinNotAllowed(why, param="model")
+            allowed = p.boundary(deps[0].model.data_boundary) if p is not None else None
             try:
-                deps = balancer.pinned(pin)
+                deps = balancer.pinned(pin, allowed)
             except ModelNotFound as exc:
                 ctx.record(Select.name, outcomes.Select.REJECT, exc.message, t, evidence)
                 raise
@@ -347,9 +348,11 @@ def admit_model(
         alias = deps[0].alias
         where = {"regions": sorted({d.model.region for d in deps}), "pin": pin}
         ctx.record(Select.name, outcomes.Select.REJECT_REGION, outside, t, where)
+        # The client is told why, not where the model runs (/v1/models hides it from
+        # this tenant); the decision above keeps the regions for the operator.
         raise RegionNotAllowed(
             f"the model '{alias}'{f' at revision {pin!r}' if pin else ''} may not serve "
-            f"this tenant: {outside}",
+            "this tenant: it runs outside the tenant's regions",
             param="model",
         )
 
