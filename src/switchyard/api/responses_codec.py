@@ -284,17 +284,40 @@ def open_calls(history: list[dict[str, Any]]) -> dict[str, str | None]:
     return pending
 
 
+def used_calls(history: list[dict[str, Any]]) -> set[str]:
+    """Every tool call id a stored conversation (chat messages) used, answered or not."""
+    return {
+        c["id"]
+        for m in history
+        if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list)
+        for c in m["tool_calls"]
+        if isinstance(c, dict) and isinstance(c.get("id"), str)
+    }
+
+
 def _paired(items: list[dict[str, Any]], history: list[dict[str, Any]] | None) -> None:
     """The input's calls and outputs pair up, with the calls `history` (the stored
-    conversation it continues, if any) left open (`ToolPairs`)."""
+    conversation it continues, if any) left open (`ToolPairs`), and no call of the
+    input has the id of any call of `history`: no call id is used twice in one
+    conversation. `ToolPairs` knows the calls left open; the ids of those answered are
+    checked here, before each call reaches it, as `ToolPairs.call` checks its own."""
     pending = open_calls(history) if history else None
     if not pending and all(item["type"] == "message" for item in items):
         return  # the common input: no tool item, nothing to answer
+    # The ids it used and closed (those left open `ToolPairs` is given).
+    used = used_calls(history).difference(pending or ()) if history else set()
     pairs = ToolPairs("function_call", "function_call_output", pending)
     for i, item in enumerate(items):
         kind = item["type"]
         if kind == "function_call":
-            pairs.call(item["call_id"], f"input[{i}].call_id")
+            where = f"input[{i}].call_id"
+            if item["call_id"] in used:
+                raise bad(
+                    f"'{where}': the function_call id {item['call_id']!r} is the id of "
+                    "the response this one continues too",
+                    where,
+                )
+            pairs.call(item["call_id"], where)
         elif kind == "function_call_output":
             pairs.output(item["call_id"], f"input[{i}].call_id")
         else:

@@ -15,7 +15,10 @@ what the model *returns* and what the client sends back:
   tool name, canonical JSON of the arguments); the lineage is the step's
   `x-parent-request-id` list and a digest of the conversation it was asked with. A
   retried or replayed step therefore yields the same key, and whatever runs the tool
-  can refuse to run it twice. A streamed side-effecting call is held until its
+  can refuse to run it twice. A later call of the same tool with the same arguments in
+  one choice of a reply is keyed with its ordinal (1, 2, ...) under a BLAKE2b
+  personalization of its own, so each call has an id of its own, in the same order
+  when the step is retried. A streamed side-effecting call is held until its
   arguments are complete and then relayed whole (its key needs them). A call to a
   tool that `requires_approval` is keyed the same way, with the prefix `call_sya_`.
 * **Results and approvals** (the `tool_results` stage): every tool result a request

@@ -133,7 +133,7 @@ class StreamToolGate:
                 continue
             whole = call.held
             whole["function"]["arguments"] = "".join(call.arguments)
-            held.append(self.governor.keyed(whole, call.cls))
+            held.append(self.governor.keyed(whole, call.cls, ci))
             call.held = None
         return held
 

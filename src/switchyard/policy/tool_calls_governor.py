@@ -2,9 +2,11 @@
 
 Owns the `tools` policy (registry, permissions, which calls are keyed), the
 idempotency key of a call (`call_sy_<key>`, `call_sya_<key>` for a tool that
-requires approval) and the governor that checks one request's calls and records
-what it did (`ToolOutcome`), for a whole reply here and for a stream through
-tool_calls_gate.py. The rules are told in policy/tool_calls.py's docstring.
+requires approval; a later call of one tool with the same arguments in a reply's
+choice keyed with its ordinal, so each call has an id of its own) and the governor
+that checks one request's calls and records what it did (`ToolOutcome`), for a whole
+reply here and for a stream through tool_calls_gate.py. The rules are told in
+policy/tool_calls.py's docstring.
 """
 
 from __future__ import annotations
@@ -105,9 +107,25 @@ def args_digest(name: str, arguments: Any) -> str:
     ).hexdigest()
 
 
-def idempotency_key(tenant: str, task: str | None, step: bytes, name: str, arguments: Any) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for part in (tenant.encode(), (task or "").encode(), step, name.encode()):
+# The BLAKE2b personalization of the key of a reply's second (third, ...) call of one
+# tool with the same arguments: a hash of its own, so no such key is the key of a
+# first call, whatever the arguments' bytes.
+_ORDINAL_PERSON = b"sy-call-ordinal"
+
+
+def idempotency_key(
+    tenant: str, task: str | None, step: bytes, name: str, arguments: Any, ordinal: int = 0
+) -> str:
+    """A call's idempotency key: BLAKE2b over (tenant, task, step, tool, canonical
+    arguments) and, for the `ordinal`-th call (from 0) of one tool with the same
+    arguments in one reply's choice, that ordinal: parallel identical calls (two dice
+    rolled) are calls of their own, each with its own key, and a retried step that
+    proposes the same calls gets the same keys in the same order."""
+    h = hashlib.blake2b(digest_size=16, person=_ORDINAL_PERSON if ordinal else b"")
+    parts = [tenant.encode(), (task or "").encode(), step, name.encode()]
+    if ordinal:
+        parts.append(str(ordinal).encode())
+    for part in parts:
         h.update(len(part).to_bytes(4, "big"))
         h.update(part)
     h.update(canonical_arguments(arguments))
@@ -159,12 +177,17 @@ class ToolGovernor:
         self._parents = parents
         self._request = request
         self._step: bytes | None = None
+        # How many keyed calls of (choice, tool, canonical arguments) were keyed so far.
+        self._keyed: dict[tuple[int, str, bytes], int] = {}
         self.result = ToolOutcome()
 
-    def _key(self, name: str, arguments: Any) -> str:
+    def _key(self, choice: int, name: str, arguments: Any) -> str:
         if self._step is None:
             self._step = lineage(self._parents, self._request)
-        return idempotency_key(self.tenant, self.task, self._step, name, arguments)
+        same = (choice, name, canonical_arguments(arguments))
+        ordinal = self._keyed.get(same, 0)
+        self._keyed[same] = ordinal + 1
+        return idempotency_key(self.tenant, self.task, self._step, name, arguments, ordinal)
 
     def check(self, call_id: Any, name: Any) -> tuple[bool, str]:
         """(relay it, its class) for a call named `name`; records it."""
@@ -184,15 +207,17 @@ class ToolGovernor:
         self.result.calls.append(entry)
         return why is None or not self.policy.block, cls
 
-    def keyed(self, call: dict[str, Any], cls: str) -> dict[str, Any]:
-        """The call as relayed: a side-effecting one with its idempotency key as id."""
+    def keyed(self, call: dict[str, Any], cls: str, choice: int = 0) -> dict[str, Any]:
+        """The call as relayed: a side-effecting one with its idempotency key as id.
+        Called in the order of the calls of `choice` (the reply's choice index): the
+        n-th identical call (tool and arguments) of a choice gets the key of ordinal n."""
         fn = _obj(call.get("function"))
         name = str(fn.get("name") or "")
         entry = self.result.calls[-1]
         call_id = call.get("id")
         key = None
         if self.policy.keyed(name, cls):
-            key = self._key(name, fn.get("arguments", ""))
+            key = self._key(choice, name, fn.get("arguments", ""))
             approval = self.policy.approvals and self.policy.requires_approval(name)
             call_id = (APPROVAL_CALL_PREFIX if approval else KEYED_PREFIX) + key
             call = {**call, "id": call_id}
@@ -213,6 +238,7 @@ class ToolGovernor:
             if not isinstance(calls, list) or not calls:
                 choices.append(c)
                 continue
+            ci = c.get("index", 0) if isinstance(c.get("index"), int) else 0  # as a stream's
             kept = []
             for call in calls:
                 if not isinstance(call, dict):
@@ -220,7 +246,7 @@ class ToolGovernor:
                 fn = _obj(call.get("function"))
                 relay, cls = self.check(call.get("id"), fn.get("name"))
                 if relay:
-                    kept.append(self.keyed(call, cls))
+                    kept.append(self.keyed(call, cls, ci))
             message = dict(message)
             c = dict(c)
             if kept:
