@@ -56,14 +56,15 @@ class ObserveConfig(Strict):
     everything."""
     max_disk_mb: float = Field(2048.0, gt=0)
     """MiB of data in the database past which the oldest traces, then the oldest rollout records,
-    then the oldest stored responses, then the oldest raw usage rows are deleted (the daily rollups stay); checked every
-    `retention_interval_s`."""
+    then `Idempotency-Key` replies, then stored responses (these two from the tenant holding the
+    most of them first), then the oldest raw usage rows are deleted, down to 90 % of it (the
+    daily rollups stay); checked every `retention_interval_s`."""
     traces_slow_ms: float = Field(1000.0, ge=0)
     """Milliseconds past which a successful request counts as slow and always keeps its trace (see
     `traces_sample_ok`)."""
     retention_interval_s: float = Field(300.0, gt=0)
     """Seconds between retention passes (`traces_retention_days`, `traces_max_rows`, `max_disk_mb`,
-    `rl.retention_days`, `responses.retention_days`)."""
+    `rl.retention_days`, `responses.retention_days`, `idempotency.ttl_s`)."""
     ledger_flush_ms: float = Field(20.0, ge=0, le=1000)
     """Group-commit window of the usage ledger, in milliseconds: the most a crash can lose of
     finished requests' rows. 0 commits every row as soon as the writer is free."""

@@ -91,7 +91,9 @@ class AuthConfig(Strict):
 class IdempotencyConfig(Strict):
     ttl_s: float = Field(86400.0, gt=0)
     """Seconds a stored reply answers repeats of the same `Idempotency-Key` (same tenant, key and
-    body)."""
+    body); older replies are deleted by the retention pass (`observe.retention_interval_s`). Under
+    `observe.max_disk_mb` replies are deleted after rollout records and before stored responses,
+    from the tenant holding the most bytes of them first."""
 
 
 class ResponsesConfig(Strict):
@@ -104,7 +106,9 @@ class ResponsesConfig(Strict):
     here; a variable named but unset, or not a 32-byte key, stops the start."""
     retention_days: float = Field(30.0, gt=0)
     """Days a stored response is kept (and may be retrieved or continued); older ones are deleted.
-    Under `observe.max_disk_mb` they are deleted after traces and before usage rows."""
+    Under `observe.max_disk_mb` they are deleted after traces and `Idempotency-Key` replies and
+    before usage rows, from the tenant holding the most bytes of stored responses first (its
+    oldest), so a tenant that fills the disk loses its own before another tenant's."""
     max_background_per_tenant: int = Field(16, ge=1)
     """Background responses (`background: true`) a tenant may have queued or running at once, over
     every gateway sharing the store; one more is refused with 429."""

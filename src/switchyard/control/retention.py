@@ -1,6 +1,6 @@
-"""Retention: traces, rollouts, stored responses and finished tool calls' records
-older than their settings allow are removed in the background, and the store kept
-under its disk cap (observe.max_disk_mb)."""
+"""Retention: traces, rollouts, stored responses, finished tool calls' records and
+`Idempotency-Key` replies older than their settings allow are removed in the
+background, and the store kept under its disk cap (observe.max_disk_mb)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import logging
 import time
 
 from switchyard.control.components import Components
+from switchyard.state.idempotency import forget_expired
 from switchyard.state.responses import enforce_response_retention
 from switchyard.state.traces import enforce_disk, enforce_retention
 
@@ -26,7 +27,11 @@ class Retention(Components):
                 else:
                     n = await loop.run_in_executor(None, self.enforce_retention)
                 if n:
-                    log.info("retention removed %d records (traces, rollouts, stored responses)", n)
+                    log.info(
+                        "retention removed %d records (traces, rollouts, stored responses,"
+                        " idempotency replies)",
+                        n,
+                    )
             except Exception as exc:  # retention must never take the gateway down
                 log.warning("retention failed: %s", exc)
             if self.embedder is not None:
@@ -43,6 +48,8 @@ class Retention(Components):
 
                 n += enforce_rollout_retention(conn, self.settings.rl.retention_days, now)
             n += enforce_response_retention(conn, self.settings.responses.retention_days, now)
+            # Replies past idempotency.ttl_s answer no repeat: gone, not kept for ever.
+            n += forget_expired(conn, self.settings.idempotency.ttl_s, now)
             if self.mcp is not None:  # finished tool calls' records, with their results
                 n += self.mcp.records.forget_before(
                     conn, (now or time.time()) - obs.traces_retention_days * 86400

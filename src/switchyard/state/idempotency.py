@@ -13,11 +13,16 @@ the `key` column holds an HMAC-SHA256 of it (`IdempotencyStore.stored_key`), whi
 repeat computes again to find its reply. The HMAC's key is a subkey of the key the
 store is given: the gateway's key of stored responses (state/responses.py), which every
 process on the store shares; without one, a key this process alone holds.
+
+A reply answers repeats for `idempotency.ttl_s` from its claim; past that the
+retention pass deletes it (`forget_expired`, control/retention.py), and the byte budget
+`observe.max_disk_mb` counts the table (state/traces.py `BUDGETED`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
@@ -38,11 +43,15 @@ from switchyard.errors import (
     UpstreamTimeout,
 )
 from switchyard.request import Request
-from switchyard.state.sql import IDEMPOTENCY_SCHEMA, on_io
+from switchyard.state.sql import IDEMPOTENCY_SCHEMA, is_sqlite, on_io
 
 log = logging.getLogger("switchyard")
 
 T = TypeVar("T")
+
+# The sweep's index (`forget_expired`): the claims by their time. Made where the store
+# opens its table, on a database made before the sweep existed too.
+IDEMPOTENCY_INDEX = "CREATE INDEX IF NOT EXISTS idempotency_time ON idempotency(created_at)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +100,9 @@ class IdempotencyStore:
         self.conn = conn
         self.ttl_s = ttl_s
         self.conn.executescript(IDEMPOTENCY_SCHEMA)
+        # Two gateways starting at once on PostgreSQL may both make it: one wins.
+        with contextlib.suppress(sqlite3.IntegrityError):
+            self.conn.execute(IDEMPOTENCY_INDEX)
         self._lock = threading.Lock()
         self._io = io
         self._events: dict[tuple[str, str], asyncio.Event] = {}
@@ -197,3 +209,20 @@ class IdempotencyStore:
         event = self._events.pop((tenant, key), None)
         if event is not None:
             event.set()
+
+
+def forget_expired(conn: sqlite3.Connection, ttl_s: float, now: float | None = None) -> int:
+    """Delete the claims and replies older than `ttl_s` (idempotency.ttl_s): none of
+    them answers a repeat any more (`IdempotencyStore._claim` treats such a row as
+    absent), so each distinct key's reply would otherwise stay for ever. A claim still
+    in flight that old is deleted too, as a repeat of its key would: its owner's
+    `complete` then stores nothing. Returns how many rows."""
+    now = time.time() if now is None else now
+    if is_sqlite(conn):
+        found = conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'idempotency'"
+        ).fetchone()
+        if found is None:  # a file no gateway has served from yet
+            return 0
+    cur = conn.execute("DELETE FROM idempotency WHERE created_at < ?", (now - ttl_s,))
+    return max(int(cur.rowcount), 0)

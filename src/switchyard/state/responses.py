@@ -433,7 +433,11 @@ class ResponseStore:
     async def get(self, tenant_id: str, rid: str, settle_s: float = 0.0) -> StoredResponse | None:
         """None: no such id for this tenant (another tenant's included) or past retention.
         One written here and not yet committed is found at once; `settle_s`: an id not
-        found is looked for again for that long (another gateway's recent response)."""
+        found is looked for again for that long (another gateway's recent response).
+        One committed meanwhile is read from the database (`_prune` first): the byte
+        budget or a retention pass may have deleted it there, and it is then gone here
+        too, as after a restart, never served from this process's memory alone."""
+        self._prune()
         queued = self._unwritten.get((tenant_id, rid))
         if queued is not None:
             return queued

@@ -492,23 +492,119 @@ def bytes_in_use(conn: sqlite3.Connection) -> int:
 
 # What the byte budget deletes, in this order, oldest first: (table, its time column,
 # its key). Traces explain requests; rollout records are training data a trainer has
-# usually exported (and has in its stream); stored responses are conversations a client
-# may still continue (state/responses.py); raw usage rows go last, rollups never.
+# usually exported (and has in its stream); `Idempotency-Key` replies answer only a
+# repeat of their key, which comes soon after it if at all (state/idempotency.py);
+# stored responses are conversations a client may still continue (state/responses.py);
+# raw usage rows go last, rollups never.
 BUDGETED = (
     ("traces", "received_at", "request_id"),
     ("rollouts", "created_at", "sample_id"),
+    ("idempotency", "created_at", "tenant_id, key"),
     ("responses", "created_at", "id"),
     ("usage", "received_at", "request_id"),
 )
+# Tenants' own data, which their clients read back: the budget takes from the tenant
+# holding the most bytes of the table first (its oldest rows), so a tenant that fills
+# the disk pays for it, never another tenant's few rows (`fair_shares`).
+FAIR = frozenset({"idempotency", "responses"})
+# Rows the budget leaves alone: a claim in flight (its request is running; deleting it
+# would let a repeat of its key run a second time).
+_DELETABLE = {"idempotency": "state = 'done'"}
+
+
+def fair_shares(totals: Mapping[str, float], want: float) -> dict[str, float]:
+    """How many bytes each tenant gives up so that `want` bytes go: the largest
+    holders are cut down to one level, none below it (water filling). {tenant: bytes},
+    only the tenants that give something; everything when `want` is all there is."""
+    ranked = sorted(((b, t) for t, b in totals.items() if b > 0), reverse=True)
+    held = 0.0
+    for i, (b, _) in enumerate(ranked):
+        held += b
+        below = ranked[i + 1][0] if i + 1 < len(ranked) else 0.0
+        if held - (i + 1) * below >= want:
+            level = (held - want) / (i + 1)
+            return {t: b - level for b, t in ranked[: i + 1] if b > level}
+    return {t: b for b, t in ranked}
+
+
+def _size_sql(conn: Any, table: str) -> str | None:
+    """A row's bytes as SQL over `t` (the table's alias): PostgreSQL's own measure, or
+    on SQLite the length of every column and a little for the row and its index
+    entries. None: SQLite has no such table (idempotency before any gateway used it)."""
+    if not is_sqlite(conn):
+        return "pg_column_size(t.*)"
+    cols = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
+    if not cols:
+        return None
+    return "64 + " + " + ".join(f"coalesce(length(t.{c}), 0)" for c in cols)
+
+
+def _victims(
+    conn: Any, table: str, at: str, ident: str, size: str, want: float, limit: int
+) -> list[tuple[tuple[Any, ...], float]]:
+    """The rows to delete so that about `want` bytes go, each with its bytes: the
+    oldest, and in a FAIR table the oldest of the tenants holding the most
+    (`fair_shares`); at most `limit` rows a tenant, at least one from each that gives."""
+    keep = _DELETABLE.get(table)
+    where = f" WHERE {keep}" if keep else ""
+    quotas: dict[str | None, float]
+    if table in FAIR:
+        totals = conn.execute(
+            f"SELECT tenant_id, SUM({size}) FROM {table} t{where} GROUP BY tenant_id"
+        ).fetchall()
+        shares = fair_shares({str(r[0]): float(r[1] or 0) for r in totals}, want)
+        quotas = {t: q for t, q in shares.items()}
+    else:
+        quotas = {None: want}
+    width = len(ident.split(","))
+    out: list[tuple[tuple[Any, ...], float]] = []
+    for tenant, quota in quotas.items():
+        terms = [keep] if keep else []
+        args: list[Any] = []
+        if tenant is not None:
+            terms.append("tenant_id = ?")
+            args.append(tenant)
+        cond = f" WHERE {' AND '.join(terms)}" if terms else ""
+        rows = conn.execute(
+            f"SELECT {ident}, {size} FROM {table} t{cond} ORDER BY {at} ASC LIMIT ?",
+            (*args, limit),
+        ).fetchall()  # whole: no statement left open under the DELETE and the COMMIT
+        taken = 0.0
+        for row in rows:
+            if taken >= quota:
+                break
+            bytes_ = float(row[width] or 0)
+            out.append((tuple(row[:width]), bytes_))
+            taken += bytes_
+    return out
+
+
+def _delete(conn: Any, table: str, ident: str, victims: list[tuple[tuple[Any, ...], float]]) -> int:
+    marks = ", ".join("?" for _ in ident.split(","))
+    cur = conn.executemany(
+        f"DELETE FROM {table} WHERE ({ident}) = ({marks})", [v for v, _ in victims]
+    )
+    return max(int(cur.rowcount), 0) if cur.rowcount is not None else 0
 
 
 def enforce_disk(conn: sqlite3.Connection, max_bytes: int, chunk: int = 2000) -> int:
     """Keep the file's data under `max_bytes` (observe.max_disk_mb): past it, delete the
-    oldest traces, then the oldest stored rollout records, then the oldest stored
-    responses, then the oldest raw usage rows, until 90 % of it is in use; the daily
-    rollups (the bill) are never deleted. Freed pages go back to the disk where the
-    file allows it (auto_vacuum=INCREMENTAL, every file made since), else they are
-    reused by new rows, so the file stays flat. Returns the rows deleted."""
+    oldest traces, then the oldest rollout records, then `Idempotency-Key` replies,
+    then stored responses, then the oldest raw usage rows, until 90 % of it is in use;
+    the daily rollups (the bill) are never deleted. Replies and stored responses go
+    from the tenant holding the most bytes of them first (`FAIR`).
+
+    It deletes in steps sized by bytes, measuring the file again after each: a step
+    takes about the bytes still over 90 %, scaled by what the last step's rows freed
+    (rows deleted from pages that stay in use free none yet: then the next step
+    doubles), at most `chunk` rows a tenant. One row too many thus costs about that
+    row's bytes, never a whole chunk of every tenant's rows. Each step holds the write
+    lock from its measure to its commit, so two passes (the ledger writer's and the
+    gateway's retention) never both delete for the same excess.
+
+    Freed pages go back to the disk where the file allows it (auto_vacuum=INCREMENTAL,
+    every file made since), else they are reused by new rows, so the file stays flat.
+    Returns the rows deleted."""
     if not is_sqlite(conn):
         return _enforce_rows_budget(conn, max_bytes, max(chunk, 50_000))
     if bytes_in_use(conn) <= max_bytes:
@@ -516,15 +612,33 @@ def enforce_disk(conn: sqlite3.Connection, max_bytes: int, chunk: int = 2000) ->
     target = int(max_bytes * 0.9)
     deleted = 0
     for table, at, _key in BUDGETED:
-        while bytes_in_use(conn) > target:
-            cur = conn.execute(
-                f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table}"
-                f" ORDER BY {at} ASC LIMIT ?)",
-                (chunk,),
-            )
-            if cur.rowcount <= 0:
-                break
-            deleted += cur.rowcount
+        size = _size_sql(conn, table)
+        if size is None:
+            continue
+        rate = 1.0  # bytes of the file freed per byte of rows deleted, as last seen
+        while True:
+            own = not conn.in_transaction
+            if own:
+                conn.execute("BEGIN IMMEDIATE")
+            try:
+                used = bytes_in_use(conn)
+                victims = []
+                if used > target:
+                    want = (used - target) / rate
+                    victims = _victims(conn, table, at, "rowid", size, want, chunk)
+                n = _delete(conn, table, "rowid", victims) if victims else 0
+                if own:
+                    conn.execute("COMMIT")
+            except BaseException:
+                if own and conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            if n <= 0:
+                break  # under the target, or nothing of this table left to delete
+            deleted += n
+            freed = used - bytes_in_use(conn)
+            removed = sum(b for _, b in victims)
+            rate = max(freed / removed, 1 / 64) if freed > 0 else max(rate / 2, 1 / 64)
     if deleted:
         # executescript steps it to the end (execute() frees one page per step, and
         # Python steps a statement that returns no rows only once).
@@ -553,8 +667,10 @@ def row_bytes(
 
 def _enforce_rows_budget(conn: Any, max_bytes: int, chunk: int) -> int:
     """The byte budget on PostgreSQL: the rows' own bytes (count x mean row size) of
-    traces, rollout records, stored responses and raw usage rows; past `max_bytes`, the
-    oldest of each, in that order, are deleted down to 90 % of it. Rollups are never deleted."""
+    traces, rollout records, idempotency replies, stored responses and raw usage rows;
+    past `max_bytes`, the oldest of each, in that order, are deleted down to 90 % of
+    it, those of a FAIR table from the tenants holding the most of it first. Rollups are
+    never deleted."""
     sizes = {t: row_bytes(conn, t, at=at) for t, at, _ in BUDGETED}
     total = sum(n * mean for n, mean in sizes.values())
     if total <= max_bytes:
@@ -564,6 +680,18 @@ def _enforce_rows_budget(conn: Any, max_bytes: int, chunk: int) -> int:
     for table, at, key in BUDGETED:
         n, mean = sizes[table]
         if excess <= 0 or n == 0 or mean <= 0:
+            continue
+        if table in FAIR:  # by each row's own bytes, tenant by tenant
+            size = "pg_column_size(t.*)"
+            left = min(excess, n * mean)
+            excess -= left
+            while left > 0:
+                victims = _victims(conn, table, at, key, size, left, chunk)
+                if not victims:
+                    break
+                deleted += _delete(conn, table, key, victims)
+                left -= sum(b for _, b in victims)
+            excess += max(left, 0.0)
             continue
         todo = min(n, math.ceil(excess / mean))
         excess -= todo * mean
