@@ -122,48 +122,74 @@ read_chunk = msgspec.json.Decoder(ChatChunk).decode
 
 # What one chat completion chunk carries, read once (for the protocols that turn
 # chunks into their own events): (its usage, its text, its tool-call pieces, its
-# finish reason). A plain tuple, unpacked where it is read: the translation runs it
-# for every chunk of every stream, and a tuple is made and taken apart with no
-# Python call (a dataclass's __init__ cost more than reading the chunk did).
-ChunkParts = tuple[dict[str, Any] | None, str, Sequence[ToolCallPiece], str | None]
+# finish reason, its refusal text). A plain tuple, unpacked where it is read: the
+# translation runs it for every chunk of every stream, and a tuple is made and taken
+# apart with no Python call (a dataclass's __init__ cost more than reading the chunk did).
+ChunkParts = tuple[dict[str, Any] | None, str, Sequence[ToolCallPiece], str | None, str]
 
 
-def _parts(usage: dict[str, Any] | None, text: Any, calls: Any, finish: Any) -> ChunkParts:
-    """The parts of a chunk from the members of its first choice as either reading
-    found them (None: missing), whatever is malformed left empty: the one rule of
+def _parts(
+    usage: dict[str, Any] | None, text: Any, calls: Any, finish: Any, refusal: Any = None
+) -> ChunkParts:
+    """The parts of a chunk from the members of its choice 0 as either reading found
+    them (None: missing), whatever is malformed left empty: the one rule of
     `chunk_parts` and `typed_parts`."""
     return (
         usage,
         text if type(text) is str else "",
         _pieces(calls) if type(calls) is list and calls else (),
         finish if type(finish) is str and finish else None,
+        refusal if type(refusal) is str else "",
     )
 
 
+def _first(index: Any) -> bool:
+    """Whether a choice of this `index` is choice 0, the one the client asked for: its
+    index is the number 0, or it has none (an upstream that leaves it out sends one)."""
+    return index is None or (type(index) is int and index == 0)
+
+
 def chunk_parts(chunk: ChatChunk) -> ChunkParts:
-    """(usage, text, tool-call pieces, finish) of a chat completion chunk (its first
-    choice: the gateway's streams carry one), whatever is missing or malformed left
-    empty (None, "", (), None). Run for every chunk of every translated stream: exact
-    type checks, nothing built but the tuple (and the pieces of a chunk with calls)."""
+    """(usage, text, tool-call pieces, finish, refusal) of a chat completion chunk's
+    choice 0 (the answer the Messages and Responses clients asked for: a choice of
+    another index, which an upstream may send beside it, is no part of it), whatever is
+    missing or malformed left empty (None, "", (), None, ""). Run for every chunk of
+    every translated stream: exact type checks, nothing built but the tuple (and the
+    pieces of a chunk with calls)."""
     usage = chunk.usage
     if type(usage) is not dict:
         usage = None
     choices = chunk.choices
-    if type(choices) is not list or not choices or type(choices[0]) is not dict:
+    if type(choices) is not list or not choices:
         return _parts(usage, None, None, None)
-    choice: dict[str, Any] = choices[0]
+    choice = choices[0]
+    if type(choice) is not dict or not (
+        (i := choice.get("index")) is None or (type(i) is int and i == 0)  # _first, inline
+    ):
+        # (rare: choice 0 is not first) the first object of index 0, if any
+        choice = next((c for c in choices if type(c) is dict and _first(c.get("index"))), None)
+        if choice is None:
+            return _parts(usage, None, None, None)
     delta = choice.get("delta")
     if type(delta) is not dict:
         return _parts(usage, None, None, choice.get("finish_reason"))
-    return _parts(usage, delta.get("content"), delta.get("tool_calls"), choice.get("finish_reason"))
+    return _parts(
+        usage,
+        delta.get("content"),
+        delta.get("tool_calls"),
+        choice.get("finish_reason"),
+        delta.get("refusal"),
+    )
 
 
 class _Delta(msgspec.Struct, gc=False):
     content: Any = None
     tool_calls: Any = None
+    refusal: Any = None
 
 
 class _Choice(msgspec.Struct, gc=False):
+    index: Any = None
     delta: _Delta | None = None
     finish_reason: Any = None
 
@@ -188,10 +214,16 @@ def typed_parts(chunk: TypedChunk) -> ChunkParts:
     if not choices:
         return _parts(usage, None, None, None)
     choice = choices[0]
+    if not ((i := choice.index) is None or (type(i) is int and i == 0)):  # _first, inline
+        # (rare: choice 0 is not first) the first of index 0
+        found = next((c for c in choices if _first(c.index)), None)
+        if found is None:
+            return _parts(usage, None, None, None)
+        choice = found
     delta = choice.delta
     if delta is None:
         return _parts(usage, None, None, choice.finish_reason)
-    return _parts(usage, delta.content, delta.tool_calls, choice.finish_reason)
+    return _parts(usage, delta.content, delta.tool_calls, choice.finish_reason, delta.refusal)
 
 
 def _pieces(calls: list[Any]) -> list[ToolCallPiece]:
@@ -226,6 +258,9 @@ def stream_chunks(chat: dict[str, Any]) -> list[ChatChunk]:
     text = msg.get("content")
     if isinstance(text, str) and text:
         out.append(ChatChunk(choices=[{"index": 0, "delta": {"content": text}}]))
+    refusal = msg.get("refusal")
+    if isinstance(refusal, str) and refusal:
+        out.append(ChatChunk(choices=[{"index": 0, "delta": {"refusal": refusal}}]))
     calls = msg.get("tool_calls")
     for k, call in enumerate(calls if isinstance(calls, list) else ()):
         if isinstance(call, dict):

@@ -33,6 +33,14 @@ STOP_REASONS = {
 }
 
 
+def stop_reason(finish: Any, refused: bool) -> str:
+    """The Messages `stop_reason` of a choice's finish: `refusal` when the model refused
+    (a chat `refusal`), whatever finish followed; `end_turn` for none or one unknown."""
+    if refused:
+        return "refusal"
+    return STOP_REASONS.get(finish, "end_turn") if type(finish) is str else "end_turn"
+
+
 def message_id(chat_id: Any) -> str:
     """A `msg_` id from the chat reply's id (same characters, Anthropic's prefix)."""
     raw = chat_id if isinstance(chat_id, str) else ""
@@ -69,6 +77,10 @@ def to_message(chat: dict[str, Any], model: str) -> dict[str, Any]:
     text = msg.get("content")
     if not isinstance(text, str):
         text = choice.get("text") if isinstance(choice.get("text"), str) else ""
+    refusal = msg.get("refusal")
+    refused = isinstance(refusal, str) and refusal != ""
+    if refused:  # the model's refusal: its words, as text, and `stop_reason: refusal`
+        text = f"{text or ''}{refusal}"
     content: list[dict[str, Any]] = []
     listed = msg.get("tool_calls")
     calls: list[Any] = listed if isinstance(listed, list) else []
@@ -92,7 +104,7 @@ def to_message(chat: dict[str, Any], model: str) -> dict[str, Any]:
         "role": "assistant",
         "model": model,
         "content": content,
-        "stop_reason": STOP_REASONS.get(finish, "end_turn") if finish else "end_turn",
+        "stop_reason": stop_reason(finish, refused),
         "stop_sequence": None,
         "usage": usage_of(chat.get("usage")),
     }
@@ -108,8 +120,17 @@ def error_event(exc: SwitchyardError) -> bytes:
 
 class MessageEvents:
     """Chat completion chunks in, Messages events out: one stream's state (the open
-    content block, tool calls by their chat index, stop reason, usage). Each step
-    appends its events to the caller's list (api/sse.py's Translator)."""
+    content block, tool calls by their chat index, finish, usage). Each step appends
+    its events to the caller's list (api/sse.py's Translator).
+
+    A choice ends at its first finish: what an upstream sends after it (text, calls, a
+    second finish) is not the answer, only its usage is read. Its text streams as it
+    comes; its tool calls are held, by their chat index, until it finishes (or the
+    stream ends), then each is one `tool_use` block whose one `input_json_delta` is
+    what the whole reply's `input` is (`_input`: arguments that are no JSON object
+    become `{"_arguments": ...}`): a client never reads JSON it cannot parse, calls
+    whose pieces interleave are each whole, and the blocks come in the whole reply's
+    order (`to_message`: the text, then the calls)."""
 
     def __init__(self, model: str, input_tokens: int) -> None:
         self.model = model
@@ -118,9 +139,18 @@ class MessageEvents:
         self.open: int | None = None  # the open block's index
         self.open_kind: str | None = None
         self.blocks = 0
-        self.calls: dict[int, int] = {}  # chat tool call index -> block index
-        self.stop_reason: str | None = None
+        # chat tool call index -> (id, name, argument pieces), in the order they came
+        self.calls: dict[Any, tuple[str, str, list[str]]] = {}
+        self.finish: str | None = None  # the choice's first finish
+        self.refused = False  # a refusal came (the model's words, as text)
         self.usage: dict[str, int] | None = None
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The `stop_reason` so far (None: the choice has not finished nor refused)."""
+        if self.finish is None and not self.refused:
+            return None
+        return stop_reason(self.finish, self.refused)
 
     def start(self, chat_id: Any, out: list[bytes]) -> None:
         self.started = True
@@ -159,28 +189,59 @@ class MessageEvents:
             "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
         )
 
+    def _text(self, text: str, out: list[bytes]) -> None:
+        if self.open_kind != "text":
+            self._open({"type": "text", "text": ""}, out)
+        assert self.open is not None
+        out.append(self._delta(self.open, {"type": "text_delta", "text": text}))
+
+    def _tool_blocks(self, out: list[bytes]) -> None:
+        """The held calls, each a whole `tool_use` block (its arguments parsed once)."""
+        calls, self.calls = self.calls, {}
+        for call_id, name, pieces in calls.values():
+            self._open({"type": "tool_use", "id": call_id, "name": name, "input": {}}, out)
+            assert self.open is not None
+            args = "".join(pieces)
+            if args:
+                try:
+                    value = orjson.loads(args)
+                except orjson.JSONDecodeError:
+                    value = None
+                if type(value) is not dict:  # as the whole reply's `input` has it
+                    args = orjson.dumps(_input(args)).decode()
+                delta = {"type": "input_json_delta", "partial_json": args}
+                out.append(self._delta(self.open, delta))
+            self._close(out)
+
     def chunk(self, chunk: ChatChunk, out: list[bytes]) -> None:
         """The events of one chat completion chunk."""
         if not self.started:
             self.start(chunk.id, out)
-        usage, text, calls, finish = chunk_parts(chunk)
+        usage, text, calls, finish, refusal = chunk_parts(chunk)
         if usage is not None:
             self.usage = usage_of(usage)
+        if self.finish is not None:  # the choice ended: nothing after it is the answer
+            return
         if text:
-            if self.open_kind != "text":
-                self._open({"type": "text", "text": ""}, out)
-            assert self.open is not None
-            out.append(self._delta(self.open, {"type": "text_delta", "text": text}))
+            self._text(text, out)
+        if refusal:
+            self.refused = True
+            self._text(refusal, out)
         for call in calls:
-            if call.index not in self.calls:
-                block = {"type": "tool_use", "id": call.call_id, "name": call.name, "input": {}}
-                self._open(block, out)
-                self.calls[call.index] = self.blocks - 1
+            key = call.index
+            try:
+                held = self.calls.get(key)
+            except TypeError:  # an index that is no key (a list): held by its text
+                key = repr(key)
+                held = self.calls.get(key)
+            if held is None:
+                held = self.calls[key] = (call.call_id, call.name, [])
             if call.arguments:
-                delta = {"type": "input_json_delta", "partial_json": call.arguments}
-                out.append(self._delta(self.calls[call.index], delta))
+                held[2].append(call.arguments)
         if finish is not None:
-            self.stop_reason = STOP_REASONS.get(finish, "end_turn")
+            self.finish = finish
+            if self.calls:
+                self._tool_blocks(out)
 
     def failed(self, exc: SwitchyardError, out: list[bytes]) -> None:
         """A broken stream's end: an `error` event in place of the closing ones."""
@@ -195,6 +256,8 @@ class MessageEvents:
         """The events that close a complete stream."""
         if not self.started:
             self.start(None, out)
+        if self.calls:  # a stream whose choice never said it finished
+            self._tool_blocks(out)
         self._close(out)  # no block at all when there was nothing to say (`content: []`)
         usage = self.usage or {"input_tokens": self.input_tokens, "output_tokens": 0}
         out.append(

@@ -355,8 +355,8 @@ class ResponsesRoutes:
             texts: list[str] = []
             calls: list[dict[str, Any]] = []
             for i in ev.output:
-                if i["type"] == "message":
-                    texts.append(i["content"][0]["text"])
+                if i["type"] == "message":  # (a refusal's part has no text: none)
+                    texts.append(i["content"][0].get("text", ""))
                 elif i["type"] == "function_call" and i["status"] != "incomplete":
                     # (one cut short by its client leaving is not a call to answer)
                     calls.append(

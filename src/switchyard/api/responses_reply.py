@@ -10,7 +10,10 @@ in the shape of the protocol that asked. Stream events carry `sequence_number`s:
 `response.output_text.delta`…, `response.output_text.done`, `response.content_part.done`,
 for a function call `response.function_call_arguments.delta`…,
 `response.function_call_arguments.done`, then `response.output_item.done`; last
-`response.completed`, or on a broken stream `error` and `response.failed`. A stream
+`response.completed` (`response.incomplete` for a choice cut at `length` or by a
+content filter), or on a broken stream `error` and `response.failed`. A refusal is a
+message item of its own (`refusal` part, `response.refusal.delta`/`.done`); a call
+whose arguments are no JSON object ends `incomplete` (`call_status`). A stream
 whose client left before its end sends nothing more; its response ends `incomplete`
 (`ResponseEvents.interrupted`), for the store.
 """
@@ -191,6 +194,33 @@ def call_item(
     }
 
 
+def refusal_item(text: str, item_id: str, status: str = "completed") -> dict[str, Any]:
+    """A message item whose content is the model's refusal (a chat `refusal`)."""
+    return {
+        "id": item_id,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [{"type": "refusal", "refusal": text}],
+    }
+
+
+def call_status(arguments: str) -> str:
+    """A function call item's status once its arguments are whole: `completed` when
+    they are a JSON object, else `incomplete` (arguments as the model wrote them, which
+    a client cannot parse: not a call to run, and not one the stored conversation
+    answers). The one rule of the stream (`ResponseEvents`) and the whole reply."""
+    try:
+        value = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return "incomplete"
+    return "completed" if type(value) is dict else "incomplete"
+
+
+# chat `finish_reason` -> Responses `incomplete_details.reason` (others: completed)
+INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+
 def chat_message(chat: dict[str, Any]) -> dict[str, Any]:
     """The assistant message of a chat completion (its first choice), as a chat message
     the conversation continues from."""
@@ -211,6 +241,15 @@ def _finish(chat: dict[str, Any]) -> str | None:
     return got if isinstance(got, str) else None
 
 
+def _refusal(chat: dict[str, Any]) -> str:
+    """The refusal of a chat completion's first choice ("" when it has none)."""
+    choices = chat.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else {}
+    msg = choice.get("message") if isinstance(choice, dict) else None
+    got = msg.get("refusal") if isinstance(msg, dict) else None
+    return got if isinstance(got, str) else ""
+
+
 def response_json(
     chat: dict[str, Any], shell: Shell, msg: dict[str, Any] | None = None
 ) -> tuple[str, bytes]:
@@ -221,21 +260,26 @@ def response_json(
     output: list[dict[str, Any]] = []
     text = msg.get("content")
     calls = msg.get("tool_calls") or []
-    if (isinstance(text, str) and text) or not calls:
+    refusal = _refusal(chat)
+    if (isinstance(text, str) and text) or not (calls or refusal):
         output.append(message_item(text if isinstance(text, str) else "", shell.ids("msg")))
+    if refusal:
+        output.append(refusal_item(refusal, shell.ids("msg")))
     for call in calls:
         fn = call.get("function") if isinstance(call, dict) else None
         if isinstance(fn, dict):
             args = fn.get("arguments")
+            args = args if isinstance(args, str) else orjson.dumps(args).decode()
             output.append(
                 call_item(
                     str(call.get("id") or ""),
                     str(fn.get("name") or ""),
-                    args if isinstance(args, str) else orjson.dumps(args).decode(),
+                    args,
                     shell.ids("fc"),
+                    call_status(args),
                 )
             )
-    incomplete = "max_output_tokens" if _finish(chat) == "length" else None
+    incomplete = INCOMPLETE.get(_finish(chat) or "")
     status = "incomplete" if incomplete else "completed"
     usage = usage_of(chat.get("usage"))
     return status, shell.encoded(status, orjson.dumps(output), usage, incomplete=incomplete)
@@ -403,6 +447,8 @@ class ResponseEvents:
         # The open message item's text so far, in its deltas (joined into the item
         # when it closes, or when a broken stream shows it); None: no message open.
         self._text: list[str] | None = None
+        # The same for an open message item of the model's refusal (its refusal part).
+        self._refusal: list[str] | None = None
 
     @property
     def final(self) -> dict[str, Any] | None:
@@ -425,23 +471,31 @@ class ResponseEvents:
         self.seq = seq + 2
 
     def _text_so_far(self) -> None:
-        """The open message item's text as its deltas have told it."""
-        if self._text is not None and self.open is not None:
-            self.open["content"][0]["text"] = "".join(self._text)
+        """The open message item's text (or refusal) as its deltas have told it."""
+        if self.open is not None:
+            if self._text is not None:
+                self.open["content"][0]["text"] = "".join(self._text)
+            elif self._refusal is not None:
+                self.open["content"][0]["refusal"] = "".join(self._refusal)
 
     def _close(self, out: list[bytes]) -> None:
         item = self.open
         if item is None:
             return
         self._text_so_far()
-        self.open, self._text = None, None
+        refused = self._refusal is not None
+        self.open, self._text, self._refusal = None, None, None
         index = self.output.index(item)
-        item["status"] = "completed"
         if item["type"] == "message":
+            item["status"] = "completed"
+            if refused:
+                self._refusal_done(item, index, out)
+                return
             text = item["content"][0]["text"]
             out.append(message_done(self._item_id, index, text, self.seq))
             self.seq += 3
             return
+        item["status"] = call_status(item["arguments"])  # (once per call, at its end)
         out.append(
             self._event(
                 {
@@ -456,11 +510,46 @@ class ResponseEvents:
             self._event({"type": "response.output_item.done", "output_index": index, "item": item})
         )
 
+    def _refusal_done(self, item: dict[str, Any], index: int, out: list[bytes]) -> None:
+        """`response.refusal.done`, `.content_part.done`, `.output_item.done` of a
+        refusal's message item (rare: made from their objects)."""
+        part = item["content"][0]
+        at = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        out.append(self._event({"type": "response.refusal.done", **at, "refusal": part["refusal"]}))
+        out.append(self._event({"type": "response.content_part.done", **at, "part": dict(part)}))
+        out.append(
+            self._event({"type": "response.output_item.done", "output_index": index, "item": item})
+        )
+
+    def _refused(self, refusal: str, out: list[bytes]) -> None:
+        """A refusal delta: in a message item of its own (opened at its first)."""
+        pieces = self._refusal
+        item = self.open
+        if pieces is None or item is None:
+            item = refusal_item("", self.shell.ids("msg"), "in_progress")
+            self._add(item, out)
+            pieces = self._refusal = []
+            at = {"item_id": item["id"], "output_index": len(self.output) - 1, "content_index": 0}
+            part = {"type": "refusal", "refusal": ""}
+            out.append(self._event({"type": "response.content_part.added", **at, "part": part}))
+        pieces.append(refusal)
+        index = len(self.output) - 1
+        at = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        out.append(self._event({"type": "response.refusal.delta", **at, "delta": refusal}))
+
     def _add(self, item: dict[str, Any], out: list[bytes]) -> None:
         self._close(out)
         self.output.append(item)
         self.open = item
         index = len(self.output) - 1
+        if item["type"] == "message" and item["content"][0]["type"] == "refusal":
+            added = {**item, "content": []}  # (a refusal's: made from its object)
+            out.append(
+                self._event(
+                    {"type": "response.output_item.added", "output_index": index, "item": added}
+                )
+            )
+            return
         if item["type"] == "message":
             self._text = []
             self._item_id = orjson.dumps(item["id"])
@@ -479,23 +568,29 @@ class ResponseEvents:
         # `type(...) is`, not `isinstance`: a struct's class has its own metaclass, so
         # `isinstance` looks up and calls `__instancecheck__` (~0.8k instructions a chunk).
         if type(chunk) is not TypedChunk:
-            usage, text, calls, finish = chunk_parts(cast(ChatChunk, chunk))
+            usage, text, calls, finish, refusal = chunk_parts(cast(ChatChunk, chunk))
         elif (
             chunk.usage is None
             and (choices := chunk.choices)
             and (choice := choices[0]).finish_reason is None
+            and ((i := choice.index) is None or (type(i) is int and i == 0))  # choice 0
             and (delta := choice.delta) is not None
             and delta.tool_calls is None
+            and delta.refusal is None
             and type(text := delta.content) is str
         ):
             # Text and nothing else, a stream's usual chunk: its parts are (None, its
             # text, (), None), what `typed_parts` makes of it (property-tested), read
             # off the struct without that call and its tuple.
-            usage, calls, finish = None, (), None
+            usage, calls, finish, refusal = None, (), None, ""
         else:
-            usage, text, calls, finish = typed_parts(chunk)
+            usage, text, calls, finish, refusal = typed_parts(chunk)
         if not self.started:
             self.start(out)
+        if self.finish is not None:  # choice 0 ended: nothing after it is the answer
+            if usage is not None:  # (but its usage, which may come after)
+                self.usage = usage
+            return
         if text:
             pieces = self._text
             if pieces is None:  # no message item open: one opens
@@ -507,6 +602,8 @@ class ResponseEvents:
             tail = _DELTA_TAILS[seq] if seq < _TAILED else DELTA_TAIL % seq
             out.append(self._delta_head + _json_str(text) + tail)  # delta_event
             self.seq = seq + 1
+        if refusal:
+            self._refused(refusal, out)
         if calls:
             self._calls(calls, out)
         if usage is not None:
@@ -541,7 +638,7 @@ class ResponseEvents:
         if not self.output:
             self._add(message_item("", self.shell.ids("msg"), "in_progress"), out)
         self._close(out)
-        incomplete = "max_output_tokens" if self.finish == "length" else None
+        incomplete = INCOMPLETE.get(self.finish) if self.finish is not None else None
         status = "incomplete" if incomplete else "completed"
         self.status, self._final = status, None
         self.final_json = self.shell.encoded(  # once: the event and the store
@@ -563,7 +660,7 @@ class ResponseEvents:
         item = self.open
         if item is not None:
             item["status"] = "incomplete"
-            self.open, self._text = None, None
+            self.open, self._text, self._refusal = None, None, None
         self.status, self._final = "incomplete", None
         self.final_json = self.shell.encoded(
             "incomplete", orjson.dumps(self.output), usage_of(self.usage), incomplete=reason

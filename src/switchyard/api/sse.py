@@ -180,6 +180,12 @@ async def translated(
                 await events.ended()
             if out:
                 yield b"".join(out)
+        if ctx.status is not _OK:
+            # The relay ended without raising, yet not complete: the upstream sent an
+            # `error` object, then `[DONE]` (reply.relay relays that to a chat client as
+            # it came and records it INCOMPLETE). A translated stream ends as broken.
+            # Checked once per stream, after its last batch: nothing per chunk.
+            raise UpstreamError("the upstream broke off its answer with an error")
     except SwitchyardError as exc:
         tail: list[bytes] = []
         events.failed(exc, tail)
