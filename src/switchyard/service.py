@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from switchyard.aio import LEFT, unless_gone
 from switchyard.config import Settings
 from switchyard.decide.cache import Entry
 from switchyard.decide.stages_select import admit_model
@@ -176,7 +175,7 @@ class RequestService:
 
     async def _execute(self, ctx: RequestContext) -> Reply:
         if ctx.stream:
-            stream = await unless_gone(self.executor.execute_stream(ctx), ctx.receive, LEFT)
+            stream = await self.executor.execute_stream(ctx)
             side = self.pipelines.generation.reply_side(ctx)
 
             async def close() -> None:
@@ -189,7 +188,7 @@ class RequestService:
                     await self.settle(ctx)
 
             return StreamReply(ctx, served_headers(ctx), close, source=stream, side=side)
-        reply = await unless_gone(self.executor.execute(ctx), ctx.receive, LEFT)
+        reply = await self.executor.execute(ctx)
         ctx.succeeded()
         if reply.obj is not None:  # parsed by the upstream client: settling reads this
             usage = reply.obj.get("usage")

@@ -1,7 +1,7 @@
 """Hostile review of what landed on 2026-12-07: tool call pairing across stored
 responses, what /v1/models and the region and pin refusals tell a key, a client that
 hangs up while the driver waits on a retry, a fallback or a slow upstream
-(`aio.unless_gone`), and what a refused or broken request is billed
+(`aio.Waits`, in the executor), and what a refused or broken request is billed
 (`settle.refused_outright`). Over sockets against one real gateway in front of three
 scripted upstreams and a hostile upstream of tests/support/hostile_upstream.py.
 
@@ -363,7 +363,7 @@ def test_models_refuses_a_credential_sent_on_two_lines(gw: Gateway) -> None:
     assert listed.status_code == 401, listed.text[:300]
 
 
-# -- a client that hangs up (aio.unless_gone) ----------------------------------------------
+# -- a client that hangs up (aio.Waits) ----------------------------------------------------
 
 
 def _hang_up(gw: Gateway, key: str, model: str, after_s: float, **headers: str) -> None:

@@ -21,12 +21,14 @@ from typing import TYPE_CHECKING, Any
 from msgspec import structs
 
 from switchyard import outcomes
+from switchyard.aio import LEFT, Waits
 from switchyard.config import Settings
 from switchyard.engines.registry import Deployment, Registry
 from switchyard.engines.token_ids import LLAMACPP_NATIVE
 from switchyard.engines.upstream import UpstreamReply, UpstreamStream
 from switchyard.errors import (
     CircuitOpen,
+    ClientDisconnected,
     EngineCrashed,
     EngineFailed,
     EngineNotReady,
@@ -164,6 +166,7 @@ class Executor:
         # echo the prompt); the gateway sets its masker here.
         # PII masking of an upstream's error text before it is recorded.
         self.redact: Callable[[str], str] = redact or (lambda text: text)
+        self.waits = Waits()  # the upstream waits, each ended by its client's hang-up
 
     # Plain functions returning the run's coroutine: one coroutine per request, not two.
     def execute(self, ctx: RequestContext) -> Coroutine[Any, Any, UpstreamReply]:
@@ -175,131 +178,149 @@ class Executor:
         return self._run(ctx, True)
 
     async def _run(self, ctx: RequestContext, stream: bool) -> Any:
-        primary = ctx.deployment
-        assert primary is not None
-        if (
-            primary.alone
-            and (ctx.principal is None or ctx.principal.regions is None)
-            and primary.ready
-        ):
-            # A chain of one, no boundary to check, ready: what the loop below does,
-            # without building the chain (its errors are raised as they are there).
-            return await self._attempts(ctx, primary, stream, last_in_chain=True)
-        pm = primary.model
-        chain = [primary.alias, *pm.fallbacks]
-        needs: dict[str, Any] | None = None  # computed only if a fallback is considered
-        boundary = primary.model.data_boundary
-        if ctx.principal is not None:
-            boundary = ctx.principal.boundary(boundary)
-        last: SwitchyardError | None = None
-        tokens = ctx.max_tokens or 256
-        # Placement kept the data on the device (privacy): so do failover and fallbacks.
-        stay = "device" if ctx.placement is not None and ctx.placement.stay else None
-        for idx, alias in enumerate(chain):
-            balancer = self.balancers.get(alias)
-            t = time.perf_counter()
-            if idx == 0:
-                dep: Deployment | None = primary
-            else:
-                dep = self.registry.get(alias)
-                assert dep is not None  # config validation guarantees it
-                if needs is None:
-                    needs = request_needs(ctx.generation, ctx.prompt_estimate, ctx.max_tokens)
-                # Several deployments: their regions are the balancer's to check.
-                why = incompatibility(needs, dep.model, None if balancer else boundary)
-                if why is None and ctx.principal is not None and not ctx.principal.may_use(alias):
-                    why = "this key may not use it"
-                if why is None and stay and balancer is None and dep.location != stay:
-                    why = "privacy: the request's data may not leave the device"
-                picked = None
-                if why is None and balancer is not None:
-                    picked = balancer.failover(
-                        set(), regions=boundary, tokens=tokens, location=stay
-                    )
-                    if picked is None:
-                        why = (
-                            "none of its deployments is eligible (failed, not ready, circuit "
-                            "open, full, weight 0 or outside the allowed regions)"
+        # The wait is watched: a client that hangs up cancels it, and the upstream call
+        # closes (the engine stops generating); this coroutine itself, none around it.
+        watch = self.waits.add(ctx.receive)
+        try:
+            primary = ctx.deployment
+            assert primary is not None
+            if (
+                primary.alone
+                and (ctx.principal is None or ctx.principal.regions is None)
+                and primary.ready
+            ):
+                # A chain of one, no boundary to check, ready: what the loop below does,
+                # without building the chain (its errors are raised as they are there).
+                return await self._attempts(ctx, primary, stream, last_in_chain=True)
+            pm = primary.model
+            chain = [primary.alias, *pm.fallbacks]
+            needs: dict[str, Any] | None = None  # computed only if a fallback is considered
+            boundary = primary.model.data_boundary
+            if ctx.principal is not None:
+                boundary = ctx.principal.boundary(boundary)
+            last: SwitchyardError | None = None
+            tokens = ctx.max_tokens or 256
+            # Placement kept the data on the device (privacy): so do failover and fallbacks.
+            stay = "device" if ctx.placement is not None and ctx.placement.stay else None
+            for idx, alias in enumerate(chain):
+                balancer = self.balancers.get(alias)
+                t = time.perf_counter()
+                if idx == 0:
+                    dep: Deployment | None = primary
+                else:
+                    dep = self.registry.get(alias)
+                    assert dep is not None  # config validation guarantees it
+                    if needs is None:
+                        needs = request_needs(ctx.generation, ctx.prompt_estimate, ctx.max_tokens)
+                    # Several deployments: their regions are the balancer's to check.
+                    why = incompatibility(needs, dep.model, None if balancer else boundary)
+                    if (
+                        why is None
+                        and ctx.principal is not None
+                        and not ctx.principal.may_use(alias)
+                    ):
+                        why = "this key may not use it"
+                    if why is None and stay and balancer is None and dep.location != stay:
+                        why = "privacy: the request's data may not leave the device"
+                    picked = None
+                    if why is None and balancer is not None:
+                        picked = balancer.failover(
+                            set(), regions=boundary, tokens=tokens, location=stay
                         )
-                if why is not None:
+                        if picked is None:
+                            why = (
+                                "none of its deployments is eligible (failed, not ready, circuit "
+                                "open, full, weight 0 or outside the allowed regions)"
+                            )
+                    if why is not None:
+                        ctx.record(
+                            "fallback",
+                            outcomes.tagged(outcomes.Kind.SKIP, alias),
+                            why,
+                            t,
+                            {"target": alias},
+                        )
+                        continue
+                    evidence: dict[str, Any] = {"from": primary.alias, "to": alias}
+                    if picked is not None and balancer is not None:
+                        dep, reason, evidence["balance"] = picked
+                        ctx.admission.balanced = (balancer, dep)
+                        evidence["deployment"] = dep.name
+                        evidence["reason"] = reason
                     ctx.record(
                         "fallback",
-                        outcomes.tagged(outcomes.Kind.SKIP, alias),
-                        why,
+                        outcomes.tagged(outcomes.Kind.TRY, alias),
+                        f"{chain[idx - 1]} failed: {last}",
                         t,
-                        {"target": alias},
+                        evidence,
                     )
-                    continue
-                evidence: dict[str, Any] = {"from": primary.alias, "to": alias}
-                if picked is not None and balancer is not None:
-                    dep, reason, evidence["balance"] = picked
+                assert dep is not None
+                # Another deployment of the alias when this one fails (balance.failover).
+                left = balancer.cfg.failover if balancer is not None else 0
+                tried = {dep.name}
+                while True:
+                    before = ctx.run.attempts
+                    done, out = await self._try_at(
+                        ctx, dep, stream, idx == len(chain) - 1 and left == 0, t, boundary, idx == 0
+                    )
+                    if done:
+                        if idx > 0:
+                            self.fallbacks += 1
+                            ctx.run.fallback_from = primary.alias
+                        if dep is not primary:
+                            ctx.deployment = dep
+                            ctx.model = dep.model
+                        return out
+                    last = out
+                    if balancer is None:
+                        break
+                    _leave(ctx, dep, ctx.run.attempts > before)
+                    if left <= 0:
+                        break
+                    left -= 1
+                    t = time.perf_counter()
+                    # A pinned request or a task's keeps its revision; others take any.
+                    keep = balancer.versioned and (ctx.pin is not None or ctx.input.task_id)
+                    picked = balancer.failover(
+                        tried,
+                        revision=dep.model.revision if keep else None,
+                        regions=boundary,
+                        tokens=tokens,
+                        location=stay,
+                    )
+                    if picked is None:
+                        ctx.record(
+                            "failover",
+                            outcomes.tagged(outcomes.Kind.NONE, alias),
+                            f"{dep.name} failed and no other deployment of {alias} is eligible",
+                            t,
+                            {"tried": sorted(tried)},
+                        )
+                        break
+                    failed = dep.name
+                    dep, reason, evidence = picked
+                    tried.add(dep.name)
                     ctx.admission.balanced = (balancer, dep)
-                    evidence["deployment"] = dep.name
-                    evidence["reason"] = reason
-                ctx.record(
-                    "fallback",
-                    outcomes.tagged(outcomes.Kind.TRY, alias),
-                    f"{chain[idx - 1]} failed: {last}",
-                    t,
-                    evidence,
-                )
-            assert dep is not None
-            # Another deployment of the alias when this one fails (balance.failover).
-            left = balancer.cfg.failover if balancer is not None else 0
-            tried = {dep.name}
-            while True:
-                before = ctx.run.attempts
-                done, out = await self._try_at(
-                    ctx, dep, stream, idx == len(chain) - 1 and left == 0, t, boundary, idx == 0
-                )
-                if done:
-                    if idx > 0:
-                        self.fallbacks += 1
-                        ctx.run.fallback_from = primary.alias
-                    if dep is not primary:
-                        ctx.deployment = dep
-                        ctx.model = dep.model
-                    return out
-                last = out
-                if balancer is None:
-                    break
-                _leave(ctx, dep, ctx.run.attempts > before)
-                if left <= 0:
-                    break
-                left -= 1
-                t = time.perf_counter()
-                # A pinned request or a task's keeps its revision; others take any.
-                keep = balancer.versioned and (ctx.pin is not None or ctx.input.task_id)
-                picked = balancer.failover(
-                    tried,
-                    revision=dep.model.revision if keep else None,
-                    regions=boundary,
-                    tokens=tokens,
-                    location=stay,
-                )
-                if picked is None:
+                    evidence["from"] = failed
                     ctx.record(
                         "failover",
-                        outcomes.tagged(outcomes.Kind.NONE, alias),
-                        f"{dep.name} failed and no other deployment of {alias} is eligible",
+                        outcomes.tagged(outcomes.Kind.TRY, dep.name),
+                        f"{failed} failed: {last}; {reason}",
                         t,
-                        {"tried": sorted(tried)},
+                        evidence,
                     )
-                    break
-                failed = dep.name
-                dep, reason, evidence = picked
-                tried.add(dep.name)
-                ctx.admission.balanced = (balancer, dep)
-                evidence["from"] = failed
-                ctx.record(
-                    "failover",
-                    outcomes.tagged(outcomes.Kind.TRY, dep.name),
-                    f"{failed} failed: {last}; {reason}",
-                    t,
-                    evidence,
-                )
-        assert last is not None
-        raise last
+            assert last is not None
+            raise last
+        except asyncio.CancelledError:
+            if watch is None or not watch.gone:
+                raise  # shutdown, a task's cancel: not the client's hang-up
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            raise ClientDisconnected(LEFT) from None
+        finally:
+            if watch is not None:
+                self.waits.end(watch)
 
     async def _try_at(
         self,
