@@ -171,14 +171,20 @@ def usage_of(chat_usage: Any) -> dict[str, Any] | None:
     }
 
 
-def message_item(text: str, item_id: str, status: str = "completed") -> dict[str, Any]:
+def _said(item_id: str, status: str, part: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message item of one content part."""
     return {
         "id": item_id,
         "type": "message",
         "role": "assistant",
         "status": status,
-        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+        "content": [part],
     }
+
+
+def message_item(text: str, item_id: str, status: str = "completed") -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return _said(item_id, status, part)
 
 
 def call_item(
@@ -196,13 +202,7 @@ def call_item(
 
 def refusal_item(text: str, item_id: str, status: str = "completed") -> dict[str, Any]:
     """A message item whose content is the model's refusal (a chat `refusal`)."""
-    return {
-        "id": item_id,
-        "type": "message",
-        "role": "assistant",
-        "status": status,
-        "content": [{"type": "refusal", "refusal": text}],
-    }
+    return _said(item_id, status, {"type": "refusal", "refusal": text})
 
 
 def call_status(arguments: str) -> str:
