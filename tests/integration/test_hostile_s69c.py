@@ -116,15 +116,7 @@ def up() -> Iterator[Hostile]:
 
 @pytest.fixture(scope="module")
 def gw(up: Hostile) -> Iterator[Gateway]:
-    models = [
-        {
-            "alias": name,
-            "engine": {"kind": "anthropic", "base_url": up.base_url(name), "model": "claude-x"},
-            "price": PRICE,
-            "resilience": {"retries": 0},
-        }
-        for name in ANTHROPIC
-    ]
+    models = up.models(ANTHROPIC, PRICE, kind="anthropic", model="claude-x")
     g = start_gateway({"models": models, "embeddings": {"enabled": False}})
     yield g
     g.proc.stop()

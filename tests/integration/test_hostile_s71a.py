@@ -61,7 +61,7 @@ from typing import Any
 import httpx
 import pytest
 
-from support.gateways import Gateway, local_model, start_gateway
+from support.gateways import Gateway, local_model, start_gateway, version_alias
 from support.upstreams import Scripted
 from switchyard.engines.lora_train import MARKERS
 
@@ -84,15 +84,7 @@ def gw(two: tuple[Scripted, Scripted]) -> Iterator[Gateway]:
         "timeouts": {"first_byte_s": 55},
         "resilience": {"retries": 0},
     }
-    chat = {
-        "alias": "chat",
-        "deployments": [
-            {"name": "one", "revision": "r1", "region": "us", "engine": {"kind": "openai", "base_url": a.url + "/v1"}},
-            {"name": "two", "revision": "r2", "region": "eu", "engine": {"kind": "openai", "base_url": b.url + "/v1"}},
-        ],
-        "balance": {"strategy": "weighted", "prefix_affinity": False},
-        "resilience": {"retries": 0},
-    }  # fmt: skip
+    chat = version_alias(a.url, b.url)
     pirate = {
         "name": "pirate",
         "base": "smol",

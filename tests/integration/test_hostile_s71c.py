@@ -51,7 +51,8 @@ from typing import Any
 import httpx
 import pytest
 
-from support.gateways import CHEAP_PRICE, Gateway, start_gateway
+from support.chat_replies import calls_reply
+from support.gateways import CHEAP_PRICE, Gateway, start_gateway, version_alias
 from support.hostile_upstream import Hostile, hostile_upstream, json_reply, sse_reply
 from support.upstreams import Scripted
 
@@ -73,21 +74,7 @@ def _calls(*ids: str | None) -> bytes:
         if call_id is not None:
             call["id"] = call_id
         calls.append(call)
-    reply = {
-        "id": "c1",
-        "object": "chat.completion",
-        "created": 1,
-        "model": "m",
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": None, "tool_calls": calls},
-                "finish_reason": "tool_calls",
-            }
-        ],
-        "usage": {"prompt_tokens": 9, "completion_tokens": 9, "total_tokens": 18},
-    }
-    return json.dumps(reply).encode()
+    return json.dumps(calls_reply(calls)).encode()
 
 
 def _event(obj: dict[str, Any] | bytes) -> bytes:
@@ -129,15 +116,7 @@ def gw(scripted: Scripted, two: tuple[Scripted, Scripted], up: Hostile) -> Itera
     for s in (scripted, a, b):
         s.content(None)
         httpx.put(s.url + "/control/fault", json={"fault": None})
-    chat = {
-        "alias": "chat",
-        "deployments": [
-            {"name": "one", "revision": "r1", "region": "us-secret-1", "engine": {"kind": "openai", "base_url": a.url + "/v1"}},
-            {"name": "two", "revision": "r2", "region": "eu", "engine": {"kind": "openai", "base_url": b.url + "/v1"}},
-        ],
-        "balance": {"strategy": "weighted", "prefix_affinity": False},
-        "resilience": {"retries": 0},
-    }  # fmt: skip
+    chat = version_alias(a.url, b.url, us="us-secret-1")
     models = [
         _openai("cheap", scripted.url + "/v1"),
         _openai(

@@ -141,15 +141,16 @@ def _big(n: int = 50_000) -> str:
 # -- Idempotency-Key replies at rest ----------------------------------------------------
 
 
+def _keyed(gw: Gateway, key: str, text: str) -> httpx.Response:
+    """A chat request of `text` under an `Idempotency-Key` of its own."""
+    headers = {"Idempotency-Key": f"k-{os.urandom(6).hex()}"}
+    return gw.post("/v1/chat/completions", key=key, json=_chat(text), headers=headers)
+
+
 def test_idempotency_replies_past_their_ttl_are_removed(gw_ttl: Gateway) -> None:
     tenant, key = gw_ttl.new_tenant("idem-ttl")
     for i in range(30):
-        r = gw_ttl.post(
-            "/v1/chat/completions",
-            key=key,
-            json=_chat(f"hello {i}"),
-            headers={"Idempotency-Key": f"order-{i}-{os.urandom(4).hex()}"},
-        )
+        r = _keyed(gw_ttl, key, f"hello {i}")
         assert r.status_code == 200, r.text[:300]
     query = "SELECT COUNT(*) FROM idempotency WHERE tenant_id = ?"
     assert _count(gw_ttl, query, tenant) == 30  # each key's reply is stored
@@ -172,12 +173,7 @@ def test_idempotency_replies_are_under_the_byte_budget(gw_idem_disk: Gateway) ->
     # reply: 1.5 MB of replies against a 1 MiB budget.
     _, key = gw.new_tenant("flood")
     for i in range(15):
-        r = gw.post(
-            "/v1/chat/completions",
-            key=key,
-            json=_chat(f"repeat after me {i}: {_big()}"),
-            headers={"Idempotency-Key": f"k-{i}-{os.urandom(4).hex()}"},
-        )
+        r = _keyed(gw, key, f"repeat after me {i}: {_big()}")
         if r.status_code != 200:  # a cap of the tenant's own may refuse the rest
             assert r.status_code in REFUSED, r.text[:300]
             break

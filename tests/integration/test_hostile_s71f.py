@@ -48,6 +48,7 @@ import anthropic
 import httpx
 import pytest
 
+from support.chat_replies import calls_reply
 from support.gateways import CHEAP_PRICE, Gateway, start_gateway
 from support.hostile_upstream import Hostile, hostile_upstream, json_reply, sse_reply
 
@@ -80,30 +81,16 @@ def _call(index: Any, args: str, head: str | None = None) -> bytes:
 DONE = _event(b"[DONE]")
 USAGE = _event({"id": "c1", "object": "chat.completion.chunk", "choices": [],
                 "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}})  # fmt: skip
-WHOLE_NOT_JSON = {
-    "id": "c2",
-    "object": "chat.completion",
-    "created": 1,
-    "model": "m",
-    "choices": [
+WHOLE_NOT_JSON = calls_reply(
+    [
         {
-            "index": 0,
-            "message": {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": "call_x",
-                        "type": "function",
-                        "function": {"name": "lookup", "arguments": "".join(NOT_JSON)},
-                    }
-                ],
-            },
-            "finish_reason": "tool_calls",
+            "id": "call_x",
+            "type": "function",
+            "function": {"name": "lookup", "arguments": "".join(NOT_JSON)},
         }
     ],
-    "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12},
-}
+    {"prompt_tokens": 5, "completion_tokens": 7},
+)
 
 REPLIES = {
     # The engine broke off with an error object, then ended as if complete.
@@ -197,15 +184,7 @@ def up() -> Iterator[Hostile]:
 
 @pytest.fixture(scope="module")
 def gw(up: Hostile) -> Iterator[Gateway]:
-    models = [
-        {
-            "alias": name,
-            "engine": {"kind": "openai", "base_url": up.base_url(name)},
-            "price": CHEAP_PRICE,
-            "resilience": {"retries": 0},
-        }
-        for name in REPLIES
-    ]
+    models = up.models(REPLIES, CHEAP_PRICE)
     g = start_gateway({"models": models, "embeddings": {"enabled": False}})
     yield g
     g.proc.stop()

@@ -68,6 +68,23 @@ def _crash(gw: Gateway) -> list[int]:
     return workers
 
 
+def _crashed_mid_stream(gw: Gateway, scripted: Scripted, key: str) -> tuple[str, list[int]]:
+    """A stream of `key`'s open on `gw` when the whole gateway is SIGKILLed (`_crash`):
+    its request id, and the pids of the workers killed."""
+    scripted.fault("slow:300", count=1)
+    with gw.stream(_BODY | {"stream": True}, headers={"Authorization": f"Bearer {key}"}) as r:
+        assert r.status_code == 200
+        lost_id = r.headers["x-request-id"]
+        lines = r.iter_lines()
+        assert any(line.startswith("data: ") for line in lines)
+        time.sleep(0.5)  # streaming, its model and reservation written to the journal
+        dead = _crash(gw)
+        with pytest.raises(httpx.HTTPError):  # cut by the crash, not ended
+            for _ in lines:
+                pass
+    return lost_id, dead
+
+
 def _journals(gw: Gateway) -> list[str]:
     folder = Path(gw.db).parent / "run" / "inflight"
     return sorted(os.listdir(folder)) if folder.exists() else []
@@ -103,19 +120,7 @@ def test_a_crashed_gateways_stream_is_billed_once_by_the_next_start(scripted: Sc
         for name in live:  # a live worker holds its journal's lock
             with pytest.raises(JournalBusy):
                 claim_journal(journal_path(Path(first.db).parent / "run", name))
-        scripted.fault("slow:300", count=1)
-        with first.stream(
-            _BODY | {"stream": True}, headers={"Authorization": f"Bearer {key}"}
-        ) as r:
-            assert r.status_code == 200
-            lost_id = r.headers["x-request-id"]
-            lines = r.iter_lines()
-            assert any(line.startswith("data: ") for line in lines)
-            time.sleep(0.5)  # streaming, its model written to the journal
-            dead = _crash(first)
-            with pytest.raises(httpx.HTTPError):
-                for _ in lines:
-                    pass
+        lost_id, dead = _crashed_mid_stream(first, scripted, key)
         left = _journals(first)
         assert sorted(n.split("-")[1] for n in left) == sorted(str(p) for p in dead)
         assert first.stored_rows(tenant, 1, timeout_s=1) == []  # nobody billed it yet
@@ -178,19 +183,7 @@ def test_a_crashed_gateways_holds_in_a_shared_redis_are_billed_as_reserved(
         tenant = "held-" + os.urandom(3).hex()
         first.create_tenant(tenant, budget_usd=1.0, budget_period="day")
         key = first.create_key(tenant)["key"]
-        scripted.fault("slow:300", count=1)
-        with first.stream(
-            _BODY | {"stream": True}, headers={"Authorization": f"Bearer {key}"}
-        ) as r:
-            assert r.status_code == 200
-            lost_id = r.headers["x-request-id"]
-            lines = r.iter_lines()
-            assert any(line.startswith("data: ") for line in lines)
-            time.sleep(0.5)
-            dead = _crash(first)
-            with pytest.raises(httpx.HTTPError):  # cut by the crash, not ended
-                for _ in lines:
-                    pass
+        lost_id, dead = _crashed_mid_stream(first, scripted, key)
         owners = [k.decode() for k in raw.scan_iter(match="switchyard:rl:owner:*")]
         mine = [o for o in owners if any(f"-{pid}-" in o for pid in dead)]
         assert len(mine) == 1, owners  # the dead stream's worker's holds, still there

@@ -1,6 +1,7 @@
 """Chat completions as the protocol translation tests need them: a whole reply, and the
 live stream of chunks an upstream sends for it, cut into pieces of a given size
-(test_messages_codec.py, test_responses_codec.py)."""
+(test_messages_codec.py, test_responses_codec.py), and a reply of tool calls only as
+an upstream writes them (`calls_reply`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,26 @@ def chat_reply(text: str, calls: Calls, finish: str, usage: dict[str, int]) -> d
         "object": "chat.completion",
         "choices": [{"index": 0, "message": message, "finish_reason": finish}],
         "usage": usage,
+    }
+
+
+def calls_reply(calls: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+    """A whole chat completion whose only answer is the tool `calls`, as an upstream
+    writes them (its members as given: ids, indices and arguments are the test's)."""
+    counts = usage or {"prompt_tokens": 9, "completion_tokens": 9}
+    return {
+        "id": "c1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": None, "tool_calls": calls},
+                "finish_reason": "tool_calls",
+            }
+        ],
+        "usage": {**counts, "total_tokens": sum(counts.values())},
     }
 
 

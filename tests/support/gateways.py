@@ -185,6 +185,24 @@ def local_model(alias: str = "smollm2-135m", **engine: Any) -> dict[str, Any]:
 CHEAP_PRICE = {"input": 0.0, "output": 1000.0}
 
 
+def version_alias(a_url: str, b_url: str, us: str = "us") -> dict[str, Any]:
+    """`chat`, a version alias of two deployments on two scripted upstreams: `one`
+    serves revision r1 in region `us`, `two` r2 in eu; weighted, no retries."""
+    deployments = [
+        ("one", "r1", us, a_url),
+        ("two", "r2", "eu", b_url),
+    ]
+    return {
+        "alias": "chat",
+        "deployments": [
+            {"name": n, "revision": r, "region": where, "engine": {"kind": "openai", "base_url": u + "/v1"}}
+            for n, r, where, u in deployments
+        ],
+        "balance": {"strategy": "weighted", "prefix_affinity": False},
+        "resilience": {"retries": 0},
+    }  # fmt: skip
+
+
 def cheap_config(scripted: Scripted, *more: dict[str, Any], **sections: Any) -> dict[str, Any]:
     """A gateway config whose model `cheap` is `scripted` at CHEAP_PRICE, then the
     models `more`; no embedding model; `sections` added at the top level."""

@@ -17,8 +17,9 @@ import http.server
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 Reply = Callable[["Handler"], None]
 
@@ -151,6 +152,21 @@ class Hostile:
     def base_url(self, name: str) -> str:
         """The OpenAI base URL whose requests get the reply `name`."""
         return f"{self.url}/{name}/v1"
+
+    def models(
+        self, names: Iterable[str], price: dict[str, float], kind: str = "openai", **engine: Any
+    ) -> list[dict[str, Any]]:
+        """One model per reply name, named for it (`kind` and `engine`: its engine's,
+        e.g. an Anthropic upstream's `model`), no retries: a gateway config's `models`."""
+        return [
+            {
+                "alias": name,
+                "engine": {"kind": kind, "base_url": self.base_url(name), **engine},
+                "price": price,
+                "resilience": {"retries": 0},
+            }
+            for name in names
+        ]
 
     def written(self, name: str) -> int:
         return self._state.get("written", name)
