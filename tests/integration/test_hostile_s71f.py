@@ -305,9 +305,10 @@ def test_a_broken_off_responses_stream_ends_failed_and_is_stored_so(
     final = _terminal(events)
     assert final["status"] == "failed", final
     assert kinds[-1] == "response.failed", kinds
-    assert _stored(gw, key, final["id"]) == final
+    # The stream's row before the GET below, which is a request of the tenant's too.
     rows = gw.stored_rows(tenant)
     assert [r["status"] for r in rows] == ["incomplete"], rows
+    assert _stored(gw, key, final["id"]) == final
 
 
 def test_a_broken_off_responses_stream_is_read_to_its_failure_by_the_sdk(gw: Gateway) -> None:
@@ -522,9 +523,9 @@ def test_a_delta_past_the_event_bound_fails_both_streams(gw: Gateway) -> None:
     kinds = [k for k, _ in events]
     final = _terminal(events)
     assert final["status"] == "failed" and kinds[-2:] == ["error", "response.failed"], kinds
-    assert _stored(gw, key, final["id"]) == final
-    rows = gw.stored_rows(tenant)
+    rows = gw.stored_rows(tenant)  # the stream's row, before the GET's
     assert [r["status"] for r in rows] == ["incomplete"], rows
+    assert _stored(gw, key, final["id"]) == final
     kinds = [k for k, _ in _messages(gw, key, "huge")]
     assert kinds[-1] == "error" and "message_stop" not in kinds, kinds
 
