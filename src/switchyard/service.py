@@ -21,7 +21,7 @@ import orjson
 
 from switchyard.config import Settings
 from switchyard.decide.cache import Entry
-from switchyard.decide.stages_select import admit_model
+from switchyard.decide.stages_select import admit_model, admit_pin
 from switchyard.engines.token_ids import attached
 from switchyard.errors import ModelNotFound
 from switchyard.execute.embeddings import Embeddings
@@ -111,6 +111,8 @@ class RequestService:
         if "@" not in model:
             return model
         alias, ctx.pin = split_pin(model, self._models, self.rl_aliases)
+        ctx.alias = alias  # a refusal's row names it
+        admit_pin(ctx, time.perf_counter())  # may the key pin: before any costly work
         return alias
 
     @staticmethod
@@ -253,7 +255,13 @@ class RequestService:
             self._validated(ctx, req, raw)
             await self._decided(ctx, self.pipelines.counting)
             ex = self.executor  # Select's rules, which this pipeline has no stage for
-            admit_model(ctx, ex.balancers.get(alias), ex.registry.get(alias), time.perf_counter())
+            admit_model(
+                ctx,
+                ex.balancers.get(alias),
+                ex.registry.get(alias),
+                time.perf_counter(),
+                self.rl_aliases.get(alias),  # an RL-managed model's pin: its active revision
+            )
             n = count(req)
             ctx.succeeded()
             return n

@@ -471,12 +471,14 @@ def test_activation_is_a_barrier_under_load_and_rejection_and_rollback_hold(
     assert r.status_code == 409 and r.json()["error"]["code"] == "revision_conflict"
     listing = admin(rl, "GET", "/admin/models/smol/revisions").json()
     assert listing["active"] == "robot-1"
-    # A pinned chat gets exactly the revision it names, or a 404 saying which is active.
+    # A pinned chat gets exactly the revision it names, or a 404 saying which is active
+    # (from a key that may pin: any other is refused a pin, tests/integration/test_pins_s72.py).
+    pinner = rl.create_key(rl.create_tenant("t-pin")["id"], may_pin_revisions=True)["key"]
     for pin, status in (("robot-1", 200), ("smol-rev", 404), ("pirate-1", 404)):
         r = httpx.post(
             rl.url + "/v1/chat/completions",
             json={"model": f"smol@{pin}", **CHAT, "max_tokens": 4, "temperature": 0},
-            headers=rl.auth,
+            headers={"Authorization": f"Bearer {pinner}"},
             timeout=120,
         )
         assert r.status_code == status, (pin, r.text)

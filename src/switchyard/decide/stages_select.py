@@ -317,30 +317,33 @@ _LIMITS = {"thermal": "thermal_c", "battery": "battery_pct", "memory": "memory_p
 
 
 def admit_model(
-    ctx: RequestContext, balancer: Balancer | None, dep: Deployment | None, t: float
+    ctx: RequestContext,
+    balancer: Balancer | None,
+    dep: Deployment | None,
+    t: float,
+    revisions: Any = None,
 ) -> None:
     """Select's rules for the request's model before a deployment is chosen, one place
     for every endpoint that names a model (/v1/messages/count_tokens chooses none but
-    is held to them): a pin needs a key that may pin (403 `revision_pin_not_allowed`)
-    and a revision the alias serves (404); the deployments left (the pin's, the alias's,
-    or `dep`) must have one inside the caller's regions, or it is a permission the
-    tenant lacks (403, not a not-ready a client would retry). A refusal is recorded
-    as a `select` decision with its reason."""
+    is held to them): a pin needs a key that may pin (403 `revision_pin_not_allowed`,
+    `admit_pin`) and a revision the alias serves (404); the deployments left (the pin's,
+    the alias's, or `dep`) must have one inside the caller's regions, or it is a
+    permission the tenant lacks (403, not a not-ready a client would retry); a pin of
+    an RL-managed model (`revisions`: its revision manager) must name its active
+    revision (404, `active_pin_refusal`). A refusal is recorded as a `select` decision
+    with its reason."""
     p = ctx.principal
     pin = ctx.pin
+    admit_pin(ctx, t)
     deps: Sequence[Deployment] = (dep,) if dep is not None else ()
     if balancer is not None:
         deps = balancer.deployments
         if pin is not None:
-            evidence: dict[str, Any] = {"pin": pin[:PIN_CHARS]}
-            if p is not None and not p.may_pin_revisions:
-                why = "this API key may not pin a revision (its may_pin_revisions is off)"
-                ctx.record(Select.name, outcomes.Select.REJECT, why, t, evidence)
-                raise RevisionPinNotAllowed(why, param="model")
             allowed = p.boundary(deps[0].model.data_boundary) if p is not None else None
             try:
                 deps = balancer.pinned(pin, allowed)
             except ModelNotFound as exc:
+                evidence = {"pin": pin[:PIN_CHARS]}
                 ctx.record(Select.name, outcomes.Select.REJECT, exc.message, t, evidence)
                 raise
     outside = region_refusal(p, deps)
@@ -355,6 +358,42 @@ def admit_model(
             "this tenant: it runs outside the tenant's regions",
             param="model",
         )
+    if revisions is not None and pin is not None:  # after the regions: it names the active
+        active = revisions.active.revision if revisions.active is not None else None
+        why = active_pin_refusal(revisions.alias, active, pin)
+        if why is not None:
+            seen = {"pin": pin[:PIN_CHARS], "active": active}
+            ctx.record(Select.name, outcomes.Select.REJECT, why, t, seen)
+            raise ModelNotFound(why, param="model")
+
+
+def admit_pin(ctx: RequestContext, t: float) -> None:
+    """A pin (`alias@revision`) of any model, a version alias's or an RL-managed one's,
+    needs a key whose `may_pin_revisions` is on: else 403 `revision_pin_not_allowed`,
+    recorded as a `select` decision. service.py asks it as soon as the pin is read,
+    before any costly work (an RL-managed model's select is a static verdict: its work,
+    and admit_model with it, never runs); admit_model asks it again for its callers."""
+    p = ctx.principal
+    pin = ctx.pin
+    if pin is None or p is None or p.may_pin_revisions:
+        return
+    why = "this API key may not pin a revision (its may_pin_revisions is off)"
+    ctx.record(Select.name, outcomes.Select.REJECT, why, t, {"pin": pin[:PIN_CHARS]})
+    raise RevisionPinNotAllowed(why, param="model")
+
+
+def active_pin_refusal(alias: str, active: str | None, pin: str) -> str | None:
+    """Why a pin of an RL-managed model is refused (a 404 `model_not_found`): it answers
+    with its active revision only (`active`; None: none is). The one rule for a request
+    served (Residency, against the revision it leased) and one counted (admit_model,
+    against the active one); None when the pin names it."""
+    if pin == active:
+        return None
+    now = f"'{active}'" if active is not None else "none is active now"
+    return (
+        f"the model '{alias}' is RL-managed and answers with its active revision only: "
+        f"{now}, not '{pin[:PIN_CHARS]}'"
+    )
 
 
 def region_refusal(p: Principal | None, deps: Sequence[Deployment]) -> str | None:
@@ -424,18 +463,15 @@ class Residency(Stage):
             ctx.record(self.name, outcomes.Residency.REJECT, exc.message, t, {"active": None})
             raise
         rev = lease.rev
-        if ctx.pin is not None and ctx.pin != rev.revision:
+        pin = ctx.pin
+        if pin is not None and (why := active_pin_refusal(manager.alias, rev.revision, pin)):
             lease.release()
-            why = (
-                f"the model '{manager.alias}' is RL-managed and answers with its active "
-                f"revision only: '{rev.revision}', not '{ctx.pin[:64]}'"
-            )
             ctx.record(
                 self.name,
                 outcomes.Residency.REJECT,
                 why,
                 t,
-                {"pin": ctx.pin[:PIN_CHARS], "active": rev.revision},
+                {"pin": pin[:PIN_CHARS], "active": rev.revision},
             )
             raise ModelNotFound(why, param="model")
         ctx.admission.lease = lease
