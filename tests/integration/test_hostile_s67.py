@@ -101,7 +101,7 @@ def test_a_replay_is_no_way_around_the_keys_allowed_models(
     gw.create_tenant(tid)
     full = gw.create_key(tid)["key"]
     narrow = gw.create_key(tid, allowed_models=["cheap"])["key"]
-    body = {**body, "max_output_tokens" if "input" in body else "max_tokens": 5}
+    body = {**body, **({"max_output_tokens": 16} if "input" in body else {"max_tokens": 5})}
     idem = {"Idempotency-Key": "k-" + os.urandom(4).hex()}
     direct = httpx.post(gw.url + path, json=body, headers=_auth(narrow), timeout=30)
     assert direct.status_code == 403, direct.text
@@ -156,7 +156,7 @@ def test_a_failing_upstream_is_not_named_by_its_address(gw: Gateway, route: str)
 
 
 def _create(gw: Gateway, key: str, **body: Any) -> httpx.Response:
-    payload = {"model": "cheap", "max_output_tokens": 5, **body}
+    payload = {"model": "cheap", "max_output_tokens": 16, **body}
     return httpx.post(gw.url + "/v1/responses", json=payload, headers=_auth(key), timeout=30)
 
 

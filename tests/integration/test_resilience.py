@@ -425,7 +425,7 @@ def test_one_idempotency_key_on_another_protocol_is_another_request(
     calls = [
         ("/v1/chat/completions", {**BODY, "model": "r1"}),
         ("/v1/messages", {**BODY, "model": "r1"}),
-        ("/v1/responses", {"model": "r1", "input": "hi", "max_output_tokens": 8}),
+        ("/v1/responses", {"model": "r1", "input": "hi", "max_output_tokens": 16}),
     ]
     for path, body in calls:
         before = scripted.requests()

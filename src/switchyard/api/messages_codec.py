@@ -8,7 +8,7 @@ naming it, never a silent drop. Translation:
 
 | Messages | chat completions |
 |---|---|
-| `system` (a string or text blocks) | a first `system` message |
+| `system` (a string or text blocks) | a first `system` message (none for `""` or `[]`) |
 | `text` and `image` blocks (base64 or URL) | text and `image_url` parts |
 | an assistant turn's `tool_use` blocks | its `tool_calls` (`input` as JSON arguments) |
 | a user turn's `tool_result` blocks (first in it) | `tool` messages, then the turn's other content |
@@ -365,6 +365,8 @@ def _paired_tools(messages: list[Any]) -> bool:
 
 
 def _system(system: Any) -> str:
+    """The system prompt's text: `""` when there is none (`""`, `[]`); a block's text
+    is never empty (the Messages API's rule, `_text_block`)."""
     if isinstance(system, str):
         return system
     if not isinstance(system, list):
@@ -495,7 +497,9 @@ def to_chat(body: Any, count_only: bool = False) -> dict[str, Any]:
     chat: list[dict[str, Any]] = []
     system = body.get("system")
     if system is not None:
-        chat.append({"role": "system", "content": _system(system)})
+        prompt = _system(system)
+        if prompt:  # no system prompt (`""`, `[]`) sends no system message
+            chat.append({"role": "system", "content": prompt})
     for i, m in enumerate(messages):
         chat.extend(_turn(i, m))
     if _paired_tools(messages) and not body.get("tools"):

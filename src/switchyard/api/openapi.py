@@ -352,7 +352,7 @@ _RESPONSES = {
         },
         "tool_choice": {"anyOf": [{"enum": ["auto", "none", "required"]}, {"type": "object"}]},
         "text": {"type": "object"},
-        "max_output_tokens": {"type": "integer", "minimum": 1},
+        "max_output_tokens": {"type": "integer", "minimum": 16},
         "temperature": {"type": "number", "minimum": 0, "maximum": 2},
         "top_p": {"type": "number", "minimum": 0, "maximum": 1},
         "metadata": {"type": "object", "additionalProperties": {"type": "string"}},

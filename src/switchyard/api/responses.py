@@ -64,6 +64,7 @@ from switchyard.api.responses_reply import (
 from switchyard.api.sse import replayed, translated
 from switchyard.errors import (
     BackgroundLimitReached,
+    ContextLengthExceeded,
     InternalError,
     InvalidRequest,
     NotFound,
@@ -133,6 +134,15 @@ def _rate(p: Principal) -> tuple[Principal, Principal]:
         replace(p, key_limits=Limits(rpm=key.rpm), tenant_limits=Limits(rpm=tenant.rpm)),
         replace(p, key_limits=replace(key, rpm=None), tenant_limits=replace(tenant, rpm=None)),
     )
+
+
+def _names_input(exc: ContextLengthExceeded) -> None:
+    """A refusal of the prompt's length names the Responses request's `input`: the
+    window check and the engine's refusal (engines/upstream.py) name the member of the
+    chat body the request was sent as, `messages`."""
+    if exc.param == "messages":
+        exc.param = "input"
+        exc.message = exc.message.replace("shorten the messages", "shorten the input")
 
 
 def _not_found(rid: str) -> NotFound:
@@ -278,7 +288,11 @@ class ResponsesRoutes:
             return wire
 
         ctx.receive = request.receive  # a wait in the queue ends if the client hangs up
-        reply = await service.generate(ctx, decoded)
+        try:
+            reply = await service.generate(ctx, decoded)
+        except ContextLengthExceeded as exc:
+            _names_input(exc)
+            raise
         if isinstance(reply, StreamReply):
             return self._stream(reply, ctx, req, conversation, shell)
         return await self._whole(reply, ctx, req, conversation, shell)
@@ -503,6 +517,8 @@ class ResponsesRoutes:
             with contextlib.suppress(Exception):
                 await self.store.update(stored)
         except Exception as exc:
+            if isinstance(exc, ContextLengthExceeded):
+                _names_input(exc)
             if not holder:
                 raise  # refused before it was admitted: the route answers it
             stored = holder[0]

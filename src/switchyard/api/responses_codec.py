@@ -22,7 +22,7 @@ role its own part types; an item's `id` and `status` are the API's or a 400.
 | `function_call_output` items | `tool` messages |
 | `tools` (function), `tool_choice` | function `tools`, `tool_choice` |
 | `text.format` (`text`, `json_object`, `json_schema`) | `response_format` |
-| `max_output_tokens`, `temperature`, `top_p`, `parallel_tool_calls`, `user`, `prompt_cache_key` | the same |
+| `max_output_tokens` (at least 16, as in OpenAI's API), `temperature`, `top_p`, `parallel_tool_calls`, `user`, `prompt_cache_key` | the same |
 | `stream` | `stream` with `include_usage` |
 """
 
@@ -69,6 +69,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{16,64}")
 INT32_MAX = 2**31 - 1
+MIN_OUTPUT_TOKENS = 16  # OpenAI's API refuses a smaller `max_output_tokens`
 MAX_FORMAT_DESCRIPTION = 4096  # characters of `text.format.description` sent upstream
 Ids = Callable[[str], str]  # prefix -> a new unguessable id
 
@@ -488,7 +489,14 @@ def check(body: Any, ids: Ids = new_item_id) -> ResponsesRequest:
     prev = body.get("previous_response_id")
     if prev is not None and (not isinstance(prev, str) or not RESPONSE_ID.fullmatch(prev)):
         raise bad("'previous_response_id' must be a response id (resp_...)", "previous_response_id")
-    number(body, "max_output_tokens", 1, INT32_MAX, integer=True)
+    cap = body.get("max_output_tokens")
+    if type(cap) is int and cap < MIN_OUTPUT_TOKENS:  # OpenAI's words for it
+        raise bad(
+            "Invalid 'max_output_tokens': integer below minimum value. Expected a value "
+            f">= {MIN_OUTPUT_TOKENS}, but got {cap} instead.",
+            "max_output_tokens",
+        )
+    number(body, "max_output_tokens", MIN_OUTPUT_TOKENS, INT32_MAX, integer=True)
     number(body, "temperature", 0, 2, integer=False)
     number(body, "top_p", 0, 1, integer=False)
     include = body.get("include")

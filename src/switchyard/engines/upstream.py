@@ -89,6 +89,11 @@ _CONTEXT_WORDS = (
     "prompt is too long",
 )
 _CONTEXT_KINDS = frozenset({"exceed_context_size_error", "context_length_exceeded"})
+# The statuses an engine refuses a prompt past its context with: 400 (llama-server's
+# `exceed_context_size_error`, vLLM's, OpenAI's and Anthropic's), 413 (a proxy or
+# provider that answers "too large"). Another 4xx (401, 403, 404, 422, ...) is its
+# own failure even when its words mention the context.
+_CONTEXT_STATUSES = frozenset({400, 413})
 # llama-server's refusal of a request member: "Field 'n': Value must be between ...".
 _FIELD = re.compile(r"Field '([A-Za-z_][A-Za-z0-9_.]{0,63})'")
 
@@ -99,14 +104,16 @@ def _count(value: Any) -> int | None:
 
 
 def _context_refusal(
-    detail: dict[str, Any], message: str, name: str, path: str | None
+    status: int, detail: dict[str, Any], message: str, name: str, path: str | None
 ) -> ContextLengthExceeded | None:
-    """The upstream's 4xx as `context_length_exceeded` when it says the prompt (with
+    """The upstream's 400 or 413 as `context_length_exceeded` when it says the prompt (with
     the output it may write) does not fit the model's context: llama-server's
     `exceed_context_size_error`, OpenAI's `context_length_exceeded` code, the words
     vLLM, llama-server and Anthropic use for it. The client is told in the gateway's
     own words, with llama-server's counts when it gives them (integers); `param`
     names the prompt's member on the path it was sent to."""
+    if status not in _CONTEXT_STATUSES:
+        return None
     kinds = (detail.get("type"), detail.get("code"))
     text = message[:1000].lower()
     if not any(k in _CONTEXT_KINDS for k in kinds if isinstance(k, str)) and not any(
@@ -133,8 +140,8 @@ def _upstream_error(
     """Map a non-2xx upstream reply onto our error hierarchy: one mapping for both
     protocols. OpenAI's body `{"error": {"message", "param"}}` and Anthropic's
     `{"type": "error", "error": {"type", "message"}}` both carry the message under
-    `error`; Anthropic's 529 (`overloaded_error`) is a 503 by another number. A 4xx
-    that says the prompt is past the model's context is `context_length_exceeded`
+    `error`; Anthropic's 529 (`overloaded_error`) is a 503 by another number. A 400 or
+    413 that says the prompt is past the model's context is `context_length_exceeded`
     (`path`, the upstream path the request went to, names its prompt member)."""
     message = f"upstream {name} answered HTTP {status}"
     param = None
@@ -164,7 +171,7 @@ def _upstream_error(
         )
         err.retry_class = "429"
     elif 400 <= status < 500 and status != 408:
-        context = _context_refusal(fields, message, name, path)
+        context = _context_refusal(status, fields, message, name, path)
         if context is not None:
             return context
         if isinstance(param, str):

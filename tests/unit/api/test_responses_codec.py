@@ -340,7 +340,7 @@ _item = st.one_of(
 )
 _optional = {
     "instructions": _text,
-    "max_output_tokens": st.integers(1, 2**31 - 1),
+    "max_output_tokens": st.integers(16, 2**31 - 1),
     "temperature": st.floats(0, 2),
     "top_p": st.floats(0, 1),
     "stream": st.booleans(),

@@ -45,7 +45,7 @@ _any_requests = st.fixed_dictionaries(
     {"model": st.just("m"), "input": _text.filter(bool)},
     optional={
         "instructions": _text,
-        "max_output_tokens": st.integers(1, 2**31 - 1),
+        "max_output_tokens": st.integers(16, 2**31 - 1),
         "temperature": st.one_of(st.integers(0, 2), st.floats(0, 2)),
         "top_p": st.floats(0, 1),
         "parallel_tool_calls": st.booleans(),

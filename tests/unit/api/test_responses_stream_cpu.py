@@ -348,7 +348,7 @@ _requests = st.fixed_dictionaries(
     {"model": st.just("m"), "input": st.just("x")},
     optional={
         "instructions": st.text(max_size=8),
-        "max_output_tokens": st.integers(1, 99),
+        "max_output_tokens": st.integers(16, 99),
         "temperature": st.floats(0, 2),
         "top_p": st.floats(0, 1),
         "parallel_tool_calls": st.booleans(),
