@@ -10,6 +10,7 @@ as the data to send; the wire framing is the protocol's (api/sse.py).
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -244,14 +245,28 @@ def _pieces(calls: list[Any]) -> list[ToolCallPiece]:
     return out
 
 
+def first_choice(reply: dict[str, Any]) -> dict[str, Any]:
+    """Choice 0 of a whole reply (a chat completion or a completion), the answer the
+    client asked for: the first object of index 0 (or of none: an upstream that leaves
+    the index out sends one choice), wherever it sits in `choices`, as the stream's
+    `chunk_parts` reads a chunk's; {} when there is none. An upstream that sends its
+    choices out of order (index 1 first) is still read for choice 0. The one reading
+    of a whole reply's choice 0 (Responses, Messages, a cached reply replayed)."""
+    choices = reply.get("choices")
+    if type(choices) is not list or not choices:
+        return {}
+    choice = choices[0]
+    if isinstance(choice, dict) and _first(choice.get("index")):
+        return choice  # the usual reply: choice 0 first
+    return next((c for c in choices if isinstance(c, dict) and _first(c.get("index"))), {})
+
+
 def stream_chunks(chat: dict[str, Any]) -> list[ChatChunk]:
     """A whole chat completion (a cache hit, replayed as a stream) as the chunks a
     stream of it carries: its text, each tool call, the finish reason, the usage. The
     protocols that translate stream chunks (Messages, Responses) replay a hit through
     the same translation as a live stream."""
-    choices = chat.get("choices")
-    choice = choices[0] if isinstance(choices, list) and choices else {}
-    choice = choice if isinstance(choice, dict) else {}
+    choice = first_choice(chat)
     msg = choice.get("message")
     msg = msg if isinstance(msg, dict) else {}
     out: list[ChatChunk] = []
@@ -429,6 +444,33 @@ def cut_choices(data: bytes) -> set[int]:
     }
 
 
+# Whether a stream event's bytes may finish a choice (a `finish_reason` that is a
+# string, not null): one search per event until choice 0 has finished, whatever the
+# upstream's spacing. A text's quotes are escaped in its JSON, so only a member matches.
+_finishing = re.compile(rb'"finish_reason"\s*:\s*"').search
+
+
+def _finishes(data: bytes) -> bool:
+    """Whether a stream event finishes choice 0: the first choice of index 0 (or of
+    none, as `chunk_parts` reads it) has a `finish_reason` that is a non-empty string.
+    Read only for the rare event whose bytes show a finish (`_finishing`)."""
+    try:
+        ended: list[Any] = _read_choices(data).choices
+    except msgspec.ValidationError:  # choices not all objects: read as they are
+        obj = reply_object(data)
+        return obj is not None and _said_finish(first_choice(obj).get("finish_reason"))
+    except msgspec.DecodeError:
+        return False
+    for c in ended:
+        if _first(c.index):
+            return _said_finish(c.finish_reason)
+    return False
+
+
+def _said_finish(finish: Any) -> bool:
+    return type(finish) is str and finish != ""
+
+
 def _error_event(data: bytes) -> bool:
     """Whether a stream event is an upstream's `error` object (an engine that broke off
     its answer mid-stream: vLLM, llama.cpp send one, then may send `[DONE]`)."""
@@ -439,18 +481,30 @@ def _error_event(data: bytes) -> bool:
     return type(obj) is dict and "error" in obj
 
 
+# The data of the `[DONE]` event: what reply.relay passes on after the last chunk of
+# a stream whose choice 0 never finished (the upstream's own end, relayed as it came).
+DONE_DATA = b"[DONE]"
+
+
 async def relay(
     ctx: RequestContext, data: AsyncIterator[list[bytes]], side: ReplySide | None, close: Any
 ) -> AsyncIterator[list[bytes]]:
     """A stream's lifecycle: the data of each upstream read's events, through the
     reply side, as the data to send in one write. The status is OK before the last
-    write (which then carries the end); an upstream that broke off or the task's
+    write (which then carries the end), unless the upstream ended a stream that is not
+    a whole answer: an `error` object then `[DONE]`, or `[DONE]` before choice 0 said
+    it finished (no `finish_reason`: the answer is truncated), which are relayed as
+    they came and recorded INCOMPLETE (the latter's `[DONE]` passed on as data,
+    DONE_DATA: the translation ends both as broken); an upstream that broke off or the task's
     cancel ends it by raising the SwitchyardError the client is to be told, with the
     status set. The usage chunk that the gateway asked for on the client's behalf is
     dropped unless the client asked for it too. `close(complete)` ends the upstream
     call (a stream that did not finish drops the connection: the engine stops)."""
     done = False
     broken = False  # the upstream sent an `error` event: relayed, and not a success
+    # Choice 0 said it finished (its `finish_reason`): `[DONE]` before that ends an
+    # answer the engine never finished, a truncated one, not a success.
+    finished = False
     last = 0.0
     run = ctx.run
     include_usage = ctx.include_usage
@@ -462,9 +516,11 @@ async def relay(
         async for batch in data:
             out: list[bytes] = []
             for d in batch:
-                if d == b"[DONE]":
+                if d == b"[DONE]":  # (a constant: DONE_DATA's global read, per event)
                     done = True
                     break
+                if not finished and _finishing(d) is not None:
+                    finished = _finishes(d)
                 if proving and b'"length"' in d:
                     cut = cut_choices(d)
                     if cut:
@@ -484,14 +540,21 @@ async def relay(
                             if not include_usage and not obj.get("choices"):
                                 continue  # asked for by the gateway, not by the client
                     out.append(piece)
+            unfinished = done and not broken and not finished
             if done:
                 if side is not None:
                     out.extend(side.end(not broken))
-                if broken:  # relayed as it came, recorded as what it was
+                if broken or unfinished:  # relayed as it came, recorded as what it was
                     ctx.status, ctx.error_code = Status.INCOMPLETE, UpstreamError.code
                 else:
                     ctx.status = Status.OK  # the end goes out in the same write
             run.chunks += len(out)
+            if unfinished:
+                # `[DONE]` passed on as data after the last chunk: a chat client gets
+                # the bytes the upstream sent (api/sse.py `frame` adds no `[DONE]` of
+                # its own to a stream that is not OK); a translated stream ends there
+                # as broken (api/sse.py `translated`: the protocol's error events).
+                out.append(DONE_DATA)
             if out or done:
                 now = time.perf_counter()
                 if ctx.timings.client_first_byte is None:

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from switchyard.errors import SwitchyardError
-from switchyard.reply import ChatChunk, chunk_parts
+from switchyard.reply import ChatChunk, chunk_parts, first_choice
 from switchyard.usage import counts
 
 # chat `finish_reason` -> Messages `stop_reason`
@@ -69,10 +69,9 @@ def usage_of(usage: Any) -> dict[str, int]:
 
 
 def to_message(chat: dict[str, Any], model: str) -> dict[str, Any]:
-    """A chat completion as a Messages `message` (the first choice: Messages has one)."""
-    choices = chat.get("choices")
-    choice = choices[0] if isinstance(choices, list) and choices else {}
-    msg = choice.get("message") if isinstance(choice, dict) else None
+    """A chat completion as a Messages `message` (its choice 0: Messages has one)."""
+    choice = first_choice(chat)
+    msg = choice.get("message")
     msg = msg if isinstance(msg, dict) else {}
     text = msg.get("content")
     if not isinstance(text, str):
@@ -97,7 +96,7 @@ def to_message(chat: dict[str, Any], model: str) -> dict[str, Any]:
                     "input": _input(fn.get("arguments")),
                 }
             )
-    finish = choice.get("finish_reason") if isinstance(choice, dict) else None
+    finish = choice.get("finish_reason")
     return {
         "id": message_id(chat.get("id")),
         "type": "message",

@@ -9,7 +9,9 @@ in the shape of the protocol that asked. Stream events carry `sequence_number`s:
 `response.output_item.added`, for a message `response.content_part.added`,
 `response.output_text.delta`…, `response.output_text.done`, `response.content_part.done`,
 for a function call `response.function_call_arguments.delta`…,
-`response.function_call_arguments.done`, then `response.output_item.done`; last
+`response.function_call_arguments.done`, then `response.output_item.done` (items
+are done in output order; a function call's at the stream's end, since an upstream
+may interleave its calls' pieces: `ResponseEvents`); last
 `response.completed` (`response.incomplete` for a choice cut at `length` or by a
 content filter), or on a broken stream `error` and `response.failed`. A refusal is a
 message item of its own (`refusal` part, `response.refusal.delta`/`.done`); a call
@@ -29,7 +31,14 @@ import orjson
 
 from switchyard.api.responses_codec import Ids, ResponsesRequest, new_item_id
 from switchyard.errors import SwitchyardError
-from switchyard.reply import ChatChunk, ToolCallPiece, TypedChunk, chunk_parts, typed_parts
+from switchyard.reply import (
+    ChatChunk,
+    ToolCallPiece,
+    TypedChunk,
+    chunk_parts,
+    first_choice,
+    typed_parts,
+)
 from switchyard.usage import counts
 
 
@@ -222,11 +231,9 @@ INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
 
 def chat_message(chat: dict[str, Any]) -> dict[str, Any]:
-    """The assistant message of a chat completion (its first choice), as a chat message
+    """The assistant message of a chat completion (its choice 0), as a chat message
     the conversation continues from."""
-    choices = chat.get("choices")
-    choice = choices[0] if isinstance(choices, list) and choices else {}
-    msg = choice.get("message") if isinstance(choice, dict) else None
+    msg = first_choice(chat).get("message")
     msg = msg if isinstance(msg, dict) else {}
     out: dict[str, Any] = {"role": "assistant", "content": msg.get("content")}
     if isinstance(msg.get("tool_calls"), list) and msg["tool_calls"]:
@@ -235,17 +242,13 @@ def chat_message(chat: dict[str, Any]) -> dict[str, Any]:
 
 
 def _finish(chat: dict[str, Any]) -> str | None:
-    choices = chat.get("choices")
-    choice = choices[0] if isinstance(choices, list) and choices else {}
-    got = choice.get("finish_reason") if isinstance(choice, dict) else None
+    got = first_choice(chat).get("finish_reason")
     return got if isinstance(got, str) else None
 
 
 def _refusal(chat: dict[str, Any]) -> str:
-    """The refusal of a chat completion's first choice ("" when it has none)."""
-    choices = chat.get("choices")
-    choice = choices[0] if isinstance(choices, list) and choices else {}
-    msg = choice.get("message") if isinstance(choice, dict) else None
+    """The refusal of a chat completion's choice 0 ("" when it has none)."""
+    msg = first_choice(chat).get("message")
     got = msg.get("refusal") if isinstance(msg, dict) else None
     return got if isinstance(got, str) else ""
 
@@ -419,8 +422,16 @@ def delta_event(head: bytes, text: str, seq: int) -> bytes:
 
 class ResponseEvents:
     """Chat completion chunks in, Responses events out, for one stream: the output
-    items so far (the open one last), the finish reason and usage, and the sequence.
-    Each step appends its events to the caller's list (api/sse.py's Translator)."""
+    items so far, the finish reason and usage, and the sequence. Each step appends its
+    events to the caller's list (api/sse.py's Translator).
+
+    An item is done (its `.done` events, then `response.output_item.done`) once nothing
+    more can come for it, and items are done in output order: a message (or refusal)
+    item when the next item opens, a function call item only when the stream ends, since
+    an upstream may interleave the pieces of its calls (call 0, then 1, then 0 again:
+    each piece is a delta of its own item, never one after that item is done, and each
+    item's arguments are all its pieces in order). A message item that opens after a
+    call waits for it, behind it in output order, to be done with it."""
 
     typed = True  # `chunk` takes reply.TypedChunk: sse.translated reads the usual chunk so
 
@@ -432,8 +443,13 @@ class ResponseEvents:
         self.seq = 0
         self.started = False
         self.output: list[dict[str, Any]] = []
-        self.open: dict[str, Any] | None = None  # the output item being streamed
-        self.calls: dict[int, dict[str, Any]] = {}  # chat tool call index -> item
+        self.open: dict[str, Any] | None = None  # the message item being streamed
+        # chat tool call index -> (its function call item, the item's output index)
+        self.calls: dict[Any, tuple[dict[str, Any], int]] = {}
+        # Items added and not yet done, with their output index, in output order: the
+        # open message (last), the calls (open until the stream ends), and a message
+        # after a call that is waiting for the call to be done before it.
+        self.pending: list[tuple[dict[str, Any], int]] = []
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
         # How it ended (completed, incomplete, failed) and its response object then,
@@ -478,21 +494,31 @@ class ResponseEvents:
             elif self._refusal is not None:
                 self.open["content"][0]["refusal"] = "".join(self._refusal)
 
-    def _close(self, out: list[bytes]) -> None:
-        item = self.open
-        if item is None:
-            return
-        self._text_so_far()
-        refused = self._refusal is not None
-        self.open, self._text, self._refusal = None, None, None
-        index = self.output.index(item)
+    def _settle(self) -> None:
+        """The open message item is whole: its text (or refusal) joined into it, and
+        nothing more goes to it (the next text opens a message item of its own)."""
+        if self.open is not None:
+            self._text_so_far()
+            self.open, self._text, self._refusal = None, None, None
+
+    def _done_so_far(self, out: list[bytes]) -> None:
+        """The pending items that can be done now, in output order: those up to the
+        first function call (open until the stream ends) or the open message."""
+        pending = self.pending
+        while pending and (item := pending[0][0]) is not self.open:
+            if item["type"] == "function_call":
+                return
+            self._done(*pending.pop(0), out)
+
+    def _done(self, item: dict[str, Any], index: int, out: list[bytes]) -> None:
+        """The events that end one whole item at output `index`."""
         if item["type"] == "message":
             item["status"] = "completed"
-            if refused:
+            if item["content"][0]["type"] == "refusal":
                 self._refusal_done(item, index, out)
                 return
             text = item["content"][0]["text"]
-            out.append(message_done(self._item_id, index, text, self.seq))
+            out.append(message_done(orjson.dumps(item["id"]), index, text, self.seq))
             self.seq += 3
             return
         item["status"] = call_status(item["arguments"])  # (once per call, at its end)
@@ -509,6 +535,13 @@ class ResponseEvents:
         out.append(
             self._event({"type": "response.output_item.done", "output_index": index, "item": item})
         )
+
+    def _close(self, out: list[bytes]) -> None:
+        """The end of a complete stream's items: every pending one done, in order."""
+        self._settle()
+        pending, self.pending = self.pending, []
+        for item, index in pending:
+            self._done(item, index, out)
 
     def _refusal_done(self, item: dict[str, Any], index: int, out: list[bytes]) -> None:
         """`response.refusal.done`, `.content_part.done`, `.output_item.done` of a
@@ -537,29 +570,37 @@ class ResponseEvents:
         at = {"item_id": item["id"], "output_index": index, "content_index": 0}
         out.append(self._event({"type": "response.refusal.delta", **at, "delta": refusal}))
 
-    def _add(self, item: dict[str, Any], out: list[bytes]) -> None:
-        self._close(out)
+    def _add(self, item: dict[str, Any], out: list[bytes]) -> int:
+        """A new output item (its `added` events; a message item is then the open one):
+        the open message item is whole, and done unless a call before it is open.
+        Returns its output index."""
+        self._settle()
+        self._done_so_far(out)
+        index = len(self.output)
         self.output.append(item)
+        self.pending.append((item, index))
+        if item["type"] != "message":  # a function call
+            out.append(
+                self._event(
+                    {"type": "response.output_item.added", "output_index": index, "item": item}
+                )
+            )
+            return index
         self.open = item
-        index = len(self.output) - 1
-        if item["type"] == "message" and item["content"][0]["type"] == "refusal":
+        if item["content"][0]["type"] == "refusal":
             added = {**item, "content": []}  # (a refusal's: made from its object)
             out.append(
                 self._event(
                     {"type": "response.output_item.added", "output_index": index, "item": added}
                 )
             )
-            return
-        if item["type"] == "message":
+        else:
             self._text = []
             self._item_id = orjson.dumps(item["id"])
             self._delta_head = text_delta_head(item["id"], index)
             out.append(message_added(self._item_id, index, self.seq))
             self.seq += 2
-            return
-        out.append(
-            self._event({"type": "response.output_item.added", "output_index": index, "item": item})
-        )
+        return index
 
     def chunk(self, chunk: ChatChunk | TypedChunk, out: list[bytes]) -> None:
         """The events of one chat completion chunk: read typed (reply.TypedChunk, the
@@ -612,12 +653,20 @@ class ResponseEvents:
             self.finish = finish
 
     def _calls(self, calls: Sequence[ToolCallPiece], out: list[bytes]) -> None:
+        """Tool call pieces: each call a function call item (opened at its first piece,
+        by its chat index), each piece's arguments a delta of that item, which stays
+        open until the stream ends, whatever order the calls' pieces come in."""
         for call in calls:
-            item = self.calls.get(call.index)
-            if item is None:
+            key = call.index
+            try:
+                known = self.calls.get(key)
+            except TypeError:  # an index that is no key (a list): known by its text
+                key = repr(key)
+                known = self.calls.get(key)
+            if known is None:
                 item = call_item(call.call_id, call.name, "", self.shell.ids("fc"), "in_progress")
-                self.calls[call.index] = item
-                self._add(item, out)
+                known = self.calls[key] = (item, self._add(item, out))
+            item, index = known
             if call.arguments:
                 item["arguments"] += call.arguments
                 out.append(
@@ -625,7 +674,7 @@ class ResponseEvents:
                         {
                             "type": "response.function_call_arguments.delta",
                             "item_id": item["id"],
-                            "output_index": self.output.index(item),
+                            "output_index": index,
                             "delta": call.arguments,
                         }
                     )
@@ -656,11 +705,10 @@ class ResponseEvents:
         """The end of a stream cut off between events (its client left): `incomplete`
         for `reason`, with the output so far, the item it was in marked `incomplete`
         with what it had; kept in `final` (no event: no one is left to read it)."""
-        self._text_so_far()
-        item = self.open
-        if item is not None:
+        self._settle()
+        for item, _ in self.pending:  # never done: what it had
             item["status"] = "incomplete"
-            self.open, self._text, self._refusal = None, None, None
+        self.pending = []
         self.status, self._final = "incomplete", None
         self.final_json = self.shell.encoded(
             "incomplete", orjson.dumps(self.output), usage_of(self.usage), incomplete=reason

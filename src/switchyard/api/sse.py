@@ -21,7 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from switchyard.errors import SwitchyardError, UpstreamError
 from switchyard.pipeline import RequestContext, Status
-from switchyard.reply import ChatChunk, read_chunk, read_typed
+from switchyard.reply import DONE_DATA, ChatChunk, first_choice, read_chunk, read_typed
 
 DONE = b"data: [DONE]\n\n"
 # Looked at once per write: an enum member read off its class costs ten times a
@@ -159,6 +159,7 @@ async def translated(
     # (reply.typed_parts, property-tested).
     read: Callable[[bytes], Any] = read_typed if getattr(events, "typed", False) else read_chunk
     step: Callable[[Any, list[bytes]], None] = events.chunk
+    unfinished = False  # the relay passed `[DONE]` on: choice 0 never finished
     try:
         async for batch in data:
             out: list[bytes] = []
@@ -173,6 +174,9 @@ async def translated(
                     except msgspec.DecodeError:
                         raise _unreadable(ctx) from None
                 except msgspec.DecodeError:  # not JSON, or not UTF-8: its text is lost
+                    if d == DONE_DATA:  # (not JSON: looked at here, nothing per chunk)
+                        unfinished = True  # the relay's last data: the stream ends below
+                        continue
                     raise _unreadable(ctx) from None
                 step(c, out)
             if ctx.status is _OK:
@@ -182,9 +186,12 @@ async def translated(
                 yield b"".join(out)
         if ctx.status is not _OK:
             # The relay ended without raising, yet not complete: the upstream sent an
-            # `error` object, then `[DONE]` (reply.relay relays that to a chat client as
-            # it came and records it INCOMPLETE). A translated stream ends as broken.
-            # Checked once per stream, after its last batch: nothing per chunk.
+            # `error` object, then `[DONE]`, or `[DONE]` before choice 0 finished
+            # (reply.relay relays either to a chat client as it came and records it
+            # INCOMPLETE). A translated stream ends as broken. Checked once per
+            # stream, after its last batch: nothing per chunk.
+            if unfinished:
+                raise UpstreamError("the upstream ended the stream before its answer finished")
             raise UpstreamError("the upstream broke off its answer with an error")
     except SwitchyardError as exc:
         tail: list[bytes] = []
@@ -220,7 +227,7 @@ async def replayed(chunks: list[ChatChunk], events: Translator) -> AsyncIterator
 def replay(obj: dict[str, Any], include_usage: bool, chunk_chars: int = 24) -> AsyncIterator[bytes]:
     """A cached chat.completion, or text_completion, replayed as the SSE stream a
     client of its endpoint expects."""
-    choice = (obj.get("choices") or [{}])[0]
+    choice = first_choice(obj)
     completion = obj.get("object") == "text_completion" or (
         "text" in choice and "message" not in choice
     )
