@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from hypothesis import settings as hypothesis_settings
 
-from support.gateways import Gateway, start_gateway
+from support.gateways import Gateway, cheap_config, start_gateway
 from support.redis_server import start_redis, stop_redis
 from support.upstreams import Scripted, start_scripted, start_worker
 
@@ -65,6 +65,15 @@ def scripted() -> Iterator[Scripted]:
     proc, s = start_scripted()
     yield s
     proc.stop()
+
+
+@pytest.fixture(scope="module")
+def gw(scripted: Scripted) -> Iterator[Gateway]:
+    """A module's gateway on `cheap_config` over its scripted upstream, stopped after
+    it. A module that needs another configuration defines its own `gw`."""
+    g = start_gateway(cheap_config(scripted))
+    yield g
+    g.proc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -18,25 +18,17 @@ Defects these tests found (each failed on the code before policy/validate.py bou
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from support.gateways import Gateway, cheap_config, start_gateway
+from support.gateways import Gateway
 from support.upstreams import Scripted
 
 AUDIO = "UklGRiQAAABXQVZFZm10IBAAAAAB"  # base64 of a WAV header's first bytes
 LONG = "x" * 1000  # the longest stop string
 WHERE = "messages[0].content[1]"
-
-
-@pytest.fixture(scope="module")
-def gw(scripted: Scripted) -> Iterator[Gateway]:
-    g = start_gateway(cheap_config(scripted))
-    yield g
-    g.proc.stop()
 
 
 def _ask() -> str:

@@ -14,27 +14,18 @@ import os
 import re
 import socket
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from starlette.requests import Request
 
-from support.gateways import Gateway, cheap_config, start_gateway
-from support.upstreams import Scripted
+from support.gateways import Gateway
 from switchyard.api.body import BAD_FRAMING, read_body
 from switchyard.errors import ClientDisconnected, InvalidRequest
 
 # What a hang-up must never leave in the gateway's log.
 NOISE = re.compile(r"Traceback|ClientDisconnect\b| ERROR |unhandled error")
-
-
-@pytest.fixture(scope="module")
-def gw(scripted: Scripted) -> Iterator[Gateway]:
-    g = start_gateway(cheap_config(scripted))
-    yield g
-    g.proc.stop()
 
 
 def _key(gw: Gateway) -> tuple[str, str]:

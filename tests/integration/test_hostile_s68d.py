@@ -53,13 +53,6 @@ def scripted() -> Iterator[Scripted]:
 
 
 @pytest.fixture(scope="module")
-def gw(scripted: Scripted) -> Iterator[Gateway]:
-    g = start_gateway(cheap_config(scripted))
-    yield g
-    g.proc.stop()
-
-
-@pytest.fixture(scope="module")
 def workers(scripted: Scripted) -> Iterator[Gateway]:
     g = start_gateway(cheap_config(scripted), serve_args=("--workers", "2"))
     yield g

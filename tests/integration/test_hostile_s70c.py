@@ -18,25 +18,17 @@ each block and tool alone, never the request as a whole):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from support.gateways import Gateway, cheap_config, start_gateway
+from support.gateways import Gateway
 from support.upstreams import Scripted
 
 ASK = [{"role": "user", "content": "look it up"}]
 TOOL = {"name": "search", "description": "search", "input_schema": {"type": "object"}}
 COUNT = "/v1/messages/count_tokens"
-
-
-@pytest.fixture(scope="module")
-def gw(scripted: Scripted) -> Iterator[Gateway]:
-    g = start_gateway(cheap_config(scripted))
-    yield g
-    g.proc.stop()
 
 
 def _post(gw: Gateway, body: Any, path: str = "/v1/messages", **headers: str) -> httpx.Response:

@@ -20,19 +20,11 @@ from typing import Any
 
 import httpx
 import orjson
-import pytest
 
-from support.gateways import Gateway, cheap_config, start_gateway
+from support.gateways import Gateway
 from support.upstreams import Scripted
 
 MISSING = "resp_" + "0" * 12 + "ab" * 10  # well formed, never made
-
-
-@pytest.fixture(scope="module")
-def gw(scripted: Scripted) -> Iterator[Gateway]:
-    g = start_gateway(cheap_config(scripted))
-    yield g
-    g.proc.stop()
 
 
 def _auth(key: str) -> dict[str, str]:
