@@ -79,6 +79,7 @@ from switchyard.policy.pii_identifiers import (
     _ipv6_runs,
     _kr_rrn,
     _kr_rrn_strict,
+    _luhn,
     _national_phone,
     _trunk_zero,
 )
@@ -144,14 +145,6 @@ _CARD = _rx(
     r"(?![\w]|[.,]\d)"
 )
 _CARD_SEPARATOR = _rx(r"[ -]")
-
-
-def _luhn(digits: str) -> bool:
-    total = 0
-    for i, c in enumerate(reversed(digits)):
-        d = int(c) * (2 if i % 2 else 1)
-        total += d - 9 if d > 9 else d
-    return total % 10 == 0
 
 
 def _card(m: re.Match[str]) -> Span | None:

@@ -3,8 +3,12 @@ addresses and phone numbers.
 
 A number must have the shape of what it claims to be *and* pass the check that shape
 implies (mod-97 for IBANs, a real date for Korean resident numbers, valid octets and
-groups for IPs, a digit count and one separator for phones), so a year, a price or an
-order number is left alone. Cards, checked by Luhn, are in pii.py.
+groups for IPs, a digit count and one separator for phones, Luhn for cards, whose shapes
+are in pii.py), so a year, a price or an order number is left alone.
+
+`personal_number` applies the checksummed and structured ones to a value a client sends
+where an id belongs (a task id, a request id): an id is kept in usage rows, traces and
+spans as sent, so one that is a card number, an IBAN or a national id must be refused.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from switchyard.policy.pii_detector import (
     _rx,
     _table,
     _View,
+    _whole,
 )
 
 # --------------------------------------------------------------------------- e-mail
@@ -75,6 +80,19 @@ def _iban(m: re.Match[str]) -> Span | None:
         return None
     compact = m.group(0).replace(" ", "")[:length]
     return (m.start(), end) if _mod97(compact) else None
+
+
+# --------------------------------------------------------------------------- cards
+
+# Cards (their shapes) are matched in pii.py; the check digit is here, for ids too.
+
+
+def _luhn(digits: str) -> bool:
+    total = 0
+    for i, c in enumerate(reversed(digits)):
+        d = int(c) * (2 if i % 2 else 1)
+        total += d - 9 if d > 9 else d
+    return total % 10 == 0
 
 
 # --------------------------------------------------------------------------- national ids
@@ -208,3 +226,31 @@ def _national_phone(m: re.Match[str]) -> Span | None:
     if len(set(_PHONE_SEPARATOR.findall(tail))) > 1:
         return None
     return m.span() if 9 <= _digit_count(s) <= 15 else None
+
+
+# --------------------------------------------------------------------------- ids
+
+# An id's parts: `task-4012888888881881` holds a card number the text detectors (which
+# want a number to stand alone) would not see in it.
+_ID_PARTS = re.compile(r"[-_.:]")
+# A card number as a whole part (issuers' first digits 2-6, as pii.py `_CARD`), or grouped
+# by dashes as the whole id.
+_CARD_ID = re.compile(r"[2-6]\d{12,18}")
+_DASHED = re.compile(r"\d+(?:-\d+)+")
+_ID_NUMBERS = ((_IBAN, _iban), (_SSN, _whole), (_KR_RRN, _kr_rrn))
+
+
+def personal_number(value: str) -> bool:
+    """True if the id `value` holds a card number (Luhn), an IBAN (mod-97), a US SSN or
+    a Korean resident number, as a whole or as one of its `-_.:`-separated parts."""
+    parts = _ID_PARTS.split(value)
+    if _DASHED.fullmatch(value):
+        parts.append(value.replace("-", ""))
+    if any(_CARD_ID.fullmatch(p) and _luhn(p) for p in parts):
+        return True
+    for text in (value, *parts):
+        for rx, check in _ID_NUMBERS:
+            for m in rx.finditer(text):
+                if check(m) is not None:
+                    return True
+    return False

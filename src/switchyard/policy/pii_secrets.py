@@ -24,6 +24,7 @@ from switchyard.policy.pii_detector import (
     _View,
     _whole,
 )
+from switchyard.policy.pii_identifiers import personal_number
 
 # --------------------------------------------------------------------------- secrets
 
@@ -287,11 +288,12 @@ _ID_SECRETS = (
 
 
 def credential_shaped(value: str) -> bool:
-    """True if `value` holds a credential by its shape: a key a client pasted where an
-    id belongs (`x-request-id`, `x-task-id`, `Idempotency-Key`, ...), which must be
-    refused rather than kept in usage rows, traces and tables."""
+    """True if `value` holds a credential by its shape, or a personal number (a card
+    number, an IBAN, a national id: pii_identifiers.py `personal_number`): what a client
+    pasted where an id belongs (`x-request-id`, `x-task-id`, `Idempotency-Key`, ...),
+    which must be refused rather than kept in usage rows, traces, spans and tables."""
     for rx, check in _ID_SECRETS:
         for m in rx.finditer(value):
             if check(m) is not None:
                 return True
-    return False
+    return personal_number(value)

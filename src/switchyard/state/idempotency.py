@@ -10,9 +10,13 @@ failed attempt releases the key so the client's retry runs again.
 
 A client's key is never stored as sent (it is free text: a pasted credential fits it):
 the `key` column holds an HMAC-SHA256 of it (`IdempotencyStore.stored_key`), which a
-repeat computes again to find its reply. The HMAC's key is a subkey of the key the
-store is given: the gateway's key of stored responses (state/responses.py), which every
-process on the store shares; without one, a key this process alone holds.
+repeat computes again to find its reply. Nor is the request's plain digest (`body_hash`):
+the body holds the client's text, raw, and a short prompt's PII (a phone number, a card
+number) could be guessed offline against an unkeyed SHA-256 of it, so the `body_hash`
+column holds its HMAC-SHA256 (`IdempotencyStore.stored_digest`). The HMACs' keys are
+subkeys of the key the store is given: the gateway's key of stored responses
+(state/responses.py), which every process on the store shares; without one, a key this
+process alone holds.
 
 A reply answers repeats for `idempotency.ttl_s` from its claim; past that the
 retention pass deletes it (`forget_expired`, control/retention.py), and the byte budget
@@ -109,10 +113,16 @@ class IdempotencyStore:
         secret = key if key is not None else secrets.token_bytes(32)
         # A subkey: the key given may serve another purpose (sealing) as well.
         self._mac_key = hmac.new(secret, b"switchyard idempotency-key", hashlib.sha256).digest()
+        self._body_key = hmac.new(secret, b"switchyard idempotency-body", hashlib.sha256).digest()
 
     def stored_key(self, key: str) -> str:
         """What the `key` column holds for a client's key: its HMAC-SHA256, in hex."""
         return hmac.new(self._mac_key, key.encode(), hashlib.sha256).hexdigest()
+
+    def stored_digest(self, digest: str) -> str:
+        """What the `body_hash` column holds for a request's digest (`body_hash`): its
+        HMAC-SHA256, in hex, so the column cannot be tested against guessed bodies."""
+        return hmac.new(self._body_key, digest.encode(), hashlib.sha256).hexdigest()
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await on_io(self._io, "the Idempotency-Key's claim", fn, *args)
@@ -156,7 +166,7 @@ class IdempotencyStore:
         """None: the caller owns the key and must `complete` or `release` it.
         A StoredReply: answer with it. Waits for an in-flight owner until `deadline`
         (perf_counter seconds)."""
-        key = self.stored_key(key)
+        key, digest = self.stored_key(key), self.stored_digest(digest)
         while True:
             got = await self._run(self._claim, tenant, key, digest)
             if isinstance(got, StoredReply):
