@@ -111,7 +111,10 @@ class Sessions:
         if key is None or not cookie or len(cookie) > _MAX_COOKIE:
             return None
         parts = cookie.split(".")
-        if len(parts) != 3 or not parts[0].isdigit() or len(parts[0]) > 12:
+        # ASCII digits only: `str.isdigit` also holds for '²' and other digits that
+        # `int` refuses, which would fail every route that reads the session (a 500).
+        digits = parts[0] if len(parts) == 3 else ""
+        if not (digits.isascii() and digits.isdigit()) or len(digits) > 12:
             return None
         expiry, nonce, sig = int(parts[0]), parts[1], parts[2]
         if not hmac.compare_digest(sig.encode(), _mac(key, "session", expiry, nonce).encode()):

@@ -32,6 +32,7 @@ from switchyard.engines.pool import EnginePool
 from switchyard.engines.token_ids import Support
 from switchyard.engines.token_ids import support as token_ids_support
 from switchyard.engines.upstream import OpenAIUpstream
+from switchyard.engines.urls import shown_url
 from switchyard.engines.vllm import ManagedVllm
 
 # Ray Serve's proxy routes a request to a replica that has this model loaded.
@@ -192,7 +193,7 @@ class Deployment:
             return self.fixed_label
         if self.engine is not None:
             return f"{self.engine.kind}:{self.engine.base_url.removesuffix('/v1')}"
-        return self.upstream.base_url
+        return shown_url(self.upstream.base_url)  # never a credential in the URL
 
     def _lora(self) -> list[dict[str, Any]]:
         """The engine's adapters with their scales for this deployment's requests."""
@@ -414,4 +415,4 @@ def _deployment(
         if isinstance(spec, AnthropicEngine)
         else OpenAIUpstream(label, _fixed_url(url), spec.api_key(), spec.max_connections)
     )
-    return Deployment(m, external, fixed_label=url, replica=replica)
+    return Deployment(m, external, fixed_label=shown_url(url), replica=replica)

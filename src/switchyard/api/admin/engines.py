@@ -16,6 +16,9 @@ from switchyard.decide.balance import Balancer
 from switchyard.engines.registry import Registry
 from switchyard.errors import InvalidRequest, ModelNotFound
 
+MAX_DEPLOYMENTS = 256  # names one weights change may give
+MAX_NAME = 128  # characters of a deployment's name
+
 
 class EngineServices(Protocol):
     registry: Registry
@@ -68,9 +71,10 @@ class Engines:
             weights = body.get("weights")
             if (
                 not isinstance(weights, dict)
-                or not weights
+                or not 0 < len(weights) <= MAX_DEPLOYMENTS
                 or not all(
                     isinstance(k, str)
+                    and 0 < len(k) <= MAX_NAME  # echoed when unknown: bounded
                     and isinstance(v, int | float)
                     and not isinstance(v, bool)
                     and 0 <= v <= 1e6
@@ -78,11 +82,16 @@ class Engines:
                 )
             ):
                 raise InvalidRequest(
-                    "'weights' must map deployment names to numbers from 0 to 1000000",
+                    f"'weights' must map at most {MAX_DEPLOYMENTS} deployment names "
+                    f"({MAX_NAME} characters) to numbers from 0 to 1000000",
                     param="weights",
                 )
             reason = body.get("reason")
-            why = reason[:200] if isinstance(reason, str) and reason else "set by the admin API"
+            # Logged and kept in the weights' history: a newline or a terminal's control
+            # sequence would forge lines there, so only printable text is taken.
+            if reason is not None and not (isinstance(reason, str) and reason.isprintable()):
+                raise InvalidRequest("'reason' must be printable text", param="reason")
+            why = reason[:200] if reason else "set by the admin API"
             self.s.set_weights(b.alias, {k: float(v) for k, v in weights.items()}, why)
         return as_json({"model": b.alias, "weights": b.weights(), "config": b.config_weights()})
 

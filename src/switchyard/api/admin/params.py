@@ -1,5 +1,12 @@
 """What the admin routes share: their JSON reply, query parameters read with bounds,
-and a JSON object body that names only the fields a route takes."""
+and a JSON object body that names only the fields a route takes.
+
+Every admin answer goes through `as_json`, which keeps credentials in URLs out of it:
+an upstream configured as `https://user:secret@host/v1?key=...` is recorded as
+written (a usage row's and a trace's `upstream`, a selection's and an attempt's
+evidence), and the answer shows `https://***@host/v1?key=***`. It is also never
+stored by a cache (`Cache-Control: no-store`: a created key or approval token is
+shown once) nor read as anything but JSON (`X-Content-Type-Options: nosniff`)."""
 
 from __future__ import annotations
 
@@ -10,13 +17,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from switchyard.api.body import read_json
+from switchyard.engines.urls import without_credentials
 from switchyard.errors import InvalidRequest
 
 MAX_BODY_BYTES = 65536
+MAX_INT = 2**63 - 1  # what SQLite stores: a larger integer fails the write
 
 
 def as_json(obj: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+    return Response(
+        without_credentials(orjson.dumps(obj)),
+        status_code=status,
+        media_type="application/json",
+        headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"},
+    )
 
 
 def query_number(q: Any, name: str, default: float | None = None) -> float | None:
@@ -54,4 +68,7 @@ async def read_fields(request: Request, allowed: tuple[str, ...]) -> dict[str, A
     unknown = sorted(set(body) - set(allowed))
     if unknown:  # named within a bound: a hostile name is never echoed whole
         raise InvalidRequest(f"unknown field '{unknown[0][:64]}'", param=unknown[0][:64])
+    for name, value in body.items():  # refused here, not a failed write (a 500) later
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            raise InvalidRequest(f"'{name}' is out of range", param=name)
     return body

@@ -12,10 +12,10 @@ from starlette.responses import Response
 
 from switchyard.api.admin.guard import Guard
 from switchyard.api.admin.params import as_json, query_limit, query_text, read_fields
-from switchyard.errors import InvalidRequest
+from switchyard.errors import InvalidRequest, NotFound
 from switchyard.observe.metrics import Metrics
 from switchyard.policy.auth import Authenticator
-from switchyard.state.keys import UPDATABLE, KeyStore
+from switchyard.state.keys import TENANT_ID, UPDATABLE, KeyStore
 from switchyard.state.limits import period_start
 from switchyard.state.store import Store
 
@@ -42,6 +42,16 @@ KEY_FIELDS = (
 
 
 PAGE, MAX_PAGE = 100, 1000  # tenants or keys a list answers: by default, at most
+MAX_ID = 64  # a tenant's id is at most 63 characters, a key's 16: longer names none
+
+
+def path_id(request: Request, name: str, what: str) -> str:
+    """The `{name}` of the path; one longer than any id names nothing (404), and is
+    never echoed whole into the answer."""
+    ident = str(request.path_params[name])
+    if len(ident) > MAX_ID:
+        raise NotFound(f"no {what} has the id '{ident[:MAX_ID]}...'")
+    return ident
 
 
 def page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
@@ -102,13 +112,16 @@ class TenantsKeys:
         tenant_id = body.pop("id", None)
         if not tenant_id:
             raise InvalidRequest("'id' is required", param="id")
+        # The whole id: `TENANT_ID.match` alone takes a trailing newline (`$`).
+        if not isinstance(tenant_id, str) or not TENANT_ID.fullmatch(tenant_id):
+            raise InvalidRequest("tenant id must be 1-63 chars of a-z, 0-9, '-' or '_'", param="id")
         return as_json(keys.create_tenant(tenant_id, **body), 201)
 
     async def tenant(self, request: Request) -> Response:
         """GET: one tenant, its limits, effective limits and metrics label; PATCH {limits,
         priority}: change those given (at once: Authenticator.changed)."""
         self.guard(request)
-        tenant_id = request.path_params["tenant_id"]
+        tenant_id = path_id(request, "tenant_id", "tenant")
         if request.method == "PATCH":
             body = await read_fields(request, UPDATABLE)
             out = self.s.keys.update_tenant(tenant_id, **body)
@@ -135,7 +148,7 @@ class TenantsKeys:
         """GET: one API key; PATCH {limits, priority}: change those given; DELETE: revoke
         it (both at once: Authenticator.changed)."""
         self.guard(request)
-        key_id = request.path_params["key_id"]
+        key_id = path_id(request, "key_id", "key")
         if request.method == "PATCH":
             body = await read_fields(request, UPDATABLE)
             out = self.s.keys.update_key(key_id, **body)
@@ -150,6 +163,6 @@ class TenantsKeys:
     async def revoke(self, request: Request) -> Response:
         """Revoke an API key (at once: Authenticator.changed)."""
         self.guard(request)
-        out = self.s.keys.revoke_key(request.path_params["key_id"])
+        out = self.s.keys.revoke_key(path_id(request, "key_id", "key"))
         await self.s.auth.changed()
         return as_json(out)

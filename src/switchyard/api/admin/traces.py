@@ -38,8 +38,8 @@ class Traces:
                 rec = get_request(conn, rid, tenant)
             except AmbiguousRequestId as exc:
                 raise InvalidRequest(f"{exc} with ?tenant=", param="tenant") from None
-        if rec is None:
-            raise NotFound(f"no trace for request '{request.path_params['request_id']}'")
+        if rec is None:  # named within a bound: a hostile id is never echoed whole
+            raise NotFound(f"no trace for request '{rid[:128]}'")
         return as_json(rec)
 
     async def request_list(self, request: Request) -> Response:
