@@ -6,6 +6,7 @@ import asyncio
 import json
 from typing import Any
 
+import numpy as np
 import orjson
 from starlette.requests import Request
 from starlette.types import Scope
@@ -18,6 +19,7 @@ from switchyard.errors import (
     PayloadTooLarge,
     RequestTimeout,
     SwitchyardError,
+    UnsupportedMediaType,
 )
 
 # Set in the ASGI scope by the HTTP protocol (server.py) when a request's body
@@ -29,38 +31,91 @@ BAD_FRAMING = "switchyard.bad_framing"
 # neither may be heard alone (policy/auth.py refuses the request 401).
 CREDENTIAL_HEADERS = frozenset({"authorization", "x-api-key"})
 
+# The comma-separated lists the gateway reads (RFC 9110 5.3: their lines are one list,
+# so a second line is heard, never dropped; each list's reader bounds the whole).
+LIST_HEADERS = frozenset(
+    {
+        "cache-control",
+        "accept-language",
+        "content-encoding",
+        "x-parent-request-id",
+        "x-switchyard-cache-tags",
+        "x-switchyard-approval",
+        "x-switchyard-device-state",
+        "x-switchyard-network",
+        "x-task-budget",
+    }
+)
+
+# The single-valued headers the gateway reads: sent on two lines with different values,
+# which one counts is a guess (a proxy or the upstream may keep the other), so the
+# request is refused 400 naming it (policy/headers.py); the same value twice is one.
+SINGLE_HEADERS = frozenset(
+    {
+        "x-request-id",
+        "x-client-request-id",
+        "x-task-id",
+        "x-task-planned-steps",
+        "x-task-timeout",
+        "x-task-deadline",
+        "x-request-timeout",
+        "idempotency-key",
+        "traceparent",
+        "x-session-id",
+        "x-switchyard-priority",
+        "x-switchyard-locale",
+        "x-switchyard-data-version",
+        "x-switchyard-data-boundary",
+        "anthropic-version",
+        "content-type",
+    }
+)
+
 
 class HeaderMap(dict[str, str]):
-    """`header_map`'s answer when a credential header came on more than one line: the
-    headers' dict, naming those (`repeated_credentials`, which policy/auth.py reads
-    with `getattr`). Any other request gets a plain dict, so the common request pays
-    nothing for the check (a dict subclass's reads are not specialized)."""
+    """`header_map`'s answer when a header came on two lines where that is refused:
+    the headers' dict, naming a credential header sent twice (`repeated_credentials`,
+    which policy/auth.py reads with `getattr`) and single-valued headers sent with two
+    values (`conflicting`, which policy/headers.py reads). Any other request gets a
+    plain dict, so the common request pays nothing for the check (a dict subclass's
+    reads are not specialized)."""
 
-    __slots__ = ("repeated_credentials",)
+    __slots__ = ("conflicting", "repeated_credentials")
     repeated_credentials: tuple[str, ...]
+    conflicting: tuple[str, ...]
 
 
 def header_map(scope: Scope) -> dict[str, str]:
-    """The request's headers (its ASGI `scope`'s) as a plain dict (lower-case names; the first of repeated
-    names wins, as with Starlette's `Headers.get`, except `Cache-Control`: its lines
-    are one comma-separated list (RFC 9110 5.3), so a `no-store` on a second line is
-    heard). A credential header (`CREDENTIAL_HEADERS`) sent twice keeps its first
-    line too, never merged, and the dict is a `HeaderMap` naming it, so the second
-    credential is refused (policy/auth.py), never ignored. A request reads a handful of headers; one
+    """The request's headers (its ASGI `scope`'s) as a plain dict (lower-case names).
+    A list header (`LIST_HEADERS`: `Cache-Control`, `x-parent-request-id`, ...) sent on
+    several lines is one comma-separated list (RFC 9110 5.3), so a `no-store` or a
+    parent on a second line is heard. A credential header (`CREDENTIAL_HEADERS`) sent
+    twice keeps its first line, never merged, and the dict is a `HeaderMap` naming it,
+    so the second credential is refused (policy/auth.py), never ignored; so is a
+    single-valued header the gateway reads (`SINGLE_HEADERS`) sent with two different
+    values (policy/headers.py refuses it 400). Any other repeated name: the first line
+    wins, as with Starlette's `Headers.get`. A request reads a handful of headers; one
     dict makes each read a hash lookup instead of a scan."""
     out: dict[str, str] = {}
     repeated: tuple[str, ...] = ()
+    conflicting: tuple[str, ...] = ()
     for name, value in scope["headers"]:
         key = name.decode("latin-1")
         if key not in out:
             out[key] = value.decode("latin-1")
-        elif key == "cache-control":
+        elif key in LIST_HEADERS:
             out[key] += ", " + value.decode("latin-1")
-        elif key in CREDENTIAL_HEADERS and key not in repeated:
-            repeated += (key,)
-    if repeated:
+        elif key in CREDENTIAL_HEADERS:
+            if key not in repeated:
+                repeated += (key,)
+        elif (
+            key in SINGLE_HEADERS and key not in conflicting and out[key] != value.decode("latin-1")
+        ):
+            conflicting += (key,)
+    if repeated or conflicting:
         named = HeaderMap(out)
         named.repeated_credentials = repeated
+        named.conflicting = conflicting
         return named
     return out
 
@@ -73,8 +128,31 @@ async def read_json(
     return parse_json(await read_body(request, max_bytes, None, timeout_s), max_depth)
 
 
+def check_encoding(value: str | None) -> None:
+    """415 `unsupported_media_type` naming `content-encoding` for a coded body (gzip,
+    deflate, br, ...): the gateway reads bodies as sent and never inflates one, so a
+    compressed body is refused before any of it is read, with words that say why
+    (not "not valid JSON"), and a zip bomb costs nothing. `identity` is no coding."""
+    if value is not None and value.strip().lower() not in ("identity", ""):
+        raise UnsupportedMediaType(
+            "Content-Encoding is not supported: send the request body uncompressed",
+            param="content-encoding",
+        )
+
+
+class _Unread:
+    """read_body's `encoding` when the caller did not read the header."""
+
+
+_UNREAD = _Unread()
+
+
 async def read_body(
-    request: Request, max_bytes: int, declared: str | None = None, timeout_s: float = 30.0
+    request: Request,
+    max_bytes: int,
+    declared: str | None = None,
+    timeout_s: float = 30.0,
+    encoding: str | _Unread | None = _UNREAD,
 ) -> bytes:
     """The raw body; 413 past `max_bytes`, checked before reading when the length is
     declared (`declared` is the Content-Length header when the caller has it), else
@@ -86,7 +164,13 @@ async def read_body(
 
     Read straight from the ASGI channel: a body that arrives in one message (nearly
     every request) is taken as it is, with none of the async generator and joins of
-    Starlette's `Request.body`."""
+    Starlette's `Request.body`.
+
+    A body with a `Content-Encoding` (`encoding`, the header when the caller has it) is
+    refused 415 before it is read (`check_encoding`)."""
+    if isinstance(encoding, _Unread):
+        encoding = request.headers.get("content-encoding")
+    check_encoding(encoding)
     if declared is None:
         declared = request.headers.get("content-length")
     if declared is not None:
@@ -182,18 +266,29 @@ class BodyWatch:
 _WATCH: list[BodyWatch | None] = [None]  # the running loop's
 
 
-def too_deep(obj: Any, limit: int) -> bool:
-    """Whether objects and arrays nest deeper than `limit` (the top level is 1)."""
-    stack = [(obj, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = node.values() if isinstance(node, dict) else node
-        for child in children:
-            if isinstance(child, dict | list):
-                stack.append((child, depth + 1))
-    return False
+# An opening bracket as +1, a closing one as -1 (an int8's 0xff), every other byte deleted.
+_STEPS = bytes.maketrans(b"{[}]", b"\x01\x01\xff\xff")
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"{}[]")))
+
+
+def too_deep(raw: bytes, limit: int) -> bool:
+    """Whether the objects and arrays of the JSON text `raw` nest deeper than `limit`
+    (the top level is 1); exact for JSON, a guess for other text.
+
+    Read from the bytes at C speed, never by walking the parsed body in Python (that
+    walk held the event loop ~200 ms for a 2 MB body of 60,000 small messages, before
+    any limit could refuse the request): the strings go, each bracket becomes a step
+    of +1 or -1, and the deepest point of their running sum is the depth.
+
+    Strings: in JSON, backslashes occur only in strings, where they
+    pair left to right as the escapes do; without the `\\\\` pairs, and then the
+    escaped quotes, every quote left opens or closes a string, so every other piece
+    between quotes is outside them."""
+    if b"\\" in raw:
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    text = b"".join(raw.split(b'"')[::2])
+    steps = np.frombuffer(text.translate(_STEPS, _NOT_BRACKETS), np.int8)
+    return bool(steps.size) and int(np.cumsum(steps, dtype=np.int32).max()) > limit
 
 
 def parse_json(raw: bytes, max_depth: int = 64) -> Any:
@@ -205,18 +300,17 @@ def parse_json(raw: bytes, max_depth: int = 64) -> Any:
     serves another)."""
     if not raw:
         raise InvalidRequest("the request body is empty; send a JSON object")
+    # Checked on the bytes, before they are parsed: a body of millions of nested
+    # arrays is refused without orjson building them (~1 s for 8 MB, the event loop
+    # held). Only a body with that many brackets can nest that deep: most skip it.
+    # (On text that is not JSON the depth may be misread: a 400 either way.)
+    if raw.count(b"{") + raw.count(b"[") > max_depth and too_deep(raw, max_depth):
+        raise InvalidRequest(f"the request body is nested deeper than {max_depth} levels")
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
         # orjson's message has positions and internals: the client gets a stable one.
         raise InvalidRequest("the request body is not valid JSON") from None
-    # Only a body with that many brackets can nest that deep: most skip the walk.
-    if (
-        isinstance(body, (dict, list))  # a tuple: `A | B` builds a union per call
-        and raw.count(b"{") + raw.count(b"[") > max_depth
-        and too_deep(body, max_depth)
-    ):
-        raise InvalidRequest(f"the request body is nested deeper than {max_depth} levels")
     key = repeated_key(raw, body)
     if key is not None:
         raise _duplicate_key(key)

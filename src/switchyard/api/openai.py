@@ -185,6 +185,7 @@ class OpenAIRoutes:
                 self._max_body,
                 headers.get("content-length"),
                 min(self._body_timeout_s, remaining_s),
+                headers.get("content-encoding"),
             )
             parsed = parse_json(raw, self._max_depth)
             if codec is None:

@@ -18,6 +18,7 @@ from typing import Any
 from switchyard.errors import InvalidHeader, InvalidRequest
 from switchyard.ids import ID_PATTERN as ID_PATTERN
 from switchyard.pipeline import RequestContext, RequestInput, Timings
+from switchyard.policy.admission import PRIORITIES
 from switchyard.policy.pii_secrets import credential_shaped
 from switchyard.request import NOT_READ
 
@@ -52,6 +53,7 @@ READ = frozenset(
         "x-task-id",
         "x-parent-request-id",
         "x-task-planned-steps",
+        "x-switchyard-priority",
         *(name for name, _, _ in _BOUNDED),
     }
 )
@@ -64,7 +66,10 @@ def _bad(name: str, why: str) -> InvalidRequest:
 # An id is kept in usage rows, traces and tables as sent: one that is a credential by its
 # shape (an API key pasted as an id) is refused, never stored (the message never
 # quotes it).
-_CREDENTIAL = "has the shape of a credential (an API key or token); send an id, never a key"
+_CREDENTIAL = (
+    "has the shape of a credential (an API key or token) or of personal data (a card "
+    "number, an IBAN, a national id); send an id, never a key or a personal number"
+)
 
 
 def client_request_id(headers: Mapping[str, str]) -> tuple[str | None, InvalidRequest | None]:
@@ -231,6 +236,10 @@ def read(
     headers: Mapping[str, str],
 ) -> tuple[str | None, tuple[str, ...], str | None, int | None, InvalidRequest | None]:
     """(task id, parent ids, client request id, planned steps, the first problem)."""
+    twice = getattr(headers, "conflicting", None)  # api/body.py `header_map`
+    if twice:
+        why = "sent more than once with different values; send it once"
+        return None, (), None, None, _bad(twice[0], why)
     task, bad_task = task_id(headers)
     parents, bad_parents = parent_request_ids(headers)
     client_id, bad_id = client_request_id(headers)
@@ -249,6 +258,11 @@ def check(headers: Mapping[str, str]) -> InvalidRequest | None:
             return _bad(name, f"longer than {longest} characters")
         if not pattern.fullmatch(value):
             return _bad(name, "has characters outside printable ASCII")
+    priority = headers.get("x-switchyard-priority")
+    # Read by the scheduling queue (policy/stages_queue.py), after routing and selection:
+    # a value it would refuse is refused here, before any costly work.
+    if priority is not None and (len(priority) > 32 or priority.strip().lower() not in PRIORITIES):
+        return _bad("x-switchyard-priority", "one of interactive, standard, batch")
     tags = headers.get("x-switchyard-cache-tags")
     if tags:
         parts = cache_tags(tags)
@@ -272,7 +286,8 @@ def opened(
     is kept as the context's header_error, refused once its handling starts (so it is
     settled like any refusal)."""
     parents: tuple[str, ...]
-    if READ.isdisjoint(headers):  # nearly every request: none of them
+    # Nearly every request: none of them, and no header repeated (a plain dict).
+    if type(headers) is dict and READ.isdisjoint(headers):
         task, parents, client_id, planned, bad = None, (), None, None, None
     else:
         task, parents, client_id, planned, bad = read(headers)
