@@ -240,6 +240,14 @@ class ModelNotFound(SwitchyardError):
     type = "invalid_request_error"
     code = "model_not_found"
 
+    @classmethod
+    def unknown(cls, alias: str) -> ModelNotFound:
+        """A model the gateway serves none of: its name quoted within a bound."""
+        return cls(
+            f"the model '{alias[:128]}' does not exist; GET /v1/models lists the available ones",
+            param="model",
+        )
+
 
 class RouteNotFound(SwitchyardError):
     status = 404

@@ -116,6 +116,7 @@ class Idempotency(StrEnum):
 class Authorize(StrEnum):
     ALLOWED = "allowed"
     SKIP = "skip"
+    REJECT_UNKNOWN = "reject:unknown_model"  # a model the gateway serves none of
 
 
 class Window(StrEnum):

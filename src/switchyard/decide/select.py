@@ -27,10 +27,7 @@ class Selection:
 def select_deployment(alias: str, deployments: Mapping[str, Deployment]) -> Selection:
     dep = deployments.get(alias)
     if dep is None:
-        raise ModelNotFound(
-            f"the model '{alias[:128]}' does not exist; GET /v1/models lists the available ones",
-            param="model",
-        )
+        raise ModelNotFound.unknown(alias)
     evidence = {
         "candidates": [alias],
         "upstream": dep.label,

@@ -100,6 +100,7 @@ def build_pipelines(
     is never changed afterwards)."""
     models = {m.alias: m for m in s.served_models()}
     named = {m.alias: {"model": m.alias} for m in s.models}
+    routed = s.router.routed_aliases if s.router.enabled else ()
     overhead = overhead or PromptOverhead(s.policy.prompt_overhead_tokens)
     estimate = generation_estimate(models)
     planner = CachePlanner(s, revisions)
@@ -121,7 +122,7 @@ def build_pipelines(
             # First: it reads the body (the size of what is asked), so the static
             # stages after it fold into one block.
             Window(s, models, overhead),
-            Authorize(named, {a.name: a for a in s.adapters}),
+            Authorize(named, {a.name: a for a in s.adapters}, routed),
             ToolResults(
                 ToolPolicy(s.tools),
                 tasks,
@@ -171,7 +172,7 @@ def build_pipelines(
     # the key's and tenant's limits as for a generation, reserving nothing but the call.
     counting = Pipeline(
         [
-            Authorize(named, {a.name: a for a in s.adapters}),
+            Authorize(named, {a.name: a for a in s.adapters}, routed),
             Admit(reserver, _counted_estimate),
         ]
     )

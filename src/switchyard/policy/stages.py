@@ -14,12 +14,12 @@ task's refusals), stages_tool_results.py (tool_results).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from switchyard import outcomes
 from switchyard.config import AdapterConfig
-from switchyard.errors import AdapterNotAllowed
+from switchyard.errors import AdapterNotAllowed, ModelNotFound
 from switchyard.pipeline import RequestContext, Stage, Verdict, View
 from switchyard.policy.auth import authorize_model
 from switchyard.policy.stages_admission import NO_LIMITS as NO_LIMITS
@@ -42,6 +42,9 @@ from switchyard.policy.stages_tool_results import ConsumeApproval as ConsumeAppr
 from switchyard.policy.stages_tool_results import ConsumedApprovals as ConsumedApprovals
 from switchyard.policy.stages_tool_results import GiveBackApprovals as GiveBackApprovals
 from switchyard.policy.stages_tool_results import ToolResults as ToolResults
+from switchyard.request import UNKNOWN_MODEL
+
+UNKNOWN_EVIDENCE = {"model": UNKNOWN_MODEL}
 
 
 class Authorize(Stage):
@@ -49,13 +52,18 @@ class Authorize(Stage):
     the evidence recorded for each (built once, shared by every request)."""
 
     name = "authorize"
-    UNKNOWN = Verdict(outcomes.Authorize.SKIP, "unknown model; selection will refuse it")
+    ROUTED = Verdict(outcomes.Authorize.SKIP, "a routed alias: the router chooses the model")
 
     def __init__(
         self,
         named: Mapping[str, dict[str, Any]],
         adapters: Mapping[str, AdapterConfig] | None = None,
+        routed: Collection[str] = (),
     ) -> None:
+        # `routed`: the aliases the router owns (decide/stages.py Route), which name no
+        # model of their own; any other name outside `named` is refused here, first, so
+        # a request for a model there is none of costs no admission, PII scan or cache.
+        self._routed = frozenset(routed)
         self._named = dict(named)
         self._adapters = dict(adapters or {})
         for name, a in self._adapters.items():
@@ -68,8 +76,8 @@ class Authorize(Stage):
     def static(self, view: View) -> Verdict | None:
         allowed = self._allowed.get(view.alias or "")
         if allowed is None:
-            # Unknown models are 404 for everyone; no need to reveal key scopes.
-            return self.UNKNOWN
+            # Unknown models are 404 for everyone (work); no need to reveal key scopes.
+            return self.ROUTED if view.alias in self._routed else None
         if not view.principal.may_use(view.alias or ""):
             return None
         adapter = self._adapters.get(view.alias or "")
@@ -82,6 +90,10 @@ class Authorize(Stage):
     def work(self, ctx: RequestContext) -> None:
         assert ctx.alias is not None
         t = time.perf_counter()
+        if ctx.alias not in self._named:  # (its name is the client's free text: unrecorded)
+            unknown = "the gateway serves no model of this name"
+            ctx.record(self.name, outcomes.Authorize.REJECT_UNKNOWN, unknown, t, UNKNOWN_EVIDENCE)
+            raise ModelNotFound.unknown(ctx.alias)
         authorize_model(ctx.principal, ctx.alias)  # raises: static let this through
         adapter = self._adapters.get(ctx.alias)
         if adapter is not None:
