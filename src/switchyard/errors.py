@@ -19,6 +19,7 @@ the upstream's own 4xx status.
         DuplicateJsonKey          400  duplicate_key
         InvalidCallId             400  invalid_call_id
         InvalidHeader             400  invalid_header
+          VersionNotNegotiated    400  invalid_header
         InvalidHttpFraming        400  invalid_http
         MediaFetchRefused         400  media_fetch_refused
         MediaTimeout              400  media_timeout
@@ -674,6 +675,15 @@ class InvalidHeader(InvalidRequest):
     """A request header the gateway reads has a value it does not accept (`param` names it)."""
 
     code = "invalid_header"
+
+
+class VersionNotNegotiated(InvalidHeader):
+    """An MCP-Protocol-Version other than the one its session negotiated: 400, as the
+    transport has it for a version the server does not support, with JSON-RPC's
+    Invalid Request (-32600), as the MCP SDK answers its other header refusals."""
+
+    def jsonrpc_error(self) -> dict[str, Any]:
+        return {**super().jsonrpc_error(), "code": -32600}  # JSON-RPC's Invalid Request
 
 
 class DuplicateJsonKey(InvalidRequest):

@@ -325,10 +325,9 @@ def _send_everything(gw: Gateway, scripted: Scripted) -> None:
             assert r.status_code == 200, r.text
     finally:
         httpx.put(scripted.url + "/control/tool_calls", json={"calls": []})
-    # MCP tools/call whose arguments, tool name and task id hold PII. (A call id holding
-    # PII, `_meta.call_id` or `x-switchyard-call-id`, is still stored raw in tool_calls
-    # and in the trace: mcp_service/__init__.py `_call_id` and api/mcp_wire.py do not
-    # refuse it; reported, not in this scan until they do.)
+    # MCP tools/call whose arguments, tool name, task id and call id hold PII (a call id
+    # in `_meta.call_id` or `x-switchyard-call-id` was kept raw in tool_calls and the
+    # trace before: refused now, as the id headers are).
     sid = open_session(gw, gw.key)
     headers = {**in_session(gw.key, sid), **ACCEPT}
 
@@ -348,6 +347,10 @@ def _send_everything(gw: Gateway, scripted: Scripted) -> None:
     mcp(9, "web__send_email", {"to": EMAIL, "body": TEXT}, {"call_id": "send-1"})
     for i, cid in enumerate((SK, CARD_ID, IBAN_ID)):
         mcp(30 + i, "web__lookup", {"q": TEXT}, None, **{"x-task-id": cid})
+        refused = mcp(40 + i, "web__lookup", {"q": TEXT}, {"call_id": cid})
+        assert '"error"' in refused and "credential" in refused, refused[:300]
+        refused = mcp(50 + i, "web__lookup", {"q": TEXT}, None, **{"x-switchyard-call-id": cid})
+        assert '"error"' in refused and "credential" in refused, refused[:300]
 
 
 ID_HEADERS = ("x-task-id", "x-client-request-id", "x-request-id", "x-parent-request-id")

@@ -57,7 +57,13 @@ response object, `{"jsonrpc", "id", "result" | "error"}`; what is read is bounde
   answered with an error is ended at once, its id not given out); it is forgotten when
   the SDK answers a DELETE with 2xx (a refused DELETE changes nothing), or once the SDK
   no longer has it. A 2026-07-28 request (a version header that is no handshake one)
-  opens none and is not counted against the key's sessions.
+  opens none and is not counted against the key's sessions. The protocol version its
+  `initialize` negotiated binds the session: a request in it naming another
+  MCP-Protocol-Version (a handshake one, 2026-07-28's or any other) is 400 Invalid
+  Request (-32600) before the SDK sees it, and a second `initialize` in it is 400
+  Invalid Request for its own id. A request that names no session and opens none (a
+  GET, a DELETE) is answered naming none (the SDK names the session it made for the
+  refusal and discarded).
 
 The SDK's transport internals this path reads (the session table, a transport's idle
 bookkeeping) are checked once per request; where they are missing (another SDK
@@ -87,6 +93,7 @@ from switchyard.api.mcp_wire import (
     _framing_refusal,
     _headers,
     _holding,
+    _initialized_already,
     _json_body,
     _mcp_error,
     _meta,
@@ -105,6 +112,7 @@ from switchyard.errors import (
     SessionNotFound,
     SwitchyardError,
     TooManySessions,
+    VersionNotNegotiated,
 )
 from switchyard.identity import Principal
 from switchyard.mcp_service import Caller, McpToolService
@@ -155,6 +163,7 @@ class McpEndpoint:
             max_request_body_size=max_body_bytes,
         )
         self._owners: dict[str, str] = {}  # session id -> the key id that opened it
+        self._agreed: dict[str, str] = {}  # session id -> the protocol version it negotiated
         self._held: dict[str, set[str]] = {}  # key id -> the sessions it opened
         self._opening: dict[str, int] = {}  # key id -> its requests that may open one now
         self.max_body_bytes = max_body_bytes
@@ -176,14 +185,21 @@ class McpEndpoint:
         try:
             principal, h = await self._authenticate(scope)
             session = h.get("mcp-session-id")
+            version = h.get("mcp-protocol-version")
             if session is not None:
                 owner = self._owners.get(session) if len(session) <= MAX_SESSION_ID else None
                 if owner != principal.key_id:
                     raise SessionNotFound("no such MCP session")
+                agreed = self._agreed.get(session)
+                if version is not None and agreed is not None and version != agreed:
+                    raise VersionNotNegotiated(
+                        f"Bad Request: this session negotiated MCP protocol version {agreed}; "
+                        "send it in MCP-Protocol-Version (or open a new session)",
+                        param="mcp-protocol-version",
+                    )
             scope[CALLER_KEY] = _caller(principal, h)
             # A POST without a session opens one only on the handshake era's transport;
             # a 2026-07-28 request (another version header) is served without one.
-            version = h.get("mcp-protocol-version")
             handshake = version is None or version in self._versions
             opening = session is None and method == "POST" and handshake
             if opening:
@@ -229,7 +245,8 @@ class McpEndpoint:
             if await self._serve_fast(send, body, session, transport, scope[CALLER_KEY], fast):
                 return
             receive = _replay(body, receive)
-        reply = _SdkReply(send, (lambda sid: self._remember(sid, key_id)) if opening else None)
+        remember = (lambda sid, agreed: self._remember(sid, key_id, agreed)) if opening else None
+        reply = _SdkReply(send, remember, sessionless=session is None)
         if not opening:
             await self.manager.handle_request(scope, receive, reply.send)
             if method == "DELETE" and session is not None and 200 <= reply.status < 300:
@@ -244,13 +261,16 @@ class McpEndpoint:
             if reply.failed is not None:
                 await self._end(reply.failed)
 
-    def _remember(self, session: str, key_id: str) -> None:
-        """`session` is the key's: opened by its initialize, which the SDK answered."""
+    def _remember(self, session: str, key_id: str, agreed: str | None) -> None:
+        """`session` is the key's: opened by its initialize, which the SDK answered
+        with the protocol version `agreed` (its later requests name no other)."""
         if len(self._owners) >= MAX_OWNERS:
             self._prune()
             while len(self._owners) >= MAX_OWNERS:
                 self._forget(next(iter(self._owners)))
         self._owners[session] = key_id
+        if agreed is not None:
+            self._agreed[session] = agreed
         self._held.setdefault(key_id, set()).add(session)
 
     def _prune(self) -> None:
@@ -315,6 +335,8 @@ class McpEndpoint:
         except orjson.JSONDecodeError:
             return False
         refusal = _framing_refusal(message)
+        if refusal is None and session is not None:
+            refusal = _initialized_already(message)
         if refusal is not None:
             await _send_json(send, refusal[0], refusal[1], session)
             return True
@@ -387,12 +409,19 @@ class McpEndpoint:
     async def _call(self, caller: Caller, params: Any) -> dict[str, Any]:
         """A governed call's result (as JSON); a SwitchyardError for a refusal or a
         failure, never exception text."""
-        name = params.name
-        if not isinstance(name, str) or not 0 < len(name) <= 200:
+        name, arguments = params.name, params.arguments
+        if not isinstance(name, str):  # never: the SDK's model takes a string
             raise InvalidRequest("'name' must be 1 to 200 characters", param="name")
-        _check_arguments(params.arguments)
+
+        def check() -> None:
+            """Run by the service where the call is recorded: a refused call has its
+            usage row and trace too."""
+            if not 0 < len(name) <= 200:
+                raise InvalidRequest("'name' must be 1 to 200 characters", param="name")
+            _check_arguments(arguments)
+
         try:
-            return await self.service.call(caller, name, params.arguments, _meta(params))
+            return await self.service.call(caller, name, arguments, _meta(params), check)
         except SwitchyardError:
             raise
         except Exception:
@@ -400,6 +429,7 @@ class McpEndpoint:
             raise InternalError("internal error; see the gateway log") from None
 
     def _forget(self, session: str) -> None:
+        self._agreed.pop(session, None)
         key_id = self._owners.pop(session, None)
         if key_id is None:
             return
@@ -467,14 +497,24 @@ class _SdkReply:
     """The SDK's reply on its way to the client: a refusal (400, 405, 413) reworded
     without exception text (mcp_wire._without_exception_text); an opening request's
     reply held until its body says whether the `initialize` succeeded: then `opened`
-    has the session before the client learns its id, else `failed` names the session
-    the SDK kept anyway, whose id the client does not get. `status`: the HTTP status."""
+    has the session and its negotiated protocol version before the client learns its
+    id, else `failed` names the session the SDK kept anyway, whose id the client does
+    not get. `sessionless`: a request that named no session and opens none (a GET, a
+    DELETE, another method, a 2026-07-28 POST): the SDK's reply names no session either
+    (it answers a GET or a DELETE with the id of a session it made for the request and
+    discarded at once). `status`: the HTTP status."""
 
-    __slots__ = ("_chunks", "_held", "_opened", "_send", "failed", "status")
+    __slots__ = ("_chunks", "_held", "_opened", "_send", "_sessionless", "failed", "status")
 
-    def __init__(self, send: Send, opened: Callable[[str], None] | None) -> None:
+    def __init__(
+        self,
+        send: Send,
+        opened: Callable[[str, str | None], None] | None,
+        sessionless: bool = False,
+    ) -> None:
         self._send = send
         self._opened = opened  # None: not an opening request
+        self._sessionless = sessionless and opened is None
         self._held: Message | None = None
         self._chunks: list[bytes] = []
         self.status = 0
@@ -483,6 +523,9 @@ class _SdkReply:
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.status = status = message["status"]
+            if self._sessionless:
+                headers = [(k, v) for k, v in message["headers"] if k.lower() != b"mcp-session-id"]
+                message = {**message, "headers": headers}
             if status in (400, 405, 413) or (self._opened is not None and status < 400):
                 self._held = message
                 return
@@ -510,8 +553,9 @@ class _SdkReply:
                 if self._opened is not None:
                     sid = None  # the SDK closed the session it opened for this refusal
             elif self._opened is not None:
-                if sid is not None and _initialized(body):
-                    self._opened(sid)
+                ok, agreed = _initialized(body)
+                if sid is not None and ok:
+                    self._opened(sid, agreed)
                 else:
                     self.failed, sid = sid, None
             if sid is not None:
@@ -524,10 +568,15 @@ class _SdkReply:
         await self._send(message)
 
 
-def _initialized(body: bytes) -> bool:
-    """Whether the SDK's reply to an `initialize` is its result (not a JSON-RPC error)."""
+def _initialized(body: bytes) -> tuple[bool, str | None]:
+    """Whether the SDK's reply to an `initialize` is its result (not a JSON-RPC error),
+    and the protocol version it negotiated (None: the result names none)."""
     try:
         reply = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return False
-    return isinstance(reply, dict) and "result" in reply and "error" not in reply
+        return False, None
+    if not (isinstance(reply, dict) and "result" in reply and "error" not in reply):
+        return False, None
+    result = reply["result"]
+    version = result.get("protocolVersion") if isinstance(result, dict) else None
+    return True, version if isinstance(version, str) else None

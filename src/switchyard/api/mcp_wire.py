@@ -29,6 +29,7 @@ from switchyard.identity import ANONYMOUS, Principal, TaskBudget
 from switchyard.mcp_service import Caller
 from switchyard.policy import headers as hdr
 from switchyard.policy.auth import Authenticator
+from switchyard.policy.pii_secrets import credential_shaped
 from switchyard.policy.tool_calls import approval_tokens
 
 MAX_ID = 128  # characters of a string JSON-RPC id the fast path takes (else: the SDK's)
@@ -75,6 +76,10 @@ def _caller(principal: Principal, h: dict[str, str]) -> Caller:
         raise InvalidHeader(
             "header x-switchyard-call-id: 1 to 128 characters of A-Z a-z 0-9 . _ : -",
             param="x-switchyard-call-id",
+        )
+    if call_id is not None and credential_shaped(call_id):  # kept in records: never one
+        raise InvalidHeader(
+            f"header x-switchyard-call-id {hdr.CREDENTIAL_SHAPED}", param="x-switchyard-call-id"
         )
     timeout = h.get("x-request-timeout")
     traceparent = h.get("traceparent")
@@ -227,6 +232,23 @@ def _framing_refusal(message: Any) -> tuple[int, bytes] | None:
         return None
     # 400, as the SDK answers a body it refuses before dispatch, with the id it knows.
     return 400, _invalid_params(rid, "Invalid params: 'params' must be an object")
+
+
+def _initialized_already(message: Any) -> tuple[int, bytes] | None:
+    """(400, Invalid Request for the request's own id) for an `initialize` sent in a
+    session that is open: initialization is a session's first exchange and happens
+    once (a second one would negotiate again what the session's requests are bound
+    to, their MCP-Protocol-Version); else None."""
+    if not isinstance(message, dict) or message.get("method") != "initialize":
+        return None
+    if "id" not in message or message.get("jsonrpc") != "2.0":
+        return None  # a notification, or no JSON-RPC 2.0 request: the SDK's to refuse
+    error = {
+        "code": INVALID_REQUEST,
+        "message": "Invalid Request: this session is initialized already; open a new "
+        "session (POST without Mcp-Session-Id) to initialize again",
+    }
+    return 400, orjson.dumps({"jsonrpc": "2.0", "id": message["id"], "error": error})
 
 
 def _deeper_than(value: Any, limit: int) -> bool:

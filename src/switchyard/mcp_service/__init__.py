@@ -88,7 +88,8 @@ from switchyard.mcp_service.calls import (
 )
 from switchyard.pipeline import RequestContext, RequestInput, Timings, new_request_id
 from switchyard.policy.admit import principal_scopes
-from switchyard.policy.headers import ID_PATTERN
+from switchyard.policy.headers import CREDENTIAL_SHAPED, ID_PATTERN
+from switchyard.policy.pii_secrets import credential_shaped
 from switchyard.policy.stages import Reserver, task_error, task_refusal_reason
 from switchyard.policy.tasks import Running
 from switchyard.policy.tool_calls import ToolPolicy, approval_scope_refusal, args_digest
@@ -121,6 +122,7 @@ __all__ = [
 log = logging.getLogger("switchyard.mcp")
 ENDPOINT = "tools.call"
 MAX_CALL_ID = 128
+MAX_TOOL_NAME = 200  # characters of a tool's name looked up (a longer one names none)
 # What the ledger and the trace name a call of a tool that does not exist: the client's
 # name for it is free text (it may carry anything, PII included) and is not kept.
 UNKNOWN_TOOL = "(unknown tool)"
@@ -160,8 +162,12 @@ class Caller:
 
 
 def _call_id(value: Any, where: str) -> str:
+    """A client's call id, kept in tool-call records and traces as sent: bounded, and
+    never a credential or personal number by its shape (refused, never stored)."""
     if isinstance(value, str) and len(value) <= MAX_CALL_ID and ID_PATTERN.fullmatch(value):
-        return value
+        if not credential_shaped(value):
+            return value
+        raise InvalidCallId(f"{where} {CREDENTIAL_SHAPED}", param=where)
     raise InvalidCallId(
         f"{where} must be 1 to {MAX_CALL_ID} characters of A-Z a-z 0-9 . _ : -", param=where
     )
@@ -218,11 +224,14 @@ class McpToolService(McpCalls):
         name: str,
         arguments: Mapping[str, Any] | None,
         meta: Mapping[str, Any] | None,
+        check: Callable[[], None] | None = None,
     ) -> dict[str, Any]:
         """The CallToolResult (as JSON) of a governed call, handed to `who.answer` when
-        there is one (see Caller); raises a SwitchyardError."""
+        there is one (see Caller); raises a SwitchyardError. `check`: the wire's bounds
+        of the name and arguments, run first (a SwitchyardError: the call is refused
+        before anything is reserved, and recorded as every refusal is)."""
         answer = who.answer
-        found = self.servers.resolve(name)
+        found = self.servers.resolve(name) if len(name) <= MAX_TOOL_NAME else None
         known = found is not None and found[1] in found[0].tools
         ctx = self._context(who, name if known else UNKNOWN_TOOL)
         status = "error"
@@ -234,6 +243,13 @@ class McpToolService(McpCalls):
         # charged (the price if the call was sent, else nothing).
         price = float(found[0].cfg.tool_prices.get(found[1], 0.0)) if known and found else 0.0
         try:
+            if check is not None:
+                t = time.perf_counter()
+                try:
+                    check()
+                except SwitchyardError as exc:
+                    ctx.record("validate", outcomes.reject(exc.code), exc.message, t)
+                    raise
             scopes = principal_scopes(who.principal) if reserver is not None else []
             if reserver is not None and scopes:  # before anything reaches the tool
                 await reserver.reserve(ctx, scopes, "admit", (0, 0, None), fixed_usd=price)

@@ -66,7 +66,7 @@ def _bad(name: str, why: str) -> InvalidRequest:
 # An id is kept in usage rows, traces and tables as sent: one that is a credential by its
 # shape (an API key pasted as an id) is refused, never stored (the message never
 # quotes it).
-_CREDENTIAL = (
+CREDENTIAL_SHAPED = (
     "has the shape of a credential (an API key or token) or of personal data (a card "
     "number, an IBAN, a national id); send an id, never a key or a personal number"
 )
@@ -81,7 +81,7 @@ def client_request_id(headers: Mapping[str, str]) -> tuple[str | None, InvalidRe
             if not ID_PATTERN.fullmatch(value):
                 return None, _bad(name, "must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
             if credential_shaped(value):
-                return None, _bad(name, _CREDENTIAL)
+                return None, _bad(name, CREDENTIAL_SHAPED)
             return value, None
     return None, None
 
@@ -93,7 +93,7 @@ def task_id(headers: Mapping[str, str]) -> tuple[str | None, InvalidRequest | No
     if not ID_PATTERN.fullmatch(value):
         return None, _bad("x-task-id", "must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
     if credential_shaped(value):
-        return None, _bad("x-task-id", _CREDENTIAL)
+        return None, _bad("x-task-id", CREDENTIAL_SHAPED)
     return value, None
 
 
@@ -112,7 +112,7 @@ def parent_request_ids(
         if not ID_PATTERN.fullmatch(p):
             return (), _bad("x-parent-request-id", "a comma-separated list of request ids")
         if credential_shaped(p):
-            return (), _bad("x-parent-request-id", _CREDENTIAL)
+            return (), _bad("x-parent-request-id", CREDENTIAL_SHAPED)
     return ids, None
 
 
@@ -146,7 +146,7 @@ def idempotency_key(value: str) -> str:
     refused (the store keeps only a keyed hash of a key: state/idempotency.py)."""
     if 0 < len(value) <= MAX_IDEMPOTENCY_KEY and _PRINTABLE.fullmatch(value):
         if credential_shaped(value):
-            raise _bad("Idempotency-Key", _CREDENTIAL)
+            raise _bad("Idempotency-Key", CREDENTIAL_SHAPED)
         return value
     raise _bad("Idempotency-Key", f"1 to {MAX_IDEMPOTENCY_KEY} visible ASCII characters, no spaces")
 

@@ -296,7 +296,11 @@ class _Service:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any, Any]] = []
 
-    async def call(self, who: Any, name: str, arguments: Any, meta: Any) -> dict[str, Any]:
+    async def call(
+        self, who: Any, name: str, arguments: Any, meta: Any, check: Any = None
+    ) -> dict[str, Any]:
+        if check is not None:  # the endpoint's bounds, run where the service records
+            check()
         self.calls.append((name, arguments, meta))
         if name == "refused":
             raise PermissionDenied("no", code="tool_not_allowed")
