@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from switchyard import outcomes
 from switchyard.config import Settings
 from switchyard.decide.cache import Entry
 from switchyard.decide.stages_select import admit_model, admit_pin
@@ -31,6 +32,7 @@ from switchyard.identity import Principal
 from switchyard.outcomes import Validate
 from switchyard.pipeline import Pipeline, Pipelines, RequestContext, RequestIds, Status
 from switchyard.policy import headers as request_headers
+from switchyard.policy.admit import FullWindows
 from switchyard.policy.auth import Authenticator
 from switchyard.policy.validate import model_refusal, split_pin
 from switchyard.reply import (
@@ -71,6 +73,9 @@ class RequestService:
     # RL-managed aliases' revision managers: a pin on one is checked against its lease.
     rl_aliases: Mapping[str, Any] = field(default_factory=dict)
     on_open: Callable[[RequestContext], None] | None = None  # a worker's in-flight journal
+    # The rpm windows the reservers found full (policy/admit.py): `begin` refuses a
+    # request of such a key or tenant before its body is read.
+    full: FullWindows = field(default_factory=FullWindows)
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -103,8 +108,25 @@ class RequestService:
         return ctx
 
     def begin(self, ctx: RequestContext) -> None:
-        """Its headers' and its own deadline's checks (policy/headers.py)."""
+        """Its headers' and its own deadline's checks (policy/headers.py), then, before
+        its body is read, whether its key's or tenant's rpm window is known full (a
+        refusal the limiter gave another request of theirs: policy/admit.py
+        `FullWindows`): 429 as admission would answer, recorded as its decision."""
         request_headers.begin(ctx, self._deadline_s)
+        if self.full.until and ctx.principal is not None:  # nearly always empty
+            now = time.time()
+            refused = self.full.refused(ctx.principal, now)
+            if refused is not None:
+                exc, scope, left = refused
+                ctx.record(
+                    "admit",
+                    outcomes.reject("rpm"),
+                    f"rpm limit of {scope}: its window is full for {left:.3f}s more "
+                    "(refused before the body is read)",
+                    time.perf_counter(),
+                    {"scope": scope, "retry_after_s": round(left, 3)},
+                )
+                raise exc
 
     def _alias(self, ctx: RequestContext, model: str) -> str:
         """The alias a request's `model` names; `alias@revision` pins a revision."""

@@ -11,6 +11,7 @@ still passes to the router.
 
 from __future__ import annotations
 
+import json
 import os
 
 import httpx
@@ -55,3 +56,45 @@ def test_count_tokens_refuses_an_unknown_model_with_the_same_404(gw: Gateway) ->
     assert r.status_code == 404, r.text
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
     assert name in r.json()["error"]["message"]
+
+
+def _big_body(model: str) -> bytes:
+    """A valid chat body of about 3 MB: reading, parsing, validating and counting it is
+    the work a refusal before the body spares."""
+    text = "word " * 120_000
+    messages = [{"role": "user", "content": text} for _ in range(5)]
+    return json.dumps({"model": model, "messages": messages, "max_tokens": 4}).encode()
+
+
+def test_past_its_rpm_a_tenant_is_refused_before_its_body_is_read(gw: Gateway) -> None:
+    """Before, a tenant past its requests per minute still had every body read, parsed,
+    validated and counted before admission refused it (a 2 MB body took ~0.4 s, and
+    was answered 400 context_length rather than 429). Once admission has found the
+    window full, the next request of the tenant is refused with the same 429 from the
+    headers alone, until the window frees (nothing gives a request back to it)."""
+    tenant, key = gw.new_tenant("s72-rpm", rpm=1)
+    r = gw.post("/v1/chat/completions", key=key, json={**BODY, "model": "cheap"})
+    assert r.status_code == 200, r.text
+    r = gw.post("/v1/chat/completions", key=key, json={**BODY, "model": "cheap"})
+    assert r.status_code == 429, r.text  # admission's own refusal: the window is full
+    stages = [d["stage"] for d in gw.trace(r.headers["x-request-id"])["decisions"]]
+    assert "validate" in stages and stages[-1] == "admit", stages
+    for path in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):
+        r = httpx.post(
+            gw.url + path,
+            content=_big_body("cheap"),
+            headers={"Authorization": f"Bearer {key}", "content-type": "application/json"},
+            timeout=30,
+        )
+        assert r.status_code == 429, (path, r.text[:300])
+        assert 1 <= int(r.headers["retry-after"]) <= 60, r.headers
+        trace = gw.trace(r.headers["x-request-id"])
+        stages = [d["stage"] for d in trace["decisions"]]
+        assert stages == ["authenticate", "admit"], (path, stages)
+        assert trace["decisions"][-1]["outcome"] == "reject:rpm"
+        assert "before the body is read" in trace["decisions"][-1]["reason"]
+    # A limit raised since is the limiter's to judge again: served at once.
+    r = httpx.patch(f"{gw.url}/admin/tenants/{tenant}", json={"rpm": 100}, headers=gw.admin)
+    assert r.status_code == 200, r.text
+    r = gw.post("/v1/chat/completions", key=key, json={**BODY, "model": "cheap"})
+    assert r.status_code == 200, r.text

@@ -303,10 +303,15 @@ def test_two_gateways_share_one_rpm_limit_through_redis(scripted: Scripted) -> N
         assert codes == [200] * 6
         assert _chat(a, key).status_code == 429
         assert _chat(b, key).status_code == 429  # the other process sees the same window
+        a.create_tenant(tid + "b", rpm=6)
+        other = a.create_key(tid + "b")["key"]
         stop_redis(redis_proc)
-        r = _chat(a, key)
+        # A window each process found full stays full (nothing gives a request back):
+        # refused without asking the limiter (policy/admit.py FullWindows).
+        assert _chat(a, key).status_code == 429 and _chat(b, key).status_code == 429
+        r = _chat(a, other)
         assert r.status_code == 503 and r.json()["error"]["code"] == "limiter_unavailable"
-        assert _chat(b, key).status_code == 200  # fail_open admits (and logs)
+        assert _chat(b, other).status_code == 200  # fail_open admits (and logs)
     finally:
         a.proc.stop()
         b.proc.stop()

@@ -119,12 +119,17 @@ def test_a_continuation_is_held_to_its_rpm_before_the_store_is_read(gw: Gateway)
     # up: an id with nothing stored is a 429, not the store's 404.
     missing = _create(gw, key, input="go on", previous_response_id=MISSING)
     _rate_refused(missing)
+    trace = gw.trace(missing.headers["x-request-id"])
+    stages = [(d["stage"], d["outcome"]) for d in trace["decisions"]]
+    assert ("admit_call", "reject:rpm") in stages, stages
+    assert not {"window", "admit"} & {s for s, _ in stages}, stages  # nothing was read
+    # Once the limiter found the window full, the next is refused before its body is
+    # even read (policy/admit.py FullWindows): no stored conversation read either.
     refused = _create(gw, key, input="go on", previous_response_id=rid)
     _rate_refused(refused)
     trace = gw.trace(refused.headers["x-request-id"])
     stages = [(d["stage"], d["outcome"]) for d in trace["decisions"]]
-    assert ("admit_call", "reject:rpm") in stages, stages
-    assert not {"window", "admit"} & {s for s, _ in stages}, stages  # nothing was read
+    assert stages == [("authenticate", "ok"), ("admit", "reject:rpm")], stages
     # The admitted continuation: its call counted before the read, then the whole
     # conversation reserved by `admit` (rpm not counted a second time).
     trace = gw.trace(second.headers["x-request-id"])

@@ -167,7 +167,7 @@ class ResponsesRoutes:
         # gateway's; None: no limiter to ask, as for a gateway of another kind).
         gw = openai.gw
         self.reserver = (
-            Reserver(gw.limiter, gw.settings, gw.store.spent_since, gw.counters)
+            Reserver(gw.limiter, gw.settings, gw.store.spent_since, gw.counters, gw.full)
             if isinstance(gw, Gateway)
             else None
         )

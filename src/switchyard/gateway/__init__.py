@@ -56,6 +56,7 @@ from switchyard.gateway.rollouts import build_revisions, build_rollouts
 from switchyard.gateway.semantic import build_cache, build_candidates, build_embedder
 from switchyard.gateway.tasks import build_mcp
 from switchyard.media.process import MediaProcessor
+from switchyard.policy.admit import FullWindows
 from switchyard.policy.auth import Authenticator
 from switchyard.policy.cost import PromptOverhead
 from switchyard.policy.pii import PiiMasker
@@ -144,10 +145,13 @@ class Gateway(ControlPlane):
         # RL-managed models' revision managers: the pipeline sends their chat and
         # completions to the active revision.
         self.revisions = build_revisions(settings, self.metrics, self._persist_revision)
+        # The rpm windows found full, shared by every reserver of this process: a
+        # request of such a key or tenant is refused before its body is read.
+        self.full = FullWindows()
         pipelines = build_pipelines(
             settings,
             self.registry.deployments,
-            Reserver(self.limiter, settings, self.store.spent_since, self.counters),
+            Reserver(self.limiter, settings, self.store.spent_since, self.counters, self.full),
             self.gates,
             self.pii,
             self.cache,
@@ -180,11 +184,12 @@ class Gateway(ControlPlane):
             Embeddings(settings, self.embedder),
             self.tracing,
             rl_aliases=self.revisions,
+            full=self.full,
         )
         self.rollouts = build_rollouts(
             settings,
             self.service,
-            Reserver(self.limiter, settings, self.store.spent_since, self.counters),
+            Reserver(self.limiter, settings, self.store.spent_since, self.counters, self.full),
             self.revisions,
             self._store_rollouts if settings.rl.store else None,
             self.pii,
@@ -202,7 +207,7 @@ class Gateway(ControlPlane):
                 self.pii,
                 self.metrics,
                 self.tracing,
-                Reserver(self.limiter, settings, self.store.spent_since, self.counters),
+                Reserver(self.limiter, settings, self.store.spent_since, self.counters, self.full),
             )
         )
         self.started_at = time.time()

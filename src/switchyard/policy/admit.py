@@ -103,3 +103,53 @@ def refusal(verdict: Verdict) -> SwitchyardError:
         code=f"rate_limit_{verdict.limit}",
         headers=headers,
     )
+
+
+class FullWindows:
+    """The scopes whose requests-per-minute window a reserve found full, and until when
+    (the limiter's own answer: `Verdict.retry_after_s`), so that another request of the
+    key or tenant is refused before its body is read (`refused`, asked by
+    service.py `begin`): a client that keeps calling past its limit (an agent's loop
+    retrying without backing off) costs no body read, parse, validation or count.
+
+    Exact, not a guess: nothing gives a request back to an rpm window (a settle only
+    adjusts tokens, concurrency and budget), so a window the limiter found full stays
+    full until its oldest requests age out, whichever process asks; a refusal of tokens,
+    concurrency or budget can end sooner (a settle gives back) and is not kept. Kept with
+    the limit it was found at: a limit changed since (the admin API) is asked again.
+    One per gateway process, shared by its reservers; bounded."""
+
+    MAX = 4096
+
+    def __init__(self) -> None:
+        # scope -> (until, in time.time() seconds as the limiters count; its rpm then)
+        self.until: dict[str, tuple[float, int]] = {}
+
+    def note(self, verdict: Verdict, scopes: list[ScopeLimits], now: float) -> None:
+        """A refusal `verdict` of a reserve against `scopes`, if its rpm's."""
+        retry = verdict.retry_after_s
+        if verdict.limit != "rpm" or not math.isfinite(retry) or retry <= 0.0:
+            return
+        rpm = next((s.rpm for s in scopes if s.scope == verdict.scope), None)
+        if rpm is None or verdict.scope is None:
+            return
+        if len(self.until) >= self.MAX:
+            self.until.clear()
+        self.until[verdict.scope] = (now + retry, rpm)
+
+    def refused(self, p: Principal, now: float) -> tuple[SwitchyardError, str, float] | None:
+        """(the refusal, its scope, seconds left) if a scope of `p` is known full now."""
+        until = self.until
+        for lim in principal_scopes(p):
+            noted = until.get(lim.scope)
+            if noted is None:
+                continue
+            end, rpm = noted
+            if end <= now or rpm != lim.rpm:
+                del until[lim.scope]  # aged out, or the limit changed: the limiter decides
+                continue
+            left = end - now
+            state = {"limit_requests": rpm, "remaining_requests": 0, "reset_requests_s": left}
+            verdict = Verdict(False, lim.scope, "rpm", left, {lim.scope: state})
+            return refusal(verdict), lim.scope, left
+        return None

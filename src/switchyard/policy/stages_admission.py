@@ -19,6 +19,7 @@ from switchyard.config import ModelConfig, Price, Settings
 from switchyard.errors import ContextLengthExceeded, InvalidRequest, LimiterDown
 from switchyard.pipeline import RequestContext, Stage, Verdict, View
 from switchyard.policy.admit import (
+    FullWindows,
     cost_usd,
     deployment_scope,
     principal_scopes,
@@ -61,8 +62,12 @@ class Reserver:
         settings: Settings,
         spent_since: SpentSince,
         counters: dict[str, int],
+        full: FullWindows | None = None,
     ) -> None:
         self.limiter = limiter
+        # The rpm windows its refusals found full (the gateway's, shared: service.py
+        # refuses a request of such a scope before reading its body).
+        self.full = full if full is not None else FullWindows()
         self.on_failure = settings.policy.on_limiter_failure
         self.min_output = settings.policy.min_output_tokens
         self._spent_since = spent_since
@@ -136,6 +141,7 @@ class Reserver:
         if shrunk is not None:
             evidence["cap_shrunk"] = shrunk
         if not verdict.allowed:
+            self.full.note(verdict, scopes, time.time())
             ctx.record(
                 stage,
                 outcomes.reject(str(verdict.limit)),
