@@ -278,7 +278,9 @@ def _build_steps(records: list[dict[str, Any]], t0: float) -> list[_Step]:
         step = _Step(
             request_id=str(rid),
             record=record,
-            start_ms=(_received_at(record) - t0) * 1000,
+            # In whole microseconds: a float's noise (epoch seconds hold ~0.2 us) must
+            # not decide whether a step ended within TOLERANCE_MS of another's start.
+            start_ms=round((_received_at(record) - t0) * 1000, 3),
             duration_ms=_duration_ms(record),
         )
         kept = by_id.get(step.request_id)
