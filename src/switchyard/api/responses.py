@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -40,6 +41,7 @@ from functools import partial
 from typing import Any
 
 import orjson
+from starlette.datastructures import QueryParams
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -58,6 +60,7 @@ from switchyard.api.responses_reply import (
     ResponseEvents,
     Shell,
     chat_message,
+    response_error,
     response_json,
     to_response,
 )
@@ -146,7 +149,45 @@ def _names_input(exc: ContextLengthExceeded) -> None:
 
 
 def _not_found(rid: str) -> NotFound:
-    return NotFound(f"no response with id '{rid[:80]}'", param="response_id")
+    """The 404 of an id not found; the id is repeated only when it is made of an id's
+    characters (a path may carry control characters, line breaks, bidi overrides)."""
+    if _ID_CHARS.fullmatch(rid[:80]):
+        return NotFound(f"no response with id '{rid[:80]}'", param="response_id")
+    return NotFound("no response with that id", param="response_id")
+
+
+# The characters of an id, repeated in a 404 (anything else is not).
+_ID_CHARS = re.compile(r"[A-Za-z0-9_.:\-]*")
+# `include` values the read routes honour: the input items' image URLs, which a stored
+# response's input items always hold. Any other is refused, as on `POST` (codec).
+INCLUDABLE = frozenset({"message.input_image.image_url"})
+# A `limit` as written in a query: digits alone (not Python's `int`: `+5`, `1_0`, ` 5`).
+_LIMIT = re.compile(r"[0-9]{1,4}")
+
+
+def _include(q: QueryParams) -> None:
+    """A 400 naming `include` for a value the routes cannot honour (the SDK sends the
+    list as `include[]`; `include` repeated is read the same)."""
+    for name in ("include", "include[]"):
+        for value in q.getlist(name):
+            if value and value not in INCLUDABLE:
+                raise InvalidRequest(
+                    "'include' may only name message.input_image.image_url here",
+                    param="include",
+                )
+
+
+def _retrieve_query(q: QueryParams) -> None:
+    """`GET /v1/responses/{id}`'s query: `stream` (a background response's events
+    replayed) is not served here, so it is refused rather than answered as JSON a
+    streaming client reads as an empty stream."""
+    stream = q.get("stream")
+    if stream is not None and stream.lower() not in ("", "false", "0"):
+        raise InvalidRequest(
+            "'stream' is not supported when retrieving a response: poll it without 'stream'",
+            param="stream",
+        )
+    _include(q)
 
 
 class ResponsesRoutes:
@@ -525,10 +566,7 @@ class ResponsesRoutes:
             err = exc if isinstance(exc, SwitchyardError) else None
             if err is None:
                 log.exception("background response %s failed", stored.id)
-            error = {
-                "code": err.code if err is not None else "server_error",
-                "message": err.message if err is not None else "internal error",
-            }
+            error = response_error(err)  # OpenAI's codes for a response's error
             stored.status = "failed"
             stored.body["response"] = shell.object("failed", [], error=error)
             with contextlib.suppress(Exception):
@@ -567,6 +605,7 @@ class ResponsesRoutes:
         request: Request,
         api: str,
         work: Callable[[StoredResponse], Awaitable[bytes]],
+        query: Callable[[QueryParams], None] | None = None,
     ) -> Response:
         """`work` on the stored response the path names, in a request of the key's
         (`api`: the endpoint its trace and usage row name) admitted as one call before
@@ -582,6 +621,8 @@ class ResponsesRoutes:
         # hold (their poll and cancel would wait on themselves), nor a spent budget.
         ctx.principal = self._views(principal)[0]
         async with service.called(ctx):
+            if query is not None:  # before the store is read
+                query(request.query_params)
             rid = request.path_params["response_id"]
             if not RESPONSE_ID.fullmatch(rid):
                 raise _not_found(rid)
@@ -596,7 +637,7 @@ class ResponsesRoutes:
         DELETE: delete it (a background one still running is cancelled first)."""
         if request.method == "DELETE":
             return await self._on_stored(request, "responses.delete", self._delete)
-        return await self._on_stored(request, "responses.retrieve", _response_json)
+        return await self._on_stored(request, "responses.retrieve", _response_json, _retrieve_query)
 
     async def _delete(self, stored: StoredResponse) -> bytes:
         task = self.running.get(stored.id)
@@ -631,14 +672,12 @@ class ResponsesRoutes:
     async def input_items(self, request: Request) -> Response:
         """The input items of a stored response (`limit` 1-100, `order` asc|desc;
         `after`, `before`: an item id, the page starting after it or ending before it;
-        each id is one item's, as `check` refuses repeats)."""
+        each id is one item's, as `check` refuses repeats; `include`: `INCLUDABLE`)."""
         q = request.query_params
 
         async def page_of(stored: StoredResponse) -> bytes:
-            try:
-                limit = int(q.get("limit", "20"))
-            except ValueError:
-                limit = 0
+            raw = q.get("limit", "20")
+            limit = int(raw) if _LIMIT.fullmatch(raw) else 0
             if not 1 <= limit <= 100:
                 raise InvalidRequest("'limit' must be an integer from 1 to 100", param="limit")
             order = q.get("order", "desc")
@@ -663,7 +702,7 @@ class ResponsesRoutes:
             }
             return orjson.dumps(out)
 
-        return await self._on_stored(request, "responses.input_items", page_of)
+        return await self._on_stored(request, "responses.input_items", page_of, _include)
 
 
 async def _response_json(stored: StoredResponse) -> bytes:

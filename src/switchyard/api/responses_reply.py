@@ -160,6 +160,25 @@ class Shell(msgspec.Struct):
 _DONE = frozenset(("completed", "failed", "incomplete", "cancelled"))
 
 
+def response_error(exc: SwitchyardError | None) -> dict[str, Any]:
+    """A failed response's `error` as OpenAI's API writes it, `code` and `message`:
+    the code one of its codes for a response (the SDK's `ResponseError.code` is a
+    closed set: a rate limit is `rate_limit_exceeded`, a request an engine or a check
+    refused `invalid_prompt`, anything else `server_error`), the message the gateway's
+    (the gateway's own code is in the usage row and the trace). None: an error that is
+    no client's (its text is the log's alone). A stream's `error` event keeps the
+    gateway's code, as the client's other error bodies do."""
+    if exc is None:
+        return {"code": "server_error", "message": "internal error"}
+    if exc.status == 429:
+        code = "rate_limit_exceeded"
+    elif 400 <= exc.status < 500 and exc.status != 408:
+        code = "invalid_prompt"
+    else:
+        code = "server_error"
+    return {"code": code, "message": exc.message}
+
+
 def usage_of(chat_usage: Any) -> dict[str, Any] | None:
     """The Responses usage of a chat usage; None when there is none, or its counts are
     none a request could have (the request is billed its estimate then: settle.py)."""
@@ -727,7 +746,7 @@ class ResponseEvents:
         if not self.started:
             self.start(out)
         self._text_so_far()
-        error = {"code": exc.code, "message": exc.message}
+        error = response_error(exc)  # the response object's: OpenAI's codes
         self.status, self._final = "failed", None
         self.final_json = self.shell.encoded(
             "failed", orjson.dumps(self.output), usage_of(self.usage), error=error

@@ -263,7 +263,7 @@ def test_a_broken_stream_ends_failed_with_an_error_event() -> None:
     kinds = [json.loads(e.split(b"\ndata: ", 1)[1])["type"] for e in tail.split(b"\n\n") if e]
     assert kinds == ["error", "response.failed"]
     assert events.final is not None and events.final["status"] == "failed"
-    assert events.final["error"]["code"] == "upstream_error"
+    assert events.final["error"]["code"] == "server_error"  # OpenAI's code for it
     assert events.final["output"][0]["content"][0]["text"] == "half"  # what was streamed
 
 

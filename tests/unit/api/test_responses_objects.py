@@ -201,5 +201,5 @@ def test_a_broken_stream_keeps_the_failed_object_its_last_event_carried() -> Non
     assert events.status == "failed" and events.final_json is not None
     assert last["type"] == "response.failed"
     assert last["response"] == events.final == orjson.loads(events.final_json)
-    assert last["response"]["error"]["code"] == "upstream_error"
+    assert last["response"]["error"]["code"] == "server_error"  # OpenAI's code for it
     assert last["response"]["output"][0]["content"][0]["text"] == "half"
