@@ -230,24 +230,27 @@ def _national_phone(m: re.Match[str]) -> Span | None:
 
 # --------------------------------------------------------------------------- ids
 
-# An id's parts: `task-4012888888881881` holds a card number the text detectors (which
-# want a number to stand alone) would not see in it.
+# An id's parts: `task-FR1420041010050500013M02606` holds an IBAN the text detectors
+# (which want a number to stand alone) would not see in it.
 _ID_PARTS = re.compile(r"[-_.:]")
-# A card number as a whole part (issuers' first digits 2-6, as pii.py `_CARD`), or grouped
-# by dashes as the whole id.
-_CARD_ID = re.compile(r"[2-6]\d{12,18}")
-_DASHED = re.compile(r"\d+(?:-\d+)+")
+# A card number in an id as a person writes one, in dashed groups (4-4-4-4, 4-4-4-4-3,
+# Amex's 4-6-5), bounded by no other digit or letter; issuers' first digits 2-6, as
+# pii.py `_CARD`. A bare run of 13-19 digits is not read as a card in an id: numeric ids
+# (a clock's nanoseconds, a random number) pass Luhn one time in ten, and refusing them
+# would fail a client's requests at random.
+_CARD_GROUPS = re.compile(
+    r"(?<![0-9A-Za-z])[2-6]\d{3}(?:-\d{4}-\d{4}-\d{4}(?:-\d{3})?|-\d{6}-\d{5})(?![0-9A-Za-z])"
+)
 _ID_NUMBERS = ((_IBAN, _iban), (_SSN, _whole), (_KR_RRN, _kr_rrn))
 
 
 def personal_number(value: str) -> bool:
-    """True if the id `value` holds a card number (Luhn), an IBAN (mod-97), a US SSN or
-    a Korean resident number, as a whole or as one of its `-_.:`-separated parts."""
-    parts = _ID_PARTS.split(value)
-    if _DASHED.fullmatch(value):
-        parts.append(value.replace("-", ""))
-    if any(_CARD_ID.fullmatch(p) and _luhn(p) for p in parts):
+    """True if the id `value` holds a card number written in groups (Luhn), an IBAN
+    (mod-97), a US SSN or a Korean resident number, as a whole or as one of its
+    `-_.:`-separated parts."""
+    if any(_luhn(m.group(0).replace("-", "")) for m in _CARD_GROUPS.finditer(value)):
         return True
+    parts = _ID_PARTS.split(value)
     for text in (value, *parts):
         for rx, check in _ID_NUMBERS:
             for m in rx.finditer(text):
