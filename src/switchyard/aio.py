@@ -20,14 +20,29 @@ async def hung_up(receive: Receive) -> None:
         pass
 
 
-async def until_gone(work: Awaitable[T], gone: Awaitable[object], what: str) -> T:
+async def until_gone(
+    work: Awaitable[T],
+    gone: Awaitable[object],
+    what: str,
+    undo: Callable[[T], object] | None = None,
+) -> T:
     """`work`'s result, or ClientDisconnected(`what`) once `gone` (the caller hung up)
     returns first: `work` is cancelled and awaited, so what it held is given back
-    before this returns. A cancellation of this one cancels both and goes on."""
+    before this returns. A cancellation of this one cancels both and goes on; a result
+    `work` had already come to then (its cancel came too late) is handed to `undo`, so
+    what it took (a queue's slot) is given back rather than dropped."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(gone)
     try:
         await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))  # its ending, without raising what ended it
+        if not task.cancelled() and task.exception() is None and undo is not None:
+            undo(task.result())
+        raise
     finally:
         watch.cancel()
         if not task.done():

@@ -197,6 +197,12 @@ class Admission:
     evidence: dict[str, Any] | None = None  # task_aware: class, position, estimate, task
 
 
+def _expire(fut: asyncio.Future[None]) -> None:
+    """A waiter's time to be handed a slot is over (unless it was handed one)."""
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
 @dataclass(slots=True)
 class _Waiter:
     fut: asyncio.Future[None]
@@ -305,8 +311,19 @@ class DeploymentGate:
                 self._note(ask, deadline, start)
         self._waiters.append(w)
         limit = deadline - (est.service_s if est is not None else 0.0)
+        # The timer ends the wait on the future itself, not `asyncio.wait_for`: on Python
+        # 3.11 a wait_for whose future was handed a slot just before the waiting task was
+        # cancelled (a task's cancel, the client gone) returns the slot and swallows the
+        # cancellation, so a cancelled call was served, or (under `until_gone`) its slot
+        # was never given back.
+        timer: asyncio.TimerHandle | None = None
+        left = limit - self.clock()
+        if left > 0 and math.isfinite(left):
+            timer = asyncio.get_running_loop().call_later(left, _expire, w.fut)
+        elif left <= 0:
+            _expire(w.fut)
         try:
-            await asyncio.wait_for(w.fut, max(0.0, limit - self.clock()))
+            await w.fut
         except TimeoutError:
             waited = self.clock() - start
             if est is not None:
@@ -323,6 +340,8 @@ class DeploymentGate:
             self._forget(ask)  # a new task whose first step never ran is not admitted
             raise
         finally:
+            if timer is not None:
+                timer.cancel()
             with contextlib.suppress(ValueError):
                 self._waiters.remove(w)
         now = self.clock()
@@ -567,16 +586,20 @@ class DeploymentGate:
             return False
         self._waiters.remove(victim)
         self._forget(victim.ask)
+        # Its Retry-After, as a full queue's: when a place should free, the queue being
+        # as full as before (the arriving request takes the place it gave up).
+        retry = self._place_free_s(victim.ask, victim.estimate, len(self._waiters) + 1)
         victim.fut.set_exception(
             Overloaded(
                 f"model '{self.name}' is saturated: the queue's place of this new task went to "
                 "a step of a task already admitted; retry later",
+                retry_after_s=retry,
                 evidence={"policy": self.policy, "displaced_after_s": round(now - victim.since, 4)},
             )
         )
         return True
 
-    def _place_free_s(self, ask: SlotAsk, est: Estimate | None) -> int:
+    def _place_free_s(self, ask: SlotAsk, est: Estimate | None, queued: int | None = None) -> int:
         """A full queue's Retry-After: about when a place frees, the queued waiters'
         service over the concurrency (the estimate for this request times the queued, as
         the 503's expected wait is worked out), at least 1 s; 1 s without an estimate."""
@@ -584,7 +607,8 @@ class DeploymentGate:
             est = self.model.estimate(ask)
         if est is None or not self.max_concurrency:
             return 1
-        wait = est.service_s * len(self._waiters) / self.max_concurrency
+        n = len(self._waiters) if queued is None else queued
+        wait = est.service_s * n / self.max_concurrency
         return max(1, math.ceil(wait)) if math.isfinite(wait) else 1
 
     def forget_task(self, task: Hashable) -> None:

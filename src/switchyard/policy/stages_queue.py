@@ -5,7 +5,7 @@ the way in and given back on release.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from switchyard import outcomes
@@ -85,7 +85,11 @@ class Queue(Stage):
         try:
             waiting = gate.acquire(ctx.deadline, ask)
             if ctx.receive is not None:  # a client that hangs up gives its place back
-                waiting = until_gone(waiting, hung_up(ctx.receive), QUEUED_CLIENT_LEFT)
+                # A slot granted as this request is cancelled (its task's cancel) goes
+                # back to the gate: the request never holds it.
+                waiting = until_gone(
+                    waiting, hung_up(ctx.receive), QUEUED_CLIENT_LEFT, _give_back(gate)
+                )
             adm = await waiting
         except Exception as exc:
             evidence = {"in_flight": gate.in_flight, "queued": gate.queued}
@@ -134,3 +138,12 @@ class Queue(Stage):
             t,
             evidence,
         )
+
+
+def _give_back(gate: DeploymentGate) -> Callable[[Admission], None]:
+    """What a slot granted to a request already cancelled does: it goes back to `gate`."""
+
+    def undo(adm: Admission) -> None:
+        gate.release()
+
+    return undo
