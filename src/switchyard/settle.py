@@ -35,6 +35,7 @@ log = logging.getLogger("switchyard")
 _CANCELLED = Status.CANCELLED
 _ERROR = Status.ERROR
 _UNFINISHED = (Status.PENDING, Status.STREAMING)
+_REPLAY = CacheOutcome.REPLAY
 
 
 def mark_failed(ctx: RequestContext, exc: BaseException) -> None:
@@ -215,14 +216,25 @@ class Settler:
         nothing for a request every upstream refused outright) and what that costs, on
         `ctx.run` for the releases and the record."""
         run = ctx.run
+        if ctx.cache is _REPLAY:
+            # An idempotent replay calls nothing: the stored reply's usage was billed
+            # to the request that made it, never again (0 tokens, as a cache hit).
+            run.tokens_in = run.tokens_out = 0
+            run.cost_usd = 0.0
+            return
         if run.usage is None and run.reply_body is not None:
             run.usage = reply_usage(run.reply_body)
         usage = run.usage
         counted = counts(usage) if usage else None
         if counted is not None:
             inp, out = counted
-            if inp and ctx.alias is not None and ctx.cost is not None:
-                self.overhead.observe(ctx.alias, ctx.cost.base, inp)  # reservations lean high
+            shape = ctx.cost
+            if inp and ctx.alias is not None and shape is not None:
+                self.overhead.observe(ctx.alias, shape.base, inp)  # reservations lean high
+                if shape.alias and shape.alias != ctx.alias:
+                    # Routed (`auto`): its next prompts are estimated under the alias
+                    # the client named, before any route is taken.
+                    self.overhead.observe(shape.alias, shape.base, inp)
             proven = proven_output(ctx)
             if out < proven:
                 # A count below what the reply shows (llama-server counts one choice

@@ -102,7 +102,7 @@ def build_pipelines(
     named = {m.alias: {"model": m.alias} for m in s.models}
     routed = s.router.routed_aliases if s.router.enabled else ()
     overhead = overhead or PromptOverhead(s.policy.prompt_overhead_tokens)
-    estimate = generation_estimate(models)
+    estimate = generation_estimate(models, {a: [r.model for r in s.router.routes] for a in routed})
     planner = CachePlanner(s, revisions)
     t = s.tasks
     tasks = tasks or MemoryTaskStore(t.max_tasks, t.idle_ttl_s, t.max_tool_calls)

@@ -40,6 +40,9 @@ class Cost:
     asked: int | None  # the cap the client sent (the larger, when it sent both names)
     window: int | None  # the model's effective context window
     reason: str | None = None  # why the sent cap is the gateway's: default|window|budget|...
+    # The alias the prompt was estimated for (its learned overhead): the one the client
+    # named, which a router may change to a route's model after the reservation.
+    alias: str = ""
 
     @property
     def output(self) -> int:
@@ -263,5 +266,13 @@ def plan(
         cap = max(1, window - lower)
         reason = "window"
     return Cost(
-        base, base + overhead.get(alias, base), lower, sequences(req), cap, asked, window, reason
+        base,
+        base + overhead.get(alias, base),
+        lower,
+        sequences(req),
+        cap,
+        asked,
+        window,
+        reason,
+        alias,
     )

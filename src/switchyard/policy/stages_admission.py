@@ -249,11 +249,21 @@ def chain_price(models: Mapping[str, ModelConfig], alias: str) -> Price | None:
     return Price(input=max(p.input for p in prices), output=max(p.output for p in prices))
 
 
-def generation_estimate(models: Mapping[str, ModelConfig]) -> Estimate:
+def generation_estimate(
+    models: Mapping[str, ModelConfig], routed: Mapping[str, Sequence[str]] | None = None
+) -> Estimate:
     """(prompt tokens, output tokens, price) of a chat or completion request: its cost
     shape (ctx.cost, set by the window stage) at the price of its model's chain
-    (`chain_price`: a fallback dearer than its primary is reserved for)."""
+    (`chain_price`: a fallback dearer than its primary is reserved for). A routed
+    alias (`routed`: it -> its routes' models) is reserved before the route is taken,
+    so at the dearest chain of any model a route may choose."""
     prices = {alias: chain_price(models, alias) for alias in models}
+    for alias, targets in (routed or {}).items():
+        chains = [p for t in targets if (p := chain_price(models, t)) is not None]
+        if chains:
+            prices[alias] = Price(
+                input=max(p.input for p in chains), output=max(p.output for p in chains)
+            )
 
     def estimate(ctx: RequestContext) -> tuple[int, int, Price | None]:
         cost = ctx.cost
