@@ -17,6 +17,7 @@ import pytest
 from hypothesis import settings as hypothesis_settings
 
 from support.gateways import Gateway, cheap_config, start_gateway
+from support.mcp_sessions import Tools
 from support.redis_server import start_redis, stop_redis
 from support.upstreams import Scripted, start_scripted, start_worker
 
@@ -74,6 +75,12 @@ def gw(scripted: Scripted) -> Iterator[Gateway]:
     g = start_gateway(cheap_config(scripted))
     yield g
     g.proc.stop()
+
+
+@pytest.fixture(scope="module")
+def tools() -> Tools:
+    """A module's MCP tool servers (support/mcp_sessions.py `Tools`)."""
+    return Tools()
 
 
 @pytest.fixture(scope="module")

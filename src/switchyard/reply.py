@@ -99,7 +99,8 @@ async def _whole(side: ReplySide, obj: dict[str, Any], body: bytes) -> bytes:
 
 @dataclass(slots=True)
 class ToolCallPiece:
-    """A piece of one streamed tool call: its id and name come with its first piece."""
+    """A piece of one streamed tool call: its id and name come with its first piece;
+    `index` a key whatever the upstream sent (`_pieces`: a list or object by its text)."""
 
     index: Any
     call_id: str
@@ -235,9 +236,11 @@ def _pieces(calls: list[Any]) -> list[ToolCallPiece]:
             named = call.get("function")
             fn: dict[str, Any] = named if isinstance(named, dict) else {}
             piece = fn.get("arguments")
+            index = call.get("index", 0)
             out.append(
                 ToolCallPiece(
-                    call.get("index", 0),
+                    # An index that is no key (a list, an object) is known by its text.
+                    repr(index) if type(index) is list or type(index) is dict else index,
                     str(call.get("id") or ""),
                     str(fn.get("name") or ""),
                     piece if isinstance(piece, str) else "",
@@ -550,8 +553,9 @@ async def relay(
                             if not include_usage and not obj.get("choices"):
                                 continue  # asked for by the gateway, not by the client
                     out.append(piece)
-            if done and not proving:  # (once a stream) its finish among its last events
-                finished = any(_finishing(e) is not None and _finishes(e) for e in tail)
+            if done and not proving:  # (once a stream) its finish among its last events,
+                # newest first: the finish is usually the one before the usage chunk
+                finished = any(_finishing(e) is not None and _finishes(e) for e in reversed(tail))
             unfinished = done and not broken and not finished
             if done:
                 if side is not None:

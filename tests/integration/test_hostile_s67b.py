@@ -57,11 +57,6 @@ REGISTRY = [
 
 
 @pytest.fixture(scope="module")
-def tools() -> Tools:
-    return Tools()
-
-
-@pytest.fixture(scope="module")
 def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
     with tool_gateway(scripted, tools, REGISTRY) as g:
         yield g

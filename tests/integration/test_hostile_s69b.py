@@ -107,11 +107,6 @@ class _Echo(ScriptedToolServer):
 
 
 @pytest.fixture(scope="module")
-def tools() -> Tools:
-    return Tools()
-
-
-@pytest.fixture(scope="module")
 def web(tools: Tools) -> Iterator[str]:
     with http_tool_server(tools) as url:
         yield url

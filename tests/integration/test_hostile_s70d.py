@@ -67,11 +67,6 @@ REGISTRY = [
 
 
 @pytest.fixture(scope="module")
-def tools() -> Tools:
-    return Tools()
-
-
-@pytest.fixture(scope="module")
 def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
     claude = {
         "alias": "claude",

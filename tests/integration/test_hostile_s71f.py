@@ -50,7 +50,17 @@ import pytest
 
 from support.chat_replies import calls_reply
 from support.gateways import CHEAP_PRICE, Gateway, start_gateway
-from support.hostile_upstream import Hostile, hostile_upstream, json_reply, sse_reply
+from support.hostile_upstream import (
+    DONE_EVENT,
+    USAGE_EVENT,
+    Hostile,
+    call_event,
+    chunk_event,
+    hostile_upstream,
+    json_reply,
+    sse_event,
+    sse_reply,
+)
 
 TOOLS: list[Any] = [{"type": "function", "name": "lookup", "parameters": {"type": "object"}}]
 MTOOLS: list[Any] = [{"name": "lookup", "input_schema": {"type": "object"}}]
@@ -60,27 +70,7 @@ THOUGHT = "secret chain of thought"
 NOT_JSON = ['{"q": ', "oops}"]
 
 
-def _event(data: bytes | dict[str, Any]) -> bytes:
-    return b"data: " + (data if isinstance(data, bytes) else json.dumps(data).encode()) + b"\n\n"
-
-
-def _chunk(delta: dict[str, Any], finish: str | None = None, index: int = 0) -> bytes:
-    choice = {"index": index, "delta": delta, "finish_reason": finish}
-    return _event({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
-                   "choices": [choice]})  # fmt: skip
-
-
-def _call(index: Any, args: str, head: str | None = None) -> bytes:
-    piece: dict[str, Any] = {"index": index, "function": {"arguments": args}}
-    if head is not None:
-        piece.update(id=f"call_{head}", type="function")
-        piece["function"]["name"] = "lookup"
-    return _chunk({"tool_calls": [piece]})
-
-
-DONE = _event(b"[DONE]")
-USAGE = _event({"id": "c1", "object": "chat.completion.chunk", "choices": [],
-                "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}})  # fmt: skip
+_event, _chunk, _call, DONE, USAGE = sse_event, chunk_event, call_event, DONE_EVENT, USAGE_EVENT
 WHOLE_NOT_JSON = calls_reply(
     [
         {

@@ -46,11 +46,6 @@ MAX_RESULT = 4096  # mcp.max_result_bytes
 
 
 @pytest.fixture(scope="module")
-def tools() -> Tools:
-    return Tools()
-
-
-@pytest.fixture(scope="module")
 def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
     with http_tool_server(tools) as url:
         config = cheap_config(

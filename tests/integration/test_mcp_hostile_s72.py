@@ -38,11 +38,6 @@ REGISTRY = [{"name": "web__lookup", "class": "read_only"}]
 
 
 @pytest.fixture(scope="module")
-def tools() -> Tools:
-    return Tools()
-
-
-@pytest.fixture(scope="module")
 def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
     with tool_gateway(scripted, tools, REGISTRY) as g:
         yield g

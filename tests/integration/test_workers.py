@@ -36,11 +36,6 @@ def scripted() -> Iterator[Scripted]:
 
 
 @pytest.fixture(scope="module")
-def tools() -> Tools:
-    return Tools()
-
-
-@pytest.fixture(scope="module")
 def gw(scripted: Scripted, tools: Tools) -> Iterator[Gateway]:
     upstream = {"kind": "openai", "base_url": scripted.url + "/v1"}
     stdio = [sys.executable, MCP_TOOL_SERVER, "stdio", tools.stdio_log]

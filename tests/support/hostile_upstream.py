@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import json
 import threading
 import time
 from collections import Counter
@@ -57,6 +58,40 @@ def sse_reply(*events: bytes, hold: bool = False) -> Reply:
             h.hold()
 
     return write
+
+
+def sse_event(data: bytes | dict[str, Any], compact: bool = False) -> bytes:
+    """One SSE `data:` event of `data` (bytes as they are, an object as JSON, spaced as
+    Python writes it or `compact`)."""
+    if isinstance(data, dict):
+        data = json.dumps(data, separators=(",", ":") if compact else None).encode()
+    return b"data: " + data + b"\n\n"
+
+
+def chunk_event(
+    delta: dict[str, Any], finish: str | None = None, index: int = 0, compact: bool = False
+) -> bytes:
+    """A chat completion chunk's event: one choice of `index` with `delta` and `finish`."""
+    choice = {"index": index, "delta": delta, "finish_reason": finish}
+    body = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [choice]}  # fmt: skip
+    return sse_event(body, compact)
+
+
+def call_event(index: Any, args: str, head: str | None = None) -> bytes:
+    """A chunk of one tool call's piece: its arguments, and with `head` its id
+    (`call_<head>`) and name (`lookup`), as a call's first piece carries them."""
+    piece: dict[str, Any] = {"index": index, "function": {"arguments": args}}
+    if head is not None:
+        piece.update(id=f"call_{head}", type="function")
+        piece["function"]["name"] = "lookup"
+    return chunk_event({"tool_calls": [piece]})
+
+
+DONE_EVENT = sse_event(b"[DONE]")
+USAGE_EVENT = sse_event({"id": "c1", "object": "chat.completion.chunk", "choices": [],
+                         "usage": {"prompt_tokens": 5, "completion_tokens": 7,
+                                   "total_tokens": 12}})  # fmt: skip
 
 
 def flood(prefix: bytes, piece: bytes, total: int, content_type: str) -> Reply:

@@ -227,14 +227,9 @@ class MessageEvents:
             self.refused = True
             self._text(refusal, out)
         for call in calls:
-            key = call.index
-            try:
-                held = self.calls.get(key)
-            except TypeError:  # an index that is no key (a list): held by its text
-                key = repr(key)
-                held = self.calls.get(key)
+            held = self.calls.get(call.index)  # (a key: reply._pieces)
             if held is None:
-                held = self.calls[key] = (call.call_id, call.name, [])
+                held = self.calls[call.index] = (call.call_id, call.name, [])
             if call.arguments:
                 held[2].append(call.arguments)
         if finish is not None:

@@ -676,15 +676,10 @@ class ResponseEvents:
         by its chat index), each piece's arguments a delta of that item, which stays
         open until the stream ends, whatever order the calls' pieces come in."""
         for call in calls:
-            key = call.index
-            try:
-                known = self.calls.get(key)
-            except TypeError:  # an index that is no key (a list): known by its text
-                key = repr(key)
-                known = self.calls.get(key)
+            known = self.calls.get(call.index)  # (a key: reply._pieces)
             if known is None:
                 item = call_item(call.call_id, call.name, "", self.shell.ids("fc"), "in_progress")
-                known = self.calls[key] = (item, self._add(item, out))
+                known = self.calls[call.index] = (item, self._add(item, out))
             item, index = known
             if call.arguments:
                 item["arguments"] += call.arguments
