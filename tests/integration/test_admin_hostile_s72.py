@@ -210,3 +210,13 @@ def test_a_weights_reason_must_be_printable_and_names_bounded(gw: Gateway) -> No
         url, json={"weights": {"one": 1, "two": 1}, "reason": "even split"}, headers=gw.admin
     )
     assert ok.status_code == 200 and ok.json()["weights"] == {"one": 1.0, "two": 1.0}
+
+
+def test_an_unknown_route_is_named_within_a_bound_and_on_one_line(gw: Gateway) -> None:
+    """The 404 for a route there is none of repeated the whole decoded path: 20 kB of
+    it, and a `%0A` as a real line break (a forged line wherever it is logged)."""
+    r = httpx.get(gw.url + "/nope%0AERROR%20forged/" + "x" * 20_000, headers=gw.admin)
+    assert r.status_code == 404, r.text[:200]
+    message = r.json()["error"]["message"]
+    assert len(r.content) < 600 and "\n" not in message, message[:300]
+    assert message.startswith("no route GET /nope") and message.endswith("...")

@@ -122,6 +122,13 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
+def _shown_path(path: str) -> str:
+    """A request's path as an error repeats it: at most 128 characters, and none that
+    is not printable (a `%0A` in the path is decoded: never a forged line)."""
+    shown = "".join(c if c.isprintable() else "?" for c in path[:128])
+    return shown + "..." if len(path) > 128 else shown
+
+
 def create_app(
     settings: Settings,
     on_ready: Callable[[Gateway], None] | None = None,
@@ -258,7 +265,7 @@ def create_app(
         if exc.status_code == 405:
             err: SwitchyardError = MethodNotAllowed(f"method {request.method} is not allowed here")
         elif exc.status_code == 404:
-            err = RouteNotFound(f"no route {request.method} {request.url.path}")
+            err = RouteNotFound(f"no route {request.method} {_shown_path(request.url.path)}")
         else:
             err = SwitchyardError(str(exc.detail))
             err.status = exc.status_code

@@ -335,7 +335,7 @@ class RevisionManager:
         """A new revision, prepared once its file passed its checksum; its load and
         validation (and activation, if asked) run in the background."""
         rev_id = body.get("revision")
-        if not isinstance(rev_id, str) or not REVISION_ID.match(rev_id) or rev_id in RESERVED:
+        if not isinstance(rev_id, str) or not REVISION_ID.fullmatch(rev_id) or rev_id in RESERVED:
             raise InvalidRequest(
                 "'revision' must be 1-64 letters, digits, '.', '_' or '-' (not 'rollback')",
                 param="revision",

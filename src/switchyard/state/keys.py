@@ -225,7 +225,9 @@ class KeyStore:
 
     # -- tenants --------------------------------------------------------------
     def create_tenant(self, tenant_id: str, **values: Any) -> dict[str, Any]:
-        if not isinstance(tenant_id, str) or not TENANT_ID.match(tenant_id):
+        # The whole id (`match`'s `$` also takes a trailing newline): every caller,
+        # the admin API and the command line alike.
+        if not isinstance(tenant_id, str) or not TENANT_ID.fullmatch(tenant_id):
             raise InvalidRequest("tenant id must be 1-63 chars of a-z, 0-9, '-' or '_'", param="id")
         lim = _check_limits(values)
         models = _patterns(values.get("allowed_models"), "allowed_models")
