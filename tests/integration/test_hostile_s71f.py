@@ -45,7 +45,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import anthropic
-import httpx
 import pytest
 
 from support.chat_replies import calls_reply
@@ -61,6 +60,7 @@ from support.hostile_upstream import (
     sse_event,
     sse_reply,
 )
+from support.stream_reads import stored, streamed, terminal
 
 TOOLS: list[Any] = [{"type": "function", "name": "lookup", "parameters": {"type": "object"}}]
 MTOOLS: list[Any] = [{"name": "lookup", "input_schema": {"type": "object"}}]
@@ -183,47 +183,16 @@ def gw(up: Hostile) -> Iterator[Gateway]:
 # -- reading the two protocols' streams --------------------------------------------------
 
 
-def _sse(text: str) -> list[tuple[str, dict[str, Any]]]:
-    """(event, data) of each SSE event of a stream's text."""
-    out = []
-    for block in text.split("\n\n"):
-        kind, data = "", ""
-        for line in block.splitlines():
-            if line.startswith("event:"):
-                kind = line[6:].strip()
-            elif line.startswith("data:"):
-                data += line[5:].strip()
-        if data:
-            out.append((kind, json.loads(data)))
-    return out
-
-
-def _raw(
-    gw: Gateway, key: str, path: str, body: dict[str, Any]
-) -> list[tuple[str, dict[str, Any]]]:
-    """The events of a stream read to its end (or to the connection's end)."""
-    text = b""
-    headers = {"Authorization": f"Bearer {key}"}
-    try:
-        with httpx.stream(
-            "POST", gw.url + path, json={**body, "stream": True}, headers=headers, timeout=20
-        ) as r:
-            assert r.status_code == 200, r.read()[:400]
-            for part in r.iter_bytes():
-                text += part
-    except httpx.RemoteProtocolError:  # the connection was cut mid-body: what came is read
-        pass
-    return _sse(text.decode())
-
-
 def _responses(gw: Gateway, key: str, model: str, **more: Any) -> list[tuple[str, dict[str, Any]]]:
-    return _raw(gw, key, "/v1/responses", {"model": model, "input": "hi", "tools": TOOLS, **more})
+    return streamed(
+        gw, key, "/v1/responses", {"model": model, "input": "hi", "tools": TOOLS, **more}
+    )
 
 
 def _messages(gw: Gateway, key: str, model: str) -> list[tuple[str, dict[str, Any]]]:
     body = {"model": model, "max_tokens": 64, "tools": MTOOLS,
             "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
-    return _raw(gw, key, "/v1/messages", body)
+    return streamed(gw, key, "/v1/messages", body)
 
 
 def _sdk(gw: Gateway, key: str) -> anthropic.Anthropic:
@@ -242,20 +211,6 @@ def _final_response(gw: Gateway, key: str, model: str) -> Any:
         for _ in stream:
             pass
         return stream.get_final_response()
-
-
-def _terminal(events: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    """The response object the stream ended with (completed, incomplete or failed)."""
-    ends = ("response.completed", "response.incomplete", "response.failed")
-    last = [data for kind, data in events if kind in ends]
-    assert len(last) == 1, f"no single terminal event: {[k for k, _ in events]}"
-    return dict(last[0]["response"])
-
-
-def _stored(gw: Gateway, key: str, rid: str) -> dict[str, Any]:
-    r = httpx.get(f"{gw.url}/v1/responses/{rid}", headers={"Authorization": f"Bearer {key}"})
-    assert r.status_code == 200, r.text[:400]
-    return dict(r.json())
 
 
 def _is_json(text: str) -> bool:
@@ -292,13 +247,13 @@ def test_a_broken_off_responses_stream_ends_failed_and_is_stored_so(
     events = _responses(gw, key, model)
     kinds = [k for k, _ in events]
     assert "error" in kinds, kinds
-    final = _terminal(events)
+    final = terminal(events)
     assert final["status"] == "failed", final
     assert kinds[-1] == "response.failed", kinds
     # The stream's row before the GET below, which is a request of the tenant's too.
     rows = gw.stored_rows(tenant)
     assert [r["status"] for r in rows] == ["incomplete"], rows
-    assert _stored(gw, key, final["id"]) == final
+    assert stored(gw, key, final["id"]) == final
 
 
 def test_a_broken_off_responses_stream_is_read_to_its_failure_by_the_sdk(gw: Gateway) -> None:
@@ -332,7 +287,7 @@ def test_another_choice_never_reaches_a_responses_client(gw: Gateway) -> None:
     the other choice's text are one message."""
     _, key = gw.new_tenant("two")
     events = _responses(gw, key, "twochoices")
-    final = _terminal(events)
+    final = terminal(events)
     assert _text(final) == "Paris", final["output"]
     deltas = "".join(d["delta"] for k, d in events if k == "response.output_text.delta")
     assert OTHER not in deltas
@@ -355,7 +310,7 @@ def test_interleaved_calls_are_whole_in_each_responses_event(gw: Gateway) -> Non
     opens; the tool gate holds each keyed call until it is whole)."""
     _, key = gw.new_tenant("ilv")
     events = _responses(gw, key, "interleaved")
-    final = _terminal(events)
+    final = terminal(events)
     calls = [i for i in final["output"] if i["type"] == "function_call"]
     assert [json.loads(i["arguments"]) for i in calls] == [{"q": "a"}, {"q": "b"}], calls
     done: set[int] = set()
@@ -368,7 +323,7 @@ def test_interleaved_calls_are_whole_in_each_responses_event(gw: Gateway) -> Non
         if kind == "response.output_item.done":
             done.add(data["output_index"])
             assert data["item"] == final["output"][data["output_index"]], data
-    assert _stored(gw, key, final["id"]) == final
+    assert stored(gw, key, final["id"]) == final
 
 
 def test_interleaved_calls_send_no_delta_after_a_blocks_stop(gw: Gateway) -> None:
@@ -395,7 +350,7 @@ def test_a_call_index_that_is_no_number_still_ends_the_responses_stream(gw: Gate
     the stream ends in a terminal event, with one ledger row."""
     tenant, key = gw.new_tenant("idx")
     events = _responses(gw, key, "listindex")
-    final = _terminal(events)
+    final = terminal(events)
     assert final["status"] in ("completed", "failed"), final
     assert len(gw.stored_rows(tenant)) == 1
 
@@ -437,11 +392,11 @@ def test_arguments_that_are_no_json_are_no_completed_responses_call(gw: Gateway)
     completed call of arguments `{"q": oops}`, stored so."""
     _, key = gw.new_tenant("nj")
     events = _responses(gw, key, "notjson")
-    final = _terminal(events)
+    final = terminal(events)
     calls = [i for i in final["output"] if i["type"] == "function_call"]
     presented = [i for i in calls if final["status"] == "completed" == i["status"]]
     assert [i["arguments"] for i in presented if not _is_json(i["arguments"])] == [], final
-    assert _stored(gw, key, final["id"]) == final
+    assert stored(gw, key, final["id"]) == final
 
 
 # -- a refusal, reasoning ----------------------------------------------------------------
@@ -469,9 +424,9 @@ def test_reasoning_deltas_are_not_the_answer_in_either_protocol(gw: Gateway) -> 
     Responses output and its stored copy say "42", the Messages text block "42"."""
     _, key = gw.new_tenant("rsn")
     events = _responses(gw, key, "reasoning")
-    final = _terminal(events)
+    final = terminal(events)
     assert (final["status"], _text(final)) == ("completed", "42")
-    assert _stored(gw, key, final["id"]) == final
+    assert stored(gw, key, final["id"]) == final
     message = _final_message(gw, key, "reasoning")
     assert [b.text for b in message.content if b.type == "text"] == ["42"]
     assert message.stop_reason == "end_turn"
@@ -487,13 +442,13 @@ def test_a_content_filtered_responses_stream_is_incomplete(gw: Gateway) -> None:
     reads `length` alone."""
     _, key = gw.new_tenant("cf")
     events = _responses(gw, key, "filtered")
-    final = _terminal(events)
+    final = terminal(events)
     assert (final["status"], final.get("incomplete_details")) == (
         "incomplete",
         {"reason": "content_filter"},
     ), final
     assert events[-1][0] == "response.incomplete"
-    assert _stored(gw, key, final["id"]) == final
+    assert stored(gw, key, final["id"]) == final
 
 
 def test_a_content_filtered_messages_stream_stops_as_a_refusal(gw: Gateway) -> None:
@@ -511,11 +466,11 @@ def test_a_delta_past_the_event_bound_fails_both_streams(gw: Gateway) -> None:
     tenant, key = gw.new_tenant("big")
     events = _responses(gw, key, "huge")
     kinds = [k for k, _ in events]
-    final = _terminal(events)
+    final = terminal(events)
     assert final["status"] == "failed" and kinds[-2:] == ["error", "response.failed"], kinds
     rows = gw.stored_rows(tenant)  # the stream's row, before the GET's
     assert [r["status"] for r in rows] == ["incomplete"], rows
-    assert _stored(gw, key, final["id"]) == final
+    assert stored(gw, key, final["id"]) == final
     kinds = [k for k, _ in _messages(gw, key, "huge")]
     assert kinds[-1] == "error" and "message_stop" not in kinds, kinds
 
@@ -529,7 +484,7 @@ def test_text_after_the_finish_is_not_presented_as_the_answer(gw: Gateway) -> No
     "Paris and Rome" as a complete answer (`ResponseEvents.chunk`, `MessageEvents.chunk`
     keep translating after the finish), and the row is `ok`."""
     _, key = gw.new_tenant("fin")
-    final = _terminal(_responses(gw, key, "afterfinish"))
+    final = terminal(_responses(gw, key, "afterfinish"))
     assert final["status"] == "failed" or _text(final) == "Paris", final["output"]
     events = _messages(gw, key, "afterfinish")
     text = "".join(d["delta"].get("text", "") for k, d in events if k == "content_block_delta")
@@ -542,7 +497,7 @@ def test_a_second_finish_does_not_undo_a_cut(gw: Gateway) -> None:
     Today the last finish wins (`self.finish = finish`, `self.stop_reason = ...`): a
     cut answer is `completed` / `end_turn`."""
     _, key = gw.new_tenant("fin")
-    final = _terminal(_responses(gw, key, "twofinishes"))
+    final = terminal(_responses(gw, key, "twofinishes"))
     assert (final["status"], final.get("incomplete_details")) == (
         "incomplete",
         {"reason": "max_output_tokens"},

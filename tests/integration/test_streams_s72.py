@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import anthropic
-import httpx
 import pytest
 
 from support.gateways import CHEAP_PRICE, Gateway, start_gateway
@@ -41,6 +40,7 @@ from support.hostile_upstream import (
     sse_event,
     sse_reply,
 )
+from support.stream_reads import stored, streamed, streamed_bytes, terminal
 
 OTHER = "LEAK-FROM-CHOICE-ONE"
 TOOLS: list[Any] = [{"type": "function", "name": "lookup", "parameters": {"type": "object"}}]
@@ -121,52 +121,15 @@ def gw(up: Hostile) -> Iterator[Gateway]:
 # -- reading the streams -----------------------------------------------------------------
 
 
-def _post_stream(gw: Gateway, key: str, path: str, body: dict[str, Any]) -> bytes:
-    headers = {"Authorization": f"Bearer {key}"}
-    with httpx.stream(
-        "POST", gw.url + path, json={**body, "stream": True}, headers=headers, timeout=20
-    ) as r:
-        assert r.status_code == 200, r.read()[:400]
-        return r.read()
-
-
-def _sse(text: bytes) -> list[tuple[str, dict[str, Any]]]:
-    """(event, data) of each SSE event (data that is no JSON object skipped)."""
-    out = []
-    for block in text.decode().split("\n\n"):
-        kind, data = "", ""
-        for line in block.splitlines():
-            if line.startswith("event:"):
-                kind = line[6:].strip()
-            elif line.startswith("data:"):
-                data += line[5:].strip()
-        if data.startswith("{"):
-            out.append((kind, json.loads(data)))
-    return out
-
-
 def _responses(gw: Gateway, key: str, model: str) -> list[tuple[str, dict[str, Any]]]:
     body = {"model": model, "input": "hi", "tools": TOOLS}
-    return _sse(_post_stream(gw, key, "/v1/responses", body))
+    return streamed(gw, key, "/v1/responses", body)
 
 
 def _messages(gw: Gateway, key: str, model: str) -> list[tuple[str, dict[str, Any]]]:
     body = {"model": model, "max_tokens": 64, "tools": MTOOLS,
             "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
-    return _sse(_post_stream(gw, key, "/v1/messages", body))
-
-
-def _terminal(events: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    ends = ("response.completed", "response.incomplete", "response.failed")
-    last = [data for kind, data in events if kind in ends]
-    assert len(last) == 1, f"no single terminal event: {[k for k, _ in events]}"
-    return dict(last[0]["response"])
-
-
-def _stored(gw: Gateway, key: str, rid: str) -> dict[str, Any]:
-    r = httpx.get(f"{gw.url}/v1/responses/{rid}", headers={"Authorization": f"Bearer {key}"})
-    assert r.status_code == 200, r.text[:400]
-    return dict(r.json())
+    return streamed(gw, key, "/v1/messages", body)
 
 
 def _row(gw: Gateway, tenant: str) -> tuple[str, str | None]:
@@ -188,12 +151,12 @@ def test_an_unfinished_responses_stream_fails(gw: Gateway, model: str) -> None:
     kinds = [k for k, _ in events]
     assert kinds[-2:] == ["error", "response.failed"], kinds
     assert "response.completed" not in kinds, kinds
-    final = _terminal(events)
+    final = terminal(events)
     assert final["status"] == "failed" and final["error"]["code"] == "server_error", final
     texts = [p["text"] for i in final["output"] if i["type"] == "message" for p in i["content"]]
     assert texts == ["The first half of"], final["output"]  # what came, shown as failed
     assert _row(gw, tenant) == ("incomplete", "upstream_error")
-    assert _stored(gw, key, final["id"]) == final
+    assert stored(gw, key, final["id"]) == final
 
 
 def test_an_unfinished_messages_stream_ends_in_an_error_event(gw: Gateway) -> None:
@@ -222,7 +185,7 @@ def test_an_unfinished_chat_stream_is_relayed_as_it_came_and_recorded_incomplete
     tenant, key = gw.new_tenant("nf")
     body = {"model": "nofinish", "messages": [{"role": "user", "content": "hi"}],
             "stream_options": {"include_usage": True}}  # fmt: skip
-    got = _post_stream(gw, key, "/v1/chat/completions", body)
+    got = streamed_bytes(gw, key, "/v1/chat/completions", body)
     assert got == b"".join(STREAMS["nofinish"])
     assert _row(gw, tenant) == ("incomplete", "upstream_error")
 
@@ -234,10 +197,10 @@ def test_a_finished_stream_is_complete_in_every_protocol(gw: Gateway, model: str
     tenant, key = gw.new_tenant("fin")
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}],
             "stream_options": {"include_usage": True}}  # fmt: skip
-    got = _post_stream(gw, key, "/v1/chat/completions", body)
+    got = streamed_bytes(gw, key, "/v1/chat/completions", body)
     assert got == b"".join(STREAMS[model])
     assert _row(gw, tenant) == ("ok", None)
-    final = _terminal(_responses(gw, key, model))
+    final = terminal(_responses(gw, key, model))
     assert final["status"] == "completed", final
     events = _messages(gw, key, model)
     stops = [d["delta"]["stop_reason"] for k, d in events if k == "message_delta"]
@@ -301,7 +264,7 @@ def test_interleaved_calls_make_valid_responses_events(
     piece came after as a delta of a done item."""
     _, key = gw.new_tenant("ilv")
     events = _responses(gw, key, model)
-    final = _terminal(events)
+    final = terminal(events)
     assert final["status"] == "completed", final
     said = [
         (i["type"], i["arguments"] if i["type"] == "function_call" else i["content"][0]["text"])
@@ -322,7 +285,7 @@ def test_interleaved_calls_make_valid_responses_events(
     assert done == list(range(len(shape))), done
     calls = {k: i["arguments"] for k, i in enumerate(final["output"]) if i["type"] != "message"}
     assert deltas == calls
-    assert _stored(gw, key, final["id"]) == final
+    assert stored(gw, key, final["id"]) == final
     with gw.openai(key).responses.stream(model=model, input="hi", tools=TOOLS) as stream:
         for _ in stream:
             pass
