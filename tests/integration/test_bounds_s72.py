@@ -12,7 +12,10 @@ Defects these tests found (each failed on the code before the fix named):
   (policy/headers.py `check`);
 - a body nested past `max_json_depth` was first parsed whole by orjson, then walked in
   Python: 6 MB of arrays 66 deep held the event loop over a second before the 400.
-  Now the depth is read from the bytes before parsing (api/body.py `too_deep`).
+  Now the depth is read from the bytes before parsing (api/body.py `too_deep`);
+- a path one slash away from a route was redirected (307) to an absolute URL built
+  from the Host header. Now the `Location` is the path alone (api/app.py
+  `_slash_flipped`).
 """
 
 from __future__ import annotations
@@ -276,3 +279,35 @@ def test_an_encoding_on_a_second_line_is_heard(gw: Gateway, scripted: Scripted) 
     assert r.status_code == 415, r.text[:300]
     assert _error("/v1/chat/completions", r)["param"] == "content-encoding"
     assert scripted.requests() == before
+
+
+@pytest.mark.parametrize(
+    ("path", "location"),
+    [
+        ("/v1/models/", "/v1/models"),
+        ("/v1/models/?limit=2", "/v1/models?limit=2"),
+        ("/admin/keys/", "/admin/keys"),
+        ("/console/", "/console"),
+    ],
+)
+def test_a_trailing_slash_redirect_names_the_path_not_the_host(
+    gw: Gateway, path: str, location: str
+) -> None:
+    """A path one slash away from a route is redirected as Starlette did (307), but to
+    the path alone: Starlette built an absolute `Location` from the Host header, so a
+    forged Host (`evil.example`) was where the client was sent (review s72 r6)."""
+    headers = {"host": "evil.example", "authorization": f"Bearer {gw.key}"}
+    r = httpx.get(gw.url + path, headers=headers, timeout=30)
+    assert r.status_code == 307, r.text[:300]
+    assert r.headers["location"] == location
+    assert "evil" not in r.text
+
+
+def test_no_redirect_to_another_host_or_for_a_path_that_is_no_route(gw: Gateway) -> None:
+    headers = {"authorization": f"Bearer {gw.key}"}
+    for path in ("//v1/models/", "//evil.example/", "/v1/nothing/"):
+        r = httpx.get(gw.url + path, headers=headers, timeout=30)
+        assert r.status_code == 404, (path, r.status_code, r.headers.get("location"))
+        assert r.json()["error"]["code"] == "route_not_found" or "no route" in r.text
+    followed = httpx.get(gw.url + "/v1/models/", headers=headers, timeout=30, follow_redirects=True)
+    assert followed.status_code == 200 and followed.json()["object"] == "list"

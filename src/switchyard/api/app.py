@@ -15,7 +15,8 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Route
+from starlette.responses import RedirectResponse
+from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
 from switchyard.api.admin import build_admin_routes, is_admin, require_admin
@@ -129,6 +130,26 @@ def _shown_path(path: str) -> str:
     return shown + "..." if len(path) > 128 else shown
 
 
+def _slash_flipped(app: FastAPI, scope: Scope) -> str | None:
+    """The path, as sent, with its trailing slash added or taken away, when a route
+    answers that one (what Starlette's `redirect_slashes` did): a relative `Location`,
+    never built from the Host header, and never one starting `//` (another host)."""
+    raw: bytes = scope.get("raw_path") or scope["path"].encode()
+    raw = raw.split(b"?", 1)[0]
+    if raw == b"/" or len(raw) > 2048:
+        return None
+    flipped = raw[:-1] if raw.endswith(b"/") else raw + b"/"
+    path = scope["path"]
+    other = path[:-1] if path.endswith("/") else path + "/"
+    if flipped.startswith(b"//") or not flipped.startswith(b"/"):
+        return None
+    moved = {**scope, "path": other}
+    if not any(r.matches(moved)[0] is not Match.NONE for r in app.router.routes):
+        return None
+    query = scope.get("query_string") or b""
+    return (flipped + (b"?" + query if query else b"")).decode("latin-1")
+
+
 def create_app(
     settings: Settings,
     on_ready: Callable[[Gateway], None] | None = None,
@@ -176,6 +197,10 @@ def create_app(
         title="Switchyard", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.gateway = gw
+    # Starlette's own trailing-slash redirect writes an absolute `Location` from the
+    # request's Host header (a forged Host, a redirect to it): `_slash_flipped` answers
+    # the same requests with the path alone.
+    app.router.redirect_slashes = False
     # The model routes: OpenAI's (chat, completions, embeddings, Responses) and
     # Anthropic's Messages, sharing one body reader.
     openai_routes = OpenAIRoutes(gw)
@@ -265,6 +290,9 @@ def create_app(
         if exc.status_code == 405:
             err: SwitchyardError = MethodNotAllowed(f"method {request.method} is not allowed here")
         elif exc.status_code == 404:
+            moved = _slash_flipped(app, request.scope)
+            if moved is not None:
+                return RedirectResponse(moved, status_code=307)
             err = RouteNotFound(f"no route {request.method} {_shown_path(request.url.path)}")
         else:
             err = SwitchyardError(str(exc.detail))
