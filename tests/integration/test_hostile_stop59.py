@@ -151,7 +151,7 @@ def test_single_calls_that_get_slots_still_count() -> None:
             assert g.try_acquire(STANDARD) is not None
             g.release(1.0, 100, STANDARD)
         assert g.try_acquire(HOLD) is not None and g.try_acquire(HOLD) is not None
-        a = asyncio.create_task(_as_the_queue_stage(g, _task("A", 1), clock.t + 20.0))
+        a = asyncio.create_task(_as_the_queue_stage(g, _task("A", 1), clock.t + 9.0))
         for _ in range(3):
             await asyncio.sleep(0)
         got = await _verdict(g, clock, _task("B", 1), 10.0)
@@ -164,11 +164,13 @@ def test_single_calls_that_get_slots_still_count() -> None:
     assert got.evidence["admission"]["capacity"]["single_calls"] == 1.0
 
 
-def _admitted_batch_task(g: DeploymentGate, clock: Clock, name: str, planned: int) -> None:
+def _admitted_batch_task(
+    g: DeploymentGate, clock: Clock, name: str, planned: int, left: float = 3600.0
+) -> None:
     """A batch task's first step takes a free slot (an idle model) and is answered: the
     gate now counts its remaining planned steps as work ahead."""
     ask = SlotAsk(Priority.BATCH, ("batch-tenant", name), 1, planned)
-    assert g.try_acquire(ask, clock.t + 3600.0) is not None
+    assert g.try_acquire(ask, clock.t + left) is not None
     g.release()
 
 
@@ -179,18 +181,18 @@ def test_a_batch_tasks_planned_steps_do_not_refuse_an_interactive_task() -> None
     batch step, so the batch task's 63 s of declared work is not ahead of it, and it
     must not be refused 503 `overloaded` for it."""
 
-    async def go(waiting_class: Priority) -> Any:
+    async def go(waiting_class: Priority, long_left: float = 3600.0) -> Any:
         clock = Clock()
         g = _gate(16, clock)
-        _admitted_batch_task(g, clock, "long", 64)
+        _admitted_batch_task(g, clock, "long", 64, long_left)
         assert g.try_acquire(HOLD) is not None and g.try_acquire(HOLD) is not None
         ask = SlotAsk(waiting_class, ("interactive-tenant", "t"), 1, 3)
         return await _verdict(g, clock, ask, 20.0)
 
     assert asyncio.run(go(Priority.INTERACTIVE)) == "queued"
     # The guarantee stays for the class the batch steps rank with: a batch task
-    # behind it is refused.
-    refused = asyncio.run(go(Priority.BATCH))
+    # behind it (due after it: earliest deadline first) is refused.
+    refused = asyncio.run(go(Priority.BATCH, 15.0))
     assert isinstance(refused, Overloaded), refused
 
 
@@ -234,7 +236,7 @@ def test_ten_thousand_declared_long_tasks_do_not_stall_the_event_loop() -> None:
         gc.disable()
         try:
             t = time.thread_time()
-            got = await _verdict(g, clock, SlotAsk(Priority.BATCH, ("b", "new"), 1, 3), 20.0)
+            got = await _verdict(g, clock, SlotAsk(Priority.BATCH, ("b", "new"), 1, 3), 7200.0)
             took = time.thread_time() - t
         finally:
             gc.enable()

@@ -273,14 +273,97 @@ def test_a_full_queue_gives_a_new_tasks_place_to_an_admitted_tasks_step() -> Non
     assert run(probe("fcfs")) == ["later queue_full", "first queued"]
 
 
+def test_same_class_tasks_due_later_do_not_count_as_work_ahead_of_a_new_task() -> None:
+    """Tenant X's tasks are due in 1000 s; tenant Y's new task, due in 10 s, ranks ahead
+    of their later steps (earliest deadline first), so only X's step queued now (a later
+    step: it goes before any new task's first step) is work ahead of it."""
+
+    async def probe() -> tuple[list[str], dict[str, Any]]:
+        g = trained(gate())
+        assert g.try_acquire() is not None  # the one slot is held
+        served: list[str] = []
+        evidence: dict[str, Any] = {}
+
+        async def one(label: str, deadline: float, ask: SlotAsk) -> None:
+            admission = await g.acquire(deadline, ask)
+            served.append(label)
+            if label == "y":
+                evidence.update(admission.evidence or {})
+
+        jobs = []
+        for label, ask in (("x1 step 2", task("x1", 2, 30)), ("x2 step 1", task("x2", 1, 30))):
+            jobs.append(asyncio.create_task(one(label, 1000.0, ask)))
+            await asyncio.sleep(0)
+        # Before: 59 s of X's steps counted (both queued, 28 + 29 planned): 503.
+        # Now: x1's queued step, 1 s, + 5 s of Y's own within 80 % of 10 s.
+        jobs.append(asyncio.create_task(one("y", 10.0, task("y", 1, 5))))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert not jobs[-1].done(), jobs[-1].exception()
+        for _ in jobs:
+            g.release()
+            for _ in range(3):
+                await asyncio.sleep(0)
+        await asyncio.gather(*jobs)
+        return served, evidence["admission"]
+
+    served, admission = run(probe())
+    assert served == ["x1 step 2", "y", "x2 step 1"]  # the order the estimate assumed
+    assert admission["backlog_s"] == 1.0 and admission["wait_s"] == 1.0
+
+
+def test_work_ahead_of_a_new_task_is_its_class_due_no_later_or_a_higher_class() -> None:
+    """A same-class task due earlier still counts (its steps run first), as does a
+    higher class due whenever; a same-class task due later does not."""
+
+    def backlog(others: list[tuple[float, SlotAsk]]) -> tuple[str, float]:
+        async def probe() -> tuple[str, float]:
+            g = trained(gate())
+            assert g.try_acquire() is not None  # the one slot is held
+            jobs = []
+            for deadline, ask in others:
+                jobs.append(asyncio.create_task(g.acquire(deadline, ask)))
+                await asyncio.sleep(0)
+            assert not any(job.done() for job in jobs)  # each admitted
+            verdict, seen = "queued", -1.0
+            try:
+                await asyncio.wait_for(g.acquire(10.0, task("y", 1, 5)), 0.05)
+            except Overloaded as exc:
+                assert exc.evidence is not None
+                verdict, seen = exc.code, exc.evidence["admission"]["backlog_s"]
+            except TimeoutError:
+                pass  # queued: never handed the held slot
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+            return verdict, seen
+
+        return run(probe())
+
+    early = (9.0, task("early", 1, 5))  # 5 s of work, due before Y
+    far = (1000.0, task("far", 1, 30))  # 30 s, due long after Y
+    urgent_far = (1000.0, task("urgent", 1, 30, Priority.INTERACTIVE))
+    batch_early = (9.0, task("batch", 1, 5, Priority.BATCH))
+    # Y (5 steps, 10 s): 5 s ahead + 5 s of its own is past 8 s: refused, the far task
+    # not counted.
+    assert backlog([early, far]) == ("overloaded", 5.0)
+    assert backlog([far, early]) == ("overloaded", 5.0)
+    assert backlog([far])[0] == "queued"
+    # A higher class ranks ahead whatever its deadline; a lower one only when due first.
+    assert backlog([urgent_far]) == ("overloaded", 30.0)
+    assert backlog([batch_early]) == ("overloaded", 5.0)
+    assert backlog([(1000.0, task("lazy", 1, 30, Priority.BATCH))])[0] == "queued"
+
+
 HOLD = SlotAsk(Priority.STANDARD, ("t", "hold"), 2, None)  # holds a slot, plans nothing
 
 
 def second_task_verdict(prepare: Any = None) -> tuple[str, dict[str, Any]]:
-    """Two slots held, task A (5 steps of 1 s, 20 s left) queued: what becomes of task B
+    """Two slots held, task A (5 steps of 1 s, 9 s left) queued: what becomes of task B
     (5 steps, 10 s left) after `prepare(gate, clock)`, and the admission's evidence.
-    With both slots for tasks B waits 5 s of A's work / 2 slots + 5 s of its own = 7.5 s,
-    within 80 % of its 10 s; with one slot, 10 s, past it."""
+    A is due first, so all its work runs before B's steps: with both slots for tasks B
+    waits 5 s of A's work / 2 slots + 5 s of its own = 7.5 s, within 80 % of its 10 s;
+    with one slot, 10 s, past it."""
 
     async def probe() -> tuple[str, dict[str, Any]]:
         clock = Clock()
@@ -288,7 +371,7 @@ def second_task_verdict(prepare: Any = None) -> tuple[str, dict[str, Any]]:
         if prepare is not None:
             prepare(g, clock)
         assert g.try_acquire(HOLD) is not None and g.try_acquire(HOLD) is not None
-        a = asyncio.create_task(g.acquire(clock.t + 20.0, task("A", 1)))
+        a = asyncio.create_task(g.acquire(clock.t + 9.0, task("A", 1)))
         b = asyncio.create_task(g.acquire(clock.t + 10.0, task("B", 1)))
         for _ in range(3):
             await asyncio.sleep(0)

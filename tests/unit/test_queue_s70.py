@@ -39,7 +39,7 @@ def _gate(clock: Clock, queue: int = 16, trained: bool = True) -> DeploymentGate
 
 
 def _big(step: int = 1) -> SlotAsk:
-    return SlotAsk(Priority.STANDARD, ("t", "big"), step, 64)  # 64 steps, 1 s each
+    return SlotAsk(Priority.INTERACTIVE, ("t", "big"), step, 64)  # 64 steps, 1 s each
 
 
 async def _verdict(job: Coroutine[Any, Any, Any]) -> str:

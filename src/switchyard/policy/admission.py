@@ -27,17 +27,19 @@ and refuses what cannot succeed, before anything is sent:
   and by a timer at its deadline minus the estimate;
 * while the model is saturated, a new task's first step is refused with 503
   `overloaded` (+ Retry-After) when the task would not end within `admit_headroom` of
-  its time left: the work ahead of it (the queued waiters' and the remaining planned
-  steps of the admitted tasks, those of its class or higher, and those of a lower class
-  due no later than it) over the capacity left to tasks, plus its own planned
-  steps. The capacity left to tasks is the concurrency less what the work the gate
-  does not plan for takes: single calls of the task's class or higher keep arriving
-  (the rate at which they are given slots, decayed over `SINGLES_WINDOW_S`, times their
-  service time: the slots they hold on average; a call counts once, when it gets its
-  slot, so one that waits is not counted twice and one the gate refuses, which holds
-  no slot, not at all), and other clients of the same engines hold slots too
-  (the engines' own running and waiting counts, when fresh, beyond this gate's own
-  requests; engines/load.py);
+  its time left: the work ahead of it over the capacity left to tasks, plus its own
+  planned steps. The work ahead is what ranks before its steps: the queued waiters of
+  a higher class, those of its class that are later steps or single calls, and the
+  rest due no later than it; and the remaining planned steps of the admitted tasks of
+  a higher class, or due no later than it (those of its class due later run after
+  its steps: earliest deadline first). The capacity left to tasks is the concurrency
+  less what the work the gate does not plan for takes: single calls of the task's
+  class or higher keep arriving (the rate at which they are given slots, decayed over
+  `SINGLES_WINDOW_S`, times their service time: the slots they hold on average; a call
+  counts once, when it gets its slot, so one that waits is not counted twice and one
+  the gate refuses, which holds no slot, not at all), and other clients of the same
+  engines hold slots too (the engines' own running and waiting counts, when fresh,
+  beyond this gate's own requests; engines/load.py);
 * when the queue is full, a later step (or single call) takes the place of the
   lowest-ranked queued first step of a new task, which gets 503 `overloaded`, when that
   first step ranks below it (a lower class, or the same: later steps go first); else
@@ -440,10 +442,18 @@ class DeploymentGate:
     def _backlog_s(self, now: float, priority: Priority, deadline: float) -> float | None:
         """Slot seconds of the work ahead of a new task of class `priority` due at
         `deadline`: the estimates of the queued waiters and the remaining planned steps
-        of the admitted tasks not yet queued that rank ahead of it. Work of its class or
-        higher does; lower-class work only when due no later than it (such work rises a
-        class each `aging_s` and then competes by deadline, so work due later never runs
-        before the task's steps): a batch client declaring long tasks cannot have an
+        of the admitted tasks not yet queued that rank ahead of it in the queue's order
+        (`_key`). Its first step waits behind the waiters queued now whose key is smaller
+        than its own would be: those of a higher class after aging, those of its class
+        but a later step or a single call (whatever their deadline), and first steps of
+        its class due no later than it. From then on its steps rank by deadline against
+        its class's, so an admitted task's remaining steps count when of a higher class,
+        or due no later than it; those of its class due later never run before its
+        steps (beyond the one step queued now, counted above), and counting them would
+        let one client's far-off tasks refuse another's urgent one. Lower-class work
+        (queued or planned) counts only when due no later than it: it rises a class
+        each `aging_s` and then competes by deadline, so work due later never runs
+        before the task's steps, and a batch client declaring long tasks cannot have an
         interactive task refused. A task counts only while it is being worked (a call
         of it queued, or one seen within `PLAN_IDLE_S`): a plan declared and left idle
         is dropped, so declared steps that are not coming cannot refuse others' tasks.
@@ -452,14 +462,15 @@ class DeploymentGate:
         one estimate each."""
 
         def ahead(cls: int, due: float) -> bool:
-            return cls <= priority or due <= deadline
+            return cls < priority or due <= deadline
 
         total = 0.0
         working: set[Hashable] = set()  # the tasks with a call queued
         for w in self._waiters:
             if w.ask.task is not None:
                 working.add(w.ask.task)
-            if not ahead(self._key(w, now)[0], w.deadline):
+            cls = self._key(w, now)[0]
+            if not (ahead(cls, w.deadline) or (cls == priority and not w.ask.new_task)):
                 continue
             if w.estimate is None:
                 return None
