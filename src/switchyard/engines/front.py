@@ -372,6 +372,13 @@ class Relay(StreamingResponse):
         if self.lease is not None:
             self.lease.release()
 
+    def abandon(self) -> None:
+        """Give back, at once, what a relay that never ran holds: the engine's
+        connection dropped (the engine stops generating) and the hold released."""
+        self.upstream.close()
+        if self.lease is not None:
+            self.lease.release()
+
 
 async def read_reply(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
     """An engine's whole answer, refused (502) past `limit` bytes (engines/bounded.py),
@@ -442,8 +449,15 @@ async def answer(
 async def until_disconnect(receive: Callable[[], Awaitable[Any]], work: Awaitable[T]) -> T:
     """`work`'s result, or ClientDisconnected once the caller hangs up first (`work`
     cancelled and awaited: what it held is given back before this returns). Call only
-    once the request's body has been read."""
-    return await until_gone(work, hung_up(receive), "the caller hung up")
+    once the request's body has been read. An engine's stream that `work` came to as
+    this wait was cancelled (uvicorn's shutdown cancels its handlers) is abandoned, not
+    dropped: its connection and its hold in the pool go back."""
+    return await until_gone(work, hung_up(receive), "the caller hung up", _abandon)
+
+
+def _abandon(result: object) -> None:
+    if isinstance(result, Relay):  # a whole answer holds nothing: read, hold released
+        result.abandon()
 
 
 class EngineFront:
