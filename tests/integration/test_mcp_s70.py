@@ -404,21 +404,23 @@ def test_an_id_of_another_type_is_an_invalid_request_never_echoed_changed(
 def test_a_repeated_or_oversized_session_header_never_reaches_another_keys_session(
     gw: Gateway,
 ) -> None:
-    """Gap guard: with two `Mcp-Session-Id` lines the first is the session, for the
-    owner check and the SDK alike (another key's session first is a 404, whatever
-    follows); an id past 128 characters is a 404 too."""
+    """Gap guard: two different `Mcp-Session-Id` lines are refused 400 before any
+    session is looked up (which one counts would be a guess: s73), in either order,
+    another key's session among them; the same id twice is one; an id past 128
+    characters is a 404."""
     _, other_key = gw.new_tenant("s70")
     theirs, mine = open_session(gw, other_key), open_session(gw, gw.key)
     base = [(k, v) for k, v in in_session(gw.key, mine).items() if k != "mcp-session-id"]
-    for first, second, served in ((mine, theirs, True), (theirs, mine, False)):
+    for first, second in ((mine, theirs), (theirs, mine), (mine, mine)):
         headers = [*base, ("mcp-session-id", first), ("mcp-session-id", second)]
         body = json.dumps(_call(81, "odd__plain", q="dup")).encode()
         r = httpx.post(gw.url + "/mcp", content=body, headers=headers, timeout=30)
-        if served:
+        if first == second:
             assert r.status_code == 200 and r.json()["result"]["content"][0]["text"] == "plain dup"
         else:
-            assert r.status_code == 404, r.text
-            assert r.json()["error"]["data"]["code"] == "session_not_found", r.text
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["data"]["code"] == "invalid_header", r.text
+            assert theirs not in r.text
     headers = in_session(gw.key, "s" * 5000)
     status, reply = _post(gw, _call(82, "odd__plain", q="huge-sid"), headers)
     assert status == 404 and reply["error"]["data"]["code"] == "session_not_found", reply

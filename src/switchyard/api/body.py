@@ -68,6 +68,8 @@ SINGLE_HEADERS = frozenset(
         "x-switchyard-data-boundary",
         "anthropic-version",
         "content-type",
+        "mcp-session-id",
+        "mcp-protocol-version",
     }
 )
 

@@ -116,6 +116,7 @@ from switchyard.errors import (
 )
 from switchyard.identity import Principal
 from switchyard.mcp_service import Caller, McpToolService
+from switchyard.policy import headers as hdr
 from switchyard.policy.auth import Authenticator
 
 log = logging.getLogger("switchyard.mcp")
@@ -184,6 +185,9 @@ class McpEndpoint:
         method = scope["method"]
         try:
             principal, h = await self._authenticate(scope)
+            twice = hdr.repeated(h)  # which session or version counts is no guess
+            if twice is not None:
+                raise twice
             session = h.get("mcp-session-id")
             version = h.get("mcp-protocol-version")
             if session is not None:

@@ -232,14 +232,25 @@ def cache_tags(value: str | None) -> tuple[str, ...]:
     return tuple(t.strip() for t in value.split(",") if t.strip())
 
 
+def repeated(headers: Mapping[str, str]) -> InvalidRequest | None:
+    """The refusal of a single-valued header sent on two lines with different values
+    (api/body.py `header_map` names them, `SINGLE_HEADERS`): which one counts is a
+    guess (a proxy, the MCP SDK or the upstream may read the other), so the request is
+    refused 400 naming the first such header; None when there is none. Every endpoint
+    that reads headers asks this first (the model endpoints in `read`; /mcp)."""
+    twice = getattr(headers, "conflicting", None)
+    if twice:
+        return _bad(twice[0], "sent more than once with different values; send it once")
+    return None
+
+
 def read(
     headers: Mapping[str, str],
 ) -> tuple[str | None, tuple[str, ...], str | None, int | None, InvalidRequest | None]:
     """(task id, parent ids, client request id, planned steps, the first problem)."""
-    twice = getattr(headers, "conflicting", None)  # api/body.py `header_map`
-    if twice:
-        why = "sent more than once with different values; send it once"
-        return None, (), None, None, _bad(twice[0], why)
+    twice = repeated(headers)
+    if twice is not None:
+        return None, (), None, None, twice
     task, bad_task = task_id(headers)
     parents, bad_parents = parent_request_ids(headers)
     client_id, bad_id = client_request_id(headers)

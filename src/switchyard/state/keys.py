@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import secrets
 import sqlite3
@@ -42,6 +43,9 @@ def _limits(row: sqlite3.Row, defaults: Limits | None = None) -> Limits:
 
 
 MAX_LIMIT = 10**12  # rpm, tpm, max_concurrency
+# The largest integer SQLite stores (a larger one fails the write): the bound of every
+# number an admin call sets (api/admin/params.py), a budget's in USD among them.
+MAX_INT = 2**63 - 1
 
 
 def _check_limits(values: dict[str, Any]) -> dict[str, Any]:
@@ -54,8 +58,17 @@ def _check_limits(values: dict[str, Any]) -> dict[str, Any]:
             raise InvalidRequest(f"'{k}' must be an integer from 1 to {MAX_LIMIT}", param=k)
         out[k] = v
     b = values.get("budget_usd")
-    if b is not None and (not isinstance(b, int | float) or isinstance(b, bool) or b < 0):
-        raise InvalidRequest("'budget_usd' must be a number >= 0", param="budget_usd")
+    # Finite: the command line's float takes "nan" (SQLite stores NULL: the default
+    # budget) and "inf" (no budget, shown as one); JSON has neither.
+    if b is not None and (
+        not isinstance(b, int | float)
+        or isinstance(b, bool)
+        or not math.isfinite(b)
+        or not 0 <= b <= MAX_INT
+    ):
+        raise InvalidRequest(
+            f"'budget_usd' must be a finite number from 0 to {MAX_INT}", param="budget_usd"
+        )
     out["budget_usd"] = b
     p = values.get("budget_period")
     if p is not None and p not in ("day", "month"):
