@@ -33,6 +33,7 @@ from switchyard.pipeline import (
 )
 from switchyard.policy import headers as request_headers
 from switchyard.policy.pii_reply import at_rest
+from switchyard.reply import first_choice
 from switchyard.request import Generation
 
 if TYPE_CHECKING:
@@ -466,7 +467,8 @@ class Cache(Stage):
 
 
 def reply_text(obj: dict[str, Any]) -> str:
-    c = (obj.get("choices") or [{}])[0]
+    """Choice 0's text (reply.first_choice: wherever it sits in `choices`)."""
+    c = first_choice(obj)
     return str((c.get("message") or {}).get("content") or c.get("text") or "")
 
 
