@@ -29,6 +29,7 @@ the upstream's own 4xx status.
         PiiDetected               400  pii_detected
         TooManyToolResults        400  too_many_tool_results
         UnknownTool               400  unknown_tool
+        UnstorableValue           400  invalid_request
       AuthenticationError         401  invalid_api_key
         InvalidAdminKey           401  invalid_admin_key
       PermissionDenied            403  model_not_allowed
@@ -106,6 +107,7 @@ the upstream's own 4xx status.
 
 from __future__ import annotations
 
+import sqlite3
 from typing import Any
 
 
@@ -218,6 +220,21 @@ class InvalidRequest(SwitchyardError):
     status = 400
     type = "invalid_request_error"
     code = "invalid_request"
+
+
+class UnstorableValue(InvalidRequest, sqlite3.DataError):
+    """A value the database cannot hold: a NUL character in text (PostgreSQL refuses it
+    in `text`; SQLite's connections refuse it alike, state/sql.py), or a value too long
+    for an index (PostgreSQL's B-tree entries hold about 2.7 kB). A client that sent it
+    gets a 400 naming the rule, never the database's text; the ledger writer keeps the
+    rest of a batch that holds one (state/ledger_batch.py). A `sqlite3.DataError` too,
+    so each store's handling of a value error holds for it."""
+
+    def __init__(
+        self,
+        message: str = "a value holds a NUL character (\\u0000), which the gateway cannot store",
+    ) -> None:
+        super().__init__(message)
 
 
 class AuthenticationError(SwitchyardError):

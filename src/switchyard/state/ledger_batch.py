@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sqlite3
 import struct
 import time
@@ -260,18 +261,84 @@ _EXISTING = (
 )
 
 
+def _scrubbed(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`row` with what no store holds made storable: a NUL in text becomes U+FFFD (the
+    replacement character), a float that is no number (NaN, infinity) 0.0, an integer
+    beyond 64 bits is held at BIGINT's bounds."""
+    return tuple(_storable(v) for v in row)
+
+
+def _storable(v: Any) -> Any:
+    if v.__class__ is str:
+        return v.replace("\x00", "\ufffd")
+    if v.__class__ is float and not math.isfinite(v):
+        return 0.0
+    if v.__class__ is int and not -_BIGINT <= v <= _BIGINT:
+        return _BIGINT if v > 0 else -_BIGINT
+    return v
+
+
+_BIGINT = 2**63 - 1
+
+
+def _isolated(
+    conn: sqlite3.Connection,
+    batch: LedgerBatch,
+    sealer: Sealer | None,
+    again: bool,
+    scrub: bool,
+    exc: Exception,
+) -> bool:
+    """A batch the database refused for one of its values (not an outage): each row
+    (with its trace) and each stored response is committed alone, so one bad value
+    loses no other request's row; a row refused alone is written again with its
+    values made storable (`_scrubbed`), and one refused even then is dropped, counted
+    in `DROPPED` and logged by its request id, never its content. True when every row
+    was kept."""
+    parts = [LedgerBatch(batch.blocks, [e], []) for e in batch.entries]
+    parts += [LedgerBatch(batch.blocks, [], [r]) for r in batch.responses]
+    if len(parts) > 1:
+        log.error(
+            "ledger batch of %d rows refused (%s): writing each row alone",
+            len(parts),
+            type(exc).__name__,
+        )
+        kept = [write_batch(conn, part, sealer, again, scrub) for part in parts]
+        return all(kept)
+    if not scrub:
+        return write_batch(conn, batch, sealer, again, scrub=True)
+    DROPPED[0] += len(parts)
+    for e in batch.entries:  # ids the gateway made: safe to log
+        log.error(
+            "ledger row %s dropped: the database refused it (%s)", e.request_id, type(exc).__name__
+        )
+    for r in batch.responses:
+        log.error(
+            "stored response %s dropped: the database refused it (%s)", r.id, type(exc).__name__
+        )
+    return False
+
+
+# Rows the writer dropped because the database refused one of their values even made
+# storable (`_isolated`), since this process started: a list, to be counted in place.
+DROPPED = [0]
+
+
 def write_batch(
     conn: sqlite3.Connection,
     batch: LedgerBatch,
     sealer: Sealer | None = None,
     again: bool = False,
+    scrub: bool = False,
 ) -> bool:
     """Commit one batch: every usage row, trace and stored response (sealed with
     `sealer`), or (after retries) none of them. `again`: the batch may have been
     committed already (an `AGAIN` frame): its entries already in `usage` are written
     again, unchanged, and left out of the daily sums. A `LOST` entry where its request
     has a row is left out; a request's own entry replacing a `LOST` row takes back
-    what that row added to the daily sums (the module docstring)."""
+    what that row added to the daily sums (the module docstring). A batch refused
+    for a value in it (a NUL in text, a key too long to index) is written row by row
+    (`_isolated`); `scrub`: its values are made storable first (`_scrubbed`)."""
     try:
         entries = batch.entries
         rows = [usage_row(e) for e in entries]
@@ -280,6 +347,10 @@ def write_batch(
         traces = [insert_args(trace_from_entry(e)) for e in traced]
         templates = [(bid, _TEMPLATE.encode(t).decode()) for bid, t in batch.blocks.items()]
         responses = _sealed(batch, sealer)
+        if scrub:
+            rows = [_scrubbed(r) for r in rows]
+            traces = [_scrubbed(t) for t in traces]
+            responses = [_scrubbed(r) for r in responses]
         lost = {e.request_id for e in entries if e.error_code == LOST}
         if again:
             check = [e.request_id for e in entries]
@@ -322,6 +393,8 @@ def write_batch(
                         for t, e in zip(all_traces, traced, strict=True)
                         if e.request_id not in skip
                     ]
+            if scrub:
+                daily = [_scrubbed(d) for d in daily]
             try:
                 conn.executemany(INSERT_USAGE, rows)
                 conn.executemany(ADD_DAILY, daily)
@@ -353,6 +426,9 @@ def write_batch(
             with contextlib.suppress(sqlite3.Error):
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.DataError | sqlite3.IntegrityError | OverflowError):
+                # A value of the batch, not the database: the same every time.
+                return _isolated(conn, batch, sealer, again, scrub, exc)
             log.error("ledger write failed (attempt %d): %s", attempt, exc)
             # A database that cannot be reached (PostgreSQL down, SQLite locked) is
             # waited for up to OUTAGE_S; batches queue behind this one meanwhile (the

@@ -17,7 +17,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from switchyard.errors import DatabaseUnavailable
+from switchyard.errors import DatabaseUnavailable, UnstorableValue
 from switchyard.state.sql_pg import is_postgres
 
 # The idempotency store's table (state/idempotency.py), here with the others: the
@@ -353,6 +353,36 @@ def resolve_path(path: str) -> str:
 _PAGE_BYTES = 8192
 
 
+def _has_nul(rows: Iterable[Any]) -> bool:
+    """Whether statements' parameters (each a sequence or a mapping) hold text with a
+    NUL (joined and searched once: a ledger batch has ~14,000 values)."""
+    texts = [
+        v
+        for row in rows
+        for v in (row.values() if isinstance(row, dict) else row)
+        if v.__class__ is str
+    ]
+    return "\x00" in "".join(texts)
+
+
+class Connection(sqlite3.Connection):
+    """SQLite's connection, refusing text with a NUL character as PostgreSQL does
+    (`UnstorableValue`, a 400), so the two stores answer alike: SQLite would keep
+    a key named "a\\u0000b" and find no tenant "a\\u0000", where PostgreSQL
+    refuses both; now both refuse. Checked in the caller, before SQLite sees it."""
+
+    def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
+        if parameters and _has_nul((parameters,)):
+            raise UnstorableValue()
+        return super().execute(sql, parameters)
+
+    def executemany(self, sql: str, parameters: Iterable[Any], /) -> sqlite3.Cursor:
+        rows = parameters if isinstance(parameters, list | tuple) else list(parameters)
+        if _has_nul(rows):
+            raise UnstorableValue()
+        return super().executemany(sql, rows)
+
+
 def connect(path: str) -> sqlite3.Connection:
     """A connection with the schema in place. Safe to share across threads when the
     caller serializes use (check_same_thread=False). A PostgreSQL URI gives a
@@ -362,7 +392,11 @@ def connect(path: str) -> sqlite3.Connection:
 
         return pg.connect(path)  # type: ignore[return-value]
     conn = sqlite3.connect(
-        resolve_path(path), timeout=10, check_same_thread=False, isolation_level=None
+        resolve_path(path),
+        timeout=10,
+        check_same_thread=False,
+        isolation_level=None,
+        factory=Connection,
     )
     conn.row_factory = sqlite3.Row
     # 8 KiB pages in a new file (an older one keeps its own): a request's trace is about

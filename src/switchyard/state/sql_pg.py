@@ -13,7 +13,10 @@ runs unchanged on either database (a second copy of each store's SQL would drift
 - rows answer by index and by column name, as `sqlite3.Row` does;
 - psycopg's errors are raised as sqlite3's classes (`IntegrityError` for a unique
   violation, `OperationalError` for a lost or refused connection, `DatabaseError`
-  for the rest), so each caller's handling holds as it is;
+  for the rest), so each caller's handling holds as it is; a value PostgreSQL cannot
+  hold (a NUL character in text, a key too long for an index) is `UnstorableValue`,
+  the one error SQLite's connections raise for a NUL too (state/sql.py): a 400 to a
+  client, never an outage (a 503, or the ledger writer waiting for the database);
 - the schema (db.SCHEMA, its migrations as `ADD COLUMN IF NOT EXISTS`, the rollups)
   is made once per process and database, under an advisory lock, so gateways and
   CLIs starting together do not race on `CREATE TABLE`.
@@ -31,9 +34,12 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from switchyard.errors import UnstorableValue
+
 SCHEMES = ("postgresql://", "postgres://")
 # The upsert key of each table a statement may INSERT OR REPLACE into.
 PRIMARY_KEYS = {"usage": ("request_id",), "traces": ("request_id",)}
+TOO_LONG_MESSAGE = "a value is too long for the gateway's database to index"
 _LOCK_ID = 0x5357_5944  # pg_advisory_lock: "SWYD"
 _made: set[str] = set()  # databases whose schema this process has made
 _made_lock = threading.Lock()
@@ -146,12 +152,18 @@ def _where(dsn: str) -> str:
 def _as_sqlite(exc: Exception) -> Exception:
     _, integrity, operational, data = _errors()
     message = _first(exc)
+    if isinstance(exc, data) and "NUL" in message:  # psycopg refuses it before sending
+        return UnstorableValue()
+    if getattr(exc, "sqlstate", None) == "54000":  # program_limit_exceeded: an index
+        # entry too large (an OperationalError in psycopg, but no outage: the same
+        # row fails the same way every time)
+        return UnstorableValue(TOO_LONG_MESSAGE)
     if isinstance(exc, integrity):
         return sqlite3.IntegrityError(message)
     if isinstance(exc, operational):
         return sqlite3.OperationalError(message)
-    if isinstance(exc, data) and "out of range" in message:
-        return OverflowError(message)
+    if isinstance(exc, data):  # a value of the statement's, not the database
+        return OverflowError(message) if "out of range" in message else sqlite3.DataError(message)
     return sqlite3.DatabaseError(message)
 
 

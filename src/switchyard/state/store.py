@@ -41,7 +41,7 @@ from switchyard.state.ledger import (
 )
 from switchyard.state.ledger_batch import decode_batch, write_batch
 from switchyard.state.responses import ResponseStore, Sealer, instance_name
-from switchyard.state.sql import SCHEMA, migrate
+from switchyard.state.sql import SCHEMA, Connection, migrate
 from switchyard.state.tool_calls import ToolCallRecords
 from switchyard.state.traces import template_id
 
@@ -224,7 +224,9 @@ class SqliteStore(Store):
 
 def memory_connection() -> sqlite3.Connection:
     """A fresh in-memory database with the gateway's schema."""
-    conn = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
+    conn = sqlite3.connect(
+        ":memory:", check_same_thread=False, isolation_level=None, factory=Connection
+    )
     conn.row_factory = sqlite3.Row
     conn.execute("PRAGMA foreign_keys=ON")
     conn.executescript(SCHEMA)
