@@ -40,6 +40,7 @@ from switchyard.state.ledger_batch import (
     AGAIN,
     BATCH,
     FLUSH,
+    FLUSHED,
     HEADER,
     decode_batch,
     frame,
@@ -203,13 +204,13 @@ def test_a_shared_writer_killed_mid_stream_loses_no_row_and_the_ledgers_carry_on
 
 def _read_ack(conn: socket.socket) -> int:
     data = b""
-    while len(data) < HEADER.size + 8:
+    while len(data) < HEADER.size + FLUSHED.size:
         chunk = conn.recv(64)
         assert chunk, "the writer closed the connection"
         data += chunk
     kind, _ = HEADER.unpack_from(data)
     assert kind == FLUSH
-    return int.from_bytes(data[HEADER.size :], "big")
+    return int(FLUSHED.unpack_from(data, HEADER.size)[0])
 
 
 def test_a_batch_sent_again_to_a_new_writer_adds_nothing_twice(

@@ -10,7 +10,10 @@ PostgreSQL refuses values SQLite takes: a NUL character in text, an index entry 
 - a NUL in an admin value (a key's name, a tenant or key id in a path, a filter of
   /admin/usage, /admin/keys, /admin/tool-calls) was a 500 `internal_error` on
   PostgreSQL, where SQLite stored the name or answered 404 or an empty list: now a
-  400 naming the NUL on both stores, and the gateway serves on.
+  400 naming the NUL on both stores, and the gateway serves on;
+- a row the writer dropped was only logged in the writer's process: the gateway's
+  `dropped` count (/metrics `switchyard_ledger_rows_dropped`) stayed 0. The writer now
+  tells it with each flush's answer.
 
 Key holders' values that reach rows hold up on PostgreSQL (probed, no test kept):
 model names (an unknown one is recorded as "(unknown model)"), `user` (control
@@ -39,7 +42,10 @@ import pytest
 from support.gateways import Gateway, start_gateway
 from support.postgres_server import Postgres, fresh
 from support.upstreams import Scripted
+from switchyard.pipeline import RequestContext, RequestInput, Timings
+from switchyard.request import NOT_READ
 from switchyard.state import ledger_batch
+from switchyard.state.ledger import Finished, UsageLedger, spawn_shared_writer
 from switchyard.state.ledger_batch import write_batch
 from switchyard.state.sealing import Sealer
 from switchyard.state.sql import connect
@@ -222,3 +228,52 @@ def test_a_nul_in_an_admin_value_is_a_400_on_both_stores(
         with psycopg.connect(gw.db) as c:
             got = c.execute("SELECT count(*) FROM usage WHERE tenant_id = %s", (tenant,))
             assert got.fetchone() == (1,)
+
+
+def _finished(rid: str, task: str | None = None) -> Finished:
+    now = time.perf_counter()
+    ctx = RequestContext(
+        RequestInput(rid, "chat.completions", time.time(), task_id=task),
+        NOT_READ,
+        Timings(now),
+        now + 5,
+    )
+    ctx.timings.ended = now
+    return Finished(ctx, "ok", 1, 1, 0.0)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-writer", "shared-writer"])
+def test_rows_the_writer_drops_are_counted_by_the_gateway(postgres: Postgres, shared: bool) -> None:
+    """A row the database refuses even made storable is dropped by the writer process;
+    the gateway that recorded it counts it in `dropped` (its /metrics counter
+    `switchyard_ledger_rows_dropped`), told with the writer's answer to its next flush.
+    Before, the writer only logged it: the gateway reported 0 rows dropped."""
+    url = fresh(postgres.url)
+    huge = base64.b64encode(os.urandom(6000)).decode()  # no B-tree entry holds it
+    sock_dir = Path(tempfile.mkdtemp(prefix="sy-s73-"))
+    writer = spawn_shared_writer(url, str(sock_dir / "w.sock")) if shared else None
+    led = UsageLedger(
+        url, flush_s=0.005, writer_socket=str(sock_dir / "w.sock") if shared else None
+    )
+    try:
+        led.record(_finished("kept-1"))
+        led.record(_finished("refused", huge))
+        led.record(_finished("kept-2"))
+        led.flush()
+        assert led.dropped == 1
+        led.record(_finished("kept-3"))
+        led.flush()
+        assert led.dropped == 1  # counted once, not again with each answer
+        conn = connect(url)
+        try:
+            ids = {r[0] for r in conn.execute("SELECT request_id FROM usage").fetchall()}
+        finally:
+            conn.close()
+        assert ids == {"kept-1", "kept-2", "kept-3"}
+    finally:
+        led.close()
+        if writer is not None:
+            writer.stop()
+        for p in sock_dir.iterdir():
+            p.unlink()
+        sock_dir.rmdir()

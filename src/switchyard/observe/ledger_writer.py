@@ -63,12 +63,14 @@ from typing import BinaryIO
 from switchyard.state.ledger_batch import (
     AGAIN,
     BATCH,
+    DROPPED,
     FLUSH,
     HEADER,
     KEY,
     READY,
     STOP,
     decode_batch,
+    flushed,
     frame,
     read_frame,
     write_batch,
@@ -94,12 +96,14 @@ class _Writer:
         self._max_bytes = max_bytes
         self._checked = 0.0
 
-    def commit(self, payload: bytes, sealer: Sealer | None, again: bool = False) -> None:
-        """Commit one batch frame. With a byte budget, the writer keeps the file under
+    def commit(self, payload: bytes, sealer: Sealer | None, again: bool = False) -> int:
+        """Commit one batch frame; the rows of it dropped (`ledger_batch.DROPPED`: the
+        database refused them). With a byte budget, the writer keeps the file under
         it as it writes (`traces.enforce_disk`, at most every DISK_CHECK_S): it is the
         one process that adds rows, so the budget holds within a fraction of a second
         of load instead of growing until the gateway's next retention pass."""
         batch = decode_batch(payload)
+        before = DROPPED[0]
         if batch is not None:
             write_batch(self.conn, batch, sealer, again)
         now = time.monotonic()
@@ -111,6 +115,7 @@ class _Writer:
                 enforce_disk(self.conn, self._max_bytes)
             except sqlite3.Error as exc:  # the next check tries again
                 log.warning("byte budget not enforced: %s", exc)
+        return DROPPED[0] - before
 
 
 def serve(path: str, source: BinaryIO, acks: BinaryIO, max_bytes: int = 0) -> None:
@@ -118,6 +123,7 @@ def serve(path: str, source: BinaryIO, acks: BinaryIO, max_bytes: int = 0) -> No
     `max_bytes`: the byte budget (`_Writer.commit`)."""
     writer = _Writer(path, max_bytes)
     sealer: Sealer | None = None
+    lost = 0  # rows of this gateway's the database refused: told with each answer
     try:
         while True:
             got = read_frame(source)
@@ -125,11 +131,11 @@ def serve(path: str, source: BinaryIO, acks: BinaryIO, max_bytes: int = 0) -> No
                 return
             kind, payload = got
             if kind == BATCH:
-                writer.commit(payload, sealer)
+                lost += writer.commit(payload, sealer)
             elif kind == KEY:
                 sealer = Sealer(payload)
             elif kind == FLUSH:
-                acks.write(frame(FLUSH, payload))
+                acks.write(frame(FLUSH, flushed(payload, lost)))
                 acks.flush()
     finally:
         writer.conn.close()
@@ -143,13 +149,14 @@ class _Client:
     """One gateway process's connection: what it sent that is not a whole frame yet,
     the answers it has not taken yet, and the key its stored responses are sealed with."""
 
-    __slots__ = ("inbox", "outbox", "sealer", "sock")
+    __slots__ = ("inbox", "lost", "outbox", "sealer", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.inbox = bytearray()
         self.outbox = bytearray()
         self.sealer: Sealer | None = None
+        self.lost = 0  # its rows the database refused (`flushed`)
 
 
 def listen(socket_path: str) -> socket.socket:
@@ -195,9 +202,9 @@ def _frames(writer: _Writer, client: _Client) -> bool:
                 payload = bytes(view[pos + HEADER.size : end])
             pos = end
             if kind in (BATCH, AGAIN):
-                writer.commit(payload, client.sealer, again=kind == AGAIN)
+                client.lost += writer.commit(payload, client.sealer, again=kind == AGAIN)
             elif kind == FLUSH:
-                client.outbox += frame(FLUSH, payload)
+                client.outbox += frame(FLUSH, flushed(payload, client.lost))
             elif kind == KEY:
                 try:
                     client.sealer = Sealer(payload)

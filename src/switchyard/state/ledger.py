@@ -64,7 +64,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from switchyard.state.ledger_batch import AGAIN, BATCH, FLUSH, HEADER, KEY, READY, STOP, frame
+from switchyard.state.ledger_batch import (
+    AGAIN,
+    BATCH,
+    FLUSH,
+    FLUSHED,
+    HEADER,
+    KEY,
+    READY,
+    STOP,
+    frame,
+)
 from switchyard.state.ledger_reads import LedgerReads
 from switchyard.state.ledger_reads import live_summary as live_summary
 from switchyard.state.ledger_reads import spent_since as spent_since
@@ -89,7 +99,7 @@ _MAX_BATCH = 512  # rows per frame
 _MAX_QUEUED_BYTES = 64 << 20  # batches waiting for a stalled writer (~30k traced rows)
 _PIPE_BYTES = 1 << 20
 _SEQ = struct.Struct(">Q")
-_ACK = HEADER.size + _SEQ.size
+_ACK = HEADER.size + FLUSHED.size  # a flush's answer (ledger_batch.flushed)
 _RECONNECT_S = 0.05  # the first pause before connecting again to a shared writer
 _RECONNECT_MAX_S = 2.0
 _WRITER = "switchyard.observe.ledger_writer"
@@ -243,6 +253,7 @@ class UsageLedger(LedgerReads):
         self._watching: asyncio.AbstractEventLoop | None = None  # loop with add_writer
         self._seq = 0
         self._acked = 0  # the highest flush the writer has answered
+        self._writer_lost = 0  # rows the present writer said it dropped (`_answered`)
         self._resent_for: Any = None  # the dead writer whose flushes were sent again
         self._closed = False
         self._counts = LedgerCounts()  # rows repaired, or lost before the pipe (logged)
@@ -263,7 +274,8 @@ class UsageLedger(LedgerReads):
 
     @property
     def dropped(self) -> int:
-        """Rows lost before they reached the writer (each one logged)."""
+        """Rows lost (each one logged): before they reached the writer, or dropped by it
+        (the database refused them, `_answered`)."""
         return self._stalled + self._counts.dropped
 
     @property
@@ -279,6 +291,7 @@ class UsageLedger(LedgerReads):
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         self._spawned_at = time.monotonic()
+        self._writer_lost = 0  # a new writer counts from 0
         pg = is_postgres(self.path)  # a URI goes by the environment, not argv
         proc = subprocess.Popen(
             [
@@ -526,6 +539,7 @@ class UsageLedger(LedgerReads):
             self._pause(f"cannot connect to the ledger writer at {self._writer_socket}: {exc}")
             return False
         self._sock = sock
+        self._writer_lost = 0  # a new connection: counted from 0 by the writer
         if self._seal_key is not None:
             key = frame(KEY, self._seal_key)
             self._frames.appendleft((key, 0, 0))
@@ -585,13 +599,22 @@ class UsageLedger(LedgerReads):
         whole = len(self._inbox) - len(self._inbox) % _ACK
         if whole:
             for at in range(HEADER.size, whole, _ACK):
-                self._acked = max(self._acked, _SEQ.unpack_from(self._inbox, at)[0])
+                self._answered(*FLUSHED.unpack_from(self._inbox, at))
             del self._inbox[:whole]
             self._failures = 0  # a writer that answers: the next failure pauses briefly
             while self._unacked and self._unacked[0][2] <= self._acked:
                 self._queued -= len(self._unacked.popleft()[0])
         if ended is not None:
             self._lost(ended)
+
+    def _answered(self, seq: int, lost: int) -> None:
+        """A flush's answer (lock held): flushes up to `seq` committed, and `lost`
+        rows dropped by the writer so far (the database refused them: logged there),
+        counted as dropped here, where /metrics reads them."""
+        self._acked = max(self._acked, seq)
+        if lost > self._writer_lost:
+            self._counts.dropped += lost - self._writer_lost
+            self._writer_lost = lost
 
     def _lost(self, why: str) -> None:
         """The shared writer is gone (lock held): what it had not answered goes again,
@@ -692,10 +715,10 @@ class UsageLedger(LedgerReads):
             poller = select.poll()
             poller.register(fd, select.POLLIN)
             while poller.poll(0):
-                ack = _read(fd, HEADER.size + _SEQ.size)
+                ack = _read(fd, _ACK)
                 if ack is None:  # end of the pipe: that writer is gone
                     break
-                self._acked = max(self._acked, _SEQ.unpack(ack[HEADER.size :])[0])
+                self._answered(*FLUSHED.unpack_from(ack, HEADER.size))
             else:
                 return
             if self._resent_for is proc or self._acked >= self._seq:

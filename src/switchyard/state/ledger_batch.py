@@ -167,6 +167,16 @@ def _read_exactly(stream: BinaryIO, n: int) -> bytes | None:
     return data
 
 
+# A flush's answer (`F`): the flush number the gateway sent, then how many of its rows
+# the writer has dropped so far on this connection (`DROPPED`), each a big-endian u64.
+FLUSHED = struct.Struct(">QQ")
+
+
+def flushed(payload: bytes, lost: int) -> bytes:
+    """The answer's payload to a flush whose payload was `payload` (its number)."""
+    return payload[:8] + FLUSHED.pack(0, lost)[8:]
+
+
 def read_frame(stream: BinaryIO) -> tuple[bytes, bytes] | None:
     """The next frame, or None at the end of the input."""
     head = _read_exactly(stream, HEADER.size)
@@ -319,8 +329,10 @@ def _isolated(
     return False
 
 
-# Rows the writer dropped because the database refused one of their values even made
-# storable (`_isolated`), since this process started: a list, to be counted in place.
+# Rows (usage rows and stored responses) the writer dropped since this process started:
+# refused for one of their values even made storable (`_isolated`), or after repeated
+# write failures. A list, counted in place; the writer reports it with each flush's
+# answer (observe/ledger_writer.py), and the gateway counts it as dropped (/metrics).
 DROPPED = [0]
 
 
@@ -437,10 +449,11 @@ def write_batch(
             if attempt >= 3 and not waiting:
                 break
             time.sleep(min(1.0, 0.05 * attempt))
+    DROPPED[0] += len(batch.entries) + len(batch.responses)
     log.error(
         "dropped %d usage rows and %d stored responses after repeated write failures",
-        len(rows),
-        len(responses),
+        len(batch.entries),
+        len(batch.responses),
     )
     return False
 
