@@ -34,8 +34,9 @@ class TasksConfig(Strict):
     """Every tenant's default task budget; a tenant's or key's `task_budget` and a task's
     `x-task-budget` header may lower it, never raise it."""
     max_tasks: int = Field(100_000, ge=1)
-    """Task states kept per gateway (or in Redis, with `storage.redis_url`); past it the least
-    recently active go first."""
+    """Task states kept per gateway (or in Redis, with `storage.redis_url`); past it the
+    tenant holding the most loses its own least recently admitted one (idle ones past
+    `idle_ttl_s` go first)."""
     idle_ttl_s: float = Field(3600.0, gt=0)
     """Seconds a task's state is kept after its last request."""
     max_tool_calls: int = Field(1000, ge=1)

@@ -54,9 +54,13 @@ def _fmt_s(s: float) -> str:
 
 
 def rate_headers(verdict: Verdict) -> dict[str, str]:
-    """OpenAI-style x-ratelimit-* headers from the tightest scope of each kind."""
+    """OpenAI-style x-ratelimit-* headers from the tightest scope of each kind, of the
+    key's and its tenant's own: a deployment's window is every tenant's traffic, so
+    its remaining count would let one tenant count another's requests."""
     req = tok = None
-    for i in verdict.state.values():
+    for scope, i in verdict.state.items():
+        if scope.startswith("deployment:"):
+            continue
         if "limit_requests" in i and (
             req is None or i["remaining_requests"] < req["remaining_requests"]
         ):

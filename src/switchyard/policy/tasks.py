@@ -3,8 +3,8 @@
 A task is every request of one tenant that carries the same `x-task-id`. Task ids are
 chosen by clients, so a task's state is keyed by (tenant, task id): another tenant
 can never drain, read or cancel it. Its state is set by its first request and kept
-until `tasks.idle_ttl_s` after its last one (at most `tasks.max_tasks` states; the
-least recently active go first):
+until `tasks.idle_ttl_s` after its last one (at most `tasks.max_tasks` states; past it the
+tenant holding the most loses its own least recently admitted one):
 
 * the budget: model calls, tool calls (`tools/call` through `/mcp`), tokens, cost and
   wall time over the task's whole life. The

@@ -1,5 +1,11 @@
 """`MemoryTaskStore`: agent tasks' state in this process (state/tasks.py; the rules in
 policy/tasks.py).
+
+Past `max_tasks` states the tenant holding the most loses its own least recently
+admitted one (on a tie, the admitting tenant; among others, the greatest tenant id, as
+Redis orders them), never the task being admitted: another tenant's flood of new
+`x-task-id`s cannot drop a tenant's cancel or used budget (when every tenant holds one
+state, the least recently admitted of all goes). Idle ones past `idle_ttl_s` go first.
 """
 
 from __future__ import annotations
@@ -29,19 +35,45 @@ class MemoryTaskStore:
         self.idle_ttl_s = idle_ttl_s
         self.max_calls = max_calls
         self._tasks: OrderedDict[TaskKey, _State] = OrderedDict()
+        # tenant -> its tasks, least recently admitted first (the order of `_tasks`)
+        self._own: dict[str, OrderedDict[TaskKey, None]] = {}
 
-    def _expire(self, now: float) -> None:
+    def _drop(self, key: TaskKey) -> None:
+        self._tasks.pop(key, None)
+        own = self._own.get(key[0])
+        if own is not None:
+            own.pop(key, None)
+            if not own:
+                del self._own[key[0]]
+
+    def _victim(self, keep: TaskKey) -> TaskKey:
+        """The state to drop past `max_tasks` (the module docstring's rule)."""
+        most = max(len(own) for own in self._own.values())
+        if most < 2:  # every tenant holds one: the least recently admitted of all
+            return next(k for k in self._tasks if k != keep)
+        mine = self._own.get(keep[0])
+        tenant = (
+            keep[0]
+            if mine is not None and len(mine) == most
+            else max(t for t, own in self._own.items() if len(own) == most)
+        )
+        return next(iter(self._own[tenant]))
+
+    def _expire(self, now: float, keep: TaskKey) -> None:
         tasks = self._tasks
         while tasks:
             key, st = next(iter(tasks.items()))
-            if now - st.last_at < self.idle_ttl_s and len(tasks) <= self.max_tasks:
+            if now - st.last_at >= self.idle_ttl_s:
+                self._drop(key)
+            elif len(tasks) > self.max_tasks:
+                self._drop(self._victim(keep))
+            else:
                 break
-            del tasks[key]
 
     def _get(self, key: TaskKey, now: float) -> _State | None:
         st = self._tasks.get(key)
         if st is not None and now - st.last_at >= self.idle_ttl_s:
-            del self._tasks[key]
+            self._drop(key)
             return None
         return st
 
@@ -61,7 +93,10 @@ class MemoryTaskStore:
             st = self._tasks[key] = _State(first.budget, now, deadline_at, by, now)
         st.last_at = now
         self._tasks.move_to_end(key)
-        self._expire(now)
+        own = self._own.setdefault(key[0], OrderedDict())
+        own[key] = None
+        own.move_to_end(key)
+        self._expire(now, key)
         refused = (
             "cancelled"
             if st.cancelled_at is not None

@@ -11,17 +11,22 @@ Per task (tenant, task id) the keys are, all expiring `tasks.idle_ttl_s` after t
 task's last call:
 
     {prefix}task:{tenant}:{task}          hash: budget, deadline, use, refusals, cancel
+                                          (the task id's ':' written '/')
     {prefix}task:{tenant}:{task}:held     hash: request id → "tokens cost kind" reserved
                                           (kind 1: a tool call, 0: a model call)
     {prefix}task:{tenant}:{task}:calls    hash: tool-call id → its note (JSON)
     {prefix}task:{tenant}:{task}:order    list: the noted call ids, oldest first
 
 and `{prefix}task-index` (a sorted set: task key → the number of its last admission,
-from the counter `{prefix}task-index:seq`) bounds their count as the memory store
-does: past `tasks.max_tasks` the least recently admitted tasks' keys are deleted by
-the admission that made one too many. Their tool-call
-notes are capped at `tasks.max_tool_calls` per task, the oldest dropped first. (The
-scripts touch keys they compute, so they assume one Redis server, not a cluster.)
+from the counter `{prefix}task-index:seq`), with `{prefix}task-index:t:{tenant}` (the
+same, a tenant's tasks alone) and `{prefix}task-index:tenants` (tenant → how many it
+holds), bounds their count as the memory store does: past `tasks.max_tasks` the
+admission that made one too many deletes the keys of the least recently admitted task
+of the tenant holding the most (on a tie the admitting tenant's; never the task it
+admits), so another tenant's flood of new task ids cannot drop a tenant's cancel or
+used budget. Their tool-call notes are capped at `tasks.max_tool_calls` per task, the
+oldest dropped first. (The scripts touch keys they compute, so they assume one Redis
+server, not a cluster.)
 
 A gateway worker that dies mid-call never settles, so its calls' reserved tokens and
 cost would stay counted in their tasks until those expire. A store built with an
@@ -69,18 +74,45 @@ log = logging.getLogger("switchyard")
 # KEYS: state, held, index, then the owner's hash when the store has an owner. ARGV:
 # now, ttl, calls, tokens, cost, wall, deadline_at, deadline_by ('' = none), request id,
 # tokens asked, cost asked, max tasks, tool calls, whether this is a tool call ('1') or
-# a model call ('0'). A request id holds one admission per task (the gateway's own id:
+# a model call ('0'), the tenant, the length of the task keys' prefix (before the
+# tenant). A request id holds one admission per task (the gateway's own id:
 # one per request): a call the task holds already is answered admitted, not applied again.
 _ADMIT = """
 local k, held, index, owner = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
-redis.call('ZADD', index, redis.call('INCR', index .. ':seq'), k)
-local over = redis.call('ZCARD', index) - tonumber(ARGV[12])
-if over > 0 then  -- the least recently active tasks go (expired ones among them)
-  for _, old in ipairs(redis.call('ZRANGE', index, 0, over - 1)) do
-    redis.call('DEL', old, old .. ':held', old .. ':calls', old .. ':order')
+local seq, tenant, tenants = redis.call('INCR', index .. ':seq'), ARGV[15], index .. ':tenants'
+local mine = index .. ':t:' .. tenant
+redis.call('ZADD', index, seq, k)
+redis.call('ZADD', mine, seq, k)
+redis.call('ZADD', tenants, redis.call('ZCARD', mine), tenant)
+-- Past the bound the tenant holding the most states loses its own least recently
+-- admitted one (on a tie the admitting tenant, then the greatest tenant id), never k;
+-- when every tenant holds one, the least recently admitted of all goes.
+local over, plen = redis.call('ZCARD', index) - tonumber(ARGV[12]), tonumber(ARGV[16])
+while over > 0 do
+  local victim = nil
+  local top = redis.call('ZREVRANGE', tenants, 0, 0, 'WITHSCORES')
+  local most = tonumber(top[2] or '0')
+  if most >= 2 then
+    local t = top[1]
+    if tonumber(redis.call('ZSCORE', tenants, tenant) or '0') == most then t = tenant end
+    victim = redis.call('ZRANGE', index .. ':t:' .. t, 0, 0)[1]
   end
-  redis.call('ZREMRANGEBYRANK', index, 0, over - 1)
+  if not victim or victim == k then
+    local two = redis.call('ZRANGE', index, 0, 1)
+    victim = two[1]
+    if victim == k then victim = two[2] end
+  end
+  redis.call('DEL', victim, victim .. ':held', victim .. ':calls', victim .. ':order')
+  redis.call('ZREM', index, victim)
+  local of = string.match(string.sub(victim, plen + 1), '^([^:]*):')
+  if of then
+    local theirs = index .. ':t:' .. of
+    redis.call('ZREM', theirs, victim)
+    local left = redis.call('ZCARD', theirs)
+    if left > 0 then redis.call('ZADD', tenants, left, of) else redis.call('ZREM', tenants, of) end
+  end
+  over = over - 1
 end
 if redis.call('EXISTS', k) == 0 then
   redis.call('HSET', k, 'started_at', ARGV[1], 'b_calls', ARGV[3], 'b_tokens', ARGV[4],
@@ -271,9 +303,11 @@ class RedisTaskStore:
         self._orphans: set[asyncio.Task[None]] = set()
 
     def _k(self, key: TaskKey) -> str:
-        # Both parts are validated ids (no ':' in a tenant id); the task id may hold
-        # ':', which is fine as the last part.
-        return f"{self._prefix}{key[0]}:{key[1]}"
+        # Both parts are validated ids (no ':' in a tenant id, no '/' in a task id). A
+        # task id's ':' is written '/', so no task's key is another's `:held`,
+        # `:calls` or `:order` (task `x:held` was task `x`'s reservations, and ran
+        # without its budget).
+        return f"{self._prefix}{key[0]}:{key[1].replace(':', '/')}"
 
     @property
     def _ttl(self) -> int:
@@ -315,6 +349,8 @@ class RedisTaskStore:
             self.max_tasks,
             _opt(b.tool_calls),
             "1" if tool else "0",
+            key[0],
+            len(self._prefix),
         ]
         work = asyncio.ensure_future(self._admitted(k, args, now))
         try:
