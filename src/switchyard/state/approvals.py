@@ -133,15 +133,13 @@ class ApprovalStore:
                 " FROM approvals WHERE token_hash = ?",
                 (_hash(token),),
             ).fetchone()
-            if row is None:
+            # Another tenant's token is answered as one that does not exist: what a
+            # tenant is told never says a token is someone else's.
+            if row is None or row[0] != tenant:
                 return None, "unknown approval token"
-            r_tenant, r_task, r_call, approver, expires_at, used_at = tuple(row)
-            if (
-                r_tenant != tenant
-                or r_call != call_id
-                or (r_task is not None and r_task != task_id)
-            ):
-                return None, "the approval is for another tenant, task or call"
+            _, r_task, r_call, approver, expires_at, used_at = tuple(row)
+            if r_call != call_id or (r_task is not None and r_task != task_id):
+                return None, "the approval is for another task or call"
             if used_at is not None:
                 return None, "the approval was already used"
             if expires_at <= now:

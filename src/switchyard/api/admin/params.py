@@ -19,9 +19,9 @@ from starlette.responses import Response
 from switchyard.api.body import read_json
 from switchyard.engines.urls import without_credentials
 from switchyard.errors import InvalidRequest
+from switchyard.state.keys import MAX_INT  # what SQLite stores: a larger one fails the write
 
 MAX_BODY_BYTES = 65536
-MAX_INT = 2**63 - 1  # what SQLite stores: a larger integer fails the write
 
 
 def as_json(obj: Any, status: int = 200) -> Response:
