@@ -32,6 +32,7 @@ log = logging.getLogger("switchyard")
 
 # Statuses read on every request's path, bound once: reading an enum member through its
 # class takes the enum metaclass's lookup hook each time (about ten times a global's).
+_OK = Status.OK
 _CANCELLED = Status.CANCELLED
 _ERROR = Status.ERROR
 _UNFINISHED = (Status.PENDING, Status.STREAMING)
@@ -131,6 +132,37 @@ def refused_outright(ctx: RequestContext) -> bool:
     return refused == run.attempts
 
 
+# The classes of an attempt that ended with no answer from an upstream that had the
+# request (execute/executor.py records them in the attempt's evidence): it timed out
+# (the gateway's timeouts, or the upstream's own 408 or 504) or its connection broke.
+_UNANSWERED = frozenset({"timeout", "504", "broken"})
+_ATTEMPT_OK = outcomes.Attempt.OK
+
+
+def cut_unanswered(ctx: RequestContext) -> bool:
+    """Whether a non-streamed request made an upstream call that may have generated
+    what it was never shown: one that reached the upstream and ended with no answer
+    (timed out, its connection broke, or it was under way when the request was
+    cancelled: its client hung up, its task was cancelled; such an attempt records no
+    decision, so it is one the executor counted in `run.attempts` and never recorded),
+    or one whose reply came without usage. A non-streamed generation usually runs to
+    its end on the upstream after the gateway leaves, and is billed there. A call that
+    never connected (`connect`), or that the upstream answered with an error status,
+    did not generate. A stream is billed the events it relayed (not here)."""
+    run = ctx.run
+    if ctx.stream or not run.attempts:
+        return False
+    recorded = 0
+    for d in ctx.decisions:
+        evidence = d.evidence
+        if d.stage != "attempt" or evidence is None or "attempt" not in evidence:
+            continue  # a skip (breaker open, no time left, engine down) calls nothing
+        recorded += 1
+        if d.outcome == _ATTEMPT_OK or evidence.get("class") in _UNANSWERED:
+            return True
+    return recorded < run.attempts
+
+
 class Settler:
     """Charges, unwinds and records settled requests."""
 
@@ -155,6 +187,8 @@ class Settler:
         self._sampler = random.Random()
         self._embed_price = Price(input=s.embeddings.price, output=0.0)
         self._embed_alias = s.embeddings.alias
+        # Each alias's price, for a failed request that fell back (`_dearest_tried`).
+        self._prices = {m.alias: m.price for m in s.served_models()}
         self.pending = 0  # answered requests whose settle runs after the response
 
     def after_response(
@@ -212,9 +246,10 @@ class Settler:
             self._record(ctx)
 
     def _charge(self, ctx: RequestContext) -> None:
-        """What the request used (the upstream's usage; a broken stream's estimate;
-        nothing for a request every upstream refused outright) and what that costs, on
-        `ctx.run` for the releases and the record."""
+        """What the request used (the upstream's usage; a broken stream's estimate; the
+        output cap of a non-streamed call cut without usage; nothing for a request every
+        upstream refused outright) and what that costs, on `ctx.run` for the releases
+        and the record."""
         run = ctx.run
         if ctx.cache is _REPLAY:
             # An idempotent replay calls nothing: the stored reply's usage was billed
@@ -253,29 +288,56 @@ class Settler:
             # an event.
             inp = ctx.cost.prompt if ctx.cost is not None else ctx.prompt_estimate
             out = run.chunks
-            if usage or ctx.status is Status.OK:
+            answered = usage or ctx.status is Status.OK
+            if answered or cut_unanswered(ctx):
                 # A complete reply without usage, or counts no request could have
-                # (negative, not integers, past any cap): never a refund, never
+                # (negative, not integers, past any cap), or a non-streamed call cut
+                # while the upstream had it (the client hung up, a timeout, a task's
+                # cancel: the upstream bills what it generated): never a refund, never
                 # billions, never less than it may have written: the output it was let
-                # use (the cap it was sent with, for each sequence asked).
+                # use (the cap it was sent with, for each sequence asked), which its
+                # reservation holds.
                 cap = ctx.cost.output if ctx.cost is not None else ctx.max_tokens
                 out = max(out, cap or 0)
-                log.warning(
+                # A cut call is the client's doing as often as the upstream's: INFO,
+                # so a key that hangs up again and again cannot fill the warning log.
+                log.log(
+                    logging.WARNING if answered else logging.INFO,
                     "the upstream of %s reported %s usage; billed the estimate (%d in, %d out)",
                     ctx.input.request_id,
-                    "unusable" if usage else "no",
+                    "unusable" if usage else "no" if answered else "no (its call was cut)",
                     inp,
                     out,
                 )
         else:
             inp = out = 0
         if ctx.model is not None:
-            cost = cost_usd(ctx.model.price, inp, out)
+            price = ctx.model.price
+            if ctx.status is not _OK and (inp or out):  # (a served request: one check)
+                price = self._dearest_tried(ctx, price)
+            cost = cost_usd(price, inp, out)
         elif ctx.input.endpoint == "embeddings" and ctx.alias == self._embed_alias:
             cost = cost_usd(self._embed_price, inp, 0)
         else:
             cost = 0.0
         run.tokens_in, run.tokens_out, run.cost_usd = inp, out, cost
+
+    def _dearest_tried(self, ctx: RequestContext, price: Price) -> Price:
+        """The price a failed request is billed at: `price` (its model's), or, when
+        it fell back, the dearest, per input and per output token, of it and each
+        fallback tried (`fallback` decisions with a target), since any of them may
+        have read the prompt and generated. Each is in the model's chain, whose
+        dearest price its reservation holds (policy/stages_admission.chain_price)."""
+        for d in ctx.decisions:
+            evidence = d.evidence
+            if d.stage != "fallback" or evidence is None or "to" not in evidence:
+                continue  # not a fallback tried (a skip names its `target`)
+            other = self._prices.get(evidence["to"])
+            if other is not None and (other.input > price.input or other.output > price.output):
+                price = Price(
+                    input=max(price.input, other.input), output=max(price.output, other.output)
+                )
+        return price
 
     def _record(self, ctx: RequestContext) -> None:
         """Metrics, span and ledger row of a settled request."""

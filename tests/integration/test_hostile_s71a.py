@@ -384,4 +384,6 @@ def test_a_client_that_leaves_a_whole_reply_request_frees_the_engine_slot(gw: Ga
     assert engine["in_flight"] == 0, gone
     rows = gw.stored_rows(tenant, 1, timeout_s=60)
     assert rows and rows[0]["status"] == "cancelled", rows
-    assert rows[0]["output_tokens"] < LONG, rows
+    # Billed its cap all the same (docs/guides/budgets.md, "A cut call is billed its
+    # cap"): how far the engine got before it stopped is not known.
+    assert rows[0]["output_tokens"] == LONG, rows
