@@ -241,3 +241,26 @@ def test_a_clients_own_priority_is_dropped_for_an_engine_without_the_policy(raw:
     out = orjson.loads(sent)
     assert b'"priority"' not in sent
     assert out["model"] == "a" and out["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_another_tenants_flood_of_task_ids_keeps_a_tenants_plan() -> None:
+    """The gate keeps at most MAX_TASKS task records; past it the tenant holding the
+    most gives up its own least recently seen. Before, the oldest went whoever held it:
+    tenant b's flood of new 3-step tasks dropped tenant t's 64-step plan, so a new task
+    was admitted as if t's remaining 63 s of work were not coming (review s73d)."""
+
+    async def probe() -> str:
+        clock = Clock()
+        g = _gate(clock)
+        g.MAX_TASKS = 8
+        assert g.try_acquire(_big(), 86_400.0) is not None
+        g.release(1.0, 100, _big())  # t's task: 63 steps of 1 s still to come
+        for i in range(20):
+            ask = SlotAsk(Priority.STANDARD, ("b", f"x{i}"), 1, 3)
+            assert g.try_acquire(ask, 86_400.0) is not None
+            g.release(1.0, 100, ask)
+        assert len(g._tasks) == 8
+        assert g.try_acquire() is not None  # saturated: admission checks run
+        return await _verdict(_new_task(g, "a", 30.0))
+
+    assert asyncio.run(probe()) == "overloaded"

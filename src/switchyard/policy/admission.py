@@ -256,6 +256,8 @@ class DeploymentGate:
         self._waiters: list[_Waiter] = []
         self._seq = 0
         self._tasks: dict[Hashable, _Progress] = {}
+        # Each tenant's keys of `_tasks`, least recently seen first (`_note`'s bound).
+        self._owned: dict[Hashable, dict[Hashable, None]] = {}
         # Other clients' requests at this model's engines, beyond this gate's own (set by
         # the gateway from the engines' readings; None or 0 when not known).
         self.others: Callable[[], int] | None = None
@@ -492,7 +494,7 @@ class DeploymentGate:
                 or p.seen >= p.planned
                 or (p.last < idle_since and key not in working)
             ):
-                del self._tasks[key]
+                self._drop(key)
                 continue
             if not ahead(p.priority, p.deadline):
                 continue
@@ -625,13 +627,13 @@ class DeploymentGate:
     def forget_task(self, task: Hashable) -> None:
         """The task was cancelled: its remaining planned steps are no longer admitted
         work (its calls still queued are stopped by their own cancel)."""
-        self._tasks.pop(task, None)
+        self._drop(task)
 
     def _forget(self, ask: SlotAsk) -> None:
         """A new task whose first step did not get its slot (refused, cancelled, timed
         out) is not admitted after all."""
-        if ask.new_task:
-            self._tasks.pop(ask.task, None)
+        if ask.new_task and ask.task is not None:
+            self._drop(ask.task)
 
     def _touch(self, ask: SlotAsk, now: float) -> None:
         """A call of the task was granted or answered: the task is being worked."""
@@ -639,20 +641,59 @@ class DeploymentGate:
         if p is not None:
             p.last = now
 
+    @staticmethod
+    def _tenant(task: Hashable) -> Hashable:
+        """A task key's tenant: (tenant, task id) as the queue stage makes it."""
+        return task[0] if type(task) is tuple and task else task
+
+    def _drop(self, task: Hashable) -> None:
+        if self._tasks.pop(task, None) is None:
+            return
+        tenant = self._tenant(task)
+        own = self._owned.get(tenant)
+        if own is not None:
+            own.pop(task, None)
+            if not own:
+                del self._owned[tenant]
+
+    def _victim(self, tenant: Hashable) -> Hashable:
+        """The record `_note` gives up past MAX_TASKS: the least recently seen of the
+        tenant holding the most (the admitting `tenant` on a tie), so one tenant's flood
+        of new task ids costs its own records, never another tenant's; when every
+        tenant holds one, the least recently seen of all. Linear in the tenants, and
+        only when the bound is reached."""
+        owned = self._owned
+        mine = owned.get(tenant)
+        most = max(owned, key=lambda t: len(owned[t]))
+        if mine is not None and len(mine) == len(owned[most]):
+            most = tenant
+        if len(owned[most]) < 2:
+            return next(iter(self._tasks))
+        return next(iter(owned[most]))
+
     def _note(self, ask: SlotAsk, deadline: float, now: float) -> None:
         """Count the task as admitted, with the highest of its calls seen. At most
-        MAX_TASKS are kept, the least recently seen given up first: a flood of new
-        task ids costs the oldest records one at a time, never every tenant's at once."""
-        if ask.task is None or ask.step is None:
+        MAX_TASKS are kept (`_victim`: past it the tenant holding the most records
+        gives up its least recently seen)."""
+        task = ask.task
+        if task is None or ask.step is None:
             return
-        p = self._tasks.pop(ask.task, None)
+        tenant = self._tenant(task)
+        p = self._tasks.pop(task, None)
+        own = self._owned.get(tenant)
         if p is None:
             if ask.planned is None or ask.planned <= 1:
                 return
             if len(self._tasks) >= self.MAX_TASKS:
-                del self._tasks[next(iter(self._tasks))]
+                self._drop(self._victim(tenant))
+                own = self._owned.get(tenant)
             p = _Progress(ask.planned, 0, deadline, ask.priority)
-        self._tasks[ask.task] = p  # the most recently seen last
+        elif own is not None:
+            own.pop(task, None)
+        if own is None:
+            own = self._owned[tenant] = {}
+        self._tasks[task] = p  # the most recently seen last
+        own[task] = None
         p.seen = max(p.seen, ask.step)
         p.deadline = min(p.deadline, deadline)
         p.priority = min(p.priority, ask.priority)
