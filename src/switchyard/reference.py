@@ -443,7 +443,7 @@ def api() -> str:
         "admin key unless `observe.metrics_public`) and `/console`.",
         "",
     ]
-    for title, prefix in (("Model routes", "/v1/"), ("Admin API", "/admin/")):
+    for title, prefix in (("Model routes", "/v1/"), ("MCP", "/mcp"), ("Admin API", "/admin/")):
         out += [f"## {title}", "", "| method | path | what |", "|---|---|---|"]
         for path, item in openapi_paths().items():
             if not path.startswith(prefix):

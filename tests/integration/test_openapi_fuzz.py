@@ -75,8 +75,8 @@ def test_model_routes_never_answer_a_server_error(fuzzed: Gateway) -> None:
     described = schemathesis.openapi.from_url(fuzzed.url + "/openapi.json")
     operations = [r.ok() for r in described.include(path_regex="^/v1/").get_all_operations()]
     # chat, completions, embeddings, models, task get/delete, messages, count_tokens,
-    # responses create/get/delete/cancel/input_items
-    assert len(operations) == 13
+    # responses create/get/delete/cancel/input_items, rollouts (404 here: no RL model)
+    assert len(operations) == 14
     seen: Counter[tuple[str, int]] = Counter()
     for operation in operations:
 

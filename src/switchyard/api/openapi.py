@@ -453,6 +453,33 @@ def model_routes(chat_models: list[str], embedding_models: list[str]) -> dict[st
                 "cancel the task: stop its calls in flight, refuse its later calls"
             ),
         },
+        "/v1/rollouts": {
+            "post": {
+                **_operation(
+                    "RL rollouts: a batch of samples against one revision of a model under "
+                    "`rl.models` (404 for any other model)",
+                    "bearer",
+                    "NDJSON: one record per sample as it finishes",
+                ),
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": {"type": "object"}}},
+                },
+            }
+        },
+        "/mcp": {
+            method: _operation(
+                f"the MCP tool gateway (Streamable HTTP, JSON-RPC): {what}; served when "
+                "`mcp.servers` lists servers (errors are JSON-RPC's)",
+                "bearer",
+                answer,
+            )
+            for method, what, answer in (
+                ("post", "a JSON-RPC message", "a JSON-RPC answer, JSON or SSE"),
+                ("get", "the session's server-sent events", "an SSE stream"),
+                ("delete", "end the session (`Mcp-Session-Id`)", "the session ended"),
+            )
+        },
     }
 
 
