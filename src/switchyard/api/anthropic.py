@@ -22,7 +22,7 @@ from starlette.routing import Route
 from switchyard.api.body import header_map
 from switchyard.api.messages_codec import COUNT_CODEC, MessagesCodec
 from switchyard.api.messages_reply import MessageEvents, error_event, to_message
-from switchyard.api.openai import CTX_KEY, OpenAIRoutes, json_response, stream_response
+from switchyard.api.openai import CTX_KEY, OpenAIRoutes, json_response, stream_response, watched
 from switchyard.api.sse import replayed, translated
 from switchyard.identity import Principal
 from switchyard.pipeline import COUNT, RequestContext
@@ -48,7 +48,9 @@ def to_messages_response(reply: Reply, ctx: RequestContext) -> Response:
         events = MessageEvents(model, cost.prompt if cost is not None else 0)
         source = reply.source
         content = (
-            translated(ctx, relay(ctx, source.data(), reply.side, source.close), events)
+            translated(
+                ctx, relay(ctx, watched(ctx, source).data(), reply.side, source.close), events
+            )
             if source is not None
             else replayed(stream_chunks(reply.cached or {}), events)
         )

@@ -33,7 +33,14 @@ if TYPE_CHECKING:
     from switchyard.service import RequestService
     from switchyard.state.responses import ResponseStore
 
-__all__ = ["CTX_KEY", "OpenAIRoutes", "build_routes", "served_headers", "to_response"]
+__all__ = [
+    "CTX_KEY",
+    "OpenAIRoutes",
+    "build_routes",
+    "served_headers",
+    "to_response",
+    "watched",
+]
 
 CTX_KEY = "switchyard.ctx"  # where a request's context sits in the ASGI scope
 
@@ -99,6 +106,17 @@ def json_response(reply: JsonReply, body: bytes) -> Response:
     return response
 
 
+def watched(ctx: RequestContext, source: UpstreamStream) -> UpstreamStream:
+    """`source`, told which managed engine's worker it streams from (the deployment that
+    answered), so a worker that dies mid-stream ends the stream as `engine_crashed`
+    naming the model, in every protocol's stream, as a whole reply's crash is named."""
+    dep = ctx.deployment
+    engine = dep.engine if dep is not None else None
+    if dep is not None and engine is not None:
+        source.watch(engine, engine.generation, dep.alias)
+    return source
+
+
 def to_response(reply: Reply) -> Response:
     """The HTTP response of the service's reply."""
     if isinstance(reply, JsonReply):
@@ -107,7 +125,8 @@ def to_response(reply: Reply) -> Response:
     source: UpstreamStream | None = reply.source
     if source is None:  # a cached completion, replayed
         return stream_response(reply, replay(reply.cached or {}, ctx.include_usage))
-    return stream_response(reply, frame(ctx, relay(ctx, source.data(), reply.side, source.close)))
+    data = watched(ctx, source).data()
+    return stream_response(reply, frame(ctx, relay(ctx, data, reply.side, source.close)))
 
 
 class ModelServices(Protocol):

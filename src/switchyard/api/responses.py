@@ -48,7 +48,7 @@ from starlette.routing import Route
 
 from switchyard.api.body import header_map
 from switchyard.api.codecs import CHAT_TYPED
-from switchyard.api.openai import CTX_KEY, OpenAIRoutes, json_response, stream_response
+from switchyard.api.openai import CTX_KEY, OpenAIRoutes, json_response, stream_response, watched
 from switchyard.api.responses_codec import (
     RESPONSE_ID,
     IdPool,
@@ -436,7 +436,8 @@ class ResponsesRoutes:
         events = ResponseEvents(shell, ended)
         source = reply.source
         if source is not None:
-            content = translated(ctx, relay(ctx, source.data(), reply.side, source.close), events)
+            data = watched(ctx, source).data()  # a worker's death is `engine_crashed`
+            content = translated(ctx, relay(ctx, data, reply.side, source.close), events)
         else:
             content = replayed(stream_chunks(reply.cached or {}), events)
         if req.store:  # (the reply is this request's own: set in place, no copy)

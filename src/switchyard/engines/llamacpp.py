@@ -5,7 +5,9 @@ Liveness (the process is up) and readiness (the model generated several tokens f
 chat prompt of realistic length, over the same HTTP API the gateway uses) are separate
 states. A worker that served and then died is restarted with exponential backoff; the
 gateway keeps serving other models meanwhile and answers 503 with Retry-After for this
-one. A worker that dies (or never answers) before it is ready `max_crash_restarts`
+one. A serving worker that stays alive but stops answering (stopped, deadlocked) is
+found by its /health going silent while its CPU time stands still for `hang_s`,
+killed, and restarted the same way (`_serve`). A worker that dies (or never answers) before it is ready `max_crash_restarts`
 times in a row is `failed`: it is not restarted, and its reason (the exit signal by
 name, the last lines of its stderr) is in /readyz, in the log and in the 503
 `engine_failed` its requests get.
@@ -25,12 +27,15 @@ import os
 import time
 from typing import Any
 
+import aiohttp
+
 from switchyard.config import ManagedEngine
 from switchyard.engines.assets import smollm2_gguf_path
 from switchyard.engines.llamacpp_process import (
     STDERR_LINES,
     WARMUP_MESSAGES,
     EngineProcess,
+    cpu_ticks,
     describe_exit,
     llama_server_binary,
     rss_mb,
@@ -64,6 +69,10 @@ class ManagedLlamaCpp(EngineProcess):
     # gone, and its SIGTERM handler, which waits for its HTTP loop, was seen to leave
     # it alive for over 20 s on a loaded machine (tests/integration/test_observe.py, kill -9).
     parent_death_signal = "KILL"
+    # A serving worker is asked for /health every `health_every_s`; one that neither
+    # answers nor uses CPU time for `hang_s` is hung, killed and restarted (`_serve`).
+    health_every_s = 2.0
+    hang_s = 12.0
     # In a session of its own, so a terminal's Ctrl-C leaves it serving until the
     # gateway has drained and stops it (engines/llamacpp_process.py).
     own_session = True
@@ -358,10 +367,14 @@ class ManagedLlamaCpp(EngineProcess):
                     self.cold_start_s,
                     self.system_info or "system info unknown",
                 )
-                assert self.proc is not None
-                code = await self.proc.wait()
+                code, hung_s = await self._serve()
                 await self._drain_stderr()
-                self.last_error = f"worker {describe_exit(code)} while serving"
+                self.last_error = (
+                    f"worker stopped answering its health check (and using CPU) for "
+                    f"{hung_s:.0f}s while serving; killed"
+                    if hung_s is not None
+                    else f"worker {describe_exit(code)} while serving"
+                )
             else:
                 await self._terminate()
                 await self._drain_stderr()
@@ -381,6 +394,56 @@ class ManagedLlamaCpp(EngineProcess):
             )
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.spec.restart_backoff_max_s)
+
+    async def _serve(self) -> tuple[int | None, float | None]:
+        """Wait while the ready worker serves: (its exit code, None) once it exits, or,
+        when it is hung, (the code, the seconds it was silent) after it is killed.
+
+        Hung: for `hang_s` it answered no `/health` (any answer counts, a 503
+        included) and used no CPU time: a stopped, deadlocked or frozen process, alive
+        and answering nothing. A busy server may leave /health waiting for an HTTP
+        thread for as long as a generation runs, but its CPU time grows, so it is
+        never taken for hung. A hung worker is restarted as a crashed one is, so its
+        requests get 503 `engine_not_ready` at once, and the one under way
+        `engine_crashed`, instead of each waiting out its own timeout while /readyz
+        says ready."""
+        proc = self.proc
+        assert proc is not None
+        waiter = asyncio.ensure_future(proc.wait())
+        url = self.base_url.removesuffix("/v1") + "/health"
+        heard = time.monotonic()  # its last answer, or the last time its CPU time grew
+        ticks = cpu_ticks(proc.pid)
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.health_every_s)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                while True:
+                    done, _ = await asyncio.wait({waiter}, timeout=self.health_every_s)
+                    if done:
+                        return waiter.result(), None
+                    try:
+                        async with session.get(url) as r:
+                            await r.read()
+                        heard = time.monotonic()
+                    except (aiohttp.ClientError, OSError, TimeoutError):
+                        now_ticks = cpu_ticks(proc.pid)
+                        if now_ticks is None or now_ticks != ticks:
+                            # Working (or no /proc to tell: never taken for hung).
+                            ticks = now_ticks
+                            heard = time.monotonic()
+                    silent = time.monotonic() - heard
+                    if silent >= self.hang_s and not waiter.done():
+                        log.error(
+                            "engine %s has answered nothing and used no CPU for %.0fs; "
+                            "killing it to restart it",
+                            self.alias,
+                            silent,
+                        )
+                        with contextlib.suppress(ProcessLookupError):
+                            proc.kill()
+                        return await waiter, silent
+        finally:
+            if not waiter.done():
+                waiter.cancel()
 
     def _checked_adapters(self) -> list[AdapterFile]:
         """The adapters of the set to load whose file is there and matches its sha256

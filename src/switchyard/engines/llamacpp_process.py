@@ -94,6 +94,16 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
+def cpu_ticks(pid: int) -> int | None:
+    """A process's CPU time so far (user + system, in clock ticks; Linux), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _info_line(line: str) -> bool:
     """A llama-server log line below warning level ("0.05.015 I srv ...") or the
     continuation of one."""

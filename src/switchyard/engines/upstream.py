@@ -7,8 +7,10 @@ hierarchy: unreachable → 502, timeout → 504, broken reply → 502.
 
 An upstream is not trusted to be well-behaved: a whole reply is read within
 `MAX_REPLY_BYTES` (an error's within `MAX_ERROR_BYTES`), a 2xx reply that is not a JSON
-object is a broken reply, one stream event may hold at most `MAX_EVENT_BYTES`, and a
-`Retry-After` reaches the client only as a short whole number of seconds.
+object (or a completion with no choice 0) is a broken reply, one stream event may hold
+at most `MAX_EVENT_BYTES`, and a `Retry-After` reaches the client only as a short whole
+number of seconds. A stream from a managed engine's worker (`UpstreamStream.watch`)
+that breaks because the worker died is `EngineCrashed`, not a nameless broken stream.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import math
 import re
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -27,6 +29,7 @@ from switchyard.config import Timeouts
 from switchyard.engines.bounded import read_bounded
 from switchyard.errors import (
     ContextLengthExceeded,
+    EngineCrashed,
     SwitchyardError,
     UpstreamError,
     UpstreamOverloaded,
@@ -78,6 +81,27 @@ _PROMPT_PARAM = {
     "/responses": "input",
     "/embeddings": "input",
 }
+# The paths whose whole reply answers in `choices`: one without choice 0 (no `choices`,
+# an empty list, only other indexes) holds no answer, and is a broken reply, never a
+# 200 with nothing in it, billed at the estimate.
+_CHOICE_PATHS = frozenset({"/chat/completions", "/completions"})
+
+
+def _has_choice_0(reply: dict[str, Any]) -> bool:
+    """Whether a whole reply holds choice 0: an object of index 0, or of no index (an
+    upstream that leaves it out sends one choice), anywhere in `choices`, as
+    reply.py `first_choice` reads it."""
+    choices = reply.get("choices")
+    if type(choices) is not list:
+        return False
+    for c in choices:
+        if isinstance(c, dict):
+            index = c.get("index")
+            if index is None or (type(index) is int and index == 0):
+                return True
+    return False
+
+
 # The words engines refuse a prompt past their context with (lowercased): vLLM's and
 # OpenAI's "This model's maximum context length is N tokens ...", llama-server's
 # "request (N tokens) exceeds the available context size (M tokens)", Anthropic's
@@ -293,6 +317,8 @@ class OpenAIUpstream:
                     obj = None
                 if not isinstance(obj, dict):
                     raise self._broken("a reply that is not a JSON object")
+                if path in _CHOICE_PATHS and not _has_choice_0(obj):
+                    raise self._broken("a reply with no choice 0")
                 return UpstreamReply(resp.status, body, resp.headers, obj)
         except SwitchyardError:
             raise
@@ -394,6 +420,14 @@ class OpenAIUpstream:
         return err
 
 
+class WatchedEngine(Protocol):
+    """A managed engine whose worker a stream may outlive (engines/llamacpp.py)."""
+
+    generation: int
+
+    async def exited_since(self, generation: int, wait_s: float = ...) -> bool: ...
+
+
 class UpstreamStream:
     """An open streaming reply. Iterate `events()`; always `close()` (cancels upstream)."""
 
@@ -401,6 +435,36 @@ class UpstreamStream:
         self._resp = resp
         self._upstream = upstream
         self.headers: Mapping[str, str] = resp.headers
+        self._engine: tuple[WatchedEngine, int, str] | None = None
+        self._closed = False
+
+    def watch(self, engine: WatchedEngine, generation: int, alias: str) -> None:
+        """The stream comes from the worker `generation` of a managed `engine`: a
+        connection that breaks because that worker died is then `EngineCrashed`, named
+        for `alias` (as a whole reply's is, execute/executor.py), not a nameless broken
+        connection."""
+        self._engine = (engine, generation, alias)
+
+    async def _failure(self, exc: BaseException) -> BaseException:
+        """What a failed read raises: the transport's error, or `EngineCrashed` when
+        the connection broke because the watched worker died under it."""
+        err = self._upstream._translate(exc)
+        watched = self._engine
+        if (
+            watched is not None
+            and not self._closed  # not a connection this side dropped (a client gone)
+            and isinstance(err, SwitchyardError)
+            and err.retry_class in ("connect", "broken")
+            and await watched[0].exited_since(watched[1])
+        ):
+            crashed = EngineCrashed(
+                f"the local engine of '{watched[2]}' crashed while streaming this reply; "
+                "it is restarting",
+                detail=err.detail,
+            )
+            crashed.retry_class = err.retry_class
+            return crashed
+        return err
 
     async def data(self) -> AsyncGenerator[list[bytes], None]:
         """Yield the data of the SSE events of each network read (comments and events
@@ -424,7 +488,7 @@ class UpstreamStream:
                 if out:
                     yield out
         except BaseException as exc:
-            raise self._upstream._translate(exc) from None
+            raise await self._failure(exc) from None
         if buf.strip():
             last = event_data(buf)
             if last is not None:
@@ -433,6 +497,7 @@ class UpstreamStream:
     def close(self, complete: bool = False) -> None:
         """Release a finished stream's connection for reuse; otherwise drop it, so the
         upstream sees the disconnect and stops generating."""
+        self._closed = True
         if complete:
             self._resp.release()
         else:
