@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from switchyard.api.admin.guard import Guard
-from switchyard.api.admin.params import as_json, query_text, read_fields
+from switchyard.api.admin.params import as_json, off_loop, query_text, read_fields
 from switchyard.config import Settings
 from switchyard.errors import InvalidRequest, NotFound
 from switchyard.state.store import Store
@@ -36,11 +36,13 @@ class Approvals:
         for one tool call's result (policy/tool_calls.py); the token is shown once."""
         self.guard(request)
         body = await read_fields(request, ("tenant", "task_id", "call_id", "approver", "ttl_s"))
-        out = self.s.store.approvals.issue(
-            body.get("tenant"),  # type: ignore[arg-type]
+        out = await off_loop(
+            "the approval",
+            self.s.store.approvals.issue,
+            body.get("tenant"),
             body.get("task_id"),
-            body.get("call_id"),  # type: ignore[arg-type]
-            body.get("approver"),  # type: ignore[arg-type]
+            body.get("call_id"),
+            body.get("approver"),
             body.get("ttl_s", self.s.settings.tools.approval_ttl_s),
         )
         log.info(
@@ -62,7 +64,11 @@ class Approvals:
             return as_json(
                 {
                     "object": "list",
-                    "data": records.in_doubt(query_text(request.query_params, "tenant")),
+                    "data": await off_loop(
+                        "the tool calls",
+                        records.in_doubt,
+                        query_text(request.query_params, "tenant"),
+                    ),
                 }
             )
         body = await read_fields(request, ("tenant", "call_id", "ran"))
@@ -78,7 +84,7 @@ class Approvals:
                 "'tenant' (1 to 64 characters), 'call_id' (1 to 128) and 'ran' (boolean) "
                 "are required"
             )
-        if not records.resolve(tenant, call_id, ran):
+        if not await off_loop("the tool call", records.resolve, tenant, call_id, ran):
             raise NotFound(f"no tool call '{call_id}' in doubt for this tenant")
         log.warning("tool call %s of tenant %s resolved: ran=%s", call_id, tenant, ran)
         return as_json(

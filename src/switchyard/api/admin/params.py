@@ -10,7 +10,10 @@ shown once) nor read as anything but JSON (`X-Content-Type-Options: nosniff`).""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -20,8 +23,23 @@ from switchyard.api.body import read_json
 from switchyard.engines.urls import without_credentials
 from switchyard.errors import InvalidRequest
 from switchyard.state.keys import MAX_INT  # what SQLite stores: a larger one fails the write
+from switchyard.state.sql import on_io
 
 MAX_BODY_BYTES = 65536
+T = TypeVar("T")
+
+# The admin API's own thread for the stores' synchronous calls (keys, approvals, tool
+# calls): a write that waits on a locked database (another process's transaction,
+# SQLite's 10 s busy timeout) waits there, not on the event loop, which every tenant's
+# requests share; one thread, so admin writes keep their order.
+_ADMIN_IO = ThreadPoolExecutor(1, thread_name_prefix="switchyard-admin")
+
+
+async def off_loop(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)` on the admin API's thread; a database that cannot be
+    reached or is locked past its timeout is 503 `store_unavailable` naming `what`,
+    never a 500 with the driver's text (state/sql.py `on_io`)."""
+    return await on_io(_ADMIN_IO, what, partial(fn, *args, **kwargs))
 
 
 def as_json(obj: Any, status: int = 200) -> Response:

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from switchyard.api.admin.guard import Guard
-from switchyard.api.admin.params import as_json, query_limit, query_text, read_fields
+from switchyard.api.admin.params import as_json, off_loop, query_limit, query_text, read_fields
 from switchyard.errors import InvalidRequest, NotFound
 from switchyard.observe.metrics import Metrics
 from switchyard.policy.auth import Authenticator
@@ -95,7 +95,12 @@ class TenantsKeys:
         keys = self.s.keys
         if request.method == "GET":
             limit = query_limit(request.query_params, PAGE, MAX_PAGE)
-            data = keys.list_tenants(limit + 1, query_text(request.query_params, "after"))
+            data = await off_loop(
+                "the tenants",
+                keys.list_tenants,
+                limit + 1,
+                query_text(request.query_params, "after"),
+            )
             more = len(data) > limit
             data = data[:limit]
             now = time.time()
@@ -115,7 +120,7 @@ class TenantsKeys:
         # The whole id: `TENANT_ID.match` alone takes a trailing newline (`$`).
         if not isinstance(tenant_id, str) or not TENANT_ID.fullmatch(tenant_id):
             raise InvalidRequest("tenant id must be 1-63 chars of a-z, 0-9, '-' or '_'", param="id")
-        return as_json(keys.create_tenant(tenant_id, **body), 201)
+        return as_json(await off_loop("the new tenant", keys.create_tenant, tenant_id, **body), 201)
 
     async def tenant(self, request: Request) -> Response:
         """GET: one tenant, its limits, effective limits and metrics label; PATCH {limits,
@@ -124,10 +129,11 @@ class TenantsKeys:
         tenant_id = path_id(request, "tenant_id", "tenant")
         if request.method == "PATCH":
             body = await read_fields(request, UPDATABLE)
-            out = self.s.keys.update_tenant(tenant_id, **body)
+            out = await off_loop("the tenant", self.s.keys.update_tenant, tenant_id, **body)
             await self.s.auth.changed()
             return as_json(self.with_metrics_label(out))
-        return as_json(self.with_metrics_label(self.s.keys.get_tenant(tenant_id)))
+        tenant = await off_loop("the tenant", self.s.keys.get_tenant, tenant_id)
+        return as_json(self.with_metrics_label(tenant))
 
     async def keys(self, request: Request) -> Response:
         """GET ?tenant=&limit=&after=: a page of API keys (never their secrets); POST
@@ -136,13 +142,21 @@ class TenantsKeys:
         if request.method == "GET":
             q = request.query_params
             limit = query_limit(q, PAGE, MAX_PAGE)
-            data = self.s.keys.list_keys(query_text(q, "tenant"), limit + 1, query_text(q, "after"))
+            data = await off_loop(
+                "the keys",
+                self.s.keys.list_keys,
+                query_text(q, "tenant"),
+                limit + 1,
+                query_text(q, "after"),
+            )
             return as_json(page(data[:limit], len(data) > limit))
         body = await read_fields(request, ("tenant_id", *KEY_FIELDS))
         tenant_id = body.pop("tenant_id", None)
         if not tenant_id or not isinstance(tenant_id, str):
             raise InvalidRequest("'tenant_id' is required: a tenant's id", param="tenant_id")
-        return as_json(self.s.keys.create_key(tenant_id, **body), 201)
+        return as_json(
+            await off_loop("the new key", self.s.keys.create_key, tenant_id, **body), 201
+        )
 
     async def key(self, request: Request) -> Response:
         """GET: one API key; PATCH {limits, priority}: change those given; DELETE: revoke
@@ -151,18 +165,18 @@ class TenantsKeys:
         key_id = path_id(request, "key_id", "key")
         if request.method == "PATCH":
             body = await read_fields(request, UPDATABLE)
-            out = self.s.keys.update_key(key_id, **body)
+            out = await off_loop("the key", self.s.keys.update_key, key_id, **body)
             await self.s.auth.changed()
             return as_json(out)
         if request.method == "DELETE":
-            out = self.s.keys.revoke_key(key_id)
+            out = await off_loop("the key", self.s.keys.revoke_key, key_id)
             await self.s.auth.changed()
             return as_json(out)
-        return as_json(self.s.keys.get_key(key_id))
+        return as_json(await off_loop("the key", self.s.keys.get_key, key_id))
 
     async def revoke(self, request: Request) -> Response:
         """Revoke an API key (at once: Authenticator.changed)."""
         self.guard(request)
-        out = self.s.keys.revoke_key(path_id(request, "key_id", "key"))
+        out = await off_loop("the key", self.s.keys.revoke_key, path_id(request, "key_id", "key"))
         await self.s.auth.changed()
         return as_json(out)
