@@ -43,9 +43,11 @@ are in `pii_tables.toml`.
 from __future__ import annotations
 
 import re
+import unicodedata
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from itertools import chain
 from typing import Any, Literal, TypeVar, get_args
 
 import msgspec
@@ -202,7 +204,143 @@ def _detectors(strict_kr_rrn: bool) -> list[_Detector]:
 
 _PLACEHOLDER = _rx(r"<(?:" + "|".join(PII_TYPES) + r")_\d+>")
 
+
+def _fold_table() -> dict[int, str]:
+    """What a reader (a tokenizer, a model, a person) reads in place of a character
+    the detectors' ASCII patterns would not match: nothing for an invisible one
+    (Unicode format and control characters: a zero-width space, a soft hyphen, a
+    byte-order mark, NUL), its ASCII for a compatibility form (full-width at signs
+    and digits, mathematical letters, a no-break or ideographic space: NFKC), `-` for
+    a dash, and a tag character's ASCII (U+E0041 is an `A` to a model that reads
+    tags). Tab, line feed and carriage return are text."""
+    table: dict[int, str] = {cp: "" for cp in chain(range(0x20), range(0x7F, 0xA0))}
+    for cp in (0x09, 0x0A, 0x0D):
+        del table[cp]
+    for cp in chain(range(0xA0, 0xD800), range(0xE000, 0x10000), range(0x1D400, 0x1D800)):
+        c = chr(cp)
+        if unicodedata.category(c) == "Cf":
+            table[cp] = ""
+            continue
+        nfkc = unicodedata.normalize("NFKC", c)
+        if nfkc != c and nfkc.isascii():
+            table[cp] = nfkc
+    for dash in "\u2010\u2011\u2012\u2013\u2014\u2015\u2212\ufe58\ufe63":
+        table[ord(dash)] = "-"
+    for cp in range(0xE0000, 0xE0080):  # tags: invisible, read as ASCII by some models
+        table[cp] = chr(cp - 0xE0000) if 0x20 <= cp - 0xE0000 < 0x7F else ""
+    return table
+
+
+def _char_class(cps: Iterable[int]) -> re.Pattern[str]:
+    """A character class of the code points `cps` (ascending), written as ranges."""
+    runs: list[list[int]] = []
+    for cp in cps:
+        if runs and runs[-1][1] == cp - 1:
+            runs[-1][1] = cp
+        else:
+            runs.append([cp, cp])
+    ranges = (re.escape(chr(a)) + ("" if a == b else "-" + re.escape(chr(b))) for a, b in runs)
+    return re.compile("[" + "".join(ranges) + "]")
+
+
+_FOLD = _fold_table()
+# A class of BMP ranges is searched in ~2 ns a character, one that also holds many
+# astral ranges ~15 times slower: the astral characters are looked for by their two
+# blocks (mathematical letters, tags), and the whole class (`_FOLDABLE`) is read only
+# in a text that holds one of them.
+_FOLDABLE_ASCII = _char_class(cp for cp in sorted(_FOLD) if cp < 0x80)
+_FOLDABLE_BMP = _char_class(cp for cp in sorted(_FOLD) if cp < 0x10000)
+_FOLDABLE_ASTRAL = re.compile("[\U0001d400-\U0001d7ff\U000e0000-\U000e007f]")
+_FOLDABLE = _char_class(sorted(_FOLD))
+
+
+def _same(at: int) -> int:
+    return at
+
+
+def _folded(text: str) -> tuple[str, Callable[[int], int]] | None:
+    """(the text as the detectors read it, the index in `text` of each of its
+    characters), or None when that is `text` itself (nearly every text: one C scan,
+    none of the rest). Each character of `_FOLD` becomes its reading; the others stay."""
+    if text.isascii():
+        rx = _FOLDABLE_ASCII
+    elif _FOLDABLE_ASTRAL.search(text) is None:
+        rx = _FOLDABLE_BMP
+    else:
+        rx = _FOLDABLE
+    first = rx.search(text)
+    if first is None:
+        return None
+    found = set(rx.findall(text, first.start()))
+    if all(len(_FOLD[ord(c)]) == 1 for c in found):
+        # Each read as one character (a no-break space, a full-width form, a dash):
+        # the view has the text's own indices, and is made by a few C replaces.
+        for c in found:
+            text = text.replace(c, _FOLD[ord(c)])
+        return text, _same
+    pieces: list[str] = []
+    starts: list[int] = []  # where each piece starts in the view
+    origins: list[int] = []  # a run's start in `text`, or -1 - the character read
+    size = pos = 0
+    for m in rx.finditer(text, first.start()):
+        i = m.start()
+        if i > pos:
+            pieces.append(text[pos:i])
+            starts.append(size)
+            origins.append(pos)
+            size += i - pos
+        reading = _FOLD[ord(text[i])]
+        if reading:
+            pieces.append(reading)
+            starts.append(size)
+            origins.append(-1 - i)
+            size += len(reading)
+        pos = i + 1
+    if pos < len(text):
+        pieces.append(text[pos:])
+        starts.append(size)
+        origins.append(pos)
+
+    def origin(at: int) -> int:
+        k = bisect_right(starts, at) - 1
+        o = origins[k]
+        return o + at - starts[k] if o >= 0 else -1 - o
+
+    return "".join(pieces), origin
+
+
 Finding = tuple[int, int, PiiType]
+
+# A JSON escape that matters to a reader: a `\\` pair (kept, so the escape after it is
+# not misread), a surrogate pair, any `\uXXXX`, an escaped solidus.
+_ESCAPE = _rx(
+    r"\\(?:u([dD][89abAB][0-9a-fA-F]{2})\\u([dD][c-fC-F][0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|([\\/]))"
+)
+
+
+def _unescape(m: re.Match[str]) -> str:
+    high, low, one, other = m.groups()
+    if high is not None:
+        return chr(0x10000 + ((int(high, 16) - 0xD800) << 10) + int(low, 16) - 0xDC00)
+    if one is not None:
+        cp = int(one, 16)
+        # Kept: what a JSON string must escape (controls, a quote, a backslash) and a
+        # lone surrogate, so a JSON text stays the same JSON.
+        if cp < 0x20 or cp in (0x22, 0x5C) or 0xD800 <= cp < 0xE000:
+            return m.group(0)
+        return chr(cp)
+    return "/" if other == "/" else m.group(0)
+
+
+def _json_unescaped(text: str) -> str:
+    """`text` with its JSON `\\uXXXX` (and `\\/`) escapes decoded where that keeps a
+    JSON text the same JSON (quotes, backslashes, controls and lone surrogates stay
+    escaped): what a tool reading its arguments, or a model, reads. `text` itself when
+    it has none."""
+    if "\\u" not in text and "\\/" not in text:
+        return text
+    out = _ESCAPE.sub(_unescape, text)
+    return text if out == text else out
 
 
 def _select(candidates: list[tuple[int, int, int, PiiType]]) -> list[Finding]:
@@ -248,11 +386,25 @@ class PiiMasker:
 
     def contains_pii(self, text: str) -> bool:
         """True if `mask` would change anything (block mode can stop at the first hit)."""
-        return _guarded(lambda: next(self._scan(_text(text)), None) is not None)
+
+        def scan() -> bool:
+            folded = _folded(_text(text))
+            return next(self._scan(text if folded is None else folded[0]), None) is not None
+
+        return _guarded(scan)
 
     def find(self, text: str) -> list[Finding]:
-        """Disjoint `(start, end, type)` spans to mask, left to right."""
-        return _guarded(lambda: _select(list(self._scan(_text(text)))))
+        """Disjoint `(start, end, type)` spans to mask, left to right. The detectors
+        read the text as a reader does (`_folded`: an invisible character read
+        through, a full-width at sign read as `@`); the spans are the text's own."""
+        return _guarded(lambda: self._find(_text(text)))
+
+    def _find(self, text: str) -> list[Finding]:
+        folded = _folded(text)
+        if folded is None:
+            return _select(list(self._scan(text)))
+        view, origin = folded
+        return [(origin(s), origin(e - 1) + 1, k) for s, e, k in _select(list(self._scan(view)))]
 
     def _scan(self, text: str) -> Iterator[tuple[int, int, int, PiiType]]:
         """Every validated match as `(rank, start, end, type)`; they may overlap."""
@@ -286,9 +438,13 @@ def _text(text: object) -> str:
     return text
 
 
-# Members whose values are media, sent as they came and never read for PII: an image's
-# URL or base64 data, base64 audio, a file's base64 data (the detectors read text).
-_MEDIA = frozenset({"image_url", "input_audio", "file_data"})
+# The media payload of each media content part, sent as it came and never read for PII:
+# an image's URL or base64 data (`image_url.url`), base64 audio (`input_audio.data`), a
+# file's base64 data (`file.file_data`): the detectors read text. Only a content part's
+# payload: every other member of the part (an image's `detail`, an audio's `format`, a
+# file's name), and a member of any other object that shares a payload's name (a tool
+# schema's property `image_url`, a `metadata` key `file_data`), is text and read.
+_MEDIA = {"image_url": "url", "input_audio": "data", "file": "file_data"}
 # Deeper than any body the API parses (api/body.py: 64 levels): fail closed.
 _MAX_DEPTH = 80
 # A string shorter than this made of letters (and underscores) only is a word no
@@ -411,13 +567,10 @@ class MaskSession:
         """Reserve the placeholder-shaped text of every string in a JSON value (keys
         included; media payloads are not read)."""
         if isinstance(value, str):
-            if "<" in value:
-                self._reserved.update(_PLACEHOLDER.findall(value))
+            self._reserve_text(value)
         elif isinstance(value, dict):
             _deep(depth)
             for k, v in value.items():
-                if k in _MEDIA:
-                    continue
                 self._reserve_all(k, depth)
                 self._reserve_all(v, depth + 1)
         elif isinstance(value, list):
@@ -497,8 +650,6 @@ class MaskSession:
             rule = rules.get(k)
             if rule is not None:
                 mk, mv = k, rule(self, v)
-            elif k in _MEDIA:
-                mk, mv = k, v
             else:
                 mk = self._mask_one(k, reserve=False) if isinstance(k, str) else k
                 mv = self._walk(v, depth + 1)
@@ -515,15 +666,28 @@ class MaskSession:
 
     def _mask_part(self, part: Any) -> Any:
         """A content part: its `text` (one that is not text fails, closed), and every
-        other member walked (a refusal, a file's name; never a media payload)."""
+        other member walked (a refusal, a file's name, an image's `detail`); a media
+        part's payload (`_MEDIA`: its `image_url.url`, `input_audio.data` or
+        `file.file_data`, by the part's type) is kept as sent."""
         if isinstance(part, str):
             return self._mask_one(part, reserve=False)
         if not isinstance(part, dict):
             return self._walk(part, 2)
-        return self._walk_with(part, _PART_RULES, 2)
+        return self._walk_with(part, _MEDIA_PART_RULES.get(part.get("type"), _PART_RULES), 2)
 
     def _text_member(self, text: Any) -> Any:
         return self._mask_one(text, reserve=False)  # not text: fails, closed
+
+    def _media(self, media: Any, rules: Mapping[str, _Rule]) -> Any:
+        """A media part's object (`image_url`, `input_audio`, `file`): its payload
+        member (`rules`) kept as sent, every other member walked; a bare string (an
+        image's URL written without its object) is the payload itself."""
+        if isinstance(media, dict):
+            return self._walk_with(media, rules, 3)
+        return media if isinstance(media, str) else self._walk(media, 3)
+
+    def _as_sent(self, value: Any) -> Any:
+        return value
 
     def _mask_one(self, text: str, *, reserve: bool) -> str:
         if reserve:
@@ -533,20 +697,32 @@ class MaskSession:
             or text in self._clean
         ):
             return text
-        findings = self._masker.find(text)
+        # A text with JSON escapes (a tool call's arguments, a tool's JSON result) is
+        # read as its reader reads it: `alice\u0040example.com` is an address to the
+        # tool the arguments go to and to the model. When PII is found, the text goes
+        # out with those escapes decoded (`_json_unescaped`: the same JSON), masked.
+        view = _json_unescaped(text)
+        findings = self._masker.find(view)
         if not findings:
             self._clean.add(text)
             return text
         pieces: list[str] = []
         pos = 0
         for start, end, kind in findings:
-            pieces += (text[pos:start], self._placeholder(kind, text[start:end]))
+            pieces += (view[pos:start], self._placeholder(kind, view[start:end]))
             pos = end
-        pieces.append(text[pos:])
+        pieces.append(view[pos:])
         return "".join(pieces)
 
     def _reserve(self, text: str) -> None:
-        if "<" in _text(text):
+        self._reserve_text(_text(text))
+
+    def _reserve_text(self, text: str) -> None:
+        """Reserve a text's placeholder-shaped pieces, as written and as its JSON
+        escapes read (`\\u003cEMAIL_1>`: what `_mask_one` reads)."""
+        if "\\" in text:
+            text = _json_unescaped(text)
+        if "<" in text:
             self._reserved.update(_PLACEHOLDER.findall(text))
 
     def _placeholder(self, kind: PiiType, raw: str) -> str:
@@ -579,6 +755,18 @@ _CALL_RULES: dict[str, _Rule] = {"function": MaskSession._function}
 _NO_RULES: dict[str, _Rule] = {}
 _FUNCTION_RULES: dict[str, _Rule] = {"arguments": MaskSession._arguments}
 _PART_RULES: dict[str, _Rule] = {"text": MaskSession._text_member}
+
+
+def _media_rule(payload: str) -> _Rule:
+    """The rule of a media part's object whose member `payload` is kept as sent."""
+    rules: dict[str, _Rule] = {payload: MaskSession._as_sent}
+    return lambda session, media: session._media(media, rules)
+
+
+# A media part's rules, by the part's type: its own object keeps its payload as sent.
+_MEDIA_PART_RULES: dict[Any, dict[str, _Rule]] = {
+    kind: {**_PART_RULES, kind: _media_rule(payload)} for kind, payload in _MEDIA.items()
+}
 
 
 def _message_texts(message: Mapping[str, Any]) -> Iterator[str]:

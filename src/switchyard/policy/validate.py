@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from switchyard.engines.token_ids import refusal as token_ids_refusal
 from switchyard.errors import InvalidRequest, MissingRequiredParameter, ModelNotFound
-from switchyard.request import EMBEDDING_FIELDS
+from switchyard.request import EMBEDDING_FIELDS, GENERATION_FIELDS
 
 if TYPE_CHECKING:
     from switchyard.config import ModelConfig
@@ -449,6 +449,41 @@ CHAT_FIELDS = frozenset(
 )
 COMPLETION_FIELDS = frozenset({"model", "prompt", *_TYPED, *_OTHER})
 
+# Every top-level member the gateway reads, refuses or replaces, by its case-folded
+# name. An upstream whose JSON decoder matches names without case (Go's `encoding/json`,
+# the decoder of many OpenAI-compatible servers; it also folds the Kelvin sign U+212A
+# to `k` and the long s U+017F to `s`) reads `MODEL` or `Max_Tokens` as `model` or
+# `max_tokens`, the later of two winning: a member the gateway forwards as unknown
+# would pick the model or lift the output cap past what policy checked, allowed and
+# reserved. Such a spelling is refused by name (`case_variant`).
+_CASELESS: dict[str, str] = {
+    name.casefold(): name
+    for name in sorted(
+        CHAT_FIELDS
+        | COMPLETION_FIELDS
+        | EMBEDDING_FIELDS
+        | GENERATION_FIELDS
+        | {"priority"}
+        | ENGINE_NATIVE.keys()
+    )
+}
+
+
+def case_variant(name: str) -> None:
+    """400 when the member `name` is a known member's name spelt in other letters
+    (`_CASELESS`); the common member (a lower-case ASCII name) costs two checks."""
+    if name.isascii() and name.islower():
+        return
+    known = _CASELESS.get(name.casefold())
+    if known is not None and known != name:
+        shown = name[:64].encode("ascii", "backslashreplace").decode()
+        raise InvalidRequest(
+            f"'{shown}' is '{known}' spelt otherwise: member names are case-sensitive, and "
+            f"an upstream that matches them without case would read it as '{known}'; "
+            f"send '{known}' once",
+            param=shown,
+        )
+
 
 def _sampling(body: dict[str, Any], completion: bool = False) -> None:
     # Walk the fields the client sent (a handful) rather than every field we know; a
@@ -471,6 +506,7 @@ def _sampling(body: dict[str, Any], completion: bool = False) -> None:
         why = ENGINE_NATIVE.get(name)
         if why is not None:
             raise InvalidRequest(f"'{name}' is {why}", param=name)
+        case_variant(name)
 
 
 def _typed(name: str, v: Any, spec: tuple[tuple[type[Any], ...], str]) -> None:
@@ -773,6 +809,8 @@ def validate_embeddings(
     user = body.get("user")
     if user is not None:  # an end user's id, held to chat's and completions' rules
         _typed("user", user, _TYPED["user"])
+    for name in body:
+        case_variant(name)
     if unknown_fields != "pass":
         _unknown(body, EMBEDDING_FIELDS, unknown_fields)
     return model, texts
