@@ -79,6 +79,7 @@ the upstream's own 4xx status.
       StoredResponseUnreadable    500  stored_response_unreadable
       UpstreamError               502  upstream_error
         EngineCrashed             502  engine_crashed
+        ToolResultTooLarge        502  tool_result_too_large
         ToolServerError           502  tool_server_error
         UpstreamUnreachable       502  upstream_unreachable
         UpstreamOverloaded        503  upstream_overloaded
@@ -348,6 +349,14 @@ class UpstreamOverloaded(UpstreamError):
 class UpstreamUnreachable(UpstreamError):
     status = 502
     code = "upstream_unreachable"
+
+
+class ToolResultTooLarge(UpstreamError):
+    """A tool's result past what the gateway passes on or keeps (`mcp.max_result_bytes`,
+    or nested too deep): the call ran, its result is not kept, and a repeat of its id
+    is refused the same way rather than run again."""
+
+    code = "tool_result_too_large"
 
 
 class DatabaseUnavailable(SwitchyardError):

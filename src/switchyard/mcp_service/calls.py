@@ -34,6 +34,7 @@ from switchyard.errors import (
     ToolCallInFlight,
     ToolCallRefused,
     ToolCircuitOpen,
+    ToolResultTooLarge,
     ToolServerError,
     ToolServerUnavailable,
     ToolTimeout,
@@ -47,7 +48,6 @@ from switchyard.state.tasks import TaskKey
 from switchyard.state.tool_calls import ToolCallRecords
 
 MAX_EXCERPT = 2000  # characters of masked arguments and result kept in a trace
-TOO_LARGE = "tool_result_too_large"
 REQUEST_ID = "switchyard/request_id"  # in a result's `_meta` (and the call's, to the server)
 WITHHELD = "(withheld: PII masking failed)"  # an excerpt's place when masking failed
 
@@ -127,7 +127,7 @@ class McpCalls:
         try:
             result = await self._run(call, retry=False)
         except UpstreamError as exc:
-            if exc.code == TOO_LARGE:  # it ran: done, its result not kept
+            if isinstance(exc, ToolResultTooLarge):  # it ran: done, its result not kept
                 await asyncio.shield(self.records.complete_too_large(tenant, call_id))
             else:  # it may have run
                 await asyncio.shield(self.records.doubt(tenant, call_id))
@@ -278,7 +278,7 @@ class McpCalls:
 
     def _too_large(
         self, call: Forward, full: str, t: float, size: int | None, why: str | None = None
-    ) -> UpstreamError:
+    ) -> ToolResultTooLarge:
         """The refusal of a result over `mcp.max_result_bytes` (`size`: its bytes; None:
         more than the gateway reads of a reply), or that cannot be passed on as it came
         (`why`: nested too deep, an integer past 64 bits), recorded in the trace: it ran."""
@@ -295,14 +295,13 @@ class McpCalls:
             reason = f"ran on {call.server.name}; its result is not passed on: {why}"
             said = f"the tool '{full}' answered with a result this gateway does not pass on: {why}"
         call.ctx.record("tool_exec", outcomes.ToolExec.TOO_LARGE, reason, t, evidence)
-        return UpstreamError(
+        return ToolResultTooLarge(
             said
             + (
                 "; the call ran, its result was not kept, and it will not be run again"
                 if call.recorded
                 else ""
-            ),
-            code=TOO_LARGE,
+            )
         )
 
 
@@ -352,11 +351,10 @@ def _claim_error(state: str, call_id: str) -> SwitchyardError:
             f"the call '{call_id}' is still running; repeat it later to get its result"
         )
     if state == "too_large":
-        return UpstreamError(
+        return ToolResultTooLarge(
             f"the call '{call_id}' ran once already and its result was larger than this "
             "gateway passes on (mcp.max_result_bytes, or nested too deep), so it was not "
-            "kept; it will not run again",
-            code=TOO_LARGE,
+            "kept; it will not run again"
         )
     if state == "resolved_ran":
         return ToolCallDone(
