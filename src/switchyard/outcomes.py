@@ -271,7 +271,19 @@ class Attempt(StrEnum):
 class Retry(StrEnum):
     BACKOFF = "backoff"
     SKIP_DEADLINE = "skip:deadline"
+    # A further call refused: the deployment's retry budget is spent, or the request's
+    # reservation could not be extended to pay for it (its evidence says which).
     DENIED_BUDGET = "denied:budget"
+    # The request's reservation was extended by one more call's estimate before a
+    # further call (a call so far may have been billed: execute/executor.py).
+    EXTENDED = "extended"
+
+
+class Settle(StrEnum):
+    """What settle.py billed when the upstream's usage did not say (a call cut, a reply
+    without usage or with counts no request could have): an estimate."""
+
+    ESTIMATED = "estimated"
 
 
 # `fallback` and `failover` record only tagged outcomes: `tagged(Kind.SKIP | Kind.TRY,
@@ -353,6 +365,7 @@ BY_STAGE: dict[str, type[StrEnum]] = {
     "residency": Residency,
     "attempt": Attempt,
     "retry": Retry,
+    "settle": Settle,
     "tool_auth": ToolAuth,
     "tool_once": ToolOnce,
     "tool_call_id": ToolCallId,
@@ -388,6 +401,7 @@ Outcome = (
     | Residency
     | Attempt
     | Retry
+    | Settle
     | ToolAuth
     | ToolOnce
     | ToolCallId

@@ -9,12 +9,13 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from switchyard import outcomes
 from switchyard.config import Price, Settings
 from switchyard.errors import ClientDisconnected, ModelNotFound, SwitchyardError, TaskCancelled
+from switchyard.execute.executor import MAY_HAVE_GENERATED
 from switchyard.observe.metrics import Metrics
 from switchyard.pipeline import CacheOutcome, Pipeline, RequestContext, Status
 from switchyard.policy.admit import cost_usd
@@ -132,35 +133,43 @@ def refused_outright(ctx: RequestContext) -> bool:
     return refused == run.attempts
 
 
-# The classes of an attempt that ended with no answer from an upstream that had the
-# request (execute/executor.py records them in the attempt's evidence): it timed out
-# (the gateway's timeouts, or the upstream's own 408 or 504) or its connection broke.
-_UNANSWERED = frozenset({"timeout", "504", "broken"})
 _ATTEMPT_OK = outcomes.Attempt.OK
+_ESTIMATED = outcomes.Settle.ESTIMATED
+# Why a row's counts are estimated, as its `settle` `estimated` decision says.
+_ESTIMATES = {
+    "cut": "calls cut while the upstream had them are billed their prompt and output cap",
+    "none": "the upstream reported no usage: what it used is estimated",
+    "unusable": "the upstream's usage was unusable: what it used is estimated",
+}
 
 
-def cut_unanswered(ctx: RequestContext) -> bool:
-    """Whether a non-streamed request made an upstream call that may have generated
-    what it was never shown: one that reached the upstream and ended with no answer
-    (timed out, its connection broke, or it was under way when the request was
-    cancelled: its client hung up, its task was cancelled; such an attempt records no
-    decision, so it is one the executor counted in `run.attempts` and never recorded),
-    or one whose reply came without usage. A non-streamed generation usually runs to
-    its end on the upstream after the gateway leaves, and is billed there. A call that
-    never connected (`connect`), or that the upstream answered with an error status,
-    did not generate. A stream is billed the events it relayed (not here)."""
+def cut_attempts(ctx: RequestContext) -> list[str | None]:
+    """The upstream calls of a non-streamed request that may have generated what it
+    was never shown, each by the alias it was sent to: those that reached the upstream
+    and ended with no answer (timed out, its connection broke), and the one under way
+    when the request was cancelled (its client hung up, its task was cancelled: such an
+    attempt is counted in `run.attempts` and records nothing; None). A non-streamed
+    generation usually runs to its end on the upstream after the gateway leaves, and
+    is billed there: each is billed its prompt and output cap, and each after the
+    first was paid for by an extension of the request's reservation before it was made
+    (execute/executor.py `Executor._covered`). A call that never connected, or that the
+    upstream answered with an error status, did not generate; a stream is billed the
+    events it relayed (none here)."""
     run = ctx.run
     if ctx.stream or not run.attempts:
-        return False
+        return []
+    cut: list[str | None] = []
     recorded = 0
     for d in ctx.decisions:
         evidence = d.evidence
         if d.stage != "attempt" or evidence is None or "attempt" not in evidence:
             continue  # a skip (breaker open, no time left, engine down) calls nothing
         recorded += 1
-        if d.outcome == _ATTEMPT_OK or evidence.get("class") in _UNANSWERED:
-            return True
-    return recorded < run.attempts
+        if evidence.get("class") in MAY_HAVE_GENERATED:  # timed out, broke off
+            cut.append(evidence.get("alias"))
+    if recorded < run.attempts:
+        cut.append(None)
+    return cut
 
 
 class Settler:
@@ -247,9 +256,10 @@ class Settler:
 
     def _charge(self, ctx: RequestContext) -> None:
         """What the request used (the upstream's usage; a broken stream's estimate; the
-        output cap of a non-streamed call cut without usage; nothing for a request every
-        upstream refused outright) and what that costs, on `ctx.run` for the releases
-        and the record."""
+        prompt and output cap of each non-streamed call cut without usage; nothing for
+        a request every upstream refused outright) and what that costs, on `ctx.run`
+        for the releases and the record. A row whose counts are estimated records
+        `settle` `estimated` in its trace."""
         run = ctx.run
         if ctx.cache is _REPLAY:
             # An idempotent replay calls nothing: the stored reply's usage was billed
@@ -261,6 +271,12 @@ class Settler:
             run.usage = reply_usage(run.reply_body)
         usage = run.usage
         counted = counts(usage) if usage else None
+        # Calls cut before the one that answered (or all of them): each billed its
+        # prompt and cap, at its model's price. Only a request that made more than
+        # one call, or did not succeed, can have any (a served first call: no scan).
+        cut: Sequence[str | None] = ()
+        why = ""  # the row's counts are estimated: why (cut, none, unusable)
+        calls = 0  # calls billed besides the cut ones
         if counted is not None:
             inp, out = counted
             shape = ctx.cost
@@ -283,32 +299,45 @@ class Settler:
                     proven,
                 )
                 out = proven
+            if run.attempts > 1 and not ctx.stream:
+                cut = cut_attempts(ctx)
+                why = "cut" if cut else ""
+            calls = 1
         elif run.attempts and ctx.input.endpoint != "embeddings" and not refused_outright(ctx):
             # Best effort for a broken stream: the prompt as it was estimated, a token
             # an event.
             inp = ctx.cost.prompt if ctx.cost is not None else ctx.prompt_estimate
             out = run.chunks
-            answered = usage or ctx.status is Status.OK
-            if answered or cut_unanswered(ctx):
+            answered = bool(usage) or ctx.status is Status.OK
+            if not ctx.stream:
+                if run.attempts > 1 or not answered:
+                    cut = cut_attempts(ctx)
+                if not answered:  # a reply without usage before the request failed
+                    answered = any(
+                        d.stage == "attempt" and d.outcome == _ATTEMPT_OK for d in ctx.decisions
+                    )
+            why = "cut" if cut else "unusable" if usage else "none"
+            if answered:
                 # A complete reply without usage, or counts no request could have
-                # (negative, not integers, past any cap), or a non-streamed call cut
-                # while the upstream had it (the client hung up, a timeout, a task's
-                # cancel: the upstream bills what it generated): never a refund, never
+                # (negative, not integers, past any cap): never a refund, never
                 # billions, never less than it may have written: the output it was let
                 # use (the cap it was sent with, for each sequence asked), which its
                 # reservation holds.
                 cap = ctx.cost.output if ctx.cost is not None else ctx.max_tokens
                 out = max(out, cap or 0)
-                # A cut call is the client's doing as often as the upstream's: INFO,
-                # so a key that hangs up again and again cannot fill the warning log.
-                log.log(
-                    logging.WARNING if answered else logging.INFO,
+                log.warning(
                     "the upstream of %s reported %s usage; billed the estimate (%d in, %d out)",
                     ctx.input.request_id,
-                    "unusable" if usage else "no" if answered else "no (its call was cut)",
+                    "unusable" if usage else "no",
                     inp,
                     out,
                 )
+            elif cut:
+                # Only calls cut while the upstream had them (the client hung up, a
+                # timeout, a task's cancel: the upstream bills what it generated):
+                # each is billed below.
+                inp = out = 0
+            calls = 1 if inp or out else 0
         else:
             inp = out = 0
         if ctx.model is not None:
@@ -316,11 +345,55 @@ class Settler:
             if ctx.status is not _OK and (inp or out):  # (a served request: one check)
                 price = self._dearest_tried(ctx, price)
             cost = cost_usd(price, inp, out)
+            if cut:
+                inp, out, cost = self._cut_calls(ctx, cut, inp, out, cost)
         elif ctx.input.endpoint == "embeddings" and ctx.alias == self._embed_alias:
             cost = cost_usd(self._embed_price, inp, 0)
         else:
             cost = 0.0
         run.tokens_in, run.tokens_out, run.cost_usd = inp, out, cost
+        if why:
+            ctx.record(
+                "settle",
+                _ESTIMATED,
+                _ESTIMATES[why],
+                time.perf_counter(),
+                {
+                    "input_tokens": inp,
+                    "output_tokens": out,
+                    "attempts_billed": len(cut) + calls,
+                    "why": why,
+                },
+            )
+
+    def _cut_calls(
+        self, ctx: RequestContext, cut: Sequence[str | None], inp: int, out: int, cost: float
+    ) -> tuple[int, int, float]:
+        """`inp`, `out` and `cost` with each cut call's prompt and output cap (each
+        sequence's) added, each at the price of the model it was sent to (the one
+        under way when the request was cancelled: at the dearest tried). Each is in the
+        model's chain, whose dearest price each call's reservation holds."""
+        shape = ctx.cost
+        prompt = shape.prompt if shape is not None else ctx.prompt_estimate
+        cap = shape.output if shape is not None else ctx.max_tokens
+        assert ctx.model is not None
+        for alias in cut:
+            price = self._prices.get(alias) if alias is not None else None
+            if price is None:
+                price = self._dearest_tried(ctx, ctx.model.price)
+            inp += prompt
+            out += cap
+            cost += cost_usd(price, prompt, cap)
+        # A cut call is the client's doing as often as the upstream's: INFO, so a key
+        # that hangs up again and again cannot fill the warning log.
+        log.info(
+            "%d call(s) of %s cut without usage; billed the estimate (%d in, %d out in all)",
+            len(cut),
+            ctx.input.request_id,
+            inp,
+            out,
+        )
+        return inp, out, cost
 
     def _dearest_tried(self, ctx: RequestContext, price: Price) -> Price:
         """The price a failed request is billed at: `price` (its model's), or, when

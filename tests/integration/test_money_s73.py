@@ -131,9 +131,9 @@ def test_an_attempt_timeout_bills_the_cap_of_every_sequence(
     gw: Gateway, scripted: Scripted
 ) -> None:
     """`slow` times out each attempt after 1 s and retries once: the request ends 504
-    upstream_timeout after two attempts that reached the upstream, and is billed its
-    cap for both sequences asked (`n: 2`): 1,000 output tokens, once (what the
-    reservation holds)."""
+    upstream_timeout after two attempts that reached the upstream, each billed its
+    prompt and its cap for both sequences asked (`n: 2`): 2,000 output tokens (the
+    retry first extended the reservation by one call: test_money_retries_s73)."""
     tenant, key = gw.new_tenant("s73-timeout", budget_usd=5.0)
     before = scripted.requests()
     scripted.fault("hang", count=2)
@@ -147,8 +147,8 @@ def test_an_attempt_timeout_bills_the_cap_of_every_sequence(
     assert scripted.requests() == before + 2
     [row] = gw.stored_rows(tenant, 1)
     assert (row["status"], row["attempts"]) == ("error", 2), row
-    assert row["output_tokens"] == 2 * CAP, row
-    assert row["cost_usd"] == pytest.approx(1.0), row
+    assert row["output_tokens"] == 2 * 2 * CAP, row
+    assert row["cost_usd"] == pytest.approx(2.0), row
 
 
 def test_a_task_cancel_of_a_running_non_streamed_call_bills_its_cap(
@@ -187,11 +187,11 @@ def test_a_call_cut_at_its_fallback_is_billed_at_the_fallbacks_price(
     gw: Gateway, scripted: Scripted
 ) -> None:
     """`first` times out and falls back to `cut` (ten times its price); the client
-    hangs up while `cut` works: the row bills the cap at `cut`'s price ($0.50, what
-    the reservation was priced at), not `first`'s ($0.05)."""
+    hangs up while `cut` works: each cut call is billed its cap at its own model's
+    price, `first`'s at $0.05 and `cut`'s at $0.50 (not both at `first`'s)."""
     tenant, key = gw.new_tenant("s73-fallback", budget_usd=5.0)
     _hang_up_after_sent(gw, scripted, key, _body("first", max_tokens=CAP), calls=2)
     [row] = gw.stored_rows(tenant, 1)
     assert (row["status"], row["attempts"]) == ("cancelled", 2), row
-    assert row["output_tokens"] == CAP, row
-    assert row["cost_usd"] == pytest.approx(0.5), row
+    assert row["output_tokens"] == 2 * CAP, row
+    assert row["cost_usd"] == pytest.approx(0.55), row

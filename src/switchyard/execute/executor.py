@@ -33,6 +33,7 @@ from switchyard.errors import (
     EngineFailed,
     EngineNotReady,
     SwitchyardError,
+    UpstreamError,
     UpstreamOverloaded,
     UpstreamTimeout,
 )
@@ -44,11 +45,21 @@ from switchyard.request import to_json
 from switchyard.state.breakers import SharedBreakerState
 from switchyard.state.breakers_memory import CircuitBreaker
 
-if TYPE_CHECKING:  # the gateway sets the balancers; only their type is named here
+if TYPE_CHECKING:  # the gateway sets these; only their types are named here
     from switchyard.decide.balance import Balancer
+    from switchyard.policy.stages_admission import Reserver
 
 PATHS = {"chat.completions": "/chat/completions", "completions": "/completions"}
 _ATTEMPT_OK = outcomes.Attempt.OK  # bound once: every served request records it
+_EXTENDED = outcomes.Retry.EXTENDED
+
+# The classes of an attempt that reached the upstream and ended with no answer: it
+# timed out (the gateway's timeouts, or the upstream's own 408 or 504) or its connection
+# broke. Such a call may have generated (a non-streamed generation usually runs to its
+# end on the upstream after the gateway leaves) and been billed: settle.py bills it its
+# prompt and output cap, and a further call of the request first extends its
+# reservation by as much (`Executor._covered`).
+MAY_HAVE_GENERATED = frozenset({"timeout", "504", "broken"})
 _NO_SPAN: tuple[None, dict[str, str]] = (
     None,
     {},
@@ -159,6 +170,10 @@ class Executor:
         # The aliases with several deployments (set by the gateway): a fallback to one
         # is balanced among them, and a failed deployment fails over to another.
         self.balancers: Mapping[str, Balancer] = {}
+        # Extends a request's reservation before a further upstream call that follows
+        # one that may have been billed (set by the gateway: the admit stage's own);
+        # None: nothing is extended (a further call goes ahead as before).
+        self.reserver: Reserver | None = None
         self.rng = random.Random(seed)
         self.retries = 0
         self.fallbacks = 0
@@ -261,7 +276,14 @@ class Executor:
                 while True:
                     before = ctx.run.attempts
                     done, out = await self._try_at(
-                        ctx, dep, stream, idx == len(chain) - 1 and left == 0, t, boundary, idx == 0
+                        ctx,
+                        dep,
+                        stream,
+                        idx == len(chain) - 1 and left == 0,
+                        t,
+                        boundary,
+                        idx == 0,
+                        last,
                     )
                     if done:
                         if idx > 0:
@@ -311,6 +333,8 @@ class Executor:
                     )
             assert last is not None
             raise last
+        except _NoRoom as stop:  # no further call: neither a retry nor a fallback
+            raise stop.error from None
         except asyncio.CancelledError:
             if watch is None or not watch.gone:
                 raise  # shutdown, a task's cancel: not the client's hang-up
@@ -331,6 +355,7 @@ class Executor:
         t: float,
         boundary: list[str] | None,
         check_region: bool,
+        last: SwitchyardError | None = None,
     ) -> tuple[bool, Any]:
         """(True, the result) from `dep`, or (False, the error) when the request may
         move on to another deployment; a final error (the request itself is wrong:
@@ -360,7 +385,7 @@ class Executor:
                 f"the model '{dep.alias}' is not ready yet (engine state: {state}); retry shortly"
             )
         try:
-            return True, await self._attempts(ctx, dep, stream, last_in_chain=last_in_chain)
+            return True, await self._attempts(ctx, dep, stream, last_in_chain, last)
         except SwitchyardError as exc:
             if exc.retry_class is None and not isinstance(
                 exc, EngineNotReady | UpstreamTimeout | EngineCrashed
@@ -394,9 +419,12 @@ class Executor:
         dep: Deployment,
         stream: bool,
         last_in_chain: bool,
+        last: SwitchyardError | None = None,
     ) -> Any:
         """Attempts at one deployment: `stream` (returns once the headers arrived) or
-        `post` (the whole reply), with the request's payload and the remaining time."""
+        `post` (the whole reply), with the request's payload and the remaining time.
+        `last`: the error of the deployment the request comes from (a fallback's,
+        a failover's), raised when the reservation cannot cover this one's call."""
         cfg = dep.model.resilience
         breaker = self.breakers[dep.name]
         budget = self.budgets[dep.name]
@@ -430,6 +458,10 @@ class Executor:
                     t,
                 )
                 raise UpstreamTimeout("the request deadline leaves no time for another attempt")
+            if ctx.run.attempts and not stream and not await self._covered(ctx, dep, t):
+                # (A request's first call passes on the first test alone.)
+                breaker.release_probe()
+                raise _NoRoom(last or UpstreamError("no further upstream call fits the budget"))
             if retries == 0:
                 budget.first_attempt(now)
             ctx.run.attempts += 1
@@ -500,6 +532,14 @@ class Executor:
                         time.perf_counter(),
                     )
                     raise
+                # The reservation next: a call that may have been billed is paid for
+                # before another is made (and a retry refused here spends no budget).
+                if (
+                    cls in MAY_HAVE_GENERATED
+                    and not stream
+                    and not await self._covered(ctx, dep, time.perf_counter())
+                ):
+                    raise _NoRoom(exc) from None
                 if not budget.try_spend(time.monotonic()):
                     ctx.record(
                         "retry",
@@ -519,6 +559,7 @@ class Executor:
                 self.retries += 1
                 await asyncio.sleep(wait)
                 retries += 1
+                last = exc
                 continue
             except asyncio.CancelledError:
                 Tracing.end_attempt(span, "cancelled")
@@ -539,6 +580,69 @@ class Executor:
                 {"upstream": dep.label, "alias": dep.alias, "attempt": ctx.run.attempts},
             )
             return result
+
+    async def _covered(self, ctx: RequestContext, dep: Deployment, t: float) -> bool:
+        """Whether the request's reservation covers one more upstream call of a
+        non-streamed request. It reserved one call's worth (one prompt and the output
+        cap of each sequence, at its chain's dearest price); each call so far that may
+        have been billed (`MAY_HAVE_GENERATED`) uses one, and each extension
+        (`retry` `extended`) adds one. When they are all used, the reservation is
+        extended by one more (`Reserver.extend`, recorded `retry` `extended`), or,
+        when that does not fit, the call is refused (`retry` `denied:budget`: the
+        request ends with the error it has). Calls that never reached an upstream
+        (refused connection, breaker open, a 4xx other than 408) use nothing."""
+        reserver = self.reserver
+        if reserver is None:
+            return True
+        billed = extended = 0
+        for d in ctx.decisions:
+            if d.stage == "attempt":
+                ev = d.evidence
+                if ev is not None and ev.get("class") in MAY_HAVE_GENERATED and "attempt" in ev:
+                    billed += 1
+            elif d.stage == "retry" and d.outcome == _EXTENDED:
+                extended += 1
+        if extended >= billed:
+            return True
+        ok, evidence = await reserver.extend(ctx)
+        if ok:
+            if evidence is not None:
+                evidence["calls_reserved"] = extended + 2
+                ctx.record(
+                    "retry",
+                    _EXTENDED,
+                    f"the reservation was extended by one more call before {dep.name}: "
+                    f"{billed} call(s) so far may have been billed",
+                    t,
+                    evidence,
+                )
+            return True
+        assert evidence is not None
+        evidence["calls_billed"] = billed
+        evidence["next"] = dep.name
+        why = (
+            f"{evidence['limit']} limit of {evidence['scope']}"
+            if "limit" in evidence
+            else "the limiter is unavailable (fail_closed)"
+        )
+        ctx.record(
+            "retry",
+            outcomes.Retry.DENIED_BUDGET,
+            f"the reservation could not be extended for another call ({why}); "
+            f"{billed} call(s) so far may have been billed",
+            t,
+            evidence,
+        )
+        return False
+
+
+class _NoRoom(Exception):
+    """No further upstream call fits the request's reservation (`Executor._covered`):
+    the request ends with `error`, the last call's, trying no fallback."""
+
+    def __init__(self, error: SwitchyardError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 def _leave(ctx: RequestContext, dep: Deployment, attempted: bool) -> None:

@@ -148,10 +148,16 @@ class Gateway(ControlPlane):
         # The rpm windows found full, shared by every reserver of this process: a
         # request of such a key or tenant is refused before its body is read.
         self.full = FullWindows()
+        reserver = Reserver(
+            self.limiter, settings, self.store.spent_since, self.counters, self.full
+        )
+        # A further upstream call after one that may have been billed extends the
+        # request's reservation first (execute/executor.py `Executor._covered`).
+        self.executor.reserver = reserver
         pipelines = build_pipelines(
             settings,
             self.registry.deployments,
-            Reserver(self.limiter, settings, self.store.spent_since, self.counters, self.full),
+            reserver,
             self.gates,
             self.pii,
             self.cache,

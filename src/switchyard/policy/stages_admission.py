@@ -36,6 +36,7 @@ from switchyard.state.limits import (
     ScopeLimits,
     period_key,
     period_start,
+    spend_scopes,
 )
 from switchyard.state.limits import Verdict as LimitVerdict
 
@@ -167,16 +168,95 @@ class Reserver:
             i.received_at, prompt, ctx.stream,
         )  # fmt: skip
 
+    async def extend(self, ctx: RequestContext) -> tuple[bool, dict[str, Any] | None]:
+        """Hold one more upstream call's worth of what the request reserved, before a
+        further call (a retry, a fallback, a failover) that follows one that may have
+        been billed (execute/executor.py): for each stage that reserved, its first hold
+        again (one prompt and the output cap of each sequence, at the price it was
+        reserved at: its chain's dearest), in that stage's scopes, as a hold of its own
+        (`{reservation}+{n}`) limited to what a call uses (`spend_scopes`: tpm and
+        budget; the request is counted in rpm and holds its slot already). All or
+        nothing: a stage that refuses gives back what the others took. Each hold joins
+        `ctx.admission.reservations` as it is taken, so the request's release settles
+        it (`settle`: at 0; the request's whole charge goes to its first hold) even if
+        the request is cancelled meanwhile.
+
+        (True, evidence) when held; (True, None) when there is nothing to hold (no
+        reservation, no tpm or budget) or the limiter is unreachable under fail_open;
+        (False, evidence) when a scope has no room, or the limiter is unreachable
+        under fail_closed."""
+        held = ctx.admission.reservations
+        firsts: dict[str, tuple[list[ScopeLimits], Ask]] = {}
+        counts: dict[str, int] = {}
+        for scopes, ask, stage in held:
+            counts[stage] = counts.get(stage, 0) + 1
+            firsts.setdefault(stage, (scopes, ask))
+        made: list[tuple[list[ScopeLimits], Ask, str]] = []
+        evidence: dict[str, Any] | None = None
+        try:
+            for stage, (scopes, ask) in firsts.items():
+                spend = spend_scopes(scopes)
+                if not spend or (ask.tokens <= 0 and ask.cost_usd <= 0.0):
+                    continue
+                more = Ask(
+                    f"{ask.request_id}+{counts[stage]}", ask.tokens, ask.cost_usd, ask.billing
+                )
+                verdict = await self.limiter.reserve(spend, more)
+                if not verdict.allowed:
+                    await self._give_back(ctx, made)
+                    return False, {
+                        "reservation": "not extended",
+                        "stage": stage,
+                        "scope": verdict.scope,
+                        "limit": verdict.limit,
+                        "needed_tokens": more.tokens,
+                        "needed_usd": more.cost_usd,
+                        "scopes": verdict.state,
+                    }
+                entry = (spend, more, stage)
+                held.append(entry)
+                made.append(entry)
+                if evidence is None:
+                    evidence = {"reserved_tokens": more.tokens, "reserved_usd": more.cost_usd}
+                evidence.setdefault("holds", []).append(more.request_id)
+        except LimiterUnavailable as exc:
+            if self.on_failure == "fail_open":
+                self.counters["limiter_fail_open"] += 1
+                log.warning("limiter unavailable, a further call goes ahead (fail_open): %s", exc)
+                return True, None
+            self.counters["limiter_fail_closed"] += 1
+            await self._give_back(ctx, made)
+            return False, {"reservation": "not extended", "limiter": f"unavailable: {exc}"}
+        return True, evidence
+
+    async def _give_back(
+        self, ctx: RequestContext, made: list[tuple[list[ScopeLimits], Ask, str]]
+    ) -> None:
+        """Settle unused the holds `extend` took before a refusal; one the limiter
+        cannot settle now stays with the request, whose release settles it."""
+        for entry in made:
+            try:
+                await self.limiter.settle(entry[0], entry[1], 0, 0.0)
+            except LimiterUnavailable:
+                continue
+            ctx.admission.reservations.remove(entry)
+
     def settle(self, ctx: RequestContext, stage: str) -> Awaitable[None] | None:
         """Settle what `stage` reserved for the request with what it was charged
-        (`ctx.run`); None when it reserved nothing."""
+        (`ctx.run`): the whole charge on its first hold, 0 on each one `extend` added
+        (so the limiter keeps exactly what was charged, and every extension is given
+        back); None when it reserved nothing."""
         run = ctx.run
-        tokens = run.tokens_in + run.tokens_out
-        mine = [
-            self.limiter.settle(scopes, ask, tokens, run.cost_usd)
-            for scopes, ask, by in ctx.admission.reservations
-            if by == stage
-        ]
+        mine: list[Awaitable[None]] = []
+        for scopes, ask, by in ctx.admission.reservations:
+            if by != stage:
+                continue
+            if mine:  # a further call's hold (`extend`): the charge is on the first
+                mine.append(self.limiter.settle(scopes, ask, 0, 0.0))
+            else:
+                mine.append(
+                    self.limiter.settle(scopes, ask, run.tokens_in + run.tokens_out, run.cost_usd)
+                )
         if not mine:
             return None
         return mine[0] if len(mine) == 1 else self._all(mine)

@@ -70,6 +70,21 @@ class Ask:
     billing: Billing | None = None
 
 
+def spend_scopes(scopes: list[ScopeLimits]) -> list[ScopeLimits]:
+    """The limits of `scopes` that count what an upstream call uses (tokens a minute,
+    budget), without those that count requests (rpm, concurrency); scopes with
+    neither are left out. What one more call of an admitted request holds: its request
+    is counted in rpm and holds its concurrency slot already. Reserved and settled with
+    `Limiter.reserve` and `Limiter.settle` like any hold (both limiters hold and settle
+    only the limits a scope has), so a further call's hold is a reservation of its own,
+    given back exactly by its settle."""
+    return [
+        ScopeLimits(s.scope, tpm=s.tpm, budget_usd=s.budget_usd, budget_period=s.budget_period)
+        for s in scopes
+        if s.tpm is not None or s.budget_usd is not None
+    ]
+
+
 @dataclass(frozen=True, slots=True)
 class Held:
     """A hold whose process died before settling it, as `release_owner` found it: it
