@@ -624,6 +624,8 @@ class Executor:
             f"{evidence['limit']} limit of {evidence['scope']}"
             if "limit" in evidence
             else "the limiter is unavailable (fail_closed)"
+            if "limiter" in evidence
+            else "the task state is unavailable (fail_closed)"
         )
         ctx.record(
             "retry",

@@ -12,7 +12,7 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from switchyard import outcomes
 from switchyard.config import ModelConfig, Price, Settings
@@ -39,6 +39,9 @@ from switchyard.state.limits import (
     spend_scopes,
 )
 from switchyard.state.limits import Verdict as LimitVerdict
+
+if TYPE_CHECKING:
+    from switchyard.policy.tasks import TaskHold
 
 log = logging.getLogger("switchyard")
 
@@ -181,10 +184,16 @@ class Reserver:
         it (`settle`: at 0; the request's whole charge goes to its first hold) even if
         the request is cancelled meanwhile.
 
+        Then, for a request of a task (`ctx.task`), the same in the task's budget
+        (`_extend_task`): one more call's tokens and cost as the task admitted it,
+        added to the request's hold there (its settle replaces the whole of it by what
+        was used); a task that cannot hold it refuses the call, and what the limiter
+        took is given back.
+
         (True, evidence) when held; (True, None) when there is nothing to hold (no
-        reservation, no tpm or budget) or the limiter is unreachable under fail_open;
-        (False, evidence) when a scope has no room, or the limiter is unreachable
-        under fail_closed."""
+        reservation, no tpm or budget, no task budget) or the limiter is unreachable
+        under fail_open; (False, evidence) when a scope or the task's budget has no
+        room, or the limiter or the task state is unreachable under fail_closed."""
         held = ctx.admission.reservations
         firsts: dict[str, tuple[list[ScopeLimits], Ask]] = {}
         counts: dict[str, int] = {}
@@ -227,7 +236,64 @@ class Reserver:
             self.counters["limiter_fail_closed"] += 1
             await self._give_back(ctx, made)
             return False, {"reservation": "not extended", "limiter": f"unavailable: {exc}"}
+        hold = ctx.task
+        if hold is None or hold.store is None or (hold.tokens <= 0 and hold.cost_usd <= 0.0):
+            return True, evidence
+        ok, task = await self._extend_task(ctx, hold)
+        if not ok:
+            await self._give_back(ctx, made)
+            assert task is not None
+            return False, task
+        if task is not None:
+            if evidence is None:
+                evidence = {"reserved_tokens": hold.tokens, "reserved_usd": hold.cost_usd}
+            evidence["task"] = task
         return True, evidence
+
+    async def _extend_task(
+        self, ctx: RequestContext, hold: TaskHold
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """`extend` in the request's task: (True, the task's evidence) when held, (True,
+        None) when there is nothing to hold (the task's state or the request's hold
+        there is gone) or the task state is unreachable under fail_open, (False, the
+        refusal's evidence) when its budget has no room (naming it: `task` `tokens` or
+        `cost_usd`) or the task state is unreachable under fail_closed."""
+        assert hold.store is not None
+        n = hold.extended + 1
+        now = time.time()
+        try:
+            adm = await hold.store.extend(
+                hold.key, hold.request_id, n, hold.tokens, hold.cost_usd, now
+            )
+        except LimiterUnavailable as exc:
+            if self.on_failure == "fail_open":
+                log.warning(
+                    "task state unavailable, a further call goes ahead (fail_open): %s", exc
+                )
+                return True, None
+            return False, {"reservation": "not extended", "task_state": f"unavailable: {exc}"}
+        if adm is None:
+            return True, None
+        scope = f"task:{hold.key[1]}"
+        if not adm.allowed:
+            return False, {
+                "reservation": "not extended",
+                "stage": "task",
+                "scope": scope,
+                "limit": adm.refused,
+                "needed_tokens": hold.tokens,
+                "needed_usd": hold.cost_usd,
+                "task": adm.evidence(now),
+            }
+        hold.extended = n
+        return True, {
+            "scope": scope,
+            "reserved_tokens": hold.tokens,
+            "reserved_usd": hold.cost_usd,
+            "extensions": n,
+            "used": adm.evidence(now)["used"],
+            "remaining": adm.remaining(),
+        }
 
     async def _give_back(
         self, ctx: RequestContext, made: list[tuple[list[ScopeLimits], Ask, str]]

@@ -121,8 +121,9 @@ class Task(Stage):
         now = time.time()
         rid = ctx.input.request_id
         shrunk: dict[str, Any] | None = None
+        tokens = prompt + out
         try:
-            adm = await self._store.admit(key, first, rid, prompt + out, cost, now)
+            adm = await self._store.admit(key, first, rid, tokens, cost, now)
             shape = ctx.cost
             # Less left in the task's budget than the cap: the cap shrinks to what fits.
             for _ in range(3):
@@ -138,7 +139,8 @@ class Task(Stage):
                 shape.shrink(cap, "task")
                 ctx.max_tokens = shape.cap
                 cost = shape.usd(price)
-                adm = await self._store.admit(key, first, rid, shape.tokens, cost, now)
+                tokens = shape.tokens
+                adm = await self._store.admit(key, first, rid, tokens, cost, now)
         except LimiterUnavailable as exc:
             if self._fail_open:
                 log.warning("task state unavailable, admitting (fail_open): %s", exc)
@@ -155,7 +157,9 @@ class Task(Stage):
                 self.name, outcomes.reject(refused), task_refusal_reason(refused), t, evidence
             )
             raise task_error(task_id, refused, adm)
-        ctx.task = TaskHold(key, rid, int(adm.used["calls"]), ctx.input.planned_steps)
+        ctx.task = TaskHold(
+            key, rid, int(adm.used["calls"]), ctx.input.planned_steps, self._store, tokens, cost
+        )
         if shrunk is not None:
             evidence["cap_shrunk"] = shrunk
         if adm.deployments:

@@ -18,6 +18,11 @@ tenant holding the most loses its own least recently admitted one):
 Calls, tokens and cost are reserved at admission, as the per-request budget is: a
 call is admitted only if its estimate fits what is left, so concurrent steps of one
 task cannot overshoot together; at settle the estimate is replaced by what was used.
+A request that makes a further upstream call after one that may have been billed (a
+retry or fallback after a timeout) first holds one more call's tokens and cost in its
+task, with the limiter's extension, all or nothing (`TaskStore.extend`, through
+`Reserver.extend`); a task that cannot hold it refuses the call (`retry`
+`denied:budget`), and the request's settle replaces its whole hold by what was used.
 A tool call (`admit(..., tool=True)`, mcp_service/) reserves one of `tool_calls`
 instead of `calls`, no tokens, and its tool's price against `cost_usd`.
 
@@ -33,7 +38,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from switchyard.state.tasks import TaskKey
+from switchyard.state.tasks import TaskKey, TaskStore
 
 
 @dataclass(slots=True)
@@ -44,6 +49,12 @@ class TaskHold:
     request_id: str
     call: int = 0  # its number among the task's calls (1: the task's first), at admission
     planned: int | None = None  # the task's planned steps (x-task-planned-steps)
+    # Where it is held, and one upstream call's worth as it was admitted (tokens, cost):
+    # what each extension holds again (policy/stages_admission.py `Reserver.extend`).
+    store: TaskStore | None = None
+    tokens: int = 0
+    cost_usd: float = 0.0
+    extended: int = 0  # the extensions it holds (`TaskStore.extend`)
 
 
 class Running:

@@ -43,6 +43,9 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from switchyard import outcomes
+from switchyard.execute.executor import MAY_HAVE_GENERATED
+
 if TYPE_CHECKING:
     from switchyard.pipeline_context import RequestContext
     from switchyard.state.ledger import UsageLedger
@@ -58,6 +61,7 @@ SLOT = 2048
 HALF = (SLOT - 4) // 2
 _TOP = 1 << 31
 REFRESH_S = 0.2  # how often the open requests' model and stream are written again
+_ATTEMPT_OK = outcomes.Attempt.OK
 
 
 def journal_path(run_dir: str | Path, worker: str) -> Path:
@@ -77,8 +81,9 @@ class InFlight:
     (`UsageLedger.queued_flush`, checked as later requests open and every REFRESH_S).
     Every REFRESH_S the model, stream and reservation of the requests still open are
     written again if they changed (an alias is known only once the body is read, a
-    reservation once the request's cost is planned). All of it is memory
-    writes, no system call per request; after a SIGKILL the kernel keeps the file's
+    reservation once the request's cost is planned, and it grows with each further
+    upstream call after one that may have been billed: `billed_calls`). All of it is
+    memory writes, no system call per request; after a SIGKILL the kernel keeps the file's
     pages, and the supervisor reads them. A text is written into the half of its slot
     not in use, then the head names it: a worker killed mid-write leaves the slot's
     earlier text, or none. With every slot taken, a request goes unjournaled (counted
@@ -130,13 +135,14 @@ class InFlight:
     @staticmethod
     def _facts(ctx: RequestContext, done: list[Any] | None) -> bytes:
         i, p, cost, model = ctx.input, ctx.principal, ctx.cost, ctx.model
-        # What admission reserves for it, once its cost is planned (the window stage):
-        # the most it may use, billed should it die mid-way with nothing settled.
-        reserved = (
-            None
-            if cost is None or model is None
-            else [cost.prompt, cost.output, cost.usd(model.price)]
-        )
+        # What admission reserves for it, once its cost is planned (the window stage),
+        # for each upstream call that may have been billed (`billed_calls`): the most
+        # it may use, billed should it die mid-way with nothing settled.
+        if cost is None or model is None:
+            reserved = None
+        else:
+            n = billed_calls(ctx)
+            reserved = [cost.prompt * n, cost.output * n, cost.usd(model.price) * n, n]
         return orjson.dumps(
             [
                 *(i.request_id, i.client_request_id, i.task_id, p.tenant_id, p.key_id),
@@ -146,8 +152,14 @@ class InFlight:
 
     @staticmethod
     def _known(ctx: RequestContext) -> tuple[Any, ...]:
-        """What the journal says of an open request that can change as it runs."""
-        return (ctx.alias, ctx.stream, ctx.cost is not None and ctx.model is not None)
+        """What the journal says of an open request that can change as it runs (the
+        calls it may be billed change only as a call starts: `billed_calls`)."""
+        return (
+            ctx.alias,
+            ctx.stream,
+            ctx.cost is not None and ctx.model is not None,
+            ctx.run.attempts,
+        )
 
     def opened(self, ctx: RequestContext) -> None:
         """A request opened: its slot holds it until its row is committed."""
@@ -212,10 +224,37 @@ class InFlight:
         os.close(self._fd)  # the lock goes: the journal is the supervisors' now
 
 
+def billed_calls(ctx: RequestContext) -> int:
+    """The upstream calls of a request that may have been billed should its worker die
+    now, as settle.py would bill them had the request been cancelled: each
+    non-streamed call cut while the upstream had it (timed out, broke off:
+    `MAY_HAVE_GENERATED`), the one under way (counted in `run.attempts`, not yet
+    recorded) and one that answered; at least one, the reservation (a stream, a
+    request's first call). Each extension of its reservation (`Reserver.extend`)
+    paid for one of them before the call after it was made."""
+    run = ctx.run
+    if ctx.stream or run.attempts < 2:
+        return 1
+    cut = recorded = answered = 0
+    for d in ctx.decisions:
+        evidence = d.evidence
+        if d.stage != "attempt" or evidence is None or "attempt" not in evidence:
+            continue  # a skip (breaker open, no time left) called nothing
+        recorded += 1
+        if evidence.get("class") in MAY_HAVE_GENERATED:
+            cut += 1
+        elif d.outcome == _ATTEMPT_OK:
+            answered = 1
+    return max(1, cut + answered + (1 if recorded < run.attempts else 0))
+
+
 def read_journal(path: Path) -> Iterator[list[Any]]:
     """The requests a dead worker's journal holds: [request id, client request id,
-    task id, tenant, key, endpoint, model, received_at, stream, done], `done` None for
-    a request still open, else [status, input tokens, output tokens, cost]."""
+    task id, tenant, key, endpoint, model, received_at, stream, done, reserved], `done`
+    None for a request still open, else [status, input tokens, output tokens, cost];
+    `reserved` None before its cost is planned, else [prompt tokens, output tokens,
+    cost, calls]: what it reserved for each call that may have been billed
+    (`billed_calls`), times their number."""
     try:
         data = path.read_bytes()
     except OSError:

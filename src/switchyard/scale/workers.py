@@ -29,7 +29,8 @@ in-flight journal (scale/worker.py `InFlight`) names every request it opened who
 row the ledger writer had not committed, so a request under no limit, or one that
 settled and died before its row was written, is billed too: what it settled, if it
 got that far (`journaled_request`); else the most it reserved (its holds, found by the
-limiter's owner records: `lost_request`); else 0. The ledger writer never lets such a
+limiter's owner records, each extension of its reservation included: `lost_request`);
+else what its journal says it reserved for each call that may have been billed; else 0. The ledger writer never lets such a
 row replace a row the request's own worker committed (state/ledger_batch.py). A
 journal is removed once its rows are committed, and kept (for the next start) if they
 never are.
@@ -575,10 +576,10 @@ def journaled_request(
         return lost_request(worker, holds, ended, traced)
     facts = Billing(rid, client_id, task, tenant, key, endpoint, model, received, 0, bool(stream))
     reserved = _reserved(more[0] if more else None)
-    if done is None and reserved is not None:  # its holds died with a private Redis
-        prompt, output, usd = reserved
+    if done is None and reserved is not None:  # no hold (no limit), or lost with Redis
+        prompt, output, usd, calls = reserved
         reason = f"worker {worker} exited before the request ended; billed what it reserved"
-        evidence = {"reserved_tokens": prompt + output, "reserved_usd": usd}
+        evidence = {"reserved_tokens": prompt + output, "reserved_usd": usd, "calls_billed": calls}
         return _lost(worker, facts, prompt, output, usd, ended, traced, reason, evidence)
     if done is None:
         reason = f"worker {worker} exited before the request ended; it reserved nothing"
@@ -589,38 +590,60 @@ def journaled_request(
     return _lost(worker, facts, tokens_in, tokens_out, cost, ended, traced, reason, evidence)
 
 
-def _reserved(value: Any) -> tuple[int, int, float] | None:
-    """A journal's reservation (`InFlight._facts`: prompt tokens, output tokens, USD),
-    when it is one: counts a request could have, a finite cost (a journal is the
-    worker's own file, but one torn or old is read as nothing)."""
-    if type(value) is not list or len(value) != 3:
+def _reserved(value: Any) -> tuple[int, int, float, int] | None:
+    """A journal's reservation (`InFlight._facts`: prompt tokens, output tokens, USD,
+    for each call that may have been billed, and how many calls; an earlier version's
+    has no count: one), when it is one: counts a request could have, a finite cost (a
+    journal is the worker's own file, but one torn or old is read as nothing)."""
+    if type(value) is not list or len(value) not in (3, 4):
         return None
-    prompt, output, usd = value
-    if not all(type(n) is int and 0 <= n < 2**31 for n in (prompt, output)):
+    prompt, output, usd, *more = value
+    calls = more[0] if more else 1
+    if not all(type(n) is int and 0 <= n < 2**31 for n in (prompt, output, calls)):
         return None
     if type(usd) not in (int, float) or not 0 <= usd < 1e9:
         return None
-    return prompt, output, float(usd)
+    return prompt, output, float(usd), max(1, calls)
 
 
 def lost_request(worker: str, holds: list[Held], ended: float, traced: bool) -> LedgerEntry:
     """The usage row of a request whose worker died holding `holds` (its reservations,
-    one per reserving stage, each with the request's billing): status `incomplete`,
-    error `worker_exited`, billed the most any of them reserved (each reserved the
-    request's whole estimate at its output cap)."""
+    each with the request's billing): status `incomplete`, error `worker_exited`,
+    billed what the reserving stage that held the most reserved in all.
+
+    Each reserving stage (admit, deployment_limits) reserved the request's whole
+    estimate (one prompt and its output cap) in its first hold (`{id}#{stage}`), and
+    one more call's worth in a hold of its own (`{id}#{stage}+{n}`) before each further
+    upstream call after one that may have been billed (policy/stages_admission.py
+    `Reserver.extend`). So a stage's holds together are one prompt and cap for each
+    call the request may have been billed for: the cut ones, and the one under way
+    when the worker died (settle.py bills a call cut by a cancel the same way). That
+    is what they stay charged in Redis (`RedisLimiter.release_holds` ends each hold
+    as used in full, every extension included), and the row bills the same, so the
+    ledger and the budget agree. The stages are not added up: each holds the one
+    request's calls."""
     b = holds[0].billing
     assert b is not None
-    top = max(holds, key=lambda h: (h.cost_usd, h.tokens))
-    prompt = min(b.prompt_tokens, top.tokens)
+    stages: dict[str, list[Held]] = {}
+    mine = f"{b.request_id}#"
+    for h in holds:
+        name = h.reservation
+        stage = name[len(mine) :].partition("+")[0] if name.startswith(mine) else name
+        stages.setdefault(stage, []).append(h)
+    top = max(
+        stages.values(),
+        key=lambda hs: (sum(h.cost_usd for h in hs), sum(h.tokens for h in hs)),
+    )
+    tokens, usd = sum(h.tokens for h in top), sum(h.cost_usd for h in top)
+    prompt = sum(min(b.prompt_tokens, h.tokens) for h in top)
     reason = f"worker {worker} exited before the request ended; billed what it reserved"
     evidence = {
-        "reserved_tokens": top.tokens,
-        "reserved_usd": top.cost_usd,
+        "reserved_tokens": tokens,
+        "reserved_usd": usd,
+        "calls_billed": len(top),
         "reservations": sorted(h.reservation for h in holds),
     }
-    return _lost(
-        worker, b, prompt, top.tokens - prompt, top.cost_usd, ended, traced, reason, evidence
-    )
+    return _lost(worker, b, prompt, tokens - prompt, usd, ended, traced, reason, evidence)
 
 
 def _lost(

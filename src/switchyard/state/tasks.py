@@ -117,6 +117,18 @@ def check(
     return None
 
 
+def check_more(budget: TaskBudget, used: dict[str, float], tokens: int, cost: float) -> str | None:
+    """Why holding (tokens, cost) more for a call the task holds already (a further
+    upstream call of its request: `TaskStore.extend`) is refused, or None: its tokens,
+    then its cost. Not a call more (the request is counted once among the task's calls),
+    nor the deadline (the request's own is cut to it). The same rule in both stores."""
+    if budget.tokens is not None and used["tokens"] + tokens > budget.tokens:
+        return "tokens"
+    if budget.cost_usd is not None and used["cost_usd"] + cost > budget.cost_usd + 1e-12:
+        return "cost_usd"
+    return None
+
+
 @dataclass(slots=True)
 class ToolCallNote:
     """One tool call a model returned in this task, as the gateway relayed it."""
@@ -142,8 +154,9 @@ class _State:
     used: dict[str, float] = field(
         default_factory=lambda: {"calls": 0.0, "tokens": 0.0, "cost_usd": 0.0, "tool_calls": 0.0}
     )
-    # rid → what it reserved: tokens, cost, and whether it is a tool call
-    held: dict[str, tuple[int, float, bool]] = field(default_factory=dict)
+    # rid → what it reserved: tokens, cost (its extensions included), whether it is a
+    # tool call, and how many extensions it holds (`TaskStore.extend`)
+    held: dict[str, tuple[float, float, bool, int]] = field(default_factory=dict)
     refused: dict[str, int] = field(default_factory=dict)  # by budget/cause
     cancelled_at: float | None = None
     tool_calls: OrderedDict[str, ToolCallNote] = field(default_factory=OrderedDict)
@@ -166,11 +179,24 @@ class TaskStore(Protocol):
         `cost`, or refuse it."""
         ...
 
+    async def extend(
+        self, key: TaskKey, rid: str, n: int, tokens: int, cost: float, now: float
+    ) -> TaskAdmission | None:
+        """Hold `tokens` and `cost` more for the call `rid` holds (one more upstream
+        call of its request, after one that may have been billed:
+        policy/stages_admission.py `Reserver.extend`), as its `n`th extension, or refuse
+        it (`check_more`: "tokens" or "cost_usd"; nothing held). An `n` the call
+        holds already (the same extension sent again) is answered held and not applied
+        again. What is extended joins the call's reservation, so its `settle` replaces
+        it all by what was used. None when the task or the call's hold is gone (settled,
+        expired): nothing is held."""
+        ...
+
     async def settle(
         self, key: TaskKey, rid: str, tokens: int, cost: float, called: bool = True
     ) -> None:
-        """Replace the call's reservation by what it used; a call that never reached
-        a model (refused after admission) gives its call back."""
+        """Replace the call's reservation (its extensions included) by what it used; a
+        call that never reached a model (refused after admission) gives its call back."""
         ...
 
     async def cancel(self, key: TaskKey, now: float) -> dict[str, Any] | None: ...

@@ -22,6 +22,7 @@ from switchyard.state.tasks import (
     ToolCallNote,
     _State,
     check,
+    check_more,
     describe_state,
     first_deadline,
 )
@@ -106,22 +107,27 @@ class MemoryTaskStore:
             st.used["tool_calls" if tool else "calls"] += 1
             st.used["tokens"] += tokens
             st.used["cost_usd"] += cost
-            st.held[rid] = (tokens, cost, tool)
+            st.held[rid] = (tokens, cost, tool, 0)
         else:
             st.refused[refused] = st.refused.get(refused, 0) + 1
-        if st.budget_dict is None:
-            st.budget_dict = st.budget.as_dict()
-        return TaskAdmission(
-            refused is None,
-            refused,
-            st.budget_dict,
-            dict(st.used),
-            st.started_at,
-            st.deadline_at,
-            st.deadline_by,
-            st.cancelled_at,
-            dict(st.deployments),
-        )
+        return _answer(st, refused)
+
+    async def extend(
+        self, key: TaskKey, rid: str, n: int, tokens: int, cost: float, now: float
+    ) -> TaskAdmission | None:
+        st = self._tasks.get(key)
+        held = st.held.get(rid) if st is not None else None
+        if st is None or held is None:
+            return None
+        refused = None
+        if held[3] < n:  # else: this extension is held already
+            refused = check_more(st.budget, st.used, tokens, cost)
+            if refused is None:
+                st.used["tokens"] += tokens
+                st.used["cost_usd"] += cost
+                st.held[rid] = (held[0] + tokens, held[1] + cost, held[2], n)
+        st.last_at = now
+        return _answer(st, refused)
 
     async def settle(
         self, key: TaskKey, rid: str, tokens: int, cost: float, called: bool = True
@@ -191,3 +197,21 @@ class MemoryTaskStore:
 
     async def close(self) -> None:
         return None
+
+
+def _answer(st: _State, refused: str | None) -> TaskAdmission:
+    """The store's answer for a call of the task `st` (admitted, extended, or refused
+    for `refused`)."""
+    if st.budget_dict is None:
+        st.budget_dict = st.budget.as_dict()
+    return TaskAdmission(
+        refused is None,
+        refused,
+        st.budget_dict,
+        dict(st.used),
+        st.started_at,
+        st.deadline_at,
+        st.deadline_by,
+        st.cancelled_at,
+        dict(st.deployments),
+    )

@@ -12,8 +12,9 @@ task's last call:
 
     {prefix}task:{tenant}:{task}          hash: budget, deadline, use, refusals, cancel
                                           (the task id's ':' written '/')
-    {prefix}task:{tenant}:{task}:held     hash: request id → "tokens cost kind" reserved
-                                          (kind 1: a tool call, 0: a model call)
+    {prefix}task:{tenant}:{task}:held     hash: request id → "tokens cost kind ext"
+                                          reserved (kind 1: a tool call, 0: a model
+                                          call; ext: the extensions it holds, `extend`)
     {prefix}task:{tenant}:{task}:calls    hash: tool-call id → its note (JSON)
     {prefix}task:{tenant}:{task}:order    list: the noted call ids, oldest first
 
@@ -157,7 +158,7 @@ if refused == '' then
   end
   u_tokens = redis.call('HINCRBYFLOAT', k, 'u_tokens', tokens)
   u_cost = redis.call('HINCRBYFLOAT', k, 'u_cost', cost)
-  redis.call('HSET', held, rid, string.format('%.17g %.17g %d', tokens, cost, kind))
+  redis.call('HSET', held, rid, string.format('%.17g %.17g %d 0', tokens, cost, kind))
   if owner then
     redis.call('HSET', owner, cjson.encode({k, rid}), 1)
     redis.call('EXPIRE', owner, ttl)
@@ -199,6 +200,39 @@ if ARGV[4] == '0' then
   if parts[3] == '1' then lower('u_tools', -1) else lower('u_calls', -1) end
 end
 return 1
+"""
+
+# KEYS: state, held. ARGV: request id, the extension's number, tokens, cost, ttl. One
+# more upstream call's tokens and cost held for a call the task holds (`extend`), the
+# rule `state.tasks.check_more` (tokens, then cost); an extension the call holds
+# already (sent again) is answered held, not applied again. Returns nil when the task
+# or the call's hold is gone, else [refused or '', calls, tokens, cost, tool calls].
+_EXTEND = """
+local k, held, rid = KEYS[1], KEYS[2], ARGV[1]
+local h = redis.call('HGET', held, rid)
+if not h or redis.call('EXISTS', k) == 0 then return false end
+local parts = {}
+for part in string.gmatch(h, '%S+') do table.insert(parts, part) end
+local n, tokens, cost = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local s = redis.call('HMGET', k, 'b_tokens', 'b_cost', 'u_calls', 'u_tokens', 'u_cost', 'u_tools')
+local b_tokens, b_cost = tonumber(s[1]), tonumber(s[2])
+local u_tokens, u_cost = tonumber(s[4]), tonumber(s[5])
+local refused = ''
+if tonumber(parts[4] or '0') < n then
+  if b_tokens and u_tokens + tokens > b_tokens then
+    refused = 'tokens'
+  elseif b_cost and u_cost + cost > b_cost + 1e-12 then
+    refused = 'cost_usd'
+  else
+    u_tokens = redis.call('HINCRBYFLOAT', k, 'u_tokens', tokens)
+    u_cost = redis.call('HINCRBYFLOAT', k, 'u_cost', cost)
+    redis.call('HSET', held, rid, string.format('%.17g %.17g %s %d',
+      tonumber(parts[1]) + tokens, tonumber(parts[2]) + cost, parts[3], n))
+  end
+end
+redis.call('EXPIRE', k, tonumber(ARGV[5]))
+redis.call('EXPIRE', held, tonumber(ARGV[5]))
+return {refused, tostring(s[3]), tostring(u_tokens), tostring(u_cost), tostring(s[6] or 0)}
 """
 
 # KEYS: state. ARGV: now, ttl. The cancel time, or nil for an unknown task.
@@ -295,6 +329,7 @@ class RedisTaskStore:
         self.max_tasks = max_tasks
         self._admit = self._redis.register_script(_ADMIT)
         self._settle = self._redis.register_script(_SETTLE)
+        self._extend = self._redis.register_script(_EXTEND)
         self._cancel = self._redis.register_script(_CANCEL)
         self._results = self._redis.register_script(_RESULTS)
         self._unresults = self._redis.register_script(_UNRESULTS)
@@ -380,8 +415,13 @@ class RedisTaskStore:
         state read back: the call's admission."""
         keys = [k, k + ":held", self._index, *self._owner_keys]
         out = await self._call("admit", self._admit(keys=keys, args=args))
+        return await self._answer(k, out, now, "admit")
+
+    async def _answer(self, k: str, out: list[Any], now: float, what: str) -> TaskAdmission:
+        """The store's answer from a script's reply `out` ([refused or '', calls,
+        tokens, cost, tool calls]) and the task's state read back."""
         refused = _str(out[0]) or None
-        fields = await self._call("admit", self._redis.hgetall(k))
+        fields = await self._call(what, self._redis.hgetall(k))
         f = {_str(a): b for a, b in fields.items()}
         bc, bt, bu, bw, btools, started, d_at, d_by, cancelled = (
             f.get(n)
@@ -413,6 +453,19 @@ class RedisTaskStore:
             _num(cancelled),
             {n[2:]: _str(v) for n, v in f.items() if n.startswith("d:")},
         )
+
+    async def extend(
+        self, key: TaskKey, rid: str, n: int, tokens: int, cost: float, now: float
+    ) -> TaskAdmission | None:
+        """`TaskStore.extend`. Sent twice (a dropped connection), it is applied once:
+        the call's hold records the extensions it has. A caller cancelled meanwhile
+        leaves what the script held in the call's hold, which its settle replaces."""
+        k = self._k(key)
+        args: list[str | int] = [rid, n, tokens, repr(float(cost)), self._ttl]
+        out = await self._call("extend", self._extend(keys=[k, k + ":held"], args=args))
+        if out is None:
+            return None
+        return await self._answer(k, out, now, "extend")
 
     async def settle(
         self, key: TaskKey, rid: str, tokens: int, cost: float, called: bool = True
