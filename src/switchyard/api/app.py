@@ -133,13 +133,20 @@ def _shown_path(path: str) -> str:
 def _slash_flipped(app: FastAPI, scope: Scope) -> str | None:
     """The path, as sent, with its trailing slash added or taken away, when a route
     answers that one (what Starlette's `redirect_slashes` did): a relative `Location`,
-    never built from the Host header, and never one starting `//` (another host)."""
+    never built from the Host header, never one starting `//` (another host), and none
+    for a path whose last character was sent encoded."""
     raw: bytes = scope.get("raw_path") or scope["path"].encode()
     raw = raw.split(b"?", 1)[0]
     if raw == b"/" or len(raw) > 2048:
         return None
-    flipped = raw[:-1] if raw.endswith(b"/") else raw + b"/"
     path = scope["path"]
+    if raw.endswith(b"/") != path.endswith("/"):
+        # The last character sent as `%2F`: the route was asked of the decoded path,
+        # whose slash the raw one does not end with, so flipping the raw one's would
+        # send the client to a path no route answers (`/v1/models%2F` to
+        # `/v1/models%2F/`, read `/v1/models//`).
+        return None
+    flipped = raw[:-1] if raw.endswith(b"/") else raw + b"/"
     other = path[:-1] if path.endswith("/") else path + "/"
     if flipped.startswith(b"//") or not flipped.startswith(b"/"):
         return None

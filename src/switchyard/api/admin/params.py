@@ -24,6 +24,7 @@ from switchyard.engines.urls import without_credentials
 from switchyard.errors import InvalidRequest
 from switchyard.state.keys import MAX_INT  # what SQLite stores: a larger one fails the write
 from switchyard.state.sql import on_io
+from switchyard.state.store import MemoryLedger, MemoryStore
 
 MAX_BODY_BYTES = 65536
 T = TypeVar("T")
@@ -40,6 +41,26 @@ async def off_loop(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -
     reached or is locked past its timeout is 503 `store_unavailable` naming `what`,
     never a 500 with the driver's text (state/sql.py `on_io`)."""
     return await on_io(_ADMIN_IO, what, partial(fn, *args, **kwargs))
+
+
+# The admin API's reads of the ledger and traces (usage rows, the cost report, request
+# and task traces): threads of their own, so a read that waits (a table another session
+# holds locked, a report over many rows) holds up neither the event loop nor an admin
+# write behind it (a key's revoke).
+_ADMIN_READS = ThreadPoolExecutor(2, thread_name_prefix="switchyard-admin-read")
+
+
+async def read_off_loop(
+    what: str, source: object, fn: Callable[..., T], *args: Any, **kwargs: Any
+) -> T:
+    """`fn(*args, **kwargs)`, a read of `source` (the store or the ledger it reads), on
+    the admin API's read threads; in the caller when `source` is in memory (nothing
+    else can lock it, and its pending rows are the event loop's to flush). A database
+    that cannot be reached or stays locked past its timeout is 503 `store_unavailable`
+    naming `what` (state/sql.py `on_io`)."""
+    if isinstance(source, MemoryStore | MemoryLedger):
+        return fn(*args, **kwargs)
+    return await on_io(_ADMIN_READS, what, partial(fn, *args, **kwargs))
 
 
 def as_json(obj: Any, status: int = 200) -> Response:

@@ -9,7 +9,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from switchyard.api.admin.guard import Guard
-from switchyard.api.admin.params import as_json, query_limit, query_number, query_text
+from switchyard.api.admin.params import (
+    as_json,
+    query_limit,
+    query_number,
+    query_text,
+    read_off_loop,
+)
 from switchyard.errors import InvalidRequest, NotFound
 from switchyard.observe.tasks import analyze_task
 from switchyard.policy.headers import ID_PATTERN
@@ -39,8 +45,15 @@ class Tasks:
         self.guard(request)
         await self.s.service.settler.settled()
         q = request.query_params
-        data = self.s.ledger.read(
-            task_rows, query_text(q, "tenant"), query_limit(q), query_number(q, "before")
+        ledger = self.s.ledger
+        data = await read_off_loop(
+            "the tasks",
+            ledger,
+            ledger.read,
+            task_rows,
+            query_text(q, "tenant"),
+            query_limit(q),
+            query_number(q, "before"),
         )
         return as_json({"object": "list", "data": data})
 
@@ -59,11 +72,14 @@ class Tasks:
                 raise InvalidRequest("cancelling a task needs ?tenant=", param="tenant")
             return as_json(await self.s.cancel_task(tenant, task_id))
         await self.s.service.settler.settled()  # what was answered before this call is visible
-        with self.s.store.connection() as conn:
-            try:  # task ids are the clients': one tenant's task of that id
-                records = get_task(conn, task_id, tenant)
-            except AmbiguousRequestId as exc:
-                raise InvalidRequest(f"{exc} with ?tenant=", param="tenant") from None
+        try:  # task ids are the clients': one tenant's task of that id
+            records = await read_off_loop("the task", self.s.store, self._task, task_id, tenant)
+        except AmbiguousRequestId as exc:
+            raise InvalidRequest(f"{exc} with ?tenant=", param="tenant") from None
         if not records:
             raise NotFound(f"no requests recorded for task '{task_id}'")
         return as_json({"task": analyze_task(records), "requests": records})
+
+    def _task(self, task_id: str, tenant: str | None) -> list[dict[str, Any]]:
+        with self.s.store.connection() as conn:
+            return get_task(conn, task_id, tenant)

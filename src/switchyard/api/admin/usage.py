@@ -10,7 +10,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from switchyard.api.admin.guard import Guard
-from switchyard.api.admin.params import as_json, query_limit, query_number, query_text
+from switchyard.api.admin.params import (
+    as_json,
+    query_limit,
+    query_number,
+    query_text,
+    read_off_loop,
+)
 from switchyard.config import Settings
 from switchyard.errors import InvalidRequest
 from switchyard.observe.cost import cost_report, parse_since
@@ -38,21 +44,21 @@ class Usage:
         await self.s.service.settler.settled()
         q = request.query_params
         limit = query_limit(q)
-        return as_json(
-            {
-                "object": "list",
-                "data": self.s.ledger.rows(
-                    tenant_id=query_text(q, "tenant"),
-                    key_id=query_text(q, "key"),
-                    task_id=query_text(q, "task"),
-                    limit=limit,
-                    model=query_text(q, "model"),
-                    status=query_text(q, "status"),
-                    since=query_number(q, "since"),
-                    before=query_number(q, "before"),
-                ),
-            }
+        ledger = self.s.ledger
+        data = await read_off_loop(
+            "the usage rows",
+            ledger,
+            ledger.rows,
+            tenant_id=query_text(q, "tenant"),
+            key_id=query_text(q, "key"),
+            task_id=query_text(q, "task"),
+            limit=limit,
+            model=query_text(q, "model"),
+            status=query_text(q, "status"),
+            since=query_number(q, "since"),
+            before=query_number(q, "before"),
         )
+        return as_json({"object": "list", "data": data})
 
     async def cost(self, request: Request) -> Response:
         """The build-vs-buy report (observe/cost.py): ?since=30d (or a date, or unix s)."""
@@ -63,4 +69,8 @@ class Usage:
             since = parse_since(request.query_params.get("since", "30d"), now)
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="since") from None
-        return as_json(self.s.ledger.read(cost_report, self.s.settings.cost, since, now))
+        ledger = self.s.ledger
+        report = await read_off_loop(
+            "the cost report", ledger, ledger.read, cost_report, self.s.settings.cost, since, now
+        )
+        return as_json(report)
