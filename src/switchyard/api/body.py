@@ -11,6 +11,7 @@ import orjson
 from starlette.requests import Request
 from starlette.types import Scope
 
+from switchyard.api.checks import MAX_PARAM
 from switchyard.errors import (
     ClientDisconnected,
     DuplicateJsonKey,
@@ -21,6 +22,7 @@ from switchyard.errors import (
     SwitchyardError,
     UnsupportedMediaType,
 )
+from switchyard.request import may_hold_wide_integer, wide_integer
 
 # Set in the ASGI scope by the HTTP protocol (server.py) when a request's body
 # framing broke while the app read it; the app then sees only `http.disconnect`.
@@ -296,10 +298,12 @@ def too_deep(raw: bytes, limit: int) -> bool:
 def parse_json(raw: bytes, max_depth: int = 64) -> Any:
     """The parsed body; 400 if it is empty, not JSON, nested deeper than `max_depth`
     (orjson cannot write back what nests past ~250 levels: such a body would fail
-    later, in the upstream call or the ledger), or if any object in it repeats a key
+    later, in the upstream call or the ledger), if any object in it repeats a key
     (`duplicate_key`: orjson keeps the last of them, so policy would check one value
     while an upstream that keeps the first, reading the client's bytes as sent,
-    serves another)."""
+    serves another), or if it holds an integer no 64-bit integer holds (orjson reads
+    it as a float: a body written again sends it rounded, the client's bytes send
+    another number than policy read; request.py `wide_integer`)."""
     if not raw:
         raise InvalidRequest("the request body is empty; send a JSON object")
     # Checked on the bytes, before they are parsed: a body of millions of nested
@@ -313,10 +317,39 @@ def parse_json(raw: bytes, max_depth: int = 64) -> Any:
     except orjson.JSONDecodeError:
         # orjson's message has positions and internals: the client gets a stable one.
         raise InvalidRequest("the request body is not valid JSON") from None
-    key = repeated_key(raw, body)
-    if key is not None:
-        raise _duplicate_key(key)
+    # orjson's writing of the body serves both checks: the colons it holds prove no key
+    # repeats, and no float in it is an integer read past 64 bits (nearly every body:
+    # a count and a C scan of bytes written at C speed, no Python walk).
+    written = _written(body)
+    if written is None or not _colons_match(raw, written):
+        key = first_repeated_key(raw)
+        if key is not None:
+            raise _duplicate_key(key)
+    if written is None or may_hold_wide_integer(written):
+        wide = wide_integer(raw)
+        if wide is not None:
+            raise _wide_integer(*wide)
     return body
+
+
+def _written(body: Any) -> bytes | None:
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:  # nests past orjson's writer: not provable here
+        return None
+
+
+def _wide_integer(where: str, literal: str) -> InvalidRequest:
+    """The 400 for an integer past 64 bits: names where it is and shows its digits
+    (bounded; digits and a sign only)."""
+    where = json.dumps(where[:MAX_PARAM])[1:-1] or "body"  # ASCII, no control character
+    shown = literal if len(literal) <= 40 else literal[:40] + "..."
+    return InvalidRequest(
+        f"'{where}' is the integer {shown}, past 64 bits (no 64-bit integer holds it): the "
+        "gateway reads it as a float and would send it on rounded; send it as a string, "
+        "or within -2^63 to 2^64 - 1",
+        param=where,
+    )
 
 
 # `\u003a` in a JSON string is a colon once decoded (hex digits in either case).
@@ -351,13 +384,15 @@ def colons_accounted(raw: bytes, body: Any) -> bool:
     that makes equality fail too, never hold falsely, and leaves the body to the
     exact check. tests/integration/test_duplicate_keys.py checks both directions on generated
     texts."""
+    written = _written(body)
+    return written is not None and _colons_match(raw, written)
+
+
+def _colons_match(raw: bytes, written: bytes) -> bool:
+    """`colons_accounted`, with orjson's writing of the body at hand."""
     escaped = 0
     if b"\\u003" in raw:  # one scan; nearly every body has no such escape
         escaped = raw.count(_ESCAPED_COLONS[0]) + raw.count(_ESCAPED_COLONS[1])
-    try:
-        written = orjson.dumps(body)
-    except orjson.JSONEncodeError:  # nests past orjson's writer: not provable here
-        return False
     return raw.count(b":") + escaped == written.count(b":")
 
 

@@ -92,6 +92,7 @@ def _cache_control(value: Any, where: str) -> None:
         not isinstance(value, dict)
         or value.get("type") != "ephemeral"
         or not value.keys() <= {"type", "ttl"}
+        or not isinstance(value.get("ttl", "5m"), str)  # a list: unhashable
         or value.get("ttl", "5m") not in CACHE_TTLS
     ):
         raise bad(
@@ -121,7 +122,7 @@ def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
         assert isinstance(src, dict)
         media = src.get("media_type")
         data = src.get("data")
-        if media not in IMAGE_TYPES:
+        if not isinstance(media, str) or media not in IMAGE_TYPES:  # a list: unhashable
             raise bad(
                 f"'{where}.source.media_type' must be one of {sorted(IMAGE_TYPES)}",
                 f"{where}.source.media_type",

@@ -344,7 +344,7 @@ def _given_id(item: dict[str, Any], where: str) -> str | None:
     names the item in `GET /v1/responses/{id}/input_items` and pages it, so one that is
     no id is refused, never replaced by another the client does not know."""
     status = item.get("status")
-    if status is not None and status not in ITEM_STATUS:
+    if status is not None and (not isinstance(status, str) or status not in ITEM_STATUS):
         raise bad(
             f"'{where}.status' must be in_progress, completed or incomplete", f"{where}.status"
         )

@@ -9,12 +9,14 @@ tool results, tools and tool choice. What cannot be translated is refused with a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
 from switchyard.errors import InvalidRequest
+from switchyard.request import may_hold_wide_integer, wide_integer
 
 # The Messages API requires max_tokens; the gateway always sends its cap (policy/cost.py),
 # so this applies only to a payload that reached here without one.
@@ -293,10 +295,29 @@ def _assistant_blocks(m: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
                 "call's input)",
                 param=f"{at}.function.arguments",
             )
+        _exact_integers(args, parsed, f"{at}.function.arguments")
         out.append(
             {"type": "tool_use", "id": call.get("id"), "name": fn.get("name"), "input": parsed}
         )
     return out
+
+
+def _exact_integers(args: Any, parsed: dict[str, Any], where: str) -> None:
+    """Refuse arguments holding an integer no 64-bit integer holds: decoded into the
+    `tool_use` input (orjson reads it as a float), it would reach the upstream rounded,
+    where an OpenAI upstream is sent the arguments' text as written (request.py)."""
+    if not parsed or not may_hold_wide_integer(orjson.dumps(parsed)):
+        return
+    wide = wide_integer(args)
+    if wide is not None:
+        inner, literal = wide
+        shown = json.dumps(inner[:100])[1:-1]  # ASCII, no control character
+        raise _refuse(
+            f"'{where}' holds the integer {literal[:40]} (at '{shown}'), past 64 bits (no "
+            "64-bit integer holds it): it would reach the tool_use input rounded; send it as a "
+            "string",
+            param=where,
+        )
 
 
 def _tool_result(m: Mapping[str, Any], where: str) -> dict[str, Any]:

@@ -125,6 +125,7 @@ def _stop_string(s: str, where: str) -> None:
 def _stream_options(body: dict[str, Any], so: Any) -> None:
     if not isinstance(so, dict):
         raise InvalidRequest("'stream_options' must be an object", param="stream_options")
+    case_variants(so, _STREAM_OPTIONS, "stream_options")
     if not body.get("stream"):
         raise InvalidRequest(
             "'stream_options' is only allowed when 'stream' is true", param="stream_options"
@@ -155,6 +156,10 @@ def _logit_bias(body: dict[str, Any], lb: Any) -> None:
 
 
 def _tool_choice(body: dict[str, Any], choice: Any) -> None:
+    if isinstance(choice, dict):
+        case_variants(choice, _CHOICE, "tool_choice")
+        if isinstance(choice.get("function"), dict):
+            case_variants(choice["function"], _CHOSEN, "tool_choice.function")
     if not (
         choice in ("none", "auto", "required")
         or (
@@ -199,6 +204,10 @@ def answerable_choice(tools: Any, choice: Any) -> None:
 
 
 def _response_format(body: dict[str, Any], fmt: Any) -> None:
+    if isinstance(fmt, dict):
+        case_variants(fmt, _FORMAT, "response_format")
+        if isinstance(fmt.get("json_schema"), dict):
+            case_variants(fmt["json_schema"], _JSON_SCHEMA, "response_format.json_schema")
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind not in ("text", "json_object", "json_schema"):
         raise InvalidRequest(
@@ -318,12 +327,14 @@ MAX_VOICE = 64
 def _audio(body: dict[str, Any], v: Any) -> None:
     if not isinstance(v, dict):
         raise InvalidRequest("'audio' must be an object with 'voice' and 'format'", param="audio")
+    case_variants(v, _AUDIO, "audio")
     if v.get("format") not in _AUDIO_OUT:
         raise InvalidRequest(
             f"'audio.format' must be one of {', '.join(_AUDIO_OUT)}", param="audio.format"
         )
     voice = v.get("voice")
     if isinstance(voice, dict):
+        case_variants(voice, _VOICE, "audio.voice")
         voice = voice.get("id")
     if not _short_string(voice, MAX_VOICE):
         raise InvalidRequest(
@@ -339,6 +350,7 @@ def _prediction(body: dict[str, Any], v: Any) -> None:
             "'prediction' must be an object {'type': 'content', 'content': ...}",
             param="prediction",
         )
+    case_variants(v, _PREDICTION, "prediction")
     if v.get("type") != "content":
         raise InvalidRequest("'prediction.type' must be 'content'", param="prediction.type")
     content = v.get("content")
@@ -350,6 +362,8 @@ def _prediction(body: dict[str, Any], v: Any) -> None:
             param="prediction.content",
         )
     for k, part in enumerate(content):
+        if isinstance(part, dict) and not _TEXT_PART.issuperset(part):
+            case_variants(part, _TEXT_PART, f"prediction.content[{k}]")
         if not (
             isinstance(part, dict)
             and part.get("type") == "text"
@@ -474,15 +488,77 @@ def case_variant(name: str) -> None:
     (`_CASELESS`); the common member (a lower-case ASCII name) costs two checks."""
     if name.isascii() and name.islower():
         return
-    known = _CASELESS.get(name.casefold())
+    _variant(name, _CASELESS, "")
+
+
+def _variant(name: str, caseless: Mapping[str, str], where: str) -> None:
+    """400 when `name`, a member of the object at `where` ("" for the body), folds to
+    one of `caseless`' names (by its case-folded spelling) and is not that name."""
+    known = caseless.get(name.casefold())
     if known is not None and known != name:
         shown = name[:64].encode("ascii", "backslashreplace").decode()
+        param = f"{where}.{shown}" if where else shown
         raise InvalidRequest(
-            f"'{shown}' is '{known}' spelt otherwise: member names are case-sensitive, and "
+            f"'{param}' is '{known}' spelt otherwise: member names are case-sensitive, and "
             f"an upstream that matches them without case would read it as '{known}'; "
             f"send '{known}' once",
-            param=shown,
+            param=param,
         )
+
+
+def _known(*names: str) -> frozenset[str]:
+    """The names of an object's members the gateway reads (`case_variants`)."""
+    known = frozenset(names)
+    _CASELESS_OF[known] = {name.casefold(): name for name in names}
+    return known
+
+
+_CASELESS_OF: dict[frozenset[str], dict[str, str]] = {}  # each `_known`, by its folded names
+# The members of each object below the top level that the gateway (validation, the
+# vision check, PII masking, tool-call pairing and governance, usage accounting, the
+# Anthropic translation) or the official API reads: a message, a content part and its
+# media object, a tool call and its function, a tool and its function, `tool_choice`,
+# `response_format`, `stream_options`, `audio`, `prediction`.
+_MESSAGE = _known(
+    "role", "content", "name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio"
+)
+_PART = _known("type", "text", "image_url", "input_audio", "file", "refusal", "cache_control")
+_MEDIA_MEMBERS: dict[str, frozenset[str]] = {
+    "image_url": _known("url", "detail"),
+    "input_audio": _known("data", "format"),
+    "file": _known("file_data", "file_id", "filename"),
+}
+_CALL = _known("id", "type", "function")
+_FUNCTION = _known("name", "arguments")  # a tool call's function
+_TOOL = _known("type", "function")
+_TOOL_FUNCTION = _known("name", "description", "parameters", "strict")
+_CHOICE = _known("type", "function")
+_CHOSEN = _known("name")
+_FORMAT = _known("type", "json_schema")
+_JSON_SCHEMA = _known("name", "description", "schema", "strict")
+_STREAM_OPTIONS = _known("include_usage", "include_obfuscation", "continuous_usage_stats")
+_AUDIO = _known("voice", "format")
+_VOICE = _known("id")
+_PREDICTION = _known("type", "content")
+_TEXT_PART = _known("type", "text")
+
+
+def case_variants(obj: dict[str, Any], known: frozenset[str], where: str) -> None:
+    """400 naming a member of `obj` (the object at `where`) that is one of the `known`
+    names (a `_known` set) spelt in other letters (`Role`, `Tool_Calls`, `Type`, a long
+    s for an s): forwarded beside the member the gateway read, it is the one an
+    upstream whose JSON decoder matches names without case may read (Go's
+    `encoding/json`: the later of the two wins). The common object, whose members are
+    all known, passes one subset check; a caller on a long path (a message, a tool
+    call) makes that check itself (`known.issuperset(obj)`) and calls this only when
+    it fails, so that the common object builds no `where`."""
+    if known.issuperset(obj):
+        return
+    caseless = _CASELESS_OF[known]
+    for name in obj:
+        if name in known or (name.isascii() and name.islower()):
+            continue
+        _variant(name, caseless, where)
 
 
 def _sampling(body: dict[str, Any], completion: bool = False) -> None:
@@ -539,8 +615,10 @@ def _unknown(body: dict[str, Any], known: frozenset[str], policy: str) -> None:
 
 def _part(i: int, j: int, part: Any) -> None:
     where = f"messages[{i}].content[{j}]"
+    if isinstance(part, dict) and not _PART.issuperset(part):
+        case_variants(part, _PART, where)
     kind = part.get("type") if isinstance(part, dict) else None
-    if kind not in _PART_TYPES:
+    if not isinstance(kind, str) or kind not in _PART_TYPES:  # a list: unhashable
         raise InvalidRequest(
             f"'{where}' must be a content part of type {sorted(_PART_TYPES)}", param=where
         )
@@ -556,6 +634,9 @@ def _part(i: int, j: int, part: Any) -> None:
         _input_audio(where, part.get("input_audio"))
     elif kind == "file":
         _file(where, part.get("file"))
+    members = _MEDIA_MEMBERS.get(kind)
+    if members is not None:  # a media part: its object, already checked an object
+        case_variants(part[kind], members, f"{where}.{kind}")
 
 
 # Base64 as the official API reads `input_audio.data`: the standard alphabet, padded.
@@ -619,6 +700,10 @@ def _tool_calls(i: int, calls: Any) -> None:
                 "'arguments' (a JSON string)",
                 param=f"{where}[{k}]",
             )
+        if not _CALL.issuperset(call):
+            case_variants(call, _CALL, f"{where}[{k}]")
+        if not _FUNCTION.issuperset(fn):
+            case_variants(fn, _FUNCTION, f"{where}[{k}].function")
 
 
 MAX_TOOLS = 128  # the OpenAI API's bound; each tool costs policy, PII and cache work
@@ -661,6 +746,10 @@ def _tools(tools: Any) -> None:
                 f"'tools[{k}]' must be {{'type': 'function', 'function': {{...}}}}",
                 param=f"tools[{k}]",
             )
+        if not _TOOL.issuperset(tool):
+            case_variants(tool, _TOOL, f"tools[{k}]")
+        if not _TOOL_FUNCTION.issuperset(fn):
+            case_variants(fn, _TOOL_FUNCTION, f"tools[{k}].function")
         if not _NAME.fullmatch(str(fn.get("name", ""))):
             raise InvalidRequest(
                 f"'tools[{k}].function.name' must be 1-64 of A-Z a-z 0-9 _ - .",
@@ -694,11 +783,15 @@ def validate_chat(body: Any, unknown_fields: str = "pass") -> str:
         raise MissingRequiredParameter("you must provide a 'messages' parameter", param="messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array", param="messages")
+    known = _MESSAGE.issuperset
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise InvalidRequest(f"'messages[{i}]' must be an object", param=f"messages[{i}]")
+        if (len(m) > 2 or "content" not in m) and not known(m):
+            # (the common message, a role and its content, skips the check)
+            case_variants(m, _MESSAGE, f"messages[{i}]")
         role = m.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:  # a list: unhashable
             raise InvalidRequest(
                 f"'messages[{i}].role' must be one of {sorted(_ROLES)}", param=f"messages[{i}].role"
             )
