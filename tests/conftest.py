@@ -68,6 +68,14 @@ def scripted() -> Iterator[Scripted]:
     proc.stop()
 
 
+@pytest.fixture()
+def content(scripted: Scripted) -> Iterator[Scripted]:
+    """The module's scripted upstream, its reply's content set by the test (PII
+    restoration tests), reset after it."""
+    yield scripted
+    scripted.content(None)
+
+
 @pytest.fixture(scope="module")
 def gw(scripted: Scripted) -> Iterator[Gateway]:
     """A module's gateway on `cheap_config` over its scripted upstream, stopped after

@@ -57,13 +57,6 @@ def gw(scripted: Scripted) -> Iterator[Gateway]:
     g.proc.stop()
 
 
-@pytest.fixture()
-def content(scripted: Scripted) -> Iterator[Scripted]:
-    """The scripted upstream, its reply's content set by the test, reset after it."""
-    yield scripted
-    scripted.content(None)
-
-
 def _marker() -> str:
     return f"s73c-{os.urandom(4).hex()}"
 

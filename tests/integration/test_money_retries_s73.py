@@ -29,22 +29,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.cut_calls import CAP, NO_STORE, PRICE, STEADY
 from support.gateways import Gateway, start_gateway
 from support.upstreams import Scripted
 from switchyard.state.limits import Ask, ScopeLimits, Verdict, spend_scopes
 from switchyard.state.limits_memory import MemoryLimiter
 from switchyard.state.limits_redis import RedisLimiter
-
-PRICE = {"input": 0.0, "output": 1000.0}  # $0.001 an output token
-CAP = 500  # a call's cap: $0.50 at PRICE
-NO_STORE = {"Cache-Control": "no-store"}
-# Timeouts fail these models' calls on purpose: no breaker opens, no retry budget runs
-# out over the module.
-STEADY = {
-    "backoff_base_s": 0.0,
-    "breaker": {"failures": 1000, "min_requests": 1000},
-    "retry_budget": {"min_retries": 1000},
-}
 
 
 @pytest.fixture(scope="module")

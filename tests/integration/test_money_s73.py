@@ -25,12 +25,9 @@ from typing import Any
 import httpx
 import pytest
 
+from support.cut_calls import CAP, NO_STORE, PRICE
 from support.gateways import Gateway, start_gateway
 from support.upstreams import Scripted
-
-PRICE = {"input": 0.0, "output": 1000.0}  # $0.001 an output token: 500 tokens, $0.50
-CAP = 500
-NO_STORE = {"Cache-Control": "no-store"}
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.cut_calls import CAP, NO_STORE, PRICE, STEADY
 from support.gateways import Gateway, start_gateway
 from support.procs import worker_pids
 from support.upstreams import Scripted
@@ -42,15 +43,6 @@ from switchyard.identity import TaskBudget
 from switchyard.state.tasks import TaskFirst
 from switchyard.state.tasks_memory import MemoryTaskStore
 from switchyard.state.tasks_redis import RedisTaskStore
-
-PRICE = {"input": 0.0, "output": 1000.0}  # $0.001 an output token
-CAP = 500  # a call's cap: $0.50 at PRICE
-NO_STORE = {"Cache-Control": "no-store"}
-STEADY = {
-    "backoff_base_s": 0.0,
-    "breaker": {"failures": 1000, "min_requests": 1000},
-    "retry_budget": {"min_retries": 1000},
-}
 
 
 @pytest.fixture(scope="module")

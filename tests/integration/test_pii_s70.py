@@ -56,13 +56,6 @@ def gw(config: dict[str, Any]) -> Iterator[Gateway]:
     g.proc.stop()
 
 
-@pytest.fixture()
-def content(scripted: Scripted) -> Iterator[Scripted]:
-    """The scripted upstream, its reply's content set by the test, reset after it."""
-    yield scripted
-    scripted.content(None)
-
-
 def _last(scripted: Scripted) -> dict[str, Any]:
     return dict(httpx.get(scripted.url + "/control/last").json()["body"])
 

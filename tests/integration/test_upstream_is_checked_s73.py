@@ -84,13 +84,6 @@ def gw(scripted: Scripted) -> Iterator[Gateway]:
     g.proc.stop()
 
 
-@pytest.fixture()
-def content(scripted: Scripted) -> Iterator[Scripted]:
-    """The scripted upstream, its reply's content set by the test, reset after it."""
-    yield scripted
-    scripted.content(None)
-
-
 def _post(gw: Gateway, body: dict[str, Any], path: str = "/v1/chat/completions") -> Any:
     """POST the body, never cached. Written as Python writes JSON, ASCII only: each
     other character is a `\\uXXXX` escape of the body (a pair for a tag character),
