@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from support.gateways import Gateway
-from support.mcp_http import ACCEPT, VERSION, open_session
+from support.mcp_http import ACCEPT, VERSION, initialize, open_session
 from support.mcp_sessions import Tools, tool_gateway
 from support.upstreams import Scripted
 
@@ -120,16 +120,7 @@ def test_two_protocol_versions_are_refused_400(gw: Gateway, tools: Tools) -> Non
         h = _headers(gw.key, sid, **{"mcp-protocol-version": pair})
         _refused(_post(gw, _call(1, q), h), "mcp-protocol-version", *pair)
     # Without a session too (an initialize): refused before one is opened.
-    init = {
-        "jsonrpc": "2.0",
-        "id": 1,
-        "method": "initialize",
-        "params": {
-            "protocolVersion": VERSION,
-            "capabilities": {},
-            "clientInfo": {"name": "twice", "version": "1"},
-        },
-    }
+    init = initialize("twice")
     h = [
         ("authorization", f"Bearer {gw.key}"),
         *ACCEPT.items(),

@@ -22,14 +22,13 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from support.cut_calls import CAP, NO_STORE, PRICE, STEADY
+from support.cut_calls import CAP, NO_STORE, PRICE, STEADY, decisions
 from support.gateways import Gateway, start_gateway
 from support.upstreams import Scripted
 from switchyard.state.limits import Ask, ScopeLimits, Verdict, spend_scopes
@@ -88,14 +87,9 @@ def _post(
     return r, scripted.requests() - before
 
 
-def _decisions(gw: Gateway, r: httpx.Response, stage: str) -> list[dict[str, Any]]:
-    trace = gw.trace(r.headers["x-request-id"])
-    return [d for d in trace["decisions"] if d["stage"] == stage]
-
-
 def _prompt(gw: Gateway, r: httpx.Response) -> int:
     """The prompt tokens the request reserved (its admission's tokens less the cap)."""
-    [admit] = _decisions(gw, r, "admit")
+    [admit] = decisions(gw, r, "admit")
     return int(admit["evidence"]["reserved_tokens"]) - CAP
 
 
@@ -112,7 +106,7 @@ def test_a_retry_after_a_timeout_is_refused_when_the_budget_holds_one_call(
     assert r.status_code == 504, r.text
     assert r.json()["error"]["code"] == "upstream_timeout", r.text
     assert calls == 1
-    [denied] = [d for d in _decisions(gw, r, "retry") if d["outcome"] == "denied:budget"]
+    [denied] = [d for d in decisions(gw, r, "retry") if d["outcome"] == "denied:budget"]
     assert denied["evidence"]["reservation"] == "not extended", denied
     assert (denied["evidence"]["limit"], denied["evidence"]["calls_billed"]) == ("budget", 1)
     [row] = gw.stored_rows(tenant, 1)
@@ -120,7 +114,7 @@ def test_a_retry_after_a_timeout_is_refused_when_the_budget_holds_one_call(
     assert row["output_tokens"] == CAP, row
     assert row["input_tokens"] == _prompt(gw, r) > 0, row
     assert row["cost_usd"] == pytest.approx(0.5), row
-    [estimated] = _decisions(gw, r, "settle")
+    [estimated] = decisions(gw, r, "settle")
     assert estimated["outcome"] == "estimated", estimated
     assert estimated["evidence"] == {
         "input_tokens": row["input_tokens"],
@@ -142,7 +136,7 @@ def test_a_retry_that_fits_runs_each_call_is_billed_and_nothing_stays_held(
     r, calls = _post(gw, scripted, key, "slow", hangs=2)
     assert r.status_code == 504, r.text
     assert calls == 2
-    [extended] = [d for d in _decisions(gw, r, "retry") if d["outcome"] == "extended"]
+    [extended] = [d for d in decisions(gw, r, "retry") if d["outcome"] == "extended"]
     assert extended["evidence"]["reserved_usd"] == pytest.approx(0.5), extended
     assert extended["evidence"]["calls_reserved"] == 2, extended
     [row] = gw.stored_rows(tenant, 1)
@@ -150,12 +144,12 @@ def test_a_retry_that_fits_runs_each_call_is_billed_and_nothing_stays_held(
     assert row["output_tokens"] == 2 * CAP, row
     assert row["input_tokens"] == 2 * _prompt(gw, r), row
     assert row["cost_usd"] == pytest.approx(1.0), row
-    [estimated] = _decisions(gw, r, "settle")
+    [estimated] = decisions(gw, r, "settle")
     assert estimated["evidence"]["attempts_billed"] == 2, estimated
 
     rest, calls = _post(gw, scripted, key, "slow", hangs=0, cap=200)
     assert rest.status_code == 200, rest.text
-    [admit] = _decisions(gw, rest, "admit")
+    [admit] = decisions(gw, rest, "admit")
     assert admit["outcome"] == "admitted", admit  # not admitted:cap_shrunk
     assert admit["evidence"]["reserved_usd"] == pytest.approx(0.2), admit
     rows = gw.stored_rows(tenant, 2)
@@ -178,7 +172,7 @@ def test_a_retry_that_answers_bills_the_cut_call_and_the_answer(
     assert row["output_tokens"] == CAP + usage["completion_tokens"], row
     assert row["input_tokens"] == _prompt(gw, r) + usage["prompt_tokens"], row
     assert row["cost_usd"] == pytest.approx((CAP + usage["completion_tokens"]) / 1000), row
-    [estimated] = _decisions(gw, r, "settle")
+    [estimated] = decisions(gw, r, "settle")
     assert estimated["evidence"]["attempts_billed"] == 2, estimated
     assert estimated["evidence"]["why"] == "cut", estimated
 
@@ -195,7 +189,7 @@ def test_a_fallback_after_a_cut_call_follows_the_same_rules(
     r, calls = _post(gw, scripted, key, "first", hangs=2)
     assert r.status_code == 504, r.text
     assert calls == 1
-    [denied] = [d for d in _decisions(gw, r, "retry") if d["outcome"] == "denied:budget"]
+    [denied] = [d for d in decisions(gw, r, "retry") if d["outcome"] == "denied:budget"]
     assert denied["evidence"]["next"] == "dear", denied
     [row] = gw.stored_rows(tenant, 1)
     assert (row["output_tokens"], row["attempts"]) == (CAP, 1), row
@@ -210,7 +204,7 @@ def test_a_fallback_after_a_cut_call_follows_the_same_rules(
     [row] = gw.stored_rows(tenant, 1)
     assert row["output_tokens"] == CAP + out, row
     assert row["cost_usd"] == pytest.approx(0.05 + out / 1000), row
-    assert [d["outcome"] for d in _decisions(gw, r, "retry")] == ["extended"]
+    assert [d["outcome"] for d in decisions(gw, r, "retry")] == ["extended"]
 
 
 # -- the limiters: a further call's hold, memory and Redis alike ---------------------

@@ -20,8 +20,6 @@ generated sequences.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import threading
 import time
 import uuid
@@ -35,9 +33,9 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from support.cut_calls import CAP, NO_STORE, PRICE, STEADY
+from support.cut_calls import CAP, NO_STORE, PRICE, STEADY, decisions
 from support.gateways import Gateway, start_gateway
-from support.procs import worker_pids
+from support.procs import kill_workers
 from support.upstreams import Scripted
 from switchyard.identity import TaskBudget
 from switchyard.state.tasks import TaskFirst
@@ -98,11 +96,6 @@ def _post(
     return r, scripted.requests() - before
 
 
-def _decisions(gw: Gateway, r: httpx.Response, stage: str) -> list[dict[str, Any]]:
-    trace = gw.trace(r.headers["x-request-id"])
-    return [d for d in trace["decisions"] if d["stage"] == stage]
-
-
 def _task_used(gw: Gateway, key: str, task: str) -> dict[str, float]:
     r = httpx.get(f"{gw.url}/v1/tasks/{task}", headers={"Authorization": f"Bearer {key}"})
     assert r.status_code == 200, r.text
@@ -131,7 +124,7 @@ def test_a_fallback_past_the_task_budget_is_refused_and_the_limiter_gives_back(
     assert r.status_code == 504, r.text
     assert r.json()["error"]["code"] == "upstream_timeout", r.text
     assert calls == 1
-    [denied] = [d for d in _decisions(gw, r, "retry") if d["outcome"] == "denied:budget"]
+    [denied] = [d for d in decisions(gw, r, "retry") if d["outcome"] == "denied:budget"]
     ev = denied["evidence"]
     assert ev["reservation"] == "not extended", ev
     assert (ev["stage"], ev["scope"], ev["limit"]) == ("task", f"task:{task}", "cost_usd"), ev
@@ -164,7 +157,7 @@ def test_a_fallback_within_the_task_budget_is_held_in_it_and_given_back_exactly(
     r, calls = _post(gw, scripted, key, 1, _task_headers(task, "cost_usd=1.2"))
     assert r.status_code == 200, r.text
     assert calls == 2
-    [extended] = [d for d in _decisions(gw, r, "retry") if d["outcome"] == "extended"]
+    [extended] = [d for d in decisions(gw, r, "retry") if d["outcome"] == "extended"]
     held = extended["evidence"]["task"]
     assert held["scope"] == f"task:{task}", held
     assert held["reserved_usd"] == pytest.approx(0.5), held
@@ -179,13 +172,6 @@ def test_a_fallback_within_the_task_budget_is_held_in_it_and_given_back_exactly(
 
 
 # -- a worker that dies during a further call ----------------------------------------
-
-
-def _kill_workers(gw: Gateway) -> None:
-    pids = worker_pids(gw.proc.popen.pid)
-    assert len(pids) == 2, pids
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
 
 
 def _serving_again(gw: Gateway, key: str) -> None:
@@ -236,7 +222,7 @@ def test_a_dead_workers_extended_request_is_billed_each_call_and_nothing_stays_h
             assert time.monotonic() < deadline, scripted.requests() - before
             time.sleep(0.05)
         time.sleep(0.6)  # the journal is written again every 0.2 s
-        _kill_workers(gw)
+        kill_workers(gw.proc.popen.pid)
         for t in sent:
             t.join(15)
     finally:

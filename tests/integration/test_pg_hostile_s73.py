@@ -41,6 +41,7 @@ import pytest
 
 from support.gateways import Gateway, start_gateway
 from support.postgres_server import Postgres, fresh
+from support.stores import ledger_entry
 from support.upstreams import Scripted
 from switchyard.pipeline import RequestContext, RequestInput, Timings
 from switchyard.request import NOT_READ
@@ -62,38 +63,7 @@ def postgres() -> Iterator[Postgres]:
 
 
 def _entry(rid: str, task: str, tenant: str = "t1") -> LedgerEntry:
-    return LedgerEntry(
-        request_id=rid,
-        client_request_id=None,
-        task_id=task,
-        parent_request_ids=(),
-        tenant_id=tenant,
-        key_id="k1",
-        endpoint="chat.completions",
-        model="m",
-        requested_model="m",
-        revision=None,
-        upstream="u",
-        status="ok",
-        error_code=None,
-        attempts=1,
-        input_tokens=10,
-        output_tokens=5,
-        cost_usd=0.25,
-        cache=None,
-        fallback_from=None,
-        planned_steps=None,
-        stream=False,
-        received_at=AT,
-        queue_ms=None,
-        t_received=0.0,
-        t_upstream_sent=None,
-        t_upstream_first_byte=None,
-        t_client_first_byte=0.01,
-        t_ended=0.02,
-        clock_base=AT,
-        decisions=[["select", "deployment:m", "why", None, 0.0, 0.001]],
-    )
+    return ledger_entry(request_id=rid, task_id=task, tenant_id=tenant, received_at=AT)
 
 
 def _stored(rid: str, deployment: str) -> StoredRow:

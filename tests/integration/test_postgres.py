@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from support.gateways import ADMIN_KEY, Gateway, start_gateway
 from support.postgres_server import Postgres, fresh
-from support.stores import fill_store
+from support.stores import fill_store, ledger_entry
 from support.upstreams import Scripted, start_scripted
 from switchyard.state import sql_pg
 from switchyard.state.ledger_batch import write_batch
@@ -71,36 +71,19 @@ def test_translation_of_the_sqlite_dialect() -> None:
 # -- the same rows on both databases ------------------------------------------------------
 
 _entry = st.builds(
-    lambda rid, tenant, key, model, inp, out, cost, status, at, decided: LedgerEntry(
+    lambda rid, tenant, key, model, inp, out, cost, status, at, decided: ledger_entry(
         request_id=f"r{rid}",
-        client_request_id=None,
         task_id=f"task-{rid % 3}",
-        parent_request_ids=(),
         tenant_id=tenant,
         key_id=key,
-        endpoint="chat.completions",
         model=model,
         requested_model=model,
-        revision=None,
-        upstream="u",
         status=status,
         error_code=None if status == "ok" else "upstream_error",
-        attempts=1,
         input_tokens=inp,
         output_tokens=out,
         cost_usd=cost,
-        cache=None,
-        fallback_from=None,
-        planned_steps=None,
-        stream=False,
         received_at=at,
-        queue_ms=None,
-        t_received=0.0,
-        t_upstream_sent=None,
-        t_upstream_first_byte=None,
-        t_client_first_byte=0.01,
-        t_ended=0.02,
-        clock_base=at,
         decisions=[["select", "deployment:m", "why", None, 0.0, 0.001]] if decided else None,
     ),
     st.integers(0, 12),  # request ids repeat: a row written again replaces the first

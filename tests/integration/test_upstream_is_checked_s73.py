@@ -45,7 +45,7 @@ from typing import Any
 import httpx
 import pytest
 
-from support.gateways import CHEAP_PRICE, Gateway, cheap_config, start_gateway
+from support.gateways import CHEAP_PRICE, Gateway, cheap_config, claude_model, start_gateway
 from support.upstreams import Scripted
 
 EMAIL = "alice@example.com"
@@ -64,13 +64,7 @@ def _openai(alias: str, scripted: Scripted, **more: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def gw(scripted: Scripted) -> Iterator[Gateway]:
-    claude = {
-        "alias": "claude",
-        "engine": {"kind": "anthropic", "base_url": scripted.url + "/v1", "model": "claude-x"},
-        "capabilities": {"context_window": 200000, "supports_tools": True},
-        "price": CHEAP_PRICE,
-        "resilience": {"retries": 0},
-    }
+    claude = claude_model(scripted)
     seen = _openai("seen", scripted, capabilities={"supports_vision": True})
     config = cheap_config(
         scripted,

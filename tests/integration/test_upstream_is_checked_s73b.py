@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 import pytest
 
-from support.gateways import CHEAP_PRICE, Gateway, cheap_config, start_gateway
+from support.gateways import Gateway, cheap_config, claude_model, start_gateway
 from support.upstreams import Scripted, start_scripted
 
 EMAIL = "alice@example.com"
@@ -62,13 +62,7 @@ def recorded() -> Iterator[tuple[Scripted, Path]]:
 @pytest.fixture(scope="module")
 def gw(recorded: tuple[Scripted, Path]) -> Iterator[Gateway]:
     scripted, _ = recorded
-    claude = {
-        "alias": "claude",
-        "engine": {"kind": "anthropic", "base_url": scripted.url + "/v1", "model": "claude-x"},
-        "capabilities": {"context_window": 200000, "supports_tools": True},
-        "price": CHEAP_PRICE,
-        "resilience": {"retries": 0},
-    }
+    claude = claude_model(scripted)
     g = start_gateway(cheap_config(scripted, claude, pii={"mode": "mask_upstream"}))
     yield g
     g.proc.stop()

@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from support.gateways import Gateway, cheap_config, start_gateway
-from support.procs import worker_pids
+from support.procs import kill_workers, worker_pids
 from support.upstreams import Scripted
 from switchyard.identity import Limits, Principal, TaskBudget
 from switchyard.pipeline_context import RequestContext
@@ -199,15 +199,6 @@ def gw(scripted: Scripted) -> Iterator[Gateway]:
     g.proc.stop()
 
 
-def _kill_workers(gw: Gateway) -> None:
-    """SIGKILL every worker (whichever served the request dies with them); the
-    supervisor starts them again."""
-    pids = worker_pids(gw.proc.popen.pid)
-    assert len(pids) == 2, pids
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-
-
 def _serving_again(gw: Gateway, key: str) -> None:
     deadline = time.monotonic() + 30
     while True:
@@ -242,7 +233,7 @@ def test_a_dead_workers_request_under_no_limit_gets_its_row(
         lines = r.iter_lines()
         assert any(line.startswith("data: ") for line in lines)
         time.sleep(0.4)  # streaming: well inside the request
-        _kill_workers(gw)
+        kill_workers(gw.proc.popen.pid)
         with pytest.raises(httpx.HTTPError):
             for _ in lines:
                 pass
@@ -282,7 +273,7 @@ def test_a_row_lost_between_settle_and_commit_is_written(gw: Gateway) -> None:
         assert r.status_code == 200, r.text
         rid, usage = r.headers["x-request-id"], r.json()["usage"]
         time.sleep(0.3)  # settled, and its row sent to the (stopped) writer
-        _kill_workers(gw)
+        kill_workers(gw.proc.popen.pid)
         time.sleep(1.0)  # the supervisor bills the dead workers' journals
     finally:
         os.kill(writer[0], signal.SIGKILL)
@@ -467,7 +458,7 @@ def test_another_supervisors_worker_keeps_its_holds(gw: Gateway) -> None:
 
     try:
         asyncio.run(hold())
-        _kill_workers(gw)
+        kill_workers(gw.proc.popen.pid)
         _serving_again(gw, made["key"])
         time.sleep(1.0)
         for name in foreign:

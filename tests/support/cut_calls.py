@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
+
+from support.gateways import Gateway
+
 PRICE = {"input": 0.0, "output": 1000.0}  # $0.001 an output token
 CAP = 500  # a call's cap: $0.50 at PRICE
 NO_STORE = {"Cache-Control": "no-store"}
@@ -16,3 +20,9 @@ STEADY: dict[str, Any] = {
     "breaker": {"failures": 1000, "min_requests": 1000},
     "retry_budget": {"min_retries": 1000},
 }
+
+
+def decisions(gw: Gateway, r: httpx.Response, stage: str) -> list[dict[str, Any]]:
+    """The decisions of `stage` in the stored trace of the request `r` answered."""
+    trace = gw.trace(r.headers["x-request-id"])
+    return [d for d in trace["decisions"] if d["stage"] == stage]

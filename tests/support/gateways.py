@@ -203,6 +203,18 @@ def version_alias(a_url: str, b_url: str, us: str = "us") -> dict[str, Any]:
     }  # fmt: skip
 
 
+def claude_model(scripted: Scripted) -> dict[str, Any]:
+    """The model `claude`: `scripted` spoken to as an Anthropic upstream (its Messages
+    API), priced, tools supported, no retries."""
+    return {
+        "alias": "claude",
+        "engine": {"kind": "anthropic", "base_url": scripted.url + "/v1", "model": "claude-x"},
+        "capabilities": {"context_window": 200000, "supports_tools": True},
+        "price": CHEAP_PRICE,
+        "resilience": {"retries": 0},
+    }
+
+
 def cheap_config(scripted: Scripted, *more: dict[str, Any], **sections: Any) -> dict[str, Any]:
     """A gateway config whose model `cheap` is `scripted` at CHEAP_PRICE, then the
     models `more`; no embedding model; `sections` added at the top level."""

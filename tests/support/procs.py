@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -106,3 +107,12 @@ def http_server(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[s
     finally:
         server.shutdown()
         server.server_close()
+
+
+def kill_workers(supervisor_pid: int, workers: int = 2) -> None:
+    """SIGKILL every worker of a `serve --workers N` supervisor (whichever served a
+    request dies with them); the supervisor starts them again."""
+    pids = worker_pids(supervisor_pid)
+    assert len(pids) == workers, pids
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)

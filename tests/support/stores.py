@@ -1,8 +1,52 @@
-"""Store contents the retention tests put over their byte budget."""
+"""Store contents the tests write: what the retention tests put over their byte
+budget, and a settled request's ledger entry (`ledger_entry`)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from switchyard.state.traces import LedgerEntry
+
+AT = 1_700_000_000.5
+
+
+def ledger_entry(**fields: Any) -> LedgerEntry:
+    """A served chat request's ledger entry (10 tokens in, 5 out, $0.25, one `select`
+    decision), `fields` replaced."""
+    at = fields.pop("received_at", AT)
+    base: dict[str, Any] = {
+        "request_id": "r1",
+        "client_request_id": None,
+        "task_id": None,
+        "parent_request_ids": (),
+        "tenant_id": "t1",
+        "key_id": "k1",
+        "endpoint": "chat.completions",
+        "model": "m",
+        "requested_model": "m",
+        "revision": None,
+        "upstream": "u",
+        "status": "ok",
+        "error_code": None,
+        "attempts": 1,
+        "input_tokens": 10,
+        "output_tokens": 5,
+        "cost_usd": 0.25,
+        "cache": None,
+        "fallback_from": None,
+        "planned_steps": None,
+        "stream": False,
+        "received_at": at,
+        "queue_ms": None,
+        "t_received": 0.0,
+        "t_upstream_sent": None,
+        "t_upstream_first_byte": None,
+        "t_client_first_byte": 0.01,
+        "t_ended": 0.02,
+        "clock_base": at,
+        "decisions": [["select", "deployment:m", "why", None, 0.0, 0.001]],
+    }
+    return LedgerEntry(**(base | fields))
 
 
 def fill_store(conn: Any, n: int, filler: str, first_at: float = 1_800_000_000.0) -> None:
